@@ -1,0 +1,165 @@
+"""`vlmpack quickstart | preprocess | merge`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from .errors import ConfigError
+from .job import DEFAULT_ROWS_PER_SHARD, PreprocessConfig, merge_partitions, run_preprocess
+from .pipeline import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_SEQ_LEN, SampleOptions
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+
+
+def format_summary(manifest: dict, out: Path) -> str:
+    t, acc = manifest["totals"], manifest["accounting"]
+    vision = manifest["profile"]["vision"]
+    visual_tokens = t["patches"] // vision["merge_size"] ** 2
+    lines = [
+        f"shards:         {out}/ ({t['shards']} shard files, {_human_bytes(t['bytes'])})",
+        f"profile:        {manifest['profile']['family']} (fingerprint {manifest['profile']['id']}, {manifest['profile']['source']})",
+        f"rows:           read {acc['rows_read']} = written {acc['rows_written']} + rejected {acc['rows_rejected']}",
+        f"tokens:         {t['tokens']:,} ({t['target_tokens']:,} targets, {t['target_tokens'] / max(t['tokens'], 1):.1%})",
+        f"images:         {t['images']:,} ({visual_tokens:,} visual tokens, {t['patches']:,} patches)",
+    ]
+    if visual_tokens:
+        lines.append(f"bytes/visual token: {t['bytes'] / visual_tokens:,.0f} (HF float32 pixel_values: "
+                     f"{4 * vision['temporal_patch_size'] * manifest['patch_row_width'] * vision['merge_size'] ** 2:,})")
+    if acc["rejects_by_reason"]:
+        reasons = ", ".join(f"{code} {n}" for code, n in acc["rejects_by_reason"].items())
+        lines.append(f"rejects:        {reasons} (details: {out}/rejects.jsonl)")
+    return "\n".join(lines)
+
+
+def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model profile")
+    g.add_argument("--profile", default=None, help="built-in profile: qwen3-vl (default) or qwen2.5-vl")
+    g.add_argument("--model", default=None, help="Hugging Face model directory (tokenizer, preprocessor config, chat template)")
+    g.add_argument("--min-pixels", type=int, default=None, help="override the profile's minimum image area")
+    g.add_argument("--max-pixels", type=int, default=None, help="override the profile's maximum image area")
+    g = parser.add_argument_group("samples")
+    g.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, help="longer conversations are rejected (default %(default)s)")
+    g.add_argument("--truncate", action="store_true", help="cut over-long conversations instead (never through an image)")
+    g.add_argument("--loss-policy", default="all_assistant", choices=["all_assistant", "last_assistant"])
+    g.add_argument("--media-root", default=None, help="directory that image file paths resolve under (never outside it)")
+    g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, help="reject images with more pixels (decompression bombs)")
+
+
+def _sample_options(args) -> SampleOptions:
+    return SampleOptions(
+        max_seq_len=args.max_seq_len,
+        truncate=args.truncate,
+        loss_policy=args.loss_policy,
+        media_root=args.media_root,
+        max_image_pixels=args.max_image_pixels,
+    )
+
+
+def _fail(command: str, exc: Exception) -> int:
+    print(f"vlmpack {command}: error: {exc}", file=sys.stderr)
+    return 2
+
+
+class Preprocess:
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("inputs", nargs="+", help=".jsonl / .json / .parquet files or `datasets` save_to_disk directories")
+        parser.add_argument("--out", required=True, help="output shard directory (re-running resumes)")
+        _add_sample_arguments(parser)
+        g = parser.add_argument_group("job")
+        g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores, %(default)s)")
+        g.add_argument("--rows-per-shard", type=int, default=DEFAULT_ROWS_PER_SHARD, help="input rows per shard file / work unit (default %(default)s)")
+        g.add_argument("--num-partitions", type=int, default=1, help="split the job across this many machines")
+        g.add_argument("--partition-index", type=int, default=0, help="which partition this machine runs")
+        g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    @staticmethod
+    def run(args) -> int:
+        cfg = PreprocessConfig(
+            inputs=args.inputs,
+            out=args.out,
+            profile=args.profile,
+            model=args.model,
+            min_pixels=args.min_pixels,
+            max_pixels=args.max_pixels,
+            sample=_sample_options(args),
+            workers=args.workers,
+            rows_per_shard=args.rows_per_shard,
+            num_partitions=args.num_partitions,
+            partition_index=args.partition_index,
+            progress=not args.no_progress,
+        )
+        try:
+            result = run_preprocess(cfg)
+        except ConfigError as exc:
+            return _fail("preprocess", exc)
+        run = result.pop("_run")
+        if "totals" not in result:
+            print(f"partition {result['partition']} done: {result['units']} units, {result['rows_read']} rows read, "
+                  f"{result['rows_rejected']} rejected. When all partitions are done: vlmpack merge {args.out} --out DIR")
+            return 0
+        print(format_summary(result, Path(args.out)))
+        print(f"time:           {run['seconds']:.1f} s ({run['units_done_now']} units processed, {run['units_resumed']} already done)")
+        return 0
+
+
+class Merge:
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("dirs", nargs="+", help="output directories of the partitions (may be one shared directory)")
+        parser.add_argument("--out", required=True, help="merged shard directory (may be one of the inputs)")
+
+    @staticmethod
+    def run(args) -> int:
+        try:
+            manifest = merge_partitions(args.dirs, args.out)
+        except ConfigError as exc:
+            return _fail("merge", exc)
+        print(format_summary(manifest, Path(args.out)))
+        return 0
+
+
+class Quickstart:
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--out", default="vlmpack-quickstart", help="working directory (default %(default)s)")
+        parser.add_argument("--rows", type=int, default=64, help="example conversations to generate (default %(default)s)")
+        parser.add_argument("--profile", default="qwen3-vl", help="built-in profile (default %(default)s)")
+        parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+
+    @staticmethod
+    def run(args) -> int:
+        from shards_schema import open_shards
+
+        from .examples import example_rows, write_jsonl
+
+        out = Path(args.out)
+        data = write_jsonl(out / "example.jsonl", example_rows(args.rows, seed=0, family=args.profile, include_bad_rows=True))
+        print(f"example dataset: {data} ({args.rows} conversations with base64 images + 2 deliberately broken rows)")
+        shards_dir = out / "shards"
+        started = time.perf_counter()
+        cfg = PreprocessConfig(inputs=[str(data)], out=str(shards_dir), profile=args.profile, workers=args.workers,
+                               rows_per_shard=max(1, (args.rows + 2 + 1) // 2))
+        try:
+            manifest = run_preprocess(cfg)
+        except ConfigError as exc:
+            return _fail("quickstart", exc)
+        manifest.pop("_run")
+        print(format_summary(manifest, shards_dir))
+        print(f"time:           {time.perf_counter() - started:.1f} s")
+        sample = open_shards(shards_dir)[0]
+        print(f"\nsample 0 ({sample['sample_uid']}): input_ids {sample['input_ids'].shape} {sample['input_ids'].dtype}, "
+              f"loss_mask {sample['loss_mask'].shape}, position_ids {sample['position_ids'].shape}, "
+              f"pixel_patches {sample['pixel_patches'].shape} {sample['pixel_patches'].dtype}, "
+              f"image_grid_thw {sample['image_grid_thw'].tolist()}")
+        print(f"\nread it back:  python -c \"import shards_schema; s = shards_schema.open_shards('{shards_dir}'); print(len(s), s[0].keys())\"")
+        return 0

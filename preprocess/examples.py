@@ -1,0 +1,105 @@
+"""Synthetic OpenAI-format conversations with embedded images: the quickstart's dataset, and the
+input of tests and benchmarks. Deterministic for a seed; no download.
+
+Images are drawn with PIL (gradients, shapes, noise, sometimes alpha or odd modes) at varied
+sizes and encoded as base64 data URIs (JPEG or PNG), like real scraped VLM data.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+WORDS = (
+    "the a image shows cat dog street map chart table red blue green small large left right "
+    "above below count how many what where why describe person car tree sign text number "
+    "graph bar line value price total".split()
+)
+UNICODE_SNIPPETS = ("图像中有什么？", "это пример", "café ☕", "🚀 launch", "مرحبا")
+
+
+def synthetic_image(rng: np.random.Generator, width: int, height: int, mode: str = "RGB") -> Image.Image:
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = np.stack(
+        [(xx * 255 // max(width - 1, 1)), (yy * 255 // max(height - 1, 1)), ((xx + yy) * 127 // max(width + height, 1))],
+        axis=-1,
+    ).astype(np.int16)
+    noise = rng.integers(-25, 26, size=base.shape, dtype=np.int16)
+    img = Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), "RGB")
+    draw = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(1, 5))):
+        x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
+        x1, y1 = x0 + int(rng.integers(1, max(2, width // 2))), y0 + int(rng.integers(1, max(2, height // 2)))
+        color = tuple(int(c) for c in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x1, y1], fill=color)
+    if mode == "RGBA":
+        alpha = Image.fromarray(rng.integers(0, 256, (height, width), dtype=np.uint8), "L")
+        img.putalpha(alpha)
+    elif mode != "RGB":
+        img = img.convert(mode)
+    return img
+
+
+def encode_data_uri(img: Image.Image, fmt: str) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _sentence(rng: random.Random, lo: int, hi: int) -> str:
+    words = [rng.choice(WORDS) for _ in range(rng.randint(lo, hi))]
+    if rng.random() < 0.15:
+        words.append(rng.choice(UNICODE_SNIPPETS))
+    return " ".join(words).capitalize() + rng.choice([".", "?", "!", ""])
+
+
+def example_rows(n: int, seed: int = 0, *, family: str = "qwen3-vl", size_range=(48, 640), include_bad_rows: bool = False) -> list[dict]:
+    """`n` conversations: single/multi-image, text-only, multi-turn, system prompts, tool calls."""
+    rng, nprng = random.Random(seed), np.random.default_rng(seed)
+
+    def image_part() -> dict:
+        w, h = (int(v) for v in nprng.integers(size_range[0], size_range[1] + 1, 2))
+        mode = rng.choice(["RGB"] * 6 + ["RGBA", "L"])
+        fmt = "PNG" if mode == "RGBA" or rng.random() < 0.3 else "JPEG"
+        img = synthetic_image(nprng, w, h, "RGB" if (fmt == "JPEG" and mode == "RGBA") else mode)
+        return {"type": "image_url", "image_url": {"url": encode_data_uri(img, fmt)}}
+
+    rows = []
+    for i in range(n):
+        messages: list[dict] = []
+        if rng.random() < 0.3:
+            messages.append({"role": "system", "content": _sentence(rng, 4, 12)})
+        for turn in range(rng.choice([1, 1, 1, 2, 3])):
+            n_images = rng.choice([0, 1, 1, 1, 2, 3]) if turn == 0 else rng.choice([0, 0, 1])
+            parts = [image_part() for _ in range(n_images)]
+            parts.append({"type": "text", "text": _sentence(rng, 3, 20)})
+            if rng.random() < 0.5:
+                rng.shuffle(parts)
+            messages.append({"role": "user", "content": parts if n_images or rng.random() < 0.5 else parts[0]["text"]})
+            if family == "qwen3-vl" and rng.random() < 0.1:
+                args = {"query": _sentence(rng, 1, 4), "top_k": rng.randint(1, 9)}
+                messages.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "search", "arguments": args}}]})
+                messages.append({"role": "tool", "content": json.dumps({"results": [_sentence(rng, 2, 6)]})})
+            messages.append({"role": "assistant", "content": " ".join(_sentence(rng, 5, 30) for _ in range(rng.randint(1, 4)))})
+        rows.append({"id": f"example-{i:05d}", "messages": messages})
+    if include_bad_rows:
+        rows.append({"id": "bad-base64", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@not-base64@@"}}, {"type": "text", "text": "what is this?"}]},
+            {"role": "assistant", "content": "A broken image."}]})
+        rows.append({"id": "unknown-role", "messages": [{"role": "narrator", "content": "Once upon a time"}, {"role": "assistant", "content": "..."}]})
+    return rows
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path

@@ -1,0 +1,162 @@
+"""Input discovery and row reading: JSONL, JSON arrays, Parquet and `datasets` directories.
+
+The job splits every input into work units of at most `rows_per_shard` consecutive rows.
+A unit is the grain of everything downstream: one worker task, one shard file, one resume
+checkpoint, one partition member. Units depend only on the inputs and `rows_per_shard`,
+never on the worker count, which is why output bytes do not depend on it either.
+
+A row is identified by its input path (as given on the command line) and its 0-based index
+in that input (for JSONL, the line number).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+from .errors import ConfigError, RejectError
+
+FORMATS = ("jsonl", "json", "parquet", "hf_dataset")
+_SUFFIX_FORMAT = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str  # as given by the user; recorded in sample sources
+    format: str
+    num_rows: int
+    size: int  # bytes (sum of data files for a datasets dir), part of the job identity
+    line_offsets: tuple[int, ...] = ()  # JSONL: byte offset of every unit's first line
+
+    def identity(self) -> dict:
+        return {"path": self.path, "format": self.format, "rows": self.num_rows, "bytes": self.size}
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    index: int  # global, stable across partitions and re-runs: names the shard
+    input: InputFile
+    start: int  # first row (inclusive)
+    stop: int  # last row (exclusive)
+
+    @property
+    def num_rows(self) -> int:
+        return self.stop - self.start
+
+
+def detect_format(path: Path) -> str:
+    if path.is_dir():
+        if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
+            return "hf_dataset"
+        if (path / "dataset_dict.json").is_file():
+            splits = sorted(p.name for p in path.iterdir() if p.is_dir())
+            raise ConfigError(f"{path} is a DatasetDict with splits {splits}: pass one split directory, e.g. {path / splits[0]}" if splits else f"{path}: empty DatasetDict")
+        raise ConfigError(f"{path}: a directory but not a `datasets` save_to_disk directory (no dataset_info.json)")
+    fmt = _SUFFIX_FORMAT.get(path.suffix.lower())
+    if fmt is None:
+        raise ConfigError(f"{path}: unknown input format {path.suffix!r}; use .jsonl, .json, .parquet or a datasets directory")
+    return fmt
+
+
+def _scan_jsonl(path: Path, rows_per_unit: int) -> tuple[int, tuple[int, ...]]:
+    """Count lines and remember where every unit starts, reading the file once in binary."""
+    offsets, position, rows = [], 0, 0
+    with open(path, "rb") as fh:
+        for line in fh:
+            if rows % rows_per_unit == 0:
+                offsets.append(position)
+            position += len(line)
+            rows += 1
+    return rows, tuple(offsets)
+
+
+def _load_dataset(path: Path):
+    import datasets
+
+    return datasets.load_from_disk(str(path))
+
+
+def describe_input(path_str: str, rows_per_unit: int) -> InputFile:
+    path = Path(path_str)
+    if not path.exists():
+        raise ConfigError(f"input {path_str} does not exist")
+    fmt = detect_format(path)
+    offsets: tuple[int, ...] = ()
+    if fmt == "jsonl":
+        rows, offsets = _scan_jsonl(path, rows_per_unit)
+        size = path.stat().st_size
+    elif fmt == "json":
+        rows = len(_load_json_array(str(path)))
+        size = path.stat().st_size
+    elif fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.ParquetFile(path).metadata.num_rows
+        size = path.stat().st_size
+    else:
+        rows = len(_load_dataset(path))
+        size = sum(p.stat().st_size for p in path.glob("*.arrow"))
+    return InputFile(path=path_str, format=fmt, num_rows=rows, size=size, line_offsets=offsets)
+
+
+def plan_units(inputs: list[InputFile], rows_per_unit: int) -> list[WorkUnit]:
+    units = []
+    for inp in inputs:
+        for start in range(0, inp.num_rows, rows_per_unit):
+            units.append(WorkUnit(len(units), inp, start, min(start + rows_per_unit, inp.num_rows)))
+    return units
+
+
+@lru_cache(maxsize=2)
+def _load_json_array(path: str) -> list:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc}); for one conversation per line use .jsonl") from exc
+    if not isinstance(data, list):
+        raise ConfigError(f"{path}: a JSON input must be an array of rows, got {type(data).__name__}")
+    return data
+
+
+def read_rows(unit: WorkUnit, rows_per_unit: int) -> Iterator[tuple[int, object]]:
+    """Yield (row index, parsed row or RejectError) for every row of the unit, in order."""
+    inp = unit.input
+    if inp.format == "jsonl":
+        with open(inp.path, "rb") as fh:
+            fh.seek(inp.line_offsets[unit.start // rows_per_unit])
+            for row in range(unit.start, unit.stop):
+                line = fh.readline()
+                try:
+                    yield row, json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    yield row, RejectError("bad_json", f"line is not valid JSON: {exc}")
+        return
+    if inp.format == "json":
+        rows = _load_json_array(inp.path)[unit.start : unit.stop]
+    elif inp.format == "parquet":
+        rows = _parquet_rows(inp.path, unit.start, unit.stop)
+    else:
+        table = _load_dataset(Path(inp.path)).with_format("arrow")[unit.start : unit.stop]
+        rows = table.to_pylist()
+    yield from enumerate(rows, start=unit.start)
+
+
+def _parquet_rows(path: str, start: int, stop: int) -> list:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    groups, first_row, row = [], None, 0
+    for g in range(pf.metadata.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if row + n > start and row < stop:
+            groups.append(g)
+            first_row = row if first_row is None else first_row
+        row += n
+    if not groups:
+        return []
+    table = pf.read_row_groups(groups)
+    return table.slice(start - first_row, stop - start).to_pylist()

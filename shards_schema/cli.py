@@ -1,0 +1,49 @@
+"""`vlmpack` command line: a dispatcher over subcommands owned by their packages.
+
+Subcommands are named by module path and imported only when run, so `vlmpack train` never
+loads the preprocessing stack (tokenizers, PIL) and this package imports neither side.
+Each entry names an object with `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> ("module:object", one-line help)
+COMMANDS = {
+    "quickstart": ("preprocess.cli:Quickstart", "preprocess a generated example dataset (no download) and show the result"),
+    "preprocess": ("preprocess.cli:Preprocess", "chats + images (JSONL/JSON/Parquet/datasets) -> shards"),
+    "merge": ("preprocess.cli:Merge", "join the outputs of a partitioned preprocessing job into one shard directory"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: vlmpack <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`vlmpack <command> --help` describes a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"vlmpack: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    target, help_ = COMMANDS[name]
+    module_name, attr = target.split(":")
+    command = getattr(importlib.import_module(module_name), attr)
+    parser = argparse.ArgumentParser(prog=f"vlmpack {name}", description=help_)
+    command.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    return int(command.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

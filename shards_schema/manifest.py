@@ -1,0 +1,61 @@
+"""`manifest.json`: the index of a shard directory, written last so its presence means complete.
+
+It records the schema version, the profile fingerprint, the job settings that decide the
+bytes, per-shard stats and checksums, totals, and the input accounting
+(rows read = rows written + rows rejected).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .schema import FORMAT_NAME, SCHEMA_VERSION
+
+MANIFEST_NAME = "manifest.json"
+REJECTS_NAME = "rejects.jsonl"
+TOTAL_KEYS = ("rows", "tokens", "target_tokens", "images", "patches", "bytes")
+
+
+class ShardFormatError(Exception):
+    """A shard directory that is missing, incomplete, or from an incompatible version."""
+
+
+def build_manifest(*, profile: dict, settings: dict, shards: list[dict], accounting: dict, patch_row_width: int) -> dict:
+    totals = {key: sum(int(s[key]) for s in shards) for key in TOTAL_KEYS}
+    totals["shards"] = len(shards)
+    if accounting["rows_read"] != accounting["rows_written"] + accounting["rows_rejected"]:
+        raise AssertionError(f"row accounting does not add up: {accounting}")
+    if accounting["rows_written"] != totals["rows"]:
+        raise AssertionError(f"rows written {accounting['rows_written']} != rows in shards {totals['rows']}")
+    return {
+        "format": FORMAT_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "patch_row_width": patch_row_width,
+        "profile": profile,
+        "settings": settings,
+        "totals": totals,
+        "accounting": accounting,
+        "shards": shards,
+    }
+
+
+def load_manifest(directory: str | Path) -> dict:
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        hint = " (a preprocessing job that has not finished, or a partition not yet merged?)" if directory.is_dir() else ""
+        raise ShardFormatError(f"{directory}: no {MANIFEST_NAME}{hint}")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ShardFormatError(f"{path}: not valid JSON ({exc})") from exc
+    if manifest.get("format") != FORMAT_NAME:
+        raise ShardFormatError(f"{path}: not a vlmpack manifest (format {manifest.get('format')!r})")
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ShardFormatError(
+            f"{path}: schema version {version}, this vlmpack reads version {SCHEMA_VERSION}; "
+            "re-run `vlmpack preprocess` with this version"
+        )
+    return manifest

@@ -1,0 +1,162 @@
+"""Zero-copy reads of a shard directory.
+
+Each shard is memory-mapped; a row is a set of numpy views into the mapped offsets/values
+buffers (no `to_pylist`, no per-element Python). Reading sample i touches only its bytes.
+Objects pickle by path and reopen their maps lazily, so they work in DataLoader workers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from .manifest import ShardFormatError, load_manifest
+from .schema import ARRAY_COLUMNS, FORMAT_NAME, SCHEMA_VERSION
+
+_COLUMN_DTYPES = {
+    "input_ids": np.int32,
+    "loss_mask": np.uint8,
+    "position_ids": np.int32,
+    "image_grid_thw": np.int32,
+    "pixel_patches": np.uint8,
+}
+
+
+def _list_views(column: pa.Array, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) numpy views of a list column, zero-copy."""
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int64 if pa.types.is_large_list(column.type) else np.int32)
+    offsets = offsets[column.offset : column.offset + len(column) + 1]
+    values = column.values
+    values = np.frombuffer(values.buffers()[1], dtype=dtype)[values.offset : values.offset + len(values)]
+    return offsets, values
+
+
+class ShardFile:
+    """One memory-mapped Arrow IPC file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            self._reader = pa.ipc.open_file(pa.memory_map(str(self.path), "r"))
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise ShardFormatError(f"{self.path}: not a readable Arrow IPC file ({exc})") from exc
+        meta = self._reader.schema.metadata or {}
+        if meta.get(b"vlmpack.format") != FORMAT_NAME.encode():
+            raise ShardFormatError(f"{self.path}: not a vlmpack shard")
+        if int(meta.get(b"vlmpack.schema_version", b"0")) != SCHEMA_VERSION:
+            raise ShardFormatError(f"{self.path}: schema version {meta.get(b'vlmpack.schema_version')}, expected {SCHEMA_VERSION}")
+        self.patch_row_width = int(meta[b"vlmpack.patch_row_width"])
+        self._batches = [self._reader.get_batch(b) for b in range(self._reader.num_record_batches)]
+        self.batch_starts = np.cumsum([0] + [b.num_rows for b in self._batches])
+        self._views: dict[int, dict] = {}
+
+    def __getstate__(self):
+        return {"path": self.path}
+
+    def __setstate__(self, state):
+        self.path = state["path"]
+        self._open()
+
+    def __len__(self) -> int:
+        return int(self.batch_starts[-1])
+
+    def _batch_views(self, b: int) -> dict:
+        views = self._views.get(b)
+        if views is None:
+            batch = self._batches[b]
+            views = {name: _list_views(batch.column(name), _COLUMN_DTYPES[name]) for name in ARRAY_COLUMNS}
+            views["sample_uid"] = batch.column("sample_uid")
+            views["source"] = batch.column("source")
+            self._views[b] = views
+        return views
+
+    def row(self, j: int) -> dict:
+        b = int(np.searchsorted(self.batch_starts, j, side="right")) - 1
+        r = j - int(self.batch_starts[b])
+        views = self._batch_views(b)
+        out = {}
+        for name in ARRAY_COLUMNS:
+            offsets, values = views[name]
+            out[name] = values[offsets[r] : offsets[r + 1]]
+        out["position_ids"] = out["position_ids"].reshape(3, -1)
+        out["image_grid_thw"] = out["image_grid_thw"].reshape(-1, 3)
+        out["pixel_patches"] = out["pixel_patches"].reshape(-1, self.patch_row_width)
+        out["sample_uid"] = views["sample_uid"][r].as_py()
+        out["source"] = views["source"][r].as_py()
+        return out
+
+    def list_lengths(self, name: str) -> np.ndarray:
+        """Per-row lengths of a list column, from its offsets alone (values are never touched)."""
+        parts = [np.diff(_list_views(batch.column(name), _COLUMN_DTYPES[name])[0]) for batch in self._batches]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    def int_column(self, name: str) -> np.ndarray:
+        parts = [batch.column(name).to_numpy() for batch in self._batches]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+class ShardSet:
+    """All shards of a directory as one indexable dataset (`open_shards(DIR)`)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.manifest = load_manifest(self.directory)
+        self.shard_files = [s["file"] for s in self.manifest["shards"]]
+        self.row_starts = np.cumsum([0] + [int(s["rows"]) for s in self.manifest["shards"]])
+        self.patch_row_width = int(self.manifest["patch_row_width"])
+        self._shards: list[ShardFile | None] = [None] * len(self.shard_files)
+
+    def __getstate__(self):
+        return {"directory": self.directory}
+
+    def __setstate__(self, state):
+        self.__init__(state["directory"])
+
+    def __len__(self) -> int:
+        return int(self.row_starts[-1])
+
+    def shard(self, k: int) -> ShardFile:
+        shard = self._shards[k]
+        if shard is None:
+            path = self.directory / self.shard_files[k]
+            if not path.is_file():
+                raise ShardFormatError(f"{path}: listed in the manifest but missing")
+            shard = ShardFile(path)
+            expected = int(self.manifest["shards"][k]["rows"])
+            if len(shard) != expected:
+                raise ShardFormatError(f"{path}: {len(shard)} rows, manifest says {expected}")
+            self._shards[k] = shard
+        return shard
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """Global row index -> (shard index, row within shard)."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for {n} samples in {self.directory}")
+        i %= n
+        k = int(np.searchsorted(self.row_starts, i, side="right")) - 1
+        return k, i - int(self.row_starts[k])
+
+    def __getitem__(self, i: int) -> dict:
+        k, j = self.locate(int(i))
+        return self.shard(k).row(j)
+
+    def sample_stats(self) -> dict[str, np.ndarray]:
+        """Per-sample sizes for planning and inspection, read from offsets and one small column."""
+        stats = {"num_tokens": [], "num_patches": [], "num_images": [], "num_target_tokens": []}
+        for k in range(len(self.shard_files)):
+            shard = self.shard(k)
+            stats["num_tokens"].append(shard.list_lengths("input_ids"))
+            stats["num_patches"].append(shard.list_lengths("pixel_patches") // self.patch_row_width)
+            stats["num_images"].append(shard.list_lengths("image_grid_thw") // 3)
+            stats["num_target_tokens"].append(shard.int_column("num_target_tokens"))
+        return {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in stats.items()}
+
+
+def open_shards(directory: str | Path) -> ShardSet:
+    return ShardSet(directory)

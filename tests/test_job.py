@@ -1,0 +1,283 @@
+"""The batch job: accounting, determinism across worker counts, resume after a kill,
+partitions + merge, input formats, rejects that never stop the job, fail-fast config errors."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from preprocess.errors import ConfigError
+from preprocess.examples import encode_data_uri, example_rows, synthetic_image, write_jsonl
+from preprocess.job import PreprocessConfig, merge_partitions, run_preprocess
+from preprocess.pipeline import SampleOptions
+from shards_schema import open_shards
+from shards_schema.writer import file_sha256
+
+ROWS = 30
+
+
+@pytest.fixture(scope="module")
+def example_jsonl(tmp_path_factory):
+    rows = example_rows(ROWS, seed=7, size_range=(32, 160), include_bad_rows=True)
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl", rows)
+
+
+def _run(inputs, out, **kw) -> dict:
+    kw.setdefault("progress", False)
+    kw.setdefault("rows_per_shard", 8)
+    return run_preprocess(PreprocessConfig(inputs=[str(p) for p in inputs], out=str(out), **kw))
+
+
+def _shard_bytes(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("*.arrow"))}
+
+
+def _without_run(manifest: dict) -> dict:
+    return {k: v for k, v in manifest.items() if k != "_run"}
+
+
+@pytest.fixture(scope="module")
+def baseline(example_jsonl, tmp_path_factory):
+    out = tmp_path_factory.mktemp("baseline")
+    return out, _run([example_jsonl], out, workers=1)
+
+
+def test_accounting_checksums_and_reader(baseline):
+    out, manifest = baseline
+    acc, totals = manifest["accounting"], manifest["totals"]
+    assert acc["rows_read"] == ROWS + 2
+    assert acc["rows_read"] == acc["rows_written"] + acc["rows_rejected"]
+    assert acc["rejects_by_reason"] == {"bad_base64": 1, "unknown_role": 1}
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert len(rejects) == acc["rows_rejected"]
+    assert {(r["row"], r["code"]) for r in rejects} == {(ROWS, "bad_base64"), (ROWS + 1, "unknown_role")}
+    for shard in manifest["shards"]:
+        path = out / shard["file"]
+        assert file_sha256(path) == shard["sha256"] and path.stat().st_size == shard["bytes"]
+    shards = open_shards(out)
+    assert len(shards) == acc["rows_written"] == totals["rows"]
+    stats = shards.sample_stats()
+    assert stats["num_tokens"].sum() == totals["tokens"]
+    assert stats["num_target_tokens"].sum() == totals["target_tokens"]
+    assert stats["num_patches"].sum() == totals["patches"]
+    width = manifest["patch_row_width"]
+    for i in range(len(shards)):
+        s = shards[i]
+        L = len(s["input_ids"])
+        assert s["input_ids"].dtype == np.int32 and s["loss_mask"].dtype == np.uint8
+        assert s["position_ids"].shape == (3, L) and s["position_ids"].dtype == np.int32
+        assert s["pixel_patches"].dtype == np.uint8 and s["pixel_patches"].shape[1] == width
+        assert s["image_grid_thw"].dtype == np.int32
+        assert int(s["image_grid_thw"].prod(axis=1).sum()) == s["pixel_patches"].shape[0]
+        assert s["loss_mask"].sum() == stats["num_target_tokens"][i] > 0
+        assert s["sample_uid"] == f"example-{i:05d}"  # row ids become uids; rows keep their input order
+        assert not s["input_ids"].flags.writeable or s["input_ids"].base is not None  # a view, not a copy
+
+
+def test_same_bytes_whatever_the_worker_count(example_jsonl, baseline, tmp_path):
+    out1, manifest1 = baseline
+    manifest2 = _run([example_jsonl], tmp_path, workers=2)
+    assert _shard_bytes(out1) == _shard_bytes(tmp_path)
+    assert _without_run(manifest1) == _without_run(manifest2)
+    assert (out1 / "rejects.jsonl").read_bytes() == (tmp_path / "rejects.jsonl").read_bytes()
+    assert (out1 / "manifest.json").read_bytes() == (tmp_path / "manifest.json").read_bytes()
+
+
+def test_resume_after_kill_equals_uninterrupted_run(example_jsonl, baseline, tmp_path):
+    """SIGKILL a real 2-worker job once it has committed a unit; the re-run redoes only the rest."""
+    out = tmp_path / "shards"
+    cmd = [sys.executable, "-m", "shards_schema.cli", "preprocess", str(example_jsonl), "--out", str(out),
+           "--workers", "2", "--rows-per-shard", "4", "--no-progress"]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((out / "_parts").glob("unit-*.json")):
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists() or proc.returncode == 0
+    committed = len(list((out / "_parts").glob("unit-*.json")))
+    manifest = _run([example_jsonl], out, workers=2, rows_per_shard=4)
+    assert manifest["_run"]["units_resumed"] == committed >= 1
+    reference = _run([example_jsonl], tmp_path / "ref", workers=1, rows_per_shard=4)
+    assert _shard_bytes(out) == _shard_bytes(tmp_path / "ref")
+    assert _without_run(manifest) == _without_run(reference)
+
+
+def test_partitions_then_merge_equal_one_job(example_jsonl, baseline, tmp_path):
+    out1, manifest1 = baseline
+    dirs = []
+    for i in range(3):
+        d = tmp_path / f"part{i}"
+        summary = _run([example_jsonl], d, workers=1, num_partitions=3, partition_index=i)
+        assert "totals" not in summary and not (d / "manifest.json").exists()
+        dirs.append(d)
+    with pytest.raises(ConfigError, match="not done"):
+        merge_partitions([str(dirs[0]), str(dirs[1])], str(tmp_path / "incomplete"))
+    merged = merge_partitions([str(d) for d in dirs], str(tmp_path / "merged"))
+    assert _shard_bytes(tmp_path / "merged") == _shard_bytes(out1)
+    assert merged == _without_run(manifest1)
+
+
+def test_partitions_sharing_one_directory(example_jsonl, baseline, tmp_path):
+    for i in range(2):
+        _run([example_jsonl], tmp_path, workers=1, num_partitions=2, partition_index=i)
+    merged = merge_partitions([str(tmp_path)], str(tmp_path))
+    assert merged == _without_run(baseline[1])
+
+
+def test_rerun_with_other_settings_is_refused(example_jsonl, baseline, tmp_path):
+    _run([example_jsonl], tmp_path, workers=1)
+    with pytest.raises(ConfigError, match="different job.*settings"):
+        _run([example_jsonl], tmp_path, workers=1, sample=SampleOptions(max_seq_len=999))
+
+
+def test_all_input_formats_give_the_same_samples(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # Arrow stores every struct key of a part, absent ones as null: the renderer must treat a
+    # null key as absent (the jinja templates would count `'image_url' in part` as an image).
+    rows = _uniform(example_rows(6, seed=3, size_range=(32, 96)))
+    write_jsonl(tmp_path / "a.jsonl", rows)
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=2)
+    datasets.Dataset(table).save_to_disk(str(tmp_path / "a_ds"))
+    results = {}
+    for name in ("a.jsonl", "a.json", "a.parquet", "a_ds"):
+        out = tmp_path / f"out_{name}"
+        manifest = _run([tmp_path / name], out, workers=1, rows_per_shard=4)
+        assert manifest["accounting"]["rows_rejected"] == 0, name
+        shards = open_shards(out)
+        results[name] = [{k: v for k, v in shards[i].items() if k != "source"} for i in range(len(shards))]
+    reference = results.pop("a.jsonl")
+    assert len(reference) == 6
+    for name, samples in results.items():
+        for a, b in zip(reference, samples, strict=True):
+            for key in a:
+                assert np.array_equal(a[key], b[key]) if isinstance(a[key], np.ndarray) else a[key] == b[key], (name, key)
+
+
+def _uniform(rows):
+    """Give every content part all keys so Arrow infers one struct type (datasets does the same)."""
+    keys = ("type", "text", "image_url")
+    out = []
+    for r in rows:
+        msgs = []
+        for m in r["messages"]:
+            content = m["content"]
+            if isinstance(content, str):
+                content = [{"type": "text", "text": content}]
+            content = [{k: p.get(k) for k in keys} for p in content]
+            msgs.append({"role": m["role"], "content": content})
+        out.append({"id": r["id"], "messages": msgs})
+    return out
+
+
+def _png_data_uri(w, h):
+    return encode_data_uri(synthetic_image(np.random.default_rng(0), w, h), "PNG")
+
+
+def _jpeg_bytes(w=64, h=48):
+    buf = io.BytesIO()
+    synthetic_image(np.random.default_rng(1), w, h).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def _chat(image_url=None, text="What is this?", role="user"):
+    parts = [{"type": "text", "text": text}]
+    if image_url is not None:
+        parts.insert(0, {"type": "image_url", "image_url": {"url": image_url}})
+    return {"messages": [{"role": role, "content": parts}, {"role": "assistant", "content": "An answer."}]}
+
+
+def test_bad_rows_are_recorded_and_never_stop_the_job(tmp_path):
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "ok.jpg").write_bytes(_jpeg_bytes())
+    (media / "truncated.jpg").write_bytes(_jpeg_bytes(200, 150)[:600])
+    (media / "noise.png").write_bytes(os.urandom(300))
+    (tmp_path / "secret.jpg").write_bytes(_jpeg_bytes())
+    lines = [
+        json.dumps(_chat("ok.jpg")),  # good
+        "{not json",
+        "",
+        json.dumps({"conversation": []}),
+        json.dumps({"messages": []}),
+        json.dumps({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}),
+        json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": 42}]}, {"role": "assistant", "content": "x"}]}),
+        json.dumps(_chat("data:image/png;base64,!!!!")),
+        json.dumps(_chat("truncated.jpg")),
+        json.dumps(_chat("noise.png")),
+        json.dumps(_chat("https://example.com/cat.png")),
+        json.dumps(_chat("../secret.jpg")),
+        json.dumps(_chat(_png_data_uri(400, 300))),  # over the small pixel cap below
+        json.dumps(_chat(_png_data_uri(2, 500))),  # aspect ratio 250
+        json.dumps(_chat(text="word " * 3000)),  # too long
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no", "train": False}]}),
+        json.dumps(_chat("data:image/jpeg;base64," + base64.b64encode(_jpeg_bytes()).decode())),  # good
+    ]
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    manifest = _run([data], tmp_path / "out", workers=2, rows_per_shard=5,
+                    sample=SampleOptions(media_root=str(media), max_image_pixels=100_000, max_seq_len=2048))
+    rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    codes = {r["row"]: r["code"] for r in rejects}
+    assert codes == {
+        1: "bad_json", 2: "bad_json", 3: "no_messages", 4: "no_messages", 5: "unknown_role", 6: "bad_content",
+        7: "bad_base64", 8: "bad_image", 9: "not_an_image", 10: "remote_url", 11: "path_outside_media_root",
+        12: "image_too_large", 13: "aspect_ratio", 14: "too_long", 15: "no_targets",
+    }
+    assert all(r["reason"] and r["source"] == str(data) for r in rejects)
+    assert manifest["accounting"]["rows_written"] == 2 and manifest["accounting"]["rows_read"] == len(lines)
+    assert [open_shards(tmp_path / "out")[i]["sample_uid"] for i in range(2)] == [f"{data}:0", f"{data}:16"]
+
+
+def test_truncate_never_cuts_an_image(tmp_path):
+    long_text = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "word " * 500}]}
+    image_late = {"messages": [{"role": "user", "content": [{"type": "text", "text": "word " * 500},
+                  {"type": "image_url", "image_url": {"url": _png_data_uri(64, 64)}}]}, {"role": "assistant", "content": "ok"}]}
+    data = write_jsonl(tmp_path / "long.jsonl", [long_text, image_late])
+    manifest = _run([data], tmp_path / "out", sample=SampleOptions(max_seq_len=128, truncate=True))
+    assert manifest["accounting"]["rejects_by_reason"] == {"too_long": 1}
+    sample = open_shards(tmp_path / "out")[0]
+    assert len(sample["input_ids"]) == 128 and sample["loss_mask"][-1] == 1
+
+
+def test_config_errors_fail_before_any_work(example_jsonl, tmp_path):
+    with pytest.raises(ConfigError, match="unknown profile"):
+        _run([example_jsonl], tmp_path / "a", profile="llava")
+    with pytest.raises(ConfigError, match="--model"):
+        _run([example_jsonl], tmp_path / "b", model=str(tmp_path))
+    with pytest.raises(ConfigError, match="does not exist"):
+        _run([tmp_path / "nope.jsonl"], tmp_path / "c")
+    with pytest.raises(ConfigError, match="unknown input format"):
+        (tmp_path / "x.csv").write_text("a,b\n")
+        _run([tmp_path / "x.csv"], tmp_path / "d")
+    assert not any((tmp_path / n).exists() for n in "abcd")
+
+
+def test_cli_quickstart_runs(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "shards_schema.cli", "quickstart", "--out", str(tmp_path / "qs"), "--rows", "6"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "read 8 = written 6 + rejected 2" in result.stdout
+    assert len(open_shards(tmp_path / "qs" / "shards")) == 6
+
+
+def test_cli_reports_config_errors_with_exit_code_2(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "shards_schema.cli", "preprocess", str(tmp_path / "missing.jsonl"),
+                             "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "does not exist" in result.stderr
