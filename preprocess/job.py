@@ -145,13 +145,16 @@ def _worker_process_unit(unit: WorkUnit) -> dict:
 
 
 def job_identity(cfg: PreprocessConfig, profile: Profile, inputs: list[InputFile]) -> dict:
-    """What must match for outputs to be resumed or merged: never the worker count or partition index."""
-    return {
+    """What must match for outputs to be resumed or merged: never the worker count or partition index.
+
+    Round-tripped through JSON so it compares equal to the copy read back from disk.
+    """
+    return json.loads(json.dumps({
         "profile": profile.fingerprint,
         "settings": {**dataclasses.asdict(cfg.sample), "rows_per_shard": cfg.rows_per_shard},
         "inputs": [inp.identity() for inp in inputs],
         "num_partitions": cfg.num_partitions,
-    }
+    }))
 
 
 def _claim_out_dir(out: Path, identity: dict) -> None:

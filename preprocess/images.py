@@ -1,0 +1,289 @@
+"""Image reference -> RGB pixels -> uint8 patches in Hugging Face's Qwen-VL patch order.
+
+The stored form of an image is `pixel_patches`: the resized RGB image as uint8, one
+temporal frame, rows in HF's merge-block order and columns (c, py, px). HF resizes in
+uint8 before it rescales and normalises, so these bytes lose nothing:
+`shards_schema.pixels.pixel_values_from_patches` rebuilds HF's float32 `pixel_values`
+from them bit for bit, from an eighth of the bytes (uint8 vs float32, one frame vs T=2).
+
+Colour rule (the one rule, applied by `decode_image`):
+
+1. Decode frame 0 (multi-frame GIF/TIFF/WebP/APNG: the first frame only), then apply the
+   EXIF orientation (`ImageOps.exif_transpose`).
+2. 16/32-bit integer and float greyscale (modes I;16*, I, F) are scaled to 8 bits
+   explicitly, because PIL's own `convert` clips them (a 16-bit photo becomes mostly
+   white): I;16* -> round(v / 257); I -> clip to [0, 65535], then the same; F -> treated
+   as intensity in [0, 1]: clip, * 255, round half to even (NaN -> 0). A 16-bit grey
+   pixel equal to the image's `transparency` value becomes white (rule 3).
+3. An image with alpha (a band "A", e.g. RGBA/LA/PA, or a `transparency` entry in
+   `image.info`, e.g. P or L or RGB with a tRNS chunk) is composited onto opaque white.
+   This is what `Qwen2VLImageProcessorPil` does to a PIL image with alpha, and what
+   qwen-vl-utils does; HF's *string* inputs (`load_image`) drop alpha instead, leaving
+   whatever colour hides under transparent pixels, which is usually black.
+4. Everything else (L, 1, P, CMYK, YCbCr, ...) -> `convert("RGB")`, as HF does.
+
+An RGB image that needs none of this is used as is (no copy).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import re
+import struct
+import warnings
+import zlib
+from pathlib import Path
+from urllib.parse import unquote
+
+import numpy as np
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+from .errors import RejectError
+from .profiles import VisionConfig
+
+# PIL's own hard limit (2 * Image.MAX_IMAGE_PIXELS): above it Image.open raises anyway.
+DEFAULT_MAX_IMAGE_PIXELS = 178_956_970
+MAX_ASPECT_RATIO = 200
+
+_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+# standard and URL-safe alphabets, padding, whitespace (MIME line breaks)
+_BASE64_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_ \t\n\r\v\f"
+# base64 of the first bytes of PNG, JPEG, GIF and WebP (RIFF) files.
+_BASE64_IMAGE_PREFIXES = ("iVBORw0KGgo", "/9j/", "R0lGOD", "UklGR")
+_LONG_BASE64 = 256
+_HIGH_BIT_DEPTH_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I", "F"}
+# What PIL raises on a broken file: it has no common exception base for decoder failures.
+_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, zlib.error)
+
+
+# ---------------------------------------------------------------------------------------
+# source string -> bytes
+
+
+def resolve_image_source(source: str, media_root: Path | None) -> bytes:
+    """The encoded image bytes an image reference of a chat part points at.
+
+    Which kind a string is, decided from the string alone (no file-system probing):
+
+    * `scheme://...` -> a URL: `file://` is read as a local path, anything else
+      (http, https, ftp, s3, ...) is rejected: batch jobs never fetch;
+    * `data:...;base64,...` -> a data URI;
+    * only base64 characters (A-Z a-z 0-9 + / = - _ and whitespace) AND either longer than
+      256 characters or starting like an encoded PNG/JPEG/GIF/WebP -> raw base64
+      (a path of 257+ characters with no dot in it would be misread: file names have
+      extensions, so this does not happen in practice);
+    * anything else -> a file path, resolved under `media_root`; it must stay inside
+      `media_root` after resolving `..` and symlinks.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise RejectError("empty_source", f"image reference must be a non-empty string, got {source!r:.80}")
+    source = source.strip()
+    if _URL_SCHEME.match(source):
+        if source[:7].lower() == "file://":
+            return _read_media_file(unquote(source[7:]), media_root)
+        raise RejectError(
+            "remote_url",
+            f"{source[:80]!r} is a URL: batch jobs do not fetch; download the images and pass --media-root",
+        )
+    if source[:5].lower() == "data:":
+        header, comma, payload = source.partition(",")
+        if not comma or not header.lower().endswith(";base64"):
+            raise RejectError("bad_data_uri", f"data URI must be 'data:image/...;base64,<data>', got {header[:80]!r}")
+        return _b64decode(payload)
+    if _looks_like_base64(source):
+        return _b64decode(source)
+    return _read_media_file(source, media_root)
+
+
+def _looks_like_base64(text: str) -> bool:
+    if len(text) <= _LONG_BASE64 and not text.startswith(_BASE64_IMAGE_PREFIXES):
+        return False
+    # bytes.translate deleting the alphabet: ~4x faster than a regex on megabyte strings
+    return text.isascii() and not text.encode("ascii").translate(None, _BASE64_BYTES)
+
+
+def _b64decode(text: str) -> bytes:
+    """Standard or URL-safe base64, whitespace ignored, missing '=' padding restored."""
+    compact = "".join(text.split())
+    compact += "=" * (-len(compact) % 4)
+    altchars = b"-_" if ("-" in compact or "_" in compact) else None
+    try:
+        data = base64.b64decode(compact, altchars=altchars, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise RejectError("bad_base64", f"image base64 does not decode ({exc})") from None
+    if not data:
+        raise RejectError("bad_base64", "image base64 decodes to zero bytes")
+    return data
+
+
+def _read_media_file(path_text: str, media_root: Path | None) -> bytes:
+    if media_root is None:
+        raise RejectError(
+            "no_media_root",
+            f"image {path_text[:120]!r} is a file path: pass --media-root DIR (the folder image paths are relative to)",
+        )
+    try:
+        root = Path(media_root).resolve()
+        path = Path(path_text)
+        resolved = (path if path.is_absolute() else root / path).resolve()
+    except (OSError, ValueError) as exc:  # embedded NUL, symlink loop, ...
+        raise RejectError("bad_path", f"image path {path_text[:120]!r} cannot be resolved ({exc})") from None
+    if not resolved.is_relative_to(root):
+        raise RejectError(
+            "path_outside_media_root",
+            f"image path {path_text[:120]!r} resolves to {str(resolved)[:120]!r}, outside --media-root {str(root)!r}",
+        )
+    try:
+        return resolved.read_bytes()
+    except FileNotFoundError:
+        raise RejectError("missing_file", f"image file {str(resolved)[:160]!r} does not exist") from None
+    except OSError as exc:
+        raise RejectError("unreadable_file", f"image file {str(resolved)[:160]!r} cannot be read ({exc})") from None
+
+
+# ---------------------------------------------------------------------------------------
+# bytes -> RGB image
+
+
+def decode_image(data: bytes, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+    """Encoded bytes -> an RGB PIL image, by the module's colour rule.
+
+    The size is checked from the header before anything is decoded (decompression bombs),
+    and the file is decoded fully here so a truncated or corrupt file is rejected now, with
+    PIL's reason, instead of being padded with grey (`ImageFile.LOAD_TRUNCATED_IMAGES` is
+    forced off while loading).
+    """
+    try:
+        with warnings.catch_warnings():
+            # our own limit below replaces PIL's warning; PIL's hard error still applies
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise RejectError("image_too_large", f"{exc}") from None
+    except UnidentifiedImageError:
+        raise RejectError("not_an_image", f"bytes are not an image PIL can read (starts with {data[:8]!r})") from None
+    except _DECODE_ERRORS as exc:
+        raise RejectError("bad_image", f"image header cannot be parsed ({exc})") from None
+
+    width, height = image.size
+    if width * height > max_image_pixels:
+        raise RejectError(
+            "image_too_large", f"{width}x{height} = {width * height} pixels exceeds max_image_pixels={max_image_pixels}"
+        )
+    _load_strict(image)
+    try:
+        ImageOps.exif_transpose(image, in_place=True)
+    except _DECODE_ERRORS as exc:
+        raise RejectError("bad_image", f"EXIF orientation cannot be applied ({exc})") from None
+    return to_rgb(image)
+
+
+def _load_strict(image: Image.Image) -> None:
+    previous = ImageFile.LOAD_TRUNCATED_IMAGES
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    try:
+        image.load()
+    except Image.DecompressionBombError as exc:
+        raise RejectError("image_too_large", f"{exc}") from None
+    except _DECODE_ERRORS as exc:
+        raise RejectError("bad_image", f"{image.format or 'image'} does not decode: {exc}") from None
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = previous
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Rules 2-4 of the module docstring: any PIL mode -> RGB."""
+    if image.mode in _HIGH_BIT_DEPTH_MODES:
+        return _high_bit_depth_to_rgb(image)
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    if image.mode == "RGB":
+        return image
+    try:
+        return image.convert("RGB")
+    except ValueError as exc:  # e.g. LAB: PIL has no conversion
+        raise RejectError("unsupported_mode", f"image mode {image.mode} cannot be converted to RGB ({exc})") from None
+
+
+def _high_bit_depth_to_rgb(image: Image.Image) -> Image.Image:
+    values = np.asarray(image)
+    if image.mode == "F":
+        grey = np.rint(np.clip(np.nan_to_num(values, nan=0.0), 0.0, 1.0) * 255.0).astype(np.uint8)
+    else:
+        if image.mode == "I":
+            values = np.clip(values, 0, 65535)
+        # round(v / 257) without floats; never a tie, since 257 is odd
+        grey = ((values.astype(np.uint32) * 2 + 257) // 514).astype(np.uint8)
+        transparent = image.info.get("transparency")
+        if isinstance(transparent, int):
+            grey[values == transparent] = 255
+    return Image.fromarray(np.repeat(grey[:, :, None], 3, axis=2), "RGB")
+
+
+# ---------------------------------------------------------------------------------------
+# RGB image -> patches
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """HF's `smart_resize`, same arithmetic (Python round = half to even), reject instead of raise.
+
+    Both sides become multiples of `factor`, the area lands in [min_pixels, max_pixels]
+    where possible, the aspect ratio is kept as closely as the rounding allows.
+    """
+    if min(height, width) <= 0 or max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise RejectError(
+            "aspect_ratio",
+            f"image {width}x{height}: aspect ratio must be at most {MAX_ASPECT_RATIO} "
+            "(the Qwen-VL image processor refuses it)",
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def image_to_patches(image: Image.Image, vision: VisionConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """RGB image -> (`pixel_patches` uint8 [gh*gw, C*P*P], grid (1, gh, gw)).
+
+    Resized with PIL BICUBIC on uint8, exactly as `Qwen2VLImageProcessorPil` does, then cut
+    into patches in HF's row order (merge blocks of m*m consecutive rows, each block one LLM
+    token) with columns (c, py, px): HF's `pixel_values` row minus the temporal repeat and
+    the normalisation, which `shards_schema.pixels` adds back.
+    """
+    if image.mode != "RGB":
+        raise ValueError(f"image_to_patches needs an RGB image (use decode_image), got mode {image.mode}")
+    height, width = smart_resize(
+        image.height, image.width, vision.resize_factor, vision.min_pixels, vision.max_pixels
+    )
+    resized = image.resize((width, height), Image.Resampling.BICUBIC)
+    pixels = np.asarray(resized)  # [H, W, C] uint8
+    p, m, c = vision.patch_size, vision.merge_size, vision.channels
+    gh, gw = height // p, width // p
+    blocks = pixels.reshape(gh // m, m, p, gw // m, m, p, c)
+    # (block row, block col, row in block, col in block, channel, py, px)
+    patches = np.ascontiguousarray(blocks.transpose(0, 3, 1, 4, 6, 2, 5)).reshape(gh * gw, c * p * p)
+    return patches, (1, gh, gw)
+
+
+def load_image_patches(
+    source: str,
+    vision: VisionConfig,
+    media_root: Path | None = None,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Image reference of a chat part -> (`pixel_patches`, grid): the whole per-image path."""
+    data = resolve_image_source(source, media_root)
+    image = decode_image(data, max_image_pixels=max_image_pixels)
+    return image_to_patches(image, vision)

@@ -1,0 +1,706 @@
+"""Native chat rendering for the Qwen-VL families, with loss spans.
+
+`render_conversation` turns one OpenAI-format conversation into the exact text the official
+chat template of the family produces (`qwen3-vl`: Qwen3-VL-*-Instruct; `qwen2.5-vl`:
+Qwen2.5-VL / Qwen2-VL Instruct), built with plain string operations: no jinja at run time.
+Because the renderer writes the text piece by piece, it knows which characters are training
+targets (assistant content, rendered tool calls and the closing `<|im_end|>`), something the
+templates cannot say since they have no `{% generation %}` markers.
+
+`tokenize_rendered` encodes that text once, exactly as Hugging Face does after applying the
+template, and turns the character spans into a per-token loss mask.
+
+The templates silently drop some content (a Qwen3-VL system message that is not first,
+images in Qwen3-VL system/assistant turns, tool calls and tool schemas under Qwen2.5-VL, ...).
+Training data must not lose content behind the user's back, so such rows are rejected
+(`dropped_by_template`) instead.
+
+`check_template_matches` guards the `--model DIR` path: the directory's template must render
+a set of probe conversations exactly like this module, or the job stops before any work.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+
+from .errors import ConfigError, RejectError
+
+FAMILIES = ("qwen3-vl", "qwen2.5-vl")
+LOSS_POLICIES = ("all_assistant", "last_assistant")
+ROLES = ("system", "user", "assistant", "tool")
+# RejectError codes raised by render_conversation (rejects.jsonl groups rows by them).
+REJECT_CODES = (
+    "no_messages",  # messages missing, empty or not a list
+    "bad_message",  # a message that is not an object, has no role, or a bad `train` flag
+    "unknown_role",  # role outside system/user/assistant/tool
+    "bad_content",  # content/part shapes the templates cannot render as intended
+    "unsupported_video",  # video parts
+    "bad_tool_call",  # malformed assistant tool_calls
+    "bad_tools",  # row `tools` not a list of objects
+    "dropped_by_template",  # the template would silently leave content out of the text
+    "vision_token_in_text",  # a literal vision token in text would desynchronise images and pads
+    "no_targets",  # no assistant turn is trained under the loss policy
+)
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+# Text that must come only from images: downstream stages count these tokens to place pixels
+# and M-RoPE positions, so a literal copy inside message text would desynchronise them.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+QWEN2_5_DEFAULT_SYSTEM = "You are a helpful assistant."
+QWEN3_TOOLS_INTRO = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+QWEN3_TOOLS_OUTRO = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' + IM_END + "\n"
+)
+# Message fields HF treats as reasoning; the Instruct templates render none of them.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+@dataclass
+class Rendered:
+    """One conversation rendered to text, before tokenization."""
+
+    text: str  # the full rendered conversation; each image as IMAGE_PLACEHOLDER
+    target_spans: list[tuple[int, int]]  # sorted, disjoint [start, end) character spans that are targets
+    image_sources: list[str]  # the image reference of each image, in order of appearance
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: untrusted JSON -> a small normalised form the renderers can trust.
+# ---------------------------------------------------------------------------------------------
+
+TEXT, IMAGE = "text", "image"
+
+
+@dataclass
+class _Message:
+    index: int  # position in the input list, for error messages
+    role: str
+    items: list[tuple[str, str]]  # (TEXT, text) or (IMAGE, source), in order
+    content_truthy: bool  # jinja truthiness of the raw `content` (decides a tool-call separator)
+    tool_calls: list[tuple[str, str]] = field(default_factory=list)  # (name, rendered arguments)
+    train: bool | None = None  # per-message loss override (assistant only)
+
+
+def _reject(code: str, index: int | None, message: str) -> RejectError:
+    where = "" if index is None else f"message {index}: "
+    return RejectError(code, where + message)
+
+
+def _part_kind(part: dict) -> str | None:
+    """Classify a content part with the templates' own test order (image, video, text)."""
+    part_type = part.get("type")
+    if part_type == "image" or "image" in part or "image_url" in part:
+        return IMAGE
+    if part_type in ("video", "video_url") or "video" in part or "video_url" in part:
+        return "video"
+    if "text" in part:
+        return TEXT
+    return None
+
+
+def _image_source(part: dict, where: str, index: int) -> str:
+    """The image reference of an image part: OpenAI `image_url` (object or string) or HF `image/url/path`."""
+    if "image_url" in part:
+        source = part["image_url"]
+        if isinstance(source, dict):
+            source = source.get("url")
+    elif "image" in part:
+        source = part["image"]
+    else:
+        source = part.get("url", part.get("path"))
+    if not isinstance(source, str) or not source:
+        raise _reject(
+            "bad_content", index, f"{where}: image part without a string source (image_url.url, image, url or path)"
+        )
+    return source
+
+
+def _parse_part(part, where: str, index: int) -> tuple[str, str]:
+    if not isinstance(part, dict):
+        raise _reject("bad_content", index, f"{where}: a content part must be an object, got {type(part).__name__}")
+    # Arrow-backed inputs (Parquet, `datasets`) give every part every struct key, absent ones as
+    # null. A null key is absent: the jinja templates would test `'image_url' in part` as true.
+    part = {k: v for k, v in part.items() if v is not None}
+    kind = _part_kind(part)
+    part_type = part.get("type")
+    if kind == "video":
+        raise _reject("unsupported_video", index, f"{where}: video input is not supported")
+    if kind == IMAGE:
+        if part_type not in (None, "image", "image_url"):
+            raise _reject("bad_content", index, f"{where}: part of type {part_type!r} carries an image key")
+        if "text" in part:
+            raise _reject(
+                "dropped_by_template",
+                index,
+                f"{where}: the template renders this part as an image and would drop its text",
+            )
+        return IMAGE, _image_source(part, where, index)
+    if kind == TEXT:
+        if part_type not in (None, "text"):
+            raise _reject("bad_content", index, f"{where}: unknown part type {part_type!r}")
+        if not isinstance(part["text"], str):
+            raise _reject("bad_content", index, f"{where}: text must be a string, got {type(part['text']).__name__}")
+        return TEXT, part["text"]
+    if part_type == "image_url":  # without an image_url key the template would not even see an image
+        raise _reject("bad_content", index, f"{where}: image part without a string source (image_url.url)")
+    raise _reject("bad_content", index, f"{where}: unknown part type {part_type!r} (expected text, image_url or image)")
+
+
+def _parse_content(message: dict, role: str, index: int) -> tuple[list[tuple[str, str]], bool]:
+    content = message.get("content")
+    if content is None and role == "assistant":
+        return [], False  # allowed for tool-call turns; renders like the template's missing content
+    if isinstance(content, str):
+        return [(TEXT, content)], bool(content)
+    if isinstance(content, list):
+        items = [_parse_part(part, f"content[{k}]", index) for k, part in enumerate(content)]
+        return items, bool(content)
+    raise _reject(
+        "bad_content", index, f"{role} content must be a string or a list of parts, got {type(content).__name__}"
+    )
+
+
+def _render_arguments(arguments, index: int, k: int) -> str:
+    """A string is rendered verbatim (OpenAI's JSON string), an object as the template's `tojson`."""
+    if isinstance(arguments, str):
+        return arguments
+    if isinstance(arguments, dict):
+        return json.dumps(arguments, ensure_ascii=False)
+    raise _reject("bad_tool_call", index, f"tool_calls[{k}].arguments must be a JSON string or an object")
+
+
+def _parse_tool_calls(message: dict, role: str, index: int) -> list[tuple[str, str]]:
+    tool_calls = message.get("tool_calls")
+    if not tool_calls:
+        return []
+    if role != "assistant":
+        raise _reject("dropped_by_template", index, f"tool_calls on a {role} message would be dropped by the template")
+    if not isinstance(tool_calls, list):
+        raise _reject("bad_tool_call", index, "tool_calls must be a list")
+    parsed = []
+    for k, call in enumerate(tool_calls):
+        if not isinstance(call, dict):
+            raise _reject("bad_tool_call", index, f"tool_calls[{k}] must be an object")
+        function = call.get("function") or call  # the template accepts OpenAI and bare {name, arguments}
+        if not isinstance(function, dict):
+            raise _reject("bad_tool_call", index, f"tool_calls[{k}].function must be an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise _reject("bad_tool_call", index, f"tool_calls[{k}] needs a function name (string)")
+        if "arguments" not in function:
+            raise _reject("bad_tool_call", index, f"tool_calls[{k}] has no arguments")
+        parsed.append((name, _render_arguments(function["arguments"], index, k)))
+    return parsed
+
+
+def _parse_message(message, index: int) -> _Message:
+    if not isinstance(message, dict):
+        raise _reject("bad_message", index, f"a message must be an object, got {type(message).__name__}")
+    message = {k: v for k, v in message.items() if v is not None}  # as HF's apply_chat_template does
+    if "role" not in message:
+        raise _reject("bad_message", index, "missing role")
+    role = message["role"]
+    if role not in ROLES:
+        raise _reject("unknown_role", index, f"role {role!r} is not one of {', '.join(ROLES)}")
+    train = message.get("train")
+    if train is not None and not isinstance(train, bool):
+        raise _reject("bad_message", index, "train must be true or false")
+    if train and role != "assistant":
+        raise _reject("bad_message", index, f"train: true on a {role} message (only assistant turns are trained)")
+    for name in REASONING_FIELDS:
+        if message.get(name):
+            raise _reject(
+                "dropped_by_template", index, f"{name} would be dropped: the Instruct templates do not render reasoning"
+            )
+    items, content_truthy = _parse_content(message, role, index)
+    return _Message(
+        index=index,
+        role=role,
+        items=items,
+        content_truthy=content_truthy,
+        tool_calls=_parse_tool_calls(message, role, index),
+        train=train,
+    )
+
+
+def _parse_tools(tools) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise _reject("bad_tools", None, "tools must be a list of function schemas (objects)")
+    return tools
+
+
+def _check_family_rules(messages: list[_Message], tools: list[dict], family: str) -> None:
+    """Reject what the family's template would silently leave out of the text."""
+    if family == "qwen3-vl":
+        for m in messages:
+            has_image = any(kind == IMAGE for kind, _ in m.items)
+            if m.role == "system" and m.index != 0:
+                raise _reject(
+                    "dropped_by_template",
+                    m.index,
+                    "qwen3-vl renders a system message only as the first message; this one would be dropped",
+                )
+            if m.role in ("system", "assistant") and has_image:
+                raise _reject("dropped_by_template", m.index, f"qwen3-vl drops images inside {m.role} messages")
+    else:
+        if tools:
+            raise _reject(
+                "dropped_by_template",
+                None,
+                "qwen2.5-vl's template does not render tools; the tool schemas would be dropped",
+            )
+        for m in messages:
+            if m.tool_calls:
+                raise _reject(
+                    "dropped_by_template",
+                    m.index,
+                    "qwen2.5-vl's template does not render tool_calls; they would be dropped",
+                )
+
+
+def _parse_conversation(messages, tools, family: str) -> tuple[list[_Message], list[dict]]:
+    if not isinstance(messages, list) or not messages:
+        raise _reject("no_messages", None, "messages must be a non-empty list")
+    parsed = [_parse_message(message, index) for index, message in enumerate(messages)]
+    tools = _parse_tools(tools)
+    _check_family_rules(parsed, tools, family)
+    return parsed, tools
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+
+
+class _TextBuilder:
+    """Appends text pieces while recording target spans and image sources."""
+
+    def __init__(self):
+        self.pieces: list[str] = []
+        self.length = 0
+        self.spans: list[list[int]] = []
+        self.images: list[str] = []
+
+    def add(self, text: str, target: bool = False) -> None:
+        if not text:
+            return
+        if target:
+            if self.spans and self.spans[-1][1] == self.length:
+                self.spans[-1][1] += len(text)  # extend: keep spans disjoint and few
+            else:
+                self.spans.append([self.length, self.length + len(text)])
+        self.pieces.append(text)
+        self.length += len(text)
+
+    def add_items(self, items: list[tuple[str, str]], target: bool = False) -> None:
+        """Content items in order; images are never targets, even inside a target turn."""
+        for kind, value in items:
+            if kind == IMAGE:
+                self.images.append(value)
+                self.add(IMAGE_PLACEHOLDER)
+            else:
+                self.add(value, target)
+
+    def result(self) -> Rendered:
+        return Rendered("".join(self.pieces), [tuple(span) for span in self.spans], self.images)
+
+
+def _text_of(message: _Message) -> str:
+    """Concatenated text items (system prompts render text parts only, without separators)."""
+    return "".join(value for kind, value in message.items if kind == TEXT)
+
+
+def _render_tool_calls(out: _TextBuilder, message: _Message, target: bool) -> None:
+    for k, (name, arguments) in enumerate(message.tool_calls):
+        # Template: `(loop.first and message.content) or not loop.first` -> "\n". Truthiness of
+        # the raw content, so a list holding only an empty text part still gets the newline.
+        separator = "\n" if (k > 0 or message.content_truthy) else ""
+        out.add(f'{separator}<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>', target)
+
+
+def _render_assistant(out: _TextBuilder, message: _Message, target: bool) -> None:
+    """Header, content, tool calls, `<|im_end|>`, "\n": only the middle three are targets."""
+    out.add(IM_START + "assistant\n")
+    out.add_items(message.items, target)
+    _render_tool_calls(out, message, target)
+    out.add(IM_END, target)
+    out.add("\n")
+
+
+def _render_qwen3_system(out: _TextBuilder, system: _Message | None, tools: list[dict]) -> None:
+    if tools:
+        out.add(IM_START + "system\n")
+        if system is not None:
+            out.add(_text_of(system) + "\n\n")
+        out.add(QWEN3_TOOLS_INTRO)
+        for tool in tools:
+            out.add("\n" + json.dumps(tool, ensure_ascii=False))
+        out.add(QWEN3_TOOLS_OUTRO)
+    elif system is not None:
+        out.add(IM_START + "system\n" + _text_of(system) + IM_END + "\n")
+
+
+def _render_qwen3(out: _TextBuilder, messages: list[_Message], tools: list[dict], targets: list[bool]) -> None:
+    system = messages[0] if messages[0].role == "system" else None
+    _render_qwen3_system(out, system, tools)
+    last = len(messages) - 1
+    for i, message in enumerate(messages):
+        if message.role == "user":
+            out.add(IM_START + "user\n")
+            out.add_items(message.items)
+            out.add(IM_END + "\n")
+        elif message.role == "assistant":
+            _render_assistant(out, message, targets[i])
+        elif message.role == "tool":
+            # Consecutive tool results share one user turn, each wrapped in <tool_response>.
+            if i == 0 or messages[i - 1].role != "tool":
+                out.add(IM_START + "user")
+            out.add("\n<tool_response>\n")
+            out.add_items(message.items)
+            out.add("\n</tool_response>")
+            if i == last or messages[i + 1].role != "tool":
+                out.add(IM_END + "\n")
+        # system: rendered above (only as the first message; validation rejects any other)
+
+
+def _render_qwen2_5(out: _TextBuilder, messages: list[_Message], targets: list[bool]) -> None:
+    if messages[0].role != "system":
+        out.add(IM_START + "system\n" + QWEN2_5_DEFAULT_SYSTEM + IM_END + "\n")
+    for i, message in enumerate(messages):
+        if message.role == "assistant":
+            _render_assistant(out, message, targets[i])
+        else:  # system, user and tool all render the same way, under their own role name
+            out.add(IM_START + message.role + "\n")
+            out.add_items(message.items)
+            out.add(IM_END + "\n")
+
+
+def _target_flags(messages: list[_Message], loss_policy: str) -> list[bool]:
+    """Which messages are trained: the policy, then each assistant message's `train` override."""
+    assistant = [i for i, m in enumerate(messages) if m.role == "assistant"]
+    by_policy = set(assistant) if loss_policy == "all_assistant" else set(assistant[-1:])
+    return [
+        m.role == "assistant" and (m.train if m.train is not None else i in by_policy) for i, m in enumerate(messages)
+    ]
+
+
+def _check_vision_tokens(rendered: Rendered) -> None:
+    """Vision tokens may come only from image parts (checked on the final text: pieces can join)."""
+    expected = len(rendered.image_sources)
+    for token in VISION_TOKENS:
+        count = rendered.text.count(token)
+        if count != (0 if token == "<|video_pad|>" else expected):
+            raise _reject(
+                "vision_token_in_text",
+                None,
+                f"the text contains a literal {token}; vision tokens may only come from image parts",
+            )
+
+
+def render_conversation(
+    messages: list, *, family: str, tools: list | None = None, loss_policy: str = "all_assistant"
+) -> Rendered:
+    """Render OpenAI-format `messages` (and the row's `tools`) exactly as the family's official template.
+
+    Raises RejectError for rows that are malformed or would lose content in the template, and
+    ValueError for an unknown family or loss policy (job configuration, not data).
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+    if loss_policy not in LOSS_POLICIES:
+        raise ValueError(f"unknown loss_policy {loss_policy!r}; choose one of {LOSS_POLICIES}")
+    parsed, tools = _parse_conversation(messages, tools, family)
+    targets = _target_flags(parsed, loss_policy)
+    out = _TextBuilder()
+    if family == "qwen3-vl":
+        _render_qwen3(out, parsed, tools, targets)
+    else:
+        _render_qwen2_5(out, parsed, targets)
+    rendered = out.result()
+    _check_vision_tokens(rendered)
+    if not rendered.target_spans:
+        raise _reject("no_targets", None, f"no assistant turn is a training target under loss policy {loss_policy!r}")
+    return rendered
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization and loss mask
+# ---------------------------------------------------------------------------------------------
+
+
+def tokenize_rendered(rendered: Rendered, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (int32 [L], one `<|image_pad|>` per image) and loss mask (uint8 [L]).
+
+    The whole text is encoded once with add_special_tokens=False, which is what HF does after
+    applying the template, so ids match HF token for token.
+
+    Mask rule: a token is a target iff its start character offset lies inside a target span.
+    Target spans start right after `<|im_start|>assistant\\n` and end right after `<|im_end|>`,
+    and special tokens never merge with neighbouring text, so this is exact except at the
+    start of a turn: the byte-level BPE merges the header's "\\n" with leading newlines of the
+    content into one token, which starts in the header and is therefore not a target (the
+    content's leading newlines are not learned; everything after them is).
+    """
+    encoding = tokenizer.encode(rendered.text, add_special_tokens=False)
+    input_ids = np.asarray(encoding.ids, dtype=np.int32)
+    # (start, end) pairs flattened in C (twice as fast as np.asarray on the list of tuples)
+    offsets = np.fromiter(chain.from_iterable(encoding.offsets), dtype=np.int64, count=2 * len(input_ids))
+    starts = offsets[0::2]
+    # Flattened span bounds [s0, e0, s1, e1, ...]: a start offset lands inside a span exactly
+    # when the number of bounds <= it is odd.
+    bounds = np.asarray(rendered.target_spans, dtype=np.int64).reshape(-1)
+    inside = np.searchsorted(bounds, starts, side="right") & 1
+    loss_mask = inside.astype(np.uint8)
+    _check_image_pads(input_ids, loss_mask, rendered, tokenizer)
+    return input_ids, loss_mask
+
+
+def _check_image_pads(input_ids: np.ndarray, loss_mask: np.ndarray, rendered: Rendered, tokenizer) -> None:
+    """Guarantee: one `<|image_pad|>` per image, none of them a target."""
+    image_pad = tokenizer.token_to_id("<|image_pad|>")
+    if image_pad is None:
+        raise ConfigError("the tokenizer has no <|image_pad|> token: not a Qwen-VL tokenizer")
+    is_pad = input_ids == image_pad
+    if int(is_pad.sum()) != len(rendered.image_sources) or loss_mask[is_pad].any():
+        raise AssertionError("image pads must be one per image and never targets; renderer invariant broken")
+
+
+# ---------------------------------------------------------------------------------------------
+# Template check for --model DIR
+# ---------------------------------------------------------------------------------------------
+
+_DATA_URI = "data:image/png;base64,iVBORw0KGgo="
+_WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city — température",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+_CLOCK_TOOL = {"type": "function", "function": {"name": "now", "description": "Current time", "parameters": {}}}
+
+# (name, messages, tools): together they exercise every branch of both official templates.
+TEMPLATE_PROBES: tuple[tuple[str, list, list | None], ...] = (
+    (
+        "system string",
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+        ],
+        None,
+    ),
+    (
+        "system text parts",
+        [
+            {"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "kind."}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": _DATA_URI}},
+                ],
+            },
+            {"role": "assistant", "content": "A cat."},
+        ],
+        None,
+    ),
+    (
+        "no system, multi-turn",
+        [
+            {"role": "user", "content": "1+1?"},
+            {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "and 2+2?"},
+            {"role": "assistant", "content": "4"},
+        ],
+        None,
+    ),
+    (
+        "multi-image user turn",
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": "a.jpg"},
+                    {"type": "text", "text": "compare with"},
+                    {"type": "image_url", "image_url": {"url": _DATA_URI}},
+                    {"type": "image", "url": "https://example.com/b.png"},
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "They differ."}]},
+        ],
+        None,
+    ),
+    (
+        "whitespace and unicode",
+        [
+            {"role": "user", "content": "\n  你好 👋🏽 é שלום \n"},
+            {"role": "assistant", "content": "\n\n<think>ok</think>  done \n"},
+            {"role": "user", "content": ""},
+            {"role": "assistant", "content": ""},
+        ],
+        None,
+    ),
+    (
+        "tools with system and tool call",
+        [
+            {"role": "system", "content": "Use tools."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'},
+            {"role": "assistant", "content": "21 °C."},
+        ],
+        [_WEATHER_TOOL],
+    ),
+    (
+        "tools without system, string arguments, content before calls",
+        [
+            {"role": "user", "content": "Time and weather?"},
+            {
+                "role": "assistant",
+                "content": "Checking.",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "now", "arguments": "{}"}},
+                    {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "東京"}'}},
+                ],
+            },
+            {"role": "tool", "content": "12:00"},
+            {"role": "tool", "content": "sunny"},
+            {"role": "assistant", "content": "Noon, sunny."},
+        ],
+        [_CLOCK_TOOL, _WEATHER_TOOL],
+    ),
+    (
+        "bare tool call form, tool response with image",
+        [
+            {"role": "system", "content": [{"type": "text", "text": "Agent."}]},
+            {"role": "user", "content": "Screenshot please"},
+            {"role": "assistant", "content": "", "tool_calls": [{"name": "screenshot", "arguments": {}}]},
+            {"role": "tool", "content": [{"type": "text", "text": "here:"}, {"type": "image", "image": "shot.png"}]},
+            {"role": "assistant", "content": "Got it."},
+        ],
+        [{"type": "function", "function": {"name": "screenshot", "parameters": {}}}],
+    ),
+    (
+        "tool message without tools",
+        [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": "calling"},
+            {"role": "tool", "content": "result"},
+            {"role": "assistant", "content": "done"},
+        ],
+        None,
+    ),
+    (
+        "tool calls with list content",
+        [
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": [{"type": "text", "text": ""}],
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+                ],
+            },
+            {"role": "tool", "content": "cold"},
+            {"role": "assistant", "content": "Cold."},
+        ],
+        [_WEATHER_TOOL],
+    ),
+    (
+        "first message from tool",
+        [
+            {"role": "tool", "content": "boot log"},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _DATA_URI}}]},
+            {"role": "assistant", "content": "ok"},
+        ],
+        None,
+    ),
+    (
+        "qwen2.5 system image and later system",
+        [
+            {"role": "system", "content": [{"type": "text", "text": "Ref:"}, {"type": "image", "image": "ref.png"}]},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hey"},
+            {"role": "system", "content": "Switch to French."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "salut"},
+        ],
+        None,
+    ),
+)
+
+
+def _render_with_hf(template_text: str, messages: list, tools: list | None) -> str:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=template_text)
+    return rendered[0]
+
+
+def _first_difference(a: str, b: str) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def _excerpt(text: str, at: int, radius: int = 60) -> str:
+    return repr(text[max(0, at - radius) : at + radius])
+
+
+def check_template_matches(profile, template_text: str) -> None:
+    """Raise ConfigError unless `template_text` renders every probe exactly like `render_conversation`.
+
+    Probes the family rejects (e.g. tool calls under qwen2.5-vl) are skipped for that family.
+    """
+    try:
+        import transformers.utils.chat_template_utils  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            "checking a model directory's chat template needs transformers: pip install transformers"
+        ) from exc
+    family = profile.family
+    for name, messages, tools in TEMPLATE_PROBES:
+        try:
+            ours = render_conversation(messages, family=family, tools=tools).text
+        except RejectError:
+            continue  # content this family cannot render without loss; not a template property
+        try:
+            theirs = _render_with_hf(template_text, messages, tools)
+        except Exception as exc:  # jinja syntax or runtime errors from an arbitrary template
+            raise ConfigError(
+                f"the chat template of {profile.source} fails on probe {name!r} ({type(exc).__name__}: {exc}); "
+                f"it is not a template vlmpack renders natively ({family})"
+            ) from exc
+        if theirs != ours:
+            at = _first_difference(theirs, ours)
+            raise ConfigError(
+                f"the chat template of {profile.source} is not one vlmpack renders natively: it differs from the "
+                f"official {family} template on probe {name!r} at character {at}\n"
+                f"  template: ...{_excerpt(theirs, at)}...\n"
+                f"  vlmpack:  ...{_excerpt(ours, at)}...\n"
+                f"use the official chat template of the checkpoint (sha256 of the supported templates is in "
+                f"preprocess.profiles.OFFICIAL_TEMPLATE_SHA256)"
+            )

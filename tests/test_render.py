@@ -1,0 +1,619 @@
+"""`preprocess.render` against the oracle: Hugging Face's own jinja rendering of the official
+chat templates (../shared/fixtures) and HF's tokenizer, for both families, on randomized
+conversations; loss masks against an id-level assistant-turn scan that never looks at
+character offsets; every reject code; the `--model DIR` template check."""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+
+import numpy as np
+import pytest
+
+from preprocess.errors import ConfigError, RejectError
+from preprocess.render import (
+    IMAGE_PLACEHOLDER,
+    REJECT_CODES,
+    TEMPLATE_PROBES,
+    check_template_matches,
+    render_conversation,
+    tokenize_rendered,
+)
+
+N_RANDOM = 300
+POLICIES = ("all_assistant", "last_assistant")
+
+# Text fragments joined at random: unicode of every kind (CJK, emoji with modifiers, combining
+# marks, RTL, characters NFC rewrites), whitespace at the edges, and strings that are tokens.
+FRAGMENTS = [
+    "Hello",
+    "What is in this image?",
+    "The answer is 42.",
+    "你好，世界",
+    "日本語のテキスト",
+    "한국어",
+    "👋🏽",
+    "🎉✨🧑‍🚀",
+    "e\u0301",
+    "A\u030a",
+    "\u212b",
+    "n\u0303o",
+    "שלום עולם",
+    "مرحبا بالعالم",
+    "a\u200bb",
+    "ﬁ",
+    "’quotes’ “double”",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    '{"a": 1}',
+    "x = 1\nprint(x)\n",
+    "  ",
+    " ",
+    "\n",
+    "\n\n",
+    "\t",
+    "\r\n",
+    "...",
+]
+
+
+def rand_text(rng: random.Random) -> str:
+    return "".join(rng.choice(FRAGMENTS) for _ in range(rng.choice([0, 1, 1, 2, 3, 4])))
+
+
+def rand_image_part(rng: random.Random) -> tuple[dict, str]:
+    """An image part in one of the accepted spellings, and the source the renderer must report."""
+    n = rng.randrange(10**6)
+    uri = "data:image/png;base64," + base64.b64encode(n.to_bytes(4, "big") * 3).decode()
+    part = rng.choice(
+        [
+            {"type": "image_url", "image_url": {"url": uri}},
+            {"type": "image_url", "image_url": uri},
+            {"type": "image", "image": f"images/{n}.jpg"},
+            {"type": "image", "url": f"https://example.com/{n}.png"},
+            {"type": "image", "path": f"/data/{n}.png"},
+        ]
+    )
+    source = part.get("image_url", part.get("image", part.get("url", part.get("path"))))
+    return part, source["url"] if isinstance(source, dict) else source
+
+
+def rand_content(rng: random.Random, images: bool, sources: list[str]):
+    """A string, or a list of text parts (and image parts when `images`)."""
+    if rng.random() < 0.4:
+        return rand_text(rng)
+    parts = []
+    for _ in range(rng.randint(1, 4)):
+        if images and rng.random() < 0.4:
+            part, source = rand_image_part(rng)
+            parts.append(part)
+            sources.append(source)
+        else:
+            parts.append({"type": "text", "text": rand_text(rng)})
+    return parts
+
+
+def rand_tools(rng: random.Random) -> list[dict]:
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{k}",
+                "description": rand_text(rng),
+                "parameters": {"type": "object", "properties": {"q": {"type": "string", "description": "查询 🔍"}}},
+            },
+        }
+        for k in range(rng.randint(1, 3))
+    ]
+
+
+def rand_tool_call(rng: random.Random, tools: list[dict]) -> dict:
+    name = rng.choice(tools)["function"]["name"]
+    args = {"q": rand_text(rng), "n": rng.randint(0, 9), "nested": {"ok": rng.random() < 0.5, "l": [1, "二"]}}
+    if rng.random() < 0.5:
+        args = json.dumps(args, ensure_ascii=rng.random() < 0.5)  # OpenAI: a JSON string, rendered verbatim
+    if rng.random() < 0.3:
+        return {"name": name, "arguments": args}  # the bare form the template also accepts
+    return {"id": f"call_{rng.randrange(999)}", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def maybe_train_flag(rng: random.Random, message: dict) -> dict:
+    roll = rng.random()
+    if roll < 0.1:
+        message["train"] = False
+    elif roll < 0.15:
+        message["train"] = True
+    return message
+
+
+def rand_assistant(rng: random.Random, family: str, sources: list[str]) -> dict:
+    content = rand_content(rng, images=family == "qwen2.5-vl" and rng.random() < 0.2, sources=sources)
+    return maybe_train_flag(rng, {"role": "assistant", "content": content})
+
+
+def rand_tool_round(rng: random.Random, tools: list[dict], sources: list[str]) -> list[dict]:
+    """qwen3-vl: assistant tool calls, 1-3 (consecutive) tool results, a final answer."""
+    content = rng.choice([None, "", rand_text(rng), [{"type": "text", "text": rand_text(rng)}]])
+    calls = [rand_tool_call(rng, tools) for _ in range(rng.randint(1, 3))]
+    messages = [maybe_train_flag(rng, {"role": "assistant", "content": content, "tool_calls": calls})]
+    for k in range(rng.randint(1, 3)):
+        messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": rand_content(rng, True, sources)})
+    messages.append(rand_assistant(rng, "qwen3-vl", sources))
+    return messages
+
+
+def rand_system(rng: random.Random, family: str, sources: list[str]) -> dict:
+    if rng.random() < 0.5:
+        return {"role": "system", "content": rand_text(rng)}
+    images = family == "qwen2.5-vl" and rng.random() < 0.3  # qwen3-vl would drop them (rejected)
+    return {"role": "system", "content": rand_content(rng, images, sources) or [{"type": "text", "text": ""}]}
+
+
+def rand_conversation(rng: random.Random, family: str):
+    """(messages, tools, image sources in order) for one random conversation."""
+    messages, sources = [], []
+    roll = rng.random()
+    if roll < 0.6:
+        messages.append(rand_system(rng, family, sources))
+    elif roll < 0.65:
+        messages.append(
+            {"role": "tool", "content": rand_content(rng, True, sources)}
+        )  # a row starting with a tool result
+    tools = rand_tools(rng) if family == "qwen3-vl" and rng.random() < 0.35 else None
+    for _ in range(rng.randint(1, 3)):
+        for _ in range(rng.choice([1, 1, 1, 2])):  # sometimes two user turns in a row
+            messages.append({"role": "user", "content": rand_content(rng, True, sources)})
+        if family == "qwen2.5-vl" and rng.random() < 0.1:  # qwen2.5-vl renders later system and tool turns
+            messages.append({"role": rng.choice(["system", "tool"]), "content": rand_content(rng, True, sources)})
+        if tools and rng.random() < 0.6:
+            messages.extend(rand_tool_round(rng, tools, sources))
+        else:
+            messages.append(rand_assistant(rng, family, sources))
+    if tools is None and rng.random() < 0.05:
+        tools = []  # an empty list is falsy in the template: no tools block
+    return messages, tools, sources
+
+
+# ---------------------------------------------------------------------------------------------
+# Oracles
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizers(builtin_profiles, tmp_path_factory):
+    """HF tokenizers built from exactly the profile's tokenizer.json."""
+    from transformers import AutoTokenizer
+
+    tokenizers = {}
+    for family, profile in builtin_profiles.items():
+        directory = tmp_path_factory.mktemp(family)
+        (directory / "tokenizer.json").write_text(profile.tokenizer_json, encoding="utf-8")
+        (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+        tokenizers[family] = AutoTokenizer.from_pretrained(str(directory))
+    return tokenizers
+
+
+def hf_render(tokenizer, template: str, messages: list, tools) -> tuple[str, list[int]]:
+    text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False)
+    ids = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=True, return_dict=False)
+    return text, list(ids)
+
+
+def expected_trained(messages: list, policy: str) -> list[bool]:
+    """Per assistant message, in order: is it a target under `policy` and the `train` overrides."""
+    assistant = [m for m in messages if m["role"] == "assistant"]
+    flags = [policy == "all_assistant" or k == len(assistant) - 1 for k in range(len(assistant))]
+    return [m.get("train", flag) for m, flag in zip(assistant, flags, strict=True)]
+
+
+def expected_mask_from_ids(ids: list[int], trained: list[bool], tokenizer) -> np.ndarray:
+    """Mask from token ids alone: for the k-th `<|im_start|> assistant` pair, if trained, every
+    token after the header's newline token up to and including the next `<|im_end|>`, minus
+    vision tokens. The header's newline token may have absorbed leading newlines of the content."""
+    im_start, im_end, assistant = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "assistant"])
+    vision = set(tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]))
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    turn = 0
+    for i in range(len(ids) - 2):
+        if ids[i] == im_start and ids[i + 1] == assistant:
+            assert tokenizer.decode([ids[i + 2]]).startswith("\n")
+            end = ids.index(im_end, i + 2)
+            if trained[turn]:
+                mask[i + 3 : end + 1] = 1
+            turn += 1
+    assert turn == len(trained)
+    mask[np.isin(np.asarray(ids), list(vision))] = 0
+    return mask
+
+
+def check_against_hf(family, messages, tools, sources, profile, hf_tokenizer, template) -> int:
+    """Compare text, ids and masks under every policy; returns how many policies left no targets."""
+    text, ids = hf_render(hf_tokenizer, template, messages, tools)
+    no_targets = 0
+    for policy in POLICIES:
+        trained = expected_trained(messages, policy)
+        if not any(trained):
+            with pytest.raises(RejectError) as err:
+                render_conversation(messages, family=family, tools=tools, loss_policy=policy)
+            assert err.value.code == "no_targets"
+            no_targets += 1
+            continue
+        rendered = render_conversation(messages, family=family, tools=tools, loss_policy=policy)
+        assert rendered.text == text
+        assert rendered.image_sources == sources
+        input_ids, loss_mask = tokenize_rendered(rendered, profile.tokenizer)
+        assert input_ids.dtype == np.int32 and loss_mask.dtype == np.uint8
+        assert input_ids.tolist() == ids
+        np.testing.assert_array_equal(loss_mask, expected_mask_from_ids(ids, trained, hf_tokenizer))
+        image_pads = input_ids == profile.special.image_pad
+        assert image_pads.sum() == len(sources) and not loss_mask[image_pads].any()
+    return no_targets
+
+
+def test_random_conversations_match_hf(family, builtin_profiles, hf_tokenizers, official_template):
+    rng = random.Random(f"render-{family}")
+    stats = {"images": 0, "tools": 0, "tool_msgs": 0, "no_targets": 0}
+    for _ in range(N_RANDOM):
+        messages, tools, sources = rand_conversation(rng, family)
+        stats["images"] += len(sources)
+        stats["tools"] += bool(tools)
+        stats["tool_msgs"] += sum(m["role"] == "tool" for m in messages)
+        stats["no_targets"] += check_against_hf(
+            family, messages, tools, sources, builtin_profiles[family], hf_tokenizers[family], official_template[family]
+        )
+    # the generator really exercises the features
+    assert stats["images"] > N_RANDOM and stats["tool_msgs"] > 20 and stats["no_targets"] > 5
+    assert family == "qwen2.5-vl" or (stats["tools"] > 50 and stats["tool_msgs"] > 100)
+
+
+def image_sources_in_order(messages: list) -> list[str]:
+    sources = []
+    for message in messages:
+        if isinstance(message["content"], list):
+            for part in message["content"]:
+                source = part.get("image_url", part.get("image", part.get("url", part.get("path"))))
+                if source is not None:
+                    sources.append(source["url"] if isinstance(source, dict) else source)
+    return sources
+
+
+def test_probes_match_hf(family, builtin_profiles, hf_tokenizers, official_template):
+    """The template-check probes are hand-written edge cases; they must agree with HF too."""
+    checked = 0
+    for _, messages, tools in TEMPLATE_PROBES:
+        try:
+            render_conversation(messages, family=family, tools=tools)
+        except RejectError:
+            continue  # content this family rejects (covered by the reject tests)
+        sources = image_sources_in_order(messages)
+        check_against_hf(
+            family, messages, tools, sources, builtin_profiles[family], hf_tokenizers[family], official_template[family]
+        )
+        checked += 1
+    assert checked == {"qwen3-vl": 11, "qwen2.5-vl": 8}[family]  # the rest carry content the family rejects
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-written cases: exact masks and template subtleties
+# ---------------------------------------------------------------------------------------------
+
+
+def target_text(rendered):
+    return [rendered.text[a:b] for a, b in rendered.target_spans]
+
+
+def test_spans_cover_content_tool_calls_and_im_end_only():
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "first", "train": False},
+        {"role": "user", "content": "q2"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": "é"}}}],
+        },
+        {"role": "tool", "content": "r"},
+        {"role": "assistant", "content": "last"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    rendered = render_conversation(messages, family="qwen3-vl", tools=tools)
+    assert target_text(rendered) == [
+        '<tool_call>\n{"name": "f", "arguments": {"x": "é"}}\n</tool_call><|im_end|>',
+        "last<|im_end|>",
+    ]
+    last_only = render_conversation(messages, family="qwen3-vl", tools=tools, loss_policy="last_assistant")
+    assert target_text(last_only) == ["last<|im_end|>"]
+    messages[1]["train"] = True  # forces it in under last_assistant
+    forced = render_conversation(messages, family="qwen3-vl", tools=tools, loss_policy="last_assistant")
+    assert target_text(forced) == ["first<|im_end|>", "last<|im_end|>"]
+
+
+def test_qwen2_5_assistant_images_are_cut_out_of_spans(builtin_profiles):
+    messages = [
+        {"role": "user", "content": "draw"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "a"},
+                {"type": "image", "image": "x.png"},
+                {"type": "text", "text": "b"},
+            ],
+        },
+    ]
+    rendered = render_conversation(messages, family="qwen2.5-vl")
+    assert target_text(rendered) == ["a", "b<|im_end|>"]
+    assert rendered.text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    ids, mask = tokenize_rendered(rendered, builtin_profiles["qwen2.5-vl"].tokenizer)
+    assert (
+        IMAGE_PLACEHOLDER in rendered.text and mask[ids == builtin_profiles["qwen2.5-vl"].special.image_pad].sum() == 0
+    )
+
+
+def test_leading_newlines_merge_into_the_header_token(builtin_profiles):
+    """ "\n" of the header + "\n\n" of the content are one BPE token starting in the header:
+    not a target (documented rule); the rest of the content is."""
+    tokenizer = builtin_profiles["qwen3-vl"].tokenizer
+    rendered = render_conversation(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\n\nanswer"}], family="qwen3-vl"
+    )
+    ids, mask = tokenize_rendered(rendered, tokenizer)
+    pieces = [tokenizer.decode([int(i)], skip_special_tokens=False) for i in ids]
+    header = pieces.index("assistant")
+    assert pieces[header + 1] == "\n\n\n" and mask[header + 1] == 0
+    assert "".join(p for p, m in zip(pieces, mask, strict=True) if m) == "answer<|im_end|>"
+
+
+def test_tool_call_newline_follows_raw_content_truthiness():
+    """`(loop.first and message.content)`: a list holding one empty text part is truthy."""
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    base = [{"role": "user", "content": "q"}]
+    with_list = render_conversation(
+        base + [{"role": "assistant", "content": [{"type": "text", "text": ""}], "tool_calls": [call]}],
+        family="qwen3-vl",
+    )
+    with_empty = render_conversation(
+        base + [{"role": "assistant", "content": "", "tool_calls": [call]}], family="qwen3-vl"
+    )
+    assert "assistant\n\n<tool_call>" in with_list.text
+    assert "assistant\n<tool_call>" in with_empty.text
+
+
+def test_unknown_policy_and_family_are_value_errors():
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    with pytest.raises(ValueError):
+        render_conversation(messages, family="qwen3-vl", loss_policy="everything")
+    with pytest.raises(ValueError):
+        render_conversation(messages, family="llama")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejects
+# ---------------------------------------------------------------------------------------------
+
+Q = {"role": "user", "content": "q"}
+A = {"role": "assistant", "content": "a"}
+CALL = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+BOTH = ("qwen3-vl", "qwen2.5-vl")
+
+# (code, families, messages, tools, text the message must contain)
+REJECTS = [
+    ("no_messages", BOTH, None, None, "non-empty list"),
+    ("no_messages", BOTH, [], None, "non-empty list"),
+    ("no_messages", BOTH, {"role": "user"}, None, "non-empty list"),
+    ("bad_message", BOTH, [Q, "hello"], None, "message 1"),
+    ("bad_message", BOTH, [{"content": "q"}, A], None, "missing role"),
+    ("bad_message", BOTH, [Q, dict(A, train="yes")], None, "train"),
+    ("bad_message", BOTH, [dict(Q, train=True), A], None, "only assistant"),
+    ("unknown_role", BOTH, [{"role": "developer", "content": "x"}, Q, A], None, "'developer'"),
+    ("bad_content", BOTH, [{"role": "user", "content": 5}, A], None, "message 0"),
+    ("bad_content", BOTH, [{"role": "user"}, A], None, "message 0"),
+    ("bad_content", BOTH, [{"role": "user", "content": {"text": "q"}}, A], None, "string or a list"),
+    ("bad_content", BOTH, [{"role": "user", "content": ["q"]}, A], None, "content[0]"),
+    (
+        "bad_content",
+        BOTH,
+        [{"role": "user", "content": [{"type": "text", "text": None}]}, A],
+        None,
+        "text must be a string",
+    ),
+    ("bad_content", BOTH, [{"role": "user", "content": [{"type": "text"}]}, A], None, "unknown part type"),
+    ("bad_content", BOTH, [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}, A], None, "'audio'"),
+    (
+        "bad_content",
+        BOTH,
+        [{"role": "user", "content": [{"type": "input_text", "text": "q"}]}, A],
+        None,
+        "'input_text'",
+    ),
+    ("bad_content", BOTH, [{"role": "user", "content": [{"type": "image"}]}, A], None, "string source"),
+    ("bad_content", BOTH, [{"role": "user", "content": [{"type": "image_url"}]}, A], None, "string source"),
+    (
+        "bad_content",
+        BOTH,
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 3}}]}, A],
+        None,
+        "string source",
+    ),
+    ("unsupported_video", BOTH, [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}, A], None, "video"),
+    (
+        "unsupported_video",
+        BOTH,
+        [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "v"}}]}, A],
+        None,
+        "video",
+    ),
+    ("dropped_by_template", ("qwen3-vl",), [Q, {"role": "system", "content": "late"}, A], None, "message 1"),
+    (
+        "dropped_by_template",
+        ("qwen3-vl",),
+        [{"role": "system", "content": [{"type": "image", "image": "s.png"}]}, Q, A],
+        None,
+        "images inside system",
+    ),
+    (
+        "dropped_by_template",
+        ("qwen3-vl",),
+        [Q, {"role": "assistant", "content": [{"type": "image", "image": "a.png"}]}],
+        None,
+        "images inside assistant",
+    ),
+    (
+        "dropped_by_template",
+        ("qwen2.5-vl",),
+        [Q, {"role": "assistant", "content": "", "tool_calls": [CALL]}],
+        None,
+        "tool_calls",
+    ),
+    ("dropped_by_template", ("qwen2.5-vl",), [Q, A], [{"type": "function", "function": {"name": "f"}}], "tools"),
+    ("dropped_by_template", BOTH, [dict(Q, tool_calls=[CALL]), A], None, "user message"),
+    ("dropped_by_template", BOTH, [Q, dict(A, reasoning_content="hmm")], None, "reasoning_content"),
+    (
+        "dropped_by_template",
+        BOTH,
+        [{"role": "user", "content": [{"type": "image", "image": "i.png", "text": "cap"}]}, A],
+        None,
+        "drop its text",
+    ),
+    (
+        "bad_tool_call",
+        ("qwen3-vl",),
+        [Q, {"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}],
+        None,
+        "name",
+    ),
+    (
+        "bad_tool_call",
+        ("qwen3-vl",),
+        [Q, {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": [1]}}]}],
+        None,
+        "arguments",
+    ),
+    ("bad_tool_call", ("qwen3-vl",), [Q, {"role": "assistant", "tool_calls": [{"name": "f"}]}], None, "no arguments"),
+    ("bad_tool_call", ("qwen3-vl",), [Q, {"role": "assistant", "tool_calls": "f()"}], None, "list"),
+    ("bad_tools", BOTH, [Q, A], "get_weather", "list of function schemas"),
+    ("bad_tools", BOTH, [Q, A], [1], "list of function schemas"),
+    ("vision_token_in_text", BOTH, [{"role": "user", "content": "see <|image_pad|>"}, A], None, "<|image_pad|>"),
+    (
+        "vision_token_in_text",
+        BOTH,
+        [{"role": "user", "content": [{"type": "text", "text": "<|vision_"}, {"type": "text", "text": "start|>"}]}, A],
+        None,
+        "<|vision_start|>",
+    ),
+    ("no_targets", BOTH, [Q], None, "no assistant turn"),
+    ("no_targets", BOTH, [Q, dict(A, train=False)], None, "no assistant turn"),
+]
+
+
+@pytest.mark.parametrize(
+    "code, families, messages, tools, needle", REJECTS, ids=[f"{r[0]}-{i}" for i, r in enumerate(REJECTS)]
+)
+def test_rejects(family, code, families, messages, tools, needle):
+    if family not in families:
+        pytest.skip(f"{code} case is specific to {families}")
+    with pytest.raises(RejectError) as err:
+        render_conversation(messages, family=family, tools=tools)
+    assert err.value.code == code
+    assert needle in err.value.message
+
+
+def test_every_reject_code_is_exercised():
+    assert {r[0] for r in REJECTS} == set(REJECT_CODES)
+
+
+def test_last_assistant_train_false_leaves_no_targets():
+    with pytest.raises(RejectError) as err:
+        render_conversation([Q, A, Q, dict(A, train=False)], family="qwen3-vl", loss_policy="last_assistant")
+    assert err.value.code == "no_targets"
+
+
+@pytest.mark.parametrize(
+    "family_name, messages, tools, lost",
+    [
+        ("qwen3-vl", [Q, {"role": "system", "content": "LATE SYSTEM"}, A], None, "LATE SYSTEM"),
+        (
+            "qwen3-vl",
+            [Q, {"role": "assistant", "content": [{"type": "text", "text": "x"}, {"type": "image", "image": "a.png"}]}],
+            None,
+            "<|image_pad|>",
+        ),
+        ("qwen2.5-vl", [Q, {"role": "assistant", "content": "", "tool_calls": [CALL]}], None, "<tool_call>"),
+        ("qwen2.5-vl", [Q, A], [{"type": "function", "function": {"name": "UNIQUE_TOOL"}}], "UNIQUE_TOOL"),
+    ],
+)
+def test_dropped_by_template_rejects_are_real_losses(
+    hf_tokenizers, official_template, family_name, messages, tools, lost
+):
+    """Proof from the oracle: what these rejects protect really is missing from HF's text."""
+    text, _ = hf_render(hf_tokenizers[family_name], official_template[family_name], messages, tools)
+    assert lost not in text
+    with pytest.raises(RejectError, match="dropped_by_template"):
+        render_conversation(messages, family=family_name, tools=tools)
+
+
+# ---------------------------------------------------------------------------------------------
+# check_template_matches
+# ---------------------------------------------------------------------------------------------
+
+
+def test_official_template_passes(family, builtin_profiles, official_template):
+    check_template_matches(builtin_profiles[family], official_template[family])
+
+
+def test_other_family_template_is_refused(family, builtin_profiles, official_template):
+    other = next(f for f in official_template if f != family)
+    with pytest.raises(ConfigError, match="not one vlmpack renders natively") as err:
+        check_template_matches(builtin_profiles[family], official_template[other])
+    assert "template:" in str(err.value) and "vlmpack:" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "family_name, old, new, probe",
+    [
+        ("qwen3-vl", "You may call one or more functions", "You can call functions", "tools with system and tool call"),
+        ("qwen3-vl", "{{- '\\n\\n' }}", "{{- '\\n' }}", "tools with system and tool call"),
+        ("qwen3-vl", "'\\n<tool_response>\\n'", "'<tool_response>\\n'", "tools with system and tool call"),
+        ("qwen2.5-vl", "You are a helpful assistant.", "You are Qwen.", "no system, multi-turn"),
+    ],
+)
+def test_modified_template_is_refused(builtin_profiles, official_template, family_name, old, new, probe):
+    template = official_template[family_name]
+    assert old in template
+    with pytest.raises(ConfigError) as err:
+        check_template_matches(builtin_profiles[family_name], template.replace(old, new, 1))
+    message = str(err.value)
+    assert f"probe {probe!r}" in message and "not one vlmpack renders natively" in message
+
+
+def test_broken_template_is_a_config_error(builtin_profiles):
+    with pytest.raises(ConfigError, match="fails on probe"):
+        check_template_matches(builtin_profiles["qwen3-vl"], "{% for m in messages %}{{ m.content | nosuchfilter }}")
+
+
+def test_model_dir_with_modified_template_is_refused(tmp_path, builtin_profiles, official_template):
+    """The `--model DIR` path calls the check (profiles.profile_from_model_dir)."""
+    from preprocess.profiles import profile_from_model_dir
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    (tmp_path / "tokenizer.json").write_text(builtin_profiles["qwen3-vl"].tokenizer_json, encoding="utf-8")
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "patch_size": 16,
+                "merge_size": 2,
+                "temporal_patch_size": 2,
+                "image_mean": [0.5] * 3,
+                "image_std": [0.5] * 3,
+            }
+        )
+    )
+    (tmp_path / "chat_template.jinja").write_text(official_template["qwen3-vl"], encoding="utf-8")
+    assert profile_from_model_dir(tmp_path).family == "qwen3-vl"
+    (tmp_path / "chat_template.jinja").write_text(official_template["qwen3-vl"].replace("<tools>", "<functions>"))
+    with pytest.raises(ConfigError, match="not one vlmpack renders natively"):
+        profile_from_model_dir(tmp_path)
