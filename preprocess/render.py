@@ -153,6 +153,8 @@ def _parse_part(part, where: str, index: int) -> tuple[str, str]:
         if not isinstance(part["text"], str):
             raise _reject("bad_content", index, f"{where}: text must be a string, got {type(part['text']).__name__}")
         return TEXT, part["text"]
+    if part_type == "text":
+        raise _reject("bad_content", index, f"{where}: text must be a string, got no text (missing or null)")
     if part_type == "image_url":  # without an image_url key the template would not even see an image
         raise _reject("bad_content", index, f"{where}: image part without a string source (image_url.url)")
     raise _reject("bad_content", index, f"{where}: unknown part type {part_type!r} (expected text, image_url or image)")
