@@ -421,7 +421,7 @@ REJECTS = [
         None,
         "text must be a string",
     ),
-    ("bad_content", BOTH, [{"role": "user", "content": [{"type": "text"}]}, A], None, "unknown part type"),
+    ("bad_content", BOTH, [{"role": "user", "content": [{"type": "text"}]}, A], None, "got no text"),
     ("bad_content", BOTH, [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}, A], None, "'audio'"),
     (
         "bad_content",
