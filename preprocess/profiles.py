@@ -51,6 +51,9 @@ SPECIAL_TOKEN_TEXT = {
     "vision_end": "<|vision_end|>",
     "image_pad": "<|image_pad|>",
     "video_pad": "<|video_pad|>",
+    # Not a special token: the role word after <|im_start|>. Recorded so shard checks can find
+    # assistant turns from ids alone.
+    "assistant": "assistant",
 }
 
 
@@ -114,6 +117,7 @@ class SpecialTokens:
     vision_end: int
     image_pad: int
     video_pad: int
+    assistant: int
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,11 @@ COMMANDS = {
     "quickstart": ("preprocess.cli:Quickstart", "preprocess a generated example dataset (no download) and show the result"),
     "preprocess": ("preprocess.cli:Preprocess", "chats + images (JSONL/JSON/Parquet/datasets) -> shards"),
     "merge": ("preprocess.cli:Merge", "join the outputs of a partitioned preprocessing job into one shard directory"),
+    "inspect": ("shards_schema.inspect:Inspect", "what a shard directory holds: totals, rejects, distributions, charts"),
+    "show": ("preprocess.show:Show", "one sample decoded back to text, targets highlighted, images rebuilt"),
+    "verify": ("shards_schema.verify:Verify", "check a shard directory end to end (exit code != 0 on any fault)"),
+    "export": ("shards_schema.webdataset:Export", "shard directory -> WebDataset tar shards"),
+    "import": ("shards_schema.webdataset:Import", "WebDataset tar shards -> shard directory"),
 }
 
 

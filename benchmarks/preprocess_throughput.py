@@ -1,0 +1,187 @@
+"""Preprocessing throughput and storage, side by side with the Hugging Face path, same inputs, one run.
+
+Per core (one process, interleaved rounds so machine noise hits all paths alike):
+  hf     : json row -> apply_chat_template (official template) -> load_image (base64 decode,
+           EXIF, RGB) -> Qwen2VLImageProcessorPil -> expand image pads -> tokenize
+  vlmpack: json row -> preprocess.pipeline.process_row (render, decode, resize, patchify,
+           tokenize, masks, M-RoPE positions)
+  floor  : base64 decode + PIL decode + bicubic resize to the same size, nothing else
+Storage: shard bytes per visual token vs HF's float32 pixel_values per visual token.
+Scaling: the full `vlmpack preprocess` job with 1 worker vs all cores.
+
+    python benchmarks/preprocess_throughput.py --rows 300 --size 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from preprocess.examples import encode_data_uri, synthetic_image, write_jsonl
+from preprocess.images import smart_resize
+from preprocess.job import PreprocessConfig, run_preprocess
+from preprocess.pipeline import SampleOptions, process_row
+from preprocess.profiles import builtin_profile
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+TEMPLATE_FILE = {"qwen3-vl": "qwen3_vl_instruct.chat_template.jinja", "qwen2.5-vl": "qwen2_5_vl_instruct.chat_template.jinja"}
+
+
+def make_rows(n: int, size: int, seed: int) -> list[dict]:
+    """Single-image photo-sized conversations (JPEG, ~size px on the long side), like captioning/VQA data."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        w = int(size * rng.uniform(0.75, 1.0))
+        h = int(size * rng.uniform(0.6, 1.0))
+        uri = encode_data_uri(synthetic_image(rng, w, h), "JPEG")
+        rows.append({"id": f"r{i}", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "Describe the image in detail."}]},
+            {"role": "assistant", "content": "The image shows a gradient background with several coloured shapes. " * 3},
+        ]})
+    return rows
+
+
+def hf_path(profile, template: str):
+    from transformers import AutoTokenizer
+    from transformers.image_utils import load_image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "tokenizer.json").write_text(profile.tokenizer_json, encoding="utf-8")
+    (tmp / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp))
+    v = profile.vision
+    processor = Qwen2VLImageProcessorPil(patch_size=v.patch_size, merge_size=v.merge_size, temporal_patch_size=v.temporal_patch_size,
+                                         image_mean=list(v.image_mean), image_std=list(v.image_std),
+                                         min_pixels=v.min_pixels, max_pixels=v.max_pixels)
+
+    def run(line: str):
+        row = json.loads(line)
+        text = tokenizer.apply_chat_template(row["messages"], chat_template=template, tokenize=False)
+        urls = [p["image_url"]["url"] for m in row["messages"] if isinstance(m["content"], list) for p in m["content"] if "image_url" in p]
+        features = processor(images=[load_image(u) for u in urls], return_tensors="np")
+        for g in features["image_grid_thw"]:
+            text = text.replace("<|image_pad|>", "<|placeholder|>" * int(g.prod() // v.merge_size**2), 1)
+        ids = tokenizer(text.replace("<|placeholder|>", "<|image_pad|>"), add_special_tokens=False)["input_ids"]
+        return ids, features["pixel_values"]
+
+    return run
+
+
+def vlmpack_path(profile):
+    options = SampleOptions()
+
+    def run(line: str):
+        return process_row(json.loads(line), sample_uid="x", source="x", profile=profile, options=options)
+
+    return run
+
+
+def floor_path(profile):
+    v = profile.vision
+
+    def run(line: str):
+        row = json.loads(line)
+        for m in row["messages"]:
+            for p in m["content"] if isinstance(m["content"], list) else []:
+                if "image_url" in p:
+                    img = Image.open(io.BytesIO(base64.b64decode(p["image_url"]["url"].split(",", 1)[1])))
+                    img.load()
+                    h, w = smart_resize(img.height, img.width, v.resize_factor, v.min_pixels, v.max_pixels)
+                    img.convert("RGB").resize((w, h), Image.Resampling.BICUBIC)
+
+    return run
+
+
+def per_sample_ms(fn, lines: list[str], rounds: int) -> list[float]:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for line in lines:
+            fn(line)
+        times.append((time.perf_counter() - t0) / len(lines) * 1e3)
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="qwen3-vl", choices=sorted(TEMPLATE_FILE))
+    ap.add_argument("--rows", type=int, default=300)
+    ap.add_argument("--size", type=int, default=500, help="long side of the images in pixels")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=os.cpu_count())
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+
+    profile = builtin_profile(args.profile)
+    template = (FIXTURES / TEMPLATE_FILE[args.profile]).read_text(encoding="utf-8")
+    rows = make_rows(args.rows, args.size, seed=0)
+    lines = [json.dumps(r) for r in rows]
+    paths = {"hf": hf_path(profile, template), "vlmpack": vlmpack_path(profile), "floor": floor_path(profile)}
+    for fn in paths.values():  # warm up (imports, caches)
+        for line in lines[:5]:
+            fn(line)
+    timings = {name: [] for name in paths}
+    for _ in range(args.rounds):  # interleave the paths round by round
+        for name, fn in paths.items():
+            timings[name] += per_sample_ms(fn, lines, 1)
+    ms = {name: statistics.median(t) for name, t in timings.items()}
+
+    # Storage and scaling: the real job on the same rows.
+    work = Path(tempfile.mkdtemp())
+    data = write_jsonl(work / "rows.jsonl", rows)
+    rows_per_shard = max(1, args.rows // (4 * max(args.workers, 1)))
+    jobs = {}
+    for workers in sorted({1, args.workers}):
+        cfg = PreprocessConfig(inputs=[str(data)], out=str(work / f"out{workers}"), profile=args.profile,
+                               workers=workers, rows_per_shard=rows_per_shard, progress=False)
+        t0 = time.perf_counter()
+        manifest = run_preprocess(cfg)
+        jobs[workers] = (time.perf_counter() - t0, manifest)
+    totals = jobs[1][1]["totals"]
+    v = profile.vision
+    visual_tokens = totals["patches"] // v.merge_size**2
+    ours_bytes = totals["bytes"] / visual_tokens
+    hf_bytes = 4 * v.pixel_values_row_width * v.merge_size**2
+    same = all((work / "out1" / s["file"]).read_bytes() == (work / f"out{args.workers}" / s["file"]).read_bytes()
+               for s in jobs[1][1]["shards"])
+
+    report = {
+        "profile": args.profile, "rows": args.rows, "image_long_side": args.size, "cpu_count": os.cpu_count(),
+        "ms_per_sample": ms,
+        "speedup_vs_hf": ms["hf"] / ms["vlmpack"],
+        "ratio_to_floor": ms["vlmpack"] / ms["floor"],
+        "shard_bytes_per_visual_token": ours_bytes,
+        "hf_float32_bytes_per_visual_token": hf_bytes,
+        "bytes_reduction": hf_bytes / ours_bytes,
+        "job_rows_per_s": {w: args.rows / t for w, (t, _) in jobs.items()},
+        "scaling_efficiency": (jobs[1][0] / jobs[args.workers][0]) / args.workers if args.workers > 1 else 1.0,
+        "byte_identical_across_worker_counts": same,
+    }
+    print(f"{'path':<10}{'ms/sample':>12}")
+    for name in paths:
+        print(f"{name:<10}{ms[name]:>12.2f}")
+    print(f"vlmpack is {report['speedup_vs_hf']:.2f}x the HF path per core, {report['ratio_to_floor']:.2f}x the decode+resize floor")
+    print(f"bytes per visual token: {ours_bytes:,.0f} (shards) vs {hf_bytes:,} (HF float32): {report['bytes_reduction']:.1f}x fewer")
+    for w, rate in report["job_rows_per_s"].items():
+        print(f"job with {w} worker(s): {rate:.1f} rows/s")
+    print(f"scaling efficiency at {args.workers} workers: {report['scaling_efficiency']:.0%}; byte-identical: {same}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
