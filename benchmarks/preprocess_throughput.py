@@ -18,7 +18,9 @@ import argparse
 import base64
 import io
 import json
+import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -105,6 +107,26 @@ def floor_path(profile):
     return run
 
 
+_FLOOR = {}
+
+
+def _floor_init(profile_name: str) -> None:
+    _FLOOR["run"] = floor_path(builtin_profile(profile_name))
+
+
+def _floor_one(line: str) -> None:
+    _FLOOR["run"](line)
+
+
+def parallel_floor_rows_per_s(profile_name: str, lines: list[str], workers: int) -> float:
+    """The machine's own parallel ceiling: decode+resize alone in `workers` warm processes."""
+    with mp.get_context("spawn").Pool(workers, initializer=_floor_init, initargs=(profile_name,)) as pool:
+        pool.map(_floor_one, lines[: 2 * workers], chunksize=1)
+        t0 = time.perf_counter()
+        pool.map(_floor_one, lines, chunksize=4)
+        return len(lines) / (time.perf_counter() - t0)
+
+
 def per_sample_ms(fn, lines: list[str], rounds: int) -> list[float]:
     times = []
     for _ in range(rounds):
@@ -121,12 +143,15 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=300)
     ap.add_argument("--size", type=int, default=500, help="long side of the images in pixels")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--workers", type=int, default=os.cpu_count())
+    ap.add_argument("--workers", default=f"1,{os.cpu_count()}", help="worker counts for the scaling run, comma separated")
+    ap.add_argument("--job-rows", type=int, default=2000, help="rows of the scaling job")
+    ap.add_argument("--work-dir", default=None, help="scratch directory (e.g. /dev/shm)")
+    ap.add_argument("--template", default=None, help="official chat template file (default: ../shared/fixtures)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
     profile = builtin_profile(args.profile)
-    template = (FIXTURES / TEMPLATE_FILE[args.profile]).read_text(encoding="utf-8")
+    template = Path(args.template or FIXTURES / TEMPLATE_FILE[args.profile]).read_text(encoding="utf-8")
     rows = make_rows(args.rows, args.size, seed=0)
     lines = [json.dumps(r) for r in rows]
     paths = {"hf": hf_path(profile, template), "vlmpack": vlmpack_path(profile), "floor": floor_path(profile)}
@@ -139,24 +164,33 @@ def main() -> int:
             timings[name] += per_sample_ms(fn, lines, 1)
     ms = {name: statistics.median(t) for name, t in timings.items()}
 
-    # Storage and scaling: the real job on the same rows.
-    work = Path(tempfile.mkdtemp())
-    data = write_jsonl(work / "rows.jsonl", rows)
-    rows_per_shard = max(1, args.rows // (4 * max(args.workers, 1)))
+    # Storage and scaling: the real job on the same rows (repeated to --job-rows so every worker
+    # has many units). Outputs are deleted after each run; shard checksums are compared.
+    work = Path(tempfile.mkdtemp(dir=args.work_dir))
+    worker_counts = sorted({1, *(int(w) for w in args.workers.split(","))})
+    job_rows = [rows[i % len(rows)] for i in range(max(args.job_rows, len(rows)))]
+    data = write_jsonl(work / "rows.jsonl", job_rows)
+    rows_per_shard = max(1, len(job_rows) // (8 * worker_counts[-1]))
     jobs = {}
-    for workers in sorted({1, args.workers}):
-        cfg = PreprocessConfig(inputs=[str(data)], out=str(work / f"out{workers}"), profile=args.profile,
+    for workers in worker_counts:
+        out = work / f"out{workers}"
+        cfg = PreprocessConfig(inputs=[str(data)], out=str(out), profile=args.profile,
                                workers=workers, rows_per_shard=rows_per_shard, progress=False)
         t0 = time.perf_counter()
         manifest = run_preprocess(cfg)
         jobs[workers] = (time.perf_counter() - t0, manifest)
+        shutil.rmtree(out)
+    shutil.rmtree(work)
+    job_lines = [json.dumps(r) for r in job_rows]
+    floor_rate = {w: parallel_floor_rows_per_s(args.profile, job_lines, w) for w in worker_counts}
     totals = jobs[1][1]["totals"]
     v = profile.vision
     visual_tokens = totals["patches"] // v.merge_size**2
     ours_bytes = totals["bytes"] / visual_tokens
+    pixel_bytes = v.patch_row_width * v.merge_size**2
     hf_bytes = 4 * v.pixel_values_row_width * v.merge_size**2
-    same = all((work / "out1" / s["file"]).read_bytes() == (work / f"out{args.workers}" / s["file"]).read_bytes()
-               for s in jobs[1][1]["shards"])
+    same = all(m["shards"] == jobs[1][1]["shards"] for _, m in jobs.values())
+    t1 = jobs[1][0]
 
     report = {
         "profile": args.profile, "rows": args.rows, "image_long_side": args.size, "cpu_count": os.cpu_count(),
@@ -166,18 +200,27 @@ def main() -> int:
         "shard_bytes_per_visual_token": ours_bytes,
         "hf_float32_bytes_per_visual_token": hf_bytes,
         "bytes_reduction": hf_bytes / ours_bytes,
-        "job_rows_per_s": {w: args.rows / t for w, (t, _) in jobs.items()},
-        "scaling_efficiency": (jobs[1][0] / jobs[args.workers][0]) / args.workers if args.workers > 1 else 1.0,
+        "pixel_bytes_per_visual_token": pixel_bytes,
+        "job_rows": len(job_rows),
+        "job_rows_per_s": {w: len(job_rows) / t for w, (t, _) in jobs.items()},
+        "scaling_efficiency": {w: (t1 / t) / w for w, (t, _) in jobs.items()},
+        "floor_rows_per_s": floor_rate,
+        "floor_scaling_efficiency": {w: floor_rate[w] / floor_rate[1] / w for w in worker_counts},
+        "job_vs_parallel_floor": {w: report_rate / floor_rate[w] for w, report_rate in ((w, len(job_rows) / t) for w, (t, _) in jobs.items())},
         "byte_identical_across_worker_counts": same,
     }
     print(f"{'path':<10}{'ms/sample':>12}")
     for name in paths:
         print(f"{name:<10}{ms[name]:>12.2f}")
     print(f"vlmpack is {report['speedup_vs_hf']:.2f}x the HF path per core, {report['ratio_to_floor']:.2f}x the decode+resize floor")
-    print(f"bytes per visual token: {ours_bytes:,.0f} (shards) vs {hf_bytes:,} (HF float32): {report['bytes_reduction']:.1f}x fewer")
+    print(f"bytes per visual token: {ours_bytes:,.0f} (whole shard: pixels, ids, masks, positions) / {pixel_bytes:,} "
+          f"(pixels alone) vs {hf_bytes:,} (HF float32 pixel_values): {report['bytes_reduction']:.2f}x / "
+          f"{hf_bytes / pixel_bytes:.2f}x fewer")
     for w, rate in report["job_rows_per_s"].items():
-        print(f"job with {w} worker(s): {rate:.1f} rows/s")
-    print(f"scaling efficiency at {args.workers} workers: {report['scaling_efficiency']:.0%}; byte-identical: {same}")
+        print(f"job with {w:>2} worker(s): {rate:8.1f} rows/s, speed-up {rate / report['job_rows_per_s'][1]:5.2f}x, "
+              f"efficiency {report['scaling_efficiency'][w]:.0%} | decode+resize alone: {floor_rate[w]:8.1f} rows/s, "
+              f"efficiency {report['floor_scaling_efficiency'][w]:.0%} | job/floor {report['job_vs_parallel_floor'][w]:.2f}")
+    print(f"shards byte-identical across worker counts: {same}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 0

@@ -125,6 +125,7 @@ _WORKER: dict = {}
 
 def _init_worker(profile: Profile, options: SampleOptions, out: Path, rows_per_unit: int, rows_done, rows_rejected) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _ = profile.tokenizer  # build it now, while the pool starts, not inside the first unit
     _WORKER.update(profile=profile, options=options, out=out, rows_per_unit=rows_per_unit, done=rows_done, rejected=rows_rejected)
 
 

@@ -130,6 +130,10 @@ class Profile:
     template_sha256: str
     source: str  # "builtin" or the model directory
 
+    def __getstate__(self):
+        # Ship the tokenizer as its JSON only: worker processes rebuild it once, lazily.
+        return {k: v for k, v in self.__dict__.items() if k != "tokenizer"}
+
     @cached_property
     def tokenizer(self):
         from tokenizers import Tokenizer

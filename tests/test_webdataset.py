@@ -1,0 +1,300 @@
+"""WebDataset interop: export to tars the `webdataset` package reads, import back byte for byte,
+deterministic bytes, random access by member offsets, clear errors on damaged exports, CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from preprocess.examples import example_rows, write_jsonl
+from preprocess.job import PreprocessConfig, run_preprocess
+from shards_schema import open_shards
+from shards_schema.manifest import load_manifest
+from shards_schema.webdataset import (
+    INDEX_NAME,
+    MEMBER_NAMES,
+    WebDatasetFormatError,
+    WebDatasetShards,
+    export_webdataset,
+    import_webdataset,
+    iter_webdataset_samples,
+    sample_key,
+)
+
+ROWS = 20
+SAMPLES_PER_TAR = 6  # not a divisor of the 8 rows per Arrow shard: tars straddle shard boundaries
+ARRAYS = ("input_ids", "loss_mask", "position_ids", "image_grid_thw", "pixel_patches")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory):
+    data = tmp_path_factory.mktemp("data")
+    rows = example_rows(ROWS, seed=11, size_range=(32, 160), include_bad_rows=True)
+    out = data / "shards"
+    run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(data / "chats.jsonl", rows))], out=str(out), workers=1, rows_per_shard=8, progress=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def source(shard_dir):
+    shards = open_shards(shard_dir)
+    return [shards[i] for i in range(len(shards))]
+
+
+@pytest.fixture(scope="module")
+def exported(shard_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "tars"
+    return out, export_webdataset(shard_dir, out, samples_per_tar=SAMPLES_PER_TAR)
+
+
+def assert_same_sample(got: dict, want: dict, where: str) -> None:
+    assert got["sample_uid"] == want["sample_uid"] and got["source"] == want["source"], where
+    for name in ARRAYS:
+        a, b = got[name], want[name]
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {name}"
+        assert a.tobytes() == b.tobytes(), f"{where}: {name}"
+
+
+def test_source_covers_text_only_and_multi_image(source, shard_dir):
+    images = [s["image_grid_thw"].shape[0] for s in source]
+    assert min(images) == 0 and max(images) >= 2
+    assert load_manifest(shard_dir)["accounting"]["rows_rejected"] > 0
+
+
+def test_index_and_tar_layout(exported, shard_dir, source):
+    out, index = exported
+    assert json.loads((out / INDEX_NAME).read_text()) == index
+    names = [t["file"] for t in index["tars"]]
+    assert names == [f"vlmpack-{k:06d}.tar" for k in range(len(names))]
+    assert sorted(p.name for p in out.glob("*.tar")) == names and not list(out.glob("*.tmp"))
+    assert [t["samples"] for t in index["tars"]] == [6, 6, 6, 2] and index["samples"] == len(source)
+    assert index["manifest"] == load_manifest(shard_dir)
+    assert (out / "rejects.jsonl").read_bytes() == (shard_dir / "rejects.jsonl").read_bytes()
+    assert index["url_pattern"] == "vlmpack-{000000..000003}.tar"
+
+    first = 0
+    for entry in index["tars"]:
+        path = out / entry["file"]
+        assert entry["first_index"] == first
+        assert entry["bytes"] == path.stat().st_size and entry["bytes"] % tarfile.RECORDSIZE == 0
+        assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+        with tarfile.open(path) as archive:
+            members = archive.getmembers()
+        keys = [sample_key(first + j) for j in range(entry["samples"])]
+        assert [m.name for m in members] == [f"{key}.{name}" for key in keys for name in MEMBER_NAMES]
+        assert {(m.mtime, m.uid, m.gid, m.uname, m.gname, m.mode, m.type) for m in members} == {(0, 0, 0, "", "", 0o644, tarfile.REGTYPE)}
+        # the recorded offsets are the header offsets of each sample's first member
+        assert entry["sample_offsets"] == [m.offset for m in members[:: len(MEMBER_NAMES)]]
+        assert entry["end_offset"] == members[-1].offset_data + -(-members[-1].size // 512) * 512
+        first += entry["samples"]
+    assert "." not in sample_key(12) and sample_key(12) == "s000000012"
+
+
+def test_npy_members_are_numpy_save_bytes(exported, source):
+    out, _ = exported
+    with tarfile.open(out / "vlmpack-000000.tar") as archive:
+        for j in range(SAMPLES_PER_TAR):
+            for name in ARRAYS:
+                buf = io.BytesIO()
+                np.save(buf, source[j][name])
+                assert archive.extractfile(f"{sample_key(j)}.{name}.npy").read() == buf.getvalue()
+            meta = json.loads(archive.extractfile(f"{sample_key(j)}.meta.json").read())
+            assert meta["sample_uid"] == source[j]["sample_uid"] and meta["index"] == j
+            assert meta["num_target_tokens"] == int(source[j]["loss_mask"].sum())
+
+
+def test_webdataset_package_decodes_the_tars(exported, source):
+    webdataset = pytest.importorskip("webdataset")
+    out, index = exported
+    for urls in (WebDatasetShards(out).tar_paths(), str(out / index["url_pattern"])):
+        decoded = list(webdataset.WebDataset(urls, shardshuffle=False).decode())
+        assert len(decoded) == len(source)
+        for i, (sample, want) in enumerate(zip(decoded, source)):
+            assert sample["__key__"] == sample_key(i)
+            got = {name: sample[f"{name}.npy"] for name in ARRAYS}
+            got |= {"sample_uid": sample["meta.json"]["sample_uid"], "source": sample["meta.json"]["source"]}
+            assert_same_sample(got, want, f"webdataset sample {i}")
+
+
+def test_iteration_and_random_access_match_open_shards(exported, source):
+    out, _ = exported
+    iterated = list(iter_webdataset_samples(out, verify=True))
+    assert len(iterated) == len(source)
+    dataset = pickle.loads(pickle.dumps(WebDatasetShards(out)))  # DataLoader workers get it by pickling
+    assert len(dataset) == len(source) and dataset.manifest["totals"]["rows"] == len(source)
+    for i, want in enumerate(source):
+        assert set(iterated[i]) == set(want)
+        assert_same_sample(iterated[i], want, f"iterated sample {i}")
+        assert_same_sample(dataset[i], want, f"random access sample {i}")
+    assert_same_sample(dataset[-1], source[-1], "sample -1")
+    with pytest.raises(IndexError):
+        dataset[len(source)]
+    dataset.close()
+    assert_same_sample(dataset[3], source[3], "sample 3 after close")
+
+
+def test_round_trip_is_byte_identical(exported, shard_dir, source, tmp_path):
+    out, _ = exported
+    back = tmp_path / "back"
+    manifest = import_webdataset(out, back)
+    original = load_manifest(shard_dir)
+    assert manifest == original == load_manifest(back)  # profile, settings, accounting, totals and shard sha256
+    for entry in original["shards"]:
+        assert (back / entry["file"]).read_bytes() == (shard_dir / entry["file"]).read_bytes()
+    assert (back / "rejects.jsonl").read_bytes() == (shard_dir / "rejects.jsonl").read_bytes()
+    shards = open_shards(back)
+    for i, want in enumerate(source):
+        assert_same_sample(shards[i], want, f"round-trip sample {i}")
+
+
+def test_export_is_deterministic(exported, shard_dir, tmp_path):
+    out, _ = exported
+    again = tmp_path / "again"
+    export_webdataset(shard_dir, again, samples_per_tar=SAMPLES_PER_TAR)
+    for name in [p.name for p in out.iterdir()]:
+        assert (again / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_max_tar_bytes_bounds_tars(shard_dir, source, tmp_path):
+    limit = 1_200_000
+    index = export_webdataset(shard_dir, tmp_path / "small", max_tar_bytes=limit)
+    assert len(index["tars"]) > 2
+    assert all(t["bytes"] <= limit or t["samples"] == 1 for t in index["tars"])
+    assert sum(t["samples"] for t in index["tars"]) == len(source)
+    one_each = export_webdataset(shard_dir, tmp_path / "tiny", max_tar_bytes=1)  # every sample is "too big": one per tar
+    assert [t["samples"] for t in one_each["tars"]] == [1] * len(source)
+    assert_same_sample(WebDatasetShards(tmp_path / "tiny")[7], source[7], "one-per-tar sample 7")
+
+
+# ---------------------------------------------------------------------------- damaged exports
+
+
+def _copy(exported, tmp_path) -> Path:
+    return Path(shutil.copytree(exported[0], tmp_path / "copy"))
+
+
+def _rewrite_tar(tardir: Path, k: int, transform) -> None:
+    """Rebuild tar k with `transform(name, bytes) -> (name, bytes) | None`, keeping index.json consistent."""
+    index = json.loads((tardir / INDEX_NAME).read_text())
+    entry = index["tars"][k]
+    path = tardir / entry["file"]
+    with tarfile.open(path) as archive:
+        members = [(m.name, archive.extractfile(m).read()) for m in archive.getmembers()]
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as archive:
+        for item in members:
+            item = transform(*item)
+            if item is not None:
+                info = tarfile.TarInfo(item[0])
+                info.size = len(item[1])
+                archive.addfile(info, io.BytesIO(item[1]))
+    entry["bytes"] = path.stat().st_size
+    entry["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (tardir / INDEX_NAME).write_text(json.dumps(index))
+
+
+def test_truncated_tar_is_refused_by_name(exported, tmp_path):
+    tardir = _copy(exported, tmp_path)
+    tar = tardir / "vlmpack-000001.tar"
+    tar.write_bytes(tar.read_bytes()[:300_000])
+    with pytest.raises(WebDatasetFormatError, match=r"vlmpack-000001\.tar: 300000 bytes, index\.json says"):
+        import_webdataset(tardir, tmp_path / "out")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    with pytest.raises(WebDatasetFormatError, match=r"vlmpack-000001\.tar: not a readable tar .*truncated"):
+        list(iter_webdataset_samples(tardir))
+    with pytest.raises(WebDatasetFormatError, match=r"vlmpack-000001\.tar: sample s000000011: the tar has 300000 bytes"):
+        WebDatasetShards(tardir)[11]
+
+
+def test_checksum_mismatch_is_refused_by_name(exported, tmp_path):
+    tardir = _copy(exported, tmp_path)
+    tar = tardir / "vlmpack-000002.tar"
+    data = bytearray(tar.read_bytes())
+    data[100_000] ^= 0xFF  # same size, different bytes
+    tar.write_bytes(bytes(data))
+    with pytest.raises(WebDatasetFormatError, match=r"vlmpack-000002\.tar: sha256 .* does not match index\.json"):
+        import_webdataset(tardir, tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_missing_member_and_wrong_dtype_name_tar_key_member(exported, tmp_path):
+    tardir = _copy(exported, tmp_path)
+    _rewrite_tar(tardir, 0, lambda name, data: None if name == "s000000003.loss_mask.npy" else (name, data))
+    with pytest.raises(WebDatasetFormatError, match=r"vlmpack-000000\.tar: sample s000000003: missing member\(s\) loss_mask\.npy"):
+        import_webdataset(tardir, tmp_path / "out")
+    assert not (tmp_path / "out" / "manifest.json").exists() and not list((tmp_path / "out").glob("*.tmp"))
+
+    def widen(name, data):
+        if name == "s000000008.input_ids.npy":
+            buf = io.BytesIO()
+            np.save(buf, np.load(io.BytesIO(data)).astype(np.int64))
+            data = buf.getvalue()
+        return name, data
+
+    _rewrite_tar(tardir, 1, widen)
+    with pytest.raises(WebDatasetFormatError, match=r"vlmpack-000001\.tar: sample s000000008\.input_ids\.npy: dtype <i8 \(int64\), the contract says <i4"):
+        list(WebDatasetShards(tardir).iter_tar(1))
+
+    _rewrite_tar(tardir, 2, lambda name, data: (name.replace("s000000013", "s000000099"), data))
+    with pytest.raises(WebDatasetFormatError, match=r"vlmpack-000002\.tar: member s000000099\.\S+: expected sample s000000013"):
+        list(WebDatasetShards(tardir).iter_tar(2))
+
+
+def test_missing_index_or_tar_and_busy_out_dir(exported, shard_dir, tmp_path):
+    tardir = _copy(exported, tmp_path)
+    (tardir / "vlmpack-000003.tar").unlink()
+    with pytest.raises(WebDatasetFormatError, match=r"vlmpack-000003\.tar: listed in index\.json but missing"):
+        import_webdataset(tardir, tmp_path / "out")
+    (tardir / INDEX_NAME).unlink()
+    with pytest.raises(WebDatasetFormatError, match=r"no index\.json \(an export that has not finished"):
+        WebDatasetShards(tardir)
+    with pytest.raises(ValueError, match=r"is not empty .* --overwrite"):
+        export_webdataset(shard_dir, tardir)
+    export_webdataset(shard_dir, tardir, samples_per_tar=100, overwrite=True)  # replaces the stale tars
+    assert sorted(p.name for p in tardir.iterdir()) == ["index.json", "rejects.jsonl", "vlmpack-000000.tar"]
+
+
+# ---------------------------------------------------------------------------- CLI and imports
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "shards_schema.cli", *map(str, args)], capture_output=True, text=True, cwd=REPO_ROOT)
+
+
+def test_cli_export_import_and_bad_input(shard_dir, tmp_path):
+    tardir, back = tmp_path / "tars", tmp_path / "back"
+    done = _cli("export", shard_dir, "--format", "webdataset", "--out", tardir, "--samples-per-tar", 5, "--max-tar-bytes", "64M")
+    assert done.returncode == 0, done.stderr
+    assert "exported 20 samples into 4 tars" in done.stdout
+    done = _cli("import", tardir, "--out", back)
+    assert done.returncode == 0, done.stderr
+    assert load_manifest(back) == load_manifest(shard_dir)
+
+    bad = _cli("export", tmp_path / "nowhere", "--out", tmp_path / "x")
+    assert bad.returncode == 2 and "no manifest.json" in bad.stderr
+    bad = _cli("import", shard_dir, "--out", tmp_path / "y")
+    assert bad.returncode == 2 and "no index.json" in bad.stderr
+    bad = _cli("export", shard_dir, "--out", tmp_path / "z", "--samples-per-tar", 0)
+    assert bad.returncode == 2 and "--samples-per-tar must be at least 1" in bad.stderr
+    bad = _cli("import", tardir, "--out", back)
+    assert bad.returncode == 2 and "not empty" in bad.stderr
+
+
+def test_module_imports_neither_preprocess_nor_torch():
+    code = (
+        "import sys, shards_schema.webdataset; "
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & {'preprocess', 'train', 'torch', 'PIL', 'webdataset'}); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
