@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shards_schema.atomic import TMP_SUFFIX, write_json_atomic, write_jsonl_atomic
-from shards_schema.manifest import MANIFEST_NAME, REJECTS_NAME, build_manifest
+from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, build_manifest
 from shards_schema.writer import ShardWriter
 
 from .errors import ConfigError, RejectError
@@ -33,7 +33,6 @@ from .inputs import InputFile, WorkUnit, describe_input, plan_units, read_rows
 from .pipeline import SampleOptions, process_row
 from .profiles import Profile, resolve_profile
 
-PARTS_DIR = "_parts"
 JOB_FILE = "job.json"
 DEFAULT_ROWS_PER_SHARD = 1024
 PROGRESS_EVERY_ROWS = 8

@@ -6,6 +6,8 @@ Imports neither `preprocess` nor `train`.
 from .manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, load_manifest
 from .reader import ShardFile, ShardSet, open_shards
 from .schema import SCHEMA_VERSION, Sample
+from .verify import VerifyReport, verify_shards
+from .webdataset import WebDatasetShards, iter_webdataset_samples
 
 __all__ = [
     "MANIFEST_NAME",
@@ -16,5 +18,9 @@ __all__ = [
     "ShardFormatError",
     "ShardSet",
     "load_manifest",
+    "iter_webdataset_samples",
     "open_shards",
+    "verify_shards",
+    "VerifyReport",
+    "WebDatasetShards",
 ]

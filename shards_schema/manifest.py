@@ -14,6 +14,7 @@ from .schema import FORMAT_NAME, SCHEMA_VERSION
 
 MANIFEST_NAME = "manifest.json"
 REJECTS_NAME = "rejects.jsonl"
+PARTS_DIR = "_parts"  # the preprocessing job's work area (unit commit records): resume/merge state
 TOTAL_KEYS = ("rows", "tokens", "target_tokens", "images", "patches", "bytes")
 
 

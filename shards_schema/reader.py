@@ -24,7 +24,7 @@ _COLUMN_DTYPES = {
 }
 
 
-def _list_views(column: pa.Array, dtype) -> tuple[np.ndarray, np.ndarray]:
+def list_views(column: pa.Array, dtype) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, values) numpy views of a list column, zero-copy."""
     offsets = np.frombuffer(column.buffers()[1], dtype=np.int64 if pa.types.is_large_list(column.type) else np.int32)
     offsets = offsets[column.offset : column.offset + len(column) + 1]
@@ -69,7 +69,7 @@ class ShardFile:
         views = self._views.get(b)
         if views is None:
             batch = self._batches[b]
-            views = {name: _list_views(batch.column(name), _COLUMN_DTYPES[name]) for name in ARRAY_COLUMNS}
+            views = {name: list_views(batch.column(name), _COLUMN_DTYPES[name]) for name in ARRAY_COLUMNS}
             views["sample_uid"] = batch.column("sample_uid")
             views["source"] = batch.column("source")
             self._views[b] = views
@@ -92,11 +92,15 @@ class ShardFile:
 
     def list_lengths(self, name: str) -> np.ndarray:
         """Per-row lengths of a list column, from its offsets alone (values are never touched)."""
-        parts = [np.diff(_list_views(batch.column(name), _COLUMN_DTYPES[name])[0]) for batch in self._batches]
+        parts = [np.diff(list_views(batch.column(name), _COLUMN_DTYPES[name])[0]) for batch in self._batches]
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
     def int_column(self, name: str) -> np.ndarray:
-        parts = [batch.column(name).to_numpy() for batch in self._batches]
+        """A non-null int32 column, zero-copy from its buffer (`to_numpy` would import pandas)."""
+        parts = []
+        for batch in self._batches:
+            col = batch.column(name)
+            parts.append(np.frombuffer(col.buffers()[1], dtype=np.int32)[col.offset : col.offset + len(col)])
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
