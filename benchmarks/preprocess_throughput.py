@@ -207,6 +207,9 @@ def main() -> int:
         "floor_rows_per_s": floor_rate,
         "floor_scaling_efficiency": {w: floor_rate[w] / floor_rate[1] / w for w in worker_counts},
         "job_vs_parallel_floor": {w: report_rate / floor_rate[w] for w, report_rate in ((w, len(job_rows) / t) for w, (t, _) in jobs.items())},
+        # where the wall time of each job went: setup (serial), units phase, and the summed
+        # in-worker unit time (if unit_seconds / workers << units phase, the gap is pool start/tail)
+        "job_phases": {w: {k: m["_run"][k] for k in ("setup_seconds", "seconds", "unit_seconds")} for w, (_, m) in jobs.items()},
         "byte_identical_across_worker_counts": same,
     }
     print(f"{'path':<10}{'ms/sample':>12}")
@@ -220,6 +223,9 @@ def main() -> int:
         print(f"job with {w:>2} worker(s): {rate:8.1f} rows/s, speed-up {rate / report['job_rows_per_s'][1]:5.2f}x, "
               f"efficiency {report['scaling_efficiency'][w]:.0%} | decode+resize alone: {floor_rate[w]:8.1f} rows/s, "
               f"efficiency {report['floor_scaling_efficiency'][w]:.0%} | job/floor {report['job_vs_parallel_floor'][w]:.2f}")
+    for w, ph in report["job_phases"].items():
+        print(f"  {w:>2} worker(s): setup {ph['setup_seconds']:.1f} s, units phase {ph['seconds']:.1f} s, "
+              f"in-worker unit time {ph['unit_seconds']:.1f} s ({ph['unit_seconds'] / w:.1f} s per worker)")
     print(f"shards byte-identical across worker counts: {same}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))

@@ -69,6 +69,7 @@ def unit_record_path(out: Path, unit_index: int) -> Path:
 
 def process_unit(unit: WorkUnit, rows_per_unit: int, out: Path, profile: Profile, options: SampleOptions, on_rows=None) -> dict:
     """Turn one unit of input rows into one shard plus its unit record; returns the record."""
+    unit_started = time.perf_counter()
     writer = ShardWriter(out / shard_name(unit.index), profile.vision.patch_row_width)
     rejects, rows_read, done_since_report, rejected_since_report = [], 0, 0, 0
     try:
@@ -110,6 +111,7 @@ def process_unit(unit: WorkUnit, rows_per_unit: int, out: Path, profile: Profile
         "rows_rejected": len(rejects),
         "shard": shard,
         "rejects": rejects,
+        "seconds": round(time.perf_counter() - unit_started, 3),  # work state only: never in the manifest
     }
     write_json_atomic(unit_record_path(out, unit.index), record)
     return record
@@ -122,8 +124,14 @@ def _reject_record(unit: WorkUnit, row: int, code: str, reason: str) -> dict:
 _WORKER: dict = {}
 
 
-def _init_worker(profile: Profile, options: SampleOptions, out: Path, rows_per_unit: int, rows_done, rows_rejected) -> None:
+def _init_worker(profile_args: dict, fingerprint_id: str, options: SampleOptions, out: Path, rows_per_unit: int,
+                 rows_done, rows_rejected) -> None:
+    """Each worker loads the profile itself from its small spec: shipping the 11 MB tokenizer
+    through the spawn pipe would make the parent start workers one after another."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    profile = resolve_profile(**profile_args, check_template=False)  # the parent checked the template
+    if profile.fingerprint["id"] != fingerprint_id:
+        raise RuntimeError(f"worker loaded profile {profile.fingerprint['id']}, the job runs {fingerprint_id}: files changed?")
     _ = profile.tokenizer  # build it now, while the pool starts, not inside the first unit
     _WORKER.update(profile=profile, options=options, out=out, rows_per_unit=rows_per_unit, done=rows_done, rejected=rows_rejected)
 
@@ -175,6 +183,10 @@ def _claim_out_dir(out: Path, identity: dict) -> None:
         stale.unlink()  # torn writes of a killed run
 
 
+def _profile_args(cfg: PreprocessConfig) -> dict:
+    return {"name": cfg.profile, "model_dir": cfg.model, "min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels}
+
+
 def _run_units(units: list[WorkUnit], cfg: PreprocessConfig, out: Path, profile: Profile) -> None:
     from tqdm import tqdm
 
@@ -199,7 +211,8 @@ def _run_units(units: list[WorkUnit], cfg: PreprocessConfig, out: Path, profile:
             max_workers=min(cfg.workers, len(units)),
             mp_context=ctx,
             initializer=_init_worker,
-            initargs=(profile, cfg.sample, out, cfg.rows_per_shard, done_counter, rejected_counter),
+            initargs=(_profile_args(cfg), profile.fingerprint["id"], cfg.sample, out, cfg.rows_per_shard,
+                      done_counter, rejected_counter),
         ) as pool:
             pending = {pool.submit(_worker_process_unit, unit) for unit in units}
             seen_done = seen_rejected = 0
@@ -246,13 +259,14 @@ def write_final_outputs(out: Path, identity: dict, records: list[dict], patch_ro
 
 def run_preprocess(cfg: PreprocessConfig) -> dict:
     """Run (or resume) the job; returns the manifest, or a partition summary when partitioned."""
+    setup_started = time.perf_counter()
     if cfg.num_partitions < 1 or not 0 <= cfg.partition_index < cfg.num_partitions:
         raise ConfigError(f"--partition-index must be in [0, {cfg.num_partitions}), got {cfg.partition_index}")
     if cfg.rows_per_shard < 1:
         raise ConfigError("--rows-per-shard must be at least 1")
     if cfg.sample.media_root is not None and not Path(cfg.sample.media_root).is_dir():
         raise ConfigError(f"--media-root {cfg.sample.media_root} is not a directory")
-    profile = resolve_profile(cfg.profile, cfg.model, cfg.min_pixels, cfg.max_pixels)
+    profile = resolve_profile(**_profile_args(cfg))
     _ = profile.special  # fail now, not in a worker
     if not cfg.inputs:
         raise ConfigError("no inputs given")
@@ -268,16 +282,23 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     _run_units(todo, cfg, out, profile)
     elapsed = time.perf_counter() - started
     records = load_unit_records(out, (u.index for u in mine))
+    run = {
+        "units_done_now": len(todo),
+        "units_resumed": len(mine) - len(todo),
+        "setup_seconds": started - setup_started,  # profile, input scan, out dir claim
+        "seconds": elapsed,  # the units phase (pool start included)
+        "unit_seconds": sum(r["seconds"] for r in records if r["unit"] in {u.index for u in todo}),
+    }
     if cfg.num_partitions == 1:
         manifest = write_final_outputs(out, identity, records, profile.vision.patch_row_width)
-        manifest["_run"] = {"units_done_now": len(todo), "units_resumed": len(mine) - len(todo), "seconds": elapsed}
+        manifest["_run"] = run
         return manifest
     summary = {
         "partition": f"{cfg.partition_index}/{cfg.num_partitions}",
         "units": len(mine),
         "rows_read": sum(r["rows_read"] for r in records),
         "rows_rejected": sum(r["rows_rejected"] for r in records),
-        "_run": {"units_done_now": len(todo), "units_resumed": len(mine) - len(todo), "seconds": elapsed},
+        "_run": run,
     }
     write_json_atomic(out / PARTS_DIR / f"partition-{cfg.partition_index}-of-{cfg.num_partitions}.json", summary)
     return summary

@@ -130,10 +130,6 @@ class Profile:
     template_sha256: str
     source: str  # "builtin" or the model directory
 
-    def __getstate__(self):
-        # Ship the tokenizer as its JSON only: worker processes rebuild it once, lazily.
-        return {k: v for k, v in self.__dict__.items() if k != "tokenizer"}
-
     @cached_property
     def tokenizer(self):
         from tokenizers import Tokenizer
@@ -244,7 +240,7 @@ def _vision_from_preprocessor_config(path: Path, family: str) -> VisionConfig:
         raise ConfigError(f"{path}: missing or malformed image-processor field ({exc})") from exc
 
 
-def profile_from_model_dir(model_dir: str | Path) -> Profile:
+def profile_from_model_dir(model_dir: str | Path, check_template: bool = True) -> Profile:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ConfigError(f"--model {model_dir}: not a directory")
@@ -265,9 +261,10 @@ def profile_from_model_dir(model_dir: str | Path) -> Profile:
         template_sha256=hashlib.sha256(template.encode()).hexdigest(),
         source=str(model_dir.resolve()),
     )
-    from .render import check_template_matches
+    if check_template:
+        from .render import check_template_matches
 
-    check_template_matches(profile, template)  # the native renderer must reproduce this template
+        check_template_matches(profile, template)  # the native renderer must reproduce this template
     _ = profile.special  # fail now if the tokenizer lacks the Qwen-VL specials
     return profile
 
@@ -277,7 +274,8 @@ def resolve_profile(
     model_dir: str | Path | None = None,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    check_template: bool = True,
 ) -> Profile:
     """The profile a job runs with: --model DIR wins over --profile NAME (default qwen3-vl)."""
-    profile = profile_from_model_dir(model_dir) if model_dir else builtin_profile(name or "qwen3-vl")
+    profile = profile_from_model_dir(model_dir, check_template) if model_dir else builtin_profile(name or "qwen3-vl")
     return profile.with_pixel_bounds(min_pixels, max_pixels)

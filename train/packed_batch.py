@@ -1,0 +1,260 @@
+"""One pack = several samples laid end to end in one flat token row (THD layout).
+
+Conventions (the loss code and the HF oracle test rely on them):
+
+Label shift. Everything in a pack is aligned to the *predicting* row: `labels[i]` is the
+token that the model's output at row i must predict, i.e. `labels[i] = input_ids[i + 1]`
+when row i+1 is a target of the same sample, else -100; `loss_mask[i] = labels[i] != -100`.
+(The shards store `loss_mask` aligned to the *target* token, "token i is a target";
+`assemble_pack` shifts it by one.) The last token of every sample predicts nothing, so no
+target ever crosses a sample boundary. A sample's first token can never be a target (it
+has no previous row); in our data it is always `<|im_start|>`, and a sample that marks it
+is rejected with ValueError. Hence `num_target_tokens = loss_mask.sum()` equals the sum of
+the samples' `num_target_tokens`, which is what per-token loss normalisation over the
+global batch needs. The loss is `sum(CE(logits[i], labels[i]) * loss_mask[i])`; no further
+shift. (Hugging Face models shift internally and take *unshifted* labels:
+`to_padded_batch` and `hf_packed_inputs` produce that convention, and say so.)
+
+Padding. With `pad_to_multiple = m > 1` (TP sequence parallel / context parallel), sample j
+occupies rows [cu_seqlens_padded[j], cu_seqlens_padded[j] + sample_lengths[j]) and is
+followed by its own padding up to the next multiple of m; `cu_seqlens_padded` are the
+boundaries of these padded segments (row offsets: what `varlen_attn` takes), and
+`cu_seqlens` the cumulative *real* lengths (Transformer Engine's `cu_seqlens_q`, which is
+not a row offset once padding exists). With m == 1 the two are equal. Padding rows hold
+`pad_token_id`, no target, and positions that continue the sample's last position
+(+1, +2, ... on all three rows), so a position-derived segmentation agrees with
+`cu_seqlens_padded`. With `seq_len`, the row is filled up to `seq_len` by one extra
+padding segment (positions 0, 1, ... like a fresh sample, no targets) appended to both
+`cu_seqlens` and `cu_seqlens_padded`; `num_samples` counts only the real samples.
+
+Only numpy; no per-token or per-pixel Python loops (one `np.concatenate` per field over the
+pack's samples).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+IGNORE_INDEX = -100  # torch CrossEntropyLoss / HF default ignore_index
+DEFAULT_PAD_TOKEN_ID = 151643  # <|endoftext|> for Qwen2.5-VL / Qwen3-VL; prefer the manifest's
+DEFAULT_IMAGE_PAD_ID = 151655  # <|image_pad|>
+
+
+def _concat(samples: list[dict], name: str, dtype, width: int | None = None) -> np.ndarray:
+    parts = [np.asarray(s[name]) for s in samples]
+    if not parts:
+        return np.zeros((0,) if width is None else (0, width), dtype)
+    if width is not None:
+        parts = [p.reshape(-1, width) for p in parts]
+    return np.concatenate(parts).astype(dtype, copy=False)
+
+
+def _segment_offsets(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, within) for segments of `lengths` laid end to end: row r of segment j has
+    within[r] = r - starts[j]."""
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    total = int(ends[-1]) if len(ends) else 0
+    within = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+    return starts, within
+
+
+def _sample_lengths(samples: list[dict]) -> np.ndarray:
+    return np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)
+
+
+def shifted_targets(input_ids: np.ndarray, target_mask: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Shifted labels for samples concatenated without gaps: label[i] = ids[i+1] if token i+1
+    is a target and belongs to the same sample, else IGNORE_INDEX (int64 [sum lengths])."""
+    total = len(input_ids)
+    labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
+    if total < 2:
+        return labels
+    is_target = target_mask[1:].astype(bool)
+    labels[:-1] = np.where(is_target, input_ids[1:], IGNORE_INDEX)
+    labels[np.cumsum(lengths) - 1] = IGNORE_INDEX  # a sample's last token predicts nothing
+    return labels
+
+
+def check_first_tokens(loss_mask: np.ndarray, lengths: np.ndarray, samples: list[dict]) -> None:
+    starts = np.cumsum(lengths) - lengths
+    bad = np.flatnonzero(loss_mask[starts[lengths > 0]] != 0)
+    if len(bad):
+        j = int(np.flatnonzero(lengths > 0)[bad[0]])
+        uid = samples[j].get("sample_uid", f"#{j}")
+        raise ValueError(
+            f"sample {uid}: its first token is marked as a training target, but nothing precedes "
+            "it to predict it from (samples start with <|im_start|>); the shard is corrupt or was "
+            "not written by `vlmpack preprocess` — re-run it or check with `vlmpack verify`"
+        )
+
+
+def assemble_pack(
+    samples: list[dict],
+    *,
+    seq_len: int | None = None,
+    pad_to_multiple: int = 1,
+    pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
+) -> dict:
+    """Lay `samples` (dicts as returned by `open_shards(DIR)[i]`) out as one THD pack.
+
+    Returns numpy arrays (see the module docstring for the label and padding conventions):
+      input_ids int64 [T], labels int64 [T] (shifted, -100 = no target),
+      loss_mask float32 [T] (== labels != -100), position_ids int32 [3, T],
+      cu_seqlens int32 [n+1] (n+2 with `seq_len` padding), cu_seqlens_padded int32 (same
+      length), max_seqlen int (longest segment of cu_seqlens_padded), sample_lengths int32 [n],
+      num_samples int, num_target_tokens int, pixel_patches uint8 [sum N, W] (sample order),
+      image_grid_thw int32 [sum K, 3], sample_uids list[str].
+    T = sum of the samples' lengths rounded up to `pad_to_multiple`, or `seq_len` if given.
+    """
+    if not samples:
+        raise ValueError("assemble_pack needs at least one sample")
+    m = int(pad_to_multiple)
+    if m < 1:
+        raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
+    lengths = _sample_lengths(samples)
+    padded = -(-lengths // m) * m
+    real_total, packed_total = int(lengths.sum()), int(padded.sum())
+    trailing = 0
+    if seq_len is not None:
+        if packed_total > seq_len:
+            raise ValueError(
+                f"pack of {len(samples)} samples needs {packed_total} tokens (padded to multiples of {m}), "
+                f"more than seq_len {seq_len}; the pack plan and the loader disagree on seq_len/pad_to_multiple"
+            )
+        trailing = int(seq_len) - packed_total
+    total = packed_total + trailing
+
+    ids = _concat(samples, "input_ids", np.int64)
+    mask = _concat(samples, "loss_mask", np.uint8)
+    positions = np.concatenate([np.asarray(s["position_ids"]).reshape(3, -1) for s in samples], axis=1).astype(np.int32, copy=False)
+    check_first_tokens(mask, lengths, samples)
+    labels_real = shifted_targets(ids, mask, lengths)
+
+    real_starts = np.cumsum(lengths) - lengths
+    row_starts = np.cumsum(padded) - padded
+    if total == real_total:  # no padding anywhere: the concatenation is the pack
+        input_ids, labels, position_ids = ids, labels_real, positions
+    else:
+        dest = np.repeat(row_starts - real_starts, lengths) + np.arange(real_total, dtype=np.int64)
+        input_ids = np.full(total, pad_token_id, dtype=np.int64)
+        input_ids[dest] = ids
+        labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
+        labels[dest] = labels_real
+        position_ids = np.zeros((3, total), dtype=np.int32)
+        position_ids[:, dest] = positions
+        gaps = padded - lengths
+        if gaps.any():  # per-sample padding continues the sample's last position
+            _, k = _segment_offsets(gaps)
+            last = positions[:, np.cumsum(lengths) - 1]  # [3, n]
+            pad_rows = np.repeat(row_starts + lengths, gaps) + k
+            position_ids[:, pad_rows] = np.repeat(last, gaps, axis=1) + 1 + k.astype(np.int32)
+        if trailing:  # trailing padding: a fresh segment, positions 0..trailing-1
+            position_ids[:, packed_total:] = np.arange(trailing, dtype=np.int32)
+
+    cu_real = np.concatenate([[0], np.cumsum(lengths)])
+    cu_padded = np.concatenate([[0], np.cumsum(padded)])
+    if trailing:
+        cu_real = np.append(cu_real, cu_real[-1] + trailing)
+        cu_padded = np.append(cu_padded, total)
+    loss_mask = (labels != IGNORE_INDEX).astype(np.float32)
+    width = np.asarray(samples[0]["pixel_patches"]).shape[-1]  # [N, C*P*P] as the reader returns it
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+        "cu_seqlens": cu_real.astype(np.int32),
+        "cu_seqlens_padded": cu_padded.astype(np.int32),
+        "max_seqlen": int(np.diff(cu_padded).max()),
+        "sample_lengths": lengths.astype(np.int32),
+        "num_samples": len(samples),
+        "num_target_tokens": int(np.count_nonzero(labels != IGNORE_INDEX)),
+        "pixel_patches": _concat(samples, "pixel_patches", np.uint8, width),
+        "image_grid_thw": _concat(samples, "image_grid_thw", np.int32, 3),
+        "sample_uids": [str(s.get("sample_uid", "")) for s in samples],
+    }
+
+
+def hf_packed_position_ids(samples: list[dict]) -> np.ndarray:
+    """Hugging Face's packed-sequence position ids, int64 [4, 1, T] (no padding).
+
+    Row 0 = 1-D text positions restarting at 0 per sample (HF derives the packed attention
+    segments from it), rows 1-3 = each sample's M-RoPE (t, h, w) rows, concatenated. With only
+    three rows HF treats the pack as one sequence and samples attend to each other.
+    """
+    lengths = _sample_lengths(samples)
+    _, text = _segment_offsets(lengths)
+    mrope = np.concatenate([np.asarray(s["position_ids"]).reshape(3, -1) for s in samples], axis=1)
+    return np.concatenate([text[None, :], mrope.astype(np.int64)], axis=0)[:, None, :]
+
+
+def hf_packed_inputs(samples: list[dict], *, image_pad_id: int = DEFAULT_IMAGE_PAD_ID) -> dict:
+    """The same samples as one packed HF batch of size 1 (for oracle tests against HF models).
+
+    input_ids int64 [1, T]; position_ids int64 [4, 1, T] (`hf_packed_position_ids`);
+    labels int64 [1, T] in HF's *unshifted* convention (labels[i] = input_ids[i] where the
+    shard's loss_mask[i] == 1, else -100; the model shifts, and the shift never creates a
+    cross-sample target because a sample's first token is never a target);
+    mm_token_type_ids int64 [1, T] (1 on `image_pad_id`); pixel_patches uint8 [sum N, W];
+    image_grid_thw int64 [sum K, 3]. Call with attention_mask=None, use_cache=False.
+    """
+    lengths = _sample_lengths(samples)
+    ids = _concat(samples, "input_ids", np.int64)
+    mask = _concat(samples, "loss_mask", np.uint8)
+    check_first_tokens(mask, lengths, samples)
+    width = np.asarray(samples[0]["pixel_patches"]).shape[-1]
+    return {
+        "input_ids": ids[None, :],
+        "position_ids": hf_packed_position_ids(samples),
+        "labels": np.where(mask.astype(bool), ids, IGNORE_INDEX)[None, :],
+        "mm_token_type_ids": (ids == image_pad_id).astype(np.int64)[None, :],
+        "pixel_patches": _concat(samples, "pixel_patches", np.uint8, width),
+        "image_grid_thw": _concat(samples, "image_grid_thw", np.int64, 3),
+    }
+
+
+def to_padded_batch(
+    samples: list[dict],
+    *,
+    pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
+    image_pad_id: int = DEFAULT_IMAGE_PAD_ID,
+) -> dict:
+    """BSHD layout (one row per sample, right padding) for debugging and HF comparisons.
+
+    input_ids int64 [B, Lmax] (padding = `pad_token_id`); attention_mask int64 [B, Lmax];
+    labels int64 [B, Lmax] in HF's *unshifted* convention (labels[b, i] = input_ids[b, i]
+    where the shard's loss_mask is 1, else -100; HF shifts inside the model);
+    position_ids int64 [3, B, Lmax] (padding = 1, as HF's `get_rope_index` leaves it);
+    mm_token_type_ids int64 [B, Lmax]; pixel_patches uint8 [sum N, W] and image_grid_thw
+    int64 [sum K, 3] concatenated in sample order.
+    """
+    if not samples:
+        raise ValueError("to_padded_batch needs at least one sample")
+    lengths = _sample_lengths(samples)
+    batch, lmax = len(samples), int(lengths.max())
+    _, within = _segment_offsets(lengths)
+    rows = np.repeat(np.arange(batch), lengths)
+    ids = _concat(samples, "input_ids", np.int64)
+    mask = _concat(samples, "loss_mask", np.uint8)
+    check_first_tokens(mask, lengths, samples)
+    positions = np.concatenate([np.asarray(s["position_ids"]).reshape(3, -1) for s in samples], axis=1)
+
+    input_ids = np.full((batch, lmax), pad_token_id, dtype=np.int64)
+    input_ids[rows, within] = ids
+    attention_mask = np.zeros((batch, lmax), dtype=np.int64)
+    attention_mask[rows, within] = 1
+    labels = np.full((batch, lmax), IGNORE_INDEX, dtype=np.int64)
+    labels[rows, within] = np.where(mask.astype(bool), ids, IGNORE_INDEX)
+    position_ids = np.ones((3, batch, lmax), dtype=np.int64)
+    position_ids[:, rows, within] = positions
+    width = np.asarray(samples[0]["pixel_patches"]).shape[-1]
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": labels,
+        "position_ids": position_ids,
+        "mm_token_type_ids": (input_ids == image_pad_id).astype(np.int64) * attention_mask,
+        "pixel_patches": _concat(samples, "pixel_patches", np.uint8, width),
+        "image_grid_thw": _concat(samples, "image_grid_thw", np.int64, 3),
+    }
