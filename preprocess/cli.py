@@ -161,5 +161,8 @@ class Quickstart:
               f"loss_mask {sample['loss_mask'].shape}, position_ids {sample['position_ids'].shape}, "
               f"pixel_patches {sample['pixel_patches'].shape} {sample['pixel_patches'].dtype}, "
               f"image_grid_thw {sample['image_grid_thw'].tolist()}")
-        print(f"\nread it back:  python -c \"import shards_schema; s = shards_schema.open_shards('{shards_dir}'); print(len(s), s[0].keys())\"")
+        print(f"\nnext:  vlmpack inspect {shards_dir}      # distributions, rejects (--plots DIR for charts)")
+        print(f"       vlmpack show {shards_dir} --index 1   # a conversation decoded, targets marked")
+        print(f"       vlmpack verify {shards_dir}       # full integrity check")
+        print(f"       python -c \"import shards_schema; s = shards_schema.open_shards('{shards_dir}'); print(len(s), s[0].keys())\"")
         return 0
