@@ -387,6 +387,16 @@ def test_base64_missing_padding_and_urlsafe(png_bytes):
     assert len(b64(tiny)) < 256 and resolve_image_source(b64(tiny), None) == tiny  # short, but PNG magic
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.9])
+@pytest.mark.parametrize("extra", [0, 1, 2, 3])
+def test_truncated_base64_is_rejected(jpeg_bytes, keep, extra):
+    """A base64 string cut anywhere: either no longer base64, or a truncated image."""
+    b64 = base64.b64encode(jpeg_bytes).decode()
+    cut = b64[: int(len(b64) * keep) // 4 * 4 + extra]
+    code = reject_code(load_image_patches, "data:image/jpeg;base64," + cut, QWEN3_VL_VISION)
+    assert code in ("bad_base64", "bad_image"), code
+
+
 def test_reject_undecodable_bytes(jpeg_bytes, png_bytes):
     assert reject_code(decode_image, jpeg_bytes[: len(jpeg_bytes) // 2]) == "bad_image"
     assert reject_code(decode_image, png_bytes[: len(png_bytes) // 2]) == "bad_image"
