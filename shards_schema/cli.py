@@ -19,6 +19,7 @@ COMMANDS = {
     "inspect": ("shards_schema.inspect:Inspect", "what a shard directory holds: totals, rejects, distributions, charts"),
     "show": ("preprocess.show:Show", "one sample decoded back to text, targets highlighted, images rebuilt"),
     "verify": ("shards_schema.verify:Verify", "check a shard directory end to end (exit code != 0 on any fault)"),
+    "pack": ("train.cli:Pack", "plan packs over shard directories (offline, sizes only)"),
     "export": ("shards_schema.webdataset:Export", "shard directory -> WebDataset tar shards"),
     "import": ("shards_schema.webdataset:Import", "WebDataset tar shards -> shard directory"),
 }

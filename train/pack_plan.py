@@ -499,7 +499,7 @@ def plan_keys(fingerprints: list[dict], weights: list[float | None], settings: d
     return data_fingerprint, key
 
 
-def _check_sizes(source: SourceStats, k: int, padded: np.ndarray, seq_len: int, pad_to_multiple: int,
+def _check_sizes(source: SourceStats, padded: np.ndarray, seq_len: int, pad_to_multiple: int,
                  max_visual_tokens: int | None) -> None:
     def who(i: int) -> str:
         extra = ""
@@ -558,9 +558,9 @@ def plan_from_stats(
 
     sizes = [len(s) for s in sources]
     padded_per_source = []
-    for k, source in enumerate(sources):
+    for source in sources:
         padded = -(-np.asarray(source.num_tokens, dtype=np.int64) // m) * m
-        _check_sizes(source, k, padded, seq_len, m, max_visual_tokens)
+        _check_sizes(source, padded, seq_len, m, max_visual_tokens)
         padded_per_source.append(padded)
     resolved = resolve_weights(sizes, weights)
     counts = mix_counts(sizes, resolved)
@@ -668,6 +668,48 @@ def _effective_global_batch(global_batch_packs: int | None, dp_size: int) -> int
     return G
 
 
+@dataclass
+class PlanRequest:
+    """Sources and settings of a plan, resolved from manifests alone (no shard is opened)."""
+
+    specs: list[tuple[str, float | None]]
+    manifests: list[dict]
+    settings: dict
+    data_fingerprint: str
+    key: str
+
+
+def plan_request(
+    sources,
+    *,
+    seq_len: int,
+    seed: int = 0,
+    epoch: int = 0,
+    max_visual_tokens: int | None = None,
+    dp_size: int = 1,
+    global_batch_packs: int | None = None,
+    pad_to_multiple: int = 1,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> PlanRequest:
+    """Check the sources and settings and compute the plan's key (cheap: manifests only)."""
+    specs = _normalize_sources(sources)
+    if not specs:
+        raise PackingError("no sources to pack")
+    G = _effective_global_batch(global_batch_packs, dp_size)
+    manifests = []
+    for directory, _ in specs:
+        if not Path(directory).is_dir():
+            raise ShardFormatError(f"{directory}: no such directory")
+        manifests.append(load_manifest(directory))
+    profiles = {m["profile"]["id"] for m in manifests}
+    if len(profiles) > 1:
+        listing = ", ".join(f"{d} -> {m['profile']['id']} ({m['profile'].get('family')})" for (d, _), m in zip(specs, manifests))
+        raise PackingError(f"sources were preprocessed with different profiles and cannot share packs: {listing}")
+    settings = _settings(seq_len, seed, epoch, max_visual_tokens, G, pad_to_multiple, block_size)
+    data_fingerprint, key = plan_keys([source_fingerprint(m) for m in manifests], [w for _, w in specs], settings)
+    return PlanRequest(specs, manifests, settings, data_fingerprint, key)
+
+
 def build_pack_plan(
     sources,
     *,
@@ -687,32 +729,26 @@ def build_pack_plan(
     module docstring for the mixing, packing, ordering and caching rules. `dp_size` only
     checks that it divides `global_batch_packs` (default: dp_size) — the plan is the same
     for every dp_size. With `cache_dir`, a plan with the same key is loaded (memory-mapped)
-    instead of rebuilt, and a new one is saved there atomically.
+    instead of rebuilt, and a new one is saved there atomically. Raises PackingError for
+    samples that cannot be packed, ShardFormatError for missing or unreadable directories.
     """
-    specs = _normalize_sources(sources)
-    G = _effective_global_batch(global_batch_packs, dp_size)
-    manifests = []
-    for directory, _ in specs:
-        if not Path(directory).is_dir():
-            raise ShardFormatError(f"{directory}: no such directory")
-        manifests.append(load_manifest(directory))
-    profiles = {m["profile"]["id"] for m in manifests}
-    if len(profiles) > 1:
-        listing = ", ".join(f"{d} -> {m['profile']['id']} ({m['profile'].get('family')})" for (d, _), m in zip(specs, manifests))
-        raise PackingError(f"sources were preprocessed with different profiles and cannot share packs: {listing}")
-    weights = [w for _, w in specs]
-    settings = _settings(seq_len, seed, epoch, max_visual_tokens, G, pad_to_multiple, block_size)
-    _, key = plan_keys([source_fingerprint(m) for m in manifests], weights, settings)
-
-    cached = Path(cache_dir) / f"plan-{key[:32]}" if cache_dir is not None else None
+    request = plan_request(sources, seq_len=seq_len, seed=seed, epoch=epoch, max_visual_tokens=max_visual_tokens,
+                           dp_size=dp_size, global_batch_packs=global_batch_packs, pad_to_multiple=pad_to_multiple,
+                           block_size=block_size)
+    cached = Path(cache_dir) / f"plan-{request.key[:32]}" if cache_dir is not None else None
     if cached is not None and (cached / PLAN_META).is_file():
         plan = PackPlan.load(cached)
-        if plan.key == key:
+        if plan.key == request.key:
             return plan
 
-    stats = [load_source_stats(d) for d, _ in specs]
-    plan = plan_from_stats(stats, weights, seq_len=seq_len, seed=seed, epoch=epoch, max_visual_tokens=max_visual_tokens,
-                           global_batch_packs=G, pad_to_multiple=pad_to_multiple, block_size=block_size)
+    t0 = time.perf_counter()
+    stats = [load_source_stats(d) for d, _ in request.specs]
+    read_seconds = time.perf_counter() - t0
+    s = request.settings
+    plan = plan_from_stats(stats, [w for _, w in request.specs], seq_len=s["seq_len"], seed=s["seed"], epoch=s["epoch"],
+                           max_visual_tokens=s["max_visual_tokens"], global_batch_packs=s["global_batch_packs"],
+                           pad_to_multiple=s["pad_to_multiple"], block_size=s["block_size"])
+    plan.stats["read_stats_seconds"] = round(read_seconds, 4)
     if cached is not None:
         _save_to_cache(plan, cached)
     return plan

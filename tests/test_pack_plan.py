@@ -1,0 +1,304 @@
+"""The pack planner: every sample once, budgets respected, deterministic, mixing counts, DP
+balance and dp-independence, fill efficiency, errors that name the sample, the cache, and
+`vlmpack pack`. Planner logic runs on synthetic size arrays; I/O on small real shards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from preprocess.examples import example_rows, write_jsonl
+from preprocess.job import PreprocessConfig, run_preprocess
+from shards_schema import ShardFormatError, open_shards
+from train.pack_plan import (
+    PackingError,
+    PackPlan,
+    SourceStats,
+    _save_to_cache,
+    build_pack_plan,
+    mix_counts,
+    parse_source,
+    plan_from_stats,
+    resolve_weights,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def synthetic_source(n: int, seed: int = 0, name: str = "synthetic") -> SourceStats:
+    """A realistic SFT mix: text lognormal in 100..3000 tokens plus 0-3 images of 64..1300
+    visual tokens each (+2 tokens per image for vision_start/vision_end)."""
+    rng = np.random.default_rng(seed)
+    text = np.clip(np.exp(rng.normal(np.log(500), 0.8, n)), 100, 3000).astype(np.int64)
+    images = rng.integers(0, 4, n)
+    visual = np.zeros(n, np.int64)
+    for k in range(3):
+        visual += np.where(images > k, rng.integers(64, 1301, n), 0)
+    return SourceStats(name, text + visual + 2 * images, visual, {"synthetic": name, "n": n, "seed": seed},
+                       describe=lambda i: f"uid {name}-{i}")
+
+
+def plan_samples(plan: PackPlan) -> list[tuple[int, int]]:
+    return list(zip(np.asarray(plan.sample_source).tolist(), np.asarray(plan.sample_index).tolist()))
+
+
+def pack_sums(plan: PackPlan, per_sample: list[np.ndarray]) -> np.ndarray:
+    """Per-pack sum of a per-sample quantity, recomputed from the plan's indices."""
+    values = np.array([per_sample[s][i] for s, i in plan_samples(plan)], dtype=np.int64)
+    return np.add.reduceat(values, np.asarray(plan.pack_offsets[:-1])) if len(values) else values
+
+
+# --------------------------------------------------------------------------- synthetic stats
+
+
+def test_every_sample_once_within_budgets():
+    a, b = synthetic_source(5000, 1, "a"), synthetic_source(3000, 2, "b")
+    plan = plan_from_stats([a, b], seq_len=8192, pad_to_multiple=8, max_visual_tokens=4096, block_size=1024)
+    assert sorted(plan_samples(plan)) == [(0, i) for i in range(5000)] + [(1, i) for i in range(3000)]
+    padded = [-(-s.num_tokens // 8) * 8 for s in (a, b)]
+    assert (pack_sums(plan, padded) == plan.pack_padded_tokens).all()
+    assert (pack_sums(plan, [a.num_tokens, b.num_tokens]) == plan.pack_tokens).all()
+    assert (pack_sums(plan, [a.visual_tokens, b.visual_tokens]) == plan.pack_visual_tokens).all()
+    assert plan.pack_padded_tokens.max() <= 8192 and plan.pack_visual_tokens.max() <= 4096
+    assert plan.stats["padding_tokens"] == int((padded[0] - a.num_tokens).sum() + (padded[1] - b.num_tokens).sum())
+    # text-only and image samples share packs
+    visual_per_sample = np.array([(a, b)[s].visual_tokens[i] for s, i in plan_samples(plan)])
+    mixed = [(visual_per_sample[lo:hi] == 0).any() and (visual_per_sample[lo:hi] > 0).any()
+             for lo, hi in zip(plan.pack_offsets[:-1], plan.pack_offsets[1:])]
+    assert np.mean(mixed) > 0.25
+    assert plan.stats["fill_efficiency"] == pytest.approx(plan.pack_tokens.sum() / (plan.num_packs * 8192))
+
+
+def test_deterministic_per_seed_and_epoch():
+    src = synthetic_source(4000, 3)
+    one = plan_from_stats([src], seq_len=8192, seed=5)
+    two = plan_from_stats([src], seq_len=8192, seed=5)
+    for name, array in one.arrays.items():
+        assert np.array_equal(array, two.arrays[name]), name
+    assert one.key == two.key
+    other_seed = plan_from_stats([src], seq_len=8192, seed=6)
+    other_epoch = plan_from_stats([src], seq_len=8192, seed=5, epoch=1)
+    for other in (other_seed, other_epoch):
+        assert not np.array_equal(one.sample_index, other.sample_index)
+        assert other.key != one.key and other.data_fingerprint == one.data_fingerprint
+        assert sorted(plan_samples(other)) == sorted(plan_samples(one))  # same samples, new packs and order
+
+
+@pytest.mark.parametrize("seq_len", [8192, 16384, 32768])
+def test_fill_efficiency_on_realistic_mix(seq_len):
+    plan = plan_from_stats([synthetic_source(100_000, 11)], seq_len=seq_len, global_batch_packs=32)
+    print(f"seq_len {seq_len}: fill {plan.stats['fill_efficiency']:.4f}, {plan.stats['samples_per_pack_mean']:.1f} "
+          f"samples/pack, {plan.stats['plan_seconds']:.2f} s for 100k samples")
+    assert plan.stats["fill_efficiency"] >= 0.95
+
+
+def test_visual_budget_fill_is_near_the_lower_bound():
+    """With a binding visual budget the packs needed are at least total visual / budget; the
+    two-phase best fit stays within 2% of that bound."""
+    src = synthetic_source(30_000, 12)
+    for budget in (4096, 8192):
+        plan = plan_from_stats([src], seq_len=16384, max_visual_tokens=budget)
+        bound = max(src.num_tokens.sum() / 16384, src.visual_tokens.sum() / budget)
+        assert plan.num_packs <= 1.02 * bound, (budget, plan.num_packs, bound)
+        assert plan.pack_visual_tokens.max() <= budget and plan.pack_padded_tokens.max() <= 16384
+
+
+def test_too_long_sample_names_source_index_uid_and_length():
+    src = synthetic_source(100, 4, name="/data/chats")
+    src.num_tokens[37] = 9000
+    with pytest.raises(PackingError) as err:
+        plan_from_stats([src], seq_len=8192)
+    message = str(err.value)
+    for part in ("/data/chats", "sample 37", "uid /data/chats-37", "9000 tokens", "seq_len 8192", "--max-seq-len"):
+        assert part in message, (part, message)
+    # rounding to pad_to_multiple counts against seq_len
+    src.num_tokens[37] = 8190
+    plan_from_stats([src], seq_len=8191)
+    with pytest.raises(PackingError, match="multiple of 64"):
+        plan_from_stats([src], seq_len=8191, pad_to_multiple=64)  # 8190 -> 8192 > 8191
+    with pytest.raises(PackingError, match="max_visual_tokens 100"):
+        plan_from_stats([src], seq_len=8191, max_visual_tokens=100)
+
+
+def test_mixing_weights_give_the_right_counts():
+    a, b = synthetic_source(1000, 5, "a"), synthetic_source(3000, 6, "b")
+    plan = plan_from_stats([a, b], [0.75, 0.25], seq_len=8192)
+    counts = Counter(plan_samples(plan))
+    per_source = np.bincount(np.asarray(plan.sample_source), minlength=2)
+    assert per_source.tolist() == [3000, 1000]  # round(w / sum(w) * 4000)
+    # upsampled 3x: every sample of a exactly 3 times; downsampled: 1000 distinct samples of b
+    assert all(counts[(0, i)] == 3 for i in range(1000))
+    assert sum(1 for (s, _), c in counts.items() if s == 1 and c == 1) == 1000
+    assert [m["drawn"] for m in plan.meta["sources"]] == [3000, 1000]
+    # another epoch draws another subset of b
+    again = plan_from_stats([a, b], [0.75, 0.25], seq_len=8192, epoch=1)
+    subset = lambda p: {i for s, i in plan_samples(p) if s == 1}  # noqa: E731
+    assert subset(again) != subset(plan)
+    # the rule, directly: natural weights by default, a missing weight is 1, round half up
+    assert resolve_weights([10, 30], [None, None]).tolist() == [10, 30]
+    assert resolve_weights([10, 30], [3.0, None]).tolist() == [3.0, 1.0]
+    assert mix_counts([10, 30], np.array([3.0, 1.0])).tolist() == [30, 10]
+    assert mix_counts([1, 2], np.array([1.0, 1.0])).tolist() == [2, 2]  # 1.5 -> 2
+    with pytest.raises(PackingError, match="weights"):
+        resolve_weights([1, 2], [-1.0, 1.0])
+
+
+def test_global_batches_and_dp_balance():
+    src = synthetic_source(20_000, 7)
+    G = 16
+    plan = plan_from_stats([src], seq_len=8192, global_batch_packs=G)
+    assert plan.num_packs % G == 0 and plan.stats["dropped_packs"] < G
+    assert plan.num_samples + plan.stats["dropped_samples"] == 20_000
+    for dp in (1, 2, 4, 8, 16):
+        parts = [plan.rank_packs(r, dp) for r in range(dp)]
+        assert {len(p) for p in parts} == {plan.num_packs // dp}  # equal packs per rank
+        # each global batch is split over the ranks: same batches whatever dp is
+        for g in range(plan.num_global_batches):
+            got = np.sort(np.concatenate([p[g * (G // dp):(g + 1) * (G // dp)] for p in parts]))
+            assert (got == np.arange(g * G, (g + 1) * G)).all()
+    balance = plan.balance(4)
+    print("balance dp=4:", balance)
+    assert balance["visual_max_over_mean"] < 1.05 and balance["visual_max_over_mean_worst"] < 1.2
+    # versus a naive split (consecutive packs per rank), the greedy split is better
+    naive = np.asarray(plan.pack_visual_tokens, np.int64).reshape(-1, 4, G // 4).sum(axis=2)
+    naive_ratio = float((naive.max(axis=1) / naive.mean(axis=1)).mean())
+    assert balance["visual_max_over_mean"] < naive_ratio
+    with pytest.raises(PackingError, match="multiple of dp_size"):
+        plan.rank_packs(0, 3)
+
+
+def test_plan_speed_one_million_samples():
+    """Measured, not asserted (timings are for benchmarks/pack_plan_speed.py)."""
+    src = synthetic_source(1_000_000, 8)
+    t0 = time.perf_counter()
+    plan = plan_from_stats([src], seq_len=16384, global_batch_packs=64)
+    seconds = time.perf_counter() - t0
+    print(f"planned 1M samples into {plan.num_packs} packs in {seconds:.2f} s, fill {plan.stats['fill_efficiency']:.4f}")
+    assert plan.num_samples + plan.stats["dropped_samples"] == 1_000_000
+
+
+def test_parse_source(tmp_path):
+    assert parse_source("/d/x:0.7") == ("/d/x", 0.7)
+    assert parse_source("/d/x") == ("/d/x", None)
+    assert parse_source(("/d/x", 2)) == ("/d/x", 2.0)
+    odd = tmp_path / "a:b"
+    odd.mkdir()
+    assert parse_source(str(odd)) == (str(odd), None)  # an existing dir with ':' is a dir
+
+
+# --------------------------------------------------------------------------- real shards
+
+
+@pytest.fixture(scope="module")
+def shard_dirs(tmp_path_factory):
+    """Two small real shard directories (same profile)."""
+    dirs = []
+    for seed, rows in ((21, 24), (22, 12)):
+        data = write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl", example_rows(rows, seed=seed, size_range=(32, 160)))
+        out = tmp_path_factory.mktemp(f"shards{seed}")
+        run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(out), workers=1, rows_per_shard=8, progress=False))
+        dirs.append(out)
+    return dirs
+
+
+def test_real_shards_plan_and_visual_tokens(shard_dirs):
+    a, b = shard_dirs
+    plan = build_pack_plan([a, b], seq_len=2048)
+    sets = [open_shards(a), open_shards(b)]
+    assert sorted(plan_samples(plan)) == [(0, i) for i in range(len(sets[0]))] + [(1, i) for i in range(len(sets[1]))]
+    merge = sets[0].manifest["profile"]["vision"]["merge_size"]
+    for p in range(plan.num_packs):
+        src, idx = plan.pack_samples(p)
+        samples = [sets[s][i] for s, i in zip(src.tolist(), idx.tolist())]
+        assert sum(len(x["input_ids"]) for x in samples) == plan.pack_tokens[p] <= 2048
+        visual = sum(int(np.prod(x["image_grid_thw"], axis=1).sum()) // merge**2 for x in samples)
+        assert visual == plan.pack_visual_tokens[p]
+
+
+def test_save_load_pickle_and_cache(shard_dirs, tmp_path):
+    import pickle
+
+    a, b = shard_dirs
+    cache = tmp_path / "cache"
+    first = build_pack_plan([(a, 1.0), (b, 1.0)], seq_len=2048, dp_size=2, global_batch_packs=2, cache_dir=cache)
+    assert first.path is not None and first.path.parent == cache
+    assert isinstance(first.sample_index, np.memmap)
+    again = build_pack_plan([(a, 1.0), (b, 1.0)], seq_len=2048, dp_size=2, global_batch_packs=2, cache_dir=cache)
+    assert again.path == first.path
+    for name in first.arrays:
+        assert np.array_equal(first.arrays[name], again.arrays[name])
+    # dp_size is not in the key (the plan does not depend on it); seq_len, seed, weights are
+    assert build_pack_plan([(a, 1.0), (b, 1.0)], seq_len=2048, dp_size=1, global_batch_packs=2, cache_dir=cache).path == first.path
+    other = build_pack_plan([(a, 1.0), (b, 1.0)], seq_len=4096, global_batch_packs=2, cache_dir=cache)
+    assert other.path != first.path and other.seq_len == 4096
+    assert build_pack_plan([(a, 2.0), (b, 1.0)], seq_len=2048, global_batch_packs=2, cache_dir=cache).path not in (first.path, other.path)
+    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 3
+    # a second writer losing the rename race keeps the first plan and leaves no temporary
+    _save_to_cache(plan_from_stats([synthetic_source(50)], seq_len=8192), first.path)
+    assert np.array_equal(PackPlan.load(first.path).sample_index, first.sample_index)
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]
+    # pickles by path; explicit save/load round trip
+    clone = pickle.loads(pickle.dumps(first))
+    assert clone.path == first.path and np.array_equal(clone.pack_offsets, first.pack_offsets)
+    saved = first.save(tmp_path / "plan")
+    loaded = PackPlan.load(saved)
+    assert loaded.meta == first.meta and np.array_equal(loaded.sample_source, first.sample_source)
+    with pytest.raises(ShardFormatError, match="not a pack plan"):
+        PackPlan.load(tmp_path)
+
+
+def test_missing_directory_and_mixed_profiles(shard_dirs, tmp_path):
+    with pytest.raises(ShardFormatError, match="no such directory"):
+        build_pack_plan([tmp_path / "nope"], seq_len=2048)
+    # a copy of a manifest claiming another profile cannot share packs
+    other = tmp_path / "other"
+    other.mkdir()
+    manifest = json.loads((shard_dirs[1] / "manifest.json").read_text())
+    manifest["profile"]["id"] = "something-else"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackingError, match="different profiles"):
+        build_pack_plan([shard_dirs[0], other], seq_len=2048)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _vlmpack_pack(*args) -> subprocess.CompletedProcess:
+    """`vlmpack pack` once the dispatcher lists it; until then the same command via train.cli."""
+    from shards_schema.cli import COMMANDS
+
+    entry = ["-m", "shards_schema.cli"] if "pack" in COMMANDS else ["-m", "train.cli"]
+    return subprocess.run([sys.executable, *entry, "pack", *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=120)
+
+
+def test_cli_report_and_saved_plan(shard_dirs, tmp_path):
+    a, b = shard_dirs
+    out = tmp_path / "plan"
+    result = _vlmpack_pack(a, "--data", f"{b}:0.5", "--seq-len", 2048, "--dp-size", 2, "--global-batch-packs", 2,
+                           "--out", out)
+    assert result.returncode == 0, result.stderr
+    for line in ("samples", "fill", "padding added", "samples/pack", "visual tokens", "DP balance", "time", "saved"):
+        assert any(row.startswith(line) for row in result.stdout.splitlines()), (line, result.stdout)
+    plan = PackPlan.load(out)
+    assert [s["weight"] for s in plan.meta["sources"]] == [None, 0.5]
+    result = _vlmpack_pack(a, "--seq-len", 2048, "--json")
+    assert result.returncode == 0 and json.loads(result.stdout)["stats"]["samples"] == len(open_shards(a))
+
+
+def test_cli_errors_exit_2(shard_dirs, tmp_path):
+    result = _vlmpack_pack(shard_dirs[0], "--seq-len", 64)
+    assert result.returncode == 2
+    assert "longer than seq_len 64" in result.stderr and str(shard_dirs[0]) in result.stderr and "uid" in result.stderr
+    result = _vlmpack_pack(tmp_path / "missing", "--seq-len", 2048)
+    assert result.returncode == 2 and "no such directory" in result.stderr
+    result = _vlmpack_pack(shard_dirs[0], "--seq-len", 2048, "--dp-size", 3, "--global-batch-packs", 4)
+    assert result.returncode == 2 and "multiple of dp_size" in result.stderr
+    assert result.stdout == ""

@@ -1,0 +1,214 @@
+"""Packs from memory-mapped shards to the GPU, with exact resume.
+
+`PackedDataset` is map-style: item k is the k-th pack this rank consumes in one epoch's
+plan (`PackPlan.rank_packs`). It slices the shards zero-copy (`ShardSet[i]` returns views
+into the mapped files), lays the pack out with `assemble_pack` (one copy, into the pack's
+own arrays) and returns torch tensors. It pickles cheaply (shards and saved plans pickle by
+path), so it works in `DataLoader(num_workers > 0, batch_size=None, pin_memory=True)`.
+
+`PackedLoader` runs epochs: epoch e uses the plan built with seed sequence (seed, e)
+(`build_pack_plan(..., epoch=e)`: new mix draw, new packs, new order), so every epoch is
+reshuffled and reproducible. Its state is `LoaderState(fingerprint, seed, epoch,
+packs_consumed, dp_size)`, where `packs_consumed` counts packs of the epoch consumed by *all*
+ranks together (global batches * G + the within-batch packs * dp_size). Because the
+sequence of global batches does not depend on dp_size, a state saved at a global-batch
+boundary resumes exactly on any dp_size that divides G; inside a global batch it resumes
+exactly with the same dp_size.
+
+The GPU side (`pixel_values_on_device`) turns uint8 patches into the model's pixel values
+with a lookup table; no image library runs anywhere in training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from shards_schema import ShardFormatError, open_shards
+from shards_schema.pixels import pixel_values_from_patches
+
+from .pack_plan import DEFAULT_BLOCK_SIZE, PackPlan, build_pack_plan, plan_request, source_fingerprint
+from .packed_batch import DEFAULT_PAD_TOKEN_ID, assemble_pack
+
+
+def _to_torch(batch: dict) -> dict:
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+
+
+class PackedDataset(Dataset):
+    """This rank's packs of one epoch's plan, as dicts of torch tensors (see `assemble_pack`
+    for the fields), plus `pack_index` (position in the plan) and `epoch`.
+
+    `sources` defaults to the directories recorded in the plan; pass others (same data,
+    moved) and their manifests must match the plan's fingerprints. `pad_to_seq_len` pads every
+    pack to exactly `plan.seq_len` tokens (static shapes); otherwise a pack is as long as
+    its samples (rounded up to the plan's pad_to_multiple).
+    """
+
+    def __init__(self, plan: PackPlan, sources=None, *, rank: int = 0, dp_size: int = 1, pad_to_seq_len: bool = False,
+                 pad_token_id: int | None = None):
+        dirs = list(sources) if sources is not None else plan.source_dirs
+        if len(dirs) != len(plan.meta["sources"]):
+            raise ValueError(f"the plan has {len(plan.meta['sources'])} sources, got {len(dirs)} directories")
+        self.shards = [open_shards(d) for d in dirs]
+        for shards, recorded in zip(self.shards, plan.meta["sources"]):
+            if source_fingerprint(shards.manifest) != recorded["fingerprint"]:
+                raise ShardFormatError(
+                    f"{shards.directory}: its manifest does not match the data the pack plan was built on "
+                    f"({recorded['dir']}); rebuild the plan"
+                )
+        self.plan = plan
+        self.rank, self.dp_size = int(rank), int(dp_size)
+        self.packs = plan.rank_packs(self.rank, self.dp_size)
+        self.seq_len = plan.seq_len if pad_to_seq_len else None
+        self.pad_to_multiple = int(plan.settings["pad_to_multiple"])
+        if pad_token_id is None:
+            pad_token_id = int(self.shards[0].manifest["profile"].get("special_tokens", {}).get("endoftext", DEFAULT_PAD_TOKEN_ID))
+        self.pad_token_id = int(pad_token_id)
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def samples(self, k: int) -> list[dict]:
+        """The zero-copy sample dicts of this rank's k-th pack."""
+        sources, indices = self.plan.pack_samples(int(self.packs[k]))
+        return [self.shards[s][i] for s, i in zip(sources.tolist(), indices.tolist())]
+
+    def __getitem__(self, k: int) -> dict:
+        if not 0 <= k < len(self.packs):
+            raise IndexError(f"pack {k} out of range: rank {self.rank} has {len(self.packs)} packs this epoch")
+        batch = assemble_pack(self.samples(k), seq_len=self.seq_len, pad_to_multiple=self.pad_to_multiple,
+                              pad_token_id=self.pad_token_id)
+        batch["pack_index"] = int(self.packs[k])
+        batch["epoch"] = int(self.plan.settings["epoch"])
+        return _to_torch(batch)
+
+
+def pixel_values_on_device(pixel_patches: torch.Tensor, vision: dict, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """uint8 patches [N, C*P*P] (already on the GPU) -> the vision tower's pixel values
+    [N, C*T*P*P], bit-identical to HF's float32 `pixel_values` (cast to `dtype` afterwards).
+    `vision` is the manifest's `profile.vision`."""
+    return pixel_values_from_patches(
+        pixel_patches, vision["image_mean"], vision["image_std"], int(vision["patch_size"]),
+        int(vision["temporal_patch_size"]), int(vision.get("channels", 3)), dtype=dtype,
+    )
+
+
+def batch_to_device(batch: dict, device, non_blocking: bool = True) -> dict:
+    """Tensors to `device` (asynchronous from pinned memory); other values unchanged."""
+    return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@dataclass
+class LoaderState:
+    """Where a run is in the data: exact and small (a checkpoint stores `to_dict()`)."""
+
+    fingerprint: str  # data + packing settings, without seed/epoch (PackPlan.data_fingerprint)
+    seed: int
+    epoch: int
+    packs_consumed: int  # packs of this epoch consumed by all ranks together
+    dp_size: int = 1  # the dp_size that consumed them (resume inside a global batch needs the same)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, state: dict) -> "LoaderState":
+        return cls(**{k: state[k] for k in ("fingerprint", "seed", "epoch", "packs_consumed")},
+                   dp_size=int(state.get("dp_size", 1)))
+
+
+class PackedLoader:
+    """Epochs of this rank's packs through a torch DataLoader, with `state_dict()`.
+
+    `for batch in loader:` yields the rest of the current epoch, then moves to the next one
+    (so `for epoch in ...: for batch in loader:` works, and so does resuming mid-epoch).
+    Planning settings are those of `build_pack_plan`; `cache_dir` shares plans between ranks
+    and restarts. DataLoader settings: num_workers, pin_memory, prefetch_factor.
+    """
+
+    def __init__(self, sources, *, seq_len: int, seed: int = 0, rank: int = 0, dp_size: int = 1,
+                 global_batch_packs: int | None = None, max_visual_tokens: int | None = None, pad_to_multiple: int = 1,
+                 pad_to_seq_len: bool = False, cache_dir: str | Path | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None):
+        self.sources = sources
+        self.plan_settings = dict(seq_len=seq_len, seed=seed, max_visual_tokens=max_visual_tokens, dp_size=dp_size,
+                                  global_batch_packs=global_batch_packs, pad_to_multiple=pad_to_multiple,
+                                  block_size=block_size)
+        request = plan_request(sources, epoch=0, **self.plan_settings)  # validates settings, no shard read
+        self.fingerprint = request.data_fingerprint
+        self.global_batch_packs = int(request.settings["global_batch_packs"])
+        self.seed, self.rank, self.dp_size = int(seed), int(rank), int(dp_size)
+        if not 0 <= self.rank < self.dp_size:
+            raise ValueError(f"rank {rank} out of range for dp_size {dp_size}")
+        self.pad_to_seq_len = pad_to_seq_len
+        self.cache_dir = cache_dir
+        self.loader_kwargs = dict(num_workers=num_workers, pin_memory=pin_memory)
+        if num_workers > 0 and prefetch_factor is not None:
+            self.loader_kwargs["prefetch_factor"] = prefetch_factor
+        self.epoch = 0
+        self.position = 0  # packs of this epoch consumed by this rank
+        self._dataset: PackedDataset | None = None
+
+    @property
+    def packs_per_rank_per_global_batch(self) -> int:
+        return self.global_batch_packs // self.dp_size
+
+    def plan(self, epoch: int | None = None) -> PackPlan:
+        epoch = self.epoch if epoch is None else epoch
+        return build_pack_plan(self.sources, epoch=epoch, cache_dir=self.cache_dir, **self.plan_settings)
+
+    def dataset(self) -> PackedDataset:
+        """The current epoch's dataset (built on first use)."""
+        if self._dataset is None or self._dataset.plan.settings["epoch"] != self.epoch:
+            self._dataset = PackedDataset(self.plan(), rank=self.rank, dp_size=self.dp_size, pad_to_seq_len=self.pad_to_seq_len)
+        return self._dataset
+
+    def __len__(self) -> int:
+        """Packs this rank consumes in the current epoch (all of them, consumed or not)."""
+        return len(self.dataset())
+
+    def __iter__(self):
+        dataset = self.dataset()
+        if self.position >= len(dataset):  # stopped exactly at an epoch's end: go on with the next
+            self._next_epoch()
+            dataset = self.dataset()
+        loader = DataLoader(dataset, batch_size=None, sampler=range(self.position, len(dataset)), **self.loader_kwargs)
+        for batch in loader:
+            self.position += 1
+            yield batch
+        self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        self.epoch += 1
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        per = self.packs_per_rank_per_global_batch
+        batches, within = divmod(self.position, per)
+        consumed = batches * self.global_batch_packs + within * self.dp_size
+        return LoaderState(self.fingerprint, self.seed, self.epoch, consumed, self.dp_size).to_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        state = LoaderState.from_dict(state)
+        if state.fingerprint != self.fingerprint:
+            raise ValueError(
+                "loader state was saved for other data or packing settings (sources, weights, seq_len, "
+                "max_visual_tokens, global_batch_packs, pad_to_multiple): its fingerprint "
+                f"{state.fingerprint[:16]} != {self.fingerprint[:16]}; resume with the same data and settings"
+            )
+        if state.seed != self.seed:
+            raise ValueError(f"loader state was saved with seed {state.seed}, this loader has seed {self.seed}")
+        G = self.global_batch_packs
+        batches, rest = divmod(int(state.packs_consumed), G)
+        if rest and state.dp_size != self.dp_size:
+            raise ValueError(
+                f"loader state stops inside a global batch ({rest} of {G} packs consumed with dp_size {state.dp_size}); "
+                f"it can only resume with that dp_size, not {self.dp_size} (save at a global-batch boundary to change it)"
+            )
+        self.epoch = int(state.epoch)
+        self.position = batches * self.packs_per_rank_per_global_batch + rest // self.dp_size
