@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from preprocess.errors import ConfigError
 from preprocess.examples import encode_data_uri, example_rows, synthetic_image, write_jsonl
