@@ -19,7 +19,6 @@ from typing import Iterator
 
 from .errors import ConfigError, RejectError
 
-FORMATS = ("jsonl", "json", "parquet", "hf_dataset")
 _SUFFIX_FORMAT = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
 
 
