@@ -734,7 +734,7 @@ def _check_duplicate_uids(uids: list[tuple[str, pa.Array]], log: _FaultLog) -> N
     if len(dup) == 0:
         return
     examples = dup.field("values")[:DUPLICATE_EXAMPLES]
-    places: dict[str, list[tuple[str, int]]] = {v: [] for v in examples.to_pylist()}
+    places: dict[str, list[tuple[str, int]]] = {v.as_py(): [] for v in examples}  # at most DUPLICATE_EXAMPLES
     for shard, arr in uids:  # manifest order, so places are in reading order
         hits = np.flatnonzero(pc.is_in(arr, value_set=examples).to_numpy(zero_copy_only=False))
         for r in hits.tolist():
