@@ -1,9 +1,12 @@
 """Packed (THD) batches and the loader: labels never cross samples, cu_seqlens / positions /
 pixels line up, padding variants, HF packed inputs; DataLoader workers, exact resume,
-dp-size independence, epochs; and the training side never imports the preprocessing stack."""
+dp-size independence, epochs; WebDataset exports pack exactly like their directories; and
+the training side never imports the preprocessing stack."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import warnings
@@ -15,10 +18,11 @@ import torch
 
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
-from shards_schema import open_shards
+from shards_schema import ShardFormatError, open_shards
 from shards_schema.pixels import pixel_values_from_patches_np
+from shards_schema.webdataset import WebDatasetFormatError, export_webdataset
 from train.loader import LoaderState, PackedDataset, PackedLoader, pixel_values_on_device
-from train.pack_plan import build_pack_plan
+from train.pack_plan import WebDatasetSource, build_pack_plan, open_source
 from train.packed_batch import (
     IGNORE_INDEX,
     assemble_pack,
@@ -298,3 +302,78 @@ def test_training_side_imports_no_preprocessing_stack():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --------------------------------------------------------------------------- WebDataset sources
+
+
+@pytest.fixture(scope="module")
+def webdataset_dir(shard_dir, tmp_path_factory):
+    """The shard directory exported to WebDataset, in several tars of uneven size."""
+    out = tmp_path_factory.mktemp("wds") / "tars"
+    export_webdataset(shard_dir, out, samples_per_tar=7)
+    return out
+
+
+def assert_same_packs(a, b) -> None:
+    """Every field of two pack sequences equal: tensors in value, dtype and shape."""
+    a, b = list(a), list(b)
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            if isinstance(x[key], torch.Tensor):
+                assert x[key].dtype == y[key].dtype and torch.equal(x[key], y[key]), key
+            else:
+                assert x[key] == y[key], key
+
+
+def test_webdataset_export_packs_exactly_like_its_directory(shard_dir, shards, webdataset_dir):
+    wds = open_source(webdataset_dir)
+    assert isinstance(wds, WebDatasetSource) and len(wds.tars) > 2
+    stats = shards.sample_stats()
+    for name, values in wds.sample_stats().items():  # from tar headers alone
+        assert np.array_equal(values, stats[name]), name
+    for settings in ({"seq_len": SEQ_LEN}, {"seq_len": SEQ_LEN, "pad_to_multiple": 64, "seed": 5, "epoch": 1}):
+        arrow, tars = build_pack_plan([shard_dir], **settings), build_pack_plan([webdataset_dir], **settings)
+        assert arrow.key == tars.key and tars.source_dirs == [str(webdataset_dir.resolve())]
+        for name in arrow.arrays:
+            assert np.array_equal(arrow.arrays[name], tars.arrays[name]), name
+        assert_same_packs(PackedDataset(arrow), PackedDataset(tars))
+        assert_same_packs(PackedDataset(arrow, pad_to_seq_len=True), PackedDataset(tars, pad_to_seq_len=True))
+    # an export mixes with directories; same fingerprint, so the packs are those of [dir, dir]
+    mixed = build_pack_plan([shard_dir, webdataset_dir], seq_len=SEQ_LEN)
+    assert_same_packs(PackedDataset(mixed), PackedDataset(mixed, [shard_dir, shard_dir]))
+    assert set(np.unique(mixed.sample_source).tolist()) == {0, 1}
+
+
+def test_webdataset_loader_with_workers_and_resume_across_formats(shard_dir, webdataset_dir, tmp_path):
+    arrow = make_loader(shard_dir, cache_dir=tmp_path)
+    tars = make_loader(webdataset_dir, cache_dir=tmp_path, num_workers=2)  # the export pickles by path
+    assert arrow.fingerprint == tars.fingerprint
+    head = take(arrow, 3)
+    assert_same_packs(head, take(tars, 3))
+    resumed = make_loader(webdataset_dir, cache_dir=tmp_path)  # the cached plan was built on the directory
+    resumed.load_state_dict(arrow.state_dict())
+    assert_same_packs(list(arrow), list(resumed))
+    assert resumed.dataset().shards[0].directory == webdataset_dir  # reads its own source, not the plan's
+
+
+def test_unknown_or_damaged_webdataset_sources_are_refused(webdataset_dir, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ShardFormatError, match="neither manifest.json nor index.json"):
+        build_pack_plan([tmp_path / "empty"], seq_len=SEQ_LEN)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(webdataset_dir, damaged)
+    index = json.loads((damaged / "index.json").read_text())
+    tar = damaged / index["tars"][1]["file"]
+    data = bytearray(tar.read_bytes())
+    at = index["tars"][1]["sample_offsets"][2]
+    data[at + 11:at + 14] = b"xxx"  # the first member's name
+    tar.write_bytes(bytes(data))
+    key = f"s{index['tars'][1]['first_index'] + 2:09d}"
+    with pytest.raises(WebDatasetFormatError, match=f"{tar.name}: sample {key} .*expected member image_grid_thw.npy"):
+        build_pack_plan([damaged], seq_len=SEQ_LEN)
+    tar.write_bytes(bytes(data[:-20000]))
+    with pytest.raises(WebDatasetFormatError, match="truncated"):
+        build_pack_plan([damaged], seq_len=SEQ_LEN)

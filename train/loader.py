@@ -6,6 +6,12 @@ into the mapped files), lays the pack out with `assemble_pack` (one copy, into t
 own arrays) and returns torch tensors. It pickles cheaply (shards and saved plans pickle by
 path), so it works in `DataLoader(num_workers > 0, batch_size=None, pin_memory=True)`.
 
+Sources are shard directories or their WebDataset exports (`vlmpack export --format
+webdataset`: tars + index.json), mixed freely (`pack_plan.open_source`). An export reads each
+sample with one `pread` (`WebDatasetShards[i]`) instead of memory-mapped views, and has the
+fingerprint of the directory it came from, so the same plan gives the same packs, tensor for
+tensor, and a loader state saved on one resumes on the other.
+
 `PackedLoader` runs epochs: epoch e uses the plan built with seed sequence (seed, e)
 (`build_pack_plan(..., epoch=e)`: new mix draw, new packs, new order), so every epoch is
 reshuffled and reproducible. Its state is `LoaderState(fingerprint, seed, epoch,
@@ -28,10 +34,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shards_schema import ShardFormatError, open_shards
+from shards_schema import ShardFormatError
 from shards_schema.pixels import pixel_values_from_patches
 
-from .pack_plan import DEFAULT_BLOCK_SIZE, PackPlan, build_pack_plan, plan_request, source_fingerprint
+from .pack_plan import DEFAULT_BLOCK_SIZE, PackPlan, build_pack_plan, open_source, plan_request, source_fingerprint
 from .packed_batch import DEFAULT_PAD_TOKEN_ID, assemble_pack
 
 
@@ -44,7 +50,7 @@ class PackedDataset(Dataset):
     for the fields), plus `pack_index` (position in the plan) and `epoch`.
 
     `sources` defaults to the directories recorded in the plan; pass others (same data,
-    moved) and their manifests must match the plan's fingerprints. `pad_to_seq_len` pads every
+    moved, or exported to WebDataset) and their manifests must match the plan's fingerprints. `pad_to_seq_len` pads every
     pack to exactly `plan.seq_len` tokens (static shapes); otherwise a pack is as long as
     its samples (rounded up to the plan's pad_to_multiple).
     """
@@ -54,7 +60,7 @@ class PackedDataset(Dataset):
         dirs = list(sources) if sources is not None else plan.source_dirs
         if len(dirs) != len(plan.meta["sources"]):
             raise ValueError(f"the plan has {len(plan.meta['sources'])} sources, got {len(dirs)} directories")
-        self.shards = [open_shards(d) for d in dirs]
+        self.shards = [open_source(d) for d in dirs]
         for shards, recorded in zip(self.shards, plan.meta["sources"]):
             if source_fingerprint(shards.manifest) != recorded["fingerprint"]:
                 raise ShardFormatError(
@@ -127,8 +133,9 @@ class PackedLoader:
 
     `for batch in loader:` yields the rest of the current epoch, then moves to the next one
     (so `for epoch in ...: for batch in loader:` works, and so does resuming mid-epoch).
-    Planning settings are those of `build_pack_plan`; `cache_dir` shares plans between ranks
-    and restarts. DataLoader settings: num_workers, pin_memory, prefetch_factor.
+    `sources` and the planning settings are those of `build_pack_plan` (shard directories or
+    WebDataset exports, each optionally weighted); `cache_dir` shares plans between ranks and
+    restarts. DataLoader settings: num_workers, pin_memory, prefetch_factor.
     """
 
     def __init__(self, sources, *, seq_len: int, seed: int = 0, rank: int = 0, dp_size: int = 1,
@@ -141,6 +148,7 @@ class PackedLoader:
                                   block_size=block_size)
         request = plan_request(sources, epoch=0, **self.plan_settings)  # validates settings, no shard read
         self.fingerprint = request.data_fingerprint
+        self.source_dirs = [directory for directory, _ in request.specs]
         self.global_batch_packs = int(request.settings["global_batch_packs"])
         self.seed, self.rank, self.dp_size = int(seed), int(rank), int(dp_size)
         if not 0 <= self.rank < self.dp_size:
@@ -165,7 +173,10 @@ class PackedLoader:
     def dataset(self) -> PackedDataset:
         """The current epoch's dataset (built on first use)."""
         if self._dataset is None or self._dataset.plan.settings["epoch"] != self.epoch:
-            self._dataset = PackedDataset(self.plan(), rank=self.rank, dp_size=self.dp_size, pad_to_seq_len=self.pad_to_seq_len)
+            # read from this loader's own sources, not the plan's recorded ones: a cached plan may
+            # have been built on the same data elsewhere (moved, or the Arrow twin of an export)
+            self._dataset = PackedDataset(self.plan(), self.source_dirs, rank=self.rank, dp_size=self.dp_size,
+                                          pad_to_seq_len=self.pad_to_seq_len)
         return self._dataset
 
     def __len__(self) -> int:
