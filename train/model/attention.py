@@ -1,0 +1,104 @@
+"""Packed (THD) attention without Transformer Engine or Apex.
+
+One function, `packed_attention`, serves the language model (causal, GQA) and the vision
+towers (bidirectional, per image or per window). On CUDA it is PyTorch's FlashAttention
+varlen kernel (`torch.nn.attention.varlen.varlen_attn`); elsewhere an exact masked
+`scaled_dot_product_attention` over the whole row with a block-diagonal mask built from
+`cu_seqlens` (O(T^2) memory: for tests and CPU smoke runs, not for long packs).
+
+`PackedCoreAttention` plugs that function into a megatron-core layer spec in place of
+`DotProductAttention`, which cannot take THD packed params.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+from torch import Tensor
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    _VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters)
+except ImportError:  # torch without the varlen API: masked path everywhere
+    varlen_attn = None
+    _VARLEN_PARAMS = set()
+
+
+def _segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:
+    """Row r belongs to segment `searchsorted(cu_seqlens, r, right) - 1`; rows at or past the
+    last boundary get -1 (they attend to nothing and are never read)."""
+    rows = torch.arange(total, device=cu_seqlens.device)
+    seg = torch.searchsorted(cu_seqlens.to(rows.dtype), rows, right=True) - 1
+    return torch.where(rows < cu_seqlens[-1], seg, torch.full_like(seg, -1))
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causal: bool, scale: float) -> Tensor:
+    total, heads, _ = q.shape
+    seg = _segment_ids(cu_seqlens, total)
+    mask = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
+    if causal:
+        mask = mask & torch.ones(total, total, dtype=torch.bool, device=q.device).tril()
+    # A row that sees nothing (trailing rows past cu_seqlens[-1]) would give NaN: let it see itself.
+    mask = mask | torch.eye(total, dtype=torch.bool, device=q.device)
+    if k.shape[1] != heads:
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, causal: bool, scale: float) -> Tensor:
+    kwargs = {"scale": scale}
+    if "window_size" in _VARLEN_PARAMS:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kwargs["is_causal"] = causal
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    cu = cu_seqlens.to(torch.int32)
+    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+
+
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, *,
+                     causal: bool, scale: float | None = None) -> Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] (Hq divisible by Hkv) -> [T, Hq, D]; each segment
+    [cu_seqlens[j], cu_seqlens[j+1]) attends only within itself."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if q.is_cuda and varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16):
+        return _varlen(q, k, v, cu_seqlens, int(max_seqlen), causal, scale)
+    return _masked_attention(q, k, v, cu_seqlens, causal, scale)
+
+
+class PackedCoreAttention(torch.nn.Module):
+    """megatron-core `core_attention` submodule for packed rows.
+
+    Megatron's SelfAttention hands over q [T, 1, Hq, D], k/v [T, 1, Hkv, D] (per TP rank)
+    and expects [T, 1, Hq*D]. The segment boundaries come in `packed_seq_params`. The model
+    passes them with `qkv_format="sbhd"` on purpose: megatron's THD rotary path assumes
+    positions restart at 0 per segment and slices one shared table, while M-RoPE needs a
+    per-token table that the bshd path applies as is.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type="self", cp_comm_type=None,
+                 softmax_scale=None, pg_collection=None, **_):
+        super().__init__()
+        self.config = config
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **_):
+        if packed_seq_params is None:
+            raise ValueError("PackedCoreAttention needs packed_seq_params (cu_seqlens) for every call")
+        t, b = query.shape[:2]
+        if b != 1:
+            raise ValueError(f"packed rows have batch dimension 1, got {b}")
+        out = packed_attention(query[:, 0], key[:, 0], value[:, 0], packed_seq_params.cu_seqlens_q,
+                               packed_seq_params.max_seqlen_q, causal=True, scale=self.softmax_scale)
+        return out.reshape(t, 1, -1)

@@ -1,0 +1,172 @@
+"""Qwen3-VL / Qwen2.5-VL on megatron-core.
+
+    pixel_values -> VisionTower (first pipeline stage only) -> image embeddings
+    input_ids -> GPTModel.embedding -> image embeddings scattered in at <|image_pad|> rows
+             -> GPTModel.decoder (packed attention, per-token M-RoPE, DeepStack adds after
+                layers 0..n-1) -> final norm -> chunked vocab-parallel cross-entropy
+
+The language model is megatron-core's `GPTModel` (weights, TP sharding, pipeline stages,
+tied embeddings), with a local layer spec whose core attention is `PackedCoreAttention`.
+We call its embedding and decoder directly rather than `GPTModel.forward`, because the
+rotary table (M-RoPE from position_ids) and the loss (never a full fp32 logit matrix) are
+ours.
+
+DeepStack features travel through the decoder as the `context` / `context_mask` arguments
+that TransformerBlock hands to every layer (and through activation recompute), so
+`DeepStackLayer` gets them as explicit inputs rather than hidden model state: context is
+[num_deepstack, N_image_tokens, hidden], context_mask the row index of each image token.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from train.model.arch import ModelArch
+from train.model.attention import PackedCoreAttention
+from train.model.rope import MRoPE
+from train.model.vision import VisionTower
+
+IGNORE_INDEX = -100
+LOSS_CHUNK_TOKENS = 4096  # logits of this many rows exist at once (bf16 x vocab/TP), fp32 only inside CE
+
+
+class DeepStackLayer(TransformerLayer):
+    """A decoder layer that, if it is one of the first `num_deepstack` layers, adds its
+    DeepStack feature to the image rows of its output (HF: `_deepstack_process` after
+    layer i for i < len(deepstack_visual_embeds))."""
+
+    def forward(self, *args, **kwargs):
+        hidden, context = super().forward(*args, **kwargs)
+        features, rows = kwargs.get("context"), kwargs.get("context_mask")
+        index = self.layer_number - 1  # layer_number is 1-based and global across pipeline stages
+        if features is not None and index < features.shape[0]:
+            hidden = hidden.index_add(0, rows, features[index].unsqueeze(1).to(hidden.dtype))
+        return hidden, context
+
+
+def layer_spec(arch: ModelArch):
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.lm.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    if arch.num_deepstack:
+        spec.module = DeepStackLayer
+    return spec
+
+
+def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtype=torch.float32,
+                       bf16: bool = False, cpu: bool = False, recompute: str = "none", **overrides) -> TransformerConfig:
+    """megatron TransformerConfig for the language model; `recompute`: none | selective | full."""
+    lm = arch.lm
+    recompute_kw = {}
+    if recompute == "full":
+        recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":
+        recompute_kw = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif recompute != "none":
+        raise ValueError(f"unknown recompute {recompute!r}: none | selective | full")
+    return TransformerConfig(
+        num_layers=lm.num_layers, hidden_size=lm.hidden_size, num_attention_heads=lm.num_heads,
+        num_query_groups=lm.num_kv_heads, kv_channels=lm.head_dim, ffn_hidden_size=lm.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=lm.rms_norm_eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=lm.qkv_bias,
+        qk_layernorm=lm.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+        params_dtype=params_dtype, bf16=bf16, pipeline_dtype=params_dtype if pp > 1 else None,
+        use_cpu_initialization=cpu, init_method_std=0.02, apply_rope_fusion=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False, cross_entropy_loss_fusion=False,
+        **recompute_kw, **overrides)
+
+
+def chunked_cross_entropy(hidden: Tensor, labels: Tensor, output_layer, weight: Tensor | None,
+                          chunk: int = LOSS_CHUNK_TOKENS) -> Tensor:
+    """Per-token CE [T] (0 where labels == -100) from final hidden states [T, 1, H].
+
+    Logits are made `chunk` rows at a time in the model dtype, upcast to fp32 inside the
+    vocab-parallel CE, and recomputed in backward (checkpoint), so at most one chunk of
+    logits exists at a time instead of T x 151,936 fp32 values."""
+    def chunk_loss(h: Tensor, y: Tensor) -> Tensor:
+        logits, _ = output_layer(h, weight=weight)
+        target = y.clamp(min=0)
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target[:, None])[:, 0]
+        return torch.where(y >= 0, loss, torch.zeros_like(loss))
+
+    pieces = []
+    for start in range(0, hidden.shape[0], chunk):
+        h, y = hidden[start:start + chunk], labels[start:start + chunk]
+        pieces.append(checkpoint(chunk_loss, h, y, use_reentrant=False) if torch.is_grad_enabled()
+                      else chunk_loss(h, y))
+    return torch.cat(pieces)
+
+
+class QwenVLModel(MegatronModule):
+    """One pipeline stage of the VLM. The first stage owns the vision tower and embeddings,
+    the last the final norm and output layer (tied to the embeddings when the arch says so)."""
+
+    def __init__(self, arch: ModelArch, config: TransformerConfig, *, pre_process: bool = True,
+                 post_process: bool = True, pg_collection=None, vp_stage=None):
+        super().__init__(config=config)
+        self.arch = arch
+        self.pre_process, self.post_process = pre_process, post_process
+        self.vision = None
+        if pre_process:
+            device = None if config.use_cpu_initialization else torch.cuda.current_device()
+            self.vision = VisionTower(arch.vision, params_dtype=config.params_dtype, device=device)
+        self.language_model = GPTModel(
+            config=config, transformer_layer_spec=layer_spec(arch), vocab_size=arch.lm.vocab_size,
+            max_sequence_length=1 << 20, pre_process=pre_process, post_process=post_process,
+            parallel_output=True, share_embeddings_and_output_weights=arch.lm.tie_word_embeddings,
+            position_embedding_type="none", pg_collection=pg_collection, vp_stage=vp_stage)
+        self.rope = MRoPE(arch.lm.head_dim, arch.lm.rope_theta, arch.lm.mrope_section, arch.lm.mrope_interleaved)
+        self.share_embeddings_and_output_weights = arch.lm.tie_word_embeddings
+        self.model_type = self.language_model.model_type  # megatron's schedules ask for it
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def _decoder_input(self, input_ids: Tensor, pixel_values: Tensor | None, image_grid_thw: Tensor | None):
+        """Text embeddings with image embeddings scattered in; DeepStack context for the decoder."""
+        embeds = self.language_model.embedding(input_ids=input_ids[None], position_ids=None)  # [T, 1, H]
+        if pixel_values is None or pixel_values.shape[0] == 0:
+            return embeds, None, None
+        image_embeds, deepstack = self.vision(pixel_values, image_grid_thw)
+        rows = torch.nonzero(input_ids == self.arch.image_token_id)[:, 0]
+        if rows.numel() != image_embeds.shape[0]:
+            raise ValueError(f"batch has {rows.numel()} <|image_pad|> tokens but its images give "
+                             f"{image_embeds.shape[0]} embeddings (grids {image_grid_thw.tolist()})")
+        embeds = embeds.clone()
+        embeds[rows, 0] = image_embeds.to(embeds.dtype)
+        context = torch.stack(deepstack) if deepstack else None
+        return embeds, context, rows if context is not None else None
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                labels: Tensor | None = None, pixel_values: Tensor | None = None,
+                image_grid_thw: Tensor | None = None, return_logits: bool = False) -> Tensor:
+        """One packed row. input_ids/labels [T], position_ids [3, T], cu_seqlens [n+1] row
+        offsets (the pack's `cu_seqlens_padded`). Last stage: per-token loss [T] (fp32, 0 where
+        labels == -100), or full logits [T, V] with `return_logits`. Other stages: hidden [T, 1, H]."""
+        context = rows = None
+        decoder_input = None
+        if self.pre_process:
+            decoder_input, context, rows = self._decoder_input(input_ids, pixel_values, image_grid_thw)
+        # qkv_format "sbhd" on purpose: see PackedCoreAttention.
+        packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                 max_seqlen_q=int(max_seqlen), max_seqlen_kv=int(max_seqlen))
+        hidden = self.language_model.decoder(
+            hidden_states=decoder_input, attention_mask=None, context=context, context_mask=rows,
+            rotary_pos_emb=self.rope(position_ids), packed_seq_params=packed)
+        if not self.post_process:
+            return hidden
+        weight = self.language_model.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if return_logits:
+            logits, _ = self.language_model.output_layer(hidden, weight=weight)
+            return tensor_parallel.gather_from_tensor_model_parallel_region(logits)[:, 0].float()
+        return chunked_cross_entropy(hidden, labels, self.language_model.output_layer, weight)

@@ -1,0 +1,44 @@
+"""M-RoPE for the language model from the batch's precomputed position_ids [3, T].
+
+Each of the head_dim/2 rotary frequencies reads one of the three position rows (T, H, W):
+- Qwen3-VL, interleaved: frequency j uses H if j % 3 == 1, W if j % 3 == 2 (within the first
+  3 * section[1] resp. 3 * section[2] frequencies), T otherwise (sections 24/20/20).
+- Qwen2.5-VL, chunked: T for the first section[0] frequencies, then H, then W (16/24/24).
+megatron-core's MultimodalRotaryEmbedding has only the chunked kind, and its THD path
+assumes positions restart at 0 per sample; we build the per-token table ourselves and hand
+it to the layers in megatron's [T, 1, 1, head_dim] layout (cos/sin of cat(freqs, freqs),
+the rotate-half convention HF uses).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def mrope_axis_of_frequency(section: tuple[int, int, int], interleaved: bool) -> Tensor:
+    """[head_dim/2] int64: which position row (0 T, 1 H, 2 W) each frequency uses."""
+    n = sum(section)
+    j = torch.arange(n)
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    axis = torch.zeros(n, dtype=torch.long)
+    axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axis
+
+
+class MRoPE(torch.nn.Module):
+    def __init__(self, head_dim: int, theta: float, section: tuple[int, int, int], interleaved: bool):
+        super().__init__()
+        if sum(section) != head_dim // 2:
+            raise ValueError(f"mrope section {section} must sum to head_dim/2 = {head_dim // 2}")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("axis", mrope_axis_of_frequency(section, interleaved), persistent=False)
+
+    def forward(self, position_ids: Tensor) -> Tensor:
+        """position_ids [3, T] -> rotary angles [T, 1, 1, head_dim] (float32)."""
+        pos = position_ids.to(self.inv_freq.device)[self.axis].float()  # [head_dim/2, T]
+        freqs = (pos * self.inv_freq[:, None]).t()
+        return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]

@@ -1,0 +1,387 @@
+"""Qwen3-VL and Qwen2.5-VL vision towers in plain torch (no transformers at train time).
+
+Numerically the same as HF's `Qwen3VLVisionModel` and `Qwen2_5_VisionTransformerPretrainedModel`
+(transformers 5.x), with identical parameter names, so a checkpoint's `model.visual.*` tensors
+load as they are. What differs is only how the work is laid out:
+
+- the patch embedding is one GEMM (`Conv3d` with kernel == stride over a pre-flattened patch);
+- every block runs ONE packed attention call over all images (Qwen2.5: all windows), where
+  HF's eager/sdpa paths loop over images;
+- the per-image index tensors (rotary positions, pos-embed taps, window order, cu_seqlens)
+  are vectorised over `image_grid_thw` and built on the CPU, so no GPU sync is needed for
+  the `max_seqlen` ints and the bits match HF's own (CPU-built) tables.
+
+Token order (both families, as HF): patches of each image come in 2x2 spatial-merge-block
+order (the image processor emits them so), so merged token j is patches 4j..4j+3.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from train.model.attention import packed_attention
+
+FAMILIES = ("qwen3-vl", "qwen2.5-vl")
+_ACTIVATIONS = {
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+
+@dataclass(frozen=True)
+class VisionArch:
+    family: str  # "qwen3-vl" | "qwen2.5-vl"
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 2304  # qwen3-vl learned pos table (48x48)
+    deepstack_visual_indexes: tuple[int, ...] = ()  # qwen3-vl
+    window_size: int = 112  # qwen2.5-vl, in pixels
+    fullatt_block_indexes: tuple[int, ...] = ()  # qwen2.5-vl
+    hidden_act: str = "gelu_pytorch_tanh"  # qwen3-vl MLP act; qwen2.5-vl uses "silu" SwiGLU
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown vision family {self.family!r}: expected one of {FAMILIES}")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}: expected one of {sorted(_ACTIVATIONS)}")
+        if self.family == "qwen3-vl" and math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
+            raise ValueError(f"num_position_embeddings {self.num_position_embeddings} is not a square")
+        if self.family == "qwen2.5-vl" and self.window_size < self.patch_size * self.spatial_merge_size:
+            raise ValueError(f"window_size {self.window_size} px is smaller than one merged token "
+                             f"({self.patch_size * self.spatial_merge_size} px)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def window_tokens(self) -> int:
+        """Qwen2.5-VL window side in merged tokens (HF's `vit_merger_window_size`)."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
+
+    @classmethod
+    def from_hf_config(cls, family: str, vision_config: dict) -> VisionArch:
+        """From a config.json's `vision_config` (the Qwen2.5-VL hub files say `in_chans`)."""
+        vc = vision_config
+        qwen3 = family == "qwen3-vl"
+        rope = vc.get("rope_parameters") or {}
+        kw = {
+            "family": family, "depth": vc["depth"], "hidden_size": vc["hidden_size"],
+            "intermediate_size": vc["intermediate_size"], "num_heads": vc["num_heads"],
+            "out_hidden_size": vc["out_hidden_size"], "patch_size": vc["patch_size"],
+            "temporal_patch_size": vc.get("temporal_patch_size", 2),
+            "in_channels": vc.get("in_channels", vc.get("in_chans", 3)),
+            "spatial_merge_size": vc.get("spatial_merge_size", 2),
+            "hidden_act": vc.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu"),
+            "rope_theta": float(rope.get("rope_theta", vc.get("rope_theta", 10000.0)))}
+        if qwen3:
+            kw.update(num_position_embeddings=vc.get("num_position_embeddings", 2304),
+                      deepstack_visual_indexes=tuple(vc.get("deepstack_visual_indexes", ())))
+        else:
+            kw.update(window_size=vc.get("window_size", 112),
+                      fullatt_block_indexes=tuple(vc.get("fullatt_block_indexes", ())))
+        return cls(**kw)
+
+    def to_hf_config(self) -> dict:
+        """The `vision_config` dict for an exported config.json (transformers 5.x key names)."""
+        out = {
+            "model_type": "qwen3_vl_vision" if self.family == "qwen3-vl" else "qwen2_5_vl_vision",
+            "depth": self.depth, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_heads": self.num_heads, "out_hidden_size": self.out_hidden_size, "hidden_act": self.hidden_act,
+            "patch_size": self.patch_size, "temporal_patch_size": self.temporal_patch_size,
+            "in_channels": self.in_channels, "spatial_merge_size": self.spatial_merge_size,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta}}
+        if self.family == "qwen3-vl":
+            out.update(num_position_embeddings=self.num_position_embeddings,
+                       deepstack_visual_indexes=list(self.deepstack_visual_indexes))
+        else:
+            out.update(window_size=self.window_size, fullatt_block_indexes=list(self.fullatt_block_indexes))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Index tensors from image_grid_thw (long, CPU). Each is HF's vision_utils result, vectorised.
+
+
+def _ragged_arange(counts: Tensor) -> tuple[Tensor, Tensor]:
+    """For segments of `counts` rows: (segment id, index within the segment) of every row."""
+    seg = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    starts = counts.cumsum(0) - counts
+    return seg, torch.arange(seg.numel()) - starts[seg]
+
+
+def patch_coords(grid: Tensor, merge: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(row, col, grid h, grid w) of every patch, patches in spatial-merge-block order
+    (block row, block col, row in block, col in block), frames repeating the same positions."""
+    seg, local = _ragged_arange(grid.prod(1))
+    h, w = grid[seg, 1], grid[seg, 2]
+    within = local % (h * w)
+    blocks_w = w // merge
+    row = within // (merge * merge * blocks_w) * merge + within // merge % merge
+    col = within // (merge * merge) % blocks_w * merge + within % merge
+    return row, col, h, w
+
+
+def frame_cu_seqlens(grid: Tensor) -> Tensor:
+    """Full-attention segments: one per frame (HF's `get_vision_cu_seqlens`), int32."""
+    lengths = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+    return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def _bilinear_axis(index: Tensor, size: Tensor, side: int) -> tuple[Tensor, Tensor]:
+    """Taps [N, 2] into a `side`-long table and their weights for position `index` of an axis of
+    `size`, as `F.interpolate(bilinear, align_corners=True)` (the same float ops as HF)."""
+    src = index.to(torch.float32) * (side - 1) / torch.clamp(size - 1, min=1)
+    floor = torch.floor(src)
+    offsets = torch.arange(2)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    return taps, weights
+
+
+def pos_embed_taps(row: Tensor, col: Tensor, h: Tensor, w: Tensor, side: int) -> tuple[Tensor, Tensor]:
+    """Indices [N, 4] into the flattened side x side pos table and weights [N, 4] that resample
+    it bilinearly to each image's h x w grid."""
+    h_taps, h_weights = _bilinear_axis(row, h, side)
+    w_taps, w_weights = _bilinear_axis(col, w, side)
+    index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
+    weight = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
+    return index, weight
+
+
+def window_order(grid: Tensor, merge: int, window: int) -> tuple[Tensor, Tensor]:
+    """Qwen2.5-VL window attention (HF's `get_vision_window_index`, vectorised).
+
+    Returns `window_index` (merged tokens in window order: image, frame, window row, window
+    col, row in window, col in window) and `cu_window_seqlens` in patches (int32). Windows
+    are `window` merged tokens square, cut from the top-left; edge windows are smaller.
+    """
+    t, hm, wm = grid[:, 0], grid[:, 1] // merge, grid[:, 2] // merge
+    nwh, nww = -(-hm // window), -(-wm // window)
+    # A sort key per merged token: its slot in the image's frames x padded-window grid. Slots are
+    # unique, in HF's order, and window k of the whole batch owns slots [k*window^2, (k+1)*window^2).
+    slots = t * nwh * nww * window * window
+    seg, local = _ragged_arange(t * hm * wm)
+    frame, r, c = local // (hm * wm)[seg], local // wm[seg] % hm[seg], local % wm[seg]
+    win = (frame * nwh[seg] + r // window) * nww[seg] + c // window
+    key = (slots.cumsum(0) - slots)[seg] + win * window * window + r % window * window + c % window
+    sorted_key, window_index = torch.sort(key)
+    counts = torch.unique_consecutive(sorted_key // (window * window), return_counts=True)[1]
+    cu = F.pad((counts * merge * merge).cumsum(0), (1, 0)).to(torch.int32)
+    return window_index, cu
+
+
+def _max_len(cu: Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max())
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules. Names and shapes follow HF's, so `state_dict()` keys equal `model.visual.*` minus the prefix.
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class _RMSNorm(nn.Module):
+    """Qwen2.5-VL's RMSNorm: normalise in fp32, scale in the input dtype (HF's rounding)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class _PatchEmbed(nn.Module):
+    def __init__(self, arch: VisionArch, bias: bool, **dd):
+        super().__init__()
+        kernel = (arch.temporal_patch_size, arch.patch_size, arch.patch_size)
+        # The Conv3d only holds the checkpoint's [hidden, C, T, P, P] weight: with kernel ==
+        # stride over one pre-cut patch it is a plain GEMM on the flattened (C, T, P, P) pixels.
+        self.proj = nn.Conv3d(arch.in_channels, arch.hidden_size, kernel, stride=kernel, bias=bias, **dd)
+
+    def forward(self, pixels: Tensor) -> Tensor:
+        weight = self.proj.weight
+        return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1), self.proj.bias)
+
+
+class _Attention(nn.Module):
+    def __init__(self, arch: VisionArch, **dd):
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.scale = arch.head_dim ** -0.5  # HF's constant exactly (1/sqrt may differ by an ulp)
+        self.qkv = nn.Linear(arch.hidden_size, 3 * arch.hidden_size, bias=True, **dd)
+        self.proj = nn.Linear(arch.hidden_size, arch.hidden_size, bias=True, **dd)
+
+    def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int, cos: Tensor, sin: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
+        # Rotary in fp32 whatever the compute dtype, as HF's apply_rotary_pos_emb_vision.
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
+        out = packed_attention(q, k, v, cu_seqlens, max_seqlen, causal=False, scale=self.scale)
+        return self.proj(out.flatten(1))
+
+
+class _MLP(nn.Module):
+    """Qwen3-VL: fc1 -> act -> fc2."""
+
+    def __init__(self, arch: VisionArch, **dd):
+        super().__init__()
+        self.act = _ACTIVATIONS[arch.hidden_act]
+        self.linear_fc1 = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=True, **dd)
+        self.linear_fc2 = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=True, **dd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class _SwiGLU(nn.Module):
+    """Qwen2.5-VL: down(act(gate(x)) * up(x)), with biases."""
+
+    def __init__(self, arch: VisionArch, **dd):
+        super().__init__()
+        self.act = _ACTIVATIONS[arch.hidden_act]
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=True, **dd)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=True, **dd)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=True, **dd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, arch: VisionArch, **dd):
+        super().__init__()
+        qwen3 = arch.family == "qwen3-vl"
+        norm = nn.LayerNorm if qwen3 else _RMSNorm
+        self.norm1 = norm(arch.hidden_size, eps=1e-6, **dd)
+        self.norm2 = norm(arch.hidden_size, eps=1e-6, **dd)
+        self.attn = _Attention(arch, **dd)
+        self.mlp = _MLP(arch, **dd) if qwen3 else _SwiGLU(arch, **dd)
+
+    def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x), cu_seqlens, max_seqlen, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class _Merger(nn.Module):
+    """Qwen3-VL patch merger: 2x2 patches -> one LM token. The final merger normalises each
+    patch (LayerNorm(hidden)) before concatenating; DeepStack mergers normalise after."""
+
+    def __init__(self, arch: VisionArch, postshuffle_norm: bool, **dd):
+        super().__init__()
+        self.merged = arch.hidden_size * arch.spatial_merge_size ** 2
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = nn.LayerNorm(self.merged if postshuffle_norm else arch.hidden_size, eps=1e-6, **dd)
+        self.linear_fc1 = nn.Linear(self.merged, self.merged, **dd)
+        self.linear_fc2 = nn.Linear(self.merged, arch.out_hidden_size, **dd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.norm(x.view(-1, self.merged)) if self.postshuffle_norm else self.norm(x).view(-1, self.merged)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class _Merger25(nn.Module):
+    """Qwen2.5-VL patch merger: RMSNorm per patch, concatenate 2x2, MLP (`mlp.0`, `mlp.2`)."""
+
+    def __init__(self, arch: VisionArch, **dd):
+        super().__init__()
+        self.merged = arch.hidden_size * arch.spatial_merge_size ** 2
+        self.ln_q = _RMSNorm(arch.hidden_size, eps=1e-6, **dd)
+        self.mlp = nn.Sequential(nn.Linear(self.merged, self.merged, **dd), nn.GELU(),
+                                 nn.Linear(self.merged, arch.out_hidden_size, **dd))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged))
+
+
+class VisionTower(nn.Module):
+    """The vision encoder of one family; `state_dict()` keys == HF's `model.visual.*` keys."""
+
+    def __init__(self, arch: VisionArch, params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.arch = arch
+        qwen3 = arch.family == "qwen3-vl"
+        dd = {"device": device, "dtype": params_dtype}
+        self.patch_embed = _PatchEmbed(arch, bias=qwen3, **dd)
+        if qwen3:
+            self.pos_embed = nn.Embedding(arch.num_position_embeddings, arch.hidden_size, **dd)
+        self.blocks = nn.ModuleList(_Block(arch, **dd) for _ in range(arch.depth))
+        self.merger = _Merger(arch, postshuffle_norm=False, **dd) if qwen3 else _Merger25(arch, **dd)
+        self.deepstack_merger_list = nn.ModuleList(
+            _Merger(arch, postshuffle_norm=True, **dd) for _ in arch.deepstack_visual_indexes)
+        # inv_freq is not a buffer: Float16Module-style `.bfloat16()` would round it. HF builds it
+        # in fp32 on the CPU; so do we (pow on the GPU may differ by an ulp).
+        spatial = arch.head_dim // 2
+        self._inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
+
+    def _rotary(self, row: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [N, 1, head_dim] fp32: h angles then w angles, the pair repeated (HF's layout)."""
+        inv_freq = self._inv_freq.to(row.device)
+        angles = torch.cat([row[:, None].float() * inv_freq, col[:, None].float() * inv_freq], dim=-1)
+        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+        return angles.cos(), angles.sin()
+
+    def forward(self, pixel_values: Tensor, image_grid_thw: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """pixel_values [N, C*T*P*P] (HF's flattened patches, merge-block order), image_grid_thw
+        [K, 3] (t, h, w in patches; h and w divisible by the merge size) with N = sum t*h*w.
+
+        Returns image embeddings [N / merge^2, out_hidden_size] in the input's token order and
+        the DeepStack features (same shape, one per `deepstack_visual_indexes`; [] for Qwen2.5).
+        K = 0 is not supported: the caller skips the tower when a batch has no images.
+        Passing image_grid_thw on the CPU saves a device-to-host copy.
+        """
+        arch, dev = self.arch, pixel_values.device
+        unit = arch.spatial_merge_size ** 2
+        grid = image_grid_thw.to("cpu", torch.long)
+        if int(grid.prod(1).sum()) != pixel_values.shape[0]:
+            raise ValueError(f"image_grid_thw {grid.tolist()} gives {int(grid.prod(1).sum())} patches, "
+                             f"pixel_values has {pixel_values.shape[0]}")
+        row, col, h, w = patch_coords(grid, arch.spatial_merge_size)
+        cu_full = frame_cu_seqlens(grid)
+        full = windowed = (cu_full.to(dev), _max_len(cu_full))  # (cu_seqlens, max_seqlen) per block kind
+        x = self.patch_embed(pixel_values)
+
+        if arch.family == "qwen3-vl":
+            index, weight = pos_embed_taps(row, col, h, w, math.isqrt(arch.num_position_embeddings))
+            pos = (self.pos_embed(index.to(dev)) * weight.to(dev)[:, :, None]).sum(1)
+            x = x + pos.to(x.dtype)
+        else:
+            # Windows are contiguous after reordering merged tokens (and their 4 patches); full
+            # attention still sees whole frames since no window crosses a frame.
+            window_index, cu_window = window_order(grid, arch.spatial_merge_size, arch.window_tokens)
+            perm = (window_index[:, None] * unit + torch.arange(unit)).flatten()
+            x, row, col = x[perm.to(dev)], row[perm], col[perm]
+            windowed = (cu_window.to(dev), _max_len(cu_window))
+        cos, sin = self._rotary(row.to(dev), col.to(dev))
+
+        deepstack_slot = {layer: i for i, layer in enumerate(arch.deepstack_visual_indexes)}
+        deepstack = []
+        for layer, block in enumerate(self.blocks):
+            cu_seqlens, max_seqlen = full if layer in arch.fullatt_block_indexes else windowed
+            x = block(x, cu_seqlens, max_seqlen, cos, sin)
+            if layer in deepstack_slot:
+                deepstack.append(self.deepstack_merger_list[deepstack_slot[layer]](x))
+        out = self.merger(x)
+        if arch.family == "qwen2.5-vl":
+            out = out[torch.argsort(window_index).to(dev)]  # back to the input's token order
+        return out, deepstack
