@@ -20,6 +20,9 @@ COMMANDS = {
     "show": ("preprocess.show:Show", "one sample decoded back to text, targets highlighted, images rebuilt"),
     "verify": ("shards_schema.verify:Verify", "check a shard directory end to end (exit code != 0 on any fault)"),
     "pack": ("train.cli:Pack", "plan packs over shard directories (offline, sizes only)"),
+    "train": ("train.trainer:Train", "train on shard directories (launch with torchrun: one process per GPU)"),
+    "import-hf": ("train.cli:ImportHF", "Hugging Face Qwen-VL checkpoint -> Megatron model directory (any TP/PP)"),
+    "export-hf": ("train.cli:ExportHF", "Megatron model directory -> Hugging Face checkpoint"),
     "export": ("shards_schema.webdataset:Export", "shard directory -> WebDataset tar shards"),
     "import": ("shards_schema.webdataset:Import", "WebDataset tar shards -> shard directory"),
 }

@@ -111,11 +111,82 @@ def format_pack_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-COMMANDS = {"pack": Pack}
+def _add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=["keep", "bfloat16", "float16", "float32"], default="keep",
+                        help="cast the weights (default: keep the dtype they are stored in)")
+
+
+def _dtype(name: str):
+    import torch
+
+    return None if name == "keep" else getattr(torch, name)
+
+
+class ImportHF:
+    """`vlmpack import-hf HF_DIR --out MODEL_DIR [--tp N --pp N]`."""
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("hf_dir", metavar="HF_DIR",
+                            help="Hugging Face Qwen3-VL / Qwen2.5-VL directory (config.json + *.safetensors)")
+        parser.add_argument("--out", required=True, metavar="MODEL_DIR", help="new model directory to write")
+        parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to shard for (default 1)")
+        parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to shard for (default 1)")
+        _add_dtype_argument(parser)
+        parser.epilog = ("The training run may use another --tp/--pp: loading reshards. Tokenizer, processor, "
+                         "chat-template and generation files are kept in MODEL_DIR/hf/ for `vlmpack export-hf`.")
+
+    @staticmethod
+    def run(args) -> int:
+        from .convert import import_hf
+
+        t0 = time.perf_counter()
+        try:
+            arch = import_hf(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=_dtype(args.dtype), progress=True)
+        except (ValueError, OSError) as exc:
+            print(f"vlmpack import-hf: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{args.out}: {arch.family}, {arch.lm.num_layers} layers, "
+              f"{arch.lm.num_params() / 1e9:.2f} B language-model parameters, tp={args.tp} pp={args.pp}, "
+              f"{time.perf_counter() - t0:.1f} s")
+        return 0
+
+
+class ExportHF:
+    """`vlmpack export-hf MODEL_DIR --out HF_DIR`."""
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (import-hf output or a training save)")
+        parser.add_argument("--out", required=True, metavar="HF_DIR", help="new Hugging Face directory to write")
+        _add_dtype_argument(parser)
+        parser.epilog = (
+            "Writes model.safetensors (numbered shards + index above 5 GiB), config.json and the tokenizer / "
+            "processor / chat-template files kept at import. A model directory without them (a random-init "
+            "architecture) gets the built-in profile's Qwen tokenizer, image-processor constants and Qwen "
+            "generation defaults, but no chat template: copy chat_template.jinja from the official checkpoint "
+            "before chat inference.")
+
+    @staticmethod
+    def run(args) -> int:
+        from .convert import export_hf
+
+        t0 = time.perf_counter()
+        try:
+            arch, side_files = export_hf(args.model_dir, args.out, dtype=_dtype(args.dtype), progress=True)
+        except (ValueError, OSError) as exc:
+            print(f"vlmpack export-hf: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{args.out}: {arch.family}, {len(side_files)} tokenizer/processor files "
+              f"({', '.join(side_files) or 'none'}), {time.perf_counter() - t0:.1f} s")
+        return 0
+
+
+COMMANDS = {"pack": Pack, "import-hf": ImportHF, "export-hf": ExportHF}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m train.cli pack ...`: the same commands without the `vlmpack` dispatcher."""
+    """`python -m train.cli COMMAND ...`: the same commands without the `vlmpack` dispatcher."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: python -m train.cli {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)

@@ -1,0 +1,336 @@
+"""HF <-> Megatron weight conversion, TP/PP sharding and the model directory format.
+
+Oracles: tiny random Hugging Face models (their files and `from_pretrained`), megatron's own
+`build_model` state dicts (keys and shapes) and, at TP=PP=1, the HF model's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.hf_models import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config
+from train import convert as C
+from train.checkpoint_format import (
+    META_FILE,
+    CheckpointError,
+    rank_file,
+    read_arch,
+    read_hf_state,
+    write_hf_state,
+)
+from train.model.arch import ModelArch, builtin_arch
+
+HF_CLASSES = {"qwen3-vl": "Qwen3VLForConditionalGeneration", "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration"}
+CONFIGS = {"qwen3-vl": tiny_qwen3_vl_config, "qwen2.5-vl": tiny_qwen2_5_vl_config}
+
+
+def _hf_model(family: str, tied: bool, layers: int):
+    import transformers
+
+    config = CONFIGS[family]()
+    config.tie_word_embeddings = tied
+    config.text_config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    return getattr(transformers, HF_CLASSES[family])(config).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """(family, tied) -> (HF model, its save_pretrained directory). 4 LM layers so that PP=2
+    splits evenly (megatron requires it) with Qwen3's DeepStack layers 0, 1 on stage 0."""
+    cache = {}
+
+    def make(family: str, tied: bool = True):
+        if (family, tied) not in cache:
+            model = _hf_model(family, tied, layers=4 if family == "qwen3-vl" else 2)
+            path = tmp_path_factory.mktemp(f"hf-{family}-{'tied' if tied else 'untied'}")
+            model.save_pretrained(path)
+            cache[family, tied] = model, path
+        return cache[family, tied]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    from train.parallel import destroy_parallel, init_parallel
+
+    info = init_parallel(1, 1, device="cpu")
+    yield info
+    destroy_parallel()
+
+
+def _load(path) -> tuple[ModelArch, dict]:
+    return ModelArch.from_hf_dir(path), load_file(str(path / "model.safetensors"))
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), key
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("family", ["qwen3-vl", "qwen2.5-vl"])
+def test_hf_megatron_hf_is_exact(hf_checkpoint, family, tied):
+    _, path = hf_checkpoint(family, tied)
+    arch, hf = _load(path)
+    assert arch.lm.tie_word_embeddings is tied
+    full = C.hf_to_megatron(hf, arch)
+    assert (C.OUTPUT in full) is not tied
+    _assert_same(C.megatron_to_hf(full, arch), hf)
+
+
+@pytest.mark.parametrize("family", ["qwen3-vl", "qwen2.5-vl"])
+def test_matches_built_model_and_hf_logits(hf_checkpoint, parallel, family):
+    """TP=PP=1: our keys/shapes are megatron's, and the converted weights give HF's logits
+    (which they would not with a wrong QKV grouping or fc1 order)."""
+    from train.model.qwen_vl import transformer_config
+    from train.parallel import build_model
+
+    hf_model, path = hf_checkpoint(family, False)
+    arch, hf = _load(path)
+    model = build_model(arch, transformer_config(arch, cpu=True), parallel).eval()
+    built = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
+    assert built == C.shard_shapes(arch, 1, 0, 1, 0) == C.megatron_shapes(arch)
+    C.load_into_model(model, C.shard(C.hf_to_megatron(hf, arch), arch, 1, 0, 1, 0))
+    ids = torch.arange(1000, 1016)
+    with torch.no_grad():
+        want = hf_model(input_ids=ids[None]).logits[0]
+        got = model(ids, torch.arange(16).expand(3, 16), torch.tensor([0, 16], dtype=torch.int32), 16,
+                    return_logits=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _expected_tp2_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    lm = arch.lm
+    h, d, f = lm.hidden_size, lm.head_dim, lm.intermediate_size
+    qkv = (lm.num_heads + 2 * lm.num_kv_heads) * d // 2
+    shapes = {"self_attention.linear_qkv.weight": (qkv, h), "self_attention.linear_proj.weight": (h, lm.num_heads * d // 2),
+              "mlp.linear_fc1.weight": (f, h), "mlp.linear_fc2.weight": (h, f // 2), "input_layernorm.weight": (h,)}
+    if lm.qkv_bias:
+        shapes["self_attention.linear_qkv.bias"] = (qkv,)
+    return shapes
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("family", ["qwen3-vl", "qwen2.5-vl"])
+def test_shard_unshard(hf_checkpoint, family, tied):
+    _, path = hf_checkpoint(family, tied)
+    arch, hf = _load(path)
+    full = C.hf_to_megatron(hf, arch)
+    n_layers, vocab = arch.lm.num_layers, arch.lm.vocab_size
+    for tp in (1, 2):
+        for pp in (1, 2):
+            states = {(t, p): C.shard(full, arch, tp, t, pp, p) for t in range(tp) for p in range(pp)}
+            _assert_same(C.unshard(states, arch, tp, pp), full)
+            for (t, p), state in states.items():
+                layers = {k.split(".")[3] for k in state if ".layers." in k}
+                assert layers == {str(i) for i in range(n_layers // pp)}  # numbered within the stage
+                assert any(k.startswith("vision.") for k in state) == (p == 0)
+                assert (C.EMBED in state) == (p == 0)
+                # the last stage holds an output layer unless the embeddings are tied on one stage
+                assert (C.OUTPUT in state) == (p == pp - 1 and (not tied or pp > 1))
+                for key in (C.EMBED, C.OUTPUT):
+                    if key in state:
+                        assert state[key].shape == (vocab // tp, arch.lm.hidden_size)
+                if tp == 2:
+                    prefix = "language_model.decoder.layers.0."
+                    assert {k: tuple(state[prefix + k].shape) for k in _expected_tp2_shapes(arch)} == _expected_tp2_shapes(arch)
+
+
+def test_tp2_values_follow_megatron_semantics(hf_checkpoint):
+    """Rank r of TP=2 holds GQA group r ([its 2 q heads, k head, v head]) and [gate_r; up_r]."""
+    _, path = hf_checkpoint("qwen2.5-vl", True)
+    arch, hf = _load(path)
+    full = C.hf_to_megatron(hf, arch)
+    src = "model.layers.1."
+    d, f = arch.lm.head_dim, arch.lm.intermediate_size
+    for rank in range(2):
+        state = C.shard(full, arch, 2, rank, 2, 1)  # global layer 1 is stage 1's layer 0
+        dst = "language_model.decoder.layers.0."
+        for kind in ("weight", "bias"):
+            q, k, v = (hf[f"{src}self_attn.{x}_proj.{kind}"] for x in "qkv")
+            want = torch.cat([q[rank * 2 * d:(rank + 1) * 2 * d], k[rank * d:(rank + 1) * d], v[rank * d:(rank + 1) * d]])
+            assert torch.equal(state[f"{dst}self_attention.linear_qkv.{kind}"], want)
+        half = slice(rank * f // 2, (rank + 1) * f // 2)
+        want = torch.cat([hf[src + "mlp.gate_proj.weight"][half], hf[src + "mlp.up_proj.weight"][half]])
+        assert torch.equal(state[dst + "mlp.linear_fc1.weight"], want)
+        assert torch.equal(state[dst + "mlp.linear_fc2.weight"], hf[src + "mlp.down_proj.weight"][:, half])
+        assert torch.equal(state[C.OUTPUT], hf["model.embed_tokens.weight"][rank * 75968:(rank + 1) * 75968])
+
+
+def _tp_worker(rank: int, world: int, port: int, model_dir: str, ids: torch.Tensor, out: str) -> None:
+    from train.model.qwen_vl import transformer_config
+    from train.parallel import build_model, destroy_parallel, init_parallel
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    info = init_parallel(world, 1, device="cpu")
+    arch = read_arch(model_dir)
+    model = build_model(arch, transformer_config(arch, tp=world, cpu=True), info).eval()
+    C.load_into_model(model, C.load_model_state(model_dir, arch, world, info.tp_rank, 1, 0))
+    n = ids.numel()
+    with torch.no_grad():
+        logits = model(ids, torch.arange(n).expand(3, n), torch.tensor([0, n], dtype=torch.int32), n, return_logits=True)
+    if rank == 0:
+        torch.save(logits, out)
+    destroy_parallel()
+
+
+def test_tp2_model_gives_hf_logits(hf_checkpoint, tmp_path):
+    """Two gloo processes run megatron's TP=2 forward on weights saved at TP=1 (resharded on load)."""
+    import torch.multiprocessing as mp
+
+    hf_model, path = hf_checkpoint("qwen3-vl", False)
+    C.import_hf(path, tmp_path / "m")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ids = torch.arange(2000, 2012)
+    mp.spawn(_tp_worker, args=(2, port, str(tmp_path / "m"), ids, str(tmp_path / "logits.pt")), nprocs=2)
+    with torch.no_grad():
+        want = hf_model(input_ids=ids[None]).logits[0]
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), want, rtol=1e-5, atol=1e-5)
+
+
+def test_model_dir_reshards_on_load(hf_checkpoint, tmp_path):
+    _, path = hf_checkpoint("qwen3-vl", False)
+    arch, hf = _load(path)
+    full = C.hf_to_megatron(hf, arch)
+    C.import_hf(path, tmp_path / "m", tp=2, pp=2)
+    meta = json.loads((tmp_path / "m" / META_FILE).read_text())
+    assert (meta["tp"], meta["pp"], meta["dtype"]) == (2, 2, "float32")
+    assert sorted(p.name for p in (tmp_path / "m").glob("*.safetensors")) == sorted(
+        rank_file(t, p) for t in range(2) for p in range(2))
+    assert (tmp_path / "m" / "hf" / "generation_config.json").is_file()
+    assert not list(tmp_path.glob("*.tmp"))
+    _assert_same(C.load_model_state(tmp_path / "m", arch), full)  # tp=2/pp=2 -> tp=1/pp=1
+    for tp, pp in ((2, 2), (2, 1), (1, 2)):
+        for t in range(tp):
+            for p in range(pp):
+                _assert_same(C.load_model_state(tmp_path / "m", arch, tp, t, pp, p), C.shard(full, arch, tp, t, pp, p))
+
+
+def _image_logits(model, family: str) -> torch.Tensor:
+    """Logits of one image + text sample (runs the vision tower, DeepStack / windows, M-RoPE)."""
+    grid, width = ([1, 4, 4], 1536) if family == "qwen3-vl" else ([1, 8, 8], 1176)
+    ids = torch.tensor([[1000, 151652] + [151655] * (grid[1] * grid[2] // 4) + [151653, 1001, 1002]])
+    pixels = torch.randn(grid[1] * grid[2], width, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(input_ids=ids, pixel_values=pixels, image_grid_thw=torch.tensor([grid]),
+                     mm_token_type_ids=(ids == 151655).int()).logits
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("family", ["qwen3-vl", "qwen2.5-vl"])
+def test_export_loads_in_transformers(hf_checkpoint, tmp_path, family, tied):
+    import transformers
+
+    hf_model, path = hf_checkpoint(family, tied)
+    C.import_hf(path, tmp_path / "m", tp=2, pp=2)
+    C.export_hf(tmp_path / "m", tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json",
+                                                                   "model.safetensors"]
+    loaded = getattr(transformers, HF_CLASSES[family]).from_pretrained(tmp_path / "hf").eval()
+    assert loaded.config.tie_word_embeddings is tied
+    _assert_same(loaded.state_dict(), hf_model.state_dict())
+    torch.testing.assert_close(_image_logits(loaded, family), _image_logits(hf_model, family), rtol=0, atol=0)
+    # the same tensor names as transformers' own save_pretrained (hub names for Qwen2.5-VL)
+    assert load_file(str(tmp_path / "hf" / "model.safetensors")).keys() == load_file(str(path / "model.safetensors")).keys()
+
+
+def test_export_random_init_gets_builtin_tokenizer_and_processor(tmp_path):
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+    arch = builtin_arch("tiny")
+    torch.manual_seed(0)
+    full = {k: torch.randn(s) for k, s in C.megatron_shapes(arch).items()}
+    C.save_model_dir(tmp_path / "m", {(0, 0): C.shard(full, arch, 1, 0, 1, 0)}, arch, 1, 1)
+    _, files = C.export_hf(tmp_path / "m", tmp_path / "hf")
+    assert files == ["tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "generation_config.json"]
+    assert type(AutoConfig.from_pretrained(tmp_path / "hf")).__name__ == "Qwen3VLConfig"
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer("<|im_start|>user<|image_pad|><|im_end|>").input_ids == [151644, 872, 151655, 151645]
+    assert tokenizer.eos_token_id == 151645
+    processor = AutoImageProcessor.from_pretrained(tmp_path / "hf")
+    assert (processor.patch_size, processor.merge_size, processor.temporal_patch_size) == (16, 2, 2)
+    _assert_same(C.hf_to_megatron(load_file(str(tmp_path / "hf" / "model.safetensors")), arch), full)
+
+
+def test_large_hf_checkpoints_are_written_as_indexed_shards(hf_checkpoint, tmp_path):
+    _, path = hf_checkpoint("qwen2.5-vl", True)
+    _, hf = _load(path)
+    names = write_hf_state(tmp_path, hf, max_shard_bytes=8 << 20)
+    assert len(names) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
+    _assert_same(read_hf_state(tmp_path), hf)
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def test_errors_name_the_tensor(hf_checkpoint):
+    _, path = hf_checkpoint("qwen3-vl", True)
+    arch, hf = _load(path)
+    name = "model.language_model.layers.3.mlp.up_proj.weight"
+    with pytest.raises(CheckpointError, match=rf"missing tensor {name} \(shape \(128, 64\) expected from config.json\)"):
+        C.hf_to_megatron({k: v for k, v in hf.items() if k != name}, arch)
+    with pytest.raises(CheckpointError, match=rf"^{name}: shape \(64, 64\) expected \(128, 64\) from config.json$"):
+        C.hf_to_megatron({**hf, name: torch.zeros(64, 64)}, arch)
+    with pytest.raises(CheckpointError, match="unexpected tensor model.language_model.layers.9.mlp.up_proj.weight"):
+        C.hf_to_megatron({**hf, name.replace(".3.", ".9."): hf[name]}, arch)
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from .*embed_tokens"):
+        C.hf_to_megatron({**hf, "lm_head.weight": torch.zeros_like(hf[C.HF_LM + "embed_tokens.weight"])}, arch)
+    full = C.hf_to_megatron({**hf, "lm_head.weight": hf[C.HF_LM + "embed_tokens.weight"]}, arch)  # a tied copy is fine
+    with pytest.raises(CheckpointError, match="tp=3 does not divide num_attention_heads = 4"):
+        C.shard(full, arch, 3, 0, 1, 0)
+    with pytest.raises(CheckpointError, match="cannot split 4 layers over pp=3"):
+        C.shard(full, arch, 1, 0, 3, 0)
+    with pytest.raises(CheckpointError, match="pp=4 puts 1 layers on the first stage, but DeepStack"):
+        C.shard(full, arch, 1, 0, 4, 0)
+    with pytest.raises(CheckpointError, match="no state dict for rank tp 1 pp 0"):
+        C.unshard({(0, 0): C.shard(full, arch, 2, 0, 1, 0)}, arch, 2, 1)
+
+
+def test_import_errors(hf_checkpoint, tmp_path):
+    _, path = hf_checkpoint("qwen2.5-vl", True)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((path / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "llava"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'llava'"):
+        C.import_hf(bad, tmp_path / "out")
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        C.import_hf(bad, tmp_path / "out")
+    hf = load_file(str(path / "model.safetensors"))
+    save_file({k: v for k, v in hf.items() if k != "model.norm.weight"}, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor model.language_model.norm.weight"):
+        C.import_hf(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+    C.import_hf(path, tmp_path / "m")
+    with pytest.raises(FileExistsError, match="already exists"):
+        C.import_hf(path, tmp_path / "m")
+    other = dataclasses.replace(ModelArch.from_hf_dir(path), image_token_id=7)
+    with pytest.raises(CheckpointError, match="another architecture .*image_token_id: 151655 != 7"):
+        C.load_model_state(tmp_path / "m", other)
+
+
+def test_cli(hf_checkpoint, tmp_path, capsys):
+    from shards_schema.cli import main
+
+    _, path = hf_checkpoint("qwen2.5-vl", True)
+    assert main(["import-hf", str(path), "--out", str(tmp_path / "m"), "--tp", "2"]) == 0
+    assert main(["export-hf", str(tmp_path / "m"), "--out", str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    _assert_same(exported, {k: v.to(torch.bfloat16) for k, v in load_file(str(path / "model.safetensors")).items()})
+    assert main(["import-hf", str(path), "--out", str(tmp_path / "m2"), "--tp", "3"]) == 2
+    assert "tp=3 does not divide" in capsys.readouterr().err

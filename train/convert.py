@@ -1,0 +1,463 @@
+"""Weights between Hugging Face Qwen-VL checkpoints and our megatron-core model, at any TP / PP.
+
+Three forms of the same weights:
+
+- HF: `model.visual.*`, `model.language_model.*`, `lm_head.weight` (transformers 5.x names;
+  Qwen2.5-VL hub files use the older `visual.*` / `model.layers.*` names, read and written as
+  the hub has them);
+- full Megatron: one unsharded state dict of the whole model in `QwenVLModel` names
+  (`vision.*` = HF's vision keys as they are, `language_model.*` = megatron's GPTModel);
+- sharded: one state dict per (tp_rank, pp_rank), exactly what `build_model` creates on that
+  rank (layers numbered from 0 within each pipeline stage).
+
+Megatron's layout differs from HF's in three tensors per layer: QKV is one matrix grouped by
+GQA group ([the group's q heads, its k head, its v head] per group) so that a TP rank holds
+whole groups; fc1 is [gate; up], each half split across TP ranks separately; the norms of
+the local (non-TE) layer spec stay separate tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from itertools import product
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from train.checkpoint_format import (
+    HF_SUBDIR,
+    CheckpointError,
+    arch_differences,
+    arch_from_dict,
+    atomic_dir,
+    check_new_dir,
+    copy_hf_side_files,
+    dtype_name,
+    load_tensors,
+    rank_file,
+    read_hf_state,
+    read_meta,
+    save_tensors,
+    write_builtin_side_files,
+    write_hf_state,
+    write_meta,
+)
+from train.model.arch import LMArch, ModelArch
+from train.model.vision import VisionTower
+
+HF_LM = "model.language_model."
+HF_VISION = "model.visual."
+HF_LM_HEAD = "lm_head.weight"
+LM = "language_model."
+VISION = "vision."
+EMBED = LM + "embedding.word_embeddings.weight"
+OUTPUT = LM + "output_layer.weight"
+_LAYER_KEY = re.compile(r"^language_model\.decoder\.layers\.(\d+)\.(.+)$")
+
+# Families whose hub checkpoints (and transformers' save_pretrained) use the pre-5.x names.
+_LEGACY_HUB_NAMES = {"qwen2.5-vl"}
+
+# HF layer tensor -> megatron layer tensor, where the mapping is one to one.
+_LAYER_RENAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+_QK_NORM_RENAMES = {
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+}
+
+# How megatron splits each language-model tensor over TP ranks; anything else is replicated.
+_TP_SPLIT = {
+    "self_attention.linear_qkv.weight": "column", "self_attention.linear_qkv.bias": "column",
+    "embedding.word_embeddings.weight": "column", "output_layer.weight": "column",
+    "self_attention.linear_proj.weight": "row", "mlp.linear_fc2.weight": "row",
+    "mlp.linear_fc1.weight": "gated",
+}
+
+
+# --- HF names -------------------------------------------------------------------------------
+
+
+def canonical_hf_names(state: dict) -> dict:
+    """Hub Qwen2.5-VL names (`visual.*`, `model.layers.*`) -> transformers 5.x names."""
+    out = {}
+    for key, value in state.items():
+        if key.startswith("visual."):
+            key = "model." + key
+        elif key.startswith("model.") and not key.startswith((HF_LM, HF_VISION)):
+            key = HF_LM + key.removeprefix("model.")
+        if key in out:
+            raise CheckpointError(f"{key} appears under both the old and the new Hugging Face names")
+        out[key] = value
+    return out
+
+
+def hub_hf_names(state: dict, family: str) -> dict:
+    """transformers 5.x names -> the names the family's hub checkpoints use."""
+    if family not in _LEGACY_HUB_NAMES:
+        return state
+    return {("model." + k.removeprefix(HF_LM) if k.startswith(HF_LM) else
+             k.removeprefix("model.") if k.startswith(HF_VISION) else k): v for k, v in state.items()}
+
+
+def _layer_renames(lm: LMArch) -> dict[str, str]:
+    return {**_LAYER_RENAMES, **(_QK_NORM_RENAMES if lm.qk_norm else {})}
+
+
+def _global_renames(lm: LMArch) -> dict[str, str]:
+    """HF -> megatron names of the tensors outside the layers (lm_head only when untied)."""
+    names = {HF_LM + "embed_tokens.weight": EMBED, HF_LM + "norm.weight": LM + "decoder.final_layernorm.weight"}
+    if not lm.tie_word_embeddings:
+        names[HF_LM_HEAD] = OUTPUT
+    return names
+
+
+# --- expected shapes ------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=16)
+def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the HF checkpoint (transformers 5.x names) and its shape."""
+    lm = arch.lm
+    h, d, f, v = lm.hidden_size, lm.head_dim, lm.intermediate_size, lm.vocab_size
+    q, kv = lm.num_heads * d, lm.num_kv_heads * d
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+             "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
+             "mlp.down_proj.weight": (h, f)}
+    if lm.qk_norm:
+        layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if lm.qkv_bias:
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    shapes = {name: (v, h) if name != HF_LM + "norm.weight" else (h,) for name in _global_renames(lm)}
+    for i in range(lm.num_layers):
+        shapes.update({f"{HF_LM}layers.{i}.{k}": s for k, s in layer.items()})
+    # Our VisionTower has HF's parameter names, so a meta-device instance lists them.
+    tower = VisionTower(arch.vision, device="meta")
+    shapes.update({HF_VISION + k: tuple(t.shape) for k, t in tower.state_dict().items()})
+    return shapes
+
+
+def _meta_state(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    return {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+
+
+@lru_cache(maxsize=16)
+def megatron_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the full (unsharded) Megatron state dict and its shape."""
+    return {k: tuple(t.shape) for k, t in hf_to_megatron(_meta_state(hf_shapes(arch)), arch).items()}
+
+
+@lru_cache(maxsize=64)
+def shard_shapes(arch: ModelArch, tp: int, tp_rank: int, pp: int, pp_rank: int) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of one rank's stage model: what `build_model(...).state_dict()` holds."""
+    full = _meta_state(megatron_shapes(arch))
+    return {k: tuple(t.shape) for k, t in shard(full, arch, tp, tp_rank, pp, pp_rank).items()}
+
+
+def check_state(state: dict, expected: dict[str, tuple[int, ...]], source: str) -> None:
+    """Raise naming every missing, unexpected or wrongly shaped tensor (the first few)."""
+    problems = [f"missing tensor {k} (shape {s} expected from {source})" for k, s in expected.items() if k not in state]
+    problems += [f"unexpected tensor {k}: {source} has no such tensor" for k in state if k not in expected]
+    problems += [f"{k}: shape {tuple(t.shape)} expected {expected[k]} from {source}"
+                 for k, t in state.items() if k in expected and tuple(t.shape) != expected[k]]
+    if problems:
+        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise CheckpointError(problems[0] if len(problems) == 1 else
+                              f"{len(problems)} problems:\n  " + "\n  ".join(problems[:8]) + more)
+
+
+# --- HF <-> full Megatron -------------------------------------------------------------------
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lm: LMArch) -> torch.Tensor:
+    """HF q/k/v projections (weights or biases) -> megatron's per-GQA-group [q..., k, v] rows.
+    HF's repeat_kv gives kv head g the q heads g*n..(g+1)*n-1, the same grouping megatron uses."""
+    groups, rest = lm.num_kv_heads, q.shape[1:]
+    parts = [q.reshape(groups, -1, *rest), k.reshape(groups, lm.head_dim, *rest), v.reshape(groups, lm.head_dim, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, lm: LMArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d, rest = lm.num_kv_heads, lm.head_dim, qkv.shape[1:]
+    q_rows = lm.num_heads // groups * d
+    parts = qkv.reshape(groups, q_rows + 2 * d, *rest).split([q_rows, d, d], dim=1)
+    return tuple(p.reshape(-1, *rest) for p in parts)
+
+
+def _drop_tied_lm_head(hf: dict, arch: ModelArch) -> dict:
+    """A tied checkpoint may still store lm_head; transformers ignores it, so must it be a copy."""
+    if not arch.lm.tie_word_embeddings or HF_LM_HEAD not in hf:
+        return hf
+    head, embed = hf[HF_LM_HEAD], hf.get(HF_LM + "embed_tokens.weight")
+    if embed is not None and not (head.shape == embed.shape and torch.equal(head, embed)):
+        raise CheckpointError(f"{HF_LM_HEAD} differs from {HF_LM}embed_tokens.weight but config.json ties them "
+                              "(tie_word_embeddings: true), so transformers would discard it: fix the config")
+    return {k: v for k, v in hf.items() if k != HF_LM_HEAD}
+
+
+def hf_to_megatron(hf_state: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """A whole HF checkpoint -> the full Megatron state dict (tensors shared where unchanged)."""
+    lm = arch.lm
+    hf = _drop_tied_lm_head(canonical_hf_names(hf_state), arch)
+    check_state(hf, hf_shapes(arch), "config.json")
+    out = {VISION + k.removeprefix(HF_VISION): t for k, t in hf.items() if k.startswith(HF_VISION)}
+    out.update({dst: hf[src] for src, dst in _global_renames(lm).items()})
+    for i in range(lm.num_layers):
+        src, dst = f"{HF_LM}layers.{i}.", f"{LM}decoder.layers.{i}."
+        out.update({dst + b: hf[src + a] for a, b in _layer_renames(lm).items()})
+        for kind in ("weight", "bias") if lm.qkv_bias else ("weight",):
+            qkv = [hf[f"{src}self_attn.{x}_proj.{kind}"] for x in "qkv"]
+            out[f"{dst}self_attention.linear_qkv.{kind}"] = fuse_qkv(*qkv, lm)
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
+    return out
+
+
+def megatron_to_hf(full_state: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """Inverse of `hf_to_megatron`, in the names the family's hub checkpoints use."""
+    lm = arch.lm
+    check_state(full_state, megatron_shapes(arch), "the checkpoint's architecture")
+    out = {HF_VISION + k.removeprefix(VISION): t for k, t in full_state.items() if k.startswith(VISION)}
+    out.update({src: full_state[dst] for src, dst in _global_renames(lm).items()})
+    for i in range(lm.num_layers):
+        dst, src = f"{HF_LM}layers.{i}.", f"{LM}decoder.layers.{i}."
+        out.update({dst + a: full_state[src + b] for a, b in _layer_renames(lm).items()})
+        for kind in ("weight", "bias") if lm.qkv_bias else ("weight",):
+            q, k, v = split_qkv(full_state[f"{src}self_attention.linear_qkv.{kind}"], lm)
+            out.update({f"{dst}self_attn.q_proj.{kind}": q, f"{dst}self_attn.k_proj.{kind}": k,
+                        f"{dst}self_attn.v_proj.{kind}": v})
+        gate, up = full_state[src + "mlp.linear_fc1.weight"].chunk(2)
+        out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+    return hub_hf_names(out, arch.family)
+
+
+# --- full Megatron <-> per-rank shards ------------------------------------------------------
+
+
+def check_parallel(arch: ModelArch, tp: int, pp: int) -> None:
+    lm = arch.lm
+    if tp < 1 or pp < 1:
+        raise CheckpointError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+    for field, n in (("num_attention_heads", lm.num_heads), ("num_key_value_heads", lm.num_kv_heads),
+                     ("intermediate_size", lm.intermediate_size), ("vocab_size", lm.vocab_size)):
+        if n % tp:
+            raise CheckpointError(f"tp={tp} does not divide {field} = {n}: megatron gives every TP rank an equal part")
+
+
+@lru_cache(maxsize=16)
+def stage_layers(arch: ModelArch, pp: int) -> tuple[range, ...]:
+    """Global decoder layers of each pipeline stage, as megatron assigns them for the
+    TransformerConfig our model is built with (so uneven splits set there are followed)."""
+    stages = _megatron_stage_layers(arch, pp) if pp > 1 else (range(arch.lm.num_layers),)
+    if len(stages[0]) < arch.num_deepstack:
+        raise CheckpointError(f"pp={pp} puts {len(stages[0])} layers on the first stage, but DeepStack adds vision "
+                              f"features after layers 0..{arch.num_deepstack - 1}, which must all be there")
+    return stages
+
+
+def _megatron_stage_layers(arch: ModelArch, pp: int) -> tuple[range, ...]:
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from train.model.qwen_vl import transformer_config
+
+    config = transformer_config(arch, pp=pp, cpu=True)
+    try:
+        stages = []
+        for rank in range(pp):
+            start = get_transformer_layer_offset(config, pp_rank=rank)
+            stages.append(range(start, start + get_num_layers_to_build(config, pp_rank=rank)))
+    except AssertionError as exc:
+        raise CheckpointError(f"megatron cannot split {arch.lm.num_layers} layers over pp={pp} stages ({exc})") from exc
+    return tuple(stages)
+
+
+def _split_rule(name: str) -> str:
+    if not name.startswith(LM):
+        return "replicated"  # vision tower: replicated on every TP rank of the first stage
+    suffix = _LAYER_KEY.sub(r"\2", name).removeprefix(LM)
+    return _TP_SPLIT.get(suffix, "replicated")
+
+
+def _split(tensor: torch.Tensor, rule: str, tp: int) -> list[torch.Tensor]:
+    if rule == "column":  # output features: QKV (whole GQA groups), vocabulary rows
+        return list(tensor.chunk(tp, dim=0))
+    if rule == "row":  # input features
+        return list(tensor.chunk(tp, dim=1))
+    if rule == "gated":  # [gate; up]: each rank holds [its gate rows; its up rows]
+        cols = tensor.shape[1]
+        return [part.reshape(-1, cols) for part in tensor.reshape(2, -1, cols).chunk(tp, dim=1)]
+    return [tensor] * tp
+
+
+def _merge(parts: list[torch.Tensor], rule: str) -> torch.Tensor:
+    if rule == "column":
+        return torch.cat(parts, dim=0)
+    if rule == "row":
+        return torch.cat(parts, dim=1)
+    if rule == "gated":
+        cols = parts[0].shape[1]
+        return torch.cat([p.reshape(2, -1, cols) for p in parts], dim=1).reshape(-1, cols)
+    return parts[0]
+
+
+def _local_name(name: str, layers: range, first: bool, last: bool) -> str | None:
+    """`name` as the stage holding `layers` calls it, or None when that stage lacks it."""
+    match = _LAYER_KEY.match(name)
+    if match:
+        index = int(match[1])
+        return f"{LM}decoder.layers.{index - layers.start}.{match[2]}" if index in layers else None
+    if name.startswith(VISION) or name == EMBED:
+        return name if first else None
+    return name if last else None  # final norm, output layer
+
+
+def _global_name(local: str, layers: range) -> str:
+    match = _LAYER_KEY.match(local)
+    return f"{LM}decoder.layers.{layers.start + int(match[1])}.{match[2]}" if match else local
+
+
+def _check_rank(tp: int, tp_rank: int, pp: int, pp_rank: int) -> None:
+    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
+        raise CheckpointError(f"rank tp {tp_rank} pp {pp_rank} is outside tp={tp} pp={pp}")
+
+
+def shard(full_state: dict[str, torch.Tensor], arch: ModelArch, tp: int, tp_rank: int, pp: int,
+          pp_rank: int) -> dict[str, torch.Tensor]:
+    """The state dict of rank (tp_rank, pp_rank)'s stage model (views of `full_state`)."""
+    check_parallel(arch, tp, pp)
+    _check_rank(tp, tp_rank, pp, pp_rank)
+    check_state(full_state, megatron_shapes(arch), "the architecture")
+    layers = stage_layers(arch, pp)[pp_rank]
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    out = {}
+    for name, tensor in full_state.items():
+        local = _local_name(name, layers, first, last)
+        if local is not None:
+            out[local] = _split(tensor, _split_rule(name), tp)[tp_rank]
+    if arch.lm.tie_word_embeddings and last and not first:
+        # megatron gives the last stage its own copy of the tied embeddings as the output
+        # layer, kept equal to the first stage's by an all-reduce at init and every step.
+        out[OUTPUT] = _split(full_state[EMBED], "column", tp)[tp_rank]
+    return out
+
+
+def unshard(states: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch, tp: int,
+            pp: int) -> dict[str, torch.Tensor]:
+    """{(tp_rank, pp_rank): stage state dict} -> the full Megatron state dict."""
+    check_parallel(arch, tp, pp)
+    full = {}
+    for pp_rank, layers in enumerate(stage_layers(arch, pp)):
+        ranks = []
+        for tp_rank in range(tp):
+            if (tp_rank, pp_rank) not in states:
+                raise CheckpointError(f"no state dict for rank tp {tp_rank} pp {pp_rank} of tp={tp} pp={pp}")
+            state = states[(tp_rank, pp_rank)]
+            check_state(state, shard_shapes(arch, tp, tp_rank, pp, pp_rank),
+                        f"the architecture at tp={tp} pp={pp} (rank tp {tp_rank} pp {pp_rank})")
+            ranks.append(state)
+        for local in ranks[0]:
+            if local == OUTPUT and arch.lm.tie_word_embeddings:
+                continue  # the last stage's copy of the embeddings (see `shard`)
+            name = _global_name(local, layers)
+            full[name] = _merge([r[local] for r in ranks], _split_rule(name))
+    return full
+
+
+def load_into_model(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """`model.load_state_dict(state)`, strict except for megatron's tensor-less `_extra_state`."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("._extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(f"state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+# --- model directories ----------------------------------------------------------------------
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    if dtype is None:
+        return state
+    return {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
+
+
+def save_model_dir(directory: str | Path, states: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch,
+                   tp: int, pp: int, hf_files_from: str | Path | None = None) -> Path:
+    """Write a model directory (see `checkpoint_format`) from every rank's state dict."""
+    check_parallel(arch, tp, pp)
+    for tp_rank, pp_rank in product(range(tp), range(pp)):
+        if (tp_rank, pp_rank) not in states:
+            raise CheckpointError(f"no state dict for rank tp {tp_rank} pp {pp_rank} of tp={tp} pp={pp}")
+        check_state(states[(tp_rank, pp_rank)], shard_shapes(arch, tp, tp_rank, pp, pp_rank),
+                    f"the architecture at tp={tp} pp={pp} (rank tp {tp_rank} pp {pp_rank})")
+    with atomic_dir(directory) as tmp:
+        for (tp_rank, pp_rank), state in states.items():
+            save_tensors(tmp / rank_file(tp_rank, pp_rank), state)
+        write_meta(tmp, arch, tp, pp, dtype_name(t for s in states.values() for t in s.values()))
+        if hf_files_from is not None:
+            copy_hf_side_files(hf_files_from, tmp / HF_SUBDIR)
+    return Path(directory)
+
+
+def load_full_state(directory: str | Path, progress: bool = False) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+    """The architecture and full Megatron state dict of a model directory."""
+    meta = read_meta(directory)
+    arch, tp, pp = arch_from_dict(meta["arch"]), meta["tp"], meta["pp"]
+    files = {(t, p): Path(directory) / rank_file(t, p) for t, p in product(range(tp), range(pp))}
+    states = {rank: load_tensors(path) for rank, path in
+              tqdm(files.items(), desc="reading shards", unit="file", disable=not progress)}
+    return arch, unshard(states, arch, tp, pp)
+
+
+def load_model_state(directory: str | Path, arch: ModelArch, tp: int = 1, tp_rank: int = 0, pp: int = 1,
+                     pp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """Rank (tp_rank, pp_rank)'s stage state dict, resharded when the directory was saved with
+    another tp / pp (that reads every rank file: the whole model passes through memory)."""
+    meta = read_meta(directory)
+    differences = arch_differences(arch_from_dict(meta["arch"]), arch)
+    if differences:
+        raise CheckpointError(f"{directory} holds another architecture (saved != requested): " + "; ".join(differences))
+    _check_rank(tp, tp_rank, pp, pp_rank)
+    if (meta["tp"], meta["pp"]) != (tp, pp):
+        _, full = load_full_state(directory)
+        return shard(full, arch, tp, tp_rank, pp, pp_rank)
+    state = load_tensors(Path(directory) / rank_file(tp_rank, pp_rank))
+    check_state(state, shard_shapes(arch, tp, tp_rank, pp, pp_rank), f"{directory}'s architecture")
+    return state
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
+              progress: bool = False) -> ModelArch:
+    """HF model directory -> model directory sharded for tp / pp."""
+    arch = ModelArch.from_hf_dir(hf_dir)
+    check_new_dir(out)  # these three fail before gigabytes are read
+    check_parallel(arch, tp, pp)
+    stage_layers(arch, pp)
+    full = _cast(hf_to_megatron(read_hf_state(hf_dir, progress), arch), dtype)
+    states = {(t, p): shard(full, arch, tp, t, pp, p) for t, p in product(range(tp), range(pp))}
+    save_model_dir(out, states, arch, tp, pp, hf_files_from=hf_dir)
+    return arch
+
+
+def export_hf(model_dir: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+              progress: bool = False) -> tuple[ModelArch, list[str]]:
+    """Model directory -> HF directory; returns the architecture and the side files written."""
+    check_new_dir(out)
+    arch, full = load_full_state(model_dir, progress)
+    hf = _cast(megatron_to_hf(full, arch), dtype)
+    config = arch.to_hf_config()
+    stored = dtype_name(hf.values())
+    if stored != "mixed":
+        config["dtype"] = stored
+    with atomic_dir(out) as tmp:
+        write_hf_state(tmp, hf, progress)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        side = Path(model_dir) / HF_SUBDIR
+        side_files = copy_hf_side_files(side, tmp) if side.is_dir() else write_builtin_side_files(arch.family, tmp)
+    return arch, side_files

@@ -1,0 +1,125 @@
+"""The trainer's data: packed global batches from shard directories, on the device.
+
+Every rank of a data-parallel replica (its TP and PP peers) reads the same packs: the
+loader's rank is the DP rank. A micro-batch is `micro_batch_packs` packs laid end to end
+in one row (segment boundaries kept), so the model always sees one packed row. With
+pipeline parallelism packs are padded to exactly `seq_len` (the schedule sends fixed-shape
+activations between stages).
+
+Before anything is built, the shard directories are checked against the model: same
+family, patch and merge sizes, image token id, and the same pixel normalisation across all
+sources (it is applied on the GPU here, from the manifest's profile).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from train.loader import PackedLoader, batch_to_device, pixel_values_on_device
+from train.pack_plan import parse_source, source_manifest
+
+MODEL_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "pixel_patches", "image_grid_thw")
+
+
+def check_profiles(dirs: list[str], arch) -> dict:
+    """The sources' common vision profile; ValueError naming the directory and the mismatch."""
+    vision = None
+    for directory in dirs:
+        profile = source_manifest(directory)["profile"]
+        v = profile["vision"]
+        expected = {"family": arch.family, "patch_size": arch.vision.patch_size,
+                    "merge_size": arch.vision.spatial_merge_size,
+                    "temporal_patch_size": arch.vision.temporal_patch_size, "image_pad": arch.image_token_id}
+        found = {"family": profile["family"], "patch_size": v["patch_size"], "merge_size": v["merge_size"],
+                 "temporal_patch_size": v["temporal_patch_size"], "image_pad": profile["special_tokens"]["image_pad"]}
+        wrong = {k: (found[k], expected[k]) for k in expected if found[k] != expected[k]}
+        if wrong:
+            detail = ", ".join(f"{k} {a!r} (model: {b!r})" for k, (a, b) in wrong.items())
+            raise ValueError(f"{directory}: shards were preprocessed for another model: {detail}; re-run "
+                             f"`vlmpack preprocess --profile {arch.family}` (or --model with this checkpoint)")
+        if vision is not None and (v["image_mean"], v["image_std"]) != (vision["image_mean"], vision["image_std"]):
+            raise ValueError(f"{directory}: pixel normalisation {v['image_mean']}/{v['image_std']} differs from "
+                             f"{dirs[0]}'s {vision['image_mean']}/{vision['image_std']}; preprocess all sources with one profile")
+        vision = vision or v
+    return vision
+
+
+def concat_packs(packs: list[dict]) -> dict:
+    """Packs laid end to end in one row; `cu_seqlens_padded` shifted, segments kept."""
+    if len(packs) == 1:
+        return packs[0]
+    out = {k: torch.cat([p[k] for p in packs], dim=-1 if k == "position_ids" else 0)
+           for k in ("input_ids", "labels", "loss_mask", "position_ids", "pixel_patches", "image_grid_thw")}
+    offsets = torch.cumsum(torch.tensor([0] + [len(p["input_ids"]) for p in packs[:-1]]), 0)
+    out["cu_seqlens_padded"] = torch.cat([packs[0]["cu_seqlens_padded"][:1]] +
+                                         [p["cu_seqlens_padded"][1:] + o for p, o in zip(packs, offsets.tolist())])
+    out["max_seqlen"] = max(int(p["max_seqlen"]) for p in packs)
+    out["sample_lengths"] = torch.cat([p["sample_lengths"] for p in packs])
+    return out
+
+
+class TrainData:
+    def __init__(self, config, arch, info):
+        self.config, self.info = config, info
+        specs = [parse_source(s) for s in config.data]
+        self.vision = check_profiles([d for d, _ in specs], arch)
+        if config.eval_data:
+            check_profiles([parse_source(s)[0] for s in config.eval_data], arch)
+        self.global_packs = config.global_packs(info.dp)
+        self.packs_per_micro_batch = config.micro_batch_packs
+        cuda = info.device.type == "cuda"
+        loader_kwargs = dict(seq_len=config.seq_len, seed=config.seed, rank=info.dp_rank, dp_size=info.dp,
+                             global_batch_packs=self.global_packs, max_visual_tokens=config.max_visual_tokens,
+                             pad_to_seq_len=config.pp > 1, cache_dir=Path(config.out) / "plans",
+                             num_workers=config.num_workers, pin_memory=cuda,
+                             prefetch_factor=4 if config.num_workers else None)
+        self.loader = PackedLoader(specs, **loader_kwargs)
+        self.eval_loader = PackedLoader([parse_source(s) for s in config.eval_data], **loader_kwargs) \
+            if config.eval_data else None
+        self._packs = None
+        self.loader.dataset()  # plan now: a sample longer than seq_len fails before the model is built
+
+    def _forever(self):
+        while True:
+            yield from self.loader
+
+    def _micro_batches(self, packs_iter, count: int) -> list[dict]:
+        per = self.packs_per_micro_batch
+        packs = [batch_to_device(next(packs_iter), self.info.device) for _ in range(count)]
+        return [concat_packs(packs[i:i + per]) for i in range(0, count, per)]
+
+    def next_global_batch(self) -> list[dict]:
+        """This rank's micro-batches of the next global batch (on the device)."""
+        if self._packs is None:
+            self._packs = self._forever()
+        return self._micro_batches(self._packs, self.global_packs // self.info.dp)
+
+    def eval_batches(self):
+        """The first `eval_batches` global batches of the eval data, the same ones every time."""
+        self.eval_loader.load_state_dict({**self.eval_loader.state_dict(), "epoch": 0, "packs_consumed": 0})
+        packs = iter(self.eval_loader)
+        for _ in range(min(self.config.eval_batches, len(self.eval_loader) // (self.global_packs // self.info.dp))):
+            yield self._micro_batches(packs, self.global_packs // self.info.dp)
+
+    def pixel_values(self, batch: dict, dtype: torch.dtype):
+        if batch["pixel_patches"].shape[0] == 0:
+            return None
+        return pixel_values_on_device(batch["pixel_patches"], self.vision, dtype)
+
+    def global_batch_tokens(self, micro_batches: list[dict]) -> int:
+        """Real (non-padding) tokens in the whole global batch."""
+        local = torch.tensor([sum(int(m["sample_lengths"].sum()) for m in micro_batches)], dtype=torch.int64,
+                             device=self.info.device)
+        dist.all_reduce(local, group=mpu.get_data_parallel_group())
+        return int(local.item())
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+        self._packs = None

@@ -1,0 +1,74 @@
+"""Optimizer construction: megatron's on GPUs, the same AdamW update on CPU.
+
+megatron-core's optimizers (FP32Optimizer, DistributedOptimizer, grad-norm clipping) place
+small state tensors on "cuda" unconditionally, so on a machine without CUDA (tests, smoke
+runs) `CpuAdamW` does the same thing with torch.optim.AdamW: gradients from megatron DDP's
+`main_grad` buffers, megatron's weight-decay rule (no decay on biases and norm weights),
+global-norm clipping with the norm summed over the model-parallel group and each
+TP-replicated parameter counted once. Same interface as the part of MegatronOptimizer the
+trainer uses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+
+def _decays(name: str, param: torch.nn.Parameter) -> bool:
+    return param.ndim > 1 and not name.endswith(".bias")
+
+
+class CpuAdamW:
+    def __init__(self, model, config: OptimizerConfig):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        groups = [{"params": [p for n, p in named if _decays(n, p)], "weight_decay": config.weight_decay},
+                  {"params": [p for n, p in named if not _decays(n, p)], "weight_decay": 0.0, "wd_mult": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
+                                           betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        self.clip_grad = config.clip_grad
+
+    @property
+    def param_groups(self) -> list[dict]:
+        # a property: torch's load_state_dict replaces the optimizer's list, and the LR
+        # scheduler must set the learning rate in the live one
+        return self.optimizer.param_groups
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def grad_norm(self) -> float:
+        squares = torch.zeros(1, dtype=torch.float64)
+        for p in self.params:
+            if param_is_not_tensor_parallel_duplicate(p):
+                squares += p.grad.double().pow(2).sum()
+        dist.all_reduce(squares, group=mpu.get_model_parallel_group())
+        return float(squares.sqrt())
+
+    def step(self):
+        for p in self.params:
+            p.grad = p.main_grad
+        norm = self.grad_norm()
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            for p in self.params:
+                p.grad.mul_(self.clip_grad / (norm + 1e-6))
+        self.optimizer.step()
+        return True, norm, None
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def build_optimizer(model, config: OptimizerConfig, cuda: bool):
+    return get_megatron_optimizer(config, [model]) if cuda else CpuAdamW(model, config)

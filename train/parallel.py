@@ -1,0 +1,116 @@
+"""Parallelism, applied in one place: process groups, seeds, model stages, device.
+
+`init_parallel(tp, pp)` starts torch.distributed (NCCL on GPUs, gloo on CPU; one process per
+device under torchrun, or a single process without it), megatron-core's model-parallel
+groups, and the RNG tracker. DP size = world / (tp * pp).
+
+CPU runs (tests, smoke runs) work with megatron-core 0.16.1 because:
+- weights are initialised on CPU (`use_cpu_initialization`, which also makes the initial
+  weights independent of the TP size: the full matrix is drawn, then split);
+- the RNG tracker is megatron's own no-op-fork variant (`inference_rng_tracker=True`): the
+  CUDA tracker cannot fork CPU generators, and with dropout 0 nothing draws from it;
+- our attention and rotary code never builds the default causal mask on "cuda";
+- megatron allocates its gradient buffers (DDP) on `torch.cuda.current_device()`: on a
+  machine without CUDA that call answers "cpu" (`_cpu_device_shim`, set only there).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    rank: int
+    world: int
+    tp: int
+    pp: int
+    dp: int
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+    device: torch.device
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_parallel(tp: int = 1, pp: int = 1, *, device: str | None = None, seed: int = 0) -> ParallelInfo:
+    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    if not use_cuda and not torch.cuda.is_available():
+        _cpu_device_shim()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        timeout = datetime.timedelta(minutes=30)
+        if "WORLD_SIZE" in os.environ:  # torchrun (or another launcher) set the rendezvous
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:  # a lone process: a private store on a free port, the environment left alone
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                    world_size=1, timeout=timeout)
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                      create_gloo_process_groups=True)
+    seed_everything(seed)
+    if use_cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    return ParallelInfo(rank=dist.get_rank(), world=world, tp=tp, pp=pp, dp=world // (tp * pp),
+                        dp_rank=mpu.get_data_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
+                        tp_rank=mpu.get_tensor_model_parallel_rank(),
+                        device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cpu_device_shim() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_model(arch, config, info: ParallelInfo):
+    """This rank's pipeline stage of the model, on its device."""
+    from train.model.qwen_vl import QwenVLModel
+
+    model = QwenVLModel(arch, config, pre_process=info.first_stage, post_process=info.last_stage)
+    return model.to(info.device)

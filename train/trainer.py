@@ -1,0 +1,280 @@
+"""`vlmpack train`: the training job, top to bottom.
+
+    setup:  process groups -> model (HF import / Megatron dir / random arch) -> freeze ->
+            megatron DDP -> optimizer + LR schedule -> packed loader -> resume
+    loop:   global batch of packs -> megatron forward/backward schedule (PP-aware) ->
+            per-token loss over the whole global batch -> clip -> step -> log -> save
+
+Launch with `torchrun --nproc-per-node N -m train.trainer ...` or `vlmpack train ...` (one
+process per GPU). The loop reads only shards (token ids, positions, uint8 patches): no
+tokenizer, chat template, PIL or image processor is imported in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from train import checkpoint
+from train.config import TrainConfig
+from train.data import TrainData
+from train.metrics import MetricsLogger, lm_flops_per_token, peak_tflops
+from train.model.arch import ModelArch, builtin_arch
+from train.model.qwen_vl import transformer_config
+from train.optim import build_optimizer as make_optimizer
+from train.parallel import ParallelInfo, build_model, destroy_parallel, init_parallel
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work with this model, data or cluster; the message names the fix."""
+
+
+def resolve_arch(config: TrainConfig) -> ModelArch:
+    if config.arch:
+        return builtin_arch(config.arch)
+    if config.hf_model:
+        return ModelArch.from_hf_dir(config.hf_model)
+    return checkpoint.read_model_arch(config.init)
+
+
+def check_layout(arch: ModelArch, config: TrainConfig) -> None:
+    lm = arch.lm
+    if lm.num_heads % config.tp or lm.num_kv_heads % config.tp:
+        raise ConfigError(f"--tp {config.tp} must divide the attention heads ({lm.num_heads}) and the KV heads "
+                          f"({lm.num_kv_heads}) of {arch.family}")
+    if lm.num_layers % config.pp:
+        raise ConfigError(f"--pp {config.pp} must divide the {lm.num_layers} decoder layers")
+    if arch.num_deepstack > lm.num_layers // config.pp:
+        raise ConfigError(f"DeepStack adds vision features after decoder layers 0..{arch.num_deepstack - 1}, which must "
+                          f"all be on pipeline stage 0, but --pp {config.pp} puts only {lm.num_layers // config.pp} "
+                          f"layers there; use --pp <= {lm.num_layers // arch.num_deepstack}")
+
+
+def freeze(model, parts: list[str]) -> None:
+    """vision = the vision blocks and patch embedding; merger = the mergers (incl. DeepStack
+    mergers) that project into the LM; llm = the language model."""
+    for name, param in model.named_parameters():
+        part = ("llm" if name.startswith("language_model.") else
+                "merger" if name.startswith(("vision.merger", "vision.deepstack_merger_list")) else "vision")
+        if part in parts:
+            param.requires_grad_(False)
+
+
+def build_optimizer(config: TrainConfig, model, cuda: bool, use_distributed: bool, bf16: bool):
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
+        clip_grad=config.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=use_distributed)
+    optimizer = make_optimizer(model, opt_config, cuda)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr, min_lr=config.min_lr,
+        lr_warmup_steps=config.warmup_steps, lr_decay_steps=config.train_steps, lr_decay_style="cosine",
+        start_wd=config.weight_decay, end_wd=config.weight_decay, wd_incr_steps=config.train_steps,
+        wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+def make_forward_step(data: TrainData, dtype: torch.dtype):
+    """megatron schedule callback: one micro-batch (one packed row) through this stage."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        pixel_values = data.pixel_values(batch, dtype)
+        per_token = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens_padded"],
+                          batch["max_seqlen"], labels=batch["labels"], pixel_values=pixel_values,
+                          image_grid_thw=batch["image_grid_thw"])
+
+        def loss_func(output):
+            # Sum, not mean: megatron divides all gradients by the global batch's target-token
+            # count (calculate_per_token_loss), so every target token weighs the same.
+            loss_sum = output.sum()
+            num_tokens = batch["loss_mask"].sum().to(torch.int)
+            return loss_sum, num_tokens, {"loss": torch.stack([loss_sum.detach().float(), num_tokens.float()])}
+
+        return per_token, loss_func
+
+    return forward_step
+
+
+def reduce_loss(losses: list[dict], info: ParallelInfo) -> tuple[float, int]:
+    """(mean loss per target token, target tokens) of the global batch, on every rank."""
+    total = torch.zeros(2, dtype=torch.float64, device=info.device)
+    if info.last_stage and info.tp_rank == 0:
+        for item in losses:
+            total += item["loss"].to(torch.float64)
+    dist.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
+
+
+def run_global_batch(model, micro_batches: list[dict], forward_step, seq_length: int, pp: int,
+                     forward_only: bool) -> list[dict]:
+    """Forward (and backward) of this rank's micro-batches; gradients end up summed over the
+    data-parallel group and divided by the global batch's target-token count.
+
+    Without pipeline parallelism this is a plain loop (it runs on CPU too; megatron's
+    schedules allocate on "cuda"); with it, megatron's 1F1B schedule."""
+    if pp > 1:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model,
+            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=1,
+            forward_only=forward_only)
+    reports, num_tokens = [], 0
+    for batch in micro_batches:
+        output, loss_func = forward_step(iter([batch]), model)
+        loss_sum, tokens, report = loss_func(output)
+        if not forward_only:
+            loss_sum.backward()
+        reports.append(report)
+        num_tokens += tokens
+    if not forward_only:
+        finalize_model_grads([model], num_tokens=torch.as_tensor(num_tokens, device=loss_sum.device))
+    return reports
+
+
+def evaluate(model, data: TrainData, forward_step, seq_length: int, info: ParallelInfo) -> tuple[float, int]:
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for micro_batches in data.eval_batches():
+            losses += run_global_batch(model, micro_batches, forward_step, seq_length, data.config.pp, forward_only=True)
+    model.train()
+    return reduce_loss(losses, info)
+
+
+def train(config: TrainConfig) -> dict:
+    arch = resolve_arch(config)
+    check_layout(arch, config)  # before any process group exists: a bad layout fails on every rank alike
+    info = init_parallel(config.tp, config.pp, device=config.device, seed=config.seed)
+    out = Path(config.out)
+    cuda = info.device.type == "cuda"
+    bf16 = config.bf16 and cuda  # CPU runs (tests, smoke runs) are fp32 and bitwise reproducible
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    data = TrainData(config, arch, info)
+
+    model_config = transformer_config(arch, tp=config.tp, pp=config.pp, params_dtype=dtype, bf16=bf16,
+                                      cpu=not cuda, recompute=config.recompute, calculate_per_token_loss=True)
+    model = build_model(arch, model_config, info)
+    if config.hf_model:
+        checkpoint.load_hf_weights(model, config.hf_model, arch, info)
+    elif config.init:
+        checkpoint.load_model_weights(model, config.init, arch, info)
+    freeze(model, config.freeze)
+
+    use_distributed = config.distributed_optimizer and cuda  # megatron's DistributedOptimizer is CUDA-only
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=use_distributed)
+    model = DistributedDataParallel(model_config, ddp_config, model)
+    optimizer, scheduler = build_optimizer(config, model, cuda, use_distributed, bf16)
+    model_config.grad_scale_func = optimizer.scale_loss
+    model_config.finalize_model_grads_func = finalize_model_grads  # used by the PP schedule
+    model_config.no_sync_func = model.no_sync
+
+    step = 0
+    if config.resume:
+        step = checkpoint.resume(out, model, optimizer, scheduler, data, info)
+    logger = MetricsLogger(out, config, info, enabled=info.is_main)
+    forward_step = make_forward_step(data, dtype)
+    seq_length = config.seq_len * config.micro_batch_packs
+    n_lm = lm_flops_per_token(arch)
+    world_flops = peak_tflops(info.device) * 1e12 * info.world
+    last_saved = step
+    result = {"start_step": step}
+    model.train()
+    while step < config.train_steps:
+        t0 = time.perf_counter()
+        micro_batches = data.next_global_batch()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = run_global_batch(model, micro_batches, forward_step, seq_length, config.pp, forward_only=False)
+        update_ok, grad_norm, _ = optimizer.step()
+        if update_ok:
+            scheduler.step(increment=1)
+        loss, target_tokens = reduce_loss(losses, info)
+        step += 1
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        tokens = data.global_batch_tokens(micro_batches)
+        record = {"step": step, "loss": loss, "target_tokens": target_tokens, "tokens": tokens,
+                  "lr": scheduler.get_lr(optimizer.param_groups[0]), "grad_norm": grad_norm,
+                  "skipped": not update_ok, "step_seconds": seconds, "tokens_per_s": tokens / seconds,
+                  "tokens_per_s_per_gpu": tokens / seconds / info.world,
+                  "mfu": tokens * n_lm / seconds / world_flops if world_flops else None,
+                  "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}: lower --lr, check the data with `vlmpack verify`")
+        if config.eval_data and config.eval_every and step % config.eval_every == 0:
+            record["eval_loss"], record["eval_target_tokens"] = evaluate(model, data, forward_step, seq_length, info)
+        if step % config.log_every == 0 or step == config.train_steps:
+            logger.log(record)
+        exiting = bool(config.exit_interval) and step % config.exit_interval == 0
+        if (config.save_every and step % config.save_every == 0) or step == config.train_steps or exiting:
+            checkpoint.save(out, step, model, optimizer, scheduler, data, config, arch, info)
+            last_saved = step
+        result = {**result, **record}
+        if exiting:
+            break
+    logger.close()
+    if config.export_hf and step == last_saved:
+        checkpoint.export_hf_from_run(out, step, config.export_hf, info)
+    result["final_step"] = step
+    return result
+
+
+class Train:
+    """`vlmpack train ...` (the dispatcher's entry); `python -m train.trainer` is the same."""
+
+    @staticmethod
+    def add_arguments(parser) -> None:
+        from train.config import add_arguments
+
+        add_arguments(parser)
+        parser.epilog = ("Multi-GPU: torchrun --nproc-per-node N $(which vlmpack) train ... ; every flag can also be "
+                         "given in --config FILE (YAML/JSON, same keys), flags win.")
+
+    @staticmethod
+    def run(args) -> int:
+        from train.config import config_from_args
+
+        try:
+            config = config_from_args(args)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"vlmpack train: error: {exc}", file=sys.stderr)
+            return 2
+        try:
+            result = train(config)
+        except (ConfigError, ValueError, FileNotFoundError) as exc:
+            print(f"vlmpack train: error: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            destroy_parallel()
+        if result.get("final_step"):
+            print(json.dumps({k: result[k] for k in ("start_step", "final_step", "loss") if k in result}))
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="vlmpack train", description=__doc__.split("\n\n")[0])
+    Train.add_arguments(parser)
+    return Train.run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
