@@ -51,6 +51,7 @@ class TrainConfig:
     seed: int = 0
     # checkpoints, eval, logs
     save_every: int = 0  # 0: only at the end
+    save_final: bool = True  # checkpoint at the last step (benchmarks turn it off)
     exit_interval: int = 0  # save and exit once the step is a multiple of this (scheduler time slots)
     resume: bool = False
     export_hf: str | None = None

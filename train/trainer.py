@@ -157,6 +157,7 @@ def evaluate(model, data: TrainData, forward_step, seq_length: int, info: Parall
 
 
 def train(config: TrainConfig) -> dict:
+    config.validate()
     arch = resolve_arch(config)
     check_layout(arch, config)  # before any process group exists: a bad layout fails on every rank alike
     info = init_parallel(config.tp, config.pp, device=config.device, seed=config.seed)
@@ -195,6 +196,8 @@ def train(config: TrainConfig) -> dict:
     last_saved = step
     result = {"start_step": step}
     model.train()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     while step < config.train_steps:
         t0 = time.perf_counter()
         micro_batches = data.next_global_batch()
@@ -223,7 +226,8 @@ def train(config: TrainConfig) -> dict:
         if step % config.log_every == 0 or step == config.train_steps:
             logger.log(record)
         exiting = bool(config.exit_interval) and step % config.exit_interval == 0
-        if (config.save_every and step % config.save_every == 0) or step == config.train_steps or exiting:
+        final = step == config.train_steps and config.save_final
+        if (config.save_every and step % config.save_every == 0) or final or exiting:
             checkpoint.save(out, step, model, optimizer, scheduler, data, config, arch, info)
             last_saved = step
         result = {**result, **record}

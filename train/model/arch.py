@@ -66,7 +66,7 @@ class ModelArch:
         return len(self.vision.deepstack_visual_indexes)
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> "ModelArch":
+    def from_hf_config(cls, config: dict) -> ModelArch:
         model_type = config.get("model_type")
         family = {v: k for k, v in HF_MODEL_TYPE.items()}.get(model_type)
         if family is None:
@@ -94,7 +94,7 @@ class ModelArch:
                    image_token_id=config.get("image_token_id", SPECIAL_TOKEN_IDS["image_token_id"]))
 
     @classmethod
-    def from_hf_dir(cls, model_dir: str | Path) -> "ModelArch":
+    def from_hf_dir(cls, model_dir: str | Path) -> ModelArch:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: --hf-model must be a Hugging Face model directory")

@@ -33,12 +33,14 @@ class MRoPE(torch.nn.Module):
         super().__init__()
         if sum(section) != head_dim // 2:
             raise ValueError(f"mrope section {section} must sum to head_dim/2 = {head_dim // 2}")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("axis", mrope_axis_of_frequency(section, interleaved), persistent=False)
+        # Plain fp32 attributes, not buffers: a whole-model `.to(bfloat16)` would round the
+        # frequencies and shift long-context angles by radians.
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.axis = mrope_axis_of_frequency(section, interleaved)
 
     def forward(self, position_ids: Tensor) -> Tensor:
         """position_ids [3, T] -> rotary angles [T, 1, 1, head_dim] (float32)."""
-        pos = position_ids.to(self.inv_freq.device)[self.axis].float()  # [head_dim/2, T]
-        freqs = (pos * self.inv_freq[:, None]).t()
+        device = position_ids.device
+        pos = position_ids[self.axis.to(device)].float()  # [head_dim/2, T]
+        freqs = (pos * self.inv_freq.to(device)[:, None]).t()
         return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]

@@ -1,0 +1,249 @@
+"""A realistic synthetic Qwen3-VL training mix, written directly as a vlmpack shard directory.
+
+No image is decoded and no text is tokenized per sample: token ids and uint8 patches are
+drawn at random, so a GPU host writes a few GB of shards in seconds. Everything else is what
+`vlmpack preprocess --profile qwen3-vl` writes (`preprocess/job.py`): the chat structure of a
+rendered conversation, `<|image_pad|>` runs matching each image grid, assistant-only loss
+masks, M-RoPE positions from `shards_schema.positions.mrope_position_ids` (the function
+oracle-tested against HF `get_rope_index`), `ShardWriter` shards, per-unit records in
+`_parts/`, `rejects.jsonl` and the manifest from `preprocess.job.write_final_outputs`, whose
+`profile` is the real built-in qwen3-vl fingerprint. `vlmpack verify DIR` passes on it.
+
+Per sample (seeded per sample index, so a sample does not depend on the sample count):
+* 0-3 images (weights --image-count-weights), each of U(--image-tokens) merged tokens:
+  grid (1, 2*hm, 2*wm) with hm*wm in range and an aspect ratio in [1/2, 2]; pixel_patches
+  are random uint8 [4*hm*wm, 3*16*16] (one temporal frame, merge-block order is irrelevant
+  for random bytes);
+* U(--text-tokens) non-image tokens (structure included): an optional system turn (20 %),
+  1-3 user/assistant turns; each user turn is `<|im_start|>user\\n` + its images
+  (`<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>`) + text + `<|im_end|>\\n`, each
+  assistant turn `<|im_start|>assistant\\n` + text + `<|im_end|>\\n`; text ids are uniform in
+  [0, 151643) (no special tokens);
+* loss_mask 1 on assistant content and its `<|im_end|>` (preprocess's `all_assistant` policy);
+* a sample never exceeds --max-tokens (the training seq_len): images are dropped, then text
+  shortened, until it fits.
+
+    python benchmarks/synthetic_shards.py OUT_DIR --samples 400 --seed 0 --max-tokens 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from preprocess.job import JOB_FILE, shard_name, unit_record_path, write_final_outputs
+from preprocess.pipeline import SampleOptions
+from preprocess.profiles import resolve_profile
+from shards_schema.atomic import write_json_atomic
+from shards_schema.manifest import PARTS_DIR
+from shards_schema.positions import mrope_position_ids
+from shards_schema.schema import Sample
+from shards_schema.writer import ShardWriter
+
+FIRST_SPECIAL_ID = 151643  # ids below are ordinary BPE tokens
+MIN_TEXT_TOKENS = 40  # a sample keeps at least this many non-image tokens when shortened
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    num_samples: int
+    seed: int = 0
+    text_tokens: tuple[int, int] = (100, 3000)  # non-image tokens per sample (structure included)
+    image_tokens: tuple[int, int] = (64, 1300)  # merged (LLM) tokens per image
+    image_count_weights: tuple[float, ...] = (0.2, 0.45, 0.25, 0.1)  # P(0, 1, 2, 3 images)
+    max_tokens: int = 16384  # no sample is longer (the training seq_len)
+    max_turns: int = 3
+    system_prob: float = 0.2
+    rows_per_shard: int = 256
+
+
+class _Tokens:
+    """The structural token ids, from the profile's own tokenizer (not hard-coded)."""
+
+    def __init__(self, profile):
+        enc = lambda text: profile.tokenizer.encode(text, add_special_tokens=False).ids
+        sp = profile.special
+        self.user_header = enc("<|im_start|>user\n")
+        self.assistant_header = enc("<|im_start|>assistant\n")
+        self.system_header = enc("<|im_start|>system\n")
+        self.turn_end = enc("<|im_end|>\n")  # [im_end, "\n"]
+        self.vision_start, self.vision_end, self.image_pad = sp.vision_start, sp.vision_end, sp.image_pad
+        self.im_end = sp.im_end
+        if self.turn_end[0] != sp.im_end or self.assistant_header[1] != sp.assistant:
+            raise RuntimeError(f"unexpected chat token ids {self.turn_end}, {self.assistant_header}")
+
+
+def _image_grid(rng: np.random.Generator, lo: int, hi: int, merge: int) -> tuple[int, int]:
+    """(h, w) in patches, both multiples of `merge`, with lo <= (h/m)*(w/m) <= hi."""
+    n = int(rng.integers(lo, hi + 1))
+    aspect = float(np.exp(rng.uniform(np.log(0.5), np.log(2.0))))
+    hm = max(1, round(float(np.sqrt(n * aspect))))
+    wm = max(1, round(n / hm))
+    while hm * wm > hi:
+        wm -= 1
+    while hm * wm < lo:
+        wm += 1
+    return hm * merge, wm * merge
+
+
+def _split(rng: np.random.Generator, total: int, weights: np.ndarray) -> list[int]:
+    """`total` tokens over segments (>= 1 each), proportional to random draws scaled by weights."""
+    share = rng.gamma(2.0, 1.0, size=len(weights)) * weights
+    raw = np.floor(share / share.sum() * max(total - len(weights), 0)).astype(int) + 1
+    raw[int(np.argmax(weights * share))] += total - int(raw.sum())  # the rounding remainder
+    return [max(1, int(x)) for x in raw]
+
+
+def make_sample(index: int, spec: SyntheticSpec, tokens: _Tokens, patch_row_width: int, merge: int,
+                source: str) -> Sample:
+    rng = np.random.default_rng([spec.seed, index])
+    weights = np.asarray(spec.image_count_weights, dtype=np.float64)
+    n_images = int(rng.choice(len(weights), p=weights / weights.sum()))
+    grids = [_image_grid(rng, spec.image_tokens[0], spec.image_tokens[1], merge) for _ in range(n_images)]
+    text_total = int(rng.integers(spec.text_tokens[0], spec.text_tokens[1] + 1))
+    n_turns = int(rng.integers(1, spec.max_turns + 1))
+    system = bool(rng.random() < spec.system_prob)
+
+    def image_cost(gs):
+        return sum(h * w // merge // merge + 2 for h, w in gs)
+
+    while grids and image_cost(grids) + MIN_TEXT_TOKENS > spec.max_tokens:
+        grids.pop()
+    text_total = max(min(text_total, spec.max_tokens - image_cost(grids)), 1)
+
+    # Structure: system turn 5 tokens + content; user/assistant turns 5 tokens each + content.
+    header = len(tokens.system_header) + len(tokens.turn_end)
+    structure = (header if system else 0) + n_turns * 2 * header
+    while n_turns > 1 and structure + 2 * n_turns + int(system) > text_total:
+        n_turns -= 1
+        structure -= 2 * header
+    segments = (["system"] if system else []) + ["user", "assistant"] * n_turns
+    seg_weights = np.array([{"system": 0.4, "user": 1.0, "assistant": 1.6}[s] for s in segments])
+    content = _split(rng, max(text_total - structure, len(segments)), seg_weights)
+    image_turn = np.sort(rng.integers(0, n_turns, size=len(grids))) if grids else np.zeros(0, int)
+
+    ids: list[np.ndarray] = []
+    mask: list[np.ndarray] = []
+
+    def add(values, target: bool = False):
+        arr = np.asarray(values, dtype=np.int32)
+        ids.append(arr)
+        mask.append(np.full(arr.shape[0], int(target), dtype=np.uint8))
+
+    def text(n: int):
+        return rng.integers(0, FIRST_SPECIAL_ID, size=n, dtype=np.int32)
+
+    turn = 0
+    for kind, n in zip(segments, content):
+        if kind == "system":
+            add(tokens.system_header)
+            add(text(n))
+            add(tokens.turn_end)
+        elif kind == "user":
+            add(tokens.user_header)
+            for k in np.flatnonzero(image_turn == turn).tolist():
+                h, w = grids[k]
+                add([tokens.vision_start] + [tokens.image_pad] * (h * w // merge // merge) + [tokens.vision_end])
+            add(text(n))
+            add(tokens.turn_end)
+        else:
+            add(tokens.assistant_header)
+            add(text(n), target=True)
+            add(tokens.turn_end[:1], target=True)  # <|im_end|> is a target, the "\n" after it is not
+            add(tokens.turn_end[1:])
+            turn += 1
+
+    input_ids = np.concatenate(ids)
+    loss_mask = np.concatenate(mask)
+    grid_thw = np.asarray([(1, h, w) for h, w in grids], dtype=np.int32).reshape(-1, 3)
+    n_patches = int(grid_thw.prod(axis=1).sum()) if len(grids) else 0
+    pixels = np.frombuffer(rng.bytes(n_patches * patch_row_width), dtype=np.uint8).reshape(n_patches, patch_row_width)
+    positions = mrope_position_ids(input_ids, grid_thw, image_pad_id=tokens.image_pad, merge_size=merge)
+    return Sample(sample_uid=source, source=source, input_ids=input_ids, loss_mask=loss_mask,
+                  position_ids=positions, pixel_patches=pixels, image_grid_thw=grid_thw)
+
+
+def write_synthetic_shards(out: str | Path, spec: SyntheticSpec, *, profile_name: str = "qwen3-vl",
+                           overwrite: bool = True, log=print) -> dict:
+    """Write `spec.num_samples` samples into shard directory `out`; returns the manifest.
+
+    The directory mirrors a finished `vlmpack preprocess` job: `_parts/job.json`, one unit
+    record per shard, the shards, `rejects.jsonl` (empty) and `manifest.json` (written last)."""
+    out = Path(out)
+    if out.exists():
+        if not overwrite:
+            raise FileExistsError(f"{out} exists")
+        shutil.rmtree(out)
+    started = time.perf_counter()
+    profile = resolve_profile(profile_name)
+    if profile.family != "qwen3-vl":
+        raise ValueError("the synthetic mix follows the Qwen3-VL chat layout (no default system prompt)")
+    tokens = _Tokens(profile)
+    vision = profile.vision
+    options = SampleOptions(max_seq_len=spec.max_tokens)
+    input_path = f"synthetic:seed={spec.seed}"
+    inputs = [{"path": input_path, "format": "synthetic", "rows": spec.num_samples, "bytes": 0}]
+    identity = json.loads(json.dumps({
+        "profile": profile.fingerprint,
+        "settings": {**dataclasses.asdict(options), "rows_per_shard": spec.rows_per_shard},
+        "inputs": inputs,
+        "num_partitions": 1,
+    }))
+    (out / PARTS_DIR).mkdir(parents=True)
+    write_json_atomic(out / PARTS_DIR / JOB_FILE, identity)
+    records = []
+    for unit, start in enumerate(range(0, spec.num_samples, spec.rows_per_shard)):
+        stop = min(start + spec.rows_per_shard, spec.num_samples)
+        unit_started = time.perf_counter()
+        writer = ShardWriter(out / shard_name(unit), vision.patch_row_width)
+        try:
+            for i in range(start, stop):
+                writer.add(make_sample(i, spec, tokens, vision.patch_row_width, vision.merge_size, f"{input_path}:{i}"))
+        except BaseException:
+            writer.abort()
+            raise
+        shard = writer.close().to_json()
+        record = {"unit": unit, "input": input_path, "start": start, "stop": stop, "rows_read": stop - start,
+                  "rows_written": shard["rows"], "rows_rejected": 0, "shard": shard, "rejects": [],
+                  "seconds": round(time.perf_counter() - unit_started, 3)}
+        write_json_atomic(unit_record_path(out, unit), record)
+        records.append(record)
+    manifest = write_final_outputs(out, identity, records, vision.patch_row_width)
+    t = manifest["totals"]
+    if log:
+        log(f"synthetic shards: {t['rows']} samples, {t['tokens']:,} tokens ({t['target_tokens']:,} targets), "
+            f"{t['images']} images, {t['patches']:,} patches, {t['bytes'] / 2**20:,.1f} MiB in {t['shards']} shards "
+            f"-> {out} ({time.perf_counter() - started:.1f} s)")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--samples", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=16384)
+    ap.add_argument("--text-tokens", type=int, nargs=2, default=(100, 3000), metavar=("MIN", "MAX"))
+    ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"))
+    ap.add_argument("--image-count-weights", type=float, nargs="+", default=(0.2, 0.45, 0.25, 0.1))
+    ap.add_argument("--rows-per-shard", type=int, default=256)
+    args = ap.parse_args(argv)
+    spec = SyntheticSpec(num_samples=args.samples, seed=args.seed, text_tokens=tuple(args.text_tokens),
+                         image_tokens=tuple(args.image_tokens), image_count_weights=tuple(args.image_count_weights),
+                         max_tokens=args.max_tokens, rows_per_shard=args.rows_per_shard)
+    write_synthetic_shards(args.out, spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
