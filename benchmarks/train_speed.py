@@ -57,6 +57,7 @@ import dataclasses
 import gc
 import inspect
 import json
+import multiprocessing as mp
 import os
 import platform
 import shutil
@@ -733,6 +734,26 @@ def print_table(res: dict) -> None:
         print(f"HF: {hf['error']}")
 
 
+def _child(queue, fn, args) -> None:
+    try:
+        queue.put(("ok", fn(*args)))
+    except BaseException as exc:  # report, never hang the parent
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def isolated(fn, *args):
+    """fn(*args) in a fresh spawned process (its own CUDA context); its result back by pickle."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(queue, fn, args))
+    proc.start()
+    status, value = queue.get()
+    proc.join()
+    if status != "ok":
+        raise SystemExit(f"{fn.__name__} failed: {value}")
+    return value
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -764,9 +785,11 @@ def main(argv=None) -> int:
             print(report.format_text(), flush=True)
             return 1
 
-    res["ours"], pool_index = run_ours(args, data_dir, out_dir / "ours")
+    # Each side in a process of its own: neither inherits the other's allocator cache or
+    # megatron's global state, so both peaks and both batch-size searches start from an empty GPU.
+    res["ours"], pool_index = isolated(run_ours, args, data_dir, out_dir / "ours")
     if not args.skip_hf:
-        res["hf"] = run_hf(args, arch, data_dir, pool_index, device)
+        res["hf"] = isolated(run_hf, args, arch, data_dir, pool_index, device)
         gc.collect()
     ours, hf = res["ours"]["summary"], res.get("hf") or {}
     if hf and "error" not in hf:

@@ -18,9 +18,11 @@ states make the continuation equal to an uninterrupted run (bitwise on CPU).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +49,32 @@ def read_model_arch(model_dir: str | Path) -> ModelArch:
 def load_hf_weights(model, hf_dir: str, arch: ModelArch, info) -> None:
     """Import a Hugging Face checkpoint into this rank's stage (no conversion step on disk)."""
     full = convert.hf_to_megatron(fmt.read_hf_state(hf_dir, progress=info.is_main), arch)
+    convert.load_into_model(_unwrap(model), convert.shard(full, arch, info.tp, info.tp_rank, info.pp, info.pp_rank))
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int) -> torch.Tensor:
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if "norm" in name:  # RMSNorm / LayerNorm gains
+        return torch.ones(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")) and name.startswith("language_model."):
+        std = std / math.sqrt(2.0 * num_layers)  # megatron's scaled init of the residual-branch outputs
+    return torch.randn(shape, generator=generator) * std
+
+
+def init_random_weights(model, arch: ModelArch, seed: int, info, std: float = 0.02) -> None:
+    """Random init that depends only on (seed, parameter name), never on the TP/PP layout: every
+    tensor of the full model is drawn from its own generator, then sharded like a checkpoint.
+    So 1 GPU, DP, TP and PP runs start from the same weights and their loss curves compare."""
+    layers = convert.stage_layers(arch, info.pp)[info.pp_rank]
+
+    def on_this_stage(name: str) -> bool:
+        return not name.startswith("language_model.decoder.layers.") or int(name.split(".")[3]) in layers
+
+    full = {n: _random_tensor(n, shape, seed, std, arch.lm.num_layers) if on_this_stage(n)
+            else torch.empty(shape, device="meta")  # other stages' layers: never drawn, never loaded
+            for n, shape in convert.megatron_shapes(arch).items()}
     convert.load_into_model(_unwrap(model), convert.shard(full, arch, info.tp, info.tp_rank, info.pp, info.pp_rank))
 
 

@@ -71,6 +71,8 @@ class TrainConfig:
         for name in ("seq_len", "micro_batch_packs", "tp", "pp", "train_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps >= self.train_steps:
+            raise ValueError(f"--warmup-steps {self.warmup_steps} must be smaller than --train-steps {self.train_steps}")
         if self.global_batch_packs is not None and self.global_batch_tokens is not None:
             raise ValueError("give --global-batch-packs or --global-batch-tokens, not both")
         bad = sorted(set(self.freeze) - set(FREEZABLE))

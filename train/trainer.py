@@ -174,6 +174,8 @@ def train(config: TrainConfig) -> dict:
         checkpoint.load_hf_weights(model, config.hf_model, arch, info)
     elif config.init:
         checkpoint.load_model_weights(model, config.init, arch, info)
+    else:
+        checkpoint.init_random_weights(model, arch, config.seed, info)
     freeze(model, config.freeze)
 
     use_distributed = config.distributed_optimizer and cuda  # megatron's DistributedOptimizer is CUDA-only

@@ -120,6 +120,7 @@ class QwenVLModel(MegatronModule):
         if pre_process:
             device = None if config.use_cpu_initialization else torch.cuda.current_device()
             self.vision = VisionTower(arch.vision, params_dtype=config.params_dtype, device=device)
+            self.vision.recompute = config.recompute_granularity == "full"
         self.language_model = GPTModel(
             config=config, transformer_layer_spec=layer_spec(arch), vocab_size=arch.lm.vocab_size,
             max_sequence_length=1 << 20, pre_process=pre_process, post_process=post_process,
@@ -128,6 +129,10 @@ class QwenVLModel(MegatronModule):
         self.rope = MRoPE(arch.lm.head_dim, arch.lm.rope_theta, arch.lm.mrope_section, arch.lm.mrope_interleaved)
         self.share_embeddings_and_output_weights = arch.lm.tie_word_embeddings
         self.model_type = self.language_model.model_type  # megatron's schedules ask for it
+
+    def shared_embedding_or_output_weight(self):
+        """megatron's finalize_model_grads syncs the tied embedding grads through this (PP > 1)."""
+        return self.language_model.shared_embedding_or_output_weight()
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from train.model.attention import packed_attention
@@ -332,6 +333,7 @@ class VisionTower(nn.Module):
         # inv_freq is not a buffer: Float16Module-style `.bfloat16()` would round it. HF builds it
         # in fp32 on the CPU; so do we (pow on the GPU may differ by an ulp).
         spatial = arch.head_dim // 2
+        self.recompute = False  # activation recompute per block (set by the model for --recompute full)
         self._inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
 
     def _rotary(self, row: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
@@ -378,7 +380,10 @@ class VisionTower(nn.Module):
         deepstack = []
         for layer, block in enumerate(self.blocks):
             cu_seqlens, max_seqlen = full if layer in arch.fullatt_block_indexes else windowed
-            x = block(x, cu_seqlens, max_seqlen, cos, sin)
+            if self.recompute and torch.is_grad_enabled():  # keep only block inputs; redo blocks in backward
+                x = torch.utils.checkpoint.checkpoint(block, x, cu_seqlens, max_seqlen, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cu_seqlens, max_seqlen, cos, sin)
             if layer in deepstack_slot:
                 deepstack.append(self.deepstack_merger_list[deepstack_slot[layer]](x))
         out = self.merger(x)

@@ -1,0 +1,473 @@
+"""Loss curves of one training job in several parallel layouts: same architecture, random init
+from the same seed, same data, same global batch; only the layout changes.
+
+Data: a synthetic Qwen3-VL mix (`benchmarks/synthetic_shards.py`; --samples samples, none
+longer than --max-sample-tokens, default --seq-len) written once into OUT_DIR/data.
+
+Layouts (--layouts, comma separated): `1gpu` (one process; on GPUs CUDA_VISIBLE_DEVICES is the
+first of --gpus) or any product of `dpN`, `tpN`, `ppN` (e.g. `dp2`, `tp2`, `pp2`, `tp2pp2`):
+nproc = dp * tp * pp processes, `--tp N --pp N` passed to the trainer. Each layout is its own
+launch, one after the other:
+
+    python -m torch.distributed.run --standalone --nproc-per-node K -m train.trainer --data DIR \\
+        --out OUT_DIR/<layout> --arch ARCH --seq-len S --global-batch-packs G --train-steps N ...
+
+Its OUT_DIR/<layout>/metrics.jsonl (written by rank 0) gives per step the loss of the whole
+global batch, the real and target token counts, tokens/s and rank 0's peak allocated memory.
+A layout that fails or times out is recorded (return code, last lines of its output) and the
+next one runs. Pipeline parallelism needs CUDA (megatron's PP schedule allocates on "cuda"):
+with --device cpu, layouts with pp > 1 are skipped with a note.
+
+Reported: a step x layout loss table; per layout max / mean |loss - reference| (reference:
+`1gpu` when run, else the first layout), whether every step saw the same real and target token
+counts as the reference (same packs), and the medians over steps after the first
+--skip-steps (default 2) of tokens/s (global and per GPU), step seconds, and rank 0's peak
+memory; on GPUs also the peak `nvidia-smi` memory.used per GPU (reserved memory plus the CUDA
+context, every rank, polled every second). On CPU the trainer runs fp32, on GPUs bf16.
+--json-out: all of it, with every curve and the commands. It is rewritten after each layout,
+so a run cut short still leaves what it measured.
+
+    # 2 GPUs, Qwen3-VL-2B architecture
+    python benchmarks/loss_curves.py --json-out loss_curves.json
+    # CPU smoke (tiny architecture, fp32)
+    python benchmarks/loss_curves.py --arch tiny --seq-len 2048 --steps 3 --layouts 1gpu,dp2,tp2 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+T0 = time.perf_counter()
+TAIL_LINES = 40
+QUIET = ("UserWarning", "warnings.warn(", "FutureWarning", "DeprecationWarning")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="qwen3-vl-2b", help="builtin architecture (random init)")
+    ap.add_argument("--layouts", default="1gpu,dp2,tp2,pp2", help="comma separated: 1gpu, dpN, tpN, ppN or products")
+    ap.add_argument("--steps", type=int, default=12, help="training steps per layout")
+    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--global-batch-packs", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="model init and data seed")
+    ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
+    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    ap.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when available")
+    ap.add_argument("--gpus", default=None,
+                    help="GPU ids to use (default: $CUDA_VISIBLE_DEVICES or 0,1,...); 1gpu uses the first")
+    ap.add_argument("--samples", type=int, default=200, help="synthetic samples")
+    ap.add_argument("--max-sample-tokens", type=int, default=None, help="longest synthetic sample (default: --seq-len)")
+    ap.add_argument("--text-tokens", type=int, nargs=2, default=(100, 3000), metavar=("MIN", "MAX"))
+    ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"))
+    ap.add_argument("--data-dir", default=None, help="use this existing shard directory instead of writing one")
+    ap.add_argument("--skip-steps", type=int, default=2, help="first steps left out of the speed/memory medians")
+    ap.add_argument("--run-timeout", type=float, default=240.0, help="seconds per layout before it is killed")
+    ap.add_argument("--time-budget", type=float, default=510.0,
+                    help="seconds for the whole script: a layout gets at most what is left (minus 15 s), and is "
+                         "skipped when under --min-run-seconds remain")
+    ap.add_argument("--min-run-seconds", type=float, default=60.0)
+    ap.add_argument("--trainer-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for every trainer launch (repeat; e.g. --trainer-arg=--micro-batch-packs=2)")
+    ap.add_argument("--out-dir", default="/tmp/vlmpack_loss_curves")
+    ap.add_argument("--json-out", default=None, help="default: OUT_DIR/loss_curves.json")
+    args = ap.parse_args(argv)
+    if args.device is None:
+        import torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args
+
+
+# ------------------------------------------------------------------------------------------ layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def nproc(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def parse_layout(name: str) -> Layout:
+    name = name.strip()
+    if name == "1gpu":
+        return Layout(name)
+    parts = re.findall(r"(dp|tp|pp)(\d+)", name)
+    if not parts or "".join(k + n for k, n in parts) != name or len({k for k, _ in parts}) != len(parts):
+        raise SystemExit(f"--layouts: cannot read {name!r} (use 1gpu, dpN, tpN, ppN or products like tp2pp2)")
+    sizes = {k: int(n) for k, n in parts}
+    if min(sizes.values()) < 1:
+        raise SystemExit(f"--layouts: {name!r} has a size below 1")
+    return Layout(name, **sizes)
+
+
+def trainer_command(args, layout: Layout, data_dir: Path, out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(layout.nproc),
+           "-m", "train.trainer", "--data", str(data_dir), "--out", str(out), "--arch", args.arch,
+           "--seq-len", str(args.seq_len), "--global-batch-packs", str(args.global_batch_packs),
+           "--train-steps", str(args.steps), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
+           "--num-workers", str(args.num_workers), "--tensorboard", "false", "--save-final", "false",
+           "--log-every", "1", "--seed", str(args.seed), "--recompute", args.recompute, "--device", args.device,
+           "--bf16", "true"]
+    if layout.tp > 1:
+        cmd += ["--tp", str(layout.tp)]
+    if layout.pp > 1:
+        cmd += ["--pp", str(layout.pp)]
+    return cmd + list(args.trainer_arg)
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+class GpuMemoryPoller:
+    """Peak `nvidia-smi` memory.used (MiB) per GPU index while a run is going."""
+
+    def __init__(self, interval: float = 1.0):
+        self.interval, self.peak, self._stop = interval, {}, threading.Event()
+        self.available = shutil.which("nvidia-smi") is not None
+        self._thread = threading.Thread(target=self._loop, daemon=True) if self.available else None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                text = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                                      capture_output=True, text=True, timeout=10).stdout
+                for line in text.strip().splitlines():
+                    index, used = (int(x.strip()) for x in line.split(","))
+                    self.peak[index] = max(self.peak.get(index, 0), used)
+            except (OSError, ValueError, subprocess.SubprocessError):
+                pass
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        if self._thread:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=15)
+
+
+def run_layout(cmd: list[str], env: dict, log_path: Path, timeout: float, tag: str) -> dict:
+    """Runs one launch in its own process group, echoing its output (minus warnings) with a tag."""
+    started = time.perf_counter()
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1, start_new_session=True)
+
+        def pump():
+            skip_next = False
+            for line in proc.stdout:
+                log_file.write(line)
+                line = line.rstrip("\n")
+                tail.append(line)
+                if skip_next or any(q in line for q in QUIET):
+                    skip_next = "UserWarning" in line or "FutureWarning" in line or "DeprecationWarning" in line
+                    continue
+                print(f"  [{tag}] {line}", flush=True)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)  # the launcher's own process group (start_new_session)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            rc = proc.returncode
+        reader.join(timeout=10)
+    return {"rc": rc, "timed_out": timed_out, "wall_s": time.perf_counter() - started, "tail": list(tail)}
+
+
+def read_metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line cut by a kill
+    return records
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(records: list[dict], skip: int) -> dict:
+    measured = [r for r in records if r["step"] > skip] or records
+    return {
+        "steps_done": len(records),
+        "median_over_steps": [r["step"] for r in measured],
+        "tokens_per_s": median(r.get("tokens_per_s") for r in measured),
+        "tokens_per_s_per_gpu": median(r.get("tokens_per_s_per_gpu") for r in measured),
+        "step_seconds": median(r.get("step_seconds") for r in measured),
+        "mfu": median(r.get("mfu") for r in measured),
+        "peak_memory_gib_rank0": median(r.get("peak_memory_gib") for r in measured),
+        "peak_memory_gib_rank0_max": max((r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None),
+                                         default=None),
+    }
+
+
+def compare(records: list[dict], ref: list[dict]) -> dict:
+    a = {r["step"]: r for r in records}
+    b = {r["step"]: r for r in ref}
+    steps = sorted(set(a) & set(b))
+    if not steps:
+        return {"compared_steps": 0}
+    diffs = [abs(a[s]["loss"] - b[s]["loss"]) for s in steps]
+    worst = max(range(len(steps)), key=lambda i: diffs[i])
+    gn = [abs(a[s]["grad_norm"] - b[s]["grad_norm"]) for s in steps
+          if a[s].get("grad_norm") is not None and b[s].get("grad_norm") is not None]
+    return {
+        "compared_steps": len(steps),
+        "max_abs_loss_diff": max(diffs), "max_abs_loss_diff_step": steps[worst],
+        "mean_abs_loss_diff": sum(diffs) / len(diffs),
+        "max_rel_loss_diff": max(d / abs(b[s]["loss"]) for d, s in zip(diffs, steps) if b[s]["loss"]),
+        "loss_diff_per_step": diffs,
+        "max_abs_grad_norm_diff": max(gn) if gn else None,
+        "same_tokens": all(a[s].get("tokens") == b[s].get("tokens") and a[s].get("target_tokens") == b[s].get("target_tokens")
+                           for s in steps),
+    }
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def machine_info(device: str) -> dict:
+    info = {"hostname": socket.gethostname(), "python": sys.version.split()[0], "cpu_count": os.cpu_count(),
+            "device": device}
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        if device == "cuda" and torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        pass
+    try:
+        import megatron.core
+        info["megatron.core"] = getattr(megatron.core, "__version__", None)
+    except ImportError:
+        info["megatron.core"] = None
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                            timeout=10).stdout.strip() or None
+        info["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
+                                                text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        info["git_commit"] = None
+    return info
+
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(res: dict) -> None:
+    runs = res["layouts"]
+    names = list(runs)
+    ref = res["reference"]
+    width = max(12, *(len(n) + 2 for n in names))
+    print(f"\n{res['args']['arch']} on {res['machine'].get('gpus', ['cpu'])[0]}: loss per step "
+          f"({res['args']['global_batch_packs']} packs x {res['args']['seq_len']} tokens per step, "
+          f"{'bf16' if res['args']['device'] == 'cuda' else 'fp32'}; reference {ref})", flush=True)
+    print("step".ljust(6) + "".join(n.rjust(width) for n in names))
+    print("-" * (6 + width * len(names)))
+    for step in range(1, res["args"]["steps"] + 1):
+        cells = []
+        for n in names:
+            loss = {r["step"]: r["loss"] for r in runs[n].get("steps", [])}.get(step)
+            cells.append(fmt(loss, ".5f").rjust(width))
+        print(str(step).ljust(6) + "".join(cells))
+    print("-" * (6 + width * len(names)))
+
+    def row(label, fn):
+        print(label.ljust(24) + "".join(fn(runs[n]).rjust(width) for n in names), flush=True)
+
+    width_label = 24
+    print("".ljust(width_label) + "".join(n.rjust(width) for n in names))
+    row("status", lambda r: r["status"])
+    row(f"max |diff| vs {ref}", lambda r: fmt(r.get("vs_reference", {}).get("max_abs_loss_diff"), ".2e"))
+    row(f"mean |diff| vs {ref}", lambda r: fmt(r.get("vs_reference", {}).get("mean_abs_loss_diff"), ".2e"))
+    row("max |grad-norm diff|", lambda r: fmt(r.get("vs_reference", {}).get("max_abs_grad_norm_diff"), ".2e"))
+    row("same tokens/step", lambda r: {True: "yes", False: "NO", None: "-"}[r.get("vs_reference", {}).get("same_tokens")])
+    row("tokens/s (median)", lambda r: fmt(r.get("summary", {}).get("tokens_per_s"), ",.0f"))
+    row("tokens/s/GPU (median)", lambda r: fmt(r.get("summary", {}).get("tokens_per_s_per_gpu"), ",.0f"))
+    row("step s (median)", lambda r: fmt(r.get("summary", {}).get("step_seconds"), ".3f"))
+    row("peak mem rank0 GiB", lambda r: fmt(r.get("summary", {}).get("peak_memory_gib_rank0"), ".1f"))
+    if any(runs[n].get("nvidia_smi_peak_mib") for n in names):
+        row("nvidia-smi peak GiB", lambda r: "/".join(f"{v / 1024:.1f}" for v in (r.get("nvidia_smi_peak_mib") or {}).values())
+            or "-")
+    row("wall s", lambda r: fmt(r.get("wall_s"), ".0f"))
+    for n in names:
+        note = runs[n].get("note") or (runs[n].get("error_tail") or [None])[-1]
+        if runs[n]["status"] != "ok" and note:
+            print(f"{n}: {runs[n]['status']}: {note}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    layouts = [parse_layout(n) for n in args.layouts.split(",") if n.strip()]
+    if len({lay.name for lay in layouts}) != len(layouts):
+        raise SystemExit("--layouts: a layout is listed twice")
+    out_dir = Path(args.out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_out = Path(args.json_out).resolve() if args.json_out else out_dir / "loss_curves.json"
+    gpus = (args.gpus or os.environ.get("CUDA_VISIBLE_DEVICES") or
+            ",".join(str(i) for i in range(max(lay.nproc for lay in layouts)))).split(",")
+    res = {"command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "machine": machine_info(args.device),
+           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "layouts": {}, "curves": {}}
+    ref_name = "1gpu" if any(lay.name == "1gpu" for lay in layouts) else layouts[0].name
+    res["reference"] = ref_name
+    log(f"{args.arch}, {args.steps} steps x {args.global_batch_packs} packs x {args.seq_len} tokens, "
+        f"device {args.device}, layouts {[lay.name for lay in layouts]}, out {out_dir}")
+
+    def write_json():
+        res["total_s"] = time.perf_counter() - T0
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(res, indent=1, default=str))
+
+    # --- data, once
+    if args.data_dir:
+        data_dir = Path(args.data_dir).resolve()
+        res["data"] = {"dir": str(data_dir), "generated": False}
+    else:
+        from synthetic_shards import SyntheticSpec, write_synthetic_shards
+
+        data_dir = out_dir / "data"
+        spec = SyntheticSpec(num_samples=args.samples, seed=args.seed, text_tokens=tuple(args.text_tokens),
+                             image_tokens=tuple(args.image_tokens), max_tokens=args.max_sample_tokens or args.seq_len)
+        t0 = time.perf_counter()
+        manifest = write_synthetic_shards(data_dir, spec, log=log)
+        res["data"] = {"dir": str(data_dir), "generated": True, "spec": dataclasses.asdict(spec),
+                       "totals": manifest["totals"], "seconds": time.perf_counter() - t0}
+        packs_needed = args.steps * args.global_batch_packs
+        approx_packs = manifest["totals"]["tokens"] / args.seq_len
+        if approx_packs < packs_needed:
+            log(f"note: ~{approx_packs:.0f} packs of data for {packs_needed} packs of training: later steps re-use "
+                f"data from a new epoch (all layouts alike)")
+    write_json()
+
+    # --- the layouts, one launch each
+    env_base = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])}
+    env_base.setdefault("OMP_NUM_THREADS", "1" if args.device == "cuda" else str(max(1, (os.cpu_count() or 1) // 2)))
+    for i, layout in enumerate(layouts):
+        run = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "nproc": layout.nproc}
+        res["layouts"][layout.name] = run
+        remaining = args.time_budget - (time.perf_counter() - T0)
+        if args.device == "cpu" and layout.pp > 1:
+            run.update(status="skipped", note="pipeline parallelism needs CUDA (megatron's PP schedule allocates "
+                                              "on 'cuda'); not run with --device cpu")
+        elif args.device == "cuda" and layout.nproc > len(gpus):
+            run.update(status="skipped", note=f"needs {layout.nproc} GPUs, --gpus has {len(gpus)}")
+        elif remaining - 15 < args.min_run_seconds:
+            run.update(status="skipped", note=f"time budget: {remaining:.0f} s of --time-budget left")
+        if run.get("status") == "skipped":
+            log(f"[{i + 1}/{len(layouts)}] {layout.name}: skipped: {run['note']}")
+            write_json()
+            continue
+        out = out_dir / layout.name
+        if out.exists():
+            shutil.rmtree(out)  # metrics.jsonl is appended to: start clean
+        out.mkdir(parents=True)
+        cmd = trainer_command(args, layout, data_dir, out)
+        env = dict(env_base)
+        if args.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[:layout.nproc])
+        timeout = min(args.run_timeout, remaining - 15)
+        run.update(command=" ".join(cmd), cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"), timeout_s=timeout)
+        log(f"[{i + 1}/{len(layouts)}] {layout.name}: nproc {layout.nproc}"
+            + (f", CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if args.device == "cuda" else "")
+            + f", timeout {timeout:.0f} s\n    {run['command']}")
+        poller = GpuMemoryPoller() if args.device == "cuda" else None
+        if poller:
+            with poller:
+                result = run_layout(cmd, env, out_dir / f"{layout.name}.log", timeout, layout.name)
+            visible = {int(g) for g in gpus[:layout.nproc] if g.strip().isdigit()}
+            run["nvidia_smi_peak_mib"] = {k: v for k, v in sorted(poller.peak.items()) if not visible or k in visible}
+        else:
+            result = run_layout(cmd, env, out_dir / f"{layout.name}.log", timeout, layout.name)
+        records = read_metrics(out)
+        keep = ("step", "loss", "target_tokens", "tokens", "lr", "grad_norm", "skipped", "step_seconds",
+                "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
+        run["steps"] = [{k: r.get(k) for k in keep} for r in records]
+        run["losses"] = [r["loss"] for r in records]
+        res["curves"][layout.name] = run["losses"]
+        run.update(rc=result["rc"], timed_out=result["timed_out"], wall_s=result["wall_s"],
+                   log=str(out_dir / f"{layout.name}.log"))
+        ok = result["rc"] == 0 and len(records) == args.steps
+        run["status"] = "ok" if ok else ("timeout" if result["timed_out"] else "failed")
+        if not ok:
+            run["error_tail"] = result["tail"]
+            if result["rc"] == 0:
+                run["note"] = f"exited 0 with {len(records)} of {args.steps} steps in metrics.jsonl"
+        if records:
+            run["summary"] = summarize(records, args.skip_steps)
+        s = run.get("summary", {})
+        log(f"{layout.name}: {run['status']} (rc {result['rc']}) in {result['wall_s']:.0f} s, {len(records)} steps"
+            + (f", median {s['tokens_per_s']:,.0f} tok/s" if s.get("tokens_per_s") else "")
+            + (f", rank0 peak {s['peak_memory_gib_rank0']:.1f} GiB" if s.get("peak_memory_gib_rank0") else ""))
+        if not ok:
+            print("\n".join(f"    | {line}" for line in result["tail"][-15:]), flush=True)
+        write_json()
+
+    ref = res["layouts"].get(ref_name, {}).get("steps") or []
+    for name, run in res["layouts"].items():
+        if run.get("steps") and ref:
+            run["vs_reference"] = compare(run["steps"], ref)
+    write_json()
+    log(f"wrote {json_out}")
+    print_table(res)
+    return 0 if all(r["status"] in ("ok", "skipped") for r in res["layouts"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
