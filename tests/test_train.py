@@ -122,9 +122,10 @@ def test_data_parallel_matches_single_process(shards, full_run, tmp_path):
     (["--tp", "3"], "must divide the attention heads"),
     (["--arch", "tiny-qwen2.5"], "preprocessed for another model"),
     (["--freeze", "eyes"], "--freeze ['eyes']"),
+    (["--warmup-steps", "2"], "--warmup-steps 2 must be smaller than --train-steps 2"),
 ])
 def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message):
-    proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "1", *extra])
+    proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2", *extra])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
