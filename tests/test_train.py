@@ -184,3 +184,18 @@ def test_export_hf_reloads_in_transformers_with_the_same_logits(shards, full_run
     assert (ours - ref).abs().max().item() < 1e-4
     # the trained weights differ from a fresh random init: the export carries the training
     assert metrics(full_run)[-1]["loss"] < metrics(full_run)[0]["loss"]
+
+
+def test_micro_batch_of_several_packs_keeps_every_segment(shards):
+    from train.data import concat_packs
+    from train.loader import PackedLoader
+
+    loader = PackedLoader([str(shards)], seq_len=SEQ_LEN, global_batch_packs=2)
+    a, b = [pack for pack, _ in zip(loader, range(2))]
+    row = concat_packs([a, b])
+    n = len(a["input_ids"])
+    assert torch.equal(row["input_ids"], torch.cat([a["input_ids"], b["input_ids"]]))
+    assert torch.equal(row["position_ids"][:, n:], b["position_ids"])
+    assert row["cu_seqlens_padded"].tolist() == a["cu_seqlens_padded"].tolist() + (b["cu_seqlens_padded"][1:] + n).tolist()
+    assert row["max_seqlen"] == max(a["max_seqlen"], b["max_seqlen"])
+    assert len(row["image_grid_thw"]) == len(a["image_grid_thw"]) + len(b["image_grid_thw"])

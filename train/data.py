@@ -52,8 +52,7 @@ def concat_packs(packs: list[dict]) -> dict:
     """Packs laid end to end in one row; `cu_seqlens_padded` shifted, segments kept."""
     if len(packs) == 1:
         return packs[0]
-    out = {k: torch.cat([p[k] for p in packs], dim=-1 if k == "position_ids" else 0)
-           for k in ("input_ids", "labels", "loss_mask", "position_ids", "pixel_patches", "image_grid_thw")}
+    out = {k: torch.cat([p[k] for p in packs], dim=-1 if k == "position_ids" else 0) for k in MODEL_FIELDS}
     offsets = torch.cumsum(torch.tensor([0] + [len(p["input_ids"]) for p in packs[:-1]]), 0)
     out["cu_seqlens_padded"] = torch.cat([packs[0]["cu_seqlens_padded"][:1]] +
                                          [p["cu_seqlens_padded"][1:] + o for p, o in zip(packs, offsets.tolist())])
