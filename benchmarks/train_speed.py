@@ -103,6 +103,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="trainer activation recompute (language model); on out-of-memory the run is retried "
                          "once with full unless --no-recompute-fallback")
     ap.add_argument("--no-recompute-fallback", action="store_true")
+    ap.add_argument("--recompute-layers", type=int, default=None,
+                    help="with --recompute full: recompute only the first N decoder layers (trainer's flag)")
+    ap.add_argument("--recompute-vision", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
+                    help="redo the vision blocks in backward (trainer's flag; default: with full)")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler over the last warmup step: GPU time by kernel kind and the top kernels")
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when available")
@@ -169,6 +175,8 @@ class TrainerProbe:
         self.model = self.data = self.last_batches = None
         self.checkpoint_saves_skipped = 0
         self.active = True  # hooks record only while the trainer runs
+        self.profile_step = None  # 1-based step whose forward+backward runs under torch.profiler
+        self.kernels = None
 
     def _cur(self) -> dict:
         return self.steps[-1]
@@ -203,9 +211,14 @@ class TrainerProbe:
 
         def run_global_batch(model, micro_batches, *a, **k):
             probe.model, probe.last_batches = model, micro_batches
-            start = clock.mark()
-            out = saved["run_global_batch"](model, micro_batches, *a, **k)
-            probe._cur()["fb"] = (start, clock.mark())
+            profiling = len(probe.steps) == probe.profile_step
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profiling else None
+            with prof or contextlib.nullcontext():
+                start = clock.mark()
+                out = saved["run_global_batch"](model, micro_batches, *a, **k)
+                probe._cur()["fb"] = (start, clock.mark())
+            if prof is not None:
+                probe.kernels = kernel_summary(prof)
             return out
 
         def build_optimizer(*a, **k):
@@ -293,6 +306,32 @@ class TrainerProbe:
         return out
 
 
+KERNEL_KINDS = (  # first match wins; names of cuBLAS/CUTLASS GEMMs, FlashAttention, torch's own kernels
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "sm80_xmma", "wgmma")),
+    ("attention", ("flash", "fmha", "attn")),
+    ("norm", ("norm",)),
+    ("softmax/cross-entropy", ("softmax", "log_softmax", "nll", "cross_entropy")),
+    ("copy/cast", ("copy", "memcpy", "memset", "cat", "fill", "index")),
+    ("reduce", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "triton")),
+)
+
+
+def kernel_summary(prof, top: int = 25) -> dict:
+    """GPU self time per kernel kind and the top kernels of one profiled step."""
+    kernels = [(e.key, e.self_device_time_total / 1e6, e.count) for e in prof.key_averages()
+               if e.self_device_time_total > 0]  # only CUDA activity is recorded: these are kernels
+    by_kind: dict[str, float] = {}
+    for name, seconds, _ in kernels:
+        low = name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in low for x in keys)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + seconds
+    kernels.sort(key=lambda k: -k[1])
+    total = sum(by_kind.values())
+    return {"gpu_s": total, "by_kind_s": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": n[:160], "s": s, "calls": c} for n, s, c in kernels[:top]]}
+
+
 # ------------------------------------------------------------------------------------------ ours
 
 
@@ -320,12 +359,16 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
     config = TrainConfig(
         data=[str(data_dir)], out=str(run_dir), arch=args.arch, seq_len=args.seq_len,
         global_batch_packs=args.global_batch_packs, train_steps=args.warmup + args.steps, lr=args.lr,
-        recompute=recompute, device=args.device, num_workers=args.num_workers, tensorboard=False,
+        recompute=recompute, recompute_layers=args.recompute_layers if recompute == "full" else None,
+        recompute_vision=args.recompute_vision, device=args.device, num_workers=args.num_workers, tensorboard=False,
         save_every=0, seed=args.seed, log_every=1)
     config.validate()
     probe = TrainerProbe(device, args.keep_checkpoint)
+    if args.profile and device.type == "cuda":
+        probe.profile_step = args.warmup  # the last unmeasured step: profiling overhead stays out of the figures
     log(f"ours: train({args.arch}, seq_len {args.seq_len}, {args.global_batch_packs} packs/step, "
-        f"{args.warmup}+{args.steps} steps, recompute {recompute}) -> {run_dir}")
+        f"{args.warmup}+{args.steps} steps, recompute {recompute}, layers {config.recompute_layers}, "
+        f"vision {config.recompute_vision}) -> {run_dir}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -418,7 +461,16 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
         "pack_fill": total_tokens / (len(measured) * args.global_batch_packs * args.seq_len),
         "isolated_vision": vision_check,
         "packs_consumed": len(packs),
+        "recompute_layers": config.recompute_layers,
+        "recompute_vision": config.recompute_vision,
+        "kernels": probe.kernels,
     }
+    if probe.kernels:
+        k = probe.kernels
+        log("ours: profiled step GPU time " + f"{k['gpu_s']:.3f} s: " +
+            ", ".join(f"{kind} {sec:.3f}" for kind, sec in k["by_kind_s"].items()))
+        for item in k["top"]:
+            log(f"    {item['s'] * 1e3:8.1f} ms {item['calls']:6d}x  {item['name'][:110]}")
     log(f"ours: {tps:,.0f} tok/s, MFU {fmt_pct(summary['lm_mfu'])}, step {summary['step_s_mean']:.3f} s "
         f"(fwd+bwd {fmt_s(summary['fwd_bwd_s_mean'])}, optimizer {fmt_s(summary['optimizer_s_mean'])}), "
         f"vision {fmt_pct(summary['vision_share_of_step'])} of the step, peak {fmt_gib(summary['peak_memory_gib'])}")
@@ -756,6 +808,8 @@ def isolated(fn, *args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # what `train()` sets for itself; here the child touches CUDA before calling it
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = torch.device(args.device)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

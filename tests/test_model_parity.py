@@ -10,6 +10,7 @@ must agree to 1e-4; a wrong M-RoPE layout or a missing DeepStack injection must 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -154,3 +155,33 @@ def test_image_count_mismatch_is_a_clear_error(case):
     with pytest.raises(ValueError, match="image_pad"):
         model(t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"], pixel_values=pv,
               image_grid_thw=torch.tensor([[1, 2, 2]]), return_logits=True)
+
+
+def test_bf16_model_holds_every_parameter_in_bf16(case, info):
+    """megatron's local spec builds torch.nn.RMSNorm in fp32 whatever params_dtype says; with an
+    fp32 gain next to bf16 activations torch.rms_norm silently falls back to a slow, memory-hungry
+    fp32 composite. The model casts its norms, so a bf16 model is bf16 throughout and its norms
+    take the fused path (which warns on a dtype mismatch: turned into an error here)."""
+    _, shards, _, arch, _ = case
+    model = build_model(arch, transformer_config(arch, cpu=True, params_dtype=torch.bfloat16, bf16=True), info)
+    norms = [m for m in model.language_model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert len(norms) >= 2 * arch.lm.num_layers + 1  # input + pre-MLP per layer, and the final norm
+    dtypes = {name: p.dtype for name, p in model.named_parameters() if p.dtype != torch.bfloat16}
+    assert not dtypes, f"parameters not in bf16: {dtypes}"
+    pack = assemble_pack(pick(shards, "mixed"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*Mismatch dtype.*")
+        logits, losses = our_outputs(model, shards, pack)
+    assert torch.isfinite(logits).all() and torch.isfinite(losses).all()
+
+
+@pytest.mark.parametrize("layers, method, count", [(None, "uniform", 1), (1, "block", 1), (99, "uniform", 1)])
+def test_recompute_layers_maps_to_megatron_block_recompute(case, layers, method, count):
+    """--recompute full --recompute-layers N: the first N decoder layers of a stage are recomputed
+    (megatron's block method); N at or above the stage's layers, or unset, is every layer."""
+    arch = case[3]
+    config = transformer_config(arch, cpu=True, recompute="full", recompute_layers=layers)
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", method, count)
+    assert transformer_config(arch, cpu=True).recompute_granularity is None
+    with pytest.raises(ValueError, match="recompute_layers 0"):
+        transformer_config(arch, cpu=True, recompute="full", recompute_layers=0)

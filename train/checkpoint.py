@@ -98,8 +98,27 @@ def _set_rng_state(state: dict, device) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _distributed_optimizers(optimizer) -> list:
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if type(o).__name__ == "DistributedOptimizer"]
+
+
 def _uses_distributed_optimizer(optimizer) -> bool:
-    return any(type(o).__name__ == "DistributedOptimizer" for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+    return bool(_distributed_optimizers(optimizer))
+
+
+def _load_parameter_state(optimizer, filename: str) -> None:
+    """megatron-core 0.16.1 with torch's AdamW (no Apex / TE): `load_state_dict` puts a 'step'
+    tensor into every parameter's state, then `load_parameter_state` copies every state key
+    from the file, which holds none for 'step' (KeyError: 'step'). The step tensors are set
+    aside for the copy and put back: they came from the rank file and are already right."""
+    inner = [o.optimizer for o in _distributed_optimizers(optimizer)]
+    steps = [{p: s.pop("step") for p, s in opt.state.items() if "step" in s} for opt in inner]
+    try:
+        optimizer.load_parameter_state(filename)
+    finally:
+        for opt, saved in zip(inner, steps):
+            for param, step in saved.items():
+                opt.state[param]["step"] = step
 
 
 def save(out: Path, step: int, model, optimizer, scheduler, data, config, arch: ModelArch, info) -> Path:
@@ -163,7 +182,7 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
     rank_state = torch.load(path / f"rank_{info.rank:05d}.pt", map_location="cpu", weights_only=False)
     optimizer.load_state_dict(rank_state["optimizer"])
     if _uses_distributed_optimizer(optimizer):
-        optimizer.load_parameter_state(str(path / f"optimizer_param_state_pp{info.pp_rank}_tp{info.tp_rank}.pt"))
+        _load_parameter_state(optimizer, str(path / f"optimizer_param_state_pp{info.pp_rank}_tp{info.tp_rank}.pt"))
     scheduler.load_state_dict(rank_state["scheduler"])
     data.load_state_dict(meta["loader"])
     _set_rng_state(rank_state["rng"], info.device)

@@ -34,7 +34,10 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     bf16: bool = True
-    recompute: str = "none"  # none | selective | full
+    recompute: str = "none"  # none | selective | full (language model)
+    recompute_layers: int | None = None  # with full: recompute only the first N decoder layers per stage
+    recompute_vision: bool | None = None  # redo the vision blocks in backward (default: with full)
+    compile: bool = True  # torch.compile the vision blocks and the rotary kernels (CUDA runs only)
     distributed_optimizer: bool = True  # CUDA only (megatron's DistributedOptimizer)
     device: str | None = None  # cuda | cpu (default: cuda when available)
     # optimisation
@@ -80,6 +83,9 @@ class TrainConfig:
             raise ValueError(f"--freeze {bad}: choose from {list(FREEZABLE)}")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"--recompute {self.recompute!r}: none | selective | full")
+        if self.recompute_layers is not None and (self.recompute != "full" or self.recompute_layers < 1):
+            raise ValueError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
+                             f"(the decoder layers per pipeline stage whose activations are recomputed)")
 
     def global_packs(self, dp: int) -> int:
         """Packs per global batch; a multiple of dp * micro_batch_packs."""
@@ -115,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kind = str(f.type)
         if kind.startswith("list"):
             parser.add_argument(flag, action="append", default=None, metavar="VALUE")
-        elif kind == "bool":
+        elif kind.startswith("bool"):
             parser.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL")
         elif "int" in kind:
             parser.add_argument(flag, type=int, default=None)

@@ -57,6 +57,8 @@ def concat_packs(packs: list[dict]) -> dict:
     out["cu_seqlens_padded"] = torch.cat([packs[0]["cu_seqlens_padded"][:1]] +
                                          [p["cu_seqlens_padded"][1:] + o for p, o in zip(packs, offsets.tolist())])
     out["max_seqlen"] = max(int(p["max_seqlen"]) for p in packs)
+    if "image_rows" in packs[0]:
+        out["image_rows"] = torch.cat([p["image_rows"] + o for p, o in zip(packs, offsets.tolist())])
     out["sample_lengths"] = torch.cat([p["sample_lengths"] for p in packs])
     return out
 
@@ -64,6 +66,7 @@ def concat_packs(packs: list[dict]) -> dict:
 class TrainData:
     def __init__(self, config, arch, info):
         self.config, self.info = config, info
+        self.image_token_id = arch.image_token_id
         specs = [parse_source(s) for s in config.data]
         self.vision = check_profiles([d for d, _ in specs], arch)
         if config.eval_data:
@@ -86,9 +89,19 @@ class TrainData:
         while True:
             yield from self.loader
 
+    def _to_device(self, pack: dict) -> dict:
+        """The pack on the device, but for what the host reads to queue the forward: image grids
+        stay on the CPU (the vision tower builds its index tensors there) and the <|image_pad|>
+        rows are found on the CPU copy. So no forward step waits for the GPU to catch up."""
+        rows = torch.nonzero(pack["input_ids"] == self.image_token_id)[:, 0]
+        cuda = self.info.device.type == "cuda"
+        out = batch_to_device({**pack, "image_rows": rows.pin_memory() if cuda else rows}, self.info.device)
+        out["image_grid_thw"] = pack["image_grid_thw"]
+        return out
+
     def _micro_batches(self, packs_iter, count: int) -> list[dict]:
         per = self.packs_per_micro_batch
-        packs = [batch_to_device(next(packs_iter), self.info.device) for _ in range(count)]
+        packs = [self._to_device(next(packs_iter)) for _ in range(count)]
         return [concat_packs(packs[i:i + per]) for i in range(0, count, per)]
 
     def next_global_batch(self) -> list[dict]:

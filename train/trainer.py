@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -97,7 +98,7 @@ def make_forward_step(data: TrainData, dtype: torch.dtype):
         pixel_values = data.pixel_values(batch, dtype)
         per_token = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens_padded"],
                           batch["max_seqlen"], labels=batch["labels"], pixel_values=pixel_values,
-                          image_grid_thw=batch["image_grid_thw"])
+                          image_grid_thw=batch["image_grid_thw"], image_rows=batch["image_rows"])
 
         def loss_func(output):
             # Sum, not mean: megatron divides all gradients by the global batch's target-token
@@ -158,6 +159,10 @@ def evaluate(model, data: TrainData, forward_step, seq_length: int, info: Parall
 
 def train(config: TrainConfig) -> dict:
     config.validate()
+    # Packs differ in length and patch count: expandable segments keep the CUDA caching allocator
+    # from fragmenting (near the memory limit, fragments cost whole layers of recompute). Read
+    # when CUDA initialises, i.e. below; a PYTORCH_CUDA_ALLOC_CONF of the user's own wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     arch = resolve_arch(config)
     check_layout(arch, config)  # before any process group exists: a bad layout fails on every rank alike
     info = init_parallel(config.tp, config.pp, device=config.device, seed=config.seed)
@@ -168,8 +173,9 @@ def train(config: TrainConfig) -> dict:
     data = TrainData(config, arch, info)
 
     model_config = transformer_config(arch, tp=config.tp, pp=config.pp, params_dtype=dtype, bf16=bf16,
-                                      cpu=not cuda, recompute=config.recompute, calculate_per_token_loss=True)
-    model = build_model(arch, model_config, info)
+                                      cpu=not cuda, recompute=config.recompute,
+                                      recompute_layers=config.recompute_layers, calculate_per_token_loss=True)
+    model = build_model(arch, model_config, info, recompute_vision=config.recompute_vision, compile=config.compile)
     if config.hf_model:
         checkpoint.load_hf_weights(model, config.hf_model, arch, info)
     elif config.init:

@@ -7,16 +7,21 @@ varlen kernel (`torch.nn.attention.varlen.varlen_attn`); elsewhere an exact mask
 `cu_seqlens` (O(T^2) memory: for tests and CPU smoke runs, not for long packs).
 
 `PackedCoreAttention` plugs that function into a megatron-core layer spec in place of
-`DotProductAttention`, which cannot take THD packed params.
+`DotProductAttention`, which cannot take THD packed params, and applies the pack's M-RoPE
+(cos/sin carried in `PackedRows`) to q and k first.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
+
+from train.model.rope import apply_rotary
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -76,14 +81,25 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
     return _masked_attention(q, k, v, cu_seqlens, causal, scale)
 
 
+@dataclass
+class PackedRows(PackedSeqParams):
+    """megatron's PackedSeqParams plus the pack's rotary table (cos, sin [T, 1, head_dim]):
+    megatron hands packed_seq_params to every layer's core attention, through activation
+    recompute and on every pipeline stage, so the table is built once per micro-batch."""
+
+    rope_cos: Tensor | None = None
+    rope_sin: Tensor | None = None
+
+
 class PackedCoreAttention(torch.nn.Module):
     """megatron-core `core_attention` submodule for packed rows.
 
     Megatron's SelfAttention hands over q [T, 1, Hq, D], k/v [T, 1, Hkv, D] (per TP rank)
     and expects [T, 1, Hq*D]. The segment boundaries come in `packed_seq_params`. The model
-    passes them with `qkv_format="sbhd"` on purpose: megatron's THD rotary path assumes
-    positions restart at 0 per segment and slices one shared table, while M-RoPE needs a
-    per-token table that the bshd path applies as is.
+    passes them with `qkv_format="sbhd"` on purpose (megatron's THD path would re-layout
+    q/k/v), and no `rotary_pos_emb`: megatron's rotary path recomputes cos/sin in every layer
+    and runs unfused, and its THD variant assumes positions restarting at 0 per segment. The
+    pack's M-RoPE table rides in `PackedRows` instead and is applied here to q and k.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type="self", cp_comm_type=None,
@@ -91,6 +107,7 @@ class PackedCoreAttention(torch.nn.Module):
         super().__init__()
         self.config = config
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.rotary = apply_rotary  # `compile_model` swaps in the fused (compiled) kernel
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_):
@@ -99,6 +116,10 @@ class PackedCoreAttention(torch.nn.Module):
         t, b = query.shape[:2]
         if b != 1:
             raise ValueError(f"packed rows have batch dimension 1, got {b}")
-        out = packed_attention(query[:, 0], key[:, 0], value[:, 0], packed_seq_params.cu_seqlens_q,
+        q, k = query[:, 0], key[:, 0]
+        if getattr(packed_seq_params, "rope_cos", None) is not None:
+            q = self.rotary(q, packed_seq_params.rope_cos, packed_seq_params.rope_sin)
+            k = self.rotary(k, packed_seq_params.rope_cos, packed_seq_params.rope_sin)
+        out = packed_attention(q, k, value[:, 0], packed_seq_params.cu_seqlens_q,
                                packed_seq_params.max_seqlen_q, causal=True, scale=self.softmax_scale)
         return out.reshape(t, 1, -1)

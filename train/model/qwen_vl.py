@@ -23,7 +23,6 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -31,8 +30,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from train.model.arch import ModelArch
-from train.model.attention import PackedCoreAttention
-from train.model.rope import MRoPE
+from train.model.attention import PackedCoreAttention, PackedRows
+from train.model.rope import MRoPE, apply_rotary
 from train.model.vision import VisionTower
 
 IGNORE_INDEX = -100
@@ -62,12 +61,24 @@ def layer_spec(arch: ModelArch):
 
 
 def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtype=torch.float32,
-                       bf16: bool = False, cpu: bool = False, recompute: str = "none", **overrides) -> TransformerConfig:
-    """megatron TransformerConfig for the language model; `recompute`: none | selective | full."""
+                       bf16: bool = False, cpu: bool = False, recompute: str = "none",
+                       recompute_layers: int | None = None, **overrides) -> TransformerConfig:
+    """megatron TransformerConfig for the language model; `recompute`: none | selective | full.
+
+    With full, `recompute_layers` N recomputes only the first N decoder layers of each pipeline
+    stage (megatron's block method) and keeps the others' activations: on one 80 GB GPU a
+    16k pack of the 2B model fits with a few layers recomputed, and every layer not recomputed
+    saves a third of its forward."""
     lm = arch.lm
     recompute_kw = {}
     if recompute == "full":
-        recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if recompute_layers is not None and recompute_layers < 1:
+            raise ValueError(f"recompute_layers {recompute_layers} must be >= 1 (or recompute 'none')")
+        if recompute_layers is None or recompute_layers >= lm.num_layers // pp:
+            recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        else:
+            recompute_kw = dict(recompute_granularity="full", recompute_method="block",
+                                recompute_num_layers=recompute_layers)
     elif recompute == "selective":
         recompute_kw = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     elif recompute != "none":
@@ -81,22 +92,37 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtyp
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
         params_dtype=params_dtype, bf16=bf16, pipeline_dtype=params_dtype if pp > 1 else None,
         use_cpu_initialization=cpu, init_method_std=0.02, apply_rope_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        # megatron's fused SwiGLU (torch.compile'd, no TE): one kernel each way and only the fc1
+        # output kept for backward. CPU runs (tests) keep the eager op: no compile step there.
+        bias_activation_fusion=not cpu, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, cross_entropy_loss_fusion=False,
         **recompute_kw, **overrides)
 
 
+def vocab_parallel_token_loss(logits: Tensor, target: Tensor) -> Tensor:
+    """Per-token CE [N] (fp32) from logits [N, 1, V/TP] whose vocabulary is split over the TP ranks."""
+    return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target[:, None])[:, 0]
+
+
+def token_loss(logits: Tensor, target: Tensor) -> Tensor:
+    """Per-token CE [N] (fp32) from logits [N, 1, V] holding the whole vocabulary (TP = 1):
+    logsumexp minus the target's logit. Plain torch: `compile_model` fuses the upcast,
+    max, exp-sum and gather into a few passes over the bf16 logits, and the backward into one
+    (eager, megatron's vocab-parallel CE makes a dozen fp32 passes over 4k x 151,936 values)."""
+    logits = logits[:, 0].float()
+    return torch.logsumexp(logits, dim=-1) - logits.gather(-1, target[:, None])[:, 0]
+
+
 def chunked_cross_entropy(hidden: Tensor, labels: Tensor, output_layer, weight: Tensor | None,
-                          chunk: int = LOSS_CHUNK_TOKENS) -> Tensor:
+                          loss_fn=vocab_parallel_token_loss, chunk: int = LOSS_CHUNK_TOKENS) -> Tensor:
     """Per-token CE [T] (0 where labels == -100) from final hidden states [T, 1, H].
 
-    Logits are made `chunk` rows at a time in the model dtype, upcast to fp32 inside the
-    vocab-parallel CE, and recomputed in backward (checkpoint), so at most one chunk of
-    logits exists at a time instead of T x 151,936 fp32 values."""
+    Logits are made `chunk` rows at a time in the model dtype, upcast to fp32 inside
+    `loss_fn`, and recomputed in backward (checkpoint), so at most one chunk of logits exists
+    at a time instead of T x 151,936 fp32 values."""
     def chunk_loss(h: Tensor, y: Tensor) -> Tensor:
         logits, _ = output_layer(h, weight=weight)
-        target = y.clamp(min=0)
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target[:, None])[:, 0]
+        loss = loss_fn(logits, y.clamp(min=0))
         return torch.where(y >= 0, loss, torch.zeros_like(loss))
 
     pieces = []
@@ -107,12 +133,31 @@ def chunked_cross_entropy(hidden: Tensor, labels: Tensor, output_layer, weight: 
     return torch.cat(pieces)
 
 
+def compile_model(model: QwenVLModel) -> None:
+    """torch.compile where eager PyTorch spends the GPU on elementwise passes (CUDA runs):
+    each vision block (norms, fp32 rotary, GELU, bias and residual adds fused around the GEMMs
+    and the varlen attention op, and fewer tensors kept for backward), the language model's
+    rotary and, with TP = 1, the cross-entropy over the vocabulary. Dynamic shapes: packs differ in length and patch count, and the blocks
+    share one graph (parameters are graph inputs), so it compiles once per process."""
+    rotary = torch.compile(apply_rotary, dynamic=True)
+    if model.token_loss is token_loss:
+        model.token_loss = torch.compile(token_loss, dynamic=True)
+    for module in model.modules():
+        if isinstance(module, PackedCoreAttention):
+            module.rotary = rotary
+    if model.vision is not None:
+        for block in model.vision.blocks:
+            block.compile(dynamic=True)
+
+
 class QwenVLModel(MegatronModule):
     """One pipeline stage of the VLM. The first stage owns the vision tower and embeddings,
     the last the final norm and output layer (tied to the embeddings when the arch says so)."""
 
     def __init__(self, arch: ModelArch, config: TransformerConfig, *, pre_process: bool = True,
-                 post_process: bool = True, pg_collection=None, vp_stage=None):
+                 post_process: bool = True, recompute_vision: bool | None = None, pg_collection=None,
+                 vp_stage=None):
+        """`recompute_vision`: redo the vision blocks in backward (default: with full recompute)."""
         super().__init__(config=config)
         self.arch = arch
         self.pre_process, self.post_process = pre_process, post_process
@@ -120,14 +165,23 @@ class QwenVLModel(MegatronModule):
         if pre_process:
             device = None if config.use_cpu_initialization else torch.cuda.current_device()
             self.vision = VisionTower(arch.vision, params_dtype=config.params_dtype, device=device)
-            self.vision.recompute = config.recompute_granularity == "full"
+            self.vision.recompute = (config.recompute_granularity == "full" if recompute_vision is None
+                                     else recompute_vision)
         self.language_model = GPTModel(
             config=config, transformer_layer_spec=layer_spec(arch), vocab_size=arch.lm.vocab_size,
             max_sequence_length=1 << 20, pre_process=pre_process, post_process=post_process,
             parallel_output=True, share_embeddings_and_output_weights=arch.lm.tie_word_embeddings,
             position_embedding_type="none", pg_collection=pg_collection, vp_stage=vp_stage)
+        # megatron's local spec builds torch.nn.RMSNorm without a dtype: fp32 gains beside bf16
+        # activations, which torch.rms_norm cannot fuse (it warns and falls back to an fp32
+        # composite that is slow and keeps fp32 copies for backward). Gains in the compute
+        # dtype, as in HF's bf16 model; the optimizer still holds fp32 master copies.
+        for module in self.language_model.modules():
+            if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+                module.to(config.params_dtype)
         self.rope = MRoPE(arch.lm.head_dim, arch.lm.rope_theta, arch.lm.mrope_section, arch.lm.mrope_interleaved)
         self.share_embeddings_and_output_weights = arch.lm.tie_word_embeddings
+        self.token_loss = token_loss if config.tensor_model_parallel_size == 1 else vocab_parallel_token_loss
         self.model_type = self.language_model.model_type  # megatron's schedules ask for it
 
     def shared_embedding_or_output_weight(self):
@@ -137,13 +191,14 @@ class QwenVLModel(MegatronModule):
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
 
-    def _decoder_input(self, input_ids: Tensor, pixel_values: Tensor | None, image_grid_thw: Tensor | None):
+    def _decoder_input(self, input_ids: Tensor, pixel_values: Tensor | None, image_grid_thw: Tensor | None,
+                       image_rows: Tensor | None):
         """Text embeddings with image embeddings scattered in; DeepStack context for the decoder."""
         embeds = self.language_model.embedding(input_ids=input_ids[None], position_ids=None)  # [T, 1, H]
         if pixel_values is None or pixel_values.shape[0] == 0:
             return embeds, None, None
         image_embeds, deepstack = self.vision(pixel_values, image_grid_thw)
-        rows = torch.nonzero(input_ids == self.arch.image_token_id)[:, 0]
+        rows = image_rows if image_rows is not None else torch.nonzero(input_ids == self.arch.image_token_id)[:, 0]
         if rows.numel() != image_embeds.shape[0]:
             raise ValueError(f"batch has {rows.numel()} <|image_pad|> tokens but its images give "
                              f"{image_embeds.shape[0]} embeddings (grids {image_grid_thw.tolist()})")
@@ -154,24 +209,28 @@ class QwenVLModel(MegatronModule):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                 labels: Tensor | None = None, pixel_values: Tensor | None = None,
-                image_grid_thw: Tensor | None = None, return_logits: bool = False) -> Tensor:
+                image_grid_thw: Tensor | None = None, image_rows: Tensor | None = None,
+                return_logits: bool = False) -> Tensor:
         """One packed row. input_ids/labels [T], position_ids [3, T], cu_seqlens [n+1] row
-        offsets (the pack's `cu_seqlens_padded`). Last stage: per-token loss [T] (fp32, 0 where
+        offsets (the pack's `cu_seqlens_padded`). `image_grid_thw` is best on the CPU and
+        `image_rows` (the <|image_pad|> rows, found on the host's copy of the batch) given:
+        then the forward never waits for the GPU. Last stage: per-token loss [T] (fp32, 0 where
         labels == -100), or full logits [T, V] with `return_logits`. Other stages: hidden [T, 1, H]."""
         context = rows = None
         decoder_input = None
         if self.pre_process:
-            decoder_input, context, rows = self._decoder_input(input_ids, pixel_values, image_grid_thw)
-        # qkv_format "sbhd" on purpose: see PackedCoreAttention.
-        packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                                 max_seqlen_q=int(max_seqlen), max_seqlen_kv=int(max_seqlen))
+            decoder_input, context, rows = self._decoder_input(input_ids, pixel_values, image_grid_thw, image_rows)
+        # qkv_format "sbhd" on purpose, and M-RoPE applied by our core attention: see PackedCoreAttention.
+        cos, sin = self.rope(position_ids, self.config.params_dtype)
+        packed = PackedRows(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                            max_seqlen_q=int(max_seqlen), max_seqlen_kv=int(max_seqlen), rope_cos=cos, rope_sin=sin)
         hidden = self.language_model.decoder(
             hidden_states=decoder_input, attention_mask=None, context=context, context_mask=rows,
-            rotary_pos_emb=self.rope(position_ids), packed_seq_params=packed)
+            packed_seq_params=packed)
         if not self.post_process:
             return hidden
         weight = self.language_model.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         if return_logits:
             logits, _ = self.language_model.output_layer(hidden, weight=weight)
             return tensor_parallel.gather_from_tensor_model_parallel_region(logits)[:, 0].float()
-        return chunked_cross_entropy(hidden, labels, self.language_model.output_layer, weight)
+        return chunked_cross_entropy(hidden, labels, self.language_model.output_layer, weight, self.token_loss)

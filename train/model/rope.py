@@ -5,9 +5,10 @@ Each of the head_dim/2 rotary frequencies reads one of the three position rows (
   3 * section[1] resp. 3 * section[2] frequencies), T otherwise (sections 24/20/20).
 - Qwen2.5-VL, chunked: T for the first section[0] frequencies, then H, then W (16/24/24).
 megatron-core's MultimodalRotaryEmbedding has only the chunked kind, and its THD path
-assumes positions restart at 0 per sample; we build the per-token table ourselves and hand
-it to the layers in megatron's [T, 1, 1, head_dim] layout (cos/sin of cat(freqs, freqs),
-the rotate-half convention HF uses).
+assumes positions restart at 0 per sample; we build the per-token table ourselves, once per
+micro-batch: cos/sin [T, 1, head_dim] of cat(freqs, freqs) in the compute dtype (HF's
+rounding), applied with the rotate-half convention HF uses by `PackedCoreAttention`, so
+megatron's per-layer cos/sin and its unfused rotary path are never run.
 """
 
 from __future__ import annotations
@@ -37,10 +38,25 @@ class MRoPE(torch.nn.Module):
         # frequencies and shift long-context angles by radians.
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.axis = mrope_axis_of_frequency(section, interleaved)
+        self._on_device: dict[torch.device, tuple[Tensor, Tensor]] = {}  # copied once, not every step
 
-    def forward(self, position_ids: Tensor) -> Tensor:
-        """position_ids [3, T] -> rotary angles [T, 1, 1, head_dim] (float32)."""
-        device = position_ids.device
-        pos = position_ids[self.axis.to(device)].float()  # [head_dim/2, T]
-        freqs = (pos * self.inv_freq.to(device)[:, None]).t()
-        return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+    def _tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        if device not in self._on_device:
+            self._on_device[device] = (self.axis.to(device), self.inv_freq.to(device))
+        return self._on_device[device]
+
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """position_ids [3, T] -> (cos, sin) [T, 1, head_dim]: angles in fp32, then cast to
+        `dtype` as HF does before applying them."""
+        axis, inv_freq = self._tables(position_ids.device)
+        pos = position_ids[axis].float()  # [head_dim/2, T]
+        freqs = (pos * inv_freq[:, None]).t()
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF's rotate-half rotary, `x * cos + rotate_half(x) * sin` over the last dim (cos/sin
+    broadcast). Plain elementwise torch: `compile_model` fuses it into one kernel on GPUs."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

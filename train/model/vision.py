@@ -26,6 +26,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from train.model.attention import packed_attention
+from train.model.rope import apply_rotary
 
 FAMILIES = ("qwen3-vl", "qwen2.5-vl")
 _ACTIVATIONS = {
@@ -190,13 +191,17 @@ def _max_len(cu: Tensor) -> int:
     return int((cu[1:] - cu[:-1]).max())
 
 
+def _host_to(t: Tensor, device: torch.device) -> Tensor:
+    """A CPU-built index tensor to `device`. On CUDA through pinned memory and asynchronously:
+    a copy from pageable memory would make the host wait for the GPU to drain, and the host
+    could no longer queue the next layers' kernels ahead of it."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Modules. Names and shapes follow HF's, so `state_dict()` keys equal `model.visual.*` minus the prefix.
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class _RMSNorm(nn.Module):
@@ -236,8 +241,8 @@ class _Attention(nn.Module):
     def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int, cos: Tensor, sin: Tensor) -> Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
         # Rotary in fp32 whatever the compute dtype, as HF's apply_rotary_pos_emb_vision.
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
+        q = apply_rotary(q.float(), cos, sin).to(v.dtype)
+        k = apply_rotary(k.float(), cos, sin).to(v.dtype)
         out = packed_attention(q, k, v, cu_seqlens, max_seqlen, causal=False, scale=self.scale)
         return self.proj(out.flatten(1))
 
@@ -338,7 +343,7 @@ class VisionTower(nn.Module):
 
     def _rotary(self, row: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [N, 1, head_dim] fp32: h angles then w angles, the pair repeated (HF's layout)."""
-        inv_freq = self._inv_freq.to(row.device)
+        inv_freq = _host_to(self._inv_freq, row.device)
         angles = torch.cat([row[:, None].float() * inv_freq, col[:, None].float() * inv_freq], dim=-1)
         angles = torch.cat([angles, angles], dim=-1)[:, None, :]
         return angles.cos(), angles.sin()
@@ -360,21 +365,21 @@ class VisionTower(nn.Module):
                              f"pixel_values has {pixel_values.shape[0]}")
         row, col, h, w = patch_coords(grid, arch.spatial_merge_size)
         cu_full = frame_cu_seqlens(grid)
-        full = windowed = (cu_full.to(dev), _max_len(cu_full))  # (cu_seqlens, max_seqlen) per block kind
+        full = windowed = (_host_to(cu_full, dev), _max_len(cu_full))  # (cu_seqlens, max_seqlen) per block kind
         x = self.patch_embed(pixel_values)
 
         if arch.family == "qwen3-vl":
             index, weight = pos_embed_taps(row, col, h, w, math.isqrt(arch.num_position_embeddings))
-            pos = (self.pos_embed(index.to(dev)) * weight.to(dev)[:, :, None]).sum(1)
+            pos = (self.pos_embed(_host_to(index, dev)) * _host_to(weight, dev)[:, :, None]).sum(1)
             x = x + pos.to(x.dtype)
         else:
             # Windows are contiguous after reordering merged tokens (and their 4 patches); full
             # attention still sees whole frames since no window crosses a frame.
             window_index, cu_window = window_order(grid, arch.spatial_merge_size, arch.window_tokens)
             perm = (window_index[:, None] * unit + torch.arange(unit)).flatten()
-            x, row, col = x[perm.to(dev)], row[perm], col[perm]
-            windowed = (cu_window.to(dev), _max_len(cu_window))
-        cos, sin = self._rotary(row.to(dev), col.to(dev))
+            x, row, col = x[_host_to(perm, dev)], row[perm], col[perm]
+            windowed = (_host_to(cu_window, dev), _max_len(cu_window))
+        cos, sin = self._rotary(_host_to(row, dev), _host_to(col, dev))
 
         deepstack_slot = {layer: i for i, layer in enumerate(arch.deepstack_visual_indexes)}
         deepstack = []
@@ -388,5 +393,5 @@ class VisionTower(nn.Module):
                 deepstack.append(self.deepstack_merger_list[deepstack_slot[layer]](x))
         out = self.merger(x)
         if arch.family == "qwen2.5-vl":
-            out = out[torch.argsort(window_index).to(dev)]  # back to the input's token order
+            out = out[_host_to(torch.argsort(window_index), dev)]  # back to the input's token order
         return out, deepstack
