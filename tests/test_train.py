@@ -208,14 +208,14 @@ GPU = ["--device", "cuda", "--bf16", "true"]
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("recompute", [[], ["--recompute", "full", "--recompute-layers", "1",
-                                            "--recompute-vision", "true"]], ids=["no-recompute", "recompute-1-layer"])
-def test_gpu_resume_with_distributed_optimizer(shards, tmp_path, recompute):
+def test_gpu_resume_with_distributed_optimizer(shards, tmp_path):
     """On a GPU the trainer uses megatron's DistributedOptimizer (parameter state saved with
-    save_parameter_state), bf16, compiled vision blocks and rotary. A stop at step 3 and a
-    resume give the same packs and, up to GPU non-determinism (atomics in attention backward),
-    the same losses as an uninterrupted run."""
+    save_parameter_state), bf16, compiled vision blocks, rotary and loss, here with block
+    recompute of one layer and vision recompute. A stop at step 3 and a resume give the same
+    packs and, up to GPU non-determinism (atomics in attention backward), the same losses as
+    an uninterrupted run: steps 5 and 6 catch a wrong Adam state or step count after resume."""
     full, part = tmp_path / "full", tmp_path / "part"
+    recompute = ["--recompute", "full", "--recompute-layers", "1", "--recompute-vision", "true"]
     common = [*BASE, *GPU, *recompute, "--data", str(shards), "--train-steps", "6", "--save-every", "3"]
     ok(run_train([*common, "--out", str(full)]))
     ok(run_train([*common, "--out", str(part), "--exit-interval", "3"]))

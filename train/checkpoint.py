@@ -107,10 +107,12 @@ def _uses_distributed_optimizer(optimizer) -> bool:
 
 
 def _load_parameter_state(optimizer, filename: str) -> None:
-    """megatron-core 0.16.1 with torch's AdamW (no Apex / TE): `load_state_dict` puts a 'step'
-    tensor into every parameter's state, then `load_parameter_state` copies every state key
-    from the file, which holds none for 'step' (KeyError: 'step'). The step tensors are set
-    aside for the copy and put back: they came from the rank file and are already right."""
+    """megatron-core 0.16.1 with torch's AdamW (no Apex / TE) has two bugs here, both fixed
+    around the call: `load_state_dict` puts ONE 'step' tensor into every parameter's state,
+    so AdamW's foreach step would add 1 to it once per parameter (wrong bias correction from
+    the first step after a resume); and `load_parameter_state` copies every state key from the
+    file, which holds none for 'step' (KeyError). The steps are set aside for the copy and
+    put back, one tensor per parameter."""
     inner = [o.optimizer for o in _distributed_optimizers(optimizer)]
     steps = [{p: s.pop("step") for p, s in opt.state.items() if "step" in s} for opt in inner]
     try:
@@ -118,7 +120,7 @@ def _load_parameter_state(optimizer, filename: str) -> None:
     finally:
         for opt, saved in zip(inner, steps):
             for param, step in saved.items():
-                opt.state[param]["step"] = step
+                opt.state[param]["step"] = step.clone()
 
 
 def save(out: Path, step: int, model, optimizer, scheduler, data, config, arch: ModelArch, info) -> Path:
