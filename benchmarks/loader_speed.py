@@ -18,6 +18,9 @@ also exported to WebDataset tars.
     --template) -> `transformers.image_utils.load_image` -> `Qwen2VLImageProcessorPil` (Qwen3-VL
     constants) -> image-pad expansion -> tokenize; CPU ms per sample over --hf-rows rows. A
     lower bound on such a loader: no M-RoPE positions, no collation, no padding.
+(d) Worker hand-off: per pack, assemble and make the pixel patches sendable to the training
+    process, into a private array then `share_memory_()` (a second copy) vs straight into
+    shared memory (what the loader's workers do); see `measure_handoff`.
 (c) Packing vs padding at a 16k token budget: packed = the plan's packs of --fill-seq-len;
     padded = samples in random order, greedily batched while B * longest <= budget, each batch
     padded to its longest sample (also with the epoch sorted by length: padding's best case).
@@ -52,8 +55,9 @@ from preprocess.job import PreprocessConfig, run_preprocess
 from preprocess.profiles import QWEN3_VL_VISION, builtin_profile
 from shards_schema import open_shards
 from shards_schema.webdataset import export_webdataset
-from train.loader import PackedDataset
+from train.loader import PackedDataset, shared_uint8
 from train.pack_plan import WebDatasetSource, build_pack_plan
+from train.packed_batch import assemble_pack, pixel_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TEMPLATE = REPO_ROOT.parent / "shared" / "fixtures" / "qwen3_vl_instruct.chat_template.jinja"
@@ -149,6 +153,33 @@ def measure_copy_floor(source: str, seq_len: int, min_packs: int, seed: int) -> 
 
 
 # --------------------------------------------------------------------------- (b) HF on the fly
+
+
+def measure_handoff(source: str, seq_len: int, seed: int) -> dict:
+    """(d) What a DataLoader worker spends per pack to assemble it AND make its pixel patches
+    sendable to the training process (shared memory), two ways on the same packs, alternating:
+    `private` = assemble into a private array, then `share_memory_()` (what the result queue does
+    to a plain tensor: a second copy), `shared` = assemble straight into a block allocated in
+    shared memory (`train.loader.shared_uint8`, what `PackedDataset` does in a worker)."""
+    plan = build_pack_plan([source], seq_len=seq_len, seed=seed)
+    dataset = PackedDataset(plan)
+    cpu = {"private": 0.0, "shared": 0.0}
+    samples_total = 0
+    for k in range(len(dataset)):
+        samples = dataset.samples(k)
+        samples_total += len(samples)
+        for way in (("private", "shared") if k % 2 else ("shared", "private")):
+            t0 = time.process_time()
+            if way == "private":
+                torch.from_numpy(assemble_pack(samples)["pixel_patches"]).share_memory_()
+            else:
+                rows, width = pixel_rows(samples)
+                assemble_pack(samples, pixel_out=shared_uint8(rows, width).numpy() if rows else None)
+            cpu[way] += time.process_time() - t0
+    return {"seq_len": seq_len, "packs": len(dataset), "samples": samples_total,
+            "private_us_per_sample": cpu["private"] / samples_total * 1e6,
+            "shared_us_per_sample": cpu["shared"] / samples_total * 1e6,
+            "private_over_shared": cpu["private"] / cpu["shared"]}
 
 
 def hf_loader(template: str, tmp: Path):
@@ -275,6 +306,11 @@ def print_report(report: dict) -> None:
     print(f"goal: HF CPU per sample / ours >= {goal['hf_over_ours_cpu_per_sample']}x -> best {goal['best']:.0f}x "
           f"({'met' if goal['met_best'] else 'not met'}); the pixel-copy floor alone allows at most "
           f"{goal['ceiling_from_copy_floor']:.0f}x (floor = fetch the samples + concatenate their pixels)")
+    h = report["worker_handoff"]
+    last = h["rounds"][-1]
+    print(f"\n(d) worker hand-off at seq_len {last['seq_len']} (assemble + make the patches sendable): private array "
+          f"then share_memory_() {last['private_us_per_sample']:.0f} us/sample, straight into shared memory "
+          f"{last['shared_us_per_sample']:.0f} us/sample: {h['private_over_shared_median']:.2f}x (median over rounds)")
     p = report["packing"]
     print(f"\n(c) tokens per batch at a {p['budget']:,}-token budget (mean sample {p['mean_length']:.0f} tokens, "
           f"max {p['max_length']:,})")
@@ -319,6 +355,7 @@ def main() -> int:
         runs: dict[tuple, list[dict]] = {c: [] for c in configs}
         floors: dict[int, list[dict]] = {seq_len: [] for seq_len in args.seq_len}
         hf_runs: list[dict] = []
+        handoffs: list[dict] = []
         hf_sample = hf_loader(args.template.read_text(encoding="utf-8"), work)
         hf_lines = Path(data["jsonl"]).read_text(encoding="utf-8").splitlines()[: args.hf_rows]
         for line in hf_lines[:3]:  # warm up: template compilation, lazy imports
@@ -329,6 +366,7 @@ def main() -> int:
             for seq_len in args.seq_len:
                 floors[seq_len].append(measure_copy_floor(data["shards"], seq_len, args.packs, args.seed))
             hf_runs.append(measure_hf(hf_sample, hf_lines))
+            handoffs.append(measure_handoff(data["shards"], wds_seq, args.seed))
             print(f"  round {r + 1}/{args.rounds}: HF {hf_runs[-1]['cpu_ms_per_sample']:.2f} ms/sample; ours (us/sample) "
                   + ", ".join(f"{Path(c[0]).name} {c[1]}/w{c[2]} {v[-1]['cpu_us_per_sample']:.0f}" for c, v in runs.items()),
                   flush=True)
@@ -351,6 +389,7 @@ def main() -> int:
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
         "data": data, "ours": ours, "hf": hf, "packing": packing,
+        "worker_handoff": {"rounds": handoffs, "private_over_shared_median": float(np.median([h["private_over_shared"] for h in handoffs]))},
         "goal": {"hf_over_ours_cpu_per_sample": 200, "best": max(r["hf_cpu_ratio"] for r in ours),
                  "met_best": max(r["hf_cpu_ratio"] for r in ours) >= 200,
                  "met_all": all(r["hf_cpu_ratio"] >= 200 for r in ours),

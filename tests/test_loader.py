@@ -193,6 +193,35 @@ def test_workers_give_the_same_packs(shard_dir):
             assert torch.equal(a[key], b[key])
 
 
+def test_worker_writes_pixel_patches_into_shared_memory(shard_dir, monkeypatch):
+    """In a DataLoader worker the pack's patches are written straight into shared memory (the
+    result queue then passes them without another copy); the values are the plain path's."""
+    plan = build_pack_plan([shard_dir], seq_len=SEQ_LEN)
+    dataset = PackedDataset(plan)
+    with_images = next(k for k in range(len(dataset)) if len(dataset[k]["image_grid_thw"]))
+    plain = dataset[with_images]["pixel_patches"]
+    assert not plain.is_shared()
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+    shared = dataset[with_images]["pixel_patches"]
+    assert shared.is_shared() and torch.equal(shared, plain) and shared.dtype == torch.uint8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_gpu_pinning_dataset_writes_pixel_patches_into_pinned_memory(shard_dir):
+    """With pin_memory in the training process, patches go straight into pinned memory, which the
+    DataLoader's pinning step then passes through untouched (same tensor, no second copy)."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    plan = build_pack_plan([shard_dir], seq_len=SEQ_LEN)
+    pinned = PackedDataset(plan, pin_memory=True)
+    with_images = next(k for k in range(len(pinned)) if len(pinned[k]["image_grid_thw"]))
+    batch = pinned[with_images]
+    assert batch["pixel_patches"].is_pinned()
+    assert torch.equal(batch["pixel_patches"], PackedDataset(plan)[with_images]["pixel_patches"])
+    assert pin_memory(batch)["pixel_patches"].data_ptr() == batch["pixel_patches"].data_ptr()
+
+
 def make_loader(shard_dir, **kw) -> PackedLoader:
     kw.setdefault("seq_len", SEQ_LEN)
     kw.setdefault("seed", 3)

@@ -3,7 +3,8 @@
 `PackedDataset` is map-style: item k is the k-th pack this rank consumes in one epoch's
 plan (`PackPlan.rank_packs`). It slices the shards zero-copy (`ShardSet[i]` returns views
 into the mapped files), lays the pack out with `assemble_pack` (one copy, into the pack's
-own arrays) and returns torch tensors. It pickles cheaply (shards and saved plans pickle by
+own arrays; the pixel patches straight into shared memory in a worker, pinned memory in a
+pinning main process) and returns torch tensors. It pickles cheaply (shards and saved plans pickle by
 path), so it works in `DataLoader(num_workers > 0, batch_size=None, pin_memory=True)`.
 
 Sources are shard directories or their WebDataset exports (`vlmpack export --format
@@ -38,7 +39,14 @@ from shards_schema import ShardFormatError
 from shards_schema.pixels import pixel_values_from_patches
 
 from .pack_plan import DEFAULT_BLOCK_SIZE, PackPlan, build_pack_plan, open_source, plan_request, source_fingerprint
-from .packed_batch import DEFAULT_PAD_TOKEN_ID, assemble_pack
+from .packed_batch import DEFAULT_PAD_TOKEN_ID, assemble_pack, pixel_rows
+
+
+def shared_uint8(rows: int, width: int) -> torch.Tensor:
+    """A new uint8 [rows, width] tensor allocated in shared memory (no copy into it, unlike
+    `share_memory_()` on an existing tensor)."""
+    storage = torch.UntypedStorage._new_shared(rows * width)
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(rows, width)
 
 
 def _to_torch(batch: dict) -> dict:
@@ -56,7 +64,7 @@ class PackedDataset(Dataset):
     """
 
     def __init__(self, plan: PackPlan, sources=None, *, rank: int = 0, dp_size: int = 1, pad_to_seq_len: bool = False,
-                 pad_token_id: int | None = None):
+                 pad_token_id: int | None = None, pin_memory: bool = False):
         dirs = list(sources) if sources is not None else plan.source_dirs
         if len(dirs) != len(plan.meta["sources"]):
             raise ValueError(f"the plan has {len(plan.meta['sources'])} sources, got {len(dirs)} directories")
@@ -75,6 +83,7 @@ class PackedDataset(Dataset):
         if pad_token_id is None:
             pad_token_id = int(self.shards[0].manifest["profile"].get("special_tokens", {}).get("endoftext", DEFAULT_PAD_TOKEN_ID))
         self.pad_token_id = int(pad_token_id)
+        self.pin_memory = pin_memory  # the DataLoader pins: write patches straight into pinned memory
 
     def __len__(self) -> int:
         return len(self.packs)
@@ -84,14 +93,36 @@ class PackedDataset(Dataset):
         sources, indices = self.plan.pack_samples(int(self.packs[k]))
         return [self.shards[s][i] for s, i in zip(sources.tolist(), indices.tolist())]
 
+    def _pixel_buffer(self, samples: list[dict]) -> torch.Tensor | None:
+        """Where the pack's pixel patches (most of its bytes) are written. In a DataLoader worker:
+        a new shared-memory block, as torch's default_collate allocates its batches there, which
+        the worker hands to the training process as is (a plain array would first be copied into
+        shared memory: 1.7x the CPU for this hand-off, benchmarks/loader_speed.py). In the
+        training process with `pin_memory`: pinned memory from CUDA's caching host allocator,
+        which the DataLoader does not copy again and whose pages are reused, not faulted in anew
+        for every pack."""
+        rows, width = pixel_rows(samples)
+        if rows == 0:
+            return None
+        if torch.utils.data.get_worker_info() is not None:
+            return shared_uint8(rows, width)
+        if self.pin_memory and torch.cuda.is_available():
+            return torch.empty((rows, width), dtype=torch.uint8, pin_memory=True)
+        return None
+
     def __getitem__(self, k: int) -> dict:
         if not 0 <= k < len(self.packs):
             raise IndexError(f"pack {k} out of range: rank {self.rank} has {len(self.packs)} packs this epoch")
-        batch = assemble_pack(self.samples(k), seq_len=self.seq_len, pad_to_multiple=self.pad_to_multiple,
-                              pad_token_id=self.pad_token_id)
+        samples = self.samples(k)
+        pixels = self._pixel_buffer(samples)
+        batch = assemble_pack(samples, seq_len=self.seq_len, pad_to_multiple=self.pad_to_multiple,
+                              pad_token_id=self.pad_token_id, pixel_out=None if pixels is None else pixels.numpy())
         batch["pack_index"] = int(self.packs[k])
         batch["epoch"] = int(self.plan.settings["epoch"])
-        return _to_torch(batch)
+        batch = _to_torch(batch)
+        if pixels is not None:
+            batch["pixel_patches"] = pixels  # the tensor itself: its storage is the shared / pinned one
+        return batch
 
 
 def pixel_values_on_device(pixel_patches: torch.Tensor, vision: dict, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -176,7 +207,7 @@ class PackedLoader:
             # read from this loader's own sources, not the plan's recorded ones: a cached plan may
             # have been built on the same data elsewhere (moved, or the Arrow twin of an export)
             self._dataset = PackedDataset(self.plan(), self.source_dirs, rank=self.rank, dp_size=self.dp_size,
-                                          pad_to_seq_len=self.pad_to_seq_len)
+                                          pad_to_seq_len=self.pad_to_seq_len, pin_memory=self.loader_kwargs["pin_memory"])
         return self._dataset
 
     def __len__(self) -> int:

@@ -40,12 +40,14 @@ DEFAULT_PAD_TOKEN_ID = 151643  # <|endoftext|> for Qwen2.5-VL / Qwen3-VL; prefer
 DEFAULT_IMAGE_PAD_ID = 151655  # <|image_pad|>
 
 
-def _concat(samples: list[dict], name: str, dtype, width: int | None = None) -> np.ndarray:
+def _concat(samples: list[dict], name: str, dtype, width: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
     parts = [np.asarray(s[name]) for s in samples]
-    if not parts:
-        return np.zeros((0,) if width is None else (0, width), dtype)
     if width is not None:
         parts = [p.reshape(-1, width) for p in parts]
+    if out is not None:
+        return np.concatenate(parts, out=out) if parts else out
+    if not parts:
+        return np.zeros((0,) if width is None else (0, width), dtype)
     return np.concatenate(parts).astype(dtype, copy=False)
 
 
@@ -95,8 +97,13 @@ def assemble_pack(
     seq_len: int | None = None,
     pad_to_multiple: int = 1,
     pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
+    pixel_out: np.ndarray | None = None,
 ) -> dict:
     """Lay `samples` (dicts as returned by `open_shards(DIR)[i]`) out as one THD pack.
+
+    `pixel_out` (uint8 [sum N, W], `pixel_rows(samples)` rows): where to write the pixel
+    patches, instead of a new array. The loader passes shared or pinned memory, so this one
+    copy out of the mapped shards is the last the patches see on the host.
 
     Returns numpy arrays (see the module docstring for the label and padding conventions):
       input_ids int64 [T], labels int64 [T] (shifted, -100 = no target),
@@ -170,10 +177,16 @@ def assemble_pack(
         "sample_lengths": lengths.astype(np.int32),
         "num_samples": len(samples),
         "num_target_tokens": int(np.count_nonzero(labels != IGNORE_INDEX)),
-        "pixel_patches": _concat(samples, "pixel_patches", np.uint8, width),
+        "pixel_patches": _concat(samples, "pixel_patches", np.uint8, width, pixel_out),
         "image_grid_thw": _concat(samples, "image_grid_thw", np.int32, 3),
         "sample_uids": [str(s.get("sample_uid", "")) for s in samples],
     }
+
+
+def pixel_rows(samples: list[dict]) -> tuple[int, int]:
+    """(rows, width) of the pack's pixel patches."""
+    width = np.asarray(samples[0]["pixel_patches"]).shape[-1]
+    return sum(np.asarray(s["pixel_patches"]).shape[0] for s in samples), width
 
 
 def hf_packed_position_ids(samples: list[dict]) -> np.ndarray:

@@ -137,8 +137,9 @@ def compile_model(model: QwenVLModel) -> None:
     """torch.compile where eager PyTorch spends the GPU on elementwise passes (CUDA runs):
     each vision block (norms, fp32 rotary, GELU, bias and residual adds fused around the GEMMs
     and the varlen attention op, and fewer tensors kept for backward), the language model's
-    rotary and, with TP = 1, the cross-entropy over the vocabulary. Dynamic shapes: packs differ in length and patch count, and the blocks
-    share one graph (parameters are graph inputs), so it compiles once per process."""
+    rotary and, with TP = 1, the cross-entropy over the vocabulary. Dynamic shapes: packs
+    differ in length and patch count, and the blocks share one graph (parameters are graph
+    inputs), so it compiles once per process."""
     rotary = torch.compile(apply_rotary, dynamic=True)
     if model.token_loss is token_loss:
         model.token_loss = torch.compile(token_loss, dynamic=True)
