@@ -11,7 +11,9 @@ also exported to WebDataset tars.
     epoch's packs, repeated as fresh datasets (shards mapped anew, as every epoch does) until at
     least --packs packs. CPU = this process's `time.process_time` + the DataLoader workers' CPU
     (`RUSAGE_CHILDREN`, read after they exit; their start-up included); "main ms/pack" is the
-    training process's own share. Planning is timed apart (once per epoch per rank). "floor":
+    training process's own share. On a machine with CUDA the same runs are repeated with
+    pin_memory (what the trainer does there: the pack ends in pinned memory, the buffer the
+    GPU copy reads). Planning is timed apart (once per epoch per rank). "floor":
     fetch each pack's samples and concatenate their pixel patches, nothing else: the one copy
     any loader handing the trainer a contiguous pixel buffer makes.
 (b) HF on the fly, per sample: `json.loads` -> `apply_chat_template` (official template,
@@ -103,16 +105,17 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure_loader(source: str, seq_len: int, num_workers: int, min_packs: int, seed: int) -> dict:
+def measure_loader(source: str, seq_len: int, num_workers: int, min_packs: int, seed: int, pin: bool = False) -> dict:
     """The epoch's packs, `repeats` times, through one DataLoader. Each repeat is a fresh
     `PackedDataset` whose shards are mapped anew (in the workers too), so every repeat pays
-    the page-mapping faults a real epoch pays once per page; workers start once."""
+    the page-mapping faults a real epoch pays once per page; workers start once. `pin`: the
+    trainer's setting on GPUs, packs end in pinned memory (the copy the GPU transfer reads)."""
     t0 = time.perf_counter()
     plan = build_pack_plan([source], seq_len=seq_len, seed=seed)
     plan_seconds = time.perf_counter() - t0
-    epochs = [PackedDataset(plan)]
-    epochs += [PackedDataset(plan) for _ in range(-(-min_packs // len(epochs[0])) - 1)]
-    loader = DataLoader(ConcatDataset(epochs), batch_size=None, num_workers=num_workers)
+    epochs = [PackedDataset(plan, pin_memory=pin)]
+    epochs += [PackedDataset(plan, pin_memory=pin) for _ in range(-(-min_packs // len(epochs[0])) - 1)]
+    loader = DataLoader(ConcatDataset(epochs), batch_size=None, num_workers=num_workers, pin_memory=pin)
     samples = tokens = packs = 0
     cpu0, child0, wall0 = time.process_time(), children_cpu(), time.perf_counter()
     for batch in loader:  # exhausting the iterator joins the workers, so their CPU is in RUSAGE_CHILDREN
@@ -124,7 +127,7 @@ def measure_loader(source: str, seq_len: int, num_workers: int, min_packs: int, 
     cpu = main_cpu + worker_cpu
     return {
         "source": "webdataset" if Path(source, "index.json").is_file() else "arrow", "seq_len": seq_len,
-        "num_workers": num_workers, "packs": packs, "epochs": len(epochs), "samples": samples, "tokens": tokens,
+        "num_workers": num_workers, "pinned": pin, "packs": packs, "epochs": len(epochs), "samples": samples, "tokens": tokens,
         "samples_per_pack": samples / packs, "fill": plan.stats["fill_efficiency"],
         "wall_seconds": wall, "packs_per_s": packs / wall, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
         "cpu_seconds": cpu, "cpu_main_seconds": main_cpu, "cpu_worker_seconds": worker_cpu,
@@ -292,13 +295,13 @@ def print_report(report: dict) -> None:
     print(f"\n(b) HF on the fly: {hf['cpu_ms_per_sample']:.2f} CPU ms/sample ({hf['samples']} samples, "
           f"{hf['samples_per_s']:.0f} samples/s on one process; rounds {hf['cpu_us_per_sample_rounds']} us)")
     print("\n(a) vlmpack loader")
-    head = (f"{'source':<11}{'seq_len':>8}{'workers':>8}{'packs':>7}{'smp/pack':>9}{'packs/s':>9}{'smp/s':>8}"
+    head = (f"{'source':<11}{'seq_len':>8}{'workers':>8}{'pinned':>7}{'packs':>7}{'smp/pack':>9}{'packs/s':>9}{'smp/s':>8}"
             f"{'Mtok/s':>7}{'CPU us/smp':>11}{'CPU ms/pack':>12}{'main ms/pack':>13}{'floor us/smp':>13}{'HF/ours':>8}")
     print(head)
     print("-" * len(head))
     for r in report["ours"]:
         floor = f"{r['copy_floor_us_per_sample']:.1f}" if "copy_floor_us_per_sample" in r else "-"
-        print(f"{r['source']:<11}{r['seq_len']:>8}{r['num_workers']:>8}{r['packs']:>7}{r['samples_per_pack']:>9.1f}"
+        print(f"{r['source']:<11}{r['seq_len']:>8}{r['num_workers']:>8}{'yes' if r['pinned'] else 'no':>7}{r['packs']:>7}{r['samples_per_pack']:>9.1f}"
               f"{r['packs_per_s']:>9.0f}{r['samples_per_s']:>8.0f}{r['tokens_per_s'] / 1e6:>7.1f}"
               f"{r['cpu_us_per_sample']:>11.1f}{r['cpu_ms_per_pack']:>12.2f}{r['main_cpu_ms_per_pack']:>13.2f}"
               f"{floor:>13}{r['hf_cpu_ratio']:>7.0f}x")
@@ -350,8 +353,10 @@ def main() -> int:
         print(f"building {args.rows} rows in {work} ...", flush=True)
         data = build_data(work, args.rows, tuple(args.size_range), args.seed, args.workers, args.rows_per_shard)
         wds_seq = 16384 if 16384 in args.seq_len else args.seq_len[0]
-        configs = [(data["shards"], seq_len, w) for seq_len in args.seq_len for w in args.loader_workers]
-        configs.append((data["tars"], wds_seq, 0))
+        configs = [(data["shards"], seq_len, w, False) for seq_len in args.seq_len for w in args.loader_workers]
+        if torch.cuda.is_available():  # what the trainer runs on GPUs: packs in pinned memory
+            configs += [(data["shards"], seq_len, w, True) for seq_len in args.seq_len for w in args.loader_workers]
+        configs.append((data["tars"], wds_seq, 0, False))
         runs: dict[tuple, list[dict]] = {c: [] for c in configs}
         floors: dict[int, list[dict]] = {seq_len: [] for seq_len in args.seq_len}
         hf_runs: list[dict] = []
@@ -361,21 +366,22 @@ def main() -> int:
         for line in hf_lines[:3]:  # warm up: template compilation, lazy imports
             hf_sample(line)
         for r in range(args.rounds):  # rounds interleave all paths, so machine noise hits them alike
-            for source, seq_len, workers in configs:
-                runs[source, seq_len, workers].append(measure_loader(source, seq_len, workers, args.packs, args.seed))
+            for source, seq_len, workers, pin in configs:
+                runs[source, seq_len, workers, pin].append(measure_loader(source, seq_len, workers, args.packs, args.seed, pin))
             for seq_len in args.seq_len:
                 floors[seq_len].append(measure_copy_floor(data["shards"], seq_len, args.packs, args.seed))
             hf_runs.append(measure_hf(hf_sample, hf_lines))
             handoffs.append(measure_handoff(data["shards"], wds_seq, args.seed))
             print(f"  round {r + 1}/{args.rounds}: HF {hf_runs[-1]['cpu_ms_per_sample']:.2f} ms/sample; ours (us/sample) "
-                  + ", ".join(f"{Path(c[0]).name} {c[1]}/w{c[2]} {v[-1]['cpu_us_per_sample']:.0f}" for c, v in runs.items()),
+                  + ", ".join(f"{Path(c[0]).name} {c[1]}/w{c[2]}{'/pinned' if c[3] else ''} {v[-1]['cpu_us_per_sample']:.0f}"
+                              for c, v in runs.items()),
                   flush=True)
         hf = median_run(hf_runs)
         hf.update(template=str(args.template), torch_threads=torch.get_num_threads())
         ours = [median_run(runs[c]) for c in configs]
         for r in ours:
             r["hf_cpu_ratio"] = hf["cpu_ms_per_sample"] * 1e3 / r["cpu_us_per_sample"]
-            if r["source"] == "arrow" and r["num_workers"] == 0:
+            if r["source"] == "arrow" and r["num_workers"] == 0 and not r["pinned"]:
                 floor = median_run(floors[r["seq_len"]])
                 r["copy_floor_us_per_sample"] = floor["cpu_us_per_sample"]
                 r["copy_floor_us_per_sample_rounds"] = floor["cpu_us_per_sample_rounds"]
