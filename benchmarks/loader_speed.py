@@ -54,7 +54,8 @@ from torch.utils.data import ConcatDataset, DataLoader
 
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
-from preprocess.profiles import QWEN3_VL_VISION, builtin_profile
+from preprocess.profiles import builtin_profile
+from shards_schema.builtin import QWEN3_VL_VISION
 from shards_schema import open_shards
 from shards_schema.webdataset import export_webdataset
 from train.loader import PackedDataset, shared_uint8

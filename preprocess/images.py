@@ -41,8 +41,9 @@ from urllib.parse import unquote
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
+from shards_schema.builtin import VisionConfig
+
 from .errors import RejectError
-from .profiles import VisionConfig
 
 # PIL's own hard limit (2 * Image.MAX_IMAGE_PIXELS): above it Image.open raises anyway.
 DEFAULT_MAX_IMAGE_PIXELS = 178_956_970

