@@ -109,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="redo the vision blocks in backward (trainer's flag; default: with full)")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler over the last warmup step: GPU time by kernel kind and the top kernels")
+    ap.add_argument("--trace", default=None, metavar="FILE.json.gz",
+                    help="with --profile: also record host activity, save the step's chrome trace here and "
+                         "report where the GPU waits for the host (gaps between kernels, by what the host was doing)")
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when available")
@@ -177,6 +180,8 @@ class TrainerProbe:
         self.active = True  # hooks record only while the trainer runs
         self.profile_step = None  # 1-based step whose forward+backward runs under torch.profiler
         self.kernels = None
+        self.trace_path: Path | None = None  # with host activity: chrome trace + GPU idle analysis
+        self.idle = None
 
     def _cur(self) -> dict:
         return self.steps[-1]
@@ -212,13 +217,18 @@ class TrainerProbe:
         def run_global_batch(model, micro_batches, *a, **k):
             probe.model, probe.last_batches = model, micro_batches
             profiling = len(probe.steps) == probe.profile_step
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profiling else None
+            activities = [torch.profiler.ProfilerActivity.CUDA]
+            if probe.trace_path is not None:
+                activities.append(torch.profiler.ProfilerActivity.CPU)
+            prof = torch.profiler.profile(activities=activities) if profiling else None
             with prof or contextlib.nullcontext():
                 start = clock.mark()
                 out = saved["run_global_batch"](model, micro_batches, *a, **k)
                 probe._cur()["fb"] = (start, clock.mark())
             if prof is not None:
                 probe.kernels = kernel_summary(prof)
+                if probe.trace_path is not None:
+                    probe.idle = save_trace(prof, probe.trace_path)
             return out
 
         def build_optimizer(*a, **k):
@@ -238,6 +248,8 @@ class TrainerProbe:
             model = saved["build_model"](*a, **k)
             if model.vision is not None:
                 probe._hook_vision(model.vision)
+            if probe.trace_path is not None:
+                label_modules(model)
             return model
 
         def save(*a, **k):
@@ -306,21 +318,154 @@ class TrainerProbe:
         return out
 
 
-KERNEL_KINDS = (  # first match wins; names of cuBLAS/CUTLASS GEMMs, FlashAttention, torch's own kernels
-    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "sm80_xmma", "wgmma")),
+KERNEL_KINDS = (  # first match wins; FlashAttention kernel names mention cutlass types, so they go first
     ("attention", ("flash", "fmha", "attn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "sm80_xmma", "wgmma")),
     ("norm", ("norm",)),
-    ("softmax/cross-entropy", ("softmax", "log_softmax", "nll", "cross_entropy")),
+    ("softmax/cross-entropy", ("softmax", "log_softmax", "logsumexp", "nll", "cross_entropy")),
     ("copy/cast", ("copy", "memcpy", "memset", "cat", "fill", "index")),
     ("reduce", ("reduce",)),
     ("elementwise", ("elementwise", "vectorized", "triton")),
 )
 
 
+def model_flops(arch, lengths: list[int], grids: np.ndarray) -> dict:
+    """Training FLOPs (forward + backward = 3 x forward, no recompute) of one step's samples,
+    by part: what the model must compute, so FLOPs / (time x peak) is the utilisation of ALL
+    of it, where LM MFU counts only the language model's 6 N per token.
+    lm_dense: 6 N_lm per token; lm_attention: causal, 2 L^2 (Hq d) per layer forward;
+    vision_dense: patch embedding + blocks per patch, mergers (final + DeepStack) per merged
+    token; vision_attention: bidirectional 4 S^2 hidden per layer forward, S = the patches of
+    a frame (Qwen2.5-VL: of a window, on its windowed layers)."""
+    from train.model.vision import frame_cu_seqlens, window_order
+
+    lm, v = arch.lm, arch.vision
+    lengths = np.asarray(lengths, dtype=np.float64)
+    out = {"lm_dense": 6.0 * arch.lm.num_non_embedding_params() * lengths.sum(),
+           "lm_attention": 3.0 * 2.0 * (lengths ** 2).sum() * lm.num_heads * lm.head_dim * lm.num_layers,
+           "vision_dense": 0.0, "vision_attention": 0.0}
+    if len(grids):
+        grid = torch.as_tensor(np.asarray(grids), dtype=torch.long).reshape(-1, 3)
+        patches = float(grid.prod(1).sum())
+        h, i = v.hidden_size, v.intermediate_size
+        mlp = (3 if v.family == "qwen2.5-vl" else 2) * h * i
+        block = 4 * h * h + mlp
+        embed = v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * h
+        merged = h * v.spatial_merge_size ** 2
+        merger = merged * merged + merged * v.out_hidden_size
+        out["vision_dense"] = 6.0 * ((v.depth * block + embed) * patches
+                                     + (1 + len(v.deepstack_visual_indexes)) * merger * patches / v.spatial_merge_size ** 2)
+        full = np.diff(frame_cu_seqlens(grid).numpy()).astype(np.float64)
+        per_layer = {"full": (full ** 2).sum()}
+        full_layers = v.depth
+        if v.family == "qwen2.5-vl":
+            windows = np.diff(window_order(grid, v.spatial_merge_size, v.window_tokens)[1].numpy()).astype(np.float64)
+            full_layers = len(v.fullatt_block_indexes)
+            per_layer["windowed"] = (windows ** 2).sum() * (v.depth - full_layers)
+        out["vision_attention"] = 3.0 * 4.0 * h * (per_layer["full"] * full_layers + per_layer.get("windowed", 0.0))
+    out["total"] = sum(out.values())
+    return out
+
+
+def label_modules(model) -> None:
+    """Name the model's parts in the profiler's host timeline (record_function around each
+    forward; recomputed forwards in backward show up under the same names)."""
+    lm = model.language_model
+    parts = [("vision", model.vision), ("lm.embedding", getattr(lm, "embedding", None)),
+             ("lm.output_layer", getattr(lm, "output_layer", None))]
+    parts += [(f"lm.layer{i:02d}", layer) for i, layer in enumerate(lm.decoder.layers)]
+    if model.vision is not None:
+        parts += [(f"vision.block{i:02d}", block) for i, block in enumerate(model.vision.blocks)]
+    for name, module in parts:
+        if module is None:
+            continue
+
+        def pre(m, args, name=name):
+            m._vlmpack_ranges = getattr(m, "_vlmpack_ranges", []) + [torch.profiler.record_function(name)]
+            m._vlmpack_ranges[-1].__enter__()
+
+        def post(m, args, output):
+            m._vlmpack_ranges.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
+
+def save_trace(prof, path: Path) -> dict:
+    """Write the chrome trace (gzip) and return `gpu_idle_summary` of it."""
+    import gzip
+
+    raw = path.with_suffix("") if path.suffix == ".gz" else path
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(raw))
+    trace = json.loads(raw.read_text())
+    if path.suffix == ".gz":
+        with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+    return gpu_idle_summary(trace)
+
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_idle_summary(trace: dict, big_gap_us: float = 20.0, top: int = 15) -> dict:
+    """Where the GPU waits for the host in a chrome trace: the gaps between (merged) GPU
+    activity, and for each gap of at least `big_gap_us` what the host was doing at its middle:
+    the outermost labelled range (`label_modules`; backward ops run on the autograd thread
+    without labels), the innermost host op and the CUDA runtime call, if any."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") in GPU_CATS)
+    if not gpu:
+        return {}
+    merged = [list(gpu[0])]
+    for a, b in gpu[1:]:
+        if a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    gaps = [(merged[i][1], merged[i + 1][0]) for i in range(len(merged) - 1)]
+    span = merged[-1][1] - merged[0][0]
+    busy = sum(b - a for a, b in merged)
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")]
+    ts = np.array([float(e["ts"]) for e in host])
+    end = ts + np.array([float(e["dur"]) for e in host])
+    by: dict[str, dict[str, list]] = {"label": {}, "op": {}, "runtime": {}}
+    small = [0, 0.0]
+    for a, b in gaps:
+        width = b - a
+        if width < big_gap_us:
+            small[0] += 1
+            small[1] += width
+            continue
+        mid = (a + b) / 2
+        live = [host[i] for i in np.flatnonzero((ts <= mid) & (end >= mid))]
+        labels = [e for e in live if e.get("cat") == "user_annotation" and not e["name"].startswith("ProfilerStep")]
+        ops = [e for e in live if e.get("cat") == "cpu_op"]
+        runtime = [e for e in live if e.get("cat") == "cuda_runtime"]
+        keys = {"label": max(labels, key=lambda e: e["dur"])["name"] if labels else "(none)",
+                "op": min(ops, key=lambda e: e["dur"])["name"] if ops else "(no host op: python)",
+                "runtime": runtime[0]["name"] if runtime else "(none)"}
+        for kind, key in keys.items():
+            slot = by[kind].setdefault(key, [0, 0.0])
+            slot[0] += 1
+            slot[1] += width
+
+    def ranked(table):
+        rows = sorted(table.items(), key=lambda kv: -kv[1][1])[:top]
+        return [{"name": k[:120], "gaps": n, "ms": round(us / 1e3, 3)} for k, (n, us) in rows]
+
+    return {"span_ms": span / 1e3, "gpu_busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+            "gaps_below_%gus" % big_gap_us: {"count": small[0], "ms": small[1] / 1e3},
+            "big_gaps": {"count": sum(n for n, _ in by["label"].values()),
+                         "ms": sum(us for _, us in by["label"].values()) / 1e3},
+            "by_label": ranked(by["label"]), "by_host_op": ranked(by["op"]), "by_runtime_call": ranked(by["runtime"])}
+
+
 def kernel_summary(prof, top: int = 25) -> dict:
     """GPU self time per kernel kind and the top kernels of one profiled step."""
     kernels = [(e.key, e.self_device_time_total / 1e6, e.count) for e in prof.key_averages()
-               if e.self_device_time_total > 0]  # only CUDA activity is recorded: these are kernels
+               if e.self_device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
     by_kind: dict[str, float] = {}
     for name, seconds, _ in kernels:
         low = name.lower()
@@ -366,6 +511,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
     probe = TrainerProbe(device, args.keep_checkpoint)
     if args.profile and device.type == "cuda":
         probe.profile_step = args.warmup  # the last unmeasured step: profiling overhead stays out of the figures
+        probe.trace_path = Path(args.trace) if args.trace else None
     log(f"ours: train({args.arch}, seq_len {args.seq_len}, {args.global_batch_packs} packs/step, "
         f"{args.warmup}+{args.steps} steps, recompute {recompute}, layers {config.recompute_layers}, "
         f"vision {config.recompute_vision}) -> {run_dir}")
@@ -413,17 +559,30 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
     packs = list(probe.packs)
     plans = {}
     pool_index: list[int] = []
-    for epoch, pack in packs:
+    step_samples: list[list[int]] = []  # pool indices of each step's samples (packs are consumed in step order)
+    for n, (epoch, pack) in enumerate(packs):
         if epoch not in plans:
             plans[epoch] = probe.data.loader.plan(epoch)
         sources, indices = plans[epoch].pack_samples(pack)
-        pool_index += [int(i) for s, i in zip(sources.tolist(), indices.tolist()) if s == 0]
+        chosen = [int(i) for s, i in zip(sources.tolist(), indices.tolist()) if s == 0]
+        pool_index += chosen
+        if n % args.global_batch_packs == 0:
+            step_samples.append([])
+        step_samples[-1] += chosen
+    shards = open_shards(data_dir)
+    arch = builtin_arch(args.arch)
+    step_flops = []
+    for chosen in step_samples:
+        rows = [shards[i] for i in chosen]
+        grids = np.concatenate([r["image_grid_thw"] for r in rows]) if rows else np.zeros((0, 3))
+        step_flops.append(model_flops(arch, [len(r["input_ids"]) for r in rows], grids))
     skipped = probe.checkpoint_saves_skipped
     _release(probe, device)
 
-    n_lm = lm_flops_per_token(builtin_arch(args.arch))
+    n_lm = lm_flops_per_token(arch)
     peak = peak_tflops(device) * 1e12
     measured = [dict(r, **t) for r, t in zip(records, timings)][args.warmup:]
+    flops = {k: sum(f[k] for f in step_flops[args.warmup:]) for k in step_flops[0]}
     total_tokens = sum(r["tokens"] for r in measured)
     total_s = sum(r["step_seconds"] for r in measured)
     tps = total_tokens / total_s
@@ -440,6 +599,11 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
         "tokens_per_s": tps,
         "tokens_per_s_trainer_mean": float(np.mean([r["tokens_per_s"] for r in measured])),
         "lm_mfu": tps * n_lm / peak if peak else None,
+        "model_tflop_per_step": {k: v / len(measured) / 1e12 for k, v in flops.items()},
+        "model_flops_share": {k: v / flops["total"] for k, v in flops.items() if k != "total"},
+        "model_flops_utilization": flops["total"] / total_s / peak if peak else None,
+        "model_flops_method": "model_flops(): all parts (LM and vision GEMMs, LM and vision attention), "
+                              "forward + backward, recompute not counted, over the measured steps' wall time",
         "step_s_mean": total_s / len(measured),
         "step_s_median": float(np.median([r["step_seconds"] for r in measured])),
         "fwd_bwd_s_mean": fb / len(measured) if fb is not None else None,
@@ -464,6 +628,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
         "recompute_layers": config.recompute_layers,
         "recompute_vision": config.recompute_vision,
         "kernels": probe.kernels,
+        "gpu_idle": probe.idle,
     }
     if probe.kernels:
         k = probe.kernels
@@ -471,6 +636,14 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
             ", ".join(f"{kind} {sec:.3f}" for kind, sec in k["by_kind_s"].items()))
         for item in k["top"]:
             log(f"    {item['s'] * 1e3:8.1f} ms {item['calls']:6d}x  {item['name'][:110]}")
+    if probe.idle:
+        idle = probe.idle
+        log(f"ours: traced step {idle['span_ms']:.1f} ms, GPU busy {idle['gpu_busy_ms']:.1f} ms, idle {idle['idle_ms']:.1f} ms "
+            f"({idle['big_gaps']['count']} gaps >= 20 us: {idle['big_gaps']['ms']:.1f} ms)")
+        for kind in ("by_label", "by_host_op", "by_runtime_call"):
+            log(f"  idle {kind}: " + "; ".join(f"{r['name']} {r['ms']:.1f} ms/{r['gaps']}" for r in idle[kind][:8]))
+    log("ours: model FLOPs per step " + ", ".join(f"{k} {v:.1f} TFLOP" for k, v in summary["model_tflop_per_step"].items())
+        + f"; all-parts utilisation {fmt_pct(summary['model_flops_utilization'])}")
     log(f"ours: {tps:,.0f} tok/s, MFU {fmt_pct(summary['lm_mfu'])}, step {summary['step_s_mean']:.3f} s "
         f"(fwd+bwd {fmt_s(summary['fwd_bwd_s_mean'])}, optimizer {fmt_s(summary['optimizer_s_mean'])}), "
         f"vision {fmt_pct(summary['vision_share_of_step'])} of the step, peak {fmt_gib(summary['peak_memory_gib'])}")
@@ -758,6 +931,7 @@ def print_table(res: dict) -> None:
         ("real tokens/s", f"{ours['tokens_per_s']:,.0f}", f"{hf['tokens_per_s']:,.0f}" if hf_ok else "-",
          ratio(ours["tokens_per_s"], hf.get("tokens_per_s") if hf_ok else None)),
         ("LM MFU", fmt_pct(ours["lm_mfu"]), fmt_pct(hf.get("lm_mfu")) if hf_ok else "-", ""),
+        ("all-parts FLOPs util.", fmt_pct(ours.get("model_flops_utilization")), "", ""),
         ("peak memory", fmt_gib(ours["peak_memory_gib"]), fmt_gib(hf.get("peak_memory_gib")) if hf_ok else "-",
          ratio(ours["peak_memory_gib"], hf.get("peak_memory_gib") if hf_ok else None)),
         ("batch", f"{res['args']['global_batch_packs']} x {res['args']['seq_len']} packed",

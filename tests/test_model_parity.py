@@ -118,6 +118,42 @@ def test_logits_and_losses_match_hf(case, images):
     print(f"\n{family} {images}: max |logit diff| {diff:.2e} over {len(real)} rows")
 
 
+def test_loss_on_target_rows_only(case):
+    """`loss_rows` (the trainer passes the rows with a target, found on the host): the output
+    layer sees only those rows, and the per-token losses and every gradient are the same as
+    with logits for all rows."""
+    _, shards, _, _, model = case
+    pack = assemble_pack(pick(shards, "mixed"), pad_to_multiple=8)
+    t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded",
+                                                             "labels", "image_grid_thw")}
+    rows = torch.nonzero(t["labels"] != IGNORE_INDEX)[:, 0]
+    assert 0 < len(rows) < len(t["labels"])  # prompts, images and padding rows have no target
+    seen = []
+    hook = model.language_model.output_layer.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[0]))
+    results = []
+    try:
+        for loss_rows in (None, rows):
+            seen.clear()
+            model.zero_grad(set_to_none=True)
+            losses = model(t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"],
+                           labels=t["labels"], pixel_values=pixel_values(shards, pack),
+                           image_grid_thw=t["image_grid_thw"], loss_rows=loss_rows)
+            (losses * torch.linspace(0.5, 1.5, len(losses))).sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results.append((losses.detach(), grads, max(seen)))  # (called again in backward: recompute)
+    finally:
+        hook.remove()
+        model.zero_grad(set_to_none=True)
+    (full, full_grads, full_rows), (sel, sel_grads, sel_rows) = results
+    assert full_rows == len(t["labels"]) and sel_rows == len(rows)
+    torch.testing.assert_close(sel, full, rtol=0, atol=1e-6)
+    assert torch.all(sel[t["labels"] == IGNORE_INDEX] == 0)
+    assert full_grads.keys() == sel_grads.keys()
+    for name, grad in full_grads.items():  # fp32; only the summation order of the GEMMs differs
+        diff = (sel_grads[name] - grad).abs().max().item()
+        assert diff <= 1e-5 * grad.abs().max().item() + 1e-12, f"{name}: max |grad diff| {diff:.2e}"
+
+
 def test_wrong_mrope_layout_is_detected(case, info):
     """Negative control: the other family's frequency layout changes the logits of image samples."""
     _, shards, hf, arch, _ = case

@@ -221,6 +221,20 @@ def test_gpu_resume_with_distributed_optimizer(shards, tmp_path):
     ok(run_train([*common, "--out", str(part), "--exit-interval", "3"]))
     ckpt = part / "checkpoints" / "step_00000003"
     assert list(ckpt.glob("optimizer_param_state_*.pt")), "distributed optimizer state was not saved"
+    groups = []
+
+    def find_groups(obj):
+        if isinstance(obj, dict):
+            if "fused" in obj and "lr" in obj:
+                groups.append(obj)
+            for value in obj.values():
+                find_groups(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                find_groups(value)
+
+    find_groups(torch.load(ckpt / "rank_00000.pt", weights_only=False)["optimizer"])
+    assert groups and all(g["fused"] and not g["foreach"] for g in groups), "AdamW is not torch's fused kernel"
     ok(run_train([*common, "--out", str(part), "--resume"]))
     a, b = metrics(full), metrics(part)
     assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]

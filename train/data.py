@@ -21,6 +21,7 @@ from megatron.core import parallel_state as mpu
 
 from train.loader import PackedLoader, batch_to_device, pixel_values_on_device
 from train.pack_plan import parse_source, source_manifest
+from train.packed_batch import IGNORE_INDEX
 
 MODEL_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "pixel_patches", "image_grid_thw")
 
@@ -57,8 +58,9 @@ def concat_packs(packs: list[dict]) -> dict:
     out["cu_seqlens_padded"] = torch.cat([packs[0]["cu_seqlens_padded"][:1]] +
                                          [p["cu_seqlens_padded"][1:] + o for p, o in zip(packs, offsets.tolist())])
     out["max_seqlen"] = max(int(p["max_seqlen"]) for p in packs)
-    if "image_rows" in packs[0]:
-        out["image_rows"] = torch.cat([p["image_rows"] + o for p, o in zip(packs, offsets.tolist())])
+    for rows in ("image_rows", "loss_rows"):
+        if rows in packs[0]:
+            out[rows] = torch.cat([p[rows] + o for p, o in zip(packs, offsets.tolist())])
     out["sample_lengths"] = torch.cat([p["sample_lengths"] for p in packs])
     return out
 
@@ -91,11 +93,14 @@ class TrainData:
 
     def _to_device(self, pack: dict) -> dict:
         """The pack on the device, but for what the host reads to queue the forward: image grids
-        stay on the CPU (the vision tower builds its index tensors there) and the <|image_pad|>
-        rows are found on the CPU copy. So no forward step waits for the GPU to catch up."""
-        rows = torch.nonzero(pack["input_ids"] == self.image_token_id)[:, 0]
-        cuda = self.info.device.type == "cuda"
-        out = batch_to_device({**pack, "image_rows": rows.pin_memory() if cuda else rows}, self.info.device)
+        stay on the CPU (the vision tower builds its index tensors there), and the <|image_pad|>
+        rows and the rows with a target (the only ones the loss computes logits for) are found
+        on the CPU copy. So no forward step waits for the GPU to catch up."""
+        rows = {"image_rows": torch.nonzero(pack["input_ids"] == self.image_token_id)[:, 0],
+                "loss_rows": torch.nonzero(pack["labels"] != IGNORE_INDEX)[:, 0]}
+        if self.info.device.type == "cuda":
+            rows = {k: v.pin_memory() for k, v in rows.items()}
+        out = batch_to_device({**pack, **rows}, self.info.device)
         out["image_grid_thw"] = pack["image_grid_thw"]
         return out
 

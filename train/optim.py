@@ -70,5 +70,28 @@ class CpuAdamW:
         self.optimizer.load_state_dict(state)
 
 
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a megatron optimizer (chained or not)."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [opt.optimizer for opt in inner if getattr(opt, "optimizer", None) is not None]
+
+
+def use_fused_adamw(optimizer) -> None:
+    """Switch megatron's fallback torch AdamW (foreach: a few dozen kernels per parameter group
+    and step) to torch's fused CUDA kernel (one pass over each tensor list). Without Transformer
+    Engine or Apex megatron builds the torch optimizer with its defaults, which on CUDA means
+    foreach; the update is the same. Set on the live groups, so the flag is saved with the
+    optimizer state and `step` tensors stay on the device, where the fused kernel wants them."""
+    for opt in torch_optimizers(optimizer):
+        if isinstance(opt, torch.optim.AdamW):
+            opt.defaults.update(fused=True, foreach=False)
+            for group in opt.param_groups:
+                group.update(fused=True, foreach=False)
+
+
 def build_optimizer(model, config: OptimizerConfig, cuda: bool):
-    return get_megatron_optimizer(config, [model]) if cuda else CpuAdamW(model, config)
+    if not cuda:
+        return CpuAdamW(model, config)
+    optimizer = get_megatron_optimizer(config, [model])
+    use_fused_adamw(optimizer)
+    return optimizer

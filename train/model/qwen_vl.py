@@ -114,23 +114,32 @@ def token_loss(logits: Tensor, target: Tensor) -> Tensor:
 
 
 def chunked_cross_entropy(hidden: Tensor, labels: Tensor, output_layer, weight: Tensor | None,
-                          loss_fn=vocab_parallel_token_loss, chunk: int = LOSS_CHUNK_TOKENS) -> Tensor:
+                          loss_fn=vocab_parallel_token_loss, chunk: int = LOSS_CHUNK_TOKENS,
+                          rows: Tensor | None = None) -> Tensor:
     """Per-token CE [T] (0 where labels == -100) from final hidden states [T, 1, H].
 
     Logits are made `chunk` rows at a time in the model dtype, upcast to fp32 inside
     `loss_fn`, and recomputed in backward (checkpoint), so at most one chunk of logits exists
-    at a time instead of T x 151,936 fp32 values."""
+    at a time instead of T x 151,936 fp32 values. `rows` (the rows with a target, found on the
+    host): only those go through the output layer. In SFT data most rows are prompt, image or
+    padding rows, whose logits would be computed only to be multiplied by zero."""
     def chunk_loss(h: Tensor, y: Tensor) -> Tensor:
         logits, _ = output_layer(h, weight=weight)
         loss = loss_fn(logits, y.clamp(min=0))
         return torch.where(y >= 0, loss, torch.zeros_like(loss))
 
+    total = hidden.shape[0]
+    if rows is not None:
+        hidden, labels = hidden[rows], labels[rows]
     pieces = []
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
         pieces.append(checkpoint(chunk_loss, h, y, use_reentrant=False) if torch.is_grad_enabled()
                       else chunk_loss(h, y))
-    return torch.cat(pieces)
+    loss = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+    if rows is None:
+        return loss
+    return loss.new_zeros(total).index_copy(0, rows, loss)
 
 
 def compile_model(model: QwenVLModel) -> None:
@@ -211,12 +220,14 @@ class QwenVLModel(MegatronModule):
     def forward(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                 labels: Tensor | None = None, pixel_values: Tensor | None = None,
                 image_grid_thw: Tensor | None = None, image_rows: Tensor | None = None,
-                return_logits: bool = False) -> Tensor:
+                loss_rows: Tensor | None = None, return_logits: bool = False) -> Tensor:
         """One packed row. input_ids/labels [T], position_ids [3, T], cu_seqlens [n+1] row
         offsets (the pack's `cu_seqlens_padded`). `image_grid_thw` is best on the CPU and
         `image_rows` (the <|image_pad|> rows, found on the host's copy of the batch) given:
-        then the forward never waits for the GPU. Last stage: per-token loss [T] (fp32, 0 where
-        labels == -100), or full logits [T, V] with `return_logits`. Other stages: hidden [T, 1, H]."""
+        then the forward never waits for the GPU. `loss_rows` (the rows whose label is not
+        -100, also found on the host): only they go through the output layer and the loss.
+        Last stage: per-token loss [T] (fp32, 0 where labels == -100), or full logits [T, V]
+        with `return_logits`. Other stages: hidden [T, 1, H]."""
         context = rows = None
         decoder_input = None
         if self.pre_process:
@@ -234,4 +245,5 @@ class QwenVLModel(MegatronModule):
         if return_logits:
             logits, _ = self.language_model.output_layer(hidden, weight=weight)
             return tensor_parallel.gather_from_tensor_model_parallel_region(logits)[:, 0].float()
-        return chunked_cross_entropy(hidden, labels, self.language_model.output_layer, weight, self.token_loss)
+        return chunked_cross_entropy(hidden, labels, self.language_model.output_layer, weight, self.token_loss,
+                                     rows=loss_rows)
