@@ -206,7 +206,10 @@ def stage_forward(model, info, batch: dict, dtype: torch.dtype, *, labels: bool,
     (gathered over TP) or per-token losses [T]; other stages return None."""
     args = (batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"])
     kwargs = {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"]}
-    kwargs.update({"labels": batch["labels"]} if labels else {"return_logits": True})
+    if labels:  # the trainer's loss path: output layer and CE only on the rows with a target
+        kwargs.update(labels=batch["labels"], loss_rows=torch.nonzero(batch["labels"] != IGNORE_INDEX)[:, 0])
+    else:
+        kwargs["return_logits"] = True
     if info.pp == 1:
         return model(*args, **kwargs)
     if pp_comm == "schedule":
@@ -399,7 +402,8 @@ def main(argv=None) -> int:
     if not is_ref:
         del hf
     log(f"our stage (tp {info.tp_rank}/{info.tp}, pp {info.pp_rank}/{info.pp}) loaded in "
-        f"{times['ours_build_load_s']:.1f}s; params cast afterwards: {cast or 'none'}; float buffers {buffers}")
+        f"{times['ours_build_load_s']:.1f}s; params cast afterwards: "
+        f"{f'{len(cast)} ({cast[0]}, ...)' if cast else 'none'}; float buffers {buffers}")
 
     pack = make_batch(arch, args.seed, args.samples, args.tokens)
     dev = info.device

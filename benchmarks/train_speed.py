@@ -617,6 +617,9 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
                                "(grad hook on the image embeddings -> first-layer weight grad accumulation), "
                                "summed over micro-batches, over the whole step time",
         "peak_memory_gib": max((r["peak_memory_gib"] for r in measured if r["peak_memory_gib"] is not None), default=None),
+        # CUDA caching-allocator "free everything and retry" events inside the measured steps (each a stall)
+        "alloc_retries_measured": (measured[-1].get("alloc_retries") or 0) - (records[args.warmup - 1].get("alloc_retries") or 0)
+        if args.warmup and measured[-1].get("alloc_retries") is not None else None,
         "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"],
         "wall_s": wall,
         "checkpoint_saves_skipped": skipped,
@@ -646,7 +649,8 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
         + f"; all-parts utilisation {fmt_pct(summary['model_flops_utilization'])}")
     log(f"ours: {tps:,.0f} tok/s, MFU {fmt_pct(summary['lm_mfu'])}, step {summary['step_s_mean']:.3f} s "
         f"(fwd+bwd {fmt_s(summary['fwd_bwd_s_mean'])}, optimizer {fmt_s(summary['optimizer_s_mean'])}), "
-        f"vision {fmt_pct(summary['vision_share_of_step'])} of the step, peak {fmt_gib(summary['peak_memory_gib'])}")
+        f"vision {fmt_pct(summary['vision_share_of_step'])} of the step, peak {fmt_gib(summary['peak_memory_gib'])}, "
+        f"allocator retries {summary['alloc_retries_measured']}")
     return {"summary": summary, "steps": [dict(r, **t) for r, t in zip(records, timings)],
             "trainer_result": result, "config": config.to_dict()}, sorted(set(pool_index))
 

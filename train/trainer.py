@@ -227,7 +227,10 @@ def train(config: TrainConfig) -> dict:
                   "skipped": not update_ok, "step_seconds": seconds, "tokens_per_s": tokens / seconds,
                   "tokens_per_s_per_gpu": tokens / seconds / info.world,
                   "mfu": tokens * n_lm / seconds / world_flops if world_flops else None,
-                  "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+                  "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                  # > 0 and growing: the allocator had to free its cache and retry, a stall of the
+                  # whole step; use more recompute (--recompute-layers) or shorter packs
+                  "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None}
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}: lower --lr, check the data with `vlmpack verify`")
         if config.eval_data and config.eval_every and step % config.eval_every == 0:
