@@ -70,19 +70,14 @@ class CpuAdamW:
         self.optimizer.load_state_dict(state)
 
 
-def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    """The torch optimizers inside a megatron optimizer (chained or not)."""
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [opt.optimizer for opt in inner if getattr(opt, "optimizer", None) is not None]
-
-
 def use_fused_adamw(optimizer) -> None:
     """Switch megatron's fallback torch AdamW (foreach: a few dozen kernels per parameter group
     and step) to torch's fused CUDA kernel (one pass over each tensor list). Without Transformer
     Engine or Apex megatron builds the torch optimizer with its defaults, which on CUDA means
     foreach; the update is the same. Set on the live groups, so the flag is saved with the
     optimizer state and `step` tensors stay on the device, where the fused kernel wants them."""
-    for opt in torch_optimizers(optimizer):
+    for megatron_opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        opt = getattr(megatron_opt, "optimizer", None)
         if isinstance(opt, torch.optim.AdamW):
             opt.defaults.update(fused=True, foreach=False)
             for group in opt.param_groups:
