@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shards_schema.positions import mrope_position_ids
 from train import convert
 from train.model.arch import SPECIAL_TOKEN_IDS, ModelArch, builtin_arch
+from train.model.attention import select_attention_kernel
 from train.model.qwen_vl import transformer_config
 from train.packed_batch import IGNORE_INDEX, assemble_pack
 from train.parallel import build_model, destroy_parallel, init_parallel
@@ -350,6 +351,7 @@ def parse_args(argv=None):
     p.add_argument("--lm-layers", type=int, default=None, help="override the LM depth (e.g. a 4-layer tiny for --pp 2)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="ours (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--attention", choices=["fa2", "fa4"], default="fa2", help="ours' CUDA attention kernel (trainer's flag)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--pp-comm", choices=["p2p", "schedule"], default="p2p",
@@ -381,6 +383,8 @@ def main(argv=None) -> int:
     convert.check_parallel(arch, args.tp, args.pp)
     convert.stage_layers(arch, args.pp)  # DeepStack layers on stage 0, an even split
     info = init_parallel(args.tp, args.pp, device=args.device, seed=args.seed)
+    if args.device == "cuda":
+        select_attention_kernel(args.attention)
     if info.dp != 1:
         log(f"note: world {info.world} = tp {info.tp} x pp {info.pp} x dp {info.dp}; dp replicas compute the same")
     is_ref = info.last_stage and info.tp_rank == 0 and info.dp_rank == 0
@@ -451,7 +455,7 @@ def main(argv=None) -> int:
         self_loss = (token_losses(logits, labels) - losses)[keep].abs().max().item()
         layout = f"tp{info.tp}pp{info.pp}" + (f"dp{info.dp}" if info.dp > 1 else "")
         result = {
-            "layout": layout, "tp": info.tp, "pp": info.pp, "dp": info.dp, "world": info.world,
+            "layout": layout, "attention": args.attention, "tp": info.tp, "pp": info.pp, "dp": info.dp, "world": info.world,
             "arch": args.arch, "arch_detail": dataclasses.asdict(arch), "ours_dtype": dtype_name,
             "device": dev.type, "pp_comm": args.pp_comm if info.pp > 1 else None,
             "hf_attn_implementation": hf.config._attn_implementation, "seed": args.seed,

@@ -113,6 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --profile: also record host activity, save the step's chrome trace here and "
                          "report where the GPU waits for the host (gaps between kernels, by what the host was doing)")
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
+    ap.add_argument("--attention", default="fa2", choices=("fa2", "fa4"), help="trainer's CUDA attention kernel")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when available")
     ap.add_argument("--text-tokens", type=int, nargs=2, default=(100, 3000), metavar=("MIN", "MAX"))
@@ -506,7 +507,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         global_batch_packs=args.global_batch_packs, train_steps=args.warmup + args.steps, lr=args.lr,
         recompute=recompute, recompute_layers=args.recompute_layers if recompute == "full" else None,
         recompute_vision=args.recompute_vision, device=args.device, num_workers=args.num_workers, tensorboard=False,
-        save_every=0, seed=args.seed, log_every=1)
+        save_every=0, seed=args.seed, log_every=1, attention=args.attention)
     config.validate()
     probe = TrainerProbe(device, args.keep_checkpoint)
     if args.profile and device.type == "cuda":
@@ -630,6 +631,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
         "packs_consumed": len(packs),
         "recompute_layers": config.recompute_layers,
         "recompute_vision": config.recompute_vision,
+        "attention": config.attention,
         "kernels": probe.kernels,
         "gpu_idle": probe.idle,
     }

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 FREEZABLE = ("vision", "merger", "llm")
+ATTENTION_KERNELS = ("fa2", "fa4")  # train.model.attention.select_attention_kernel
 
 
 @dataclass
@@ -38,6 +39,7 @@ class TrainConfig:
     recompute_layers: int | None = None  # with full: recompute only the first N decoder layers per stage
     recompute_vision: bool | None = None  # redo the vision blocks in backward (default: with full)
     compile: bool = True  # torch.compile the vision blocks and the rotary kernels (CUDA runs only)
+    attention: str = "fa2"  # CUDA attention kernel: fa2 (torch's own) | fa4 (flash-attn-4 package, sm90/sm100)
     distributed_optimizer: bool = True  # CUDA only (megatron's DistributedOptimizer)
     device: str | None = None  # cuda | cpu (default: cuda when available)
     # optimisation
@@ -83,6 +85,8 @@ class TrainConfig:
             raise ValueError(f"--freeze {bad}: choose from {list(FREEZABLE)}")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"--recompute {self.recompute!r}: none | selective | full")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"--attention {self.attention!r}: choose from {list(ATTENTION_KERNELS)}")
         if self.recompute_layers is not None and (self.recompute != "full" or self.recompute_layers < 1):
             raise ValueError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
                              f"(the decoder layers per pipeline stage whose activations are recomputed)")

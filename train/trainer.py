@@ -35,6 +35,7 @@ from train.config import TrainConfig
 from train.data import TrainData
 from train.metrics import MetricsLogger, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
+from train.model.attention import select_attention_kernel
 from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer
 from train.parallel import ParallelInfo, build_model, destroy_parallel, init_parallel
@@ -176,6 +177,8 @@ def train(config: TrainConfig) -> dict:
     model_config = transformer_config(arch, tp=config.tp, pp=config.pp, params_dtype=dtype, bf16=bf16,
                                       cpu=not cuda, recompute=config.recompute,
                                       recompute_layers=config.recompute_layers, calculate_per_token_loss=True)
+    if cuda:
+        select_attention_kernel(config.attention)
     model = build_model(arch, model_config, info, recompute_vision=config.recompute_vision, compile=config.compile)
     if config.hf_model:
         checkpoint.load_hf_weights(model, config.hf_model, arch, info)

@@ -2,7 +2,8 @@
 
 One function, `packed_attention`, serves the language model (causal, GQA) and the vision
 towers (bidirectional, per image or per window). On CUDA it is PyTorch's FlashAttention
-varlen kernel (`torch.nn.attention.varlen.varlen_attn`); elsewhere an exact masked
+varlen kernel (`torch.nn.attention.varlen.varlen_attn`, FA2), or FlashAttention-4 with
+`--attention fa4` (`select_attention_kernel`); elsewhere an exact masked
 `scaled_dot_product_attention` over the whole row with a block-diagonal mask built from
 `cu_seqlens` (O(T^2) memory: for tests and CPU smoke runs, not for long packs).
 
@@ -31,6 +32,34 @@ except ImportError:  # torch without the varlen API: masked path everywhere
     _VARLEN_PARAMS = set()
 
 
+# The CUDA kernel behind `packed_attention`: "fa2" (torch's varlen_attn) or the FA4 function.
+_fa4_attention = None
+
+
+def select_attention_kernel(kernel: str) -> None:
+    """fa2: torch's built-in FlashAttention-2 `varlen_attn` (default, nothing to install).
+    fa4: FlashAttention-4 (package `flash-attn-4`, CuTe DSL kernels for Hopper and Blackwell),
+    through `train.model.flash_attn4`. Process-wide: call once, before the model first runs."""
+    global _fa4_attention
+    if kernel == "fa2":
+        _fa4_attention = None
+        return
+    if kernel != "fa4":
+        raise ValueError(f"--attention {kernel!r}: choose fa2 or fa4")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--attention fa4 needs a CUDA GPU (Hopper or Blackwell); CPU runs use the masked path")
+    major, _ = torch.cuda.get_device_capability()
+    if major not in (9, 10):
+        raise RuntimeError(f"--attention fa4 runs on Hopper (sm90) or Blackwell (sm100) GPUs; this GPU is sm{major}x. "
+                           f"Use --attention fa2")
+    try:
+        from train.model.flash_attn4 import fa4_varlen_attention
+    except ImportError as err:
+        raise RuntimeError(f"--attention fa4 needs the flash-attn-4 package (pip install flash-attn-4; "
+                           f"add the [cu13] extra for a CUDA 13 torch): {err}") from err
+    _fa4_attention = fa4_varlen_attention
+
+
 def _segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:
     """Row r belongs to segment `searchsorted(cu_seqlens, r, right) - 1`; rows at or past the
     last boundary get -1 (they attend to nothing and are never read)."""
@@ -56,6 +85,8 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causa
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, causal: bool, scale: float) -> Tensor:
+    if _fa4_attention is not None:
+        return _fa4_attention(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, causal, scale)
     kwargs = {"scale": scale}
     if "window_size" in _VARLEN_PARAMS:
         kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
