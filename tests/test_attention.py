@@ -51,7 +51,7 @@ def test_attention_choice_is_checked():
         TrainConfig(data=["d"], arch="tiny", attention="fa3").validate()
     with pytest.raises(ValueError, match="choose fa2 or fa4"):
         A.select_attention_kernel("flash")
-    A.select_attention_kernel("fa2")
+    assert A.select_attention_kernel("fa2", {"vision tower": 80}) == []
     assert A._fa4_attention is None
 
 
@@ -67,19 +67,26 @@ def _fa4_available() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _fa4_available(), reason="needs a Hopper/Blackwell GPU and the flash-attn-4 package")
-@pytest.mark.parametrize("shape", ["lm", "vision"])
+@pytest.mark.parametrize("shape", ["qwen3-lm", "qwen3-vision", "qwen2.5-lm", "qwen2.5-vision"])
 def test_gpu_fa4_equals_fa2_and_reference(shape):
-    """The 2B model's shapes: LM (16 q / 8 kv heads of 128, causal), vision (16 heads of 64,
-    bidirectional). FA4 and FA2 are each as close to the fp32 per-segment reference as bf16
-    allows (outputs and q/k/v gradients), also inside torch.compile (the custom op's fake)."""
-    hq, hkv, d, causal = (16, 8, 128, True) if shape == "lm" else (16, 16, 64, False)
+    """The built-in models' shapes: Qwen3-VL-2B LM (16 q / 8 kv heads of 128, causal) and
+    vision (16 heads of 64, bidirectional); Qwen2.5-VL-3B LM (16 / 2 heads of 128) and vision
+    (16 heads of 80). FA4 and FA2 are each as close to the fp32 per-segment reference as bf16
+    allows (outputs and q/k/v gradients), also inside torch.compile (the custom op's fake).
+    Head dim 80 is outside FA4_HEAD_DIMS (FA4's backward is wrong there): under fa4 it must
+    still take FA2 and give FA2's results."""
+    hq, hkv, d, causal = {"qwen3-lm": (16, 8, 128, True), "qwen3-vision": (16, 16, 64, False),
+                          "qwen2.5-lm": (16, 2, 128, True), "qwen2.5-vision": (16, 16, 80, False)}[shape]
     g = torch.Generator().manual_seed(1)
     lens = _segments(g, 6000, 5)
     grad_out = torch.randn(sum(lens), hq, d, generator=g).cuda().bfloat16()
-    results = {}
+    results, fa4_calls = {}, []
     try:
         for kernel in ("fa2", "fa4", "fa4-compiled"):
             A.select_attention_kernel(kernel.split("-")[0])
+            if kernel == "fa4":  # count the calls that reach FA4
+                fa4 = A._fa4_attention
+                A._fa4_attention = lambda *args: fa4_calls.append(1) or fa4(*args)
             fn = A.packed_attention
             if kernel.endswith("compiled"):
                 fn = torch.compile(A.packed_attention, dynamic=True, fullgraph=True)
@@ -93,6 +100,9 @@ def test_gpu_fa4_equals_fa2_and_reference(shape):
     ref = _per_segment(q, k, v, lens, causal)
     ref.backward(grad_out.float())
     want = (ref, q.grad, k.grad, v.grad)
+    assert len(fa4_calls) == (1 if d in A.FA4_HEAD_DIMS else 0)
+    if d not in A.FA4_HEAD_DIMS:  # FA2 under both names (its forward is deterministic)
+        assert torch.equal(results["fa4"][0], results["fa2"][0])
     for kernel, got in results.items():
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             err = (a - b).abs().max().item()

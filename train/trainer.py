@@ -35,7 +35,7 @@ from train.config import TrainConfig
 from train.data import TrainData
 from train.metrics import MetricsLogger, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
-from train.model.attention import select_attention_kernel
+from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
 from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer
 from train.parallel import ParallelInfo, build_model, destroy_parallel, init_parallel
@@ -178,7 +178,11 @@ def train(config: TrainConfig) -> dict:
                                       cpu=not cuda, recompute=config.recompute,
                                       recompute_layers=config.recompute_layers, calculate_per_token_loss=True)
     if cuda:
-        select_attention_kernel(config.attention)
+        on_fa2 = select_attention_kernel(config.attention, {"language model": arch.lm.head_dim,
+                                                            "vision tower": arch.vision.head_dim})
+        if on_fa2 and info.is_main:
+            print(f"vlmpack train: --attention fa4: {', '.join(on_fa2)} keep FA2 "
+                  f"(FA4 runs head dims {', '.join(map(str, FA4_HEAD_DIMS))})", file=sys.stderr)
     model = build_model(arch, model_config, info, recompute_vision=config.recompute_vision, compile=config.compile)
     if config.hf_model:
         checkpoint.load_hf_weights(model, config.hf_model, arch, info)

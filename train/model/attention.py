@@ -32,18 +32,24 @@ except ImportError:  # torch without the varlen API: masked path everywhere
     _VARLEN_PARAMS = set()
 
 
-# The CUDA kernel behind `packed_attention`: "fa2" (torch's varlen_attn) or the FA4 function.
+# The CUDA kernel behind `packed_attention`: torch's varlen_attn (FA2), or the FA4 function.
 _fa4_attention = None
+# Head dims FA4 runs; others stay on FA2. Each is checked against FA2 and an fp32 reference on
+# a Hopper GPU (tests/test_attention.py). flash-attn-4 4.0.0b36's sm90 backward gives wrong dq at
+# head dim 80 (Qwen2.5-VL's vision tower): max error the size of the gradient itself.
+FA4_HEAD_DIMS = (64, 128)
 
 
-def select_attention_kernel(kernel: str) -> None:
+def select_attention_kernel(kernel: str, head_dims: dict[str, int] | None = None) -> list[str]:
     """fa2: torch's built-in FlashAttention-2 `varlen_attn` (default, nothing to install).
     fa4: FlashAttention-4 (package `flash-attn-4`, CuTe DSL kernels for Hopper and Blackwell),
-    through `train.model.flash_attn4`. Process-wide: call once, before the model first runs."""
+    through `train.model.flash_attn4`, for head dims in FA4_HEAD_DIMS. Process-wide: call once,
+    before the model first runs. Returns the parts of `head_dims` ({part: head dim}) that keep
+    FA2 under fa4, for the caller to report."""
     global _fa4_attention
     if kernel == "fa2":
         _fa4_attention = None
-        return
+        return []
     if kernel != "fa4":
         raise ValueError(f"--attention {kernel!r}: choose fa2 or fa4")
     if not torch.cuda.is_available():
@@ -58,6 +64,7 @@ def select_attention_kernel(kernel: str) -> None:
         raise RuntimeError(f"--attention fa4 needs the flash-attn-4 package (pip install flash-attn-4; "
                            f"add the [cu13] extra for a CUDA 13 torch): {err}") from err
     _fa4_attention = fa4_varlen_attention
+    return [f"{part} (head dim {dim})" for part, dim in (head_dims or {}).items() if dim not in FA4_HEAD_DIMS]
 
 
 def _segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:
@@ -85,7 +92,7 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causa
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, causal: bool, scale: float) -> Tensor:
-    if _fa4_attention is not None:
+    if _fa4_attention is not None and q.shape[-1] in FA4_HEAD_DIMS:
         return _fa4_attention(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, causal, scale)
     kwargs = {"scale": scale}
     if "window_size" in _VARLEN_PARAMS:
