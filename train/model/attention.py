@@ -61,8 +61,8 @@ def select_attention_kernel(kernel: str, head_dims: dict[str, int] | None = None
     try:
         from train.model.flash_attn4 import fa4_varlen_attention
     except ImportError as err:
-        raise RuntimeError(f"--attention fa4 needs the flash-attn-4 package (pip install flash-attn-4; "
-                           f"add the [cu13] extra for a CUDA 13 torch): {err}") from err
+        raise RuntimeError(f"--attention fa4 needs the flash-attn-4 package: pip install -e '.[fa4]' "
+                           f"(with a CUDA 13 torch also 'nvidia-cutlass-dsl[cu13]'): {err}") from err
     _fa4_attention = fa4_varlen_attention
     return [f"{part} (head dim {dim})" for part, dim in (head_dims or {}).items() if dim not in FA4_HEAD_DIMS]
 
