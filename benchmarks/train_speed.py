@@ -182,6 +182,7 @@ class TrainerProbe:
         self.profile_step = None  # 1-based step whose forward+backward runs under torch.profiler
         self.kernels = None
         self.trace_path: Path | None = None  # with host activity: chrome trace + GPU idle analysis
+        self.labels: set[str] = set()  # label_modules' range names (not kernels)
         self.idle = None
 
     def _cur(self) -> dict:
@@ -227,7 +228,7 @@ class TrainerProbe:
                 out = saved["run_global_batch"](model, micro_batches, *a, **k)
                 probe._cur()["fb"] = (start, clock.mark())
             if prof is not None:
-                probe.kernels = kernel_summary(prof)
+                probe.kernels = kernel_summary(prof, skip=probe.labels)
                 if probe.trace_path is not None:
                     probe.idle = save_trace(prof, probe.trace_path)
             return out
@@ -250,7 +251,7 @@ class TrainerProbe:
             if model.vision is not None:
                 probe._hook_vision(model.vision)
             if probe.trace_path is not None:
-                label_modules(model)
+                probe.labels = label_modules(model)
             return model
 
         def save(*a, **k):
@@ -368,9 +369,10 @@ def model_flops(arch, lengths: list[int], grids: np.ndarray) -> dict:
     return out
 
 
-def label_modules(model) -> None:
+def label_modules(model) -> set[str]:
     """Name the model's parts in the profiler's host timeline (record_function around each
-    forward; recomputed forwards in backward show up under the same names)."""
+    forward; recomputed forwards in backward show up under the same names). Returns the names:
+    the profiler also lists each range as a GPU-side annotation, which is not a kernel."""
     lm = model.language_model
     parts = [("vision", model.vision), ("lm.embedding", getattr(lm, "embedding", None)),
              ("lm.output_layer", getattr(lm, "output_layer", None))]
@@ -390,6 +392,7 @@ def label_modules(model) -> None:
 
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
+    return {name for name, module in parts if module is not None}
 
 
 def save_trace(prof, path: Path) -> dict:
@@ -463,10 +466,13 @@ def gpu_idle_summary(trace: dict, big_gap_us: float = 20.0, top: int = 15) -> di
             "by_label": ranked(by["label"]), "by_host_op": ranked(by["op"]), "by_runtime_call": ranked(by["runtime"])}
 
 
-def kernel_summary(prof, top: int = 25) -> dict:
-    """GPU self time per kernel kind and the top kernels of one profiled step."""
+def kernel_summary(prof, top: int = 25, skip: set[str] = frozenset()) -> dict:
+    """GPU self time per kernel kind and the top kernels of one profiled step. `skip`: names of
+    user ranges (`label_modules`), which the profiler also lists as device-side annotations
+    spanning their kernels: counted, they doubled the GPU time of `--trace` runs."""
     kernels = [(e.key, e.self_device_time_total / 1e6, e.count) for e in prof.key_averages()
-               if e.self_device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+               if e.self_device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA
+               and e.key not in skip and not getattr(e, "is_user_annotation", False)]
     by_kind: dict[str, float] = {}
     for name, seconds, _ in kernels:
         low = name.lower()
