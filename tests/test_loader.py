@@ -21,7 +21,7 @@ from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import ShardFormatError, open_shards
 from shards_schema.pixels import pixel_values_from_patches_np
 from shards_schema.webdataset import WebDatasetFormatError, export_webdataset
-from train.loader import LoaderState, PackedDataset, PackedLoader, pixel_values_on_device
+from train.loader import LoaderState, PackedDataset, PackedLoader, pixel_values_on_device, shared_uint8
 from train.pack_plan import WebDatasetSource, build_pack_plan, open_source
 from train.packed_batch import (
     IGNORE_INDEX,
@@ -204,6 +204,31 @@ def test_worker_writes_pixel_patches_into_shared_memory(shard_dir, monkeypatch):
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
     shared = dataset[with_images]["pixel_patches"]
     assert shared.is_shared() and torch.equal(shared, plain) and shared.dtype == torch.uint8
+
+
+def _resident_pages(t: torch.Tensor) -> int:
+    """Pages of t's (page-aligned) memory that are mapped in, by mincore(2)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = -(-t.numel() // 4096)
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(t.data_ptr(), t.numel(), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_POPULATE_WRITE) and mincore are Linux calls")
+def test_shared_uint8_maps_its_pages_up_front():
+    """A worker's shared block has all its pages mapped before the copy (one madvise, not a
+    fault per page), and both kinds of block are zeroed shared memory of the asked shape."""
+    import platform
+    lazy = shared_uint8(64, 4096, prefault=False)
+    eager = shared_uint8(64, 4096)
+    assert _resident_pages(lazy) <= 1  # at most the page torch's allocator itself touches
+    if tuple(int(x) for x in platform.release().split(".")[:2] if x.isdigit()) >= (5, 14):
+        assert _resident_pages(eager) == 64
+    for t in (lazy, eager):
+        assert t.is_shared() and t.shape == (64, 4096) and t.dtype == torch.uint8 and not t.any()
 
 
 @pytest.mark.gpu
