@@ -231,6 +231,18 @@ def test_shared_uint8_maps_its_pages_up_front():
         assert t.is_shared() and t.shape == (64, 4096) and t.dtype == torch.uint8 and not t.any()
 
 
+def test_shared_memory_full_is_a_clear_error(monkeypatch):
+    """When /dev/shm cannot hold a pack (docker's 64 MB default), the worker's error says what
+    ran out and how to fix it. torch's own message, seen with a 1 MB tmpfs on /dev/shm, is
+    passed on inside it."""
+    def full(nbytes):
+        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2_0>: No space left on device (28)")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared", staticmethod(full))
+    with pytest.raises(RuntimeError, match=r"shared memory is full.*--shm-size.*--num-workers 0.*No space left"):
+        shared_uint8(16, 4096)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 def test_gpu_pinning_dataset_writes_pixel_patches_into_pinned_memory(shard_dir):

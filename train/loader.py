@@ -60,10 +60,19 @@ def shared_uint8(rows: int, width: int, prefault: bool = True) -> torch.Tensor:
     `madvise(MADV_POPULATE_WRITE)` instead of one page fault per 4 KiB page during the copy
     into it: 1.2x less CPU for a worker's hand-off of a pack (benchmarks/loader_speed.py (d)).
     Where the call is not available (other systems, Linux before 5.14) the pages fault in as
-    they are written, as before."""
-    storage = torch.UntypedStorage._new_shared(rows * width)
+    they are written."""
+    try:
+        storage = torch.UntypedStorage._new_shared(rows * width)
+    except RuntimeError as err:
+        if "No space left" not in str(err):
+            raise
+        raise RuntimeError(f"shared memory is full: a DataLoader worker could not get {rows * width / 2**20:.1f} MiB "
+                           f"in /dev/shm for a pack's pixel patches. Give the container more (docker --shm-size, "
+                           f"e.g. 16g) or use fewer loader workers (--num-workers 0 assembles packs in the "
+                           f"training process). torch said: {err}") from err
     if prefault and _madvise is not None and storage.nbytes():
-        _madvise(storage.data_ptr(), storage.nbytes(), _MADV_POPULATE_WRITE)  # a failure only costs the faults
+        # A failure (EINVAL: kernel before 5.14 or a runtime without the call) only costs the faults.
+        _madvise(storage.data_ptr(), storage.nbytes(), _MADV_POPULATE_WRITE)
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(rows, width)
 
 
