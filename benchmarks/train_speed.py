@@ -472,7 +472,7 @@ def kernel_summary(prof, top: int = 25, skip: set[str] = frozenset()) -> dict:
     spanning their kernels: counted, they doubled the GPU time of `--trace` runs."""
     kernels = [(e.key, e.self_device_time_total / 1e6, e.count) for e in prof.key_averages()
                if e.self_device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA
-               and e.key not in skip and not getattr(e, "is_user_annotation", False)]
+               and e.key not in skip]
     by_kind: dict[str, float] = {}
     for name, seconds, _ in kernels:
         low = name.lower()
