@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shards_schema.positions import mrope_position_ids
 from train import convert
+from train.config import ATTENTION_KERNELS
 from train.model.arch import SPECIAL_TOKEN_IDS, ModelArch, builtin_arch
 from train.model.attention import select_attention_kernel
 from train.model.qwen_vl import transformer_config
@@ -351,7 +352,7 @@ def parse_args(argv=None):
     p.add_argument("--lm-layers", type=int, default=None, help="override the LM depth (e.g. a 4-layer tiny for --pp 2)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="ours (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--attention", choices=["fa2", "fa4"], default="fa2", help="ours' CUDA attention kernel (trainer's flag)")
+    p.add_argument("--attention", choices=ATTENTION_KERNELS, default="fa2", help="ours' CUDA attention kernel (trainer's flag)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--pp-comm", choices=["p2p", "schedule"], default="p2p",

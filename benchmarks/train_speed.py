@@ -78,6 +78,7 @@ from synthetic_shards import SyntheticSpec, write_synthetic_shards
 
 from shards_schema import open_shards, verify_shards
 from shards_schema.pixels import pixel_values_from_patches
+from train.config import ATTENTION_KERNELS
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
 from train.packed_batch import to_padded_batch
@@ -113,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --profile: also record host activity, save the step's chrome trace here and "
                          "report where the GPU waits for the host (gaps between kernels, by what the host was doing)")
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
-    ap.add_argument("--attention", default="fa2", choices=("fa2", "fa4"), help="trainer's CUDA attention kernel")
+    ap.add_argument("--attention", default="fa2", choices=ATTENTION_KERNELS, help="trainer's CUDA attention kernel")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when available")
     ap.add_argument("--text-tokens", type=int, nargs=2, default=(100, 3000), metavar=("MIN", "MAX"))

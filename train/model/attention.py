@@ -92,8 +92,9 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, causa
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, causal: bool, scale: float) -> Tensor:
+    cu = cu_seqlens.to(torch.int32)
     if _fa4_attention is not None and q.shape[-1] in FA4_HEAD_DIMS:
-        return _fa4_attention(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, causal, scale)
+        return _fa4_attention(q, k, v, cu, max_seqlen, causal, scale)
     kwargs = {"scale": scale}
     if "window_size" in _VARLEN_PARAMS:
         kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
@@ -105,7 +106,6 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int
         else:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    cu = cu_seqlens.to(torch.int32)
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
