@@ -78,7 +78,7 @@ from synthetic_shards import SyntheticSpec, write_synthetic_shards
 
 from shards_schema import open_shards, verify_shards
 from shards_schema.pixels import pixel_values_from_patches
-from train.config import ATTENTION_KERNELS
+from train.config import ATTENTION_KERNELS, STATE_DTYPES
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
 from train.packed_batch import to_padded_batch
@@ -115,6 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "report where the GPU waits for the host (gaps between kernels, by what the host was doing)")
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
     ap.add_argument("--attention", default="fa2", choices=ATTENTION_KERNELS, help="trainer's CUDA attention kernel")
+    ap.add_argument("--grad-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's gradient buffers")
+    ap.add_argument("--adam-state-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's Adam moments")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when available")
     ap.add_argument("--text-tokens", type=int, nargs=2, default=(100, 3000), metavar=("MIN", "MAX"))
@@ -514,7 +516,8 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         global_batch_packs=args.global_batch_packs, train_steps=args.warmup + args.steps, lr=args.lr,
         recompute=recompute, recompute_layers=args.recompute_layers if recompute == "full" else None,
         recompute_vision=args.recompute_vision, device=args.device, num_workers=args.num_workers, tensorboard=False,
-        save_every=0, seed=args.seed, log_every=1, attention=args.attention)
+        save_every=0, seed=args.seed, log_every=1, attention=args.attention, grad_dtype=args.grad_dtype,
+        adam_state_dtype=args.adam_state_dtype)
     config.validate()
     probe = TrainerProbe(device, args.keep_checkpoint)
     if args.profile and device.type == "cuda":
@@ -522,7 +525,8 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         probe.trace_path = Path(args.trace) if args.trace else None
     log(f"ours: train({args.arch}, seq_len {args.seq_len}, {args.global_batch_packs} packs/step, "
         f"{args.warmup}+{args.steps} steps, recompute {recompute}, layers {config.recompute_layers}, "
-        f"vision {config.recompute_vision}) -> {run_dir}")
+        f"vision {config.recompute_vision}, attention {config.attention}, grads {config.grad_dtype}, "
+        f"Adam state {config.adam_state_dtype}) -> {run_dir}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -639,6 +643,8 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
         "recompute_layers": config.recompute_layers,
         "recompute_vision": config.recompute_vision,
         "attention": config.attention,
+        "grad_dtype": config.grad_dtype,
+        "adam_state_dtype": config.adam_state_dtype,
         "kernels": probe.kernels,
         "gpu_idle": probe.idle,
     }
@@ -962,7 +968,8 @@ def print_table(res: dict) -> None:
     ]
     device = res["machine"].get("gpu") or "cpu"
     print(f"\n{res['args']['arch']} on {device}: ours = vlmpack trainer (megatron-core, packed), "
-          f"(recompute {ours['recompute']}), HF = Qwen3VLForConditionalGeneration (sdpa, "
+          f"(recompute {ours['recompute']}, grads {ours['grad_dtype']}, Adam state {ours['adam_state_dtype']}), "
+          f"HF = Qwen3VLForConditionalGeneration (sdpa, "
           f"{hf.get('precision', res['args']['hf_precision'])}, padded)", flush=True)
     widths = [22, 20, 20, 9]
     print("".join(h.ljust(w) for h, w in zip(("", "ours", "HF", "ours/HF"), widths)))

@@ -109,6 +109,27 @@ def test_resume_equals_uninterrupted_run(shards, full_run, tmp_path):
         assert torch.equal(state["exp_avg"], b["state"][key]["exp_avg"])
 
 
+def test_bf16_adam_state_trains_and_resumes_bitwise(shards, full_run, tmp_path):
+    """--adam-state-dtype bf16: the checkpoint holds bf16 moments, the losses follow the fp32-state
+    run's, and a stop/resume equals the uninterrupted run bitwise (the stochastic rounding
+    draws from the RNG state the checkpoint saved)."""
+    args = [*BASE, "--data", str(shards), "--train-steps", "6", "--save-every", "3", "--adam-state-dtype", "bf16"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    ok(run_train([*args, "--out", str(full)]))
+    ok(run_train([*args, "--out", str(part), "--exit-interval", "3"]))
+    ok(run_train([*args, "--out", str(part), "--resume"]))
+    losses = [m["loss"] for m in metrics(full)]
+    assert [m["loss"] for m in metrics(part)] == losses
+    fp32_state = [m["loss"] for m in metrics(full_run)]
+    assert losses[0] == fp32_state[0]  # the first loss comes before any update
+    np.testing.assert_allclose(losses, fp32_state, rtol=2e-2)
+    assert losses != fp32_state  # the moments really are rounded
+    for out in (full, part):
+        state = torch.load(out / "checkpoints/step_00000006/rank_00000.pt", weights_only=False)["optimizer"]["state"]
+        assert state and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.bfloat16 for s in state.values())
+        assert all(float(s["step"]) == 6 for s in state.values())
+
+
 def test_data_parallel_matches_single_process(shards, full_run, tmp_path):
     out = tmp_path / "dp2"
     ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3"], nproc=2))
@@ -125,6 +146,7 @@ def test_data_parallel_matches_single_process(shards, full_run, tmp_path):
     (["--freeze", "eyes"], "--freeze ['eyes']"),
     (["--warmup-steps", "2"], "--warmup-steps 2 must be smaller than --train-steps 2"),
     (["--recompute-layers", "4"], "--recompute-layers 4 needs --recompute full"),
+    (["--adam-state-dtype", "fp16"], "--adam-state-dtype 'fp16': choose from ['fp32', 'bf16']"),
 ])
 def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message):
     proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2", *extra])
@@ -206,6 +228,20 @@ def test_micro_batch_of_several_packs_keeps_every_segment(shards):
 GPU = ["--device", "cuda", "--bf16", "true"]
 
 
+def nested_dicts(obj, keys: tuple[str, ...]) -> list[dict]:
+    """Every dict inside a (checkpoint) structure of dicts and lists that holds all of `keys`."""
+    if isinstance(obj, dict):
+        return ([obj] if all(k in obj for k in keys) else []) + [d for v in obj.values() for d in nested_dicts(v, keys)]
+    if isinstance(obj, (list, tuple)):
+        return [d for v in obj for d in nested_dicts(v, keys)]
+    return []
+
+
+def saved_param_groups(rank_file: Path) -> list[dict]:
+    """The optimizer's param groups in a checkpoint's per-rank file."""
+    return nested_dicts(torch.load(rank_file, weights_only=False)["optimizer"], ("lr", "betas"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_resume_with_distributed_optimizer(shards, tmp_path):
@@ -221,19 +257,7 @@ def test_gpu_resume_with_distributed_optimizer(shards, tmp_path):
     ok(run_train([*common, "--out", str(part), "--exit-interval", "3"]))
     ckpt = part / "checkpoints" / "step_00000003"
     assert list(ckpt.glob("optimizer_param_state_*.pt")), "distributed optimizer state was not saved"
-    groups = []
-
-    def find_groups(obj):
-        if isinstance(obj, dict):
-            if "fused" in obj and "lr" in obj:
-                groups.append(obj)
-            for value in obj.values():
-                find_groups(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                find_groups(value)
-
-    find_groups(torch.load(ckpt / "rank_00000.pt", weights_only=False)["optimizer"])
+    groups = saved_param_groups(ckpt / "rank_00000.pt")
     assert groups and all(g["fused"] and not g["foreach"] for g in groups), "AdamW is not torch's fused kernel"
     ok(run_train([*common, "--out", str(part), "--resume"]))
     a, b = metrics(full), metrics(part)
@@ -241,6 +265,35 @@ def test_gpu_resume_with_distributed_optimizer(shards, tmp_path):
     assert [(m["tokens"], m["target_tokens"]) for m in a] == [(m["tokens"], m["target_tokens"]) for m in b]
     np.testing.assert_allclose([m["loss"] for m in b], [m["loss"] for m in a], rtol=2e-3)
     assert np.mean([m["loss"] for m in a[-2:]]) < np.mean([m["loss"] for m in a[:2]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_grads_and_adam_state_with_distributed_optimizer(shards, tmp_path):
+    """--grad-dtype bf16 --adam-state-dtype bf16 under megatron's DistributedOptimizer: the inner
+    optimizer is AdamWBf16State (no torch-AdamW keys in the saved groups), its moments go through
+    save/load_parameter_state, a stop/resume gives the uninterrupted run's packs and losses (up to
+    GPU non-determinism), and the losses follow the fp32-state run's."""
+    common = [*BASE, *GPU, "--data", str(shards), "--train-steps", "6", "--save-every", "3"]
+    low = [*common, "--grad-dtype", "bf16", "--adam-state-dtype", "bf16"]
+    ok(run_train([*common, "--out", str(tmp_path / "fp32")]))
+    ok(run_train([*low, "--out", str(tmp_path / "full")]))
+    ok(run_train([*low, "--out", str(tmp_path / "part"), "--exit-interval", "3"]))
+    ckpt = tmp_path / "part" / "checkpoints" / "step_00000003"
+    param_state = torch.load(next(ckpt.glob("optimizer_param_state_*.pt")), weights_only=False)
+    moments = nested_dicts(param_state, ("exp_avg", "exp_avg_sq"))
+    assert moments and all(d["exp_avg_sq"].abs().sum() > 0 for d in moments), "no Adam moments in the saved state"
+    groups = saved_param_groups(ckpt / "rank_00000.pt")
+    assert groups and not any("fused" in g for g in groups), "inner optimizer is not AdamWBf16State"
+    ok(run_train([*low, "--out", str(tmp_path / "part"), "--resume"]))
+    fp32, full, part = (metrics(tmp_path / name) for name in ("fp32", "full", "part"))
+    assert [m["step"] for m in part] == [1, 2, 3, 4, 5, 6]
+    steps = {g["step"] for g in saved_param_groups(tmp_path / "part/checkpoints/step_00000006/rank_00000.pt")}
+    assert steps == {6}, f"the resumed optimizer counted {steps} steps, not 6"
+    assert [m["tokens"] for m in part] == [m["tokens"] for m in full] == [m["tokens"] for m in fp32]
+    np.testing.assert_allclose([m["loss"] for m in part], [m["loss"] for m in full], rtol=2e-3)
+    np.testing.assert_allclose([m["loss"] for m in full], [m["loss"] for m in fp32], rtol=2e-2)
+    assert np.mean([m["loss"] for m in full[-2:]]) < np.mean([m["loss"] for m in full[:2]])
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ from pathlib import Path
 
 FREEZABLE = ("vision", "merger", "llm")
 ATTENTION_KERNELS = ("fa2", "fa4")  # train.model.attention.select_attention_kernel
+STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
 
 
 @dataclass
@@ -41,6 +42,10 @@ class TrainConfig:
     compile: bool = True  # torch.compile the vision blocks and the rotary kernels (CUDA runs only)
     attention: str = "fa2"  # CUDA attention kernel: fa2 (torch's own) | fa4 (flash-attn-4 package, sm90/sm100)
     distributed_optimizer: bool = True  # CUDA only (megatron's DistributedOptimizer)
+    # memory: bf16 halves the gradient buffers (accumulated and reduced in bf16, megatron's own
+    # default; bf16 runs only) / the Adam moments (stochastically rounded, train.optim.AdamWBf16State)
+    grad_dtype: str = "fp32"
+    adam_state_dtype: str = "fp32"
     device: str | None = None  # cuda | cpu (default: cuda when available)
     # optimisation
     train_steps: int = 100
@@ -87,6 +92,9 @@ class TrainConfig:
             raise ValueError(f"--recompute {self.recompute!r}: none | selective | full")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"--attention {self.attention!r}: choose from {list(ATTENTION_KERNELS)}")
+        for name in ("grad_dtype", "adam_state_dtype"):
+            if getattr(self, name) not in STATE_DTYPES:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose from {list(STATE_DTYPES)}")
         if self.recompute_layers is not None and (self.recompute != "full" or self.recompute_layers < 1):
             raise ValueError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
                              f"(the decoder layers per pipeline stage whose activations are recomputed)")

@@ -7,6 +7,10 @@ runs) `CpuAdamW` does the same thing with torch.optim.AdamW: gradients from mega
 global-norm clipping with the norm summed over the model-parallel group and each
 TP-replicated parameter counted once. Same interface as the part of MegatronOptimizer the
 trainer uses.
+
+`--adam-state-dtype bf16` swaps the inner torch AdamW (megatron's or `CpuAdamW`'s) for
+`train.adamw_bf16_state.AdamWBf16State`: the same update on the same fp32 master weights,
+with the two Adam moments stored in bf16 (4 bytes per parameter instead of 8).
 """
 
 from __future__ import annotations
@@ -17,19 +21,27 @@ from megatron.core import parallel_state as mpu
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+from train.adamw_bf16_state import AdamWBf16State
+
+ADAM_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# keys of torch.optim.AdamW's param groups that mean nothing to AdamWBf16State
+_TORCH_ADAM_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                    "decoupled_weight_decay")
+
 
 def _decays(name: str, param: torch.nn.Parameter) -> bool:
     return param.ndim > 1 and not name.endswith(".bias")
 
 
 class CpuAdamW:
-    def __init__(self, model, config: OptimizerConfig):
+    def __init__(self, model, config: OptimizerConfig, state_dtype: torch.dtype = torch.float32):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         groups = [{"params": [p for n, p in named if _decays(n, p)], "weight_decay": config.weight_decay},
                   {"params": [p for n, p in named if not _decays(n, p)], "weight_decay": 0.0, "wd_mult": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
-                                           betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        adamw = torch.optim.AdamW if state_dtype == torch.float32 else AdamWBf16State
+        self.optimizer = adamw([g for g in groups if g["params"]], lr=config.lr,
+                               betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
         self.clip_grad = config.clip_grad
 
     @property
@@ -84,9 +96,24 @@ def use_fused_adamw(optimizer) -> None:
                 group.update(fused=True, foreach=False)
 
 
-def build_optimizer(model, config: OptimizerConfig, cuda: bool):
+def use_bf16_adam_state(optimizer) -> None:
+    """Replace megatron's inner torch AdamW (still without state) by `AdamWBf16State` on the
+    same parameter groups: megatron's wrappers (distributed optimizer, clipping, checkpoint
+    gathering) read `.optimizer.param_groups` / `.optimizer.state` and work unchanged."""
+    for megatron_opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = megatron_opt.optimizer
+        assert isinstance(inner, torch.optim.AdamW) and not inner.state, type(inner)
+        groups = [{k: v for k, v in g.items() if k not in _TORCH_ADAM_ONLY} for g in inner.param_groups]
+        megatron_opt.optimizer = AdamWBf16State(groups, fused=True)
+        megatron_opt.init_state_fn = lambda opt, config=None: opt.init_state()
+
+
+def build_optimizer(model, config: OptimizerConfig, cuda: bool, state_dtype: torch.dtype = torch.float32):
     if not cuda:
-        return CpuAdamW(model, config)
+        return CpuAdamW(model, config, state_dtype)
     optimizer = get_megatron_optimizer(config, [model])
-    use_fused_adamw(optimizer)
+    if state_dtype == torch.float32:
+        use_fused_adamw(optimizer)
+    else:
+        use_bf16_adam_state(optimizer)
     return optimizer

@@ -1,0 +1,99 @@
+"""One AdamW step over the Qwen3-VL-2B parameters, side by side in one process: torch's fused
+AdamW with fp32 moments (the trainer's default) against `AdamWBf16State` (`--adam-state-dtype
+bf16`: bf16 moments, stochastic rounding, one Triton launch for all tensors).
+
+The tensors are what megatron's distributed optimizer hands its inner optimizer on one GPU:
+one flat fp32 main-parameter shard per model tensor (541 of them, 2.13 B values;
+`train.convert.shard_shapes`), with fp32 gradients. Reported per optimizer: milliseconds per
+step (median of the timed steps, CUDA-synchronised), the host time to issue a step, and the
+bytes of optimizer state; then our/torch ratios.
+
+    python benchmarks/optimizer_speed.py --json-out benchmarks/results/optimizer_speed_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train.convert import shard_shapes  # noqa: E402
+from train.model.arch import builtin_arch  # noqa: E402
+from train.adamw_bf16_state import AdamWBf16State  # noqa: E402
+
+
+def make_optimizer(kind: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    if kind == "torch-fused-fp32":
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    return AdamWBf16State(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for k, t in s.items() if k != "step")
+
+
+def measure(kind: str, numels: list[int], warmup: int, steps: int, lr: float) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.randn(n, device="cuda", generator=gen).requires_grad_() for n in numels]
+    for p in params:
+        p.grad = torch.randn(p.shape, device="cuda", generator=gen) * 1e-3
+    optimizer = make_optimizer(kind, params, lr)
+    times, host = [], []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        optimizer.step()
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+            host.append(issued - start)
+    result = {"step_ms": statistics.median(times) * 1e3, "host_ms": statistics.median(host) * 1e3,
+              "state_gib": state_bytes(optimizer) / 2**30,
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    print(f"{kind:18s} step {result['step_ms']:7.1f} ms (host {result['host_ms']:6.1f} ms), "
+          f"state {result['state_gib']:5.2f} GiB, peak {result['peak_gib']:5.1f} GiB", flush=True)
+    del optimizer, params
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="qwen3-vl-2b")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles our kernel)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2, help="each optimizer is measured this many times, interleaved")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA")
+    numels = [math.prod(s) for s in shard_shapes(builtin_arch(args.arch), 1, 0, 1, 0).values()]
+    print(f"{args.arch}: {len(numels)} tensors, {sum(numels) / 1e9:.3f} B values, on {torch.cuda.get_device_name()}")
+    kinds = ("torch-fused-fp32", "ours-bf16-state")
+    runs = {k: [] for k in kinds}
+    for _ in range(args.rounds):
+        for kind in kinds:
+            runs[kind].append(measure(kind, numels, args.warmup, args.steps, lr=1e-5))
+    best = {k: min(r, key=lambda x: x["step_ms"]) for k, r in runs.items()}
+    ratio = {key: best["ours-bf16-state"][key] / best["torch-fused-fp32"][key] for key in ("step_ms", "state_gib")}
+    print(f"ours / torch fused: step time {ratio['step_ms']:.2f}x, state {ratio['state_gib']:.2f}x "
+          f"({best['torch-fused-fp32']['state_gib'] - best['ours-bf16-state']['state_gib']:.2f} GiB less)")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(
+            {"command": "python3 " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "tensors": len(numels),
+             "values": sum(numels), "runs": runs, "best": best, "ours_over_torch": ratio}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

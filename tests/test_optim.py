@@ -1,0 +1,198 @@
+"""`AdamWBf16State` (`--adam-state-dtype bf16`): AdamW on fp32 weights with bf16 moments.
+
+Oracles: torch.optim.AdamW (the same step from the same state, in fp32), torch.nextafter for
+the two bf16 neighbours of a value (independent of the bit trick that rounds), and the closed
+form of Adam's second-moment average under a constant gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.adamw_bf16_state import AdamWBf16State, stochastic_round_bf16
+
+
+def bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values just below or equal to x and just above or equal to it, as fp32."""
+    nearest = x.to(torch.bfloat16)
+    up = torch.nextafter(nearest, torch.full_like(nearest, float("inf")))
+    down = torch.nextafter(nearest, torch.full_like(nearest, float("-inf")))
+    below = torch.where(nearest.float() <= x, nearest, down).float()
+    above = torch.where(nearest.float() >= x, nearest, up).float()
+    return below, above
+
+
+def assert_same_step(ours: torch.Tensor, ref: torch.Tensor, before: torch.Tensor, what: str = "") -> None:
+    """Two AdamW steps of one tensor agree up to the order of the same fp32 operations: a few
+    ulps of the result plus 1e-5 of the update (m / sqrt(v) grows large where v is tiny)."""
+    ours, ref, before = ours.detach(), ref.detach(), before.detach()
+    eps = torch.finfo(torch.float32).eps
+    tolerance = 4 * eps * torch.maximum(ref.abs(), before.abs()) + 1e-5 * (ref - before).abs()
+    excess = ((ours - ref).abs() - tolerance).max().item()
+    assert excess <= 0, f"{what}: the update differs by up to {excess:.3e} beyond the tolerance"
+
+
+def random_values(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    return sign * torch.exp(torch.empty(n).uniform_(-30, 30, generator=g))  # magnitudes 1e-13 .. 1e13
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased(seed):
+    x = random_values(512, seed)
+    x[:16] = x[:16].to(torch.bfloat16).float()  # already bf16: must stay exactly as they are
+    below, above = bf16_neighbours(x)
+    torch.manual_seed(seed)
+    draws = torch.stack([stochastic_round_bf16(x).float() for _ in range(4000)])
+    assert ((draws == below) | (draws == above)).all()
+    assert (draws[:, :16] == x[:16]).all()
+    # each draw is `above` with probability p = (x - below) / (above - below): mean x, std <= step/2
+    step = (above - below).clamp(min=torch.finfo(torch.float32).tiny)
+    error = (draws.mean(0) - x).abs() / step
+    assert error.max() < 5 * 0.5 / 4000 ** 0.5, error.max()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_step_is_torch_adamw_with_moments_stored_as_a_neighbour(seed):
+    """From the same (bf16-representable) moments and step count, the parameter moves exactly
+    as torch.optim.AdamW moves it, and each stored moment is one of the two bf16 values around
+    torch's fp32 moment."""
+    g = torch.Generator().manual_seed(seed)
+    shape = [(7,), (33, 17), (4, 5, 6)][seed % 3]
+    lr, wd, step = [3e-4, 1e-2, 1.0][seed % 3], [0.0, 0.1][seed % 2], [1, 2, 50][seed % 3]
+    betas = [(0.9, 0.95), (0.9, 0.999), (0.8, 0.99)][seed % 3]
+    param = torch.randn(shape, generator=g)
+    grad = torch.randn(shape, generator=g) * 10 ** torch.empty(shape).uniform_(-4, 1, generator=g)
+    m = (torch.randn(shape, generator=g) * 0.1).to(torch.bfloat16)
+    v = (torch.rand(shape, generator=g) * 0.1).to(torch.bfloat16)
+
+    ref = param.clone().requires_grad_()
+    torch_adam = torch.optim.AdamW([ref], lr=lr, betas=betas, weight_decay=wd, eps=1e-8)
+    torch_adam.state[ref] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.float(), "exp_avg_sq": v.float()}
+    ours = param.clone().requires_grad_()
+    adam = AdamWBf16State([ours], lr=lr, betas=betas, weight_decay=wd, eps=1e-8)
+    adam.state[ours] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    ref.grad, ours.grad = grad.clone(), grad.clone()
+    torch_adam.step()
+    adam.step()
+
+    assert_same_step(ours, ref, param)
+    assert float(adam.state[ours]["step"]) == step
+    for key in ("exp_avg", "exp_avg_sq"):
+        stored = adam.state[ours][key]
+        assert stored.dtype == torch.bfloat16
+        below, above = bf16_neighbours(torch_adam.state[ref][key])
+        assert ((stored.float() == below) | (stored.float() == above)).all(), key
+
+
+def test_second_moment_keeps_moving_where_round_to_nearest_stalls():
+    """beta2 = 0.999 under a constant gradient 1: v_t = 1 - 0.999^t. Past v ~ 0.25 an increment
+    (1e-3 of the gap) is below half a bf16 step, so round-to-nearest stops there; the stored
+    stochastic moments follow the closed form."""
+    n, steps, beta2 = 4096, 2000, 0.999
+    param = torch.zeros(n, requires_grad=True)
+    adam = AdamWBf16State([param], lr=0.0, betas=(0.9, beta2))
+    torch.manual_seed(0)
+    nearest = torch.zeros(n, dtype=torch.bfloat16)
+    for _ in range(steps):
+        param.grad = torch.ones(n)
+        adam.step()
+        nearest = (nearest.float() * beta2 + (1 - beta2)).to(torch.bfloat16)
+    exact = 1 - beta2 ** steps
+    v = adam.state[param]["exp_avg_sq"].float()
+    assert abs(v.mean().item() - exact) < 0.01 * exact, (v.mean().item(), exact)
+    assert nearest.float().max().item() < 0.5 * exact  # the contrast: nearest rounding stalled
+
+
+def test_state_dict_round_trip_keeps_bf16_moments_and_one_step_count_each():
+    """torch's load_state_dict casts floating state to the parameter's dtype (fp32): the moments
+    come back as the same bf16 values. megatron's distributed optimizer loads one `step` tensor
+    shared by every parameter; the next step must still count once per step, not per parameter."""
+    params = [torch.randn(64, requires_grad=True), torch.randn(8, 3, requires_grad=True)]
+    adam = AdamWBf16State(params, lr=1e-3)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        adam.step()
+    saved = adam.state_dict()
+    shared = torch.tensor(3.0)
+    for state in saved["state"].values():
+        state["step"] = shared
+    fresh = AdamWBf16State(params, lr=1e-3)
+    fresh.load_state_dict(saved)
+    for p in params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert fresh.state[p][key].dtype == torch.bfloat16
+            assert torch.equal(fresh.state[p][key], adam.state[p][key])
+    fresh.step()
+    assert [float(fresh.state[p]["step"]) for p in params] == [4.0, 4.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_step_equals_torch_adamw():
+    """The CUDA path (one Triton launch per parameter group): every tensor, of sizes around and
+    across the kernel's block, moves as torch's fused AdamW moves it from the same state, and
+    each stored moment is a bf16 neighbour of torch's fp32 moment, give or take the fp32
+    rounding of its inputs (the two kernels may contract the same operations differently, which
+    matters where 0.9 m + 0.1 g nearly cancels)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [1, 7, 2047, 2048, 2049, 100_000, 3 * 2048 + 5, 1_000_003]
+    groups = [dict(lr=1e-3, weight_decay=0.1), dict(lr=3e-2, weight_decay=0.0)]
+    params = [torch.randn(n, device="cuda", generator=gen) for n in sizes]
+    grads = [torch.randn(n, device="cuda", generator=gen) * 10 ** (i % 5 - 3) for i, n in enumerate(sizes)]
+    states = [((torch.randn(n, device="cuda", generator=gen) * 0.1).bfloat16(),
+               (torch.rand(n, device="cuda", generator=gen) * 0.1).bfloat16()) for n in sizes]
+    split = len(sizes) // 2
+
+    def build(cls, **kw):
+        tensors = [p.clone().requires_grad_() for p in params]
+        opt = cls([{"params": tensors[:split], **groups[0]}, {"params": tensors[split:], **groups[1]}],
+                  betas=(0.9, 0.95), eps=1e-8, **kw)
+        for t, g, (m, v) in zip(tensors, grads, states):
+            t.grad = g.clone()
+            step = torch.tensor(4.0, device="cuda") if cls is torch.optim.AdamW else torch.tensor(4.0)
+            moments = (m.float(), v.float()) if cls is torch.optim.AdamW else (m.clone(), v.clone())
+            opt.state[t] = {"step": step, "exp_avg": moments[0], "exp_avg_sq": moments[1]}
+        return tensors, opt
+
+    ref, torch_adam = build(torch.optim.AdamW, fused=True)
+    ours, adam = build(AdamWBf16State, fused=True)
+    torch_adam.step()
+    adam.step()
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert_same_step(a, b, params[i], f"tensor {i} ({sizes[i]} values)")
+        m0, v0, g = states[i][0].float(), states[i][1].float(), grads[i]
+        for key, inputs in (("exp_avg", m0.abs() + g.abs()), ("exp_avg_sq", v0 + g * g)):
+            stored, exact = adam.state[a][key].float(), torch_adam.state[b][key]
+            slack = inputs * 2.0 ** -22
+            below, _ = bf16_neighbours(exact - slack)
+            _, above = bf16_neighbours(exact + slack)
+            assert adam.state[a][key].dtype == torch.bfloat16
+            assert ((stored >= below) & (stored <= above)).all(), (i, key)
+        assert float(adam.state[a]["step"]) == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_rounding_is_unbiased():
+    """The Triton kernel's stochastic rounding: from m = 0 and lr = 0, a step stores
+    (1 - beta1) * grad; over many copies of the same values the stored mean is that value and
+    every stored value is one of its two bf16 neighbours."""
+    values = random_values(256, 0).clamp(-1e30, 1e30).cuda()
+    copies = 4000
+    beta1 = 0.5
+    grad = (values / (1 - beta1)).repeat(copies)
+    param = torch.zeros_like(grad, requires_grad=True)
+    adam = AdamWBf16State([param], lr=0.0, betas=(beta1, 0.999), fused=True)
+    param.grad = grad
+    adam.step()
+    exact = (grad * (1 - beta1))[:256]  # the kernel's m: 0 + (1 - beta1) * (grad - 0)
+    stored = adam.state[param]["exp_avg"].float().view(copies, 256)
+    below, above = bf16_neighbours(exact)
+    assert ((stored == below) | (stored == above)).all()
+    step = (above - below).clamp(min=torch.finfo(torch.float32).tiny)
+    error = (stored.mean(0) - exact).abs() / step
+    assert error.max() < 5 * 0.5 / copies ** 0.5, error.max()

@@ -1,0 +1,220 @@
+"""`AdamWBf16State`: AdamW on fp32 master weights with its two moments stored in bf16.
+
+torch.optim.AdamW keeps `exp_avg` / `exp_avg_sq` in the parameter's dtype: 8 bytes per fp32
+parameter, 16 GiB for Qwen3-VL-2B. Here they take 4 bytes. The update itself is torch's
+AdamW formula computed in fp32; only the stored moments are rounded, and stochastically
+(`stochastic_round_bf16`), so increments below half a bf16 step still add up on average.
+megatron-core offers bf16 moments only through Transformer Engine's FusedAdam
+(`use_precision_aware_optimizer`), which cannot be installed on our GPU hosts.
+
+On CUDA one Triton kernel updates every tensor of a parameter group in two launches (full
+blocks, then each tensor's partial last block; the block -> tensor tables are built once), so
+the step is bound by memory bandwidth, not by one launch per tensor. On CPU (tests, smoke runs) `adamw_update` does the same per tensor in
+eager torch; it is also the oracle the GPU kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BLOCK = 2048  # values per Triton program
+
+
+def stochastic_round_bf16(x: Tensor) -> Tensor:
+    """fp32 -> bf16, rounded up or down at random: up with probability equal to how far x lies
+    from the bf16 value below it, so the expected result is x. Round-to-nearest would drop
+    every Adam increment smaller than half a bf16 step (2^-9 of the value): with beta2 = 0.999
+    the second moment moves by 1e-3 of itself per step and would stop moving.
+    Bit trick: add 16 random bits below the bf16 mantissa, then cut them off."""
+    noise = torch.randint_like(x, 1 << 16, dtype=torch.int32)
+    return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def adamw_scalars(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: float) -> list[float]:
+    """The step's scalars, computed in double on the host as torch's AdamW does (`1 - beta2`
+    taken in fp32 from an fp32 beta2 would be off by ~1e-5 of itself):
+    [beta1, 1 - beta1, beta2, 1 - beta2, eps, 1 - lr * wd, -lr / bias_correction1, sqrt(bias_correction2)]."""
+    beta1, beta2 = betas
+    return [beta1, 1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / (1 - beta1 ** step),
+            (1 - beta2 ** step) ** 0.5]
+
+
+def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, scalars: list[float]) -> None:
+    """One AdamW step of one fp32 tensor, in place (eager torch)."""
+    beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, correction2_sqrt = scalars
+    grad = grad.float()
+    m = torch.lerp(exp_avg.float(), grad, one_minus_beta1)
+    v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=one_minus_beta2)
+    param.mul_(decay)
+    param.addcdiv_(m, v.sqrt().div_(correction2_sqrt).add_(eps), value=step_size)
+    exp_avg.copy_(stochastic_round_bf16(m))
+    exp_avg_sq.copy_(stochastic_round_bf16(v))
+
+
+_kernel = None
+
+
+def _triton_kernel():
+    """Compiled on first use: triton ships with CUDA builds of torch, not with CPU ones."""
+    global _kernel
+    if _kernel is not None:
+        return _kernel
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["seed"])  # a new seed each step must not mean a new compile
+    def adamw_bf16_state_kernel(block_tensor, block_start, param_ptrs, grad_ptrs, exp_avg_ptrs, exp_avg_sq_ptrs,
+                                numels, scalars, seed, BLOCK: tl.constexpr, TAIL: tl.constexpr):
+        # program -> (tensor t, first value of its block); the tensors' addresses come from tables.
+        # Full blocks (TAIL False) load without a mask, from 16-byte aligned addresses (checked on
+        # the host), so the loads are vectorised; each tensor's last partial block is a tail block.
+        pid = tl.program_id(0)
+        t = tl.load(block_tensor + pid)
+        offsets = tl.multiple_of(tl.load(block_start + pid), BLOCK) + tl.arange(0, BLOCK)
+        param_ptr = tl.multiple_of(tl.load(param_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
+        grad_ptr = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
+        exp_avg_ptr = tl.multiple_of(tl.load(exp_avg_ptrs + t).to(tl.pointer_type(tl.bfloat16)), 16)
+        exp_avg_sq_ptr = tl.multiple_of(tl.load(exp_avg_sq_ptrs + t).to(tl.pointer_type(tl.bfloat16)), 16)
+        beta1 = tl.load(scalars + 0)
+        one_minus_beta1 = tl.load(scalars + 1)
+        beta2 = tl.load(scalars + 2)
+        one_minus_beta2 = tl.load(scalars + 3)
+        eps = tl.load(scalars + 4)
+        decay = tl.load(scalars + 5)
+        step_size = tl.load(scalars + 6)
+        correction2_sqrt = tl.load(scalars + 7)
+
+        if TAIL:
+            mask = offsets < tl.load(numels + t)
+            grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0)
+            m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            param = tl.load(param_ptr + offsets, mask=mask, other=0.0)
+        else:
+            grad = tl.load(grad_ptr + offsets)
+            m = tl.load(exp_avg_ptr + offsets).to(tl.float32)
+            v = tl.load(exp_avg_sq_ptr + offsets).to(tl.float32)
+            param = tl.load(param_ptr + offsets)
+        m = m + one_minus_beta1 * (grad - m)  # lerp
+        v = v * beta2 + grad * grad * one_minus_beta2
+        param = param * decay + step_size * (m / (tl.sqrt_rn(v) / correction2_sqrt + eps))
+        # stochastic rounding: 16 random bits each (one philox draw), added below the bf16 mantissa
+        bits = tl.randint(seed + t, offsets).to(tl.int32, bitcast=True)
+        m_bits = (m.to(tl.int32, bitcast=True) + (bits & 0xFFFF)) & -65536
+        v_bits = (v.to(tl.int32, bitcast=True) + ((bits >> 16) & 0xFFFF)) & -65536
+        m = m_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        v = v_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        if TAIL:
+            tl.store(param_ptr + offsets, param, mask=mask)
+            tl.store(exp_avg_ptr + offsets, m, mask=mask)
+            tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
+        else:
+            tl.store(param_ptr + offsets, param)
+            tl.store(exp_avg_ptr + offsets, m)
+            tl.store(exp_avg_sq_ptr + offsets, v)
+
+    _kernel = adamw_bf16_state_kernel
+    return _kernel
+
+
+class _BlockTable:
+    """For tensors of these sizes: which tensor and which first value each program handles,
+    the full blocks and the tails (each tensor's last, partial block) apart."""
+
+    def __init__(self, numels: list[int], device: torch.device):
+        if max(numels) >= 2**31 - BLOCK:
+            raise ValueError(f"AdamWBf16State(fused=True): a tensor of {max(numels):,} values is over the "
+                             f"kernel's int32 offsets; split it (or use tensor parallelism)")
+        numels_t = torch.tensor(numels, dtype=torch.int64)
+        full = numels_t // BLOCK
+        tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), full)
+        start = (torch.arange(int(full.sum())) - (torch.cumsum(full, 0) - full)[tensor.long()]) * BLOCK
+        tails = torch.nonzero(numels_t % BLOCK).flatten()
+        self.full = (tensor.to(device), start.to(torch.int32).to(device))
+        self.tail = (tails.to(torch.int32).to(device), (full[tails] * BLOCK).to(torch.int32).to(device))
+        self.numels = numels_t.to(device)
+
+
+class AdamWBf16State(torch.optim.Optimizer):
+    """AdamW on fp32 parameters whose moments `exp_avg` / `exp_avg_sq` are bf16.
+
+    State keys and the CPU `step` tensor are torch.optim.AdamW's, so megatron's distributed
+    optimizer saves, gathers and restores them as it does torch's (it copies values, which
+    casts). `fused`: the multi-tensor Triton kernel (CUDA tensors); otherwise eager torch."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, fused: bool = False):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.fused = fused
+        self._tables: dict[tuple, _BlockTable] = {}
+
+    def init_state(self) -> None:
+        """Moments for every parameter (megatron's `init_state_fn` hook calls this)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state_of(p)
+
+    def _state_of(self, p: Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            # torch casts floating state to the parameter's dtype (fp32): back to bf16. megatron's
+            # distributed optimizer hands every parameter the same `step` tensor: one each, or
+            # the in-place increment would count one step per parameter.
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(torch.bfloat16)
+            if "step" in state:
+                state["step"] = torch.tensor(float(state["step"]))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "AdamWBf16State takes no closure"
+        for group in self.param_groups:
+            batches: dict[tuple, list] = {}  # tensors that share a device and a step count
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._state_of(p)
+                state["step"] += 1
+                batches.setdefault((p.device, float(state["step"])), []).append((p, p.grad, state))
+            for (device, step), items in batches.items():
+                scalars = adamw_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], step)
+                if self.fused and device.type == "cuda":
+                    self._fused_step(items, scalars, device)
+                else:
+                    for p, grad, state in items:
+                        adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], scalars)
+
+    def _fused_step(self, items: list, scalars: list[float], device: torch.device) -> None:
+        tensors = [t for p, g, s in items for t in (p, g, s["exp_avg"], s["exp_avg_sq"])]
+        for p, grad, _ in items:
+            if not (p.dtype == grad.dtype == torch.float32 and p.is_contiguous() and grad.is_contiguous()):
+                raise TypeError(f"AdamWBf16State(fused=True) updates contiguous fp32 parameters with fp32 "
+                                f"gradients, got {p.dtype} {tuple(p.shape)} with a {grad.dtype} gradient")
+        pointers = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+        if bool((pointers % 16).any()):
+            raise ValueError("AdamWBf16State(fused=True): a parameter, gradient or moment does not start on a "
+                             "16-byte boundary (the kernel's vector loads need it)")
+        numels = [p.numel() for p, _, _ in items]
+        key = (device, tuple(numels))
+        if key not in self._tables:
+            self._tables[key] = _BlockTable(numels, device)
+        table = self._tables[key]
+        pointers = pointers.view(-1, 4).T.contiguous().to(device, non_blocking=True)
+        scalars_t = torch.tensor(scalars, dtype=torch.float32).to(device, non_blocking=True)
+        # the rounding's random stream: drawn from torch's CPU generator (saved in checkpoints)
+        seed = int(torch.randint(0, 2**31 - len(items), ()))
+        kernel = _triton_kernel()
+        for (block_tensor, block_start), tail in ((table.full, False), (table.tail, True)):
+            if block_tensor.numel():
+                kernel[(block_tensor.numel(),)](block_tensor, block_start, *pointers, table.numels, scalars_t, seed,
+                                                BLOCK=BLOCK, TAIL=tail)
