@@ -196,3 +196,27 @@ def test_gpu_fused_rounding_is_unbiased():
     step = (above - below).clamp(min=torch.finfo(torch.float32).tiny)
     error = (stored.mean(0) - exact).abs() / step
     assert error.max() < 5 * 0.5 / copies ** 0.5, error.max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_step_updates_unaligned_tensors_per_tensor():
+    """A parameter that does not start on a 16-byte boundary (a view one value into a buffer)
+    cannot take the kernel's vector loads: it is updated by the per-tensor path, with a
+    warning, and moves as torch's AdamW moves it; the aligned one beside it still runs fused."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    buffer = torch.randn(5001, device="cuda", generator=gen)
+    before = [buffer[1:].clone(), torch.randn(3000, device="cuda", generator=gen)]
+    grads = [torch.randn(p.shape, device="cuda", generator=gen) for p in before]
+    ours = [torch.nn.Parameter(buffer[1:]), torch.nn.Parameter(before[1].clone())]
+    assert ours[0].data_ptr() % 16 and not ours[1].data_ptr() % 16
+    refs = [p.clone().requires_grad_() for p in before]
+    adam = AdamWBf16State(ours, lr=1e-2, betas=(0.9, 0.95), fused=True)
+    torch_adam = torch.optim.AdamW(refs, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    for p, r, g in zip(ours, refs, grads):
+        p.grad, r.grad = g.clone(), g.clone()
+    with pytest.warns(UserWarning, match="16-byte boundary"):
+        adam.step()
+    torch_adam.step()
+    for i in range(2):
+        assert_same_step(ours[i], refs[i], before[i], f"tensor {i}")

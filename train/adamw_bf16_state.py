@@ -15,6 +15,8 @@ eager torch; it is also the oracle the GPU kernel is tested against.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -148,6 +150,7 @@ class AdamWBf16State(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.fused = fused
         self._tables: dict[tuple, _BlockTable] = {}
+        self._warned_unaligned = False
 
     def init_state(self) -> None:
         """Moments for every parameter (megatron's `init_state_fn` hook calls this)."""
@@ -195,21 +198,30 @@ class AdamWBf16State(torch.optim.Optimizer):
                         adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], scalars)
 
     def _fused_step(self, items: list, scalars: list[float], device: torch.device) -> None:
-        tensors = [t for p, g, s in items for t in (p, g, s["exp_avg"], s["exp_avg_sq"])]
         for p, grad, _ in items:
             if not (p.dtype == grad.dtype == torch.float32 and p.is_contiguous() and grad.is_contiguous()):
                 raise TypeError(f"AdamWBf16State(fused=True) updates contiguous fp32 parameters with fp32 "
                                 f"gradients, got {p.dtype} {tuple(p.shape)} with a {grad.dtype} gradient")
-        pointers = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-        if bool((pointers % 16).any()):
-            raise ValueError("AdamWBf16State(fused=True): a parameter, gradient or moment does not start on a "
-                             "16-byte boundary (the kernel's vector loads need it)")
+        pointers = torch.tensor([[t.data_ptr() for t in (p, g, s["exp_avg"], s["exp_avg_sq"])] for p, g, s in items],
+                                dtype=torch.int64)
+        aligned = (pointers % 16 == 0).all(dim=1)  # the kernel's vector loads need 16-byte aligned starts
+        if not bool(aligned.all()):
+            if not self._warned_unaligned:
+                warnings.warn(f"AdamWBf16State: {int((~aligned).sum())} tensors do not start on a 16-byte boundary; "
+                              f"they are updated by the slower per-tensor path")
+                self._warned_unaligned = True
+            for (p, grad, state), ok in zip(items, aligned.tolist()):
+                if not ok:
+                    adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], scalars)
+            items, pointers = [item for item, ok in zip(items, aligned.tolist()) if ok], pointers[aligned]
+            if not items:
+                return
         numels = [p.numel() for p, _, _ in items]
         key = (device, tuple(numels))
         if key not in self._tables:
             self._tables[key] = _BlockTable(numels, device)
         table = self._tables[key]
-        pointers = pointers.view(-1, 4).T.contiguous().to(device, non_blocking=True)
+        pointers = pointers.T.contiguous().to(device, non_blocking=True)
         scalars_t = torch.tensor(scalars, dtype=torch.float32).to(device, non_blocking=True)
         # the rounding's random stream: drawn from torch's CPU generator (saved in checkpoints)
         seed = int(torch.randint(0, 2**31 - len(items), ()))
