@@ -1,19 +1,20 @@
-"""A realistic synthetic Qwen3-VL training mix, written directly as a vlmpack shard directory.
+"""A realistic synthetic Qwen-VL training mix, written directly as a vlmpack shard directory.
 
 No image is decoded and no text is tokenized per sample: token ids and uint8 patches are
 drawn at random, so a GPU host writes a few GB of shards in seconds. Everything else is what
-`vlmpack preprocess --profile qwen3-vl` writes (`preprocess/job.py`): the chat structure of a
-rendered conversation, `<|image_pad|>` runs matching each image grid, assistant-only loss
+`vlmpack preprocess --profile qwen3-vl|qwen2.5-vl` writes (`preprocess/job.py`): the chat
+structure of a rendered conversation (Qwen2.5-VL's template adds its default system turn
+when a conversation has none), `<|image_pad|>` runs matching each image grid, assistant-only loss
 masks, M-RoPE positions from `shards_schema.positions.mrope_position_ids` (the function
 oracle-tested against HF `get_rope_index`), `ShardWriter` shards, per-unit records in
 `_parts/`, `rejects.jsonl` and the manifest from `preprocess.job.write_final_outputs`, whose
-`profile` is the real built-in qwen3-vl fingerprint. `vlmpack verify DIR` passes on it.
+`profile` is the real built-in profile's fingerprint. `vlmpack verify DIR` passes on it.
 
 Per sample (seeded per sample index, so a sample does not depend on the sample count):
 * 0-3 images (weights --image-count-weights), each of U(--image-tokens) merged tokens:
   grid (1, 2*hm, 2*wm) with hm*wm in range and an aspect ratio in [1/2, 2]; pixel_patches
-  are random uint8 [4*hm*wm, 3*16*16] (one temporal frame, merge-block order is irrelevant
-  for random bytes);
+  are random uint8 [4*hm*wm, patch row width] (one temporal frame, merge-block order is
+  irrelevant for random bytes);
 * U(--text-tokens) non-image tokens (structure included): an optional system turn (20 %),
   1-3 user/assistant turns; each user turn is `<|im_start|>user\\n` + its images
   (`<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>`) + text + `<|im_end|>\\n`, each
@@ -23,7 +24,7 @@ Per sample (seeded per sample index, so a sample does not depend on the sample c
 * a sample never exceeds --max-tokens (the training seq_len): images are dropped, then text
   shortened, until it fits.
 
-    python benchmarks/synthetic_shards.py OUT_DIR --samples 400 --seed 0 --max-tokens 16384
+    python benchmarks/synthetic_shards.py OUT_DIR --samples 400 --seed 0 --max-tokens 16384 [--profile qwen2.5-vl]
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class _Tokens:
         self.turn_end = enc("<|im_end|>\n")  # [im_end, "\n"]
         self.vision_start, self.vision_end, self.image_pad = sp.vision_start, sp.vision_end, sp.image_pad
         self.im_end = sp.im_end
+        # the system turn the profile's template writes when a conversation has none
+        self.default_system = enc("You are a helpful assistant.") if profile.family == "qwen2.5-vl" else []
         if self.turn_end[0] != sp.im_end or self.assistant_header[1] != sp.assistant:
             raise RuntimeError(f"unexpected chat token ids {self.turn_end}, {self.assistant_header}")
 
@@ -117,13 +120,14 @@ def make_sample(index: int, spec: SyntheticSpec, tokens: _Tokens, patch_row_widt
     def image_cost(gs):
         return sum(h * w // merge // merge + 2 for h, w in gs)
 
-    while grids and image_cost(grids) + MIN_TEXT_TOKENS > spec.max_tokens:
-        grids.pop()
-    text_total = max(min(text_total, spec.max_tokens - image_cost(grids)), 1)
-
     # Structure: system turn 5 tokens + content; user/assistant turns 5 tokens each + content.
     header = len(tokens.system_header) + len(tokens.turn_end)
-    structure = (header if system else 0) + n_turns * 2 * header
+    default_system = [] if system else tokens.default_system
+    fixed = header + len(default_system) if default_system else 0
+    while grids and image_cost(grids) + MIN_TEXT_TOKENS + fixed > spec.max_tokens:
+        grids.pop()
+    text_total = max(min(text_total, spec.max_tokens - image_cost(grids)), 1)
+    structure = fixed + (header if system else 0) + n_turns * 2 * header
     while n_turns > 1 and structure + 2 * n_turns + int(system) > text_total:
         n_turns -= 1
         structure -= 2 * header
@@ -143,6 +147,10 @@ def make_sample(index: int, spec: SyntheticSpec, tokens: _Tokens, patch_row_widt
     def text(n: int):
         return rng.integers(0, FIRST_SPECIAL_ID, size=n, dtype=np.int32)
 
+    if default_system:
+        add(tokens.system_header)
+        add(default_system)
+        add(tokens.turn_end)
     turn = 0
     for kind, n in zip(segments, content):
         if kind == "system":
@@ -186,8 +194,6 @@ def write_synthetic_shards(out: str | Path, spec: SyntheticSpec, *, profile_name
         shutil.rmtree(out)
     started = time.perf_counter()
     profile = resolve_profile(profile_name)
-    if profile.family != "qwen3-vl":
-        raise ValueError("the synthetic mix follows the Qwen3-VL chat layout (no default system prompt)")
     tokens = _Tokens(profile)
     vision = profile.vision
     options = SampleOptions(max_seq_len=spec.max_tokens)
@@ -237,11 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"))
     ap.add_argument("--image-count-weights", type=float, nargs="+", default=(0.2, 0.45, 0.25, 0.1))
     ap.add_argument("--rows-per-shard", type=int, default=256)
+    ap.add_argument("--profile", default="qwen3-vl", help="built-in preprocessing profile (qwen3-vl | qwen2.5-vl)")
     args = ap.parse_args(argv)
     spec = SyntheticSpec(num_samples=args.samples, seed=args.seed, text_tokens=tuple(args.text_tokens),
                          image_tokens=tuple(args.image_tokens), image_count_weights=tuple(args.image_count_weights),
                          max_tokens=args.max_tokens, rows_per_shard=args.rows_per_shard)
-    write_synthetic_shards(args.out, spec)
+    write_synthetic_shards(args.out, spec, profile_name=args.profile)
     return 0
 
 

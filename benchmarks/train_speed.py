@@ -1,7 +1,8 @@
 """Training speed, side by side in one process on the same data: the vlmpack trainer on packed
-rows vs Hugging Face `Qwen3VLForConditionalGeneration` on padded batches.
+rows vs Hugging Face `Qwen3VLForConditionalGeneration` (or `Qwen2_5_VL...` for a Qwen2.5-VL
+--arch) on padded batches.
 
-Data: a synthetic Qwen3-VL mix written directly as a vlmpack shard directory
+Data: a synthetic mix in the arch's chat layout, written directly as a vlmpack shard directory
 (`benchmarks/synthetic_shards.py`: 100-3000 text tokens and 0-3 images of 64-1300 merged
 tokens per sample, chat structure, assistant targets, M-RoPE positions, random uint8 patches;
 no sample longer than --seq-len), checked with `verify_shards` (what `vlmpack verify` runs).
@@ -26,7 +27,8 @@ no sample longer than --seq-len), checked with `verify_shards` (what `vlmpack ve
     The trainer saves a checkpoint at its last step; that save is skipped here (the
     benchmark swaps `train.checkpoint.save` for a no-op unless --keep-checkpoint), it is not
     part of any timed step.
-(b) HF: `Qwen3VLForConditionalGeneration(Qwen3VLConfig(**arch.to_hf_config()))`, random init,
+(b) HF: `Qwen3VLForConditionalGeneration(Qwen3VLConfig(**arch.to_hf_config()))` (Qwen2.5-VL: its
+    classes), random init,
     sdpa attention, bf16 parameters (--hf-precision amp: fp32 parameters + bf16 autocast),
     torch AdamW (betas 0.9/0.95 as ours), grad clipping 1.0 as ours, no activation
     checkpointing (as ours). Samples: exactly those in the packs ours trained on, shuffled
@@ -80,7 +82,7 @@ from shards_schema import open_shards, verify_shards
 from shards_schema.pixels import pixel_values_from_patches
 from train.config import ATTENTION_KERNELS, STATE_DTYPES
 from train.metrics import lm_flops_per_token, peak_tflops
-from train.model.arch import builtin_arch
+from train.model.arch import HF_ARCHITECTURE, builtin_arch
 from train.packed_batch import to_padded_batch
 
 T0 = time.perf_counter()
@@ -716,20 +718,25 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
 
 
+def hf_model_class(arch):
+    """transformers' class for the arch's family (Qwen3VL... or Qwen2_5_VL...ForConditionalGeneration)."""
+    import transformers
+
+    return getattr(transformers, HF_ARCHITECTURE[arch.family])
+
+
 class HFTrainer:
     def __init__(self, args, arch, vision: dict, pad_id: int, image_pad_id: int, device: torch.device):
-        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
         self.device, self.cuda = device, device.type == "cuda"
         self.vision, self.pad_id, self.image_pad_id = vision, pad_id, image_pad_id
         self.amp = self.cuda and args.hf_precision == "amp"
         self.param_dtype = torch.bfloat16 if self.cuda and args.hf_precision == "bf16" else torch.float32
         self.pixel_dtype = torch.bfloat16 if self.cuda else torch.float32
-        config = Qwen3VLConfig(**arch.to_hf_config())
+        model_class = hf_model_class(arch)
+        config = model_class.config_class(**arch.to_hf_config())
         torch.manual_seed(args.seed)
         with torch.device(device):
-            self.model = Qwen3VLForConditionalGeneration._from_config(
-                config, attn_implementation="sdpa", dtype=self.param_dtype)
+            self.model = model_class._from_config(config, attn_implementation="sdpa", dtype=self.param_dtype)
         self.model.train()
         self.model.config.use_cache = False
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -800,7 +807,7 @@ def run_hf(args, arch, data_dir: Path, pool_index: list[int], device: torch.devi
         torch.cuda.reset_peak_memory_stats()
     leftover = torch.cuda.memory_allocated() / 2**30 if cuda else None
     log(f"HF: {len(samples)} samples (those of ours' packs), {int(lengths.sum()):,} tokens, longest {lengths.max()}; "
-        f"building Qwen3VLForConditionalGeneration ({args.hf_precision if cuda else 'fp32'}, sdpa)"
+        f"building {HF_ARCHITECTURE[arch.family]} ({args.hf_precision if cuda else 'fp32'}, sdpa)"
         + (f"; {leftover:.2f} GiB still allocated from ours" if cuda else ""))
     hf = HFTrainer(args, arch, profile["vision"], int(profile["special_tokens"]["endoftext"]),
                    int(profile["special_tokens"]["image_pad"]), device)
@@ -969,7 +976,7 @@ def print_table(res: dict) -> None:
     device = res["machine"].get("gpu") or "cpu"
     print(f"\n{res['args']['arch']} on {device}: ours = vlmpack trainer (megatron-core, packed), "
           f"(recompute {ours['recompute']}, grads {ours['grad_dtype']}, Adam state {ours['adam_state_dtype']}), "
-          f"HF = Qwen3VLForConditionalGeneration (sdpa, "
+          f"HF = {HF_ARCHITECTURE[builtin_arch(res['args']['arch']).family]} (sdpa, "
           f"{hf.get('precision', res['args']['hf_precision'])}, padded)", flush=True)
     widths = [22, 20, 20, 9]
     print("".join(h.ljust(w) for h, w in zip(("", "ours", "HF", "ours/HF"), widths)))
@@ -1022,7 +1029,7 @@ def main(argv=None) -> int:
         spec = SyntheticSpec(num_samples=args.samples, seed=args.seed, text_tokens=tuple(args.text_tokens),
                              image_tokens=tuple(args.image_tokens), max_tokens=args.seq_len)
         t0 = time.perf_counter()
-        manifest = write_synthetic_shards(data_dir, spec, log=log)
+        manifest = write_synthetic_shards(data_dir, spec, profile_name=arch.family, log=log)
         res["data"] = {"dir": str(data_dir), "generated": True, "spec": dataclasses.asdict(spec),
                        "totals": manifest["totals"], "seconds": time.perf_counter() - t0}
     if not args.no_verify:
