@@ -43,7 +43,7 @@ class TrainConfig:
     attention: str = "fa2"  # CUDA attention kernel: fa2 (torch's own) | fa4 (flash-attn-4 package, sm90/sm100)
     distributed_optimizer: bool = True  # CUDA only (megatron's DistributedOptimizer)
     # memory: bf16 halves the gradient buffers (accumulated and reduced in bf16, megatron's own
-    # default; bf16 runs only) / the Adam moments (stochastically rounded, train.optim.AdamWBf16State)
+    # default; bf16 runs only) / the Adam moments (stochastically rounded, train/adamw_bf16_state.py)
     grad_dtype: str = "fp32"
     adam_state_dtype: str = "fp32"
     device: str | None = None  # cuda | cpu (default: cuda when available)

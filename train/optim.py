@@ -23,7 +23,6 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from train.adamw_bf16_state import AdamWBf16State
 
-ADAM_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # keys of torch.optim.AdamW's param groups that mean nothing to AdamWBf16State
 _TORCH_ADAM_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
                     "decoupled_weight_decay")
@@ -34,12 +33,12 @@ def _decays(name: str, param: torch.nn.Parameter) -> bool:
 
 
 class CpuAdamW:
-    def __init__(self, model, config: OptimizerConfig, state_dtype: torch.dtype = torch.float32):
+    def __init__(self, model, config: OptimizerConfig, adam_state_dtype: str = "fp32"):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         groups = [{"params": [p for n, p in named if _decays(n, p)], "weight_decay": config.weight_decay},
                   {"params": [p for n, p in named if not _decays(n, p)], "weight_decay": 0.0, "wd_mult": 0.0}]
-        adamw = torch.optim.AdamW if state_dtype == torch.float32 else AdamWBf16State
+        adamw = torch.optim.AdamW if adam_state_dtype == "fp32" else AdamWBf16State
         self.optimizer = adamw([g for g in groups if g["params"]], lr=config.lr,
                                betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
         self.clip_grad = config.clip_grad
@@ -108,11 +107,12 @@ def use_bf16_adam_state(optimizer) -> None:
         megatron_opt.init_state_fn = lambda opt, config=None: opt.init_state()
 
 
-def build_optimizer(model, config: OptimizerConfig, cuda: bool, state_dtype: torch.dtype = torch.float32):
+def build_optimizer(model, config: OptimizerConfig, cuda: bool, adam_state_dtype: str = "fp32"):
+    """`adam_state_dtype`: fp32 (torch's AdamW) | bf16 (`AdamWBf16State`)."""
     if not cuda:
-        return CpuAdamW(model, config, state_dtype)
+        return CpuAdamW(model, config, adam_state_dtype)
     optimizer = get_megatron_optimizer(config, [model])
-    if state_dtype == torch.float32:
+    if adam_state_dtype == "fp32":
         use_fused_adamw(optimizer)
     else:
         use_bf16_adam_state(optimizer)

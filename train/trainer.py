@@ -37,7 +37,6 @@ from train.metrics import MetricsLogger, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
 from train.model.qwen_vl import transformer_config
-from train.optim import ADAM_STATE_DTYPES
 from train.optim import build_optimizer as make_optimizer
 from train.parallel import ParallelInfo, build_model, destroy_parallel, init_parallel
 
@@ -83,7 +82,7 @@ def build_optimizer(config: TrainConfig, model, cuda: bool, use_distributed: boo
         adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
         clip_grad=config.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=use_distributed)
-    optimizer = make_optimizer(model, opt_config, cuda, ADAM_STATE_DTYPES[config.adam_state_dtype])
+    optimizer = make_optimizer(model, opt_config, cuda, config.adam_state_dtype)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr, min_lr=config.min_lr,
         lr_warmup_steps=config.warmup_steps, lr_decay_steps=config.train_steps, lr_decay_style="cosine",
@@ -194,8 +193,8 @@ def train(config: TrainConfig) -> dict:
     freeze(model, config.freeze)
 
     use_distributed = config.distributed_optimizer and cuda  # megatron's DistributedOptimizer is CUDA-only
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_dtype == "fp32", overlap_grad_reduce=False,
-                                               use_distributed_optimizer=use_distributed)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_dtype == "fp32",
+                                               overlap_grad_reduce=False, use_distributed_optimizer=use_distributed)
     model = DistributedDataParallel(model_config, ddp_config, model)
     optimizer, scheduler = build_optimizer(config, model, cuda, use_distributed, bf16)
     model_config.grad_scale_func = optimizer.scale_loss
