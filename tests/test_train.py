@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -111,8 +112,8 @@ def test_resume_equals_uninterrupted_run(shards, full_run, tmp_path):
 
 def test_bf16_adam_state_trains_and_resumes_bitwise(shards, full_run, tmp_path):
     """--adam-state-dtype bf16: the checkpoint holds bf16 moments, the losses follow the fp32-state
-    run's, and a stop/resume equals the uninterrupted run bitwise (the stochastic rounding
-    draws from the RNG state the checkpoint saved)."""
+    run's, a stop/resume equals the uninterrupted run bitwise (the stochastic rounding draws
+    from the RNG state the checkpoint saved), and an fp32-state checkpoint resumes as bf16."""
     args = [*BASE, "--data", str(shards), "--train-steps", "6", "--save-every", "3", "--adam-state-dtype", "bf16"]
     full, part = tmp_path / "full", tmp_path / "part"
     ok(run_train([*args, "--out", str(full)]))
@@ -124,7 +125,17 @@ def test_bf16_adam_state_trains_and_resumes_bitwise(shards, full_run, tmp_path):
     assert losses[0] == fp32_state[0]  # the first loss comes before any update
     np.testing.assert_allclose(losses, fp32_state, rtol=2e-2)
     assert losses != fp32_state  # the moments really are rounded
-    for out in (full, part):
+    # switching a run's setting on resume (e.g. after running out of memory): fp32 moments saved
+    # at step 3 continue as bf16 ones; step 4's loss comes before the first bf16 update
+    switched = tmp_path / "switched"
+    shutil.copytree(full_run / "checkpoints" / "step_00000003", switched / "checkpoints" / "step_00000003")
+    (switched / "checkpoints" / "latest").write_text("step_00000003")
+    ok(run_train([*args, "--out", str(switched), "--resume"]))
+    assert [m["step"] for m in metrics(switched)] == [4, 5, 6]
+    switched_losses = [m["loss"] for m in metrics(switched)]
+    assert switched_losses[0] == fp32_state[3]
+    np.testing.assert_allclose(switched_losses, fp32_state[3:], rtol=2e-2)
+    for out in (full, part, switched):
         state = torch.load(out / "checkpoints/step_00000006/rank_00000.pt", weights_only=False)["optimizer"]["state"]
         assert state and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.bfloat16 for s in state.values())
         assert all(float(s["step"]) == 6 for s in state.values())
