@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from preprocess.job import JOB_FILE, shard_name, unit_record_path, write_final_outputs
 from preprocess.pipeline import SampleOptions
 from preprocess.profiles import resolve_profile
+from preprocess.render import QWEN2_5_DEFAULT_SYSTEM
 from shards_schema.atomic import write_json_atomic
 from shards_schema.manifest import PARTS_DIR
 from shards_schema.positions import mrope_position_ids
@@ -81,7 +82,7 @@ class _Tokens:
         self.vision_start, self.vision_end, self.image_pad = sp.vision_start, sp.vision_end, sp.image_pad
         self.im_end = sp.im_end
         # the system turn the profile's template writes when a conversation has none
-        self.default_system = enc("You are a helpful assistant.") if profile.family == "qwen2.5-vl" else []
+        self.default_system = enc(QWEN2_5_DEFAULT_SYSTEM) if profile.family == "qwen2.5-vl" else []
         if self.turn_end[0] != sp.im_end or self.assistant_header[1] != sp.assistant:
             raise RuntimeError(f"unexpected chat token ids {self.turn_end}, {self.assistant_header}")
 

@@ -36,6 +36,7 @@ def test_synthetic_mix_verifies_and_follows_the_template(tmp_path, profile_name)
         text = profile.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
         assert text.startswith("<|im_start|>"), text[:40]
         opens_with_system += text.startswith("<|im_start|>system\n")
+        # the official Qwen2.5-VL template's default system text
         default_system += text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
         assert text.count("<|vision_start|>") == text.count("<|vision_end|>") == len(sample["image_grid_thw"])
     if profile_name == "qwen2.5-vl":
