@@ -220,3 +220,20 @@ def test_gpu_fused_step_updates_unaligned_tensors_per_tensor():
     torch_adam.step()
     for i in range(2):
         assert_same_step(ours[i], refs[i], before[i], f"tensor {i}")
+
+
+def test_block_table_covers_every_value_once():
+    """The Triton step's programs: full blocks plus one tail per tensor whose size is not a
+    multiple of the block cover each tensor's values exactly once, in bounds."""
+    from train.adamw_bf16_state import BLOCK, _BlockTable
+
+    numels = [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK, 7 * BLOCK + 3, 12345]
+    table = _BlockTable(numels, torch.device("cpu"))
+    covered = [torch.zeros(n, dtype=torch.int32) for n in numels]
+    for (tensors, starts), tail in ((table.full, False), (table.tail, True)):
+        for t, start in zip(tensors.tolist(), starts.tolist()):
+            stop = min(start + BLOCK, numels[t])
+            assert start % BLOCK == 0 and (tail or start + BLOCK <= numels[t])
+            covered[t][start:stop] += 1
+    assert all(bool((c == 1).all()) for c in covered)
+    assert table.tail[0].tolist() == [i for i, n in enumerate(numels) if n % BLOCK]
