@@ -15,6 +15,7 @@ eager torch; it is also the oracle the GPU kernel is tested against.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -54,14 +55,9 @@ def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
     exp_avg_sq.copy_(stochastic_round_bf16(v))
 
 
-_kernel = None
-
-
+@functools.cache
 def _triton_kernel():
     """Compiled on first use: triton ships with CUDA builds of torch, not with CPU ones."""
-    global _kernel
-    if _kernel is not None:
-        return _kernel
     import triton
     import triton.language as tl
 
@@ -116,8 +112,7 @@ def _triton_kernel():
             tl.store(exp_avg_ptr + offsets, m)
             tl.store(exp_avg_sq_ptr + offsets, v)
 
-    _kernel = adamw_bf16_state_kernel
-    return _kernel
+    return adamw_bf16_state_kernel
 
 
 class _BlockTable:
