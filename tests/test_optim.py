@@ -7,6 +7,7 @@ form of Adam's second-moment average under a constant gradient.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,42 @@ def test_state_dict_round_trip_keeps_bf16_moments_and_one_step_count_each():
     assert [float(fresh.state[p]["step"]) for p in params] == [4.0, 4.0]
 
 
+@pytest.mark.parametrize("seed,grad_scale", [(0, 1.0), (1, 0.37), (2, 1.0), (3, 2.0 ** -7)])
+def test_bf16_gradient_in_place_with_scale_equals_the_scaled_fp32_copy(seed, grad_scale):
+    """Megatron's step copies each bf16 gradient to fp32 and clips it by one fp32 multiply; the
+    in-place route reads the bf16 gradient as `decoupled_grad` and scales inside the update.
+    From the same state and random stream both store the same parameters and moments bitwise,
+    and the scale applies to one step only."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(31,), (16, 9), (3, 4, 5)]
+    params = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[(torch.randn(s, generator=g) * 10 ** (i - 2)).bfloat16() for i, s in enumerate(shapes)] for _ in range(2)]
+
+    def run(in_place: bool) -> tuple[list[torch.Tensor], AdamWBf16State]:
+        tensors = [p.clone().requires_grad_() for p in params]
+        adam = AdamWBf16State(tensors, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        torch.manual_seed(seed)
+        for step, step_grads in enumerate(grads):
+            scale = grad_scale if step == 0 else 1.0  # clipping in the first step only
+            for t, grad in zip(tensors, step_grads):
+                if in_place:
+                    t.decoupled_grad = grad
+                else:
+                    t.grad = grad.float() * scale if scale != 1.0 else grad.float()
+            if in_place:
+                adam.grad_scale = scale
+            adam.step()
+            assert adam.grad_scale == 1.0
+        return tensors, adam
+
+    (copied, ref), (in_place, ours) = run(False), run(True)
+    assert all(t.grad is None for t in in_place)
+    for a, b in zip(in_place, copied):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours.state[a][key], ref.state[b][key]), key
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fused_step_equals_torch_adamw():
@@ -237,3 +274,108 @@ def test_block_table_covers_every_value_once():
             covered[t][start:stop] += 1
     assert all(bool((c == 1).all()) for c in covered)
     assert table.tail[0].tolist() == [i for i, n in enumerate(numels) if n % BLOCK]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("grad_scale", [1.0, 0.37])
+def test_gpu_fused_step_reads_bf16_gradients_in_place(grad_scale):
+    """The Triton kernel on bf16 `decoupled_grad`s with a `grad_scale` moves parameters and
+    moments as it does on their fp32 copies scaled by torch (bitwise without a scale; with one
+    the kernel may contract the multiply into the next operation: same-step tolerance)."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    sizes = [5, 2048, 2049, 100_003, 3 * 2048]
+    params = [torch.randn(n, device="cuda", generator=gen) for n in sizes]
+    grads = [(torch.randn(n, device="cuda", generator=gen) * 10 ** (i % 4 - 2)).bfloat16() for i, n in enumerate(sizes)]
+    runs = []
+    for in_place in (False, True):
+        tensors = [p.clone().requires_grad_() for p in params]
+        adam = AdamWBf16State(tensors, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        for t, g in zip(tensors, grads):
+            if in_place:
+                t.decoupled_grad = g
+            else:
+                t.grad = g.float() * grad_scale if grad_scale != 1.0 else g.float()
+        adam.grad_scale = grad_scale if in_place else 1.0
+        torch.manual_seed(0)
+        adam.step()
+        runs.append((tensors, adam))
+    (copied, ref), (in_place, ours) = runs
+    for i, (a, b) in enumerate(zip(in_place, copied)):
+        if grad_scale == 1.0:
+            assert torch.equal(a, b), i
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(ours.state[a][key], ref.state[b][key]), (i, key)
+        else:
+            assert_same_step(a, b, params[i], f"tensor {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("clip_grad", [1e9, 0.05])
+def test_gpu_fast_step_equals_megatrons_step(state_dtype, clip_grad):
+    """megatron's DistributedOptimizer over bf16 gradient buffers (`--grad-dtype bf16`), its
+    own step against `use_fast_step`, from the same weights and gradients over three steps:
+    the same grad norms and master weights (bitwise when clipping is off; the clip coefficient
+    may differ by an ulp otherwise). With AdamWBf16State (`--adam-state-dtype bf16`) the fast
+    step reads the gradients in place: it allocates a small fraction of the 4 bytes per
+    parameter megatron's fp32 copy takes."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from train.model.arch import builtin_arch
+    from train.model.qwen_vl import transformer_config
+    from train.optim import build_optimizer
+    from train.parallel import build_model, destroy_parallel, init_parallel
+
+    info = init_parallel(1, 1, device="cuda")
+    try:
+        arch = builtin_arch("tiny")
+        config = transformer_config(arch, params_dtype=torch.bfloat16, bf16=True)
+        torch.manual_seed(0)
+        weights = build_model(arch, config, info).state_dict()
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        runs = []
+        for fast in (False, True):
+            model = build_model(arch, config, info)
+            model.load_state_dict(weights)
+            model = DistributedDataParallel(config, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=False, use_distributed_optimizer=True), model)
+            opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=clip_grad, bf16=True,
+                                         params_dtype=torch.bfloat16, use_distributed_optimizer=True)
+            optimizer = build_optimizer(model, opt_config, cuda=True, adam_state_dtype=state_dtype, fast_step=fast)
+            gen.manual_seed(1)
+            torch.manual_seed(0)
+            norms, step_bytes = [], []
+            for step in range(3):
+                model.zero_grad_buffer()
+                optimizer.zero_grad()
+                for p in model.parameters():  # growing gradients: clipped steps differ from unclipped ones
+                    p.main_grad.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.01 * 10 ** step)
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                ok, norm, _ = optimizer.step()
+                assert ok
+                step_bytes.append(torch.cuda.max_memory_allocated() - before)
+                norms.append(norm)
+            masters = [p.detach().clone() for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+                       for group in sub.optimizer.param_groups for p in group["params"]]
+            runs.append((norms, masters, max(step_bytes[1:])))  # step 1 also allocates the moments
+        (norms_megatron, masters_megatron, bytes_megatron), (norms_fast, masters_fast, bytes_fast) = runs
+        numel = sum(p.numel() for p in masters_megatron)
+        assert masters_megatron[0].dtype == torch.float32 and bytes_megatron >= 4 * numel, (bytes_megatron, numel)
+        if state_dtype == "bf16":
+            assert bytes_fast < 0.1 * bytes_megatron, (bytes_fast, bytes_megatron)
+        np.testing.assert_allclose(norms_fast, norms_megatron, rtol=1e-5)
+        if clip_grad > 1e6:
+            assert all(torch.equal(a, b) for a, b in zip(masters_fast, masters_megatron))
+        else:
+            assert min(norms_megatron) > 10 * clip_grad  # every step clipped
+            # an ulp in the coefficient, and then a bf16 moment that rarely rounds the other way:
+            # far below the 1e-3-sized updates an unclipped step would change
+            for a, b in zip(masters_fast, masters_megatron):
+                torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+    finally:
+        destroy_parallel()

@@ -9,8 +9,15 @@ megatron-core offers bf16 moments only through Transformer Engine's FusedAdam
 
 On CUDA one Triton kernel updates every tensor of a parameter group in two launches (full
 blocks, then each tensor's partial last block; the block -> tensor tables are built once), so
-the step is bound by memory bandwidth, not by one launch per tensor. On CPU (tests, smoke runs) `adamw_update` does the same per tensor in
-eager torch; it is also the oracle the GPU kernel is tested against.
+the step is bound by memory bandwidth, not by one launch per tensor. On CPU (tests, smoke
+runs) `adamw_update` does the same per tensor in eager torch; it is also the oracle the GPU
+kernel is tested against.
+
+Gradients may be bf16 and may come from `param.decoupled_grad` instead of `param.grad` (torch
+wants `.grad` in the parameter's dtype; megatron uses the same attribute name for this): the
+kernel then reads megatron's bf16 gradient buffer where it lies, upcasting in registers,
+instead of an fp32 copy of every gradient (`train.optim.use_fast_step`). `grad_scale`
+multiplies the next step's gradients (gradient clipping folded into the update).
 """
 
 from __future__ import annotations
@@ -43,10 +50,12 @@ def adamw_scalars(lr: float, betas: tuple[float, float], eps: float, weight_deca
             (1 - beta2 ** step) ** 0.5]
 
 
-def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, scalars: list[float]) -> None:
-    """One AdamW step of one fp32 tensor, in place (eager torch)."""
+def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, scalars: list[float],
+                 grad_scale: float = 1.0) -> None:
+    """One AdamW step of one fp32 tensor, in place (eager torch); the gradient (fp32 or bf16)
+    is multiplied by `grad_scale` in fp32 first, as megatron's clipping scales fp32 gradients."""
     beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, correction2_sqrt = scalars
-    grad = grad.float()
+    grad = grad.float() if grad_scale == 1.0 else grad.float() * grad_scale
     m = torch.lerp(exp_avg.float(), grad, one_minus_beta1)
     v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=one_minus_beta2)
     param.mul_(decay)
@@ -63,7 +72,8 @@ def _triton_kernel():
 
     @triton.jit(do_not_specialize=["seed"])  # a new seed each step must not mean a new compile
     def adamw_bf16_state_kernel(block_tensor, block_start, param_ptrs, grad_ptrs, exp_avg_ptrs, exp_avg_sq_ptrs,
-                                numels, scalars, seed, BLOCK: tl.constexpr, TAIL: tl.constexpr):
+                                numels, scalars, seed, BLOCK: tl.constexpr, TAIL: tl.constexpr,
+                                GRAD_BF16: tl.constexpr):
         # program -> (tensor t, first value of its block); the tensors' addresses come from tables.
         # Full blocks (TAIL False) load without a mask, from 16-byte aligned addresses (checked on
         # the host), so the loads are vectorised; each tensor's last partial block is a tail block.
@@ -71,7 +81,10 @@ def _triton_kernel():
         t = tl.load(block_tensor + pid)
         offsets = tl.multiple_of(tl.load(block_start + pid), BLOCK) + tl.arange(0, BLOCK)
         param_ptr = tl.multiple_of(tl.load(param_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
-        grad_ptr = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
+        if GRAD_BF16:
+            grad_ptr = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(tl.bfloat16)), 16)
+        else:
+            grad_ptr = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
         exp_avg_ptr = tl.multiple_of(tl.load(exp_avg_ptrs + t).to(tl.pointer_type(tl.bfloat16)), 16)
         exp_avg_sq_ptr = tl.multiple_of(tl.load(exp_avg_sq_ptrs + t).to(tl.pointer_type(tl.bfloat16)), 16)
         beta1 = tl.load(scalars + 0)
@@ -82,18 +95,20 @@ def _triton_kernel():
         decay = tl.load(scalars + 5)
         step_size = tl.load(scalars + 6)
         correction2_sqrt = tl.load(scalars + 7)
+        grad_scale = tl.load(scalars + 8)
 
         if TAIL:
             mask = offsets < tl.load(numels + t)
-            grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0)
+            grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             param = tl.load(param_ptr + offsets, mask=mask, other=0.0)
         else:
-            grad = tl.load(grad_ptr + offsets)
+            grad = tl.load(grad_ptr + offsets).to(tl.float32)
             m = tl.load(exp_avg_ptr + offsets).to(tl.float32)
             v = tl.load(exp_avg_sq_ptr + offsets).to(tl.float32)
             param = tl.load(param_ptr + offsets)
+        grad = grad * grad_scale  # exact when 1 (no clipping)
         m = m + one_minus_beta1 * (grad - m)  # lerp
         v = v * beta2 + grad * grad * one_minus_beta2
         param = param * decay + step_size * (m / (tl.sqrt_rn(v) / correction2_sqrt + eps))
@@ -138,7 +153,8 @@ class AdamWBf16State(torch.optim.Optimizer):
 
     State keys and the CPU `step` tensor are torch.optim.AdamW's, so megatron's distributed
     optimizer saves, gathers and restores them as it does torch's (it copies values, which
-    casts). `fused`: the multi-tensor Triton kernel (CUDA tensors); otherwise eager torch."""
+    casts). `fused`: the multi-tensor Triton kernel (CUDA tensors); otherwise eager torch.
+    Gradients: see `gradient` and `grad_scale`."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, fused: bool = False):
@@ -146,6 +162,7 @@ class AdamWBf16State(torch.optim.Optimizer):
         self.fused = fused
         self._tables: dict[tuple, _BlockTable] = {}
         self._warned_unaligned = False
+        self.grad_scale = 1.0  # multiplies the next step's gradients only (clipping sets it)
 
     def init_state(self) -> None:
         """Moments for every parameter (megatron's `init_state_fn` hook calls this)."""
@@ -173,29 +190,39 @@ class AdamWBf16State(torch.optim.Optimizer):
             if "step" in state:
                 state["step"] = torch.tensor(float(state["step"]))
 
+    @staticmethod
+    def gradient(p: Tensor) -> Tensor | None:
+        """The gradient the step reads: `p.decoupled_grad` (any float dtype) when set, else `p.grad`."""
+        grad = getattr(p, "decoupled_grad", None)
+        return p.grad if grad is None else grad
+
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "AdamWBf16State takes no closure"
+        grad_scale, self.grad_scale = self.grad_scale, 1.0
         for group in self.param_groups:
-            batches: dict[tuple, list] = {}  # tensors that share a device and a step count
+            batches: dict[tuple, list] = {}  # tensors that share a device, a step count and a gradient dtype
             for p in group["params"]:
-                if p.grad is None:
+                grad = self.gradient(p)
+                if grad is None:
                     continue
                 state = self._state_of(p)
                 state["step"] += 1
-                batches.setdefault((p.device, float(state["step"])), []).append((p, p.grad, state))
-            for (device, step), items in batches.items():
+                batches.setdefault((p.device, float(state["step"]), grad.dtype), []).append((p, grad, state))
+            for (device, step, _), items in batches.items():
                 scalars = adamw_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], step)
                 if self.fused and device.type == "cuda":
-                    self._fused_step(items, scalars, device)
+                    self._fused_step(items, scalars, grad_scale, device)
                 else:
                     for p, grad, state in items:
-                        adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], scalars)
+                        adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], scalars, grad_scale)
 
-    def _fused_step(self, items: list, scalars: list[float], device: torch.device) -> None:
+    def _fused_step(self, items: list, scalars: list[float], grad_scale: float, device: torch.device) -> None:
+        grad_dtype = items[0][1].dtype
         for p, grad, _ in items:
-            if not (p.dtype == grad.dtype == torch.float32 and p.is_contiguous() and grad.is_contiguous()):
-                raise TypeError(f"AdamWBf16State(fused=True) updates contiguous fp32 parameters with fp32 "
+            if not (p.dtype == torch.float32 and grad.dtype in (torch.float32, torch.bfloat16)
+                    and p.is_contiguous() and grad.is_contiguous()):
+                raise TypeError(f"AdamWBf16State(fused=True) updates contiguous fp32 parameters with fp32 or bf16 "
                                 f"gradients, got {p.dtype} {tuple(p.shape)} with a {grad.dtype} gradient")
         pointers = torch.tensor([[t.data_ptr() for t in (p, g, s["exp_avg"], s["exp_avg_sq"])] for p, g, s in items],
                                 dtype=torch.int64)
@@ -207,7 +234,7 @@ class AdamWBf16State(torch.optim.Optimizer):
                 self._warned_unaligned = True
             for (p, grad, state), ok in zip(items, aligned.tolist()):
                 if not ok:
-                    adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], scalars)
+                    adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], scalars, grad_scale)
             items, pointers = [item for item, ok in zip(items, aligned.tolist()) if ok], pointers[aligned]
             if not items:
                 return
@@ -217,11 +244,11 @@ class AdamWBf16State(torch.optim.Optimizer):
             self._tables[key] = _BlockTable(numels, device)
         table = self._tables[key]
         pointers = pointers.T.contiguous().to(device, non_blocking=True)
-        scalars_t = torch.tensor(scalars, dtype=torch.float32).to(device, non_blocking=True)
+        scalars_t = torch.tensor([*scalars, grad_scale], dtype=torch.float32).to(device, non_blocking=True)
         # the rounding's random stream: drawn from torch's CPU generator (saved in checkpoints)
         seed = int(torch.randint(0, 2**31 - len(items), ()))
         kernel = _triton_kernel()
         for (block_tensor, block_start), tail in ((table.full, False), (table.tail, True)):
             if block_tensor.numel():
                 kernel[(block_tensor.numel(),)](block_tensor, block_start, *pointers, table.numels, scalars_t, seed,
-                                                BLOCK=BLOCK, TAIL=tail)
+                                                BLOCK=BLOCK, TAIL=tail, GRAD_BF16=grad_dtype == torch.bfloat16)

@@ -10,7 +10,9 @@ trainer uses.
 
 `--adam-state-dtype bf16` swaps the inner torch AdamW (megatron's or `CpuAdamW`'s) for
 `train.adamw_bf16_state.AdamWBf16State`: the same update on the same fp32 master weights,
-with the two Adam moments stored in bf16 (4 bytes per parameter instead of 8).
+with the two Adam moments stored in bf16 (4 bytes per parameter instead of 8). Under megatron's
+DistributedOptimizer `use_fast_step` replaces its step's norm and clipping (and, with
+AdamWBf16State, its fp32 copy of every gradient).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 
 from train.adamw_bf16_state import AdamWBf16State
 
@@ -107,8 +111,79 @@ def use_bf16_adam_state(optimizer) -> None:
         megatron_opt.init_state_fn = lambda opt, config=None: opt.init_state()
 
 
-def build_optimizer(model, config: OptimizerConfig, cuda: bool, adam_state_dtype: str = "fp32"):
-    """`adam_state_dtype`: fp32 (torch's AdamW) | bf16 (`AdamWBf16State`)."""
+def global_grad_norm(grads: list[torch.Tensor], group) -> float:
+    """L2 norm of all `grads` (any float dtype, accumulated in fp32) over the process `group`:
+    one multi-tensor norm, one all-reduce and one host sync (megatron's fallback without Apex
+    or Transformer Engine syncs once per tensor)."""
+    if grads:
+        squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+    else:
+        squares = torch.zeros((), dtype=torch.float32, device=torch.cuda.current_device())
+    dist.all_reduce(squares, group=group)
+    return float(squares.sqrt())
+
+
+def use_fast_step(optimizer) -> None:
+    """megatron's DistributedOptimizer step, without what its fallbacks for missing Apex /
+    Transformer Engine cost: the gradient norm there syncs the host once per tensor, and
+    clipping allocates a scaled copy of each gradient. Here the norm is one multi-tensor pass
+    and one sync (`global_grad_norm`, the same quantity: each parameter counted once across
+    tensor-parallel ranks and shared copies), and clipping is one in-place foreach multiply (the
+    same fp32 multiply megatron does), so the update is unchanged.
+
+    With `AdamWBf16State` inside, the update also reads each fp32 master shard's gradient
+    straight from megatron's (bf16 or fp32) gradient buffer, as `decoupled_grad`, instead of
+    from the fp32 copy megatron makes of every gradient before the step (4 bytes per parameter,
+    all alive at once: 8 GiB at 2B parameters); clipping is then folded into the update
+    (`AdamWBf16State.grad_scale`), so the gradients are not written either. Megatron's own route
+    to this is its precision-aware optimizer, which needs Transformer Engine's FusedAdam.
+
+    Two methods of the live objects are replaced: the (chained) optimizer's `step`, and for
+    AdamWBf16State each distributed optimizer's gradient copy."""
+    # stub optimizers hold no parameters on this rank; megatron's prepare/step skip them
+    subs = [sub for sub in getattr(optimizer, "chained_optimizers", [optimizer]) if not sub.is_stub_optimizer]
+    if not all(isinstance(sub, DistributedOptimizer) and sub.grad_scaler is None for sub in subs):
+        raise TypeError("use_fast_step: needs megatron DistributedOptimizer(s) without a loss scaler "
+                        "(bf16 or fp32 training)")
+
+    def point_at_grad_buffer(sub: DistributedOptimizer) -> None:
+        for model_groups, shard_groups in ((sub.model_float16_groups, sub.shard_fp32_from_float16_groups),
+                                           (sub.model_fp32_groups, sub.shard_fp32_groups)):
+            for model_group, shard_group in zip(model_groups, shard_groups):
+                for model_param, shard_param in zip(model_group, shard_group):
+                    span = sub._get_model_param_range_map(model_param)["param"]
+                    shard_param.decoupled_grad = model_param.main_grad.view(-1)[span.start:span.end]
+
+    def grads(sub: DistributedOptimizer, for_norm: bool) -> list[torch.Tensor]:
+        tp_group = getattr(sub, "tp_group", None)
+        return [g for p in sub.get_parameters() if (g := AdamWBf16State.gradient(p)) is not None
+                and (not for_norm or (param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, tp_group)))]
+
+    @torch.no_grad()
+    def step():
+        for sub in subs:
+            sub.prepare_grads()  # no loss scaler, so no inf check to act on
+        norm = global_grad_norm([g for sub in subs for g in grads(sub, for_norm=True)],
+                                subs[0].get_grad_stats_parallel_group())
+        for sub in subs:
+            clip = sub.config.clip_grad
+            coefficient = clip / (norm + 1.0e-6) if clip > 0 else 1.0  # megatron's rule
+            if isinstance(sub.optimizer, AdamWBf16State):
+                sub.optimizer.grad_scale = min(coefficient, 1.0)
+            elif coefficient < 1.0:
+                torch._foreach_mul_(grads(sub, for_norm=False), coefficient)
+        return optimizer.step_with_ready_grads(), norm, None
+
+    for sub in subs:
+        if isinstance(sub.optimizer, AdamWBf16State):
+            sub._copy_model_grads_to_main_grads = lambda sub=sub: point_at_grad_buffer(sub)
+    optimizer.step = step
+
+
+def build_optimizer(model, config: OptimizerConfig, cuda: bool, adam_state_dtype: str = "fp32",
+                    fast_step: bool = True):
+    """`adam_state_dtype`: fp32 (torch's AdamW) | bf16 (`AdamWBf16State`). `fast_step`: with
+    megatron's distributed optimizer, `use_fast_step` (False: megatron's own step, for A/B)."""
     if not cuda:
         return CpuAdamW(model, config, adam_state_dtype)
     optimizer = get_megatron_optimizer(config, [model])
@@ -116,4 +191,6 @@ def build_optimizer(model, config: OptimizerConfig, cuda: bool, adam_state_dtype
         use_fused_adamw(optimizer)
     else:
         use_bf16_adam_state(optimizer)
+    if fast_step and config.use_distributed_optimizer:
+        use_fast_step(optimizer)
     return optimizer
