@@ -113,7 +113,8 @@ def test_resume_equals_uninterrupted_run(shards, full_run, tmp_path):
 def test_bf16_adam_state_trains_and_resumes_bitwise(shards, full_run, tmp_path):
     """--adam-state-dtype bf16: the checkpoint holds bf16 moments, the losses follow the fp32-state
     run's, a stop/resume equals the uninterrupted run bitwise (the stochastic rounding draws
-    from the RNG state the checkpoint saved), and an fp32-state checkpoint resumes as bf16."""
+    from the RNG state the checkpoint saved), and a checkpoint resumes with the other setting
+    in either direction."""
     args = [*BASE, "--data", str(shards), "--train-steps", "6", "--save-every", "3", "--adam-state-dtype", "bf16"]
     full, part = tmp_path / "full", tmp_path / "part"
     ok(run_train([*args, "--out", str(full)]))
@@ -139,6 +140,21 @@ def test_bf16_adam_state_trains_and_resumes_bitwise(shards, full_run, tmp_path):
         state = torch.load(out / "checkpoints/step_00000006/rank_00000.pt", weights_only=False)["optimizer"]["state"]
         assert state and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.bfloat16 for s in state.values())
         assert all(float(s["step"]) == 6 for s in state.values())
+    # and back: bf16 moments saved at step 3 continue as fp32 ones (torch's AdamW again). Step 4's
+    # loss is the bf16 run's; step 5's update starts from the same bf16-valued moments in fp32 math
+    back = tmp_path / "back"
+    shutil.copytree(part / "checkpoints" / "step_00000003", back / "checkpoints" / "step_00000003")
+    (back / "checkpoints" / "latest").write_text("step_00000003")
+    fp32_args = [a for a in args if a not in ("--adam-state-dtype", "bf16")]
+    ok(run_train([*fp32_args, "--out", str(back), "--resume"]))
+    assert [m["step"] for m in metrics(back)] == [4, 5, 6]
+    back_losses = [m["loss"] for m in metrics(back)]
+    assert back_losses[0] == losses[3]
+    np.testing.assert_allclose(back_losses, losses[3:], rtol=2e-3)
+    state = torch.load(back / "checkpoints/step_00000006/rank_00000.pt", weights_only=False)["optimizer"]
+    assert all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32 for s in state["state"].values())
+    assert all(float(s["step"]) == 6 for s in state["state"].values())
+    assert all("amsgrad" in g for g in state["param_groups"])  # torch's AdamW wrote it
 
 
 def test_data_parallel_matches_single_process(shards, full_run, tmp_path):
@@ -305,6 +321,15 @@ def test_gpu_bf16_grads_and_adam_state_with_distributed_optimizer(shards, tmp_pa
     np.testing.assert_allclose([m["loss"] for m in part], [m["loss"] for m in full], rtol=2e-3)
     np.testing.assert_allclose([m["loss"] for m in full], [m["loss"] for m in fp32], rtol=2e-2)
     assert np.mean([m["loss"] for m in full[-2:]]) < np.mean([m["loss"] for m in full[:2]])
+    # the bf16 checkpoint resumed with fp32 moments: torch's fused AdamW again, counting on
+    back = tmp_path / "back"
+    shutil.copytree(ckpt, back / "checkpoints" / ckpt.name)
+    (back / "checkpoints" / "latest").write_text(ckpt.name)
+    ok(run_train([*common, "--grad-dtype", "bf16", "--out", str(back), "--resume"]))
+    groups = saved_param_groups(back / "checkpoints/step_00000006/rank_00000.pt")
+    assert groups and all(g["fused"] and not g["foreach"] for g in groups), "not torch's fused AdamW after the switch"
+    assert {g["step"] for g in groups} == {6}
+    np.testing.assert_allclose([m["loss"] for m in metrics(back)], [m["loss"] for m in full[3:]], rtol=2e-3)
 
 
 @pytest.mark.gpu

@@ -90,13 +90,19 @@ def use_fused_adamw(optimizer) -> None:
     and step) to torch's fused CUDA kernel (one pass over each tensor list). Without Transformer
     Engine or Apex megatron builds the torch optimizer with its defaults, which on CUDA means
     foreach; the update is the same. Set on the live groups, so the flag is saved with the
-    optimizer state and `step` tensors stay on the device, where the fused kernel wants them."""
+    optimizer state. Called again after a resume: a checkpoint written with bf16 moments
+    (`AdamWBf16State`) carries no such flag and keeps its `step` counts on the host, where the
+    fused kernel cannot read them."""
     for megatron_opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         opt = getattr(megatron_opt, "optimizer", None)
         if isinstance(opt, torch.optim.AdamW):
             opt.defaults.update(fused=True, foreach=False)
             for group in opt.param_groups:
                 group.update(fused=True, foreach=False)
+                for p in group["params"]:
+                    state = opt.state.get(p)
+                    if state and "step" in state:
+                        state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
 def use_bf16_adam_state(optimizer) -> None:

@@ -37,7 +37,7 @@ from train.metrics import MetricsLogger, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
 from train.model.qwen_vl import transformer_config
-from train.optim import build_optimizer as make_optimizer
+from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.parallel import ParallelInfo, build_model, destroy_parallel, init_parallel
 
 
@@ -204,6 +204,8 @@ def train(config: TrainConfig) -> dict:
     step = 0
     if config.resume:
         step = checkpoint.resume(out, model, optimizer, scheduler, data, info)
+        if cuda and config.adam_state_dtype == "fp32":
+            use_fused_adamw(optimizer)  # the checkpoint may come from a run with bf16 moments
     logger = MetricsLogger(out, config, info, enabled=info.is_main)
     forward_step = make_forward_step(data, dtype)
     seq_length = config.seq_len * config.micro_batch_packs
