@@ -37,8 +37,6 @@ from train.convert import shard_shapes  # noqa: E402
 from train.model.arch import builtin_arch  # noqa: E402
 from train.adamw_bf16_state import AdamWBf16State  # noqa: E402
 
-INFO = None  # megatron's parallel state (part 2)
-
 
 def make_optimizer(kind: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
     if kind == "torch-fused-fp32":
@@ -85,7 +83,7 @@ MEGATRON_SETTINGS = {  # name: (gradient buffer dtype, Adam state dtype, `use_fa
 }
 
 
-def measure_megatron(setting: str, arch_name: str, warmup: int, steps: int) -> dict:
+def measure_megatron(setting: str, arch_name: str, warmup: int, steps: int, info) -> dict:
     """`optimizer.step()` of the trainer's optimizer over the real model's gradient buffers."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -99,7 +97,7 @@ def measure_megatron(setting: str, arch_name: str, warmup: int, steps: int) -> d
     arch = builtin_arch(arch_name)
     config = transformer_config(arch, params_dtype=torch.bfloat16, bf16=True)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grad_dtype == "fp32", use_distributed_optimizer=True), build_model(arch, config, INFO))
+        grad_reduce_in_fp32=grad_dtype == "fp32", use_distributed_optimizer=True), build_model(arch, config, info))
     optimizer = build_optimizer(model, OptimizerConfig(
         optimizer="adam", lr=1e-5, weight_decay=0.1, clip_grad=1.0, bf16=True, params_dtype=torch.bfloat16,
         use_distributed_optimizer=True), cuda=True, adam_state_dtype=state_dtype, fast_step=fast)
@@ -154,19 +152,19 @@ def main() -> int:
     report = {"command": "python3 " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "tensors": len(numels),
               "values": sum(numels), "runs": runs, "best": best, "ours_over_torch": ratio}
     if args.megatron:
-        global INFO
         from train.parallel import init_parallel
 
-        INFO = init_parallel(1, 1, device="cuda")
+        info = init_parallel(1, 1, device="cuda")
         megatron = {name: [] for name in MEGATRON_SETTINGS}
         for _ in range(args.rounds):
             for name in MEGATRON_SETTINGS:
-                megatron[name].append(measure_megatron(name, args.arch, args.warmup, args.steps))
+                megatron[name].append(measure_megatron(name, args.arch, args.warmup, args.steps, info))
         report["megatron"] = {name: min(r, key=lambda x: x["step_ms"]) for name, r in megatron.items()}
         report["megatron_runs"] = megatron
-        megatron_step, fast_step = list(report["megatron"].values())[0::2], list(report["megatron"].values())[1::2]
+        by_setting = {MEGATRON_SETTINGS[name]: result for name, result in report["megatron"].items()}
         report["fast_over_megatron"] = {}
-        for dtype, base, fast in zip(("fp32", "bf16"), megatron_step, fast_step):
+        for dtype in ("fp32", "bf16"):
+            base, fast = by_setting[(dtype, dtype, False)], by_setting[(dtype, dtype, True)]
             ratio = {key: fast[key] / base[key] for key in ("step_ms", "peak_gib")}
             report["fast_over_megatron"][dtype] = ratio
             print(f"{dtype} grads + state, fast / megatron's step: step time {ratio['step_ms']:.2f}x, "
