@@ -64,6 +64,12 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def start_run_from(checkpoint: Path, out: Path) -> None:
+    """A new run directory whose latest checkpoint is a copy of `checkpoint` (for --resume)."""
+    shutil.copytree(checkpoint, out / "checkpoints" / checkpoint.name)
+    (out / "checkpoints" / "latest").write_text(checkpoint.name)
+
+
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -129,8 +135,7 @@ def test_bf16_adam_state_trains_and_resumes_bitwise(shards, full_run, tmp_path):
     # switching a run's setting on resume (e.g. after running out of memory): fp32 moments saved
     # at step 3 continue as bf16 ones; step 4's loss comes before the first bf16 update
     switched = tmp_path / "switched"
-    shutil.copytree(full_run / "checkpoints" / "step_00000003", switched / "checkpoints" / "step_00000003")
-    (switched / "checkpoints" / "latest").write_text("step_00000003")
+    start_run_from(full_run / "checkpoints" / "step_00000003", switched)
     ok(run_train([*args, "--out", str(switched), "--resume"]))
     assert [m["step"] for m in metrics(switched)] == [4, 5, 6]
     switched_losses = [m["loss"] for m in metrics(switched)]
@@ -143,8 +148,7 @@ def test_bf16_adam_state_trains_and_resumes_bitwise(shards, full_run, tmp_path):
     # and back: bf16 moments saved at step 3 continue as fp32 ones (torch's AdamW again). Step 4's
     # loss is the bf16 run's; step 5's update starts from the same bf16-valued moments in fp32 math
     back = tmp_path / "back"
-    shutil.copytree(part / "checkpoints" / "step_00000003", back / "checkpoints" / "step_00000003")
-    (back / "checkpoints" / "latest").write_text("step_00000003")
+    start_run_from(part / "checkpoints" / "step_00000003", back)
     fp32_args = [a for a in args if a not in ("--adam-state-dtype", "bf16")]
     ok(run_train([*fp32_args, "--out", str(back), "--resume"]))
     assert [m["step"] for m in metrics(back)] == [4, 5, 6]
@@ -323,8 +327,7 @@ def test_gpu_bf16_grads_and_adam_state_with_distributed_optimizer(shards, tmp_pa
     assert np.mean([m["loss"] for m in full[-2:]]) < np.mean([m["loss"] for m in full[:2]])
     # the bf16 checkpoint resumed with fp32 moments: torch's fused AdamW again, counting on
     back = tmp_path / "back"
-    shutil.copytree(ckpt, back / "checkpoints" / ckpt.name)
-    (back / "checkpoints" / "latest").write_text(ckpt.name)
+    start_run_from(ckpt, back)
     ok(run_train([*common, "--grad-dtype", "bf16", "--out", str(back), "--resume"]))
     groups = saved_param_groups(back / "checkpoints/step_00000006/rank_00000.pt")
     assert groups and all(g["fused"] and not g["foreach"] for g in groups), "not torch's fused AdamW after the switch"
