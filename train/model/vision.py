@@ -380,18 +380,25 @@ class VisionTower(nn.Module):
             x, row, col = x[_host_to(perm, dev)], row[perm], col[perm]
             windowed = (_host_to(cu_window, dev), _max_len(cu_window))
         cos, sin = self._rotary(_host_to(row, dev), _host_to(col, dev))
+        out, deepstack = self.encode(x, *full, *windowed, cos, sin)
+        if arch.family == "qwen2.5-vl":
+            out = out[_host_to(torch.argsort(window_index), dev)]  # back to the input's token order
+        return out, deepstack
 
+    def encode(self, x: Tensor, cu_full: Tensor, max_full: int, cu_windowed: Tensor, max_windowed: int,
+               cos: Tensor, sin: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """The blocks and mergers on embedded patches: everything of the tower that runs on the
+        GPU alone, with no host work (`benchmarks/vision_speed.py` compiles it as one graph)."""
+        arch = self.arch
         deepstack_slot = {layer: i for i, layer in enumerate(arch.deepstack_visual_indexes)}
         deepstack = []
         for layer, block in enumerate(self.blocks):
-            cu_seqlens, max_seqlen = full if layer in arch.fullatt_block_indexes else windowed
+            cu_seqlens, max_seqlen = ((cu_full, max_full) if layer in arch.fullatt_block_indexes
+                                      else (cu_windowed, max_windowed))
             if self.recompute and torch.is_grad_enabled():  # keep only block inputs; redo blocks in backward
                 x = torch.utils.checkpoint.checkpoint(block, x, cu_seqlens, max_seqlen, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cu_seqlens, max_seqlen, cos, sin)
             if layer in deepstack_slot:
                 deepstack.append(self.deepstack_merger_list[deepstack_slot[layer]](x))
-        out = self.merger(x)
-        if arch.family == "qwen2.5-vl":
-            out = out[_host_to(torch.argsort(window_index), dev)]  # back to the input's token order
-        return out, deepstack
+        return self.merger(x), deepstack
