@@ -543,6 +543,8 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
 
 
 def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
+    from train.trainer import is_out_of_memory
+
     device = torch.device(args.device)
     attempts = []
     recompute = args.recompute
@@ -551,7 +553,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
         try:
             probe, config, result, wall = _train_once(args, data_dir, run_dir, recompute, device)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
-            if not _is_oom(exc):
+            if not is_out_of_memory(exc):
                 raise
             oom = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         if oom is None:
@@ -711,13 +713,6 @@ def isolated_vision(probe: TrainerProbe, args, device: torch.device, in_step: di
 # ------------------------------------------------------------------------------------------ HF
 
 
-def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
-
-
 def hf_model_class(arch):
     """transformers' class for the arch's family (Qwen3VL... or Qwen2_5_VL...ForConditionalGeneration)."""
     import transformers
@@ -776,6 +771,8 @@ class HFTrainer:
 
     def try_step(self, batch: dict) -> tuple[bool, float | None, float]:
         """(fits, loss, seconds); out-of-memory is caught and the allocator cache emptied."""
+        from train.trainer import is_out_of_memory
+
         if self.cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -785,7 +782,7 @@ class HFTrainer:
                 torch.cuda.synchronize()
             return True, loss, time.perf_counter() - t0
         except (torch.OutOfMemoryError, RuntimeError) as exc:
-            if not _is_oom(exc):
+            if not is_out_of_memory(exc):
                 raise
         # outside the except block: the traceback (and the tensors its frames hold) is gone
         self.optimizer.zero_grad(set_to_none=True)

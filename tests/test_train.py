@@ -46,12 +46,30 @@ REPORT_MODULES = ("import json, sys; from shards_schema.cli import main; rc = ma
                   "open(sys.argv[1], 'w').write(json.dumps(sorted(sys.modules))); sys.exit(rc)")
 
 
-def run_train(args: list[str], *, nproc: int = 1, timeout: int = 600, modules_to: Path | None = None):
-    """A training process of its own (fresh sys.modules and process groups), like a real launch."""
+# `vlmpack train ...` whose second global batch fails as CUDA does when memory runs out.
+OOM_AT_STEP_2 = """
+import sys, torch, train.trainer as trainer
+real, calls = trainer.run_global_batch, []
+def run_global_batch(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return real(*args, **kwargs)
+trainer.run_global_batch = run_global_batch
+sys.exit(trainer.main(sys.argv[1:]))
+"""
+
+
+def run_train(args: list[str], *, nproc: int = 1, timeout: int = 600, modules_to: Path | None = None,
+              code: str | None = None):
+    """A training process of its own (fresh sys.modules and process groups), like a real launch;
+    `code` runs in place of `python -m train.trainer` (same arguments)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     if modules_to is not None:
         cmd = [sys.executable, "-c", REPORT_MODULES, str(modules_to), *args]
+    elif code is not None:
+        cmd = [sys.executable, "-c", code, *args]
     elif nproc == 1:
         cmd = [sys.executable, "-m", "train.trainer", *args]
     else:
@@ -184,6 +202,33 @@ def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_out_of_memory_names_the_settings_that_fit_and_keeps_the_checkpoint(shards, tmp_path):
+    out = tmp_path / "oom"
+    proc = run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--save-every", "1",
+                      "--micro-batch-packs", "2"], code=OOM_AT_STEP_2)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "out of GPU memory" in proc.stderr and "Tried to allocate 2.00 GiB" in proc.stderr
+    for lever in ("--grad-dtype bf16 --adam-state-dtype bf16", "--recompute full", "--micro-batch-packs 1",
+                  "shorter --seq-len than 1024", "--resume"):
+        assert lever in proc.stderr, lever
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000001"  # the step before the failure is kept
+
+
+def test_out_of_memory_is_recognised_from_every_layer_that_reports_it():
+    from torch.distributed import DistBackendError
+
+    from train.trainer import is_out_of_memory
+
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    # NCCL allocates its buffers at the first collective: a full GPU fails there, not in torch
+    assert is_out_of_memory(DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:3690, unhandled cuda error; "
+                                             "Last error: Failed to CUDA calloc 6291456 bytes"))
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert not is_out_of_memory(RuntimeError("shape '[2, 3]' is invalid for input of size 7"))
+    assert not is_out_of_memory(ValueError("out of memory"))  # not a runtime failure
 
 
 def test_deepstack_layers_must_be_on_the_first_stage(shards, tmp_path):

@@ -261,6 +261,40 @@ def train(config: TrainConfig) -> dict:
     return result
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A CUDA allocation failure, whichever layer reports it: torch's allocator, cuBLAS, or NCCL
+    allocating its buffers lazily at the first collective ("Failed to CUDA calloc")."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        sign in text for sign in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA calloc", "cudaErrorMemoryAllocation"))
+
+
+def out_of_memory_advice(config: TrainConfig, exc: BaseException) -> str:
+    """What ran out, and the settings that lower memory, cheapest in speed first."""
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    where = ""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+        where = f" (peak {torch.cuda.max_memory_allocated() / 2**30:.1f} of {total:.1f} GiB allocated)"
+    levers = []
+    if "fp32" in (config.grad_dtype, config.adam_state_dtype):
+        levers.append("--grad-dtype bf16 --adam-state-dtype bf16 (half the gradient and Adam-moment memory)")
+    if config.recompute != "full":
+        levers.append("--recompute full (decoder layers recomputed in backward)")
+    elif config.recompute_layers is not None:
+        levers.append(f"a larger --recompute-layers than {config.recompute_layers}, or none (every layer recomputed)")
+    if config.recompute_vision is False:
+        levers.append("--recompute-vision true")
+    if config.micro_batch_packs > 1:
+        levers.append("--micro-batch-packs 1 (more micro-batches, same global batch)")
+    levers.append(f"a shorter --seq-len than {config.seq_len}")
+    levers.append("--tp 2 / --pp 2 over more GPUs")
+    return (f"out of GPU memory{where}: {first_line}\nTo fit, try (cheapest first): " + "; ".join(levers)
+            + ". The last checkpoint in --out is intact; continue with --resume.")
+
+
 class Train:
     """`vlmpack train ...` (the dispatcher's entry); `python -m train.trainer` is the same."""
 
@@ -286,6 +320,11 @@ class Train:
         except (ConfigError, ValueError, FileNotFoundError) as exc:
             print(f"vlmpack train: error: {exc}", file=sys.stderr)
             return 2
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            if not is_out_of_memory(exc):
+                raise
+            print(f"vlmpack train: error: {out_of_memory_advice(config, exc)}", file=sys.stderr)
+            return 3
         finally:
             destroy_parallel()
         if result.get("final_step"):
