@@ -46,14 +46,16 @@ REPORT_MODULES = ("import json, sys; from shards_schema.cli import main; rc = ma
                   "open(sys.argv[1], 'w').write(json.dumps(sorted(sys.modules))); sys.exit(rc)")
 
 
-# `vlmpack train ...` whose second global batch fails as CUDA does when memory runs out.
-OOM_AT_STEP_2 = """
-import sys, torch, train.trainer as trainer
+def on_second_global_batch(action: str) -> str:
+    """`python -c` code running `vlmpack train` (argv as given) with `action`, Python source, run
+    as the second global batch starts."""
+    return f"""
+import os, signal, sys, torch, train.trainer as trainer
 real, calls = trainer.run_global_batch, []
 def run_global_batch(*args, **kwargs):
     calls.append(1)
     if len(calls) == 2:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        {action}
     return real(*args, **kwargs)
 trainer.run_global_batch = run_global_batch
 sys.exit(trainer.main(sys.argv[1:]))
@@ -68,13 +70,12 @@ def run_train(args: list[str], *, nproc: int = 1, timeout: int = 600, modules_to
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     if modules_to is not None:
         cmd = [sys.executable, "-c", REPORT_MODULES, str(modules_to), *args]
-    elif code is not None:
-        cmd = [sys.executable, "-c", code, *args]
     elif nproc == 1:
-        cmd = [sys.executable, "-m", "train.trainer", *args]
+        cmd = [sys.executable, *(["-c", code] if code else ["-m", "train.trainer"]), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(29600 + os.getpid() % 300), "-m", "train.trainer", *args]
+               "--master-port", str(29600 + os.getpid() % 300),
+               *(["--no-python", sys.executable, "-c", code] if code else ["-m", "train.trainer"]), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -204,10 +205,50 @@ def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message)
     assert "Traceback" not in proc.stderr
 
 
+def test_preemption_signal_saves_the_step_and_resumes_like_the_uninterrupted_run(shards, full_run, tmp_path):
+    """SIGTERM reaches rank 0 alone, mid-step: both DP ranks finish that step, save it and exit 0."""
+    out = tmp_path / "preempted"
+    args = [*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "6", "--save-every", "3"]
+    sigterm_on_rank_0 = 'if os.environ["RANK"] == "0": os.kill(os.getpid(), signal.SIGTERM)'
+    proc = ok(run_train(args, nproc=2, code=on_second_global_batch(sigterm_on_rank_0)))
+    assert "SIGTERM: step 2 saved" in proc.stderr
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
+    assert [m["step"] for m in metrics(out)] == [1, 2]
+    ok(run_train([*args, "--resume"], nproc=2))
+    resumed = [m["loss"] for m in metrics(out)]
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(resumed, [m["loss"] for m in metrics(full_run)], rtol=2e-5)  # DP=2 vs 1 process
+
+
+# A scheduler signals every process of the job: the loader's workers get SIGTERM too.
+SIGTERM_TO_THE_PROCESS_GROUP = """
+import json, os, signal, sys
+from train.loader import PackedLoader
+from train.preemption import StopRequest
+loader = PackedLoader([sys.argv[1]], seq_len=int(sys.argv[2]), global_batch_packs=2, num_workers=2)
+with StopRequest() as stop:
+    packs = iter(loader)
+    first = next(packs)
+    os.killpg(0, signal.SIGTERM)
+    rest = list(packs)  # the epoch's other packs still come from the same workers
+print(json.dumps({"signal": stop.received.name, "packs": 1 + len(rest), "epoch": len(loader)}))
+"""
+
+
+def test_loader_workers_outlive_a_preemption_signal_to_the_whole_job(shards):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_TO_THE_PROCESS_GROUP, str(shards), str(SEQ_LEN)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["signal"] == "SIGTERM" and report["packs"] == report["epoch"] > 1
+
+
 def test_out_of_memory_names_the_settings_that_fit_and_keeps_the_checkpoint(shards, tmp_path):
     out = tmp_path / "oom"
     proc = run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--save-every", "1",
-                      "--micro-batch-packs", "2"], code=OOM_AT_STEP_2)
+                      "--micro-batch-packs", "2"],
+                     code=on_second_global_batch('raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")'))
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "out of GPU memory" in proc.stderr and "Tried to allocate 2.00 GiB" in proc.stderr

@@ -42,6 +42,7 @@ from shards_schema.pixels import pixel_values_from_patches
 
 from .pack_plan import DEFAULT_BLOCK_SIZE, PackPlan, build_pack_plan, open_source, plan_request, source_fingerprint
 from .packed_batch import DEFAULT_PAD_TOKEN_ID, assemble_pack, pixel_rows
+from .preemption import ignore_stop_signals
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
@@ -214,8 +215,10 @@ class PackedLoader:
         self.pad_to_seq_len = pad_to_seq_len
         self.cache_dir = cache_dir
         self.loader_kwargs = dict(num_workers=num_workers, pin_memory=pin_memory)
-        if num_workers > 0 and prefetch_factor is not None:
-            self.loader_kwargs["prefetch_factor"] = prefetch_factor
+        if num_workers > 0:
+            self.loader_kwargs["worker_init_fn"] = ignore_stop_signals  # a preemption notice is the trainer's
+            if prefetch_factor is not None:
+                self.loader_kwargs["prefetch_factor"] = prefetch_factor
         self.epoch = 0
         self.position = 0  # packs of this epoch consumed by this rank
         self._dataset: PackedDataset | None = None

@@ -39,6 +39,7 @@ from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
 from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.parallel import ParallelInfo, build_model, destroy_parallel, init_parallel
+from train.preemption import StopRequest
 
 
 class ConfigError(ValueError):
@@ -114,14 +115,17 @@ def make_forward_step(data: TrainData, dtype: torch.dtype):
     return forward_step
 
 
-def reduce_loss(losses: list[dict], info: ParallelInfo) -> tuple[float, int]:
-    """(mean loss per target token, target tokens) of the global batch, on every rank."""
-    total = torch.zeros(2, dtype=torch.float64, device=info.device)
+def reduce_loss(losses: list[dict], info: ParallelInfo, stop: bool = False) -> tuple[float, int, bool]:
+    """(mean loss per target token, target tokens, whether any rank asked to stop) of the global
+    batch, on every rank: the stop request rides the loss's all-reduce (one collective a step)."""
+    total = torch.zeros(3, dtype=torch.float64, device=info.device)
     if info.last_stage and info.tp_rank == 0:
         for item in losses:
-            total += item["loss"].to(torch.float64)
+            total[:2] += item["loss"].to(torch.float64)
+    total[2] = float(stop)
     dist.all_reduce(total)
-    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
+    loss, target_tokens, stops = total.tolist()
+    return loss / max(target_tokens, 1.0), int(target_tokens), stops > 0
 
 
 def run_global_batch(model, micro_batches: list[dict], forward_step, seq_length: int, pp: int,
@@ -156,7 +160,8 @@ def evaluate(model, data: TrainData, forward_step, seq_length: int, info: Parall
         for micro_batches in data.eval_batches():
             losses += run_global_batch(model, micro_batches, forward_step, seq_length, data.config.pp, forward_only=True)
     model.train()
-    return reduce_loss(losses, info)
+    loss, target_tokens, _ = reduce_loss(losses, info)
+    return loss, target_tokens
 
 
 def train(config: TrainConfig) -> dict:
@@ -216,44 +221,50 @@ def train(config: TrainConfig) -> dict:
     model.train()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    while step < config.train_steps:
-        t0 = time.perf_counter()
-        micro_batches = data.next_global_batch()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = run_global_batch(model, micro_batches, forward_step, seq_length, config.pp, forward_only=False)
-        update_ok, grad_norm, _ = optimizer.step()
-        if update_ok:
-            scheduler.step(increment=1)
-        loss, target_tokens = reduce_loss(losses, info)
-        step += 1
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        tokens = data.global_batch_tokens(micro_batches)
-        record = {"step": step, "loss": loss, "target_tokens": target_tokens, "tokens": tokens,
-                  "lr": scheduler.get_lr(optimizer.param_groups[0]), "grad_norm": grad_norm,
-                  "skipped": not update_ok, "step_seconds": seconds, "tokens_per_s": tokens / seconds,
-                  "tokens_per_s_per_gpu": tokens / seconds / info.world,
-                  "mfu": tokens * n_lm / seconds / world_flops if world_flops else None,
-                  "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                  # > 0 and growing: the allocator had to free its cache and retry, a stall of the
-                  # whole step; use more recompute (--recompute-layers) or shorter packs
-                  "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None}
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}: lower --lr, check the data with `vlmpack verify`")
-        if config.eval_data and config.eval_every and step % config.eval_every == 0:
-            record["eval_loss"], record["eval_target_tokens"] = evaluate(model, data, forward_step, seq_length, info)
-        if step % config.log_every == 0 or step == config.train_steps:
-            logger.log(record)
-        exiting = bool(config.exit_interval) and step % config.exit_interval == 0
-        final = step == config.train_steps and config.save_final
-        if (config.save_every and step % config.save_every == 0) or final or exiting:
-            checkpoint.save(out, step, model, optimizer, scheduler, data, config, arch, info)
-            last_saved = step
-        result = {**result, **record}
-        if exiting:
-            break
+    with StopRequest() as stop:  # a scheduler's SIGTERM/SIGUSR1: finish the step, save, exit 0
+        while step < config.train_steps:
+            t0 = time.perf_counter()
+            micro_batches = data.next_global_batch()
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = run_global_batch(model, micro_batches, forward_step, seq_length, config.pp, forward_only=False)
+            update_ok, grad_norm, _ = optimizer.step()
+            if update_ok:
+                scheduler.step(increment=1)
+            loss, target_tokens, stop_requested = reduce_loss(losses, info, stop.requested)
+            step += 1
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            tokens = data.global_batch_tokens(micro_batches)
+            record = {"step": step, "loss": loss, "target_tokens": target_tokens, "tokens": tokens,
+                      "lr": scheduler.get_lr(optimizer.param_groups[0]), "grad_norm": grad_norm,
+                      "skipped": not update_ok, "step_seconds": seconds, "tokens_per_s": tokens / seconds,
+                      "tokens_per_s_per_gpu": tokens / seconds / info.world,
+                      "mfu": tokens * n_lm / seconds / world_flops if world_flops else None,
+                      "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                      # > 0 and growing: the allocator had to free its cache and retry, a stall of the
+                      # whole step; use more recompute (--recompute-layers) or shorter packs
+                      "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None}
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {step}: lower --lr, check the data with `vlmpack verify`")
+            if config.eval_data and config.eval_every and step % config.eval_every == 0:
+                record["eval_loss"], record["eval_target_tokens"] = evaluate(model, data, forward_step, seq_length, info)
+            if step % config.log_every == 0 or step == config.train_steps:
+                logger.log(record)
+            exiting = (bool(config.exit_interval) and step % config.exit_interval == 0) or stop_requested
+            final = step == config.train_steps and config.save_final
+            if (config.save_every and step % config.save_every == 0) or final or exiting:
+                checkpoint.save(out, step, model, optimizer, scheduler, data, config, arch, info)
+                last_saved = step
+            result = {**result, **record}
+            if stop_requested:
+                if info.is_main:
+                    print(f"vlmpack train: {stop.received.name if stop.received else 'a stop signal on another rank'}: "
+                          f"step {step} saved to {out}; continue with --resume", file=sys.stderr, flush=True)
+                result["stopped_by_signal"] = True
+            if exiting:
+                break
     logger.close()
     if config.export_hf and step == last_saved:
         checkpoint.export_hf_from_run(out, step, config.export_hf, info)
