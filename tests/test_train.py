@@ -463,3 +463,19 @@ def test_gpu_compiled_model_equals_eager(shards):
             assert diff <= 0.05 * ref.abs().max().item() + 1e-3, f"{name}: max diff {diff:.3e}"
     finally:
         destroy_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_preemption_signal_saves_the_step_and_resumes(shards, tmp_path):
+    """SIGTERM mid-step on a GPU run: NCCL carries the stop request, the distributed optimizer's
+    state is saved with the step, and the resumed run goes on from the next step."""
+    out = tmp_path / "preempted"
+    common = [*BASE, *GPU, "--data", str(shards), "--out", str(out), "--train-steps", "4", "--save-every", "3"]
+    proc = ok(run_train(common, code=on_second_global_batch("os.kill(os.getpid(), signal.SIGTERM)")))
+    assert "SIGTERM: step 2 saved" in proc.stderr
+    ckpt = out / "checkpoints" / "step_00000002"
+    assert (out / "checkpoints" / "latest").read_text() == ckpt.name
+    assert list(ckpt.glob("optimizer_param_state_*.pt")), "distributed optimizer state was not saved"
+    ok(run_train([*common, "--resume"]))
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
