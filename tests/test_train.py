@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -206,12 +207,13 @@ def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message)
 
 
 def test_preemption_signal_saves_the_step_and_resumes_like_the_uninterrupted_run(shards, full_run, tmp_path):
-    """SIGTERM reaches rank 0 alone, mid-step: both DP ranks finish that step, save it and exit 0."""
+    """SIGTERM reaches rank 1 alone, mid-step: both DP ranks finish that step, save it and exit 0."""
     out = tmp_path / "preempted"
     args = [*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "6", "--save-every", "3"]
-    sigterm_on_rank_0 = 'if os.environ["RANK"] == "0": os.kill(os.getpid(), signal.SIGTERM)'
-    proc = ok(run_train(args, nproc=2, code=on_second_global_batch(sigterm_on_rank_0)))
-    assert "SIGTERM: step 2 saved" in proc.stderr
+    sigterm_on_rank_1 = 'if os.environ["RANK"] == "1": os.kill(os.getpid(), signal.SIGTERM)'
+    proc = ok(run_train(args, nproc=2, code=on_second_global_batch(sigterm_on_rank_1)))
+    assert "a stop signal on another rank: step 2 saved" in proc.stderr  # rank 0 reports
+    assert '"stopped_by_signal": true' in proc.stdout
     assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
     assert [m["step"] for m in metrics(out)] == [1, 2]
     ok(run_train([*args, "--resume"], nproc=2))
@@ -220,16 +222,17 @@ def test_preemption_signal_saves_the_step_and_resumes_like_the_uninterrupted_run
     np.testing.assert_allclose(resumed, [m["loss"] for m in metrics(full_run)], rtol=2e-5)  # DP=2 vs 1 process
 
 
-# A scheduler signals every process of the job: the loader's workers get SIGTERM too.
+# A scheduler signals every process of the job, the loader's workers too (here `kill`, another
+# process, signals the whole process group).
 SIGTERM_TO_THE_PROCESS_GROUP = """
-import json, os, signal, sys
+import json, os, subprocess, sys
 from train.loader import PackedLoader
 from train.preemption import StopRequest
 loader = PackedLoader([sys.argv[1]], seq_len=int(sys.argv[2]), global_batch_packs=2, num_workers=2)
 with StopRequest() as stop:
     packs = iter(loader)
     first = next(packs)
-    os.killpg(0, signal.SIGTERM)
+    subprocess.run(["kill", "-s", "TERM", "--", f"-{os.getpgid(0)}"])
     rest = list(packs)  # the epoch's other packs still come from the same workers
 print(json.dumps({"signal": stop.received.name, "packs": 1 + len(rest), "epoch": len(loader)}))
 """
@@ -244,6 +247,30 @@ def test_loader_workers_outlive_a_preemption_signal_to_the_whole_job(shards):
     assert report["signal"] == "SIGTERM" and report["packs"] == report["epoch"] > 1
 
 
+def _worker_with_stop_signal_filter() -> None:
+    from train.preemption import ignore_stop_signals
+
+    ignore_stop_signals(0)
+    time.sleep(60)
+
+
+def test_a_loader_worker_ends_on_its_parents_sigterm_only():
+    """Others' SIGTERM/SIGUSR1 are ignored; the parent's (torch's and multiprocessing's last resort
+    for a worker that does not stop) ends it at once, so no worker can hold the job's exit."""
+    import multiprocessing
+
+    worker = multiprocessing.get_context("fork").Process(target=_worker_with_stop_signal_filter, daemon=True)
+    worker.start()
+    time.sleep(1.0)  # the filter is installed
+    for sig in ("TERM", "USR1"):
+        subprocess.run(["kill", "-s", sig, str(worker.pid)], check=True)  # from another process
+    worker.join(timeout=1.5)
+    assert worker.is_alive()
+    worker.terminate()  # SIGTERM from the parent
+    worker.join(timeout=10)
+    assert worker.exitcode == 0
+
+
 def test_out_of_memory_names_the_settings_that_fit_and_keeps_the_checkpoint(shards, tmp_path):
     out = tmp_path / "oom"
     proc = run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--save-every", "1",
@@ -252,10 +279,13 @@ def test_out_of_memory_names_the_settings_that_fit_and_keeps_the_checkpoint(shar
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "out of GPU memory" in proc.stderr and "Tried to allocate 2.00 GiB" in proc.stderr
-    for lever in ("--grad-dtype bf16 --adam-state-dtype bf16", "--recompute full", "--micro-batch-packs 1",
-                  "shorter --seq-len than 1024", "--resume"):
-        assert lever in proc.stderr, lever
-    assert (out / "checkpoints" / "latest").read_text() == "step_00000001"  # the step before the failure is kept
+    resumable, new_run, saved = proc.stderr.split("To fit, try (cheapest first): ")[1].split("\n")[:3]
+    for lever in ("--grad-dtype bf16 --adam-state-dtype bf16", "--recompute full", "--micro-batch-packs 1 (more"):
+        assert lever in resumable, lever
+    assert "shorter --seq-len than 1024" in new_run and "--tp 2 or --pp 2" in new_run
+    checkpoint = out / "checkpoints" / "step_00000001"  # the step before the failure is kept
+    assert (out / "checkpoints" / "latest").read_text() == checkpoint.name
+    assert f"Checkpoint {checkpoint} is intact: --resume" in saved and f"--init {checkpoint / 'model'}" in saved
 
 
 def test_out_of_memory_is_recognised_from_every_layer_that_reports_it():
@@ -468,8 +498,9 @@ def test_gpu_compiled_model_equals_eager(shards):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_preemption_signal_saves_the_step_and_resumes(shards, tmp_path):
-    """SIGTERM mid-step on a GPU run: NCCL carries the stop request, the distributed optimizer's
-    state is saved with the step, and the resumed run goes on from the next step."""
+    """SIGTERM mid-step on a GPU run: the stop request goes through the NCCL all-reduce (one rank
+    here; across ranks the CPU test checks it), the distributed optimizer's state is saved with
+    the step, and the resumed run goes on from the next step."""
     out = tmp_path / "preempted"
     common = [*BASE, *GPU, "--data", str(shards), "--out", str(out), "--train-steps", "4", "--save-every", "3"]
     proc = ok(run_train(common, code=on_second_global_batch("os.kill(os.getpid(), signal.SIGTERM)")))

@@ -248,7 +248,7 @@ def train(config: TrainConfig) -> dict:
                       "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None}
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {step}: lower --lr, check the data with `vlmpack verify`")
-            if config.eval_data and config.eval_every and step % config.eval_every == 0:
+            if config.eval_data and config.eval_every and step % config.eval_every == 0 and not stop_requested:
                 record["eval_loss"], record["eval_target_tokens"] = evaluate(model, data, forward_step, seq_length, info)
             if step % config.log_every == 0 or step == config.train_steps:
                 logger.log(record)
@@ -266,7 +266,7 @@ def train(config: TrainConfig) -> dict:
             if exiting:
                 break
     logger.close()
-    if config.export_hf and step == last_saved:
+    if config.export_hf and step == config.train_steps == last_saved:  # not after a stop: the run goes on later
         checkpoint.export_hf_from_run(out, step, config.export_hf, info)
     result["final_step"] = step
     return result
@@ -283,27 +283,36 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def out_of_memory_advice(config: TrainConfig, exc: BaseException) -> str:
-    """What ran out, and the settings that lower memory, cheapest in speed first."""
+    """What ran out, the settings that lower memory (cheapest in speed first), and how to go on."""
     first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
     where = ""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
         where = f" (peak {torch.cuda.max_memory_allocated() / 2**30:.1f} of {total:.1f} GiB allocated)"
-    levers = []
-    if "fp32" in (config.grad_dtype, config.adam_state_dtype):
-        levers.append("--grad-dtype bf16 --adam-state-dtype bf16 (half the gradient and Adam-moment memory)")
+    resumable, new_run = [], []  # settings --resume accepts / settings that change the data order or layout
+    if config.bf16 and "fp32" in (config.grad_dtype, config.adam_state_dtype):
+        resumable.append("--grad-dtype bf16 --adam-state-dtype bf16 (half the gradient and Adam-moment memory)")
     if config.recompute != "full":
-        levers.append("--recompute full (decoder layers recomputed in backward)")
+        resumable.append("--recompute full (decoder layers recomputed in backward)")
     elif config.recompute_layers is not None:
-        levers.append(f"a larger --recompute-layers than {config.recompute_layers}, or none (every layer recomputed)")
+        resumable.append(f"more --recompute-layers than {config.recompute_layers}, or drop the flag (every layer recomputed)")
     if config.recompute_vision is False:
-        levers.append("--recompute-vision true")
+        resumable.append("--recompute-vision true")
     if config.micro_batch_packs > 1:
-        levers.append("--micro-batch-packs 1 (more micro-batches, same global batch)")
-    levers.append(f"a shorter --seq-len than {config.seq_len}")
-    levers.append("--tp 2 / --pp 2 over more GPUs")
-    return (f"out of GPU memory{where}: {first_line}\nTo fit, try (cheapest first): " + "; ".join(levers)
-            + ". The last checkpoint in --out is intact; continue with --resume.")
+        if config.global_batch_packs or config.global_batch_tokens:
+            resumable.append("--micro-batch-packs 1 (more micro-batches, the same global batch)")
+        else:  # the global batch defaults to dp x micro-batch packs: it would shrink
+            new_run.append("--micro-batch-packs 1 with --global-batch-packs set to keep the global batch")
+    new_run.append(f"a shorter --seq-len than {config.seq_len}")
+    new_run.append(f"--tp {2 * config.tp} or --pp {2 * config.pp} over more GPUs")
+    lines = [f"out of GPU memory{where}: {first_line}"]
+    if resumable:
+        lines.append("To fit, try (cheapest first): " + "; ".join(resumable) + ".")
+    lines.append(("Or, as a new run: " if resumable else "To fit, start a new run with: ") + "; ".join(new_run) + ".")
+    saved = checkpoint.latest_checkpoint(Path(config.out))
+    lines.append(f"Checkpoint {saved} is intact: --resume continues it with the first kind of change; a new run "
+                 f"starts from its weights with --init {saved / 'model'}." if saved else "No checkpoint was saved yet.")
+    return "\n".join(lines)
 
 
 class Train:
@@ -339,7 +348,8 @@ class Train:
         finally:
             destroy_parallel()
         if result.get("final_step"):
-            print(json.dumps({k: result[k] for k in ("start_step", "final_step", "loss") if k in result}))
+            keys = ("start_step", "final_step", "loss", "stopped_by_signal")
+            print(json.dumps({k: result[k] for k in keys if k in result}))
         return 0
 
 
