@@ -63,12 +63,16 @@ sys.exit(trainer.main(sys.argv[1:]))
 """
 
 
+def process_env() -> dict:
+    """The environment of a child Python process that imports this checkout."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+
 def run_train(args: list[str], *, nproc: int = 1, timeout: int = 600, modules_to: Path | None = None,
               code: str | None = None):
     """A training process of its own (fresh sys.modules and process groups), like a real launch;
     `code` runs in place of `python -m train.trainer` (same arguments)."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    env = {**process_env(), "OMP_NUM_THREADS": "1"}
     if modules_to is not None:
         cmd = [sys.executable, "-c", REPORT_MODULES, str(modules_to), *args]
     elif nproc == 1:
@@ -239,9 +243,8 @@ print(json.dumps({"signal": stop.received.name, "packs": 1 + len(rest), "epoch":
 
 
 def test_loader_workers_outlive_a_preemption_signal_to_the_whole_job(shards):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-c", SIGTERM_TO_THE_PROCESS_GROUP, str(shards), str(SEQ_LEN)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+                          env=process_env(), capture_output=True, text=True, timeout=300, start_new_session=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["signal"] == "SIGTERM" and report["packs"] == report["epoch"] > 1
