@@ -63,7 +63,7 @@ from train.pack_plan import WebDatasetSource, build_pack_plan
 from train.packed_batch import assemble_pack, pixel_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TEMPLATE = REPO_ROOT.parent / "shared" / "fixtures" / "qwen3_vl_instruct.chat_template.jinja"
+DEFAULT_TEMPLATE = REPO_ROOT / "tests" / "fixtures" / "qwen3_vl_instruct.chat_template.jinja"
 
 
 # --------------------------------------------------------------------------- data

@@ -4,6 +4,8 @@ Every per-row failure in the preprocessing stage is raised as `RejectError`; the
 catches it, writes one line to `rejects.jsonl` and goes on with the next row.
 """
 
+from shards_schema.errors import UserError
+
 
 class RejectError(Exception):
     """A row that cannot become a training sample. `code` groups rejects in reports."""
@@ -14,5 +16,5 @@ class RejectError(Exception):
         self.message = message
 
 
-class ConfigError(Exception):
+class ConfigError(UserError):
     """A job-level mistake (bad --model dir, unknown profile, bad flags): fail before any work."""

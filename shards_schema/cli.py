@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from .errors import UserError, user_error_from_os_error
+
 # name -> ("module:object", one-line help)
 COMMANDS = {
     "quickstart": ("preprocess.cli:Quickstart", "preprocess a generated example dataset (no download) and show the result"),
@@ -51,7 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"vlmpack {name}", description=help_)
     command.add_arguments(parser)
     args = parser.parse_args(argv[1:])
-    return int(command.run(args) or 0)
+    try:
+        return int(command.run(args) or 0)
+    except UserError as exc:
+        return _fail(name, exc)
+    except OSError as exc:
+        mapped = user_error_from_os_error(exc)
+        if mapped is None:
+            raise
+        return _fail(name, mapped)
+
+
+def _fail(name: str, exc: UserError) -> int:
+    """A user error: one line on stderr, the error's exit code, no traceback."""
+    print(f"vlmpack {name}: error: {exc}", file=sys.stderr)
+    return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .errors import UserError
 from .schema import FORMAT_NAME, SCHEMA_VERSION
 
 MANIFEST_NAME = "manifest.json"
@@ -18,7 +19,7 @@ PARTS_DIR = "_parts"  # the preprocessing job's work area (unit commit records):
 TOTAL_KEYS = ("rows", "tokens", "target_tokens", "images", "patches", "bytes")
 
 
-class ShardFormatError(Exception):
+class ShardFormatError(UserError):
     """A shard directory that is missing, incomplete, or from an incompatible version."""
 
 

@@ -1,11 +1,11 @@
-"""Shared test fixtures: the official chat templates beside the checkout and the built-in profiles."""
+"""Shared test fixtures: the official chat templates (tests/fixtures/) and the built-in profiles."""
 
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES_DIR = REPO_ROOT.parent / "shared" / "fixtures"
+FIXTURES_DIR = REPO_ROOT / "tests" / "fixtures"
 TEMPLATE_FILES = {
     "qwen3-vl": FIXTURES_DIR / "qwen3_vl_instruct.chat_template.jinja",
     "qwen2.5-vl": FIXTURES_DIR / "qwen2_5_vl_instruct.chat_template.jinja",

@@ -617,3 +617,16 @@ def test_model_dir_with_modified_template_is_refused(tmp_path, builtin_profiles,
     (tmp_path / "chat_template.jinja").write_text(official_template["qwen3-vl"].replace("<tools>", "<functions>"))
     with pytest.raises(ConfigError, match="not one vlmpack renders natively"):
         profile_from_model_dir(tmp_path)
+
+
+def test_vendored_templates_are_the_published_bytes():
+    """Each vendored template's sha256 equals the one its provenance note records."""
+    import hashlib
+
+    from tests.conftest import FIXTURES_DIR, TEMPLATE_FILES
+
+    note = (FIXTURES_DIR / "README.md").read_text(encoding="utf-8")
+    for path in TEMPLATE_FILES.values():
+        row = next(line for line in note.splitlines() if line.startswith(f"| `{path.name}`"))
+        recorded = row.split("|")[4].strip().strip("`")
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == recorded, path.name

@@ -1,0 +1,83 @@
+"""Output directories that one job owns at a time.
+
+Every command that writes a directory (preprocess, merge, import, export, train's --out)
+takes an exclusive lock on it first: `flock` on `DIR/.vlmpack.lock`, which the kernel
+releases when the process dies however it dies (kill -9 included), so a stale lock never
+blocks a re-run. The lock file also records who holds it, so the second job's message
+names the first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import UserError
+
+LOCK_NAME = ".vlmpack.lock"
+
+
+def prepare_output_dir(path: str | Path, *, what: str = "--out") -> Path:
+    """Create `path` (and parents) as a directory, or explain in one line why it cannot be."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path} is a file, not a directory: pass a directory path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:
+        raise UserError(f"{what} {path}: a file stands in the path ({exc.filename}): pass a directory path") from None
+    except PermissionError:
+        raise UserError(f"{what} {path}: permission denied creating it: choose a directory you can write") from None
+    except OSError as exc:
+        raise UserError(f"{what} {path}: cannot create it ({exc.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {path} is not writable: choose a directory you can write, or fix its permissions")
+    return path
+
+
+def user_entries(path: Path) -> list[str]:
+    """Names in `path` other than the lock file: what makes a directory non-empty to a job."""
+    return sorted(name for name in os.listdir(path) if name != LOCK_NAME)
+
+
+@contextmanager
+def exclusive_output_dir(path: str | Path, command: str, *, what: str = "--out"):
+    """Hold `path` for this process until the block ends; UserError if another job holds it.
+
+    Yields the directory as a Path (created if needed).
+    """
+    path = prepare_output_dir(path, what=what)
+    lock_path = path / LOCK_NAME
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UserError(f"{what} {path}: cannot create the lock file {LOCK_NAME} ({exc.strerror}): "
+                        "choose a writable directory") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"{what} {path} is in use by another job ({_holder(fd)}): wait for it to finish, "
+                            "or choose another directory") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[1:]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder, ensure_ascii=True) + "\n").encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (ValueError, OSError):
+        return "holder unknown"
+    return (f"vlmpack {info.get('command', '?')}, pid {info.get('pid', '?')} on {info.get('host', '?')}, "
+            f"since {info.get('started', '?')}")
