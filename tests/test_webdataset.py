@@ -177,6 +177,38 @@ def test_max_tar_bytes_bounds_tars(shard_dir, source, tmp_path):
     assert_same_sample(WebDatasetShards(tmp_path / "tiny")[7], source[7], "one-per-tar sample 7")
 
 
+def test_sample_stats_from_tar_headers_match_the_arrow_counts(exported, shard_dir, tmp_path):
+    out, _ = exported
+    want = open_shards(shard_dir).sample_stats()
+    dataset = WebDatasetShards(out)
+    stats = dataset.sample_stats()
+    assert sorted(stats) == ["num_images", "num_patches", "num_tokens"]
+    for name, values in stats.items():
+        assert values.dtype == np.int64 and np.array_equal(values, want[name]), name
+    assert want["num_images"].max() >= 2 and want["num_patches"].min() == 0  # multi-image and text-only samples
+    stats["num_tokens"][0] = -1  # callers get copies of the cached arrays
+    assert np.array_equal(dataset.sample_stats()["num_tokens"], want["num_tokens"])
+    assert dataset.directory == out
+    one_each = tmp_path / "one_each"  # one sample per tar: a walk per tar, same global order
+    export_webdataset(shard_dir, one_each, samples_per_tar=1)
+    for name, values in WebDatasetShards(one_each).sample_stats().items():
+        assert np.array_equal(values, want[name]), name
+
+
+def test_sample_stats_refuse_a_tar_that_does_not_match_the_index(exported, tmp_path):
+    tardir = _copy(exported, tmp_path)
+    tar = tardir / "vlmpack-000001.tar"
+    data = bytearray(tar.read_bytes())
+    start = json.loads((tardir / INDEX_NAME).read_text())["tars"][1]["sample_offsets"][2]
+    data[start + 1] = ord("9")  # the name of sample s000000008's first member
+    tar.write_bytes(bytes(data))
+    with pytest.raises(WebDatasetFormatError, match=rf"vlmpack-000001\.tar: sample s000000008 \(byte {start}\): expected member image_grid_thw\.npy"):
+        WebDatasetShards(tardir).sample_stats()
+    tar.write_bytes(bytes(data[:start]))
+    with pytest.raises(WebDatasetFormatError, match=rf"vlmpack-000001\.tar: {start} bytes, index\.json says"):
+        WebDatasetShards(tardir).sample_stats()
+
+
 # ---------------------------------------------------------------------------- damaged exports
 
 
