@@ -431,7 +431,7 @@ def _check_rows(batches, entry: dict, ctx: _Context, name: str, log: _FaultLog, 
             # slices of bounded token count keep the flat temporaries small whatever the batch holds
             offsets = _offsets(batch, "input_ids")
             for r0, r1 in _row_slices(offsets - offsets[0], ROWS_SLICE_TOKENS):
-                _check_batch(batch.slice(r0, r1 - r0), row0 + r0, ctx, name, log)
+                _check_batch(_RowSlice.of(batch.slice(r0, r1 - r0), row0 + r0, ctx, name, log))
             uids.append(batch.column("sample_uid"))
         row0 += batch.num_rows
         if on_rows:
@@ -449,86 +449,125 @@ def _row_slices(offsets: np.ndarray, max_tokens: int):
         start = stop
 
 
-def _check_batch(batch: pa.RecordBatch, row0: int, ctx: _Context, name: str, log: _FaultLog) -> None:
-    n = batch.num_rows
-    W, m = ctx.patch_row_width, ctx.merge_size
-    views = {}
-    for col, dtype in (("input_ids", np.int32), ("loss_mask", np.uint8), ("position_ids", np.int32), ("image_grid_thw", np.int32)):
-        off, vals = list_views(batch.column(col), dtype)
-        off = off.astype(np.int64)
-        views[col] = (off - off[0], vals[off[0] : off[-1]])
-    ioff, ids = views["input_ids"]
-    loff, lm = views["loss_mask"]
-    poff, pos = views["position_ids"]
-    goff, grid = views["image_grid_thw"]
-    xoff = _offsets(batch, "pixel_patches")
-    num_targets_col = batch.column("num_target_tokens").to_numpy().astype(np.int64)
-    uid_col = batch.column("sample_uid")
-    L = np.diff(ioff)
-    uid = lambda r: uid_col[r].as_py()  # noqa: E731  (only for the few faults described)
+@dataclass
+class _RowSlice:
+    """One slice of a record batch as flat numpy views: each list column is `values` cut by
+    per-row `offsets` (rebased to start at 0), plus where the slice is and where faults go."""
+
+    shard: str  # file name in DIR
+    row0: int  # shard row of the slice's first row
+    log: _FaultLog
+    special: dict | None  # token name -> id, None when the manifest lacks them
+    merge_size: int | None
+    patch_row_width: int
+    ids: np.ndarray  # input_ids values, int32
+    ioff: np.ndarray
+    lm: np.ndarray  # loss_mask values, uint8
+    loff: np.ndarray
+    pos: np.ndarray  # position_ids values, int32 (3 x L per row)
+    poff: np.ndarray
+    grid: np.ndarray  # image_grid_thw values, int32 (3 per image)
+    goff: np.ndarray
+    xoff: np.ndarray  # pixel_patches byte offsets (values never read)
+    num_targets: np.ndarray  # the num_target_tokens column, int64
+    uids: pa.Array  # the sample_uid column
+    L: np.ndarray  # tokens per row
+    K: np.ndarray  # images per row (grid values // 3)
+
+    @classmethod
+    def of(cls, batch: pa.RecordBatch, row0: int, ctx: _Context, shard: str, log: _FaultLog) -> "_RowSlice":
+        views = {}
+        for col, dtype in (("input_ids", np.int32), ("loss_mask", np.uint8), ("position_ids", np.int32), ("image_grid_thw", np.int32)):
+            off, vals = list_views(batch.column(col), dtype)
+            off = off.astype(np.int64)
+            views[col] = (off - off[0], vals[off[0] : off[-1]])
+        (ioff, ids), (loff, lm), (poff, pos), (goff, grid) = (
+            views[c] for c in ("input_ids", "loss_mask", "position_ids", "image_grid_thw")
+        )
+        return cls(
+            shard=shard, row0=row0, log=log, special=ctx.special, merge_size=ctx.merge_size, patch_row_width=ctx.patch_row_width,
+            ids=ids, ioff=ioff, lm=lm, loff=loff, pos=pos, poff=poff, grid=grid, goff=goff,
+            xoff=_offsets(batch, "pixel_patches"),
+            num_targets=batch.column("num_target_tokens").to_numpy().astype(np.int64),
+            uids=batch.column("sample_uid"), L=np.diff(ioff), K=np.diff(goff) // 3,
+        )
+
+    def __len__(self) -> int:
+        return len(self.L)
+
+    def uid(self, r: int) -> str:
+        """sample_uid of slice row `r` (only for the few faults described)."""
+        return self.uids[r].as_py()
+
+    def add_rows(self, kind: str, rows: np.ndarray, describe) -> None:
+        """One fault per slice row in `rows`; `describe(r)` for the kept ones."""
+        self.log.add_rows(kind, self.shard, self.row0, rows, describe)
+
+
+def _check_batch(s: _RowSlice) -> None:
+    n, W, m, L, uid = len(s), s.patch_row_width, s.merge_size, s.L, s.uid
+    ioff, loff, poff, goff = s.ioff, s.loff, s.poff, s.goff
 
     # --- lengths that tie the columns to the token count
     bad_lm_len = np.flatnonzero(np.diff(loff) != L)
-    log.add_rows("loss_mask_length", name, row0, bad_lm_len,
-                 lambda r: f"loss_mask has {loff[r + 1] - loff[r]} values for {L[r]} tokens (sample {uid(r)})")
+    s.add_rows("loss_mask_length", bad_lm_len,
+               lambda r: f"loss_mask has {loff[r + 1] - loff[r]} values for {L[r]} tokens (sample {uid(r)})")
     bad_pos_len = np.diff(poff) != 3 * L
-    log.add_rows("position_ids_length", name, row0, np.flatnonzero(bad_pos_len),
-                 lambda r: f"position_ids has {poff[r + 1] - poff[r]} values, expected 3 x {L[r]} tokens (sample {uid(r)})")
+    s.add_rows("position_ids_length", np.flatnonzero(bad_pos_len),
+               lambda r: f"position_ids has {poff[r + 1] - poff[r]} values, expected 3 x {L[r]} tokens (sample {uid(r)})")
 
     # --- image grids, pixel rows, image pads, vision markers
-    special, structure_ok = ctx.special, np.ones(n, dtype=bool)
+    structure_ok = np.ones(n, dtype=bool)
     glen = np.diff(goff)
-    K = glen // 3
     bad_glen = glen % 3 != 0
-    log.add_rows("image_grid", name, row0, np.flatnonzero(bad_glen),
-                 lambda r: f"image_grid_thw has {glen[r]} values, not a multiple of 3 (sample {uid(r)})")
+    s.add_rows("image_grid", np.flatnonzero(bad_glen),
+               lambda r: f"image_grid_thw has {glen[r]} values, not a multiple of 3 (sample {uid(r)})")
     structure_ok &= ~bad_glen
     if bad_glen.any():
         structure_ok[:] = False  # the flat [K, 3] view is misaligned for the whole batch
     else:
-        grids = grid.reshape(-1, 3).astype(np.int64)
-        img_row = np.repeat(np.arange(n), K)
+        grids = s.grid.reshape(-1, 3).astype(np.int64)
+        img_row = np.repeat(np.arange(n), s.K)
         bad_img = (grids < 1).any(axis=1)
         if m:
             bad_img |= (grids[:, 1:] % m != 0).any(axis=1)
         bad_grid_rows = np.unique(img_row[bad_img])
-        log.add_rows("image_grid", name, row0, bad_grid_rows, lambda r: (
+        s.add_rows("image_grid", bad_grid_rows, lambda r: (
             f"image grids {grids[goff[r] // 3 : goff[r + 1] // 3].tolist()} need t, h, w >= 1 with h, w divisible "
             f"by merge_size {m} (sample {uid(r)})"))
         structure_ok[bad_grid_rows] = False
         patches_img = grids.prod(axis=1)
         patches_row = _seg_sum(patches_img, goff // 3)
-        xlen = np.diff(xoff)
+        xlen = np.diff(s.xoff)
         bad_px = xlen != patches_row * W
-        log.add_rows("pixel_patches_length", name, row0, np.flatnonzero(bad_px), lambda r: (
+        s.add_rows("pixel_patches_length", np.flatnonzero(bad_px), lambda r: (
             f"pixel_patches has {xlen[r]:,} bytes, the grids need {patches_row[r]:,} patches x {W} = "
             f"{patches_row[r] * W:,} (sample {uid(r)})"))
         structure_ok &= ~bad_px
-        if special is not None and m:
-            _check_vision_tokens(ids, ioff, K, grids, img_row, bad_img, row0, name, log, special, m, uid, structure_ok)
-    if special is None or not m:
+        if s.special is not None and m:
+            _check_vision_tokens(s, grids, img_row, bad_img, structure_ok)
+    if s.special is None or not m:
         structure_ok[:] = False
 
     # --- loss mask
     if bad_lm_len.size == 0:
-        _check_loss_mask(ids, lm, ioff, num_targets_col, row0, name, log, special, uid)
+        _check_loss_mask(s)
 
     # --- positions: text-only rows vectorised, image rows through mrope_position_ids
-    check_pos = structure_ok & ~bad_pos_len
-    _check_positions(ids, pos, ioff, poff, goff, grid, K, L, check_pos, row0, name, log, special, m, uid)
+    _check_positions(s, structure_ok & ~bad_pos_len)
 
 
-def _check_vision_tokens(ids, ioff, K, grids, img_row, bad_img, row0, name, log, special, m, uid, structure_ok) -> None:
+def _check_vision_tokens(s: _RowSlice, grids: np.ndarray, img_row: np.ndarray, bad_img: np.ndarray, structure_ok: np.ndarray) -> None:
     """Image pads: count == patches / merge^2 per row, one contiguous run per image, each run
     wrapped by exactly one vision_start before and one vision_end after, no stray markers."""
-    n = len(K)
-    pad, vs, ve = special["image_pad"], special["vision_start"], special["vision_end"]
+    n, ids, ioff, K, m, uid = len(s), s.ids, s.ioff, s.K, s.merge_size, s.uid
+    pad, vs, ve = s.special["image_pad"], s.special["vision_start"], s.special["vision_end"]
     is_pad, is_vs, is_ve = ids == pad, ids == vs, ids == ve
     tokens_img = grids.prod(axis=1) // (m * m)
     expected_pads = _seg_sum(np.where(bad_img, 0, tokens_img), np.concatenate(([0], np.cumsum(K))))
     pads = _seg_sum(is_pad, ioff)
     bad_count = pads != expected_pads
-    log.add_rows("image_pad_count", name, row0, np.flatnonzero(bad_count), lambda r: (
+    s.add_rows("image_pad_count", np.flatnonzero(bad_count), lambda r: (
         f"{pads[r]} <|image_pad|> tokens, the {K[r]} image grid(s) need {expected_pads[r]} "
         f"(patches / merge_size^2) (sample {uid(r)})"))
     structure_ok &= ~bad_count
@@ -558,10 +597,10 @@ def _check_vision_tokens(ids, ioff, K, grids, img_row, bad_img, row0, name, log,
     bad_rows[np.searchsorted(ioff, np.flatnonzero(misplaced), side="right") - 1] = True
     bad_rows |= (runs != K) | (n_vs != K) | (n_ve != K)
     first_bad = {}
-    if bad_rows.any() and log.wants_examples("vision_markers"):
+    if bad_rows.any() and s.log.wants_examples("vision_markers"):
         rows_, firsts, _ = _first_per_row(np.flatnonzero(misplaced), ioff)
         first_bad = dict(zip(rows_.tolist(), firsts.tolist()))
-    log.add_rows("vision_markers", name, row0, np.flatnonzero(bad_rows), lambda r: (
+    s.add_rows("vision_markers", np.flatnonzero(bad_rows), lambda r: (
         f"{K[r]} image(s) but {runs[r]} image-pad runs, {n_vs[r]} <|vision_start|>, {n_ve[r]} <|vision_end|>"
         + (f"; first misplaced at token {first_bad[r]}" if r in first_bad else "")
         + f"; each image must be <|vision_start|> + its pads + <|vision_end|> (sample {uid(r)})"))
@@ -584,24 +623,24 @@ def _check_vision_tokens(ids, ioff, K, grids, img_row, bad_img, row0, name, log,
         wrong_rows, first = np.unique(img_row[wrong_img], return_index=True)
         first_img = dict(zip(wrong_rows.tolist(), wrong_img[first].tolist()))
         cum_k = np.concatenate(([0], np.cumsum(K)))
-        log.add_rows("image_pad_count", name, row0, wrong_rows, lambda r: (
+        s.add_rows("image_pad_count", wrong_rows, lambda r: (
             f"image {first_img[r] - cum_k[r]}: pad run of {wrong_len[first_img[r]]} tokens, its grid "
             f"{grids[first_img[r]].tolist()} needs {tokens_img[first_img[r]]} (sample {uid(r)})"))
         structure_ok[wrong_rows] = False
 
 
-def _check_loss_mask(ids, lm, ioff, num_targets_col, row0, name, log, special, uid) -> None:
-    L = np.diff(ioff)
+def _check_loss_mask(s: _RowSlice) -> None:
+    ids, lm, ioff, L, special, uid = s.ids, s.lm, s.ioff, s.L, s.special, s.uid
     bad_values = _seg_sum(lm > 1, ioff)
-    log.add_rows("loss_mask_values", name, row0, np.flatnonzero(bad_values), lambda r: (
+    s.add_rows("loss_mask_values", np.flatnonzero(bad_values), lambda r: (
         f"{bad_values[r]} loss_mask values outside {{0, 1}} (sample {uid(r)})"))
     targets = lm != 0
     n_targets = _seg_sum(targets, ioff)
     mask_sum = _seg_sum(lm, ioff)
-    bad_col = np.flatnonzero(num_targets_col != mask_sum)
-    log.add_rows("num_target_tokens", name, row0, bad_col, lambda r: (
-        f"num_target_tokens column says {num_targets_col[r]}, loss_mask sums to {mask_sum[r]} (sample {uid(r)})"))
-    log.add_rows("no_targets", name, row0, np.flatnonzero(n_targets == 0), lambda r: (
+    bad_col = np.flatnonzero(s.num_targets != mask_sum)
+    s.add_rows("num_target_tokens", bad_col, lambda r: (
+        f"num_target_tokens column says {s.num_targets[r]}, loss_mask sums to {mask_sum[r]} (sample {uid(r)})"))
+    s.add_rows("no_targets", np.flatnonzero(n_targets == 0), lambda r: (
         f"no target token in {L[r]} tokens: the sample trains nothing (sample {uid(r)})"))
     if special is None:
         return
@@ -611,7 +650,7 @@ def _check_loss_mask(ids, lm, ioff, num_targets_col, row0, name, log, special, u
     if on_vision.any():
         rows, first, counts = _first_per_row(np.flatnonzero(on_vision), ioff)
         info = {r: (f, c) for r, f, c in zip(rows.tolist(), first.tolist(), counts.tolist())}
-        log.add_rows("target_on_vision_token", name, row0, rows, lambda r: (
+        s.add_rows("target_on_vision_token", rows, lambda r: (
             f"{info[r][1]} target(s) on image pad / vision start / vision end tokens, first at token {info[r][0]} "
             f"(id {int(ids[ioff[r] + info[r][0]])}); image tokens are never targets (sample {uid(r)})"))
 
@@ -632,12 +671,12 @@ def _check_loss_mask(ids, lm, ioff, num_targets_col, row0, name, log, special, u
     if outside.any():
         rows, first, counts = _first_per_row(np.flatnonzero(outside), ioff)
         info = {r: (f, c) for r, f, c in zip(rows.tolist(), first.tolist(), counts.tolist())}
-        log.add_rows("target_outside_assistant", name, row0, rows, lambda r: (
+        s.add_rows("target_outside_assistant", rows, lambda r: (
             f"{info[r][1]} target(s) outside assistant turns, first at token {info[r][0]} (id {int(ids[ioff[r] + info[r][0]])}); "
             f"targets must lie after `<|im_start|>assistant\\n` and end with its `<|im_end|>` (sample {uid(r)})"))
 
 
-def _check_positions(ids, pos, ioff, poff, goff, grid, K, L, check, row0, name, log, special, m, uid) -> None:
+def _check_positions(s: _RowSlice, check: np.ndarray) -> None:
     """position_ids == mrope_position_ids(ids, grids) for every row in `check` (structurally sound rows).
 
     One call on the concatenation of those rows instead of one per row: the M-RoPE rule only
@@ -648,7 +687,8 @@ def _check_positions(ids, pos, ioff, poff, goff, grid, K, L, check, row0, name, 
     rows = np.flatnonzero(check)
     if rows.size == 0:
         return
-    pad_id = special["image_pad"]
+    ids, pos, ioff, poff, goff, grid, K, L, m = s.ids, s.pos, s.ioff, s.poff, s.goff, s.grid, s.K, s.L, s.merge_size
+    pad_id = s.special["image_pad"]
     Lr = L[rows]
     starts = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(Lr, out=starts[1:])
@@ -674,7 +714,7 @@ def _check_positions(ids, pos, ioff, poff, goff, grid, K, L, check, row0, name, 
         for i in np.flatnonzero(n_wrong).tolist():
             r = int(rows[i])
             bad[r] = True
-            if len(detail) < log.keep:
+            if len(detail) < s.log.keep:
                 seg = slice(starts[i], starts[i + 1])
                 a, t = np.argwhere(got[:, seg] != want[:, seg])[0].tolist()
                 detail[r] = (f"position_ids[{a}, {t}] = {int(got[a, seg][t])}, HF get_rope_index (mrope_position_ids) "
@@ -692,7 +732,7 @@ def _check_positions(ids, pos, ioff, poff, goff, grid, K, L, check, row0, name, 
                 a, t = np.argwhere(got != want)[0].tolist()
                 bad[r], detail[r] = True, (f"position_ids[{a}, {t}] = {int(got[a, t])}, HF get_rope_index gives "
                                            f"{int(want[a, t])}; {int((got != want).sum())} values differ")
-    log.add_rows("position_ids", name, row0, np.flatnonzero(bad), lambda r: f"{detail.get(r, 'wrong M-RoPE positions')} (sample {uid(r)})")
+    s.add_rows("position_ids", np.flatnonzero(bad), lambda r: f"{detail.get(r, 'wrong M-RoPE positions')} (sample {s.uid(r)})")
 
 
 # ---------------------------------------------------------------------------------------------
