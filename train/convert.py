@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
 from pathlib import Path
@@ -57,27 +58,114 @@ EMBED = LM + "embedding.word_embeddings.weight"
 OUTPUT = LM + "output_layer.weight"
 _LAYER_KEY = re.compile(r"^language_model\.decoder\.layers\.(\d+)\.(.+)$")
 
-# Families whose hub checkpoints (and transformers' save_pretrained) use the pre-5.x names.
-_LEGACY_HUB_NAMES = {"qwen2.5-vl"}
 
-# HF layer tensor -> megatron layer tensor, where the mapping is one to one.
-_LAYER_RENAMES = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
-    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
-}
-_QK_NORM_RENAMES = {
-    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
-    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+# --- the name table -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    """HF tensor(s) <-> one Megatron tensor, read in both directions.
+
+    Names are patterns: `{layer}` is a decoder layer number (the row holds for every layer), a
+    trailing `*` is any rest of the name, kept as it is. `transform` turns the HF tensors into
+    the Megatron one and back (`TRANSFORMS`); `tp_split` is how megatron divides the Megatron
+    tensor over TP ranks (`_split`); `only_if` names the `LMArch` flag the row needs ("not
+    FLAG": needs it false).
+    """
+
+    hf: tuple[str, ...]
+    megatron: str
+    transform: str = "copy"
+    tp_split: str = "replicated"
+    only_if: str | None = None
+
+    def applies(self, lm: LMArch) -> bool:
+        if self.only_if is None:
+            return True
+        flag = self.only_if.removeprefix("not ")
+        return bool(getattr(lm, flag)) == (flag == self.only_if)
+
+
+_HF_LAYER = HF_LM + "layers.{layer}."
+_LAYER = LM + "decoder.layers.{layer}."
+
+# Transformers 5.x names (every family's HF side) -> Megatron names of our `QwenVLModel`.
+WEIGHT_MAPPINGS = (
+    WeightMapping((HF_VISION + "*",), VISION + "*"),  # our VisionTower keeps HF's parameter names
+    WeightMapping((HF_LM + "embed_tokens.weight",), EMBED, tp_split="column"),
+    WeightMapping((HF_LM + "norm.weight",), LM + "decoder.final_layernorm.weight"),
+    WeightMapping((HF_LM_HEAD,), OUTPUT, tp_split="column", only_if="not tie_word_embeddings"),
+    WeightMapping((_HF_LAYER + "input_layernorm.weight",), _LAYER + "input_layernorm.weight"),
+    WeightMapping((_HF_LAYER + "post_attention_layernorm.weight",), _LAYER + "pre_mlp_layernorm.weight"),
+    WeightMapping((_HF_LAYER + "self_attn.q_norm.weight",), _LAYER + "self_attention.q_layernorm.weight", only_if="qk_norm"),
+    WeightMapping((_HF_LAYER + "self_attn.k_norm.weight",), _LAYER + "self_attention.k_layernorm.weight", only_if="qk_norm"),
+    WeightMapping(tuple(f"{_HF_LAYER}self_attn.{x}_proj.weight" for x in "qkv"), _LAYER + "self_attention.linear_qkv.weight",
+                  "qkv", "column"),
+    WeightMapping(tuple(f"{_HF_LAYER}self_attn.{x}_proj.bias" for x in "qkv"), _LAYER + "self_attention.linear_qkv.bias",
+                  "qkv", "column", only_if="qkv_bias"),
+    WeightMapping((_HF_LAYER + "self_attn.o_proj.weight",), _LAYER + "self_attention.linear_proj.weight", tp_split="row"),
+    WeightMapping((_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"), _LAYER + "mlp.linear_fc1.weight",
+                  "gate_up", "gated"),
+    WeightMapping((_HF_LAYER + "mlp.down_proj.weight",), _LAYER + "mlp.linear_fc2.weight", tp_split="row"),
+)
+
+# Families whose hub checkpoints (and transformers' save_pretrained) use the pre-5.x names:
+# family -> (transformers 5.x prefix, the hub's prefix) pairs.
+HUB_NAME_PREFIXES = {
+    "qwen2.5-vl": ((HF_VISION, "visual."), (HF_LM, "model.")),
 }
 
-# How megatron splits each language-model tensor over TP ranks; anything else is replicated.
-_TP_SPLIT = {
-    "self_attention.linear_qkv.weight": "column", "self_attention.linear_qkv.bias": "column",
-    "embedding.word_embeddings.weight": "column", "output_layer.weight": "column",
-    "self_attention.linear_proj.weight": "row", "mlp.linear_fc2.weight": "row",
-    "mlp.linear_fc1.weight": "gated",
+
+def _mapping_pattern(name: str) -> re.Pattern:
+    return re.compile("^" + re.escape(name).replace(re.escape("{layer}"), r"(?P<layer>\d+)").replace(
+        re.escape("*"), r"(?P<rest>.*)") + "$")
+
+
+_MEGATRON_PATTERNS = tuple((_mapping_pattern(m.megatron), m) for m in WEIGHT_MAPPINGS)
+
+
+def _name_pairs(lm: LMArch, source_names) -> list[tuple[WeightMapping, tuple[str, ...], str]]:
+    """(row, HF names, Megatron name) of every tensor of the model, layer by layer; a `*` row
+    lists the names of `source_names` that it matches (either side's names)."""
+    pairs = []
+    for m in WEIGHT_MAPPINGS:
+        if not m.applies(lm) or "{layer}" in m.megatron:
+            continue
+        if m.megatron.endswith("*"):
+            hf_prefix, mg_prefix = m.hf[0][:-1], m.megatron[:-1]
+            for name in source_names:
+                for prefix in (hf_prefix, mg_prefix):
+                    if name.startswith(prefix):
+                        rest = name.removeprefix(prefix)
+                        pairs.append((m, (hf_prefix + rest,), mg_prefix + rest))
+        else:
+            pairs.append((m, m.hf, m.megatron))
+    layer_rows = [m for m in WEIGHT_MAPPINGS if m.applies(lm) and "{layer}" in m.megatron]
+    for i in range(lm.num_layers):
+        pairs += [(m, tuple(h.format(layer=i) for h in m.hf), m.megatron.format(layer=i)) for m in layer_rows]
+    return pairs
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lm: LMArch) -> torch.Tensor:
+    """HF q/k/v projections (weights or biases) -> megatron's per-GQA-group [q..., k, v] rows.
+    HF's repeat_kv gives kv head g the q heads g*n..(g+1)*n-1, the same grouping megatron uses."""
+    groups, rest = lm.num_kv_heads, q.shape[1:]
+    parts = [q.reshape(groups, -1, *rest), k.reshape(groups, lm.head_dim, *rest), v.reshape(groups, lm.head_dim, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, lm: LMArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d, rest = lm.num_kv_heads, lm.head_dim, qkv.shape[1:]
+    q_rows = lm.num_heads // groups * d
+    parts = qkv.reshape(groups, q_rows + 2 * d, *rest).split([q_rows, d, d], dim=1)
+    return tuple(p.reshape(-1, *rest) for p in parts)
+
+
+# transform -> (HF tensors -> Megatron tensor, Megatron tensor -> HF tensors); "copy" shares the tensor.
+TRANSFORMS = {
+    "copy": (lambda tensors, lm: tensors[0], lambda tensor, lm: (tensor,)),
+    "qkv": (lambda tensors, lm: fuse_qkv(*tensors, lm), split_qkv),
+    "gate_up": (lambda tensors, lm: torch.cat(tensors), lambda tensor, lm: tuple(tensor.chunk(2))),
 }
 
 
@@ -85,13 +173,15 @@ _TP_SPLIT = {
 
 
 def canonical_hf_names(state: dict) -> dict:
-    """Hub Qwen2.5-VL names (`visual.*`, `model.layers.*`) -> transformers 5.x names."""
+    """Hub names of any family (`visual.*`, `model.layers.*`) -> transformers 5.x names."""
+    current = tuple(new for pairs in HUB_NAME_PREFIXES.values() for new, _ in pairs)
     out = {}
     for key, value in state.items():
-        if key.startswith("visual."):
-            key = "model." + key
-        elif key.startswith("model.") and not key.startswith((HF_LM, HF_VISION)):
-            key = HF_LM + key.removeprefix("model.")
+        if not key.startswith(current):
+            for new, old in (pair for pairs in HUB_NAME_PREFIXES.values() for pair in pairs):
+                if key.startswith(old):
+                    key = new + key.removeprefix(old)
+                    break
         if key in out:
             raise CheckpointError(f"{key} appears under both the old and the new Hugging Face names")
         out[key] = value
@@ -100,22 +190,15 @@ def canonical_hf_names(state: dict) -> dict:
 
 def hub_hf_names(state: dict, family: str) -> dict:
     """transformers 5.x names -> the names the family's hub checkpoints use."""
-    if family not in _LEGACY_HUB_NAMES:
-        return state
-    return {("model." + k.removeprefix(HF_LM) if k.startswith(HF_LM) else
-             k.removeprefix("model.") if k.startswith(HF_VISION) else k): v for k, v in state.items()}
-
-
-def _layer_renames(lm: LMArch) -> dict[str, str]:
-    return {**_LAYER_RENAMES, **(_QK_NORM_RENAMES if lm.qk_norm else {})}
-
-
-def _global_renames(lm: LMArch) -> dict[str, str]:
-    """HF -> megatron names of the tensors outside the layers (lm_head only when untied)."""
-    names = {HF_LM + "embed_tokens.weight": EMBED, HF_LM + "norm.weight": LM + "decoder.final_layernorm.weight"}
-    if not lm.tie_word_embeddings:
-        names[HF_LM_HEAD] = OUTPUT
-    return names
+    pairs = HUB_NAME_PREFIXES.get(family, ())
+    out = {}
+    for key, value in state.items():
+        for new, old in pairs:
+            if key.startswith(new):
+                key = old + key.removeprefix(new)
+                break
+        out[key] = value
+    return out
 
 
 # --- expected shapes ------------------------------------------------------------------------
@@ -135,7 +218,9 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
     if lm.qkv_bias:
         layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
-    shapes = {name: (v, h) if name != HF_LM + "norm.weight" else (h,) for name in _global_renames(lm)}
+    shapes = {HF_LM + "embed_tokens.weight": (v, h), HF_LM + "norm.weight": (h,)}
+    if not lm.tie_word_embeddings:
+        shapes[HF_LM_HEAD] = (v, h)
     for i in range(lm.num_layers):
         shapes.update({f"{HF_LM}layers.{i}.{k}": s for k, s in layer.items()})
     # Our VisionTower has HF's parameter names, so a meta-device instance lists them.
@@ -176,21 +261,6 @@ def check_state(state: dict, expected: dict[str, tuple[int, ...]], source: str) 
 # --- HF <-> full Megatron -------------------------------------------------------------------
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lm: LMArch) -> torch.Tensor:
-    """HF q/k/v projections (weights or biases) -> megatron's per-GQA-group [q..., k, v] rows.
-    HF's repeat_kv gives kv head g the q heads g*n..(g+1)*n-1, the same grouping megatron uses."""
-    groups, rest = lm.num_kv_heads, q.shape[1:]
-    parts = [q.reshape(groups, -1, *rest), k.reshape(groups, lm.head_dim, *rest), v.reshape(groups, lm.head_dim, *rest)]
-    return torch.cat(parts, dim=1).reshape(-1, *rest)
-
-
-def split_qkv(qkv: torch.Tensor, lm: LMArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, d, rest = lm.num_kv_heads, lm.head_dim, qkv.shape[1:]
-    q_rows = lm.num_heads // groups * d
-    parts = qkv.reshape(groups, q_rows + 2 * d, *rest).split([q_rows, d, d], dim=1)
-    return tuple(p.reshape(-1, *rest) for p in parts)
-
-
 def _drop_tied_lm_head(hf: dict, arch: ModelArch) -> dict:
     """A tied checkpoint may still store lm_head; transformers ignores it, so must it be a copy."""
     if not arch.lm.tie_word_embeddings or HF_LM_HEAD not in hf:
@@ -204,36 +274,18 @@ def _drop_tied_lm_head(hf: dict, arch: ModelArch) -> dict:
 
 def hf_to_megatron(hf_state: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """A whole HF checkpoint -> the full Megatron state dict (tensors shared where unchanged)."""
-    lm = arch.lm
     hf = _drop_tied_lm_head(canonical_hf_names(hf_state), arch)
     check_state(hf, hf_shapes(arch), "config.json")
-    out = {VISION + k.removeprefix(HF_VISION): t for k, t in hf.items() if k.startswith(HF_VISION)}
-    out.update({dst: hf[src] for src, dst in _global_renames(lm).items()})
-    for i in range(lm.num_layers):
-        src, dst = f"{HF_LM}layers.{i}.", f"{LM}decoder.layers.{i}."
-        out.update({dst + b: hf[src + a] for a, b in _layer_renames(lm).items()})
-        for kind in ("weight", "bias") if lm.qkv_bias else ("weight",):
-            qkv = [hf[f"{src}self_attn.{x}_proj.{kind}"] for x in "qkv"]
-            out[f"{dst}self_attention.linear_qkv.{kind}"] = fuse_qkv(*qkv, lm)
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
-    return out
+    return {megatron: TRANSFORMS[m.transform][0]([hf[n] for n in names], arch.lm)
+            for m, names, megatron in _name_pairs(arch.lm, hf)}
 
 
 def megatron_to_hf(full_state: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron`, in the names the family's hub checkpoints use."""
-    lm = arch.lm
     check_state(full_state, megatron_shapes(arch), "the checkpoint's architecture")
-    out = {HF_VISION + k.removeprefix(VISION): t for k, t in full_state.items() if k.startswith(VISION)}
-    out.update({src: full_state[dst] for src, dst in _global_renames(lm).items()})
-    for i in range(lm.num_layers):
-        dst, src = f"{HF_LM}layers.{i}.", f"{LM}decoder.layers.{i}."
-        out.update({dst + a: full_state[src + b] for a, b in _layer_renames(lm).items()})
-        for kind in ("weight", "bias") if lm.qkv_bias else ("weight",):
-            q, k, v = split_qkv(full_state[f"{src}self_attention.linear_qkv.{kind}"], lm)
-            out.update({f"{dst}self_attn.q_proj.{kind}": q, f"{dst}self_attn.k_proj.{kind}": k,
-                        f"{dst}self_attn.v_proj.{kind}": v})
-        gate, up = full_state[src + "mlp.linear_fc1.weight"].chunk(2)
-        out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+    out = {}
+    for m, names, megatron in _name_pairs(arch.lm, full_state):
+        out.update(zip(names, TRANSFORMS[m.transform][1](full_state[megatron], arch.lm)))
     return hub_hf_names(out, arch.family)
 
 
@@ -279,10 +331,11 @@ def _megatron_stage_layers(arch: ModelArch, pp: int) -> tuple[range, ...]:
 
 
 def _split_rule(name: str) -> str:
-    if not name.startswith(LM):
-        return "replicated"  # vision tower: replicated on every TP rank of the first stage
-    suffix = _LAYER_KEY.sub(r"\2", name).removeprefix(LM)
-    return _TP_SPLIT.get(suffix, "replicated")
+    """How megatron divides the full-model tensor `name` over TP ranks (the table's `tp_split`)."""
+    for pattern, m in _MEGATRON_PATTERNS:
+        if pattern.match(name):
+            return m.tp_split
+    return "replicated"
 
 
 def _split(tensor: torch.Tensor, rule: str, tp: int) -> list[torch.Tensor]:
