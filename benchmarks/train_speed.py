@@ -32,7 +32,7 @@ no sample longer than --seq-len), checked with `verify_shards` (what `vlmpack ve
     sdpa attention, bf16 parameters (--hf-precision amp: fp32 parameters + bf16 autocast),
     torch AdamW (betas 0.9/0.95 as ours), grad clipping 1.0 as ours, no activation
     checkpointing (as ours). Samples: exactly those in the packs ours trained on, shuffled
-    (seeded), in right-padded batches (`train.packed_batch.to_padded_batch`: attention_mask,
+    (seeded), in right-padded batches (`tests.hf_reference.to_padded_batch`: attention_mask,
     labels -100 on non-targets and padding, mm_token_type_ids so HF computes its own M-RoPE
     positions in forward). Batch size: the largest that survives the WORST batch of these
     samples (the B longest, padded to the longest): B = 1, 2, 4, ... until out of memory or
@@ -80,10 +80,10 @@ from synthetic_shards import SyntheticSpec, write_synthetic_shards
 
 from shards_schema import open_shards, verify_shards
 from shards_schema.pixels import pixel_values_from_patches
+from tests.hf_reference import to_padded_batch
 from train.config import ATTENTION_KERNELS, STATE_DTYPES
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import HF_ARCHITECTURE, builtin_arch
-from train.packed_batch import to_padded_batch
 
 T0 = time.perf_counter()
 

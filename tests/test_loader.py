@@ -21,15 +21,10 @@ from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import ShardFormatError, open_shards
 from shards_schema.pixels import pixel_values_from_patches_np
 from shards_schema.webdataset import WebDatasetFormatError, export_webdataset
+from tests.hf_reference import hf_packed_inputs, hf_packed_position_ids, to_padded_batch
 from train.loader import LoaderState, PackedDataset, PackedLoader, pixel_values_on_device, shared_uint8
 from train.pack_plan import WebDatasetSource, build_pack_plan, open_source
-from train.packed_batch import (
-    IGNORE_INDEX,
-    assemble_pack,
-    hf_packed_inputs,
-    hf_packed_position_ids,
-    to_padded_batch,
-)
+from train.packed_batch import IGNORE_INDEX, assemble_pack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 1024

@@ -12,8 +12,8 @@ has no previous row); in our data it is always `<|im_start|>`, and a sample that
 is rejected with ValueError. Hence `num_target_tokens = loss_mask.sum()` equals the sum of
 the samples' `num_target_tokens`, which is what per-token loss normalisation over the
 global batch needs. The loss is `sum(CE(logits[i], labels[i]) * loss_mask[i])`; no further
-shift. (Hugging Face models shift internally and take *unshifted* labels:
-`to_padded_batch` and `hf_packed_inputs` produce that convention, and say so.)
+shift. (Hugging Face models shift internally and take *unshifted* labels; the test and
+benchmark references in `tests/hf_reference.py` produce that convention.)
 
 Padding. With `pad_to_multiple = m > 1` (TP sequence parallel / context parallel), sample j
 occupies rows [cu_seqlens_padded[j], cu_seqlens_padded[j] + sample_lengths[j]) and is
@@ -37,10 +37,9 @@ import numpy as np
 
 IGNORE_INDEX = -100  # torch CrossEntropyLoss / HF default ignore_index
 DEFAULT_PAD_TOKEN_ID = 151643  # <|endoftext|> for Qwen2.5-VL / Qwen3-VL; prefer the manifest's
-DEFAULT_IMAGE_PAD_ID = 151655  # <|image_pad|>
 
 
-def _concat(samples: list[dict], name: str, dtype, width: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+def concat_field(samples: list[dict], name: str, dtype, width: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
     parts = [np.asarray(s[name]) for s in samples]
     if width is not None:
         parts = [p.reshape(-1, width) for p in parts]
@@ -51,7 +50,7 @@ def _concat(samples: list[dict], name: str, dtype, width: int | None = None, out
     return np.concatenate(parts).astype(dtype, copy=False)
 
 
-def _segment_offsets(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def segment_offsets(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(starts, within) for segments of `lengths` laid end to end: row r of segment j has
     within[r] = r - starts[j]."""
     ends = np.cumsum(lengths)
@@ -61,7 +60,7 @@ def _segment_offsets(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return starts, within
 
 
-def _sample_lengths(samples: list[dict]) -> np.ndarray:
+def sample_lengths(samples: list[dict]) -> np.ndarray:
     return np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)
 
 
@@ -119,7 +118,7 @@ def assemble_pack(
     m = int(pad_to_multiple)
     if m < 1:
         raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
-    lengths = _sample_lengths(samples)
+    lengths = sample_lengths(samples)
     padded = -(-lengths // m) * m
     real_total, packed_total = int(lengths.sum()), int(padded.sum())
     trailing = 0
@@ -132,8 +131,8 @@ def assemble_pack(
         trailing = int(seq_len) - packed_total
     total = packed_total + trailing
 
-    ids = _concat(samples, "input_ids", np.int64)
-    mask = _concat(samples, "loss_mask", np.uint8)
+    ids = concat_field(samples, "input_ids", np.int64)
+    mask = concat_field(samples, "loss_mask", np.uint8)
     positions = np.concatenate([np.asarray(s["position_ids"]).reshape(3, -1) for s in samples], axis=1).astype(np.int32, copy=False)
     check_first_tokens(mask, lengths, samples)
     labels_real = shifted_targets(ids, mask, lengths)
@@ -152,7 +151,7 @@ def assemble_pack(
         position_ids[:, dest] = positions
         gaps = padded - lengths
         if gaps.any():  # per-sample padding continues the sample's last position
-            _, k = _segment_offsets(gaps)
+            _, k = segment_offsets(gaps)
             last = positions[:, np.cumsum(lengths) - 1]  # [3, n]
             pad_rows = np.repeat(row_starts + lengths, gaps) + k
             position_ids[:, pad_rows] = np.repeat(last, gaps, axis=1) + 1 + k.astype(np.int32)
@@ -177,8 +176,8 @@ def assemble_pack(
         "sample_lengths": lengths.astype(np.int32),
         "num_samples": len(samples),
         "num_target_tokens": int(np.count_nonzero(labels != IGNORE_INDEX)),
-        "pixel_patches": _concat(samples, "pixel_patches", np.uint8, width, pixel_out),
-        "image_grid_thw": _concat(samples, "image_grid_thw", np.int32, 3),
+        "pixel_patches": concat_field(samples, "pixel_patches", np.uint8, width, pixel_out),
+        "image_grid_thw": concat_field(samples, "image_grid_thw", np.int32, 3),
         "sample_uids": [str(s.get("sample_uid", "")) for s in samples],
     }
 
@@ -187,87 +186,3 @@ def pixel_rows(samples: list[dict]) -> tuple[int, int]:
     """(rows, width) of the pack's pixel patches."""
     width = np.asarray(samples[0]["pixel_patches"]).shape[-1]
     return sum(np.asarray(s["pixel_patches"]).shape[0] for s in samples), width
-
-
-def hf_packed_position_ids(samples: list[dict]) -> np.ndarray:
-    """Hugging Face's packed-sequence position ids, int64 [4, 1, T] (no padding).
-
-    Row 0 = 1-D text positions restarting at 0 per sample (HF derives the packed attention
-    segments from it), rows 1-3 = each sample's M-RoPE (t, h, w) rows, concatenated. With only
-    three rows HF treats the pack as one sequence and samples attend to each other.
-    """
-    lengths = _sample_lengths(samples)
-    _, text = _segment_offsets(lengths)
-    mrope = np.concatenate([np.asarray(s["position_ids"]).reshape(3, -1) for s in samples], axis=1)
-    return np.concatenate([text[None, :], mrope.astype(np.int64)], axis=0)[:, None, :]
-
-
-def hf_packed_inputs(samples: list[dict], *, image_pad_id: int = DEFAULT_IMAGE_PAD_ID) -> dict:
-    """The same samples as one packed HF batch of size 1 (for oracle tests against HF models).
-
-    input_ids int64 [1, T]; position_ids int64 [4, 1, T] (`hf_packed_position_ids`);
-    labels int64 [1, T] in HF's *unshifted* convention (labels[i] = input_ids[i] where the
-    shard's loss_mask[i] == 1, else -100; the model shifts, and the shift never creates a
-    cross-sample target because a sample's first token is never a target);
-    mm_token_type_ids int64 [1, T] (1 on `image_pad_id`); pixel_patches uint8 [sum N, W];
-    image_grid_thw int64 [sum K, 3]. Call with attention_mask=None, use_cache=False.
-    """
-    lengths = _sample_lengths(samples)
-    ids = _concat(samples, "input_ids", np.int64)
-    mask = _concat(samples, "loss_mask", np.uint8)
-    check_first_tokens(mask, lengths, samples)
-    width = np.asarray(samples[0]["pixel_patches"]).shape[-1]
-    return {
-        "input_ids": ids[None, :],
-        "position_ids": hf_packed_position_ids(samples),
-        "labels": np.where(mask.astype(bool), ids, IGNORE_INDEX)[None, :],
-        "mm_token_type_ids": (ids == image_pad_id).astype(np.int64)[None, :],
-        "pixel_patches": _concat(samples, "pixel_patches", np.uint8, width),
-        "image_grid_thw": _concat(samples, "image_grid_thw", np.int64, 3),
-    }
-
-
-def to_padded_batch(
-    samples: list[dict],
-    *,
-    pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
-    image_pad_id: int = DEFAULT_IMAGE_PAD_ID,
-) -> dict:
-    """BSHD layout (one row per sample, right padding) for debugging and HF comparisons.
-
-    input_ids int64 [B, Lmax] (padding = `pad_token_id`); attention_mask int64 [B, Lmax];
-    labels int64 [B, Lmax] in HF's *unshifted* convention (labels[b, i] = input_ids[b, i]
-    where the shard's loss_mask is 1, else -100; HF shifts inside the model);
-    position_ids int64 [3, B, Lmax] (padding = 1, as HF's `get_rope_index` leaves it);
-    mm_token_type_ids int64 [B, Lmax]; pixel_patches uint8 [sum N, W] and image_grid_thw
-    int64 [sum K, 3] concatenated in sample order.
-    """
-    if not samples:
-        raise ValueError("to_padded_batch needs at least one sample")
-    lengths = _sample_lengths(samples)
-    batch, lmax = len(samples), int(lengths.max())
-    _, within = _segment_offsets(lengths)
-    rows = np.repeat(np.arange(batch), lengths)
-    ids = _concat(samples, "input_ids", np.int64)
-    mask = _concat(samples, "loss_mask", np.uint8)
-    check_first_tokens(mask, lengths, samples)
-    positions = np.concatenate([np.asarray(s["position_ids"]).reshape(3, -1) for s in samples], axis=1)
-
-    input_ids = np.full((batch, lmax), pad_token_id, dtype=np.int64)
-    input_ids[rows, within] = ids
-    attention_mask = np.zeros((batch, lmax), dtype=np.int64)
-    attention_mask[rows, within] = 1
-    labels = np.full((batch, lmax), IGNORE_INDEX, dtype=np.int64)
-    labels[rows, within] = np.where(mask.astype(bool), ids, IGNORE_INDEX)
-    position_ids = np.ones((3, batch, lmax), dtype=np.int64)
-    position_ids[:, rows, within] = positions
-    width = np.asarray(samples[0]["pixel_patches"]).shape[-1]
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "labels": labels,
-        "position_ids": position_ids,
-        "mm_token_type_ids": (input_ids == image_pad_id).astype(np.int64) * attention_mask,
-        "pixel_patches": _concat(samples, "pixel_patches", np.uint8, width),
-        "image_grid_thw": _concat(samples, "image_grid_thw", np.int64, 3),
-    }
