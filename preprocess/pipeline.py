@@ -17,7 +17,7 @@ from shards_schema.schema import Sample
 from .errors import RejectError
 from .images import load_image_patches
 from .profiles import Profile
-from .render import render_conversation, tokenize_rendered
+from .render import lone_surrogate, render_conversation, surrogate_message, tokenize_rendered
 
 DEFAULT_MAX_SEQ_LEN = 16384
 DEFAULT_MAX_IMAGE_PIXELS = 178_956_970  # PIL's own decompression-bomb threshold
@@ -74,14 +74,33 @@ def _apply_length_policy(input_ids, loss_mask, profile: Profile, options: Sample
     return input_ids, loss_mask
 
 
+def row_sample_uid(row_id, default: str) -> str:
+    """The row's `id` as its sample uid: a string or an integer; absent, null or "" -> `default`."""
+    if row_id is None or row_id == "":
+        return default
+    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
+        raise RejectError(
+            "bad_id",
+            f"`id` must be a string or an integer, got {type(row_id).__name__} {ascii(row_id):.80}; "
+            "fix the id, or leave it out to use input:row",
+        )
+    uid = str(row_id)
+    at = lone_surrogate(uid)
+    if at is not None:
+        raise RejectError("bad_id", surrogate_message(uid[at], "`id`", at))
+    return uid
+
+
 def process_row(row, *, sample_uid: str, source: str, profile: Profile, options: SampleOptions) -> Sample:
     if not isinstance(row, dict):
         raise RejectError("bad_row", f"a row must be a JSON object with `messages`, got {type(row).__name__}")
-    row_id = row.get("id")
-    if isinstance(row_id, (str, int)) and not isinstance(row_id, bool) and str(row_id):
-        sample_uid = str(row_id)
+    sample_uid = row_sample_uid(row.get("id"), sample_uid)
     rendered = render_conversation(
-        row.get("messages"), family=profile.family, tools=row.get("tools"), loss_policy=options.loss_policy
+        row.get("messages"),
+        family=profile.family,
+        tools=row.get("tools"),
+        loss_policy=options.loss_policy,
+        special_tokens=profile.text_special_tokens,
     )
     vision = profile.vision
     patches, grids = [], []

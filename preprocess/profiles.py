@@ -25,6 +25,7 @@ from pathlib import Path
 from shards_schema.builtin import BUILTIN_VISION, VisionConfig, builtin_tokenizer_json
 
 from .errors import ConfigError
+from .render import DEFAULT_TEXT_SPECIAL_TOKENS, GROUNDING_TOKENS
 
 VLMPACK_VERSION = "0.1.0"
 
@@ -92,6 +93,13 @@ class Profile:
                 raise ConfigError(f"tokenizer of {self.source} has no {text} token: not a Qwen-VL tokenizer")
             ids[name] = token_id
         return SpecialTokens(**ids)
+
+    @cached_property
+    def text_special_tokens(self) -> tuple[str, ...]:
+        """Special tokens message text must not hold: the tokenizer's special added tokens
+        (read as tokens wherever they appear), except Qwen-VL's grounding markup."""
+        specials = {token.content for token in self.tokenizer.get_added_tokens_decoder().values() if token.special}
+        return tuple(sorted((specials | set(DEFAULT_TEXT_SPECIAL_TOKENS)) - set(GROUNDING_TOKENS)))
 
     def with_pixel_bounds(self, min_pixels: int | None, max_pixels: int | None) -> "Profile":
         vision = dataclasses.replace(

@@ -22,7 +22,11 @@ a set of probe conversations exactly like this module, or the job stops before a
 from __future__ import annotations
 
 import json
+import re
+from bisect import bisect_right
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import chain
 
 import numpy as np
@@ -43,6 +47,8 @@ REJECT_CODES = (
     "bad_tools",  # row `tools` not a list of objects
     "dropped_by_template",  # the template would silently leave content out of the text
     "vision_token_in_text",  # a literal vision token in text would desynchronise images and pads
+    "special_token_in_text",  # a literal chat-control token in text would be read as structure
+    "bad_text",  # text that is not valid Unicode (a lone surrogate)
     "no_targets",  # no assistant turn is trained under the loss policy
 )
 
@@ -51,7 +57,23 @@ IM_END = "<|im_end|>"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 # Text that must come only from images: downstream stages count these tokens to place pixels
 # and M-RoPE positions, so a literal copy inside message text would desynchronise them.
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+# The tokenizer reads a special token's text as that token wherever it appears, also inside
+# message text (HF's template + tokenizer do the same). For these the result is a different
+# conversation structure (a turn that ends early, an end of text, a fake image), so text holding
+# them is rejected. `Profile.text_special_tokens` extends this with the tokenizer's own list.
+CHAT_CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Special tokens that Qwen-VL grounding data writes inside text on purpose (`<|box_start|>(x1,y1),
+# (x2,y2)<|box_end|>`): they mark spans within a turn and are kept, as HF keeps them.
+GROUNDING_TOKENS = (
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+)
+DEFAULT_TEXT_SPECIAL_TOKENS = CHAT_CONTROL_TOKENS + VISION_TOKENS
 
 QWEN2_5_DEFAULT_SYSTEM = "You are a helpful assistant."
 QWEN3_TOOLS_INTRO = (
@@ -87,7 +109,7 @@ TEXT, IMAGE = "text", "image"
 class _Message:
     index: int  # position in the input list, for error messages
     role: str
-    items: list[tuple[str, str]]  # (TEXT, text) or (IMAGE, source), in order
+    items: list[tuple[str, str, str]]  # (TEXT, text, where) or (IMAGE, source, where), in order
     content_truthy: bool  # jinja truthiness of the raw `content` (decides a tool-call separator)
     tool_calls: list[tuple[str, str]] = field(default_factory=list)  # (name, rendered arguments)
     train: bool | None = None  # per-message loss override (assistant only)
@@ -127,7 +149,7 @@ def _image_source(part: dict, where: str, index: int) -> str:
     return source
 
 
-def _parse_part(part, where: str, index: int) -> tuple[str, str]:
+def _parse_part(part, where: str, index: int) -> tuple[str, str, str]:
     if not isinstance(part, dict):
         raise _reject("bad_content", index, f"{where}: a content part must be an object, got {type(part).__name__}")
     # Arrow-backed inputs (Parquet, `datasets`) give every part every struct key, absent ones as
@@ -146,13 +168,13 @@ def _parse_part(part, where: str, index: int) -> tuple[str, str]:
                 index,
                 f"{where}: the template renders this part as an image and would drop its text",
             )
-        return IMAGE, _image_source(part, where, index)
+        return IMAGE, _image_source(part, where, index), f"messages[{index}].{where}"
     if kind == TEXT:
         if part_type not in (None, "text"):
             raise _reject("bad_content", index, f"{where}: unknown part type {part_type!r}")
         if not isinstance(part["text"], str):
             raise _reject("bad_content", index, f"{where}: text must be a string, got {type(part['text']).__name__}")
-        return TEXT, part["text"]
+        return TEXT, part["text"], f"messages[{index}].{where}.text"
     if part_type == "text":
         raise _reject("bad_content", index, f"{where}: text must be a string, got no text (missing or null)")
     if part_type == "image_url":  # without an image_url key the template would not even see an image
@@ -160,12 +182,12 @@ def _parse_part(part, where: str, index: int) -> tuple[str, str]:
     raise _reject("bad_content", index, f"{where}: unknown part type {part_type!r} (expected text, image_url or image)")
 
 
-def _parse_content(message: dict, role: str, index: int) -> tuple[list[tuple[str, str]], bool]:
+def _parse_content(message: dict, role: str, index: int) -> tuple[list[tuple[str, str, str]], bool]:
     content = message.get("content")
     if content is None and role == "assistant":
         return [], False  # allowed for tool-call turns; renders like the template's missing content
     if isinstance(content, str):
-        return [(TEXT, content)], bool(content)
+        return [(TEXT, content, f"messages[{index}].content")], bool(content)
     if isinstance(content, list):
         items = [_parse_part(part, f"content[{k}]", index) for k, part in enumerate(content)]
         return items, bool(content)
@@ -249,7 +271,7 @@ def _check_family_rules(messages: list[_Message], tools: list[dict], family: str
     """Reject what the family's template would silently leave out of the text."""
     if family == "qwen3-vl":
         for m in messages:
-            has_image = any(kind == IMAGE for kind, _ in m.items)
+            has_image = any(kind == IMAGE for kind, _, _ in m.items)
             if m.role == "system" and m.index != 0:
                 raise _reject(
                     "dropped_by_template",
@@ -289,17 +311,24 @@ def _parse_conversation(messages, tools, family: str) -> tuple[list[_Message], l
 
 
 class _TextBuilder:
-    """Appends text pieces while recording target spans and image sources."""
+    """Appends text pieces while recording target spans, image sources and where data came from.
+
+    A piece added with `where` (e.g. "messages[2].content[0].text") is data from the row;
+    every other piece is the template's own markup.
+    """
 
     def __init__(self):
         self.pieces: list[str] = []
         self.length = 0
         self.spans: list[list[int]] = []
         self.images: list[str] = []
+        self.data: list[tuple[int, int, str]] = []  # [start, end) of each data piece, and where
 
-    def add(self, text: str, target: bool = False) -> None:
+    def add(self, text: str, target: bool = False, where: str | None = None) -> None:
         if not text:
             return
+        if where is not None:
+            self.data.append((self.length, self.length + len(text), where))
         if target:
             if self.spans and self.spans[-1][1] == self.length:
                 self.spans[-1][1] += len(text)  # extend: keep spans disjoint and few
@@ -308,22 +337,18 @@ class _TextBuilder:
         self.pieces.append(text)
         self.length += len(text)
 
-    def add_items(self, items: list[tuple[str, str]], target: bool = False) -> None:
-        """Content items in order; images are never targets, even inside a target turn."""
-        for kind, value in items:
-            if kind == IMAGE:
+    def add_items(self, items: list[tuple[str, str, str]], target: bool = False, text_only: bool = False) -> None:
+        """Content items in order; images are never targets, even inside a target turn.
+        `text_only`: leave images out (system prompts render text parts only, without separators)."""
+        for kind, value, where in items:
+            if kind == TEXT:
+                self.add(value, target, where)
+            elif not text_only:
                 self.images.append(value)
                 self.add(IMAGE_PLACEHOLDER)
-            else:
-                self.add(value, target)
 
     def result(self) -> Rendered:
         return Rendered("".join(self.pieces), [tuple(span) for span in self.spans], self.images)
-
-
-def _text_of(message: _Message) -> str:
-    """Concatenated text items (system prompts render text parts only, without separators)."""
-    return "".join(value for kind, value in message.items if kind == TEXT)
 
 
 def _render_tool_calls(out: _TextBuilder, message: _Message, target: bool) -> None:
@@ -331,7 +356,12 @@ def _render_tool_calls(out: _TextBuilder, message: _Message, target: bool) -> No
         # Template: `(loop.first and message.content) or not loop.first` -> "\n". Truthiness of
         # the raw content, so a list holding only an empty text part still gets the newline.
         separator = "\n" if (k > 0 or message.content_truthy) else ""
-        out.add(f'{separator}<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>', target)
+        where = f"messages[{message.index}].tool_calls[{k}].function"
+        out.add(f'{separator}<tool_call>\n{{"name": "', target)
+        out.add(name, target, f"{where}.name")
+        out.add('", "arguments": ', target)
+        out.add(arguments, target, f"{where}.arguments")
+        out.add("}\n</tool_call>", target)
 
 
 def _render_assistant(out: _TextBuilder, message: _Message, target: bool) -> None:
@@ -347,13 +377,17 @@ def _render_qwen3_system(out: _TextBuilder, system: _Message | None, tools: list
     if tools:
         out.add(IM_START + "system\n")
         if system is not None:
-            out.add(_text_of(system) + "\n\n")
+            out.add_items(system.items, text_only=True)
+            out.add("\n\n")
         out.add(QWEN3_TOOLS_INTRO)
-        for tool in tools:
-            out.add("\n" + json.dumps(tool, ensure_ascii=False))
+        for k, tool in enumerate(tools):
+            out.add("\n")
+            out.add(json.dumps(tool, ensure_ascii=False), where=f"tools[{k}]")
         out.add(QWEN3_TOOLS_OUTRO)
     elif system is not None:
-        out.add(IM_START + "system\n" + _text_of(system) + IM_END + "\n")
+        out.add(IM_START + "system\n")
+        out.add_items(system.items, text_only=True)
+        out.add(IM_END + "\n")
 
 
 def _render_qwen3(out: _TextBuilder, messages: list[_Message], tools: list[dict], targets: list[bool]) -> None:
@@ -400,25 +434,71 @@ def _target_flags(messages: list[_Message], loss_policy: str) -> list[bool]:
     ]
 
 
-def _check_vision_tokens(rendered: Rendered) -> None:
-    """Vision tokens may come only from image parts (checked on the final text: pieces can join)."""
-    expected = len(rendered.image_sources)
-    for token in VISION_TOKENS:
-        count = rendered.text.count(token)
-        if count != (0 if token == "<|video_pad|>" else expected):
-            raise _reject(
-                "vision_token_in_text",
-                None,
-                f"the text contains a literal {token}; vision tokens may only come from image parts",
-            )
+_LONE_SURROGATE = "[\ud800-\udfff]"
+
+
+@lru_cache(maxsize=8)
+def _text_check_pattern(special_tokens: frozenset[str]) -> re.Pattern:
+    tokens = sorted(special_tokens | set(VISION_TOKENS), key=lambda t: (-len(t), t))  # longest first
+    return re.compile("|".join([*map(re.escape, tokens), _LONE_SURROGATE]))
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Index of the first lone surrogate in `text` (not valid Unicode: no UTF-8 form), or None."""
+    match = re.search(_LONE_SURROGATE, text)
+    return None if match is None else match.start()
+
+
+def surrogate_message(char: str, where: str, offset: int) -> str:
+    return (
+        f"lone surrogate U+{ord(char):04X} in {where} at character {offset}: not valid Unicode; "
+        "fix the source encoding"
+    )
+
+
+def _check_data_text(text: str, data: list[tuple[int, int, str]], special_tokens: frozenset[str]) -> None:
+    """Reject special tokens and lone surrogates in the row's text, naming where they are.
+
+    Checked on the final text, so a token formed where two pieces meet ("<|im_" + "end|>") is
+    found too; a match that touches no data piece is the template's own markup.
+    """
+    starts = [start for start, _, _ in data]
+    for match in _text_check_pattern(special_tokens).finditer(text):
+        begin, end = match.span()
+        first = bisect_right(starts, begin) - 1
+        if first < 0 or data[first][1] <= begin:
+            first += 1  # the match begins in markup; a data piece may still start inside it
+        touched = [piece for piece in data[max(first, 0) :] if piece[0] < end]
+        if not touched:
+            continue
+        token, (piece_start, _, where) = match.group(), touched[0]
+        if len(token) == 1:
+            raise _reject("bad_text", None, surrogate_message(token, where, begin - piece_start))
+        code = "vision_token_in_text" if token in VISION_TOKENS else "special_token_in_text"
+        meaning = (
+            "vision tokens may only come from image parts"
+            if code == "vision_token_in_text"
+            else "the tokenizer reads it as a control token, not as text, which changes the conversation's structure"
+        )
+        if len(touched) == 1:
+            location = f"{where} holds {token} at character {begin - piece_start}"
+        else:
+            location = f"{token} is formed where {' and '.join(piece[2] for piece in touched)} meet"
+        raise _reject(code, None, f"{location}: {meaning}; remove it or write it differently (e.g. with spaces)")
 
 
 def render_conversation(
-    messages: list, *, family: str, tools: list | None = None, loss_policy: str = "all_assistant"
+    messages: list,
+    *,
+    family: str,
+    tools: list | None = None,
+    loss_policy: str = "all_assistant",
+    special_tokens: Collection[str] = DEFAULT_TEXT_SPECIAL_TOKENS,
 ) -> Rendered:
     """Render OpenAI-format `messages` (and the row's `tools`) exactly as the family's official template.
 
-    Raises RejectError for rows that are malformed or would lose content in the template, and
+    Raises RejectError for rows that are malformed, would lose content in the template, or
+    whose text holds one of `special_tokens` (or a vision token, or a lone surrogate), and
     ValueError for an unknown family or loss policy (job configuration, not data).
     """
     if family not in FAMILIES:
@@ -433,7 +513,7 @@ def render_conversation(
     else:
         _render_qwen2_5(out, parsed, targets)
     rendered = out.result()
-    _check_vision_tokens(rendered)
+    _check_data_text(rendered.text, out.data, frozenset(special_tokens))
     if not rendered.target_spans:
         raise _reject("no_targets", None, f"no assistant turn is a training target under loss policy {loss_policy!r}")
     return rendered
