@@ -19,7 +19,9 @@ import pytest
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import open_shards
-from shards_schema.manifest import load_manifest
+from shards_schema.errors import UserError
+from shards_schema.manifest import ShardFormatError, load_manifest
+from shards_schema.outdir import exclusive_output_dir, user_entries
 from shards_schema.webdataset import (
     INDEX_NAME,
     MEMBER_NAMES,
@@ -162,7 +164,9 @@ def test_export_is_deterministic(exported, shard_dir, tmp_path):
     out, _ = exported
     again = tmp_path / "again"
     export_webdataset(shard_dir, again, samples_per_tar=SAMPLES_PER_TAR)
-    for name in [p.name for p in out.iterdir()]:
+    names = sorted(user_entries(out))
+    assert names == sorted(user_entries(again)) and "index.json" in names
+    for name in names:
         assert (again / name).read_bytes() == (out / name).read_bytes(), name
 
 
@@ -290,10 +294,119 @@ def test_missing_index_or_tar_and_busy_out_dir(exported, shard_dir, tmp_path):
     (tardir / INDEX_NAME).unlink()
     with pytest.raises(WebDatasetFormatError, match=r"no index\.json \(an export that has not finished"):
         WebDatasetShards(tardir)
-    with pytest.raises(ValueError, match=r"is not empty .* --overwrite"):
+    with pytest.raises(UserError, match=r"holds the output of an unfinished \(no index\.json\) `vlmpack export`: pass --overwrite"):
         export_webdataset(shard_dir, tardir)
     export_webdataset(shard_dir, tardir, samples_per_tar=100, overwrite=True)  # replaces the stale tars
-    assert sorted(p.name for p in tardir.iterdir()) == ["index.json", "rejects.jsonl", "vlmpack-000000.tar"]
+    assert user_entries(tardir) == ["index.json", "rejects.jsonl", "vlmpack-000000.tar"]
+    with pytest.raises(UserError, match=r"holds the output of a finished `vlmpack export`: pass --overwrite"):
+        export_webdataset(shard_dir, tardir)
+
+
+# ---------------------------------------------------------------------------- corruption stops at the first command
+
+
+def _flip_byte(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_shard_with_a_flipped_byte_does_not_export(shard_dir, tmp_path):
+    source = Path(shutil.copytree(shard_dir, tmp_path / "source"))
+    second = load_manifest(source)["shards"][1]["file"]
+    _flip_byte(source / second, (source / second).stat().st_size // 2)  # inside the pixel values: the Arrow file still reads
+    assert open_shards(source)[10]["input_ids"].size > 0
+    done = _cli("export", source, "--out", tmp_path / "tars", "--samples-per-tar", 3)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1
+    assert f"{source / second}: sha256 " in done.stderr and "does not match manifest.json" in done.stderr
+    assert user_entries(tmp_path / "tars") == []  # the first shard's tars were written, then removed: nothing partial
+    with pytest.raises(ShardFormatError, match=rf"{second}: \d+ bytes, manifest\.json says"):
+        (source / second).write_bytes((source / second).read_bytes()[:-100])
+        export_webdataset(source, tmp_path / "tars")
+    (source / second).unlink()
+    with pytest.raises(ShardFormatError, match=rf"{second}: listed in manifest\.json but missing"):
+        export_webdataset(source, tmp_path / "tars")
+
+
+def test_a_changed_sample_with_a_matching_tar_checksum_does_not_import(exported, shard_dir, tmp_path):
+    tardir = _copy(exported, tmp_path)
+    index = json.loads((tardir / INDEX_NAME).read_text())
+    first = index["manifest"]["shards"][0]["file"]
+    big = max(range(SAMPLES_PER_TAR), key=lambda j: WebDatasetShards(tardir)[j]["pixel_patches"].size)
+
+    def flip_a_pixel(name, data):
+        if name == f"{sample_key(big)}.pixel_patches.npy":
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])
+        return name, data
+
+    _rewrite_tar(tardir, 0, flip_a_pixel)  # tar bytes and sha256 in index.json stay consistent
+    WebDatasetShards(tardir).verify()
+    out = tmp_path / "out"
+    with pytest.raises(WebDatasetFormatError, match=rf"{first}: sha256 [0-9a-f]+, the exported shard's entry in .*index\.json says"):
+        import_webdataset(tardir, out)
+    assert user_entries(out) == []
+
+
+@pytest.mark.parametrize(
+    "member, change, message",
+    [
+        ("loss_mask.npy", lambda a: np.where(a == 1, 2, a).astype(a.dtype), r"loss_mask\.npy: value 2, the contract allows 0 and 1"),
+        ("image_grid_thw.npy", lambda a: np.zeros_like(a), r"image_grid_thw\.npy: grid \[\[0, 0, 0\].* below 1"),
+        ("meta.json", lambda m: m | {"index": 0}, r"meta\.json: index 0, the sample's arrays and place say 9"),
+        ("meta.json", lambda m: m | {"num_tokens": m["num_tokens"] + 1}, r"meta\.json: num_tokens \d+, the sample's arrays and place say"),
+        ("meta.json", lambda m: m | {"num_images": m["num_images"] + 1}, r"meta\.json: num_images \d+, the sample's arrays and place say"),
+    ],
+)
+def test_import_checks_each_sample_and_names_tar_and_sample(exported, tmp_path, member, change, message):
+    tardir = _copy(exported, tmp_path)
+    key = sample_key(9)  # the image sample of tar 1 checked below
+
+    def edit(name, data):
+        if name == f"{key}.{member}":
+            if member == "meta.json":
+                data = json.dumps(change(json.loads(data))).encode()
+            else:
+                buf = io.BytesIO()
+                np.save(buf, change(np.load(io.BytesIO(data))))
+                data = buf.getvalue()
+        return name, data
+
+    assert WebDatasetShards(tardir)[9]["image_grid_thw"].shape[0] >= 1 and WebDatasetShards(tardir)[9]["loss_mask"].max() == 1
+    _rewrite_tar(tardir, 1, edit)
+    out = tmp_path / "out"
+    with pytest.raises(WebDatasetFormatError, match=rf"vlmpack-000001\.tar: sample {key}\.{message}"):
+        import_webdataset(tardir, out)
+    assert user_entries(out) == []  # the first shard was written, then removed
+    done = _cli("import", tardir, "--out", out)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and f"vlmpack-000001.tar: sample {key}." in done.stderr
+
+
+def test_out_dir_with_other_files_is_refused_even_with_overwrite(exported, shard_dir, tmp_path):
+    out = tmp_path / "mixed"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "vlmpack-000000.tar").write_bytes(b"old")
+    for overwrite in (False, True):
+        with pytest.raises(UserError, match=r"holds files that `vlmpack export` did not write \(notes\.txt\): choose an empty"):
+            export_webdataset(shard_dir, out, overwrite=overwrite)
+        with pytest.raises(UserError, match=r"holds files that `vlmpack import` did not write \(notes\.txt, vlmpack-000000\.tar\)"):
+            import_webdataset(exported[0], out, overwrite=overwrite)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "vlmpack-000000.tar").read_bytes() == b"old"
+    listings = {d: sorted(p.name for p in d.iterdir()) for d in (shard_dir, exported[0])}
+    with pytest.raises(UserError, match=r"is the input directory"):
+        export_webdataset(shard_dir, shard_dir, overwrite=True)
+    with pytest.raises(UserError, match=r"is the input directory"):
+        import_webdataset(exported[0], exported[0], overwrite=True)
+    assert listings == {d: sorted(p.name for p in d.iterdir()) for d in listings}
+
+
+def test_a_second_export_into_a_held_out_dir_is_refused(shard_dir, tmp_path):
+    out = tmp_path / "held"
+    with exclusive_output_dir(out, "export"):
+        done = _cli("export", shard_dir, "--out", out)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "is in use by another job (vlmpack export, pid" in done.stderr
 
 
 # ---------------------------------------------------------------------------- CLI and imports
@@ -319,7 +432,10 @@ def test_cli_export_import_and_bad_input(shard_dir, tmp_path):
     bad = _cli("export", shard_dir, "--out", tmp_path / "z", "--samples-per-tar", 0)
     assert bad.returncode == 2 and "--samples-per-tar must be at least 1" in bad.stderr
     bad = _cli("import", tardir, "--out", back)
-    assert bad.returncode == 2 and "not empty" in bad.stderr
+    assert bad.returncode == 2 and "holds the output of a finished `vlmpack import`: pass --overwrite" in bad.stderr
+    done = _cli("import", tardir, "--out", back, "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert load_manifest(back) == load_manifest(shard_dir)
 
 
 def test_module_imports_neither_preprocess_nor_torch():

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
-from ..manifest import ShardFormatError
 from .convert import export_webdataset, import_webdataset
 from .format import DEFAULT_MAX_TAR_BYTES
 
@@ -19,11 +17,6 @@ def _parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1073741824, 512M, 1G)")
     scale = 1 << (10 * " KMGT".index(match.group(2).upper() or " "))
     return int(float(match.group(1)) * scale)
-
-
-def _fail(command: str, exc: Exception) -> int:
-    print(f"vlmpack {command}: error: {exc}", file=sys.stderr)
-    return 2
 
 
 class Export:
@@ -41,20 +34,17 @@ class Export:
             default=DEFAULT_MAX_TAR_BYTES,
             help="start a new tar before this size (default: 1G; K/M/G/T suffixes)",
         )
-        parser.add_argument("--overwrite", action="store_true", help="replace a previous export in --out")
+        parser.add_argument("--overwrite", action="store_true", help="replace a previous export (finished or not) in --out; a directory holding other files is refused")
 
     @staticmethod
     def run(args) -> int:
-        try:
-            index = export_webdataset(
-                args.directory,
-                args.out,
-                samples_per_tar=args.samples_per_tar,
-                max_tar_bytes=args.max_tar_bytes,
-                overwrite=args.overwrite,
-            )
-        except (ShardFormatError, ValueError) as exc:
-            return _fail("export", exc)
+        index = export_webdataset(
+            args.directory,
+            args.out,
+            samples_per_tar=args.samples_per_tar,
+            max_tar_bytes=args.max_tar_bytes,
+            overwrite=args.overwrite,
+        )
         print(f"exported {index['samples']} samples into {len(index['tars'])} tars ({index['tar_bytes'] / 1e6:.1f} MB) -> {args.out}")
         if index["url_pattern"]:
             print(f"WebDataset urls: {Path(args.out) / index['url_pattern']}")
@@ -68,14 +58,11 @@ class Import:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("tardir", help="directory written by `vlmpack export --format webdataset` (with index.json)")
         parser.add_argument("--out", required=True, help="shard directory to create")
-        parser.add_argument("--overwrite", action="store_true", help="replace a previous import in --out")
+        parser.add_argument("--overwrite", action="store_true", help="replace a previous import (finished or not) in --out; a directory holding other files is refused")
 
     @staticmethod
     def run(args) -> int:
-        try:
-            manifest = import_webdataset(args.tardir, args.out, overwrite=args.overwrite)
-        except (ShardFormatError, ValueError) as exc:
-            return _fail("import", exc)
+        manifest = import_webdataset(args.tardir, args.out, overwrite=args.overwrite)
         totals = manifest["totals"]
         print(f"imported {totals['rows']} samples into {totals['shards']} shards ({totals['bytes'] / 1e6:.1f} MB) -> {args.out}")
         return 0

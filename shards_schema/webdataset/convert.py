@@ -8,10 +8,12 @@ import re
 from pathlib import Path
 
 from ..atomic import TMP_SUFFIX, atomic_open, fsync_dir, write_json_atomic, write_jsonl_atomic
+from ..errors import UserError
 from ..manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, build_manifest
+from ..outdir import exclusive_output_dir, user_entries
 from ..reader import open_shards
 from ..schema import Sample
-from ..writer import ShardWriter
+from ..writer import ShardWriter, file_sha256
 from .format import (
     BLOCK,
     DEFAULT_MAX_TAR_BYTES,
@@ -86,31 +88,62 @@ class _TarShardWriter:
         self.tmp_path.unlink(missing_ok=True)
 
 
-def _prepare_out_dir(out: Path, source: Path, *, overwrite: bool, completion_file: str, owned: re.Pattern) -> None:
-    """Create `out`, or, with `overwrite`, clear the files a previous run of ours left there.
-
-    The completion file (index.json / manifest.json) goes first, so a run killed midway never
-    leaves a directory that looks complete. Files we did not write are never deleted.
+def _claim_out_dir(out: Path, *, overwrite: bool, completion_file: str, owned: re.Pattern, what: str) -> None:
+    """Make the locked `out` ready to write: empty, or holding only a previous run's output of
+    ours, which `overwrite` replaces. A directory with anything else in it is refused whatever
+    the flags: our output never mixes with other files, and a delete never reaches files we
+    did not write. The completion file goes first, so a run killed midway never leaves a
+    directory that looks complete.
     """
-    if out.resolve() == source.resolve():
-        raise ValueError(f"--out {out} is the input directory; choose another directory")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    existing = sorted(p for p in out.iterdir())
-    if not existing:
+    entries = user_entries(out)
+    foreign = [name for name in entries if not (owned.fullmatch(name) and (out / name).is_file())]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UserError(f"--out {out} holds files that `{what}` did not write ({shown}): choose an empty or new directory")
+    if not entries:
         return
     if not overwrite:
-        raise ValueError(f"--out {out} is not empty ({len(existing)} entries); choose a new directory or pass --overwrite")
+        state = "a finished" if completion_file in entries else f"an unfinished (no {completion_file})"
+        raise UserError(f"--out {out} holds the output of {state} `{what}`: pass --overwrite to replace it, or choose a new directory")
     (out / completion_file).unlink(missing_ok=True)
-    for path in existing:
-        if path.is_file() and owned.fullmatch(path.name):
-            path.unlink()
+    for name in entries:
+        (out / name).unlink(missing_ok=True)
     fsync_dir(out)
+
+
+def _refuse_same_dir(out: Path, source: Path) -> None:
+    if out.resolve() == source.resolve():
+        raise UserError(f"--out {out} is the input directory: choose another directory")
+
+
+def _remove_on_failure(paths: list[Path]) -> None:
+    """What a failed run published goes, completion file first, so nothing partial stays behind."""
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 _EXPORT_OWNED = re.compile(rf"({re.escape(TAR_PREFIX)}\d+\.tar|{re.escape(REJECTS_NAME)}|{re.escape(INDEX_NAME)})(\{TMP_SUFFIX})?")
 _IMPORT_OWNED = re.compile(rf"([\w.-]+\.arrow|{re.escape(REJECTS_NAME)}|{re.escape(MANIFEST_NAME)})(\{TMP_SUFFIX})?")
+
+
+def check_source_shard(directory: Path, entry: dict) -> Path:
+    """The shard file of manifest entry `entry`, after its size and sha256 match the manifest."""
+    path = directory / entry["file"]
+    if not path.is_file():
+        raise ShardFormatError(f"{path}: listed in {MANIFEST_NAME} but missing: restore it, or re-run `vlmpack preprocess`")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise ShardFormatError(
+            f"{path}: {size} bytes, {MANIFEST_NAME} says {entry['bytes']} (truncated or replaced): "
+            "restore it, or re-run `vlmpack preprocess`"
+        )
+    digest = file_sha256(path)
+    if digest != entry["sha256"]:
+        raise ShardFormatError(
+            f"{path}: sha256 {digest} does not match {MANIFEST_NAME} ({entry['sha256']}); the shard is corrupted: "
+            "restore it, or re-run `vlmpack preprocess`"
+        )
+    return path
 
 
 def export_webdataset(
@@ -125,58 +158,65 @@ def export_webdataset(
 
     A new tar starts when the current one holds `samples_per_tar` samples (no limit if None)
     or the next sample would take it past `max_tar_bytes` (a single larger sample gets a tar
-    of its own).
+    of its own). Each shard's size and sha256 are checked against the manifest before its
+    samples are written, so a corrupted shard stops the export (and nothing of it is left).
     """
     directory, out = Path(directory), Path(out)
     if samples_per_tar is not None and samples_per_tar < 1:
-        raise ValueError(f"--samples-per-tar must be at least 1, got {samples_per_tar}")
+        raise UserError(f"--samples-per-tar must be at least 1, got {samples_per_tar}")
     if max_tar_bytes < 1:
-        raise ValueError(f"--max-tar-bytes must be positive, got {max_tar_bytes}")
+        raise UserError(f"--max-tar-bytes must be positive, got {max_tar_bytes}")
     shards = open_shards(directory)
     manifest = shards.manifest
     rejects_path = directory / REJECTS_NAME
     if not rejects_path.is_file():
         raise ShardFormatError(f"{directory}: no {REJECTS_NAME} beside {MANIFEST_NAME} (an incomplete directory?)")
-    _prepare_out_dir(out, directory, overwrite=overwrite, completion_file=INDEX_NAME, owned=_EXPORT_OWNED)
-
-    tars: list[dict] = []
-    writer: _TarShardWriter | None = None
-    index = 0
-    try:
-        for k in range(len(shards.shard_files)):
-            shard = shards.shard(k)
-            for j in range(len(shard)):
-                members = encode_sample(index, shard.row(j))
-                if writer is not None and (
-                    (samples_per_tar is not None and len(writer.sample_offsets) >= samples_per_tar)
-                    or tar_file_size(writer.pos + encoded_size(members)) > max_tar_bytes
-                ):
-                    tars.append(writer.close())
-                    writer = None
-                if writer is None:
-                    writer = _TarShardWriter(out / tar_name(len(tars)), first_index=index)
-                writer.add(members)
-                index += 1
-        if writer is not None:
-            tars.append(writer.close())
-            writer = None
-    finally:
-        if writer is not None:
-            writer.abort()
-
-    rejects = rejects_path.read_bytes()
-    with atomic_open(out / REJECTS_NAME, "wb") as fh:
-        fh.write(rejects)
-    result = build_index(manifest, tars, rejects, samples_per_tar=samples_per_tar, max_tar_bytes=max_tar_bytes)
-    write_json_atomic(out / INDEX_NAME, result)
+    _refuse_same_dir(out, directory)
+    with exclusive_output_dir(out, "export") as out:
+        _claim_out_dir(out, overwrite=overwrite, completion_file=INDEX_NAME, owned=_EXPORT_OWNED, what="vlmpack export")
+        tars: list[dict] = []
+        writer: _TarShardWriter | None = None
+        index = 0
+        try:
+            for k, entry in enumerate(manifest["shards"]):
+                check_source_shard(directory, entry)
+                shard = shards.shard(k)
+                for j in range(len(shard)):
+                    members = encode_sample(index, shard.row(j))
+                    if writer is not None and (
+                        (samples_per_tar is not None and len(writer.sample_offsets) >= samples_per_tar)
+                        or tar_file_size(writer.pos + encoded_size(members)) > max_tar_bytes
+                    ):
+                        tars.append(writer.close())
+                        writer = None
+                    if writer is None:
+                        writer = _TarShardWriter(out / tar_name(len(tars)), first_index=index)
+                    writer.add(members)
+                    index += 1
+            if writer is not None:
+                tars.append(writer.close())
+                writer = None
+            rejects = rejects_path.read_bytes()
+            with atomic_open(out / REJECTS_NAME, "wb") as fh:
+                fh.write(rejects)
+            result = build_index(manifest, tars, rejects, samples_per_tar=samples_per_tar, max_tar_bytes=max_tar_bytes)
+            write_json_atomic(out / INDEX_NAME, result)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            _remove_on_failure([out / INDEX_NAME, *(out / t["file"] for t in tars), out / REJECTS_NAME])
+            raise
     return result
 
 
 def import_webdataset(tardir: str | Path, out: str | Path, *, overwrite: bool = False) -> dict:
     """Rebuild a shard directory from an export; returns its manifest.
 
-    Every tar's sha256 is checked before anything is written. The shards keep the source's
-    file names and rows per shard, so the Arrow files (and the manifest) come out identical.
+    Every tar's size and sha256 are checked before anything is written, every sample is decoded
+    and checked (dtypes, shapes, patches against grids, meta.json against the arrays), and each
+    rebuilt shard must have the exported shard's sha256: the shards keep the source's file names
+    and rows per shard, so the Arrow files (and the manifest) come out identical. On any
+    mismatch the shards written so far are removed: nothing partial is left.
     """
     tardir, out = Path(tardir), Path(out)
     dataset = WebDatasetShards(tardir)
@@ -194,42 +234,59 @@ def import_webdataset(tardir: str | Path, out: str | Path, *, overwrite: bool = 
     rejected = manifest["accounting"]["rows_rejected"]
     if len(rejects) != rejected:
         raise WebDatasetFormatError(f"{tardir / REJECTS_NAME}: {len(rejects)} rejects, the manifest accounts for {rejected}")
-    _prepare_out_dir(out, tardir, overwrite=overwrite, completion_file=MANIFEST_NAME, owned=_IMPORT_OWNED)
-
-    samples = dataset.iter_samples()
-    width = dataset.patch_row_width
-    shard_infos = []
-    for entry in layout:
-        writer = ShardWriter(out / entry["file"], width)
+    _refuse_same_dir(out, tardir)
+    with exclusive_output_dir(out, "import") as out:
+        _claim_out_dir(out, overwrite=overwrite, completion_file=MANIFEST_NAME, owned=_IMPORT_OWNED, what="vlmpack import")
+        samples = dataset.iter_samples()
+        width = dataset.patch_row_width
+        shard_infos: list[dict] = []
         try:
-            for _ in range(int(entry["rows"])):
-                row = next(samples)
-                writer.add(
-                    Sample(
-                        sample_uid=row["sample_uid"],
-                        source=row["source"],
-                        input_ids=row["input_ids"],
-                        loss_mask=row["loss_mask"],
-                        position_ids=row["position_ids"],
-                        pixel_patches=row["pixel_patches"],
-                        image_grid_thw=row["image_grid_thw"],
-                    )
-                )
-            info = writer.close().to_json()
+            for entry in layout:
+                shard_infos.append(_import_shard(out / entry["file"], entry, samples, width, index_path))
+            write_jsonl_atomic(out / REJECTS_NAME, rejects)
+            result = build_manifest(
+                profile=manifest["profile"],
+                settings=manifest["settings"],
+                shards=shard_infos,
+                accounting=manifest["accounting"],
+                patch_row_width=width,
+            )
+            write_json_atomic(out / MANIFEST_NAME, result)
         except BaseException:
-            writer.abort()
+            _remove_on_failure([out / MANIFEST_NAME, *(out / info["file"] for info in shard_infos), out / REJECTS_NAME])
             raise
-        for stat in ("rows", "tokens", "target_tokens", "images", "patches"):
-            if info[stat] != entry[stat]:
-                raise WebDatasetFormatError(f"{out / entry['file']}: {stat} {info[stat]}, the source manifest says {entry[stat]}")
-        shard_infos.append(info)
-    write_jsonl_atomic(out / REJECTS_NAME, rejects)
-    result = build_manifest(
-        profile=manifest["profile"],
-        settings=manifest["settings"],
-        shards=shard_infos,
-        accounting=manifest["accounting"],
-        patch_row_width=width,
-    )
-    write_json_atomic(out / MANIFEST_NAME, result)
     return result
+
+
+def _import_shard(path: Path, entry: dict, samples, width: int, index_path: Path) -> dict:
+    """Write the next `entry["rows"]` samples as shard `path`; it must equal the exported shard."""
+    writer = ShardWriter(path, width)
+    try:
+        for _ in range(int(entry["rows"])):
+            row = next(samples)
+            writer.add(
+                Sample(
+                    sample_uid=row["sample_uid"],
+                    source=row["source"],
+                    input_ids=row["input_ids"],
+                    loss_mask=row["loss_mask"],
+                    position_ids=row["position_ids"],
+                    pixel_patches=row["pixel_patches"],
+                    image_grid_thw=row["image_grid_thw"],
+                )
+            )
+        info = writer.close().to_json()
+    except BaseException:
+        writer.abort()
+        raise
+    try:
+        for stat in ("rows", "tokens", "target_tokens", "images", "patches", "bytes", "sha256"):
+            if info[stat] != entry[stat]:
+                raise WebDatasetFormatError(
+                    f"{path}: {stat} {info[stat]}, the exported shard's entry in {index_path} says {entry[stat]}: "
+                    "the samples changed after the export; re-export from the shard directory"
+                )
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return info

@@ -158,7 +158,7 @@ class WebDatasetShards:
                     member_key, member = split_name(info.name)
                     if member_key != key:
                         if key is not None:
-                            yield decode_sample(members, f"{path}: sample {key}", self.patch_row_width)
+                            yield decode_sample(members, f"{path}: sample {key}", self.patch_row_width, expected)
                             expected += 1
                         if member_key != sample_key(expected):
                             raise WebDatasetFormatError(
@@ -171,7 +171,7 @@ class WebDatasetShards:
         except (tarfile.TarError, EOFError) as exc:
             raise WebDatasetFormatError(f"{path}: not a readable tar ({exc}); truncated or corrupted? re-export it") from exc
         if key is not None:
-            yield decode_sample(members, f"{path}: sample {key}", self.patch_row_width)
+            yield decode_sample(members, f"{path}: sample {key}", self.patch_row_width, expected)
             expected += 1
         if expected - entry["first_index"] != entry["samples"]:
             raise WebDatasetFormatError(f"{path}: {expected - entry['first_index']} samples, {INDEX_NAME} says {entry['samples']}")
@@ -222,7 +222,7 @@ class WebDatasetShards:
                 )
             members[member] = span[pos + BLOCK : pos + BLOCK + info.size]
             pos += BLOCK + padded(info.size)
-        return decode_sample(members, where, self.patch_row_width)
+        return decode_sample(members, where, self.patch_row_width, i)
 
 
     def sample_stats(self) -> dict[str, np.ndarray]:
