@@ -57,9 +57,9 @@ from preprocess.job import PreprocessConfig, run_preprocess
 from preprocess.profiles import builtin_profile
 from shards_schema.builtin import QWEN3_VL_VISION
 from shards_schema import open_shards
-from shards_schema.webdataset import export_webdataset
+from shards_schema.webdataset import WebDatasetShards, export_webdataset
 from train.loader import PackedDataset, shared_uint8
-from train.pack_plan import WebDatasetSource, build_pack_plan
+from train.pack_plan import build_pack_plan
 from train.packed_batch import assemble_pack, pixel_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def build_data(work: Path, rows: int, size_range: tuple[int, int], seed: int, wo
     open_shards(work / "shards").sample_stats()
     arrow_sizes = time.perf_counter() - t0
     t0 = time.perf_counter()
-    WebDatasetSource(work / "tars").sample_stats()  # first call in this process: the tar-header walk, uncached
+    WebDatasetShards(work / "tars").sample_stats()  # first call in this process: the tar-header walk, uncached
     tar_sizes = time.perf_counter() - t0
     totals = manifest["totals"]
     return {

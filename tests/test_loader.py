@@ -20,10 +20,10 @@ from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import ShardFormatError, open_shards
 from shards_schema.pixels import pixel_values_from_patches_np
-from shards_schema.webdataset import WebDatasetFormatError, export_webdataset
+from shards_schema.webdataset import WebDatasetFormatError, WebDatasetShards, export_webdataset
 from tests.hf_reference import hf_packed_inputs, hf_packed_position_ids, to_padded_batch
 from train.loader import LoaderState, PackedDataset, PackedLoader, pixel_values_on_device, shared_uint8
-from train.pack_plan import WebDatasetSource, build_pack_plan, open_source
+from train.pack_plan import build_pack_plan, open_source
 from train.packed_batch import IGNORE_INDEX, assemble_pack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -397,7 +397,7 @@ def assert_same_packs(a, b) -> None:
 
 def test_webdataset_export_packs_exactly_like_its_directory(shard_dir, shards, webdataset_dir):
     wds = open_source(webdataset_dir)
-    assert isinstance(wds, WebDatasetSource) and len(wds.tars) > 2
+    assert isinstance(wds, WebDatasetShards) and len(wds.tars) > 2
     stats = shards.sample_stats()
     for name, values in wds.sample_stats().items():  # from tar headers alone
         assert np.array_equal(values, stats[name]), name
