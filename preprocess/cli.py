@@ -1,4 +1,11 @@
-"""`vlmpack quickstart | preprocess | merge`."""
+"""`vlmpack quickstart | preprocess | merge`.
+
+Exit status: 0 when shards were written; 1 when the job finished but wrote no sample (an
+empty input, or every row rejected: the rows are still accounted for in manifest.json and
+rejects.jsonl); 2 for a mistake in the command (one line naming the flag or input and the
+fix); 4 when the disk is full (free space and re-run: finished shards are kept); 128 + the
+signal number when stopped by SIGTERM or SIGINT (re-run to resume).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+from shards_schema.outdir import prepare_output_dir
+
 from .errors import ConfigError
-from .job import DEFAULT_ROWS_PER_SHARD, PreprocessConfig, merge_partitions, run_preprocess
+from .job import (DEFAULT_ROWS_PER_SHARD, INPUT_HASH_MODES, PreprocessConfig, check_config, merge_partitions,
+                  run_preprocess)
 from .pipeline import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_SEQ_LEN, SampleOptions
 
 
@@ -64,9 +74,15 @@ def _sample_options(args) -> SampleOptions:
     )
 
 
-def _fail(command: str, exc: Exception) -> int:
-    print(f"vlmpack {command}: error: {exc}", file=sys.stderr)
-    return 2
+EXIT_NOTHING_WRITTEN = 1
+
+
+def _nothing_written(command: str, manifest: dict, out: Path) -> int:
+    """The job finished but no sample came out: worth a non-zero exit, not a silent success."""
+    acc = manifest["accounting"]
+    why = "the inputs hold no rows" if acc["rows_read"] == 0 else f"all rejected (see {out}/rejects.jsonl)"
+    print(f"vlmpack {command}: warning: nothing written: {acc['rows_read']} rows read, {why}", file=sys.stderr)
+    return EXIT_NOTHING_WRITTEN
 
 
 class Preprocess:
@@ -80,6 +96,10 @@ class Preprocess:
         g.add_argument("--rows-per-shard", type=int, default=DEFAULT_ROWS_PER_SHARD, help="input rows per shard file / work unit (default %(default)s)")
         g.add_argument("--num-partitions", type=int, default=1, help="split the job across this many machines")
         g.add_argument("--partition-index", type=int, default=0, help="which partition this machine runs")
+        g.add_argument("--input-hash", default="sampled", choices=INPUT_HASH_MODES,
+                       help="how a resumed job checks that its inputs did not change: 'sampled' (default) compares "
+                            "size, modification time and a hash of sampled blocks; 'full' hashes whole inputs "
+                            "(slower, ignores timestamps)")
         g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     @staticmethod
@@ -96,19 +116,21 @@ class Preprocess:
             rows_per_shard=args.rows_per_shard,
             num_partitions=args.num_partitions,
             partition_index=args.partition_index,
+            input_hash=args.input_hash,
             progress=not args.no_progress,
         )
-        try:
-            result = run_preprocess(cfg)
-        except ConfigError as exc:
-            return _fail("preprocess", exc)
+        result = run_preprocess(cfg)
         run = result.pop("_run")
+        for unit in run["units_redone"]:
+            print(f"vlmpack preprocess: note: the shard of unit {unit} was missing or damaged; it was redone", file=sys.stderr)
         if "totals" not in result:
             print(f"partition {result['partition']} done: {result['units']} units, {result['rows_read']} rows read, "
                   f"{result['rows_rejected']} rejected. When all partitions are done: vlmpack merge {args.out} --out DIR")
             return 0
         print(format_summary(result, Path(args.out)))
         print(f"time:           {run['seconds']:.1f} s ({run['units_done_now']} units processed, {run['units_resumed']} already done)")
+        if result["accounting"]["rows_written"] == 0:
+            return _nothing_written("preprocess", result, Path(args.out))
         return 0
 
 
@@ -120,11 +142,10 @@ class Merge:
 
     @staticmethod
     def run(args) -> int:
-        try:
-            manifest = merge_partitions(args.dirs, args.out)
-        except ConfigError as exc:
-            return _fail("merge", exc)
+        manifest = merge_partitions(args.dirs, args.out)
         print(format_summary(manifest, Path(args.out)))
+        if manifest["accounting"]["rows_written"] == 0:
+            return _nothing_written("merge", manifest, Path(args.out))
         return 0
 
 
@@ -134,7 +155,8 @@ class Quickstart:
         parser.add_argument("--out", default="vlmpack-quickstart", help="working directory (default %(default)s)")
         parser.add_argument("--rows", type=int, default=64, help="example conversations to generate (default %(default)s)")
         parser.add_argument("--profile", default="qwen3-vl", help="built-in profile (default %(default)s)")
-        parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+        parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+                            help="worker processes (default %(default)s)")
 
     @staticmethod
     def run(args) -> int:
@@ -142,17 +164,19 @@ class Quickstart:
 
         from .examples import example_rows, write_jsonl
 
+        if args.rows < 1:
+            raise ConfigError(f"--rows must be an integer >= 1, got {args.rows}")
         out = Path(args.out)
-        data = write_jsonl(out / "example.jsonl", example_rows(args.rows, seed=0, family=args.profile, include_bad_rows=True))
-        print(f"example dataset: {data} ({args.rows} conversations with base64 images + 2 deliberately broken rows)")
-        shards_dir = out / "shards"
-        started = time.perf_counter()
+        data, shards_dir = out / "example.jsonl", out / "shards"
         cfg = PreprocessConfig(inputs=[str(data)], out=str(shards_dir), profile=args.profile, workers=args.workers,
                                rows_per_shard=max(1, (args.rows + 2 + 1) // 2))
-        try:
-            manifest = run_preprocess(cfg)
-        except ConfigError as exc:
-            return _fail("quickstart", exc)
+        check_config(cfg)
+        prepare_output_dir(out)
+        # Unchanged content keeps the file's timestamp, so a re-run resumes instead of seeing a changed input.
+        write_jsonl(data, example_rows(args.rows, seed=0, family=args.profile, include_bad_rows=True), keep_unchanged=True)
+        print(f"example dataset: {data} ({args.rows} conversations with base64 images + 2 deliberately broken rows)")
+        started = time.perf_counter()
+        manifest = run_preprocess(cfg)
         manifest.pop("_run")
         print(format_summary(manifest, shards_dir))
         print(f"time:           {time.perf_counter() - started:.1f} s")

@@ -96,10 +96,13 @@ def example_rows(n: int, seed: int = 0, *, family: str = "qwen3-vl", size_range=
     return rows
 
 
-def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
+def write_jsonl(path: str | Path, rows: list[dict], *, keep_unchanged: bool = False) -> Path:
+    """One JSON row per line. With `keep_unchanged`, a file that already holds exactly these
+    rows is left alone (its modification time too)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
+    if keep_unchanged and path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
+        return path
+    path.write_bytes(data)
     return path

@@ -4,29 +4,49 @@ Work is cut into units of `rows_per_shard` consecutive input rows (see inputs.py
 is processed by one worker into one shard file, then a small unit record (stats, rejects,
 checksum) is written atomically into `_parts/`. The record is the unit's commit point:
 
-* killed and re-run, the job skips units whose record exists and redoes the rest;
+* killed and re-run, the job skips units whose record exists and whose shard still matches
+  it (present, same size, same sha256), and redoes the rest;
 * `--num-partitions K --partition-index i` takes units with index % K == i, so K machines
   share one input; `vlmpack merge` joins their outputs;
 * output bytes depend on inputs and settings only, never on the worker count or timing.
 
 When all units of the job are done, `rejects.jsonl` and finally `manifest.json` are written.
+
+The output directory belongs to one job at a time (`shards_schema.outdir`): a second job on
+the same directory stops at once, and a directory that holds anything but this job's own
+resumable state is refused, so a finished dataset is never overwritten. A resumed job checks
+its inputs against the fingerprints recorded when it started (size, modification time and a
+hash of sampled blocks, or of the whole content with `--input-hash full`): a changed input is
+refused instead of mixing old and new rows.
+
+Workers die with the job: killed (even with SIGKILL), the parent takes its workers with it;
+SIGTERM or SIGINT end the workers and stop the job with committed units kept.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import ctypes
 import dataclasses
+import hashlib
 import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
+import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shards_schema.atomic import TMP_SUFFIX, write_json_atomic, write_jsonl_atomic
+from shards_schema.errors import UserError, user_error_from_os_error
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, build_manifest
-from shards_schema.writer import ShardWriter
+from shards_schema.outdir import exclusive_output_dir, user_entries
+from shards_schema.writer import ShardWriter, file_sha256
 
 from .errors import ConfigError, RejectError
 from .inputs import InputFile, WorkUnit, describe_input, plan_units, read_rows
@@ -34,8 +54,15 @@ from .pipeline import SampleOptions, process_row
 from .profiles import Profile, resolve_profile
 
 JOB_FILE = "job.json"
+INPUTS_SEEN_FILE = "inputs_seen.json"  # where each input was found and its mtime: resume checks only
 DEFAULT_ROWS_PER_SHARD = 1024
 PROGRESS_EVERY_ROWS = 8
+INPUT_HASH_MODES = ("sampled", "full")
+SAMPLE_BLOCK_BYTES = 64 << 10
+SAMPLE_BLOCKS = 16  # files up to SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES (1 MiB) are hashed whole
+PARENT_WATCH_SECONDS = 0.5
+WORKER_EXIT_SECONDS = 5.0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass
@@ -53,7 +80,17 @@ class PreprocessConfig:
     rows_per_shard: int = DEFAULT_ROWS_PER_SHARD
     num_partitions: int = 1
     partition_index: int = 0
+    input_hash: str = "sampled"
     progress: bool = True
+
+
+class Interrupted(UserError):
+    """The job was stopped by SIGTERM or SIGINT; exit status 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}; finished shards are kept: "
+                         "re-run the same command to resume")
+        self.exit_code = 128 + signum
 
 
 def shard_name(unit_index: int) -> str:
@@ -64,46 +101,69 @@ def unit_record_path(out: Path, unit_index: int) -> Path:
     return out / PARTS_DIR / f"unit-{unit_index:06d}.json"
 
 
+def printable(text: str) -> str:
+    """`text` with what UTF-8 cannot hold (lone surrogates from JSON escapes or from undecodable
+    file names) written as backslash escapes: every string the job writes goes through here."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def printable_path(path: str) -> str:
+    """A file name as text: bytes the file system name holds that are not UTF-8 become \\xNN."""
+    try:
+        return os.fsencode(path).decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that no file-name byte decodes to
+        return printable(path)
+
+
 # ---------------------------------------------------------------- one unit (runs in a worker)
 
 
-def process_unit(unit: WorkUnit, rows_per_unit: int, out: Path, profile: Profile, options: SampleOptions, on_rows=None) -> dict:
-    """Turn one unit of input rows into one shard plus its unit record; returns the record."""
+def process_unit(unit: WorkUnit, name: str, rows_per_unit: int, out: Path, profile: Profile, options: SampleOptions,
+                 on_rows=None) -> dict:
+    """Turn one unit of input rows into one shard plus its unit record; returns the record.
+
+    `name` is how the unit's input is recorded in sources and rejects (see `input_name`).
+    """
     unit_started = time.perf_counter()
     writer = ShardWriter(out / shard_name(unit.index), profile.vision.patch_row_width)
     rejects, rows_read, done_since_report, rejected_since_report = [], 0, 0, 0
     try:
         for row_index, row in read_rows(unit, rows_per_unit):
             rows_read += 1
-            source = f"{unit.input.path}:{row_index}"
+            source = f"{name}:{row_index}"
             try:
                 if isinstance(row, RejectError):
                     raise row
-                writer.add(process_row(row, sample_uid=source, source=source, profile=profile, options=options))
+                sample = process_row(row, sample_uid=source, source=source, profile=profile, options=options)
+                # Arrow encodes strings only when a whole batch is written, too late to blame one row.
+                sample.sample_uid.encode("utf-8")
+                sample.source.encode("utf-8")
+                writer.add(sample)
             except RejectError as exc:
-                rejects.append(_reject_record(unit, row_index, exc.code, exc.message))
+                rejects.append(_reject_record(name, row_index, exc.code, exc.message))
                 rejected_since_report += 1
             except Exception as exc:  # a bug or a library failure on odd input: record it, keep going
-                rejects.append(_reject_record(unit, row_index, "internal_error", f"{type(exc).__name__}: {exc}"))
+                rejects.append(_reject_record(name, row_index, "internal_error", f"{type(exc).__name__}: {exc}"))
                 rejected_since_report += 1
             done_since_report += 1
             if on_rows and done_since_report >= PROGRESS_EVERY_ROWS:
                 on_rows(done_since_report, rejected_since_report)
                 done_since_report = rejected_since_report = 0
+        if rows_read != unit.num_rows:
+            raise RuntimeError(f"{name}: read {rows_read} rows of unit {unit.index}, expected {unit.num_rows} (input changed?)")
+        shard = writer.close().to_json()
     except BaseException:
-        writer.abort()
+        with contextlib.suppress(Exception):  # after a failed close the file is closed already: report the first error
+            writer.abort()
         raise
     if on_rows and done_since_report:
         on_rows(done_since_report, rejected_since_report)
-    if rows_read != unit.num_rows:
-        raise RuntimeError(f"{unit.input.path}: read {rows_read} rows of unit {unit.index}, expected {unit.num_rows} (input changed?)")
-    shard = writer.close().to_json()
     if shard["rows"] == 0:  # every row rejected: keep no empty shard around
         (out / shard["file"]).unlink()
         shard = None
     record = {
         "unit": unit.index,
-        "input": unit.input.path,
+        "input": name,
         "start": unit.start,
         "stop": unit.stop,
         "rows_read": rows_read,
@@ -117,17 +177,41 @@ def process_unit(unit: WorkUnit, rows_per_unit: int, out: Path, profile: Profile
     return record
 
 
-def _reject_record(unit: WorkUnit, row: int, code: str, reason: str) -> dict:
-    return {"source": unit.input.path, "row": row, "code": code, "reason": reason}
+def _reject_record(name: str, row: int, code: str, reason: str) -> dict:
+    return {"source": name, "row": row, "code": code, "reason": printable(reason)}
 
 
 _WORKER: dict = {}
 
 
-def _init_worker(profile_args: dict, fingerprint_id: str, options: SampleOptions, out: Path, rows_per_unit: int,
-                 rows_done, rows_rejected) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """A worker must not outlive the job, however the job ends (kill -9 included).
+
+    Linux kills the worker when its parent dies (PR_SET_PDEATHSIG); a watchdog thread that
+    notices the parent is gone covers other systems and the moment before prctl took effect.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_WATCH_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def _init_worker(parent_pid: int, profile_args: dict, fingerprint_id: str, options: SampleOptions, out: Path,
+                 rows_per_unit: int, rows_done, rows_rejected) -> None:
     """Each worker loads the profile itself from its small spec: shipping the 11 MB tokenizer
     through the spawn pipe would make the parent start workers one after another."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent ends the workers
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     profile = resolve_profile(**profile_args, check_template=False)  # the parent checked the template
     if profile.fingerprint["id"] != fingerprint_id:
@@ -144,15 +228,90 @@ def _worker_on_rows(done: int, rejected: int) -> None:
             _WORKER["rejected"].value += rejected
 
 
-def _worker_process_unit(unit: WorkUnit) -> dict:
+def _worker_process_unit(unit: WorkUnit, name: str) -> dict:
     w = _WORKER
-    return process_unit(unit, w["rows_per_unit"], w["out"], w["profile"], w["options"], on_rows=_worker_on_rows)
+    return process_unit(unit, name, w["rows_per_unit"], w["out"], w["profile"], w["options"], on_rows=_worker_on_rows)
+
+
+# ---------------------------------------------------------------- inputs: names and fingerprints
+
+
+def input_name(given: str) -> str:
+    """How an input is recorded in sources, rejects and the manifest.
+
+    The same file spelled differently (`rows.jsonl`, `./rows.jsonl`, its absolute path) gets
+    one name: relative to the working directory when the file lies under it, otherwise the
+    spelling given, normalized. Undecodable file-name bytes are written as \\xNN.
+    """
+    absolute = os.path.abspath(given)
+    relative = os.path.relpath(absolute)
+    if relative != os.pardir and not relative.startswith(os.pardir + os.sep):
+        name = relative
+    else:
+        name = absolute if os.path.isabs(given) else os.path.normpath(given)
+    return printable_path(name)
+
+
+def _input_files(path: Path) -> list[Path]:
+    """The files an input consists of (a `datasets` directory: its data and metadata files)."""
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.is_file())
+    return [path]
+
+
+def _hash_file(path: Path, mode: str, digest) -> None:
+    size = path.stat().st_size
+    digest.update(os.fsencode(path.name) + b"\0" + str(size).encode() + b"\0")
+    with open(path, "rb") as fh:
+        if mode == "full" or size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+            return
+        for k in range(SAMPLE_BLOCKS):  # first and last block included, the rest evenly between
+            fh.seek((size - SAMPLE_BLOCK_BYTES) * k // (SAMPLE_BLOCKS - 1))
+            digest.update(fh.read(SAMPLE_BLOCK_BYTES))
+
+
+def input_fingerprint(path: str, mode: str) -> tuple[dict, int]:
+    """(content fingerprint, newest modification time in ns) of one input.
+
+    The fingerprint depends on content only (it is part of the job identity, which partitions
+    on other machines must share); the modification time is checked on resume in "sampled"
+    mode, where an edit between sampled blocks would otherwise go unseen.
+    """
+    digest = hashlib.sha256()
+    files = _input_files(Path(path))
+    for file in files:
+        _hash_file(file, mode, digest)
+    mtime_ns = max((f.stat().st_mtime_ns for f in files), default=0)
+    return {"mode": mode, "sha256": digest.hexdigest()}, mtime_ns
+
+
+@dataclass(frozen=True)
+class JobInput:
+    file: InputFile  # what workers read (`file.path` is the spelling given)
+    name: str
+    location: str  # the resolved path: the same file however spelled
+    fingerprint: dict
+    mtime_ns: int
+
+    def identity(self) -> dict:
+        return {**self.file.identity(), "path": self.name, "fingerprint": self.fingerprint}
+
+    def seen(self) -> dict:
+        return {"name": self.name, "location": self.location, "mtime_ns": self.mtime_ns}
+
+
+def describe_job_input(given: str, rows_per_unit: int, hash_mode: str) -> JobInput:
+    file = describe_input(given, rows_per_unit)
+    fingerprint, mtime_ns = input_fingerprint(given, hash_mode)
+    return JobInput(file, input_name(given), printable_path(os.path.realpath(given)), fingerprint, mtime_ns)
 
 
 # ---------------------------------------------------------------- the job
 
 
-def job_identity(cfg: PreprocessConfig, profile: Profile, inputs: list[InputFile]) -> dict:
+def job_identity(cfg: PreprocessConfig, profile: Profile, inputs: list[JobInput]) -> dict:
     """What must match for outputs to be resumed or merged: never the worker count or partition index.
 
     Round-tripped through JSON so it compares equal to the copy read back from disk.
@@ -165,29 +324,169 @@ def job_identity(cfg: PreprocessConfig, profile: Profile, inputs: list[InputFile
     }))
 
 
-def _claim_out_dir(out: Path, identity: dict) -> None:
+def _read_json(path: Path):
+    """A JSON file's content, or None when it is absent or damaged."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _is_fresh(out: Path) -> bool:
+    """Empty, or holding only the start of a claim that a killed job left (no job file yet)."""
+    entries = user_entries(out)
+    if not entries:
+        return True
+    claim_files = {JOB_FILE + TMP_SUFFIX, INPUTS_SEEN_FILE, INPUTS_SEEN_FILE + TMP_SUFFIX}
     parts = out / PARTS_DIR
-    parts.mkdir(parents=True, exist_ok=True)
-    job_file = parts / JOB_FILE
-    if job_file.is_file():
-        existing = json.loads(job_file.read_text(encoding="utf-8"))
-        if existing != identity:
-            changed = sorted(k for k in identity if existing.get(k) != identity[k])
-            raise ConfigError(
-                f"{out} holds output of a different job (differs in: {', '.join(changed)}); "
-                "use a new --out directory, or delete this one to start over"
-            )
-    else:
-        write_json_atomic(job_file, identity)
-    for stale in list(out.glob("*" + TMP_SUFFIX)) + list(parts.glob("*" + TMP_SUFFIX)):
-        stale.unlink()  # torn writes of a killed run
+    return entries == [PARTS_DIR] and parts.is_dir() and set(os.listdir(parts)) <= claim_files
+
+
+def _refuse_foreign(out: Path, command: str) -> None:
+    entries = user_entries(out)
+    shown = ", ".join(printable_path(e) for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
+    raise ConfigError(f"--out {printable_path(str(out))} is not empty and holds no resumable job of `vlmpack {command}` "
+                      f"(it has {shown}): choose a new or empty --out directory")
+
+
+def _remove_torn_writes(out: Path) -> None:
+    for stale in list(out.glob("*" + TMP_SUFFIX)) + list((out / PARTS_DIR).glob("*" + TMP_SUFFIX)):
+        stale.unlink()
+
+
+def _claim_out_dir(out: Path, identity: dict, inputs: list[JobInput], hash_mode: str) -> dict:
+    """Make `out` this job's (fresh) or check it is this job's (resume); returns the identity to run.
+
+    On resume an input found at the same resolved path as recorded keeps its recorded name,
+    so the same file spelled differently continues the same job with the same sources.
+    """
+    parts = out / PARTS_DIR
+    job_file, seen_file = parts / JOB_FILE, parts / INPUTS_SEEN_FILE
+    recorded = _read_json(job_file)
+    if recorded is None:
+        if not _is_fresh(out):
+            _refuse_foreign(out, "preprocess")
+        parts.mkdir(exist_ok=True)
+        write_json_atomic(seen_file, [inp.seen() for inp in inputs])
+        write_json_atomic(job_file, identity)  # the claim's commit point
+        return identity
+    seen = _read_json(seen_file)
+    if isinstance(seen, list) and len(seen) == len(inputs):
+        for i, (inp, before) in enumerate(zip(inputs, seen)):
+            if before.get("location") == inp.location:
+                identity["inputs"][i]["path"] = before["name"]
+    _check_same_job(out, recorded, identity)
+    if isinstance(seen, list) and len(seen) == len(inputs):
+        if hash_mode == "sampled":
+            for inp, before in zip(inputs, seen):
+                if before.get("location") == inp.location and before.get("mtime_ns") != inp.mtime_ns:
+                    raise ConfigError(
+                        f"input {before['name']} was modified since {printable_path(str(out))} was started: use a new "
+                        f"--out directory, or delete this one to start over (if only its timestamp changed, "
+                        "re-run with --input-hash full to compare whole contents)")
+    else:  # a merged directory records no input locations: from now on this job's are checked
+        write_json_atomic(seen_file, [inp.seen() for inp in inputs])
+    _remove_torn_writes(out)
+    return identity
+
+
+def _check_same_job(out: Path, recorded: dict, identity: dict) -> None:
+    if recorded == identity:
+        return
+    where = printable_path(str(out))
+    fix = "use a new --out directory, or delete this one to start over"
+    before_inputs, now_inputs = recorded.get("inputs", []), identity["inputs"]
+    if len(before_inputs) == len(now_inputs) and all(a.get("path") == b["path"] for a, b in zip(before_inputs, now_inputs)):
+        for before, now in zip(before_inputs, now_inputs):
+            if before == now:
+                continue
+            mode_before = (before.get("fingerprint") or {}).get("mode")
+            if mode_before != now["fingerprint"]["mode"]:
+                raise ConfigError(f"{where} was started with --input-hash {mode_before}, this run uses "
+                                  f"--input-hash {now['fingerprint']['mode']}: re-run with --input-hash {mode_before}")
+            raise ConfigError(f"input {now['path']} changed since {where} was started (its size, rows or content "
+                              f"differ): {fix}")
+    changed = sorted(k for k in identity if recorded.get(k) != identity[k])
+    raise ConfigError(f"{where} holds output of a different job (differs in: {', '.join(changed)}); {fix}")
 
 
 def _profile_args(cfg: PreprocessConfig) -> dict:
     return {"name": cfg.profile, "model_dir": cfg.model, "min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels}
 
 
-def _run_units(units: list[WorkUnit], cfg: PreprocessConfig, out: Path, profile: Profile) -> None:
+def _at_least(flag: str, value, minimum: int) -> None:
+    if value is not None and value < minimum:
+        raise ConfigError(f"{flag} must be an integer >= {minimum}, got {value}")
+
+
+def check_config(cfg: PreprocessConfig) -> None:
+    """Every setting checked before any work: one message naming the flag and its valid range."""
+    _at_least("--workers", cfg.workers, 1)
+    _at_least("--rows-per-shard", cfg.rows_per_shard, 1)
+    _at_least("--num-partitions", cfg.num_partitions, 1)
+    if not 0 <= cfg.partition_index < cfg.num_partitions:
+        raise ConfigError(f"--partition-index must be in 0..{cfg.num_partitions - 1} (--num-partitions "
+                          f"{cfg.num_partitions}), got {cfg.partition_index}")
+    _at_least("--max-seq-len", cfg.sample.max_seq_len, 1)
+    _at_least("--max-image-pixels", cfg.sample.max_image_pixels, 1)
+    _at_least("--min-pixels", cfg.min_pixels, 1)
+    _at_least("--max-pixels", cfg.max_pixels, 1)
+    if cfg.input_hash not in INPUT_HASH_MODES:
+        raise ConfigError(f"--input-hash must be one of {', '.join(INPUT_HASH_MODES)}, got {cfg.input_hash!r}")
+    if cfg.sample.media_root is not None and not Path(cfg.sample.media_root).is_dir():
+        raise ConfigError(f"--media-root {cfg.sample.media_root} is not a directory")
+    if not cfg.inputs:
+        raise ConfigError("no inputs given: name at least one input file or directory")
+
+
+@contextmanager
+def _stop_on_signals():
+    """SIGTERM and SIGINT raise `Interrupted` in the main thread, so workers are ended and
+    the job stops with its committed units kept; a second signal ends the process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = (signal.SIGTERM, signal.SIGINT)
+
+    def stop(signum, frame):
+        for s in signals:
+            signal.signal(s, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, stop) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextmanager
+def _output_errors(out: Path):
+    """An OSError writing the output becomes the one-line error it means (disk full: exit 4)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = printable_path(str(out))
+        mapped = user_error_from_os_error(exc)
+        if mapped is None:
+            raise
+        raise mapped from None
+
+
+def _end_workers(workers: list) -> None:
+    for p in workers:
+        p.terminate()
+    deadline = time.monotonic() + WORKER_EXIT_SECONDS
+    for p in workers:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _run_units(units: list[WorkUnit], names: dict[str, str], cfg: PreprocessConfig, out: Path, profile: Profile) -> None:
     from tqdm import tqdm
 
     total_rows = sum(u.num_rows for u in units)
@@ -203,18 +502,20 @@ def _run_units(units: list[WorkUnit], cfg: PreprocessConfig, out: Path, profile:
     try:
         if cfg.workers <= 1 or len(units) <= 1:
             for unit in units:
-                process_unit(unit, cfg.rows_per_shard, out, profile, cfg.sample, on_rows=show)
+                process_unit(unit, names[unit.input.path], cfg.rows_per_shard, out, profile, cfg.sample, on_rows=show)
             return
         ctx = mp.get_context("spawn")  # no fork: tokenizers/threads in the parent must not leak into workers
         done_counter, rejected_counter = ctx.Value("q", 0), ctx.Value("q", 0)
-        with cf.ProcessPoolExecutor(
+        others = set(mp.active_children())
+        pool = cf.ProcessPoolExecutor(
             max_workers=min(cfg.workers, len(units)),
             mp_context=ctx,
             initializer=_init_worker,
-            initargs=(_profile_args(cfg), profile.fingerprint["id"], cfg.sample, out, cfg.rows_per_shard,
+            initargs=(os.getpid(), _profile_args(cfg), profile.fingerprint["id"], cfg.sample, out, cfg.rows_per_shard,
                       done_counter, rejected_counter),
-        ) as pool:
-            pending = {pool.submit(_worker_process_unit, unit) for unit in units}
+        )
+        try:
+            pending = {pool.submit(_worker_process_unit, unit, names[unit.input.path]) for unit in units}
             seen_done = seen_rejected = 0
             while pending:
                 finished, pending = cf.wait(pending, timeout=0.25, return_when=cf.FIRST_COMPLETED)
@@ -223,12 +524,45 @@ def _run_units(units: list[WorkUnit], cfg: PreprocessConfig, out: Path, profile:
                 done, rej = done_counter.value, rejected_counter.value
                 show(done - seen_done, rej - seen_rejected)
                 seen_done, seen_rejected = done, rej
+        except BaseException:
+            # Stop now: no new units, and the running ones end (their torn shards are redone on resume).
+            pool.shutdown(wait=False, cancel_futures=True)
+            _end_workers([p for p in mp.active_children() if p not in others])
+            raise
+        pool.shutdown()
     finally:
         bar.close()
 
 
 def load_unit_records(out: Path, unit_indices) -> list[dict]:
     return [json.loads(unit_record_path(out, i).read_text(encoding="utf-8")) for i in unit_indices]
+
+
+def shard_matches_record(directory: Path, record: dict) -> bool:
+    """The unit's shard is there as committed: same size and sha256 (no shard: all rows rejected)."""
+    shard = record.get("shard")
+    if not shard:
+        return True
+    path = directory / shard["file"]
+    try:
+        return path.stat().st_size == shard["bytes"] and file_sha256(path) == shard["sha256"]
+    except FileNotFoundError:
+        return False
+
+
+def _committed_units(out: Path, units: list[WorkUnit]) -> tuple[set[int], list[int]]:
+    """(units whose record and shard are intact, units whose record was there but the shard
+    missing or damaged); the records of the second kind are removed, so those units are redone."""
+    done, damaged = set(), []
+    for unit in units:
+        path = unit_record_path(out, unit.index)
+        record = _read_json(path)
+        if record is not None and record.get("unit") == unit.index and shard_matches_record(out, record):
+            done.add(unit.index)
+        elif path.exists():
+            damaged.append(unit.index)
+            path.unlink()
+    return done, damaged
 
 
 def write_final_outputs(out: Path, identity: dict, records: list[dict], patch_row_width: int) -> dict:
@@ -260,48 +594,44 @@ def write_final_outputs(out: Path, identity: dict, records: list[dict], patch_ro
 def run_preprocess(cfg: PreprocessConfig) -> dict:
     """Run (or resume) the job; returns the manifest, or a partition summary when partitioned."""
     setup_started = time.perf_counter()
-    if cfg.num_partitions < 1 or not 0 <= cfg.partition_index < cfg.num_partitions:
-        raise ConfigError(f"--partition-index must be in [0, {cfg.num_partitions}), got {cfg.partition_index}")
-    if cfg.rows_per_shard < 1:
-        raise ConfigError("--rows-per-shard must be at least 1")
-    if cfg.sample.media_root is not None and not Path(cfg.sample.media_root).is_dir():
-        raise ConfigError(f"--media-root {cfg.sample.media_root} is not a directory")
+    check_config(cfg)
     profile = resolve_profile(**_profile_args(cfg))
     _ = profile.special  # fail now, not in a worker
-    if not cfg.inputs:
-        raise ConfigError("no inputs given")
-    inputs = [describe_input(p, cfg.rows_per_shard) for p in cfg.inputs]
-    units = plan_units(inputs, cfg.rows_per_shard)
+    inputs = [describe_job_input(p, cfg.rows_per_shard, cfg.input_hash) for p in cfg.inputs]
+    units = plan_units([inp.file for inp in inputs], cfg.rows_per_shard)
     mine = [u for u in units if u.index % cfg.num_partitions == cfg.partition_index]
-    out = Path(cfg.out)
     identity = job_identity(cfg, profile, inputs)
-    _claim_out_dir(out, identity)
-
-    todo = [u for u in mine if not unit_record_path(out, u.index).is_file()]
-    started = time.perf_counter()
-    _run_units(todo, cfg, out, profile)
-    elapsed = time.perf_counter() - started
-    records = load_unit_records(out, (u.index for u in mine))
-    run = {
-        "units_done_now": len(todo),
-        "units_resumed": len(mine) - len(todo),
-        "setup_seconds": started - setup_started,  # profile, input scan, out dir claim
-        "seconds": elapsed,  # the units phase (pool start included)
-        "unit_seconds": sum(r["seconds"] for r in records if r["unit"] in {u.index for u in todo}),
-    }
-    if cfg.num_partitions == 1:
-        manifest = write_final_outputs(out, identity, records, profile.vision.patch_row_width)
-        manifest["_run"] = run
-        return manifest
-    summary = {
-        "partition": f"{cfg.partition_index}/{cfg.num_partitions}",
-        "units": len(mine),
-        "rows_read": sum(r["rows_read"] for r in records),
-        "rows_rejected": sum(r["rows_rejected"] for r in records),
-        "_run": run,
-    }
-    write_json_atomic(out / PARTS_DIR / f"partition-{cfg.partition_index}-of-{cfg.num_partitions}.json", summary)
-    return summary
+    with _stop_on_signals(), exclusive_output_dir(cfg.out, "preprocess") as out, _output_errors(out):
+        identity = _claim_out_dir(out, identity, inputs, cfg.input_hash)
+        names = {inp.file.path: entry["path"] for inp, entry in zip(inputs, identity["inputs"])}
+        committed, damaged = _committed_units(out, mine)
+        todo = [u for u in mine if u.index not in committed]
+        started = time.perf_counter()
+        _run_units(todo, names, cfg, out, profile)
+        elapsed = time.perf_counter() - started
+        records = load_unit_records(out, (u.index for u in mine))
+        run = {
+            "units_done_now": len(todo),
+            "units_resumed": len(mine) - len(todo),
+            "units_redone": damaged,  # committed before, but the shard was missing or damaged
+            "setup_seconds": started - setup_started,  # profile, input scan, out dir claim
+            "seconds": elapsed,  # the units phase (pool start included)
+            "unit_seconds": sum(r["seconds"] for r in records if r["unit"] in {u.index for u in todo}),
+        }
+        if cfg.num_partitions == 1:
+            manifest = write_final_outputs(out, identity, records, profile.vision.patch_row_width)
+            manifest["_run"] = run
+            return manifest
+        summary = {
+            "partition": f"{cfg.partition_index}/{cfg.num_partitions}",
+            "units": len(mine),
+            "rows_read": sum(r["rows_read"] for r in records),
+            "rows_written": sum(r["rows_written"] for r in records),
+            "rows_rejected": sum(r["rows_rejected"] for r in records),
+            "_run": run,
+        }
+        write_json_atomic(out / PARTS_DIR / f"partition-{cfg.partition_index}-of-{cfg.num_partitions}.json", summary)
+        return summary
 
 
 def merge_partitions(directories: list[str], out: str) -> dict:
@@ -310,8 +640,11 @@ def merge_partitions(directories: list[str], out: str) -> dict:
     identities = []
     for d in dirs:
         job_file = d / PARTS_DIR / JOB_FILE
+        if not d.is_dir():
+            raise ConfigError(f"{printable_path(str(d))} does not exist or is not a directory: "
+                              "name the --out directories of the partitions")
         if not job_file.is_file():
-            raise ConfigError(f"{d}: no {PARTS_DIR}/{JOB_FILE}; not the output of `vlmpack preprocess`")
+            raise ConfigError(f"{printable_path(str(d))}: no {PARTS_DIR}/{JOB_FILE}; not the output of `vlmpack preprocess`")
         identities.append(json.loads(job_file.read_text(encoding="utf-8")))
     if any(ident != identities[0] for ident in identities):
         raise ConfigError("the directories hold different jobs (inputs, settings or profile differ); cannot merge")
@@ -328,20 +661,29 @@ def merge_partitions(directories: list[str], out: str) -> dict:
             f"{len(missing)} of {total_units} work units are not done (first: {missing[:5]}); "
             "run the missing partitions (or re-run them to finish) before merging"
         )
-    out_dir = Path(out)
-    (out_dir / PARTS_DIR).mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out_dir / PARTS_DIR / JOB_FILE, identity)
-    records = []
-    for index in range(total_units):
-        src = found[index]
-        record = json.loads(unit_record_path(src, index).read_text(encoding="utf-8"))
-        if src.resolve() != out_dir.resolve():
-            if record["shard"]:
-                _link_or_copy(src / record["shard"]["file"], out_dir / record["shard"]["file"])
-            write_json_atomic(unit_record_path(out_dir, index), record)
-        records.append(record)
-    patch_row_width = _patch_row_width(identity)
-    return write_final_outputs(out_dir, identity, records, patch_row_width)
+    sources = {d.resolve() for d in dirs}
+    with _stop_on_signals(), exclusive_output_dir(out, "merge") as out_dir, _output_errors(out_dir):
+        job_file = out_dir / PARTS_DIR / JOB_FILE
+        if out_dir.resolve() not in sources and _read_json(job_file) != identity:
+            if not _is_fresh(out_dir):
+                _refuse_foreign(out_dir, "merge")
+            (out_dir / PARTS_DIR).mkdir(exist_ok=True)
+            write_json_atomic(job_file, identity)
+        _remove_torn_writes(out_dir)
+        records = []
+        for index in range(total_units):
+            src = found[index]
+            record = json.loads(unit_record_path(src, index).read_text(encoding="utf-8"))
+            if not shard_matches_record(src, record):
+                raise ConfigError(f"{printable_path(str(src))}: the shard of unit {index} is missing or damaged: re-run "
+                                  "that partition's `vlmpack preprocess` command (it redoes the unit), then merge again")
+            if src.resolve() != out_dir.resolve():
+                if record["shard"]:
+                    _link_or_copy(src / record["shard"]["file"], out_dir / record["shard"]["file"], record)
+                write_json_atomic(unit_record_path(out_dir, index), record)
+            records.append(record)
+        patch_row_width = _patch_row_width(identity)
+        return write_final_outputs(out_dir, identity, records, patch_row_width)
 
 
 def _patch_row_width(identity: dict) -> int:
@@ -349,9 +691,11 @@ def _patch_row_width(identity: dict) -> int:
     return vision["channels"] * vision["patch_size"] ** 2
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
+def _link_or_copy(src: Path, dst: Path, record: dict) -> None:
     if dst.exists():
-        return
+        if shard_matches_record(dst.parent, record):
+            return
+        dst.unlink()
     try:
         os.link(src, dst)
     except OSError:
