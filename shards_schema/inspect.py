@@ -7,8 +7,9 @@ fraction) as terminal histograms, JSON (`--json`) or PNG charts plus a self-cont
 report (`--plots OUT/`).
 
 Only small data is read: the manifest, the list *offsets* of each shard (`ShardSet.
-sample_stats`) and the `num_target_tokens` column. Pixel bytes and token values are never
-touched, so inspecting a million samples takes seconds.
+sample_stats`), the `num_target_tokens` column and the `sample_uid` strings (to count repeated
+uids). Pixel bytes and token values are never touched, so inspecting a million samples takes
+seconds.
 
 Also home of `patches_to_image`, the exact inverse of the stored patch layout (used by
 `vlmpack show --save-images`); pure numpy, so this module imports neither side.
@@ -180,6 +181,7 @@ def _collect(directory: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
         "pixel_bytes_per_visual_token": int(manifest["patch_row_width"]) * merge_area,
         "hf_pixel_values_bytes_per_visual_token": hf_bytes,
         "hf_pixel_values_to_disk_ratio": hf_bytes / per_vt if per_vt else None,
+        **_repeated_uids(shards),
     }
 
     acc = manifest.get("accounting", {})
@@ -218,6 +220,15 @@ def _collect(directory: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
         "consistency": consistency,
     }
     return report, arrays
+
+
+def _repeated_uids(shards) -> dict:
+    """How many sample_uids occur more than once, and in how many rows (the uid column only)."""
+    import pyarrow.compute as pc
+
+    counts = pc.value_counts(shards.string_column("sample_uid")).field("counts")
+    repeated = counts.filter(pc.greater(counts, 1))
+    return {"repeated_sample_uids": len(repeated), "rows_with_repeated_uid": int(pc.sum(repeated).as_py() or 0)}
 
 
 def inspect_shards(directory: str | Path) -> dict:
@@ -296,6 +307,13 @@ def format_report(report: dict) -> str:
         )
     else:
         lines.append("bytes/visual tok - (no images)")
+    if t["repeated_sample_uids"]:
+        lines.append(
+            f"sample uids      {t['repeated_sample_uids']:,} repeated, in {t['rows_with_repeated_uid']:,} rows "
+            "(the input's ids repeat; `vlmpack show --uid` shows the first match)"
+        )
+    else:
+        lines.append("sample uids      all unique")
     settings = report["settings"]
     if settings:
         lines.append("settings         " + "  ".join(f"{k} {v}" for k, v in settings.items()))

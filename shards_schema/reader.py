@@ -95,6 +95,10 @@ class ShardFile:
         parts = [np.diff(list_views(batch.column(name), _COLUMN_DTYPES[name])[0]) for batch in self._batches]
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
+    def string_column(self, name: str) -> pa.ChunkedArray:
+        """A string column (sample_uid, source), zero-copy from the mapped file, one chunk per batch."""
+        return pa.chunked_array([batch.column(name) for batch in self._batches], pa.string())
+
     def int_column(self, name: str) -> np.ndarray:
         """A non-null int32 column, zero-copy from its buffer (`to_numpy` would import pandas)."""
         parts = []
@@ -160,6 +164,12 @@ class ShardSet:
             stats["num_images"].append(shard.list_lengths("image_grid_thw") // 3)
             stats["num_target_tokens"].append(shard.int_column("num_target_tokens"))
         return {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in stats.items()}
+
+
+    def string_column(self, name: str) -> pa.ChunkedArray:
+        """A string column of every row in order, zero-copy (`ShardFile.string_column` of each shard)."""
+        chunks = [chunk for k in range(len(self.shard_files)) for chunk in self.shard(k).string_column(name).chunks]
+        return pa.chunked_array(chunks, pa.string())
 
 
 def open_shards(directory: str | Path) -> ShardSet:

@@ -9,11 +9,15 @@ Two depths:
   pixel values, so a flipped byte inside pixel data passes `--quick`.
 * full (default): all of the above plus the sha256 of every shard and every row's invariants
   (lengths, grids, image pads and vision markers, M-RoPE positions recomputed with
-  `mrope_position_ids`, loss mask only on assistant turns, duplicate sample uids). Row checks
+  `mrope_position_ids`, loss mask only on assistant turns, each `source` (input:row) once). Row checks
   are vectorised over slices of each record batch (~1M tokens); positions are recomputed by
   one `mrope_position_ids` call per slice (the rows concatenated, see `_check_positions`).
 
 `--workers N` checks shards in N processes (full mode: hashing and row checks are per shard).
+
+A `sample_uid` is the input's own `id` (input:row when it has none), and real data repeats
+ids: a repeated sample_uid is a warning (counted and shown, exit 0), while a repeated `source`
+is a fault (two rows claiming the same input row).
 
 `verify_shards()` returns a `VerifyReport`; it raises `ShardFormatError` when DIR is not a
 shard directory at all (no manifest, unreadable manifest, other format or schema version),
@@ -48,6 +52,7 @@ SPECIAL_TOKEN_KEYS = ("im_start", "im_end", "assistant", "vision_start", "vision
 DEFAULT_KEEP_PER_KIND = 100  # faults of one kind kept in a report (all are counted)
 DEFAULT_SHOW_PER_KIND = 20  # faults of one kind printed by the CLI
 DUPLICATE_EXAMPLES = 5
+UNIQUE_COLUMNS = ("sample_uid", "source")  # string columns compared across shards (full mode)
 ROWS_SLICE_TOKENS = 1 << 20  # row checks run on record-batch slices of about this many tokens
 
 __all__ = ["Fault", "VerifyReport", "verify_shards", "Verify"]
@@ -60,7 +65,7 @@ __all__ = ["Fault", "VerifyReport", "verify_shards", "Verify"]
 
 @dataclass(frozen=True)
 class Fault:
-    """One thing wrong. `shard` is the file in DIR it concerns (None: the manifest / directory as a
+    """One thing wrong (or, as a report's warning, worth knowing). `shard` is the file in DIR it concerns (None: the manifest / directory as a
     whole, or rejects.jsonl); `row` is the row within that shard (None: not about one row)."""
 
     kind: str
@@ -123,6 +128,8 @@ class VerifyReport:
     mode: str  # "quick" or "full"
     faults: list[Fault] = field(default_factory=list)  # the first `keep_per_kind` of each kind
     fault_counts: dict[str, int] = field(default_factory=dict)  # every fault, by kind
+    warnings: list[Fault] = field(default_factory=list)  # not faults: the exit code ignores them
+    warning_counts: dict[str, int] = field(default_factory=dict)
     shards: int = 0
     rows: int = 0
     bytes: int = 0
@@ -145,6 +152,8 @@ class VerifyReport:
             "fault_counts": dict(self.fault_counts),
             "faults": [asdict(f) for f in self.faults],
             "faults_listed_complete": len(self.faults) == self.num_faults,
+            "warning_counts": dict(self.warning_counts),
+            "warnings": [asdict(w) for w in self.warnings],
             "shards": self.shards,
             "rows": self.rows,
             "bytes": self.bytes,
@@ -152,22 +161,32 @@ class VerifyReport:
         }
 
     def format_text(self, show_per_kind: int = DEFAULT_SHOW_PER_KIND) -> str:
-        lines, shown = [], Counter()
-        for f in self.faults:
-            shown[f.kind] += 1
-            if shown[f.kind] <= show_per_kind:
-                lines.append(f"FAULT {f}")
-        for kind, count in self.fault_counts.items():
-            listed = min(count, show_per_kind, shown[kind])
-            if count > listed:
-                lines.append(f"... [{kind}] {count - listed} more (of {count}; `--max-faults N` shows more, `--json` lists up to {DEFAULT_KEEP_PER_KIND})")
+        lines = _listed("WARNING", self.warnings, self.warning_counts, show_per_kind)
+        lines += _listed("FAULT", self.faults, self.fault_counts, show_per_kind)
         checked = f"{self.shards} shards, {self.rows:,} rows, {_mib(self.bytes)} checked ({self.mode}) in {self.seconds:.2f} s"
+        warned = ""
+        if self.warning_counts:
+            warned = "; warnings: " + ", ".join(f"{k} {v}" for k, v in sorted(self.warning_counts.items()))
         if self.ok:
-            lines.append(f"verify {self.directory}: OK: {checked}")
+            lines.append(f"verify {self.directory}: OK: {checked}{warned}")
         else:
             kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.fault_counts.items()))
-            lines.append(f"verify {self.directory}: FAILED: {self.num_faults} faults ({kinds}); {checked}")
+            lines.append(f"verify {self.directory}: FAILED: {self.num_faults} faults ({kinds}); {checked}{warned}")
         return "\n".join(lines)
+
+
+def _listed(label: str, entries: list[Fault], counts: dict[str, int], show_per_kind: int) -> list[str]:
+    """`label` lines for up to `show_per_kind` entries of each kind, then a count of the rest."""
+    lines, shown = [], Counter()
+    for f in entries:
+        shown[f.kind] += 1
+        if shown[f.kind] <= show_per_kind:
+            lines.append(f"{label} {f}")
+    for kind, count in counts.items():
+        listed = min(count, show_per_kind, shown[kind])
+        if count > listed:
+            lines.append(f"... [{kind}] {count - listed} more (of {count}; `--max-faults N` shows more, `--json` lists up to {DEFAULT_KEEP_PER_KIND})")
+    return lines
 
 
 def _mib(n: int) -> str:
@@ -315,7 +334,7 @@ class _Context:
 class _ShardResult:
     log: _FaultLog
     rows: int = 0
-    uids: pa.Array | None = None
+    columns: dict[str, pa.Array] | None = None  # sample_uid and source, for the checks across shards
 
 
 def _check_shard(entry: dict, ctx: _Context, on_rows=None) -> _ShardResult:
@@ -351,7 +370,7 @@ def _check_shard(entry: dict, ctx: _Context, on_rows=None) -> _ShardResult:
                 digest = file_sha256(path)
                 if digest != entry["sha256"]:
                     log.add("sha256_mismatch", f"sha256 {digest[:16]}… != manifest {entry['sha256'][:16]}… (bytes changed since the job wrote them)", name)
-            result.uids = _check_rows(batches, entry, ctx, name, log, on_rows)
+            result.columns = _check_rows(batches, entry, ctx, name, log, on_rows)
     except Exception as exc:  # corrupt data must give a fault, never a crash of the verifier
         log.add("check_error", f"checking stopped on this shard: {type(exc).__name__}: {exc}", name)
     return result
@@ -415,13 +434,15 @@ def _first_per_row(flat_idx: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarra
     return uniq, flat_idx[first] - offsets[uniq], counts
 
 
-def _check_rows(batches, entry: dict, ctx: _Context, name: str, log: _FaultLog, on_rows) -> pa.Array:
-    """Every row's invariants, one slice of a record batch at a time; returns the sample_uid column.
+def _check_rows(batches, entry: dict, ctx: _Context, name: str, log: _FaultLog, on_rows) -> dict[str, pa.Array]:
+    """Every row's invariants, one slice of a record batch at a time; returns the UNIQUE_COLUMNS
+    (sample_uid and source) of the rows checked.
 
     (The per-shard sums were compared from offsets already; here each row's loss_mask is tied to
     its num_target_tokens, so those sums hold for the mask too.)
     """
-    uids, row0 = [], 0
+    columns: dict[str, list] = {name: [] for name in UNIQUE_COLUMNS}
+    row0 = 0
     for batch in batches:
         try:
             batch.validate(full=True)  # offsets monotone and in range, UTF-8 valid
@@ -432,11 +453,12 @@ def _check_rows(batches, entry: dict, ctx: _Context, name: str, log: _FaultLog, 
             offsets = _offsets(batch, "input_ids")
             for r0, r1 in _row_slices(offsets - offsets[0], ROWS_SLICE_TOKENS):
                 _check_batch(_RowSlice.of(batch.slice(r0, r1 - r0), row0 + r0, ctx, name, log))
-            uids.append(batch.column("sample_uid"))
+            for column in UNIQUE_COLUMNS:
+                columns[column].append(batch.column(column))
         row0 += batch.num_rows
         if on_rows:
             on_rows(batch.num_rows)
-    return pa.concat_arrays(uids) if uids else pa.array([], pa.string())
+    return {column: pa.concat_arrays(arrays) if arrays else pa.array([], pa.string()) for column, arrays in columns.items()}
 
 
 def _row_slices(offsets: np.ndarray, max_tokens: int):
@@ -762,11 +784,12 @@ def _context(directory: Path, manifest: dict, quick: bool, keep: int, log: _Faul
     return _Context(str(directory), int(width), quick, keep, special, merge)
 
 
-def _check_duplicate_uids(uids: list[tuple[str, pa.Array]], log: _FaultLog) -> None:
-    """Each sample_uid once across the directory; one fault per duplicated uid, the first few located."""
+def _check_duplicates(column: str, values: list[tuple[str, pa.Array]], log: _FaultLog, kind: str, note: str) -> None:
+    """One entry per value of `column` that occurs more than once across the directory, the first
+    few located (first and second place); the rest counted."""
     import pyarrow.compute as pc
 
-    arrays = [a for _, a in uids if len(a)]
+    arrays = [a for _, a in values if len(a)]
     if not arrays:
         return
     counts = pc.value_counts(pa.chunked_array(arrays, type=pa.string()))
@@ -775,15 +798,14 @@ def _check_duplicate_uids(uids: list[tuple[str, pa.Array]], log: _FaultLog) -> N
         return
     examples = dup.field("values")[:DUPLICATE_EXAMPLES]
     places: dict[str, list[tuple[str, int]]] = {v.as_py(): [] for v in examples}  # at most DUPLICATE_EXAMPLES
-    for shard, arr in uids:  # manifest order, so places are in reading order
+    for shard, arr in values:  # manifest order, so places are in reading order
         hits = np.flatnonzero(pc.is_in(arr, value_set=examples).to_numpy(zero_copy_only=False))
         for r in hits.tolist():
             places[arr[r].as_py()].append((shard, r))
-    for uid, where in places.items():
+    for value, where in places.items():
         (first_shard, first_row), (shard, row) = where[0], where[1]
-        log.add("duplicate_sample_uid", f"sample_uid {uid!r} occurs {len(where)} times; first at {first_shard} row {first_row}",
-                shard, row)
-    log.add_count("duplicate_sample_uid", len(dup) - len(places))
+        log.add(kind, f"{column} {value!r} occurs {len(where)} times; first at {first_shard} row {first_row}{note}", shard, row)
+    log.add_count(kind, len(dup) - len(places))
 
 
 def verify_shards(
@@ -813,7 +835,7 @@ def verify_shards(
     _check_directory_listing(directory, {e["file"] for e in entries}, log)
     ctx = _context(directory, manifest, quick, keep_per_kind, log)
 
-    uids: list[tuple[str, pa.Array]] = []
+    columns: dict[str, list[tuple[str, pa.Array]]] = {column: [] for column in UNIQUE_COLUMNS}
     if ctx is not None and entries:
         total_rows = sum(e["rows"] for e in entries)
         bar = None
@@ -825,16 +847,20 @@ def verify_shards(
             for entry, result in zip(entries, _run_shard_checks(entries, ctx, workers, bar)):
                 log.merge(result.log)
                 report.rows += result.rows
-                if result.uids is not None:
-                    uids.append((entry["file"], result.uids))
+                for column, values in (result.columns or {}).items():
+                    columns[column].append((entry["file"], values))
         finally:
             if bar is not None:
                 bar.close()
         report.shards = len(entries)
         report.bytes = sum(e["bytes"] for e in entries)
+    warnings = _FaultLog(keep_per_kind)
     if not quick:
-        _check_duplicate_uids(uids, log)
+        _check_duplicates("source", columns["source"], log, "duplicate_source", " (each row comes from its own input row)")
+        _check_duplicates("sample_uid", columns["sample_uid"], warnings, "duplicate_sample_uid",
+                          " (the input's ids repeat; fine for training, ambiguous for `vlmpack show --uid`)")
     report.faults, report.fault_counts = log.faults, dict(log.counts)
+    report.warnings, report.warning_counts = warnings.faults, dict(warnings.counts)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -873,7 +899,7 @@ class Verify:
         parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
         parser.add_argument("--progress", action="store_true", help="progress bar on stderr even when it is not a terminal")
         parser.add_argument("--max-faults", type=int, default=DEFAULT_SHOW_PER_KIND, metavar="N",
-                            help=f"faults printed per kind (all are counted; default {DEFAULT_SHOW_PER_KIND})")
+                            help=f"faults (and warnings) printed per kind (all are counted; default {DEFAULT_SHOW_PER_KIND})")
         parser.add_argument("--workers", type=int, default=1, metavar="N", help="check shards in N processes (default 1)")
 
     @staticmethod

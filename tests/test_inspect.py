@@ -95,6 +95,7 @@ def test_inspect_text_totals_rejects_and_histograms(data, capsys):
     assert f"{t['shards']} files" in text and f"{t['bytes']:,} bytes" in text
     assert f"{acc['rows_read']:,} rows read = {acc['rows_written']:,} written + {acc['rows_rejected']:,} rejected" in text
     assert "HF float32 pixel_values 24,576" in text  # 4 * (3*2*16*16) * 2^2 for qwen3-vl
+    assert re.search(r"^sample uids\s+all unique$", text, re.M)
     # rejects by reason, with the first example's reason from rejects.jsonl
     first = {}
     for line in (out / "rejects.jsonl").read_text().splitlines():
@@ -129,6 +130,7 @@ def test_inspect_json_matches_independent_counts(data, independent, capsys):
     assert t["bytes_per_visual_token"] == pytest.approx(t["bytes"] / t["visual_tokens"])
     assert t["hf_pixel_values_bytes_per_visual_token"] == 4 * 3 * 2 * 16 * 16 * 4
     assert report["consistency"] == []
+    assert (t["repeated_sample_uids"], t["rows_with_repeated_uid"]) == (0, 0)
     assert {r["code"]: r["count"] for r in report["rejects"]} == {"bad_base64": 1, "unknown_role": 1}
     assert report["accounting"]["rows_read"] == ROWS + 2
 
@@ -191,6 +193,22 @@ def test_inspect_errors_exit_2(tmp_path, capsys):
     (tmp_path / "manifest.json").write_text('{"format": "something-else"}')
     code, _, err = _cli(capsys, "inspect", str(tmp_path))
     assert code == 2 and "not a vlmpack manifest" in err
+
+
+def test_inspect_and_show_with_repeated_input_ids(tmp_path, capsys):
+    rows = example_rows(6, seed=2, size_range=(32, 64))
+    for row, uid in zip(rows, ["a", "b", "a", "c", "a", "b"]):
+        row["id"] = uid
+    out = tmp_path / "shards"
+    run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(tmp_path / "chats.jsonl", rows))], out=str(out), workers=1,
+                                    rows_per_shard=4, progress=False))
+    totals = inspect_shards(out)["totals"]
+    assert (totals["repeated_sample_uids"], totals["rows_with_repeated_uid"]) == (2, 5)
+    code, text, _ = _cli(capsys, "inspect", str(out))
+    assert code == 0 and re.search(r"^sample uids\s+2 repeated, in 5 rows ", text, re.M)
+    code, text, err = _cli(capsys, "show", str(out), "--uid", "a")
+    assert code == 0 and "note: sample_uid 'a' occurs 3 times (indices [0, 2, 4]); showing index 0" in err
+    assert _cli(capsys, "show", str(out), "--index", "0")[1] == text
 
 
 def test_inspect_subprocess_exit_code(data, tmp_path):

@@ -234,6 +234,47 @@ def test_rejects_line_removed(shards):
     assert "does not parse" in verify_shards(shards, quick=True).faults[0].message
 
 
+# --------------------------------------------------------------------------- repeated ids
+
+
+def test_repeated_input_ids_preprocess_and_verify_with_a_warning(tmp_path, capsys):
+    rows = example_rows(9, seed=3, size_range=(32, 96))
+    for i, row in enumerate(rows):
+        row["id"] = ["a", "b", "a", "c", "a", "b", "d", "e", "f"][i]  # "a" 3 times, "b" twice
+    data = write_jsonl(tmp_path / "chats.jsonl", rows)
+    out = tmp_path / "out"
+    run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(out), workers=1, rows_per_shard=4, progress=False))
+    report = verify_shards(out)
+    assert report.ok and report.fault_counts == {}
+    assert report.warning_counts == {"duplicate_sample_uid": 2}
+    by_uid = {w.message.split()[1]: w for w in report.warnings}
+    assert set(by_uid) == {"'a'", "'b'"}
+    assert "'a' occurs 3 times; first at shard-000000.arrow row 0" in by_uid["'a'"].message
+    assert (by_uid["'a'"].shard, by_uid["'a'"].row) == ("shard-000000.arrow", 2)
+    rc, text = verify_cli(out, capsys=capsys)
+    assert rc == 0, text
+    assert "WARNING shard-000000.arrow row 2: [duplicate_sample_uid] sample_uid 'a' occurs 3 times" in text
+    assert "FAULT" not in text and "OK:" in text and "warnings: duplicate_sample_uid 2" in text
+    rc, text = verify_cli(out, "--json", capsys=capsys)
+    data = json.loads(text)
+    assert rc == 0 and data["ok"] is True and data["warning_counts"] == {"duplicate_sample_uid": 2}
+    assert len(data["warnings"]) == 2 and data["fault_counts"] == {}
+
+
+def test_a_repeated_uid_with_a_fault_still_fails(shards, capsys):
+    def mutate(samples):
+        samples[3].sample_uid = samples[1].sample_uid
+        samples[2].source = samples[0].source
+
+    file = rewrite_shard(shards, 1, mutate)
+    report = verify_shards(shards)
+    assert report.fault_counts == {"duplicate_source": 1} and report.warning_counts == {"duplicate_sample_uid": 1}
+    rc, text = verify_cli(shards, capsys=capsys)
+    assert rc == 1
+    assert f"FAULT {file} row 2: [duplicate_source] source " in text and f"WARNING {file} row 3: [duplicate_sample_uid]" in text
+    assert "FAILED: 1 faults (duplicate_source 1)" in text and "warnings: duplicate_sample_uid 1" in text
+
+
 # --------------------------------------------------------------------------- rows (checksums made consistent)
 
 
@@ -291,8 +332,8 @@ def _no_targets(samples, sp):
     return j
 
 
-def _duplicate_uid(samples, sp):
-    samples[3].sample_uid = samples[1].sample_uid
+def _duplicate_source(samples, sp):
+    samples[3].source = samples[1].source
     return None
 
 
@@ -303,7 +344,7 @@ ROW_FAULTS = {
     "image_pad_count": _image_pad_removed,
     "vision_markers": _vision_end_replaced,
     "no_targets": _no_targets,
-    "duplicate_sample_uid": _duplicate_uid,
+    "duplicate_source": _duplicate_source,
 }
 
 
