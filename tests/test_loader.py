@@ -23,7 +23,7 @@ from shards_schema.pixels import pixel_values_from_patches_np
 from shards_schema.webdataset import WebDatasetFormatError, WebDatasetShards, export_webdataset
 from tests.hf_reference import hf_packed_inputs, hf_packed_position_ids, to_padded_batch
 from train.loader import LoaderState, PackedDataset, PackedLoader, pixel_values_on_device, shared_uint8
-from train.pack_plan import build_pack_plan, open_source
+from train.pack_plan import PackingError, build_pack_plan, open_source
 from train.packed_batch import IGNORE_INDEX, assemble_pack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -332,6 +332,18 @@ def test_state_from_other_data_or_seed_is_refused(shard_dir, tmp_path):
         make_loader(shard_dir, seq_len=2048, cache_dir=tmp_path).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
         make_loader(shard_dir, seed=4, cache_dir=tmp_path).load_state_dict(state)
+
+
+def test_fewer_packs_than_one_global_batch_is_refused_not_an_empty_epoch(shard_dir, tmp_path):
+    """An epoch without a whole global batch used to be empty: `for batch in loader` ended at
+    once and a loop over epochs planned (and cached) one empty epoch after another."""
+    cache = tmp_path / "plans"
+    loader = PackedLoader([shard_dir], seq_len=16384, rank=0, dp_size=8, global_batch_packs=64, cache_dir=cache)
+    for consume in (len, lambda loader: next(iter(loader))):
+        with pytest.raises(PackingError, match="fewer than one global batch of 64 packs"):
+            consume(loader)
+    assert loader.epoch == 0
+    assert not cache.exists() or not list(cache.iterdir())
 
 
 def test_pin_memory(shard_dir, tmp_path):

@@ -26,6 +26,7 @@ from train.pack_plan import (
     mix_counts,
     parse_source,
     plan_from_stats,
+    plan_request,
     resolve_weights,
 )
 
@@ -193,6 +194,22 @@ def test_parse_source(tmp_path):
     assert parse_source(str(odd)) == (str(odd), None)  # an existing dir with ':' is a dir
 
 
+def test_fewer_packs_than_one_global_batch_is_an_error_naming_the_numbers_and_the_fix():
+    src = synthetic_source(40, 9, name="/data/small")
+    packs = plan_from_stats([src], seq_len=16384).num_packs
+    assert 0 < packs < 64
+    with pytest.raises(PackingError) as err:
+        plan_from_stats([src], seq_len=16384, global_batch_packs=64, dp_size=8)
+    message = str(err.value)
+    for part in ("/data/small", f"make {packs} pack(s) of 16384 tokens", "fewer than one global batch of 64 packs",
+                 "--global-batch-packs 64, data-parallel size 8", "lower --global-batch-packs or --seq-len", "add data"):
+        assert part in message, (part, message)
+    assert plan_from_stats([src], seq_len=16384, global_batch_packs=packs).num_packs == packs  # exactly one batch is fine
+    # a source without samples is the same error, not a division by zero
+    with pytest.raises(PackingError, match=r"make 0 pack\(s\)"):
+        plan_from_stats([synthetic_source(0)], seq_len=8192)
+
+
 # --------------------------------------------------------------------------- real shards
 
 
@@ -302,3 +319,51 @@ def test_cli_errors_exit_2(shard_dirs, tmp_path):
     result = _vlmpack_pack(shard_dirs[0], "--seq-len", 2048, "--dp-size", 3, "--global-batch-packs", 4)
     assert result.returncode == 2 and "multiple of dp_size" in result.stderr
     assert result.stdout == ""
+
+
+# --------------------------------------------------------------------------- too little data for one global batch
+
+
+def test_too_little_data_for_a_global_batch_caches_no_plan_and_refuses_a_cached_one(shard_dirs, tmp_path):
+    a = shard_dirs[0]
+    cache = tmp_path / "cache"
+    settings = dict(seq_len=16384, dp_size=8, global_batch_packs=64)
+    with pytest.raises(PackingError, match="fewer than one global batch of 64 packs"):
+        build_pack_plan([a], cache_dir=cache, **settings)
+    assert not cache.exists() or not list(cache.iterdir())
+    # a plan without a global batch already in the cache (written before this check) is refused, not used
+    request = plan_request([a], **settings)
+    whole = build_pack_plan([a], seq_len=16384)
+    empty = {name: np.asarray(array)[:0] for name, array in whole.arrays.items()}
+    empty["pack_offsets"] = np.zeros(1, np.int64)
+    PackPlan(empty, {**whole.meta, "key": request.key, "settings": request.settings}).save(cache / f"plan-{request.key[:32]}")
+    with pytest.raises(PackingError, match="make 0 pack"):
+        build_pack_plan([a], cache_dir=cache, **settings)
+
+
+def test_cli_too_little_data_for_a_global_batch_exits_2_with_one_line(shard_dirs, tmp_path):
+    result = _vlmpack_pack(shard_dirs[0], "--seq-len", 16384, "--dp-size", 8, "--global-batch-packs", 64,
+                           "--out", tmp_path / "plan")
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vlmpack pack: error: "), result.stderr
+    assert "fewer than one global batch of 64 packs (--global-batch-packs 64, data-parallel size 8)" in lines[0]
+    assert not (tmp_path / "plan").exists()
+
+
+def test_train_with_too_little_data_for_a_global_batch_exits_2_at_once_writing_no_plan(shard_dirs, tmp_path):
+    """Before the check, every epoch's plan was empty and the training loop planned epoch after
+    epoch forever, one new cached plan each."""
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "shards_schema.cli", "train", "--arch", "tiny", "--data", str(shard_dirs[0]),
+         "--seq-len", "16384", "--global-batch-packs", "64", "--train-steps", "2", "--num-workers", "0",
+         "--tensorboard", "false", "--out", str(out)],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("vlmpack train: error: ")]
+    assert len(errors) == 1 and "fewer than one global batch of 64 packs" in errors[0], result.stderr
+    assert time.perf_counter() - t0 < 120
+    assert not (out / "plans").exists() or not list((out / "plans").iterdir())

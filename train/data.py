@@ -85,7 +85,11 @@ class TrainData:
         self.eval_loader = PackedLoader([parse_source(s) for s in config.eval_data], **loader_kwargs) \
             if config.eval_data else None
         self._packs = None
-        self.loader.dataset()  # plan now: a sample longer than seq_len fails before the model is built
+        # plan now: a sample longer than seq_len, or too little data for one global batch, fails
+        # before the model is built (and the eval data's before any step, not at the first eval)
+        self.loader.dataset()
+        if self.eval_loader is not None:
+            self.eval_loader.dataset()
 
     def _forever(self):
         while True:

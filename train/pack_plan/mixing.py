@@ -22,6 +22,8 @@ def resolve_weights(sizes: Sequence[int], weights: Sequence[float | None]) -> np
 def mix_counts(sizes: Sequence[int], weights: np.ndarray) -> np.ndarray:
     """Samples drawn from each source per epoch: round(w / sum(w) * total), half up."""
     sizes = np.asarray(sizes, dtype=np.int64)
+    if sizes.sum() == 0:  # no samples at all (natural weights would all be 0): nothing to draw
+        return np.zeros(len(sizes), dtype=np.int64)
     return np.floor(weights / weights.sum() * sizes.sum() + 0.5).astype(np.int64)
 
 

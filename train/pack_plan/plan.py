@@ -219,6 +219,20 @@ def plan_keys(fingerprints: list[dict], weights: list[float | None], settings: d
     return data_fingerprint, key
 
 
+def check_whole_global_batch(num_packs: int, seq_len: int, global_batch_packs: int, dp_size: int | None,
+                             source_names: list[str]) -> None:
+    """PackingError when the packs do not fill one global batch: every pack would be dropped
+    and an epoch would have no training step (a training loop would re-plan forever)."""
+    if num_packs >= global_batch_packs:
+        return
+    dp = f", data-parallel size {dp_size}" if dp_size is not None else ""
+    raise PackingError(
+        f"{', '.join(source_names)}: the data make {num_packs} pack(s) of {seq_len} tokens, fewer than one global "
+        f"batch of {global_batch_packs} packs (--global-batch-packs {global_batch_packs}{dp}), so an epoch would "
+        "have no step: lower --global-batch-packs or --seq-len, or add data"
+    )
+
+
 def plan_from_stats(
     sources: list[SourceStats],
     weights: Sequence[float | None] | None = None,
@@ -230,8 +244,10 @@ def plan_from_stats(
     global_batch_packs: int = 1,
     pad_to_multiple: int = 1,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    dp_size: int | None = None,
 ) -> PackPlan:
-    """The planner proper, on per-sample sizes (synthetic stats in tests, shards otherwise)."""
+    """The planner proper, on per-sample sizes (synthetic stats in tests, shards otherwise).
+    `dp_size` only appears in the error for data that fill no global batch."""
     t0 = time.perf_counter()
     weights = list(weights) if weights is not None else [None] * len(sources)
     if len(weights) != len(sources):
@@ -269,6 +285,7 @@ def plan_from_stats(
     pack_of = best_fit_decreasing(padded[order], visual[order], block_starts, seq_len=seq_len,
                                   max_visual_tokens=max_visual_tokens)
     num_packs = int(pack_of.max()) + 1 if len(pack_of) else 0
+    check_whole_global_batch(num_packs, seq_len, global_batch_packs, dp_size, [s.name for s in sources])
 
     # group the samples by pack (stable: within a pack, descending length)
     by_pack = order[np.argsort(pack_of, kind="stable")]
@@ -310,16 +327,16 @@ def plan_from_stats(
         "packs": kept_packs,
         "global_batches": kept_packs // global_batch_packs,
         "tokens": kept_real,
-        "fill_efficiency": kept_real / (kept_packs * seq_len) if kept_packs else 0.0,
+        "fill_efficiency": kept_real / (kept_packs * seq_len),
         "padding_tokens": kept_padded - kept_real,  # from pad_to_multiple; the rest of seq_len is trailing padding
         "trailing_padding_tokens": kept_packs * seq_len - kept_padded,
         "dropped_packs": int(drop),
         "dropped_samples": int(pack_counts[~keep].sum()),
-        "samples_per_pack_mean": float(per_pack.mean()) if kept_packs else 0.0,
-        "samples_per_pack_max": int(per_pack.max()) if kept_packs else 0,
+        "samples_per_pack_mean": float(per_pack.mean()),
+        "samples_per_pack_max": int(per_pack.max()),
         "visual_tokens": int(arrays["pack_visual_tokens"].sum(dtype=np.int64)),
-        "visual_tokens_per_pack_mean": float(arrays["pack_visual_tokens"].mean()) if kept_packs else 0.0,
-        "visual_tokens_per_pack_max": int(arrays["pack_visual_tokens"].max()) if kept_packs else 0,
+        "visual_tokens_per_pack_mean": float(arrays["pack_visual_tokens"].mean()),
+        "visual_tokens_per_pack_max": int(arrays["pack_visual_tokens"].max()),
         "plan_seconds": 0.0,
     }
     meta = {
@@ -411,7 +428,8 @@ def build_pack_plan(
     checks that it divides `global_batch_packs` (default: dp_size) — the plan is the same
     for every dp_size. With `cache_dir`, a plan with the same key is loaded (memory-mapped)
     instead of rebuilt, and a new one is saved there atomically. Raises PackingError for
-    samples that cannot be packed, ShardFormatError for missing or unreadable directories.
+    samples that cannot be packed or data that fill no global batch, ShardFormatError for
+    missing or unreadable directories. A plan with no global batch is never cached.
     """
     request = plan_request(sources, seq_len=seq_len, seed=seed, epoch=epoch, max_visual_tokens=max_visual_tokens,
                            dp_size=dp_size, global_batch_packs=global_batch_packs, pad_to_multiple=pad_to_multiple,
@@ -420,6 +438,7 @@ def build_pack_plan(
     if cached is not None and (cached / PLAN_META).is_file():
         plan = PackPlan.load(cached)
         if plan.key == request.key:
+            check_whole_global_batch(plan.num_packs, plan.seq_len, plan.global_batch_packs, dp_size, plan.source_dirs)
             return plan
 
     t0 = time.perf_counter()
@@ -428,7 +447,7 @@ def build_pack_plan(
     s = request.settings
     plan = plan_from_stats(stats, [w for _, w in request.specs], seq_len=s["seq_len"], seed=s["seed"], epoch=s["epoch"],
                            max_visual_tokens=s["max_visual_tokens"], global_batch_packs=s["global_batch_packs"],
-                           pad_to_multiple=s["pad_to_multiple"], block_size=s["block_size"])
+                           pad_to_multiple=s["pad_to_multiple"], block_size=s["block_size"], dp_size=dp_size)
     plan.stats["read_stats_seconds"] = round(read_seconds, 4)
     if cached is not None:
         _save_to_cache(plan, cached)
