@@ -11,23 +11,18 @@ per pack (the first 4 calls are printed, since FA4 compiles its kernels on first
 not counted), TFLOP/s counting causal attention as half the square. Needs CUDA, and the
 flash-attn-4 package for fa4.
 
-    python benchmarks/attention_speed.py --json-out benchmarks/results/attention_speed_h100.json
+    python benchmarks/attention_speed.py --json-out benchmarks/results/attention_speed_h100_<yyyymmdd>.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
+from common import log, machine_info, parser, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from train.model.attention import packed_attention, select_attention_kernel  # noqa: E402
+from train.model.attention import packed_attention, select_attention_kernel
 
 SHAPES = {"lm": (16, 8, 128, True), "vision": (16, 16, 64, False)}  # q heads, kv heads, head dim, causal
 UNTIMED = 4
@@ -82,11 +77,10 @@ def timed(kernel: str, shape: str, packs: list[list[int]]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--packs", type=int, default=16, help=f"packs per shape (the first {UNTIMED} untimed)")
     ap.add_argument("--seq-len", type=int, default=16384, help="LM pack length")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random packs and inputs")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("attention_speed.py needs a CUDA GPU")
@@ -94,7 +88,8 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     packs = {"lm": [lm_pack(rng, args.seq_len) for _ in range(args.packs)],
              "vision": [vision_pack(rng) for _ in range(args.packs)]}
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    machine = machine_info("cuda")
+    log(f"{machine['device']}, torch {machine['torch']}")
 
     results, outputs = {}, {}
     for kernel in ("fa2", "fa4"):
@@ -121,9 +116,8 @@ def main(argv=None) -> int:
     speedup = {shape: results[f"fa2_{shape}"]["seconds"] / results[f"fa4_{shape}"]["seconds"] for shape in SHAPES}
     print("fa4 / fa2 speed: " + ", ".join(f"{s} {x:.2f}x" for s, x in speedup.items()))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
-            "results": results, "speedup": speedup, "fa4_vs_fa2": agreement}, indent=2) + "\n")
+        write_json(args.json_out, {"machine": machine, "args": vars(args), "results": results, "speedup": speedup,
+                                   "fa4_vs_fa2": agreement})
     return 0
 
 

@@ -15,22 +15,23 @@ Timed (page cache warm: the directory was just written or read):
   vlmpack inspect DIR --plots OUT       + matplotlib charts and report.html
   vlmpack show DIR --uid <last uid>     uid scan over every row + tokenizer load + decode
 
-    python benchmarks/inspect_speed.py --samples 1000000 --shards 4 --dir /tmp/vlmpack-inspect-1m
+    python benchmarks/inspect_speed.py --samples 1000000 --shards 4 \
+        --json-out benchmarks/results/inspect_speed_<device>_<yyyymmdd>.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from common import machine_info, parser, write_json
 
 from preprocess.profiles import builtin_profile
 from shards_schema import open_shards
@@ -127,12 +128,13 @@ def cli_seconds(*argv: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--samples", type=int, default=1_000_000)
-    parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--dir", default="/tmp/vlmpack-inspect-1m", help="where the synthetic directory is built (reused)")
-    parser.add_argument("--rebuild", action="store_true", help="rebuild even if the directory exists")
-    args = parser.parse_args()
+    ap = parser(__doc__, json_out="the timings, totals and machine as JSON")
+    ap.add_argument("--samples", type=int, default=1_000_000, help="synthetic samples to build")
+    ap.add_argument("--shards", type=int, default=4, help="shard files they are written to")
+    ap.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "vlmpack-inspect-1m"),
+                    help="where the synthetic directory is built (reused; default: under the temp dir)")
+    ap.add_argument("--rebuild", action="store_true", help="rebuild even if the directory exists")
+    args = ap.parse_args()
     directory = Path(args.dir)
 
     existing = directory / MANIFEST_NAME
@@ -169,7 +171,12 @@ def main() -> None:
     t = report["totals"]
     print(f"\nper sample (library, best): {rows[0][2] / len(shards) * 1e9:.0f} ns; "
           f"rows {t['rows']:,}, tokens {t['tokens']:,}, images {t['images']:,}, visual tokens {t['visual_tokens']:,}")
-    print(f"python {sys.version.split()[0]}, numpy {np.__version__}, {os.cpu_count()} cpus")
+    machine = machine_info("cpu")
+    print(f"{machine['device']}, {machine['cpu_count']} cpus, python {machine['python']}, numpy {machine['numpy']}")
+    if args.json_out:
+        write_json(args.json_out, {"machine": machine, "args": vars(args), "bytes": size,
+                                   "seconds": [{"what": name, "first": first, "best": best} for name, first, best in rows],
+                                   "totals": t})
 
 
 if __name__ == "__main__":

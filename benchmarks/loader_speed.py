@@ -32,15 +32,13 @@ also exported to WebDataset tars.
 figure is the median round (all rounds are in the JSON). Data sit in the page cache (just
 written), the steady state of a node re-reading its shards; cold storage adds read time.
 
-    python benchmarks/loader_speed.py --rows 3000 --json-out benchmarks/results/loader_speed.json
+    python benchmarks/loader_speed.py --rows 3000 --json-out benchmarks/results/loader_speed_<device>_<yyyymmdd>.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import sys
@@ -50,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import REPO, machine_info, parser, write_json
 from torch.utils.data import ConcatDataset, DataLoader
 
 from preprocess.examples import example_rows, write_jsonl
@@ -62,8 +61,7 @@ from train.loader import PackedDataset, shared_uint8
 from train.pack_plan import build_pack_plan
 from train.packed_batch import assemble_pack, pixel_rows
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TEMPLATE = REPO_ROOT / "tests" / "fixtures" / "qwen3_vl_instruct.chat_template.jinja"
+DEFAULT_TEMPLATE = REPO / "tests" / "fixtures" / "qwen3_vl_instruct.chat_template.jinja"
 
 
 # --------------------------------------------------------------------------- data
@@ -334,26 +332,24 @@ def print_report(report: dict) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--rows", type=int, default=3000, help="synthetic conversations to preprocess")
     ap.add_argument("--size-range", type=int, nargs=2, default=[64, 640], metavar=("MIN", "MAX"), help="image side, px")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="preprocessing workers (default: all cores)")
-    ap.add_argument("--rows-per-shard", type=int, default=256)
-    ap.add_argument("--seq-len", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--rows-per-shard", type=int, default=256, help="rows per shard file")
+    ap.add_argument("--seq-len", type=int, nargs="+", default=[8192, 16384, 32768], help="pack lengths to measure")
     ap.add_argument("--loader-workers", type=int, nargs="+", default=[0, 2], help="DataLoader num_workers to measure")
     ap.add_argument("--packs", type=int, default=300, help="at least this many packs per loader measurement")
     ap.add_argument("--hf-rows", type=int, default=300, help="rows for the HF on-the-fly path")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every measurement; medians are reported")
     ap.add_argument("--fill-seq-len", type=int, default=16384, help="token budget of the packing-vs-padding comparison")
     ap.add_argument("--template", type=Path, default=DEFAULT_TEMPLATE, help="official Qwen3-VL chat template")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the data and the plans")
     ap.add_argument("--work-dir", default=None, help="scratch directory parent (default: the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
-    ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if not args.template.is_file():
-        ap.error(f"--template {args.template}: no such file (the official template is in ../shared/fixtures/)")
+        ap.error(f"--template {args.template}: no such file (the official template is in tests/fixtures/)")
 
     work = Path(tempfile.mkdtemp(prefix="loader-speed-", dir=args.work_dir))
     try:
@@ -398,10 +394,9 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
 
     report = {
-        "command": " ".join(["python", *sys.argv]),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
-        "data": data, "ours": ours, "hf": hf, "packing": packing,
+        "machine": {**machine_info("cpu"), "torch_threads": torch.get_num_threads()},
+        # the scratch paths are the run's own; only their names say which data
+        "data": {**data, **{key: Path(data[key]).name for key in ("jsonl", "shards", "tars")}}, "ours": ours, "hf": hf, "packing": packing,
         "worker_handoff": {"rounds": handoffs,
                            **{f"{ratio}_median": float(np.median([h[ratio] for h in handoffs]))
                               for ratio in ("private_over_shared", "faulting_over_shared")}},
@@ -413,8 +408,7 @@ def main() -> int:
     }
     print_report(report)
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        write_json(args.json_out, report)
         print(f"\nwrote {args.json_out}")
     return 0
 

@@ -28,7 +28,7 @@ context, every rank, polled every second). On CPU the trainer runs fp32, on GPUs
 so a run cut short still leaves what it measured.
 
     # 2 GPUs, Qwen3-VL-2B architecture
-    python benchmarks/loss_curves.py --json-out loss_curves.json
+    python benchmarks/loss_curves.py --json-out benchmarks/results/loss_curves_h200x2_<yyyymmdd>.json
     # CPU smoke (tiny architecture, fp32)
     python benchmarks/loss_curves.py --arch tiny --seq-len 2048 --steps 3 --layouts 1gpu,dp2,tp2 --device cpu
 """
@@ -43,58 +43,52 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, T0, log, machine_info, parser
 
-T0 = time.perf_counter()
 TAIL_LINES = 40
 QUIET = ("UserWarning", "warnings.warn(", "FutureWarning", "DeprecationWarning")
 
 
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, json_out="every curve, the layouts' results and the machine (default: OUT_DIR/loss_curves.json)")
     ap.add_argument("--arch", default="qwen3-vl-2b", help="builtin architecture (random init)")
     ap.add_argument("--layouts", default="1gpu,dp2,tp2,pp2", help="comma separated: 1gpu, dpN, tpN, ppN or products")
     ap.add_argument("--steps", type=int, default=12, help="training steps per layout")
-    ap.add_argument("--seq-len", type=int, default=8192)
-    ap.add_argument("--global-batch-packs", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=8192, help="tokens per pack")
+    ap.add_argument("--global-batch-packs", type=int, default=4, help="packs per step")
+    ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    ap.add_argument("--warmup-steps", type=int, default=2, help="learning-rate warmup steps")
     ap.add_argument("--seed", type=int, default=0, help="model init and data seed")
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
-    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"), help="activation recompute")
     ap.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when available")
     ap.add_argument("--gpus", default=None,
                     help="GPU ids to use (default: $CUDA_VISIBLE_DEVICES or 0,1,...); 1gpu uses the first")
     ap.add_argument("--samples", type=int, default=200, help="synthetic samples")
     ap.add_argument("--max-sample-tokens", type=int, default=None, help="longest synthetic sample (default: --seq-len)")
-    ap.add_argument("--text-tokens", type=int, nargs=2, default=(100, 3000), metavar=("MIN", "MAX"))
-    ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"))
+    ap.add_argument("--text-tokens", type=int, nargs=2, default=(100, 3000), metavar=("MIN", "MAX"),
+                    help="text tokens per synthetic sample")
+    ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"),
+                    help="visual tokens per synthetic image")
     ap.add_argument("--data-dir", default=None, help="use this existing shard directory instead of writing one")
     ap.add_argument("--skip-steps", type=int, default=2, help="first steps left out of the speed/memory medians")
     ap.add_argument("--run-timeout", type=float, default=240.0, help="seconds per layout before it is killed")
     ap.add_argument("--time-budget", type=float, default=510.0,
                     help="seconds for the whole script: a layout gets at most what is left (minus 15 s), and is "
                          "skipped when under --min-run-seconds remain")
-    ap.add_argument("--min-run-seconds", type=float, default=60.0)
+    ap.add_argument("--min-run-seconds", type=float, default=60.0, help="a layout needs at least this much of the budget")
     ap.add_argument("--trainer-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for every trainer launch (repeat; e.g. --trainer-arg=--micro-batch-packs=2)")
-    ap.add_argument("--out-dir", default="/tmp/vlmpack_loss_curves")
-    ap.add_argument("--json-out", default=None, help="default: OUT_DIR/loss_curves.json")
+    ap.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "vlmpack_loss_curves"),
+                    help="data and per-layout training output (default: under the temp dir)")
     args = ap.parse_args(argv)
     if args.device is None:
         import torch
@@ -278,31 +272,6 @@ def compare(records: list[dict], ref: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------------ report
 
 
-def machine_info(device: str) -> dict:
-    info = {"hostname": socket.gethostname(), "python": sys.version.split()[0], "cpu_count": os.cpu_count(),
-            "device": device}
-    try:
-        import torch
-        info["torch"] = torch.__version__
-        if device == "cuda" and torch.cuda.is_available():
-            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except ImportError:
-        pass
-    try:
-        import megatron.core
-        info["megatron.core"] = getattr(megatron.core, "__version__", None)
-    except ImportError:
-        info["megatron.core"] = None
-    try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                            timeout=10).stdout.strip() or None
-        info["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
-                                                text=True, timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = None
-    return info
-
-
 def fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -362,7 +331,7 @@ def main(argv=None) -> int:
     json_out = Path(args.json_out).resolve() if args.json_out else out_dir / "loss_curves.json"
     gpus = (args.gpus or os.environ.get("CUDA_VISIBLE_DEVICES") or
             ",".join(str(i) for i in range(max(lay.nproc for lay in layouts)))).split(",")
-    res = {"command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "machine": machine_info(args.device),
+    res = {"args": vars(args), "machine": machine_info(args.device),
            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "layouts": {}, "curves": {}}
     ref_name = "1gpu" if any(lay.name == "1gpu" for lay in layouts) else layouts[0].name
     res["reference"] = ref_name

@@ -15,27 +15,23 @@ through megatron's own step (its norm and clipping; with bf16 gradients an fp32 
 gradient first) and through `use_fast_step` (what the trainer runs). Reported: step time,
 memory held before the step and the step's own peak above it.
 
-    python benchmarks/optimizer_speed.py --megatron --json-out benchmarks/results/optimizer_speed_h100.json
+    python benchmarks/optimizer_speed.py --megatron --json-out benchmarks/results/optimizer_speed_h100_<yyyymmdd>.json
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from common import machine_info, parser, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from train.convert import shard_shapes  # noqa: E402
-from train.model.arch import builtin_arch  # noqa: E402
-from train.adamw_bf16_state import AdamWBf16State  # noqa: E402
+from train.adamw_bf16_state import AdamWBf16State
+from train.convert import shard_shapes
+from train.model.arch import builtin_arch
 
 
 def make_optimizer(kind: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
@@ -128,13 +124,12 @@ def measure_megatron(setting: str, arch_name: str, warmup: int, steps: int, info
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", default="qwen3-vl-2b")
+    ap = parser(__doc__)
+    ap.add_argument("--arch", default="qwen3-vl-2b", help="built-in architecture whose parameters are updated")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles our kernel)")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     ap.add_argument("--rounds", type=int, default=2, help="each optimizer is measured this many times, interleaved")
     ap.add_argument("--megatron", action="store_true", help="also part 2: megatron's whole optimizer step")
-    ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
@@ -149,7 +144,7 @@ def main() -> int:
     ratio = {key: best["ours-bf16-state"][key] / best["torch-fused-fp32"][key] for key in ("step_ms", "state_gib")}
     print(f"ours / torch fused: step time {ratio['step_ms']:.2f}x, state {ratio['state_gib']:.2f}x "
           f"({best['torch-fused-fp32']['state_gib'] - best['ours-bf16-state']['state_gib']:.2f} GiB less)")
-    report = {"command": "python3 " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "tensors": len(numels),
+    report = {"machine": machine_info("cuda"), "tensors": len(numels),
               "values": sum(numels), "runs": runs, "best": best, "ours_over_torch": ratio}
     if args.megatron:
         from train.parallel import init_parallel
@@ -170,7 +165,7 @@ def main() -> int:
             print(f"{dtype} grads + state, fast / megatron's step: step time {ratio['step_ms']:.2f}x, "
                   f"peak {ratio['peak_gib']:.2f}x")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=1))
+        write_json(args.json_out, report)
     return 0
 
 

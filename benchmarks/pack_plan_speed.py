@@ -8,17 +8,17 @@ seq_len (and each --max-visual-tokens, if given) it times `plan_from_stats` (bes
 samples per pack, DP balance at --dp-size, and for a visual budget the ratio of packs to the
 lower bound max(tokens / seq_len, visual tokens / budget).
 
-    python benchmarks/pack_plan_speed.py --samples 1000000
+    python benchmarks/pack_plan_speed.py --samples 1000000 --json-out benchmarks/results/pack_plan_speed_<device>_<yyyymmdd>.json
     python benchmarks/pack_plan_speed.py --samples 1000000 --seq-len 16384 --max-visual-tokens 8192
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import numpy as np
+from common import machine_info, parser, write_json
 
 from train.pack_plan import SourceStats, plan_from_stats
 
@@ -34,20 +34,21 @@ def synthetic_source(n: int, seed: int) -> SourceStats:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=1_000_000)
-    parser.add_argument("--seq-len", type=int, nargs="+", default=[8192, 16384, 32768])
-    parser.add_argument("--max-visual-tokens", type=int, nargs="*", default=[])
-    parser.add_argument("--global-batch-packs", type=int, default=64)
-    parser.add_argument("--dp-size", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="one JSON object per line")
-    args = parser.parse_args()
+    ap = parser(__doc__, json_out="every row and the machine as one JSON object")
+    ap.add_argument("--samples", type=int, default=1_000_000, help="synthetic samples")
+    ap.add_argument("--seq-len", type=int, nargs="+", default=[8192, 16384, 32768], help="pack lengths to plan")
+    ap.add_argument("--max-visual-tokens", type=int, nargs="*", default=[], help="visual-token budgets per pack to plan")
+    ap.add_argument("--global-batch-packs", type=int, default=64, help="packs per global batch")
+    ap.add_argument("--dp-size", type=int, default=8, help="data-parallel ranks for the balance figure")
+    ap.add_argument("--repeat", type=int, default=3, help="plans per setting (the best time is kept)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sizes and of the planner")
+    ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = ap.parse_args()
 
     source = synthetic_source(args.samples, args.seed)
     print(f"{args.samples:,} samples, mean {source.num_tokens.mean():.0f} tokens, "
           f"{source.visual_tokens.sum() / source.num_tokens.sum():.0%} visual")
+    rows = []
     for seq_len in args.seq_len:
         for budget in [None, *args.max_visual_tokens]:
             if budget is not None and budget >= seq_len:
@@ -64,6 +65,7 @@ def main() -> None:
                    "fill_efficiency": round(st["fill_efficiency"], 5), "packs_over_lower_bound": round(st["packs"] / bound, 4),
                    "samples_per_pack": round(st["samples_per_pack_mean"], 2), "dropped_samples": st["dropped_samples"],
                    "dp_visual_max_over_mean": round(plan.balance(args.dp_size)["visual_max_over_mean"], 4)}
+            rows.append(row)
             if args.json:
                 print(json.dumps(row))
             else:
@@ -71,6 +73,11 @@ def main() -> None:
                       f"fill {st['fill_efficiency']:.2%}  packs/bound {row['packs_over_lower_bound']:.4f}  "
                       f"{row['samples_per_pack']:5.2f} samples/pack  dp{args.dp_size} visual max/mean "
                       f"{row['dp_visual_max_over_mean']:.3f}")
+    if args.json_out:
+        write_json(args.json_out, {"machine": machine_info("cpu"), "args": vars(args),
+                                   "mean_tokens": float(source.num_tokens.mean()),
+                                   "visual_share": float(source.visual_tokens.sum() / source.num_tokens.sum()),
+                                   "rows": rows})
 
 
 if __name__ == "__main__":

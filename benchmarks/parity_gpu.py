@@ -32,33 +32,27 @@ reference margin is at least 0.1 / 0.25 / 0.5 (where bf16's logit error can no l
 the same comparison without bf16 rounding.
 
     # one GPU (tp=1, pp=1)
-    torchrun --nproc-per-node 1 benchmarks/parity_gpu.py --json-out parity_tp1pp1.json
+    torchrun --nproc-per-node 1 benchmarks/parity_gpu.py --json-out benchmarks/results/parity_h100_<yyyymmdd>.json
     # two GPUs
-    torchrun --nproc-per-node 2 benchmarks/parity_gpu.py --tp 2 --json-out parity_tp2.json
-    torchrun --nproc-per-node 2 benchmarks/parity_gpu.py --pp 2 --json-out parity_pp2.json
+    torchrun --nproc-per-node 2 benchmarks/parity_gpu.py --tp 2 --json-out benchmarks/results/parity_tp2_h200x2_<yyyymmdd>.json
+    torchrun --nproc-per-node 2 benchmarks/parity_gpu.py --pp 2 --json-out benchmarks/results/parity_pp2_h200x2_<yyyymmdd>.json
     # CPU, tiny architecture, fp32 (also under torchrun --nproc-per-node 2 with --tp 2 / --pp 2, gloo)
     python benchmarks/parity_gpu.py --arch tiny --device cpu --tokens 1024
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import os
-import platform
-import socket
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import log, machine_info, parser, write_json
 
 from shards_schema.positions import mrope_position_ids
 from train import convert
@@ -76,11 +70,6 @@ IM_START, IM_END, NEWLINE = 151644, 151645, 198
 FIRST_SPECIAL = 151643  # ids below are ordinary text tokens
 ROW_CHUNK = 1024  # rows of [T, V] logits compared at a time (fp32 temporaries of 1024 x V)
 TOP1_MARGINS = (0.1, 0.25, 0.5)  # reference top-1 minus top-2 logit: buckets for top-1 agreement
-
-
-def log(msg: str) -> None:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # --- the batch --------------------------------------------------------------------------------
@@ -340,37 +329,24 @@ def table(layout: str, results: dict) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def machine_info(device) -> dict:
-    import megatron.core
-    import transformers
-
-    info = {"host": socket.gethostname(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "megatron_core": getattr(megatron.core, "__version__", "?"), "cpu_count": os.cpu_count()}
-    if device.type == "cuda":
-        info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
-                    gpu_memory_gib=round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1))
-    return info
-
-
 # --- main -------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--arch", default="qwen3-vl-2b", help="built-in architecture (train.model.arch.BUILTIN_ARCHS)")
     p.add_argument("--lm-layers", type=int, default=None, help="override the LM depth (e.g. a 4-layer tiny for --pp 2)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="default: cuda when available")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="ours (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--attention", choices=ATTENTION_KERNELS, default="fa2", help="ours' CUDA attention kernel (trainer's flag)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of ours")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of ours")
     p.add_argument("--pp-comm", choices=["p2p", "schedule"], default="p2p",
                    help="PP: stage-by-stage forward with send/recv, or megatron's forward-only schedule")
-    p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--samples", type=int, default=5, help="samples in the pack")
     p.add_argument("--tokens", type=int, default=6144, help="about this many tokens in the pack")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--json-out", default=None)
+    p.add_argument("--seed", type=int, default=1234, help="seed of the weights and the pack")
     return p.parse_args(argv)
 
 
@@ -477,9 +453,6 @@ def main(argv=None) -> int:
             "results": results, "ours_logits_vs_ours_loss_max_abs": self_loss,
             "ours_params_cast_after_load": cast, "ours_float_buffers": buffers,
             "times_s": {k: round(v, 2) for k, v in times.items()},
-            "command": " ".join([os.environ.get("TORCHRUN_CMD", "torchrun" if "LOCAL_RANK" in os.environ else "python"),
-                                 *([f"--nproc-per-node {local_world}"] if "LOCAL_RANK" in os.environ else []),
-                                 *sys.argv]),
             "machine": machine_info(dev)}
         if dev.type == "cuda":
             result["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
@@ -490,7 +463,7 @@ def main(argv=None) -> int:
     result["wall_s"] = round(time.perf_counter() - wall0, 1)
     if info.rank == 0:
         if args.json_out:
-            Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+            write_json(args.json_out, result)
         print(f"\npack {result['pack']['tokens']} tokens, {result['pack']['image_tokens']} image tokens, "
               f"{result['pack']['target_tokens']} targets; our logits vs our loss path: max |dloss| "
               f"{result['ours_logits_vs_ours_loss_max_abs']:.2e}; ref top-1 margin median "

@@ -9,12 +9,12 @@ Per core (one process, interleaved rounds so machine noise hits all paths alike)
 Storage: shard bytes per visual token vs HF's float32 pixel_values per visual token.
 Scaling: the full `vlmpack preprocess` job with 1 worker vs all cores.
 
-    python benchmarks/preprocess_throughput.py --rows 300 --size 500
+    python benchmarks/preprocess_throughput.py --rows 300 --size 500 \
+        --json-out benchmarks/results/preprocess_throughput_<device>_<yyyymmdd>.json
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import io
 import json
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import REPO, machine_info, parser, write_json
 from PIL import Image
 
 from preprocess.examples import encode_data_uri, synthetic_image, write_jsonl
@@ -36,7 +37,7 @@ from preprocess.job import PreprocessConfig, run_preprocess
 from preprocess.pipeline import SampleOptions, process_row
 from preprocess.profiles import builtin_profile
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = REPO / "tests" / "fixtures"
 TEMPLATE_FILE = {"qwen3-vl": "qwen3_vl_instruct.chat_template.jinja", "qwen2.5-vl": "qwen2_5_vl_instruct.chat_template.jinja"}
 
 
@@ -138,16 +139,15 @@ def per_sample_ms(fn, lines: list[str], rounds: int) -> list[float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", default="qwen3-vl", choices=sorted(TEMPLATE_FILE))
-    ap.add_argument("--rows", type=int, default=300)
+    ap = parser(__doc__, json_out="the report and the machine as JSON")
+    ap.add_argument("--profile", default="qwen3-vl", choices=sorted(TEMPLATE_FILE), help="built-in profile")
+    ap.add_argument("--rows", type=int, default=300, help="conversations timed per path")
     ap.add_argument("--size", type=int, default=500, help="long side of the images in pixels")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the rows")
     ap.add_argument("--workers", default=f"1,{os.cpu_count()}", help="worker counts for the scaling run, comma separated")
     ap.add_argument("--job-rows", type=int, default=2000, help="rows of the scaling job")
     ap.add_argument("--work-dir", default=None, help="scratch directory (e.g. /dev/shm)")
-    ap.add_argument("--template", default=None, help="official chat template file (default: ../shared/fixtures)")
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--template", default=None, help="official chat template file (default: tests/fixtures)")
     args = ap.parse_args()
 
     profile = builtin_profile(args.profile)
@@ -193,6 +193,7 @@ def main() -> int:
     t1 = jobs[1][0]
 
     report = {
+        "machine": machine_info("cpu"),
         "profile": args.profile, "rows": args.rows, "image_long_side": args.size, "cpu_count": os.cpu_count(),
         "ms_per_sample": ms,
         "speedup_vs_hf": ms["hf"] / ms["vlmpack"],
@@ -228,7 +229,7 @@ def main() -> int:
               f"in-worker unit time {ph['unit_seconds']:.1f} s ({ph['unit_seconds'] / w:.1f} s per worker)")
     print(f"shards byte-identical across worker counts: {same}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
+        write_json(args.json_out, report)
     return 0
 
 

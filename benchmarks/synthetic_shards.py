@@ -29,7 +29,6 @@ Per sample (seeded per sample index, so a sample does not depend on the sample c
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -39,8 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import parser
 
 from preprocess.job import JOB_FILE, shard_name, unit_record_path, write_final_outputs
 from preprocess.pipeline import SampleOptions
@@ -235,15 +233,18 @@ def write_synthetic_shards(out: str | Path, spec: SyntheticSpec, *, profile_name
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out")
-    ap.add_argument("--samples", type=int, default=400)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-tokens", type=int, default=16384)
-    ap.add_argument("--text-tokens", type=int, nargs=2, default=(100, 3000), metavar=("MIN", "MAX"))
-    ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"))
-    ap.add_argument("--image-count-weights", type=float, nargs="+", default=(0.2, 0.45, 0.25, 0.1))
-    ap.add_argument("--rows-per-shard", type=int, default=256)
+    ap = parser(__doc__, json_out=None)
+    ap.add_argument("out", help="shard directory to write")
+    ap.add_argument("--samples", type=int, default=400, help="samples to write")
+    ap.add_argument("--seed", type=int, default=0, help="seed (each sample is seeded by its index from it)")
+    ap.add_argument("--max-tokens", type=int, default=16384, help="longest sample (the training seq_len)")
+    ap.add_argument("--text-tokens", type=int, nargs=2, default=(100, 3000), metavar=("MIN", "MAX"),
+                    help="non-image tokens per sample")
+    ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"),
+                    help="merged tokens per image")
+    ap.add_argument("--image-count-weights", type=float, nargs="+", default=(0.2, 0.45, 0.25, 0.1),
+                    help="weights of 0, 1, 2, 3 images per sample")
+    ap.add_argument("--rows-per-shard", type=int, default=256, help="samples per shard file")
     ap.add_argument("--profile", default="qwen3-vl", help="built-in preprocessing profile (qwen3-vl | qwen2.5-vl)")
     args = ap.parse_args(argv)
     spec = SyntheticSpec(num_samples=args.samples, seed=args.seed, text_tokens=tuple(args.text_tokens),

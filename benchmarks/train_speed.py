@@ -46,7 +46,7 @@ Printed last: a table with ours/HF ratios. --json-out: everything, with command 
 
     # H100, Qwen3-VL-2B architecture, 16k packs
     python benchmarks/train_speed.py --arch qwen3-vl-2b --seq-len 16384 --samples 400 \\
-        --warmup 3 --steps 10 --global-batch-packs 2 --json-out train_speed.json
+        --warmup 3 --steps 10 --global-batch-packs 2 --json-out benchmarks/results/train_speed_h100_<yyyymmdd>.json
     # CPU smoke
     python benchmarks/train_speed.py --arch tiny --seq-len 2048 --samples 40 --steps 2 --device cpu
 """
@@ -61,21 +61,15 @@ import inspect
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
-import socket
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+from common import T0, log, machine_info, parser, write_json
 from synthetic_shards import SyntheticSpec, write_synthetic_shards
 
 from shards_schema import open_shards, verify_shards
@@ -85,27 +79,21 @@ from train.config import ATTENTION_KERNELS, STATE_DTYPES
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import HF_ARCHITECTURE, builtin_arch
 
-T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, json_out="everything, with the machine and the command (default: OUT_DIR/train_speed.json)")
     ap.add_argument("--arch", default="qwen3-vl-2b", help="builtin architecture (train.model.arch.BUILTIN_ARCHS)")
     ap.add_argument("--seq-len", type=int, default=16384, help="pack length; also the longest synthetic sample")
     ap.add_argument("--samples", type=int, default=400, help="synthetic samples to write")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic data, the init and the plans")
     ap.add_argument("--steps", type=int, default=10, help="measured training steps (ours)")
     ap.add_argument("--warmup", type=int, default=None, help="unmeasured first steps (ours); default 3 (CPU: 1)")
     ap.add_argument("--global-batch-packs", type=int, default=None, help="packs per step (ours); default 2 (CPU: 1)")
     ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
                     help="trainer activation recompute (language model); on out-of-memory the run is retried "
                          "once with full unless --no-recompute-fallback")
-    ap.add_argument("--no-recompute-fallback", action="store_true")
+    ap.add_argument("--no-recompute-fallback", action="store_true",
+                    help="on out-of-memory, fail instead of retrying with --recompute full")
     ap.add_argument("--recompute-layers", type=int, default=None,
                     help="with --recompute full: recompute only the first N decoder layers (trainer's flag)")
     ap.add_argument("--recompute-vision", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
@@ -119,24 +107,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--attention", default="fa2", choices=ATTENTION_KERNELS, help="trainer's CUDA attention kernel")
     ap.add_argument("--grad-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's gradient buffers")
     ap.add_argument("--adam-state-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's Adam moments")
-    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--lr", type=float, default=1e-5, help="learning rate of both sides")
     ap.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when available")
-    ap.add_argument("--text-tokens", type=int, nargs=2, default=(100, 3000), metavar=("MIN", "MAX"))
-    ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"))
+    ap.add_argument("--text-tokens", type=int, nargs=2, default=(100, 3000), metavar=("MIN", "MAX"),
+                    help="non-image tokens per synthetic sample")
+    ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"),
+                    help="merged tokens per synthetic image")
     ap.add_argument("--data-dir", default=None, help="use this existing shard directory instead of writing one")
     ap.add_argument("--no-verify", action="store_true", help="skip the full verify of the synthetic shards")
     ap.add_argument("--keep-checkpoint", action="store_true", help="let the trainer save its final checkpoint")
     ap.add_argument("--vision-reps", type=int, default=None,
                     help="repetitions of the isolated vision cross-check; default 3 (CPU: 1)")
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true", help="measure ours only")
     ap.add_argument("--hf-max-batch", type=int, default=None, help="largest HF batch size tried; default 32 (CPU: 2)")
     ap.add_argument("--hf-steps", type=int, default=None, help="measured HF steps at the chosen batch size; default 5 (CPU: 2)")
-    ap.add_argument("--hf-warmup", type=int, default=1)
+    ap.add_argument("--hf-warmup", type=int, default=1, help="unmeasured HF steps at the chosen batch size")
     ap.add_argument("--hf-precision", default="bf16", choices=("bf16", "amp"),
                     help="bf16: bf16 parameters and AdamW states; amp: fp32 parameters + bf16 autocast (GPU only)")
     ap.add_argument("--hf-search-budget", type=float, default=150.0, help="seconds for the HF batch-size search")
-    ap.add_argument("--out-dir", default="/tmp/vlmpack_train_speed")
-    ap.add_argument("--json-out", default=None, help="default: OUT_DIR/train_speed.json")
+    ap.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "vlmpack_train_speed"),
+                    help="data and training output (default: under the temp dir)")
     args = ap.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -921,24 +911,12 @@ def fmt_gib(x) -> str:
     return "-" if x is None else f"{x:.1f} GiB"
 
 
-def machine_info(device: torch.device) -> dict:
-    info = {"hostname": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0],
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    for name in ("transformers", "megatron.core", "numpy", "pyarrow"):
-        try:
-            module = __import__(name, fromlist=["_"])
-            info[name] = getattr(module, "__version__", None)
-        except ImportError:
-            info[name] = None
+def machine(device: torch.device) -> dict:
+    """common.machine_info plus what the MFU figures rest on: SM count and the bf16 peak."""
+    info = machine_info(device)
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, gpu_memory_gib=props.total_memory / 2**30, gpu_sms=props.multi_processor_count,
+        info.update(gpu_sms=torch.cuda.get_device_properties(device).multi_processor_count,
                     peak_bf16_tflops=peak_tflops(device))
-    try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=REPO, capture_output=True, text=True,
-                                            timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = None
     return info
 
 
@@ -1013,10 +991,10 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_out = Path(args.json_out) if args.json_out else out_dir / "train_speed.json"
     arch = builtin_arch(args.arch)
-    res = {"command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "machine": machine_info(device),
+    res = {"args": vars(args), "machine": machine(device),
            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    log(f"machine: {res['machine'].get('gpu', 'cpu')}, torch {torch.__version__}, "
-        f"transformers {res['machine']['transformers']}, megatron-core {res['machine']['megatron.core']}")
+    log(f"machine: {res['machine']['device']}, torch {torch.__version__}, "
+        f"transformers {res['machine']['transformers']}, megatron-core {res['machine']['megatron_core']}")
 
     if args.data_dir:
         data_dir = Path(args.data_dir)
@@ -1049,8 +1027,7 @@ def main(argv=None) -> int:
                          "peak_memory": (ours["peak_memory_gib"] / hf["peak_memory_gib"]
                                          if ours["peak_memory_gib"] and hf["peak_memory_gib"] else None)}
     res["total_s"] = time.perf_counter() - T0
-    json_out.parent.mkdir(parents=True, exist_ok=True)
-    json_out.write_text(json.dumps(res, indent=1, default=str))
+    write_json(json_out, res)
     log(f"wrote {json_out}")
     print_table(res)
     return 0

@@ -13,13 +13,13 @@ record batches of 4096 rows like ShardWriter does, with a manifest that the veri
 full check must report no fault (the script fails otherwise). Files are hot in the page cache
 after building; the figures are CPU-bound, a cold read adds the disk's time.
 
-    python benchmarks/verify_speed.py --rows 1000000 --image-every 20
+    python benchmarks/verify_speed.py --rows 1000000 --image-every 20 \
+        --json-out benchmarks/results/verify_speed_<device>_<yyyymmdd>.json
     python benchmarks/verify_speed.py --dir /data/shards --repeat 1
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from common import machine_info, parser, write_json
 
 from shards_schema.manifest import MANIFEST_NAME, REJECTS_NAME, build_manifest
 from shards_schema.positions import mrope_position_ids, text_position_ids
@@ -139,14 +140,15 @@ def _best(fn, repeat: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, json_out="the timings, totals and machine as JSON")
     ap.add_argument("--dir", help="time this existing shard directory instead of building one")
-    ap.add_argument("--rows", type=int, default=1_000_000)
-    ap.add_argument("--rows-per-shard", type=int, default=100_000)
+    ap.add_argument("--rows", type=int, default=1_000_000, help="rows of the built directory")
+    ap.add_argument("--rows-per-shard", type=int, default=100_000, help="rows per shard file of the built directory")
     ap.add_argument("--image-every", type=int, default=20, help="every N-th row holds one image (0: text only)")
-    ap.add_argument("--image-grid", type=int, nargs=3, default=(1, 4, 4), metavar=("T", "H", "W"))
+    ap.add_argument("--image-grid", type=int, nargs=3, default=(1, 4, 4), metavar=("T", "H", "W"),
+                    help="grid of that image")
     ap.add_argument("--repeat", type=int, default=2, help="time each mode this many times, report the best")
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=1, help="verify's worker processes")
     ap.add_argument("--keep", action="store_true", help="keep the built directory (printed)")
     args = ap.parse_args(argv)
 
@@ -177,6 +179,9 @@ def main(argv=None) -> int:
         for name, secs, ok in results:
             print(f"| {name:<30} | {secs:8.3f} | {secs / n * 1e6:9.3f} | {n / secs:11,.0f} | {nbytes / 2**30 / secs:6.2f} | "
                   f"{'' if ok is None else ('yes' if ok else 'NO')} |")
+        if args.json_out:
+            write_json(args.json_out, {"machine": machine_info("cpu"), "args": vars(args), "totals": totals,
+                                       "seconds": [{"check": name, "seconds": secs, "ok": ok} for name, secs, ok in results]})
         if not (quick.ok and full.ok):
             print(full.format_text(), file=sys.stderr)
             return 1

@@ -1,6 +1,7 @@
 """The vision tower alone, forward + backward, compiled two ways, side by side in one process.
 
-    python3 benchmarks/vision_speed.py --arch qwen3-vl-2b --attention fa4 --json-out vision_speed.json
+    python3 benchmarks/vision_speed.py --arch qwen3-vl-2b --attention fa4 \
+        --json-out benchmarks/results/vision_speed_fa4_<device>_<yyyymmdd>.json
 
 What the trainer runs for the vision part of a step: the real architecture's tower (random
 weights, bf16), micro-batches of images drawn like the synthetic training mix (`--image-tokens`
@@ -21,22 +22,18 @@ ratios against `blocks`. Outputs and gradients of the two modes are compared (ma
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from common import machine_info, parser, write_json
+from synthetic_shards import _image_grid  # the training mix's image sizes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from synthetic_shards import _image_grid  # noqa: E402  (the training mix's image sizes)
-from train.model.arch import builtin_arch  # noqa: E402
-from train.model.attention import select_attention_kernel  # noqa: E402
-from train.model.vision import VisionTower  # noqa: E402
+from train.model.arch import builtin_arch
+from train.model.attention import select_attention_kernel
+from train.model.vision import VisionTower
 
 MODES = ("blocks", "tower")
 
@@ -89,16 +86,16 @@ def kernel_seconds(tower, work) -> list[float]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", default="qwen3-vl-2b")
-    ap.add_argument("--attention", default="fa2", choices=("fa2", "fa4"))
+    ap = parser(__doc__)
+    ap.add_argument("--arch", default="qwen3-vl-2b", help="built-in architecture whose tower runs")
+    ap.add_argument("--attention", default="fa2", choices=("fa2", "fa4"), help="CUDA attention kernel")
     ap.add_argument("--micro-batches", type=int, default=4, help="distinct micro-batches (image mixes)")
     ap.add_argument("--visual-tokens", type=int, default=5700,
                     help="merged visual tokens per micro-batch (35 %% of a 16k pack in the training mix)")
-    ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"))
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"),
+                    help="merged tokens per image")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions of both modes (medians reported)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the image mix and the weights")
     return ap.parse_args(argv)
 
 
@@ -168,13 +165,12 @@ def main(argv=None) -> int:
         rows.append(row)
     total = {mode: {k: sum(r[mode][k] for r in rows) for k in ("wall_s", "host_s", "kernel_s")} for mode in MODES}
     result = {
-        "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "args": vars(args), "compile_s": compile_s, "max_abs_output_diff": out_diff, "max_rel_grad_diff": grad_rel,
+        "machine": machine_info(device), "args": vars(args), "compile_s": compile_s, "max_abs_output_diff": out_diff, "max_rel_grad_diff": grad_rel,
         "peak_above_inputs_gib": peak, "micro_batches": rows, "total": total,
         "tower_over_blocks_wall": total["tower"]["wall_s"] / total["blocks"]["wall_s"],
     }
     print(f"{args.arch} vision tower, {args.attention}, recompute on, {len(work)} micro-batches "
-          f"({sum(r['patches'] for r in rows):,} patches), medians of {args.reps} reps, {result['device']}")
+          f"({sum(r['patches'] for r in rows):,} patches), medians of {args.reps} reps, {result['machine']['device']}")
     print(f"{'patches':>8} {'imgs':>4} | " + " | ".join(f"{m + ' wall/host/kernel ms':>28}" for m in MODES))
     for r in rows:
         print(f"{r['patches']:>8} {r['images']:>4} | " + " | ".join(
@@ -186,7 +182,7 @@ def main(argv=None) -> int:
           + f"; peak above inputs GiB: " + ", ".join(f"{m} {g:.2f}" for m, g in peak.items())
           + f"; max |out diff| {out_diff:.3g}, max rel grad diff {grad_rel:.3g}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        write_json(args.json_out, result)
     return 0
 
 

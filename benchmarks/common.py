@@ -1,0 +1,132 @@
+"""What every benchmark shares: the repository on `sys.path`, a timestamped log line, the
+argument parser with `--json-out`, and `machine_info`, the provenance written with each result
+(date, git commit, device, library versions, the command line).
+
+The scripts run as `python benchmarks/X.py`, which puts `benchmarks/` on `sys.path`, so they
+import this module as `common`; importing it puts the repository root there too.
+
+Results are kept as `benchmarks/results/<benchmark>[_<setting>]_<device>_<yyyymmdd>.json`
+(`result_name`), with the console output alongside as `.log` where it is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """`[seconds since start] msg`, with the rank in front under torch.distributed."""
+    dist = sys.modules.get("torch.distributed")
+    rank = f"rank {dist.get_rank()} " if dist is not None and dist.is_available() and dist.is_initialized() else ""
+    print(f"[{rank}{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def parser(doc: str, *, json_out: str | None = "the full result as JSON") -> argparse.ArgumentParser:
+    """An argument parser described by the first paragraph of `doc` (the module docstring),
+    with the whole docstring as epilog, and `--json-out` unless `json_out` is None."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    if json_out is not None:
+        ap.add_argument("--json-out", default=None, metavar="FILE",
+                        help=f"write {json_out} to FILE (kept results: benchmarks/results/"
+                             "<benchmark>_<device>_<yyyymmdd>.json)")
+    return ap
+
+
+def result_name(benchmark: str, device: str, *, setting: str = "", suffix: str = ".json") -> str:
+    """`<benchmark>[_<setting>]_<device>_<yyyymmdd><suffix>`, dated today (UTC)."""
+    day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    return "_".join(part for part in (benchmark, setting, device, day) if part) + suffix
+
+
+def write_json(path: str | Path, obj) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(distribution: str) -> str | None:
+    """Installed version, read from the package metadata (nothing imported)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def command_line() -> str:
+    """How this process was started, script path relative to the repository (under torchrun:
+    `torchrun --nproc-per-node N ...`, from torchrun's environment)."""
+    script = os.path.relpath(sys.argv[0], REPO) if sys.argv[0] else ""
+    launcher = ["python"]
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        launcher = ["torchrun", "--nproc-per-node", os.environ["LOCAL_WORLD_SIZE"]]
+    return shlex.join([*launcher, script, *sys.argv[1:]])
+
+
+def machine_info(device=None) -> dict:
+    """Provenance of a result: date, commit, device (the GPU's name on CUDA, else the CPU
+    model), torch / transformers / megatron-core versions and the command line. `device` is a
+    torch device or its string; None means the current CUDA device if torch has one, else CPU."""
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "command": command_line(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": _version("numpy"),
+        "pyarrow": _version("pyarrow"),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "megatron_core": _version("megatron-core"),
+    }
+    torch = sys.modules.get("torch")
+    if torch is None and str(device).startswith("cuda"):
+        import torch
+    cuda = torch is not None and torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
+    if cuda:
+        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(dev)
+        info.update(device=props.name, gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+                    gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    else:
+        info["device"] = info["cpu"]
+    return info
