@@ -63,6 +63,17 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--media-root", default=None, help="directory that image file paths resolve under (never outside it)")
     g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, help="reject images with more pixels (decompression bombs)")
 
+    def positive_bytes(text: str) -> int:
+        value = int(text)
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text}")
+        return value
+
+    g.add_argument("--max-media-bytes", type=positive_bytes, default=SampleOptions.max_media_bytes,
+                   help="reject an image file, data URI or base64 image holding more bytes, checked before it is "
+                        "read or decoded (default %(default)s = 128 MiB); there is no 'unlimited': a mislabelled "
+                        "multi-gigabyte file would be read whole, so raise it instead")
+
 
 def _sample_options(args) -> SampleOptions:
     return SampleOptions(
@@ -71,6 +82,7 @@ def _sample_options(args) -> SampleOptions:
         loss_policy=args.loss_policy,
         media_root=args.media_root,
         max_image_pixels=args.max_image_pixels,
+        max_media_bytes=args.max_media_bytes,
     )
 
 

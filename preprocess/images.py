@@ -6,9 +6,15 @@ uint8 before it rescales and normalises, so these bytes lose nothing:
 `shards_schema.pixels.pixel_values_from_patches` rebuilds HF's float32 `pixel_values`
 from them bit for bit, from an eighth of the bytes (uint8 vs float32, one frame vs T=2).
 
-Colour rule (the one rule, applied by `decode_image`):
+Two stages, so that a row is judged before any pixel is decoded: `open_image` reads the
+header only (format, size, mode, frame count) and `header_grid` gives the image's patch
+grid, hence its token count, from the header size; `decode_opened` decodes the pixels
+later, only for rows that passed the length check.
 
-1. Decode frame 0 (multi-frame GIF/TIFF/WebP/APNG: the first frame only), then apply the
+Colour rule (the one rule, applied by `decode_opened`):
+
+1. Decode the image (animated GIF/PNG/WebP are rejected: which frame would be meant? A
+   multi-page TIFF or a phone's multi-picture JPEG gives its first image), then apply the
    EXIF orientation (`ImageOps.exif_transpose`).
 2. 16/32-bit integer and float greyscale (modes I;16*, I, F) are scaled to 8 bits
    explicitly, because PIL's own `convert` clips them (a 16-bit photo becomes mostly
@@ -31,7 +37,9 @@ import base64
 import binascii
 import io
 import math
+import os
 import re
+import stat
 import struct
 import warnings
 import zlib
@@ -47,7 +55,36 @@ from .errors import RejectError
 
 # PIL's own hard limit (2 * Image.MAX_IMAGE_PIXELS): above it Image.open raises anyway.
 DEFAULT_MAX_IMAGE_PIXELS = 178_956_970
+# Bytes of one media file (or of a data URI's / base64 string's decoded data): checked before
+# reading, so a huge file never reaches memory. 128 MiB holds an uncompressed 8-bit RGB TIFF of
+# 44 megapixels and any compressed image up to DEFAULT_MAX_IMAGE_PIXELS seen in practice.
+DEFAULT_MAX_MEDIA_BYTES = 128 * 2**20
+# A decoded raster may take at most this many bytes per allowed pixel (--max-image-pixels): an
+# 8-bit RGB image at the pixel limit; wider pixels (alpha, CMYK, 32-bit) allow fewer of them.
+DECODE_BYTES_PER_PIXEL = 3
 MAX_ASPECT_RATIO = 200
+
+# RejectError codes raised by this module (the pipeline prefixes "image k: " to the message).
+REJECT_CODES = (
+    "empty_source",  # image reference not a non-empty string
+    "remote_url",  # http(s)/s3/... URL: batch jobs do not fetch
+    "bad_data_uri",  # data URI not 'data:<type>;base64,<data>'
+    "bad_base64",  # base64 that does not decode
+    "no_media_root",  # a file path without --media-root
+    "path_outside_media_root",  # a path that resolves outside --media-root
+    "bad_path",  # a path that cannot be resolved (NUL byte, symlink loop, bad encoding)
+    "missing_file",  # no such file
+    "not_a_regular_file",  # a directory, FIFO, socket or device: never read
+    "unreadable_file",  # permission denied, I/O error
+    "media_too_large",  # file or decoded data URI over --max-media-bytes
+    "not_an_image",  # bytes PIL does not recognise
+    "mime_mismatch",  # a data URI's type contradicts its bytes
+    "animated_image",  # animated GIF/PNG/WebP
+    "image_too_large",  # over --max-image-pixels, or its decoded raster over the decode cap
+    "bad_image",  # truncated or corrupt
+    "unsupported_mode",  # a PIL mode with no RGB conversion
+    "aspect_ratio",  # longer side over MAX_ASPECT_RATIO times the shorter
+)
 
 _URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 # standard and URL-safe alphabets, padding, whitespace (MIME line breaks)
@@ -58,14 +95,28 @@ _LONG_BASE64 = 256
 _HIGH_BIT_DEPTH_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I", "F"}
 # What PIL raises on a broken file: it has no common exception base for decoder failures.
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, zlib.error)
+_WIDE_BANDS = {"I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2, "I": 4, "F": 4}  # bytes per band; others 1
+_ANIMATED_FORMATS = {"GIF", "PNG", "WEBP"}
+# image/* subtype of each PIL format a data URI is checked against (MPO: a JPEG with extra
+# pictures, as phones write them), and the other names in use for those subtypes.
+_FORMAT_SUBTYPE = {"JPEG": "jpeg", "MPO": "jpeg", "PNG": "png", "GIF": "gif", "WEBP": "webp", "BMP": "bmp", "TIFF": "tiff"}
+_SUBTYPE_ALIASES = {
+    "jpg": "jpeg", "pjpeg": "jpeg", "x-png": "png", "apng": "png", "x-ms-bmp": "bmp", "x-bmp": "bmp", "tif": "tiff"
+}
+# Subtypes that name a format: declaring one of them for other bytes is a contradiction. Other
+# subtypes ("image/undefined", "image/x", as tools write when they do not know) say nothing.
+_NAMED_SUBTYPES = set(_FORMAT_SUBTYPE.values()) | {"avif", "heic", "heif", "jxl", "jp2", "svg+xml", "x-icon", "vnd.microsoft.icon"}
 
 
 # ---------------------------------------------------------------------------------------
 # source string -> bytes
 
 
-def resolve_image_source(source: str, media_root: Path | None) -> bytes:
-    """The encoded image bytes an image reference of a chat part points at.
+def resolve_image_source(
+    source: str, media_root: Path | None, max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
+) -> bytes:
+    """The encoded image bytes an image reference of a chat part points at, at most
+    `max_media_bytes` of them (checked before reading or decoding: `media_too_large`).
 
     Which kind a string is, decided from the string alone (no file-system probing):
 
@@ -77,26 +128,36 @@ def resolve_image_source(source: str, media_root: Path | None) -> bytes:
       (a path of 257+ characters with no dot in it would be misread: file names have
       extensions, so this does not happen in practice);
     * anything else -> a file path, resolved under `media_root`; it must stay inside
-      `media_root` after resolving `..` and symlinks.
+      `media_root` after resolving `..` and symlinks, and be a regular file.
     """
     if not isinstance(source, str) or not source.strip():
         raise RejectError("empty_source", f"image reference must be a non-empty string, got {source!r:.80}")
     source = source.strip()
     if _URL_SCHEME.match(source):
         if source[:7].lower() == "file://":
-            return _read_media_file(unquote(source[7:]), media_root)
+            return _read_media_file(unquote(source[7:]), media_root, max_media_bytes)
         raise RejectError(
             "remote_url",
             f"{source[:80]!r} is a URL: batch jobs do not fetch; download the images and pass --media-root",
         )
     if source[:5].lower() == "data:":
-        header, comma, payload = source.partition(",")
-        if not comma or not header.lower().endswith(";base64"):
+        comma = source.find(",")
+        header = source[:comma] if comma >= 0 else source[:80]
+        if comma < 0 or not header.lower().endswith(";base64"):
             raise RejectError("bad_data_uri", f"data URI must be 'data:image/...;base64,<data>', got {header[:80]!r}")
-        return _b64decode(payload)
+        return _b64decode(source[comma + 1 :], max_media_bytes, "data URI")
     if _looks_like_base64(source):
-        return _b64decode(source)
-    return _read_media_file(source, media_root)
+        return _b64decode(source, max_media_bytes, "base64 image")
+    return _read_media_file(source, media_root, max_media_bytes)
+
+
+def declared_type(source: str) -> str | None:
+    """The media type a data URI declares (lower case, '' when empty), None for other sources."""
+    source = source.strip() if isinstance(source, str) else ""
+    if source[:5].lower() != "data:":
+        return None
+    header = source[5 : source.find(",")]
+    return header.split(";", 1)[0].strip().lower()
 
 
 def _looks_like_base64(text: str) -> bool:
@@ -106,8 +167,17 @@ def _looks_like_base64(text: str) -> bool:
     return text.isascii() and not text.encode("ascii").translate(None, _BASE64_BYTES)
 
 
-def _b64decode(text: str) -> bytes:
-    """Standard or URL-safe base64, whitespace ignored, missing '=' padding restored."""
+def _b64decode(text: str, max_bytes: int, what: str) -> bytes:
+    """Standard or URL-safe base64, whitespace ignored, missing '=' padding restored; refused
+    from its length alone when the decoded data would exceed `max_bytes`."""
+    if len(text) // 4 * 3 > max_bytes:  # cheap bound first; whitespace and padding only make it larger
+        encoded = len(text) - sum(text.count(c) for c in " \t\n\r\v\f=")
+        if encoded * 3 // 4 > max_bytes:
+            raise RejectError(
+                "media_too_large",
+                f"{what} holds {encoded * 3 // 4} bytes ({encoded} base64 characters), over "
+                f"--max-media-bytes {max_bytes}; shrink the image or raise --max-media-bytes",
+            )
     compact = "".join(text.split())
     compact += "=" * (-len(compact) % 4)
     altchars = b"-_" if ("-" in compact or "_" in compact) else None
@@ -120,7 +190,54 @@ def _b64decode(text: str) -> bytes:
     return data
 
 
-def _read_media_file(path_text: str, media_root: Path | None) -> bytes:
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def _check_regular(st: os.stat_result, resolved: Path, max_bytes: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise RejectError(
+            "not_a_regular_file",
+            f"image path {str(resolved)[:160]!r} is {_file_kind(st.st_mode)}: only regular files are read",
+        )
+    if st.st_size > max_bytes:
+        raise _file_too_large(resolved, st.st_size, max_bytes)
+
+
+def _file_too_large(resolved: Path, size: int, max_bytes: int) -> RejectError:
+    return RejectError(
+        "media_too_large",
+        f"image file {str(resolved)[:160]!r} has {size} bytes, over --max-media-bytes {max_bytes}; "
+        "shrink the image or raise --max-media-bytes",
+    )
+
+
+def _read_regular_file(resolved: Path, max_bytes: int) -> bytes:
+    """At most `max_bytes` of a regular file. stat before open: a FIFO is never opened, a huge
+    file never read. The file is opened non-blocking (opening a FIFO swapped in meanwhile
+    returns at once) and checked again on the open descriptor."""
+    _check_regular(os.stat(resolved), resolved, max_bytes)
+    fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as fh:
+        st = os.fstat(fd)
+        _check_regular(st, resolved, max_bytes)
+        data = fh.read(st.st_size + 1)
+        if len(data) > st.st_size:  # grew since the stat: read on, up to the cap
+            data += fh.read(max_bytes + 1 - len(data))
+    if len(data) > max_bytes:
+        raise _file_too_large(resolved, len(data), max_bytes)
+    return data
+
+
+def _read_media_file(path_text: str, media_root: Path | None, max_bytes: int) -> bytes:
     if media_root is None:
         raise RejectError(
             "no_media_root",
@@ -138,7 +255,7 @@ def _read_media_file(path_text: str, media_root: Path | None) -> bytes:
             f"image path {path_text[:120]!r} resolves to {str(resolved)[:120]!r}, outside --media-root {str(root)!r}",
         )
     try:
-        return resolved.read_bytes()
+        return _read_regular_file(resolved, max_bytes)
     except FileNotFoundError:
         raise RejectError("missing_file", f"image file {str(resolved)[:160]!r} does not exist") from None
     except OSError as exc:
@@ -149,31 +266,77 @@ def _read_media_file(path_text: str, media_root: Path | None) -> bytes:
 # bytes -> RGB image
 
 
-def decode_image(data: bytes, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
-    """Encoded bytes -> an RGB PIL image, by the module's colour rule.
+def open_image(
+    data: bytes, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, declared: str | None = None
+) -> Image.Image:
+    """Encoded bytes -> a PIL image whose header (format, size, mode, frames) is read and
+    checked, and whose pixels are not decoded yet (`decode_opened` does that).
 
-    The size is checked from the header before anything is decoded (decompression bombs),
-    and the file is decoded fully here so a truncated or corrupt file is rejected now, with
-    PIL's reason, instead of being padded with grey (`ImageFile.LOAD_TRUNCATED_IMAGES` is
-    forced off while loading).
+    Checked: PIL recognises the format; `declared`, a data URI's media type, does not name
+    another format (image/jpg for JPEG, image/* and unnamed subtypes are fine); one frame; at most `max_image_pixels` pixels (decompression
+    bombs); a decoded raster of at most DECODE_BYTES_PER_PIXEL * `max_image_pixels` bytes.
     """
     try:
         with warnings.catch_warnings():
             # our own limit below replaces PIL's warning; PIL's hard error still applies
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
+            frames = getattr(image, "n_frames", 1) if image.format in _ANIMATED_FORMATS else 1
     except Image.DecompressionBombError as exc:
         raise RejectError("image_too_large", f"{exc}") from None
     except UnidentifiedImageError:
         raise RejectError("not_an_image", f"bytes are not an image PIL can read (starts with {data[:8]!r})") from None
     except _DECODE_ERRORS as exc:
         raise RejectError("bad_image", f"image header cannot be parsed ({exc})") from None
-
-    width, height = image.size
-    if width * height > max_image_pixels:
+    _check_declared_type(declared, image.format)
+    if frames > 1:
         raise RejectError(
-            "image_too_large", f"{width}x{height} = {width * height} pixels exceeds max_image_pixels={max_image_pixels}"
+            "animated_image",
+            f"animated {image.format} with {frames} frames; use one frame (save it as a still image), "
+            "or pass it as a video",
         )
+    width, height = image.size
+    decode_bytes = width * height * len(image.getbands()) * _WIDE_BANDS.get(image.mode, 1)
+    decode_cap = DECODE_BYTES_PER_PIXEL * max_image_pixels
+    if width * height > max_image_pixels or decode_bytes > decode_cap:
+        raise RejectError(
+            "image_too_large",
+            f"{width}x{height} {image.mode} = {width * height} pixels, {decode_bytes} bytes decoded; the limits are "
+            f"--max-image-pixels {max_image_pixels} and {decode_cap} bytes decoded "
+            f"({DECODE_BYTES_PER_PIXEL} per allowed pixel); shrink the image or raise --max-image-pixels",
+        )
+    return image
+
+
+def _check_declared_type(declared: str | None, image_format: str | None) -> None:
+    if declared is None or declared in ("", "application/octet-stream", "image/*", "image"):
+        return
+    major, _, subtype = declared.partition("/")
+    subtype = _SUBTYPE_ALIASES.get(subtype, subtype)
+    actual = _FORMAT_SUBTYPE.get(image_format or "")
+    if major == "image" and (actual is None or subtype == actual or subtype not in _NAMED_SUBTYPES):
+        return
+    raise RejectError(
+        "mime_mismatch",
+        f"the data URI says {declared} but its bytes are {image_format} "
+        f"({Image.MIME.get(image_format or '', 'no known type')}); fix the data URI's type",
+    )
+
+
+def decode_image(
+    data: bytes, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, declared: str | None = None
+) -> Image.Image:
+    """Encoded bytes -> an RGB PIL image, by the module's colour rule (`open_image` + `decode_opened`)."""
+    return decode_opened(open_image(data, max_image_pixels=max_image_pixels, declared=declared))
+
+
+def decode_opened(image: Image.Image) -> Image.Image:
+    """An image from `open_image` -> RGB, by the module's colour rule.
+
+    The file is decoded fully here so a truncated or corrupt file is rejected now, with PIL's
+    reason, instead of being padded with grey (`ImageFile.LOAD_TRUNCATED_IMAGES` is forced
+    off while loading).
+    """
     _load_strict(image)
     try:
         ImageOps.exif_transpose(image, in_place=True)
@@ -278,13 +441,34 @@ def image_to_patches(image: Image.Image, vision: VisionConfig) -> tuple[np.ndarr
     return patches, (1, gh, gw)
 
 
+def header_grid(image: Image.Image, vision: VisionConfig) -> tuple[int, int, int]:
+    """The patch grid (1, gh, gw) of an opened image from its header size, before decoding.
+
+    The EXIF orientation may swap the decoded image's sides, which swaps gh and gw (smart_resize
+    treats both sides alike) and keeps the token count gh * gw / merge_size**2.
+    """
+    height, width = smart_resize(image.height, image.width, vision.resize_factor, vision.min_pixels, vision.max_pixels)
+    return 1, height // vision.patch_size, width // vision.patch_size
+
+
+def open_image_source(
+    source: str,
+    media_root: Path | None = None,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
+) -> Image.Image:
+    """Image reference of a chat part -> a header-checked image (`open_image`), pixels not decoded."""
+    data = resolve_image_source(source, media_root, max_media_bytes)
+    return open_image(data, max_image_pixels=max_image_pixels, declared=declared_type(source))
+
+
 def load_image_patches(
     source: str,
     vision: VisionConfig,
     media_root: Path | None = None,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
 ) -> tuple[np.ndarray, tuple[int, int, int]]:
     """Image reference of a chat part -> (`pixel_patches`, grid): the whole per-image path."""
-    data = resolve_image_source(source, media_root)
-    image = decode_image(data, max_image_pixels=max_image_pixels)
-    return image_to_patches(image, vision)
+    image = open_image_source(source, media_root, max_image_pixels, max_media_bytes)
+    return image_to_patches(decode_opened(image), vision)

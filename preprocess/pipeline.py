@@ -1,12 +1,14 @@
 """One input row -> one training sample (or a RejectError saying why not).
 
-render (chat template rules + loss spans) -> load images (decode, resize, patchify) ->
-tokenize -> expand each `<|image_pad|>` to its visual-token count -> length policy ->
-M-RoPE positions. Cheap checks run before image decoding so bad rows cost little.
+render (chat template rules + loss spans) -> read image headers (format, size: each image's
+token count) -> tokenize -> expand each `<|image_pad|>` to its visual-token count -> length
+policy -> decode, resize, patchify the images -> M-RoPE positions. Every check that needs no
+pixels runs before any image is decoded, so bad and over-long rows cost little.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +17,7 @@ from shards_schema.positions import mrope_position_ids
 from shards_schema.schema import Sample
 
 from .errors import RejectError
-from .images import load_image_patches
+from .images import DEFAULT_MAX_MEDIA_BYTES, decode_opened, header_grid, image_to_patches, open_image_source
 from .profiles import Profile
 from .render import lone_surrogate, render_conversation, surrogate_message, tokenize_rendered
 
@@ -32,6 +34,7 @@ class SampleOptions:
     loss_policy: str = "all_assistant"
     media_root: str | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
 
 
 def expand_image_pads(
@@ -91,6 +94,15 @@ def row_sample_uid(row_id, default: str) -> str:
     return uid
 
 
+@contextmanager
+def _image_rejects(k: int):
+    """Name the image in its reject message."""
+    try:
+        yield
+    except RejectError as exc:
+        raise RejectError(exc.code, f"image {k}: {exc.message}") from None
+
+
 def process_row(row, *, sample_uid: str, source: str, profile: Profile, options: SampleOptions) -> Sample:
     if not isinstance(row, dict):
         raise RejectError("bad_row", f"a row must be a JSON object with `messages`, got {type(row).__name__}")
@@ -103,23 +115,31 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
         special_tokens=profile.text_special_tokens,
     )
     vision = profile.vision
-    patches, grids = [], []
+    images, header_grids = [], []
     for k, image_source in enumerate(rendered.image_sources):
-        try:
-            image_patches, grid = load_image_patches(
-                image_source, vision, media_root=options.media_root, max_image_pixels=options.max_image_pixels
+        with _image_rejects(k):
+            image = open_image_source(
+                image_source, options.media_root, options.max_image_pixels, options.max_media_bytes
             )
-        except RejectError as exc:
-            raise RejectError(exc.code, f"image {k}: {exc.message}") from None
-        patches.append(image_patches)
-        grids.append(grid)
-    image_grid_thw = np.asarray(grids, dtype=np.int32).reshape(-1, 3)
-    tokens_per_image = image_grid_thw.prod(axis=1) // (vision.merge_size**2)
+            header_grids.append(header_grid(image, vision))
+        images.append(image)
+    tokens_per_image = np.asarray(header_grids, dtype=np.int64).reshape(-1, 3).prod(axis=1) // vision.merge_size**2
 
     input_ids, loss_mask = tokenize_rendered(rendered, profile.tokenizer)
     input_ids, loss_mask = expand_image_pads(input_ids, loss_mask, tokens_per_image, profile.special.image_pad)
     input_ids, loss_mask = _apply_length_policy(input_ids, loss_mask, profile, options)
     input_ids = np.ascontiguousarray(input_ids, dtype=np.int32)
+
+    patches, grids = [], []
+    for k in range(len(images)):
+        image, images[k] = images[k], None  # each decoded image is freed before the next is decoded
+        with _image_rejects(k):
+            image_patches, grid = image_to_patches(decode_opened(image), vision)
+            if sorted(grid) != sorted(header_grids[k]):  # EXIF orientation may only swap the sides
+                raise RejectError("bad_image", f"decodes to grid {grid}, its header promised {header_grids[k]}")
+        patches.append(image_patches)
+        grids.append(grid)
+    image_grid_thw = np.asarray(grids, dtype=np.int32).reshape(-1, 3)
     position_ids = mrope_position_ids(
         input_ids, image_grid_thw, image_pad_id=profile.special.image_pad, merge_size=vision.merge_size
     )

@@ -9,9 +9,12 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import os
+import socket
 import struct
 import subprocess
 import sys
+import threading
 import zlib
 from functools import lru_cache
 
@@ -28,9 +31,13 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 
 from preprocess.errors import RejectError
 from preprocess.images import (
+    REJECT_CODES,
     decode_image,
+    decode_opened,
+    header_grid,
     image_to_patches,
     load_image_patches,
+    open_image,
     resolve_image_source,
     smart_resize,
     to_rgb,
@@ -279,12 +286,59 @@ def test_alpha_composited_on_white():
     assert (rgb.reshape(-1, 3)[1:] == 255).all()
 
 
-def test_multiframe_gif_uses_first_frame():
+def two_frames(fmt: str) -> bytes:
     frames = [Image.new("RGB", (20, 10), colour) for colour in ((255, 0, 0), (0, 0, 255))]
     buffer = io.BytesIO()
-    frames[0].save(buffer, "GIF", save_all=True, append_images=frames[1:])
-    rgb = np.asarray(decode_image(buffer.getvalue()))
+    frames[0].save(buffer, fmt, save_all=True, append_images=frames[1:])
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP"])
+def test_animated_images_are_rejected(fmt):
+    """Which frame would be meant is unknown: an animation is refused, not cut to frame 0."""
+    data = two_frames(fmt)
+    assert Image.open(io.BytesIO(data)).n_frames == 2
+    with pytest.raises(RejectError) as err:
+        decode_image(data)
+    assert err.value.code == "animated_image"
+    assert f"animated {fmt} with 2 frames; use one frame" in err.value.message and "video" in err.value.message
+
+
+def test_multipage_tiff_uses_first_page():
+    rgb = np.asarray(decode_image(two_frames("TIFF")))
     assert (rgb == [255, 0, 0]).all()
+
+
+@pytest.mark.parametrize(
+    "declared, fmt, ok",
+    [
+        ("image/png", "JPEG", False),
+        ("image/jpeg", "PNG", False),
+        ("image/gif", "WEBP", False),
+        ("text/plain", "PNG", False),
+        ("image/jpeg", "JPEG", True),
+        ("image/jpg", "JPEG", True),
+        ("image/pjpeg", "JPEG", True),
+        ("image/*", "PNG", True),
+        ("", "PNG", True),
+        ("application/octet-stream", "WEBP", True),
+        ("IMAGE/PNG", "PNG", True),
+        ("image/x-portable-anymap", "PPM", True),
+        ("image/undefined", "JPEG", True),
+        ("image/apng", "PNG", True),
+        ("image/avif", "PNG", False),
+    ],
+)
+def test_data_uri_type_must_match_the_bytes(declared, fmt, ok):
+    data = encode(Image.new("RGB", (8, 8), (1, 2, 3)), fmt)
+    source = f"data:{declared};base64," + b64(data)
+    if ok:
+        assert load_image_patches(source, QWEN3_VL_VISION)[0].shape[0] > 0
+        return
+    with pytest.raises(RejectError) as err:
+        load_image_patches(source, QWEN3_VL_VISION)
+    assert err.value.code == "mime_mismatch"
+    assert f"says {declared}" in err.value.message and Image.MIME[fmt] in err.value.message
 
 
 def test_exif_orientation_applied(vision):
@@ -364,13 +418,14 @@ def png_bytes() -> bytes:
     return encode(Image.fromarray(rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)), "PNG")
 
 
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG whose header claims width x height, with a tiny IDAT: costs nothing to build."""
+def png_header_only(width: int, height: int, bit_depth: int = 1, colour_type: int = 0) -> bytes:
+    """A PNG whose header claims width x height (default 1-bit greyscale; colour type 6 = RGBA),
+    with a tiny IDAT: costs nothing to build, and fails if anything decodes its pixels."""
 
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
-    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)  # 1-bit greyscale
+    ihdr = struct.pack(">IIBBBBB", width, height, bit_depth, colour_type, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
 
 
@@ -411,6 +466,23 @@ def test_reject_too_large(jpeg_bytes):
     assert decode_image(jpeg_bytes, max_image_pixels=160 * 120).size == (160, 120)
 
 
+def test_decoded_bytes_are_bounded():
+    """Pixels under --max-image-pixels, but 4 bytes each: over the decode cap of 3 bytes per
+    allowed pixel. Refused from the header, with the memory a decode would take."""
+    with pytest.raises(RejectError) as err:
+        open_image(png_header_only(1000, 1000, 8, 6), max_image_pixels=1_200_000)
+    assert err.value.code == "image_too_large"
+    assert "1000x1000 RGBA = 1000000 pixels, 4000000 bytes decoded" in err.value.message
+    assert "3600000 bytes decoded" in err.value.message
+    # the same header as 8-bit greyscale (1 byte a pixel) passes the header checks
+    assert open_image(png_header_only(1000, 1000, 8, 0), max_image_pixels=1_200_000).size == (1000, 1000)
+
+
+def test_header_grid_is_the_decoded_grid(vision, jpeg_bytes):
+    image = open_image(jpeg_bytes)
+    assert header_grid(image, vision) == image_to_patches(decode_opened(image), vision)[1]
+
+
 def test_reject_aspect_ratio(vision):
     data = encode(Image.new("RGB", (600, 2), (10, 20, 30)), "PNG")
     assert reject_code(load_image_patches, b64(data), vision) == "aspect_ratio"
@@ -443,3 +515,104 @@ def test_paths_confined_to_media_root(tmp_path, png_bytes):
     assert reject_code(resolve_image_source, "sub/ok.png", None) == "no_media_root"
     assert "--media-root" in pytest.raises(RejectError, resolve_image_source, "a.png", None).value.message
     assert reject_code(resolve_image_source, "   ", root) == "empty_source"
+
+
+def returns_within(seconds: float, fn, *args, **kwargs):
+    """fn's result or RejectError, failing the test (not hanging it) if fn blocks."""
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = fn(*args, **kwargs)
+        except RejectError as exc:
+            outcome["value"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn.__name__} blocked for {seconds} s"
+    return outcome["value"]
+
+
+def test_only_regular_files_are_read(tmp_path, png_bytes):
+    root = tmp_path / "media"
+    root.mkdir()
+    os.mkfifo(root / "pipe.jpg")  # reading it would block forever: no writer
+    (root / "dir.png").mkdir()
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(root / "sock.png"))
+    (root / "link.png").symlink_to(root / "pipe.jpg")
+    try:
+        for name, kind in [("pipe.jpg", "FIFO"), ("link.png", "FIFO"), ("dir.png", "directory"), ("sock.png", "socket")]:
+            exc = returns_within(10, resolve_image_source, name, root)
+            assert isinstance(exc, RejectError) and exc.code == "not_a_regular_file", (name, exc)
+            assert kind in exc.message and "only regular files" in exc.message
+    finally:
+        server.close()
+
+
+def test_media_file_size_is_capped_before_reading(tmp_path, png_bytes):
+    root = tmp_path / "media"
+    root.mkdir()
+    with open(root / "huge.jpg", "wb") as fh:  # sparse: 3 GiB that take no disk and must take no memory
+        fh.truncate(3 * 2**30)
+    exc = returns_within(10, resolve_image_source, "huge.jpg", root)
+    assert exc.code == "media_too_large" and f"has {3 * 2**30} bytes" in exc.message
+    assert "--max-media-bytes 134217728" in exc.message
+    (root / "ok.png").write_bytes(png_bytes)
+    assert resolve_image_source("ok.png", root, max_media_bytes=len(png_bytes)) == png_bytes
+    assert reject_code(resolve_image_source, "ok.png", root, max_media_bytes=len(png_bytes) - 1) == "media_too_large"
+
+
+def test_base64_size_is_capped_before_decoding(png_bytes):
+    text = b64(png_bytes)
+    cap = len(png_bytes)
+    for source in ("data:image/png;base64," + text, text):
+        assert resolve_image_source(source, None, max_media_bytes=cap) == png_bytes
+        with pytest.raises(RejectError) as err:
+            resolve_image_source(source, None, max_media_bytes=cap - 3)
+        assert err.value.code == "media_too_large" and "--max-media-bytes" in err.value.message
+    wrapped = "\n".join(text[i : i + 4] for i in range(0, len(text), 4))  # whitespace is not data
+    assert resolve_image_source(wrapped, None, max_media_bytes=cap) == png_bytes
+
+
+def test_every_reject_code_is_exercised(tmp_path, monkeypatch):
+    """Each code of preprocess.images.REJECT_CODES is produced by one of the calls below."""
+    png = encode(Image.new("RGB", (16, 12), (9, 8, 7)), "PNG")
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "a.png").write_bytes(png)
+
+    def permission_denied(*args, **kwargs):  # what a file without read permission gives (even as root)
+        raise PermissionError(13, "Permission denied")
+
+    def unreadable(root):
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "open", permission_denied)
+            return resolve_image_source("a.png", root)
+
+    cases = {
+        "empty_source": lambda: resolve_image_source("", root),
+        "remote_url": lambda: resolve_image_source("https://x.org/a.png", root),
+        "bad_data_uri": lambda: resolve_image_source("data:image/png,raw", root),
+        "bad_base64": lambda: resolve_image_source("data:image/png;base64,!!", root),
+        "no_media_root": lambda: resolve_image_source("a.png", None),
+        "path_outside_media_root": lambda: resolve_image_source("../a.png", root),
+        "bad_path": lambda: resolve_image_source("a\0.png", root),
+        "missing_file": lambda: resolve_image_source("missing.png", root),
+        "not_a_regular_file": lambda: resolve_image_source(".", root),
+        "unreadable_file": lambda: unreadable(root),
+        "media_too_large": lambda: resolve_image_source("a.png", root, max_media_bytes=len(png) - 1),
+        "not_an_image": lambda: decode_image(b"not an image"),
+        "mime_mismatch": lambda: decode_image(png, declared="image/gif"),
+        "animated_image": lambda: decode_image(two_frames("GIF")),
+        "image_too_large": lambda: decode_image(png, max_image_pixels=10),
+        "bad_image": lambda: decode_image(png[:-30]),
+        "unsupported_mode": lambda: to_rgb(Image.new("La", (2, 2))),
+        "aspect_ratio": lambda: smart_resize(1, 300, 28, 1, 10**6),
+    }
+    assert set(cases) == set(REJECT_CODES)
+    for code, call in cases.items():
+        with pytest.raises(RejectError) as err:
+            call()
+        assert err.value.code == code, (code, err.value)
