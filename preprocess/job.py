@@ -131,6 +131,7 @@ def process_unit(unit: WorkUnit, name: str, rows_per_unit: int, out: Path, profi
         for row_index, row in read_rows(unit, rows_per_unit):
             rows_read += 1
             source = f"{name}:{row_index}"
+            reject = None
             try:
                 if isinstance(row, RejectError):
                     raise row
@@ -138,12 +139,17 @@ def process_unit(unit: WorkUnit, name: str, rows_per_unit: int, out: Path, profi
                 # Arrow encodes strings only when a whole batch is written, too late to blame one row.
                 sample.sample_uid.encode("utf-8")
                 sample.source.encode("utf-8")
-                writer.add(sample)
             except RejectError as exc:
-                rejects.append(_reject_record(name, row_index, exc.code, exc.message))
-                rejected_since_report += 1
+                reject = (exc.code, exc.message)
             except Exception as exc:  # a bug or a library failure on odd input: record it, keep going
-                rejects.append(_reject_record(name, row_index, "internal_error", f"{type(exc).__name__}: {exc}"))
+                reject = ("internal_error", _describe(exc))
+            else:
+                try:  # an OSError here (disk full) is the output's, not the row's: it stops the unit
+                    writer.add(sample)
+                except ValueError as exc:  # a sample the shard cannot hold, refused before it is queued
+                    reject = ("internal_error", _describe(exc))
+            if reject:
+                rejects.append(_reject_record(name, row_index, *reject))
                 rejected_since_report += 1
             done_since_report += 1
             if on_rows and done_since_report >= PROGRESS_EVERY_ROWS:
@@ -175,6 +181,14 @@ def process_unit(unit: WorkUnit, name: str, rows_per_unit: int, out: Path, profi
     }
     write_json_atomic(unit_record_path(out, unit.index), record)
     return record
+
+
+def _describe(exc: Exception) -> str:
+    try:
+        message = str(exc)
+    except Exception:  # an exception whose own message fails must not stop the job either
+        message = "(its message could not be read)"
+    return f"{type(exc).__name__}: {message}"
 
 
 def _reject_record(name: str, row: int, code: str, reason: str) -> dict:
@@ -525,9 +539,11 @@ def _run_units(units: list[WorkUnit], names: dict[str, str], cfg: PreprocessConf
                 show(done - seen_done, rej - seen_rejected)
                 seen_done, seen_rejected = done, rej
         except BaseException:
-            # Stop now: no new units, and the running ones end (their torn shards are redone on resume).
+            # Stop now: no new units, the running ones end, and their half-written shards go
+            # (those units are redone on resume).
             pool.shutdown(wait=False, cancel_futures=True)
             _end_workers([p for p in mp.active_children() if p not in others])
+            _remove_torn_writes(out)
             raise
         pool.shutdown()
     finally:

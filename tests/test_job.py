@@ -4,6 +4,7 @@ partitions + merge, input formats, rejects that never stop the job, fail-fast co
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -313,3 +314,215 @@ def test_model_dir_profile_equals_builtin_and_pixel_bounds_override(example_json
     grids = [open_shards(tmp_path / "small")[i]["image_grid_thw"] for i in range(small["totals"]["rows"])]
     assert all((g[:, 1] * g[:, 2] * 16 * 16 <= 160 * 160).all() for g in grids if len(g))
     assert small["totals"]["patches"] < baseline[1]["totals"]["patches"]
+
+
+# ---------------------------------------------------------------- the output directory belongs to one job
+
+
+def _cli(capsys, *argv) -> tuple[int, str]:
+    """`vlmpack ARGV` in this process: (exit code, stderr)."""
+    from shards_schema.cli import main
+
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_finished_dataset_without_work_state_is_never_overwritten(example_jsonl, baseline, tmp_path, capsys):
+    """A shard directory made elsewhere (e.g. by `vlmpack import`) has no `_parts/`: preprocess
+    and merge into it are refused and leave every file as it was."""
+    dataset = tmp_path / "imported"
+    dataset.mkdir()
+    for p in baseline[0].iterdir():
+        if p.is_file() and not p.name.startswith("."):
+            (dataset / p.name).write_bytes(p.read_bytes())
+    before = _tree(dataset)
+    with pytest.raises(ConfigError, match=r"is not empty and holds no resumable job of `vlmpack preprocess`.*new or empty --out"):
+        _run([example_jsonl], dataset, workers=1)
+    code, err = _cli(capsys, "preprocess", example_jsonl, "--out", dataset, "--workers", "1", "--no-progress")
+    assert code == 2 and err.count("\n") == 1 and "not empty" in err
+    part = tmp_path / "part"
+    _run([example_jsonl], part, workers=1, num_partitions=2, partition_index=0)
+    _run([example_jsonl], part, workers=1, num_partitions=2, partition_index=1)
+    with pytest.raises(ConfigError, match="holds no resumable job of `vlmpack merge`"):
+        merge_partitions([str(part)], str(dataset))
+    assert {k: v for k, v in _tree(dataset).items() if not k.startswith(".")} == before
+    # this job's own directory is resumable, and a merge may be re-run into its own output
+    merged = merge_partitions([str(part)], str(tmp_path / "merged"))
+    assert merge_partitions([str(part)], str(tmp_path / "merged")) == merged
+
+
+def test_resume_refuses_an_input_edited_in_place(tmp_path):
+    """Same size, same row count, other text: the old shards must not be kept as `already done`."""
+    rows = example_rows(6, seed=5, size_range=(32, 64))
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    out = tmp_path / "out"
+    _run([data], out, workers=1, rows_per_shard=3)
+    text = data.read_text(encoding="utf-8")
+    first = rows[0]["messages"][-1]["content"]
+    edited = text.replace(first, first[::-1], 1)
+    assert edited != text and len(edited.encode()) == len(text.encode())
+    stat = data.stat()
+    data.write_text(edited, encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"input {data} (was modified|changed) since .*new --out.*delete"):
+        _run([data], out, workers=1, rows_per_shard=3)
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with the old timestamp: the content differs
+    with pytest.raises(ConfigError, match=rf"input {data} changed since"):
+        _run([data], out, workers=1, rows_per_shard=3)
+    data.write_text(text, encoding="utf-8")  # back to the original content, new timestamp: sampled mode refuses,
+    with pytest.raises(ConfigError, match="--input-hash full"):
+        _run([data], out, workers=1, rows_per_shard=3)
+    with pytest.raises(ConfigError, match="started with --input-hash sampled"):
+        _run([data], out, workers=1, rows_per_shard=3, input_hash="full")
+
+
+def test_full_input_hash_sees_an_edit_that_sampled_blocks_miss(tmp_path):
+    """A 2 MiB input edited between sampled blocks, timestamp restored: only --input-hash full sees it."""
+    good = json.dumps(_chat(text="What is this?"))
+    filler = json.dumps({"padding": "x" * (2 << 20)})  # a row that is rejected cheaply
+    data = tmp_path / "big.jsonl"
+    data.write_text(f"{good}\n{filler}\n{good}\n")
+    size, stat = data.stat().st_size, data.stat()
+    between = (size - 64 * 1024) // 15 + 64 * 1024 + 100  # after the second sampled block ends
+    for mode in ("sampled", "full"):
+        out = tmp_path / mode
+        _run([data], out, workers=1, rows_per_shard=2, input_hash=mode)
+        with open(data, "r+b") as fh:
+            fh.seek(between)
+            fh.write(b"y" if mode == "sampled" else b"z")
+        os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        if mode == "sampled":
+            assert _run([data], out, workers=1, rows_per_shard=2, input_hash=mode)["_run"]["units_resumed"] == 2
+        else:
+            with pytest.raises(ConfigError, match=rf"input {data} changed since"):
+                _run([data], out, workers=1, rows_per_shard=2, input_hash=mode)
+        assert data.stat().st_size == size
+
+
+def test_resume_redoes_a_deleted_or_damaged_shard(example_jsonl, baseline, tmp_path):
+    from shards_schema.verify import verify_shards
+
+    out = tmp_path / "out"
+    _run([example_jsonl], out, workers=1)
+    (out / "shard-000001.arrow").unlink()
+    damaged = bytearray((out / "shard-000002.arrow").read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (out / "shard-000002.arrow").write_bytes(bytes(damaged))
+    manifest = _run([example_jsonl], out, workers=1)
+    assert manifest["_run"]["units_redone"] == [1, 2] and manifest["_run"]["units_done_now"] == 2
+    assert _shard_bytes(out) == _shard_bytes(baseline[0])
+    assert _without_run(manifest) == _without_run(baseline[1])
+    report = verify_shards(out)
+    assert report.ok, report.faults
+
+
+def test_the_same_file_spelled_differently_is_one_job(tmp_path, monkeypatch):
+    rows = example_rows(4, seed=2, size_range=(32, 64))
+    (tmp_path / "work").mkdir()
+    write_jsonl(tmp_path / "work" / "rows.jsonl", rows)
+    monkeypatch.chdir(tmp_path / "work")
+    first = _run(["rows.jsonl"], "out", workers=1, rows_per_shard=2)
+    assert first["accounting"]["inputs"][0]["path"] == "rows.jsonl"
+    for spelling in ("./rows.jsonl", str(tmp_path / "work" / "rows.jsonl"), "../work/rows.jsonl"):
+        again = _run([spelling], "out", workers=1, rows_per_shard=2)
+        assert again["_run"]["units_resumed"] == 2 and _without_run(again) == _without_run(first), spelling
+    monkeypatch.chdir(tmp_path)  # from elsewhere: the same file keeps the name the job started with
+    again = _run(["work/rows.jsonl"], "work/out", workers=1, rows_per_shard=2)
+    assert again["_run"]["units_resumed"] == 2 and _without_run(again) == _without_run(first)
+    assert open_shards(tmp_path / "work" / "out")[0]["source"] == "rows.jsonl:0"
+
+
+def test_undecodable_file_names_and_surrogates_never_stop_the_job(tmp_path, monkeypatch):
+    """A file name that is not UTF-8, an id holding a lone surrogate, and whatever a row's
+    processing raises or returns: each becomes a reject or an escaped name, never a crash."""
+    import preprocess.job as job
+
+    rows = example_rows(5, seed=4, size_range=(32, 64))
+    rows[1]["id"] = "\ud800"
+    rows[2]["id"] = "raise-me"
+    rows[3]["id"] = "odd-uid"
+    data = Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9.jsonl"))
+    with open(data, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")  # ensure_ascii: the surrogate is a valid \ud800 escape
+    real_process_row = job.process_row
+
+    def odd_process_row(row, **kw):
+        if row.get("id") == "raise-me":
+            raise ValueError("broken on \udcff")
+        sample = real_process_row(row, **kw)
+        if row.get("id") == "odd-uid":
+            sample = dataclasses.replace(sample, sample_uid="odd\udc80uid")
+        return sample
+
+    monkeypatch.setattr(job, "process_row", odd_process_row)
+    out = tmp_path / "out"
+    for _ in range(2):  # the re-run resumes as well
+        manifest = _run([data], out, workers=1, rows_per_shard=2)
+    name = str(tmp_path) + "/caf\\xe9.jsonl"
+    assert manifest["accounting"]["inputs"][0]["path"] == name
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert {r["row"]: r["code"] for r in rejects} == {1: "bad_id", 2: "internal_error", 3: "internal_error"}
+    assert "ValueError: broken on \\udcff" in rejects[1]["reason"] and "UnicodeEncodeError" in rejects[2]["reason"]
+    assert all(r["source"] == name for r in rejects)
+    assert [open_shards(out)[i]["source"] for i in range(2)] == [f"{name}:0", f"{name}:4"]
+    json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------- arguments and outcomes
+
+
+BAD_ARGUMENTS = [
+    ("preprocess", ["--workers", "0"], "--workers must be an integer >= 1, got 0"),
+    ("preprocess", ["--workers", "-3"], "--workers must be an integer >= 1, got -3"),
+    ("preprocess", ["--max-seq-len", "0"], "--max-seq-len must be an integer >= 1, got 0"),
+    ("preprocess", ["--rows-per-shard", "0"], "--rows-per-shard must be an integer >= 1, got 0"),
+    ("preprocess", ["--num-partitions", "0"], "--num-partitions must be an integer >= 1, got 0"),
+    ("preprocess", ["--num-partitions", "2", "--partition-index", "2"], "--partition-index must be in 0..1"),
+    ("preprocess", ["--max-image-pixels", "0"], "--max-image-pixels must be an integer >= 1"),
+    ("preprocess", ["--min-pixels", "-1"], "--min-pixels must be an integer >= 1"),
+    ("preprocess", ["--media-root", "{tmp}/nowhere"], "--media-root {tmp}/nowhere is not a directory"),
+    ("preprocess", ["--profile", "llava"], "unknown profile"),
+    ("preprocess-missing", [], "input {tmp}/missing.jsonl does not exist"),
+    ("preprocess-out-file", [], "--out {tmp}/afile is a file, not a directory"),
+    ("merge", ["{tmp}/nowhere", "--out", "{tmp}/m"], "{tmp}/nowhere does not exist or is not a directory"),
+    ("merge", ["{tmp}", "--out", "{tmp}/m"], "not the output of `vlmpack preprocess`"),
+    ("quickstart", ["--rows", "0"], "--rows must be an integer >= 1, got 0"),
+    ("quickstart", ["--workers", "0"], "--workers must be an integer >= 1, got 0"),
+    ("quickstart", ["--out", "{tmp}/afile"], "--out {tmp}/afile is a file, not a directory"),
+]
+
+
+@pytest.mark.parametrize("command, argv, message", BAD_ARGUMENTS, ids=[f"{c}{' '.join(a)}" for c, a, _ in BAD_ARGUMENTS])
+def test_bad_arguments_exit_2_with_one_line(command, argv, message, example_jsonl, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    message = message.replace("{tmp}", str(tmp_path))
+    if command.startswith("preprocess"):
+        data = tmp_path / "missing.jsonl" if command == "preprocess-missing" else example_jsonl
+        out = tmp_path / "afile" if command == "preprocess-out-file" else tmp_path / "o"
+        argv = ["preprocess", data, "--out", out, "--no-progress", *argv]
+    elif command == "quickstart" and "--out" not in argv:
+        argv = ["quickstart", "--out", tmp_path / "qs", *argv]
+    else:
+        argv = [command, *argv]
+    code, err = _cli(capsys, *argv)
+    assert code == 2, err
+    assert err.startswith(f"vlmpack {argv[0]}: error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "m").exists() and not (tmp_path / "qs").exists()
+
+
+def test_nothing_written_warns_and_exits_1_with_rows_accounted_for(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    code, err = _cli(capsys, "preprocess", empty, "--out", tmp_path / "a", "--workers", "1", "--no-progress")
+    assert code == 1 and "warning: nothing written: 0 rows read, the inputs hold no rows" in err
+    data = write_jsonl(tmp_path / "rows.jsonl", example_rows(3, seed=1, size_range=(32, 64)))
+    code, err = _cli(capsys, "preprocess", data, "--out", tmp_path / "b", "--max-seq-len", "8", "--workers", "1", "--no-progress")
+    assert code == 1 and f"nothing written: 3 rows read, all rejected (see {tmp_path / 'b'}/rejects.jsonl)" in err
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["accounting"]["rows_rejected"] == 3 and manifest["accounting"]["rejects_by_reason"] == {"too_long": 3}
+    assert len((tmp_path / "b" / "rejects.jsonl").read_text().splitlines()) == 3

@@ -1,0 +1,312 @@
+"""Faults around a real `vlmpack preprocess` / `vlmpack merge`: kill -9 at random moments,
+then the same command again gives byte-identical output; two jobs on one directory; a full
+disk; a read-only output; signals to the job and what happens to its worker processes.
+
+Jobs run as real processes (`python -m shards_schema.cli`); small inputs keep the file fast.
+The tmpfs variants need permission to mount and are skipped where it is not given; the
+injected variants of the same faults always run.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+import preprocess.job as job
+from preprocess.examples import example_rows, write_jsonl
+from preprocess.job import PreprocessConfig, merge_partitions, run_preprocess
+from shards_schema.atomic import TMP_SUFFIX
+from shards_schema.cli import main as cli_main
+from shards_schema.errors import EXIT_DISK_FULL, EXIT_USER_ERROR
+from shards_schema.outdir import LOCK_NAME, exclusive_output_dir
+
+ROWS_PER_SHARD = 2
+PROCESS_GONE_SECONDS = 5.0
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    rows = example_rows(12, seed=11, size_range=(32, 96), include_bad_rows=True)
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl", rows)
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory) -> Path:
+    """An uninterrupted run: what every interrupted-then-resumed run must equal, byte for byte."""
+    out = tmp_path_factory.mktemp("reference")
+    _run_inprocess(data, out)
+    return out
+
+
+def _run_inprocess(data: Path, out: Path, **kw) -> dict:
+    return run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(out), rows_per_shard=ROWS_PER_SHARD,
+                                           progress=False, workers=kw.pop("workers", 1), **kw))
+
+
+def _cli_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "shards_schema.cli", *(str(a) for a in args)]
+
+
+def _preprocess_cmd(data: Path, out: Path, workers: int = 2, rows_per_shard: int = ROWS_PER_SHARD) -> list[str]:
+    return _cli_cmd("preprocess", data, "--out", out, "--workers", workers, "--rows-per-shard", rows_per_shard, "--no-progress")
+
+
+def _outputs(directory: Path) -> dict[str, object]:
+    """Every file of a shard directory: bytes, except the unit records' timings and the lock
+    file (which names the process that held it)."""
+    files = {}
+    for path in sorted(directory.rglob("*")):
+        name = str(path.relative_to(directory))
+        if not path.is_file() or name == LOCK_NAME:
+            continue
+        assert not name.endswith(TMP_SUFFIX), f"torn write left behind: {name}"
+        if path.parent.name == "_parts" and path.name.startswith("unit-"):
+            record = json.loads(path.read_text(encoding="utf-8"))
+            record.pop("seconds")
+            files[name] = record
+        else:
+            files[name] = path.read_bytes()
+    return files
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of `pid` (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rindex(")") + 2] != "Z"  # a zombie has ended; only its exit status is left
+
+
+def _wait_gone(pids: set[int], seconds: float = PROCESS_GONE_SECONDS) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return {p for p in pids if _alive(p)}
+
+
+def _wait_for(condition, seconds: float = 120.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _units_committed(out: Path) -> int:
+    return len(list((out / "_parts").glob("unit-*.json")))
+
+
+# ---------------------------------------------------------------- kill -9 at random moments, then resume
+
+
+def test_preprocess_killed_at_random_moments_then_rerun_is_byte_identical(data, reference, tmp_path):
+    interrupted = 0
+    for seed, workers in ((0, 2), (1, 1), (2, 1)):
+        out = tmp_path / f"out{seed}"
+        proc = subprocess.Popen(_preprocess_cmd(data, out, workers=workers), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        _wait_for(lambda: (out / "_parts").is_dir() or proc.poll() is not None, what="the job to claim its directory")
+        time.sleep(random.Random(seed).uniform(0.0, 1.0 if workers == 1 else 3.0))  # within the units phase, mostly
+        children = _children(proc.pid)
+        proc.kill()
+        proc.wait()
+        assert not _wait_gone(children), "workers outlived the killed job"
+        interrupted += not (out / "manifest.json").exists()
+        manifest = _run_inprocess(data, out)
+        assert manifest["_run"]["units_done_now"] + manifest["_run"]["units_resumed"] == 7
+        assert _outputs(out) == _outputs(reference), seed
+    assert interrupted >= 2, "the kills all came too late to interrupt anything"
+
+
+@pytest.fixture(scope="module")
+def partitions(data, tmp_path_factory) -> list[Path]:
+    dirs = [tmp_path_factory.mktemp(f"part{i}") for i in range(2)]
+    for i, d in enumerate(dirs):
+        _run_inprocess(data, d, num_partitions=2, partition_index=i)
+    return dirs
+
+
+def test_merge_killed_at_random_moments_then_rerun_is_byte_identical(partitions, reference, tmp_path):
+    merge_partitions([str(p) for p in partitions], str(tmp_path / "uninterrupted"))
+    expected = _outputs(tmp_path / "uninterrupted")
+    assert {k: v for k, v in expected.items() if not k.startswith("_parts/")} == {
+        k: v for k, v in _outputs(reference).items() if not k.startswith("_parts/")}  # = one unpartitioned job
+    interrupted = 0
+    for seed in range(4):
+        out = tmp_path / f"merged{seed}"
+        proc = subprocess.Popen(_cli_cmd("merge", *partitions, "--out", out), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        _wait_for(lambda: out.is_dir() or proc.poll() is not None, what="the merge to create its directory")
+        time.sleep(random.Random(seed).uniform(0.0, 0.1))
+        proc.kill()
+        proc.wait()
+        interrupted += not (out / "manifest.json").exists()
+        merge_partitions([str(p) for p in partitions], str(out))
+        assert _outputs(out) == expected, seed
+    assert interrupted >= 2, "the kills all came too late to interrupt anything"
+
+
+# ---------------------------------------------------------------- two jobs, one directory
+
+
+def test_a_second_identical_job_on_the_same_directory_stops_at_once(data, reference, tmp_path):
+    out = tmp_path / "out"
+    first = subprocess.Popen(_preprocess_cmd(data, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: (out / "_parts").is_dir(), what="the first job to claim its directory")
+    second = subprocess.run(_preprocess_cmd(data, out), capture_output=True, text=True, timeout=120)
+    assert first.poll() is None, "the first job ended before the second started: the input is too small to overlap"
+    assert second.returncode == EXIT_USER_ERROR
+    assert second.stderr.count("\n") == 1 and "in use by another job (vlmpack preprocess, pid " + str(first.pid) in second.stderr
+    assert first.wait(timeout=120) == 0, first.stderr.read()
+    assert _outputs(out) == _outputs(reference)
+
+
+def test_merge_into_a_directory_another_job_holds_stops_at_once(partitions, tmp_path):
+    out = tmp_path / "merged"
+    with exclusive_output_dir(out, "preprocess"):
+        result = subprocess.run(_cli_cmd("merge", *partitions, "--out", out), capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_USER_ERROR and result.stderr.count("\n") == 1
+    assert f"in use by another job (vlmpack preprocess, pid {os.getpid()}" in result.stderr
+    assert os.listdir(out) == [LOCK_NAME]
+
+
+# ---------------------------------------------------------------- signals and worker processes
+
+
+def _start_and_wait_for_workers(data: Path, out: Path) -> tuple[subprocess.Popen, set[int]]:
+    proc = subprocess.Popen(_preprocess_cmd(data, out, rows_per_shard=1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    _wait_for(lambda: _units_committed(out) >= 1 or proc.poll() is not None, what="a first committed unit")
+    assert proc.poll() is None, "the job ended before it could be signalled: the input is too small"
+    children = _children(proc.pid)
+    assert len(children) >= 2  # two workers (and multiprocessing's resource tracker)
+    return proc, children
+
+
+def test_workers_die_with_a_killed_parent(data, tmp_path):
+    proc, children = _start_and_wait_for_workers(data, tmp_path / "out")
+    os.kill(proc.pid, signal.SIGKILL)  # the parent only, as an OOM killer or a scheduler would
+    proc.wait()
+    assert not _wait_gone(children), "processes of the killed job still run"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_sigint_stops_the_job_and_its_workers_keeping_finished_units(signum, data, tmp_path):
+    out = tmp_path / "out"
+    proc, children = _start_and_wait_for_workers(data, out)
+    committed = _units_committed(out)
+    sent = time.monotonic()
+    os.kill(proc.pid, signum)
+    proc.wait(timeout=30)
+    assert time.monotonic() - sent < PROCESS_GONE_SECONDS + 2
+    err = proc.stderr.read()
+    assert proc.returncode == 128 + signum
+    assert err.strip().splitlines()[-1] == (f"vlmpack preprocess: error: stopped by {signal.Signals(signum).name}; finished "
+                                           "shards are kept: re-run the same command to resume")
+    assert "Traceback" not in err
+    assert not _wait_gone(children), "workers outlived the stopped job"
+    assert _units_committed(out) >= committed >= 1
+    assert not list(out.glob("*" + TMP_SUFFIX))
+
+
+# ---------------------------------------------------------------- full disk, read-only output
+
+
+@contextmanager
+def _tmpfs(directory: Path, options: str):
+    directory.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {mounted.stderr.decode().strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+def _assert_disk_full_then_resume(code: int, err: str, data: Path, out: Path, reference: Path) -> None:
+    assert code == EXIT_DISK_FULL, err
+    assert err.count("\n") == 1 and err.startswith("vlmpack preprocess: error: no space left on the device"), err
+    kept = _units_committed(out)
+    assert 1 <= kept < 7 and not list(out.glob("*" + TMP_SUFFIX)) and not (out / "manifest.json").exists()
+
+
+def test_full_disk_exits_4_keeps_finished_units_and_resumes_injected(data, reference, tmp_path, monkeypatch, capsys):
+    real_writer = job.ShardWriter
+
+    class FillsTheDisk(real_writer):
+        def add(self, sample):
+            if self.path.name == "shard-000003.arrow":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            super().add(sample)
+
+    monkeypatch.setattr(job, "ShardWriter", FillsTheDisk)
+    out = tmp_path / "out"
+    code = cli_main([str(a) for a in ("preprocess", data, "--out", out, "--workers", 1, "--rows-per-shard", ROWS_PER_SHARD,
+                                      "--no-progress")])
+    _assert_disk_full_then_resume(code, capsys.readouterr().err, data, out, reference)
+    assert _units_committed(out) == 3
+    monkeypatch.setattr(job, "ShardWriter", real_writer)
+    manifest = _run_inprocess(data, out)
+    assert manifest["_run"]["units_resumed"] == 3
+    assert _outputs(out) == _outputs(reference)
+
+
+def test_full_disk_exits_4_keeps_finished_units_and_resumes_tmpfs(data, reference, tmp_path):
+    total = sum(p.stat().st_size for p in reference.iterdir() if p.is_file())
+    with _tmpfs(tmp_path / "disk", f"size={total // 2}") as disk:
+        out = disk / "out"
+        result = subprocess.run(_preprocess_cmd(data, out, workers=1), capture_output=True, text=True, timeout=120)
+        _assert_disk_full_then_resume(result.returncode, result.stderr, data, out, reference)
+        subprocess.run(["mount", "-o", f"remount,size={total * 4}", str(disk)], check=True)
+        result = subprocess.run(_preprocess_cmd(data, out, workers=1), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert _outputs(out) == _outputs(reference)
+
+
+@pytest.mark.parametrize("err_no", [errno.EROFS, errno.EACCES])
+def test_unwritable_output_is_one_line_injected(err_no, data, tmp_path, monkeypatch, capsys):
+    def refuse(path, obj):
+        raise OSError(err_no, os.strerror(err_no), str(path))
+
+    monkeypatch.setattr(job, "write_json_atomic", refuse)
+    out = tmp_path / "out"
+    code = cli_main([str(a) for a in ("preprocess", data, "--out", out, "--workers", 1, "--no-progress")])
+    err = capsys.readouterr().err
+    assert code == EXIT_USER_ERROR and err.count("\n") == 1, err
+    expected = "read-only file system" if err_no == errno.EROFS else "permission denied"
+    assert err.startswith(f"vlmpack preprocess: error: {expected}: {out}/_parts/") and "writable" in err
+
+
+def test_read_only_output_is_one_line_tmpfs(data, tmp_path):
+    with _tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        for out in (ro, ro / "sub"):
+            result = subprocess.run(_preprocess_cmd(data, out, workers=1), capture_output=True, text=True, timeout=120)
+            assert result.returncode == EXIT_USER_ERROR and result.stderr.count("\n") == 1, result.stderr
+            assert f"--out {out}" in result.stderr and ("not writable" in result.stderr or "Read-only" in result.stderr)
