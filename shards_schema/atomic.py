@@ -11,7 +11,21 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from .manifest import ShardFormatError
+
 TMP_SUFFIX = ".tmp"
+
+
+def refuse_leftover_tmp(directory: Path, what: str) -> None:
+    """Raise ShardFormatError when `directory` holds a torn write (`*.tmp`): a job was killed
+    while writing it, or one is writing it now, so its complete-looking files cannot be trusted."""
+    leftover = sorted(name for name in os.listdir(directory) if name.endswith(TMP_SUFFIX))
+    if leftover:
+        shown = ", ".join(leftover[:3]) + (f" and {len(leftover) - 3} more" if len(leftover) > 3 else "")
+        raise ShardFormatError(
+            f"{directory}: leftover {shown} from an interrupted write (or a job still writing {what}): "
+            "wait for that job, or delete the .tmp files and re-run the job that wrote them"
+        )
 
 
 def fsync_dir(directory: Path) -> None:

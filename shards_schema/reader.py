@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from .atomic import refuse_leftover_tmp
 from .manifest import ShardFormatError, load_manifest
 from .schema import ARRAY_COLUMNS, FORMAT_NAME, SCHEMA_VERSION
 
@@ -114,6 +115,7 @@ class ShardSet:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self.manifest = load_manifest(self.directory)
+        refuse_leftover_tmp(self.directory, "shards")
         self.shard_files = [s["file"] for s in self.manifest["shards"]]
         self.row_starts = np.cumsum([0] + [int(s["rows"]) for s in self.manifest["shards"]])
         self.patch_row_width = int(self.manifest["patch_row_width"])
@@ -134,6 +136,12 @@ class ShardSet:
             path = self.directory / self.shard_files[k]
             if not path.is_file():
                 raise ShardFormatError(f"{path}: listed in the manifest but missing")
+            size, expected_size = path.stat().st_size, int(self.manifest["shards"][k]["bytes"])
+            if size != expected_size:  # a stat: catches truncated and replaced files before Arrow reads them
+                raise ShardFormatError(
+                    f"{path}: {size} bytes, the manifest says {expected_size} (truncated, replaced or still being "
+                    f"copied): restore it, and check the directory with `vlmpack verify {self.directory}`"
+                )
             shard = ShardFile(path)
             expected = int(self.manifest["shards"][k]["rows"])
             if len(shard) != expected:

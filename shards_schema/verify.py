@@ -912,7 +912,7 @@ class Verify:
             if args.json:
                 print(json.dumps({"directory": str(args.directory), "ok": False, "error": str(exc)}, indent=2))
             else:
-                print(f"vlmpack verify: {exc}", file=sys.stderr)
+                print(f"vlmpack verify: error: {exc}", file=sys.stderr)
             return 2
         if args.json:
             print(json.dumps(report.to_json(), indent=2))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import refuse_leftover_tmp
 from ..manifest import REJECTS_NAME
 from ..schema import FORMAT_NAME as SHARDS_FORMAT_NAME
 from ..schema import SCHEMA_VERSION
@@ -85,6 +86,7 @@ class WebDatasetShards:
         self.tardir = Path(tardir)
         self.directory = self.tardir  # named like `ShardSet.directory`: both kinds of source read alike
         self.index = load_index(self.tardir)
+        refuse_leftover_tmp(self.tardir, "tars")
         self.manifest: dict = self.index["manifest"]
         self.tars: list[dict] = self.index["tars"]
         self.patch_row_width = int(self.manifest["patch_row_width"])
