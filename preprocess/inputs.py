@@ -6,7 +6,8 @@ checkpoint, one partition member. Units depend only on the inputs and `rows_per_
 never on the worker count, which is why output bytes do not depend on it either.
 
 A row is identified by its input path (as given on the command line) and its 0-based index
-in that input (for JSONL, the line number).
+in that input (for JSONL, the line number). Blank (whitespace-only) JSONL lines are not rows:
+they are skipped, keep their line numbers (so later rows keep theirs), and count nowhere.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ class InputFile:
     num_rows: int
     size: int  # bytes (sum of data files for a datasets dir), part of the job identity
     line_offsets: tuple[int, ...] = ()  # JSONL: byte offset of every unit's first line
+    blank_lines: tuple[int, ...] = ()  # JSONL: blank lines in every unit (not rows)
 
     def identity(self) -> dict:
-        return {"path": self.path, "format": self.format, "rows": self.num_rows, "bytes": self.size}
+        identity = {"path": self.path, "format": self.format, "rows": self.num_rows, "bytes": self.size}
+        if any(self.blank_lines):
+            identity["blank_lines"] = sum(self.blank_lines)
+        return identity
 
 
 @dataclass(frozen=True)
@@ -41,9 +46,12 @@ class WorkUnit:
     start: int  # first row (inclusive)
     stop: int  # last row (exclusive)
 
+    blank_lines: int = 0  # JSONL lines in [start, stop) that are blank: skipped, not rows
+
     @property
     def num_rows(self) -> int:
-        return self.stop - self.start
+        """Rows the unit yields."""
+        return self.stop - self.start - self.blank_lines
 
 
 def detect_format(path: Path) -> str:
@@ -60,16 +68,28 @@ def detect_format(path: Path) -> str:
     return fmt
 
 
-def _scan_jsonl(path: Path, rows_per_unit: int) -> tuple[int, tuple[int, ...]]:
-    """Count lines and remember where every unit starts, reading the file once in binary."""
-    offsets, position, rows = [], 0, 0
+_WHITESPACE = frozenset(bytes([c]) for c in b" \t\r\n\v\f") | {b""}
+
+
+def _is_blank(line: bytes) -> bool:
+    # the first byte decides for almost every line, without copying a long line
+    return line[:1] in _WHITESPACE and not line.strip()
+
+
+def _scan_jsonl(path: Path, rows_per_unit: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Count lines, remember where every unit starts and how many of its lines are blank,
+    reading the file once in binary."""
+    offsets, blanks, position, rows = [], [], 0, 0
     with open(path, "rb") as fh:
         for line in fh:
             if rows % rows_per_unit == 0:
                 offsets.append(position)
+                blanks.append(0)
+            if _is_blank(line):
+                blanks[-1] += 1
             position += len(line)
             rows += 1
-    return rows, tuple(offsets)
+    return rows, tuple(offsets), tuple(blanks)
 
 
 def _load_dataset(path: Path):
@@ -84,8 +104,9 @@ def describe_input(path_str: str, rows_per_unit: int) -> InputFile:
         raise ConfigError(f"input {path_str} does not exist")
     fmt = detect_format(path)
     offsets: tuple[int, ...] = ()
+    blanks: tuple[int, ...] = ()
     if fmt == "jsonl":
-        rows, offsets = _scan_jsonl(path, rows_per_unit)
+        rows, offsets, blanks = _scan_jsonl(path, rows_per_unit)
         size = path.stat().st_size
     elif fmt == "json":
         rows = len(_load_json_array(str(path)))
@@ -98,14 +119,15 @@ def describe_input(path_str: str, rows_per_unit: int) -> InputFile:
     else:
         rows = len(_load_dataset(path))
         size = sum(p.stat().st_size for p in path.glob("*.arrow"))
-    return InputFile(path=path_str, format=fmt, num_rows=rows, size=size, line_offsets=offsets)
+    return InputFile(path=path_str, format=fmt, num_rows=rows, size=size, line_offsets=offsets, blank_lines=blanks)
 
 
 def plan_units(inputs: list[InputFile], rows_per_unit: int) -> list[WorkUnit]:
     units = []
     for inp in inputs:
-        for start in range(0, inp.num_rows, rows_per_unit):
-            units.append(WorkUnit(len(units), inp, start, min(start + rows_per_unit, inp.num_rows)))
+        for k, start in enumerate(range(0, inp.num_rows, rows_per_unit)):
+            blank = inp.blank_lines[k] if inp.blank_lines else 0
+            units.append(WorkUnit(len(units), inp, start, min(start + rows_per_unit, inp.num_rows), blank))
     return units
 
 
@@ -129,6 +151,8 @@ def read_rows(unit: WorkUnit, rows_per_unit: int) -> Iterator[tuple[int, object]
             fh.seek(inp.line_offsets[unit.start // rows_per_unit])
             for row in range(unit.start, unit.stop):
                 line = fh.readline()
+                if _is_blank(line):
+                    continue
                 try:
                     yield row, json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:

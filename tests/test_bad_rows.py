@@ -5,11 +5,20 @@ of row and media together with good rows."""
 from __future__ import annotations
 
 import base64
+import io
+import json
+import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from preprocess.errors import RejectError
+from preprocess.inputs import describe_input, plan_units, read_rows
 from preprocess.pipeline import SampleOptions, process_row
+from shards_schema import open_shards
 from tests.test_images import png_header_only  # tiny file, huge header: fails if its pixels are decoded
 
 GOOD_MESSAGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
@@ -65,3 +74,102 @@ def test_length_is_checked_from_image_headers_before_decoding(builtin_profiles, 
     with pytest.raises(RejectError) as err:
         _process(image_row(uri), builtin_profiles["qwen3-vl"], max_seq_len=10**6)
     assert err.value.code == "bad_image" and err.value.message.startswith("image 0: ")
+
+
+def test_blank_lines_are_not_rows(tmp_path):
+    """Whitespace-only JSONL lines are skipped, not `bad_json`; the rows after them keep their
+    line numbers, and the accounting counts rows only."""
+    path = tmp_path / "in.jsonl"
+    good = json.dumps({"messages": GOOD_MESSAGES})
+    path.write_text("\n".join([good, "", "   \t", good, "\r", good, "{broken"]) + "\n")
+    inp = describe_input(str(path), rows_per_unit=2)
+    units = plan_units([inp], 2)
+    rows = [(row, item) for unit in units for row, item in read_rows(unit, 2)]
+    assert [row for row, _ in rows] == [0, 3, 5, 6]
+    assert sum(unit.num_rows for unit in units) == 4 and inp.identity()["blank_lines"] == 3
+    assert isinstance(rows[-1][1], RejectError) and rows[-1][1].code == "bad_json"
+
+
+# ----------------------------------------------------------------------------- the batch job
+
+
+def _encode(image: Image.Image, fmt: str, **save_args) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **save_args)
+    return buffer.getvalue()
+
+
+def _data_uri(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def test_batch_job_over_good_and_bad_rows(tmp_path):
+    """One job over good rows mixed with every bad kind: each bad row is rejected with its code
+    at its line, each good row is written, rows read = written + rejected, and nothing hangs
+    (a FIFO under --media-root is never opened for reading)."""
+    media = tmp_path / "media"
+    media.mkdir()
+    rng = np.random.default_rng(5)
+    photo = Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8))
+    png, jpeg = _encode(photo, "PNG"), _encode(photo, "JPEG")
+    (media / "photo.png").write_bytes(png)
+    os.mkfifo(media / "pipe.jpg")
+    (media / "folder.jpg").mkdir()
+    with open(media / "huge.jpg", "wb") as fh:  # sparse: 3 GiB of nothing
+        fh.truncate(3 * 2**30)
+    frames = [Image.new("RGB", (16, 16), colour) for colour in ("red", "blue")]
+    animated = _encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
+
+    def chat(user_content, answer="A picture.", **extra):
+        return json.dumps({**extra, "messages": [{"role": "user", "content": user_content},
+                                                 {"role": "assistant", "content": answer}]})
+
+    def image(uri, text="What is it?"):
+        return [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": text}]
+
+    # (line, expected reject code or None for a good row)
+    lines = [
+        (chat("Hi", "Hello.", id="good-text"), None),
+        (chat(image(_data_uri("image/png", png)), id="good-png-uri"), None),
+        ("", "blank"),
+        (chat(image("photo.png"), id="good-png-file"), None),
+        (chat(image(_data_uri("image/jpg", jpeg)), id="good-jpg-uri"), None),
+        (chat("Hi", id="\ud800"), "bad_id"),
+        (chat("Hi", id=[1, 2]), "bad_id"),
+        (chat("Hi", id={"k": 1}), "bad_id"),
+        ("   \t ", "blank"),
+        (chat("broken \udc80 text"), "bad_text"),
+        (chat("Hi", "ok<|im_end|><|im_start|>assistant\nmore"), "special_token_in_text"),
+        (chat(image("pipe.jpg")), "not_a_regular_file"),
+        (chat(image("folder.jpg")), "not_a_regular_file"),
+        (chat(image("huge.jpg")), "media_too_large"),
+        (chat(image("data:image/png;base64," + "A" * 1_500_000)), "media_too_large"),
+        (chat(image(_data_uri("image/png", png_header_only(13000, 13000)))), "too_long"),
+        ("", "blank"),
+        (chat(image(_data_uri("image/gif", animated))), "animated_image"),
+        (chat(image(_data_uri("image/png", jpeg))), "mime_mismatch"),
+        ("{not json", "bad_json"),
+        (chat("Bye", "Goodbye.", id="good-last"), None),
+    ]
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(line + "\n" for line, _ in lines), encoding="utf-8")
+    out = tmp_path / "shards"
+    command = [sys.executable, "-m", "shards_schema.cli", "preprocess", str(data), "--out", str(out),
+               "--media-root", str(media), "--max-media-bytes", "1000000", "--max-seq-len", "4096",
+               "--workers", "2", "--rows-per-shard", "6", "--no-progress"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+    manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    acc = manifest["accounting"]
+    expected_rejects = {row: code for row, (_, code) in enumerate(lines) if code not in (None, "blank")}
+    good_ids = {json.loads(line)["id"] for line, code in lines if code is None}
+    assert acc["rows_read"] == len(expected_rejects) + len(good_ids) == acc["rows_written"] + acc["rows_rejected"]
+    assert acc["rows_written"] == len(good_ids)
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert {r["row"]: r["code"] for r in rejects} == expected_rejects, rejects
+    assert all(r["source"] == str(data) and r["reason"] for r in rejects)
+    assert {open_shards(out)[i]["sample_uid"] for i in range(acc["rows_written"])} == good_ids
+    verify = subprocess.run([sys.executable, "-m", "shards_schema.cli", "verify", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
