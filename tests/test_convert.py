@@ -15,6 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from shards_schema.errors import UserError
+from shards_schema.outdir import LOCK_NAME, exclusive_output_dir, user_entries
 from tests.hf_models import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config
 from train import convert as C
 from train.checkpoint_format import (
@@ -236,8 +238,7 @@ def test_export_loads_in_transformers(hf_checkpoint, tmp_path, family, tied):
     hf_model, path = hf_checkpoint(family, tied)
     C.import_hf(path, tmp_path / "m", tp=2, pp=2)
     C.export_hf(tmp_path / "m", tmp_path / "hf")
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json",
-                                                                   "model.safetensors"]
+    assert user_entries(tmp_path / "hf") == ["config.json", "generation_config.json", "model.safetensors"]
     loaded = getattr(transformers, HF_CLASSES[family]).from_pretrained(tmp_path / "hf").eval()
     assert loaded.config.tie_word_embeddings is tied
     _assert_same(loaded.state_dict(), hf_model.state_dict())
@@ -316,7 +317,7 @@ def test_import_errors(hf_checkpoint, tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
 
     C.import_hf(path, tmp_path / "m")
-    with pytest.raises(FileExistsError, match="already exists"):
+    with pytest.raises(UserError, match="holds a finished `vlmpack import-hf` output: pass --overwrite"):
         C.import_hf(path, tmp_path / "m")
     other = dataclasses.replace(ModelArch.from_hf_dir(path), image_token_id=7)
     with pytest.raises(CheckpointError, match="another architecture .*image_token_id: 151655 != 7"):
@@ -334,3 +335,81 @@ def test_cli(hf_checkpoint, tmp_path, capsys):
     _assert_same(exported, {k: v.to(torch.bfloat16) for k, v in load_file(str(path / "model.safetensors")).items()})
     assert main(["import-hf", str(path), "--out", str(tmp_path / "m2"), "--tp", "3"]) == 2
     assert "tp=3 does not divide" in capsys.readouterr().err
+
+
+def _files(directory) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != LOCK_NAME}
+
+
+def test_output_directories_hold_only_their_own_command_output(hf_checkpoint, tmp_path):
+    _, path = hf_checkpoint("qwen2.5-vl", True)
+    model = tmp_path / "m"
+    C.import_hf(path, model, tp=2)
+    tp2 = _files(model)
+    assert {"model_tp0_pp0.safetensors", "model_tp1_pp0.safetensors", META_FILE} <= tp2
+    # --overwrite replaces a finished output of the same command, leaving none of the old files
+    C.import_hf(path, model, overwrite=True)
+    assert "model_tp1_pp0.safetensors" not in _files(model) and read_arch(model) == ModelArch.from_hf_dir(path)
+    # an interrupted run of the same command (no completion file) is replaced without --overwrite
+    (model / META_FILE).unlink()
+    (model / ".import-hf.tmp").mkdir()
+    C.import_hf(path, model, tp=2)
+    assert _files(model) == tp2
+    # files of anything else are never written over, even with --overwrite: here the HF checkpoint itself
+    with pytest.raises(UserError, match="is not the output of `vlmpack export-hf`: choose an empty or new directory"):
+        C.export_hf(model, path, overwrite=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    for run in (lambda: C.import_hf(path, other, overwrite=True), lambda: C.export_hf(model, other, overwrite=True)):
+        with pytest.raises(UserError, match=r"\(notes.txt\) and is not the output of"):
+            run()
+    assert _files(other) == {"notes.txt"}
+    # a job holding --out keeps every other job out of it
+    with exclusive_output_dir(tmp_path / "busy", "export-hf"):
+        with pytest.raises(UserError, match="is in use by another job"):
+            C.export_hf(model, tmp_path / "busy")
+    C.export_hf(model, tmp_path / "busy")  # free again
+    assert (tmp_path / "busy" / "config.json").is_file() and not (tmp_path / "busy" / ".export-hf.tmp").exists()
+
+
+# Each bad `vlmpack import-hf` / `export-hf` command line ({hf}: a HF checkpoint, {m}: a model
+# directory, {f}: a file, {e}: an empty directory, {t}: a fresh temporary directory) and a part
+# of its one-line error.
+BAD_CONVERT_ARGUMENTS = [
+    (["import-hf", "{t}/missing", "--out", "{t}/o"], "HF_DIR {t}/missing: no such directory"),
+    (["import-hf", "{e}", "--out", "{t}/o"], "HF_DIR {e} has no config.json"),
+    (["import-hf", "{hf}", "--out", "{t}/o", "--tp", "0"], "--tp must be an integer >= 1, got 0"),
+    (["import-hf", "{hf}", "--out", "{t}/o", "--pp", "-1"], "--pp must be an integer >= 1, got -1"),
+    (["import-hf", "{hf}", "--out", "{t}/o", "--tp", "3"], "tp=3 does not divide"),
+    (["import-hf", "{hf}", "--out", "{f}"], "--out {f} is a file, not a directory"),
+    (["import-hf", "{hf}", "--out", "{hf}"], "--out {hf} is the input directory"),
+    (["import-hf", "{hf}", "--out", "{m}"], "--out {m} holds a finished `vlmpack import-hf` output: pass --overwrite"),
+    (["export-hf", "{t}/missing", "--out", "{t}/o"], "MODEL_DIR {t}/missing: no such directory"),
+    (["export-hf", "{hf}", "--out", "{t}/o"], f"MODEL_DIR {{hf}} has no {META_FILE}"),
+    (["export-hf", "{m}", "--out", "{f}"], "--out {f} is a file, not a directory"),
+    (["export-hf", "{m}", "--out", "{m}"], "--out {m} is the input directory"),
+    (["export-hf", "{m}", "--out", "{hf}", "--overwrite"], "--out {hf} is not empty"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_CONVERT_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_CONVERT_ARGUMENTS])
+def test_cli_bad_arguments_exit_2_with_one_line_naming_them(hf_checkpoint, tmp_path_factory, tmp_path, capsys, argv,
+                                                            message):
+    from shards_schema.cli import main
+
+    _, path = hf_checkpoint("qwen2.5-vl", True)
+    model = tmp_path_factory.getbasetemp() / "bad-arguments-model"
+    if not model.exists():
+        C.import_hf(path, model)
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    paths = {"hf": str(path), "m": str(model), "f": str(tmp_path / "a_file"), "e": str(tmp_path / "empty"),
+             "t": str(tmp_path)}
+    untouched = {p: _files(p) for p in (path, model)}
+    assert main([arg.format(**paths) for arg in argv]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"vlmpack {argv[0]}: error: "), captured.err
+    assert message.format(**paths) in lines[0]
+    assert not (tmp_path / "o").exists() and {p: _files(p) for p in (path, model)} == untouched

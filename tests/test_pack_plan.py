@@ -288,12 +288,8 @@ def test_missing_directory_and_mixed_profiles(shard_dirs, tmp_path):
 
 
 def _vlmpack_pack(*args) -> subprocess.CompletedProcess:
-    """`vlmpack pack` once the dispatcher lists it; until then the same command via train.cli."""
-    from shards_schema.cli import COMMANDS
-
-    entry = ["-m", "shards_schema.cli"] if "pack" in COMMANDS else ["-m", "train.cli"]
-    return subprocess.run([sys.executable, *entry, "pack", *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO_ROOT, timeout=120)
+    return subprocess.run([sys.executable, "-m", "shards_schema.cli", "pack", *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO_ROOT, timeout=120)
 
 
 def test_cli_report_and_saved_plan(shard_dirs, tmp_path):
@@ -319,6 +315,55 @@ def test_cli_errors_exit_2(shard_dirs, tmp_path):
     result = _vlmpack_pack(shard_dirs[0], "--seq-len", 2048, "--dp-size", 3, "--global-batch-packs", 4)
     assert result.returncode == 2 and "multiple of dp_size" in result.stderr
     assert result.stdout == ""
+
+
+# Each bad `vlmpack pack` command line (paths: {d} a shard directory, {f} a file, {t} a fresh
+# temporary directory) and a part of its one-line error.
+BAD_PACK_ARGUMENTS = [
+    (["--seq-len", "2048"], "give at least one shard directory"),
+    (["{d}", "--seq-len", "0"], "--seq-len must be an integer >= 1, got 0"),
+    (["{d}", "--seq-len", "-5"], "--seq-len must be an integer >= 1, got -5"),
+    (["{d}", "--seq-len", "2048", "--dp-size", "0"], "--dp-size must be an integer >= 1, got 0"),
+    (["{d}", "--seq-len", "2048", "--global-batch-packs", "-2"], "--global-batch-packs -2 must be a positive multiple"),
+    (["{d}", "--seq-len", "2048", "--max-visual-tokens", "0"], "--max-visual-tokens must be an integer >= 1, got 0"),
+    (["{d}", "--seq-len", "2048", "--pad-to-multiple", "0"], "--pad-to-multiple must be an integer >= 1, got 0"),
+    (["{d}", "--seq-len", "2048", "--epoch", "-1"], "--epoch must be an integer >= 0, got -1"),
+    (["{d}", "--seq-len", "2048", "--seed", "-3"], "--seed must be an integer >= 0, got -3"),
+    (["{t}/missing", "--seq-len", "2048"], "{t}/missing: no such directory"),
+    (["--data", "{d}:abc", "--seq-len", "2048"], "{d}:abc: the weight 'abc' is not a number: write DIR:WEIGHT"),
+    (["--data", "{d}:-1", "--seq-len", "2048"], "must be a finite number >= 0, got -1"),
+    (["{d}:inf", "--seq-len", "2048"], "must be a finite number >= 0, got inf"),
+    (["{d}", "--seq-len", "2048", "--out", "{f}"], "--out {f} is a file, not a directory"),
+    (["{d}", "--seq-len", "2048", "--out", "{f}/plan"], "--out {f}/plan: {f} is a file, not a directory"),
+    (["{d}", "--seq-len", "2048", "--out", "{d}"], "--out {d} holds files and is not a pack plan"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_PACK_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_PACK_ARGUMENTS])
+def test_cli_bad_arguments_exit_2_with_one_line_naming_them(shard_dirs, tmp_path, capsys, argv, message):
+    from shards_schema.cli import main
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    paths = {"d": str(shard_dirs[0]), "f": str(a_file), "t": str(tmp_path)}
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["pack", *(arg.format(**paths) for arg in argv)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vlmpack pack: error: "), captured.err
+    assert message.format(**paths) in lines[0]
+    assert captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def test_cli_out_may_be_an_empty_directory_or_a_plan_it_replaces(shard_dirs, tmp_path):
+    out = tmp_path / "plan"
+    out.mkdir()
+    assert _vlmpack_pack(shard_dirs[0], "--seq-len", 2048, "--out", out).returncode == 0
+    first = PackPlan.load(out).key
+    result = _vlmpack_pack(shard_dirs[0], "--seq-len", 2048, "--seed", 1, "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert PackPlan.load(out).key != first
 
 
 # --------------------------------------------------------------------------- too little data for one global batch

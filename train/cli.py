@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
+import warnings
+from pathlib import Path
 
-from shards_schema import ShardFormatError
+from shards_schema.errors import UserError
 
-from .pack_plan import DEFAULT_BLOCK_SIZE, PackingError, build_pack_plan, parse_source
+from .pack_plan import DEFAULT_BLOCK_SIZE, build_pack_plan, check_plan_out, parse_source
 
 
 def _fmt_int(n) -> str:
@@ -21,50 +22,50 @@ class Pack:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("dirs", nargs="*", metavar="DIR[:WEIGHT]",
-                            help="shard directories, each optionally with a mixing weight (DIR:0.7)")
-        parser.add_argument("--data", action="append", default=[], metavar="DIR[:WEIGHT]",
-                            help="another shard directory (repeatable; same as a positional DIR)")
-        parser.add_argument("--seq-len", type=int, required=True, help="tokens per pack (the training sequence length)")
-        parser.add_argument("--seed", type=int, default=0, help="shuffling / mixing seed (default 0)")
-        parser.add_argument("--epoch", type=int, default=0, help="which epoch to plan (each epoch reshuffles; default 0)")
-        parser.add_argument("--max-visual-tokens", type=int, default=None,
-                            help="at most this many visual tokens (patches / merge^2) per pack")
-        parser.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks, for the balance report (default 1)")
-        parser.add_argument("--global-batch-packs", type=int, default=None,
-                            help="packs per global batch, a multiple of --dp-size (default: dp size)")
-        parser.add_argument("--pad-to-multiple", type=int, default=1,
-                            help="round every sample up to this many tokens (TP sequence parallel / context parallel)")
-        parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=argparse.SUPPRESS)
-        parser.add_argument("--out", default=None, metavar="PLAN_DIR", help="write the plan here (a directory of .npy + plan.json)")
-        parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+        _one_line_help(parser)
+        data = parser.add_argument_group("data")
+        data.add_argument("dirs", nargs="*", metavar="DIR[:WEIGHT]", help="shard directory, optionally with a mixing weight")
+        data.add_argument("--data", action="append", default=[], metavar="DIR[:WEIGHT]",
+                          help="another shard directory (repeatable)")
+        packing = parser.add_argument_group("packing")
+        packing.add_argument("--seq-len", type=int, metavar="N", required=True, help="tokens per pack (the training sequence length)")
+        packing.add_argument("--max-visual-tokens", type=int, metavar="N", default=None, help="visual tokens per pack at most")
+        packing.add_argument("--pad-to-multiple", type=int, metavar="N", default=1, help="round each sample up to this many tokens")
+        packing.add_argument("--seed", type=int, metavar="N", default=0, help="shuffling and mixing seed (default 0)")
+        packing.add_argument("--epoch", type=int, metavar="N", default=0, help="epoch to plan; each one reshuffles (default 0)")
+        packing.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=argparse.SUPPRESS)
+        parallel = parser.add_argument_group("parallelism")
+        parallel.add_argument("--dp-size", type=int, metavar="N", default=1, help="data-parallel ranks, for the balance report")
+        parallel.add_argument("--global-batch-packs", type=int, metavar="N", default=None,
+                              help="packs per global batch, a multiple of --dp-size")
+        output = parser.add_argument_group("output")
+        output.add_argument("--out", default=None, metavar="PLAN_DIR", help="write the plan to this directory")
+        output.add_argument("--json", action="store_true", help="print the report as one JSON object")
         parser.epilog = (
             "Weights: without any, each sample appears once per epoch; with weights, source k contributes "
-            "round(w_k / sum(w) * total samples) per epoch (a missing weight is 1)."
+            "round(w_k / sum(w) * total samples) per epoch (a missing weight is 1). --pad-to-multiple is for "
+            "TP sequence parallel / context parallel; --global-batch-packs defaults to --dp-size."
         )
 
     @staticmethod
     def run(args) -> int:
         specs = [parse_source(s) for s in [*args.dirs, *args.data]]
         if not specs:
-            print("vlmpack pack: error: give at least one shard directory (DIR or --data DIR[:WEIGHT])", file=sys.stderr)
-            return 2
+            raise UserError("give at least one shard directory (DIR or --data DIR[:WEIGHT])")
+        if args.out:
+            check_plan_out(args.out)
         t0 = time.perf_counter()
         try:
             plan = build_pack_plan(specs, seq_len=args.seq_len, seed=args.seed, epoch=args.epoch,
                                    max_visual_tokens=args.max_visual_tokens, dp_size=args.dp_size,
                                    global_batch_packs=args.global_batch_packs, pad_to_multiple=args.pad_to_multiple,
                                    block_size=args.block_size)
-            seconds = time.perf_counter() - t0
-            balance = plan.balance(args.dp_size) if args.dp_size > 1 and plan.num_packs else None
-            saved = str(plan.save(args.out)) if args.out else None
-        except (PackingError, ShardFormatError, OSError) as exc:
-            print(f"vlmpack pack: error: {exc}", file=sys.stderr)
-            return 2
         except (KeyError, TypeError) as exc:
-            print(f"vlmpack pack: error: a manifest is malformed ({type(exc).__name__}: {exc}); "
-                  "re-run the job that wrote it or check it with `vlmpack verify`", file=sys.stderr)
-            return 2
+            raise UserError(f"a manifest is malformed ({type(exc).__name__}: {exc}); re-run the job that wrote it or "
+                            "check it with `vlmpack verify`") from None
+        seconds = time.perf_counter() - t0
+        balance = plan.balance(args.dp_size) if args.dp_size > 1 else None
+        saved = str(plan.save(args.out)) if args.out else None
         report = {"settings": plan.settings, "sources": plan.meta["sources"], "stats": plan.stats,
                   "balance": balance, "seconds": round(seconds, 3), "saved": saved, "key": plan.key}
         if args.json:
@@ -111,9 +112,18 @@ def format_pack_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _add_dtype_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", choices=["keep", "bfloat16", "float16", "float32"], default="keep",
-                        help="cast the weights (default: keep the dtype they are stored in)")
+def _one_line_help(parser: argparse.ArgumentParser) -> None:
+    """Room for every option and its help on one line of `--help`."""
+    parser.formatter_class = lambda prog: argparse.HelpFormatter(prog, max_help_position=30, width=100)
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser, out_metavar: str, out_help: str) -> None:
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", required=True, metavar=out_metavar, help=out_help)
+    output.add_argument("--overwrite", action="store_true",
+                        help="replace a finished output of this command in --out")
+    output.add_argument("--dtype", choices=["keep", "bfloat16", "float16", "float32"], default="keep", metavar="DTYPE",
+                        help="keep (default), bfloat16, float16 or float32")
 
 
 def _dtype(name: str):
@@ -122,30 +132,51 @@ def _dtype(name: str):
     return None if name == "keep" else getattr(torch, name)
 
 
+def _convert_module():
+    """`train.convert`, imported without megatron-core's import-time notes that Transformer
+    Engine and Apex are absent (this stack runs without them by design)."""
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning)
+    from train import convert
+
+    return convert
+
+
+def _input_dir(path: str, metavar: str, needs: str, what: str) -> None:
+    if not Path(path).is_dir():
+        raise UserError(f"{metavar} {path}: no such directory: pass {what}")
+    if not (Path(path) / needs).is_file():
+        raise UserError(f"{metavar} {path} has no {needs}: pass {what}")
+
+
 class ImportHF:
     """`vlmpack import-hf HF_DIR --out MODEL_DIR [--tp N --pp N]`."""
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("hf_dir", metavar="HF_DIR",
-                            help="Hugging Face Qwen3-VL / Qwen2.5-VL directory (config.json + *.safetensors)")
-        parser.add_argument("--out", required=True, metavar="MODEL_DIR", help="new model directory to write")
-        parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to shard for (default 1)")
-        parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to shard for (default 1)")
-        _add_dtype_argument(parser)
-        parser.epilog = ("The training run may use another --tp/--pp: loading reshards. Tokenizer, processor, "
-                         "chat-template and generation files are kept in MODEL_DIR/hf/ for `vlmpack export-hf`.")
+        _one_line_help(parser)
+        source = parser.add_argument_group("input")
+        source.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face Qwen3-VL / Qwen2.5-VL model directory")
+        parallel = parser.add_argument_group("parallelism")
+        parallel.add_argument("--tp", type=int, metavar="N", default=1, help="tensor-parallel size to shard for (default 1)")
+        parallel.add_argument("--pp", type=int, metavar="N", default=1, help="pipeline-parallel size to shard for (default 1)")
+        _add_output_arguments(parser, "MODEL_DIR", "model directory to write (new or empty)")
+        parser.epilog = ("HF_DIR holds config.json and *.safetensors. The training run may use another --tp/--pp: "
+                         "loading reshards. Tokenizer, processor, chat-template and generation files are kept in "
+                         "MODEL_DIR/hf/ for `vlmpack export-hf`.")
 
     @staticmethod
     def run(args) -> int:
-        from .convert import import_hf
-
+        _input_dir(args.hf_dir, "HF_DIR", "config.json", "a Hugging Face model directory")
+        for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
+            if value < 1:
+                raise UserError(f"{flag} must be an integer >= 1, got {value}")
+        convert = _convert_module()
         t0 = time.perf_counter()
         try:
-            arch = import_hf(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=_dtype(args.dtype), progress=True)
-        except (ValueError, OSError) as exc:
-            print(f"vlmpack import-hf: error: {exc}", file=sys.stderr)
-            return 2
+            arch = convert.import_hf(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=_dtype(args.dtype),
+                                     progress=True, overwrite=args.overwrite)
+        except ValueError as exc:  # a checkpoint that does not match its config.json, or tp/pp that do not fit it
+            raise UserError(str(exc)) from None
         print(f"{args.out}: {arch.family}, {arch.lm.num_layers} layers, "
               f"{arch.lm.num_params() / 1e9:.2f} B language-model parameters, tp={args.tp} pp={args.pp}, "
               f"{time.perf_counter() - t0:.1f} s")
@@ -157,9 +188,10 @@ class ExportHF:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (import-hf output or a training save)")
-        parser.add_argument("--out", required=True, metavar="HF_DIR", help="new Hugging Face directory to write")
-        _add_dtype_argument(parser)
+        _one_line_help(parser)
+        source = parser.add_argument_group("input")
+        source.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (import-hf output or a training save)")
+        _add_output_arguments(parser, "HF_DIR", "Hugging Face directory to write (new or empty)")
         parser.epilog = (
             "Writes model.safetensors (numbered shards + index above 5 GiB), config.json and the tokenizer / "
             "processor / chat-template files kept at import. A model directory without them (a random-init "
@@ -169,33 +201,14 @@ class ExportHF:
 
     @staticmethod
     def run(args) -> int:
-        from .convert import export_hf
-
+        convert = _convert_module()
+        _input_dir(args.model_dir, "MODEL_DIR", convert.META_FILE, "a model directory written by `vlmpack import-hf` or training")
         t0 = time.perf_counter()
         try:
-            arch, side_files = export_hf(args.model_dir, args.out, dtype=_dtype(args.dtype), progress=True)
-        except (ValueError, OSError) as exc:
-            print(f"vlmpack export-hf: error: {exc}", file=sys.stderr)
-            return 2
+            arch, side_files = convert.export_hf(args.model_dir, args.out, dtype=_dtype(args.dtype), progress=True,
+                                                 overwrite=args.overwrite)
+        except ValueError as exc:  # a model directory whose files do not match its architecture
+            raise UserError(str(exc)) from None
         print(f"{args.out}: {arch.family}, {len(side_files)} tokenizer/processor files "
               f"({', '.join(side_files) or 'none'}), {time.perf_counter() - t0:.1f} s")
         return 0
-
-
-COMMANDS = {"pack": Pack, "import-hf": ImportHF, "export-hf": ExportHF}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m train.cli COMMAND ...`: the same commands without the `vlmpack` dispatcher."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m train.cli {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)
-        return 2
-    command = COMMANDS[argv[0]]
-    parser = argparse.ArgumentParser(prog=f"vlmpack {argv[0]}")
-    command.add_arguments(parser)
-    return int(command.run(parser.parse_args(argv[1:])) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

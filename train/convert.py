@@ -19,7 +19,10 @@ the local (non-TE) layer spec stay separate tensors.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
@@ -28,15 +31,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from shards_schema.atomic import TMP_SUFFIX, fsync_dir
+from shards_schema.errors import UserError
+from shards_schema.outdir import LOCK_NAME, exclusive_output_dir, user_entries
 from train.checkpoint_format import (
+    HF_INDEX_FILE,
+    HF_SIDE_FILES,
     HF_SUBDIR,
+    META_FILE,
     CheckpointError,
     arch_differences,
     arch_from_dict,
     atomic_dir,
-    check_new_dir,
     copy_hf_side_files,
     dtype_name,
+    fsync_tree,
     load_tensors,
     rank_file,
     read_hf_state,
@@ -440,21 +449,31 @@ def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str
     return {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
 
 
-def save_model_dir(directory: str | Path, states: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch,
-                   tp: int, pp: int, hf_files_from: str | Path | None = None) -> Path:
-    """Write a model directory (see `checkpoint_format`) from every rank's state dict."""
+def _check_rank_states(states: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch, tp: int,
+                       pp: int) -> None:
     check_parallel(arch, tp, pp)
     for tp_rank, pp_rank in product(range(tp), range(pp)):
         if (tp_rank, pp_rank) not in states:
             raise CheckpointError(f"no state dict for rank tp {tp_rank} pp {pp_rank} of tp={tp} pp={pp}")
         check_state(states[(tp_rank, pp_rank)], shard_shapes(arch, tp, tp_rank, pp, pp_rank),
                     f"the architecture at tp={tp} pp={pp} (rank tp {tp_rank} pp {pp_rank})")
+
+
+def _write_model_files(directory: Path, states: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch,
+                       tp: int, pp: int, hf_files_from: str | Path | None) -> None:
+    for (tp_rank, pp_rank), state in states.items():
+        save_tensors(directory / rank_file(tp_rank, pp_rank), state)
+    write_meta(directory, arch, tp, pp, dtype_name(t for s in states.values() for t in s.values()))
+    if hf_files_from is not None:
+        copy_hf_side_files(hf_files_from, directory / HF_SUBDIR)
+
+
+def save_model_dir(directory: str | Path, states: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch,
+                   tp: int, pp: int, hf_files_from: str | Path | None = None) -> Path:
+    """Write a new model directory (see `checkpoint_format`) from every rank's state dict."""
+    _check_rank_states(states, arch, tp, pp)
     with atomic_dir(directory) as tmp:
-        for (tp_rank, pp_rank), state in states.items():
-            save_tensors(tmp / rank_file(tp_rank, pp_rank), state)
-        write_meta(tmp, arch, tp, pp, dtype_name(t for s in states.values() for t in s.values()))
-        if hf_files_from is not None:
-            copy_hf_side_files(hf_files_from, tmp / HF_SUBDIR)
+        _write_model_files(tmp, states, arch, tp, pp, hf_files_from)
     return Path(directory)
 
 
@@ -485,30 +504,120 @@ def load_model_state(directory: str | Path, arch: ModelArch, tp: int = 1, tp_ran
     return state
 
 
+# --- import-hf / export-hf output directories -----------------------------------------------
+
+# What each command writes into its --out (names matched whole), and the file written last: a
+# directory without it is an unfinished run's.
+_OUTPUTS = {
+    "import-hf": (re.compile(rf"{re.escape(META_FILE)}|model_tp\d+_pp\d+\.safetensors|{re.escape(HF_SUBDIR)}"),
+                  META_FILE),
+    "export-hf": (re.compile("|".join([r"model(-\d{5}-of-\d{5})?\.safetensors",
+                                       *map(re.escape, ("config.json", HF_INDEX_FILE, *HF_SIDE_FILES))])),
+                  "config.json"),
+}
+
+
+def _last_writer(out: Path) -> str | None:
+    """The command recorded in `out`'s lock file by the last job that held it."""
+    try:
+        return json.loads((out / LOCK_NAME).read_text(encoding="utf-8")).get("command")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_output_dir(out: str | Path, command: str, *, overwrite: bool = False, last_writer: str | None = None) -> None:
+    """UserError unless `command` ("import-hf" / "export-hf") may write `out`: new or empty, or
+    holding only a previous output of the same command (an unfinished one is replaced; a
+    finished one only with `overwrite`). Cheap: run it before gigabytes are read.
+    `last_writer`: the lock file's command read before this job took the lock."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a directory: pass a directory path")
+    if not out.is_dir():
+        return
+    staging = f".{command}{TMP_SUFFIX}"
+    entries = [name for name in user_entries(out) if name != staging]
+    if not entries:
+        return
+    owned, completion = _OUTPUTS[command]
+    writer = _last_writer(out) if last_writer is None else last_writer
+    foreign = [name for name in entries if not owned.fullmatch(name)]
+    if foreign or writer != command:
+        names = foreign or entries
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise UserError(f"--out {out} is not empty ({shown}) and is not the output of `vlmpack {command}`: "
+                        "choose an empty or new directory")
+    if completion in entries and not overwrite:
+        raise UserError(f"--out {out} holds a finished `vlmpack {command}` output: pass --overwrite to replace it, "
+                        "or choose a new directory")
+
+
+@contextmanager
+def _output_dir(out: str | Path, command: str, overwrite: bool):
+    """Hold `out` for this job (`exclusive_output_dir`) and yield an empty staging directory
+    inside it; when the block succeeds, the previous output (if any) goes, completion file
+    first, and the staged files move into `out`, completion file last. So `out` holds a whole
+    output or one without its completion file (which a re-run replaces), never a mix."""
+    last_writer = _last_writer(Path(out))
+    with exclusive_output_dir(out, command) as path:
+        check_output_dir(path, command, overwrite=overwrite, last_writer=last_writer)
+        staging = path / f".{command}{TMP_SUFFIX}"
+        shutil.rmtree(staging, ignore_errors=True)  # an interrupted run's
+        staging.mkdir()
+        try:
+            yield staging
+            fsync_tree(staging)
+            _, completion = _OUTPUTS[command]
+            old = sorted((name for name in user_entries(path) if name != staging.name), key=lambda n: n != completion)
+            for name in old:
+                if (path / name).is_dir():
+                    shutil.rmtree(path / name)
+                else:
+                    (path / name).unlink()
+            for name in sorted(os.listdir(staging), key=lambda n: n == completion):
+                os.rename(staging / name, path / name)
+            staging.rmdir()
+            fsync_dir(path)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def _refuse_same_dir(out: str | Path, source: str | Path) -> None:
+    if Path(out).resolve() == Path(source).resolve():
+        raise UserError(f"--out {out} is the input directory: choose another directory")
+
+
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
-              progress: bool = False) -> ModelArch:
-    """HF model directory -> model directory sharded for tp / pp."""
+              progress: bool = False, overwrite: bool = False) -> ModelArch:
+    """HF model directory -> model directory sharded for tp / pp (see `check_output_dir` for
+    which `out` it writes)."""
+    _refuse_same_dir(out, hf_dir)
     arch = ModelArch.from_hf_dir(hf_dir)
-    check_new_dir(out)  # these three fail before gigabytes are read
+    check_output_dir(out, "import-hf", overwrite=overwrite)  # these three fail before gigabytes are read
     check_parallel(arch, tp, pp)
     stage_layers(arch, pp)
     full = _cast(hf_to_megatron(read_hf_state(hf_dir, progress), arch), dtype)
     states = {(t, p): shard(full, arch, tp, t, pp, p) for t, p in product(range(tp), range(pp))}
-    save_model_dir(out, states, arch, tp, pp, hf_files_from=hf_dir)
+    _check_rank_states(states, arch, tp, pp)
+    with _output_dir(out, "import-hf", overwrite) as staging:
+        _write_model_files(staging, states, arch, tp, pp, hf_files_from=hf_dir)
     return arch
 
 
 def export_hf(model_dir: str | Path, out: str | Path, dtype: torch.dtype | None = None,
-              progress: bool = False) -> tuple[ModelArch, list[str]]:
-    """Model directory -> HF directory; returns the architecture and the side files written."""
-    check_new_dir(out)
+              progress: bool = False, overwrite: bool = False) -> tuple[ModelArch, list[str]]:
+    """Model directory -> HF directory; returns the architecture and the side files written
+    (see `check_output_dir` for which `out` it writes)."""
+    _refuse_same_dir(out, model_dir)
+    check_output_dir(out, "export-hf", overwrite=overwrite)
     arch, full = load_full_state(model_dir, progress)
     hf = _cast(megatron_to_hf(full, arch), dtype)
     config = arch.to_hf_config()
     stored = dtype_name(hf.values())
     if stored != "mixed":
         config["dtype"] = stored
-    with atomic_dir(out) as tmp:
+    with _output_dir(out, "export-hf", overwrite) as tmp:
         write_hf_state(tmp, hf, progress)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         side = Path(model_dir) / HF_SUBDIR

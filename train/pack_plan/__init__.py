@@ -58,6 +58,7 @@ from .plan import (
     PlanRequest,
     _save_to_cache,
     build_pack_plan,
+    check_plan_out,
     plan_from_stats,
     plan_keys,
     plan_request,
@@ -74,7 +75,7 @@ from .sources import (
 
 __all__ = [
     "ARRAY_NAMES", "DEFAULT_BLOCK_SIZE", "PLAN_META", "PLANNER_VERSION", "PackPlan", "PackingError", "PlanRequest",
-    "SourceStats", "assign_ranks", "best_fit_decreasing", "build_pack_plan", "draw_samples",
+    "SourceStats", "assign_ranks", "best_fit_decreasing", "build_pack_plan", "check_plan_out", "draw_samples",
     "is_webdataset_export", "load_source_stats", "mix_counts", "open_source", "parse_source", "plan_from_stats",
     "plan_keys", "plan_request", "resolve_weights", "source_fingerprint", "source_manifest",
 ]

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from shards_schema import ShardFormatError
+from shards_schema.errors import UserError
 
 from .bin_packing import assign_ranks, best_fit_decreasing, check_sizes
 from .errors import PackingError
@@ -25,6 +26,21 @@ PLANNER_VERSION = 1
 DEFAULT_BLOCK_SIZE = 4096
 PLAN_META = "plan.json"
 ARRAY_NAMES = ("pack_offsets", "sample_source", "sample_index", "pack_tokens", "pack_padded_tokens", "pack_visual_tokens")
+
+
+def check_plan_out(path: str | Path) -> None:
+    """UserError unless a plan can be saved at `path`: new, an empty directory, or a saved plan
+    (which is replaced). Cheap: the pack command runs it before planning."""
+    path = Path(path)
+    if path.is_dir():
+        if any(path.iterdir()) and not (path / PLAN_META).is_file():
+            raise UserError(f"--out {path} holds files and is not a pack plan: choose a new or empty directory")
+        return
+    if path.exists():
+        raise UserError(f"--out {path} is a file, not a directory: pass a directory path")
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise UserError(f"--out {path}: {parent} is a file, not a directory: pass a directory path")
 
 
 class PackPlan:
@@ -147,15 +163,15 @@ class PackPlan:
 
     def save(self, path: str | Path) -> Path:
         """Write the plan as a directory (one .npy per array + plan.json), atomically: written
-        into a temporary sibling, then renamed; an existing plan at `path` is replaced."""
+        into a temporary sibling, then renamed; an existing plan or empty directory at `path`
+        is replaced (`check_plan_out`)."""
         path = Path(path)
+        check_plan_out(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
             self._write(tmp)
-            if path.exists():
-                if not (path / PLAN_META).is_file():
-                    raise FileExistsError(f"{path} exists and is not a pack plan; refusing to replace it")
+            if (path / PLAN_META).is_file():
                 old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
                 os.rename(path, old / "plan")
                 os.rename(tmp, path)
@@ -357,11 +373,11 @@ def plan_from_stats(
 
 def _effective_global_batch(global_batch_packs: int | None, dp_size: int) -> int:
     if dp_size < 1:
-        raise PackingError(f"dp_size must be >= 1, got {dp_size}")
+        raise PackingError(f"--dp-size must be an integer >= 1, got {dp_size}")
     G = int(global_batch_packs) if global_batch_packs is not None else int(dp_size)
     if G < 1 or G % dp_size:
         raise PackingError(
-            f"global_batch_packs {G} must be a positive multiple of dp_size {dp_size} (every rank gets the same number of packs)"
+            f"--global-batch-packs {G} must be a positive multiple of dp_size {dp_size} (every rank gets the same number of packs)"
         )
     return G
 
@@ -393,6 +409,11 @@ def plan_request(
     specs = normalize_sources(sources)
     if not specs:
         raise PackingError("no sources to pack")
+    for flag, value, least in (("--seq-len", seq_len, 1), ("--seed", seed, 0), ("--epoch", epoch, 0),
+                               ("--max-visual-tokens", max_visual_tokens, 1), ("--pad-to-multiple", pad_to_multiple, 1),
+                               ("--block-size", block_size, 1)):
+        if value is not None and value < least:
+            raise PackingError(f"{flag} must be an integer >= {least}, got {value}")
     G = _effective_global_batch(global_batch_packs, dp_size)
     manifests = []
     for directory, _ in specs:

@@ -9,6 +9,7 @@ list offsets or tar headers; never a token or pixel value is read.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -17,6 +18,8 @@ import numpy as np
 
 from shards_schema import MANIFEST_NAME, ShardFormatError, ShardSet, load_manifest, open_shards
 from shards_schema.webdataset import INDEX_NAME, WebDatasetShards, load_index
+
+from .errors import PackingError
 
 
 @dataclass
@@ -89,19 +92,30 @@ def load_source_stats(directory: str | Path) -> SourceStats:
 def parse_source(spec) -> tuple[str, float | None]:
     """'DIR', 'DIR:0.7', Path or (DIR, weight) -> (DIR, weight or None).
 
-    A ':' suffix is a weight only when it parses as a number and DIR itself does not exist
-    (so directories whose names contain ':' still work)."""
+    A ':' suffix is a weight only when DIR itself does not exist (so directories whose names
+    contain ':' still work). PackingError for a weight that is not a finite number >= 0, and
+    for 'DIR:TEXT' where DIR exists but TEXT is not a number."""
     if isinstance(spec, (tuple, list)):
         directory, weight = spec
-        return str(directory), None if weight is None else float(weight)
+        return str(directory), None if weight is None else _weight(str(directory), weight, spec)
     text = str(spec)
     if ":" in text and not Path(text).exists():
         head, tail = text.rsplit(":", 1)
         try:
-            return head, float(tail)
+            float(tail)
         except ValueError:
-            pass
+            if Path(head).is_dir():
+                raise PackingError(f"{text}: the weight {tail!r} is not a number: write DIR:WEIGHT, e.g. {head}:0.5") from None
+            return text, None
+        return head, _weight(head, tail, text)
     return text, None
+
+
+def _weight(directory: str, weight, spec) -> float:
+    value = float(weight)
+    if not (math.isfinite(value) and value >= 0):
+        raise PackingError(f"{spec}: the mixing weight of {directory} must be a finite number >= 0, got {weight}")
+    return value
 
 
 def normalize_sources(sources) -> list[tuple[str, float | None]]:
