@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from preprocess.errors import RejectError
+from preprocess.images import load_image_patches
 from preprocess.inputs import describe_input, plan_units, read_rows
 from preprocess.pipeline import SampleOptions, process_row
 from shards_schema import open_shards
@@ -74,6 +75,22 @@ def test_length_is_checked_from_image_headers_before_decoding(builtin_profiles, 
     with pytest.raises(RejectError) as err:
         _process(image_row(uri), builtin_profiles["qwen3-vl"], max_seq_len=10**6)
     assert err.value.code == "bad_image" and err.value.message.startswith("image 0: ")
+
+
+def test_exif_rotated_image_gets_its_decoded_grid(builtin_profiles):
+    """The header gives the stored size; EXIF orientation 6 swaps the sides at decode: the token
+    count agrees (smart_resize treats both sides alike), the grid and pixels are the decoded ones."""
+    profile = builtin_profiles["qwen3-vl"]
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    raw = np.random.default_rng(4).integers(0, 256, (200, 320, 3), dtype=np.uint8)
+    data = _encode(Image.fromarray(raw), "JPEG", quality=95, exif=exif.tobytes())
+    uri = _data_uri("image/jpeg", data)
+    sample = _process(image_row(uri), profile)
+    patches, grid = load_image_patches(uri, profile.vision)
+    assert grid[1] > grid[2]  # portrait after rotation
+    assert sample.image_grid_thw.tolist() == [list(grid)]
+    np.testing.assert_array_equal(sample.pixel_patches, patches)
 
 
 def test_blank_lines_are_not_rows(tmp_path):
