@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from shards_schema.inspect import patches_to_image
-from shards_schema.manifest import ShardFormatError
+from shards_schema.errors import UserError
+from shards_schema.outdir import prepare_output_dir
 from shards_schema.reader import ShardSet, open_shards
 
 from .errors import ConfigError
@@ -44,7 +45,7 @@ TARGET_CLOSE = "[[/TARGET]]"
 GREEN, CYAN, DIM, BOLD, RESET = "\x1b[32m", "\x1b[36m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
 
 
-class ShowError(Exception):
+class ShowError(UserError):
     """A request `show` cannot serve (bad index/uid, tokenizer mismatch): message for the user."""
 
 
@@ -215,7 +216,7 @@ def save_images(sample: dict, index: int, manifest: dict, out_dir: Path) -> list
     vision = manifest["profile"]["vision"]
     grid = sample["image_grid_thw"]
     ends = np.cumsum(grid.prod(axis=1))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(out_dir, what="--save-images")
     paths = []
     for k, (t, h, w) in enumerate(grid.tolist()):
         patches = sample["pixel_patches"][ends[k] - t * h * w : ends[k]]
@@ -259,7 +260,7 @@ class Show:
         out = sys.stdout if out is None else out
         try:
             return _show(args, out)
-        except (ShowError, ShardFormatError, IndexError, ValueError) as exc:
+        except (UserError, IndexError, ValueError) as exc:
             print(f"vlmpack show: error: {exc}", file=sys.stderr)
             return 2
         except BrokenPipeError:  # `vlmpack show DIR --tokens | head`: the reader left, not an error
@@ -269,8 +270,8 @@ class Show:
 
 
 def _show(args, out) -> int:
-    if not Path(args.dir).is_dir():
-        raise ShowError(f"{args.dir}: no such directory")
+    if args.save_images:
+        prepare_output_dir(args.save_images, what="--save-images")
     shards = open_shards(args.dir)
     if len(shards) == 0:
         raise ShowError(f"{args.dir}: holds no samples")

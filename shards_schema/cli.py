@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import UserError, user_error_from_os_error
+from .errors import EXIT_USER_ERROR, UserError, user_error_from_os_error
 
 # name -> ("module:object", one-line help)
 COMMANDS = {
@@ -28,6 +28,13 @@ COMMANDS = {
     "export": ("shards_schema.webdataset.command:Export", "shard directory -> WebDataset tar shards"),
     "import": ("shards_schema.webdataset.command:Import", "WebDataset tar shards -> shard directory"),
 }
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake is one line, like every other user error (the usage is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _usage() -> str:
@@ -50,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     target, help_ = COMMANDS[name]
     module_name, attr = target.split(":")
     command = getattr(importlib.import_module(module_name), attr)
-    parser = argparse.ArgumentParser(prog=f"vlmpack {name}", description=help_)
+    parser = _Parser(prog=f"vlmpack {name}", description=help_)
     command.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     try:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .manifest import REJECTS_NAME, ShardFormatError
+from .outdir import prepare_output_dir
 from .reader import open_shards
 
 HISTOGRAM_BINS = 10
@@ -363,7 +364,7 @@ def write_charts(report: dict, arrays: dict[str, np.ndarray], out_dir: Path) -> 
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(out_dir, what="--plots")
     paths = {}
     for name, (label, integer, value_range) in DISTRIBUTIONS.items():
         values, dist = arrays[name], report["distributions"][name]
@@ -495,9 +496,8 @@ class Inspect:
 
     @staticmethod
     def run(args) -> int:
-        if not Path(args.dir).is_dir():
-            print(f"vlmpack inspect: error: {args.dir}: no such directory", file=sys.stderr)
-            return 2
+        if args.plots:
+            prepare_output_dir(args.plots, what="--plots")
         try:
             report, arrays = _collect(args.dir)
         except (ShardFormatError, OSError) as exc:

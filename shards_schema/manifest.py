@@ -42,8 +42,17 @@ def build_manifest(*, profile: dict, settings: dict, shards: list[dict], account
     }
 
 
+def require_directory(directory: Path, what: str) -> None:
+    """A clear error when `directory` (the input of a command) is missing or is a file."""
+    if not directory.exists():
+        raise ShardFormatError(f"{directory}: no such directory: pass the {what}")
+    if not directory.is_dir():
+        raise ShardFormatError(f"{directory} is a file, not a directory: pass the {what}")
+
+
 def load_manifest(directory: str | Path) -> dict:
     directory = Path(directory)
+    require_directory(directory, "shard directory (the one holding manifest.json)")
     path = directory / MANIFEST_NAME
     if not path.is_file():
         hint = " (a preprocessing job that has not finished, or a partition not yet merged?)" if directory.is_dir() else ""
@@ -52,6 +61,8 @@ def load_manifest(directory: str | Path) -> dict:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ShardFormatError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise ShardFormatError(f"{path}: not a vlmpack manifest (a JSON {type(manifest).__name__}, not an object)")
     if manifest.get("format") != FORMAT_NAME:
         raise ShardFormatError(f"{path}: not a vlmpack manifest (format {manifest.get('format')!r})")
     version = manifest.get("schema_version")

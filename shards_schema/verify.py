@@ -40,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from .atomic import TMP_SUFFIX
+from .errors import UserError
 from .manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, TOTAL_KEYS, ShardFormatError, load_manifest
 from .positions import mrope_position_ids
 from .reader import list_views
@@ -201,8 +202,6 @@ def _mib(n: int) -> str:
 def _load(directory: Path) -> dict:
     try:
         manifest = load_manifest(directory)
-    except (AttributeError, TypeError) as exc:  # valid JSON but not an object
-        raise ShardFormatError(f"{directory / MANIFEST_NAME}: not a JSON object ({exc})") from exc
     except OSError as exc:
         raise ShardFormatError(f"{directory / MANIFEST_NAME}: cannot be read ({exc})") from exc
     return manifest
@@ -904,6 +903,10 @@ class Verify:
 
     @staticmethod
     def run(args) -> int:
+        if args.workers < 1:
+            raise UserError(f"--workers must be at least 1, got {args.workers}")
+        if args.max_faults < 0:
+            raise UserError(f"--max-faults must be 0 or more, got {args.max_faults}")
         progress = bool(args.progress or sys.stderr.isatty())
         try:
             report = verify_shards(args.directory, quick=args.quick, progress=progress, workers=args.workers,

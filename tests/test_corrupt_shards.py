@@ -1,16 +1,20 @@
-"""Damaged shard directories and WebDataset exports through every command, as a user runs them.
+"""Damaged shard directories and WebDataset exports through every command, as a user runs them,
+and bad command lines for the commands that read them.
 
 Each command runs as its own process on a copy of one small real directory with one kind of
 damage. It must stop with a clear one-line error (exit 2; `verify`: its fault report, exit 1),
 never a traceback, never a hang. The same commands on the undamaged directory succeed, so every
-failure below is the damage's doing, not a bad command line.
+failure below is the damage's doing, not a bad command line. Bad arguments (missing or wrong
+paths, out-of-range values, unknown options) get one line and exit 2 too.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +26,8 @@ import pytest
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from preprocess.pipeline import SampleOptions
+from shards_schema.cli import COMMANDS
+from shards_schema.cli import main as vlmpack
 from shards_schema.webdataset import export_webdataset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -195,3 +201,78 @@ def test_a_flipped_pixel_byte_is_caught_by_the_commands_that_hash(clean, tmp_pat
         assert done.returncode == 0 and "Traceback" not in done.stderr, (command, done.stderr)
     assert _run("verify", data, tmp_path).returncode == 1
     assert _run("export", data, tmp_path).returncode == 2
+
+
+# ---------------------------------------------------------------------------- bad command lines
+
+# argv (paths: {d} a shard directory, {x} its export, {f} a file, {t} a fresh temporary
+# directory) and a part of the one-line error it must give.
+BAD_ARGUMENTS = [
+    (["inspect"], "the following arguments are required: dir"),
+    (["inspect", "{t}/missing"], "{t}/missing: no such directory: pass the shard directory"),
+    (["inspect", "{f}"], "{f} is a file, not a directory: pass the shard directory"),
+    (["inspect", "{t}"], "{t}: no manifest.json"),
+    (["inspect", "{d}", "--plots", "{f}"], "--plots {f} is a file, not a directory"),
+    (["inspect", "{d}", "--bogus"], "unrecognized arguments: --bogus"),
+    (["show", "{t}/missing"], "{t}/missing: no such directory"),
+    (["show", "{f}"], "{f} is a file, not a directory"),
+    (["show", "{x}"], "{x}: no manifest.json"),
+    (["show", "{d}", "--index", "12"], "--index 12 out of range: {d} holds 12 samples (0..11)"),
+    (["show", "{d}", "--index", "-13"], "--index -13 out of range"),
+    (["show", "{d}", "--index", "abc"], "argument --index: invalid int value: 'abc'"),
+    (["show", "{d}", "--uid", "no-such-uid"], "no sample with sample_uid 'no-such-uid' in {d} (12 samples)"),
+    (["show", "{d}", "--index", "1", "--uid", "x"], "argument --uid: not allowed with argument --index"),
+    (["show", "{d}", "--color", "--no-color"], "argument --no-color: not allowed with argument --color"),
+    (["show", "{d}", "--model", "{t}/missing"], "--model {t}/missing: no tokenizer.json there"),
+    (["show", "{d}", "--save-images", "{f}"], "--save-images {f} is a file, not a directory"),
+    (["verify", "{t}/missing"], "{t}/missing: no such directory"),
+    (["verify", "{f}"], "{f} is a file, not a directory"),
+    (["verify", "{t}"], "{t}: no manifest.json"),
+    (["verify", "{d}", "--workers", "0"], "--workers must be at least 1, got 0"),
+    (["verify", "{d}", "--workers", "many"], "argument --workers: invalid int value: 'many'"),
+    (["verify", "{d}", "--max-faults", "-1"], "--max-faults must be 0 or more, got -1"),
+    (["export", "{d}"], "the following arguments are required: --out"),
+    (["export", "{t}/missing", "--out", "{t}/o"], "{t}/missing: no such directory"),
+    (["export", "{f}", "--out", "{t}/o"], "{f} is a file, not a directory"),
+    (["export", "{x}", "--out", "{t}/o"], "{x}: no manifest.json"),
+    (["export", "{d}", "--out", "{f}"], "--out {f} is a file, not a directory"),
+    (["export", "{d}", "--out", "{d}"], "--out {d} is the input directory"),
+    (["export", "{d}", "--out", "{t}/o", "--format", "parquet"], "argument --format: invalid choice: 'parquet'"),
+    (["export", "{d}", "--out", "{t}/o", "--samples-per-tar", "0"], "--samples-per-tar must be at least 1, got 0"),
+    (["export", "{d}", "--out", "{t}/o", "--samples-per-tar", "few"], "argument --samples-per-tar: invalid int value: 'few'"),
+    (["export", "{d}", "--out", "{t}/o", "--max-tar-bytes", "lots"], "argument --max-tar-bytes: 'lots' is not a size"),
+    (["export", "{d}", "--out", "{t}/o", "--max-tar-bytes", "0"], "--max-tar-bytes must be positive, got 0"),
+    (["import", "{x}"], "the following arguments are required: --out"),
+    (["import", "{t}/missing", "--out", "{t}/o"], "{t}/missing: no such directory: pass the directory written by `vlmpack export`"),
+    (["import", "{f}", "--out", "{t}/o"], "{f} is a file, not a directory"),
+    (["import", "{d}", "--out", "{t}/o"], "{d}: no index.json"),
+    (["import", "{x}", "--out", "{f}"], "--out {f} is a file, not a directory"),
+    (["import", "{x}", "--out", "{x}"], "--out {x} is the input directory"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_bad_arguments_give_one_line_and_exit_2(clean, clean_export, tmp_path, capsys, argv, message):
+    scratch = tmp_path / "t"
+    scratch.mkdir()
+    (tmp_path / "a-file").write_text("not a directory")
+    paths = {"d": clean, "x": clean_export, "f": tmp_path / "a-file", "t": scratch}
+    argv = [a.format(**paths) for a in argv]
+    try:
+        code = vlmpack(argv)
+    except SystemExit as exc:  # argparse's own errors exit from the parser
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2, (code, out, err)
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"vlmpack {argv[0]}: error: ") and message.format(**paths) in err, err
+    assert paths["f"].read_text() == "not a directory"  # a file passed for a directory is never written
+
+
+@pytest.mark.parametrize("command", ["inspect", "show", "verify", "export", "import"])
+def test_every_option_has_help(command):
+    module, attr = COMMANDS[command][0].split(":")
+    parser = argparse.ArgumentParser(prog=command)
+    getattr(importlib.import_module(module), attr).add_arguments(parser)
+    for action in parser._actions:
+        assert action.help and action.help.strip(), f"{command}: {action.option_strings or action.dest} has no help"

@@ -425,7 +425,8 @@ def test_cli_export_import_and_bad_input(shard_dir, tmp_path):
     assert done.returncode == 0, done.stderr
     assert load_manifest(back) == load_manifest(shard_dir)
 
-    bad = _cli("export", tmp_path / "nowhere", "--out", tmp_path / "x")
+    (tmp_path / "empty").mkdir()
+    bad = _cli("export", tmp_path / "empty", "--out", tmp_path / "x")
     assert bad.returncode == 2 and "no manifest.json" in bad.stderr
     bad = _cli("import", shard_dir, "--out", tmp_path / "y")
     assert bad.returncode == 2 and "no index.json" in bad.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import refuse_leftover_tmp
-from ..manifest import REJECTS_NAME
+from ..manifest import REJECTS_NAME, require_directory
 from ..schema import FORMAT_NAME as SHARDS_FORMAT_NAME
 from ..schema import SCHEMA_VERSION
 from ..writer import file_sha256
@@ -36,6 +36,7 @@ from .format import (
 def load_index(tardir: str | Path) -> dict:
     """index.json of an export directory, checked for format, version and a consistent tar list."""
     tardir = Path(tardir)
+    require_directory(tardir, "directory written by `vlmpack export` (the one holding index.json)")
     path = tardir / INDEX_NAME
     if not path.is_file():
         hint = " (an export that has not finished, or not a `vlmpack export` directory?)" if tardir.is_dir() else ""
