@@ -40,6 +40,7 @@ DEFAULT_PAD_TOKEN_ID = 151643  # <|endoftext|> for Qwen2.5-VL / Qwen3-VL; prefer
 
 
 def concat_field(samples: list[dict], name: str, dtype, width: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """Field `name` of every sample end to end (rows of `width` when given), into `out` if given."""
     parts = [np.asarray(s[name]) for s in samples]
     if width is not None:
         parts = [p.reshape(-1, width) for p in parts]
@@ -61,6 +62,7 @@ def segment_offsets(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def sample_lengths(samples: list[dict]) -> np.ndarray:
+    """Tokens of each sample (int64 [n])."""
     return np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)
 
 
