@@ -28,7 +28,8 @@ Rules (each one is what a reproducible, resumable training run needs):
   batches of `global_batch_packs` = G consecutive packs (G defaults to dp_size); when the
   number of packs is not a multiple of G, the P mod G packs with the fewest tokens are
   dropped (reported as `dropped_packs` / `dropped_samples`; which samples differs every
-  epoch). The plan itself does not depend on dp_size: `rank_packs(rank, dp_size)` splits each
+  epoch). Data that make fewer than G packs are a PackingError naming the numbers: such a
+  plan would have no training step. The plan itself does not depend on dp_size: `rank_packs(rank, dp_size)` splits each
   global batch over the ranks at read time (G / dp_size packs each, greedy: packs by
   descending visual tokens, then tokens, onto the least-loaded rank). So the sequence of
   global batches is the same for any dp_size dividing G, which is what lets a run resume on
@@ -39,7 +40,8 @@ Rules (each one is what a reproducible, resumable training run needs):
   manifest fingerprint: profile id, schema version, shard sha256 list; its weight; seq_len,
   seed, epoch, max_visual_tokens, G, pad_to_multiple, block size, planner version) and
   saves it atomically (temporary directory + rename), so ranks planning at once never read
-  a half-written plan. dp_size is not in the key: the plan does not depend on it.
+  a half-written plan. dp_size is not in the key: the plan does not depend on it. A
+  cached plan without a whole global batch is refused, never used.
 
 Modules: `sources` (per-sample counts of a shard directory or WebDataset export), `mixing`
 (weights, counts, draws), `bin_packing` (best-fit-decreasing under both budgets, ranks),
