@@ -126,24 +126,14 @@ _EXPORT_OWNED = re.compile(rf"({re.escape(TAR_PREFIX)}\d+\.tar|{re.escape(REJECT
 _IMPORT_OWNED = re.compile(rf"([\w.-]+\.arrow|{re.escape(REJECTS_NAME)}|{re.escape(MANIFEST_NAME)})(\{TMP_SUFFIX})?")
 
 
-def check_source_shard(directory: Path, entry: dict) -> Path:
-    """The shard file of manifest entry `entry`, after its size and sha256 match the manifest."""
-    path = directory / entry["file"]
-    if not path.is_file():
-        raise ShardFormatError(f"{path}: listed in {MANIFEST_NAME} but missing: restore it, or re-run `vlmpack preprocess`")
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise ShardFormatError(
-            f"{path}: {size} bytes, {MANIFEST_NAME} says {entry['bytes']} (truncated or replaced): "
-            "restore it, or re-run `vlmpack preprocess`"
-        )
+def _check_sha256(path: Path, entry: dict) -> None:
+    """The shard at `path` has the sha256 its manifest entry records."""
     digest = file_sha256(path)
     if digest != entry["sha256"]:
         raise ShardFormatError(
             f"{path}: sha256 {digest} does not match {MANIFEST_NAME} ({entry['sha256']}); the shard is corrupted: "
             "restore it, or re-run `vlmpack preprocess`"
         )
-    return path
 
 
 def export_webdataset(
@@ -159,7 +149,9 @@ def export_webdataset(
     A new tar starts when the current one holds `samples_per_tar` samples (no limit if None)
     or the next sample would take it past `max_tar_bytes` (a single larger sample gets a tar
     of its own). Each shard's size and sha256 are checked against the manifest before its
-    samples are written, so a corrupted shard stops the export (and nothing of it is left).
+    samples are written (one more sequential read of the shard, usually from the page cache
+    by the time its rows are encoded), so a corrupted shard stops the export and nothing of
+    the export is left.
     """
     directory, out = Path(directory), Path(out)
     if samples_per_tar is not None and samples_per_tar < 1:
@@ -179,8 +171,8 @@ def export_webdataset(
         index = 0
         try:
             for k, entry in enumerate(manifest["shards"]):
-                check_source_shard(directory, entry)
-                shard = shards.shard(k)
+                shard = shards.shard(k)  # present, of the manifest's size, a readable shard
+                _check_sha256(directory / entry["file"], entry)
                 for j in range(len(shard)):
                     members = encode_sample(index, shard.row(j))
                     if writer is not None and (
