@@ -396,19 +396,41 @@ def test_cli_too_little_data_for_a_global_batch_exits_2_with_one_line(shard_dirs
     assert not (tmp_path / "plan").exists()
 
 
+def _vlmpack_train(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shards_schema.cli", "train", "--arch", "tiny", "--num-workers", "0",
+                           "--tensorboard", "false", *map(str, args)], capture_output=True, text=True, cwd=REPO_ROOT,
+                          timeout=300)
+
+
+def _one_train_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("vlmpack train: error: ")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
+
+
 def test_train_with_too_little_data_for_a_global_batch_exits_2_at_once_writing_no_plan(shard_dirs, tmp_path):
     """Before the check, every epoch's plan was empty and the training loop planned epoch after
     epoch forever, one new cached plan each."""
     out = tmp_path / "run"
     t0 = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "shards_schema.cli", "train", "--arch", "tiny", "--data", str(shard_dirs[0]),
-         "--seq-len", "16384", "--global-batch-packs", "64", "--train-steps", "2", "--num-workers", "0",
-         "--tensorboard", "false", "--out", str(out)],
-        capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("vlmpack train: error: ")]
-    assert len(errors) == 1 and "fewer than one global batch of 64 packs" in errors[0], result.stderr
+    error = _one_train_error(_vlmpack_train("--data", shard_dirs[0], "--seq-len", 16384, "--global-batch-packs", 64,
+                                            "--train-steps", 2, "--out", out))
+    assert "fewer than one global batch of 64 packs" in error
     assert time.perf_counter() - t0 < 120
     assert not (out / "plans").exists() or not list((out / "plans").iterdir())
+
+
+def test_train_with_too_little_eval_data_for_a_global_batch_exits_2_before_the_first_step(shard_dirs, tmp_path):
+    a, b = shard_dirs
+    G = build_pack_plan([b], seq_len=1024).num_packs + 1
+    assert build_pack_plan([a], seq_len=1024, global_batch_packs=G).num_packs >= G  # the training data are enough
+    out = tmp_path / "run"
+    # before the eval data were planned up front, step 1 ran and step 2's evaluation failed
+    error = _one_train_error(_vlmpack_train("--data", a, "--eval-data", b, "--eval-every", 2, "--log-every", 1,
+                                            "--seq-len", 1024, "--global-batch-packs", G, "--train-steps", 2,
+                                            "--out", out))
+    assert f"{b}: the data make {G - 1} pack(s)" in error and f"fewer than one global batch of {G} packs" in error
+    metrics = out / "metrics.jsonl"
+    assert not metrics.exists() or metrics.read_text() == ""  # no step ran
