@@ -5,8 +5,8 @@ argument parser with `--json-out`, and `machine_info`, the provenance written wi
 The scripts run as `python benchmarks/X.py`, which puts `benchmarks/` on `sys.path`, so they
 import this module as `common`; importing it puts the repository root there too.
 
-Results are kept as `benchmarks/results/<benchmark>[_<setting>]_<device>_<yyyymmdd>.json`
-(`result_name`), with the console output alongside as `.log` where it is kept.
+Results are kept as `benchmarks/results/<benchmark>[_<setting>]_<device>_<yyyymmdd>.json`, with
+the console output alongside as `.log` where it is kept; docs/benchmarks.md cites them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -39,21 +38,16 @@ def log(msg: str) -> None:
 
 
 def parser(doc: str, *, json_out: str | None = "the full result as JSON") -> argparse.ArgumentParser:
-    """An argument parser described by the first paragraph of `doc` (the module docstring),
-    with the whole docstring as epilog, and `--json-out` unless `json_out` is None."""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc,
+    """An argument parser described by `doc` (the module docstring: its first paragraph above
+    the options, the rest below), with `--json-out` unless `json_out` is None."""
+    description, _, epilog = doc.partition("\n\n")
+    ap = argparse.ArgumentParser(description=description, epilog=epilog or None,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     if json_out is not None:
         ap.add_argument("--json-out", default=None, metavar="FILE",
                         help=f"write {json_out} to FILE (kept results: benchmarks/results/"
                              "<benchmark>_<device>_<yyyymmdd>.json)")
     return ap
-
-
-def result_name(benchmark: str, device: str, *, setting: str = "", suffix: str = ".json") -> str:
-    """`<benchmark>[_<setting>]_<device>_<yyyymmdd><suffix>`, dated today (UTC)."""
-    day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
-    return "_".join(part for part in (benchmark, setting, device, day) if part) + suffix
 
 
 def write_json(path: str | Path, obj) -> Path:
