@@ -101,16 +101,7 @@ def find_uid(shards: ShardSet, uid: str) -> list[int]:
     # pyarrow import pandas, a quarter second more than the scan of a million uids takes.
     data = uid.encode("utf-8")
     needle = pa.Array.from_buffers(pa.string(), 1, [None, pa.py_buffer(np.array([0, len(data)], np.int32)), pa.py_buffer(data)])[0]
-    hits = []
-    for k, name in enumerate(shards.shard_files):
-        reader = pa.ipc.open_file(pa.memory_map(str(shards.directory / name), "r"))
-        start = int(shards.row_starts[k])
-        for b in range(reader.num_record_batches):
-            batch = reader.get_batch(b)
-            rows = pc.indices_nonzero(pc.equal(batch.column("sample_uid"), needle))
-            hits.extend(start + r for r in rows.to_pylist())  # a handful of hits, never the column
-            start += batch.num_rows
-    return hits
+    return pc.indices_nonzero(pc.equal(shards.string_column("sample_uid"), needle)).to_pylist()  # a handful of hits
 
 
 # ------------------------------------------------------------------------ rendering

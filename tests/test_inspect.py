@@ -211,6 +211,15 @@ def test_inspect_and_show_with_repeated_input_ids(tmp_path, capsys):
     assert _cli(capsys, "show", str(out), "--index", "0")[1] == text
 
 
+def test_inspect_and_show_uid_never_import_pandas(data):
+    """pyarrow imports pandas (a quarter second) for scalars made from Python objects and `to_numpy`."""
+    code = ("import sys; from shards_schema import open_shards; from shards_schema.inspect import inspect_shards; "
+            "from preprocess.show import find_uid; inspect_shards(sys.argv[1]); find_uid(open_shards(sys.argv[1]), 'x'); "
+            "print('pandas' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, str(data[0])], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
+
+
 def test_inspect_subprocess_exit_code(data, tmp_path):
     ok = subprocess.run([sys.executable, "-m", "shards_schema.cli", "inspect", str(data[0]), "--json"],
                         capture_output=True, text=True, timeout=60)
