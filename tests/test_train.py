@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,11 +30,12 @@ BASE = ["--arch", "tiny", "--seq-len", str(SEQ_LEN), "--global-batch-packs", "2"
         "--warmup-steps", "1", "--num-workers", "0", "--tensorboard", "false", "--log-every", "1"]
 
 
-def preprocess(tmp: Path, name: str, profile: str = "qwen3-vl", rows: int = 24, seed: int = 5) -> Path:
-    data = write_jsonl(tmp / f"{name}.jsonl", example_rows(rows, seed=seed, family=profile, size_range=(32, 96)))
+def preprocess(tmp: Path, name: str, profile: str = "qwen3-vl", rows: int = 24, seed: int = 5,
+               seq_len: int = SEQ_LEN, size_range: tuple[int, int] = (32, 96)) -> Path:
+    data = write_jsonl(tmp / f"{name}.jsonl", example_rows(rows, seed=seed, family=profile, size_range=size_range))
     out = tmp / name
     assert vlmpack(["preprocess", str(data), "--out", str(out), "--profile", profile, "--workers", "1",
-                    "--max-seq-len", str(SEQ_LEN), "--no-progress"]) == 0
+                    "--max-seq-len", str(seq_len), "--no-progress"]) == 0
     return out
 
 
@@ -208,6 +210,101 @@ def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_help_lists_every_option_with_its_help_in_groups_and_nothing_before_it():
+    """megatron's import-time warnings (no Transformer Engine / Apex) are silenced: the help comes first."""
+    import dataclasses
+
+    from train.config import GROUPS, TrainConfig
+
+    proc = subprocess.run([sys.executable, "-c", "import sys; from shards_schema.cli import main; sys.exit(main())",
+                           "train", "--help"], cwd=ROOT, env=process_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage: vlmpack train")
+    assert proc.stderr == ""
+    options = proc.stdout.split("\noptions:\n", 1)[1]
+    headings = [line[:-1] for line in options.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings == list(GROUPS)
+    flags = ["--config"] + ["--" + f.name.replace("_", "-") for f in dataclasses.fields(TrainConfig)]
+    for flag in flags:
+        # "  --flag METAVAR   help..." or the help on the next line when the flag is long
+        entry = re.search(rf"^  {re.escape(flag)}\b[^\n]*\n?(.*)$", options, re.M)
+        assert entry, flag
+        text = entry.group(0).split(flag, 1)[1].split(None, 1)
+        assert len(text) == 2 and len(text[1].strip()) > 10, f"{flag} has no help text"
+
+
+def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
+    code = vlmpack(["train", *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--train-steps", "-1"], "--train-steps must be >= 1, got -1"),
+    (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--keep-last", "0"], "--keep-last must be >= 1, got 0"),
+    (["--keep-last", "-2"], "--keep-last must be >= 1, got -2"),
+    (["--arch", "nope"], "unknown --arch 'nope': choose one of"),
+    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--adam-beta2", "1.5"], "--adam-beta2 must be in [0, 1), got 1.5"),
+    (["--global-batch-packs", "0"], "--global-batch-packs must be >= 1, got 0"),
+    (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
+    (["--device", "tpu"], "--device 'tpu': choose from ['cuda', 'cpu']"),
+    (["--recompute", "some"], "--recompute 'some': choose from"),
+    (["--config", "missing.yaml"], "--config missing.yaml: cannot read it"),
+    (["--data", "{empty}"], "neither manifest.json nor index.json"),
+    (["--out", "{file}"], "is a file, not a directory: pass a directory path"),
+])
+def test_bad_arguments_exit_2_with_one_line(shards, tmp_path, capsys, extra, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    extra = [a.format(empty=tmp_path / "empty", file=tmp_path / "file") for a in extra]
+    code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(tmp_path / "out"), "--train-steps", "2",
+                                   *extra], capsys)
+    assert code == 2, err
+    assert err.startswith("vlmpack train: error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+def test_unwritable_out_exits_2(shards, tmp_path, capsys, monkeypatch):
+    """As root every directory is writable: the check that sees a read-only --out is made to see one."""
+    import shards_schema.outdir
+
+    out = tmp_path / "read-only"
+    out.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(shards_schema.outdir.os, "access", lambda p, mode: Path(p) != out and real_access(p, mode))
+    code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "2"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--out {out} is not writable" in err
+    assert not (out / "checkpoints").exists()
+
+
+def test_read_only_mount_as_out_exits_2(shards, tmp_path, capsys):
+    out = tmp_path / "mounted"
+    out.mkdir()
+    mounted = subprocess.run(["mount", "--bind", "-o", "ro", str(out), str(out)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("bind mounts are not permitted here (test_unwritable_out_exits_2 covers the check)")
+    try:
+        code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "2"], capsys)
+    finally:
+        subprocess.run(["umount", str(out)], check=True)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--out {out}" in err and "writable" in err
+
+
+def test_second_train_into_a_held_out_exits_2_naming_the_holder(shards, tmp_path, capsys):
+    from shards_schema.outdir import exclusive_output_dir
+
+    out = tmp_path / "held"
+    with exclusive_output_dir(out, "train"):
+        code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "2"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--out {out} is in use by another job (vlmpack train, pid {os.getpid()}" in err
+    assert not (out / "metrics.jsonl").exists()
 
 
 def test_preemption_signal_saves_the_step_and_resumes_like_the_uninterrupted_run(shards, full_run, tmp_path):

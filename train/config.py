@@ -3,6 +3,8 @@
 The command line and a YAML/JSON file (`--config FILE`) mirror each other: a file holds the
 same keys as the flags (dashes or underscores), flags given on the command line win. The
 resolved config is saved next to every checkpoint, so a run can be reproduced from it.
+Each field carries its `--help` line and its group there (`metadata`), so a new setting
+cannot reach the command line undocumented.
 """
 
 from __future__ import annotations
@@ -13,91 +15,155 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shards_schema.errors import UserError
+
 FREEZABLE = ("vision", "merger", "llm")
 ATTENTION_KERNELS = ("fa2", "fa4")  # train.model.attention.select_attention_kernel
 STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
+RECOMPUTE = ("none", "selective", "full")
+DEVICES = ("cuda", "cpu")
+# --help shows the flags in these groups, in this order
+GROUPS = {
+    "data": "what is trained on, and how it is batched",
+    "model": "where the weights come from, and what is trained",
+    "parallelism": "how the model is split over the GPUs",
+    "memory": "precision and the memory / speed trade-offs",
+    "optimizer": "AdamW and gradient clipping",
+    "schedule": "steps, learning-rate schedule, evaluation",
+    "checkpoints": "the run directory, saving and resuming",
+    "logging": "progress line, metrics.jsonl, TensorBoard",
+}
+
+
+class ConfigError(UserError, ValueError):
+    """A setting that cannot work with this model, data or cluster; the message names the fix."""
+
+
+def _opt(default, group: str, help_: str):
+    """A setting: its default, its --help group and line (lists get a fresh [] per config)."""
+    meta = {"group": group, "help": help_}
+    if isinstance(default, list):
+        return field(default_factory=list, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class TrainConfig:
-    data: list[str] = field(default_factory=list)  # DIR[:WEIGHT] shard dirs or WebDataset exports
-    out: str = "runs/train"
+    # data
+    data: list[str] = _opt([], "data", "shard directory or WebDataset export to train on, DIR or DIR:WEIGHT "
+                                       "(repeatable)")
+    eval_data: list[str] = _opt([], "data", "held-out shard directory for --eval-every (repeatable)")
+    seq_len: int = _opt(8192, "data", "tokens per pack (default 8192)")
+    global_batch_packs: int | None = _opt(None, "data", "packs per optimizer step, a multiple of dp x --micro-batch-packs "
+                                                        "(default: dp x --micro-batch-packs)")
+    global_batch_tokens: int | None = _opt(None, "data", "alternative to --global-batch-packs: tokens per step, "
+                                                         "rounded to whole packs of --seq-len")
+    micro_batch_packs: int = _opt(1, "data", "packs laid end to end in one forward pass (default 1)")
+    max_visual_tokens: int | None = _opt(None, "data", "at most this many visual tokens per pack (default: no limit)")
+    num_workers: int = _opt(2, "data", "loader worker processes per rank (0: load in the training process; default 2)")
+    seed: int = _opt(0, "data", "seed of the pack order, data mixing and a random init (default 0)")
     # model: exactly one of hf_model (import on the fly), init (Megatron dir), arch (random init)
-    hf_model: str | None = None
-    init: str | None = None
-    arch: str | None = None
-    # batch
-    seq_len: int = 8192
-    global_batch_packs: int | None = None
-    global_batch_tokens: int | None = None  # alternative: packs = tokens / seq_len
-    micro_batch_packs: int = 1
-    max_visual_tokens: int | None = None
-    # parallelism / precision
-    tp: int = 1
-    pp: int = 1
-    bf16: bool = True
-    recompute: str = "none"  # none | selective | full (language model)
-    recompute_layers: int | None = None  # with full: recompute only the first N decoder layers per stage
-    recompute_vision: bool | None = None  # redo the vision blocks in backward (default: with full)
-    compile: bool = True  # torch.compile the vision blocks and the rotary kernels (CUDA runs only)
-    attention: str = "fa2"  # CUDA attention kernel: fa2 (torch's own) | fa4 (flash-attn-4 package, sm90/sm100)
-    distributed_optimizer: bool = True  # CUDA only (megatron's DistributedOptimizer)
+    hf_model: str | None = _opt(None, "model", "start from this Hugging Face Qwen-VL checkpoint directory")
+    init: str | None = _opt(None, "model", "start from this Megatron model directory (`vlmpack import-hf`, or a "
+                                           "checkpoint's model/)")
+    arch: str | None = _opt(None, "model", "start from random weights of this built-in architecture (e.g. tiny)")
+    freeze: list[str] = _opt([], "model", f"parts not trained: {', '.join(FREEZABLE)} (repeatable or comma-separated)")
+    attention: str = _opt("fa2", "model", "CUDA attention kernel: fa2 (torch's own) or fa4 (flash-attn-4, "
+                                          "Hopper/Blackwell; default fa2)")
+    compile: bool = _opt(True, "model", "torch.compile the vision blocks and rotary kernels, CUDA only (default true)")
+    # parallelism
+    tp: int = _opt(1, "parallelism", "tensor-parallel size (divides the attention and KV heads; default 1)")
+    pp: int = _opt(1, "parallelism", "pipeline-parallel size (divides the decoder layers; default 1)")
+    distributed_optimizer: bool = _opt(True, "parallelism", "shard the optimizer state over data-parallel ranks "
+                                                            "(megatron's DistributedOptimizer, CUDA only; default true)")
+    device: str | None = _opt(None, "parallelism", "cuda or cpu (default: cuda when available)")
     # memory: bf16 halves the gradient buffers (accumulated and reduced in bf16, megatron's own
     # default; bf16 runs only) / the Adam moments (stochastically rounded, train/adamw_bf16_state.py)
-    grad_dtype: str = "fp32"
-    adam_state_dtype: str = "fp32"
-    device: str | None = None  # cuda | cpu (default: cuda when available)
+    bf16: bool = _opt(True, "memory", "bf16 weights and compute on GPU (CPU runs are fp32; default true)")
+    recompute: str = _opt("none", "memory", "activation recompute of the language model: none, selective or full "
+                                            "(default none)")
+    recompute_layers: int | None = _opt(None, "memory", "with --recompute full: recompute only the first N decoder "
+                                                        "layers per pipeline stage")
+    recompute_vision: bool | None = _opt(None, "memory", "recompute the vision blocks in backward "
+                                                         "(default: with --recompute full)")
+    grad_dtype: str = _opt("fp32", "memory", "gradient buffers: fp32 or bf16 (half the memory, bf16 runs; default fp32)")
+    adam_state_dtype: str = _opt("fp32", "memory", "Adam moments: fp32 or bf16 (stochastically rounded; default fp32)")
     # optimisation
-    train_steps: int = 100
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    freeze: list[str] = field(default_factory=list)
-    seed: int = 0
-    # checkpoints, eval, logs
-    save_every: int = 0  # 0: only at the end
-    save_final: bool = True  # checkpoint at the last step (benchmarks turn it off)
-    exit_interval: int = 0  # save and exit once the step is a multiple of this (scheduler time slots)
-    resume: bool = False
-    export_hf: str | None = None
-    eval_data: list[str] = field(default_factory=list)
-    eval_every: int = 0
-    eval_batches: int = 4
-    log_every: int = 1
-    num_workers: int = 2
-    tensorboard: bool = True
+    lr: float = _opt(1e-5, "optimizer", "peak learning rate (default 1e-5)")
+    min_lr: float = _opt(0.0, "optimizer", "learning rate at the end of the cosine decay (default 0)")
+    weight_decay: float = _opt(0.0, "optimizer", "AdamW weight decay (default 0)")
+    adam_beta1: float = _opt(0.9, "optimizer", "AdamW beta1 (default 0.9)")
+    adam_beta2: float = _opt(0.95, "optimizer", "AdamW beta2 (default 0.95)")
+    adam_eps: float = _opt(1e-8, "optimizer", "AdamW epsilon (default 1e-8)")
+    clip_grad: float = _opt(1.0, "optimizer", "clip the global gradient norm to this (default 1.0)")
+    # schedule
+    train_steps: int = _opt(100, "schedule", "optimizer steps of the whole run (default 100)")
+    warmup_steps: int = _opt(0, "schedule", "linear learning-rate warm-up steps, then cosine decay (default 0)")
+    exit_interval: int = _opt(0, "schedule", "save and exit once the step is a multiple of this, for scheduler time "
+                                             "slots (0: off; default 0)")
+    eval_every: int = _opt(0, "schedule", "evaluate on --eval-data every N steps (0: never; default 0)")
+    eval_batches: int = _opt(4, "schedule", "global batches per evaluation (default 4)")
+    # checkpoints
+    out: str = _opt("runs/train", "checkpoints", "run directory: checkpoints/, metrics.jsonl, tensorboard/ "
+                                                 "(one job at a time; default runs/train)")
+    save_every: int = _opt(0, "checkpoints", "save a checkpoint every N steps (0: only at the end; default 0)")
+    save_final: bool = _opt(True, "checkpoints", "save a checkpoint at the last step (default true)")
+    keep_last: int = _opt(3, "checkpoints", "keep the newest N checkpoints, delete older ones once a new one is "
+                                            "complete (>= 1; default 3)")
+    async_save: bool = _opt(True, "checkpoints", "write checkpoints in the background while training goes on "
+                                                 "(default true)")
+    resume: bool = _opt(False, "checkpoints", "continue from the newest checkpoint in --out (default false)")
+    export_hf: str | None = _opt(None, "checkpoints", "after the last step, export the model to this Hugging Face "
+                                                      "directory")
+    # logging
+    log_every: int = _opt(1, "logging", "log every N steps (default 1)")
+    tensorboard: bool = _opt(True, "logging", "write TensorBoard scalars under --out/tensorboard (default true)")
 
     def validate(self) -> None:
         sources = [self.hf_model, self.init, self.arch]
         if sum(s is not None for s in sources) != 1:
-            raise ValueError("give exactly one model source: --hf-model DIR, --init MEGATRON_DIR or --arch NAME")
+            raise ConfigError("give exactly one model source: --hf-model DIR, --init MEGATRON_DIR or --arch NAME")
+        if self.arch is not None:
+            from train.model.arch import BUILTIN_ARCHS
+
+            if self.arch not in BUILTIN_ARCHS:
+                raise ConfigError(f"unknown --arch {self.arch!r}: choose one of {sorted(BUILTIN_ARCHS)}")
         if not self.data:
-            raise ValueError("give at least one --data DIR[:WEIGHT]")
-        for name in ("seq_len", "micro_batch_packs", "tp", "pp", "train_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+            raise ConfigError("give at least one --data DIR[:WEIGHT]")
+        at_least = {"seq_len": 1, "micro_batch_packs": 1, "tp": 1, "pp": 1, "train_steps": 1, "keep_last": 1,
+                    "log_every": 1, "eval_batches": 1, "global_batch_packs": 1, "global_batch_tokens": 1,
+                    "warmup_steps": 0, "save_every": 0, "exit_interval": 0, "eval_every": 0, "num_workers": 0,
+                    "max_visual_tokens": 1, "recompute_layers": 1}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+        for name in ("lr", "adam_eps"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        for name in ("min_lr", "weight_decay", "clip_grad"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
         if self.warmup_steps >= self.train_steps:
-            raise ValueError(f"--warmup-steps {self.warmup_steps} must be smaller than --train-steps {self.train_steps}")
+            raise ConfigError(f"--warmup-steps {self.warmup_steps} must be smaller than --train-steps {self.train_steps}")
         if self.global_batch_packs is not None and self.global_batch_tokens is not None:
-            raise ValueError("give --global-batch-packs or --global-batch-tokens, not both")
+            raise ConfigError("give --global-batch-packs or --global-batch-tokens, not both")
         bad = sorted(set(self.freeze) - set(FREEZABLE))
         if bad:
-            raise ValueError(f"--freeze {bad}: choose from {list(FREEZABLE)}")
-        if self.recompute not in ("none", "selective", "full"):
-            raise ValueError(f"--recompute {self.recompute!r}: none | selective | full")
-        if self.attention not in ATTENTION_KERNELS:
-            raise ValueError(f"--attention {self.attention!r}: choose from {list(ATTENTION_KERNELS)}")
-        for name in ("grad_dtype", "adam_state_dtype"):
-            if getattr(self, name) not in STATE_DTYPES:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose from {list(STATE_DTYPES)}")
-        if self.recompute_layers is not None and (self.recompute != "full" or self.recompute_layers < 1):
-            raise ValueError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
-                             f"(the decoder layers per pipeline stage whose activations are recomputed)")
+            raise ConfigError(f"--freeze {bad}: choose from {list(FREEZABLE)}")
+        choices = {"recompute": RECOMPUTE, "attention": ATTENTION_KERNELS, "grad_dtype": STATE_DTYPES,
+                   "adam_state_dtype": STATE_DTYPES}
+        if self.device is not None:
+            choices["device"] = DEVICES
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose from {list(allowed)}")
+        if self.recompute_layers is not None and self.recompute != "full":
+            raise ConfigError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
+                              f"(the decoder layers per pipeline stage whose activations are recomputed)")
 
     def global_packs(self, dp: int) -> int:
         """Packs per global batch; a multiple of dp * micro_batch_packs."""
@@ -109,8 +175,8 @@ class TrainConfig:
             packs = dp * self.micro_batch_packs
         unit = dp * self.micro_batch_packs
         if packs % unit:
-            raise ValueError(f"global batch of {packs} packs is not a multiple of dp ({dp}) x --micro-batch-packs "
-                             f"({self.micro_batch_packs}) = {unit}")
+            raise ConfigError(f"global batch of {packs} packs is not a multiple of dp ({dp}) x --micro-batch-packs "
+                              f"({self.micro_batch_packs}) = {unit}")
         return packs
 
     def to_dict(self) -> dict:
@@ -126,32 +192,43 @@ def _bool(text: str) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field (lists repeatable), defaults left to the dataclass."""
-    parser.add_argument("--config", metavar="FILE", help="YAML or JSON file with the same keys as these flags")
+    """One flag per TrainConfig field (lists repeatable), in its group, defaults left to the dataclass."""
+    parser.add_argument("--config", metavar="FILE", help="YAML or JSON file with the same keys as these flags "
+                                                         "(flags given here win)")
+    groups = {name: parser.add_argument_group(name, description) for name, description in GROUPS.items()}
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
+        group, help_ = groups[f.metadata["group"]], f.metadata["help"]
         kind = str(f.type)
         if kind.startswith("list"):
-            parser.add_argument(flag, action="append", default=None, metavar="VALUE")
+            group.add_argument(flag, action="append", default=None, metavar="VALUE", help=help_)
         elif kind.startswith("bool"):
-            parser.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL")
+            group.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_)
         elif "int" in kind:
-            parser.add_argument(flag, type=int, default=None)
+            group.add_argument(flag, type=int, default=None, metavar="N", help=help_)
         elif "float" in kind:
-            parser.add_argument(flag, type=float, default=None)
+            group.add_argument(flag, type=float, default=None, metavar="X", help=help_)
         else:
-            parser.add_argument(flag, default=None)
+            group.add_argument(flag, default=None, help=help_)
 
 
 def load_config_file(path: str | Path) -> dict:
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror}): pass an existing YAML or JSON file") from None
     if str(path).endswith((".yaml", ".yml")):
         import yaml
-        values = yaml.safe_load(text) or {}
+
+        kind, parse, bad_syntax = "YAML", lambda t: yaml.safe_load(t) or {}, yaml.YAMLError
     else:
-        values = json.loads(text)
+        kind, parse, bad_syntax = "JSON", json.loads, ValueError
+    try:
+        values = parse(text)
+    except bad_syntax as exc:
+        raise ConfigError(f"--config {path}: not valid {kind} ({str(exc).splitlines()[0]}): fix the file") from None
     if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of settings, got {type(values).__name__}")
+        raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(values).__name__}")
     return {k.replace("-", "_"): v for k, v in values.items()}
 
 
@@ -160,7 +237,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = load_config_file(args.config) if args.config else {}
     unknown = sorted(set(values) - names)
     if unknown:
-        raise ValueError(f"{args.config}: unknown settings {unknown}")
+        raise ConfigError(f"--config {args.config}: unknown settings {unknown}: use the names of `vlmpack train` flags")
     values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     for key in ("data", "eval_data", "freeze"):  # "a,b" and repeated flags both work
         if isinstance(values.get(key), str):

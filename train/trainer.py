@@ -17,7 +17,13 @@ import math
 import os
 import sys
 import time
+import warnings
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+
+# megatron-core says at import, once per module, that Transformer Engine and Apex are absent and
+# it uses its torch fallbacks: the setup this trainer is built for, so nothing to act on.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning)
 
 import torch
 import torch.distributed as dist
@@ -30,8 +36,10 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from shards_schema.errors import UserError
+from shards_schema.outdir import exclusive_output_dir
 from train import checkpoint
-from train.config import TrainConfig
+from train.config import ConfigError, TrainConfig
 from train.data import TrainData
 from train.metrics import MetricsLogger, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
@@ -40,10 +48,6 @@ from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.parallel import ParallelInfo, build_model, destroy_parallel, init_parallel
 from train.preemption import StopRequest
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work with this model, data or cluster; the message names the fix."""
 
 
 def resolve_arch(config: TrainConfig) -> ModelArch:
@@ -115,17 +119,20 @@ def make_forward_step(data: TrainData, dtype: torch.dtype):
     return forward_step
 
 
-def reduce_loss(losses: list[dict], info: ParallelInfo, stop: bool = False) -> tuple[float, int, bool]:
-    """(mean loss per target token, target tokens, whether any rank asked to stop) of the global
-    batch, on every rank: the stop request rides the loss's all-reduce (one collective a step)."""
-    total = torch.zeros(3, dtype=torch.float64, device=info.device)
+def reduce_loss(losses: list[dict], info: ParallelInfo, stop: bool = False,
+                save_progress: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> tuple[float, int, bool, tuple]:
+    """(mean loss per target token, target tokens, whether any rank asked to stop, the ranks'
+    checkpoint-writing progress summed) of the global batch, on every rank: the stop request
+    and the background save's progress ride the loss's all-reduce (one collective a step)."""
+    total = torch.zeros(6, dtype=torch.float64, device=info.device)
     if info.last_stage and info.tp_rank == 0:
         for item in losses:
             total[:2] += item["loss"].to(torch.float64)
     total[2] = float(stop)
+    total[3:] = torch.tensor(save_progress, dtype=torch.float64)
     dist.all_reduce(total)
-    loss, target_tokens, stops = total.tolist()
-    return loss / max(target_tokens, 1.0), int(target_tokens), stops > 0
+    loss, target_tokens, stops, *progress = total.tolist()
+    return loss / max(target_tokens, 1.0), int(target_tokens), stops > 0, tuple(progress)
 
 
 def run_global_batch(model, micro_batches: list[dict], forward_step, seq_length: int, pp: int,
@@ -160,8 +167,35 @@ def evaluate(model, data: TrainData, forward_step, seq_length: int, info: Parall
         for micro_batches in data.eval_batches():
             losses += run_global_batch(model, micro_batches, forward_step, seq_length, data.config.pp, forward_only=True)
     model.train()
-    loss, target_tokens, _ = reduce_loss(losses, info)
+    loss, target_tokens, _, _ = reduce_loss(losses, info)
     return loss, target_tokens
+
+
+@contextmanager
+def inputs_checked():
+    """Setup reads the user's inputs (shard directories, model directories, checkpoints): a
+    ValueError or missing file there is a fault of those inputs, reported as one line."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
+        if isinstance(exc, UserError):
+            raise
+        raise UserError(str(exc)) from None
+
+
+def lock_output_dir(stack: ExitStack, out: Path, info: ParallelInfo) -> None:
+    """The main rank holds --out for the whole run (a second job on it fails naming this one);
+    every rank fails alike when it cannot."""
+    error = None
+    if info.is_main:
+        try:
+            stack.enter_context(exclusive_output_dir(out, "train"))
+        except UserError as exc:
+            error = str(exc)
+    message = [error]
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise UserError(message[0])
 
 
 def train(config: TrainConfig) -> dict:
@@ -170,14 +204,24 @@ def train(config: TrainConfig) -> dict:
     # from fragmenting (near the memory limit, fragments cost whole layers of recompute). Read
     # when CUDA initialises, i.e. below; a PYTORCH_CUDA_ALLOC_CONF of the user's own wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    arch = resolve_arch(config)
+    with inputs_checked():
+        arch = resolve_arch(config)
     check_layout(arch, config)  # before any process group exists: a bad layout fails on every rank alike
     info = init_parallel(config.tp, config.pp, device=config.device, seed=config.seed)
     out = Path(config.out)
+    with ExitStack() as stack:
+        lock_output_dir(stack, out, info)
+        saver = checkpoint.CheckpointSaver(out, info, config.keep_last, background=config.async_save)
+        stack.callback(saver.abandon)  # an error mid-run: a save in flight still completes if it can
+        return train_loop(config, arch, info, out, saver)
+
+
+def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Path, saver) -> dict:
     cuda = info.device.type == "cuda"
     bf16 = config.bf16 and cuda  # CPU runs (tests, smoke runs) are fp32 and bitwise reproducible
     dtype = torch.bfloat16 if bf16 else torch.float32
-    data = TrainData(config, arch, info)
+    with inputs_checked():
+        data = TrainData(config, arch, info)
 
     model_config = transformer_config(arch, tp=config.tp, pp=config.pp, params_dtype=dtype, bf16=bf16,
                                       cpu=not cuda, recompute=config.recompute,
@@ -189,12 +233,13 @@ def train(config: TrainConfig) -> dict:
             print(f"vlmpack train: --attention fa4: {', '.join(on_fa2)} keep FA2 "
                   f"(FA4 runs head dims {', '.join(map(str, FA4_HEAD_DIMS))})", file=sys.stderr)
     model = build_model(arch, model_config, info, recompute_vision=config.recompute_vision, compile=config.compile)
-    if config.hf_model:
-        checkpoint.load_hf_weights(model, config.hf_model, arch, info)
-    elif config.init:
-        checkpoint.load_model_weights(model, config.init, arch, info)
-    else:
-        checkpoint.init_random_weights(model, arch, config.seed, info)
+    with inputs_checked():
+        if config.hf_model:
+            checkpoint.load_hf_weights(model, config.hf_model, arch, info)
+        elif config.init:
+            checkpoint.load_model_weights(model, config.init, arch, info)
+        else:
+            checkpoint.init_random_weights(model, arch, config.seed, info)
     freeze(model, config.freeze)
 
     use_distributed = config.distributed_optimizer and cuda  # megatron's DistributedOptimizer is CUDA-only
@@ -208,7 +253,8 @@ def train(config: TrainConfig) -> dict:
 
     step = 0
     if config.resume:
-        step = checkpoint.resume(out, model, optimizer, scheduler, data, info)
+        with inputs_checked():
+            step = checkpoint.resume(out, model, optimizer, scheduler, data, info)
         if cuda and config.adam_state_dtype == "fp32":
             use_fused_adamw(optimizer)  # the checkpoint may come from a run with bf16 moments
     logger = MetricsLogger(out, config, info, enabled=info.is_main)
@@ -231,7 +277,8 @@ def train(config: TrainConfig) -> dict:
             update_ok, grad_norm, _ = optimizer.step()
             if update_ok:
                 scheduler.step(increment=1)
-            loss, target_tokens, stop_requested = reduce_loss(losses, info, stop.requested)
+            loss, target_tokens, stop_requested, saves_written = reduce_loss(losses, info, stop.requested,
+                                                                             saver.progress())
             step += 1
             if cuda:
                 torch.cuda.synchronize()
@@ -250,13 +297,18 @@ def train(config: TrainConfig) -> dict:
                 raise FloatingPointError(f"loss is {loss} at step {step}: lower --lr, check the data with `vlmpack verify`")
             if config.eval_data and config.eval_every and step % config.eval_every == 0 and not stop_requested:
                 record["eval_loss"], record["eval_target_tokens"] = evaluate(model, data, forward_step, seq_length, info)
-            if step % config.log_every == 0 or step == config.train_steps:
-                logger.log(record)
+            t_checkpoint = time.perf_counter()
+            saver.settle(saves_written)  # a background save every rank has written: complete it
             exiting = (bool(config.exit_interval) and step % config.exit_interval == 0) or stop_requested
             final = step == config.train_steps and config.save_final
             if (config.save_every and step % config.save_every == 0) or final or exiting:
-                checkpoint.save(out, step, model, optimizer, scheduler, data, config, arch, info)
+                checkpoint.save(saver, step, model, optimizer, scheduler, data, config, arch)
                 last_saved = step
+                if exiting or final:
+                    saver.wait()
+            record.update(checkpoint_record(saver, time.perf_counter() - t_checkpoint))
+            if step % config.log_every == 0 or step == config.train_steps or "checkpoint_stall_s" in record:
+                logger.log(record)
             result = {**result, **record}
             if stop_requested:
                 if info.is_main:
@@ -265,11 +317,28 @@ def train(config: TrainConfig) -> dict:
                 result["stopped_by_signal"] = True
             if exiting:
                 break
+    saver.wait()
     logger.close()
     if config.export_hf and step == config.train_steps == last_saved:  # not after a stop: the run goes on later
         checkpoint.export_hf_from_run(out, step, config.export_hf, info)
     result["final_step"] = step
     return result
+
+
+def checkpoint_record(saver, stall: float) -> dict:
+    """The step's checkpoint metrics: how long the training loop was blocked (snapshot, waiting
+    for the save before, completing one) and which background saves completed, with how long
+    their writing took."""
+    timings = saver.take_timings()
+    record = {}
+    if timings:
+        record["checkpoint_stall_s"] = stall
+        record.update({f"checkpoint_{key}": value for key, value in timings.items()})
+    if saver.completed:
+        record["checkpoint_completed_step"] = saver.completed[-1]["step"]
+        record["checkpoint_write_s"] = saver.completed[-1]["write_s"]
+        saver.completed.clear()
+    return record
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -330,16 +399,9 @@ class Train:
     def run(args) -> int:
         from train.config import config_from_args
 
-        try:
-            config = config_from_args(args)
-        except (ValueError, FileNotFoundError) as exc:
-            print(f"vlmpack train: error: {exc}", file=sys.stderr)
-            return 2
+        config = config_from_args(args)  # ConfigError: one line, exit 2 (the dispatcher)
         try:
             result = train(config)
-        except (ConfigError, ValueError, FileNotFoundError) as exc:
-            print(f"vlmpack train: error: {exc}", file=sys.stderr)
-            return 2
         except RuntimeError as exc:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(exc):
                 raise
@@ -354,11 +416,10 @@ class Train:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
+    """`python -m train.trainer ARGS` (e.g. under torchrun): `vlmpack train ARGS`, errors handled alike."""
+    from shards_schema.cli import main as vlmpack
 
-    parser = argparse.ArgumentParser(prog="vlmpack train", description=__doc__.split("\n\n")[0])
-    Train.add_arguments(parser)
-    return Train.run(parser.parse_args(argv))
+    return vlmpack(["train", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtyp
         # output kept for backward. CPU runs (tests) keep the eager op: no compile step there.
         bias_activation_fusion=not cpu, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, cross_entropy_loss_fusion=False,
+        cuda_graph_scope=[],  # no CUDA graphs; megatron's default ("full") warns that it is deprecated
         **recompute_kw, **overrides)
 
 
