@@ -8,20 +8,26 @@
         trainer.json         step, loader state, config, arch, layout
     OUT/checkpoints/latest   name of the newest complete checkpoint
 
-A checkpoint is written to `step_N.tmp/` by all ranks; after a barrier rank 0 renames it and
-then updates `latest` (atomic replace), so a killed job leaves either the previous
-checkpoint or the new one, never a torn one, and loses at most the steps since the last save.
+A checkpoint is written to `step_N.tmp/` by all ranks (by default on a background thread
+while training goes on, see CheckpointSaver); once every rank's files are written rank 0
+renames it and then updates `latest` (atomic replace), so a killed job leaves either the
+previous checkpoint or the new one, never a torn one, and loses at most the steps since the
+last complete save. Then the oldest checkpoints beyond --keep-last are deleted.
 The loader state makes `--resume` continue with exactly the next pack; the RNG and optimizer
 states make the continuation equal to an uninterrupted run (bitwise on CPU).
 """
 
 from __future__ import annotations
 
+import copy
+import errno
 import json
 import math
 import os
 import random
 import shutil
+import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -29,9 +35,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shards_schema.atomic import atomic_open, fsync_dir, write_json_atomic
+from shards_schema.atomic import TMP_SUFFIX, atomic_open, fsync_dir, write_json_atomic
+from shards_schema.errors import DiskFullError
 from train import checkpoint_format as fmt
 from train import convert
+from train.config import ConfigError
 from train.model.arch import ModelArch
 
 CHECKPOINTS = "checkpoints"
@@ -123,40 +131,316 @@ def _load_parameter_state(optimizer, filename: str) -> None:
                 opt.state[param]["step"] = step.clone()
 
 
-def save(out: Path, step: int, model, optimizer, scheduler, data, config, arch: ModelArch, info) -> Path:
-    root = Path(out) / CHECKPOINTS
-    final = root / f"step_{step:08d}"
-    tmp = root / f"step_{step:08d}.tmp"
-    if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    module = _unwrap(model)
-    state = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
-    if info.dp_rank == 0:
-        (tmp / "model").mkdir(exist_ok=True)
-        fmt.save_tensors(tmp / "model" / fmt.rank_file(info.tp_rank, info.pp_rank), state)
-    if _uses_distributed_optimizer(optimizer):
-        optimizer.save_parameter_state(str(tmp / f"optimizer_param_state_pp{info.pp_rank}_tp{info.tp_rank}.pt"))
-    with atomic_open(tmp / f"rank_{info.rank:05d}.pt") as fh:
-        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": _rng_state(info.device)}, fh)
-    dist.barrier()
-    if info.is_main:
-        fmt.write_meta(tmp / "model", arch, info.tp, info.pp, fmt.dtype_name(state.values()))
-        side_files = config.hf_model or (Path(config.init) / fmt.HF_SUBDIR if config.init else None)
-        if side_files and Path(side_files).is_dir():  # tokenizer/processor files travel to export-hf
-            fmt.copy_hf_side_files(side_files, tmp / "model" / fmt.HF_SUBDIR)
-        write_json_atomic(tmp / "trainer.json", {
-            "step": step, "loader": data.state_dict(), "config": config.to_dict(),
-            "layout": {"tp": info.tp, "pp": info.pp, "dp": info.dp, "world": info.world}})
+def _gather_parameter_state(optimizer):
+    """megatron's `save_parameter_state` without its `torch.save`: the DistributedOptimizer's
+    parameter state gathered (a collective, so on the training thread) into new CPU tensors
+    on DP rank 0, None elsewhere; a chained optimizer's as the list megatron's loader reads."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [o.get_parameter_state_dp_zero() if hasattr(o, "get_parameter_state_dp_zero") else None for o in chained]
+    if len(chained) == 1:
+        return states[0]
+    return states if any(s is not None for s in states) else None
+
+
+class HostCopies:
+    """Copies of tensors in CPU memory that training cannot change while they are written.
+
+    On CUDA the copies go to pinned buffers (asynchronous device-to-host copies, one
+    synchronize), and a save's buffers are reused by the next one: pinning gigabytes takes
+    longer than copying them."""
+
+    def __init__(self, device: torch.device):
+        self.pinned = device.type == "cuda"
+        self._spare: dict[tuple, list[torch.Tensor]] = {}
+        self._in_use: list[torch.Tensor] = []
+
+    def copy(self, obj):
+        """`obj` (nested dicts / lists / tuples) with every tensor copied to the host, the rest deep-copied."""
+        if isinstance(obj, torch.Tensor):
+            tensor = obj.detach()
+            key = (tuple(tensor.shape), tensor.dtype)
+            spare = self._spare.get(key)
+            host = spare.pop() if spare else torch.empty(key[0], dtype=key[1], pin_memory=self.pinned)
+            self._in_use.append(host)
+            return host.copy_(tensor, non_blocking=self.pinned)
+        if isinstance(obj, dict):
+            return type(obj)((k, self.copy(v)) for k, v in obj.items())
+        if type(obj) in (list, tuple):
+            return type(obj)(self.copy(v) for v in obj)
+        return copy.deepcopy(obj)
+
+    def ready(self) -> None:
+        if self.pinned:
+            torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """The copies are written: keep their buffers for the next snapshot."""
+        for host in self._in_use:
+            self._spare.setdefault((tuple(host.shape), host.dtype), []).append(host)
+        self._in_use = []
+
+
+class _RecordWriteErrors:
+    """A file object for torch.save that keeps the OSError of a failed write: torch reports a
+    full disk as "unexpected pos N vs M", without the errno."""
+
+    def __init__(self, fh):
+        self._fh, self.error = fh, None
+
+    def write(self, data):
+        try:
+            return self._fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+
+def _torch_save(obj, path: Path) -> None:
+    with atomic_open(path) as fh:
+        recorder = _RecordWriteErrors(fh)
+        try:
+            torch.save(obj, recorder)
+        except RuntimeError:
+            if recorder.error is not None:
+                raise recorder.error from None
+            raise
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC / EDQUOT, also where a library reports it only in its message (safetensors)."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(sign in str(exc) for sign in ("No space left on device", "Disk quota exceeded")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class CheckpointSaver:
+    """Saves a run's checkpoints, at most one in flight, and keeps the newest `keep_last`.
+
+    A save snapshots what it needs on the training thread (model, optimizer, scheduler, RNG
+    and loader state; on GPU into CPU memory) and, with `background`, writes the files on a
+    thread of its own while the next steps run. Every rank reports through
+    `progress()` whether its files are written; the trainer sums the reports over the ranks
+    in the step's loss all-reduce and passes them to `settle()`, so a checkpoint is taken as
+    complete (renamed from step_N.tmp, `latest` updated, old ones deleted) only once every
+    rank's files are on disk, with no collective of its own. `wait()` blocks until the save
+    in flight is complete (the next save, the end of training and a stop wait for it).
+
+    A save that cannot fit (free space below the size of the previous checkpoint or, for the
+    first, of the state to write) or that fills the disk while writing raises DiskFullError
+    on every rank; step_N.tmp is removed and the previous checkpoint stays as it was.
+    """
+
+    def __init__(self, out: Path, info, keep_last: int, background: bool):
+        self.root = Path(out) / CHECKPOINTS
+        self.info, self.keep_last, self.background = info, keep_last, background
+        self.host = HostCopies(info.device)
+        self._pending: dict | None = None
+        self._timings: dict[str, float] = {}
+        self.completed: list[dict] = []  # {"step", "write_s"} of saves completed since the trainer last looked
+        if info.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob("*" + TMP_SUFFIX):  # a killed job's unfinished save (the --out lock is ours)
+                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+        dist.barrier()
+
+    # --- what the trainer calls -----------------------------------------------------------
+
+    def save(self, step: int, model, optimizer, scheduler, data, config, arch: ModelArch) -> None:
+        self.wait()
+        t0 = time.perf_counter()
+        module = _unwrap(model)
+        model_state = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
+        state = {"model": model_state if self.info.dp_rank == 0 else None,
+                 "rank": {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                          "rng": _rng_state(self.info.device)}}
+        if self.background:  # training goes on and changes the live tensors: write copies
+            state = self.host.copy(state)
+            self.host.ready()
+        state["param_state"] = _gather_parameter_state(optimizer) if _uses_distributed_optimizer(optimizer) else None
+        state["dtype"] = fmt.dtype_name(model_state.values())
+        if self.info.is_main:
+            state["trainer"] = {"step": step, "loader": copy.deepcopy(data.state_dict()), "config": config.to_dict(),
+                                "layout": {"tp": self.info.tp, "pp": self.info.pp, "dp": self.info.dp,
+                                           "world": self.info.world}}
+            side_files = config.hf_model or (Path(config.init) / fmt.HF_SUBDIR if config.init else None)
+            state["side_files"] = side_files if side_files and Path(side_files).is_dir() else None
+        self._add_time("snapshot_s", t0)
+        tmp = self.root / f"step_{step:08d}{TMP_SUFFIX}"
+        needed = self._check_space(step, tensor_bytes(state))
+        if self.info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "model").mkdir(parents=True)
+        dist.barrier()
+        pending = {"step": step, "tmp": tmp, "needed": needed, "error": None, "done": threading.Event()}
+        self._pending = pending
+        if self.background:
+            thread = threading.Thread(target=self._write, args=(pending, state, arch), name=f"checkpoint-{step}")
+            pending["thread"] = thread
+            thread.start()
+        else:
+            self._write(pending, state, arch)
+            self.wait()
+
+    def progress(self) -> tuple[float, float, float]:
+        """This rank's part of the step's all-reduce: (files written, failed on a full disk, failed otherwise)."""
+        pending = self._pending
+        if pending is None or not pending["done"].is_set():
+            return 0.0, 0.0, 0.0
+        error = pending["error"]
+        return 1.0, float(error is not None and is_disk_full(error)), float(error is not None and not is_disk_full(error))
+
+    def settle(self, summed: tuple[float, float, float]) -> None:
+        """With `progress()` summed over all ranks: complete the save in flight once every rank wrote its files."""
+        pending = self._pending
+        if pending is None or summed[0] < self.info.world:
+            return
+        t0 = time.perf_counter()
+        self._pending = None
+        if "thread" in pending:
+            pending["thread"].join()
+        self.host.release()
+        if summed[1] or summed[2]:
+            if self.info.is_main:
+                shutil.rmtree(pending["tmp"], ignore_errors=True)
+            self._raise(pending, disk_full=bool(summed[1]))
+        if self.info.is_main:
+            self._complete(pending)
+        self.completed.append({"step": pending["step"], "write_s": pending["write_s"]})
+        self._add_time("complete_s", t0)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; raises what its writing raised."""
+        pending = self._pending
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        pending["done"].wait()
+        self._add_time("wait_s", t0)
+        summed = torch.tensor(self.progress(), dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(summed)
+        self.settle(tuple(summed.tolist()))
+
+    def abandon(self) -> None:
+        """The run ends on an error: let this rank's writing finish; the main rank completes the
+        checkpoint when every rank's files are there (the others cannot be asked any more)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending["done"].wait()
+        tmp = pending["tmp"]
+        if (self.info.is_main and pending["error"] is None
+                and all((tmp / f"rank_{r:05d}.pt").is_file() for r in range(self.info.world))):
+            self._complete(pending)
+
+    def take_timings(self) -> dict[str, float]:
+        """Seconds the training thread spent on checkpoints since the last call, by phase."""
+        timings, self._timings = self._timings, {}
+        return timings
+
+    # --- the parts ----------------------------------------------------------------------
+
+    def _add_time(self, key: str, since: float) -> None:
+        self._timings[key] = self._timings.get(key, 0.0) + time.perf_counter() - since
+
+    def _write(self, pending: dict, state: dict, arch: ModelArch) -> None:
+        """This rank's files, its rank file last (the main rank's completes a checkpoint on an error exit)."""
+        t0 = time.perf_counter()
+        tmp, info = pending["tmp"], self.info
+        try:
+            if state["model"] is not None:
+                fmt.save_tensors(tmp / "model" / fmt.rank_file(info.tp_rank, info.pp_rank), state["model"])
+            if state["param_state"] is not None:
+                _torch_save(state["param_state"], tmp / f"optimizer_param_state_pp{info.pp_rank}_tp{info.tp_rank}.pt")
+            if info.is_main:
+                fmt.write_meta(tmp / "model", arch, info.tp, info.pp, state["dtype"])
+                if state["side_files"]:  # tokenizer/processor files travel to export-hf
+                    fmt.copy_hf_side_files(state["side_files"], tmp / "model" / fmt.HF_SUBDIR)
+                write_json_atomic(tmp / "trainer.json", state["trainer"])
+            _torch_save(state["rank"], tmp / f"rank_{info.rank:05d}.pt")
+        except Exception as exc:  # reported to every rank through progress(), raised by settle()
+            pending["error"] = exc
+        finally:
+            pending["write_s"] = time.perf_counter() - t0
+            pending["done"].set()
+
+    def _check_space(self, step: int, local_bytes: int) -> int:
+        """The bytes this checkpoint needs; DiskFullError on every rank if any rank lacks them.
+
+        Checkpoints that --keep-last deletes are not counted as free: they go only after
+        the new one is complete."""
+        total = torch.tensor([local_bytes], dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(total)
+        previous = latest_checkpoint(self.root.parent)
+        needed = max(int(total.item()), directory_bytes(previous) if previous else 0)
+        free = shutil.disk_usage(self.root).free
+        short = torch.tensor([float(needed > free)], dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(short)
+        if short.item():
+            where = "are free" if needed > free else "are free here, less on another rank's disk"
+            raise DiskFullError(
+                f"not enough space for checkpoint step_{step:08d} in {self.root}: it needs about {_fmt_bytes(needed)} "
+                f"({needed:,} bytes), {_fmt_bytes(free)} ({free:,} bytes) {where}; {self._kept_note(previous)}")
+        return needed
+
+    def _kept_note(self, previous: Path | None) -> str:
+        kept = f"checkpoint {previous.name} is intact" if previous else "no checkpoint was saved yet"
+        return (f"{kept}. Free space, keep fewer checkpoints (--keep-last, now {self.keep_last}; older ones are "
+                f"deleted only once a new one is complete), or use another --out, then continue with --resume")
+
+    def _raise(self, pending: dict, disk_full: bool) -> None:
+        error = pending["error"]
+        if disk_full:
+            free = shutil.disk_usage(self.root).free
+            raise DiskFullError(
+                f"no space left on the device writing checkpoint step_{pending['step']:08d} in {self.root} (it needs "
+                f"about {_fmt_bytes(pending['needed'])}, {_fmt_bytes(free)} free now); the unfinished files are "
+                f"removed and {self._kept_note(latest_checkpoint(self.root.parent))}") from error
+        if error is not None:
+            raise error
+        raise RuntimeError(f"writing checkpoint step_{pending['step']:08d} failed on another rank (its log says why)")
+
+    def _complete(self, pending: dict) -> None:
+        """Main rank: step_N.tmp -> step_N, `latest` -> step_N, then the oldest beyond keep_last go."""
+        final = self.root / f"step_{pending['step']:08d}"
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        with atomic_open(root / LATEST, "w") as fh:
+        os.replace(pending["tmp"], final)
+        fsync_dir(self.root)
+        with atomic_open(self.root / LATEST, "w") as fh:
             fh.write(final.name)
-    dist.barrier()
-    return final
+        complete = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX))
+        for old in complete[:-self.keep_last]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def save(saver: CheckpointSaver, step: int, model, optimizer, scheduler, data, config, arch: ModelArch) -> None:
+    """Save `step` through `saver` (the trainer's one entry, so a benchmark can swap it out)."""
+    saver.save(step, model, optimizer, scheduler, data, config, arch)
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -177,7 +461,7 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
     meta = json.loads((path / "trainer.json").read_text())
     layout = meta["layout"]
     if (layout["tp"], layout["pp"], layout["world"]) != (info.tp, info.pp, info.world):
-        raise ValueError(f"{path} was written with tp={layout['tp']} pp={layout['pp']} on {layout['world']} ranks; "
+        raise ConfigError(f"{path} was written with tp={layout['tp']} pp={layout['pp']} on {layout['world']} ranks; "
                          f"resume with the same layout, or start a new run from its weights with --init {path / 'model'}")
     arch = read_model_arch(path / "model")
     load_model_weights(model, path / "model", arch, info)
