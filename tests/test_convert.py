@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from shards_schema.errors import UserError
 from shards_schema.outdir import LOCK_NAME, exclusive_output_dir, user_entries
+from tests.cli_run import vlmpack_exit_code
 from tests.hf_models import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config
 from train import convert as C
 from train.checkpoint_format import (
@@ -380,6 +381,8 @@ BAD_CONVERT_ARGUMENTS = [
     (["import-hf", "{t}/missing", "--out", "{t}/o"], "HF_DIR {t}/missing: no such directory"),
     (["import-hf", "{e}", "--out", "{t}/o"], "HF_DIR {e} has no config.json"),
     (["import-hf", "{hf}", "--out", "{t}/o", "--tp", "0"], "--tp must be an integer >= 1, got 0"),
+    (["import-hf", "{hf}", "--out", "{t}/o", "--tp", "two"], "argument --tp: invalid int value: 'two'"),
+    (["export-hf", "{m}", "--out", "{t}/o", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     (["import-hf", "{hf}", "--out", "{t}/o", "--pp", "-1"], "--pp must be an integer >= 1, got -1"),
     (["import-hf", "{hf}", "--out", "{t}/o", "--tp", "3"], "tp=3 does not divide"),
     (["import-hf", "{hf}", "--out", "{f}"], "--out {f} is a file, not a directory"),
@@ -396,18 +399,17 @@ BAD_CONVERT_ARGUMENTS = [
 @pytest.mark.parametrize("argv, message", BAD_CONVERT_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_CONVERT_ARGUMENTS])
 def test_cli_bad_arguments_exit_2_with_one_line_naming_them(hf_checkpoint, tmp_path_factory, tmp_path, capsys, argv,
                                                             message):
-    from shards_schema.cli import main
-
     _, path = hf_checkpoint("qwen2.5-vl", True)
     model = tmp_path_factory.getbasetemp() / "bad-arguments-model"
     if not model.exists():
         C.import_hf(path, model)
+    capsys.readouterr()  # what making the checkpoints printed
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "empty").mkdir()
     paths = {"hf": str(path), "m": str(model), "f": str(tmp_path / "a_file"), "e": str(tmp_path / "empty"),
              "t": str(tmp_path)}
     untouched = {p: _files(p) for p in (path, model)}
-    assert main([arg.format(**paths) for arg in argv]) == 2
+    assert vlmpack_exit_code([arg.format(**paths) for arg in argv]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"vlmpack {argv[0]}: error: "), captured.err

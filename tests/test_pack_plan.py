@@ -17,6 +17,7 @@ import pytest
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import ShardFormatError, open_shards
+from tests.cli_run import vlmpack_exit_code
 from train.pack_plan import (
     PackingError,
     PackPlan,
@@ -322,6 +323,7 @@ def test_cli_errors_exit_2(shard_dirs, tmp_path):
 BAD_PACK_ARGUMENTS = [
     (["--seq-len", "2048"], "give at least one shard directory"),
     (["{d}", "--seq-len", "0"], "--seq-len must be an integer >= 1, got 0"),
+    (["{d}", "--seq-len", "long"], "argument --seq-len: invalid int value: 'long'"),
     (["{d}", "--seq-len", "-5"], "--seq-len must be an integer >= 1, got -5"),
     (["{d}", "--seq-len", "2048", "--dp-size", "0"], "--dp-size must be an integer >= 1, got 0"),
     (["{d}", "--seq-len", "2048", "--global-batch-packs", "-2"], "--global-batch-packs -2 must be a positive multiple"),
@@ -341,13 +343,11 @@ BAD_PACK_ARGUMENTS = [
 
 @pytest.mark.parametrize("argv, message", BAD_PACK_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_PACK_ARGUMENTS])
 def test_cli_bad_arguments_exit_2_with_one_line_naming_them(shard_dirs, tmp_path, capsys, argv, message):
-    from shards_schema.cli import main
-
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     paths = {"d": str(shard_dirs[0]), "f": str(a_file), "t": str(tmp_path)}
     before = sorted(p.name for p in tmp_path.iterdir())
-    assert main(["pack", *(arg.format(**paths) for arg in argv)]) == 2
+    assert vlmpack_exit_code(["pack", *(arg.format(**paths) for arg in argv)]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("vlmpack pack: error: "), captured.err
