@@ -356,6 +356,26 @@ def test_cli_bad_arguments_exit_2_with_one_line_naming_them(shard_dirs, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
 
 
+@pytest.mark.parametrize("command", ["pack", "import-hf", "export-hf"])
+def test_help_has_one_line_per_option_in_named_groups(command):
+    import argparse
+    import importlib
+
+    from shards_schema.cli import COMMANDS
+
+    module, attr = COMMANDS[command][0].split(":")
+    parser = argparse.ArgumentParser(prog=f"vlmpack {command}")
+    getattr(importlib.import_module(module), attr).add_arguments(parser)
+    shown = [a for a in parser._actions if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+    assert shown and all(a.help for a in shown)
+    default_groups = {parser._positionals.title, parser._optionals.title}
+    for group in parser._action_groups:
+        assert group.title not in default_groups or all(isinstance(a, argparse._HelpAction) for a in group._group_actions)
+    options = parser.format_help().split("\n\n", 1)[1]  # below the usage block
+    wrapped = [line for line in options.splitlines() if line.startswith(" " * 8)]
+    assert not wrapped, wrapped  # a help text wrapped, or pushed below a long option name
+
+
 def test_cli_out_may_be_an_empty_directory_or_a_plan_it_replaces(shard_dirs, tmp_path):
     out = tmp_path / "plan"
     out.mkdir()
