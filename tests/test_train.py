@@ -514,6 +514,42 @@ def test_gpu_resume_with_distributed_optimizer(shards, tmp_path):
     assert np.mean([m["loss"] for m in a[-2:]]) < np.mean([m["loss"] for m in a[:2]])
 
 
+# Before each save: the DistributedOptimizer's parameter state as a background save assembles
+# it from host copies, and as megatron gathers it, must be the same, tensor for tensor.
+COMPARE_PARAMETER_STATE = """
+import sys, torch, train.checkpoint as ckpt, train.trainer as trainer
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+real = ckpt.CheckpointSaver.save
+def save(self, step, model, optimizer, *args):
+    snapshot = ckpt.ParameterStateSnapshot(optimizer, ckpt.HostCopies(torch.device("cuda")))
+    torch.cuda.synchronize()
+    reference = ckpt._gather_parameter_state(optimizer)
+    assert reference is not None and same(snapshot.assemble(), reference), f"step {step}: parameter states differ"
+    print(f"parameter state of step {step}: same", flush=True)
+    return real(self, step, model, optimizer, *args)
+ckpt.CheckpointSaver.save = save
+sys.exit(trainer.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_gpu_background_save_writes_megatrons_parameter_state(shards, tmp_path, state_dtype):
+    out = tmp_path / "run"
+    proc = ok(run_train([*BASE, *GPU, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--save-every",
+                         "2", "--adam-state-dtype", state_dtype], code=COMPARE_PARAMETER_STATE))
+    assert "parameter state of step 2: same" in proc.stdout and "parameter state of step 3: same" in proc.stdout
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000003"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bf16_grads_and_adam_state_with_distributed_optimizer(shards, tmp_path):

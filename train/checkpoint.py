@@ -137,9 +137,87 @@ def _gather_parameter_state(optimizer):
     on DP rank 0, None elsewhere; a chained optimizer's as the list megatron's loader reads."""
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     states = [o.get_parameter_state_dp_zero() if hasattr(o, "get_parameter_state_dp_zero") else None for o in chained]
-    if len(chained) == 1:
+    return _one_or_list(states)
+
+
+def _one_or_list(states: list):
+    """What megatron's (Chained)Optimizer.save_parameter_state writes for these per-optimizer states."""
+    if len(states) == 1:
         return states[0]
     return states if any(s is not None for s in states) else None
+
+
+PARAMETER_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+class ParameterStateSnapshot:
+    """The DistributedOptimizer's parameter state for a background save.
+
+    megatron's `get_parameter_state_dp_zero` copies every parameter's main weights and Adam
+    moments to the CPU one synchronous copy at a time into freshly zeroed buffers, then
+    gathers them on DP rank 0 (on an H100, 60-75 s for a 2B model, all of it blocking
+    training). Here the training thread only copies this rank's shards into reused pinned
+    host buffers (asynchronous copies); `assemble()`, on the writer thread, lays them out and
+    gathers them exactly as megatron does (same layout, same gloo group), so
+    `load_parameter_state` reads the file as if megatron had written it."""
+
+    def __init__(self, optimizer, host: HostCopies):
+        self.optimizers = []
+        self.nbytes = 0  # of the file this rank will write (DP rank 0's world tensors)
+        for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if not hasattr(o, "get_parameter_state_dp_zero"):
+                self.optimizers.append(None)
+                continue
+            buffers = []
+            for gbuf_idx, gbuf_range_maps in enumerate(o.gbuf_ranges):
+                assert len(gbuf_range_maps) == 1, "single dtype supported, for now."  # as megatron
+                (dtype, bucket_maps), = gbuf_range_maps.items()
+                buckets = []
+                for bucket_idx, gbuf_range_map in enumerate(bucket_maps):
+                    bucket = o.buffers[gbuf_idx].buckets[bucket_idx]
+                    shards = []
+                    for model_param, param_range_map in gbuf_range_map["param_map"].items():
+                        tensors = o._get_main_param_and_optimizer_states(model_param)
+                        local = param_range_map["gbuf_local"]
+                        shards.append((local.start, local.end,
+                                       host.copy({k: tensors[k].detach() for k in PARAMETER_STATE_KEYS})))
+                    buckets.append((bucket.grad_data.numel(), bucket.numel_unpadded, shards))
+                buffers.append((dtype, o.buffers[gbuf_idx].numel_unpadded, buckets))
+                if o.data_parallel_group_gloo.rank() == 0:
+                    self.nbytes += 4 * len(PARAMETER_STATE_KEYS) * o.buffers[gbuf_idx].numel_unpadded
+            self.optimizers.append((o.data_parallel_group_gloo, buffers))
+
+    def assemble(self):
+        return _one_or_list([self._assemble(*o) if o is not None else None for o in self.optimizers])
+
+    @staticmethod
+    def _assemble(group, buffers):
+        size, rank = group.size(), group.rank()
+        root = dist.get_process_group_ranks(group)[0]
+        state = {"buckets_coalesced": True}
+        for gbuf_idx, (dtype, numel_unpadded, buckets) in enumerate(buffers):
+            world = {}
+            if rank == 0:
+                world = {k: torch.zeros(numel_unpadded, dtype=torch.float32) for k in PARAMETER_STATE_KEYS}
+                world["numel_unpadded"] = numel_unpadded
+            offset = 0
+            for bucket_numel, bucket_unpadded, shards in buckets:
+                local_numel = bucket_numel // size
+                for key in PARAMETER_STATE_KEYS:
+                    local = torch.zeros(local_numel, dtype=torch.float32)
+                    for start, end, tensors in shards:
+                        local[start:end].copy_(tensors[key])
+                    if size == 1:
+                        gathered = local
+                    else:
+                        parts = [torch.empty(local_numel, dtype=torch.float32) for _ in range(size)] if rank == 0 else None
+                        dist.gather(local, parts, root, group)
+                        gathered = torch.cat(parts) if rank == 0 else None
+                    if rank == 0:
+                        world[key][offset:offset + bucket_unpadded].copy_(gathered[:bucket_unpadded])
+                offset += bucket_unpadded
+            state[gbuf_idx] = {dtype: world}
+        return state if rank == 0 else None
 
 
 class HostCopies:
@@ -223,6 +301,8 @@ def is_disk_full(exc: BaseException) -> bool:
 def tensor_bytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
+    if isinstance(obj, ParameterStateSnapshot):
+        return obj.nbytes
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
@@ -278,10 +358,13 @@ class CheckpointSaver:
         state = {"model": model_state if self.info.dp_rank == 0 else None,
                  "rank": {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                           "rng": _rng_state(self.info.device)}}
+        distributed = _uses_distributed_optimizer(optimizer)
         if self.background:  # training goes on and changes the live tensors: write copies
             state = self.host.copy(state)
+            state["param_state"] = ParameterStateSnapshot(optimizer, self.host) if distributed else None
             self.host.ready()
-        state["param_state"] = _gather_parameter_state(optimizer) if _uses_distributed_optimizer(optimizer) else None
+        else:
+            state["param_state"] = _gather_parameter_state(optimizer) if distributed else None
         state["dtype"] = fmt.dtype_name(model_state.values())
         if self.info.is_main:
             state["trainer"] = {"step": step, "loader": copy.deepcopy(data.state_dict()), "config": config.to_dict(),
@@ -374,8 +457,11 @@ class CheckpointSaver:
         try:
             if state["model"] is not None:
                 fmt.save_tensors(tmp / "model" / fmt.rank_file(info.tp_rank, info.pp_rank), state["model"])
-            if state["param_state"] is not None:
-                _torch_save(state["param_state"], tmp / f"optimizer_param_state_pp{info.pp_rank}_tp{info.tp_rank}.pt")
+            param_state = state["param_state"]
+            if isinstance(param_state, ParameterStateSnapshot):
+                param_state = param_state.assemble()  # a collective of the DP group's writer threads
+            if param_state is not None:
+                _torch_save(param_state, tmp / f"optimizer_param_state_pp{info.pp_rank}_tp{info.tp_rank}.pt")
             if info.is_main:
                 fmt.write_meta(tmp / "model", arch, info.tp, info.pp, state["dtype"])
                 if state["side_files"]:  # tokenizer/processor files travel to export-hf
