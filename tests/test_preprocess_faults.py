@@ -199,9 +199,11 @@ def test_merge_into_a_directory_another_job_holds_stops_at_once(partitions, tmp_
 # ---------------------------------------------------------------- signals and worker processes
 
 
-def _start_and_wait_for_workers(data: Path, out: Path) -> tuple[subprocess.Popen, set[int]]:
-    proc = subprocess.Popen(_preprocess_cmd(data, out, rows_per_shard=1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+def _start_and_wait_for_workers(data: Path, out: Path, stderr: Path) -> tuple[subprocess.Popen, set[int]]:
+    """A 2-worker job that has committed a unit. Its stderr goes to a file: a pipe would also be
+    held open by workers that outlive it."""
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(_preprocess_cmd(data, out, rows_per_shard=1), stdout=subprocess.DEVNULL, stderr=err)
     _wait_for(lambda: _units_committed(out) >= 1 or proc.poll() is not None, what="a first committed unit")
     assert proc.poll() is None, "the job ended before it could be signalled: the input is too small"
     children = _children(proc.pid)
@@ -210,7 +212,7 @@ def _start_and_wait_for_workers(data: Path, out: Path) -> tuple[subprocess.Popen
 
 
 def test_workers_die_with_a_killed_parent(data, tmp_path):
-    proc, children = _start_and_wait_for_workers(data, tmp_path / "out")
+    proc, children = _start_and_wait_for_workers(data, tmp_path / "out", tmp_path / "stderr")
     os.kill(proc.pid, signal.SIGKILL)  # the parent only, as an OOM killer or a scheduler would
     proc.wait()
     assert not _wait_gone(children), "processes of the killed job still run"
@@ -219,13 +221,13 @@ def test_workers_die_with_a_killed_parent(data, tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_or_sigint_stops_the_job_and_its_workers_keeping_finished_units(signum, data, tmp_path):
     out = tmp_path / "out"
-    proc, children = _start_and_wait_for_workers(data, out)
+    proc, children = _start_and_wait_for_workers(data, out, tmp_path / "stderr")
     committed = _units_committed(out)
     sent = time.monotonic()
     os.kill(proc.pid, signum)
     proc.wait(timeout=30)
     assert time.monotonic() - sent < PROCESS_GONE_SECONDS + 2
-    err = proc.stderr.read()
+    err = (tmp_path / "stderr").read_text()
     assert proc.returncode == 128 + signum
     assert err.strip().splitlines()[-1] == (f"vlmpack preprocess: error: stopped by {signal.Signals(signum).name}; finished "
                                            "shards are kept: re-run the same command to resume")
