@@ -111,7 +111,7 @@ class Preprocess:
         g.add_argument("--input-hash", default="sampled", choices=INPUT_HASH_MODES,
                        help="how a resumed job checks that its inputs did not change: 'sampled' (default) compares "
                             "size, modification time and a hash of sampled blocks; 'full' hashes whole inputs "
-                            "(slower, ignores timestamps)")
+                            "(slower; timestamps then do not matter). A job resumes with the mode it started with")
         g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     @staticmethod

@@ -395,9 +395,8 @@ def _claim_out_dir(out: Path, identity: dict, inputs: list[JobInput], hash_mode:
             for inp, before in zip(inputs, seen):
                 if before.get("location") == inp.location and before.get("mtime_ns") != inp.mtime_ns:
                     raise ConfigError(
-                        f"input {before['name']} was modified since {printable_path(str(out))} was started: use a new "
-                        f"--out directory, or delete this one to start over (if only its timestamp changed, "
-                        "re-run with --input-hash full to compare whole contents)")
+                        f"input {before['name']} was modified since {printable_path(str(out))} was started (its "
+                        "modification time changed): use a new --out directory, or delete this one to start over")
     else:  # a merged directory records no input locations: from now on this job's are checked
         write_json_atomic(seen_file, [inp.seen() for inp in inputs])
     _remove_torn_writes(out)

@@ -49,8 +49,8 @@ def reference(data, tmp_path_factory) -> Path:
 
 
 def _run_inprocess(data: Path, out: Path, **kw) -> dict:
-    return run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(out), rows_per_shard=ROWS_PER_SHARD,
-                                           progress=False, workers=kw.pop("workers", 1), **kw))
+    kw.setdefault("rows_per_shard", ROWS_PER_SHARD)
+    return run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(out), progress=False, workers=kw.pop("workers", 1), **kw))
 
 
 def _cli_cmd(*args) -> list[str]:
@@ -125,19 +125,27 @@ def _units_committed(out: Path) -> int:
 # ---------------------------------------------------------------- kill -9 at random moments, then resume
 
 
+def _kill_at_a_random_moment(cmd: list[str], out: Path, rng: random.Random, units: int, jitter: float) -> bool:
+    """Start `cmd`, SIGKILL it (the parent only) after a random number of committed units plus a
+    random delay; True if that interrupted it. Its workers must end with it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    after = rng.randrange(units)
+    _wait_for(lambda: (out / "_parts").is_dir() and _units_committed(out) >= after or proc.poll() is not None,
+              what=f"{after} committed units")
+    time.sleep(rng.uniform(0.0, jitter))
+    children = _children(proc.pid)
+    proc.kill()
+    proc.wait()
+    assert not _wait_gone(children), "workers outlived the killed job"
+    return not (out / "manifest.json").exists()
+
+
 def test_preprocess_killed_at_random_moments_then_rerun_is_byte_identical(data, reference, tmp_path):
     interrupted = 0
     for seed, workers in ((0, 2), (1, 1), (2, 1)):
         out = tmp_path / f"out{seed}"
-        proc = subprocess.Popen(_preprocess_cmd(data, out, workers=workers), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        _wait_for(lambda: (out / "_parts").is_dir() or proc.poll() is not None, what="the job to claim its directory")
-        time.sleep(random.Random(seed).uniform(0.0, 1.0 if workers == 1 else 3.0))  # within the units phase, mostly
-        children = _children(proc.pid)
-        proc.kill()
-        proc.wait()
-        assert not _wait_gone(children), "workers outlived the killed job"
-        interrupted += not (out / "manifest.json").exists()
+        interrupted += _kill_at_a_random_moment(_preprocess_cmd(data, out, workers=workers), out, random.Random(seed),
+                                                units=6, jitter=0.05)
         manifest = _run_inprocess(data, out)
         assert manifest["_run"]["units_done_now"] + manifest["_run"]["units_resumed"] == 7
         assert _outputs(out) == _outputs(reference), seed
@@ -146,27 +154,24 @@ def test_preprocess_killed_at_random_moments_then_rerun_is_byte_identical(data, 
 
 @pytest.fixture(scope="module")
 def partitions(data, tmp_path_factory) -> list[Path]:
+    """Two partitions of one shard per row: a merge of many small steps to interrupt."""
     dirs = [tmp_path_factory.mktemp(f"part{i}") for i in range(2)]
     for i, d in enumerate(dirs):
-        _run_inprocess(data, d, num_partitions=2, partition_index=i)
+        _run_inprocess(data, d, num_partitions=2, partition_index=i, rows_per_shard=1)
     return dirs
 
 
-def test_merge_killed_at_random_moments_then_rerun_is_byte_identical(partitions, reference, tmp_path):
+def test_merge_killed_at_random_moments_then_rerun_is_byte_identical(partitions, data, tmp_path):
     merge_partitions([str(p) for p in partitions], str(tmp_path / "uninterrupted"))
     expected = _outputs(tmp_path / "uninterrupted")
+    _run_inprocess(data, tmp_path / "one_job", rows_per_shard=1)
     assert {k: v for k, v in expected.items() if not k.startswith("_parts/")} == {
-        k: v for k, v in _outputs(reference).items() if not k.startswith("_parts/")}  # = one unpartitioned job
+        k: v for k, v in _outputs(tmp_path / "one_job").items() if not k.startswith("_parts/")}
     interrupted = 0
     for seed in range(4):
         out = tmp_path / f"merged{seed}"
-        proc = subprocess.Popen(_cli_cmd("merge", *partitions, "--out", out), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        _wait_for(lambda: out.is_dir() or proc.poll() is not None, what="the merge to create its directory")
-        time.sleep(random.Random(seed).uniform(0.0, 0.1))
-        proc.kill()
-        proc.wait()
-        interrupted += not (out / "manifest.json").exists()
+        interrupted += _kill_at_a_random_moment(_cli_cmd("merge", *partitions, "--out", out), out, random.Random(seed),
+                                                units=10, jitter=0.002)
         merge_partitions([str(p) for p in partitions], str(out))
         assert _outputs(out) == expected, seed
     assert interrupted >= 2, "the kills all came too late to interrupt anything"
@@ -177,14 +182,15 @@ def test_merge_killed_at_random_moments_then_rerun_is_byte_identical(partitions,
 
 def test_a_second_identical_job_on_the_same_directory_stops_at_once(data, reference, tmp_path):
     out = tmp_path / "out"
-    first = subprocess.Popen(_preprocess_cmd(data, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _wait_for(lambda: (out / "_parts").is_dir(), what="the first job to claim its directory")
-    second = subprocess.run(_preprocess_cmd(data, out), capture_output=True, text=True, timeout=120)
-    assert first.poll() is None, "the first job ended before the second started: the input is too small to overlap"
-    assert second.returncode == EXIT_USER_ERROR
-    assert second.stderr.count("\n") == 1 and "in use by another job (vlmpack preprocess, pid " + str(first.pid) in second.stderr
-    assert first.wait(timeout=120) == 0, first.stderr.read()
-    assert _outputs(out) == _outputs(reference)
+    jobs = [subprocess.Popen(_preprocess_cmd(data, out, rows_per_shard=1), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = {job.pid: (job.wait(timeout=120), job.stderr.read()) for job in jobs}
+    (winner, (code, err)), (loser, (lost_code, lost_err)) = sorted(results.items(), key=lambda kv: kv[1][0])
+    assert code == 0, err
+    assert lost_code == EXIT_USER_ERROR and lost_err.count("\n") == 1, lost_err
+    assert f"is in use by another job (vlmpack preprocess, pid {winner} " in lost_err
+    _run_inprocess(data, tmp_path / "one", rows_per_shard=1)
+    assert _outputs(out) == _outputs(tmp_path / "one")
 
 
 def test_merge_into_a_directory_another_job_holds_stops_at_once(partitions, tmp_path):
