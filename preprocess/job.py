@@ -93,6 +93,16 @@ class Interrupted(UserError):
         self.exit_code = 128 + signum
 
 
+class WorkerLost(UserError):
+    """A worker process ended without a result (killed by the system, e.g. out of memory)."""
+
+    exit_code = 1
+
+    def __init__(self):
+        super().__init__("a worker process ended unexpectedly (killed by the system, e.g. out of memory?); finished "
+                         "shards are kept: re-run the same command to resume, with fewer --workers if memory is short")
+
+
 def shard_name(unit_index: int) -> str:
     return f"shard-{unit_index:06d}.arrow"
 
@@ -537,12 +547,14 @@ def _run_units(units: list[WorkUnit], names: dict[str, str], cfg: PreprocessConf
                 done, rej = done_counter.value, rejected_counter.value
                 show(done - seen_done, rej - seen_rejected)
                 seen_done, seen_rejected = done, rej
-        except BaseException:
+        except BaseException as exc:
             # Stop now: no new units, the running ones end, and their half-written shards go
             # (those units are redone on resume).
             pool.shutdown(wait=False, cancel_futures=True)
             _end_workers([p for p in mp.active_children() if p not in others])
             _remove_torn_writes(out)
+            if isinstance(exc, cf.process.BrokenProcessPool):
+                raise WorkerLost() from None
             raise
         pool.shutdown()
     finally:

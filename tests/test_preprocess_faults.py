@@ -243,6 +243,21 @@ def test_sigterm_or_sigint_stops_the_job_and_its_workers_keeping_finished_units(
     assert not list(out.glob("*" + TMP_SUFFIX))
 
 
+def test_a_worker_killed_by_the_system_stops_the_job_with_one_line(data, reference, tmp_path):
+    out = tmp_path / "out"
+    proc, children = _start_and_wait_for_workers(data, out, tmp_path / "stderr")
+    worker = next(p for p in children if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text())
+    os.kill(worker, signal.SIGKILL)  # what the out-of-memory killer does
+    assert proc.wait(timeout=60) == 1
+    err = (tmp_path / "stderr").read_text()
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        "vlmpack preprocess: error: a worker process ended unexpectedly"), err
+    assert not _wait_gone(children), "the other worker outlived the stopped job"
+    _run_inprocess(data, out, rows_per_shard=1)
+    _run_inprocess(data, tmp_path / "one", rows_per_shard=1)
+    assert _outputs(out) == _outputs(tmp_path / "one")
+
+
 # ---------------------------------------------------------------- full disk, read-only output
 
 
