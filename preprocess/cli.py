@@ -101,7 +101,9 @@ class Preprocess:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("inputs", nargs="+", help=".jsonl / .json / .parquet files or `datasets` save_to_disk directories")
-        parser.add_argument("--out", required=True, help="output shard directory (re-running resumes)")
+        parser.add_argument("--out", required=True,
+                            help="output shard directory: new or empty (a directory holding anything else is refused); "
+                                 "re-running the same job into it resumes")
         _add_sample_arguments(parser)
         g = parser.add_argument_group("job")
         g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores, %(default)s)")
@@ -150,7 +152,8 @@ class Merge:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("dirs", nargs="+", help="output directories of the partitions (may be one shared directory)")
-        parser.add_argument("--out", required=True, help="merged shard directory (may be one of the inputs)")
+        parser.add_argument("--out", required=True,
+                            help="merged shard directory: new or empty, or one of the inputs (re-running the merge resumes)")
 
     @staticmethod
     def run(args) -> int:
