@@ -338,14 +338,25 @@ def describe_job_input(given: str, rows_per_unit: int, hash_mode: str) -> JobInp
 def job_identity(cfg: PreprocessConfig, profile: Profile, inputs: list[JobInput]) -> dict:
     """What must match for outputs to be resumed or merged: never the worker count or partition index.
 
-    Round-tripped through JSON so it compares equal to the copy read back from disk.
+    Round-tripped through JSON so it compares equal to the copy read back from disk; paths in
+    it (a --model or --media-root directory) are recorded in their printable form.
     """
-    return json.loads(json.dumps({
+    return _printable_strings(json.loads(json.dumps({
         "profile": profile.fingerprint,
         "settings": {**dataclasses.asdict(cfg.sample), "rows_per_shard": cfg.rows_per_shard},
         "inputs": [inp.identity() for inp in inputs],
         "num_partitions": cfg.num_partitions,
-    }))
+    })))
+
+
+def _printable_strings(obj):
+    if isinstance(obj, str):
+        return printable_path(obj)
+    if isinstance(obj, dict):
+        return {printable_path(k): _printable_strings(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_printable_strings(v) for v in obj]
+    return obj
 
 
 def _read_json(path: Path):

@@ -462,11 +462,14 @@ def test_undecodable_file_names_and_surrogates_never_stop_the_job(tmp_path, monk
         return sample
 
     monkeypatch.setattr(job, "process_row", odd_process_row)
+    media = Path(os.fsdecode(bytes(tmp_path) + b"/m\xe9dia"))
+    media.mkdir()
     out = tmp_path / "out"
     for _ in range(2):  # the re-run resumes as well
-        manifest = _run([data], out, workers=1, rows_per_shard=2)
+        manifest = _run([data], out, workers=1, rows_per_shard=2, sample=SampleOptions(media_root=str(media)))
     name = str(tmp_path) + "/caf\\xe9.jsonl"
     assert manifest["accounting"]["inputs"][0]["path"] == name
+    assert manifest["settings"]["media_root"] == str(tmp_path) + "/m\\xe9dia"
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text(encoding="utf-8").splitlines()]
     assert {r["row"]: r["code"] for r in rejects} == {1: "bad_id", 2: "internal_error", 3: "internal_error"}
     assert "ValueError: broken on \\udcff" in rejects[1]["reason"] and "UnicodeEncodeError" in rejects[2]["reason"]
