@@ -180,12 +180,12 @@ def test_merge_killed_at_random_moments_then_rerun_is_byte_identical(partitions,
 # ---------------------------------------------------------------- two jobs, one directory
 
 
-def test_a_second_identical_job_on_the_same_directory_stops_at_once(data, reference, tmp_path):
+def test_a_second_identical_job_on_the_same_directory_stops_at_once(data, tmp_path):
     out = tmp_path / "out"
-    jobs = [subprocess.Popen(_preprocess_cmd(data, out, rows_per_shard=1), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    results = {job.pid: (job.wait(timeout=120), job.stderr.read()) for job in jobs}
-    (winner, (code, err)), (loser, (lost_code, lost_err)) = sorted(results.items(), key=lambda kv: kv[1][0])
+    procs = [subprocess.Popen(_preprocess_cmd(data, out, rows_per_shard=1), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = {p.pid: (p.communicate(timeout=120)[1], p.returncode) for p in procs}
+    (winner, (err, code)), (_, (lost_err, lost_code)) = sorted(results.items(), key=lambda kv: kv[1][1])
     assert code == 0, err
     assert lost_code == EXIT_USER_ERROR and lost_err.count("\n") == 1, lost_err
     assert f"is in use by another job (vlmpack preprocess, pid {winner} " in lost_err
@@ -243,7 +243,7 @@ def test_sigterm_or_sigint_stops_the_job_and_its_workers_keeping_finished_units(
     assert not list(out.glob("*" + TMP_SUFFIX))
 
 
-def test_a_worker_killed_by_the_system_stops_the_job_with_one_line(data, reference, tmp_path):
+def test_a_worker_killed_by_the_system_stops_the_job_with_one_line(data, tmp_path):
     out = tmp_path / "out"
     proc, children = _start_and_wait_for_workers(data, out, tmp_path / "stderr")
     worker = next(p for p in children if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text())
@@ -273,7 +273,7 @@ def _tmpfs(directory: Path, options: str):
         subprocess.run(["umount", "-l", str(directory)], check=True)
 
 
-def _assert_disk_full_then_resume(code: int, err: str, data: Path, out: Path, reference: Path) -> None:
+def _assert_disk_full_with_finished_units_kept(code: int, err: str, out: Path) -> None:
     assert code == EXIT_DISK_FULL, err
     assert err.count("\n") == 1 and err.startswith("vlmpack preprocess: error: no space left on the device"), err
     kept = _units_committed(out)
@@ -293,7 +293,7 @@ def test_full_disk_exits_4_keeps_finished_units_and_resumes_injected(data, refer
     out = tmp_path / "out"
     code = cli_main([str(a) for a in ("preprocess", data, "--out", out, "--workers", 1, "--rows-per-shard", ROWS_PER_SHARD,
                                       "--no-progress")])
-    _assert_disk_full_then_resume(code, capsys.readouterr().err, data, out, reference)
+    _assert_disk_full_with_finished_units_kept(code, capsys.readouterr().err, out)
     assert _units_committed(out) == 3
     monkeypatch.setattr(job, "ShardWriter", real_writer)
     manifest = _run_inprocess(data, out)
@@ -306,7 +306,7 @@ def test_full_disk_exits_4_keeps_finished_units_and_resumes_tmpfs(data, referenc
     with _tmpfs(tmp_path / "disk", f"size={total // 2}") as disk:
         out = disk / "out"
         result = subprocess.run(_preprocess_cmd(data, out, workers=1), capture_output=True, text=True, timeout=120)
-        _assert_disk_full_then_resume(result.returncode, result.stderr, data, out, reference)
+        _assert_disk_full_with_finished_units_kept(result.returncode, result.stderr, out)
         subprocess.run(["mount", "-o", f"remount,size={total * 4}", str(disk)], check=True)
         result = subprocess.run(_preprocess_cmd(data, out, workers=1), capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
