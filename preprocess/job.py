@@ -434,7 +434,10 @@ def _check_same_job(out: Path, recorded: dict, identity: dict) -> None:
         for before, now in zip(before_inputs, now_inputs):
             if before == now:
                 continue
-            mode_before = (before.get("fingerprint") or {}).get("mode")
+            if "fingerprint" not in before:
+                raise ConfigError(f"{where} was made by an earlier vlmpack that recorded no input fingerprints, so "
+                                  f"it cannot be resumed safely: {fix}")
+            mode_before = before["fingerprint"].get("mode")
             if mode_before != now["fingerprint"]["mode"]:
                 raise ConfigError(f"{where} was started with --input-hash {mode_before}, this run uses "
                                   f"--input-hash {now['fingerprint']['mode']}: re-run with --input-hash {mode_before}")

@@ -380,6 +380,13 @@ def test_resume_refuses_an_input_edited_in_place(tmp_path):
         _run([data], out, workers=1, rows_per_shard=3)
     with pytest.raises(ConfigError, match="started with --input-hash sampled"):
         _run([data], out, workers=1, rows_per_shard=3, input_hash="full")
+    job_file = out / "_parts" / "job.json"  # as an earlier vlmpack wrote it: no fingerprints
+    recorded = json.loads(job_file.read_text())
+    for inp in recorded["inputs"]:
+        del inp["fingerprint"]
+    job_file.write_text(json.dumps(recorded))
+    with pytest.raises(ConfigError, match="earlier vlmpack that recorded no input fingerprints"):
+        _run([data], out, workers=1, rows_per_shard=3)
 
 
 def test_full_input_hash_sees_an_edit_that_sampled_blocks_miss(tmp_path):
