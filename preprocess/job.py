@@ -139,6 +139,7 @@ def process_unit(unit: WorkUnit, name: str, rows_per_unit: int, out: Path, profi
     rejects, rows_read, done_since_report, rejected_since_report = [], 0, 0, 0
     try:
         for row_index, row in read_rows(unit, rows_per_unit):
+            _stop_if_asked()
             rows_read += 1
             source = f"{name}:{row_index}"
             reject = None
@@ -478,8 +479,10 @@ def check_config(cfg: PreprocessConfig) -> None:
 
 @contextmanager
 def _stop_on_signals():
-    """SIGTERM and SIGINT raise `Interrupted` in the main thread, so workers are ended and
-    the job stops with its committed units kept; a second signal ends the process at once."""
+    """SIGTERM and SIGINT ask the job to stop: it ends its workers and raises `Interrupted` at
+    the next row or unit boundary (`_stop_if_asked`), keeping committed units. The handler only
+    records the request: an exception raised at an arbitrary point could be taken by a row's
+    error handling for that row's failure. A second signal ends the process at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -488,14 +491,24 @@ def _stop_on_signals():
     def stop(signum, frame):
         for s in signals:
             signal.signal(s, signal.SIG_DFL)
-        raise Interrupted(signum)
+        _STOP_REQUEST["signal"] = signum
 
     previous = {s: signal.signal(s, stop) for s in signals}
     try:
         yield
     finally:
+        _STOP_REQUEST["signal"] = None
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+_STOP_REQUEST: dict = {"signal": None}
+
+
+def _stop_if_asked() -> None:
+    """Raise `Interrupted` if a stop signal came (see `_stop_on_signals`)."""
+    if _STOP_REQUEST["signal"] is not None:
+        raise Interrupted(_STOP_REQUEST["signal"])
 
 
 @contextmanager
@@ -555,6 +568,7 @@ def _run_units(units: list[WorkUnit], names: dict[str, str], cfg: PreprocessConf
             pending = {pool.submit(_worker_process_unit, unit, names[unit.input.path]) for unit in units}
             seen_done = seen_rejected = 0
             while pending:
+                _stop_if_asked()
                 finished, pending = cf.wait(pending, timeout=0.25, return_when=cf.FIRST_COMPLETED)
                 for fut in finished:
                     fut.result()  # re-raise a worker's failure here
@@ -649,6 +663,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         todo = [u for u in mine if u.index not in committed]
         started = time.perf_counter()
         _run_units(todo, names, cfg, out, profile)
+        _stop_if_asked()
         elapsed = time.perf_counter() - started
         records = load_unit_records(out, (u.index for u in mine))
         run = {
@@ -713,6 +728,7 @@ def merge_partitions(directories: list[str], out: str) -> dict:
         _remove_torn_writes(out_dir)
         records = []
         for index in range(total_units):
+            _stop_if_asked()
             src = found[index]
             record = json.loads(unit_record_path(src, index).read_text(encoding="utf-8"))
             if not shard_matches_record(src, record):

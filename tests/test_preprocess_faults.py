@@ -243,6 +243,21 @@ def test_sigterm_or_sigint_stops_the_job_and_its_workers_keeping_finished_units(
     assert not list(out.glob("*" + TMP_SUFFIX))
 
 
+def test_sigterm_stops_a_single_process_job_keeping_finished_units(data, tmp_path):
+    """--workers 1 works in the job's own process: the signal lands inside a unit."""
+    out = tmp_path / "out"
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(_preprocess_cmd(data, out, workers=1, rows_per_shard=1), stdout=subprocess.DEVNULL, stderr=err)
+    _wait_for(lambda: _units_committed(out) >= 1 or proc.poll() is not None, what="a first committed unit")
+    assert proc.poll() is None, "the job ended before it could be signalled"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    lines = (tmp_path / "stderr").read_text().strip().splitlines()
+    assert lines == ["vlmpack preprocess: error: stopped by SIGTERM; finished shards are kept: re-run the same command "
+                     "to resume"], lines
+    assert _units_committed(out) >= 1 and not list(out.glob("*" + TMP_SUFFIX)) and not (out / "manifest.json").exists()
+
+
 def test_a_worker_killed_by_the_system_stops_the_job_with_one_line(data, tmp_path):
     out = tmp_path / "out"
     proc, children = _start_and_wait_for_workers(data, out, tmp_path / "stderr")
