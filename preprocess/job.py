@@ -605,16 +605,20 @@ def shard_matches_record(directory: Path, record: dict) -> bool:
         return False
 
 
-def _committed_units(out: Path, units: list[WorkUnit]) -> tuple[set[int], list[int]]:
+def _committed_units(out: Path, units: list[WorkUnit], progress: bool) -> tuple[set[int], list[int]]:
     """(units whose record and shard are intact, units whose record was there but the shard
     missing or damaged); the records of the second kind are removed, so those units are redone."""
+    from tqdm import tqdm
+
     done, damaged = set(), []
-    for unit in units:
+    recorded = [u for u in units if unit_record_path(out, u.index).exists()]
+    for unit in tqdm(recorded, unit="shard", desc="check finished shards", disable=not progress or not recorded):
+        _stop_if_asked()
         path = unit_record_path(out, unit.index)
         record = _read_json(path)
         if record is not None and record.get("unit") == unit.index and shard_matches_record(out, record):
             done.add(unit.index)
-        elif path.exists():
+        else:
             damaged.append(unit.index)
             path.unlink()
     return done, damaged
@@ -659,7 +663,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     with _stop_on_signals(), exclusive_output_dir(cfg.out, "preprocess") as out, _output_errors(out):
         identity = _claim_out_dir(out, identity, inputs, cfg.input_hash)
         names = {inp.file.path: entry["path"] for inp, entry in zip(inputs, identity["inputs"])}
-        committed, damaged = _committed_units(out, mine)
+        committed, damaged = _committed_units(out, mine, cfg.progress)
         todo = [u for u in mine if u.index not in committed]
         started = time.perf_counter()
         _run_units(todo, names, cfg, out, profile)
