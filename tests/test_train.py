@@ -528,11 +528,14 @@ def same(a, b):
     return a == b
 real = ckpt.CheckpointSaver.save
 def save(self, step, model, optimizer, *args):
+    self.wait()  # the save before is complete: its host buffers are spare
     snapshot = ckpt.ParameterStateSnapshot(optimizer, ckpt.HostCopies(torch.device("cuda")))
     torch.cuda.synchronize()
     reference = ckpt._gather_parameter_state(optimizer)
     assert reference is not None and same(snapshot.assemble(), reference), f"step {step}: parameter states differ"
     print(f"parameter state of step {step}: same", flush=True)
+    spare = [t for buffers in self.host._spare.values() for t in buffers]
+    print(f"host buffers before step {step}: {len(spare)}, pinned: {all(t.is_pinned() for t in spare)}", flush=True)
     return real(self, step, model, optimizer, *args)
 ckpt.CheckpointSaver.save = save
 sys.exit(trainer.main(sys.argv[1:]))
@@ -547,6 +550,9 @@ def test_gpu_background_save_writes_megatrons_parameter_state(shards, tmp_path, 
     proc = ok(run_train([*BASE, *GPU, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--save-every",
                          "2", "--adam-state-dtype", state_dtype], code=COMPARE_PARAMETER_STATE))
     assert "parameter state of step 2: same" in proc.stdout and "parameter state of step 3: same" in proc.stdout
+    # the first save's host buffers were page-locked on the writer thread, for the second one
+    assert "host buffers before step 2: 0," in proc.stdout
+    assert re.search(r"host buffers before step 3: [1-9]\d*, pinned: True", proc.stdout), proc.stdout[-2000:]
     assert (out / "checkpoints" / "latest").read_text() == "step_00000003"
 
 
