@@ -1,9 +1,10 @@
 """`vlmpack train`: the training job, top to bottom.
 
-    setup:  process groups -> model (HF import / Megatron dir / random arch) -> freeze ->
-            megatron DDP -> optimizer + LR schedule -> packed loader -> resume
+    setup:  process groups -> lock --out -> model (HF import / Megatron dir / random arch) ->
+            freeze -> megatron DDP -> optimizer + LR schedule -> packed loader -> resume
     loop:   global batch of packs -> megatron forward/backward schedule (PP-aware) ->
-            per-token loss over the whole global batch -> clip -> step -> log -> save
+            per-token loss over the whole global batch -> clip -> step -> save (snapshot here,
+            files written in the background, see train.checkpoint.CheckpointSaver) -> log
 
 Launch with `torchrun --nproc-per-node N -m train.trainer ...` or `vlmpack train ...` (one
 process per GPU). The loop reads only shards (token ids, positions, uint8 patches): no
