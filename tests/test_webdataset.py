@@ -7,10 +7,12 @@ import hashlib
 import io
 import json
 import pickle
+import random
 import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -412,8 +414,12 @@ def test_a_second_export_into_a_held_out_dir_is_refused(shard_dir, tmp_path):
 # ---------------------------------------------------------------------------- CLI and imports
 
 
+def _cli_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "shards_schema.cli", *map(str, args)]
+
+
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "shards_schema.cli", *map(str, args)], capture_output=True, text=True, cwd=REPO_ROOT)
+    return subprocess.run(_cli_cmd(*args), capture_output=True, text=True, cwd=REPO_ROOT)
 
 
 def test_cli_export_import_and_bad_input(shard_dir, tmp_path):
@@ -437,6 +443,43 @@ def test_cli_export_import_and_bad_input(shard_dir, tmp_path):
     done = _cli("import", tardir, "--out", back, "--overwrite")
     assert done.returncode == 0, done.stderr
     assert load_manifest(back) == load_manifest(shard_dir)
+
+
+def test_import_killed_at_random_moments_then_rerun_is_byte_identical(shard_dir, tmp_path):
+    """kill -9 while the shards are written: the re-run refuses the unfinished directory in one line
+    unless told --overwrite, and then writes the source's bytes exactly."""
+    small = tmp_path / "small"  # one row per shard: many steps to interrupt
+    run_preprocess(PreprocessConfig(inputs=[str(next(shard_dir.parent.glob("*.jsonl")))], out=str(small), workers=1,
+                                    rows_per_shard=1, progress=False))
+    tardir = tmp_path / "tars"
+    export_webdataset(small, tardir, samples_per_tar=SAMPLES_PER_TAR)
+    expected = {entry["file"]: (small / entry["file"]).read_bytes() for entry in load_manifest(small)["shards"]}
+    expected |= {name: (small / name).read_bytes() for name in ("rejects.jsonl", "manifest.json")}
+    interrupted = 0
+    for seed in range(4):
+        out = tmp_path / f"back{seed}"
+        proc = subprocess.Popen(_cli_cmd("import", tardir, "--out", out), cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        after = random.Random(seed).randrange(len(expected) - 2)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and not (out.is_dir() and len(list(out.glob("*.arrow"))) >= after):
+            assert time.monotonic() < deadline, "import never wrote its shards"
+            time.sleep(0.002)
+        proc.kill()
+        proc.wait()
+        if (out / "manifest.json").exists():
+            continue
+        interrupted += 1
+        if user_entries(out):
+            again = _cli("import", tardir, "--out", out)
+            assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+            assert "holds the output of an unfinished (no manifest.json) `vlmpack import`: pass --overwrite" in again.stderr
+        done = _cli("import", tardir, "--out", out, "--overwrite")
+        assert done.returncode == 0, done.stderr
+        assert sorted(user_entries(out)) == sorted(expected), seed
+        for name, data in expected.items():
+            assert (out / name).read_bytes() == data, (seed, name)
+    assert interrupted >= 2, "the kills all came too late to interrupt anything"
 
 
 def test_module_imports_neither_preprocess_nor_torch():
