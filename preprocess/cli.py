@@ -60,7 +60,8 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("samples")
     g.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, help="longer conversations are rejected (default %(default)s)")
     g.add_argument("--truncate", action="store_true", help="cut over-long conversations instead (never through an image)")
-    g.add_argument("--loss-policy", default="all_assistant", choices=["all_assistant", "last_assistant"])
+    g.add_argument("--loss-policy", default="all_assistant", choices=["all_assistant", "last_assistant"],
+                   help="which assistant turns are targets: every one (default) or only the last")
     g.add_argument("--media-root", default=None, help="directory that image file paths resolve under (never outside it)")
     g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, help="reject images with more pixels (decompression bombs)")
 

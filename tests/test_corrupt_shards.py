@@ -269,8 +269,8 @@ def test_bad_arguments_give_one_line_and_exit_2(clean, clean_export, tmp_path, c
     assert paths["f"].read_text() == "not a directory"  # a file passed for a directory is never written
 
 
-@pytest.mark.parametrize("command", ["inspect", "show", "verify", "export", "import"])
-def test_every_option_has_help(command):
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_option_of_every_command_has_help(command):
     module, attr = COMMANDS[command][0].split(":")
     parser = argparse.ArgumentParser(prog=command)
     getattr(importlib.import_module(module), attr).add_arguments(parser)
