@@ -25,10 +25,10 @@ from pathlib import Path
 from common import log, machine_info, parser, write_json
 from synthetic_shards import SyntheticSpec, write_synthetic_shards
 
-from train.trainer import train  # first: it quiets megatron's import-time notices
 from train.config import TrainConfig
 from train.model.arch import builtin_arch
 from train.parallel import destroy_parallel
+from train.trainer import train
 
 
 def run(setting_async: bool, args, data_dir: Path, out: Path) -> dict:

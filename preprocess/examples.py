@@ -1,14 +1,17 @@
-"""Synthetic OpenAI-format conversations with embedded images: the quickstart's dataset, and the
-input of tests and benchmarks. Deterministic for a seed; no download.
+"""Synthetic OpenAI-format conversations with embedded images and videos: the quickstart's
+dataset, and the input of tests and benchmarks. Deterministic for a seed; no download.
 
 Images are drawn with PIL (gradients, shapes, noise, sometimes alpha or odd modes) at varied
-sizes and encoded as base64 data URIs (JPEG or PNG), like real scraped VLM data.
+sizes and encoded as base64 data URIs (JPEG or PNG), like real scraped VLM data. Videos are
+moving gradients and edges encoded with PyAV (FFmpeg's encoders) in the codecs and
+containers real data comes in.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import random
 from pathlib import Path
@@ -44,6 +47,71 @@ def synthetic_image(rng: np.random.Generator, width: int, height: int, mode: str
     elif mode != "RGB":
         img = img.convert(mode)
     return img
+
+
+def synthetic_video_frames(rng: np.random.Generator, num_frames: int, width: int, height: int):
+    """`num_frames` RGB uint8 frames [H, W, 3]: a gradient that drifts, a bar that sweeps across
+    and a little noise, so every frame differs from the one before it."""
+    yy, xx = np.mgrid[0:height, 0:width]
+    phase = rng.uniform(0, 2 * np.pi, 3)
+    for k in range(num_frames):
+        t = k / max(num_frames - 1, 1)
+        frame = np.stack([
+            127 + 120 * np.sin(2 * np.pi * xx / max(width, 1) + phase[0] + 4 * t),
+            127 + 120 * np.sin(2 * np.pi * yy / max(height, 1) + phase[1] - 3 * t),
+            127 + 120 * np.sin(2 * np.pi * (xx + yy) / max(width + height, 1) + phase[2] + 2 * t),
+        ], axis=-1)
+        bar = int(t * max(width - 1, 0))
+        frame[:, max(bar - 2, 0):bar + 3] = 255
+        frame += rng.normal(0, 6, frame.shape)
+        yield np.clip(frame, 0, 255).astype(np.uint8)
+
+
+VIDEO_CODECS = {  # container -> codec PyAV writes into it
+    "mp4": "libx264",
+    "mkv": "mpeg4",
+    "webm": "libvpx-vp9",
+    "avi": "mjpeg",
+}
+
+
+def write_video(path: str | Path, frames, fps: float, *, codec: str = "libx264", gop: int | None = None,
+                rotate: int | None = None, pts_step=None) -> Path:
+    """Encode RGB frames into `path` (the container from its suffix). `gop` is the keyframe
+    interval; `pts_step(k)` gives frame k's duration in milliseconds (variable frame rate);
+    `rotate` writes rotation metadata."""
+    import fractions
+
+    import av
+
+    path = Path(path)
+    frames = iter(frames)
+    first = next(frames)
+    height, width = first.shape[:2]
+    with av.open(str(path), mode="w") as container:
+        rate = fractions.Fraction(fps).limit_denominator(1001)
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height = width - width % 2, height - height % 2
+        stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+        if codec == "libx264":
+            stream.options = {"crf": "18", "preset": "ultrafast"}
+        if gop is not None:
+            stream.codec_context.gop_size = gop
+        if rotate is not None:
+            stream.metadata["rotate"] = str(rotate)
+        pts = 0
+        for k, rgb in enumerate(itertools.chain([first], frames)):
+            frame = av.VideoFrame.from_ndarray(rgb[: stream.height, : stream.width], format="rgb24")
+            if pts_step is not None:
+                stream.codec_context.time_base = fractions.Fraction(1, 1000)
+                frame.time_base = fractions.Fraction(1, 1000)
+                frame.pts = pts
+                pts += pts_step(k)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
 
 
 def encode_data_uri(img: Image.Image, fmt: str) -> str:

@@ -33,18 +33,12 @@ An RGB image that needs none of this is used as is (no copy).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import math
-import os
-import re
-import stat
 import struct
 import warnings
 import zlib
 from pathlib import Path
-from urllib.parse import unquote
 
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
@@ -52,13 +46,10 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from shards_schema.builtin import VisionConfig
 
 from .errors import RejectError
+from .media import DEFAULT_MAX_MEDIA_BYTES, declared_type, read_media_file, resolve_media
 
 # PIL's own hard limit (2 * Image.MAX_IMAGE_PIXELS): above it Image.open raises anyway.
 DEFAULT_MAX_IMAGE_PIXELS = 178_956_970
-# Bytes of one media file (or of a data URI's / base64 string's decoded data): checked before
-# reading, so a huge file never reaches memory. 128 MiB holds an uncompressed 8-bit RGB TIFF of
-# 44 megapixels and any compressed image up to DEFAULT_MAX_IMAGE_PIXELS seen in practice.
-DEFAULT_MAX_MEDIA_BYTES = 128 * 2**20
 # A decoded raster may take at most this many bytes per allowed pixel (--max-image-pixels): an
 # 8-bit RGB image at the pixel limit; wider pixels (alpha, CMYK, 32-bit) allow fewer of them.
 DECODE_BYTES_PER_PIXEL = 3
@@ -86,12 +77,6 @@ REJECT_CODES = (
     "aspect_ratio",  # longer side over MAX_ASPECT_RATIO times the shorter
 )
 
-_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
-# standard and URL-safe alphabets, padding, whitespace (MIME line breaks)
-_BASE64_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_ \t\n\r\v\f"
-# base64 of the first bytes of PNG, JPEG, GIF and WebP (RIFF) files.
-_BASE64_IMAGE_PREFIXES = ("iVBORw0KGgo", "/9j/", "R0lGOD", "UklGR")
-_LONG_BASE64 = 256
 _HIGH_BIT_DEPTH_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I", "F"}
 # What PIL raises on a broken file: it has no common exception base for decoder failures.
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, zlib.error)
@@ -115,151 +100,9 @@ _NAMED_SUBTYPES = set(_FORMAT_SUBTYPE.values()) | {"avif", "heic", "heif", "jxl"
 def resolve_image_source(
     source: str, media_root: Path | None, max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
 ) -> bytes:
-    """The encoded image bytes an image reference of a chat part points at, at most
-    `max_media_bytes` of them (checked before reading or decoding: `media_too_large`).
-
-    Which kind a string is, decided from the string alone (no file-system probing):
-
-    * `scheme://...` -> a URL: `file://` is read as a local path, anything else
-      (http, https, ftp, s3, ...) is rejected: batch jobs never fetch;
-    * `data:...;base64,...` -> a data URI;
-    * only base64 characters (A-Z a-z 0-9 + / = - _ and whitespace) AND either longer than
-      256 characters or starting like an encoded PNG/JPEG/GIF/WebP -> raw base64
-      (a path of 257+ characters with no dot in it would be misread: file names have
-      extensions, so this does not happen in practice);
-    * anything else -> a file path, resolved under `media_root`; it must stay inside
-      `media_root` after resolving `..` and symlinks, and be a regular file.
-    """
-    if not isinstance(source, str) or not source.strip():
-        raise RejectError("empty_source", f"image reference must be a non-empty string, got {source!r:.80}")
-    source = source.strip()
-    if _URL_SCHEME.match(source):
-        if source[:7].lower() == "file://":
-            return _read_media_file(unquote(source[7:]), media_root, max_media_bytes)
-        raise RejectError(
-            "remote_url",
-            f"{source[:80]!r} is a URL: batch jobs do not fetch; download the images and pass --media-root",
-        )
-    if source[:5].lower() == "data:":
-        comma = source.find(",")
-        header = source[:comma] if comma >= 0 else source[:80]
-        if comma < 0 or not header.lower().endswith(";base64"):
-            raise RejectError("bad_data_uri", f"data URI must be 'data:image/...;base64,<data>', got {header[:80]!r}")
-        return _b64decode(source[comma + 1 :], max_media_bytes, "data URI")
-    if _looks_like_base64(source):
-        return _b64decode(source, max_media_bytes, "base64 image")
-    return _read_media_file(source, media_root, max_media_bytes)
-
-
-def declared_type(source: str) -> str | None:
-    """The media type a data URI declares (lower case, '' when empty), None for other sources."""
-    source = source.strip() if isinstance(source, str) else ""
-    if source[:5].lower() != "data:":
-        return None
-    header = source[5 : source.find(",")]
-    return header.split(";", 1)[0].strip().lower()
-
-
-def _looks_like_base64(text: str) -> bool:
-    if len(text) <= _LONG_BASE64 and not text.startswith(_BASE64_IMAGE_PREFIXES):
-        return False
-    # bytes.translate deleting the alphabet: ~4x faster than a regex on megabyte strings
-    return text.isascii() and not text.encode("ascii").translate(None, _BASE64_BYTES)
-
-
-def _b64decode(text: str, max_bytes: int, what: str) -> bytes:
-    """Standard or URL-safe base64, whitespace ignored, missing '=' padding restored; refused
-    from its length alone when the decoded data would exceed `max_bytes`."""
-    if len(text) // 4 * 3 > max_bytes:  # cheap bound first; whitespace and padding only make it larger
-        encoded = len(text) - sum(text.count(c) for c in " \t\n\r\v\f=")
-        if encoded * 3 // 4 > max_bytes:
-            raise RejectError(
-                "media_too_large",
-                f"{what} holds {encoded * 3 // 4} bytes ({encoded} base64 characters), over "
-                f"--max-media-bytes {max_bytes}; shrink the image or raise --max-media-bytes",
-            )
-    compact = "".join(text.split())
-    compact += "=" * (-len(compact) % 4)
-    altchars = b"-_" if ("-" in compact or "_" in compact) else None
-    try:
-        data = base64.b64decode(compact, altchars=altchars, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise RejectError("bad_base64", f"image base64 does not decode ({exc})") from None
-    if not data:
-        raise RejectError("bad_base64", "image base64 decodes to zero bytes")
-    return data
-
-
-def _file_kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
-
-
-def _check_regular(st: os.stat_result, resolved: Path, max_bytes: int) -> None:
-    if not stat.S_ISREG(st.st_mode):
-        raise RejectError(
-            "not_a_regular_file",
-            f"image path {str(resolved)[:160]!r} is {_file_kind(st.st_mode)}: only regular files are read",
-        )
-    if st.st_size > max_bytes:
-        raise _file_too_large(resolved, st.st_size, max_bytes)
-
-
-def _file_too_large(resolved: Path, size: int, max_bytes: int) -> RejectError:
-    return RejectError(
-        "media_too_large",
-        f"image file {str(resolved)[:160]!r} has {size} bytes, over --max-media-bytes {max_bytes}; "
-        "shrink the image or raise --max-media-bytes",
-    )
-
-
-def _read_regular_file(resolved: Path, max_bytes: int) -> bytes:
-    """At most `max_bytes` of a regular file. stat before open: a FIFO is never opened, a huge
-    file never read. The file is opened non-blocking (opening a FIFO swapped in meanwhile
-    returns at once) and checked again on the open descriptor."""
-    _check_regular(os.stat(resolved), resolved, max_bytes)
-    fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with open(fd, "rb") as fh:
-        st = os.fstat(fd)
-        _check_regular(st, resolved, max_bytes)
-        data = fh.read(st.st_size + 1)
-        if len(data) > st.st_size:  # grew since the stat: read on, up to the cap
-            data += fh.read(max_bytes + 1 - len(data))
-    if len(data) > max_bytes:
-        raise _file_too_large(resolved, len(data), max_bytes)
-    return data
-
-
-def _read_media_file(path_text: str, media_root: Path | None, max_bytes: int) -> bytes:
-    if media_root is None:
-        raise RejectError(
-            "no_media_root",
-            f"image {path_text[:120]!r} is a file path: pass --media-root DIR (the folder image paths are relative to)",
-        )
-    try:
-        root = Path(media_root).resolve()
-        path = Path(path_text)
-        resolved = (path if path.is_absolute() else root / path).resolve()
-    except (OSError, ValueError) as exc:  # embedded NUL, symlink loop, ...
-        raise RejectError("bad_path", f"image path {path_text[:120]!r} cannot be resolved ({exc})") from None
-    if not resolved.is_relative_to(root):
-        raise RejectError(
-            "path_outside_media_root",
-            f"image path {path_text[:120]!r} resolves to {str(resolved)[:120]!r}, outside --media-root {str(root)!r}",
-        )
-    try:
-        return _read_regular_file(resolved, max_bytes)
-    except FileNotFoundError:
-        raise RejectError("missing_file", f"image file {str(resolved)[:160]!r} does not exist") from None
-    except OSError as exc:
-        raise RejectError("unreadable_file", f"image file {str(resolved)[:160]!r} cannot be read ({exc})") from None
+    """The encoded image bytes an image reference points at (`preprocess.media.resolve_media`)."""
+    resolved = resolve_media(source, media_root, max_media_bytes, kind="image")
+    return resolved if isinstance(resolved, bytes) else read_media_file(resolved, max_media_bytes, "image")
 
 
 # ---------------------------------------------------------------------------------------

@@ -114,6 +114,8 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
         loss_policy=options.loss_policy,
         special_tokens=profile.text_special_tokens,
     )
+    if rendered.videos:
+        raise RejectError("unsupported_video", "video parts are not written into shards by this version")
     vision = profile.vision
     images, header_grids = [], []
     for k, image_source in enumerate(rendered.image_sources):

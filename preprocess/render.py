@@ -32,6 +32,7 @@ from itertools import chain
 import numpy as np
 
 from .errors import ConfigError, RejectError
+from .video import VideoRequest, request_from_part
 
 FAMILIES = ("qwen3-vl", "qwen2.5-vl")
 LOSS_POLICIES = ("all_assistant", "last_assistant")
@@ -42,7 +43,7 @@ REJECT_CODES = (
     "bad_message",  # a message that is not an object, has no role, or a bad `train` flag
     "unknown_role",  # role outside system/user/assistant/tool
     "bad_content",  # content/part shapes the templates cannot render as intended
-    "unsupported_video",  # video parts
+    "bad_video_option",  # a video part's sampling option of the wrong kind or range
     "bad_tool_call",  # malformed assistant tool_calls
     "bad_tools",  # row `tools` not a list of objects
     "dropped_by_template",  # the template would silently leave content out of the text
@@ -55,6 +56,7 @@ REJECT_CODES = (
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 # Text that must come only from images: downstream stages count these tokens to place pixels
 # and M-RoPE positions, so a literal copy inside message text would desynchronise them.
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
@@ -93,23 +95,33 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 class Rendered:
     """One conversation rendered to text, before tokenization."""
 
-    text: str  # the full rendered conversation; each image as IMAGE_PLACEHOLDER
+    text: str  # the full rendered conversation; each image as IMAGE_PLACEHOLDER, each video as VIDEO_PLACEHOLDER
     target_spans: list[tuple[int, int]]  # sorted, disjoint [start, end) character spans that are targets
     image_sources: list[str]  # the image reference of each image, in order of appearance
+    videos: list[VideoPart] = field(default_factory=list)  # each video, in order of appearance
 
 
 # ---------------------------------------------------------------------------------------------
 # Validation: untrusted JSON -> a small normalised form the renderers can trust.
 # ---------------------------------------------------------------------------------------------
 
-TEXT, IMAGE = "text", "image"
+TEXT, IMAGE, VIDEO = "text", "image", "video"
+
+
+@dataclass(frozen=True)
+class VideoPart:
+    """A video part: its source (a reference string, or a list of frame image references) and
+    its own sampling options."""
+
+    source: str | list[str]
+    request: VideoRequest
 
 
 @dataclass
 class _Message:
     index: int  # position in the input list, for error messages
     role: str
-    items: list[tuple[str, str, str]]  # (TEXT, text, where) or (IMAGE, source, where), in order
+    items: list[tuple[str, object, str]]  # (TEXT, text, where), (IMAGE, source, where) or (VIDEO, VideoPart, where)
     content_truthy: bool  # jinja truthiness of the raw `content` (decides a tool-call separator)
     tool_calls: list[tuple[str, str]] = field(default_factory=list)  # (name, rendered arguments)
     train: bool | None = None  # per-message loss override (assistant only)
@@ -126,7 +138,7 @@ def _part_kind(part: dict) -> str | None:
     if part_type == "image" or "image" in part or "image_url" in part:
         return IMAGE
     if part_type in ("video", "video_url") or "video" in part or "video_url" in part:
-        return "video"
+        return VIDEO
     if "text" in part:
         return TEXT
     return None
@@ -149,7 +161,34 @@ def _image_source(part: dict, where: str, index: int) -> str:
     return source
 
 
-def _parse_part(part, where: str, index: int) -> tuple[str, str, str]:
+def _video_part(part: dict, where: str, index: int) -> VideoPart:
+    """A video part: OpenAI-style `video_url` (object or string), or `video` (a reference or a
+    list of frame references, as qwen-vl-utils takes), or `url`/`path`; options at part level."""
+    if part.get("type") not in (None, "video", "video_url"):
+        raise _reject("bad_content", index, f"{where}: part of type {part['type']!r} carries a video key")
+    if "text" in part:
+        raise _reject("dropped_by_template", index, f"{where}: the template renders this part as a video and would drop its text")
+    if "video_url" in part:
+        source = part["video_url"]
+        if isinstance(source, dict):
+            source = source.get("url")
+    elif "video" in part:
+        source = part["video"]
+    else:
+        source = part.get("url", part.get("path"))
+    frames = isinstance(source, list)
+    if frames and (not source or not all(isinstance(f, str) and f for f in source)):
+        raise _reject("bad_content", index, f"{where}: a video given as frames must be a non-empty list of image references")
+    if not frames and (not isinstance(source, str) or not source):
+        raise _reject("bad_content", index, f"{where}: video part without a source (video_url.url, video, url or path)")
+    try:
+        request = request_from_part(part, where)
+    except RejectError as exc:
+        raise _reject(exc.code, index, exc.message) from None
+    return VideoPart(source=list(source) if frames else source, request=request)
+
+
+def _parse_part(part, where: str, index: int) -> tuple[str, object, str]:
     if not isinstance(part, dict):
         raise _reject("bad_content", index, f"{where}: a content part must be an object, got {type(part).__name__}")
     # Arrow-backed inputs (Parquet, `datasets`) give every part every struct key, absent ones as
@@ -157,8 +196,8 @@ def _parse_part(part, where: str, index: int) -> tuple[str, str, str]:
     part = {k: v for k, v in part.items() if v is not None}
     kind = _part_kind(part)
     part_type = part.get("type")
-    if kind == "video":
-        raise _reject("unsupported_video", index, f"{where}: video input is not supported")
+    if kind == VIDEO:
+        return VIDEO, _video_part(part, where, index), f"messages[{index}].{where}"
     if kind == IMAGE:
         if part_type not in (None, "image", "image_url"):
             raise _reject("bad_content", index, f"{where}: part of type {part_type!r} carries an image key")
@@ -179,7 +218,8 @@ def _parse_part(part, where: str, index: int) -> tuple[str, str, str]:
         raise _reject("bad_content", index, f"{where}: text must be a string, got no text (missing or null)")
     if part_type == "image_url":  # without an image_url key the template would not even see an image
         raise _reject("bad_content", index, f"{where}: image part without a string source (image_url.url)")
-    raise _reject("bad_content", index, f"{where}: unknown part type {part_type!r} (expected text, image_url or image)")
+    raise _reject("bad_content", index,
+                  f"{where}: unknown part type {part_type!r} (expected text, image_url, image, video_url or video)")
 
 
 def _parse_content(message: dict, role: str, index: int) -> tuple[list[tuple[str, str, str]], bool]:
@@ -271,15 +311,15 @@ def _check_family_rules(messages: list[_Message], tools: list[dict], family: str
     """Reject what the family's template would silently leave out of the text."""
     if family == "qwen3-vl":
         for m in messages:
-            has_image = any(kind == IMAGE for kind, _, _ in m.items)
+            visual = next((kind for kind, _, _ in m.items if kind in (IMAGE, VIDEO)), None)
             if m.role == "system" and m.index != 0:
                 raise _reject(
                     "dropped_by_template",
                     m.index,
                     "qwen3-vl renders a system message only as the first message; this one would be dropped",
                 )
-            if m.role in ("system", "assistant") and has_image:
-                raise _reject("dropped_by_template", m.index, f"qwen3-vl drops images inside {m.role} messages")
+            if m.role in ("system", "assistant") and visual:
+                raise _reject("dropped_by_template", m.index, f"qwen3-vl drops {visual}s inside {m.role} messages")
     else:
         if tools:
             raise _reject(
@@ -322,6 +362,7 @@ class _TextBuilder:
         self.length = 0
         self.spans: list[list[int]] = []
         self.images: list[str] = []
+        self.videos: list[VideoPart] = []
         self.data: list[tuple[int, int, str]] = []  # [start, end) of each data piece, and where
 
     def add(self, text: str, target: bool = False, where: str | None = None) -> None:
@@ -338,17 +379,22 @@ class _TextBuilder:
         self.length += len(text)
 
     def add_items(self, items: list[tuple[str, str, str]], target: bool = False, text_only: bool = False) -> None:
-        """Content items in order; images are never targets, even inside a target turn.
-        `text_only`: leave images out (system prompts render text parts only, without separators)."""
+        """Content items in order; images and videos are never targets, even inside a target turn.
+        `text_only`: leave them out (system prompts render text parts only, without separators)."""
         for kind, value, where in items:
             if kind == TEXT:
                 self.add(value, target, where)
-            elif not text_only:
+            elif text_only:
+                continue
+            elif kind == IMAGE:
                 self.images.append(value)
                 self.add(IMAGE_PLACEHOLDER)
+            else:
+                self.videos.append(value)
+                self.add(VIDEO_PLACEHOLDER)
 
     def result(self) -> Rendered:
-        return Rendered("".join(self.pieces), [tuple(span) for span in self.spans], self.images)
+        return Rendered("".join(self.pieces), [tuple(span) for span in self.spans], self.images, self.videos)
 
 
 def _render_tool_calls(out: _TextBuilder, message: _Message, target: bool) -> None:
@@ -552,13 +598,14 @@ def tokenize_rendered(rendered: Rendered, tokenizer) -> tuple[np.ndarray, np.nda
 
 
 def _check_image_pads(input_ids: np.ndarray, loss_mask: np.ndarray, rendered: Rendered, tokenizer) -> None:
-    """Guarantee: one `<|image_pad|>` per image, none of them a target."""
-    image_pad = tokenizer.token_to_id("<|image_pad|>")
-    if image_pad is None:
-        raise ConfigError("the tokenizer has no <|image_pad|> token: not a Qwen-VL tokenizer")
-    is_pad = input_ids == image_pad
-    if int(is_pad.sum()) != len(rendered.image_sources) or loss_mask[is_pad].any():
-        raise AssertionError("image pads must be one per image and never targets; renderer invariant broken")
+    """Guarantee: one `<|image_pad|>` per image and one `<|video_pad|>` per video, none a target."""
+    for token, count in (("<|image_pad|>", len(rendered.image_sources)), ("<|video_pad|>", len(rendered.videos))):
+        pad = tokenizer.token_to_id(token)
+        if pad is None:
+            raise ConfigError(f"the tokenizer has no {token} token: not a Qwen-VL tokenizer")
+        is_pad = input_ids == pad
+        if int(is_pad.sum()) != count or loss_mask[is_pad].any():
+            raise AssertionError(f"{token} must be one per {token[3:8]} and never a target; renderer invariant broken")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Stored uint8 `pixel_patches` -> Hugging Face's float32 `pixel_values`, bit for bit.
+"""Stored uint8 patches -> Hugging Face's float32 `pixel_values` / `pixel_values_videos`, bit for bit.
 
 `Qwen2VLImageProcessorPil` computes, per byte v of the resized image and channel c,
 
@@ -9,6 +9,14 @@ so `pixel_values` takes only 256 distinct values per channel. A [C, 256] lookup 
 computed with exactly those operations (numpy, IEEE float32) and a gather reproduce it
 exactly on any device, with no float arithmetic on the device at all. HF then repeats each
 patch `temporal_patch_size` times along a T axis right after C: columns (c, t, py, px).
+
+Videos go through HF's torchvision-backed video processors, which fuse rescale into
+normalisation: mean and std are scaled by 1/rescale_factor = 255 in float32, and then
+
+    y = (float32(v) - float32(float32(mean_c) * 255)) / float32(float32(std_c) * 255)
+
+Stored video rows already hold both frames of each temporal patch, columns (c, t, py, px), so
+only the lookup applies (`video_pixel_values_from_patches`).
 
 Only numpy is imported at module load; torch is imported inside the torch path, so the
 preprocessing side can import this module without torch.
@@ -29,6 +37,26 @@ def normalization_lut(image_mean, image_std) -> np.ndarray:
     mean = np.asarray(image_mean, dtype=np.float32)[:, None]
     std = np.asarray(image_std, dtype=np.float32)[:, None]
     return (rescaled[None, :] - mean) / std
+
+
+def video_normalization_lut(image_mean, image_std) -> np.ndarray:
+    """float32 [C, 256]: the value HF's video processors give byte v in channel c."""
+    scale = np.float32(1.0 / HF_RESCALE_FACTOR)
+    mean = (np.asarray(image_mean, dtype=np.float32) * scale)[:, None]
+    std = (np.asarray(image_std, dtype=np.float32) * scale)[:, None]
+    return (np.arange(256, dtype=np.float32)[None, :] - mean) / std
+
+
+def video_pixel_values_from_patches(video_patches: np.ndarray, image_mean, image_std, channels: int = 3,
+                                    dtype=None) -> np.ndarray:
+    """uint8 [N, C*T*P*P] -> HF `pixel_values_videos` [N, C*T*P*P] float32 (or `dtype` afterwards)."""
+    if video_patches.dtype != np.uint8 or video_patches.ndim != 2 or video_patches.shape[1] % channels:
+        raise ValueError(f"video patches must be uint8 [N, C*T*P*P], got {video_patches.dtype} {video_patches.shape}")
+    n, width = video_patches.shape
+    lut = video_normalization_lut(image_mean, image_std)
+    values = lut[np.arange(channels)[None, :, None], video_patches.reshape(n, channels, width // channels)]
+    values = values.reshape(n, width)
+    return values.astype(dtype) if dtype is not None else values
 
 
 def pixel_values_from_patches(

@@ -83,13 +83,47 @@ def rand_image_part(rng: random.Random) -> tuple[dict, str]:
     return part, source["url"] if isinstance(source, dict) else source
 
 
-def rand_content(rng: random.Random, images: bool, sources: list[str]):
-    """A string, or a list of text parts (and image parts when `images`)."""
+def rand_video_part(rng: random.Random) -> tuple[dict, object]:
+    """A video part in one of the accepted spellings (with sampling options sometimes), and the
+    source the renderer must report."""
+    n = rng.randrange(10**6)
+    source = rng.choice([f"videos/{n}.mp4", f"/data/{n}.webm", "data:video/mp4;base64," + "AAAA" * 80,
+                         [f"frames/{n}/{k}.jpg" for k in range(rng.randint(1, 6))]])
+    part = {"type": "video", "video": source}
+    if isinstance(source, str) and rng.random() < 0.3:
+        part = {"type": "video_url", "video_url": {"url": source}}
+    if rng.random() < 0.4:
+        part.update(rng.choice([{"fps": 1.0}, {"nframes": 8}, {"max_pixels": 128 * 28 * 28, "min_frames": 2},
+                                {"video_start": 1.5, "video_end": 4.0}]))
+    return part, source
+
+
+def hf_template_messages(messages: list) -> list:
+    """The messages as the official templates understand them: they render `{"type": "video"}`
+    parts but not OpenAI-style `video_url` parts, which vlmpack renders as the video they are."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [{"type": "video", "video": part["video_url"]["url"]} if part.get("type") == "video_url" else part
+                       for part in content]
+            message = {**message, "content": content}
+        out.append(message)
+    return out
+
+
+def rand_content(rng: random.Random, images: bool, sources: list):
+    """A string, or a list of text parts (and image and video parts when `images`); each visual
+    source goes into `sources`, a video's as ("video", source)."""
     if rng.random() < 0.4:
         return rand_text(rng)
     parts = []
     for _ in range(rng.randint(1, 4)):
-        if images and rng.random() < 0.4:
+        if images and rng.random() < 0.1:
+            part, source = rand_video_part(rng)
+            parts.append(part)
+            sources.append(("video", source))
+        elif images and rng.random() < 0.4:
             part, source = rand_image_part(rng)
             parts.append(part)
             sources.append(source)
@@ -216,7 +250,7 @@ def expected_mask_from_ids(ids: list[int], trained: list[bool], tokenizer) -> np
     token after the header's newline token up to and including the next `<|im_end|>`, minus
     vision tokens. The header's newline token may have absorbed leading newlines of the content."""
     im_start, im_end, assistant = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "assistant"])
-    vision = set(tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]))
+    vision = set(tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>"]))
     mask = np.zeros(len(ids), dtype=np.uint8)
     turn = 0
     for i in range(len(ids) - 2):
@@ -233,7 +267,9 @@ def expected_mask_from_ids(ids: list[int], trained: list[bool], tokenizer) -> np
 
 def check_against_hf(family, messages, tools, sources, profile, hf_tokenizer, template) -> int:
     """Compare text, ids and masks under every policy; returns how many policies left no targets."""
-    text, ids = hf_render(hf_tokenizer, template, messages, tools)
+    text, ids = hf_render(hf_tokenizer, template, hf_template_messages(messages), tools)
+    videos = [s[1] for s in sources if isinstance(s, tuple)]
+    sources = [s for s in sources if not isinstance(s, tuple)]
     no_targets = 0
     for policy in POLICIES:
         trained = expected_trained(messages, policy)
@@ -246,21 +282,25 @@ def check_against_hf(family, messages, tools, sources, profile, hf_tokenizer, te
         rendered = render_conversation(messages, family=family, tools=tools, loss_policy=policy)
         assert rendered.text == text
         assert rendered.image_sources == sources
+        assert [v.source for v in rendered.videos] == videos
         input_ids, loss_mask = tokenize_rendered(rendered, profile.tokenizer)
         assert input_ids.dtype == np.int32 and loss_mask.dtype == np.uint8
         assert input_ids.tolist() == ids
         np.testing.assert_array_equal(loss_mask, expected_mask_from_ids(ids, trained, hf_tokenizer))
         image_pads = input_ids == profile.special.image_pad
         assert image_pads.sum() == len(sources) and not loss_mask[image_pads].any()
+        video_pads = input_ids == profile.special.video_pad
+        assert video_pads.sum() == len(videos) and not loss_mask[video_pads].any()
     return no_targets
 
 
 def test_random_conversations_match_hf(family, builtin_profiles, hf_tokenizers, official_template):
     rng = random.Random(f"render-{family}")
-    stats = {"images": 0, "tools": 0, "tool_msgs": 0, "no_targets": 0}
+    stats = {"images": 0, "videos": 0, "tools": 0, "tool_msgs": 0, "no_targets": 0}
     for _ in range(N_RANDOM):
         messages, tools, sources = rand_conversation(rng, family)
         stats["images"] += len(sources)
+        stats["videos"] += sum(isinstance(s, tuple) for s in sources)
         stats["tools"] += bool(tools)
         stats["tool_msgs"] += sum(m["role"] == "tool" for m in messages)
         stats["no_targets"] += check_against_hf(
@@ -268,6 +308,7 @@ def test_random_conversations_match_hf(family, builtin_profiles, hf_tokenizers, 
         )
     # the generator really exercises the features
     assert stats["images"] > N_RANDOM and stats["tool_msgs"] > 20 and stats["no_targets"] > 5
+    assert stats["videos"] > N_RANDOM // 10
     assert family == "qwen2.5-vl" or (stats["tools"] > 50 and stats["tool_msgs"] > 100)
 
 
@@ -439,14 +480,20 @@ REJECTS = [
         None,
         "string source",
     ),
-    ("unsupported_video", BOTH, [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}, A], None, "video"),
-    (
-        "unsupported_video",
-        BOTH,
-        [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "v"}}]}, A],
-        None,
-        "video",
-    ),
+    ("bad_video_option", BOTH, [{"role": "user", "content": [{"type": "video", "video": "v.mp4", "fps": -1}]}, A],
+     None, "`fps` must be a positive number"),
+    ("bad_video_option", BOTH, [{"role": "user", "content": [{"type": "video", "video": "v.mp4", "nframes": 2.5}]}, A],
+     None, "`nframes` must be a positive integer"),
+    ("bad_video_option", BOTH,
+     [{"role": "user", "content": [{"type": "video", "video": "v.mp4", "fps": 1, "nframes": 4}]}, A], None,
+     "mutually exclusive"),
+    ("bad_content", BOTH, [{"role": "user", "content": [{"type": "video", "video": []}]}, A], None, "non-empty list"),
+    ("bad_content", BOTH, [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": 3}}]}, A], None,
+     "video part without a source"),
+    ("dropped_by_template", BOTH, [{"role": "user", "content": [{"type": "video", "video": "v.mp4", "text": "t"}]}, A],
+     None, "would drop its text"),
+    ("dropped_by_template", ("qwen3-vl",), [Q, {"role": "assistant", "content": [{"type": "video", "video": "v"}]}], None,
+     "drops videos inside assistant"),
     ("dropped_by_template", ("qwen3-vl",), [Q, {"role": "system", "content": "late"}, A], None, "message 1"),
     (
         "dropped_by_template",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import warnings
 from pathlib import Path
 
 from shards_schema.errors import UserError
@@ -133,9 +132,7 @@ def _dtype(name: str):
 
 
 def _convert_module():
-    """`train.convert`, imported without megatron-core's import-time notes that Transformer
-    Engine and Apex are absent (this stack runs without them by design)."""
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning)
+    """`train.convert`, imported only by the commands that need it (it loads megatron-core)."""
     from train import convert
 
     return convert

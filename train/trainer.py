@@ -18,13 +18,8 @@ import math
 import os
 import sys
 import time
-import warnings
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-
-# megatron-core says at import, once per module, that Transformer Engine and Apex are absent and
-# it uses its torch fallbacks: the setup this trainer is built for, so nothing to act on.
-warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning)
 
 import torch
 import torch.distributed as dist

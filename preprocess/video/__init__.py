@@ -1,0 +1,212 @@
+"""Video parts: source -> sampled frames -> uint8 patches, grid and timing, as HF computes them.
+
+Two stages, like images, so a row is judged before any frame is decoded:
+
+* `open_video` resolves the source, opens the container and demuxes it (no decoding), and
+  `plan_video` turns its frame count and frame rate into the sampled frame indices, the
+  resized size and so the grid: the video's token count;
+* `VideoPlan.load` decodes just the sampled frames and cuts them into patches.
+
+A video given as a list of frame images skips decoding: its frames are the images, in order
+(qwen-vl-utils' rule: padded to an even count with the last frame, sampled at `sample_fps`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..errors import RejectError
+from .sampling import (
+    BUILTIN_VIDEO,
+    SAMPLING_MODES,
+    VideoDefaults,
+    VideoRequest,
+    hf_qwen2_indices,
+    hf_qwen3_indices,
+    hf_resize,
+    qvu_indices,
+    qvu_resize,
+    qvu_window,
+)
+
+__all__ = ["BUILTIN_VIDEO", "DEFAULT_FRAME_LIST_FPS", "DEFAULT_MAX_VIDEO_BYTES", "SAMPLING_MODES", "FrameList",
+           "VideoDefaults", "VideoOptions", "VideoPlan", "VideoRequest", "open_video_source", "plan_video",
+           "timestamps_for"]
+
+# A video file is streamed by the decoder, never read whole: the cap bounds disk reads and time.
+DEFAULT_MAX_VIDEO_BYTES = 4 * 2**30
+# Frames given as a list of images carry no frame rate: qwen-vl-utils' default `sample_fps`.
+DEFAULT_FRAME_LIST_FPS = 2.0
+
+
+@dataclass(frozen=True)
+class VideoOptions:
+    """Job-wide video settings (recorded in the manifest): the defaults a part's own options override."""
+
+    sampling: str = "hf"
+    cap_pixels_per_frame: bool = False  # HF's `cap_pixels_per_frame` (qwen-vl-utils' per-frame cap), hf mode
+    fps: float | None = None  # --video-fps
+    max_frames: int | None = None  # --video-max-frames
+    max_pixels: int | None = None  # --video-max-pixels
+    total_pixels: int | None = None  # --video-total-pixels
+
+    def request(self, part: VideoRequest) -> VideoRequest:
+        """The part's options with the job's flags filling what the part leaves out."""
+        fill = {}
+        if part.fps is None and part.nframes is None and self.fps is not None:
+            fill["fps"] = self.fps
+        for name in ("max_frames", "max_pixels", "total_pixels"):
+            if getattr(part, name) is None and getattr(self, name) is not None:
+                fill[name] = getattr(self, name)
+        return replace(part, **fill)
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """One video's sampled frames and what they become (known before decoding)."""
+
+    indices: np.ndarray  # frame indices into the stream, non-decreasing
+    fps: float  # the stream's average frame rate
+    height: int  # resized frame size
+    width: int
+    grid: tuple[int, int, int]  # (grid_t, gh, gw) in patches
+    second_per_grid_t: float  # seconds one temporal patch spans (Qwen2.5-VL's temporal positions)
+
+    def tokens(self, merge_size: int) -> int:
+        t, h, w = self.grid
+        return t * h * w // merge_size**2
+
+
+def timestamps_for(indices, fps: float, temporal_patch_size: int) -> list[float]:
+    """Qwen3-VL's `<t seconds>` of each temporal group: the mean time of its first and last
+    frame (`Qwen3VLProcessor._calculate_timestamps`; the last group padded with its last frame)."""
+    indices = [int(i) for i in indices]
+    if len(indices) % temporal_patch_size:
+        indices += [indices[-1]] * (temporal_patch_size - len(indices) % temporal_patch_size)
+    times = [i / fps for i in indices]
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
+
+
+def plan_video(total_frames: int, fps: float, height: int, width: int, *, request: VideoRequest,
+               options: VideoOptions, family: str, defaults: VideoDefaults, patch_size: int, merge_size: int,
+               temporal_patch_size: int, all_frames: bool = False) -> VideoPlan:
+    """The sampled frame indices and resized size of a video, from its metadata alone.
+    `all_frames`: a list of frame images, which is used whole (neither reference samples one)."""
+    request = options.request(request)
+    if all_frames:
+        indices = np.arange(total_frames)
+        if options.sampling == "qwen-vl-utils":
+            size = qvu_resize(request, total_frames, height, width, patch_size, merge_size)
+        else:
+            size = hf_resize(family, total_frames, height, width, patch_size=patch_size, merge_size=merge_size,
+                             temporal_patch_size=temporal_patch_size,
+                             min_pixels=request.min_pixels if request.min_pixels is not None else defaults.min_pixels,
+                             max_pixels=request.max_pixels if request.max_pixels is not None else defaults.max_pixels,
+                             max_video_tokens=defaults.max_video_tokens,
+                             cap_pixels_per_frame=options.cap_pixels_per_frame)
+        sampled_fps = fps
+    elif options.sampling == "qwen-vl-utils":
+        indices = qvu_indices(request, total_frames, fps)
+        size = qvu_resize(request, len(indices), height, width, patch_size, merge_size)
+        sampled_fps = len(indices) / _window(request, total_frames, fps)[1] * fps
+    else:
+        start, window = _window(request, total_frames, fps)
+        min_frames = request.min_frames if request.min_frames is not None else defaults.min_frames
+        max_frames = request.max_frames if request.max_frames is not None else defaults.max_frames
+        sample_fps = request.fps if request.fps is not None or request.nframes is not None else defaults.fps
+        if family == "qwen3-vl":
+            indices = hf_qwen3_indices(window, fps, sample_fps, request.nframes, min_frames, max_frames)
+        else:
+            indices = hf_qwen2_indices(window, fps, sample_fps, request.nframes, min_frames, max_frames,
+                                       temporal_patch_size)
+        indices = indices + start
+        min_pixels = request.min_pixels if request.min_pixels is not None else defaults.min_pixels
+        max_pixels = request.max_pixels if request.max_pixels is not None else defaults.max_pixels
+        cap, max_video_tokens = options.cap_pixels_per_frame, defaults.max_video_tokens
+        if request.total_pixels is not None:
+            if family == "qwen3-vl":  # size["longest_edge"] is already the whole clip's budget
+                max_pixels = min(max_pixels, request.total_pixels)
+            else:  # the processor's total bound, with the given budget
+                max_pixels = max(min(max_pixels, request.total_pixels * temporal_patch_size // len(indices)),
+                                 int(min_pixels * 1.05))
+        size = hf_resize(family, len(indices), height, width, patch_size=patch_size, merge_size=merge_size,
+                         temporal_patch_size=temporal_patch_size, min_pixels=min_pixels, max_pixels=max_pixels,
+                         max_video_tokens=max_video_tokens, cap_pixels_per_frame=cap)
+        sampled_fps = len(indices) / window * fps
+    if len(indices) == 0:
+        raise RejectError("video_sampling", f"a video of {total_frames} frames at {fps:g} fps samples no frame")
+    grid = (math.ceil(len(indices) / temporal_patch_size), size[0] // patch_size, size[1] // patch_size)
+    return VideoPlan(indices=np.asarray(indices, dtype=np.int64), fps=fps, height=size[0], width=size[1], grid=grid,
+                     second_per_grid_t=temporal_patch_size / sampled_fps)
+
+
+def _window(request: VideoRequest, total_frames: int, fps: float) -> tuple[int, int]:
+    """(first frame, frame count) of the `video_start`/`video_end` window (whole video if unset)."""
+    if request.video_start is None and request.video_end is None:
+        return 0, total_frames
+    start, end = qvu_window(request, total_frames, fps)
+    return start, end - start + 1
+
+
+def request_from_part(part: dict, where: str) -> VideoRequest:
+    """A content part's sampling options, checked: numbers of the right kind and range."""
+    values = {}
+    for name, kind in (("fps", float), ("nframes", int), ("min_frames", int), ("max_frames", int),
+                       ("min_pixels", int), ("max_pixels", int), ("total_pixels", int),
+                       ("video_start", float), ("video_end", float)):
+        value = part.get(name)
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if ok and kind is int:
+            ok = float(value).is_integer()
+        if not ok or value < 0 or (value == 0 and name not in ("video_start", "video_end")):
+            raise RejectError("bad_video_option", f"{where}: `{name}` must be a positive {'integer' if kind is int else 'number'}, "
+                              f"got {value!r:.40}")
+        values[name] = kind(value)
+    if values.get("fps") is not None and values.get("nframes") is not None:
+        raise RejectError("bad_video_option", f"{where}: `fps` and `nframes` are mutually exclusive: give one")
+    return VideoRequest(**values)
+
+
+class FrameList:
+    """A video given as a list of frame images: every frame is used, in order (no sampling).
+    Headers are read at once (the frames must share one size); pixels when `frames` asks."""
+
+    def __init__(self, sources: list[str], fps: float, open_image, decode_image):
+        self._decode = decode_image
+        self._images = []
+        for k, source in enumerate(sources):
+            try:
+                self._images.append(open_image(source))
+            except RejectError as exc:
+                raise RejectError(exc.code, f"frame {k}: {exc.message}") from None
+        sizes = {(im.height, im.width) for im in self._images}
+        if len(sizes) > 1:
+            raise RejectError("bad_video", f"the {len(sources)} frames differ in size ({', '.join(f'{w}x{h}' for h, w in sorted(sizes))}): "
+                              "resize them to one size")
+        (self.height, self.width), = sizes
+        self.total_frames, self.fps = len(sources), fps
+
+    def frames(self, indices):
+        for i in indices:
+            image, self._images[i] = self._images[i], None  # each decoded frame is freed once used
+            yield i, np.asarray(self._decode(image))
+
+    def close(self) -> None:
+        self._images = []
+
+
+def open_video_source(source, *, request: VideoRequest, media_root, max_video_bytes: int, open_image, decode_image):
+    """A video part's source -> an object with `total_frames`, `fps`, `height`, `width`,
+    `frames(indices)` and `close()`: a `VideoReader` on a file or inline bytes, or a `FrameList`."""
+    from ..media import resolve_media
+    from .decode import VideoReader
+
+    if isinstance(source, list):
+        fps = request.fps if request.fps is not None else DEFAULT_FRAME_LIST_FPS
+        return FrameList(source, fps, open_image, decode_image)
+    return VideoReader(resolve_media(source, media_root, max_video_bytes, kind="video"))

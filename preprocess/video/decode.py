@@ -1,0 +1,193 @@
+"""Video container -> the RGB frames at given indices, with PyAV (FFmpeg's decoders, as a wheel).
+
+Frame `i` is the i-th frame the decoder outputs from the start of the stream, in presentation
+order, and its pixels are `frame.to_ndarray(format="rgb24")`: exactly what
+`transformers.video_utils.load_video(..., backend="pyav")` gives, which decodes the whole
+stream from the start and keeps the frames it wants.
+
+Opening a video reads the container's packets (demuxing only, no decoding) to learn each
+frame's presentation time and which frames are keyframes. Reading frames then seeks to the
+last keyframe at or before each wanted frame and decodes forward from there, matching frames
+by presentation time: a 10-minute video sampled at 2 fps decodes a few frames per sample
+instead of every frame. At most one decoded frame and its RGB copy are held at a time.
+
+A stream whose packets carry no timestamps is decoded sequentially instead (no seeking).
+Rotation metadata is not applied: neither does the reference decoder.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import RejectError
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What the container says, and what demuxing it found."""
+
+    total_frames: int  # frames in the stream (demuxed packets that carry a picture)
+    fps: float  # the stream's average frame rate (what HF's pyav reader reports)
+    width: int
+    height: int
+    codec: str
+    container: str
+
+    @property
+    def duration(self) -> float:
+        return self.total_frames / self.fps
+
+
+def _av():
+    try:
+        import av
+    except ImportError:  # pragma: no cover - the video extra is a declared dependency
+        raise RejectError("no_video_decoder", "video input needs PyAV: pip install 'vlmpack[video]'") from None
+    return av
+
+
+class VideoReader:
+    """An opened video: `info`, then `frames(indices)`. Use as a context manager."""
+
+    def __init__(self, source: Path | bytes, *, what: str = "video"):
+        av = _av()
+        self._what = what
+        try:
+            self._container = av.open(str(source) if isinstance(source, Path) else io.BytesIO(source), mode="r",
+                                      metadata_errors="ignore")
+        except av.error.FFmpegError as exc:
+            raise RejectError("not_a_video", f"{what} cannot be opened as a video container ({_reason(exc)})") from None
+        try:
+            self._open_stream(av)
+        except BaseException:
+            self._container.close()
+            raise
+
+    def _open_stream(self, av) -> None:
+        streams = self._container.streams.video
+        if not streams:
+            raise RejectError("no_video_stream", f"{self._what} holds no video stream "
+                              f"(streams: {', '.join(s.type for s in self._container.streams) or 'none'})")
+        stream = self._stream = streams[0]
+        if stream.codec_context is None:
+            raise RejectError("unsupported_codec", f"{self._what}: no decoder for codec {stream.codec.name!r}")
+        rate = stream.average_rate or stream.guessed_rate
+        if not rate or float(rate) <= 0:
+            raise RejectError("bad_video", f"{self._what}: the stream has no frame rate")
+        pts, keyframes = [], []
+        try:
+            for packet in self._container.demux(stream):
+                if packet.size == 0:  # the demuxer's end-of-stream marker
+                    continue
+                pts.append(packet.pts)
+                keyframes.append(packet.is_keyframe)
+        except av.error.FFmpegError as exc:
+            raise RejectError("bad_video", f"{self._what}: the container is damaged ({_reason(exc)})") from None
+        if not pts:
+            raise RejectError("bad_video", f"{self._what}: the video stream holds no frames")
+        if any(p is None for p in pts):
+            self._pts = None  # no timestamps to seek by: decode from the start
+        else:
+            order = np.argsort(np.asarray(pts, dtype=np.int64), kind="stable")
+            self._pts = np.asarray(pts, dtype=np.int64)[order]
+            self._key_pts = np.asarray(pts, dtype=np.int64)[np.asarray(keyframes, dtype=bool)]
+            self._key_pts.sort()
+            self._index_of = {int(p): i for i, p in enumerate(self._pts)}
+        self.info = VideoInfo(
+            total_frames=len(pts), fps=float(rate), width=stream.codec_context.width,
+            height=stream.codec_context.height, codec=stream.codec.name, container=self._container.format.name,
+        )
+
+    @property
+    def total_frames(self) -> int:
+        return self.info.total_frames
+
+    @property
+    def fps(self) -> float:
+        return self.info.fps
+
+    @property
+    def height(self) -> int:
+        return self.info.height
+
+    @property
+    def width(self) -> int:
+        return self.info.width
+
+    def __enter__(self) -> VideoReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._container.close()
+
+    def frames(self, indices) -> Iterator[tuple[int, np.ndarray]]:
+        """(index, RGB uint8 [H, W, 3]) for each of the non-decreasing `indices` (repeats allowed)."""
+        av = _av()
+        wanted = [int(i) for i in indices]
+        if any(b < a for a, b in zip(wanted, wanted[1:])):
+            raise ValueError("frame indices must be non-decreasing")
+        if wanted and not 0 <= wanted[0] <= wanted[-1] < self.info.total_frames:
+            raise ValueError(f"frame indices {wanted[0]}..{wanted[-1]} outside 0..{self.info.total_frames - 1}")
+        try:
+            yield from (self._sequential(wanted) if self._pts is None else self._seeking(wanted))
+        except av.error.FFmpegError as exc:
+            raise RejectError("bad_video", f"{self._what}: decoding failed ({_reason(exc)})") from None
+
+    def _decoded(self) -> Iterator[object]:
+        return self._container.decode(self._stream)
+
+    def _sequential(self, wanted: list[int]) -> Iterator[tuple[int, np.ndarray]]:
+        self._container.seek(0)
+        k, last = 0, None
+        for i, frame in enumerate(self._decoded()):
+            while k < len(wanted) and wanted[k] == i:
+                if last is None or last[0] != i:
+                    last = (i, frame.to_ndarray(format="rgb24"))
+                yield last
+                k += 1
+            if k == len(wanted):
+                return
+        self._missing(wanted[k])
+
+    def _seeking(self, wanted: list[int]) -> Iterator[tuple[int, np.ndarray]]:
+        decoder, position, last = None, -1, None  # position: index of the last frame decoded
+        for target in wanted:
+            if last is not None and last[0] == target:
+                yield last
+                continue
+            target_pts = int(self._pts[target])
+            key = self._key_pts[max(int(np.searchsorted(self._key_pts, target_pts, side="right")) - 1, 0)]
+            if decoder is None or self._index_of[int(key)] > position:
+                self._container.seek(int(key), stream=self._stream, backward=True, any_frame=False)
+                decoder = self._decoded()
+                position = -1
+            for frame in decoder:
+                index = self._index_of.get(frame.pts, -1) if frame.pts is not None else -1
+                if index < 0:
+                    continue
+                position = index
+                if index == target:
+                    last = (index, frame.to_ndarray(format="rgb24"))
+                    yield last
+                    break
+                if index > target:
+                    self._missing(target)
+            else:
+                self._missing(target)
+
+    def _missing(self, index: int) -> None:
+        raise RejectError("bad_video", f"{self._what}: frame {index} of {self.info.total_frames} does not decode "
+                          "(a truncated or damaged stream)")
+
+
+def _reason(exc: Exception) -> str:
+    text = getattr(exc, "strerror", None) or str(exc)
+    return str(text)[:160]
