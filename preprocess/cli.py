@@ -22,6 +22,7 @@ from .errors import ConfigError
 from .job import (DEFAULT_ROWS_PER_SHARD, INPUT_HASH_MODES, PreprocessConfig, check_config, merge_partitions,
                   run_preprocess)
 from .pipeline import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_SEQ_LEN, SampleOptions
+from .video import SAMPLING_MODES, VideoOptions
 
 
 def _human_bytes(n: float) -> str:
@@ -42,8 +43,11 @@ def format_summary(manifest: dict, out: Path) -> str:
         f"tokens:         {t['tokens']:,} ({t['target_tokens']:,} targets, {t['target_tokens'] / max(t['tokens'], 1):.1%})",
         f"images:         {t['images']:,} ({visual_tokens:,} visual tokens, {t['patches']:,} patches)",
     ]
-    if visual_tokens:
-        lines.append(f"bytes/visual token: {t['bytes'] / visual_tokens:,.0f} (HF float32 pixel_values: "
+    video_tokens = t.get("video_patches", 0) // vision["merge_size"] ** 2
+    if t.get("videos"):
+        lines.append(f"videos:         {t['videos']:,} ({video_tokens:,} visual tokens, {t['video_patches']:,} patches)")
+    if visual_tokens + video_tokens:
+        lines.append(f"bytes/visual token: {t['bytes'] / (visual_tokens + video_tokens):,.0f} (HF float32 pixel_values: "
                      f"{4 * vision['temporal_patch_size'] * manifest['patch_row_width'] * vision['merge_size'] ** 2:,})")
     if acc["rejects_by_reason"]:
         reasons = ", ".join(f"{code} {n}" for code, n in acc["rejects_by_reason"].items())
@@ -76,6 +80,38 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
                         "read or decoded (default %(default)s = 128 MiB); there is no 'unlimited': a mislabelled "
                         "multi-gigabyte file would be read whole, so raise it instead")
 
+    def positive(kind):
+        def parse(text: str):
+            try:
+                value = kind(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}") from None
+            if not value > 0:
+                raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+            return value
+        return parse
+
+    g = parser.add_argument_group("videos")
+    g.add_argument("--video-sampling", default="hf", choices=SAMPLING_MODES,
+                   help="how frames are sampled and sized: 'hf' (default), as the family's Hugging Face video "
+                        "processor does; 'qwen-vl-utils', as qwen_vl_utils.fetch_video does")
+    g.add_argument("--video-pixel-cap", action="store_true",
+                   help="hf sampling: cap each frame's pixels as qwen-vl-utils does (HF's cap_pixels_per_frame=True); "
+                        "off by default, as in the transformers release the tests pin")
+    g.add_argument("--video-fps", type=positive(float), default=None,
+                   help="frames sampled per second where a video part gives neither fps nor nframes "
+                        "(default: the profile's, 2)")
+    g.add_argument("--video-max-frames", type=positive(int), default=None,
+                   help="most frames sampled from a video part that gives no max_frames (default: the profile's, 768)")
+    g.add_argument("--video-max-pixels", type=positive(int), default=None,
+                   help="max_pixels of a video part that gives none (hf sampling: the processor's size['longest_edge']; "
+                        "qwen-vl-utils: per frame)")
+    g.add_argument("--video-total-pixels", type=positive(int), default=None,
+                   help="pixel budget shared by a video's frames, for parts that give no total_pixels")
+    g.add_argument("--max-video-bytes", type=positive_bytes, default=SampleOptions.max_video_bytes,
+                   help="reject a video file or inline video holding more bytes (default %(default)s = 4 GiB); "
+                        "files are streamed by the decoder, never read whole")
+
 
 def _sample_options(args) -> SampleOptions:
     return SampleOptions(
@@ -85,6 +121,10 @@ def _sample_options(args) -> SampleOptions:
         media_root=args.media_root,
         max_image_pixels=args.max_image_pixels,
         max_media_bytes=args.max_media_bytes,
+        max_video_bytes=args.max_video_bytes,
+        video=VideoOptions(sampling=args.video_sampling, cap_pixels_per_frame=args.video_pixel_cap, fps=args.video_fps,
+                           max_frames=args.video_max_frames, max_pixels=args.video_max_pixels,
+                           total_pixels=args.video_total_pixels),
     )
 
 

@@ -127,8 +127,20 @@ def _sentence(rng: random.Random, lo: int, hi: int) -> str:
     return " ".join(words).capitalize() + rng.choice([".", "?", "!", ""])
 
 
-def example_rows(n: int, seed: int = 0, *, family: str = "qwen3-vl", size_range=(48, 640), include_bad_rows: bool = False) -> list[dict]:
-    """`n` conversations: single/multi-image, text-only, multi-turn, system prompts, tool calls."""
+def encode_video_data_uri(frames, fps: float, container: str = "mp4") -> str:
+    """A short video as a `data:video/...;base64,` URI (encoded through a temporary file)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_video(Path(tmp) / f"clip.{container}", frames, fps, codec=VIDEO_CODECS[container])
+        data = path.read_bytes()
+    return f"data:video/{container};base64," + base64.b64encode(data).decode()
+
+
+def example_rows(n: int, seed: int = 0, *, family: str = "qwen3-vl", size_range=(48, 640), include_bad_rows: bool = False,
+                 video_rows: float = 0.0) -> list[dict]:
+    """`n` conversations: single/multi-image, text-only, multi-turn, system prompts, tool calls;
+    a `video_rows` fraction of them opens with a short generated video (2-5 s at 4-8 fps)."""
     rng, nprng = random.Random(seed), np.random.default_rng(seed)
 
     def image_part() -> dict:
@@ -146,10 +158,16 @@ def example_rows(n: int, seed: int = 0, *, family: str = "qwen3-vl", size_range=
         for turn in range(rng.choice([1, 1, 1, 2, 3])):
             n_images = rng.choice([0, 1, 1, 1, 2, 3]) if turn == 0 else rng.choice([0, 0, 1])
             parts = [image_part() for _ in range(n_images)]
+            if turn == 0 and video_rows and rng.random() < video_rows:
+                fps = rng.choice([4.0, 6.0, 8.0])
+                w, h = (int(v) for v in nprng.integers(48, 160, 2))
+                frames = synthetic_video_frames(nprng, int(fps * rng.uniform(2, 5)), w, h)
+                parts.insert(0, {"type": "video", "video": encode_video_data_uri(frames, fps, rng.choice(["mp4", "webm"]))})
             parts.append({"type": "text", "text": _sentence(rng, 3, 20)})
             if rng.random() < 0.5:
                 rng.shuffle(parts)
-            messages.append({"role": "user", "content": parts if n_images or rng.random() < 0.5 else parts[0]["text"]})
+            visual = len(parts) > 1
+            messages.append({"role": "user", "content": parts if visual or rng.random() < 0.5 else parts[0]["text"]})
             if family == "qwen3-vl" and rng.random() < 0.1:
                 args = {"query": _sentence(rng, 1, 4), "top_k": rng.randint(1, 9)}
                 messages.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "search", "arguments": args}}]})

@@ -1,9 +1,12 @@
 """One input row -> one training sample (or a RejectError saying why not).
 
-render (chat template rules + loss spans) -> read image headers (format, size: each image's
-token count) -> tokenize -> expand each `<|image_pad|>` to its visual-token count -> length
-policy -> decode, resize, patchify the images -> M-RoPE positions. Every check that needs no
-pixels runs before any image is decoded, so bad and over-long rows cost little.
+render (chat template rules + loss spans) -> read image headers and open videos (format,
+size, frame count and rate: each one's token count) -> tokenize -> expand each `<|image_pad|>`
+to its visual-token count and each `<|video_pad|>` to the video's tokens (on Qwen3-VL one
+`<t seconds><|vision_start|>...<|vision_end|>` block per temporal patch, as HF's processor
+writes them) -> length policy -> decode, resize, patchify the images and the sampled video
+frames -> M-RoPE positions. Every check that needs no pixels runs before anything is decoded,
+so bad and over-long rows cost little.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shards_schema.positions import mrope_position_ids
+from shards_schema.positions import VideoPositions, mrope_position_ids
 from shards_schema.schema import Sample
 
 from .errors import RejectError
 from .images import DEFAULT_MAX_MEDIA_BYTES, decode_opened, header_grid, image_to_patches, open_image_source
 from .profiles import Profile
 from .render import lone_surrogate, render_conversation, surrogate_message, tokenize_rendered
+from .video import DEFAULT_MAX_VIDEO_BYTES, VideoOptions, VideoPlan, open_video_source, plan_video, timestamps_for
+from .video.patches import frames_to_patches
 
 DEFAULT_MAX_SEQ_LEN = 16384
 DEFAULT_MAX_IMAGE_PIXELS = 178_956_970  # PIL's own decompression-bomb threshold
@@ -35,6 +40,8 @@ class SampleOptions:
     media_root: str | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
+    max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
+    video: VideoOptions = VideoOptions()
 
 
 def expand_image_pads(
@@ -54,6 +61,45 @@ def expand_image_pads(
     return np.repeat(input_ids, repeats), np.repeat(loss_mask, repeats)
 
 
+def video_tokens(plan: VideoPlan, profile: Profile) -> np.ndarray:
+    """The tokens that stand for one video in the text, in place of its single `<|video_pad|>`.
+
+    Qwen2.5-VL: the pad repeated t*h*w/m^2 times. Qwen3-VL: per temporal patch, its timestamp
+    `<{t:.1f} seconds>` as text, then `<|vision_start|>`, h*w/m^2 pads, `<|vision_end|>`
+    (`Qwen3VLProcessor.replace_video_token`); the template's own vision_start/end stay around it.
+    """
+    sp, m = profile.special, profile.vision.merge_size
+    grid_t, gh, gw = plan.grid
+    per_group = gh * gw // m**2
+    if profile.family != "qwen3-vl":
+        return np.full(grid_t * per_group, sp.video_pad, dtype=np.int32)
+    pieces = []
+    for seconds in timestamps_for(plan.indices, plan.fps, profile.vision.temporal_patch_size):
+        pieces.append(np.asarray(profile.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False).ids,
+                                 dtype=np.int32))
+        pieces.append(np.asarray([sp.vision_start], dtype=np.int32))
+        pieces.append(np.full(per_group, sp.video_pad, dtype=np.int32))
+        pieces.append(np.asarray([sp.vision_end], dtype=np.int32))
+    return np.concatenate(pieces)
+
+
+def expand_video_pads(input_ids: np.ndarray, loss_mask: np.ndarray, expansions: list[np.ndarray],
+                      video_pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Replace the k-th `<|video_pad|>` by expansions[k] (never targets)."""
+    at = np.flatnonzero(input_ids == video_pad_id)
+    if len(at) != len(expansions):
+        raise RejectError("image_count_mismatch", f"text holds {len(at)} <|video_pad|> tokens but the conversation "
+                          f"has {len(expansions)} videos")
+    ids, mask, prev = [], [], 0
+    for k, pos in enumerate(at.tolist()):
+        ids += [input_ids[prev:pos], expansions[k]]
+        mask += [loss_mask[prev:pos], np.zeros(len(expansions[k]), dtype=loss_mask.dtype)]
+        prev = pos + 1
+    ids.append(input_ids[prev:])
+    mask.append(loss_mask[prev:])
+    return np.concatenate(ids), np.concatenate(mask)
+
+
 def _apply_length_policy(input_ids, loss_mask, profile: Profile, options: SampleOptions):
     length = len(input_ids)
     if length <= options.max_seq_len:
@@ -62,14 +108,14 @@ def _apply_length_policy(input_ids, loss_mask, profile: Profile, options: Sample
         raise RejectError(
             "too_long",
             f"{length} tokens > --max-seq-len {options.max_seq_len}; raise --max-seq-len, or pass --truncate "
-            "to cut the tail (never through an image)",
+            "to cut the tail (never through an image or a video)",
         )
     vision_ends = np.flatnonzero(input_ids == profile.special.vision_end)
     if len(vision_ends) and vision_ends[-1] >= options.max_seq_len:
         raise RejectError(
             "too_long",
             f"{length} tokens > --max-seq-len {options.max_seq_len} and the cut would fall inside or before "
-            f"an image (last image ends at token {int(vision_ends[-1])})",
+            f"an image or a video (the last one ends at token {int(vision_ends[-1])})",
         )
     input_ids, loss_mask = input_ids[: options.max_seq_len], loss_mask[: options.max_seq_len]
     if not loss_mask.any():
@@ -95,12 +141,60 @@ def row_sample_uid(row_id, default: str) -> str:
 
 
 @contextmanager
-def _image_rejects(k: int):
-    """Name the image in its reject message."""
+def _named_rejects(what: str):
+    """Name the image or video in its reject message."""
     try:
         yield
     except RejectError as exc:
-        raise RejectError(exc.code, f"image {k}: {exc.message}") from None
+        raise RejectError(exc.code, f"{what}: {exc.message}") from None
+
+
+def _open_videos(rendered, profile: Profile, options: SampleOptions) -> tuple[list, list[VideoPlan]]:
+    """Open each video (no frame decoded) and plan its frames: the readers and their plans."""
+    vision, readers, plans = profile.vision, [], []
+    try:
+        for k, part in enumerate(rendered.videos):
+            with _named_rejects(f"video {k}"):
+                reader = open_video_source(
+                    part.source, request=part.request, media_root=options.media_root,
+                    max_video_bytes=options.max_video_bytes,
+                    open_image=lambda source: open_image_source(source, options.media_root, options.max_image_pixels,
+                                                                options.max_media_bytes),
+                    decode_image=decode_opened)
+                readers.append(reader)
+                plans.append(plan_video(
+                    reader.total_frames, reader.fps, reader.height, reader.width, request=part.request,
+                    options=options.video, family=profile.family, defaults=profile.video,
+                    patch_size=vision.patch_size, merge_size=vision.merge_size,
+                    temporal_patch_size=vision.temporal_patch_size, all_frames=isinstance(part.source, list)))
+                tokens = len(video_tokens(plans[-1], profile))
+                if tokens > options.max_seq_len:
+                    raise RejectError(
+                        "video_too_long",
+                        f"{len(plans[-1].indices)} frames at {plans[-1].height}x{plans[-1].width} make {tokens} tokens, "
+                        f"more than --max-seq-len {options.max_seq_len} alone; lower the video's fps, max_frames or "
+                        "max_pixels, or raise --max-seq-len")
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
+    return readers, plans
+
+
+def _video_patches(readers: list, plans: list[VideoPlan], vision) -> tuple[list[np.ndarray], list[tuple]]:
+    rows, grids = [], []
+    for k, (reader, plan) in enumerate(zip(readers, plans)):
+        with _named_rejects(f"video {k}"):
+            try:
+                frames = (frame for _, frame in reader.frames(plan.indices))
+                video_rows, grid = frames_to_patches(frames, len(plan.indices), plan.height, plan.width,
+                                                     patch_size=vision.patch_size, merge_size=vision.merge_size,
+                                                     temporal_patch_size=vision.temporal_patch_size)
+            finally:
+                reader.close()
+        rows.append(video_rows)
+        grids.append(grid)
+    return rows, grids
 
 
 def process_row(row, *, sample_uid: str, source: str, profile: Profile, options: SampleOptions) -> Sample:
@@ -114,12 +208,10 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
         loss_policy=options.loss_policy,
         special_tokens=profile.text_special_tokens,
     )
-    if rendered.videos:
-        raise RejectError("unsupported_video", "video parts are not written into shards by this version")
     vision = profile.vision
     images, header_grids = [], []
     for k, image_source in enumerate(rendered.image_sources):
-        with _image_rejects(k):
+        with _named_rejects(f"image {k}"):
             image = open_image_source(
                 image_source, options.media_root, options.max_image_pixels, options.max_media_bytes
             )
@@ -127,23 +219,39 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
         images.append(image)
     tokens_per_image = np.asarray(header_grids, dtype=np.int64).reshape(-1, 3).prod(axis=1) // vision.merge_size**2
 
-    input_ids, loss_mask = tokenize_rendered(rendered, profile.tokenizer)
-    input_ids, loss_mask = expand_image_pads(input_ids, loss_mask, tokens_per_image, profile.special.image_pad)
-    input_ids, loss_mask = _apply_length_policy(input_ids, loss_mask, profile, options)
+    readers, plans = _open_videos(rendered, profile, options)
+    try:
+        input_ids, loss_mask = tokenize_rendered(rendered, profile.tokenizer)
+        input_ids, loss_mask = expand_image_pads(input_ids, loss_mask, tokens_per_image, profile.special.image_pad)
+        input_ids, loss_mask = expand_video_pads(input_ids, loss_mask, [video_tokens(p, profile) for p in plans],
+                                                 profile.special.video_pad)
+        input_ids, loss_mask = _apply_length_policy(input_ids, loss_mask, profile, options)
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
     input_ids = np.ascontiguousarray(input_ids, dtype=np.int32)
+    video_rows, video_grids = _video_patches(readers, plans, vision)
 
     patches, grids = [], []
     for k in range(len(images)):
         image, images[k] = images[k], None  # each decoded image is freed before the next is decoded
-        with _image_rejects(k):
+        with _named_rejects(f"image {k}"):
             image_patches, grid = image_to_patches(decode_opened(image), vision)
             if sorted(grid) != sorted(header_grids[k]):  # EXIF orientation may only swap the sides
                 raise RejectError("bad_image", f"decodes to grid {grid}, its header promised {header_grids[k]}")
         patches.append(image_patches)
         grids.append(grid)
     image_grid_thw = np.asarray(grids, dtype=np.int32).reshape(-1, 3)
+    video_grid_thw = np.asarray(video_grids, dtype=np.int32).reshape(-1, 3)
+    second_per_grid_ts = np.asarray([p.second_per_grid_t for p in plans], dtype=np.float32)
+    videos = None
+    if plans:
+        videos = VideoPositions(video_pad_id=profile.special.video_pad, video_grid_thw=video_grid_thw,
+                                second_per_grid_ts=second_per_grid_ts, tokens_per_second=profile.tokens_per_second,
+                                split_frames=profile.family == "qwen3-vl")
     position_ids = mrope_position_ids(
-        input_ids, image_grid_thw, image_pad_id=profile.special.image_pad, merge_size=vision.merge_size
+        input_ids, image_grid_thw, image_pad_id=profile.special.image_pad, merge_size=vision.merge_size, video=videos
     )
     pixel_patches = (
         np.concatenate(patches) if patches else np.zeros((0, vision.patch_row_width), dtype=np.uint8)
@@ -156,4 +264,8 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
         position_ids=position_ids,
         pixel_patches=pixel_patches,
         image_grid_thw=image_grid_thw,
+        video_patches=(np.concatenate(video_rows) if video_rows
+                       else np.zeros((0, vision.pixel_values_row_width), dtype=np.uint8)),
+        video_grid_thw=video_grid_thw,
+        second_per_grid_ts=second_per_grid_ts,
     )

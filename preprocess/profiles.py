@@ -26,6 +26,7 @@ from shards_schema.builtin import BUILTIN_VISION, VisionConfig, builtin_tokenize
 
 from .errors import ConfigError
 from .render import DEFAULT_TEXT_SPECIAL_TOKENS, GROUNDING_TOKENS
+from .video import BUILTIN_VIDEO, VideoDefaults
 
 VLMPACK_VERSION = "0.1.0"
 
@@ -77,6 +78,8 @@ class Profile:
     tokenizer_json: str  # serialized `tokenizers` JSON
     template_sha256: str
     source: str  # "builtin" or the model directory
+    video: VideoDefaults  # the video processor's settings
+    tokens_per_second: int = 2  # Qwen2.5-VL's vision_config.tokens_per_second (temporal positions of videos)
 
     @cached_property
     def tokenizer(self):
@@ -121,6 +124,8 @@ class Profile:
             "tokenizer_sha256": hashlib.sha256(self.tokenizer_json.encode()).hexdigest(),
             "chat_template_sha256": self.template_sha256,
             "vision": dataclasses.asdict(self.vision),
+            "video": dataclasses.asdict(self.video),
+            "tokens_per_second": self.tokens_per_second,
             "special_tokens": dataclasses.asdict(self.special),
             "vlmpack_version": VLMPACK_VERSION,
         }
@@ -141,6 +146,7 @@ def builtin_profile(name: str) -> Profile:
         tokenizer_json=tokenizer_json,
         template_sha256=OFFICIAL_TEMPLATE_SHA256[name],
         source="builtin",
+        video=BUILTIN_VIDEO[name],
     )
 
 
@@ -178,6 +184,28 @@ def _vision_from_preprocessor_config(path: Path, family: str) -> VisionConfig:
         raise ConfigError(f"{path}: missing or malformed image-processor field ({exc})") from exc
 
 
+def _video_from_config(path: Path, family: str) -> VideoDefaults:
+    """The directory's video_preprocessor_config.json over the family's defaults."""
+    defaults = BUILTIN_VIDEO[family]
+    if not path.is_file():
+        return defaults
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    size = cfg.get("size") or {}
+    try:
+        return VideoDefaults(
+            fps=float(cfg.get("fps", defaults.fps)),
+            min_frames=int(cfg.get("min_frames", defaults.min_frames)),
+            max_frames=int(cfg.get("max_frames", defaults.max_frames)),
+            min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or defaults.min_pixels),
+            max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or defaults.max_pixels),
+            image_mean=tuple(float(x) for x in cfg.get("image_mean", defaults.image_mean)),
+            image_std=tuple(float(x) for x in cfg.get("image_std", defaults.image_std)),
+            max_video_tokens=int(cfg.get("max_video_tokens", defaults.max_video_tokens)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: malformed video-processor field ({exc})") from exc
+
+
 def profile_from_model_dir(model_dir: str | Path, check_template: bool = True) -> Profile:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -185,7 +213,8 @@ def profile_from_model_dir(model_dir: str | Path, check_template: bool = True) -
     for required in ("config.json", "tokenizer.json", "preprocessor_config.json"):
         if not (model_dir / required).is_file():
             raise ConfigError(f"--model {model_dir}: missing {required}; pass a Hugging Face Qwen-VL checkpoint directory")
-    model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    model_type = config.get("model_type")
     family = MODEL_TYPE_FAMILY.get(model_type)
     if family is None:
         raise ConfigError(
@@ -198,6 +227,8 @@ def profile_from_model_dir(model_dir: str | Path, check_template: bool = True) -
         tokenizer_json=(model_dir / "tokenizer.json").read_text(encoding="utf-8"),
         template_sha256=hashlib.sha256(template.encode()).hexdigest(),
         source=str(model_dir.resolve()),
+        video=_video_from_config(model_dir / "video_preprocessor_config.json", family),
+        tokens_per_second=int((config.get("vision_config") or {}).get("tokens_per_second", 2)),
     )
     if check_template:
         from .render import check_template_matches

@@ -11,20 +11,28 @@ import json
 from pathlib import Path
 
 from .errors import UserError
-from .schema import FORMAT_NAME, SCHEMA_VERSION
+from .schema import FORMAT_NAME, READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION
 
 MANIFEST_NAME = "manifest.json"
 REJECTS_NAME = "rejects.jsonl"
 PARTS_DIR = "_parts"  # the preprocessing job's work area (unit commit records): resume/merge state
-TOTAL_KEYS = ("rows", "tokens", "target_tokens", "images", "patches", "bytes")
+TOTAL_KEYS_V1 = ("rows", "tokens", "target_tokens", "images", "patches", "bytes")
+TOTAL_KEYS = TOTAL_KEYS_V1 + ("videos", "video_patches")
+
+
+def total_keys(manifest: dict) -> tuple[str, ...]:
+    """The totals (and per-shard stats) a manifest of its schema version carries."""
+    return TOTAL_KEYS if manifest.get("schema_version", SCHEMA_VERSION) >= 2 else TOTAL_KEYS_V1
 
 
 class ShardFormatError(UserError):
     """A shard directory that is missing, incomplete, or from an incompatible version."""
 
 
-def build_manifest(*, profile: dict, settings: dict, shards: list[dict], accounting: dict, patch_row_width: int) -> dict:
-    totals = {key: sum(int(s[key]) for s in shards) for key in TOTAL_KEYS}
+def build_manifest(*, profile: dict, settings: dict, shards: list[dict], accounting: dict, patch_row_width: int,
+                   schema_version: int = SCHEMA_VERSION) -> dict:
+    keys = TOTAL_KEYS if schema_version >= 2 else TOTAL_KEYS_V1
+    totals = {key: sum(int(s[key]) for s in shards) for key in keys}
     totals["shards"] = len(shards)
     if accounting["rows_read"] != accounting["rows_written"] + accounting["rows_rejected"]:
         raise AssertionError(f"row accounting does not add up: {accounting}")
@@ -32,7 +40,7 @@ def build_manifest(*, profile: dict, settings: dict, shards: list[dict], account
         raise AssertionError(f"rows written {accounting['rows_written']} != rows in shards {totals['rows']}")
     return {
         "format": FORMAT_NAME,
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": schema_version,
         "patch_row_width": patch_row_width,
         "profile": profile,
         "settings": settings,
@@ -66,9 +74,10 @@ def load_manifest(directory: str | Path) -> dict:
     if manifest.get("format") != FORMAT_NAME:
         raise ShardFormatError(f"{path}: not a vlmpack manifest (format {manifest.get('format')!r})")
     version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMA_VERSIONS:
         raise ShardFormatError(
-            f"{path}: schema version {version}, this vlmpack reads version {SCHEMA_VERSION}; "
+            f"{path}: schema version {version}, this vlmpack reads versions "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}; "
             "re-run `vlmpack preprocess` with this version"
         )
     return manifest

@@ -14,15 +14,7 @@ import pyarrow as pa
 
 from .atomic import refuse_leftover_tmp
 from .manifest import ShardFormatError, load_manifest
-from .schema import ARRAY_COLUMNS, FORMAT_NAME, SCHEMA_VERSION
-
-_COLUMN_DTYPES = {
-    "input_ids": np.int32,
-    "loss_mask": np.uint8,
-    "position_ids": np.int32,
-    "image_grid_thw": np.int32,
-    "pixel_patches": np.uint8,
-}
+from .schema import COLUMN_DTYPES, FORMAT_NAME, READABLE_SCHEMA_VERSIONS, VIDEO_COLUMNS, array_columns
 
 
 def list_views(column: pa.Array, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -49,9 +41,13 @@ class ShardFile:
         meta = self._reader.schema.metadata or {}
         if meta.get(b"vlmpack.format") != FORMAT_NAME.encode():
             raise ShardFormatError(f"{self.path}: not a vlmpack shard")
-        if int(meta.get(b"vlmpack.schema_version", b"0")) != SCHEMA_VERSION:
-            raise ShardFormatError(f"{self.path}: schema version {meta.get(b'vlmpack.schema_version')}, expected {SCHEMA_VERSION}")
+        self.version = int(meta.get(b"vlmpack.schema_version", b"0"))
+        if self.version not in READABLE_SCHEMA_VERSIONS:
+            raise ShardFormatError(f"{self.path}: schema version {meta.get(b'vlmpack.schema_version')}, "
+                                   f"this vlmpack reads versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
+        self.columns = array_columns(self.version)
         self.patch_row_width = int(meta[b"vlmpack.patch_row_width"])
+        self.video_patch_row_width = int(meta.get(b"vlmpack.video_patch_row_width", 2 * self.patch_row_width))
         self._batches = [self._reader.get_batch(b) for b in range(self._reader.num_record_batches)]
         self.batch_starts = np.cumsum([0] + [b.num_rows for b in self._batches])
         self._views: dict[int, dict] = {}
@@ -70,7 +66,7 @@ class ShardFile:
         views = self._views.get(b)
         if views is None:
             batch = self._batches[b]
-            views = {name: list_views(batch.column(name), _COLUMN_DTYPES[name]) for name in ARRAY_COLUMNS}
+            views = {name: list_views(batch.column(name), COLUMN_DTYPES[name]) for name in self.columns}
             views["sample_uid"] = batch.column("sample_uid")
             views["source"] = batch.column("source")
             self._views[b] = views
@@ -81,19 +77,27 @@ class ShardFile:
         r = j - int(self.batch_starts[b])
         views = self._batch_views(b)
         out = {}
-        for name in ARRAY_COLUMNS:
+        for name in self.columns:
             offsets, values = views[name]
             out[name] = values[offsets[r] : offsets[r + 1]]
+        if self.version < 2:  # a version 1 shard holds no video
+            for name in VIDEO_COLUMNS:
+                out[name] = np.zeros(0, COLUMN_DTYPES[name])
         out["position_ids"] = out["position_ids"].reshape(3, -1)
         out["image_grid_thw"] = out["image_grid_thw"].reshape(-1, 3)
         out["pixel_patches"] = out["pixel_patches"].reshape(-1, self.patch_row_width)
+        out["video_grid_thw"] = out["video_grid_thw"].reshape(-1, 3)
+        out["video_patches"] = out["video_patches"].reshape(-1, self.video_patch_row_width)
         out["sample_uid"] = views["sample_uid"][r].as_py()
         out["source"] = views["source"][r].as_py()
         return out
 
     def list_lengths(self, name: str) -> np.ndarray:
-        """Per-row lengths of a list column, from its offsets alone (values are never touched)."""
-        parts = [np.diff(list_views(batch.column(name), _COLUMN_DTYPES[name])[0]) for batch in self._batches]
+        """Per-row lengths of a list column, from its offsets alone (values are never touched); a
+        video column of a version 1 shard has length 0 in every row."""
+        if name not in self.columns:
+            return np.zeros(len(self), np.int64)
+        parts = [np.diff(list_views(batch.column(name), COLUMN_DTYPES[name])[0]) for batch in self._batches]
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
     def string_column(self, name: str) -> pa.ChunkedArray:
@@ -164,12 +168,15 @@ class ShardSet:
 
     def sample_stats(self) -> dict[str, np.ndarray]:
         """Per-sample sizes for planning and inspection, read from offsets and one small column."""
-        stats = {"num_tokens": [], "num_patches": [], "num_images": [], "num_target_tokens": []}
+        stats = {"num_tokens": [], "num_patches": [], "num_images": [], "num_target_tokens": [],
+                 "num_video_patches": [], "num_videos": []}
         for k in range(len(self.shard_files)):
             shard = self.shard(k)
             stats["num_tokens"].append(shard.list_lengths("input_ids"))
             stats["num_patches"].append(shard.list_lengths("pixel_patches") // self.patch_row_width)
             stats["num_images"].append(shard.list_lengths("image_grid_thw") // 3)
+            stats["num_video_patches"].append(shard.list_lengths("video_patches") // shard.video_patch_row_width)
+            stats["num_videos"].append(shard.list_lengths("video_grid_thw") // 3)
             stats["num_target_tokens"].append(shard.int_column("num_target_tokens"))
         return {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in stats.items()}
 

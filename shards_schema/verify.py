@@ -41,14 +41,15 @@ import pyarrow as pa
 
 from .atomic import TMP_SUFFIX
 from .errors import UserError
-from .manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, TOTAL_KEYS, ShardFormatError, load_manifest
-from .positions import mrope_position_ids
+from .manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, ShardFormatError, load_manifest, total_keys
+from .positions import VideoPositions, mrope_position_ids
 from .reader import list_views
-from .schema import FORMAT_NAME, SCHEMA_VERSION, shard_schema
+from .schema import FORMAT_NAME, shard_schema
 from .writer import file_sha256
 
 SHARD_SUFFIX = ".arrow"
 SHARD_STAT_KEYS = ("tokens", "target_tokens", "images", "patches")
+VIDEO_STAT_KEYS = ("videos", "video_patches")
 SPECIAL_TOKEN_KEYS = ("im_start", "im_end", "assistant", "vision_start", "vision_end", "image_pad")
 DEFAULT_KEEP_PER_KIND = 100  # faults of one kind kept in a report (all are counted)
 DEFAULT_SHOW_PER_KIND = 20  # faults of one kind printed by the CLI
@@ -223,7 +224,8 @@ def _check_shard_entries(manifest: dict, log: _FaultLog) -> list[dict]:
             log.add("manifest_field", f"{MANIFEST_NAME}: shards[{i}] is not an object")
             continue
         name = e.get("file")
-        bad = [k for k in ("rows", "bytes", *SHARD_STAT_KEYS) if not _is_count(e.get(k))]
+        keys = ("rows", "bytes", *SHARD_STAT_KEYS, *(VIDEO_STAT_KEYS if manifest.get("schema_version", 1) >= 2 else ()))
+        bad = [k for k in keys if not _is_count(e.get(k))]
         if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
             log.add("manifest_field", f"{MANIFEST_NAME}: shards[{i}].file {name!r} is not a plain file name in DIR")
             continue
@@ -248,7 +250,7 @@ def _check_totals(manifest: dict, entries: list[dict], log: _FaultLog) -> None:
         return
     if len(entries) != len(all_entries):
         return  # broken entries already reported; sums over them would only add noise
-    for key in TOTAL_KEYS:
+    for key in total_keys(manifest):
         expected = sum(int(e[key]) for e in entries)
         if totals.get(key) != expected:
             log.add("totals_mismatch", f"{MANIFEST_NAME}: totals.{key} = {totals.get(key)!r} but the shard entries sum to {expected}")
@@ -327,6 +329,9 @@ class _Context:
     keep: int
     special: dict | None  # token name -> id, None when the manifest lacks them
     merge_size: int | None
+    version: int = 1  # the manifest's schema version
+    family: str | None = None
+    tokens_per_second: int = 2
 
 
 @dataclass
@@ -383,14 +388,14 @@ def _check_schema(schema: pa.Schema, ctx: _Context, name: str, log: _FaultLog) -
     problems = []
     if fmt != FORMAT_NAME:
         problems.append(f"format {fmt!r} (expected {FORMAT_NAME!r})")
-    if version != str(SCHEMA_VERSION):
-        problems.append(f"schema_version {version!r} (expected {SCHEMA_VERSION})")
+    if version != str(ctx.version):
+        problems.append(f"schema_version {version!r} (manifest: {ctx.version})")
     if width != str(ctx.patch_row_width):
         problems.append(f"patch_row_width {width!r} (manifest: {ctx.patch_row_width})")
     if problems:
         log.add("schema_mismatch", "schema metadata: " + "; ".join(problems), name)
         return False
-    expected = shard_schema(ctx.patch_row_width)
+    expected = shard_schema(ctx.patch_row_width, ctx.version)
     if not schema.equals(expected, check_metadata=True):
         diff = [f"{f.name}: {f.type}" for f in schema if f.name not in expected.names or expected.field(f.name) != f]
         missing = [n for n in expected.names if n not in schema.names]
@@ -407,13 +412,17 @@ def _offsets(batch: pa.RecordBatch, column: str) -> np.ndarray:
 
 def _check_offset_stats(batches, entry: dict, ctx: _Context, name: str, log: _FaultLog) -> None:
     """Per-shard sums from list offsets and the num_target_tokens column (no token or pixel values)."""
-    sums = dict.fromkeys(SHARD_STAT_KEYS, 0)
+    keys = SHARD_STAT_KEYS + (VIDEO_STAT_KEYS if ctx.version >= 2 else ())
+    sums = dict.fromkeys(keys, 0)
     for batch in batches:
         sums["tokens"] += int(np.diff(_offsets(batch, "input_ids")).sum())
         sums["images"] += int(np.diff(_offsets(batch, "image_grid_thw")).sum()) // 3
         sums["patches"] += int(np.diff(_offsets(batch, "pixel_patches")).sum()) // ctx.patch_row_width
         sums["target_tokens"] += int(batch.column("num_target_tokens").to_numpy().astype(np.int64).sum())
-    for key in SHARD_STAT_KEYS:
+        if ctx.version >= 2:
+            sums["videos"] += int(np.diff(_offsets(batch, "video_grid_thw")).sum()) // 3
+            sums["video_patches"] += int(np.diff(_offsets(batch, "video_patches")).sum()) // (2 * ctx.patch_row_width)
+    for key in keys:
         if sums[key] != entry[key]:
             log.add("shard_stats", f"{key}: the rows hold {sums[key]:,}, manifest says {entry[key]:,}", name)
 
@@ -494,6 +503,8 @@ class _RowSlice:
     uids: pa.Array  # the sample_uid column
     L: np.ndarray  # tokens per row
     K: np.ndarray  # images per row (grid values // 3)
+    ctx: _Context
+    video: dict | None = None  # version 2: video_grid_thw / second_per_grid_ts (offsets, values), video_patches offsets
 
     @classmethod
     def of(cls, batch: pa.RecordBatch, row0: int, ctx: _Context, shard: str, log: _FaultLog) -> "_RowSlice":
@@ -510,8 +521,16 @@ class _RowSlice:
             ids=ids, ioff=ioff, lm=lm, loff=loff, pos=pos, poff=poff, grid=grid, goff=goff,
             xoff=_offsets(batch, "pixel_patches"),
             num_targets=batch.column("num_target_tokens").to_numpy().astype(np.int64),
-            uids=batch.column("sample_uid"), L=np.diff(ioff), K=np.diff(goff) // 3,
+            uids=batch.column("sample_uid"), L=np.diff(ioff), K=np.diff(goff) // 3, ctx=ctx,
+            video=_video_views(batch) if ctx.version >= 2 else None,
         )
+
+    def video_rows(self) -> np.ndarray:
+        """Rows that hold a video (or whose video columns hold anything at all)."""
+        if self.video is None:
+            return np.zeros(len(self), dtype=bool)
+        v = self.video
+        return (np.diff(v["grid"][0]) > 0) | (np.diff(v["seconds"][0]) > 0) | (np.diff(v["patch_off"]) > 0)
 
     def __len__(self) -> int:
         return len(self.L)
@@ -523,6 +542,63 @@ class _RowSlice:
     def add_rows(self, kind: str, rows: np.ndarray, describe) -> None:
         """One fault per slice row in `rows`; `describe(r)` for the kept ones."""
         self.log.add_rows(kind, self.shard, self.row0, rows, describe)
+
+
+def _video_views(batch: pa.RecordBatch) -> dict:
+    views = {}
+    for key, col, dtype in (("grid", "video_grid_thw", np.int32), ("seconds", "second_per_grid_ts", np.float32)):
+        off, vals = list_views(batch.column(col), dtype)
+        off = off.astype(np.int64)
+        views[key] = (off - off[0], vals[off[0] : off[-1]])
+    views["patch_off"] = _offsets(batch, "video_patches")
+    return views
+
+
+def _check_video_rows(s: _RowSlice, rows: np.ndarray) -> None:
+    """Rows with videos, one at a time (they are few and each is large): grids, video patch bytes
+    against the grids, one second_per_grid_ts per video, image and video pad counts, and the
+    positions recomputed with the videos (which also checks every pad run against its grid)."""
+    ctx, m, W2 = s.ctx, s.merge_size, 2 * s.patch_row_width
+    (voff, vgrid), (soff, seconds), poff_v = s.video["grid"], s.video["seconds"], s.video["patch_off"]
+    for r in rows.tolist():
+        uid = s.uid(r)
+        glen = voff[r + 1] - voff[r]
+        if glen % 3:
+            s.add_rows("video_grid", np.asarray([r]), lambda _: f"video_grid_thw has {glen} values, not a multiple of 3 (sample {uid})")
+            continue
+        grids = vgrid[voff[r] : voff[r + 1]].reshape(-1, 3).astype(np.int64)
+        if (grids < 1).any() or (m and (grids[:, 1:] % m).any()):
+            s.add_rows("video_grid", np.asarray([r]), lambda _: (
+                f"video grids {grids.tolist()} need t, h, w >= 1 with h, w divisible by merge_size {m} (sample {uid})"))
+            continue
+        xlen, need = poff_v[r + 1] - poff_v[r], int(grids.prod(axis=1).sum()) * W2
+        if xlen != need:
+            s.add_rows("video_patches_length", np.asarray([r]), lambda _: (
+                f"video_patches has {xlen:,} bytes, the grids need {need // W2:,} patches x {W2} = {need:,} (sample {uid})"))
+            continue
+        spg = seconds[soff[r] : soff[r + 1]]
+        if len(spg) != len(grids) or not (np.isfinite(spg) & (spg > 0)).all():
+            s.add_rows("video_grid", np.asarray([r]), lambda _: (
+                f"{len(spg)} second_per_grid_ts {spg.tolist()} for {len(grids)} videos: one positive value each (sample {uid})"))
+            continue
+        if s.special is None or not m or s.special.get("video_pad") is None:
+            continue
+        ids = s.ids[s.ioff[r] : s.ioff[r + 1]]
+        image_grids = s.grid[s.goff[r] : s.goff[r + 1]].reshape(-1, 3)
+        videos = VideoPositions(video_pad_id=s.special["video_pad"], video_grid_thw=grids, second_per_grid_ts=spg,
+                                tokens_per_second=ctx.tokens_per_second, split_frames=ctx.family == "qwen3-vl")
+        got = s.pos[s.poff[r] : s.poff[r + 1]].reshape(3, -1)
+        try:
+            want = mrope_position_ids(ids, image_grids, image_pad_id=s.special["image_pad"], merge_size=m, video=videos)
+        except ValueError as exc:
+            reason = str(exc)
+            s.add_rows("video_pad_count", np.asarray([r]), lambda _: f"vision pads do not match the grids: {reason} (sample {uid})")
+            continue
+        if got.shape != want.shape or not np.array_equal(got, want):
+            diff = np.argwhere(got != want)[0].tolist() if got.shape == want.shape else None
+            s.add_rows("position_ids", np.asarray([r]), lambda _: (
+                f"position_ids{diff} = {int(got[tuple(diff)])}, HF get_rope_index (mrope_position_ids with the videos) "
+                f"gives {int(want[tuple(diff)])} (sample {uid})" if diff else f"position_ids shape {got.shape} (sample {uid})"))
 
 
 def _check_batch(s: _RowSlice) -> None:
@@ -537,7 +613,8 @@ def _check_batch(s: _RowSlice) -> None:
     s.add_rows("position_ids_length", np.flatnonzero(bad_pos_len),
                lambda r: f"position_ids has {poff[r + 1] - poff[r]} values, expected 3 x {L[r]} tokens (sample {uid(r)})")
 
-    # --- image grids, pixel rows, image pads, vision markers
+    # --- image grids, pixel rows, image pads, vision markers (rows with videos: _check_video_rows)
+    video_rows = s.video_rows()
     structure_ok = np.ones(n, dtype=bool)
     glen = np.diff(goff)
     bad_glen = glen % 3 != 0
@@ -566,7 +643,7 @@ def _check_batch(s: _RowSlice) -> None:
             f"{patches_row[r] * W:,} (sample {uid(r)})"))
         structure_ok &= ~bad_px
         if s.special is not None and m:
-            _check_vision_tokens(s, grids, img_row, bad_img, structure_ok)
+            _check_vision_tokens(s, grids, img_row, bad_img, structure_ok, video_rows)
     if s.special is None or not m:
         structure_ok[:] = False
 
@@ -575,19 +652,23 @@ def _check_batch(s: _RowSlice) -> None:
         _check_loss_mask(s)
 
     # --- positions: text-only rows vectorised, image rows through mrope_position_ids
-    _check_positions(s, structure_ok & ~bad_pos_len)
+    _check_positions(s, structure_ok & ~bad_pos_len & ~video_rows)
+    if video_rows.any():
+        _check_video_rows(s, np.flatnonzero(video_rows & ~bad_pos_len & ~(np.diff(goff) % 3 != 0)))
 
 
-def _check_vision_tokens(s: _RowSlice, grids: np.ndarray, img_row: np.ndarray, bad_img: np.ndarray, structure_ok: np.ndarray) -> None:
+def _check_vision_tokens(s: _RowSlice, grids: np.ndarray, img_row: np.ndarray, bad_img: np.ndarray, structure_ok: np.ndarray,
+                         skip: np.ndarray) -> None:
     """Image pads: count == patches / merge^2 per row, one contiguous run per image, each run
-    wrapped by exactly one vision_start before and one vision_end after, no stray markers."""
+    wrapped by exactly one vision_start before and one vision_end after, no stray markers. Rows
+    in `skip` (those with videos, whose markers nest) are left to `_check_video_rows`."""
     n, ids, ioff, K, m, uid = len(s), s.ids, s.ioff, s.K, s.merge_size, s.uid
     pad, vs, ve = s.special["image_pad"], s.special["vision_start"], s.special["vision_end"]
     is_pad, is_vs, is_ve = ids == pad, ids == vs, ids == ve
     tokens_img = grids.prod(axis=1) // (m * m)
     expected_pads = _seg_sum(np.where(bad_img, 0, tokens_img), np.concatenate(([0], np.cumsum(K))))
     pads = _seg_sum(is_pad, ioff)
-    bad_count = pads != expected_pads
+    bad_count = (pads != expected_pads) & ~skip
     s.add_rows("image_pad_count", np.flatnonzero(bad_count), lambda r: (
         f"{pads[r]} <|image_pad|> tokens, the {K[r]} image grid(s) need {expected_pads[r]} "
         f"(patches / merge_size^2) (sample {uid(r)})"))
@@ -617,6 +698,7 @@ def _check_vision_tokens(s: _RowSlice, grids: np.ndarray, img_row: np.ndarray, b
     bad_rows = np.zeros(n, dtype=bool)
     bad_rows[np.searchsorted(ioff, np.flatnonzero(misplaced), side="right") - 1] = True
     bad_rows |= (runs != K) | (n_vs != K) | (n_ve != K)
+    bad_rows &= ~skip
     first_bad = {}
     if bad_rows.any() and s.log.wants_examples("vision_markers"):
         rows_, firsts, _ = _first_per_row(np.flatnonzero(misplaced), ioff)
@@ -628,7 +710,7 @@ def _check_vision_tokens(s: _RowSlice, grids: np.ndarray, img_row: np.ndarray, b
     structure_ok &= ~bad_rows
 
     # run lengths per image, for rows whose runs pair one-to-one with valid image grids
-    pair_ok = ~bad_rows & ~bad_count
+    pair_ok = ~bad_rows & ~bad_count & ~skip
     pair_ok[img_row[bad_img]] = False
     run_starts = np.flatnonzero(run_start)
     run_ends = np.flatnonzero(run_end) + 1
@@ -667,6 +749,8 @@ def _check_loss_mask(s: _RowSlice) -> None:
         return
     N = len(ids)
     is_vision = (ids == special["image_pad"]) | (ids == special["vision_start"]) | (ids == special["vision_end"])
+    if special.get("video_pad") is not None:
+        is_vision |= ids == special["video_pad"]
     on_vision = targets & is_vision
     if on_vision.any():
         rows, first, counts = _first_per_row(np.flatnonzero(on_vision), ioff)
@@ -777,10 +861,14 @@ def _context(directory: Path, manifest: dict, quick: bool, keep: int, log: _Faul
     special = {k: tokens.get(k) for k in SPECIAL_TOKEN_KEYS}
     if not all(_is_count(v) for v in special.values()):
         special = None
+    elif _is_count(tokens.get("video_pad")):
+        special["video_pad"] = tokens["video_pad"]
     if not quick and (special is None or merge is None):
         log.add("manifest_field", f"{MANIFEST_NAME}: profile.special_tokens ({', '.join(SPECIAL_TOKEN_KEYS)}) and "
                 "profile.vision.merge_size are needed for the token and position checks; those were skipped")
-    return _Context(str(directory), int(width), quick, keep, special, merge)
+    version = manifest.get("schema_version") if manifest.get("schema_version") in (1, 2) else 1
+    return _Context(str(directory), int(width), quick, keep, special, merge, version, profile.get("family"),
+                    int(profile.get("tokens_per_second", 2)))
 
 
 def _check_duplicates(column: str, values: list[tuple[str, pa.Array]], log: _FaultLog, kind: str, note: str) -> None:

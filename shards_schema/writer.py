@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from .atomic import TMP_SUFFIX, fsync_dir
-from .schema import Sample, shard_schema
+from .schema import SCHEMA_VERSION, Sample, shard_schema
 
 # Record batches stay far below 2^31 child values (int32 list offsets) and small enough that
 # reading one row maps only a little of the file.
@@ -31,9 +31,11 @@ class ShardInfo:
     patches: int
     bytes: int
     sha256: str
+    videos: int | None = None  # schema version 2 on
+    video_patches: int | None = None
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 def file_sha256(path: Path) -> str:
@@ -52,6 +54,7 @@ def _list_array(arrays: list[np.ndarray], value_type: pa.DataType, large: bool =
 
 
 def samples_to_record_batch(samples: list[Sample], schema: pa.Schema) -> pa.RecordBatch:
+    video = schema.get_field_index("video_patches") >= 0
     columns = [
         pa.array([s.sample_uid for s in samples], pa.string()),
         pa.array([s.source for s in samples], pa.string()),
@@ -62,6 +65,12 @@ def samples_to_record_batch(samples: list[Sample], schema: pa.Schema) -> pa.Reco
         _list_array([s.pixel_patches for s in samples], pa.uint8(), large=True),
         pa.array([s.num_target_tokens for s in samples], pa.int32()),
     ]
+    if video:
+        columns += [
+            _list_array([s.video_grid_thw for s in samples], pa.int32()),
+            _list_array([s.second_per_grid_ts for s in samples], pa.float32()),
+            _list_array([s.video_patches for s in samples], pa.uint8(), large=True),
+        ]
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
@@ -72,16 +81,20 @@ class ShardWriter:
     leaves a shard that looks complete.
     """
 
-    def __init__(self, path: Path, patch_row_width: int):
+    def __init__(self, path: Path, patch_row_width: int, schema_version: int = SCHEMA_VERSION):
         self.path = Path(path)
         self.tmp_path = self.path.with_name(self.path.name + TMP_SUFFIX)
         self.patch_row_width = patch_row_width
-        self.schema = shard_schema(patch_row_width)
+        self.video_patch_row_width = 2 * patch_row_width  # C*T*P*P, T = 2 in both families
+        self.schema_version = schema_version
+        self.schema = shard_schema(patch_row_width, schema_version)
         self._sink = pa.OSFile(str(self.tmp_path), "wb")
         self._writer = pa.ipc.new_file(self._sink, self.schema)
         self._pending: list[Sample] = []
         self._pending_bytes = 0
         self._stats = dict(rows=0, tokens=0, target_tokens=0, images=0, patches=0)
+        if schema_version >= 2:
+            self._stats.update(videos=0, video_patches=0)
 
     def add(self, sample: Sample) -> None:
         if sample.pixel_patches.ndim != 2 or (sample.num_patches and sample.pixel_patches.shape[1] != self.patch_row_width):
@@ -89,13 +102,22 @@ class ShardWriter:
                 f"{sample.sample_uid}: pixel_patches shape {sample.pixel_patches.shape} does not match "
                 f"row width {self.patch_row_width}"
             )
+        if sample.num_videos or sample.num_video_patches:
+            if self.schema_version < 2:
+                raise ValueError(f"{sample.sample_uid}: schema version {self.schema_version} shards hold no video")
+            if sample.video_patches.ndim != 2 or sample.video_patches.shape[1] != self.video_patch_row_width:
+                raise ValueError(f"{sample.sample_uid}: video_patches shape {sample.video_patches.shape} does not match "
+                                 f"row width {self.video_patch_row_width}")
         self._pending.append(sample)
-        self._pending_bytes += sample.pixel_patches.nbytes
+        self._pending_bytes += sample.pixel_patches.nbytes + sample.video_patches.nbytes
         self._stats["rows"] += 1
         self._stats["tokens"] += sample.num_tokens
         self._stats["target_tokens"] += sample.num_target_tokens
         self._stats["images"] += sample.num_images
         self._stats["patches"] += sample.num_patches
+        if self.schema_version >= 2:
+            self._stats["videos"] += sample.num_videos
+            self._stats["video_patches"] += sample.num_video_patches
         if self._pending_bytes >= BATCH_PIXEL_BYTES or len(self._pending) >= BATCH_ROWS:
             self._flush()
 

@@ -133,7 +133,7 @@ SHARD_EXPECTED = {
        for c in ("inspect", "show", "export", "pack", "train")},
     ("missing", "verify"): rf"{DAMAGED_SHARD}: \[missing_shard\]",
     **{("manifest_not_json", c): r"manifest\.json: not valid JSON" for c in SHARD_COMMANDS},
-    **{("manifest_other_version", c): r"manifest\.json: schema version 99, this vlmpack reads version 1" for c in SHARD_COMMANDS},
+    **{("manifest_other_version", c): r"manifest\.json: schema version 99, this vlmpack reads versions 1, 2" for c in SHARD_COMMANDS},
     **{("leftover_tmp", c): r"leftover shard-000002\.arrow\.tmp from an interrupted write"
        for c in ("inspect", "show", "export", "pack", "train")},
     ("leftover_tmp", "verify"): r"shard-000002\.arrow\.tmp: \[leftover_tmp\]",

@@ -31,8 +31,9 @@ BASE = ["--arch", "tiny", "--seq-len", str(SEQ_LEN), "--global-batch-packs", "2"
 
 
 def preprocess(tmp: Path, name: str, profile: str = "qwen3-vl", rows: int = 24, seed: int = 5,
-               seq_len: int = SEQ_LEN, size_range: tuple[int, int] = (32, 96)) -> Path:
-    data = write_jsonl(tmp / f"{name}.jsonl", example_rows(rows, seed=seed, family=profile, size_range=size_range))
+               seq_len: int = SEQ_LEN, size_range: tuple[int, int] = (32, 96), video_rows: float = 0.0) -> Path:
+    data = write_jsonl(tmp / f"{name}.jsonl", example_rows(rows, seed=seed, family=profile, size_range=size_range,
+                                                           video_rows=video_rows))
     out = tmp / name
     assert vlmpack(["preprocess", str(data), "--out", str(out), "--profile", profile, "--workers", "1",
                     "--max-seq-len", str(seq_len), "--no-progress"]) == 0
@@ -209,6 +210,14 @@ def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message)
     proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2", *extra])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_shards_with_videos_are_refused_naming_the_directory(tmp_path):
+    videos = preprocess(tmp_path, "videos", rows=6, video_rows=1.0)
+    proc = run_train([*BASE, "--data", str(videos), "--out", str(tmp_path / "run"), "--train-steps", "2"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"{videos}: the shards hold 6 videos, and this trainer feeds images only" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -21,7 +21,7 @@ from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import ShardFile, ShardFormatError
 from shards_schema.cli import main as cli_main
-from shards_schema.manifest import TOTAL_KEYS
+from shards_schema.manifest import total_keys
 from shards_schema.schema import Sample
 from shards_schema.verify import verify_shards
 from shards_schema.writer import ShardWriter
@@ -33,7 +33,7 @@ ROWS = 20  # + 2 bad rows, 8 rows per unit -> 3 shards
 @pytest.fixture(scope="module")
 def original(tmp_path_factory) -> Path:
     data = write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl",
-                       example_rows(ROWS, seed=11, size_range=(32, 160), include_bad_rows=True))
+                       example_rows(ROWS, seed=11, size_range=(32, 160), include_bad_rows=True, video_rows=0.25))
     out = tmp_path_factory.mktemp("shards") / "out"
     run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(out), workers=1, rows_per_shard=8, progress=False))
     return out
@@ -68,7 +68,8 @@ def read_samples(path: Path) -> list[Sample]:
     for j in range(len(shard)):
         r = shard.row(j)
         out.append(Sample(r["sample_uid"], r["source"], r["input_ids"].copy(), r["loss_mask"].copy(),
-                          r["position_ids"].copy(), r["pixel_patches"].copy(), r["image_grid_thw"].copy()))
+                          r["position_ids"].copy(), r["pixel_patches"].copy(), r["image_grid_thw"].copy(),
+                          r["video_patches"].copy(), r["video_grid_thw"].copy(), r["second_per_grid_ts"].copy()))
     return out
 
 
@@ -78,11 +79,11 @@ def rewrite_shard(d: Path, k: int, mutate) -> str:
     entry = manifest["shards"][k]
     samples = read_samples(d / entry["file"])
     mutate(samples)
-    writer = ShardWriter(d / entry["file"], manifest["patch_row_width"])
+    writer = ShardWriter(d / entry["file"], manifest["patch_row_width"], manifest["schema_version"])
     for s in samples:
         writer.add(s)
     manifest["shards"][k] = writer.close().to_json()
-    for key in TOTAL_KEYS:
+    for key in total_keys(manifest):
         manifest["totals"][key] = sum(s[key] for s in manifest["shards"])
     write_manifest(d, manifest)
     return entry["file"]
@@ -93,7 +94,12 @@ def special(d: Path) -> dict:
 
 
 def first_row(samples, with_images: bool) -> int:
-    return next(j for j, s in enumerate(samples) if (s.num_images > 0) == with_images)
+    """The first row with (or without) images, and without videos."""
+    return next(j for j, s in enumerate(samples) if (s.num_images > 0) == with_images and s.num_videos == 0)
+
+
+def video_row(samples) -> int:
+    return next(j for j, s in enumerate(samples) if s.num_videos > 0)
 
 
 # --------------------------------------------------------------------------- clean
@@ -332,6 +338,33 @@ def _no_targets(samples, sp):
     return j
 
 
+def _video_patch_dropped(samples, sp):
+    j = video_row(samples)
+    samples[j].video_patches = np.ascontiguousarray(samples[j].video_patches[:-1])
+    return j
+
+
+def _video_pad_removed(samples, sp):
+    j = video_row(samples)
+    s = samples[j]
+    cut = np.flatnonzero(s.input_ids == sp["video_pad"])[0]
+    s.input_ids, s.loss_mask = np.delete(s.input_ids, cut), np.delete(s.loss_mask, cut)
+    s.position_ids = np.ascontiguousarray(np.delete(s.position_ids, cut, axis=1))
+    return j
+
+
+def _wrong_positions_video_row(samples, sp):
+    j = video_row(samples)
+    samples[j].position_ids[0, np.flatnonzero(samples[j].input_ids == sp["video_pad"])[-1]] += 1
+    return j
+
+
+def _target_on_video_pad(samples, sp):
+    j = video_row(samples)
+    samples[j].loss_mask[np.flatnonzero(samples[j].input_ids == sp["video_pad"])[0]] = 1
+    return j
+
+
 def _duplicate_source(samples, sp):
     samples[3].source = samples[1].source
     return None
@@ -345,7 +378,11 @@ ROW_FAULTS = {
     "vision_markers": _vision_end_replaced,
     "no_targets": _no_targets,
     "duplicate_source": _duplicate_source,
+    "video_patches_length": _video_patch_dropped,
+    "video_pad_count": _video_pad_removed,
 }
+# faults in rows with videos whose kind is already exercised on image rows
+VIDEO_ROW_FAULTS = {"position_ids": _wrong_positions_video_row, "target_on_vision_token": _target_on_video_pad}
 
 
 @pytest.mark.parametrize("kind", sorted(ROW_FAULTS))
@@ -366,6 +403,16 @@ def test_row_fault_only_full_mode_catches(shards, kind, capsys):
         fault = report.faults[0]
         assert (fault.shard, fault.row) == (file, holder["row"])
         assert f"FAULT {file} row {holder['row']}: [{kind}]" in out
+
+
+@pytest.mark.parametrize("kind", sorted(VIDEO_ROW_FAULTS))
+def test_video_row_faults(shards, kind):
+    sp = special(shards)
+    holder = {}
+    file = rewrite_shard(shards, 1, lambda samples: holder.update(row=VIDEO_ROW_FAULTS[kind](samples, sp)))
+    report = verify_shards(shards)
+    assert kinds(report) == {kind}, report.format_text()
+    assert (report.faults[0].shard, report.faults[0].row) == (file, holder["row"])
 
 
 def test_more_row_faults_named_precisely(shards):

@@ -284,3 +284,224 @@ def test_variable_frame_rate_odd_counts_and_short_videos(tmp_path):
         p, rows, grid, values = _ours(family, short)
         assert list(grid) == want["video_grid_thw"][0].tolist()
         assert np.array_equal(values, want["pixel_values_videos"].numpy())
+
+
+# ---------------------------------------------------------------------------------------------
+# whole rows: tokens, masks, positions and pixels of conversations with videos and images
+# against HF's processor (official template, HF video processor) and get_rope_index
+
+
+@pytest.fixture(scope="module")
+def hf_row_processors(builtin_profiles, tmp_path_factory):
+    """Per family: (processor, tiny model). The processor is HF's own class over the profile's
+    tokenizer, the official template, the PIL image processor (what vlmpack's images match) and
+    the family's video processor with its published settings."""
+    import json
+
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tests.conftest import FIXTURES_DIR
+    from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
+
+    out = {}
+    for family, profile in builtin_profiles.items():
+        directory = tmp_path_factory.mktemp(family)
+        (directory / "tokenizer.json").write_text(profile.tokenizer_json, encoding="utf-8")
+        (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        v = profile.vision
+        images = Qwen2VLImageProcessorPil(patch_size=v.patch_size, merge_size=v.merge_size,
+                                          temporal_patch_size=v.temporal_patch_size, image_mean=list(v.image_mean),
+                                          image_std=list(v.image_std), min_pixels=v.min_pixels, max_pixels=v.max_pixels)
+        name = "qwen3_vl" if family == "qwen3-vl" else "qwen2_5_vl"
+        template = (FIXTURES_DIR / f"{name}_instruct.chat_template.jinja").read_text(encoding="utf-8")
+        cls = Qwen3VLProcessor if family == "qwen3-vl" else Qwen2_5_VLProcessor
+        processor = cls(image_processor=images, tokenizer=tokenizer, video_processor=hf_processor(family),
+                        chat_template=template)
+        out[family] = (processor, tiny_qwen3_vl() if family == "qwen3-vl" else tiny_qwen2_5_vl())
+    return out
+
+
+def _random_row(rng, nprng, media_root, family):
+    """A conversation with 1-2 videos (files, data URIs), sometimes images and several turns;
+    returns (row, hf messages, hf videos, hf metadata, hf images)."""
+    import base64
+    import io
+
+    from preprocess.examples import synthetic_image
+
+    messages, hf_videos, hf_meta, hf_images = [], [], [], []
+    for turn in range(rng.randint(1, 2)):
+        parts = []  # (part, what HF is given for it)
+        for _ in range(rng.randint(1 if turn == 0 else 0, 2)):
+            container = rng.choice(list(VIDEO_CODECS))
+            n, fps = rng.randint(2, 60), rng.choice([2.0, 8.0, 24.0, 30.0])
+            w, h = rng.randint(40, 160), rng.randint(40, 160)
+            path = write_video(media_root / f"v{len(list(media_root.iterdir()))}.{container}",
+                               synthetic_video_frames(nprng, n, w, h), fps, codec=VIDEO_CODECS[container],
+                               gop=rng.choice([None, 8]))
+            if rng.random() < 0.3:
+                source = f"data:video/{container};base64," + base64.b64encode(path.read_bytes()).decode()
+            else:
+                source = path.name
+            part = rng.choice([{"type": "video", "video": source}, {"type": "video_url", "video_url": {"url": source}}])
+            parts.append((part, ("video", reference_frames(path))))
+        if rng.random() < 0.4:
+            img = synthetic_image(nprng, rng.randint(30, 200), rng.randint(30, 200))
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+            parts.append(({"type": "image_url", "image_url": {"url": uri}}, ("image", img)))
+        parts.append(({"type": "text", "text": rng.choice(["What happens?", "Describe it.", "图中是什么？"])}, None))
+        rng.shuffle(parts)
+        for _, given in parts:  # HF pairs videos and images with the text's placeholders in order
+            if given and given[0] == "video":
+                hf_videos.append(given[1][0])
+                hf_meta.append(given[1][1])
+            elif given:
+                hf_images.append(given[1])
+        messages.append({"role": "user", "content": [part for part, _ in parts]})
+        messages.append({"role": "assistant", "content": rng.choice(["A bar sweeps.", "Colours drift left."])})
+    return {"messages": messages}, messages, hf_videos, hf_meta, hf_images
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_with_videos_equal_hf_processing(family, builtin_profiles, hf_row_processors, tmp_path):
+    from preprocess.pipeline import SampleOptions, process_row
+    from shards_schema.pixels import pixel_values_from_patches
+    from tests.test_render import expected_mask_from_ids, hf_template_messages
+
+    profile = builtin_profiles[family]
+    processor, model = hf_row_processors[family]
+    rng, nprng = random.Random(f"rows-{family}"), np.random.default_rng(7)
+    media = tmp_path / "media"
+    media.mkdir()
+    options = SampleOptions(media_root=str(media), max_seq_len=1 << 20)
+    video = BUILTIN_VIDEO[family]
+    for n in range(6):
+        row, messages, hf_videos, hf_meta, hf_images = _random_row(rng, nprng, media, family)
+        text = processor.apply_chat_template(hf_template_messages(messages), tokenize=False)
+        hf = processor(text=[text], images=hf_images or None, videos=hf_videos, video_metadata=hf_meta,
+                       return_tensors="pt", cap_pixels_per_frame=False)
+        sample = process_row(row, sample_uid=f"r{n}", source="x", profile=profile, options=options)
+        ids = hf["input_ids"][0].numpy()
+        assert sample.input_ids.tolist() == ids.tolist(), n
+        trained = [True] * sum(m["role"] == "assistant" for m in messages)
+        assert np.array_equal(sample.loss_mask, expected_mask_from_ids(ids.tolist(), trained, processor.tokenizer))
+        assert sample.video_grid_thw.tolist() == hf["video_grid_thw"].tolist()
+        values = video_pixel_values_from_patches(sample.video_patches, video.image_mean, video.image_std)
+        assert np.array_equal(values, hf["pixel_values_videos"].numpy()), n
+        if hf_images:
+            assert sample.image_grid_thw.tolist() == hf["image_grid_thw"].tolist()
+            v = profile.vision
+            image_values = pixel_values_from_patches(sample.pixel_patches, v.image_mean, v.image_std, v.patch_size,
+                                                     v.temporal_patch_size)
+            assert np.array_equal(image_values, np.asarray(hf["pixel_values"]))
+        kwargs = dict(input_ids=hf["input_ids"], mm_token_type_ids=hf["mm_token_type_ids"],
+                      image_grid_thw=hf.get("image_grid_thw"), video_grid_thw=hf["video_grid_thw"])
+        if family == "qwen2.5-vl":
+            kwargs["second_per_grid_ts"] = hf["second_per_grid_ts"]
+            assert np.array_equal(sample.second_per_grid_ts, hf["second_per_grid_ts"].numpy().astype(np.float32))
+        with torch.no_grad():
+            positions, _ = model.model.get_rope_index(**kwargs)
+        assert np.array_equal(sample.position_ids, positions[:, 0].numpy()), n
+
+
+# ---------------------------------------------------------------------------------------------
+# bad videos in a real job: each row rejected with its code, the others written
+
+
+def _faststart_mp4(path, frames, fps):
+    """An MP4 with its index first (as streaming sites write them): truncating it keeps an
+    openable container whose later frames are missing."""
+    import av
+
+    frames = list(frames)
+    with av.open(str(path), "w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("libx264", rate=int(fps))
+        stream.width, stream.height, stream.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def test_job_over_good_and_bad_videos(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    import av
+
+    from shards_schema import open_shards
+
+    media = tmp_path / "media"
+    media.mkdir()
+    nprng = np.random.default_rng(3)
+    write_video(media / "good.mp4", synthetic_video_frames(nprng, 12, 64, 48), 6.0)
+    write_video(media / "good.webm", synthetic_video_frames(nprng, 9, 48, 64), 3.0, codec="libvpx-vp9")
+    whole = _faststart_mp4(media / "whole.mp4", synthetic_video_frames(nprng, 40, 64, 48), 10).read_bytes()
+    (media / "truncated.mp4").write_bytes(whole[: len(whole) // 2])
+    (media / "empty.mp4").write_bytes(b"")
+    (media / "text.mp4").write_text("not a video " * 40)
+    with av.open(str(media / "audio.mkv"), "w") as container:  # a container with no video stream
+        stream = container.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            container.mux(packet)
+    write_video(media / "long.mp4", synthetic_video_frames(nprng, 90, 384, 384), 30.0)
+    frame_dir = media / "frames"
+    frame_dir.mkdir()
+    from PIL import Image
+
+    for k, frame in enumerate(synthetic_video_frames(nprng, 5, 40, 30)):
+        Image.fromarray(frame).save(frame_dir / f"{k}.png")
+    Image.fromarray(np.zeros((31, 40, 3), np.uint8)).save(frame_dir / "odd.png")
+
+    def chat(video, **options):
+        return json.dumps({"messages": [{"role": "user", "content": [{"type": "video", "video": video, **options},
+                                                                      {"type": "text", "text": "What happens?"}]},
+                                        {"role": "assistant", "content": "Colours drift."}]})
+
+    lines = [
+        (chat("good.mp4"), None),
+        (chat("truncated.mp4"), "bad_video"),
+        (chat("empty.mp4"), "not_a_video"),
+        (chat("text.mp4"), "not_a_video"),
+        (chat("audio.mkv"), "no_video_stream"),
+        (chat("missing.mp4"), "missing_file"),
+        (chat("../outside.mp4"), "path_outside_media_root"),
+        (chat("https://example.com/v.mp4"), "remote_url"),
+        (chat("long.mp4", fps=30, max_pixels=384 * 384 * 90), "video_too_long"),
+        (chat("good.mp4", fps=-2), "bad_video_option"),
+        (chat("good.mp4", video_start=5.0, video_end=4.0), "video_sampling"),
+        (chat([f"frames/{k}.png" for k in range(5)]), None),
+        (chat(["frames/0.png", "frames/odd.png"]), "bad_video"),
+        (chat("good.webm", nframes=4), None),
+        (chat("big.mp4"), "media_too_large"),
+    ]
+    with open(media / "big.mp4", "wb") as fh:  # sparse: 5 GiB of nothing, over the default --max-video-bytes
+        fh.truncate(5 * 2**30)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(line + "\n" for line, _ in lines), encoding="utf-8")
+    out = tmp_path / "shards"
+    command = [sys.executable, "-m", "shards_schema.cli", "preprocess", str(data), "--out", str(out), "--media-root",
+               str(media), "--max-seq-len", "4096", "--workers", "2",
+               "--rows-per-shard", "4", "--no-progress"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    rejects = {r["row"]: r for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())}
+    assert {row: r["code"] for row, r in rejects.items()} == {k: code for k, (_, code) in enumerate(lines) if code}
+    assert all(r["reason"].startswith("video 0: ") or r["code"] == "bad_video_option" for r in rejects.values())
+    good = [k for k, (_, code) in enumerate(lines) if code is None]
+    assert manifest["accounting"]["rows_written"] == len(good) and manifest["totals"]["videos"] == len(good)
+    shards = open_shards(out)
+    assert [int(shards[i]["video_grid_thw"].shape[0]) for i in range(len(shards))] == [1] * len(good)
+    verify = subprocess.run([sys.executable, "-m", "shards_schema.cli", "verify", str(out)], capture_output=True,
+                            text=True, timeout=300)
+    assert verify.returncode == 0, verify.stdout + verify.stderr

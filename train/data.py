@@ -30,7 +30,13 @@ def check_profiles(dirs: list[str], arch) -> dict:
     """The sources' common vision profile; ValueError naming the directory and the mismatch."""
     vision = None
     for directory in dirs:
-        profile = source_manifest(directory)["profile"]
+        manifest = source_manifest(directory)
+        videos = int(manifest["totals"].get("videos", 0))
+        if videos:
+            raise ValueError(f"{directory}: the shards hold {videos} videos, and this trainer feeds images only "
+                             "(video tokens would reach the model without their frames); train on shards "
+                             "preprocessed from rows without video")
+        profile = manifest["profile"]
         v = profile["vision"]
         expected = {"family": arch.family, "patch_size": arch.vision.patch_size,
                     "merge_size": arch.vision.spatial_merge_size,

@@ -12,7 +12,7 @@ from ..errors import UserError
 from ..manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, build_manifest
 from ..outdir import exclusive_output_dir, user_entries
 from ..reader import open_shards
-from ..schema import Sample
+from ..schema import VIDEO_COLUMNS, Sample
 from ..writer import ShardWriter, file_sha256
 from .format import (
     BLOCK,
@@ -160,6 +160,7 @@ def export_webdataset(
         raise UserError(f"--max-tar-bytes must be positive, got {max_tar_bytes}")
     shards = open_shards(directory)
     manifest = shards.manifest
+    version = int(manifest["schema_version"])
     rejects_path = directory / REJECTS_NAME
     if not rejects_path.is_file():
         raise ShardFormatError(f"{directory}: no {REJECTS_NAME} beside {MANIFEST_NAME} (an incomplete directory?)")
@@ -174,7 +175,7 @@ def export_webdataset(
                 shard = shards.shard(k)  # present, of the manifest's size, a readable shard
                 _check_sha256(directory / entry["file"], entry)
                 for j in range(len(shard)):
-                    members = encode_sample(index, shard.row(j))
+                    members = encode_sample(index, shard.row(j), version)
                     if writer is not None and (
                         (samples_per_tar is not None and len(writer.sample_offsets) >= samples_per_tar)
                         or tar_file_size(writer.pos + encoded_size(members)) > max_tar_bytes
@@ -234,7 +235,8 @@ def import_webdataset(tardir: str | Path, out: str | Path, *, overwrite: bool = 
         shard_infos: list[dict] = []
         try:
             for entry in layout:
-                shard_infos.append(_import_shard(out / entry["file"], entry, samples, width, index_path))
+                shard_infos.append(_import_shard(out / entry["file"], entry, samples, width, index_path,
+                                                 dataset.schema_version))
             write_jsonl_atomic(out / REJECTS_NAME, rejects)
             result = build_manifest(
                 profile=manifest["profile"],
@@ -242,6 +244,7 @@ def import_webdataset(tardir: str | Path, out: str | Path, *, overwrite: bool = 
                 shards=shard_infos,
                 accounting=manifest["accounting"],
                 patch_row_width=width,
+                schema_version=dataset.schema_version,
             )
             write_json_atomic(out / MANIFEST_NAME, result)
         except BaseException:
@@ -250,9 +253,9 @@ def import_webdataset(tardir: str | Path, out: str | Path, *, overwrite: bool = 
     return result
 
 
-def _import_shard(path: Path, entry: dict, samples, width: int, index_path: Path) -> dict:
+def _import_shard(path: Path, entry: dict, samples, width: int, index_path: Path, schema_version: int) -> dict:
     """Write the next `entry["rows"]` samples as shard `path`; it must equal the exported shard."""
-    writer = ShardWriter(path, width)
+    writer = ShardWriter(path, width, schema_version)
     try:
         for _ in range(int(entry["rows"])):
             row = next(samples)
@@ -265,6 +268,7 @@ def _import_shard(path: Path, entry: dict, samples, width: int, index_path: Path
                     position_ids=row["position_ids"],
                     pixel_patches=row["pixel_patches"],
                     image_grid_thw=row["image_grid_thw"],
+                    **({name: row[name] for name in VIDEO_COLUMNS} if schema_version >= 2 else {}),
                 )
             )
         info = writer.close().to_json()
@@ -272,7 +276,8 @@ def _import_shard(path: Path, entry: dict, samples, width: int, index_path: Path
         writer.abort()
         raise
     try:
-        for stat in ("rows", "tokens", "target_tokens", "images", "patches", "bytes", "sha256"):
+        for stat in ("rows", "tokens", "target_tokens", "images", "patches", "bytes", "sha256",
+                     *(("videos", "video_patches") if schema_version >= 2 else ())):
             if info[stat] != entry[stat]:
                 raise WebDatasetFormatError(
                     f"{path}: {stat} {info[stat]}, the exported shard's entry in {index_path} says {entry[stat]}: "

@@ -15,6 +15,11 @@ dot" rule splits it exactly), members in sorted name order:
     meta.json           {index, sample_uid, source, num_tokens, num_target_tokens, num_images, num_patches}
     position_ids.npy    int32 [3, L]
 
+and, exported from schema version 2 shards, the video arrays and counts:
+
+    second_per_grid_ts.npy  float32 [V]   video_grid_thw.npy  int32 [V, 3]
+    video_patches.npy       uint8 [M, W2]  (W2 = C*T*P*P)      meta.json  + num_videos, num_video_patches
+
 `.npy` members are NPY 1.0 (exact little-endian dtype and shape, C order), so `webdataset`'s
 standard `.decode()` and plain `numpy.load` read them. Tar members carry fixed metadata
 (mtime 0, uid/gid 0, empty user/group names, mode 0o644, USTAR headers), so an export is
@@ -57,8 +62,26 @@ ARRAY_MEMBERS = {
     "loss_mask.npy": ("loss_mask", np.dtype("|u1"), "[L]"),
     "pixel_patches.npy": ("pixel_patches", np.dtype("|u1"), "[N, W]"),
     "position_ids.npy": ("position_ids", np.dtype("<i4"), "[3, L]"),
+    "second_per_grid_ts.npy": ("second_per_grid_ts", np.dtype("<f4"), "[V]"),
+    "video_grid_thw.npy": ("video_grid_thw", np.dtype("<i4"), "[V, 3]"),
+    "video_patches.npy": ("video_patches", np.dtype("|u1"), "[M, W2]"),
 }
+VIDEO_MEMBERS = ("second_per_grid_ts.npy", "video_grid_thw.npy", "video_patches.npy")
 MEMBER_NAMES = tuple(sorted([*ARRAY_MEMBERS, META_MEMBER]))
+META_COUNTS = ("index", "num_tokens", "num_target_tokens", "num_images", "num_patches", "num_videos", "num_video_patches")
+
+
+def array_members(schema_version: int) -> dict:
+    """The array members of samples exported from shards of `schema_version`."""
+    return {k: v for k, v in ARRAY_MEMBERS.items() if schema_version >= 2 or k not in VIDEO_MEMBERS}
+
+
+def member_names(schema_version: int) -> tuple[str, ...]:
+    return tuple(sorted([*array_members(schema_version), META_MEMBER]))
+
+
+def meta_counts(schema_version: int) -> tuple[str, ...]:
+    return META_COUNTS if schema_version >= 2 else META_COUNTS[:5]
 
 BLOCK = tarfile.BLOCKSIZE  # 512
 _RECORD = tarfile.RECORDSIZE  # 10240: tar files are padded to whole records, as tarfile and GNU tar do
@@ -117,7 +140,7 @@ def _npy_parts(array: np.ndarray, dtype: np.dtype) -> list:
     return [header.getvalue(), array.reshape(-1).view(np.uint8)]
 
 
-def _meta_bytes(index: int, row: dict) -> bytes:
+def _meta_bytes(index: int, row: dict, schema_version: int) -> bytes:
     meta = {
         "index": index,
         "sample_uid": row["sample_uid"],
@@ -127,15 +150,18 @@ def _meta_bytes(index: int, row: dict) -> bytes:
         "num_images": int(row["image_grid_thw"].shape[0]),
         "num_patches": int(row["pixel_patches"].shape[0]),
     }
+    if schema_version >= 2:
+        meta["num_videos"] = int(row["video_grid_thw"].shape[0])
+        meta["num_video_patches"] = int(row["video_patches"].shape[0])
     return json.dumps(meta, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-def encode_sample(index: int, row: dict) -> list[tuple[str, list]]:
+def encode_sample(index: int, row: dict, schema_version: int) -> list[tuple[str, list]]:
     """(member name, byte parts) for one reader row, in sorted member order."""
-    members = {name: _npy_parts(row[field], dtype) for name, (field, dtype, _) in ARRAY_MEMBERS.items()}
-    members[META_MEMBER] = [_meta_bytes(index, row)]
+    members = {name: _npy_parts(row[field], dtype) for name, (field, dtype, _) in array_members(schema_version).items()}
+    members[META_MEMBER] = [_meta_bytes(index, row, schema_version)]
     key = sample_key(index)
-    return [(f"{key}.{name}", members[name]) for name in MEMBER_NAMES]
+    return [(f"{key}.{name}", members[name]) for name in member_names(schema_version)]
 
 
 def encoded_size(members: list[tuple[str, list]]) -> int:
@@ -169,21 +195,22 @@ def load_npy(data, where: str, dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
-def decode_sample(members: dict, where: str, patch_row_width: int, index: int) -> dict:
+def decode_sample(members: dict, where: str, patch_row_width: int, index: int, schema_version: int) -> dict:
     """Members (name -> bytes) of global sample `index` -> the dict `open_shards(DIR)[i]` gives.
 
     Checked on the way, cheaply (no pass over the tokens beyond a count): every member present,
     exact dtypes and shapes, grids >= 1 with patches matching them, a 0/1 loss mask, and
     meta.json agreeing with the arrays and the sample's place.
     """
-    missing = [name for name in MEMBER_NAMES if name not in members]
+    missing = [name for name in member_names(schema_version) if name not in members]
     if missing:
         raise WebDatasetFormatError(f"{where}: missing member(s) {', '.join(missing)} (has {', '.join(sorted(members))})")
-    row = {field: load_npy(members[name], f"{where}.{name}", dtype) for name, (field, dtype, _) in ARRAY_MEMBERS.items()}
+    arrays = array_members(schema_version)
+    row = {field: load_npy(members[name], f"{where}.{name}", dtype) for name, (field, dtype, _) in arrays.items()}
     try:
         meta = json.loads(bytes(members[META_MEMBER]).decode("utf-8"))
         row["sample_uid"], row["source"] = str(meta["sample_uid"]), str(meta["source"])
-        counts = {key: int(meta[key]) for key in ("index", "num_tokens", "num_target_tokens", "num_images", "num_patches")}
+        counts = {key: int(meta[key]) for key in meta_counts(schema_version)}
     except (ValueError, KeyError, TypeError) as exc:
         raise WebDatasetFormatError(f"{where}.{META_MEMBER}: not a vlmpack meta record ({type(exc).__name__}: {exc})") from exc
 
@@ -195,6 +222,15 @@ def decode_sample(members: dict, where: str, patch_row_width: int, index: int) -
         "image_grid_thw.npy": (grid.ndim == 2 and grid.shape[1] == 3, "[K, 3]"),
         "pixel_patches.npy": (pixels.ndim == 2 and pixels.shape[1] == patch_row_width, f"[N, {patch_row_width}]"),
     }
+    if schema_version >= 2:
+        vgrid, seconds, vpatches = row["video_grid_thw"], row["second_per_grid_ts"], row["video_patches"]
+        expected |= {
+            "video_grid_thw.npy": (vgrid.ndim == 2 and vgrid.shape[1] == 3, "[V, 3]"),
+            "second_per_grid_ts.npy": (seconds.ndim == 1 and seconds.shape[0] == (vgrid.shape[0] if vgrid.ndim == 2 else -1),
+                                       "[V] like video_grid_thw"),
+            "video_patches.npy": (vpatches.ndim == 2 and vpatches.shape[1] == 2 * patch_row_width,
+                                  f"[M, {2 * patch_row_width}]"),
+        }
     for name, (ok, shape) in expected.items():
         if not ok:
             raise WebDatasetFormatError(f"{where}.{name}: shape {list(row[ARRAY_MEMBERS[name][0]].shape)}, the contract says {shape}")
@@ -203,6 +239,12 @@ def decode_sample(members: dict, where: str, patch_row_width: int, index: int) -
     patches_from_grid = int(np.prod(grid, axis=1, dtype=np.int64).sum())
     if patches_from_grid != pixels.shape[0]:
         raise WebDatasetFormatError(f"{where}.pixel_patches.npy: {pixels.shape[0]} patches, image_grid_thw says {patches_from_grid}")
+    if schema_version >= 2:
+        if vgrid.size and int(vgrid.min()) < 1:
+            raise WebDatasetFormatError(f"{where}.video_grid_thw.npy: grid {vgrid.tolist()} has a value below 1")
+        video_from_grid = int(np.prod(vgrid, axis=1, dtype=np.int64).sum())
+        if video_from_grid != vpatches.shape[0]:
+            raise WebDatasetFormatError(f"{where}.video_patches.npy: {vpatches.shape[0]} patches, video_grid_thw says {video_from_grid}")
     if mask.size and int(mask.max()) > 1:
         raise WebDatasetFormatError(f"{where}.loss_mask.npy: value {int(mask.max())}, the contract allows 0 and 1")
     found = {
@@ -212,9 +254,14 @@ def decode_sample(members: dict, where: str, patch_row_width: int, index: int) -
         "num_images": grid.shape[0],
         "num_patches": pixels.shape[0],
     }
+    if schema_version >= 2:
+        found |= {"num_videos": vgrid.shape[0], "num_video_patches": vpatches.shape[0]}
     for key, value in found.items():
         if counts[key] != value:
             raise WebDatasetFormatError(f"{where}.{META_MEMBER}: {key} {counts[key]}, the sample's arrays and place say {value}")
+    if schema_version < 2:  # rows read alike whatever version they come from: no video
+        row |= {"video_grid_thw": np.zeros((0, 3), np.int32), "second_per_grid_ts": np.zeros(0, np.float32),
+                "video_patches": np.zeros((0, 2 * patch_row_width), np.uint8)}
     return row
 
 
@@ -240,8 +287,9 @@ def build_index(manifest: dict, tars: list[dict], rejects: bytes, *, samples_per
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "key_format": f"{KEY_PREFIX}{{index:0{KEY_DIGITS}d}}",
-        "members": {name: f"{dtype.name} {shape}" for name, (_, dtype, shape) in ARRAY_MEMBERS.items()}
-        | {META_MEMBER: "{index, sample_uid, source, num_tokens, num_target_tokens, num_images, num_patches}"},
+        "members": {name: f"{dtype.name} {shape}" for name, (_, dtype, shape) in
+                    array_members(manifest["schema_version"]).items()}
+        | {META_MEMBER: "{" + ", ".join(["index", "sample_uid", "source", *meta_counts(manifest["schema_version"])[1:]]) + "}"},
         "url_pattern": f"{TAR_PREFIX}{{000000..{len(tars) - 1:06d}}}.tar" if tars else None,
         "samples": sum(t["samples"] for t in tars),
         "tar_bytes": sum(t["bytes"] for t in tars),

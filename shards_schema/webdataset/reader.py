@@ -14,7 +14,7 @@ import numpy as np
 from ..atomic import refuse_leftover_tmp
 from ..manifest import REJECTS_NAME, require_directory
 from ..schema import FORMAT_NAME as SHARDS_FORMAT_NAME
-from ..schema import SCHEMA_VERSION
+from ..schema import READABLE_SCHEMA_VERSIONS
 from ..writer import file_sha256
 from .format import (
     ARRAY_MEMBERS,
@@ -24,9 +24,9 @@ from .format import (
     INDEX_NAME,
     KEY_DIGITS,
     KEY_PREFIX,
-    MEMBER_NAMES,
     WebDatasetFormatError,
     decode_sample,
+    member_names,
     padded,
     sample_key,
     split_name,
@@ -53,10 +53,10 @@ def load_index(tardir: str | Path) -> dict:
             f"{path}: format version {index.get('format_version')}, this vlmpack reads {FORMAT_VERSION}; re-export with this version"
         )
     manifest = index.get("manifest") or {}
-    if manifest.get("format") != SHARDS_FORMAT_NAME or manifest.get("schema_version") != SCHEMA_VERSION:
+    if manifest.get("format") != SHARDS_FORMAT_NAME or manifest.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         raise WebDatasetFormatError(
             f"{path}: exported from shard schema {manifest.get('format')!r} v{manifest.get('schema_version')}, "
-            f"this vlmpack reads {SHARDS_FORMAT_NAME!r} v{SCHEMA_VERSION}"
+            f"this vlmpack reads {SHARDS_FORMAT_NAME!r} v{', v'.join(map(str, READABLE_SCHEMA_VERSIONS))}"
         )
     expected_first = 0
     for k, entry in enumerate(index.get("tars", [])):
@@ -91,6 +91,7 @@ class WebDatasetShards:
         self.manifest: dict = self.index["manifest"]
         self.tars: list[dict] = self.index["tars"]
         self.patch_row_width = int(self.manifest["patch_row_width"])
+        self.schema_version = int(self.manifest["schema_version"])
         self.first_indices = np.array([t["first_index"] for t in self.tars] + [self.index["samples"]], dtype=np.int64)
         self._files: dict[int, object] = {}
 
@@ -161,7 +162,7 @@ class WebDatasetShards:
                     member_key, member = split_name(info.name)
                     if member_key != key:
                         if key is not None:
-                            yield decode_sample(members, f"{path}: sample {key}", self.patch_row_width, expected)
+                            yield decode_sample(members, f"{path}: sample {key}", self.patch_row_width, expected, self.schema_version)
                             expected += 1
                         if member_key != sample_key(expected):
                             raise WebDatasetFormatError(
@@ -174,7 +175,7 @@ class WebDatasetShards:
         except (tarfile.TarError, EOFError) as exc:
             raise WebDatasetFormatError(f"{path}: not a readable tar ({exc}); truncated or corrupted? re-export it") from exc
         if key is not None:
-            yield decode_sample(members, f"{path}: sample {key}", self.patch_row_width, expected)
+            yield decode_sample(members, f"{path}: sample {key}", self.patch_row_width, expected, self.schema_version)
             expected += 1
         if expected - entry["first_index"] != entry["samples"]:
             raise WebDatasetFormatError(f"{path}: {expected - entry['first_index']} samples, {INDEX_NAME} says {entry['samples']}")
@@ -225,7 +226,7 @@ class WebDatasetShards:
                 )
             members[member] = span[pos + BLOCK : pos + BLOCK + info.size]
             pos += BLOCK + padded(info.size)
-        return decode_sample(members, where, self.patch_row_width, i)
+        return decode_sample(members, where, self.patch_row_width, i, self.schema_version)
 
 
     def sample_stats(self) -> dict[str, np.ndarray]:
@@ -247,7 +248,8 @@ class WebDatasetShards:
         cached = _STATS_CACHE.get(key)
         if cached is None:
             parts = [self._tar_stats(k) for k in range(len(self.tars))]
-            cached = {n: np.concatenate([p[n] for p in parts]) if parts else np.zeros(0, np.int64) for n in STATS_NAMES}
+            names = stats_names(self.schema_version)
+            cached = {n: np.concatenate([p[n] for p in parts]) if parts else np.zeros(0, np.int64) for n in names}
             _STATS_CACHE[key] = cached
         return {n: v.copy() for n, v in cached.items()}
 
@@ -258,19 +260,25 @@ class WebDatasetShards:
             raise WebDatasetFormatError(f"{path}: {size} bytes, {INDEX_NAME} says {entry['bytes']} (truncated or replaced?)")
         n = int(entry["samples"])
         if n == 0:
-            return {name: np.zeros(0, np.int64) for name in STATS_NAMES}
+            return {name: np.zeros(0, np.int64) for name in stats_names(self.schema_version)}
         starts = np.asarray(entry["sample_offsets"], dtype=np.int64)
         ends = np.append(starts[1:], int(entry["end_offset"]))
         tar = np.memmap(path, dtype=np.uint8, mode="r")
         out = []
         for lo in range(0, n, _STATS_CHUNK):
             hi = min(n, lo + _STATS_CHUNK)
-            out.append(_walk_sample_headers(tar, starts[lo:hi], ends[lo:hi], int(entry["first_index"]) + lo, path, self.patch_row_width))
+            out.append(_walk_sample_headers(tar, starts[lo:hi], ends[lo:hi], int(entry["first_index"]) + lo, path,
+                                            self.patch_row_width, self.schema_version))
         del tar
-        return {name: np.concatenate([o[name] for o in out]) for name in STATS_NAMES}
+        return {name: np.concatenate([o[name] for o in out]) for name in stats_names(self.schema_version)}
 
 
-STATS_NAMES = ("num_tokens", "num_patches", "num_images")
+STATS_NAMES = ("num_tokens", "num_patches", "num_images", "num_video_patches", "num_videos")
+
+
+def stats_names(schema_version: int) -> tuple[str, ...]:
+    return STATS_NAMES if schema_version >= 2 else STATS_NAMES[:3]
+
 _STATS_CACHE: dict[tuple, dict[str, np.ndarray]] = {}  # (tardir, index.json mtime_ns, size) -> sizes
 _STATS_CHUNK = 1 << 16  # samples per vectorised step (bounds the gather temporaries to a few MB)
 _OCTAL_WEIGHTS = 8 ** np.arange(10, -1, -1, dtype=np.int64)  # USTAR size field: 11 octal digits + NUL
@@ -279,7 +287,7 @@ _NPY_MAGIC = np.frombuffer(b"\x93NUMPY", dtype=np.uint8)
 
 
 def _walk_sample_headers(
-    tar: np.ndarray, starts: np.ndarray, ends: np.ndarray, first_index: int, path: Path, width: int
+    tar: np.ndarray, starts: np.ndarray, ends: np.ndarray, first_index: int, path: Path, width: int, schema_version: int
 ) -> dict[str, np.ndarray]:
     """Payload sizes of every member of samples starting at `starts` (see `WebDatasetShards.sample_stats`)."""
     n = len(starts)
@@ -295,7 +303,7 @@ def _walk_sample_headers(
 
     digits = ((first_index + np.arange(n, dtype=np.int64))[:, None] // _DECIMAL_WEIGHTS) % 10 + ord("0")
     try:
-        for member in MEMBER_NAMES:
+        for member in member_names(schema_version):
             expected_name = np.concatenate(
                 [
                     np.full((n, 1), ord(KEY_PREFIX), np.int64),
@@ -340,14 +348,23 @@ def _walk_sample_headers(
         "image_grid_thw.npy": payload["image_grid_thw.npy"] % (3 * ARRAY_MEMBERS["image_grid_thw.npy"][1].itemsize) != 0,
         "pixel_patches.npy": payload["pixel_patches.npy"] % width != 0,
     }
+    if schema_version >= 2:
+        checks |= {
+            "video_grid_thw.npy": payload["video_grid_thw.npy"] % (3 * ARRAY_MEMBERS["video_grid_thw.npy"][1].itemsize) != 0,
+            "video_patches.npy": payload["video_patches.npy"] % (2 * width) != 0,
+        }
     for member, bad in checks.items():
         if bad.any():
             fail(bad, f"member {member} has a size that does not fit its shape")
-    return {
+    stats = {
         "num_tokens": tokens,
         "num_patches": payload["pixel_patches.npy"] // width,
         "num_images": payload["image_grid_thw.npy"] // (3 * ARRAY_MEMBERS["image_grid_thw.npy"][1].itemsize),
     }
+    if schema_version >= 2:
+        stats["num_video_patches"] = payload["video_patches.npy"] // (2 * width)
+        stats["num_videos"] = payload["video_grid_thw.npy"] // (3 * ARRAY_MEMBERS["video_grid_thw.npy"][1].itemsize)
+    return stats
 
 
 def iter_webdataset_samples(tardir: str | Path, verify: bool = False) -> Iterator[dict]:

@@ -28,7 +28,7 @@ class SourceStats:
 
     name: str  # the shard directory (or a label for synthetic stats)
     num_tokens: np.ndarray  # int64 [n]
-    visual_tokens: np.ndarray  # int64 [n] (patches / merge_size^2)
+    visual_tokens: np.ndarray  # int64 [n] ((image + video patches) / merge_size^2)
     fingerprint: dict  # identity of the data (manifest profile id + shard checksums)
     describe: Callable[[int], str] | None = None  # sample index -> "uid ..." for error messages
 
@@ -83,7 +83,7 @@ def load_source_stats(directory: str | Path) -> SourceStats:
     return SourceStats(
         name=str(Path(directory).resolve()),
         num_tokens=stats["num_tokens"].astype(np.int64),
-        visual_tokens=stats["num_patches"].astype(np.int64) // (merge * merge),
+        visual_tokens=(stats["num_patches"] + stats.get("num_video_patches", 0)).astype(np.int64) // (merge * merge),
         fingerprint=source_fingerprint(shards.manifest),
         describe=describe,
     )
