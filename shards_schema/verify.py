@@ -136,6 +136,7 @@ class VerifyReport:
     rows: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    schema_version: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -156,6 +157,7 @@ class VerifyReport:
             "faults_listed_complete": len(self.faults) == self.num_faults,
             "warning_counts": dict(self.warning_counts),
             "warnings": [asdict(w) for w in self.warnings],
+            "schema_version": self.schema_version,
             "shards": self.shards,
             "rows": self.rows,
             "bytes": self.bytes,
@@ -165,7 +167,8 @@ class VerifyReport:
     def format_text(self, show_per_kind: int = DEFAULT_SHOW_PER_KIND) -> str:
         lines = _listed("WARNING", self.warnings, self.warning_counts, show_per_kind)
         lines += _listed("FAULT", self.faults, self.fault_counts, show_per_kind)
-        checked = f"{self.shards} shards, {self.rows:,} rows, {_mib(self.bytes)} checked ({self.mode}) in {self.seconds:.2f} s"
+        checked = (f"schema version {self.schema_version}, {self.shards} shards, {self.rows:,} rows, "
+                   f"{_mib(self.bytes)} checked ({self.mode}) in {self.seconds:.2f} s")
         warned = ""
         if self.warning_counts:
             warned = "; warnings: " + ", ".join(f"{k} {v}" for k, v in sorted(self.warning_counts.items()))
@@ -913,7 +916,8 @@ def verify_shards(
     directory = Path(directory)
     manifest = _load(directory)
     log = _FaultLog(keep_per_kind)
-    report = VerifyReport(directory=str(directory), mode="quick" if quick else "full")
+    report = VerifyReport(directory=str(directory), mode="quick" if quick else "full",
+                          schema_version=manifest.get("schema_version"))
 
     entries = _check_shard_entries(manifest, log)
     _check_totals(manifest, entries, log)
