@@ -162,8 +162,9 @@ def _open_videos(rendered, profile: Profile, options: SampleOptions) -> tuple[li
                                                                 options.max_media_bytes),
                     decode_image=decode_opened)
                 readers.append(reader)
+                info = reader.info
                 plans.append(plan_video(
-                    reader.total_frames, reader.fps, reader.height, reader.width, request=part.request,
+                    info.total_frames, info.fps, info.height, info.width, request=part.request,
                     options=options.video, family=profile.family, defaults=profile.video,
                     patch_size=vision.patch_size, merge_size=vision.merge_size,
                     temporal_patch_size=vision.temporal_patch_size, all_frames=isinstance(part.source, list)))

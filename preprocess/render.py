@@ -144,16 +144,20 @@ def _part_kind(part: dict) -> str | None:
     return None
 
 
+def _part_source(part: dict, kind: str):
+    """The reference of an image or video part: OpenAI `<kind>_url` (object or string), HF
+    `<kind>`, or `url`/`path`."""
+    if f"{kind}_url" in part:
+        source = part[f"{kind}_url"]
+        return source.get("url") if isinstance(source, dict) else source
+    if kind in part:
+        return part[kind]
+    return part.get("url", part.get("path"))
+
+
 def _image_source(part: dict, where: str, index: int) -> str:
     """The image reference of an image part: OpenAI `image_url` (object or string) or HF `image/url/path`."""
-    if "image_url" in part:
-        source = part["image_url"]
-        if isinstance(source, dict):
-            source = source.get("url")
-    elif "image" in part:
-        source = part["image"]
-    else:
-        source = part.get("url", part.get("path"))
+    source = _part_source(part, IMAGE)
     if not isinstance(source, str) or not source:
         raise _reject(
             "bad_content", index, f"{where}: image part without a string source (image_url.url, image, url or path)"
@@ -168,14 +172,7 @@ def _video_part(part: dict, where: str, index: int) -> VideoPart:
         raise _reject("bad_content", index, f"{where}: part of type {part['type']!r} carries a video key")
     if "text" in part:
         raise _reject("dropped_by_template", index, f"{where}: the template renders this part as a video and would drop its text")
-    if "video_url" in part:
-        source = part["video_url"]
-        if isinstance(source, dict):
-            source = source.get("url")
-    elif "video" in part:
-        source = part["video"]
-    else:
-        source = part.get("url", part.get("path"))
+    source = _part_source(part, VIDEO)
     frames = isinstance(source, list)
     if frames and (not source or not all(isinstance(f, str) and f for f in source)):
         raise _reject("bad_content", index, f"{where}: a video given as frames must be a non-empty list of image references")

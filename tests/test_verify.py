@@ -317,12 +317,16 @@ def _wrong_positions_text_row(samples, sp):
     return j
 
 
+def _remove_first(sample, token: int) -> None:
+    """Delete the first `token` of a sample from its ids, mask and positions."""
+    cut = np.flatnonzero(sample.input_ids == token)[0]
+    sample.input_ids, sample.loss_mask = np.delete(sample.input_ids, cut), np.delete(sample.loss_mask, cut)
+    sample.position_ids = np.ascontiguousarray(np.delete(sample.position_ids, cut, axis=1))
+
+
 def _image_pad_removed(samples, sp):
     j = first_row(samples, with_images=True)
-    s = samples[j]
-    cut = np.flatnonzero(s.input_ids == sp["image_pad"])[0]
-    s.input_ids, s.loss_mask = np.delete(s.input_ids, cut), np.delete(s.loss_mask, cut)
-    s.position_ids = np.ascontiguousarray(np.delete(s.position_ids, cut, axis=1))
+    _remove_first(samples[j], sp["image_pad"])
     return j
 
 
@@ -346,10 +350,7 @@ def _video_patch_dropped(samples, sp):
 
 def _video_pad_removed(samples, sp):
     j = video_row(samples)
-    s = samples[j]
-    cut = np.flatnonzero(s.input_ids == sp["video_pad"])[0]
-    s.input_ids, s.loss_mask = np.delete(s.input_ids, cut), np.delete(s.loss_mask, cut)
-    s.position_ids = np.ascontiguousarray(np.delete(s.position_ids, cut, axis=1))
+    _remove_first(samples[j], sp["video_pad"])
     return j
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import RejectError
+from .decode import VideoInfo, VideoReader
 from .sampling import (
     BUILTIN_VIDEO,
     SAMPLING_MODES,
@@ -188,8 +189,9 @@ class FrameList:
         if len(sizes) > 1:
             raise RejectError("bad_video", f"the {len(sources)} frames differ in size ({', '.join(f'{w}x{h}' for h, w in sorted(sizes))}): "
                               "resize them to one size")
-        (self.height, self.width), = sizes
-        self.total_frames, self.fps = len(sources), fps
+        (height, width), = sizes
+        self.info = VideoInfo(total_frames=len(sources), fps=fps, width=width, height=height, codec="images",
+                              container="frame list")
 
     def frames(self, indices):
         for i in indices:
@@ -201,10 +203,9 @@ class FrameList:
 
 
 def open_video_source(source, *, request: VideoRequest, media_root, max_video_bytes: int, open_image, decode_image):
-    """A video part's source -> an object with `total_frames`, `fps`, `height`, `width`,
-    `frames(indices)` and `close()`: a `VideoReader` on a file or inline bytes, or a `FrameList`."""
+    """A video part's source -> an object with `info` (a `VideoInfo`), `frames(indices)` and
+    `close()`: a `VideoReader` on a file or inline bytes, or a `FrameList`."""
     from ..media import resolve_media
-    from .decode import VideoReader
 
     if isinstance(source, list):
         fps = request.fps if request.fps is not None else DEFAULT_FRAME_LIST_FPS

@@ -103,22 +103,6 @@ class VideoReader:
             height=stream.codec_context.height, codec=stream.codec.name, container=self._container.format.name,
         )
 
-    @property
-    def total_frames(self) -> int:
-        return self.info.total_frames
-
-    @property
-    def fps(self) -> float:
-        return self.info.fps
-
-    @property
-    def height(self) -> int:
-        return self.info.height
-
-    @property
-    def width(self) -> int:
-        return self.info.width
-
     def __enter__(self) -> VideoReader:
         return self
 
