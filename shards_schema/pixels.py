@@ -47,16 +47,36 @@ def video_normalization_lut(image_mean, image_std) -> np.ndarray:
     return (np.arange(256, dtype=np.float32)[None, :] - mean) / std
 
 
-def video_pixel_values_from_patches(video_patches: np.ndarray, image_mean, image_std, channels: int = 3,
-                                    dtype=None) -> np.ndarray:
-    """uint8 [N, C*T*P*P] -> HF `pixel_values_videos` [N, C*T*P*P] float32 (or `dtype` afterwards)."""
-    if video_patches.dtype != np.uint8 or video_patches.ndim != 2 or video_patches.shape[1] % channels:
-        raise ValueError(f"video patches must be uint8 [N, C*T*P*P], got {video_patches.dtype} {video_patches.shape}")
+def video_pixel_values_from_patches(video_patches, image_mean, image_std, channels: int = 3, dtype=None):
+    """uint8 [N, C*T*P*P] -> HF `pixel_values_videos` [N, C*T*P*P], float32 (or `dtype` afterwards).
+
+    A torch tensor (any device) gives a torch tensor on that device; a numpy array gives numpy."""
+    if len(video_patches.shape) != 2 or video_patches.shape[1] % channels:
+        raise ValueError(f"video patches must be [N, C*T*P*P], got shape {tuple(video_patches.shape)}")
     n, width = video_patches.shape
+    if isinstance(video_patches, np.ndarray):
+        lut = _video_lut(_key(image_mean), _key(image_std))
+        if video_patches.dtype != np.uint8:
+            raise TypeError(f"video patches must be uint8, got {video_patches.dtype}")
+        values = lut[np.arange(channels)[None, :, None], video_patches.reshape(n, channels, width // channels)]
+        values = values.reshape(n, width)
+        return values.astype(dtype) if dtype is not None else values
+    import torch
+
+    if video_patches.dtype != torch.uint8:
+        raise TypeError(f"video patches must be uint8, got {video_patches.dtype}")
+    flat = _torch_video_lut(_key(image_mean), _key(image_std), video_patches.device)
+    offsets = torch.arange(channels, device=video_patches.device, dtype=torch.int32).mul_(256).view(1, channels, 1)
+    index = video_patches.reshape(n, channels, width // channels).to(torch.int32).add_(offsets)
+    values = flat.index_select(0, index.reshape(-1)).view(n, width)
+    return values.to(dtype) if dtype is not None else values
+
+
+@lru_cache(maxsize=16)
+def _video_lut(image_mean: tuple[float, ...], image_std: tuple[float, ...]) -> np.ndarray:
     lut = video_normalization_lut(image_mean, image_std)
-    values = lut[np.arange(channels)[None, :, None], video_patches.reshape(n, channels, width // channels)]
-    values = values.reshape(n, width)
-    return values.astype(dtype) if dtype is not None else values
+    lut.setflags(write=False)
+    return lut
 
 
 def pixel_values_from_patches(
@@ -136,6 +156,16 @@ def _numpy_lut(image_mean: tuple[float, ...], image_std: tuple[float, ...]) -> n
 
 @lru_cache(maxsize=64)
 def _torch_lut(image_mean: tuple[float, ...], image_std: tuple[float, ...], device):
+    return _torch_table(_numpy_lut(image_mean, image_std), device)
+
+
+@lru_cache(maxsize=64)
+def _torch_video_lut(image_mean: tuple[float, ...], image_std: tuple[float, ...], device):
+    return _torch_table(_video_lut(image_mean, image_std), device)
+
+
+def _torch_table(lut: np.ndarray, device):
+    """A [C, 256] table flattened onto `device`."""
     import torch
 
-    return torch.from_numpy(_numpy_lut(image_mean, image_std).reshape(-1).copy()).to(device)
+    return torch.from_numpy(lut.reshape(-1).copy()).to(device)

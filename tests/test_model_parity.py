@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import open_shards
-from shards_schema.pixels import pixel_values_from_patches
+from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
 from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
 from train import convert
 from train.model.arch import ModelArch
@@ -44,7 +44,7 @@ def info():
 def case(request, info, tmp_path_factory):
     family = request.param
     tmp = tmp_path_factory.mktemp(f"parity-{family}")
-    rows = example_rows(16, seed=11, family=family, size_range=(32, 112))
+    rows = example_rows(16, seed=11, family=family, size_range=(32, 112), video_rows=0.3)
     run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(tmp / "rows.jsonl", rows))], out=str(tmp / "shards"),
                                     profile=family, workers=1, progress=False))
     shards = open_shards(tmp / "shards")
@@ -66,6 +66,11 @@ def pixel_values(shards, pack):
                                      v["patch_size"], v["temporal_patch_size"])
 
 
+def pixel_values_videos(shards, pack):
+    video = shards.manifest["profile"]["video"]
+    return video_pixel_values_from_patches(torch.from_numpy(pack["video_patches"]), video["image_mean"], video["image_std"])
+
+
 def hf_logits(hf, shards, pack) -> torch.Tensor:
     cu = pack["cu_seqlens_padded"].astype(np.int64)
     text = torch.from_numpy(np.arange(cu[-1]) - np.repeat(cu[:-1], np.diff(cu)))[None, None]
@@ -74,34 +79,44 @@ def hf_logits(hf, shards, pack) -> torch.Tensor:
     kwargs = {}
     if len(pack["image_grid_thw"]):
         kwargs = dict(pixel_values=pixel_values(shards, pack), image_grid_thw=torch.from_numpy(pack["image_grid_thw"]).long())
+    if len(pack["video_grid_thw"]):
+        kwargs |= dict(pixel_values_videos=pixel_values_videos(shards, pack),
+                       video_grid_thw=torch.from_numpy(pack["video_grid_thw"]).long())
     hf.model.rope_deltas = None
     with torch.no_grad():
         out = hf(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False,
-                 mm_token_type_ids=(ids == 151655).long(), **kwargs)
+                 mm_token_type_ids=(ids == 151655).long() + 2 * (ids == 151656).long(), **kwargs)
     return out.logits[0]
 
 
 def our_outputs(model, shards, pack):
     t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded",
-                                                             "labels", "image_grid_thw")}
-    pv = pixel_values(shards, pack) if len(pack["image_grid_thw"]) else None
+                                                             "labels", "image_grid_thw", "video_grid_thw")}
+    visual = dict(pixel_values=pixel_values(shards, pack) if len(pack["image_grid_thw"]) else None,
+                  image_grid_thw=t["image_grid_thw"],
+                  pixel_values_videos=pixel_values_videos(shards, pack) if len(pack["video_grid_thw"]) else None,
+                  video_grid_thw=t["video_grid_thw"])
     args = (t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"])
     with torch.no_grad():
-        logits = model(*args, pixel_values=pv, image_grid_thw=t["image_grid_thw"], return_logits=True)
-        losses = model(*args, labels=t["labels"], pixel_values=pv, image_grid_thw=t["image_grid_thw"])
+        logits = model(*args, return_logits=True, **visual)
+        losses = model(*args, labels=t["labels"], **visual)
     return logits, losses
 
 
 def pick(shards, images: str, n: int = 5) -> list[dict]:
-    counts = shards.sample_stats()["num_images"]
-    text, image = np.flatnonzero(counts == 0), np.flatnonzero(counts > 0)
+    stats = shards.sample_stats()
+    counts, videos = stats["num_images"], stats["num_videos"]
+    text = np.flatnonzero((counts == 0) & (videos == 0))
+    image = np.flatnonzero((counts > 0) & (videos == 0))
+    video = np.flatnonzero(videos > 0)
     idx = {"none": text[:n], "some": image[:n],
-           "mixed": np.concatenate([image[:2], text[:1], image[2:3], text[1:2]])}[images]
+           "mixed": np.concatenate([image[:2], text[:1], image[2:3], text[1:2]]),
+           "videos": np.concatenate([video[:2], image[:1], text[:1], video[2:3]])}[images]
     assert len(idx), f"no samples with images={images}"
     return [shards[int(i)] for i in idx]
 
 
-@pytest.mark.parametrize("images", ["mixed", "some", "none"])
+@pytest.mark.parametrize("images", ["mixed", "some", "none", "videos"])
 def test_logits_and_losses_match_hf(case, images):
     family, shards, hf, _, model = case
     pack = assemble_pack(pick(shards, images), pad_to_multiple=8, seq_len=None)

@@ -21,22 +21,28 @@ from megatron.core import parallel_state as mpu
 
 from train.loader import PackedLoader, batch_to_device, pixel_values_on_device
 from train.pack_plan import parse_source, source_manifest
+from shards_schema.pixels import video_pixel_values_from_patches
 from train.packed_batch import IGNORE_INDEX
 
-MODEL_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "pixel_patches", "image_grid_thw")
+MODEL_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "pixel_patches", "image_grid_thw",
+                "video_patches", "video_grid_thw")
+ROW_FIELDS = ("image_rows", "video_rows", "loss_rows")  # row indices, shifted when packs are concatenated
 
 
-def check_profiles(dirs: list[str], arch) -> dict:
-    """The sources' common vision profile; ValueError naming the directory and the mismatch."""
-    vision = None
+def check_profiles(dirs: list[str], arch) -> tuple[dict, dict | None]:
+    """The sources' common vision profile and video normalisation (None where no source holds
+    videos); ValueError naming the directory and the mismatch."""
+    vision = video = None
     for directory in dirs:
         manifest = source_manifest(directory)
-        videos = int(manifest["totals"].get("videos", 0))
-        if videos:
-            raise ValueError(f"{directory}: the shards hold {videos} videos, and this trainer feeds images only "
-                             "(video tokens would reach the model without their frames); train on shards "
-                             "preprocessed from rows without video")
         profile = manifest["profile"]
+        if int(manifest["totals"].get("videos", 0)):
+            v = profile["video"]
+            if video is not None and (v["image_mean"], v["image_std"]) != (video["image_mean"], video["image_std"]):
+                raise ValueError(f"{directory}: video normalisation {v['image_mean']}/{v['image_std']} differs from "
+                                 f"another source's {video['image_mean']}/{video['image_std']}; preprocess all "
+                                 "sources with one profile")
+            video = video or v
         v = profile["vision"]
         expected = {"family": arch.family, "patch_size": arch.vision.patch_size,
                     "merge_size": arch.vision.spatial_merge_size,
@@ -52,7 +58,7 @@ def check_profiles(dirs: list[str], arch) -> dict:
             raise ValueError(f"{directory}: pixel normalisation {v['image_mean']}/{v['image_std']} differs from "
                              f"{dirs[0]}'s {vision['image_mean']}/{vision['image_std']}; preprocess all sources with one profile")
         vision = vision or v
-    return vision
+    return vision, video
 
 
 def concat_packs(packs: list[dict]) -> dict:
@@ -64,7 +70,7 @@ def concat_packs(packs: list[dict]) -> dict:
     out["cu_seqlens_padded"] = torch.cat([packs[0]["cu_seqlens_padded"][:1]] +
                                          [p["cu_seqlens_padded"][1:] + o for p, o in zip(packs, offsets.tolist())])
     out["max_seqlen"] = max(int(p["max_seqlen"]) for p in packs)
-    for rows in ("image_rows", "loss_rows"):
+    for rows in ROW_FIELDS:
         if rows in packs[0]:
             out[rows] = torch.cat([p[rows] + o for p, o in zip(packs, offsets.tolist())])
     out["sample_lengths"] = torch.cat([p["sample_lengths"] for p in packs])
@@ -74,11 +80,10 @@ def concat_packs(packs: list[dict]) -> dict:
 class TrainData:
     def __init__(self, config, arch, info):
         self.config, self.info = config, info
-        self.image_token_id = arch.image_token_id
+        self.image_token_id, self.video_token_id = arch.image_token_id, arch.video_token_id
         specs = [parse_source(s) for s in config.data]
-        self.vision = check_profiles([d for d, _ in specs], arch)
-        if config.eval_data:
-            check_profiles([parse_source(s)[0] for s in config.eval_data], arch)
+        self.vision, self.video = check_profiles([d for d, _ in specs] + [parse_source(s)[0] for s in config.eval_data],
+                                                 arch)
         self.global_packs = config.global_packs(info.dp)
         self.packs_per_micro_batch = config.micro_batch_packs
         cuda = info.device.type == "cuda"
@@ -102,16 +107,17 @@ class TrainData:
             yield from self.loader
 
     def _to_device(self, pack: dict) -> dict:
-        """The pack on the device, but for what the host reads to queue the forward: image grids
-        stay on the CPU (the vision tower builds its index tensors there), and the <|image_pad|>
-        rows and the rows with a target (the only ones the loss computes logits for) are found
-        on the CPU copy. So no forward step waits for the GPU to catch up."""
+        """The pack on the device, but for what the host reads to queue the forward: image and
+        video grids stay on the CPU (the vision tower builds its index tensors there), and the
+        <|image_pad|> and <|video_pad|> rows and the rows with a target (the only ones the loss
+        computes logits for) are found on the CPU copy. So no forward step waits for the GPU."""
         rows = {"image_rows": torch.nonzero(pack["input_ids"] == self.image_token_id)[:, 0],
+                "video_rows": torch.nonzero(pack["input_ids"] == self.video_token_id)[:, 0],
                 "loss_rows": torch.nonzero(pack["labels"] != IGNORE_INDEX)[:, 0]}
         if self.info.device.type == "cuda":
             rows = {k: v.pin_memory() for k, v in rows.items()}
         out = batch_to_device({**pack, **rows}, self.info.device)
-        out["image_grid_thw"] = pack["image_grid_thw"]
+        out["image_grid_thw"], out["video_grid_thw"] = pack["image_grid_thw"], pack["video_grid_thw"]
         return out
 
     def _micro_batches(self, packs_iter, count: int) -> list[dict]:
@@ -136,6 +142,12 @@ class TrainData:
         if batch["pixel_patches"].shape[0] == 0:
             return None
         return pixel_values_on_device(batch["pixel_patches"], self.vision, dtype)
+
+    def pixel_values_videos(self, batch: dict, dtype: torch.dtype):
+        if batch["video_patches"].shape[0] == 0:
+            return None
+        return video_pixel_values_from_patches(batch["video_patches"], self.video["image_mean"], self.video["image_std"],
+                                               dtype=dtype)
 
     def global_batch_tokens(self, micro_batches: list[dict]) -> int:
         """Real (non-padding) tokens in the whole global batch."""

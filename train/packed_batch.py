@@ -112,7 +112,8 @@ def assemble_pack(
       cu_seqlens int32 [n+1] (n+2 with `seq_len` padding), cu_seqlens_padded int32 (same
       length), max_seqlen int (longest segment of cu_seqlens_padded), sample_lengths int32 [n],
       num_samples int, num_target_tokens int, pixel_patches uint8 [sum N, W] (sample order),
-      image_grid_thw int32 [sum K, 3], sample_uids list[str].
+      image_grid_thw int32 [sum K, 3], video_patches uint8 [sum M, W2], video_grid_thw int32
+      [sum V, 3], sample_uids list[str].
     T = sum of the samples' lengths rounded up to `pad_to_multiple`, or `seq_len` if given.
     """
     if not samples:
@@ -180,6 +181,8 @@ def assemble_pack(
         "num_target_tokens": int(np.count_nonzero(labels != IGNORE_INDEX)),
         "pixel_patches": concat_field(samples, "pixel_patches", np.uint8, width, pixel_out),
         "image_grid_thw": concat_field(samples, "image_grid_thw", np.int32, 3),
+        "video_patches": concat_field(samples, "video_patches", np.uint8, 2 * width),
+        "video_grid_thw": concat_field(samples, "video_grid_thw", np.int32, 3),
         "sample_uids": [str(s.get("sample_uid", "")) for s in samples],
     }
 

@@ -101,7 +101,8 @@ def make_forward_step(data: TrainData, dtype: torch.dtype):
         per_token = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens_padded"],
                           batch["max_seqlen"], labels=batch["labels"], pixel_values=pixel_values,
                           image_grid_thw=batch["image_grid_thw"], image_rows=batch["image_rows"],
-                          loss_rows=batch["loss_rows"])
+                          loss_rows=batch["loss_rows"], pixel_values_videos=data.pixel_values_videos(batch, dtype),
+                          video_grid_thw=batch["video_grid_thw"], video_rows=batch["video_rows"])
 
         def loss_func(output):
             # Sum, not mean: megatron divides all gradients by the global batch's target-token

@@ -60,6 +60,7 @@ class ModelArch:
     lm: LMArch
     vision: VisionArch
     image_token_id: int = SPECIAL_TOKEN_IDS["image_token_id"]
+    video_token_id: int = SPECIAL_TOKEN_IDS["video_token_id"]
 
     @property
     def num_deepstack(self) -> int:
@@ -91,7 +92,8 @@ class ModelArch:
             tie_word_embeddings=bool(tie))
         vision = VisionArch.from_hf_config(family, config["vision_config"])
         return cls(family=family, lm=lm, vision=vision,
-                   image_token_id=config.get("image_token_id", SPECIAL_TOKEN_IDS["image_token_id"]))
+                   image_token_id=config.get("image_token_id", SPECIAL_TOKEN_IDS["image_token_id"]),
+                   video_token_id=config.get("video_token_id", SPECIAL_TOKEN_IDS["video_token_id"]))
 
     @classmethod
     def from_hf_dir(cls, model_dir: str | Path) -> ModelArch:
@@ -115,7 +117,8 @@ class ModelArch:
         return dict(architectures=[HF_ARCHITECTURE[self.family]], model_type=HF_MODEL_TYPE[self.family],
                     text_config=text, vision_config=self.vision.to_hf_config(),
                     tie_word_embeddings=lm.tie_word_embeddings,
-                    **{**SPECIAL_TOKEN_IDS, "image_token_id": self.image_token_id})
+                    **{**SPECIAL_TOKEN_IDS, "image_token_id": self.image_token_id,
+                       "video_token_id": self.video_token_id})
 
 
 def _qwen3_vision(**kw) -> VisionArch:

@@ -203,36 +203,55 @@ class QwenVLModel(MegatronModule):
         self.language_model.set_input_tensor(input_tensor)
 
     def _decoder_input(self, input_ids: Tensor, pixel_values: Tensor | None, image_grid_thw: Tensor | None,
-                       image_rows: Tensor | None):
-        """Text embeddings with image embeddings scattered in; DeepStack context for the decoder."""
+                       image_rows: Tensor | None, pixel_values_videos: Tensor | None = None,
+                       video_grid_thw: Tensor | None = None, video_rows: Tensor | None = None):
+        """Text embeddings with image and video embeddings scattered in; DeepStack context for the decoder.
+
+        Images and videos go through the vision tower in one call (it attends within each frame
+        of each item, so items do not see each other); image embeddings land on the
+        <|image_pad|> rows and video embeddings on the <|video_pad|> rows, each in order, as HF
+        scatters them. The DeepStack context follows the same rows."""
         embeds = self.language_model.embedding(input_ids=input_ids[None], position_ids=None)  # [T, 1, H]
-        if pixel_values is None or pixel_values.shape[0] == 0:
+        parts = []  # (pixel values, grid, rows, pad token)
+        if pixel_values is not None and pixel_values.shape[0]:
+            rows = image_rows if image_rows is not None else torch.nonzero(input_ids == self.arch.image_token_id)[:, 0]
+            parts.append((pixel_values, image_grid_thw, rows, "<|image_pad|>"))
+        if pixel_values_videos is not None and pixel_values_videos.shape[0]:
+            rows = video_rows if video_rows is not None else torch.nonzero(input_ids == self.arch.video_token_id)[:, 0]
+            parts.append((pixel_values_videos, video_grid_thw, rows, "<|video_pad|>"))
+        if not parts:
             return embeds, None, None
-        image_embeds, deepstack = self.vision(pixel_values, image_grid_thw)
-        rows = image_rows if image_rows is not None else torch.nonzero(input_ids == self.arch.image_token_id)[:, 0]
-        if rows.numel() != image_embeds.shape[0]:
-            raise ValueError(f"batch has {rows.numel()} <|image_pad|> tokens but its images give "
-                             f"{image_embeds.shape[0]} embeddings (grids {image_grid_thw.tolist()})")
+        merge = self.arch.vision.spatial_merge_size ** 2
+        for _, grid, rows, pad in parts:
+            need = int(grid.to("cpu", torch.long).prod(dim=1).sum()) // merge
+            if rows.numel() != need:
+                raise ValueError(f"batch has {rows.numel()} {pad} tokens but its grids {grid.tolist()} give {need} embeddings")
+        values, grid, rows = (torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
+        visual_embeds, deepstack = self.vision(values, grid)
         embeds = embeds.clone()
-        embeds[rows, 0] = image_embeds.to(embeds.dtype)
+        embeds[rows, 0] = visual_embeds.to(embeds.dtype)
         context = torch.stack(deepstack) if deepstack else None
         return embeds, context, rows if context is not None else None
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                 labels: Tensor | None = None, pixel_values: Tensor | None = None,
                 image_grid_thw: Tensor | None = None, image_rows: Tensor | None = None,
-                loss_rows: Tensor | None = None, return_logits: bool = False) -> Tensor:
+                loss_rows: Tensor | None = None, return_logits: bool = False,
+                pixel_values_videos: Tensor | None = None, video_grid_thw: Tensor | None = None,
+                video_rows: Tensor | None = None) -> Tensor:
         """One packed row. input_ids/labels [T], position_ids [3, T], cu_seqlens [n+1] row
         offsets (the pack's `cu_seqlens_padded`). `image_grid_thw` is best on the CPU and
         `image_rows` (the <|image_pad|> rows, found on the host's copy of the batch) given:
         then the forward never waits for the GPU. `loss_rows` (the rows whose label is not
         -100, also found on the host): only they go through the output layer and the loss.
         Last stage: per-token loss [T] (fp32, 0 where labels == -100), or full logits [T, V]
-        with `return_logits`. Other stages: hidden [T, 1, H]."""
+        with `return_logits`. Other stages: hidden [T, 1, H]. Videos come as
+        `pixel_values_videos` / `video_grid_thw` / `video_rows`, like images."""
         context = rows = None
         decoder_input = None
         if self.pre_process:
-            decoder_input, context, rows = self._decoder_input(input_ids, pixel_values, image_grid_thw, image_rows)
+            decoder_input, context, rows = self._decoder_input(input_ids, pixel_values, image_grid_thw, image_rows,
+                                                               pixel_values_videos, video_grid_thw, video_rows)
         # qkv_format "sbhd" on purpose, and M-RoPE applied by our core attention: see PackedCoreAttention.
         cos, sin = self.rope(position_ids, self.config.params_dtype)
         packed = PackedRows(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
