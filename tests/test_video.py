@@ -505,3 +505,57 @@ def test_job_over_good_and_bad_videos(tmp_path):
     verify = subprocess.run([sys.executable, "-m", "shards_schema.cli", "verify", str(out)], capture_output=True,
                             text=True, timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# the qwen-vl-utils sampling mode against qwen-vl-utils itself
+
+
+def _qvu_reference(vp, ele: dict, total: int, fps: float, height: int, width: int, patch_size: int):
+    """What qwen_vl_utils.fetch_video computes for a video of this metadata: its window, frame
+    count and linspace indices (`_read_video_*`), then its per-frame pixel budget and size."""
+    start, end, window = vp.calculate_video_frame_range(ele, total, fps)
+    nframes = vp.smart_nframes(ele, total_frames=window, video_fps=fps)
+    indices = torch.linspace(start, end, nframes).round().long().tolist()
+    factor = patch_size * vp.SPATIAL_MERGE_SIZE
+    min_pixels = ele.get("min_pixels", vp.VIDEO_MIN_TOKEN_NUM * factor * factor)
+    total_pixels = ele.get("total_pixels", vp.MODEL_SEQ_LEN * factor * factor * 0.9)
+    max_pixels = max(min(vp.VIDEO_MAX_TOKEN_NUM * factor * factor, total_pixels / nframes * vp.FRAME_FACTOR),
+                     int(min_pixels * 1.05))
+    max_pixels = min(ele.get("max_pixels", max_pixels), max_pixels)
+    size = vp.smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return indices, size
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_qwen_vl_utils_mode_equals_qwen_vl_utils(family):
+    import qwen_vl_utils.vision_process as vp
+    rng = random.Random(f"qvu-{family}")
+    vision = BUILTIN_VISION[family]
+    checked = 0
+    for _ in range(500):
+        total, fps, height, width = _random_meta(rng)
+        ele = {}
+        if rng.random() < 0.4:
+            ele.update(rng.choice([{"fps": rng.choice([0.5, 1.0, 4.0])}, {"nframes": rng.choice([2, 5, 8, 16])}]))
+        if rng.random() < 0.3:
+            ele.update(min_frames=rng.choice([2, 4]), max_frames=rng.choice([8, 64]))
+        if rng.random() < 0.3:
+            ele.update(max_pixels=rng.choice([64 * 28 * 28, 256 * 28 * 28]), min_pixels=rng.choice([16 * 28 * 28, 4096]))
+        if rng.random() < 0.2:
+            ele["total_pixels"] = rng.choice([20480 * 28 * 28, 2048 * 28 * 28])
+        if rng.random() < 0.3:
+            duration = total / fps
+            ele.update(video_start=round(rng.uniform(0, duration / 2), 2), video_end=round(rng.uniform(duration / 2, duration * 1.2), 2))
+        request = VideoRequest(**ele)
+        try:
+            want_indices, want_size = _qvu_reference(vp, ele, total, fps, height, width, vision.patch_size)
+        except (ValueError, AssertionError):  # qwen-vl-utils refuses this video: so must we
+            with pytest.raises(Exception):
+                plan(family, total, fps, height, width, request, sampling="qwen-vl-utils")
+            continue
+        got = plan(family, total, fps, height, width, request, sampling="qwen-vl-utils")
+        assert got.indices.tolist() == want_indices, (total, fps, ele)
+        assert (got.height, got.width) == tuple(want_size), (height, width, ele)
+        checked += 1
+    assert checked > 250
