@@ -107,22 +107,60 @@ def find_uid(shards: ShardSet, uid: str) -> list[int]:
 # ------------------------------------------------------------------------ rendering
 
 
-def token_segments(input_ids: np.ndarray, loss_mask: np.ndarray, grid_thw: np.ndarray, image_pad: int, merge_size: int):
-    """Split a sample into runs of equal (loss_mask, image) key.
+def video_spans(input_ids: np.ndarray, special: dict, family: str) -> list[tuple[int, int]]:
+    """[start, stop) of each video's tokens inside its template markers: the pad run on
+    Qwen2.5-VL; on Qwen3-VL everything between the outer `<|vision_start|>` and `<|vision_end|>`
+    (each temporal patch's `<t seconds>`, inner markers and pads), a video ending where an inner
+    `<|vision_end|>` is followed by the outer one."""
+    is_pad = np.concatenate([[False], input_ids == special["video_pad"], [False]])
+    flips = np.flatnonzero(is_pad[1:] != is_pad[:-1])
+    runs = list(zip(flips[0::2].tolist(), flips[1::2].tolist()))
+    if family != "qwen3-vl":
+        return runs
+    vs, ve, n = special["vision_start"], special["vision_end"], len(input_ids)
+    starts = np.flatnonzero(input_ids == vs)
+    spans, first = [], None
+    for a, b in runs:
+        if first is None:
+            outer = starts[starts < a - 1]
+            first = int(outer[-1]) + 1 if len(outer) else a
+        if b + 1 < n and input_ids[b] == ve and input_ids[b + 1] == ve:
+            spans.append((first, b + 1))
+            first = None
+    return spans
 
-    Returns (starts, stops, mask value, image index or -1) arrays. Pads are assigned to images
-    in order by the grid's token counts, so adjacent images never merge into one run.
+
+def token_segments(input_ids: np.ndarray, loss_mask: np.ndarray, grid_thw: np.ndarray, image_pad: int, merge_size: int,
+                   spans: list[tuple[int, int]] = ()):
+    """Split a sample into runs of equal (loss_mask, image, video) key.
+
+    Returns (starts, stops, mask value, image index or -1, video index or -1) arrays. Pads are
+    assigned to images in order by the grid's token counts, so adjacent images never merge into
+    one run; `spans` ([start, stop) per video) mark each video's tokens.
     """
     n = input_ids.shape[0]
     is_pad = input_ids == image_pad
     image_of = np.full(n, -1, dtype=np.int64)
     per_image = grid_thw.prod(axis=1).astype(np.int64) // (merge_size**2) if len(grid_thw) else np.zeros(0, np.int64)
     image_of[is_pad] = np.searchsorted(np.cumsum(per_image), np.arange(int(is_pad.sum())), side="right")
-    mask = loss_mask.astype(np.int64)
-    change = np.flatnonzero((np.diff(mask) != 0) | (np.diff(image_of) != 0)) + 1
+    video_of = np.full(n, -1, dtype=np.int64)
+    for k, (a, b) in enumerate(spans):
+        video_of[a:b] = k
+    mask = np.where(video_of >= 0, 0, loss_mask.astype(np.int64))
+    change = np.flatnonzero((np.diff(mask) != 0) | (np.diff(image_of) != 0) | (np.diff(video_of) != 0)) + 1
     starts = np.concatenate([[0], change]) if n else np.zeros(0, np.int64)
     stops = np.concatenate([change, [n]]) if n else np.zeros(0, np.int64)
-    return starts, stops, mask[starts], image_of[starts]
+    return starts, stops, mask[starts], image_of[starts], video_of[starts]
+
+
+def video_placeholder(k: int, sample: dict, n_pads: int, merge_size: int) -> str:
+    grid, seconds = sample["video_grid_thw"], sample["second_per_grid_ts"]
+    if k >= len(grid):
+        return f"<video ?: beyond the {len(grid)} videos of video_grid_thw>"
+    t, h, w = (int(v) for v in grid[k])
+    expected = t * h * w // merge_size**2
+    note = "" if n_pads == expected else f" (grid says {expected})"
+    return f"<video {k}: {t} x {h} x {w}, {n_pads} tokens{note}, {t * float(seconds[k]):.1f} s>"
 
 
 def image_placeholder(k: int, grid_thw: np.ndarray, n_tokens: int, merge_size: int) -> str:
@@ -134,14 +172,16 @@ def image_placeholder(k: int, grid_thw: np.ndarray, n_tokens: int, merge_size: i
     return f"<image {k}: {t} x {h} x {w}, {n_tokens} tokens{note}>"
 
 
-def render_text(sample: dict, tokenizer, image_pad: int, merge_size: int, color: bool) -> str:
-    """The decoded conversation with targets marked (markers or ANSI colour) and images collapsed."""
+def render_text(sample: dict, tokenizer, special: dict, merge_size: int, color: bool, family: str) -> str:
+    """The decoded conversation with targets marked (markers or ANSI colour), images and videos collapsed."""
     ids, mask, grid = sample["input_ids"], sample["loss_mask"], sample["image_grid_thw"]
-    starts, stops, values, images = token_segments(ids, mask, grid, image_pad, merge_size)
+    spans = video_spans(ids, special, family) if len(sample["video_grid_thw"]) else []
+    starts, stops, values, images, videos = token_segments(ids, mask, grid, special["image_pad"], merge_size, spans)
     pieces = []
-    for a, b, target, k in zip(starts.tolist(), stops.tolist(), values.tolist(), images.tolist()):
-        if k >= 0:
-            text = image_placeholder(k, grid, b - a, merge_size)
+    for a, b, target, k, v in zip(starts.tolist(), stops.tolist(), values.tolist(), images.tolist(), videos.tolist()):
+        if k >= 0 or v >= 0:
+            text = (image_placeholder(k, grid, b - a, merge_size) if k >= 0 else
+                    video_placeholder(v, sample, int(np.count_nonzero(ids[a:b] == special["video_pad"])), merge_size))
             text = f"{CYAN}{text}{RESET}" if color else text
         else:
             text = tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False)
@@ -159,7 +199,7 @@ def _range(values: np.ndarray) -> str:
 def render_token_table(sample: dict, tokenizer, image_pad: int, merge_size: int, color: bool) -> list[str]:
     """One line per token (header first); each image's pad run is one line with value ranges."""
     ids, mask, grid, pos = sample["input_ids"], sample["loss_mask"], sample["image_grid_thw"], sample["position_ids"]
-    starts, stops, values, images = token_segments(ids, mask, grid, image_pad, merge_size)
+    starts, stops, values, images, _ = token_segments(ids, mask, grid, image_pad, merge_size)
     texts = tokenizer.decode_batch([[int(i)] for i in ids.tolist()], skip_special_tokens=False)
     idx_w = max(5, len(str(len(ids))) * 2 + 1)
     lines = [f"{'index':>{idx_w}}  {'id':>7}  mask  {'t':>9}  {'h':>9}  {'w':>9}  token"]
@@ -196,6 +236,7 @@ def header_lines(sample: dict, index: int, shards: ShardSet, merge_size: int, co
         f"length      {n} tokens",
         f"targets     {targets} tokens ({targets / max(n, 1):.1%})",
         f"images      {len(grid)}" + (f": {images}" if len(grid) else ""),
+        *([f"videos      {len(sample['video_grid_thw'])}"] if len(sample["video_grid_thw"]) else []),
         f"legend      {legend}",
     ]
 
@@ -291,7 +332,8 @@ def _show(args, out) -> int:
     if args.tokens:
         lines.extend(render_token_table(sample, tokenizer, image_pad, merge_size, color))
     else:
-        lines.append(render_text(sample, tokenizer, image_pad, merge_size, color))
+        lines.append(render_text(sample, tokenizer, manifest["profile"]["special_tokens"], merge_size, color,
+                                 manifest["profile"]["family"]))
     print("\n".join(lines), file=out)
     if args.save_images:
         paths = save_images(sample, index, manifest, Path(args.save_images))

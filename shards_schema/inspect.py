@@ -137,6 +137,19 @@ def _first_reject_examples(path: Path, codes) -> dict[str, dict]:
     return found
 
 
+def _video_totals(shards, counted: dict, merge_area: int, temporal_patch_size: int) -> dict:
+    """Videos, their sampled frames (temporal patches x T, the last patch padded), seconds and tokens."""
+    if "videos" not in counted:
+        return {}
+    grids = np.concatenate([shards.shard(k).list_values("video_grid_thw") for k in range(len(shards.shard_files))]
+                           or [np.zeros(0, np.int32)]).reshape(-1, 3).astype(np.int64)
+    seconds = np.concatenate([shards.shard(k).list_values("second_per_grid_ts") for k in range(len(shards.shard_files))]
+                             or [np.zeros(0, np.float32)]).astype(np.float64)
+    return {"video_frames": int(grids[:, 0].sum()) * temporal_patch_size,
+            "video_seconds": float((grids[:, 0] * seconds).sum()) if len(seconds) == len(grids) else None,
+            "video_tokens": counted["video_patches"] // merge_area}
+
+
 def _collect(directory: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     """(report, per-sample arrays): the report `inspect_shards` returns, plus the raw values for charts."""
     directory = Path(directory)
@@ -170,6 +183,12 @@ def _collect(directory: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
         for key, value in counted.items()
         if int(m_totals.get(key, -1)) != value
     ]
+    if "videos" in m_totals:
+        counted["videos"] = int(stats["num_videos"].sum())
+        counted["video_patches"] = int(stats["num_video_patches"].sum())
+        consistency += [
+            f"{key}: manifest says {int(m_totals[key]):,}, the shards hold {counted[key]:,} (run `vlmpack verify {directory}`)"
+            for key in ("videos", "video_patches") if int(m_totals[key]) != counted[key]]
     visual_tokens = counted["patches"] // merge_area
     hf_bytes = 4 * int(vision["temporal_patch_size"]) * int(manifest["patch_row_width"]) * merge_area
     per_vt = counted["bytes"] / visual_tokens if visual_tokens else None
@@ -182,6 +201,7 @@ def _collect(directory: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
         "pixel_bytes_per_visual_token": int(manifest["patch_row_width"]) * merge_area,
         "hf_pixel_values_bytes_per_visual_token": hf_bytes,
         "hf_pixel_values_to_disk_ratio": hf_bytes / per_vt if per_vt else None,
+        **_video_totals(shards, counted, merge_area, int(vision["temporal_patch_size"])),
         **_repeated_uids(shards),
     }
 
@@ -302,6 +322,9 @@ def format_report(report: dict) -> str:
         f"tokens           {t['tokens']:,}  targets {t['target_tokens']:,} ({t['target_fraction']:.1%})",
         f"images           {t['images']:,}  visual tokens {t['visual_tokens']:,} ({t['patches']:,} patches / {m}x{m})",
     ]
+    if t.get("videos"):
+        lines.append(f"videos           {t['videos']:,}  {t['video_frames']:,} frames, {t['video_seconds']:,.1f} s  "
+                     f"visual tokens {t['video_tokens']:,} ({t['video_patches']:,} patches / {m}x{m})")
     if t["bytes_per_visual_token"]:
         lines.append(
             f"bytes/visual tok {t['bytes_per_visual_token']:,.0f} on disk (pixels alone {t['pixel_bytes_per_visual_token']:,}); "

@@ -100,6 +100,17 @@ class ShardFile:
         parts = [np.diff(list_views(batch.column(name), COLUMN_DTYPES[name])[0]) for batch in self._batches]
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
+    def list_values(self, name: str) -> np.ndarray:
+        """Every row's values of a list column end to end (a video column of a version 1 shard:
+        none). For the small columns (grids, second_per_grid_ts): it reads their values."""
+        if name not in self.columns:
+            return np.zeros(0, COLUMN_DTYPES[name])
+        parts = []
+        for batch in self._batches:
+            offsets, values = list_views(batch.column(name), COLUMN_DTYPES[name])
+            parts.append(values[offsets[0] : offsets[-1]])
+        return np.concatenate(parts) if parts else np.zeros(0, COLUMN_DTYPES[name])
+
     def string_column(self, name: str) -> pa.ChunkedArray:
         """A string column (sample_uid, source), zero-copy from the mapped file, one chunk per batch."""
         return pa.chunked_array([batch.column(name) for batch in self._batches], pa.string())

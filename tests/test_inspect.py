@@ -393,3 +393,41 @@ def test_html_report_renders_in_headless_chromium(data, tmp_path, capsys):
     assert len(colours) > 50  # text, tables and the charts' blue bars, not a blank page
     chart_blue = np.all(np.abs(pixels.astype(int) - (0x3B, 0x7D, 0xD8)) < 12, axis=-1)
     assert chart_blue.sum() > 2000  # the embedded charts were decoded and drawn
+
+
+@pytest.mark.parametrize("family", ["qwen3-vl", "qwen2.5-vl"])
+def test_show_collapses_each_video_into_one_placeholder(family, tmp_path, capsys):
+    """A video is one `<video k: t x h x w, N tokens, S s>` inside the template's own markers
+    (on Qwen3-VL its timestamps, inner markers and pads all go into it); no pad is left."""
+    rows = example_rows(4, seed=2, family=family, size_range=(32, 96), video_rows=1.0)
+    out = tmp_path / "shards"
+    run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(tmp_path / "rows.jsonl", rows))], out=str(out),
+                                    profile=family, workers=1, progress=False))
+    shards = open_shards(out)
+    for index in range(len(shards)):
+        sample = shards[index]
+        code, text, _ = _cli(capsys, "show", str(out), "--index", str(index))
+        assert code == 0
+        assert f"videos      {len(sample['video_grid_thw'])}" in text
+        body = text.split("\n\n", 1)[1]
+        for k, (t, h, w) in enumerate(sample["video_grid_thw"].tolist()):
+            seconds = t * float(sample["second_per_grid_ts"][k])
+            assert f"<|vision_start|><video {k}: {t} x {h} x {w}, {t * h * w // 4} tokens, {seconds:.1f} s><|vision_end|>" in body
+        assert "<|video_pad|>" not in body and "seconds>" not in body
+
+
+def test_inspect_counts_videos_frames_seconds_and_tokens(tmp_path, capsys):
+    rows = example_rows(5, seed=4, size_range=(32, 96), video_rows=1.0)
+    out = tmp_path / "shards"
+    run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(tmp_path / "rows.jsonl", rows))], out=str(out), workers=1,
+                   rows_per_shard=2, progress=False))
+    shards = open_shards(out)
+    grids = np.concatenate([shards[i]["video_grid_thw"] for i in range(len(shards))])
+    seconds = np.concatenate([shards[i]["second_per_grid_ts"] for i in range(len(shards))])
+    totals = inspect_shards(out)["totals"]
+    assert totals["videos"] == len(grids) == 5
+    assert totals["video_frames"] == int(grids[:, 0].sum()) * 2
+    assert totals["video_tokens"] == int(grids.prod(axis=1).sum()) // 4
+    assert totals["video_seconds"] == pytest.approx(float((grids[:, 0] * seconds).sum()))
+    code, text, _ = _cli(capsys, "inspect", str(out))
+    assert code == 0 and f"videos           5  {totals['video_frames']:,} frames" in text
