@@ -525,6 +525,27 @@ def _output_errors(out: Path):
         raise mapped from None
 
 
+@contextmanager
+def _main_thread_stderr_only():
+    """While a stop kills the workers under the pool, the pool's own threads may trip over the
+    closed pipes (the queue feeder prints an EBADF traceback): expected then, and not the
+    user's concern. Until those threads have ended, only the main thread writes to stderr."""
+    real = sys.stderr
+
+    class MainThreadOnly:
+        def write(self, text):
+            return real.write(text) if threading.current_thread() is threading.main_thread() else len(text)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    sys.stderr = MainThreadOnly()
+    try:
+        yield
+    finally:
+        sys.stderr = real
+
+
 def _end_workers(workers: list) -> None:
     for p in workers:
         p.terminate()
@@ -578,8 +599,12 @@ def _run_units(units: list[WorkUnit], names: dict[str, str], cfg: PreprocessConf
         except BaseException as exc:
             # Stop now: no new units, the running ones end, and their half-written shards go
             # (those units are redone on resume).
-            pool.shutdown(wait=False, cancel_futures=True)
-            _end_workers([p for p in mp.active_children() if p not in others])
+            manager = pool._executor_manager_thread
+            with _main_thread_stderr_only():
+                pool.shutdown(wait=False, cancel_futures=True)
+                _end_workers([p for p in mp.active_children() if p not in others])
+                if manager is not None:
+                    manager.join(WORKER_EXIT_SECONDS)
             _remove_torn_writes(out)
             if isinstance(exc, cf.process.BrokenProcessPool):
                 raise WorkerLost() from None
