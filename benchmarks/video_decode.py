@@ -1,9 +1,8 @@
 """Reading the sampled frames of a video: PyAV full decode (what `transformers.video_utils.load_video(
 backend="pyav")` does), vlmpack's `VideoReader` (demux once, seek to the keyframe before each
 sampled frame) and torchcodec's `VideoDecoder.get_frames_at` (exact seek mode), on the same
-generated video in one process, interleaved rounds. Reports ms per video, the ratios, each
-reader's peak memory (in a child process each) and whether its frames equal PyAV's rgb24
-frames, which are the reference's pixels.
+generated video in one process, interleaved rounds. Reports ms per video, the ratios and
+whether each reader's frames equal PyAV's rgb24 frames, which are the reference's pixels.
 
     python benchmarks/video_decode.py --seconds 60 --fps 30 --width 1280 --height 720 --gop 60 \\
         --json-out benchmarks/results/video_decode_cpu2_<yyyymmdd>.json
@@ -12,8 +11,6 @@ frames, which are the reference's pixels.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import resource
 import statistics
 import tempfile
 import time
@@ -57,23 +54,6 @@ def read_torchcodec(path: Path, indices: list[int]) -> list[np.ndarray]:
 READERS = {"pyav_full_decode": read_full_decode, "vlmpack": read_vlmpack, "torchcodec": read_torchcodec}
 
 
-def _peak_rss_child(name: str, path: str, indices: list[int], queue) -> None:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    READERS[name](Path(path), indices)
-    queue.put((before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
-
-
-def peak_rss_mib(name: str, path: Path, indices: list[int]) -> float:
-    """Peak resident memory of a fresh process reading the frames, above what it had before."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_peak_rss_child, args=(name, str(path), indices, queue))
-    proc.start()
-    before, peak = queue.get()
-    proc.join()
-    return (peak - before) / 1024
-
-
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--seconds", type=float, default=20.0, help="length of the generated video")
@@ -115,9 +95,8 @@ def main() -> None:
             r = results[name]
             if "seconds" in r:
                 r["ms_median"] = 1000 * statistics.median(r["seconds"])
-                r["peak_rss_mib"] = peak_rss_mib(name, path, indices)
-                log(f"{name}: {r['ms_median']:.0f} ms, peak +{r['peak_rss_mib']:.0f} MiB, "
-                    f"frames equal the reference: {r['frames_equal_reference']} (max |diff| {r['max_abs_diff']})")
+                log(f"{name}: {r['ms_median']:.0f} ms, frames equal the reference: {r['frames_equal_reference']} "
+                    f"(max |diff| {r['max_abs_diff']})")
         base = results["pyav_full_decode"]["ms_median"]
         for name in READERS:
             if "ms_median" in results[name]:
