@@ -50,6 +50,15 @@ def parser(doc: str, *, json_out: str | None = "the full result as JSON") -> arg
     return ap
 
 
+def add_video_arguments(ap: argparse.ArgumentParser, *, seconds: float) -> None:
+    """The generated video's length, frame rate and size (the video benchmarks)."""
+    ap.add_argument("--seconds", type=float, default=seconds, help="length of each generated video (default %(default)s)")
+    ap.add_argument("--fps", type=float, default=30.0, help="its frame rate (default %(default)s)")
+    ap.add_argument("--width", type=int, default=640, help="its width (default %(default)s)")
+    ap.add_argument("--height", type=int, default=360, help="its height (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default %(default)s)")
+
+
 def write_json(path: str | Path, obj) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

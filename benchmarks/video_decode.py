@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import log, machine_info, parser, write_json
+from common import add_video_arguments, log, machine_info, parser, write_json
 
 from preprocess.examples import synthetic_video_frames, write_video
 from preprocess.video.decode import VideoReader
@@ -56,13 +56,9 @@ READERS = {"pyav_full_decode": read_full_decode, "vlmpack": read_vlmpack, "torch
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--seconds", type=float, default=20.0, help="length of the generated video")
-    p.add_argument("--fps", type=float, default=30.0, help="its frame rate")
-    p.add_argument("--width", type=int, default=640, help="its width")
-    p.add_argument("--height", type=int, default=360, help="its height")
+    add_video_arguments(p, seconds=20.0)
     p.add_argument("--gop", type=int, default=60, help="keyframe interval in frames")
     p.add_argument("--sample-fps", type=float, default=2.0, help="frames sampled per second (Qwen3-VL's default)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import log, machine_info, parser, write_json
+from common import add_video_arguments, log, machine_info, parser, write_json
 
 from preprocess.examples import synthetic_video_frames, write_video
 from preprocess.video import BUILTIN_VIDEO, VideoOptions, VideoRequest, plan_video
@@ -77,11 +77,7 @@ def run_floor(path: Path) -> int:
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--videos", type=int, default=4, help="generated videos")
-    p.add_argument("--seconds", type=float, default=10.0, help="length of each")
-    p.add_argument("--fps", type=float, default=30.0, help="their frame rate")
-    p.add_argument("--width", type=int, default=640, help="their width")
-    p.add_argument("--height", type=int, default=360, help="their height")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    add_video_arguments(p, seconds=10.0)
     args = p.parse_args()
     torch.set_num_threads(1)  # per core, like one preprocessing worker
 

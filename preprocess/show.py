@@ -153,23 +153,23 @@ def token_segments(input_ids: np.ndarray, loss_mask: np.ndarray, grid_thw: np.nd
     return starts, stops, mask[starts], image_of[starts], video_of[starts]
 
 
-def video_placeholder(k: int, sample: dict, n_pads: int, merge_size: int) -> str:
-    grid, seconds = sample["video_grid_thw"], sample["second_per_grid_ts"]
-    if k >= len(grid):
-        return f"<video ?: beyond the {len(grid)} videos of video_grid_thw>"
-    t, h, w = (int(v) for v in grid[k])
-    expected = t * h * w // merge_size**2
-    note = "" if n_pads == expected else f" (grid says {expected})"
-    return f"<video {k}: {t} x {h} x {w}, {n_pads} tokens{note}, {t * float(seconds[k]):.1f} s>"
-
-
-def image_placeholder(k: int, grid_thw: np.ndarray, n_tokens: int, merge_size: int) -> str:
+def _placeholder(kind: str, k: int, grid_thw: np.ndarray, n_tokens: int, merge_size: int, seconds=None) -> str:
+    """`<image k: t x h x w, N tokens>` or `<video k: t x h x w, N tokens, S s>`."""
     if k >= len(grid_thw):
-        return f"<image ?: {n_tokens} pad tokens beyond the {len(grid_thw)} images of image_grid_thw>"
+        return f"<{kind} ?: {n_tokens} pad tokens beyond the {len(grid_thw)} {kind}s of {kind}_grid_thw>"
     t, h, w = (int(v) for v in grid_thw[k])
     expected = t * h * w // merge_size**2
     note = "" if n_tokens == expected else f" (grid says {expected})"
-    return f"<image {k}: {t} x {h} x {w}, {n_tokens} tokens{note}>"
+    duration = "" if seconds is None else f", {t * float(seconds[k]):.1f} s"
+    return f"<{kind} {k}: {t} x {h} x {w}, {n_tokens} tokens{note}{duration}>"
+
+
+def image_placeholder(k: int, grid_thw: np.ndarray, n_tokens: int, merge_size: int) -> str:
+    return _placeholder("image", k, grid_thw, n_tokens, merge_size)
+
+
+def video_placeholder(k: int, sample: dict, n_pads: int, merge_size: int) -> str:
+    return _placeholder("video", k, sample["video_grid_thw"], n_pads, merge_size, sample["second_per_grid_ts"])
 
 
 def render_text(sample: dict, tokenizer, special: dict, merge_size: int, color: bool, family: str) -> str:

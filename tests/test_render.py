@@ -1,5 +1,5 @@
 """`preprocess.render` against the oracle: Hugging Face's own jinja rendering of the official
-chat templates (../shared/fixtures) and HF's tokenizer, for both families, on randomized
+chat templates (tests/fixtures) and HF's tokenizer, for both families, on randomized
 conversations; loss masks against an id-level assistant-turn scan that never looks at
 character offsets; every reject code; the `--model DIR` template check."""
 
