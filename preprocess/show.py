@@ -16,7 +16,8 @@ sit exactly on token boundaries.
 
 `--tokens` prints a per-token table instead (index, id, loss_mask, M-RoPE t/h/w, token text),
 each image's pad run on one line. `--save-images OUT/` writes each image of the sample as
-the PNG the model sees (the resized image, rebuilt exactly from `pixel_patches`).
+the PNG the model sees (the resized image, rebuilt exactly from `pixel_patches`), and each
+video as one contact sheet of its frames (rebuilt exactly from `video_patches`).
 
 The tokenizer is rebuilt from the manifest's profile fingerprint (built-in profile, or the
 model directory the shards were made from, or `--model DIR`) and must hash to the recorded
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shards_schema.inspect import patches_to_image
+from shards_schema.inspect import patches_to_image, video_patches_to_frames
 from shards_schema.errors import UserError
 from shards_schema.outdir import prepare_output_dir
 from shards_schema.reader import ShardSet, open_shards
@@ -241,21 +242,36 @@ def header_lines(sample: dict, index: int, shards: ShardSet, merge_size: int, co
     ]
 
 
+SHEET_COLUMNS = 8  # frames per row of a video's contact sheet
+
+
 def save_images(sample: dict, index: int, manifest: dict, out_dir: Path) -> list[Path]:
-    """Each image of the sample as a PNG of the resized image the model sees."""
+    """Each image of the sample as a PNG of the resized image the model sees, then each video as
+    one contact sheet of its frames (left to right, top to bottom)."""
     from PIL import Image
 
     vision = manifest["profile"]["vision"]
-    grid = sample["image_grid_thw"]
-    ends = np.cumsum(grid.prod(axis=1))
+    p, m, c = vision["patch_size"], vision["merge_size"], vision.get("channels", 3)
     prepare_output_dir(out_dir, what="--save-images")
     paths = []
+    grid = sample["image_grid_thw"]
+    ends = np.cumsum(grid.prod(axis=1))
     for k, (t, h, w) in enumerate(grid.tolist()):
-        patches = sample["pixel_patches"][ends[k] - t * h * w : ends[k]]
-        pixels = patches_to_image(patches, (t, h, w), vision["patch_size"], vision["merge_size"], vision.get("channels", 3))
-        path = out_dir / f"sample-{index:06d}-image-{k}.png"
-        Image.fromarray(pixels, "RGB").save(path)
-        paths.append(path)
+        pixels = patches_to_image(sample["pixel_patches"][ends[k] - t * h * w : ends[k]], (t, h, w), p, m, c)
+        paths.append(out_dir / f"sample-{index:06d}-image-{k}.png")
+        Image.fromarray(pixels, "RGB").save(paths[-1])
+    grid = sample["video_grid_thw"]
+    ends = np.cumsum(grid.prod(axis=1))
+    for k, (t, h, w) in enumerate(grid.tolist()):
+        frames = video_patches_to_frames(sample["video_patches"][ends[k] - t * h * w : ends[k]], (t, h, w), p, m,
+                                         vision["temporal_patch_size"], c)
+        n, fh, fw = frames.shape[:3]
+        cols = min(SHEET_COLUMNS, n)
+        sheet = np.zeros((-(-n // cols) * fh, cols * fw, c), dtype=np.uint8)
+        for j, frame in enumerate(frames):
+            sheet[(j // cols) * fh : (j // cols + 1) * fh, (j % cols) * fw : (j % cols + 1) * fw] = frame
+        paths.append(out_dir / f"sample-{index:06d}-video-{k}.png")
+        Image.fromarray(sheet, "RGB").save(paths[-1])
     return paths
 
 
@@ -280,7 +296,7 @@ class Show:
         which.add_argument("--index", type=int, default=None, help="global sample index (default 0; negative counts from the end)")
         which.add_argument("--uid", default=None, help="sample_uid to look up (first match)")
         parser.add_argument("--tokens", action="store_true", help="per-token table (index, id, loss_mask, t/h/w positions, text) instead of the text")
-        parser.add_argument("--save-images", metavar="OUT", default=None, help="write each image of the sample as a PNG into OUT/")
+        parser.add_argument("--save-images", metavar="OUT", default=None, help="write each image of the sample as a PNG into OUT/, and each video as a sheet of its frames")
         parser.add_argument("--model", metavar="DIR", default=None, help="directory with the tokenizer.json the shards were made with")
         colors = parser.add_mutually_exclusive_group()
         colors.add_argument("--color", action="store_true", help="ANSI colour even when not on a terminal")
@@ -338,9 +354,14 @@ def _show(args, out) -> int:
     if args.save_images:
         paths = save_images(sample, index, manifest, Path(args.save_images))
         if not paths:
-            print(f"\nno images in sample {index}; nothing saved", file=out)
+            print(f"\nno images or videos in sample {index}; nothing saved", file=out)
+        p, images = int(manifest["profile"]["vision"]["patch_size"]), len(sample["image_grid_thw"])
         for k, path in enumerate(paths):
-            t, h, w = (int(v) for v in sample["image_grid_thw"][k])
-            p = int(manifest["profile"]["vision"]["patch_size"])
-            print(f"saved image {k} ({w * p} x {h * p} px, resized as the model sees it): {path}", file=out)
+            if k < images:
+                t, h, w = (int(v) for v in sample["image_grid_thw"][k])
+                print(f"saved image {k} ({w * p} x {h * p} px, resized as the model sees it): {path}", file=out)
+            else:
+                t, h, w = (int(v) for v in sample["video_grid_thw"][k - images])
+                frames = t * int(manifest["profile"]["vision"]["temporal_patch_size"])
+                print(f"saved video {k - images} (a sheet of its {frames} frames of {w * p} x {h * p} px): {path}", file=out)
     return 0

@@ -70,6 +70,24 @@ def patches_to_image(pixel_patches: np.ndarray, grid_thw, patch_size: int, merge
     return np.ascontiguousarray(blocks.transpose(0, 2, 5, 1, 3, 6, 4)).reshape(gh * p, gw * p, c)
 
 
+def video_patches_to_frames(video_patches: np.ndarray, grid_thw, patch_size: int, merge_size: int,
+                            temporal_patch_size: int, channels: int = 3) -> np.ndarray:
+    """Stored `video_patches` of one video -> its resized frames, uint8 [t*T, gh*P, gw*P, C] (the
+    last temporal patch's repeated frame included). Exact inverse of
+    `preprocess.video.patches.group_to_rows`: rows in merge-block order per temporal patch,
+    columns (C, T, P, P)."""
+    t, gh, gw = (int(v) for v in np.asarray(grid_thw).reshape(-1))
+    p, m, c, tp = int(patch_size), int(merge_size), int(channels), int(temporal_patch_size)
+    expected = (t * gh * gw, c * tp * p * p)
+    if tuple(video_patches.shape) != expected or gh % m or gw % m:
+        raise ValueError(f"video_patches shape {tuple(video_patches.shape)} does not match grid {t}x{gh}x{gw}: "
+                         f"expected {expected} with h, w multiples of {m}")
+    blocks = video_patches.reshape(t, gh // m, gw // m, m, m, c, tp, p, p)
+    # (temporal patch, frame in it, block row, row in block, py, block col, col in block, px, channel)
+    frames = blocks.transpose(0, 6, 1, 3, 7, 2, 4, 8, 5)
+    return np.ascontiguousarray(frames).reshape(t * tp, gh * p, gw * p, c)
+
+
 # ------------------------------------------------------------------------ numbers
 
 

@@ -414,6 +414,15 @@ def test_show_collapses_each_video_into_one_placeholder(family, tmp_path, capsys
             seconds = t * float(sample["second_per_grid_ts"][k])
             assert f"<|vision_start|><video {k}: {t} x {h} x {w}, {t * h * w // 4} tokens, {seconds:.1f} s><|vision_end|>" in body
         assert "<|video_pad|>" not in body and "seconds>" not in body
+    code, text, _ = _cli(capsys, "show", str(out), "--index", "0", "--save-images", str(tmp_path / "imgs"))
+    sample, p = shards[0], 16 if family == "qwen3-vl" else 14
+    t, h, w = sample["video_grid_thw"][0].tolist()
+    sheet = tmp_path / "imgs" / "sample-000000-video-0.png"
+    assert code == 0 and f"saved video 0 (a sheet of its {2 * t} frames of {w * p} x {h * p} px): {sheet}" in text
+    from PIL import Image
+
+    cols = min(8, 2 * t)
+    assert Image.open(sheet).size == (cols * w * p, -(-2 * t // cols) * h * p)
 
 
 def test_inspect_counts_videos_frames_seconds_and_tokens(tmp_path, capsys):

@@ -559,3 +559,23 @@ def test_qwen_vl_utils_mode_equals_qwen_vl_utils(family):
         assert (got.height, got.width) == tuple(want_size), (height, width, ele)
         checked += 1
     assert checked > 250
+
+
+def test_video_patches_to_frames_inverts_frames_to_patches():
+    from preprocess.video.patches import resize_frame
+    from shards_schema.inspect import video_patches_to_frames
+
+    nprng = np.random.default_rng(9)
+    for family in FAMILIES:
+        vision = BUILTIN_VISION[family]
+        factor = vision.patch_size * vision.merge_size
+        for n in (2, 5):
+            frames = list(synthetic_video_frames(nprng, n, 97, 61))
+            height, width = 2 * factor, 3 * factor
+            rows, grid = frames_to_patches(iter(frames), n, height, width, patch_size=vision.patch_size,
+                                           merge_size=vision.merge_size, temporal_patch_size=vision.temporal_patch_size)
+            back = video_patches_to_frames(rows, grid, vision.patch_size, vision.merge_size, vision.temporal_patch_size)
+            resized = [resize_frame(f, height, width).transpose(1, 2, 0) for f in frames]
+            resized += [resized[-1]] * (len(back) - n)  # the last temporal patch repeats its last frame
+            assert back.shape == (len(resized), height, width, 3)
+            assert all(np.array_equal(a, b) for a, b in zip(back, resized))
