@@ -76,10 +76,6 @@ class VideoPlan:
     grid: tuple[int, int, int]  # (grid_t, gh, gw) in patches
     second_per_grid_t: float  # seconds one temporal patch spans (Qwen2.5-VL's temporal positions)
 
-    def tokens(self, merge_size: int) -> int:
-        t, h, w = self.grid
-        return t * h * w // merge_size**2
-
 
 def timestamps_for(indices, fps: float, temporal_patch_size: int) -> list[float]:
     """Qwen3-VL's `<t seconds>` of each temporal group: the mean time of its first and last

@@ -38,10 +38,6 @@ class VideoInfo:
     codec: str
     container: str
 
-    @property
-    def duration(self) -> float:
-        return self.total_frames / self.fps
-
 
 def _av():
     try:
