@@ -108,6 +108,9 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
                         "qwen-vl-utils: per frame)")
     g.add_argument("--video-total-pixels", type=positive(int), default=None,
                    help="pixel budget shared by a video's frames, for parts that give no total_pixels")
+    g.add_argument("--video-fit", action="store_true",
+                   help="a video that alone needs more than --max-seq-len tokens is sampled with fewer frames until "
+                        "it fits (default: rejected as video_too_long)")
     g.add_argument("--max-video-bytes", type=positive_bytes, default=SampleOptions.max_video_bytes,
                    help="reject a video file or inline video holding more bytes (default %(default)s = 4 GiB); "
                         "files are streamed by the decoder, never read whole")
@@ -122,6 +125,7 @@ def _sample_options(args) -> SampleOptions:
         max_image_pixels=args.max_image_pixels,
         max_media_bytes=args.max_media_bytes,
         max_video_bytes=args.max_video_bytes,
+        video_fit=args.video_fit,
         video=VideoOptions(sampling=args.video_sampling, cap_pixels_per_frame=args.video_pixel_cap, fps=args.video_fps,
                            max_frames=args.video_max_frames, max_pixels=args.video_max_pixels,
                            total_pixels=args.video_total_pixels),

@@ -12,7 +12,7 @@ so bad and over-long rows cost little.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,6 +42,7 @@ class SampleOptions:
     max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
     max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
     video: VideoOptions = VideoOptions()
+    video_fit: bool = False  # a video too long for max_seq_len alone is sampled with fewer frames
 
 
 def expand_image_pads(
@@ -149,9 +150,39 @@ def _named_rejects(what: str):
         raise RejectError(exc.code, f"{what}: {exc.message}") from None
 
 
+def _plan_fitting(info, part, profile: Profile, options: SampleOptions) -> VideoPlan:
+    """The video's plan; one that alone needs more than --max-seq-len tokens is `video_too_long`,
+    or with --video-fit is planned again with fewer frames (`nframes`, as the HF processor
+    takes it) until it fits."""
+    vision, frame_list = profile.vision, isinstance(part.source, list)
+
+    def plan_for(request):
+        plan = plan_video(info.total_frames, info.fps, info.height, info.width, request=request, options=options.video,
+                          family=profile.family, defaults=profile.video, patch_size=vision.patch_size,
+                          merge_size=vision.merge_size, temporal_patch_size=vision.temporal_patch_size,
+                          all_frames=frame_list)
+        return plan, len(video_tokens(plan, profile))
+
+    plan, tokens = plan_for(part.request)
+    first = (len(plan.indices), plan.height, plan.width, tokens)
+    step = vision.temporal_patch_size
+    while tokens > options.max_seq_len and options.video_fit and not frame_list and len(plan.indices) > step:
+        frames = len(plan.indices)
+        fewer = max(step, min(frames - step, frames * options.max_seq_len // tokens) // step * step)
+        plan, tokens = plan_for(replace(part.request, fps=None, nframes=fewer))
+    if tokens > options.max_seq_len:
+        frames, height, width, need = first
+        raise RejectError(
+            "video_too_long",
+            f"{frames} frames at {height}x{width} make {need} tokens, more than --max-seq-len {options.max_seq_len} "
+            "alone; lower the video's fps, max_frames or max_pixels, raise --max-seq-len, or pass --video-fit"
+            + (f" (with --video-fit, {len(plan.indices)} frames still make {tokens})" if options.video_fit else ""))
+    return plan
+
+
 def _open_videos(rendered, profile: Profile, options: SampleOptions) -> tuple[list, list[VideoPlan]]:
     """Open each video (no frame decoded) and plan its frames: the readers and their plans."""
-    vision, readers, plans = profile.vision, [], []
+    readers, plans = [], []
     try:
         for k, part in enumerate(rendered.videos):
             with _named_rejects(f"video {k}"):
@@ -162,19 +193,7 @@ def _open_videos(rendered, profile: Profile, options: SampleOptions) -> tuple[li
                                                                 options.max_media_bytes),
                     decode_image=decode_opened)
                 readers.append(reader)
-                info = reader.info
-                plans.append(plan_video(
-                    info.total_frames, info.fps, info.height, info.width, request=part.request,
-                    options=options.video, family=profile.family, defaults=profile.video,
-                    patch_size=vision.patch_size, merge_size=vision.merge_size,
-                    temporal_patch_size=vision.temporal_patch_size, all_frames=isinstance(part.source, list)))
-                tokens = len(video_tokens(plans[-1], profile))
-                if tokens > options.max_seq_len:
-                    raise RejectError(
-                        "video_too_long",
-                        f"{len(plans[-1].indices)} frames at {plans[-1].height}x{plans[-1].width} make {tokens} tokens, "
-                        f"more than --max-seq-len {options.max_seq_len} alone; lower the video's fps, max_frames or "
-                        "max_pixels, or raise --max-seq-len")
+                plans.append(_plan_fitting(reader.info, part, profile, options))
     except BaseException:
         for reader in readers:
             reader.close()

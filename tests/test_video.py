@@ -10,6 +10,7 @@ portrait and landscape, short keyframe intervals (so reading seeks), variable fr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from unittest import mock
@@ -579,3 +580,32 @@ def test_video_patches_to_frames_inverts_frames_to_patches():
             resized += [resized[-1]] * (len(back) - n)  # the last temporal patch repeats its last frame
             assert back.shape == (len(resized), height, width, 3)
             assert all(np.array_equal(a, b) for a, b in zip(back, resized))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_video_fit_samples_fewer_frames_until_the_video_fits(family, builtin_profiles, tmp_path):
+    """Without --video-fit a video too long for --max-seq-len alone is `video_too_long`; with it,
+    the row is written with fewer frames (the plan HF's processor makes for that `nframes`)."""
+    from preprocess.errors import RejectError
+    from preprocess.pipeline import SampleOptions, process_row
+
+    media = tmp_path / "media"
+    media.mkdir()
+    write_video(media / "long.mp4", synthetic_video_frames(np.random.default_rng(4), 120, 320, 240), 30.0)
+    row = {"messages": [{"role": "user", "content": [{"type": "video", "video": "long.mp4", "fps": 30},
+                                                     {"type": "text", "text": "What happens?"}]},
+                        {"role": "assistant", "content": "A bar sweeps."}]}
+    profile = builtin_profiles[family]
+    options = SampleOptions(media_root=str(media), max_seq_len=2048)
+    with pytest.raises(RejectError, match="video_too_long"):
+        process_row(row, sample_uid="a", source="x", profile=profile, options=options)
+    sample = process_row(row, sample_uid="a", source="x", profile=profile,
+                         options=dataclasses.replace(options, video_fit=True))
+    assert sample.num_tokens <= 2048
+    frames = 2 * int(sample.video_grid_thw[0, 0])
+    assert 2 <= frames < 120
+    # the fitted video equals what HF computes for that many frames
+    with VideoReader(media / "long.mp4") as reader:
+        info = reader.info
+    want = plan(family, info.total_frames, info.fps, info.height, info.width, VideoRequest(nframes=frames))
+    assert sample.video_grid_thw[0].tolist() == list(want.grid)
