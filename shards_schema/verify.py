@@ -657,7 +657,7 @@ def _check_batch(s: _RowSlice) -> None:
     # --- positions: text-only rows vectorised, image rows through mrope_position_ids
     _check_positions(s, structure_ok & ~bad_pos_len & ~video_rows)
     if video_rows.any():
-        _check_video_rows(s, np.flatnonzero(video_rows & ~bad_pos_len & ~(np.diff(goff) % 3 != 0)))
+        _check_video_rows(s, np.flatnonzero(video_rows & ~bad_pos_len & ~bad_glen))
 
 
 def _check_vision_tokens(s: _RowSlice, grids: np.ndarray, img_row: np.ndarray, bad_img: np.ndarray, structure_ok: np.ndarray,
