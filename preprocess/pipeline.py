@@ -150,7 +150,7 @@ def _named_rejects(what: str):
         raise RejectError(exc.code, f"{what}: {exc.message}") from None
 
 
-def _plan_fitting(info, part, profile: Profile, options: SampleOptions) -> VideoPlan:
+def _plan_fitting(info, part, profile: Profile, options: SampleOptions) -> tuple[VideoPlan, np.ndarray]:
     """The video's plan; one that alone needs more than --max-seq-len tokens is `video_too_long`,
     or with --video-fit is planned again with fewer frames (`nframes`, as the HF processor
     takes it) until it fits."""
@@ -161,27 +161,27 @@ def _plan_fitting(info, part, profile: Profile, options: SampleOptions) -> Video
                           family=profile.family, defaults=profile.video, patch_size=vision.patch_size,
                           merge_size=vision.merge_size, temporal_patch_size=vision.temporal_patch_size,
                           all_frames=frame_list)
-        return plan, len(video_tokens(plan, profile))
+        return plan, video_tokens(plan, profile)
 
     plan, tokens = plan_for(part.request)
-    first = (len(plan.indices), plan.height, plan.width, tokens)
+    first = (len(plan.indices), plan.height, plan.width, len(tokens))
     step = vision.temporal_patch_size
-    while tokens > options.max_seq_len and options.video_fit and not frame_list and len(plan.indices) > step:
+    while len(tokens) > options.max_seq_len and options.video_fit and not frame_list and len(plan.indices) > step:
         frames = len(plan.indices)
-        fewer = max(step, min(frames - step, frames * options.max_seq_len // tokens) // step * step)
+        fewer = max(step, min(frames - step, frames * options.max_seq_len // len(tokens)) // step * step)
         plan, tokens = plan_for(replace(part.request, fps=None, nframes=fewer))
-    if tokens > options.max_seq_len:
+    if len(tokens) > options.max_seq_len:
         frames, height, width, need = first
         raise RejectError(
             "video_too_long",
             f"{frames} frames at {height}x{width} make {need} tokens, more than --max-seq-len {options.max_seq_len} "
             "alone; lower the video's fps, max_frames or max_pixels, raise --max-seq-len, or pass --video-fit"
-            + (f" (with --video-fit, {len(plan.indices)} frames still make {tokens})" if options.video_fit else ""))
-    return plan
+            + (f" (with --video-fit, {len(plan.indices)} frames still make {len(tokens)})" if options.video_fit else ""))
+    return plan, tokens
 
 
-def _open_videos(rendered, profile: Profile, options: SampleOptions) -> tuple[list, list[VideoPlan]]:
-    """Open each video (no frame decoded) and plan its frames: the readers and their plans."""
+def _open_videos(rendered, profile: Profile, options: SampleOptions) -> tuple[list, list[tuple[VideoPlan, np.ndarray]]]:
+    """Open each video (no frame decoded) and plan its frames: the readers, and each plan with its tokens."""
     readers, plans = [], []
     try:
         for k, part in enumerate(rendered.videos):
@@ -193,7 +193,7 @@ def _open_videos(rendered, profile: Profile, options: SampleOptions) -> tuple[li
                                                                 options.max_media_bytes),
                     decode_image=decode_opened)
                 readers.append(reader)
-                plans.append(_plan_fitting(reader.info, part, profile, options))
+                plans.append(_plan_fitting(reader.info, part, profile, options))  # (plan, its tokens)
     except BaseException:
         for reader in readers:
             reader.close()
@@ -239,11 +239,12 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
         images.append(image)
     tokens_per_image = np.asarray(header_grids, dtype=np.int64).reshape(-1, 3).prod(axis=1) // vision.merge_size**2
 
-    readers, plans = _open_videos(rendered, profile, options)
+    readers, planned = _open_videos(rendered, profile, options)
+    plans = [plan for plan, _ in planned]
     try:
         input_ids, loss_mask = tokenize_rendered(rendered, profile.tokenizer)
         input_ids, loss_mask = expand_image_pads(input_ids, loss_mask, tokens_per_image, profile.special.image_pad)
-        input_ids, loss_mask = expand_video_pads(input_ids, loss_mask, [video_tokens(p, profile) for p in plans],
+        input_ids, loss_mask = expand_video_pads(input_ids, loss_mask, [tokens for _, tokens in planned],
                                                  profile.special.video_pad)
         input_ids, loss_mask = _apply_length_policy(input_ids, loss_mask, profile, options)
     except BaseException:
