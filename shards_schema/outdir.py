@@ -74,10 +74,19 @@ def exclusive_output_dir(path: str | Path, command: str, *, what: str = "--out")
         os.close(fd)  # closing the descriptor releases the flock
 
 
-def _holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (ValueError, OSError):
-        return "holder unknown"
+def _holder(fd: int, wait_s: float = 2.0) -> str:
+    # The holder writes its record right after taking the lock, so a job that loses the race
+    # by microseconds can find the file empty or half-written: poll briefly for a whole record.
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = json.loads(os.pread(fd, 4096, 0).decode())
+            if isinstance(info, dict) and "pid" in info:
+                break
+        except (ValueError, OSError):
+            pass
+        if time.monotonic() >= deadline:
+            return "holder not recorded"
+        time.sleep(0.01)
     return (f"vlmpack {info.get('command', '?')}, pid {info.get('pid', '?')} on {info.get('host', '?')}, "
             f"since {info.get('started', '?')}")

@@ -27,7 +27,7 @@ from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, merge_partitions, run_preprocess
 from shards_schema.atomic import TMP_SUFFIX
 from shards_schema.cli import main as cli_main
-from shards_schema.errors import EXIT_DISK_FULL, EXIT_USER_ERROR
+from shards_schema.errors import EXIT_DISK_FULL, EXIT_USER_ERROR, UserError
 from shards_schema.outdir import LOCK_NAME, exclusive_output_dir
 
 ROWS_PER_SHARD = 2
@@ -200,6 +200,30 @@ def test_merge_into_a_directory_another_job_holds_stops_at_once(partitions, tmp_
     assert result.returncode == EXIT_USER_ERROR and result.stderr.count("\n") == 1
     assert f"in use by another job (vlmpack preprocess, pid {os.getpid()}" in result.stderr
     assert os.listdir(out) == [LOCK_NAME]
+
+
+def test_a_job_that_loses_the_lock_race_waits_for_the_holders_record(tmp_path):
+    """The holder takes the flock before it writes who it is; the loser polls for the record."""
+    import fcntl
+    import threading
+    out = tmp_path / "out"
+    out.mkdir()
+    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, record not yet written
+        record = json.dumps({"pid": 4242, "host": "h", "command": "train", "started": "t"}) + "\n"
+        writer = threading.Timer(0.3, lambda: os.pwrite(fd, record.encode(), 0))
+        writer.start()
+        with pytest.raises(UserError, match=r"in use by another job \(vlmpack train, pid 4242 on h, since t\)"):
+            with exclusive_output_dir(out, "preprocess"):
+                pass
+        writer.join()
+        os.ftruncate(fd, 0)  # a holder that never writes its record is named as unknown, after the wait
+        with pytest.raises(UserError, match=r"in use by another job \(holder not recorded\)"):
+            with exclusive_output_dir(out, "preprocess"):
+                pass
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- signals and worker processes
