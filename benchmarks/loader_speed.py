@@ -59,7 +59,7 @@ from shards_schema import open_shards
 from shards_schema.webdataset import WebDatasetShards, export_webdataset
 from train.loader import PackedDataset, shared_uint8
 from train.pack_plan import build_pack_plan
-from train.packed_batch import assemble_pack, pixel_rows
+from train.packed_batch import assemble_pack, patch_rows
 
 DEFAULT_TEMPLATE = REPO / "tests" / "fixtures" / "qwen3_vl_instruct.chat_template.jinja"
 
@@ -178,9 +178,9 @@ def measure_handoff(source: str, seq_len: int, seed: int) -> dict:
             if way == "private":
                 torch.from_numpy(assemble_pack(samples)["pixel_patches"]).share_memory_()
             else:
-                rows, width = pixel_rows(samples)
+                rows, width = patch_rows(samples)
                 out = shared_uint8(rows, width, prefault=way == "shared").numpy() if rows else None
-                assemble_pack(samples, pixel_out=out)
+                assemble_pack(samples, patch_out=None if out is None else {"pixel_patches": out})
             cpu[way] += time.process_time() - t0
     return {"seq_len": seq_len, "packs": len(dataset), "samples": samples_total,
             **{f"{way}_us_per_sample": cpu[way] / samples_total * 1e6 for way in ways},

@@ -39,6 +39,15 @@ def shard_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def video_shard_dir(tmp_path_factory):
+    rows = example_rows(10, seed=7, size_range=(32, 96), video_rows=0.6)
+    data = write_jsonl(tmp_path_factory.mktemp("video-data") / "chats.jsonl", rows)
+    out = tmp_path_factory.mktemp("video-shards")
+    run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(out), workers=1, rows_per_shard=4, progress=False))
+    return out
+
+
+@pytest.fixture(scope="module")
 def shards(shard_dir):
     return open_shards(shard_dir)
 
@@ -188,16 +197,22 @@ def test_workers_give_the_same_packs(shard_dir):
             assert torch.equal(a[key], b[key])
 
 
-def test_worker_writes_pixel_patches_into_shared_memory(shard_dir, monkeypatch):
-    """In a DataLoader worker the pack's patches are written straight into shared memory (the
-    result queue then passes them without another copy); the values are the plain path's."""
-    plan = build_pack_plan([shard_dir], seq_len=SEQ_LEN)
+PATCH_GRIDS = {"pixel_patches": "image_grid_thw", "video_patches": "video_grid_thw"}
+
+
+@pytest.mark.parametrize("field", list(PATCH_GRIDS))
+def test_worker_writes_patches_into_shared_memory(field, shard_dir, video_shard_dir, monkeypatch):
+    """In a DataLoader worker the pack's image and video patches are written straight into
+    shared memory (the result queue then passes them without another copy); the values are the
+    plain path's, which are the samples' rows end to end."""
+    plan = build_pack_plan([video_shard_dir if field == "video_patches" else shard_dir], seq_len=SEQ_LEN)
     dataset = PackedDataset(plan)
-    with_images = next(k for k in range(len(dataset)) if len(dataset[k]["image_grid_thw"]))
-    plain = dataset[with_images]["pixel_patches"]
-    assert not plain.is_shared()
+    with_patches = next(k for k in range(len(dataset)) if len(dataset[k][PATCH_GRIDS[field]]))
+    plain = dataset[with_patches][field]
+    assert not plain.is_shared() and len(plain)
+    assert np.array_equal(plain.numpy(), np.concatenate([np.asarray(s[field]) for s in dataset.samples(with_patches)]))
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
-    shared = dataset[with_images]["pixel_patches"]
+    shared = dataset[with_patches][field]
     assert shared.is_shared() and torch.equal(shared, plain) and shared.dtype == torch.uint8
 
 
@@ -240,18 +255,20 @@ def test_shared_memory_full_is_a_clear_error(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
-def test_gpu_pinning_dataset_writes_pixel_patches_into_pinned_memory(shard_dir):
-    """With pin_memory in the training process, patches go straight into pinned memory, which the
-    DataLoader's pinning step then passes through untouched (same tensor, no second copy)."""
+@pytest.mark.parametrize("field", list(PATCH_GRIDS))
+def test_gpu_pinning_dataset_writes_patches_into_pinned_memory(field, shard_dir, video_shard_dir):
+    """With pin_memory in the training process, image and video patches go straight into pinned
+    memory, which the DataLoader's pinning step then passes through untouched (same tensor, no
+    second copy)."""
     from torch.utils.data._utils.pin_memory import pin_memory
 
-    plan = build_pack_plan([shard_dir], seq_len=SEQ_LEN)
+    plan = build_pack_plan([video_shard_dir if field == "video_patches" else shard_dir], seq_len=SEQ_LEN)
     pinned = PackedDataset(plan, pin_memory=True)
-    with_images = next(k for k in range(len(pinned)) if len(pinned[k]["image_grid_thw"]))
-    batch = pinned[with_images]
-    assert batch["pixel_patches"].is_pinned()
-    assert torch.equal(batch["pixel_patches"], PackedDataset(plan)[with_images]["pixel_patches"])
-    assert pin_memory(batch)["pixel_patches"].data_ptr() == batch["pixel_patches"].data_ptr()
+    with_patches = next(k for k in range(len(pinned)) if len(pinned[k][PATCH_GRIDS[field]]))
+    batch = pinned[with_patches]
+    assert batch[field].is_pinned()
+    assert torch.equal(batch[field], PackedDataset(plan)[with_patches][field])
+    assert pin_memory(batch)[field].data_ptr() == batch[field].data_ptr()
 
 
 def make_loader(shard_dir, **kw) -> PackedLoader:

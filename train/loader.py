@@ -41,7 +41,7 @@ from shards_schema import ShardFormatError
 from shards_schema.pixels import pixel_values_from_patches
 
 from .pack_plan import DEFAULT_BLOCK_SIZE, PackPlan, build_pack_plan, open_source, plan_request, source_fingerprint
-from .packed_batch import DEFAULT_PAD_TOKEN_ID, assemble_pack, pixel_rows
+from .packed_batch import DEFAULT_PAD_TOKEN_ID, PATCH_FIELDS, assemble_pack, patch_rows
 from .preemption import ignore_stop_signals
 
 
@@ -121,15 +121,15 @@ class PackedDataset(Dataset):
         sources, indices = self.plan.pack_samples(int(self.packs[k]))
         return [self.shards[s][i] for s, i in zip(sources.tolist(), indices.tolist())]
 
-    def _pixel_buffer(self, samples: list[dict]) -> torch.Tensor | None:
-        """Where the pack's pixel patches (most of its bytes) are written. In a DataLoader worker:
-        a new shared-memory block, as torch's default_collate allocates its batches there, which
-        the worker hands to the training process as is (a plain array would first be copied into
-        shared memory: 1.7x the CPU for this hand-off, benchmarks/loader_speed.py). In the
-        training process with `pin_memory`: pinned memory from CUDA's caching host allocator,
-        which the DataLoader does not copy again and whose pages are reused, not faulted in anew
-        for every pack."""
-        rows, width = pixel_rows(samples)
+    def _patch_buffer(self, samples: list[dict], name: str) -> torch.Tensor | None:
+        """Where the pack's image or video patches (most of its bytes) are written. In a
+        DataLoader worker: a new shared-memory block, as torch's default_collate allocates its
+        batches there, which the worker hands to the training process as is (a plain array
+        would first be copied into shared memory: 1.7x the CPU for this hand-off,
+        benchmarks/loader_speed.py). In the training process with `pin_memory`: pinned memory
+        from CUDA's caching host allocator, which the DataLoader does not copy again and whose
+        pages are reused, not faulted in anew for every pack."""
+        rows, width = patch_rows(samples, name)
         if rows == 0:
             return None
         if torch.utils.data.get_worker_info() is not None:
@@ -142,14 +142,13 @@ class PackedDataset(Dataset):
         if not 0 <= k < len(self.packs):
             raise IndexError(f"pack {k} out of range: rank {self.rank} has {len(self.packs)} packs this epoch")
         samples = self.samples(k)
-        pixels = self._pixel_buffer(samples)
+        buffers = {name: buf for name in PATCH_FIELDS if (buf := self._patch_buffer(samples, name)) is not None}
         batch = assemble_pack(samples, seq_len=self.seq_len, pad_to_multiple=self.pad_to_multiple,
-                              pad_token_id=self.pad_token_id, pixel_out=None if pixels is None else pixels.numpy())
+                              pad_token_id=self.pad_token_id, patch_out={n: b.numpy() for n, b in buffers.items()})
         batch["pack_index"] = int(self.packs[k])
         batch["epoch"] = int(self.plan.settings["epoch"])
         batch = _to_torch(batch)
-        if pixels is not None:
-            batch["pixel_patches"] = pixels  # the tensor itself: its storage is the shared / pinned one
+        batch.update(buffers)  # the tensors themselves: their storage is the shared / pinned one
         return batch
 
 

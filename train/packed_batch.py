@@ -98,13 +98,14 @@ def assemble_pack(
     seq_len: int | None = None,
     pad_to_multiple: int = 1,
     pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
-    pixel_out: np.ndarray | None = None,
+    patch_out: dict[str, np.ndarray] | None = None,
 ) -> dict:
     """Lay `samples` (dicts as returned by `open_shards(DIR)[i]`) out as one THD pack.
 
-    `pixel_out` (uint8 [sum N, W], `pixel_rows(samples)` rows): where to write the pixel
-    patches, instead of a new array. The loader passes shared or pinned memory, so this one
-    copy out of the mapped shards is the last the patches see on the host.
+    `patch_out` ({"pixel_patches" or "video_patches": uint8 array of `patch_rows(samples, name)`
+    shape}): where to write a patch field, instead of a new array. The loader passes shared or
+    pinned memory, so this one copy out of the mapped shards is the last the patches see on
+    the host.
 
     Returns numpy arrays (see the module docstring for the label and padding conventions):
       input_ids int64 [T], labels int64 [T] (shifted, -100 = no target),
@@ -167,7 +168,9 @@ def assemble_pack(
         cu_real = np.append(cu_real, cu_real[-1] + trailing)
         cu_padded = np.append(cu_padded, total)
     loss_mask = (labels != IGNORE_INDEX).astype(np.float32)
-    width = np.asarray(samples[0]["pixel_patches"]).shape[-1]  # [N, C*P*P] as the reader returns it
+    patch_out = patch_out or {}
+    patches = {name: concat_field(samples, name, np.uint8, patch_rows(samples, name)[1], patch_out.get(name))
+               for name in PATCH_FIELDS}
     return {
         "input_ids": input_ids,
         "labels": labels,
@@ -179,15 +182,19 @@ def assemble_pack(
         "sample_lengths": lengths.astype(np.int32),
         "num_samples": len(samples),
         "num_target_tokens": int(np.count_nonzero(labels != IGNORE_INDEX)),
-        "pixel_patches": concat_field(samples, "pixel_patches", np.uint8, width, pixel_out),
+        "pixel_patches": patches["pixel_patches"],
         "image_grid_thw": concat_field(samples, "image_grid_thw", np.int32, 3),
-        "video_patches": concat_field(samples, "video_patches", np.uint8, 2 * width),
+        "video_patches": patches["video_patches"],
         "video_grid_thw": concat_field(samples, "video_grid_thw", np.int32, 3),
         "sample_uids": [str(s.get("sample_uid", "")) for s in samples],
     }
 
 
-def pixel_rows(samples: list[dict]) -> tuple[int, int]:
-    """(rows, width) of the pack's pixel patches."""
-    width = np.asarray(samples[0]["pixel_patches"]).shape[-1]
-    return sum(np.asarray(s["pixel_patches"]).shape[0] for s in samples), width
+PATCH_FIELDS = ("pixel_patches", "video_patches")  # the uint8 fields that hold most of a pack's bytes
+
+
+def patch_rows(samples: list[dict], name: str = "pixel_patches") -> tuple[int, int]:
+    """(rows, width) of the pack's `name` field: image patches are [N, C*P*P] as the reader
+    returns them, video patches [M, C*T*P*P] with both frames of a temporal patch, T = 2."""
+    width = np.asarray(samples[0]["pixel_patches"]).shape[-1] * (2 if name == "video_patches" else 1)
+    return sum(np.asarray(s[name]).reshape(-1, width).shape[0] for s in samples), width
