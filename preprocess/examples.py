@@ -79,7 +79,8 @@ def write_video(path: str | Path, frames, fps: float, *, codec: str = "libx264",
                 rotate: int | None = None, pts_step=None) -> Path:
     """Encode RGB frames into `path` (the container from its suffix). `gop` is the keyframe
     interval; `pts_step(k)` gives frame k's duration in milliseconds (variable frame rate);
-    `rotate` writes rotation metadata."""
+    `rotate` writes a display matrix that turns the picture `rotate` degrees counter-clockwise
+    for display (as phones record portrait video; PyAV >= 18)."""
     import fractions
 
     import av
@@ -98,7 +99,7 @@ def write_video(path: str | Path, frames, fps: float, *, codec: str = "libx264",
         if gop is not None:
             stream.codec_context.gop_size = gop
         if rotate is not None:
-            stream.metadata["rotate"] = str(rotate)
+            stream.set_display_rotation(rotate)
         pts = 0
         for k, rgb in enumerate(itertools.chain([first], frames)):
             frame = av.VideoFrame.from_ndarray(rgb[: stream.height, : stream.width], format="rgb24")

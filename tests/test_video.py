@@ -287,6 +287,61 @@ def test_variable_frame_rate_odd_counts_and_short_videos(tmp_path):
         assert np.array_equal(values, want["pixel_values_videos"].numpy())
 
 
+def _rotated_pair(tmp_path, nprng, degrees, container="mp4"):
+    """The same frames written twice, without and with a display matrix of `degrees`."""
+    frames = list(synthetic_video_frames(nprng, 12, 70, 40))  # landscape, so a quarter turn shows
+    plain = write_video(tmp_path / f"plain{degrees}.{container}", frames, 10.0, codec=VIDEO_CODECS[container])
+    turned = write_video(tmp_path / f"rot{degrees}.{container}", frames, 10.0, codec=VIDEO_CODECS[container],
+                         rotate=degrees)
+    return plain, turned
+
+
+@pytest.mark.parametrize("degrees", [90, -90, 180])
+def test_rotated_videos_come_out_upright_and_are_sized_upright(degrees, tmp_path):
+    """A display matrix of +90 (counter-clockwise) turns each stored frame a quarter turn
+    counter-clockwise, as players show it; the grid is sized from the upright frame and the
+    pixels equal HF's processor on the upright frames, both families."""
+    plain, turned = _rotated_pair(tmp_path, np.random.default_rng(degrees % 360), degrees)
+    frames, meta = reference_frames(plain)
+    upright = np.stack([np.rot90(f, degrees // 90) for f in frames])
+    with VideoReader(turned) as reader:
+        assert reader.info.rotation == (degrees // 90) % 4
+        assert (reader.info.height, reader.info.width) == upright.shape[1:3]
+        got = np.stack([f for _, f in reader.frames(range(len(frames)))])
+    assert np.array_equal(got, upright)
+    if degrees % 180:
+        assert got.shape[1:3] == frames.shape[2:0:-1]  # portrait from a landscape stream
+    meta.height, meta.width = upright.shape[1:3]
+    for family in FAMILIES:
+        want = hf_processor(family)(videos=[upright], video_metadata=[meta], return_metadata=True,
+                                    return_tensors="pt", cap_pixels_per_frame=False)
+        _, _, grid, values = _ours(family, turned)
+        assert list(grid) == want["video_grid_thw"][0].tolist()
+        assert np.array_equal(values, want["pixel_values_videos"].numpy())
+
+
+def _torchcodec_usable() -> bool:
+    from transformers.utils.import_utils import is_torchcodec_usable
+    try:
+        return bool(is_torchcodec_usable(decode="video"))
+    except TypeError:
+        return bool(is_torchcodec_usable())
+
+
+@pytest.mark.skipif(not _torchcodec_usable(), reason="torchcodec needs the system FFmpeg libraries")
+@pytest.mark.parametrize("degrees", [90, -90, 180])
+def test_rotated_frames_equal_torchcodec_hfs_default_decoder(degrees, tmp_path):
+    """Where torchcodec runs, it is the oracle for the orientation: HF's default video loader."""
+    _, turned = _rotated_pair(tmp_path, np.random.default_rng(1), degrees)
+    frames, meta = load_video(str(turned), backend="torchcodec",
+                              sample_indices_fn=lambda metadata, **kw: np.arange(metadata.total_num_frames))
+    frames = np.asarray(frames).transpose(0, 2, 3, 1)  # torchcodec gives [T, C, H, W]
+    with VideoReader(turned) as reader:
+        assert (reader.info.height, reader.info.width) == (meta.height, meta.width)
+        got = np.stack([f for _, f in reader.frames(range(len(frames)))])
+    assert np.array_equal(got, frames)
+
+
 # ---------------------------------------------------------------------------------------------
 # whole rows: tokens, masks, positions and pixels of conversations with videos and images
 # against HF's processor (official template, HF video processor) and get_rope_index

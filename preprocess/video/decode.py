@@ -1,8 +1,8 @@
 """Video container -> the RGB frames at given indices, with PyAV (FFmpeg's decoders, as a wheel).
 
 Frame `i` is the i-th frame the decoder outputs from the start of the stream, in presentation
-order, and its pixels are `frame.to_ndarray(format="rgb24")`: exactly what
-`transformers.video_utils.load_video(..., backend="pyav")` gives, which decodes the whole
+order, and its pixels are `frame.to_ndarray(format="rgb24")` (turned upright, below): exactly
+what `transformers.video_utils.load_video(..., backend="pyav")` gives, which decodes the whole
 stream from the start and keeps the frames it wants.
 
 Opening a video reads the container's packets (demuxing only, no decoding) to learn each
@@ -12,7 +12,12 @@ by presentation time: a 10-minute video sampled at 2 fps decodes a few frames pe
 instead of every frame. At most one decoded frame and its RGB copy are held at a time.
 
 A stream whose packets carry no timestamps is decoded sequentially instead (no seeking).
-Rotation metadata is not applied: neither does the reference decoder.
+
+Rotation metadata (the container's display matrix, as phones write it) is applied: frames
+come out upright, as players show them and as Hugging Face's default video decoder
+(torchcodec) returns them, and `info` reports the upright width and height. FFmpeg's reported
+angle is counter-clockwise and is rounded to a multiple of 90 degrees; the frame is turned
+with `np.rot90`, a lossless permutation of its pixels.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class VideoInfo:
     height: int
     codec: str
     container: str
+    rotation: int = 0  # counter-clockwise quarter turns applied to each decoded frame (0-3)
 
 
 def _av():
@@ -94,10 +100,30 @@ class VideoReader:
             self._key_pts = np.asarray(pts, dtype=np.int64)[np.asarray(keyframes, dtype=bool)]
             self._key_pts.sort()
             self._index_of = {int(p): i for i, p in enumerate(self._pts)}
+        turns = self._display_quarter_turns(av)
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if turns % 2:
+            width, height = height, width
         self.info = VideoInfo(
-            total_frames=len(pts), fps=float(rate), width=stream.codec_context.width,
-            height=stream.codec_context.height, codec=stream.codec.name, container=self._container.format.name,
+            total_frames=len(pts), fps=float(rate), width=width, height=height, codec=stream.codec.name,
+            container=self._container.format.name, rotation=turns,
         )
+
+    def _display_quarter_turns(self, av) -> int:
+        """Quarter turns from the display matrix, which FFmpeg attaches to decoded frames: one
+        frame is decoded to read it."""
+        try:
+            self._container.seek(0)
+            first = next(iter(self._decoded()), None)
+        except av.error.FFmpegError as exc:
+            raise RejectError("bad_video", f"{self._what}: decoding failed ({_reason(exc)})") from None
+        if first is None:
+            raise RejectError("bad_video", f"{self._what}: no frame decodes")
+        return round(float(first.rotation or 0) / 90) % 4
+
+    def _rgb(self, frame) -> np.ndarray:
+        rgb = frame.to_ndarray(format="rgb24")
+        return np.ascontiguousarray(np.rot90(rgb, self.info.rotation)) if self.info.rotation else rgb
 
     def __enter__(self) -> VideoReader:
         return self
@@ -130,7 +156,7 @@ class VideoReader:
         for i, frame in enumerate(self._decoded()):
             while k < len(wanted) and wanted[k] == i:
                 if last is None or last[0] != i:
-                    last = (i, frame.to_ndarray(format="rgb24"))
+                    last = (i, self._rgb(frame))
                 yield last
                 k += 1
             if k == len(wanted):
@@ -155,7 +181,7 @@ class VideoReader:
                     continue
                 position = index
                 if index == target:
-                    last = (index, frame.to_ndarray(format="rgb24"))
+                    last = (index, self._rgb(frame))
                     yield last
                     break
                 if index > target:
