@@ -15,6 +15,13 @@ Per sample (seeded per sample index, so a sample does not depend on the sample c
   grid (1, 2*hm, 2*wm) with hm*wm in range and an aspect ratio in [1/2, 2]; pixel_patches
   are random uint8 [4*hm*wm, patch row width] (one temporal frame, merge-block order is
   irrelevant for random bytes);
+* with probability --video-prob, one video in the first user turn: U(--video-seconds) of a
+  30 fps source sampled at the profile's 2 fps (an even frame count, as the processor pads),
+  U(--video-tokens) merged tokens spread over its temporal groups, each group's grid drawn like
+  an image's; its tokens are what `vlmpack preprocess` writes for such a video (Qwen3-VL's
+  `<t seconds>` + `<|vision_start|>` + pads + `<|vision_end|>` per group, Qwen2.5-VL's one pad
+  run and `second_per_grid_ts`), its video_patches random uint8 rows of both frames; a video
+  draws from its own seeded stream, so --video-prob 0 leaves every other draw as it was;
 * U(--text-tokens) non-image tokens (structure included): an optional system turn (20 %),
   1-3 user/assistant turns; each user turn is `<|im_start|>user\\n` + its images
   (`<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>`) + text + `<|im_end|>\\n`, each
@@ -24,7 +31,7 @@ Per sample (seeded per sample index, so a sample does not depend on the sample c
 * a sample never exceeds --max-tokens (the training seq_len): images are dropped, then text
   shortened, until it fits.
 
-    python benchmarks/synthetic_shards.py OUT_DIR --samples 400 --seed 0 --max-tokens 16384 [--profile qwen2.5-vl]
+    python benchmarks/synthetic_shards.py OUT_DIR --samples 400 --seed 0 --max-tokens 16384 [--profile qwen2.5-vl] [--video-prob 0.3]
 """
 
 from __future__ import annotations
@@ -41,12 +48,13 @@ import numpy as np
 from common import parser
 
 from preprocess.job import JOB_FILE, shard_name, unit_record_path, write_final_outputs
-from preprocess.pipeline import SampleOptions
+from preprocess.pipeline import SampleOptions, video_tokens
+from preprocess.video import VideoPlan
 from preprocess.profiles import resolve_profile
 from preprocess.render import QWEN2_5_DEFAULT_SYSTEM
 from shards_schema.atomic import write_json_atomic
 from shards_schema.manifest import PARTS_DIR
-from shards_schema.positions import mrope_position_ids
+from shards_schema.positions import VideoPositions, mrope_position_ids
 from shards_schema.schema import Sample
 from shards_schema.writer import ShardWriter
 
@@ -65,6 +73,9 @@ class SyntheticSpec:
     max_turns: int = 3
     system_prob: float = 0.2
     rows_per_shard: int = 256
+    video_prob: float = 0.0  # P(a sample holds one video)
+    video_seconds: tuple[float, float] = (4.0, 60.0)
+    video_tokens: tuple[int, int] = (256, 4096)  # merged (LLM) tokens per video, all groups
 
 
 class _Tokens:
@@ -106,9 +117,31 @@ def _split(rng: np.random.Generator, total: int, weights: np.ndarray) -> list[in
     return [max(1, int(x)) for x in raw]
 
 
-def make_sample(index: int, spec: SyntheticSpec, tokens: _Tokens, patch_row_width: int, merge: int,
-                source: str) -> Sample:
+SOURCE_FPS, SAMPLE_FPS = 30.0, 2.0
+
+
+def _video_plan(rng: np.random.Generator, spec: SyntheticSpec, vision) -> VideoPlan:
+    merge, temporal, patch = vision.merge_size, vision.temporal_patch_size, vision.patch_size
+    seconds = float(rng.uniform(*spec.video_seconds))
+    frames = max(temporal, int(seconds * SAMPLE_FPS) // temporal * temporal)
+    groups = frames // temporal
+    budget = int(rng.integers(spec.video_tokens[0], spec.video_tokens[1] + 1))
+    per_group = max(1, budget // groups)
+    gh, gw = _image_grid(rng, per_group, per_group, merge)
+    step = SOURCE_FPS / SAMPLE_FPS
+    return VideoPlan(indices=(np.arange(frames) * step).astype(np.int64), fps=SOURCE_FPS, height=gh * patch,
+                     width=gw * patch, grid=(groups, gh, gw), second_per_grid_t=temporal / SAMPLE_FPS)
+
+
+def make_sample(index: int, spec: SyntheticSpec, tokens: _Tokens, profile, source: str) -> Sample:
+    vision = profile.vision
+    patch_row_width, merge = vision.patch_row_width, vision.merge_size
     rng = np.random.default_rng([spec.seed, index])
+    video_rng = np.random.default_rng([spec.seed, index, 1])
+    video = None
+    if spec.video_prob and video_rng.random() < spec.video_prob:
+        video = _video_plan(video_rng, spec, vision)
+        video_ids = np.concatenate([[tokens.vision_start], video_tokens(video, profile), [tokens.vision_end]])
     weights = np.asarray(spec.image_count_weights, dtype=np.float64)
     n_images = int(rng.choice(len(weights), p=weights / weights.sum()))
     grids = [_image_grid(rng, spec.image_tokens[0], spec.image_tokens[1], merge) for _ in range(n_images)]
@@ -117,7 +150,7 @@ def make_sample(index: int, spec: SyntheticSpec, tokens: _Tokens, patch_row_widt
     system = bool(rng.random() < spec.system_prob)
 
     def image_cost(gs):
-        return sum(h * w // merge // merge + 2 for h, w in gs)
+        return sum(h * w // merge // merge + 2 for h, w in gs) + (len(video_ids) if video is not None else 0)
 
     # Structure: system turn 5 tokens + content; user/assistant turns 5 tokens each + content.
     header = len(tokens.system_header) + len(tokens.turn_end)
@@ -125,6 +158,8 @@ def make_sample(index: int, spec: SyntheticSpec, tokens: _Tokens, patch_row_widt
     fixed = header + len(default_system) if default_system else 0
     while grids and image_cost(grids) + MIN_TEXT_TOKENS + fixed > spec.max_tokens:
         grids.pop()
+    if video is not None and image_cost(grids) + MIN_TEXT_TOKENS + fixed > spec.max_tokens:
+        video = None  # too long for the budget even alone, as preprocess rejects video_too_long
     text_total = max(min(text_total, spec.max_tokens - image_cost(grids)), 1)
     structure = fixed + (header if system else 0) + n_turns * 2 * header
     while n_turns > 1 and structure + 2 * n_turns + int(system) > text_total:
@@ -158,6 +193,8 @@ def make_sample(index: int, spec: SyntheticSpec, tokens: _Tokens, patch_row_widt
             add(tokens.turn_end)
         elif kind == "user":
             add(tokens.user_header)
+            if turn == 0 and video is not None:
+                add(video_ids)
             for k in np.flatnonzero(image_turn == turn).tolist():
                 h, w = grids[k]
                 add([tokens.vision_start] + [tokens.image_pad] * (h * w // merge // merge) + [tokens.vision_end])
@@ -175,9 +212,23 @@ def make_sample(index: int, spec: SyntheticSpec, tokens: _Tokens, patch_row_widt
     grid_thw = np.asarray([(1, h, w) for h, w in grids], dtype=np.int32).reshape(-1, 3)
     n_patches = int(grid_thw.prod(axis=1).sum()) if len(grids) else 0
     pixels = np.frombuffer(rng.bytes(n_patches * patch_row_width), dtype=np.uint8).reshape(n_patches, patch_row_width)
-    positions = mrope_position_ids(input_ids, grid_thw, image_pad_id=tokens.image_pad, merge_size=merge)
+    videos, video_fields = None, {}
+    if video is not None:
+        video_grid = np.asarray([video.grid], dtype=np.int32)
+        spg = np.asarray([video.second_per_grid_t], dtype=np.float32)
+        rows = int(np.prod(video.grid))
+        video_fields = dict(
+            video_patches=np.frombuffer(video_rng.bytes(rows * vision.pixel_values_row_width), dtype=np.uint8).reshape(
+                rows, vision.pixel_values_row_width),
+            video_grid_thw=video_grid, second_per_grid_ts=spg)
+        videos = VideoPositions(video_pad_id=profile.special.video_pad, video_grid_thw=video_grid,
+                                second_per_grid_ts=spg, tokens_per_second=profile.tokens_per_second,
+                                split_frames=profile.family == "qwen3-vl")
+    else:
+        video_fields = dict(video_patches=np.zeros((0, vision.pixel_values_row_width), dtype=np.uint8))
+    positions = mrope_position_ids(input_ids, grid_thw, image_pad_id=tokens.image_pad, merge_size=merge, video=videos)
     return Sample(sample_uid=source, source=source, input_ids=input_ids, loss_mask=loss_mask,
-                  position_ids=positions, pixel_patches=pixels, image_grid_thw=grid_thw)
+                  position_ids=positions, pixel_patches=pixels, image_grid_thw=grid_thw, **video_fields)
 
 
 def write_synthetic_shards(out: str | Path, spec: SyntheticSpec, *, profile_name: str = "qwen3-vl",
@@ -213,7 +264,7 @@ def write_synthetic_shards(out: str | Path, spec: SyntheticSpec, *, profile_name
         writer = ShardWriter(out / shard_name(unit), vision.patch_row_width)
         try:
             for i in range(start, stop):
-                writer.add(make_sample(i, spec, tokens, vision.patch_row_width, vision.merge_size, f"{input_path}:{i}"))
+                writer.add(make_sample(i, spec, tokens, profile, f"{input_path}:{i}"))
         except BaseException:
             writer.abort()
             raise
@@ -227,7 +278,8 @@ def write_synthetic_shards(out: str | Path, spec: SyntheticSpec, *, profile_name
     t = manifest["totals"]
     if log:
         log(f"synthetic shards: {t['rows']} samples, {t['tokens']:,} tokens ({t['target_tokens']:,} targets), "
-            f"{t['images']} images, {t['patches']:,} patches, {t['bytes'] / 2**20:,.1f} MiB in {t['shards']} shards "
+            f"{t['images']} images, {t['patches']:,} patches, {t.get('videos', 0)} videos, "
+            f"{t.get('video_patches', 0):,} video patches, {t['bytes'] / 2**20:,.1f} MiB in {t['shards']} shards "
             f"-> {out} ({time.perf_counter() - started:.1f} s)")
     return manifest
 
@@ -244,12 +296,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="merged tokens per image")
     ap.add_argument("--image-count-weights", type=float, nargs="+", default=(0.2, 0.45, 0.25, 0.1),
                     help="weights of 0, 1, 2, 3 images per sample")
+    ap.add_argument("--video-prob", type=float, default=0.0, help="probability that a sample holds one video")
+    ap.add_argument("--video-seconds", type=float, nargs=2, default=(4.0, 60.0), metavar=("MIN", "MAX"),
+                    help="length of a video in seconds (sampled at 2 fps)")
+    ap.add_argument("--video-tokens", type=int, nargs=2, default=(256, 4096), metavar=("MIN", "MAX"),
+                    help="merged tokens per video, over all its temporal groups")
     ap.add_argument("--rows-per-shard", type=int, default=256, help="samples per shard file")
     ap.add_argument("--profile", default="qwen3-vl", help="built-in preprocessing profile (qwen3-vl | qwen2.5-vl)")
     args = ap.parse_args(argv)
     spec = SyntheticSpec(num_samples=args.samples, seed=args.seed, text_tokens=tuple(args.text_tokens),
                          image_tokens=tuple(args.image_tokens), image_count_weights=tuple(args.image_count_weights),
-                         max_tokens=args.max_tokens, rows_per_shard=args.rows_per_shard)
+                         max_tokens=args.max_tokens, rows_per_shard=args.rows_per_shard, video_prob=args.video_prob,
+                         video_seconds=tuple(args.video_seconds), video_tokens=tuple(args.video_tokens))
     write_synthetic_shards(args.out, spec, profile_name=args.profile)
     return 0
 

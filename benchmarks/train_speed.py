@@ -5,7 +5,8 @@ rows vs Hugging Face `Qwen3VLForConditionalGeneration` (or `Qwen2_5_VL...` for a
 Data: a synthetic mix in the arch's chat layout, written directly as a vlmpack shard directory
 (`benchmarks/synthetic_shards.py`: 100-3000 text tokens and 0-3 images of 64-1300 merged
 tokens per sample, chat structure, assistant targets, M-RoPE positions, random uint8 patches;
-no sample longer than --seq-len), checked with `verify_shards` (what `vlmpack verify` runs).
+no sample longer than --seq-len; with --video-prob, videos too, which both sides feed to the
+vision tower as `pixel_values_videos`), checked with `verify_shards` (what `vlmpack verify` runs).
 
 (a) ours: `train.trainer.train(TrainConfig(arch=..., seq_len=..., global_batch_packs=...))`,
     random init, bf16 on GPUs (fp32 on CPU, as the trainer does), --warmup + --steps steps.
@@ -47,6 +48,9 @@ Printed last: a table with ours/HF ratios. --json-out: everything, with command 
     # H100, Qwen3-VL-2B architecture, 16k packs
     python benchmarks/train_speed.py --arch qwen3-vl-2b --seq-len 16384 --samples 400 \\
         --warmup 3 --steps 10 --global-batch-packs 2 --json-out benchmarks/results/train_speed_h100_<yyyymmdd>.json
+    # ... with videos in 30 % of the samples
+    python benchmarks/train_speed.py --arch qwen3-vl-2b --seq-len 16384 --samples 400 --video-prob 0.3 \
+        --json-out benchmarks/results/train_speed_video_h100_<yyyymmdd>.json
     # CPU smoke
     python benchmarks/train_speed.py --arch tiny --seq-len 2048 --samples 40 --steps 2 --device cpu
 """
@@ -73,7 +77,7 @@ from common import T0, log, machine_info, parser, write_json
 from synthetic_shards import SyntheticSpec, write_synthetic_shards
 
 from shards_schema import open_shards, verify_shards
-from shards_schema.pixels import pixel_values_from_patches
+from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
 from tests.hf_reference import to_padded_batch
 from train.config import ATTENTION_KERNELS, STATE_DTYPES
 from train.metrics import lm_flops_per_token, peak_tflops
@@ -113,6 +117,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="non-image tokens per synthetic sample")
     ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"),
                     help="merged tokens per synthetic image")
+    ap.add_argument("--video-prob", type=float, default=0.0,
+                    help="probability that a synthetic sample holds one video (synthetic_shards.py)")
+    ap.add_argument("--video-seconds", type=float, nargs=2, default=(4.0, 60.0), metavar=("MIN", "MAX"),
+                    help="synthetic video length in seconds (sampled at 2 fps)")
+    ap.add_argument("--video-tokens", type=int, nargs=2, default=(256, 4096), metavar=("MIN", "MAX"),
+                    help="merged tokens per synthetic video")
     ap.add_argument("--data-dir", default=None, help="use this existing shard directory instead of writing one")
     ap.add_argument("--no-verify", action="store_true", help="skip the full verify of the synthetic shards")
     ap.add_argument("--keep-checkpoint", action="store_true", help="let the trainer save its final checkpoint")
@@ -580,7 +590,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
     step_flops = []
     for chosen in step_samples:
         rows = [shards[i] for i in chosen]
-        grids = np.concatenate([r["image_grid_thw"] for r in rows]) if rows else np.zeros((0, 3))
+        grids = np.concatenate([r[k] for r in rows for k in ("image_grid_thw", "video_grid_thw")]) if rows else np.zeros((0, 3))
         step_flops.append(model_flops(arch, [len(r["input_ids"]) for r in rows], grids))
     skipped = probe.checkpoint_saves_skipped
     _release(probe, device)
@@ -672,7 +682,13 @@ def isolated_vision(probe: TrainerProbe, args, device: torch.device, in_step: di
     tower = model.module.vision if hasattr(model, "module") else model.vision
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     clock = probe.clock
-    work = [(data.pixel_values(b, dtype), b["image_grid_thw"]) for b in batches if b["pixel_patches"].shape[0]]
+    work = []
+    for b in batches:  # images and videos in one tower call, as the model makes it
+        parts = [(values, grid) for values, grid in ((data.pixel_values(b, dtype), b["image_grid_thw"]),
+                                                     (data.pixel_values_videos(b, dtype), b["video_grid_thw"]))
+                 if values is not None]
+        if parts:
+            work.append((torch.cat([v for v, _ in parts]), torch.cat([torch.as_tensor(g) for _, g in parts])))
     if not work:
         return None
     fwd, bwd = [], []
@@ -711,9 +727,12 @@ def hf_model_class(arch):
 
 
 class HFTrainer:
-    def __init__(self, args, arch, vision: dict, pad_id: int, image_pad_id: int, device: torch.device):
+    def __init__(self, args, arch, profile: dict, device: torch.device):
         self.device, self.cuda = device, device.type == "cuda"
-        self.vision, self.pad_id, self.image_pad_id = vision, pad_id, image_pad_id
+        self.vision, self.video = profile["vision"], profile.get("video")
+        special = profile["special_tokens"]
+        self.pad_id, self.image_pad_id = int(special["endoftext"]), int(special["image_pad"])
+        self.video_pad_id = int(special.get("video_pad", 151656))
         self.amp = self.cuda and args.hf_precision == "amp"
         self.param_dtype = torch.bfloat16 if self.cuda and args.hf_precision == "bf16" else torch.float32
         self.pixel_dtype = torch.bfloat16 if self.cuda else torch.float32
@@ -726,11 +745,14 @@ class HFTrainer:
         self.model.config.use_cache = False
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-        self.takes_mm_types = "mm_token_type_ids" in inspect.signature(self.model.forward).parameters
+        forward_params = inspect.signature(self.model.forward).parameters
+        self.takes_mm_types = "mm_token_type_ids" in forward_params
+        self.takes_second_per_grid_ts = "second_per_grid_ts" in forward_params
         self.num_params = sum(p.numel() for p in self.params)
 
     def collate(self, samples: list[dict]) -> dict:
-        b = to_padded_batch(samples, pad_token_id=self.pad_id, image_pad_id=self.image_pad_id)
+        b = to_padded_batch(samples, pad_token_id=self.pad_id, image_pad_id=self.image_pad_id,
+                            video_pad_id=self.video_pad_id)
         b["real_tokens"] = int(b["attention_mask"].sum())
         b["padded_tokens"] = int(b["attention_mask"].size)
         return b
@@ -750,6 +772,13 @@ class HFTrainer:
                 patches, v["image_mean"], v["image_std"], int(v["patch_size"]), int(v["temporal_patch_size"]),
                 int(v.get("channels", 3)), dtype=self.pixel_dtype)
             inputs["image_grid_thw"] = torch.from_numpy(batch["image_grid_thw"]).to(dev)
+        if batch["video_patches"].shape[0]:
+            patches = torch.from_numpy(batch["video_patches"]).to(dev, non_blocking=True)
+            inputs["pixel_values_videos"] = video_pixel_values_from_patches(
+                patches, self.video["image_mean"], self.video["image_std"], dtype=self.pixel_dtype)
+            inputs["video_grid_thw"] = torch.from_numpy(batch["video_grid_thw"]).to(dev)
+            if self.takes_second_per_grid_ts:
+                inputs["second_per_grid_ts"] = torch.from_numpy(batch["second_per_grid_ts"]).to(dev)
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.amp else contextlib.nullcontext()
         with ctx:
             loss = self.model(**inputs, use_cache=False).loss
@@ -796,8 +825,7 @@ def run_hf(args, arch, data_dir: Path, pool_index: list[int], device: torch.devi
     log(f"HF: {len(samples)} samples (those of ours' packs), {int(lengths.sum()):,} tokens, longest {lengths.max()}; "
         f"building {HF_ARCHITECTURE[arch.family]} ({args.hf_precision if cuda else 'fp32'}, sdpa)"
         + (f"; {leftover:.2f} GiB still allocated from ours" if cuda else ""))
-    hf = HFTrainer(args, arch, profile["vision"], int(profile["special_tokens"]["endoftext"]),
-                   int(profile["special_tokens"]["image_pad"]), device)
+    hf = HFTrainer(args, arch, profile, device)
     model_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     by_length = np.argsort(-lengths, kind="stable")
 
@@ -1002,7 +1030,9 @@ def main(argv=None) -> int:
     else:
         data_dir = out_dir / "data"
         spec = SyntheticSpec(num_samples=args.samples, seed=args.seed, text_tokens=tuple(args.text_tokens),
-                             image_tokens=tuple(args.image_tokens), max_tokens=args.seq_len)
+                             image_tokens=tuple(args.image_tokens), max_tokens=args.seq_len,
+                             video_prob=args.video_prob, video_seconds=tuple(args.video_seconds),
+                             video_tokens=tuple(args.video_tokens))
         t0 = time.perf_counter()
         manifest = write_synthetic_shards(data_dir, spec, profile_name=arch.family, log=log)
         res["data"] = {"dir": str(data_dir), "generated": True, "spec": dataclasses.asdict(spec),

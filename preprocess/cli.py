@@ -11,6 +11,7 @@ by SIGTERM or SIGINT (re-run to resume).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -215,6 +216,9 @@ class Quickstart:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--out", default="vlmpack-quickstart", help="working directory (default %(default)s)")
         parser.add_argument("--rows", type=int, default=64, help="example conversations to generate (default %(default)s)")
+        parser.add_argument("--videos", type=int, default=4,
+                            help="further conversations around short generated videos (default %(default)s; "
+                                 "needs the video extra, pip install -e '.[video]')")
         parser.add_argument("--profile", default="qwen3-vl", help="built-in profile (default %(default)s)")
         parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                             help="worker processes (default %(default)s)")
@@ -223,19 +227,30 @@ class Quickstart:
     def run(args) -> int:
         from shards_schema import open_shards
 
-        from .examples import example_rows, write_jsonl
+        from .examples import example_rows, video_example_rows, write_jsonl
 
         if args.rows < 1:
             raise ConfigError(f"--rows must be an integer >= 1, got {args.rows}")
+        if args.videos < 0:
+            raise ConfigError(f"--videos must be an integer >= 0, got {args.videos}")
+        videos = args.videos
+        if videos and not all(importlib.util.find_spec(m) for m in ("av", "torch")):
+            print(f"videos:         none generated: the video extra (PyAV, torch) is not installed "
+                  f"(pip install -e '.[video]'), so the {videos} video conversations are left out")
+            videos = 0
         out = Path(args.out)
         data, shards_dir = out / "example.jsonl", out / "shards"
+        total = args.rows + videos + 2
         cfg = PreprocessConfig(inputs=[str(data)], out=str(shards_dir), profile=args.profile, workers=args.workers,
-                               rows_per_shard=max(1, (args.rows + 2 + 1) // 2))
+                               rows_per_shard=max(1, (total + 1) // 2))
         check_config(cfg)
         prepare_output_dir(out)
+        rows = example_rows(args.rows, seed=0, family=args.profile, include_bad_rows=True)
+        rows[args.rows:args.rows] = video_example_rows(videos, seed=0)  # before the 2 broken rows
         # Unchanged content keeps the file's timestamp, so a re-run resumes instead of seeing a changed input.
-        write_jsonl(data, example_rows(args.rows, seed=0, family=args.profile, include_bad_rows=True), keep_unchanged=True)
-        print(f"example dataset: {data} ({args.rows} conversations with base64 images + 2 deliberately broken rows)")
+        write_jsonl(data, rows, keep_unchanged=True)
+        print(f"example dataset: {data} ({args.rows} conversations with base64 images, {videos} with short videos, "
+              f"+ 2 deliberately broken rows)")
         started = time.perf_counter()
         manifest = run_preprocess(cfg)
         manifest.pop("_run")
@@ -248,6 +263,9 @@ class Quickstart:
               f"image_grid_thw {sample['image_grid_thw'].tolist()}")
         print(f"\nnext:  vlmpack inspect {shards_dir}      # distributions, rejects (--plots DIR for charts)")
         print(f"       vlmpack show {shards_dir} --index 1   # a conversation decoded, targets marked")
+        if videos:
+            print(f"       vlmpack show {shards_dir} --index {args.rows} --save-images frames/   # a video row; "
+                  "its frames as a contact sheet")
         print(f"       vlmpack verify {shards_dir}       # full integrity check")
         print(f"       python -c \"import shards_schema; s = shards_schema.open_shards('{shards_dir}'); print(len(s), s[0].keys())\"")
         return 0

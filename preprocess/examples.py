@@ -89,7 +89,8 @@ def write_video(path: str | Path, frames, fps: float, *, codec: str = "libx264",
     frames = iter(frames)
     first = next(frames)
     height, width = first.shape[:2]
-    with av.open(str(path), mode="w") as container:
+    # bitexact: no random segment id or encoder string, so the same frames give the same bytes
+    with av.open(str(path), mode="w", options={"fflags": "+bitexact"}) as container:
         rate = fractions.Fraction(fps).limit_denominator(1001)
         stream = container.add_stream(codec, rate=rate)
         stream.width, stream.height = width - width % 2, height - height % 2
@@ -180,6 +181,40 @@ def example_rows(n: int, seed: int = 0, *, family: str = "qwen3-vl", size_range=
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@not-base64@@"}}, {"type": "text", "text": "what is this?"}]},
             {"role": "assistant", "content": "A broken image."}]})
         rows.append({"id": "unknown-role", "messages": [{"role": "narrator", "content": "Once upon a time"}, {"role": "assistant", "content": "..."}]})
+    return rows
+
+
+def video_example_rows(n: int, seed: int = 0) -> list[dict]:
+    """`n` conversations around short generated videos (2-4 s, 64-160 px, 4-8 fps): a video
+    with a question, a video beside an image, two videos in one turn, a video given as a list
+    of frame images, in turn; MP4 (H.264) and WebM (VP9) as data URIs. Needs PyAV."""
+    rng, nprng = random.Random(seed), np.random.default_rng([seed, 1])
+
+    def clip() -> tuple[list[np.ndarray], float]:
+        fps = rng.choice([4.0, 6.0, 8.0])
+        w, h = (int(v) for v in nprng.integers(64, 161, 2))
+        return list(synthetic_video_frames(nprng, int(fps * rng.uniform(2, 4)), w, h)), fps
+
+    def video_part() -> dict:
+        frames, fps = clip()
+        container = rng.choice(["mp4", "webm"])
+        return {"type": "video_url", "video_url": {"url": encode_video_data_uri(frames, fps, container)}}
+
+    rows = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 3:
+            frames, _ = clip()
+            parts = [{"type": "video", "video": [encode_data_uri(Image.fromarray(f), "JPEG") for f in frames[::2]]}]
+        else:
+            parts = [video_part() for _ in range(2 if kind == 2 else 1)]
+        if kind == 1:
+            w, h = (int(v) for v in nprng.integers(64, 257, 2))
+            parts.append({"type": "image_url", "image_url": {"url": encode_data_uri(synthetic_image(nprng, w, h, "RGB"), "JPEG")}})
+        parts.append({"type": "text", "text": _sentence(rng, 3, 12)})
+        answer = " ".join(_sentence(rng, 5, 20) for _ in range(rng.randint(1, 3)))
+        rows.append({"id": f"video-{i:05d}", "messages": [{"role": "user", "content": parts},
+                                                         {"role": "assistant", "content": answer}]})
     return rows
 
 

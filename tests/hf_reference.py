@@ -20,6 +20,7 @@ from train.packed_batch import (
 )
 
 DEFAULT_IMAGE_PAD_ID = 151655  # <|image_pad|> for Qwen2.5-VL / Qwen3-VL
+DEFAULT_VIDEO_PAD_ID = 151656  # <|video_pad|>
 
 
 def hf_packed_position_ids(samples: list[dict]) -> np.ndarray:
@@ -65,6 +66,7 @@ def to_padded_batch(
     *,
     pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
     image_pad_id: int = DEFAULT_IMAGE_PAD_ID,
+    video_pad_id: int = DEFAULT_VIDEO_PAD_ID,
 ) -> dict:
     """BSHD layout (one row per sample, right padding) for debugging and HF comparisons.
 
@@ -72,8 +74,10 @@ def to_padded_batch(
     labels int64 [B, Lmax] in HF's *unshifted* convention (labels[b, i] = input_ids[b, i]
     where the shard's loss_mask is 1, else -100; HF shifts inside the model);
     position_ids int64 [3, B, Lmax] (padding = 1, as HF's `get_rope_index` leaves it);
-    mm_token_type_ids int64 [B, Lmax]; pixel_patches uint8 [sum N, W] and image_grid_thw
-    int64 [sum K, 3] concatenated in sample order.
+    mm_token_type_ids int64 [B, Lmax] (1 on image pads, 2 on video pads); pixel_patches uint8
+    [sum N, W], image_grid_thw int64 [sum K, 3], video_patches uint8 [sum M, 2W],
+    video_grid_thw int64 [sum V, 3] and second_per_grid_ts float32 [sum V] concatenated in
+    sample order.
     """
     if not samples:
         raise ValueError("to_padded_batch needs at least one sample")
@@ -100,7 +104,12 @@ def to_padded_batch(
         "attention_mask": attention_mask,
         "labels": labels,
         "position_ids": position_ids,
-        "mm_token_type_ids": (input_ids == image_pad_id).astype(np.int64) * attention_mask,
+        "mm_token_type_ids": ((input_ids == image_pad_id) + 2 * (input_ids == video_pad_id)).astype(np.int64)
+        * attention_mask,
         "pixel_patches": concat_field(samples, "pixel_patches", np.uint8, width),
         "image_grid_thw": concat_field(samples, "image_grid_thw", np.int64, 3),
+        "video_patches": concat_field(samples, "video_patches", np.uint8, 2 * width),
+        "video_grid_thw": concat_field(samples, "video_grid_thw", np.int64, 3),
+        "second_per_grid_ts": concat_field([{"s": np.asarray(s.get("second_per_grid_ts", []), np.float32)}
+                                            for s in samples], "s", np.float32),
     }

@@ -270,14 +270,32 @@ def test_config_errors_fail_before_any_work(example_jsonl, tmp_path):
 
 
 def test_cli_quickstart_runs(tmp_path, capsys):
-    result = subprocess.run([sys.executable, "-m", "shards_schema.cli", "quickstart", "--out", str(tmp_path / "qs"), "--rows", "6"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "shards_schema.cli", "quickstart", "--out", str(tmp_path / "qs"),
+                             "--rows", "6", "--videos", "2"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "read 8 = written 6 + rejected 2" in result.stdout
-    assert len(open_shards(tmp_path / "qs" / "shards")) == 6
-    # run again: the example file is left as it was, so the job resumes instead of seeing a changed input
-    code, err = _cli(capsys, "quickstart", "--out", tmp_path / "qs", "--rows", "6", "--workers", "1")
+    assert "read 10 = written 8 + rejected 2" in result.stdout
+    shards = open_shards(tmp_path / "qs" / "shards")
+    assert len(shards) == 8 and int(shards.sample_stats()["num_videos"].sum()) == 2
+    # run again: the example file (its encoded videos included) comes out byte for byte the same
+    # and is left as it was, so the job resumes instead of seeing a changed input
+    example = tmp_path / "qs" / "example.jsonl"
+    written = example.stat().st_mtime_ns
+    code, err = _cli(capsys, "quickstart", "--out", tmp_path / "qs", "--rows", "6", "--videos", "2", "--workers", "1")
     assert code == 0, err
+    assert example.stat().st_mtime_ns == written
+
+
+def test_quickstart_without_the_video_extra_says_it_leaves_the_videos_out(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else find_spec(name, *a))
+    from shards_schema.cli import main
+
+    assert main(["quickstart", "--out", str(tmp_path / "qs"), "--rows", "3", "--videos", "2", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "videos:         none generated: the video extra (PyAV, torch) is not installed" in out
+    assert "the 2 video conversations are left out" in out and "read 5 = written 3 + rejected 2" in out
+    assert len(open_shards(tmp_path / "qs" / "shards")) == 3
 
 
 def test_cli_reports_config_errors_with_exit_code_2(tmp_path):
@@ -504,6 +522,7 @@ BAD_ARGUMENTS = [
     ("merge", ["{tmp}/nowhere", "--out", "{tmp}/m"], "{tmp}/nowhere does not exist or is not a directory"),
     ("merge", ["{tmp}", "--out", "{tmp}/m"], "not the output of `vlmpack preprocess`"),
     ("quickstart", ["--rows", "0"], "--rows must be an integer >= 1, got 0"),
+    ("quickstart", ["--videos", "-1"], "--videos must be an integer >= 0, got -1"),
     ("quickstart", ["--workers", "0"], "--workers must be an integer >= 1, got 0"),
     ("quickstart", ["--out", "{tmp}/afile"], "--out {tmp}/afile is a file, not a directory"),
 ]

@@ -83,20 +83,21 @@ def test_readme_shows_each_pipeline_step():
 def test_quickstart_writes_the_example_shards(readme_run):
     work, results = readme_run
     _, proc = only(results, "quickstart")
-    assert "rows:           read 66 = written 64 + rejected 2" in proc.stdout
-    assert len(open_shards(work / "vlmpack-quickstart" / "shards")) == 64
+    assert "rows:           read 70 = written 68 + rejected 2" in proc.stdout
+    assert re.search(r"^videos:\s+5 \(", proc.stdout, re.M)
+    assert len(open_shards(work / "vlmpack-quickstart" / "shards")) == 68
 
 
 def test_preprocess_example(readme_run):
     work, results = readme_run
     cmd, proc = only(results, "preprocess")
-    assert "read 66 = written 64 + rejected 2" in proc.stdout
-    assert len(open_shards(work / shlex.split(cmd)[shlex.split(cmd).index("--out") + 1])) == 64
+    assert "read 70 = written 68 + rejected 2" in proc.stdout
+    assert len(open_shards(work / shlex.split(cmd)[shlex.split(cmd).index("--out") + 1])) == 68
 
 
 def test_inspect_and_verify_examples(readme_run):
     _, results = readme_run
-    assert re.search(r"^rows\s+64$", only(results, "inspect")[1].stdout, re.M)
+    assert re.search(r"^rows\s+68$", only(results, "inspect")[1].stdout, re.M)
     assert ": OK:" in only(results, "verify")[1].stdout
 
 

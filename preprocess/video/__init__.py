@@ -192,7 +192,7 @@ class FrameList:
     def frames(self, indices):
         for i in indices:
             image, self._images[i] = self._images[i], None  # each decoded frame is freed once used
-            yield i, np.asarray(self._decode(image))
+            yield i, np.array(self._decode(image))  # writable, as torch.from_numpy wants
 
     def close(self) -> None:
         self._images = []
