@@ -976,7 +976,7 @@ def print_table(res: dict) -> None:
         ("vision share of step", fmt_pct(ours["vision_share_of_step"]), "", ""),
         ("padding efficiency", "", fmt_pct(hf.get("padding_efficiency")) if hf_ok else "-", ""),
     ]
-    device = res["machine"].get("gpu") or "cpu"
+    device = res["machine"].get("device") or "cpu"
     print(f"\n{res['args']['arch']} on {device}: ours = vlmpack trainer (megatron-core, packed), "
           f"(recompute {ours['recompute']}, grads {ours['grad_dtype']}, Adam state {ours['adam_state_dtype']}), "
           f"HF = {HF_ARCHITECTURE[builtin_arch(res['args']['arch']).family]} (sdpa, "
