@@ -29,7 +29,10 @@ faults of each kind and counts all of them.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -335,6 +338,7 @@ class _Context:
     version: int = 1  # the manifest's schema version
     family: str | None = None
     tokens_per_second: int = 2
+    decode_timestamps: bool = False  # the manifest's tokenizer is the bundled one: timestamps are read
 
 
 @dataclass
@@ -602,6 +606,61 @@ def _check_video_rows(s: _RowSlice, rows: np.ndarray) -> None:
             s.add_rows("position_ids", np.asarray([r]), lambda _: (
                 f"position_ids{diff} = {int(got[tuple(diff)])}, HF get_rope_index (mrope_position_ids with the videos) "
                 f"gives {int(want[tuple(diff)])} (sample {uid})" if diff else f"position_ids shape {got.shape} (sample {uid})"))
+            continue
+        if ctx.family == "qwen3-vl":
+            problem = _timestamp_problem(ids, grids, s.special, ctx)
+            if problem:
+                s.add_rows("video_timestamps", np.asarray([r]), lambda _: f"{problem} (sample {uid})")
+
+
+TIMESTAMP_TEXT = re.compile(r"<(\d+\.\d) seconds>")
+
+
+@functools.lru_cache(maxsize=2)
+def _bundled_tokenizer(family: str):
+    from tokenizers import Tokenizer
+
+    from .builtin import builtin_tokenizer_json
+
+    return Tokenizer.from_str(builtin_tokenizer_json(family))
+
+
+def _timestamp_problem(ids: np.ndarray, grids: np.ndarray, special: dict, ctx: _Context) -> str | None:
+    """Qwen3-VL writes each temporal group of a video as `<t seconds><|vision_start|>` + pads +
+    `<|vision_end|>` (`Qwen3VLProcessor`): every group needs its timestamp text, made of plain
+    tokens, right after the previous marker; with the bundled tokenizer it must read
+    `<t.t seconds>`, and a video's timestamps never go back in time. None when all hold."""
+    pad, vs, ve = special["video_pad"], special["vision_start"], special["vision_end"]
+    is_pad = ids == pad
+    starts = np.flatnonzero(is_pad & ~np.concatenate([[False], is_pad[:-1]]))  # one run per group (positions checked)
+    markers = np.flatnonzero((ids == vs) | (ids == ve))
+    if len(starts) != int(grids[:, 0].sum()) or (starts < 2).any() or (ids[starts - 1] != vs).any():
+        return "a video group's pads do not follow <|vision_start|>"
+    before = markers[np.searchsorted(markers, starts - 1) - 1]  # the marker ahead of each timestamp
+    specials = np.asarray(sorted(v for v in special.values() if v is not None))
+    texts = []
+    for g, (b, start) in enumerate(zip(before.tolist(), starts.tolist())):
+        span = ids[b + 1 : start - 1]
+        if len(span) == 0 or np.isin(span, specials).any():
+            return f"video group {g} has no timestamp text before its <|vision_start|> (tokens {span.tolist()})"
+        texts.append(span)
+    if not ctx.decode_timestamps:
+        return None
+    tokenizer = _bundled_tokenizer(ctx.family)
+    seconds = []
+    for g, span in enumerate(texts):
+        text = tokenizer.decode(span.tolist(), skip_special_tokens=False)
+        match = TIMESTAMP_TEXT.fullmatch(text)
+        if match is None:
+            return f"video group {g}: timestamp text {text!r} is not '<t.t seconds>'"
+        seconds.append(float(match.group(1)))
+    first = 0
+    for v, groups in enumerate(grids[:, 0].tolist()):
+        times = seconds[first : first + groups]
+        if any(b < a for a, b in zip(times, times[1:])):
+            return f"video {v}: timestamps {times[:8]}{' ...' if len(times) > 8 else ''} go back in time"
+        first += groups
+    return None
 
 
 def _check_batch(s: _RowSlice) -> None:
@@ -871,7 +930,16 @@ def _context(directory: Path, manifest: dict, quick: bool, keep: int, log: _Faul
                 "profile.vision.merge_size are needed for the token and position checks; those were skipped")
     version = manifest.get("schema_version") if manifest.get("schema_version") in (1, 2) else 1
     return _Context(str(directory), int(width), quick, keep, special, merge, version, profile.get("family"),
-                    int(profile.get("tokens_per_second", 2)))
+                    int(profile.get("tokens_per_second", 2)),
+                    decode_timestamps=not quick and _bundled_tokenizer_sha256(profile.get("family")) == profile.get("tokenizer_sha256"))
+
+
+def _bundled_tokenizer_sha256(family) -> str | None:
+    from .builtin import BUILTIN_VISION, builtin_tokenizer_json
+
+    if family not in BUILTIN_VISION:
+        return None
+    return hashlib.sha256(builtin_tokenizer_json(family).encode()).hexdigest()
 
 
 def _check_duplicates(column: str, values: list[tuple[str, pa.Array]], log: _FaultLog, kind: str, note: str) -> None:

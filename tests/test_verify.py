@@ -366,6 +366,33 @@ def _target_on_video_pad(samples, sp):
     return j
 
 
+def _first_timestamp(sample, sp) -> tuple[int, int]:
+    """[begin, end) of the first video's first `<t seconds>` text: between the template's
+    <|vision_start|> and the group's own."""
+    ids = sample.input_ids
+    start = int(np.flatnonzero(ids == sp["video_pad"])[0])
+    begin = int(np.flatnonzero(ids[: start - 1] == sp["vision_start"])[-1]) + 1
+    return begin, start - 1
+
+
+def _timestamp_misspelt(samples, sp):
+    j = video_row(samples)
+    begin, _ = _first_timestamp(samples[j], sp)
+    samples[j].input_ids[begin] = 87  # "<" -> "x": the same token count, so positions still hold
+    return j
+
+
+def _timestamp_goes_back(samples, sp):
+    from preprocess.profiles import builtin_profile
+
+    j = video_row(samples)
+    begin, end = _first_timestamp(samples[j], sp)
+    late = builtin_profile("qwen3-vl").tokenizer.encode("<9.9 seconds>", add_special_tokens=False).ids
+    assert len(late) == end - begin and samples[j].video_grid_thw[0, 0] >= 2  # the generated videos last 2-5 s
+    samples[j].input_ids[begin:end] = late
+    return j
+
+
 def _duplicate_source(samples, sp):
     samples[3].source = samples[1].source
     return None
@@ -383,7 +410,8 @@ ROW_FAULTS = {
     "video_pad_count": _video_pad_removed,
 }
 # faults in rows with videos whose kind is already exercised on image rows
-VIDEO_ROW_FAULTS = {"position_ids": _wrong_positions_video_row, "target_on_vision_token": _target_on_video_pad}
+VIDEO_ROW_FAULTS = {"position_ids": _wrong_positions_video_row, "target_on_vision_token": _target_on_video_pad,
+                    "video_timestamps": _timestamp_misspelt, "video_timestamps_order": _timestamp_goes_back}
 
 
 @pytest.mark.parametrize("kind", sorted(ROW_FAULTS))
@@ -412,7 +440,9 @@ def test_video_row_faults(shards, kind):
     holder = {}
     file = rewrite_shard(shards, 1, lambda samples: holder.update(row=VIDEO_ROW_FAULTS[kind](samples, sp)))
     report = verify_shards(shards)
-    assert kinds(report) == {kind}, report.format_text()
+    assert kinds(report) == {kind.removesuffix("_order")}, report.format_text()
+    detail = {"video_timestamps": "is not '<t.t seconds>'", "video_timestamps_order": "go back in time"}.get(kind, "")
+    assert detail in report.faults[0].message
     assert (report.faults[0].shard, report.faults[0].row) == (file, holder["row"])
 
 
