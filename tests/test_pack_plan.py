@@ -216,10 +216,11 @@ def test_fewer_packs_than_one_global_batch_is_an_error_naming_the_numbers_and_th
 
 @pytest.fixture(scope="module")
 def shard_dirs(tmp_path_factory):
-    """Two small real shard directories (same profile)."""
+    """Two small real shard directories (same profile), the second with videos in half its rows."""
     dirs = []
-    for seed, rows in ((21, 24), (22, 12)):
-        data = write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl", example_rows(rows, seed=seed, size_range=(32, 160)))
+    for seed, rows, videos in ((21, 24, 0.0), (22, 12, 0.5)):
+        data = write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl",
+                           example_rows(rows, seed=seed, size_range=(32, 160), video_rows=videos))
         out = tmp_path_factory.mktemp(f"shards{seed}")
         run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(out), workers=1, rows_per_shard=8, progress=False))
         dirs.append(out)
@@ -227,17 +228,29 @@ def shard_dirs(tmp_path_factory):
 
 
 def test_real_shards_plan_and_visual_tokens(shard_dirs):
+    """A pack's visual tokens count its images' and its videos' merged patches, and
+    --max-visual-tokens caps both together."""
     a, b = shard_dirs
-    plan = build_pack_plan([a, b], seq_len=2048)
     sets = [open_shards(a), open_shards(b)]
-    assert sorted(plan_samples(plan)) == [(0, i) for i in range(len(sets[0]))] + [(1, i) for i in range(len(sets[1]))]
     merge = sets[0].manifest["profile"]["vision"]["merge_size"]
-    for p in range(plan.num_packs):
-        src, idx = plan.pack_samples(p)
-        samples = [sets[s][i] for s, i in zip(src.tolist(), idx.tolist())]
-        assert sum(len(x["input_ids"]) for x in samples) == plan.pack_tokens[p] <= 2048
-        visual = sum(int(np.prod(x["image_grid_thw"], axis=1).sum()) // merge**2 for x in samples)
-        assert visual == plan.pack_visual_tokens[p]
+
+    def visual(x) -> int:
+        return sum(int(np.prod(x[k], axis=1).sum()) for k in ("image_grid_thw", "video_grid_thw")) // merge**2
+
+    per_sample = [[visual(s[i]) for i in range(len(s))] for s in sets]
+    assert sum(len(s["video_grid_thw"]) for s in (sets[1][i] for i in range(len(sets[1])))) >= 3
+    cap = max(max(v) for v in per_sample)
+    packs = {}
+    for max_visual in (None, cap):
+        plan = build_pack_plan([a, b], seq_len=2048, max_visual_tokens=max_visual)
+        packs[max_visual] = plan.num_packs
+        assert sorted(plan_samples(plan)) == [(0, i) for i in range(len(sets[0]))] + [(1, i) for i in range(len(sets[1]))]
+        for p in range(plan.num_packs):
+            src, idx = plan.pack_samples(p)
+            samples = [sets[s][i] for s, i in zip(src.tolist(), idx.tolist())]
+            assert sum(len(x["input_ids"]) for x in samples) == plan.pack_tokens[p] <= 2048
+            assert sum(visual(x) for x in samples) == plan.pack_visual_tokens[p] <= (max_visual or 2048)
+    assert packs[cap] > packs[None]  # the cap binds
 
 
 def test_save_load_pickle_and_cache(shard_dirs, tmp_path):
