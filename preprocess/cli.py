@@ -20,6 +20,7 @@ from pathlib import Path
 from shards_schema.outdir import prepare_output_dir
 
 from .errors import ConfigError
+from .formats import INPUT_FORMATS
 from .job import (DEFAULT_ROWS_PER_SHARD, INPUT_HASH_MODES, PreprocessConfig, check_config, merge_partitions,
                   run_preprocess)
 from .pipeline import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_SEQ_LEN, SampleOptions
@@ -148,6 +149,11 @@ class Preprocess:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("inputs", nargs="+", help=".jsonl / .json / .parquet files or `datasets` save_to_disk directories")
+        parser.add_argument("--input-format", default="auto", choices=INPUT_FORMATS,
+                            help="the rows' layout: openai (messages with content parts), sharegpt (conversations "
+                                 "with from/value and <image>/<video> placeholders, as LLaMA-Factory and LLaVA write), "
+                                 "swift (messages with <image> tags or bare image parts plus images/videos lists, as "
+                                 "ms-swift and TRL write); auto (default) detects it per input from its first row")
         parser.add_argument("--out", required=True,
                             help="output shard directory: new or empty (a directory holding anything else is refused); "
                                  "re-running the same job into it resumes")
@@ -178,6 +184,7 @@ class Preprocess:
             num_partitions=args.num_partitions,
             partition_index=args.partition_index,
             input_hash=args.input_hash,
+            input_format=args.input_format,
             progress=not args.no_progress,
         )
         result = run_preprocess(cfg)

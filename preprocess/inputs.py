@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import ConfigError, RejectError
+from .formats import ROW_FORMATS, detect_row_format
 
 _SUFFIX_FORMAT = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
 
@@ -31,9 +32,12 @@ class InputFile:
     size: int  # bytes (sum of data files for a datasets dir), part of the job identity
     line_offsets: tuple[int, ...] = ()  # JSONL: byte offset of every unit's first line
     blank_lines: tuple[int, ...] = ()  # JSONL: blank lines in every unit (not rows)
+    row_format: str = "openai"  # the rows' layout (preprocess.formats)
 
     def identity(self) -> dict:
         identity = {"path": self.path, "format": self.format, "rows": self.num_rows, "bytes": self.size}
+        if self.row_format != "openai":
+            identity["row_format"] = self.row_format
         if any(self.blank_lines):
             identity["blank_lines"] = sum(self.blank_lines)
         return identity
@@ -98,7 +102,9 @@ def _load_dataset(path: Path):
     return datasets.load_from_disk(str(path))
 
 
-def describe_input(path_str: str, rows_per_unit: int) -> InputFile:
+def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto") -> InputFile:
+    """The input's size, rows and units; its row layout is `input_format`, or with "auto" the
+    layout of its first row (table inputs: of its column names)."""
     path = Path(path_str)
     if not path.exists():
         raise ConfigError(f"input {path_str} does not exist")
@@ -119,7 +125,36 @@ def describe_input(path_str: str, rows_per_unit: int) -> InputFile:
     else:
         rows = len(_load_dataset(path))
         size = sum(p.stat().st_size for p in path.glob("*.arrow"))
-    return InputFile(path=path_str, format=fmt, num_rows=rows, size=size, line_offsets=offsets, blank_lines=blanks)
+    if input_format == "auto":
+        row_format = detect_row_format(_first_row(path, fmt, offsets))
+    elif input_format in ROW_FORMATS:
+        row_format = input_format
+    else:
+        raise ConfigError(f"--input-format {input_format!r}: choose auto or one of {', '.join(ROW_FORMATS)}")
+    return InputFile(path=path_str, format=fmt, num_rows=rows, size=size, line_offsets=offsets, blank_lines=blanks,
+                     row_format=row_format)
+
+
+def _first_row(path: Path, fmt: str, offsets: tuple[int, ...]):
+    """The first row (JSONL, JSON) or the column names (Parquet, datasets) that name an input's
+    layout; None when there is none to look at (an empty input, a first line that is not JSON)."""
+    if fmt == "jsonl":
+        with open(path, "rb") as fh:
+            for line in fh:
+                if not _is_blank(line):
+                    try:
+                        return json.loads(line)
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        return None
+        return None
+    if fmt == "json":
+        rows = _load_json_array(str(path))
+        return rows[0] if rows else None
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).schema_arrow.names
+    return _load_dataset(path).column_names
 
 
 def plan_units(inputs: list[InputFile], rows_per_unit: int) -> list[WorkUnit]:

@@ -49,6 +49,7 @@ from shards_schema.outdir import exclusive_output_dir, user_entries
 from shards_schema.writer import ShardWriter, file_sha256
 
 from .errors import ConfigError, RejectError
+from .formats import INPUT_FORMATS, to_openai_row
 from .inputs import InputFile, WorkUnit, describe_input, plan_units, read_rows
 from .pipeline import SampleOptions, process_row
 from .profiles import Profile, resolve_profile
@@ -81,6 +82,7 @@ class PreprocessConfig:
     num_partitions: int = 1
     partition_index: int = 0
     input_hash: str = "sampled"
+    input_format: str = "auto"  # the rows' layout (preprocess.formats): detected per input, or named
     progress: bool = True
 
 
@@ -146,7 +148,8 @@ def process_unit(unit: WorkUnit, name: str, rows_per_unit: int, out: Path, profi
             try:
                 if isinstance(row, RejectError):
                     raise row
-                sample = process_row(row, sample_uid=source, source=source, profile=profile, options=options)
+                sample = process_row(to_openai_row(row, unit.input.row_format), sample_uid=source, source=source,
+                                     profile=profile, options=options)
                 # Arrow encodes strings only when a whole batch is written, too late to blame one row.
                 sample.sample_uid.encode("utf-8")
                 sample.source.encode("utf-8")
@@ -327,8 +330,8 @@ class JobInput:
         return {"name": self.name, "location": self.location, "mtime_ns": self.mtime_ns}
 
 
-def describe_job_input(given: str, rows_per_unit: int, hash_mode: str) -> JobInput:
-    file = describe_input(given, rows_per_unit)
+def describe_job_input(given: str, rows_per_unit: int, hash_mode: str, input_format: str = "auto") -> JobInput:
+    file = describe_input(given, rows_per_unit, input_format)
     fingerprint, mtime_ns = input_fingerprint(given, hash_mode)
     return JobInput(file, input_name(given), printable_path(os.path.realpath(given)), fingerprint, mtime_ns)
 
@@ -469,6 +472,8 @@ def check_config(cfg: PreprocessConfig) -> None:
     _at_least("--max-image-pixels", cfg.sample.max_image_pixels, 1)
     _at_least("--min-pixels", cfg.min_pixels, 1)
     _at_least("--max-pixels", cfg.max_pixels, 1)
+    if cfg.input_format not in INPUT_FORMATS:
+        raise ConfigError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {cfg.input_format!r}")
     if cfg.input_hash not in INPUT_HASH_MODES:
         raise ConfigError(f"--input-hash must be one of {', '.join(INPUT_HASH_MODES)}, got {cfg.input_hash!r}")
     if cfg.sample.media_root is not None and not Path(cfg.sample.media_root).is_dir():
@@ -681,7 +686,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     check_config(cfg)
     profile = resolve_profile(**_profile_args(cfg))
     _ = profile.special  # fail now, not in a worker
-    inputs = [describe_job_input(p, cfg.rows_per_shard, cfg.input_hash) for p in cfg.inputs]
+    inputs = [describe_job_input(p, cfg.rows_per_shard, cfg.input_hash, cfg.input_format) for p in cfg.inputs]
     units = plan_units([inp.file for inp in inputs], cfg.rows_per_shard)
     mine = [u for u in units if u.index % cfg.num_partitions == cfg.partition_index]
     identity = job_identity(cfg, profile, inputs)

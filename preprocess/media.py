@@ -13,6 +13,10 @@ Which kind a reference string is, decided from the string alone (no file-system 
   after resolving `..` and symlinks, and be a regular file (a FIFO is never opened, so a job
   never blocks on one).
 
+Besides strings, a reference may be the encoded bytes themselves, or a Hugging Face `Image` /
+`Video` feature as Parquet and `datasets` store it, `{"bytes": ..., "path": ...}`: its bytes
+when present, else its path (a reference string as above).
+
 Every reference is held to a byte cap before it is read or decoded (`media_too_large`).
 Images are read whole; videos stay files that the decoder streams.
 """
@@ -45,8 +49,17 @@ _FLAG = {"image": "--max-media-bytes", "video": "--max-video-bytes"}
 
 
 def resolve_media(source: str, media_root: Path | None, max_bytes: int, *, kind: str) -> bytes | Path:
-    """The bytes of an inline reference (data URI, base64), or the checked path of a local file
-    (not read). `kind` ("image" or "video") names the reference in messages."""
+    """The bytes of an inline reference (data URI, base64, embedded bytes), or the checked path
+    of a local file (not read). `kind` ("image" or "video") names the reference in messages."""
+    if isinstance(source, dict) and ("bytes" in source or "path" in source):
+        source = source["bytes"] if source.get("bytes") is not None else source.get("path")
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        if len(source) > max_bytes:
+            raise RejectError("media_too_large", f"embedded {kind} of {len(source):,} bytes exceeds {_FLAG[kind]} "
+                              f"{max_bytes:,}")
+        if not len(source):
+            raise RejectError("empty_source", f"embedded {kind} holds no bytes")
+        return bytes(source)
     if not isinstance(source, str) or not source.strip():
         raise RejectError("empty_source", f"{kind} reference must be a non-empty string, got {source!r:.80}")
     source = source.strip()

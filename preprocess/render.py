@@ -97,7 +97,7 @@ class Rendered:
 
     text: str  # the full rendered conversation; each image as IMAGE_PLACEHOLDER, each video as VIDEO_PLACEHOLDER
     target_spans: list[tuple[int, int]]  # sorted, disjoint [start, end) character spans that are targets
-    image_sources: list[str]  # the image reference of each image, in order of appearance
+    image_sources: list  # the image reference of each image, in order of appearance (str or embedded bytes)
     videos: list[VideoPart] = field(default_factory=list)  # each video, in order of appearance
 
 
@@ -155,14 +155,21 @@ def _part_source(part: dict, kind: str):
     return part.get("url", part.get("path"))
 
 
-def _image_source(part: dict, where: str, index: int) -> str:
-    """The image reference of an image part: OpenAI `image_url` (object or string) or HF `image/url/path`."""
+def _image_source(part: dict, where: str, index: int):
+    """The image reference of an image part: OpenAI `image_url` (object or string) or HF
+    `image/url/path`; a string, or embedded bytes (raw, or an HF `Image` feature's
+    `{"bytes", "path"}`, as `preprocess.media` reads them)."""
     source = _part_source(part, IMAGE)
-    if not isinstance(source, str) or not source:
+    if not (isinstance(source, str) and source) and not _is_embedded(source):
         raise _reject(
             "bad_content", index, f"{where}: image part without a string source (image_url.url, image, url or path)"
         )
     return source
+
+
+def _is_embedded(source) -> bool:
+    return isinstance(source, (bytes, bytearray)) or (
+        isinstance(source, dict) and (source.get("bytes") is not None or isinstance(source.get("path"), str)))
 
 
 def _video_part(part: dict, where: str, index: int) -> VideoPart:
@@ -174,9 +181,9 @@ def _video_part(part: dict, where: str, index: int) -> VideoPart:
         raise _reject("dropped_by_template", index, f"{where}: the template renders this part as a video and would drop its text")
     source = _part_source(part, VIDEO)
     frames = isinstance(source, list)
-    if frames and (not source or not all(isinstance(f, str) and f for f in source)):
+    if frames and (not source or not all((isinstance(f, str) and f) or _is_embedded(f) for f in source)):
         raise _reject("bad_content", index, f"{where}: a video given as frames must be a non-empty list of image references")
-    if not frames and (not isinstance(source, str) or not source):
+    if not frames and not (isinstance(source, str) and source) and not _is_embedded(source):
         raise _reject("bad_content", index, f"{where}: video part without a source (video_url.url, video, url or path)")
     try:
         request = request_from_part(part, where)

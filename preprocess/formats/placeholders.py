@@ -1,0 +1,68 @@
+"""`<image>` / `<video>` placeholders in message text -> content parts, media taken in order.
+
+The layouts that carry media beside the conversation (ShareGPT, ms-swift) mark where each
+image and video goes with a placeholder in the text; the k-th `<image>` of the row is the k-th
+entry of its image list. The text around a placeholder is kept byte for byte (LLaVA's
+`<image>\\n` keeps its newline), as those projects substitute the vision tokens in place.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import RejectError
+
+PLACEHOLDER = re.compile(r"<(image|video)>")
+
+
+class MediaQueue:
+    """A row's image and video lists, consumed in order of the placeholders."""
+
+    def __init__(self, images, videos):
+        self.media = {"image": _as_list(images, "images"), "video": _as_list(videos, "videos")}
+        self.used = {"image": 0, "video": 0}
+
+    def take(self, kind: str):
+        k = self.used[kind]
+        items = self.media[kind]
+        self.used[kind] += 1
+        return items[k] if k < len(items) else None
+
+    def check_all_used(self) -> None:
+        for kind in ("image", "video"):
+            used, given = self.used[kind], len(self.media[kind])
+            if used != given:
+                raise RejectError("placeholder_mismatch", f"the row has {used} <{kind}> placeholder(s) but {given} "
+                                  f"{kind}(s) in its {kind}s list: each {kind} needs one <{kind}> in the text, in order")
+
+
+def _as_list(value, name: str) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes, dict)):
+        return [value]  # LLaVA's single `image`, or one HF Image feature
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise RejectError("bad_row", f"`{name}` must be a list of media references, got {type(value).__name__}")
+
+
+def split_text(text: str, queue: MediaQueue) -> str | list[dict]:
+    """`text` unchanged when it holds no placeholder, else its parts: text pieces (empty ones
+    dropped) and an image or video part per placeholder."""
+    if "<image>" not in text and "<video>" not in text:
+        return text
+    parts, at = [], 0
+    for match in PLACEHOLDER.finditer(text):
+        if match.start() > at:
+            parts.append({"type": "text", "text": text[at : match.start()]})
+        kind = match.group(1)
+        source = queue.take(kind)
+        if source is None:
+            given = len(queue.media[kind])
+            raise RejectError("placeholder_mismatch", f"<{kind}> placeholder number {queue.used[kind]} has no {kind}: "
+                              f"the row's {kind}s list holds {given}")
+        parts.append({"type": kind, kind: source})
+        at = match.end()
+    if at < len(text):
+        parts.append({"type": "text", "text": text[at:]})
+    return parts

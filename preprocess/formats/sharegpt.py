@@ -1,0 +1,82 @@
+"""ShareGPT rows (LLaMA-Factory's `sharegpt` format, LLaVA, Qwen's fine-tuning scripts) -> OpenAI rows.
+
+    {"id": "...", "system": "...", "tools": "[{...}]",
+     "conversations": [{"from": "human", "value": "<image>What is this?"},
+                       {"from": "gpt", "value": "A cat."}],
+     "images": ["cats/1.jpg"]}
+
+Roles as LLaMA-Factory names them: `human` / `user`, `gpt` / `assistant`, `system`,
+`function_call` (an assistant turn that calls tools: its value is the JSON of one call
+`{"name", "arguments"}` or a list of them) and `observation` (a tool's output). LLaVA's single
+`image` / `video` key is read like a one-element list. `tools` is a JSON string or a list of
+function schemas (wrapped as `{"type": "function", "function": schema}` as the chat template
+expects).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import RejectError
+from .placeholders import MediaQueue, split_text
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+         "function_call": "assistant", "observation": "tool"}
+
+
+def to_openai(row: dict) -> dict:
+    turns = row.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise RejectError("no_messages", "`conversations` must be a non-empty list of {\"from\", \"value\"} turns")
+    queue = MediaQueue(_first(row, "images", "image"), _first(row, "videos", "video"))
+    messages = []
+    system = row.get("system")
+    if isinstance(system, str) and system:
+        messages.append({"role": "system", "content": system})
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise RejectError("bad_content", f"conversations[{k}] must be an object with `from` and `value`")
+        speaker, value = turn.get("from", turn.get("role")), turn.get("value", turn.get("content"))
+        role = ROLES.get(speaker) if isinstance(speaker, str) else None
+        if role is None:
+            raise RejectError("unknown_role", f"conversations[{k}].from {speaker!r} is not one of {', '.join(ROLES)}")
+        if not isinstance(value, str):
+            raise RejectError("bad_content", f"conversations[{k}].value must be a string, got {type(value).__name__}")
+        if speaker == "function_call":
+            messages.append({"role": "assistant", "content": "", "tool_calls": tool_calls(value, f"conversations[{k}]")})
+        else:
+            messages.append({"role": role, "content": split_text(value, queue)})
+    queue.check_all_used()
+    return {"id": row.get("id"), "messages": messages, "tools": tool_schemas(row.get("tools"))}
+
+
+def _first(row: dict, *keys):
+    return next((row[key] for key in keys if row.get(key) is not None), None)
+
+
+def tool_calls(value: str, where: str) -> list[dict]:
+    """One call's JSON `{"name", "arguments"}` (or a list of them) -> OpenAI `tool_calls`."""
+    try:
+        calls = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise RejectError("bad_tool_call", f"{where}: a function call must be JSON {{\"name\", \"arguments\"}}: {exc}") from None
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise RejectError("bad_tool_call", f"{where}: each function call needs a string `name`, got {value[:120]!r}")
+    return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls]
+
+
+def tool_schemas(tools) -> list[dict] | None:
+    """`tools` as a JSON string or a list of function schemas -> the template's tool list."""
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise RejectError("bad_tools", f"`tools` is not valid JSON: {exc}") from None
+    if isinstance(tools, dict):
+        tools = [tools]
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RejectError("bad_tools", "`tools` must be a list of function schemas")
+    return [t if "type" in t else {"type": "function", "function": t} for t in tools]

@@ -1,0 +1,226 @@
+"""Row layouts users have (ShareGPT / LLaVA / LLaMA-Factory, ms-swift, TRL) against Hugging Face.
+
+Those projects turn a placeholder row into model input by putting the vision tokens in place of
+each `<image>` in the text and applying the chat template to string contents. That is the
+oracle here: the official template (HF `apply_chat_template`) on the string messages with every
+placeholder replaced by `<|vision_start|><|image_pad|><|vision_end|>`, HF's image processor on
+the images and `get_rope_index` of a tiny model; vlmpack's sample of the row in the named
+layout must equal it in ids, loss mask, positions and pixels, on randomized conversations of
+both families. The layouts are written by the tests as those projects document them.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+
+import numpy as np
+import pytest
+
+from preprocess.errors import RejectError
+from preprocess.formats import detect_row_format, to_openai_row
+from preprocess.job import PreprocessConfig, run_preprocess
+from preprocess.pipeline import SampleOptions, process_row
+from shards_schema import open_shards
+from shards_schema.pixels import pixel_values_from_patches
+from tests.test_oracle import TINY_MODELS, encoded_image, hf_image_processors, hf_sample  # noqa: F401
+from tests.test_render import expected_mask_from_ids, expected_trained, hf_tokenizers  # noqa: F401
+
+VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+WORDS = "the a cat dog red blue sky runs why how many is on under left right image picture".split()
+CONVERSATIONS = 16
+
+
+def _text(rng: random.Random, lo: int = 2, hi: int = 12) -> str:
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+    return text + rng.choice(["", ".", "?", "\n", " \n"])
+
+
+def placeholder_conversation(rng: random.Random):
+    """(turns [(role, text with <image> placeholders)], number of images): 1-3 user/assistant
+    rounds, an optional system turn, 0-3 images per user turn at any place in its text."""
+    turns, images = [], 0
+    if rng.random() < 0.4:
+        turns.append(("system", _text(rng)))
+    for _ in range(rng.randint(1, 3)):
+        pieces = [_text(rng)]
+        for _ in range(rng.choice([0, 1, 1, 2, 3])):
+            pieces.insert(rng.randint(0, len(pieces)), rng.choice(["<image>", "<image>\n"]))
+            images += 1
+        turns.append(("user", "".join(pieces)))
+        turns.append(("assistant", _text(rng, 3, 20)))
+    return turns, images
+
+
+def _media(rng, nprng, tmp_path, n: int, embedded_ok: bool):
+    """n images as the row lists them (file paths, data URIs, HF Image features) and as HF gets them."""
+    listed, hf_images = [], []
+    for _ in range(n):
+        data, hf_image = encoded_image(nprng)
+        kind = rng.choice(["path", "uri", "feature"] if embedded_ok else ["path", "uri"])
+        if kind == "path":
+            name = f"img{len(list(tmp_path.iterdir()))}.bin"
+            (tmp_path / name).write_bytes(data)
+            listed.append(name)
+        elif kind == "uri":
+            listed.append("data:image/x;base64," + base64.b64encode(data).decode())
+        else:
+            listed.append({"bytes": data, "path": None})
+        hf_images.append(hf_image)
+    return listed, hf_images
+
+
+def as_layout(layout: str, turns, images: list, rng: random.Random) -> dict:
+    if layout == "sharegpt":
+        names = {"user": rng.choice(["human", "user"]), "assistant": rng.choice(["gpt", "assistant"]), "system": "system"}
+        row = {"conversations": [{"from": names[role], "value": text} for role, text in turns]}
+        if turns[0][0] == "system" and rng.random() < 0.5:  # LLaMA-Factory's top-level system
+            row = {"system": turns[0][1], "conversations": row["conversations"][1:]}
+        if len(images) == 1 and rng.random() < 0.5:
+            row["image"] = images[0]  # LLaVA's single image
+        else:
+            row["images"] = images
+        return row
+    return {"messages": [{"role": role, "content": text} for role, text in turns], "images": images}
+
+
+@pytest.mark.parametrize("layout", ["sharegpt", "swift"])
+@pytest.mark.parametrize("family", ["qwen3-vl", "qwen2.5-vl"])
+def test_placeholder_rows_equal_hf_on_the_substituted_text(layout, family, builtin_profiles, hf_tokenizers,
+                                                            official_template, hf_image_processors, tmp_path):
+    profile, tokenizer, template = builtin_profiles[family], hf_tokenizers[family], official_template[family]
+    model = TINY_MODELS[family]()
+    rng, nprng = random.Random(f"{layout}-{family}"), np.random.default_rng(5)
+    options = SampleOptions(media_root=str(tmp_path), max_seq_len=1 << 20)
+    images_seen = 0
+    for n in range(CONVERSATIONS):
+        turns, count = placeholder_conversation(rng)
+        listed, hf_images = _media(rng, nprng, tmp_path, count, embedded_ok=True)
+        row = as_layout(layout, turns, listed, rng)
+        assert detect_row_format(row) == layout or (layout == "swift" and not count and "images" in row)
+        sample = process_row(to_openai_row(row, layout), sample_uid=f"r{n}", source="x", profile=profile, options=options)
+        messages = [{"role": role, "content": text.replace("<image>", VISION)} for role, text in turns]
+        ids, positions, pixel_values, grid = hf_sample(family, messages, None, hf_images, tokenizer, template,
+                                                       hf_image_processors[family], model)
+        assert sample.input_ids.tolist() == ids, f"conversation {n}: {turns}"
+        np.testing.assert_array_equal(sample.loss_mask, expected_mask_from_ids(
+            ids, expected_trained(messages, "all_assistant"), tokenizer))
+        np.testing.assert_array_equal(sample.position_ids, positions)
+        np.testing.assert_array_equal(sample.image_grid_thw, grid)
+        if hf_images:
+            v = profile.vision
+            ours = pixel_values_from_patches(sample.pixel_patches, v.image_mean, v.image_std, v.patch_size,
+                                             v.temporal_patch_size)
+            assert np.array_equal(ours, pixel_values)
+        images_seen += count
+    assert images_seen >= 15
+
+
+def test_function_calls_and_tool_outputs_become_the_templates_tool_turns(builtin_profiles):
+    """LLaMA-Factory's function_call / observation and ms-swift's tool_call / tool_response give
+    the same sample as the OpenAI row with assistant tool_calls and tool messages."""
+    profile = builtin_profiles["qwen3-vl"]
+    options = SampleOptions(max_seq_len=1 << 20)
+    tools = [{"name": "search", "description": "web search", "parameters": {"type": "object", "properties": {
+        "q": {"type": "string"}}}}]
+    call = {"name": "search", "arguments": {"q": "cats"}}
+    openai = {"messages": [
+        {"role": "user", "content": "find cats"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+        {"role": "tool", "content": "[\"a cat\"]"},
+        {"role": "assistant", "content": "Found a cat."}],
+        "tools": [{"type": "function", "function": tools[0]}]}
+    sharegpt = {"tools": json.dumps(tools), "conversations": [
+        {"from": "human", "value": "find cats"}, {"from": "function_call", "value": json.dumps(call)},
+        {"from": "observation", "value": "[\"a cat\"]"}, {"from": "gpt", "value": "Found a cat."}]}
+    swift = {"tools": tools, "images": [], "messages": [
+        {"role": "user", "content": "find cats"}, {"role": "tool_call", "content": json.dumps(call)},
+        {"role": "tool_response", "content": "[\"a cat\"]"}, {"role": "assistant", "content": "Found a cat."}]}
+    want = process_row(openai, sample_uid="x", source="x", profile=profile, options=options)
+    for layout, row in (("sharegpt", sharegpt), ("swift", swift)):
+        got = process_row(to_openai_row(row, layout), sample_uid="x", source="x", profile=profile, options=options)
+        assert got.input_ids.tolist() == want.input_ids.tolist(), layout
+        assert got.loss_mask.tolist() == want.loss_mask.tolist(), layout
+    # ms-swift: a tool_call right after an assistant's text joins that turn
+    joined = to_openai_row({"images": None, "videos": [], "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "Let me look."},
+        {"role": "tool_call", "content": json.dumps(call)}, {"role": "tool_call", "content": json.dumps(call)}]}, "swift")
+    assert joined["messages"][1] == {"role": "assistant", "content": "Let me look.",
+                                     "tool_calls": [{"type": "function", "function": call}] * 2}
+
+
+BAD_ROWS = [
+    ("sharegpt", {"conversations": [{"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "y"}]},
+     "placeholder_mismatch", "<image> placeholder number 1 has no image"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}], "images": ["a.png"]},
+     "placeholder_mismatch", "0 <image> placeholder(s) but 1 image(s)"),
+    ("sharegpt", {"conversations": [{"from": "narrator", "value": "x"}, {"from": "gpt", "value": "y"}]},
+     "unknown_role", "'narrator' is not one of human"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{not json"}]},
+     "bad_tool_call", "must be JSON"),
+    ("sharegpt", {"conversations": []}, "no_messages", "non-empty list"),
+    ("swift", {"messages": [{"role": "user", "content": "<video>x"}, {"role": "assistant", "content": "y"}], "videos": []},
+     "placeholder_mismatch", "<video> placeholder number 1 has no video"),
+    ("swift", {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]},
+                            {"role": "assistant", "content": "y"}], "images": []},
+     "placeholder_mismatch", "image part number 1 has no image"),
+    ("swift", {"messages": [{"role": "bot", "content": "x"}], "images": []}, "unknown_role", "'bot' is not one of"),
+    ("swift", {"messages": [{"role": "user", "content": "x"}], "images": [], "objects": {"bbox": [[1, 2, 3, 4]]}},
+     "unsupported_field", "objects"),
+]
+
+
+@pytest.mark.parametrize("layout, row, code, detail", BAD_ROWS, ids=[f"{b[0]}-{b[2]}-{k}" for k, b in enumerate(BAD_ROWS)])
+def test_bad_rows_are_rejected_with_a_named_code(layout, row, code, detail):
+    with pytest.raises(RejectError) as err:
+        to_openai_row(row, layout)
+    assert err.value.code == code and detail in err.value.message
+
+
+def _image_bytes(seed: int) -> bytes:
+    return encoded_image(np.random.default_rng(seed))[0]
+
+
+def test_each_input_is_detected_or_named_and_a_job_keeps_going(tmp_path):
+    """JSONL in ShareGPT, JSON in ms-swift, Parquet with a conversations column and a `datasets`
+    directory in the TRL layout (Image features) in one job; a missing image and a placeholder
+    mismatch are rejected by name, every other row written; --input-format overrides detection."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "a.png").write_bytes(_image_bytes(1))
+    turn = [{"from": "human", "value": "<image>What is it?"}, {"from": "gpt", "value": "A thing."}]
+    (tmp_path / "llava.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "ok", "image": "a.png", "conversations": turn},
+        {"id": "missing", "image": "nope.png", "conversations": turn},
+        {"id": "mismatch", "images": ["a.png", "a.png"], "conversations": turn}]))
+    (tmp_path / "swift.json").write_text(json.dumps([
+        {"messages": [{"role": "user", "content": "<image><image>Differences?"}, {"role": "assistant", "content": "None."}],
+         "images": ["a.png", "a.png"]}]))
+    pq.write_table(pa.Table.from_pylist([{"conversations": turn, "images": ["a.png"]}] * 3), tmp_path / "sg.parquet")
+    features = datasets.Features({
+        "messages": [{"role": datasets.Value("string"),
+                      "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}],
+        "images": datasets.Sequence(datasets.Image())})
+    trl = datasets.Dataset.from_list([{
+        "messages": [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "Which?"}]},
+                     {"role": "assistant", "content": [{"type": "text", "text": "This one."}]}],
+        "images": [{"bytes": _image_bytes(k), "path": None}]} for k in range(4)], features=features)
+    trl.save_to_disk(str(tmp_path / "trl"))
+    inputs = [str(tmp_path / n) for n in ("llava.jsonl", "swift.json", "sg.parquet", "trl")]
+    manifest = run_preprocess(PreprocessConfig(inputs=inputs, out=str(tmp_path / "out"), workers=1, progress=False,
+                                               sample=SampleOptions(media_root=str(tmp_path / "media"))))
+    acc = manifest["accounting"]
+    assert [i["row_format"] for i in acc["inputs"]] == ["sharegpt", "swift", "sharegpt", "swift"]
+    assert acc["rows_read"] == 11 and acc["rows_written"] == 9
+    rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert sorted((r["row"], r["code"]) for r in rejects) == [(1, "missing_file"), (2, "placeholder_mismatch")]
+    shards = open_shards(tmp_path / "out")
+    assert sum(int(shards[i]["image_grid_thw"].shape[0]) for i in range(len(shards))) == 1 + 2 + 3 + 4
+    # named: the ShareGPT file read as OpenAI rows has no `messages`, so every row is rejected as such
+    named = run_preprocess(PreprocessConfig(inputs=[inputs[0]], out=str(tmp_path / "named"), workers=1, progress=False,
+                                            input_format="openai", sample=SampleOptions(media_root=str(tmp_path / "media"))))
+    assert named["accounting"]["rejects_by_reason"] == {"no_messages": 3}
