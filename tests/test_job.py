@@ -136,6 +136,27 @@ def test_partitions_sharing_one_directory(example_jsonl, baseline, tmp_path):
     assert merged == _without_run(baseline[1])
 
 
+def test_slurm_array_recipe_then_merge_equal_one_job(example_jsonl, baseline, tmp_path):
+    """docs/recipes/slurm_preprocess.sbatch run as a 3-task array would run it (the tasks at once,
+    Slurm's array variables set), then the merge it documents: one job's bytes."""
+    script = Path(__file__).resolve().parents[1] / "docs" / "recipes" / "slurm_preprocess.sbatch"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "INPUTS": str(example_jsonl), "OUT": str(tmp_path / "parts"), "SLURM_ARRAY_TASK_COUNT": "3",
+           "SLURM_CPUS_PER_TASK": "1", "EXTRA_ARGS": "--rows-per-shard 8"}
+    tasks = [subprocess.Popen(["bash", str(script)], env={**env, "SLURM_ARRAY_TASK_ID": str(i)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+    for task in tasks:
+        out, err = task.communicate(timeout=300)
+        assert task.returncode == 0, err
+        assert "When all partitions are done: vlmpack merge" in out
+    merged = subprocess.run([sys.executable, "-m", "shards_schema.cli", "merge",
+                             *sorted(str(p) for p in (tmp_path / "parts").glob("part-*")), "--out", str(tmp_path / "shards")],
+                            capture_output=True, text=True, timeout=300)
+    assert merged.returncode == 0, merged.stderr
+    assert _shard_bytes(tmp_path / "shards") == _shard_bytes(baseline[0])
+    assert json.loads((tmp_path / "shards" / "manifest.json").read_text()) == _without_run(baseline[1])
+
+
 def test_rerun_with_other_settings_is_refused(example_jsonl, baseline, tmp_path):
     _run([example_jsonl], tmp_path, workers=1)
     with pytest.raises(ConfigError, match="different job.*settings"):
