@@ -21,7 +21,7 @@ from shards_schema.outdir import prepare_output_dir
 
 from .errors import ConfigError
 from .formats import INPUT_FORMATS
-from .job import (DEFAULT_ROWS_PER_SHARD, INPUT_HASH_MODES, PreprocessConfig, check_config, merge_partitions,
+from .job import (DEFAULT_ROWS_PER_SHARD, EXECUTORS, INPUT_HASH_MODES, PreprocessConfig, check_config, merge_partitions,
                   run_preprocess)
 from .pipeline import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_SEQ_LEN, SampleOptions
 from .video import SAMPLING_MODES, VideoOptions
@@ -167,6 +167,14 @@ class Preprocess:
                        help="how a resumed job checks that its inputs did not change: 'sampled' (default) compares "
                             "size, modification time and a hash of sampled blocks; 'full' hashes whole inputs "
                             "(slower; timestamps then do not matter). A job resumes with the mode it started with")
+        g.add_argument("--executor", default="local", choices=EXECUTORS,
+                       help="local (default): --workers processes on this machine; ray: the work units as Ray tasks "
+                            "(output byte-identical; --out must be storage every Ray node sees at the same path)")
+        g.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="with --executor ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray "
+                            "instance with --workers CPUs)")
+        g.add_argument("--ray-max-retries", type=int, default=3,
+                       help="with --executor ray: times a unit whose worker died is re-run (default %(default)s)")
         g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     @staticmethod
@@ -185,6 +193,9 @@ class Preprocess:
             partition_index=args.partition_index,
             input_hash=args.input_hash,
             input_format=args.input_format,
+            executor=args.executor,
+            ray_address=args.ray_address,
+            ray_max_retries=args.ray_max_retries,
             progress=not args.no_progress,
         )
         result = run_preprocess(cfg)

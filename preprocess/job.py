@@ -59,6 +59,7 @@ INPUTS_SEEN_FILE = "inputs_seen.json"  # where each input was found and its mtim
 DEFAULT_ROWS_PER_SHARD = 1024
 PROGRESS_EVERY_ROWS = 8
 INPUT_HASH_MODES = ("sampled", "full")
+EXECUTORS = ("local", "ray")
 SAMPLE_BLOCK_BYTES = 64 << 10
 SAMPLE_BLOCKS = 16  # files up to SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES (1 MiB) are hashed whole
 PARENT_WATCH_SECONDS = 0.5
@@ -83,6 +84,9 @@ class PreprocessConfig:
     partition_index: int = 0
     input_hash: str = "sampled"
     input_format: str = "auto"  # the rows' layout (preprocess.formats): detected per input, or named
+    executor: str = "local"  # "local": worker processes on this machine; "ray": Ray tasks (preprocess/ray_executor.py)
+    ray_address: str | None = None  # a running Ray cluster to join (None: RAY_ADDRESS, else a local instance)
+    ray_max_retries: int = 3  # times Ray re-runs a unit whose worker died
     progress: bool = True
 
 
@@ -472,6 +476,9 @@ def check_config(cfg: PreprocessConfig) -> None:
     _at_least("--max-image-pixels", cfg.sample.max_image_pixels, 1)
     _at_least("--min-pixels", cfg.min_pixels, 1)
     _at_least("--max-pixels", cfg.max_pixels, 1)
+    if cfg.executor not in EXECUTORS:
+        raise ConfigError(f"--executor must be one of {', '.join(EXECUTORS)}, got {cfg.executor!r}")
+    _at_least("--ray-max-retries", cfg.ray_max_retries, 0)
     if cfg.input_format not in INPUT_FORMATS:
         raise ConfigError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {cfg.input_format!r}")
     if cfg.input_hash not in INPUT_HASH_MODES:
@@ -576,6 +583,15 @@ def _run_units(units: list[WorkUnit], names: dict[str, str], cfg: PreprocessConf
         bar.set_postfix(rejected=rejected, refresh=False)
 
     try:
+        if cfg.executor == "ray":
+            from .ray_executor import run_units_on_ray
+
+            try:
+                run_units_on_ray(units, names, cfg, out, profile, show, _stop_if_asked)
+            except BaseException:
+                _remove_torn_writes(out)
+                raise
+            return
         if cfg.workers <= 1 or len(units) <= 1:
             for unit in units:
                 process_unit(unit, names[unit.input.path], cfg.rows_per_shard, out, profile, cfg.sample, on_rows=show)

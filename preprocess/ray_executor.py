@@ -1,0 +1,99 @@
+"""`vlmpack preprocess --executor ray`: the job's work units as Ray tasks.
+
+The units are the local executor's (same inputs, same `--rows-per-shard`), and a task runs
+the same `process_unit`, so the shards are byte for byte a local run's. Each task writes its
+shard and its unit record into the output directory (shared storage every node mounts at the
+same path) with the same atomic renames; the driver holds the directory's lock, watches the
+tasks, and writes `rejects.jsonl` and the manifest when all are done, as locally.
+
+Faults: a task whose worker dies (killed, out of memory, a lost node) is retried by Ray
+(`--ray-max-retries`, default 3) and redoes its unit from the start (its torn temporary file
+is overwritten); a task that fails with an error is not retried, and the job stops naming it.
+A restarted driver resumes from the committed units like a local job. Without
+`--ray-address` a local Ray instance is started with `--workers` CPUs; with one (or
+`RAY_ADDRESS`), the job joins that cluster and uses all of its CPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import ConfigError
+from .profiles import resolve_profile
+
+TASK_NAME = "vlmpack_preprocess_unit"  # Ray shows it as the worker's process title: ray::<name>
+
+
+@lru_cache(maxsize=2)
+def _worker_profile(profile_args: tuple, fingerprint_id: str):
+    """A worker loads the profile once (from its small spec) for all the units it runs."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    profile = resolve_profile(**dict(profile_args), check_template=False)
+    if profile.fingerprint["id"] != fingerprint_id:
+        raise RuntimeError(f"a Ray worker loaded profile {profile.fingerprint['id']}, the job runs {fingerprint_id}: "
+                           "do all nodes see the same model files?")
+    return profile
+
+
+def _unit_task(unit, name: str, rows_per_unit: int, out: str, profile_args: tuple, fingerprint_id: str, options) -> dict:
+    from .job import process_unit
+
+    return process_unit(unit, name, rows_per_unit, Path(out), _worker_profile(profile_args, fingerprint_id), options)
+
+
+def _absolute(unit):
+    """Paths as every node sees them: absolute (a Ray worker's working directory is its own)."""
+    return dataclasses.replace(unit, input=dataclasses.replace(unit.input, path=os.path.abspath(unit.input.path)))
+
+
+def run_units_on_ray(units, names: dict[str, str], cfg, out: Path, profile, show, stop_if_asked) -> None:
+    """Run `units` as Ray tasks; `show(rows, rejected)` advances the progress bar as units finish."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--executor ray needs Ray: pip install 'vlmpack[ray]'") from None
+    from .job import _profile_args
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+        try:
+            if address:
+                ray.init(address=address, log_to_driver=False, include_dashboard=False)
+            else:
+                ray.init(num_cpus=cfg.workers, log_to_driver=False, include_dashboard=False)
+        except ConnectionError as exc:
+            raise ConfigError(f"--ray-address {address}: cannot join the Ray cluster ({exc})") from None
+    options = cfg.sample
+    if options.media_root is not None:
+        options = dataclasses.replace(options, media_root=os.path.abspath(options.media_root))
+    task = ray.remote(num_cpus=1, max_retries=cfg.ray_max_retries, retry_exceptions=False)(_unit_task).options(
+        name=TASK_NAME)
+    profile_args = tuple(sorted(_profile_args(cfg).items()))
+    pending = {task.remote(_absolute(unit), names[unit.input.path], cfg.rows_per_shard, str(out.resolve()),
+                           profile_args, profile.fingerprint["id"], options): unit for unit in units}
+    try:
+        while pending:
+            stop_if_asked()
+            finished, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.25)
+            for ref in finished:
+                unit = pending.pop(ref)
+                try:
+                    record = ray.get(ref)
+                except ray.exceptions.RayTaskError as exc:
+                    raise RuntimeError(f"unit {unit.index} ({unit.input.path} rows {unit.start}-{unit.stop - 1}) "
+                                       f"failed on Ray: {exc.cause!r}") from None
+                except ray.exceptions.WorkerCrashedError:
+                    raise RuntimeError(f"unit {unit.index}: its Ray worker died {cfg.ray_max_retries + 1} times "
+                                       "(out of memory? see the Ray logs); re-run to resume") from None
+                show(record["rows_read"], record["rows_rejected"])
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        raise
+    finally:
+        if started_here:
+            ray.shutdown()

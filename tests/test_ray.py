@@ -1,0 +1,110 @@
+"""`vlmpack preprocess --executor ray` on a local Ray instance: the same bytes as the local
+executor, also after a Ray worker is killed in the middle of a unit and after the driver
+itself is killed and the job re-run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from preprocess.examples import example_rows, write_jsonl
+from preprocess.job import PreprocessConfig, run_preprocess
+from preprocess.ray_executor import TASK_NAME
+
+pytest.importorskip("ray", reason="the ray extra: pip install -e '.[ray]'")
+
+ROWS_PER_SHARD = 4
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("ray-data") / "rows.jsonl",
+                       example_rows(48, seed=17, size_range=(32, 200), include_bad_rows=True, video_rows=0.1))
+
+
+@pytest.fixture(scope="module")
+def local(data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("local") / "out"
+    run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(out), workers=2, rows_per_shard=ROWS_PER_SHARD,
+                                    progress=False))
+    return out
+
+
+def _outputs(directory: Path) -> dict[str, bytes]:
+    """Shards, rejects and manifest (the work state in _parts/ records timings)."""
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file() and p.name != ".vlmpack.lock"}
+
+
+def _cli(data: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "shards_schema.cli", "preprocess", str(data), "--out", str(out), "--executor", "ray",
+            "--workers", "2", "--rows-per-shard", str(ROWS_PER_SHARD), "--no-progress"]
+
+
+def _task_pids() -> list[int]:
+    """Ray workers running a unit: Ray titles the process `ray::<task name>` while it runs a task."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().startswith(f"ray::{TASK_NAME}".encode()):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _units_committed(out: Path) -> int:
+    return len(list((out / "_parts").glob("unit-*.json"))) if (out / "_parts").is_dir() else 0
+
+
+def test_ray_output_is_the_local_executors_byte_for_byte(data, local, tmp_path):
+    manifest = run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(tmp_path / "ray"), workers=2,
+                                               rows_per_shard=ROWS_PER_SHARD, progress=False, executor="ray"))
+    assert manifest["accounting"]["rows_read"] == 50 and manifest["accounting"]["rows_rejected"] >= 2
+    assert _outputs(tmp_path / "ray") == _outputs(local)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the Ray workers through /proc")
+def test_a_ray_worker_killed_mid_unit_is_retried_and_the_bytes_do_not_change(data, local, tmp_path):
+    out = tmp_path / "ray"
+    job = subprocess.Popen(_cli(data, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    killed, deadline = None, time.time() + 180
+    while killed is None and job.poll() is None and time.time() < deadline:
+        pids = _task_pids()
+        if pids:
+            os.kill(pids[0], signal.SIGKILL)
+            killed = pids[0]
+        time.sleep(0.01)
+    stdout, stderr = job.communicate(timeout=300)
+    assert killed is not None, "no Ray task was seen running: the job ended too soon to test"
+    assert job.returncode == 0, stderr
+    assert "rows:           read 50" in stdout
+    assert _outputs(out) == _outputs(local)
+
+
+def test_a_killed_driver_resumes_from_the_committed_units(data, local, tmp_path):
+    out = tmp_path / "ray"
+    job = subprocess.Popen(_cli(data, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 180
+    while _units_committed(out) < 2 and job.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert job.poll() is None, "the job ended before it could be killed"
+    os.killpg(job.pid, signal.SIGKILL)  # the driver: Ray then ends the instance it started
+    job.wait()
+    deadline = time.time() + 60
+    while _task_pids() and time.time() < deadline:  # a unit in flight may still commit
+        time.sleep(0.1)
+    assert not _task_pids()
+    committed = _units_committed(out)
+    assert 2 <= committed < 13 and not (out / "manifest.json").exists()
+    done = subprocess.run(_cli(data, out), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{committed} already done" in done.stdout
+    assert _outputs(out) == _outputs(local)
