@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import log, machine_info, parser, write_json
+from common import REPO, log, machine_info, parser, write_json
 
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
@@ -50,7 +50,9 @@ def main() -> None:
                 out = tmp / f"{executor}-{r}"
                 if executor == "ray":
                     t0 = time.perf_counter()
-                    ray.init(num_cpus=args.workers, log_to_driver=False, include_dashboard=False)
+                    # the workers import this checkout's code, as the driver does
+                    ray.init(num_cpus=args.workers, log_to_driver=False, include_dashboard=False,
+                             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
                     ray_start_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(out), workers=args.workers,

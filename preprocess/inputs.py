@@ -1,4 +1,6 @@
-"""Input discovery and row reading: JSONL, JSON arrays, Parquet and `datasets` directories.
+"""Input discovery and row reading: JSONL, JSON arrays, Parquet, `datasets` directories and
+Hugging Face Hub datasets (`hf://datasets/ORG/NAME?split=train&config=NAME&revision=REV`,
+loaded through `datasets.load_dataset` into its cache).
 
 The job splits every input into work units of at most `rows_per_shard` consecutive rows.
 A unit is the grain of everything downstream: one worker task, one shard file, one resume
@@ -58,6 +60,57 @@ class WorkUnit:
         return self.stop - self.start - self.blank_lines
 
 
+HUB_PREFIX = "hf://datasets/"
+
+
+def is_hub_dataset(spec: str) -> bool:
+    return spec.startswith(HUB_PREFIX)
+
+
+def parse_hub_spec(spec: str) -> dict:
+    """`hf://datasets/ORG/NAME?split=S&config=C&revision=R` -> load_dataset's arguments (split
+    defaults to train)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    parts = urlsplit(spec)
+    repo = (parts.netloc + parts.path).removeprefix("datasets/").strip("/")
+    query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=False).items()}
+    unknown = sorted(set(query) - {"split", "config", "revision"})
+    if not repo or repo.count("/") > 1 or unknown:
+        raise ConfigError(f"input {spec!r}: write a Hub dataset as hf://datasets/ORG/NAME?split=train&config=NAME"
+                          f"&revision=REV{f' (unknown parameters: {unknown})' if unknown else ''}")
+    return {"path": repo, "name": query.get("config"), "split": query.get("split", "train"),
+            "revision": query.get("revision")}
+
+
+@lru_cache(maxsize=4)
+def load_hub_dataset(spec: str):
+    """The split of a Hub dataset, prepared in the `datasets` cache (downloaded once)."""
+    import datasets
+    import huggingface_hub
+
+    args = parse_hub_spec(spec)
+    huggingface_hub.utils.logging.set_verbosity_error()  # its retry warnings: the error below says it once
+    try:
+        dataset = datasets.load_dataset(**args)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"input {spec}: dataset not found ({exc}); check the name, or log in (hf auth login) "
+                          "for a private or gated one") from None
+    except ValueError as exc:  # an unknown split or config
+        raise ConfigError(f"input {spec}: {exc}") from None
+    except (ConnectionError, OSError) as exc:
+        raise ConfigError(f"input {spec}: cannot reach the Hugging Face Hub ({exc}); check the network, "
+                          "or HF_ENDPOINT / proxy settings") from None
+    if not isinstance(dataset, datasets.Dataset):
+        raise ConfigError(f"input {spec}: name one split (?split=...), got {type(dataset).__name__}")
+    return dataset
+
+
+def hub_dataset_files(spec: str) -> list[Path]:
+    """The prepared Arrow files of a Hub dataset split (what its content fingerprint hashes)."""
+    return sorted(Path(f["filename"]) for f in load_hub_dataset(spec).cache_files)
+
+
 def detect_format(path: Path) -> str:
     if path.is_dir():
         if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
@@ -106,9 +159,12 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
     """The input's size, rows and units; its row layout is `input_format`, or with "auto" the
     layout of its first row (table inputs: of its column names)."""
     path = Path(path_str)
-    if not path.exists():
+    if is_hub_dataset(path_str):
+        fmt = "hf_hub"
+    elif not path.exists():
         raise ConfigError(f"input {path_str} does not exist")
-    fmt = detect_format(path)
+    else:
+        fmt = detect_format(path)
     offsets: tuple[int, ...] = ()
     blanks: tuple[int, ...] = ()
     if fmt == "jsonl":
@@ -122,11 +178,14 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
 
         rows = pq.ParquetFile(path).metadata.num_rows
         size = path.stat().st_size
+    elif fmt == "hf_hub":
+        rows = len(load_hub_dataset(path_str))
+        size = sum(p.stat().st_size for p in hub_dataset_files(path_str))
     else:
         rows = len(_load_dataset(path))
         size = sum(p.stat().st_size for p in path.glob("*.arrow"))
     if input_format == "auto":
-        row_format = detect_row_format(_first_row(path, fmt, offsets))
+        row_format = detect_row_format(_first_row(path_str, fmt, offsets))
     elif input_format in ROW_FORMATS:
         row_format = input_format
     else:
@@ -135,9 +194,12 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
                      row_format=row_format)
 
 
-def _first_row(path: Path, fmt: str, offsets: tuple[int, ...]):
+def _first_row(path_str: str, fmt: str, offsets: tuple[int, ...]):
     """The first row (JSONL, JSON) or the column names (Parquet, datasets) that name an input's
     layout; None when there is none to look at (an empty input, a first line that is not JSON)."""
+    path = Path(path_str)
+    if fmt == "hf_hub":
+        return load_hub_dataset(path_str).column_names
     if fmt == "jsonl":
         with open(path, "rb") as fh:
             for line in fh:
@@ -197,6 +259,8 @@ def read_rows(unit: WorkUnit, rows_per_unit: int) -> Iterator[tuple[int, object]
         rows = _load_json_array(inp.path)[unit.start : unit.stop]
     elif inp.format == "parquet":
         rows = _parquet_rows(inp.path, unit.start, unit.stop)
+    elif inp.format == "hf_hub":
+        rows = load_hub_dataset(inp.path).with_format("arrow")[unit.start : unit.stop].to_pylist()
     else:
         table = _load_dataset(Path(inp.path)).with_format("arrow")[unit.start : unit.stop]
         rows = table.to_pylist()

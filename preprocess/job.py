@@ -50,7 +50,7 @@ from shards_schema.writer import ShardWriter, file_sha256
 
 from .errors import ConfigError, RejectError
 from .formats import INPUT_FORMATS, to_openai_row
-from .inputs import InputFile, WorkUnit, describe_input, plan_units, read_rows
+from .inputs import InputFile, WorkUnit, describe_input, hub_dataset_files, is_hub_dataset, plan_units, read_rows
 from .pipeline import SampleOptions, process_row
 from .profiles import Profile, resolve_profile
 
@@ -285,7 +285,10 @@ def input_name(given: str) -> str:
 
 
 def _input_files(path: Path) -> list[Path]:
-    """The files an input consists of (a `datasets` directory: its data and metadata files)."""
+    """The files an input consists of (a `datasets` directory: its data and metadata files; a
+    Hub dataset: its prepared Arrow files in the `datasets` cache)."""
+    if is_hub_dataset(str(path)):
+        return hub_dataset_files(str(path))
     if path.is_dir():
         return sorted(p for p in path.iterdir() if p.is_file())
     return [path]
@@ -312,7 +315,7 @@ def input_fingerprint(path: str, mode: str) -> tuple[dict, int]:
     mode, where an edit between sampled blocks would otherwise go unseen.
     """
     digest = hashlib.sha256()
-    files = _input_files(Path(path))
+    files = _input_files(path if is_hub_dataset(path) else Path(path))
     for file in files:
         _hash_file(file, mode, digest)
     mtime_ns = max((f.stat().st_mtime_ns for f in files), default=0)
@@ -337,6 +340,8 @@ class JobInput:
 def describe_job_input(given: str, rows_per_unit: int, hash_mode: str, input_format: str = "auto") -> JobInput:
     file = describe_input(given, rows_per_unit, input_format)
     fingerprint, mtime_ns = input_fingerprint(given, hash_mode)
+    if is_hub_dataset(given):  # a name, not a path
+        return JobInput(file, given, given, fingerprint, mtime_ns)
     return JobInput(file, input_name(given), printable_path(os.path.realpath(given)), fingerprint, mtime_ns)
 
 

@@ -46,6 +46,10 @@ def _unit_task(unit, name: str, rows_per_unit: int, out: str, profile_args: tupl
 
 def _absolute(unit):
     """Paths as every node sees them: absolute (a Ray worker's working directory is its own)."""
+    from .inputs import is_hub_dataset
+
+    if is_hub_dataset(unit.input.path):
+        return unit
     return dataclasses.replace(unit, input=dataclasses.replace(unit.input, path=os.path.abspath(unit.input.path)))
 
 

@@ -224,3 +224,55 @@ def test_each_input_is_detected_or_named_and_a_job_keeps_going(tmp_path):
     named = run_preprocess(PreprocessConfig(inputs=[inputs[0]], out=str(tmp_path / "named"), workers=1, progress=False,
                                             input_format="openai", sample=SampleOptions(media_root=str(tmp_path / "media"))))
     assert named["accounting"]["rejects_by_reason"] == {"no_messages": 3}
+
+
+def test_hub_dataset_by_name_with_split_config_and_image_features(tmp_path, monkeypatch, capsys):
+    """`hf://datasets/ORG/NAME?config=...&split=...` goes through `datasets.load_dataset`, the
+    same path as a Hub repository; here the repository (Parquet data files per config and
+    split, declared in its README as on the Hub) is written to disk by the test and found
+    there, offline. Its `Image` features are read as embedded bytes, and the samples equal the
+    same rows given as a JSONL file with the images as files."""
+    import datasets
+
+    monkeypatch.chdir(tmp_path)
+    repo = tmp_path / "acme" / "charts"
+    (repo / "qa").mkdir(parents=True)
+    (tmp_path / "media").mkdir()
+    features = datasets.Features({
+        "id": datasets.Value("string"),
+        "messages": [{"role": datasets.Value("string"),
+                      "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}],
+        "images": datasets.Sequence(datasets.Image())})
+    rows, jsonl_rows = {"train": [], "test": []}, []
+    for k in range(10):
+        split = "test" if k % 3 == 0 else "train"
+        data = _image_bytes(100 + k)
+        messages = [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": f"Chart {k}?"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": f"It shows {k}."}]}]
+        rows[split].append({"id": f"c{k}", "messages": messages, "images": [{"bytes": data, "path": None}]})
+        if split == "test":
+            (tmp_path / "media" / f"c{k}.png").write_bytes(data)
+            jsonl_rows.append({"id": f"c{k}", "messages": messages, "images": [f"c{k}.png"]})
+    for split, split_rows in rows.items():
+        datasets.Dataset.from_list(split_rows, features=features).to_parquet(str(repo / "qa" / f"{split}.parquet"))
+    (repo / "README.md").write_text("---\nconfigs:\n- config_name: qa\n  data_files:\n  - split: train\n"
+                                    "    path: qa/train.parquet\n  - split: test\n    path: qa/test.parquet\n---\n")
+    spec = "hf://datasets/acme/charts?config=qa&split=test"
+    manifest = run_preprocess(PreprocessConfig(inputs=[spec], out="hub", workers=1, progress=False))
+    assert manifest["accounting"]["inputs"][0]["path"] == spec
+    assert manifest["accounting"]["inputs"][0]["row_format"] == "swift"
+    assert manifest["accounting"]["rows_written"] == len(rows["test"]) == 4
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in jsonl_rows))
+    run_preprocess(PreprocessConfig(inputs=["rows.jsonl"], out="local", workers=1, progress=False,
+                                    sample=SampleOptions(media_root=str(tmp_path / "media"))))
+    hub, local = open_shards(tmp_path / "hub"), open_shards(tmp_path / "local")
+    for i in range(4):
+        for key in ("input_ids", "loss_mask", "position_ids", "pixel_patches", "image_grid_thw"):
+            assert np.array_equal(hub[i][key], local[i][key]), key
+    # a split that is not there: one line naming the input, exit 2
+    from shards_schema.cli import main
+
+    capsys.readouterr()
+    code = main(["preprocess", "hf://datasets/acme/charts?config=qa&split=validation", "--out", "bad", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "split=validation" in err and "validation" in err.split(":", 2)[-1], err
