@@ -69,6 +69,9 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--loss-policy", default="all_assistant", choices=["all_assistant", "last_assistant"],
                    help="which assistant turns are targets: every one (default) or only the last")
     g.add_argument("--media-root", default=None, help="directory that image file paths resolve under (never outside it)")
+    g.add_argument("--allow-remote-media", action="store_true",
+                   help="fetch media given as s3://, gs://, hf:// or https:// URLs (through fsspec, credentials from "
+                        "each store's environment; off by default: a URL is rejected as remote_url)")
     g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, help="reject images with more pixels (decompression bombs)")
 
     def positive_bytes(text: str) -> int:
@@ -124,6 +127,7 @@ def _sample_options(args) -> SampleOptions:
         truncate=args.truncate,
         loss_policy=args.loss_policy,
         media_root=args.media_root,
+        allow_remote_media=args.allow_remote_media,
         max_image_pixels=args.max_image_pixels,
         max_media_bytes=args.max_media_bytes,
         max_video_bytes=args.max_video_bytes,

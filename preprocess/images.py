@@ -98,10 +98,10 @@ _NAMED_SUBTYPES = set(_FORMAT_SUBTYPE.values()) | {"avif", "heic", "heif", "jxl"
 
 
 def resolve_image_source(
-    source: str, media_root: Path | None, max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
+    source: str, media_root: Path | None, max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES, allow_remote: bool = False
 ) -> bytes:
     """The encoded image bytes an image reference points at (`preprocess.media.resolve_media`)."""
-    resolved = resolve_media(source, media_root, max_media_bytes, kind="image")
+    resolved = resolve_media(source, media_root, max_media_bytes, kind="image", allow_remote=allow_remote)
     return resolved if isinstance(resolved, bytes) else read_media_file(resolved, max_media_bytes, "image")
 
 
@@ -299,9 +299,10 @@ def open_image_source(
     media_root: Path | None = None,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
+    allow_remote: bool = False,
 ) -> Image.Image:
     """Image reference of a chat part -> a header-checked image (`open_image`), pixels not decoded."""
-    data = resolve_image_source(source, media_root, max_media_bytes)
+    data = resolve_image_source(source, media_root, max_media_bytes, allow_remote)
     return open_image(data, max_image_pixels=max_image_pixels, declared=declared_type(source))
 
 

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlsplit
+
+from shards_schema import storage
 
 from .errors import ConfigError, RejectError
 from .formats import ROW_FORMATS, detect_row_format
@@ -133,11 +136,11 @@ def _is_blank(line: bytes) -> bool:
     return line[:1] in _WHITESPACE and not line.strip()
 
 
-def _scan_jsonl(path: Path, rows_per_unit: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+def _scan_jsonl(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """Count lines, remember where every unit starts and how many of its lines are blank,
     reading the file once in binary."""
     offsets, blanks, position, rows = [], [], 0, 0
-    with open(path, "rb") as fh:
+    with storage.open_binary(path) as fh:
         for line in fh:
             if rows % rows_per_unit == 0:
                 offsets.append(position)
@@ -159,25 +162,32 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
     """The input's size, rows and units; its row layout is `input_format`, or with "auto" the
     layout of its first row (table inputs: of its column names)."""
     path = Path(path_str)
+    remote = storage.is_url(path_str) and not is_hub_dataset(path_str)
     if is_hub_dataset(path_str):
         fmt = "hf_hub"
+    elif remote:
+        fmt = _SUFFIX_FORMAT.get(Path(urlsplit(path_str).path).suffix.lower())
+        if fmt is None:
+            raise ConfigError(f"{storage.redact(path_str)}: unknown input format; a URL input is a .jsonl, .json or "
+                              ".parquet file")
+        storage.info(path_str)  # there and readable, or a StorageError naming why not
     elif not path.exists():
         raise ConfigError(f"input {path_str} does not exist")
     else:
         fmt = detect_format(path)
     offsets: tuple[int, ...] = ()
     blanks: tuple[int, ...] = ()
+    if fmt in ("jsonl", "json", "parquet"):
+        size = storage.info(path_str)["size"] if remote else path.stat().st_size
     if fmt == "jsonl":
-        rows, offsets, blanks = _scan_jsonl(path, rows_per_unit)
-        size = path.stat().st_size
+        rows, offsets, blanks = _scan_jsonl(path_str, rows_per_unit)
     elif fmt == "json":
-        rows = len(_load_json_array(str(path)))
-        size = path.stat().st_size
+        rows = len(_load_json_array(path_str))
     elif fmt == "parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.ParquetFile(path).metadata.num_rows
-        size = path.stat().st_size
+        with storage.open_binary(path_str) as fh:
+            rows = pq.ParquetFile(fh).metadata.num_rows
     elif fmt == "hf_hub":
         rows = len(load_hub_dataset(path_str))
         size = sum(p.stat().st_size for p in hub_dataset_files(path_str))
@@ -185,7 +195,7 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
         rows = len(_load_dataset(path))
         size = sum(p.stat().st_size for p in path.glob("*.arrow"))
     if input_format == "auto":
-        row_format = detect_row_format(_first_row(path_str, fmt, offsets))
+        row_format = detect_row_format(_first_row(path_str, fmt))
     elif input_format in ROW_FORMATS:
         row_format = input_format
     else:
@@ -194,14 +204,13 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
                      row_format=row_format)
 
 
-def _first_row(path_str: str, fmt: str, offsets: tuple[int, ...]):
+def _first_row(path_str: str, fmt: str):
     """The first row (JSONL, JSON) or the column names (Parquet, datasets) that name an input's
     layout; None when there is none to look at (an empty input, a first line that is not JSON)."""
-    path = Path(path_str)
     if fmt == "hf_hub":
         return load_hub_dataset(path_str).column_names
     if fmt == "jsonl":
-        with open(path, "rb") as fh:
+        with storage.open_binary(path_str) as fh:
             for line in fh:
                 if not _is_blank(line):
                     try:
@@ -210,13 +219,14 @@ def _first_row(path_str: str, fmt: str, offsets: tuple[int, ...]):
                         return None
         return None
     if fmt == "json":
-        rows = _load_json_array(str(path))
+        rows = _load_json_array(path_str)
         return rows[0] if rows else None
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path).schema_arrow.names
-    return _load_dataset(path).column_names
+        with storage.open_binary(path_str) as fh:
+            return pq.ParquetFile(fh).schema_arrow.names
+    return _load_dataset(Path(path_str)).column_names
 
 
 def plan_units(inputs: list[InputFile], rows_per_unit: int) -> list[WorkUnit]:
@@ -231,8 +241,8 @@ def plan_units(inputs: list[InputFile], rows_per_unit: int) -> list[WorkUnit]:
 @lru_cache(maxsize=2)
 def _load_json_array(path: str) -> list:
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        with storage.open_binary(path) as fh:
+            data = json.loads(fh.read().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc}); for one conversation per line use .jsonl") from exc
     if not isinstance(data, list):
@@ -244,7 +254,7 @@ def read_rows(unit: WorkUnit, rows_per_unit: int) -> Iterator[tuple[int, object]
     """Yield (row index, parsed row or RejectError) for every row of the unit, in order."""
     inp = unit.input
     if inp.format == "jsonl":
-        with open(inp.path, "rb") as fh:
+        with storage.open_binary(inp.path) as fh:
             fh.seek(inp.line_offsets[unit.start // rows_per_unit])
             for row in range(unit.start, unit.stop):
                 line = fh.readline()
@@ -270,7 +280,11 @@ def read_rows(unit: WorkUnit, rows_per_unit: int) -> Iterator[tuple[int, object]
 def _parquet_rows(path: str, start: int, stop: int) -> list:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    with storage.open_binary(path) as fh:
+        return _parquet_slice(pq.ParquetFile(fh), start, stop)
+
+
+def _parquet_slice(pf, start: int, stop: int) -> list:
     groups, first_row, row = [], None, 0
     for g in range(pf.metadata.num_row_groups):
         n = pf.metadata.row_group(g).num_rows

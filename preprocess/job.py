@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shards_schema import storage
 from shards_schema.atomic import TMP_SUFFIX, write_json_atomic, write_jsonl_atomic
 from shards_schema.errors import UserError, user_error_from_os_error
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, build_manifest
@@ -284,20 +285,28 @@ def input_name(given: str) -> str:
     return printable_path(name)
 
 
-def _input_files(path: Path) -> list[Path]:
+def _input_files(spec: str) -> list[str]:
     """The files an input consists of (a `datasets` directory: its data and metadata files; a
-    Hub dataset: its prepared Arrow files in the `datasets` cache)."""
-    if is_hub_dataset(str(path)):
-        return hub_dataset_files(str(path))
-    if path.is_dir():
-        return sorted(p for p in path.iterdir() if p.is_file())
-    return [path]
+    Hub dataset: its prepared Arrow files in the `datasets` cache; a URL: itself)."""
+    if is_hub_dataset(spec):
+        return [str(p) for p in hub_dataset_files(spec)]
+    if not storage.is_url(spec) and Path(spec).is_dir():
+        return sorted(str(p) for p in Path(spec).iterdir() if p.is_file())
+    return [spec]
 
 
-def _hash_file(path: Path, mode: str, digest) -> None:
-    size = path.stat().st_size
-    digest.update(os.fsencode(path.name) + b"\0" + str(size).encode() + b"\0")
-    with open(path, "rb") as fh:
+def _stat(spec: str) -> dict:
+    """{"size", "mtime_ns"} of a local file or a URL."""
+    if storage.is_url(spec):
+        return storage.info(spec)
+    st = os.stat(spec)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _hash_file(spec: str, size: int, mode: str, digest) -> None:
+    name = spec.rsplit("/", 1)[-1] if storage.is_url(spec) else os.path.basename(spec)
+    digest.update(os.fsencode(name) + b"\0" + str(size).encode() + b"\0")
+    with storage.open_binary(spec) as fh:
         if mode == "full" or size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
             while chunk := fh.read(1 << 20):
                 digest.update(chunk)
@@ -315,10 +324,10 @@ def input_fingerprint(path: str, mode: str) -> tuple[dict, int]:
     mode, where an edit between sampled blocks would otherwise go unseen.
     """
     digest = hashlib.sha256()
-    files = _input_files(path if is_hub_dataset(path) else Path(path))
-    for file in files:
-        _hash_file(file, mode, digest)
-    mtime_ns = max((f.stat().st_mtime_ns for f in files), default=0)
+    stats = [(file, _stat(file)) for file in _input_files(path)]
+    for file, stat in stats:
+        _hash_file(file, stat["size"], mode, digest)
+    mtime_ns = max((stat["mtime_ns"] for _, stat in stats), default=0)
     return {"mode": mode, "sha256": digest.hexdigest()}, mtime_ns
 
 
@@ -340,8 +349,8 @@ class JobInput:
 def describe_job_input(given: str, rows_per_unit: int, hash_mode: str, input_format: str = "auto") -> JobInput:
     file = describe_input(given, rows_per_unit, input_format)
     fingerprint, mtime_ns = input_fingerprint(given, hash_mode)
-    if is_hub_dataset(given):  # a name, not a path
-        return JobInput(file, given, given, fingerprint, mtime_ns)
+    if is_hub_dataset(given) or storage.is_url(given):  # a name, not a path; recorded without credentials
+        return JobInput(file, storage.redact(given), storage.redact(given), fingerprint, mtime_ns)
     return JobInput(file, input_name(given), printable_path(os.path.realpath(given)), fingerprint, mtime_ns)
 
 

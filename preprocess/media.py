@@ -2,8 +2,9 @@
 
 Which kind a reference string is, decided from the string alone (no file-system probing):
 
-* `scheme://...` -> a URL: `file://` is read as a local path, anything else (http, https,
-  ftp, s3, ...) is rejected: batch jobs never fetch;
+* `scheme://...` -> a URL: `file://` is read as a local path; anything else (s3, gs, hf,
+  https, ...) is rejected (`remote_url`) unless the job opts in with `--allow-remote-media`,
+  then fetched through fsspec (`shards_schema.storage`) under the same byte cap;
 * `data:...;base64,...` -> a data URI;
 * only base64 characters (A-Z a-z 0-9 + / = - _ and whitespace) AND either longer than 256
   characters or starting like an encoded PNG/JPEG/GIF/WebP -> raw base64 (a path of
@@ -31,6 +32,8 @@ import stat
 from pathlib import Path
 from urllib.parse import unquote
 
+from shards_schema.storage import StorageError, read_bytes, redact
+
 from .errors import RejectError
 
 # Bytes of one image file (or of a data URI's / base64 string's decoded data): checked before
@@ -48,7 +51,8 @@ _LONG_BASE64 = 256
 _FLAG = {"image": "--max-media-bytes", "video": "--max-video-bytes"}
 
 
-def resolve_media(source: str, media_root: Path | None, max_bytes: int, *, kind: str) -> bytes | Path:
+def resolve_media(source: str, media_root: Path | None, max_bytes: int, *, kind: str,
+                  allow_remote: bool = False) -> bytes | Path:
     """The bytes of an inline reference (data URI, base64, embedded bytes), or the checked path
     of a local file (not read). `kind` ("image" or "video") names the reference in messages."""
     if isinstance(source, dict) and ("bytes" in source or "path" in source):
@@ -66,9 +70,12 @@ def resolve_media(source: str, media_root: Path | None, max_bytes: int, *, kind:
     if _URL_SCHEME.match(source):
         if source[:7].lower() == "file://":
             return media_file(unquote(source[7:]), media_root, max_bytes, kind)
+        if allow_remote:
+            return _fetch(source, max_bytes, kind)
         raise RejectError(
             "remote_url",
-            f"{source[:80]!r} is a URL: batch jobs do not fetch; download the {kind}s and pass --media-root",
+            f"{redact(source)[:80]!r} is a URL: fetching is off; pass --allow-remote-media, or download the {kind}s "
+            "and pass --media-root",
         )
     if source[:5].lower() == "data:":
         comma = source.find(",")
@@ -79,6 +86,18 @@ def resolve_media(source: str, media_root: Path | None, max_bytes: int, *, kind:
     if _looks_like_base64(source):
         return _b64decode(source, max_bytes, f"base64 {kind}", kind)
     return media_file(source, media_root, max_bytes, kind)
+
+
+_FETCH_CODES = {"not_found": "remote_not_found", "denied": "remote_denied", "unreachable": "remote_unreachable",
+                "too_large": "media_too_large"}
+
+
+def _fetch(url: str, max_bytes: int, kind: str) -> bytes:
+    try:
+        return read_bytes(url, max_bytes)
+    except StorageError as exc:
+        flag = f" ({_FLAG[kind]})" if exc.kind == "too_large" else ""
+        raise RejectError(_FETCH_CODES[exc.kind], f"{kind} {exc}{flag}") from None
 
 
 def declared_type(source: str) -> str | None:

@@ -38,6 +38,7 @@ class SampleOptions:
     truncate: bool = False
     loss_policy: str = "all_assistant"
     media_root: str | None = None
+    allow_remote_media: bool = False  # fetch s3://, gs://, hf://, https:// media (off: batch jobs do not fetch)
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
     max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
@@ -188,9 +189,9 @@ def _open_videos(rendered, profile: Profile, options: SampleOptions) -> tuple[li
             with _named_rejects(f"video {k}"):
                 reader = open_video_source(
                     part.source, request=part.request, media_root=options.media_root,
-                    max_video_bytes=options.max_video_bytes,
+                    max_video_bytes=options.max_video_bytes, allow_remote=options.allow_remote_media,
                     open_image=lambda source: open_image_source(source, options.media_root, options.max_image_pixels,
-                                                                options.max_media_bytes),
+                                                                options.max_media_bytes, options.allow_remote_media),
                     decode_image=decode_opened)
                 readers.append(reader)
                 plans.append(_plan_fitting(reader.info, part, profile, options))  # (plan, its tokens)
@@ -233,7 +234,8 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
     for k, image_source in enumerate(rendered.image_sources):
         with _named_rejects(f"image {k}"):
             image = open_image_source(
-                image_source, options.media_root, options.max_image_pixels, options.max_media_bytes
+                image_source, options.media_root, options.max_image_pixels, options.max_media_bytes,
+                options.allow_remote_media,
             )
             header_grids.append(header_grid(image, vision))
         images.append(image)

@@ -46,9 +46,9 @@ def _unit_task(unit, name: str, rows_per_unit: int, out: str, profile_args: tupl
 
 def _absolute(unit):
     """Paths as every node sees them: absolute (a Ray worker's working directory is its own)."""
-    from .inputs import is_hub_dataset
+    from shards_schema.storage import is_url
 
-    if is_hub_dataset(unit.input.path):
+    if is_url(unit.input.path):  # hf://, s3://, ...: the same everywhere
         return unit
     return dataclasses.replace(unit, input=dataclasses.replace(unit.input, path=os.path.abspath(unit.input.path)))
 

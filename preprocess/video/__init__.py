@@ -198,7 +198,8 @@ class FrameList:
         self._images = []
 
 
-def open_video_source(source, *, request: VideoRequest, media_root, max_video_bytes: int, open_image, decode_image):
+def open_video_source(source, *, request: VideoRequest, media_root, max_video_bytes: int, open_image, decode_image,
+                      allow_remote: bool = False):
     """A video part's source -> an object with `info` (a `VideoInfo`), `frames(indices)` and
     `close()`: a `VideoReader` on a file or inline bytes, or a `FrameList`."""
     from ..media import resolve_media
@@ -206,4 +207,4 @@ def open_video_source(source, *, request: VideoRequest, media_root, max_video_by
     if isinstance(source, list):
         fps = request.fps if request.fps is not None else DEFAULT_FRAME_LIST_FPS
         return FrameList(source, fps, open_image, decode_image)
-    return VideoReader(resolve_media(source, media_root, max_video_bytes, kind="video"))
+    return VideoReader(resolve_media(source, media_root, max_video_bytes, kind="video", allow_remote=allow_remote))
