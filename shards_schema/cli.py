@@ -25,6 +25,8 @@ COMMANDS = {
     "train": ("train.trainer:Train", "train on shard directories (launch with torchrun: one process per GPU)"),
     "import-hf": ("train.cli:ImportHF", "Hugging Face Qwen-VL checkpoint -> Megatron model directory (any TP/PP)"),
     "export-hf": ("train.cli:ExportHF", "Megatron model directory -> Hugging Face checkpoint"),
+    "fetch": ("shards_schema.fetch:Fetch", "copy a shard directory from an object store (s3://, gs://, ...) to local "
+                                           "disk, checked against its manifest"),
     "export": ("shards_schema.webdataset.command:Export", "shard directory -> WebDataset tar shards"),
     "import": ("shards_schema.webdataset.command:Import", "WebDataset tar shards -> shard directory"),
 }

@@ -1,0 +1,229 @@
+"""Object stores against a real S3 API served locally (moto's server, reached over HTTP by
+s3fs exactly as AWS would be): inputs and media read from s3:// and from pre-signed https://
+URLs, names recorded without their credentials, a missing or unreachable bucket named in one
+line, media fetched only when the job opts in, and `vlmpack fetch` bringing a shard directory
+down checked against its manifest, resuming, and refusing a damaged shard."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from preprocess.examples import example_rows, synthetic_image, write_jsonl
+from preprocess.job import PreprocessConfig, run_preprocess
+from preprocess.pipeline import SampleOptions
+from shards_schema import open_shards
+from shards_schema.storage import redact
+
+pytest.importorskip("moto", reason="the test extra: moto's S3 server")
+pytest.importorskip("s3fs", reason="the test extra: s3fs")
+
+ENV = {"AWS_ACCESS_KEY_ID": "testing-key-id", "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
+       "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A local S3 endpoint; the standard environment variables point the clients at it."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in (*ENV, "FSSPEC_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL")}
+    os.environ.update(ENV, FSSPEC_S3_ENDPOINT_URL=endpoint, AWS_ENDPOINT_URL=endpoint)
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="data")
+    yield client, endpoint
+    server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _image_png(seed: int) -> bytes:
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    synthetic_image(np.random.default_rng(seed), 96, 64).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _rows_with_urls(urls: list[str]) -> list[dict]:
+    return [{"id": f"r{k}", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}]},
+        {"role": "assistant", "content": "A picture."}]} for k, url in enumerate(urls)]
+
+
+def _outputs(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file() and p.name != ".vlmpack.lock"}
+
+
+def test_inputs_from_s3_equal_the_same_files_on_disk(s3, tmp_path):
+    client, _ = s3
+    data = write_jsonl(tmp_path / "rows.jsonl", example_rows(20, seed=4, size_range=(32, 128), include_bad_rows=True))
+    client.upload_file(str(data), "data", "in/rows.jsonl")
+    remote = run_preprocess(PreprocessConfig(inputs=["s3://data/in/rows.jsonl"], out=str(tmp_path / "remote"),
+                                             workers=2, rows_per_shard=8, progress=False))
+    local = run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(tmp_path / "local"), workers=1,
+                                            rows_per_shard=8, progress=False))
+    assert remote["accounting"]["inputs"][0]["path"] == "s3://data/in/rows.jsonl"
+    assert remote["accounting"]["inputs"][0]["fingerprint"] == local["accounting"]["inputs"][0]["fingerprint"]
+    a, b = open_shards(tmp_path / "remote"), open_shards(tmp_path / "local")
+    assert len(a) == len(b) == 20
+    for i in range(len(a)):  # the same samples; only `source` names the input differently
+        assert a[i]["source"] == b[i]["source"].replace(str(data), "s3://data/in/rows.jsonl")
+        for key in ("input_ids", "loss_mask", "position_ids", "pixel_patches", "image_grid_thw"):
+            assert (a[i][key] == b[i][key]).all(), key
+
+
+def test_media_from_s3_and_presigned_urls_only_when_allowed_and_never_recording_credentials(s3, tmp_path):
+    client, _ = s3
+    client.put_object(Bucket="data", Key="img/a.png", Body=_image_png(1))
+    presigned = client.generate_presigned_url("get_object", Params={"Bucket": "data", "Key": "img/a.png"}, ExpiresIn=600)
+    assert "Signature=" in presigned
+    urls = ["s3://data/img/a.png", presigned, "s3://data/img/missing.png", "s3://no-such-bucket/a.png"]
+    rows = write_jsonl(tmp_path / "rows.jsonl", _rows_with_urls(urls))
+    client.upload_file(str(rows), "data", "in/media.jsonl")
+    signed_input = client.generate_presigned_url("get_object", Params={"Bucket": "data", "Key": "in/media.jsonl"},
+                                                 ExpiresIn=600)
+    off = run_preprocess(PreprocessConfig(inputs=[str(rows)], out=str(tmp_path / "off"), workers=1, progress=False))
+    assert off["accounting"]["rejects_by_reason"] == {"remote_url": 4}
+    on = run_preprocess(PreprocessConfig(inputs=[signed_input], out=str(tmp_path / "on"), workers=1, progress=False,
+                                         sample=SampleOptions(allow_remote_media=True)))
+    assert on["accounting"]["rows_written"] == 2
+    assert on["accounting"]["rejects_by_reason"] == {"remote_not_found": 2}
+    recorded = "".join(p.read_text() for p in (tmp_path / "on").rglob("*.json*"))
+    for secret in ("Signature", "Credential", ENV["AWS_ACCESS_KEY_ID"], ENV["AWS_SECRET_ACCESS_KEY"]):
+        assert secret not in recorded, secret
+    assert on["accounting"]["inputs"][0]["path"] == redact(signed_input)
+    assert "Signature" not in redact(signed_input) and "AccessKeyId" not in redact(signed_input)
+    shards = open_shards(tmp_path / "on")
+    assert shards[0]["pixel_patches"].tobytes() == shards[1]["pixel_patches"].tobytes()  # the same image both ways
+    inline = write_jsonl(tmp_path / "inline.jsonl", _rows_with_urls(["data:image/png;base64," + base64.b64encode(
+        _image_png(1)).decode()]))
+    run_preprocess(PreprocessConfig(inputs=[str(inline)], out=str(tmp_path / "inline"), workers=1, progress=False))
+    assert open_shards(tmp_path / "inline")[0]["pixel_patches"].tobytes() == shards[0]["pixel_patches"].tobytes()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", ["no_bucket", "no_object", "unreachable"])
+def test_an_input_that_cannot_be_read_is_one_line_exit_2(case, s3, tmp_path):
+    _, endpoint = s3
+    url = {"no_bucket": "s3://no-such-bucket/rows.jsonl", "no_object": "s3://data/nothing-here.jsonl",
+           "unreachable": "s3://data/rows.jsonl"}[case]
+    env = dict(os.environ)
+    if case == "unreachable":
+        env["FSSPEC_S3_ENDPOINT_URL"] = env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{_closed_port()}"
+        env["AWS_MAX_ATTEMPTS"] = "1"
+    done = subprocess.run([sys.executable, "-m", "shards_schema.cli", "preprocess", url, "--out", str(tmp_path / "o"),
+                           "--no-progress"], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and url in lines[0], done.stderr
+    assert {"no_bucket": "does not exist", "no_object": "does not exist", "unreachable": "cannot reach"}[case] in lines[0]
+
+
+def _upload_dir(client, directory: Path, prefix: str) -> None:
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and path.name != ".vlmpack.lock":
+            client.upload_file(str(path), "data", f"{prefix}/{path.relative_to(directory).as_posix()}")
+
+
+def test_fetch_checks_every_shard_resumes_and_refuses_a_damaged_one(s3, tmp_path):
+    from shards_schema import verify_shards
+    from shards_schema.fetch import FetchMismatch, fetch
+
+    client, _ = s3
+    data = write_jsonl(tmp_path / "rows.jsonl", example_rows(16, seed=9, size_range=(32, 96), include_bad_rows=True))
+    run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(tmp_path / "made"), workers=1, rows_per_shard=4,
+                                    progress=False))
+    _upload_dir(client, tmp_path / "made", "shards")
+    done = fetch("s3://data/shards", tmp_path / "got", progress=False)
+    assert done["fetched"] == len(json.loads((tmp_path / "made" / "manifest.json").read_text())["shards"]) > 2
+    assert _outputs(tmp_path / "got") == {k: v for k, v in _outputs(tmp_path / "made").items()}
+    assert verify_shards(tmp_path / "got").ok
+    assert fetch("s3://data/shards", tmp_path / "got", progress=False)["up_to_date"]
+    # an interrupted fetch: no manifest yet, one shard there, one torn; the re-run keeps the good one
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    names = sorted(p.name for p in (tmp_path / "made").glob("shard-*.arrow"))
+    (partial / names[0]).write_bytes((tmp_path / "made" / names[0]).read_bytes())
+    (partial / (names[1] + ".tmp")).write_bytes(b"torn")
+    resumed = fetch("s3://data/shards", partial, progress=False)
+    assert resumed["kept"] == 1 and resumed["fetched"] == len(names) - 1
+    assert _outputs(partial) == _outputs(tmp_path / "made")
+    # a shard in the store that does not match the manifest: exit 1, no manifest, nothing of it kept
+    bad = bytearray((tmp_path / "made" / names[1]).read_bytes())
+    bad[len(bad) // 2] ^= 0xFF
+    client.put_object(Bucket="data", Key=f"shards/{names[1]}", Body=bytes(bad))
+    with pytest.raises(FetchMismatch, match="does not match the manifest"):
+        fetch("s3://data/shards", tmp_path / "damaged", progress=False)
+    assert not (tmp_path / "damaged" / "manifest.json").exists() and not (tmp_path / "damaged" / names[1]).exists()
+    cli = subprocess.run([sys.executable, "-m", "shards_schema.cli", "fetch", "s3://data/shards", str(tmp_path / "d2"),
+                          "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 1 and cli.stderr.count("\n") == 1 and "the source is damaged" in cli.stderr
+
+
+@pytest.fixture(scope="module")
+def locked_s3(tmp_path_factory):
+    """A second S3 endpoint that checks credentials (moto's IAM enforcement): a bucket with an
+    image and a rows file is made before checking starts; our keys are unknown to it."""
+    port = _closed_port()
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    import time
+
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    for _ in range(200):
+        try:
+            client.create_bucket(Bucket="locked")
+            break
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.05)
+    client.put_object(Bucket="locked", Key="a.png", Body=_image_png(2))
+    client.put_object(Bucket="locked", Key="rows.jsonl", Body=b"{}\n")
+    yield endpoint
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def test_denied_credentials_are_named_for_inputs_and_rejected_per_row_for_media(s3, locked_s3, tmp_path):
+    env = {**os.environ, "FSSPEC_S3_ENDPOINT_URL": locked_s3, "AWS_ENDPOINT_URL": locked_s3}
+    done = subprocess.run([sys.executable, "-m", "shards_schema.cli", "preprocess", "s3://locked/rows.jsonl", "--out",
+                           str(tmp_path / "o"), "--no-progress"], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "s3://locked/rows.jsonl: access denied" in done.stderr and "credentials" in done.stderr
+    rows = write_jsonl(tmp_path / "rows.jsonl", _rows_with_urls(["s3://locked/a.png"]) + example_rows(2, seed=1))
+    done = subprocess.run([sys.executable, "-m", "shards_schema.cli", "preprocess", str(rows), "--out", str(tmp_path / "m"),
+                           "--allow-remote-media", "--workers", "1", "--no-progress"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    rejects = [json.loads(line) for line in (tmp_path / "m" / "rejects.jsonl").read_text().splitlines()]
+    assert [r["code"] for r in rejects] == ["remote_denied"] and "access denied" in rejects[0]["reason"]
+    assert ENV["AWS_SECRET_ACCESS_KEY"] not in (tmp_path / "m" / "rejects.jsonl").read_text()
