@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from shards_schema import storage
 from shards_schema.outdir import prepare_output_dir
 
 from .errors import ConfigError
@@ -159,7 +160,7 @@ class Preprocess:
                                  "swift (messages with <image> tags or bare image parts plus images/videos lists, as "
                                  "ms-swift and TRL write); auto (default) detects it per input from its first row")
         parser.add_argument("--out", required=True,
-                            help="output shard directory: new or empty (a directory holding anything else is refused); "
+                            help="output shard directory (or an s3:// / gs:// prefix: staged locally, then uploaded): new or empty (a directory holding anything else is refused); "
                                  "re-running the same job into it resumes")
         _add_sample_arguments(parser)
         g = parser.add_argument_group("job")
@@ -171,6 +172,10 @@ class Preprocess:
                        help="how a resumed job checks that its inputs did not change: 'sampled' (default) compares "
                             "size, modification time and a hash of sampled blocks; 'full' hashes whole inputs "
                             "(slower; timestamps then do not matter). A job resumes with the mode it started with")
+        g.add_argument("--stage-dir", default=None,
+                       help="with --out on an object store (s3://, gs://): the local directory the job runs in before "
+                            "its upload (default: one per output URL under the temporary directory; a re-run resumes "
+                            "from it)")
         g.add_argument("--executor", default="local", choices=EXECUTORS,
                        help="local (default): --workers processes on this machine; ray: the work units as Ray tasks "
                             "(output byte-identical; --out must be storage every Ray node sees at the same path)")
@@ -198,6 +203,7 @@ class Preprocess:
             input_hash=args.input_hash,
             input_format=args.input_format,
             executor=args.executor,
+            stage_dir=args.stage_dir,
             ray_address=args.ray_address,
             ray_max_retries=args.ray_max_retries,
             progress=not args.no_progress,
@@ -210,10 +216,14 @@ class Preprocess:
             print(f"partition {result['partition']} done: {result['units']} units, {result['rows_read']} rows read, "
                   f"{result['rows_rejected']} rejected. When all partitions are done: vlmpack merge {args.out} --out DIR")
             return 0
-        print(format_summary(result, Path(args.out)))
+        where = storage.redact(args.out) if storage.is_url(args.out) else Path(args.out)
+        print(format_summary(result, where))
+        if "upload" in run:
+            print(f"upload:         {run['upload']['uploaded']} objects ({run['upload']['bytes'] / 2**20:,.1f} MiB) to "
+                  f"{where}, {run['upload']['kept']} already there; staged in {run['stage']}")
         print(f"time:           {run['seconds']:.1f} s ({run['units_done_now']} units processed, {run['units_resumed']} already done)")
         if result["accounting"]["rows_written"] == 0:
-            return _nothing_written("preprocess", result, Path(args.out))
+            return _nothing_written("preprocess", result, where)
         return 0
 
 

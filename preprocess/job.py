@@ -88,6 +88,7 @@ class PreprocessConfig:
     executor: str = "local"  # "local": worker processes on this machine; "ray": Ray tasks (preprocess/ray_executor.py)
     ray_address: str | None = None  # a running Ray cluster to join (None: RAY_ADDRESS, else a local instance)
     ray_max_retries: int = 3  # times Ray re-runs a unit whose worker died
+    stage_dir: str | None = None  # with --out on an object store: where the job runs before the upload
     progress: bool = True
 
 
@@ -712,6 +713,8 @@ def write_final_outputs(out: Path, identity: dict, records: list[dict], patch_ro
 
 def run_preprocess(cfg: PreprocessConfig) -> dict:
     """Run (or resume) the job; returns the manifest, or a partition summary when partitioned."""
+    if storage.is_url(cfg.out):
+        return _run_to_store(cfg)
     setup_started = time.perf_counter()
     check_config(cfg)
     profile = resolve_profile(**_profile_args(cfg))
@@ -752,6 +755,22 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         }
         write_json_atomic(out / PARTS_DIR / f"partition-{cfg.partition_index}-of-{cfg.num_partitions}.json", summary)
         return summary
+
+
+def _run_to_store(cfg: PreprocessConfig) -> dict:
+    """`--out URL`: the job in a local staging directory, then published to the store
+    (preprocess/publish.py)."""
+    from .publish import default_stage_dir, publish
+
+    if cfg.num_partitions > 1:
+        raise ConfigError("--out on an object store takes one job: run the partitions into shared directories, "
+                          "merge them, then upload the merged directory (or use --executor ray)")
+    stage = Path(cfg.stage_dir) if cfg.stage_dir else default_stage_dir(cfg.out)
+    manifest = run_preprocess(dataclasses.replace(cfg, out=str(stage)))
+    run = manifest.pop("_run")
+    upload = publish(stage, cfg.out, manifest, cfg.progress)
+    manifest["_run"] = {**run, "stage": str(stage), "upload": upload}
+    return manifest
 
 
 def merge_partitions(directories: list[str], out: str) -> dict:

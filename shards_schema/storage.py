@@ -113,3 +113,28 @@ def read_bytes(spec: str, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise StorageError("too_large", f"{redact(spec)} grew past the cap of {max_bytes:,} bytes while read")
     return data
+
+
+def join(base: str, name: str) -> str:
+    """`name` inside the directory `base` (a URL prefix or a path)."""
+    return f"{base.rstrip('/')}/{name}" if is_url(base) else str(Path(base) / name)
+
+
+def remote_size(url: str) -> int | None:
+    """Bytes of the object at `url`, None when there is none."""
+    try:
+        return info(url)["size"]
+    except StorageError as exc:
+        if exc.kind == "not_found":
+            return None
+        raise
+
+
+def upload_file(local: Path, url: str) -> None:
+    """Put one file: the object appears whole or not at all (S3 and GCS commit an upload only
+    when it is complete), so a killed upload leaves no partial object behind."""
+    fs, path = _filesystem(url)
+    try:
+        fs.put_file(str(local), path)
+    except Exception as exc:  # noqa: BLE001
+        raise classify(exc, url) from None

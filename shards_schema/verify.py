@@ -47,6 +47,7 @@ from .errors import UserError
 from .manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, ShardFormatError, load_manifest, total_keys
 from .positions import VideoPositions, mrope_position_ids
 from .reader import list_views
+from .storage import is_url, redact
 from .schema import FORMAT_NAME, shard_schema
 from .writer import file_sha256
 
@@ -1051,7 +1052,7 @@ class Verify:
 
     @staticmethod
     def add_arguments(parser) -> None:
-        parser.add_argument("directory", metavar="DIR", help="shard directory (holds manifest.json)")
+        parser.add_argument("directory", metavar="DIR", help="shard directory (holds manifest.json), or its s3:// / gs:// URL (fetched to a temporary directory, each shard checked against the manifest, then verified)")
         parser.add_argument("--quick", action="store_true",
                             help="manifest, file sizes, Arrow footers and schemas, row counts and per-shard sums from list "
                                  "offsets; no hashing, no row checks (seconds on terabytes)")
@@ -1068,6 +1069,8 @@ class Verify:
         if args.max_faults < 0:
             raise UserError(f"--max-faults must be 0 or more, got {args.max_faults}")
         progress = bool(args.progress or sys.stderr.isatty())
+        if is_url(str(args.directory)):
+            return _verify_remote(args, progress)
         try:
             report = verify_shards(args.directory, quick=args.quick, progress=progress, workers=args.workers,
                                    keep_per_kind=max(DEFAULT_KEEP_PER_KIND, args.max_faults))
@@ -1082,3 +1085,22 @@ class Verify:
         else:
             print(report.format_text(args.max_faults))
         return 0 if report.ok else 1
+
+
+def _verify_remote(args, progress: bool) -> int:
+    """A directory in an object store: fetched to a temporary directory (which checks every
+    shard's size and sha256 against the manifest on the way), then verified there in full."""
+    import tempfile
+
+    from .fetch import fetch
+
+    with tempfile.TemporaryDirectory(prefix="vlmpack-verify-") as tmp:
+        fetch(str(args.directory), tmp, progress=progress)
+        report = verify_shards(tmp, quick=args.quick, progress=progress, workers=args.workers,
+                               keep_per_kind=max(DEFAULT_KEEP_PER_KIND, args.max_faults))
+        text = report.format_text(args.max_faults).replace(tmp, redact(str(args.directory)).rstrip("/"))
+    if args.json:
+        print(json.dumps({**report.to_json(), "directory": redact(str(args.directory))}, indent=2))
+    else:
+        print(text)
+    return 0 if report.ok else 1

@@ -227,3 +227,48 @@ def test_denied_credentials_are_named_for_inputs_and_rejected_per_row_for_media(
     rejects = [json.loads(line) for line in (tmp_path / "m" / "rejects.jsonl").read_text().splitlines()]
     assert [r["code"] for r in rejects] == ["remote_denied"] and "access denied" in rejects[0]["reason"]
     assert ENV["AWS_SECRET_ACCESS_KEY"] not in (tmp_path / "m" / "rejects.jsonl").read_text()
+
+
+def test_preprocess_into_the_store_publishes_last_resumes_a_cut_upload_and_verifies_remotely(s3, tmp_path, monkeypatch):
+    """--out s3://...: the job runs in a staging directory, then every file is uploaded and
+    the manifest last. An upload cut after two objects leaves no manifest; the same command
+    again resumes (all units already committed) and uploads the rest; an object of the wrong
+    size left in the store is replaced. `verify` and `fetch` of the prefix give the local bytes."""
+    import shards_schema.storage as storage_module
+    from shards_schema.cli import main
+
+    client, _ = s3
+    data = write_jsonl(tmp_path / "rows.jsonl", example_rows(16, seed=21, size_range=(32, 96), include_bad_rows=True))
+    local = run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(tmp_path / "local"), workers=1, rows_per_shard=4,
+                                            progress=False))
+    names = sorted(p.name for p in (tmp_path / "local").glob("shard-*.arrow"))
+    client.put_object(Bucket="data", Key=f"pub/{names[-1]}", Body=b"a partial upload by someone else")
+    real_upload, calls = storage_module.upload_file, []
+
+    def cut_after_two(path, url):
+        if len(calls) == 2:
+            raise storage_module.StorageError("unreachable", f"{url}: connection reset (injected)")
+        calls.append(url)
+        real_upload(path, url)
+
+    monkeypatch.setattr(storage_module, "upload_file", cut_after_two)
+    argv = ["preprocess", str(data), "--out", "s3://data/pub", "--stage-dir", str(tmp_path / "stage"), "--workers", "1",
+            "--rows-per-shard", "4", "--no-progress"]
+    assert main(argv) == 2
+    listed = {o["Key"] for o in client.list_objects_v2(Bucket="data", Prefix="pub/").get("Contents", [])}
+    assert len(calls) == 2 and "pub/manifest.json" not in listed
+    monkeypatch.setattr(storage_module, "upload_file", real_upload)
+    manifest = run_preprocess(PreprocessConfig(inputs=[str(data)], out="s3://data/pub", stage_dir=str(tmp_path / "stage"),
+                                               workers=1, rows_per_shard=4, progress=False))
+    assert manifest["_run"]["units_done_now"] == 0  # every unit was committed in the stage
+    assert manifest["_run"]["upload"]["kept"] >= 2
+    local.pop("_run"), manifest.pop("_run")
+    assert manifest == local
+    got = tmp_path / "fetched"
+    assert main(["fetch", "s3://data/pub", str(got), "--no-progress"]) == 0
+    assert _outputs(got) == _outputs(tmp_path / "local")
+    assert main(["verify", "s3://data/pub"]) == 0
+    # the same command once more: nothing to upload
+    again = run_preprocess(PreprocessConfig(inputs=[str(data)], out="s3://data/pub", stage_dir=str(tmp_path / "stage"),
+                                            workers=1, rows_per_shard=4, progress=False))
+    assert again["_run"]["upload"]["uploaded"] == 0

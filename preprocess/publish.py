@@ -1,0 +1,67 @@
+"""`vlmpack preprocess ... --out s3://bucket/shards`: the job runs in a local staging directory,
+then its directory is uploaded to the store, the manifest last.
+
+The staging directory (`--stage-dir`, by default one per output URL under the system's
+temporary directory) is an ordinary output directory: the job writes, commits and resumes
+there exactly as it does locally. Publishing puts every file of it into the store (shards,
+`_parts/` work state, `rejects.jsonl`) and then `manifest.json`: the store holds a manifest
+only once everything it lists is there. Each upload is one object that appears whole or not at
+all, so a publish cut short (a kill, a lost connection) leaves some objects, never a torn one;
+the same command again resumes the job from its stage (every unit already committed) and
+uploads only what the store lacks or holds at another size (an object written by something
+else). A store prefix that already holds another dataset's manifest is refused before the job
+starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+
+from shards_schema import storage
+from shards_schema.manifest import MANIFEST_NAME
+
+from .errors import ConfigError
+
+
+def default_stage_dir(url: str) -> Path:
+    """One staging directory per output URL, so a re-run of the same command finds its work."""
+    digest = hashlib.sha256(storage.redact(url).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"vlmpack-stage-{digest}"
+
+
+def check_destination(url: str) -> dict | None:
+    """The manifest already published at `url` (None when there is none yet)."""
+    manifest_url = storage.join(url, MANIFEST_NAME)
+    if storage.remote_size(manifest_url) is None:
+        return None
+    with storage.open_binary(manifest_url) as fh:
+        return json.loads(fh.read().decode("utf-8"))
+
+
+def publish(stage: Path, url: str, manifest: dict, progress: bool = True) -> dict:
+    """Upload the finished directory `stage` to `url`; returns what was uploaded and kept."""
+    from tqdm import tqdm
+
+    existing = check_destination(url)
+    if existing is not None:
+        if existing == manifest:
+            return {"uploaded": 0, "kept": "all", "bytes": 0}
+        raise ConfigError(f"--out {storage.redact(url)} holds another dataset (its {MANIFEST_NAME} differs): "
+                          "choose another prefix")
+    files = sorted(p for p in stage.rglob("*") if p.is_file() and p.name != ".vlmpack.lock"
+                   and p.name != MANIFEST_NAME and not p.name.endswith(".tmp"))
+    todo = []
+    for path in files:
+        remote = storage.join(url, path.relative_to(stage).as_posix())
+        if storage.remote_size(remote) != path.stat().st_size:
+            todo.append((path, remote))
+    with tqdm(total=sum(p.stat().st_size for p, _ in todo), unit="B", unit_scale=True, desc="upload",
+              disable=not progress) as bar:
+        for path, remote in todo:
+            storage.upload_file(path, remote)
+            bar.update(path.stat().st_size)
+    storage.upload_file(stage / MANIFEST_NAME, storage.join(url, MANIFEST_NAME))  # last
+    return {"uploaded": len(todo) + 1, "kept": len(files) - len(todo), "bytes": sum(p.stat().st_size for p, _ in todo)}
