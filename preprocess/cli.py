@@ -25,6 +25,7 @@ from .formats import INPUT_FORMATS
 from .job import (DEFAULT_ROWS_PER_SHARD, EXECUTORS, INPUT_HASH_MODES, PreprocessConfig, check_config, merge_partitions,
                   run_preprocess)
 from .pipeline import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_SEQ_LEN, SampleOptions
+from .render import REASONING_LOSSES
 from .video import SAMPLING_MODES, VideoOptions
 
 
@@ -60,7 +61,9 @@ def format_summary(manifest: dict, out: Path) -> str:
 
 def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model profile")
-    g.add_argument("--profile", default=None, help="built-in profile: qwen3-vl (default) or qwen2.5-vl")
+    g.add_argument("--profile", default=None,
+                   help="built-in profile: qwen3-vl (default), qwen3-vl-thinking (the Thinking checkpoints' template: "
+                        "reasoning_content / <think> blocks) or qwen2.5-vl")
     g.add_argument("--model", default=None, help="Hugging Face model directory (tokenizer, preprocessor config, chat template)")
     g.add_argument("--min-pixels", type=int, default=None, help="override the profile's minimum image area")
     g.add_argument("--max-pixels", type=int, default=None, help="override the profile's maximum image area")
@@ -69,6 +72,9 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--truncate", action="store_true", help="cut over-long conversations instead (never through an image)")
     g.add_argument("--loss-policy", default="all_assistant", choices=["all_assistant", "last_assistant"],
                    help="which assistant turns are targets: every one (default) or only the last")
+    g.add_argument("--reasoning-loss", default="train", choices=REASONING_LOSSES,
+                   help="Thinking template: train the reasoning inside <think> too (default), or mask it (context only; "
+                        "the answer after </think> is still a target)")
     g.add_argument("--media-root", default=None, help="directory that image file paths resolve under (never outside it)")
     g.add_argument("--allow-remote-media", action="store_true",
                    help="fetch media given as s3://, gs://, hf:// or https:// URLs (through fsspec, credentials from "
@@ -127,6 +133,7 @@ def _sample_options(args) -> SampleOptions:
         max_seq_len=args.max_seq_len,
         truncate=args.truncate,
         loss_policy=args.loss_policy,
+        reasoning_loss=args.reasoning_loss,
         media_root=args.media_root,
         allow_remote_media=args.allow_remote_media,
         max_image_pixels=args.max_image_pixels,

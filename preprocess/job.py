@@ -491,6 +491,12 @@ def check_config(cfg: PreprocessConfig) -> None:
     _at_least("--max-image-pixels", cfg.sample.max_image_pixels, 1)
     _at_least("--min-pixels", cfg.min_pixels, 1)
     _at_least("--max-pixels", cfg.max_pixels, 1)
+    from .render import LOSS_POLICIES, REASONING_LOSSES
+
+    if cfg.sample.loss_policy not in LOSS_POLICIES:
+        raise ConfigError(f"--loss-policy must be one of {', '.join(LOSS_POLICIES)}, got {cfg.sample.loss_policy!r}")
+    if cfg.sample.reasoning_loss not in REASONING_LOSSES:
+        raise ConfigError(f"--reasoning-loss must be one of {', '.join(REASONING_LOSSES)}, got {cfg.sample.reasoning_loss!r}")
     if cfg.executor not in EXECUTORS:
         raise ConfigError(f"--executor must be one of {', '.join(EXECUTORS)}, got {cfg.executor!r}")
     _at_least("--ray-max-retries", cfg.ray_max_retries, 0)

@@ -37,6 +37,7 @@ class SampleOptions:
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     truncate: bool = False
     loss_policy: str = "all_assistant"
+    reasoning_loss: str = "train"  # Thinking template: "train" the reasoning too, or "mask" it (context only)
     media_root: str | None = None
     allow_remote_media: bool = False  # fetch s3://, gs://, hf://, https:// media (off: batch jobs do not fetch)
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
@@ -228,6 +229,8 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
         tools=row.get("tools"),
         loss_policy=options.loss_policy,
         special_tokens=profile.text_special_tokens,
+        template=profile.template,
+        reasoning_loss=options.reasoning_loss,
     )
     vision = profile.vision
     images, header_grids = [], []

@@ -34,6 +34,14 @@ VLMPACK_VERSION = "0.1.0"
 OFFICIAL_TEMPLATE_SHA256 = {
     "qwen3-vl": "3636d0f0bd6bef02654cdffdc447b79cb2cef8ab02cc75267345946291a489e4",
     "qwen2.5-vl": "a0bc6f6fc7a29a80017a433e8f03a1cc1236e838a944a2d034295a60c4f2fddb",
+    "qwen3-vl-thinking": "36e042fe45641f067b1f2381fcc8955d10d956a3ed333ecdf7f7eb0916f68956",
+}
+# built-in profile -> (rendering family, chat template): the Thinking checkpoints share the
+# Instruct ones' tokenizer, vision and video settings, and differ in their template.
+BUILTIN_PROFILES = {
+    "qwen3-vl": ("qwen3-vl", "instruct"),
+    "qwen2.5-vl": ("qwen2.5-vl", "instruct"),
+    "qwen3-vl-thinking": ("qwen3-vl", "thinking"),
 }
 
 # HF `config.json` model_type -> rendering family.
@@ -80,6 +88,7 @@ class Profile:
     source: str  # "builtin" or the model directory
     video: VideoDefaults  # the video processor's settings
     tokens_per_second: int = 2  # Qwen2.5-VL's vision_config.tokens_per_second (temporal positions of videos)
+    template: str = "instruct"  # "instruct" | "thinking" (Qwen3-VL-*-Thinking: reasoning in <think> blocks)
 
     @cached_property
     def tokenizer(self):
@@ -134,19 +143,21 @@ class Profile:
 
 
 def builtin_profile(name: str) -> Profile:
-    if name not in BUILTIN_VISION:
-        raise ConfigError(f"unknown profile {name!r}: choose one of {sorted(BUILTIN_VISION)} or pass --model DIR")
+    if name not in BUILTIN_PROFILES:
+        raise ConfigError(f"unknown profile {name!r}: choose one of {sorted(BUILTIN_PROFILES)} or pass --model DIR")
+    family, template = BUILTIN_PROFILES[name]
     try:
-        tokenizer_json = builtin_tokenizer_json(name)
+        tokenizer_json = builtin_tokenizer_json(family)
     except ModuleNotFoundError as exc:
         raise ConfigError(str(exc)) from exc
     return Profile(
-        family=name,
-        vision=BUILTIN_VISION[name],
+        family=family,
+        vision=BUILTIN_VISION[family],
         tokenizer_json=tokenizer_json,
         template_sha256=OFFICIAL_TEMPLATE_SHA256[name],
         source="builtin",
-        video=BUILTIN_VIDEO[name],
+        video=BUILTIN_VIDEO[family],
+        template=template,
     )
 
 
@@ -221,12 +232,14 @@ def profile_from_model_dir(model_dir: str | Path, check_template: bool = True) -
             f"--model {model_dir}: model_type {model_type!r} is not supported (supported: {sorted(MODEL_TYPE_FAMILY)})"
         )
     template = read_chat_template(model_dir)
+    template_sha256 = hashlib.sha256(template.encode()).hexdigest()
     profile = Profile(
         family=family,
         vision=_vision_from_preprocessor_config(model_dir / "preprocessor_config.json", family),
         tokenizer_json=(model_dir / "tokenizer.json").read_text(encoding="utf-8"),
-        template_sha256=hashlib.sha256(template.encode()).hexdigest(),
+        template_sha256=template_sha256,
         source=str(model_dir.resolve()),
+        template="thinking" if template_sha256 == OFFICIAL_TEMPLATE_SHA256["qwen3-vl-thinking"] else "instruct",
         video=_video_from_config(model_dir / "video_preprocessor_config.json", family),
         tokens_per_second=int((config.get("vision_config") or {}).get("tokens_per_second", 2)),
     )

@@ -1,8 +1,10 @@
 """Native chat rendering for the Qwen-VL families, with loss spans.
 
 `render_conversation` turns one OpenAI-format conversation into the exact text the official
-chat template of the family produces (`qwen3-vl`: Qwen3-VL-*-Instruct; `qwen2.5-vl`:
-Qwen2.5-VL / Qwen2-VL Instruct), built with plain string operations: no jinja at run time.
+chat template of the family produces (`qwen3-vl`: Qwen3-VL-*-Instruct, or with
+`template="thinking"` Qwen3-VL-*-Thinking, whose assistant turns carry `<think>` reasoning;
+`qwen2.5-vl`: Qwen2.5-VL / Qwen2-VL Instruct), built with plain string operations: no jinja at
+run time.
 Because the renderer writes the text piece by piece, it knows which characters are training
 targets (assistant content, rendered tool calls and the closing `<|im_end|>`), something the
 templates cannot say since they have no `{% generation %}` markers.
@@ -36,6 +38,8 @@ from .video import VideoRequest, request_from_part
 
 FAMILIES = ("qwen3-vl", "qwen2.5-vl")
 LOSS_POLICIES = ("all_assistant", "last_assistant")
+TEMPLATES = ("instruct", "thinking")  # Qwen3-VL-*-Instruct / Qwen3-VL-*-Thinking chat templates
+REASONING_LOSSES = ("train", "mask")  # Thinking: is an assistant turn's reasoning a target
 ROLES = ("system", "user", "assistant", "tool")
 # RejectError codes raised by render_conversation (rejects.jsonl groups rows by them).
 REJECT_CODES = (
@@ -125,6 +129,7 @@ class _Message:
     content_truthy: bool  # jinja truthiness of the raw `content` (decides a tool-call separator)
     tool_calls: list[tuple[str, str]] = field(default_factory=list)  # (name, rendered arguments)
     train: bool | None = None  # per-message loss override (assistant only)
+    reasoning: str | None = None  # `reasoning_content` (Thinking template only)
 
 
 def _reject(code: str, index: int | None, message: str) -> RejectError:
@@ -273,7 +278,7 @@ def _parse_tool_calls(message: dict, role: str, index: int) -> list[tuple[str, s
     return parsed
 
 
-def _parse_message(message, index: int) -> _Message:
+def _parse_message(message, index: int, template: str = "instruct") -> _Message:
     if not isinstance(message, dict):
         raise _reject("bad_message", index, f"a message must be an object, got {type(message).__name__}")
     message = {k: v for k, v in message.items() if v is not None}  # as HF's apply_chat_template does
@@ -287,13 +292,20 @@ def _parse_message(message, index: int) -> _Message:
         raise _reject("bad_message", index, "train must be true or false")
     if train and role != "assistant":
         raise _reject("bad_message", index, f"train: true on a {role} message (only assistant turns are trained)")
+    reasoning = None
+    if template == "thinking" and role == "assistant" and "reasoning_content" in message:
+        reasoning = message["reasoning_content"]  # a string, even empty, is what the template renders
+        if not isinstance(reasoning, str):
+            raise _reject("bad_content", index, "reasoning_content must be a string")
     for name in REASONING_FIELDS:
-        if message.get(name):
-            raise _reject(
-                "dropped_by_template", index, f"{name} would be dropped: the Instruct templates do not render reasoning"
-            )
+        if not message.get(name) or reasoning is not None and name == "reasoning_content":
+            continue
+        raise _reject("dropped_by_template", index, f"{name} would be dropped: " + (
+            "the Thinking template renders only an assistant's reasoning_content" if template == "thinking"
+            else "the Instruct templates do not render reasoning"))
     items, content_truthy = _parse_content(message, role, index)
     return _Message(
+        reasoning=reasoning,
         index=index,
         role=role,
         items=items,
@@ -311,9 +323,15 @@ def _parse_tools(tools) -> list[dict]:
     return tools
 
 
-def _check_family_rules(messages: list[_Message], tools: list[dict], family: str) -> None:
+def _check_family_rules(messages: list[_Message], tools: list[dict], family: str, template: str = "instruct") -> None:
     """Reject what the family's template would silently leave out of the text."""
-    if family == "qwen3-vl":
+    if family == "qwen3-vl" and template == "thinking":
+        for m in messages:
+            visual = next((kind for kind, _, _ in m.items if kind in (IMAGE, VIDEO)), None)
+            if m.role in ("system", "assistant") and visual:
+                raise _reject("bad_content", m.index, f"{visual}s inside {m.role} messages are not supported with the "
+                              "Thinking template; put them in a user turn")
+    elif family == "qwen3-vl":
         for m in messages:
             visual = next((kind for kind, _, _ in m.items if kind in (IMAGE, VIDEO)), None)
             if m.role == "system" and m.index != 0:
@@ -340,12 +358,12 @@ def _check_family_rules(messages: list[_Message], tools: list[dict], family: str
                 )
 
 
-def _parse_conversation(messages, tools, family: str) -> tuple[list[_Message], list[dict]]:
+def _parse_conversation(messages, tools, family: str, template: str = "instruct") -> tuple[list[_Message], list[dict]]:
     if not isinstance(messages, list) or not messages:
         raise _reject("no_messages", None, "messages must be a non-empty list")
-    parsed = [_parse_message(message, index) for index, message in enumerate(messages)]
+    parsed = [_parse_message(message, index, template) for index, message in enumerate(messages)]
     tools = _parse_tools(tools)
-    _check_family_rules(parsed, tools, family)
+    _check_family_rules(parsed, tools, family, template)
     return parsed, tools
 
 
@@ -401,11 +419,13 @@ class _TextBuilder:
         return Rendered("".join(self.pieces), [tuple(span) for span in self.spans], self.images, self.videos)
 
 
-def _render_tool_calls(out: _TextBuilder, message: _Message, target: bool) -> None:
+def _render_tool_calls(out: _TextBuilder, message: _Message, target: bool, content_truthy: bool | None = None) -> None:
     for k, (name, arguments) in enumerate(message.tool_calls):
         # Template: `(loop.first and message.content) or not loop.first` -> "\n". Truthiness of
-        # the raw content, so a list holding only an empty text part still gets the newline.
-        separator = "\n" if (k > 0 or message.content_truthy) else ""
+        # the raw content, so a list holding only an empty text part still gets the newline
+        # (the Thinking template tests its rendered content instead: `content_truthy`).
+        truthy = message.content_truthy if content_truthy is None else content_truthy
+        separator = "\n" if (k > 0 or truthy) else ""
         where = f"messages[{message.index}].tool_calls[{k}].function"
         out.add(f'{separator}<tool_call>\n{{"name": "', target)
         out.add(name, target, f"{where}.name")
@@ -461,6 +481,83 @@ def _render_qwen3(out: _TextBuilder, messages: list[_Message], tools: list[dict]
             if i == last or messages[i + 1].role != "tool":
                 out.add(IM_END + "\n")
         # system: rendered above (only as the first message; validation rejects any other)
+
+
+def _text_of(message: _Message) -> tuple[str, str]:
+    """A text-only message's content as one string, and where it came from."""
+    text = "".join(value for kind, value, _ in message.items if kind == TEXT)
+    return text, (message.items[0][2] if message.items else f"messages[{message.index}].content")
+
+
+def _last_query_index(messages: list[_Message]) -> int:
+    """The Thinking template's last real user message: scanning back, the first user turn that is
+    not wholly a `<tool_response>` (default: the last message)."""
+    for message in reversed(messages):
+        if message.role == "user":
+            text = "".join(value if kind == TEXT else (IMAGE_PLACEHOLDER if kind == IMAGE else VIDEO_PLACEHOLDER)
+                           for kind, value, _ in message.items)
+            if not (text.startswith("<tool_response>") and text.endswith("</tool_response>")):
+                return message.index
+    return len(messages) - 1
+
+
+def _split_reasoning(message: _Message) -> tuple[str, str, str]:
+    """(reasoning, content, where): `reasoning_content`, or the `<think>` block the template cuts
+    out of the content; content that the cut would drop is rejected."""
+    content, where = _text_of(message)
+    if message.reasoning is not None:
+        return message.reasoning, content, f"messages[{message.index}].reasoning_content"
+    if "</think>" not in content:
+        return "", content, where
+    head, _, tail = content.partition("</think>")
+    before, _, reasoning = head.rstrip("\n").rpartition("<think>")
+    if before.strip() or "</think>" in tail:
+        raise _reject("dropped_by_template", message.index, "the Thinking template keeps one <think>...</think> block "
+                      "at the start of an assistant turn; text before it or a second block would be dropped")
+    return reasoning.lstrip("\n"), tail.lstrip("\n"), where
+
+
+def _render_assistant_thinking(out: _TextBuilder, message: _Message, target: bool, after_query: bool, last: bool,
+                               reasoning_loss: str) -> None:
+    reasoning, content, where = _split_reasoning(message)
+    out.add(IM_START + "assistant\n")
+    if after_query and (last or reasoning):
+        # The generation prompt ends with "<think>\n": what follows is what the model writes.
+        out.add("<think>\n")
+        think = target and reasoning_loss == "train"
+        out.add(reasoning.strip("\n"), think, where)
+        out.add("\n</think>\n\n", think)
+        content = content.lstrip("\n")
+    elif reasoning.strip():
+        raise _reject("dropped_by_template", message.index, "the Thinking template drops the reasoning of an "
+                      "assistant turn before the last user message; give each turn its own row")
+    out.add(content, target, where)
+    _render_tool_calls(out, message, target, content_truthy=bool(content))
+    out.add(IM_END, target)
+    out.add("\n")
+
+
+def _render_qwen3_thinking(out: _TextBuilder, messages: list[_Message], tools: list[dict], targets: list[bool],
+                           reasoning_loss: str) -> None:
+    system = messages[0] if messages[0].role == "system" else None
+    _render_qwen3_system(out, system, tools)
+    last_query = _last_query_index(messages)
+    last = len(messages) - 1
+    for i, message in enumerate(messages):
+        if message.role == "user" or (message.role == "system" and i > 0):
+            out.add(IM_START + message.role + "\n")
+            out.add_items(message.items)
+            out.add(IM_END + "\n")
+        elif message.role == "assistant":
+            _render_assistant_thinking(out, message, targets[i], i > last_query, i == last, reasoning_loss)
+        elif message.role == "tool":
+            if i == 0 or messages[i - 1].role != "tool":
+                out.add(IM_START + "user")
+            out.add("\n<tool_response>\n")
+            out.add_items(message.items)
+            out.add("\n</tool_response>")
+            if i == last or messages[i + 1].role != "tool":
+                out.add(IM_END + "\n")
 
 
 def _render_qwen2_5(out: _TextBuilder, messages: list[_Message], targets: list[bool]) -> None:
@@ -544,6 +641,8 @@ def render_conversation(
     tools: list | None = None,
     loss_policy: str = "all_assistant",
     special_tokens: Collection[str] = DEFAULT_TEXT_SPECIAL_TOKENS,
+    template: str = "instruct",
+    reasoning_loss: str = "train",
 ) -> Rendered:
     """Render OpenAI-format `messages` (and the row's `tools`) exactly as the family's official template.
 
@@ -555,10 +654,16 @@ def render_conversation(
         raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
     if loss_policy not in LOSS_POLICIES:
         raise ValueError(f"unknown loss_policy {loss_policy!r}; choose one of {LOSS_POLICIES}")
-    parsed, tools = _parse_conversation(messages, tools, family)
+    if template not in TEMPLATES or (template == "thinking" and family != "qwen3-vl"):
+        raise ValueError(f"unknown template {template!r} for {family}")
+    if reasoning_loss not in REASONING_LOSSES:
+        raise ValueError(f"unknown reasoning_loss {reasoning_loss!r}; choose one of {REASONING_LOSSES}")
+    parsed, tools = _parse_conversation(messages, tools, family, template)
     targets = _target_flags(parsed, loss_policy)
     out = _TextBuilder()
-    if family == "qwen3-vl":
+    if template == "thinking":
+        _render_qwen3_thinking(out, parsed, tools, targets, reasoning_loss)
+    elif family == "qwen3-vl":
         _render_qwen3(out, parsed, tools, targets)
     else:
         _render_qwen2_5(out, parsed, targets)
@@ -817,7 +922,7 @@ def check_template_matches(profile, template_text: str) -> None:
     family = profile.family
     for name, messages, tools in TEMPLATE_PROBES:
         try:
-            ours = render_conversation(messages, family=family, tools=tools).text
+            ours = render_conversation(messages, family=family, tools=tools, template=profile.template).text
         except RejectError:
             continue  # content this family cannot render without loss; not a template property
         try:
@@ -825,13 +930,13 @@ def check_template_matches(profile, template_text: str) -> None:
         except Exception as exc:  # jinja syntax or runtime errors from an arbitrary template
             raise ConfigError(
                 f"the chat template of {profile.source} fails on probe {name!r} ({type(exc).__name__}: {exc}); "
-                f"it is not a template vlmpack renders natively ({family})"
+                f"it is not a template vlmpack renders natively ({family}, {profile.template})"
             ) from exc
         if theirs != ours:
             at = _first_difference(theirs, ours)
             raise ConfigError(
                 f"the chat template of {profile.source} is not one vlmpack renders natively: it differs from the "
-                f"official {family} template on probe {name!r} at character {at}\n"
+                f"official {family} {profile.template} template on probe {name!r} at character {at}\n"
                 f"  template: ...{_excerpt(theirs, at)}...\n"
                 f"  vlmpack:  ...{_excerpt(ours, at)}...\n"
                 f"use the official chat template of the checkpoint (sha256 of the supported templates is in "

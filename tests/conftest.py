@@ -10,6 +10,7 @@ TEMPLATE_FILES = {
     "qwen3-vl": FIXTURES_DIR / "qwen3_vl_instruct.chat_template.jinja",
     "qwen2.5-vl": FIXTURES_DIR / "qwen2_5_vl_instruct.chat_template.jinja",
 }
+THINKING_TEMPLATE_FILE = FIXTURES_DIR / "qwen3_vl_thinking.chat_template.jinja"
 FAMILIES = ("qwen3-vl", "qwen2.5-vl")
 
 

@@ -777,10 +777,10 @@ def test_vendored_templates_are_the_published_bytes():
     """Each vendored template's sha256 equals the one its provenance note records."""
     import hashlib
 
-    from tests.conftest import FIXTURES_DIR, TEMPLATE_FILES
+    from tests.conftest import FIXTURES_DIR, TEMPLATE_FILES, THINKING_TEMPLATE_FILE
 
     note = (FIXTURES_DIR / "README.md").read_text(encoding="utf-8")
-    for path in TEMPLATE_FILES.values():
+    for path in [*TEMPLATE_FILES.values(), THINKING_TEMPLATE_FILE]:
         row = next(line for line in note.splitlines() if line.startswith(f"| `{path.name}`"))
         recorded = row.split("|")[4].strip().strip("`")
         assert hashlib.sha256(path.read_bytes()).hexdigest() == recorded, path.name
