@@ -463,7 +463,6 @@ def _render_qwen3_system(out: _TextBuilder, system: _Message | None, tools: list
 def _render_qwen3(out: _TextBuilder, messages: list[_Message], tools: list[dict], targets: list[bool]) -> None:
     system = messages[0] if messages[0].role == "system" else None
     _render_qwen3_system(out, system, tools)
-    last = len(messages) - 1
     for i, message in enumerate(messages):
         if message.role == "user":
             out.add(IM_START + "user\n")
@@ -472,15 +471,19 @@ def _render_qwen3(out: _TextBuilder, messages: list[_Message], tools: list[dict]
         elif message.role == "assistant":
             _render_assistant(out, message, targets[i])
         elif message.role == "tool":
-            # Consecutive tool results share one user turn, each wrapped in <tool_response>.
-            if i == 0 or messages[i - 1].role != "tool":
-                out.add(IM_START + "user")
-            out.add("\n<tool_response>\n")
-            out.add_items(message.items)
-            out.add("\n</tool_response>")
-            if i == last or messages[i + 1].role != "tool":
-                out.add(IM_END + "\n")
+            _render_tool_result(out, messages, i)
         # system: rendered above (only as the first message; validation rejects any other)
+
+
+def _render_tool_result(out: _TextBuilder, messages: list[_Message], i: int) -> None:
+    """Consecutive tool results share one user turn, each wrapped in <tool_response> (Qwen3-VL)."""
+    if i == 0 or messages[i - 1].role != "tool":
+        out.add(IM_START + "user")
+    out.add("\n<tool_response>\n")
+    out.add_items(messages[i].items)
+    out.add("\n</tool_response>")
+    if i == len(messages) - 1 or messages[i + 1].role != "tool":
+        out.add(IM_END + "\n")
 
 
 def _text_of(message: _Message) -> tuple[str, str]:
@@ -551,13 +554,7 @@ def _render_qwen3_thinking(out: _TextBuilder, messages: list[_Message], tools: l
         elif message.role == "assistant":
             _render_assistant_thinking(out, message, targets[i], i > last_query, i == last, reasoning_loss)
         elif message.role == "tool":
-            if i == 0 or messages[i - 1].role != "tool":
-                out.add(IM_START + "user")
-            out.add("\n<tool_response>\n")
-            out.add_items(message.items)
-            out.add("\n</tool_response>")
-            if i == last or messages[i + 1].role != "tool":
-                out.add(IM_END + "\n")
+            _render_tool_result(out, messages, i)
 
 
 def _render_qwen2_5(out: _TextBuilder, messages: list[_Message], targets: list[bool]) -> None:

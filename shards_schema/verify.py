@@ -666,7 +666,7 @@ def _timestamp_problem(ids: np.ndarray, grids: np.ndarray, special: dict, ctx: _
 
 def _check_batch(s: _RowSlice) -> None:
     n, W, m, L, uid = len(s), s.patch_row_width, s.merge_size, s.L, s.uid
-    ioff, loff, poff, goff = s.ioff, s.loff, s.poff, s.goff
+    loff, poff, goff = s.loff, s.poff, s.goff
 
     # --- lengths that tie the columns to the token count
     bad_lm_len = np.flatnonzero(np.diff(loff) != L)
