@@ -237,16 +237,24 @@ class Preprocess:
 class Merge:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("dirs", nargs="+", help="output directories of the partitions (may be one shared directory)")
+        parser.add_argument("dirs", nargs="+", help="output directories of the partitions (may be one shared directory), "
+                                                    "or their s3:// / gs:// prefixes")
         parser.add_argument("--out", required=True,
-                            help="merged shard directory: new or empty, or one of the inputs (re-running the merge resumes)")
+                            help="merged shard directory: new or empty, or one of the inputs (re-running the merge resumes); or an s3:// / gs:// prefix (merged in a staging directory, then uploaded, manifest last)")
 
     @staticmethod
     def run(args) -> int:
-        manifest = merge_partitions(args.dirs, args.out)
-        print(format_summary(manifest, Path(args.out)))
+        from .publish import default_stage_dir, publish, stage_sources
+
+        out = str(default_stage_dir(args.out)) if storage.is_url(args.out) else args.out
+        manifest = merge_partitions(stage_sources(args.dirs), out)
+        where = storage.redact(args.out) if storage.is_url(args.out) else Path(args.out)
+        if storage.is_url(args.out):
+            upload = publish(Path(out), args.out, manifest)
+            print(f"upload:         {upload['uploaded']} objects to {where}, {upload['kept']} already there")
+        print(format_summary(manifest, where))
         if manifest["accounting"]["rows_written"] == 0:
-            return _nothing_written("merge", manifest, Path(args.out))
+            return _nothing_written("merge", manifest, where)
         return 0
 
 

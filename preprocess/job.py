@@ -768,15 +768,12 @@ def _run_to_store(cfg: PreprocessConfig) -> dict:
     (preprocess/publish.py)."""
     from .publish import default_stage_dir, publish
 
-    if cfg.num_partitions > 1:
-        raise ConfigError("--out on an object store takes one job: run the partitions into shared directories, "
-                          "merge them, then upload the merged directory (or use --executor ray)")
     stage = Path(cfg.stage_dir) if cfg.stage_dir else default_stage_dir(cfg.out)
-    manifest = run_preprocess(dataclasses.replace(cfg, out=str(stage)))
-    run = manifest.pop("_run")
-    upload = publish(stage, cfg.out, manifest, cfg.progress)
-    manifest["_run"] = {**run, "stage": str(stage), "upload": upload}
-    return manifest
+    result = run_preprocess(dataclasses.replace(cfg, out=str(stage)))
+    run = result.pop("_run")
+    upload = publish(stage, cfg.out, result if "totals" in result else None, cfg.progress)
+    result["_run"] = {**run, "stage": str(stage), "upload": upload}
+    return result
 
 
 def merge_partitions(directories: list[str], out: str) -> dict:

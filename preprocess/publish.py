@@ -1,6 +1,10 @@
 """`vlmpack preprocess ... --out s3://bucket/shards`: the job runs in a local staging directory,
 then its directory is uploaded to the store, the manifest last.
 
+Partitions (`--num-partitions`) publish their directories the same way without a manifest;
+`vlmpack merge` of store prefixes brings each down into its staging directory, merges there and
+publishes the merged directory (`stage_sources`).
+
 The staging directory (`--stage-dir`, by default one per output URL under the system's
 temporary directory) is an ordinary output directory: the job writes, commits and resumes
 there exactly as it does locally. Publishing puts every file of it into the store (shards,
@@ -41,11 +45,12 @@ def check_destination(url: str) -> dict | None:
         return json.loads(fh.read().decode("utf-8"))
 
 
-def publish(stage: Path, url: str, manifest: dict, progress: bool = True) -> dict:
-    """Upload the finished directory `stage` to `url`; returns what was uploaded and kept."""
+def publish(stage: Path, url: str, manifest: dict | None, progress: bool = True) -> dict:
+    """Upload the finished directory `stage` to `url`; returns what was uploaded and kept.
+    `manifest` None: a partition's directory, which has none (its files only)."""
     from tqdm import tqdm
 
-    existing = check_destination(url)
+    existing = check_destination(url) if manifest is not None else None
     if existing is not None:
         if existing == manifest:
             return {"uploaded": 0, "kept": "all", "bytes": 0}
@@ -63,5 +68,24 @@ def publish(stage: Path, url: str, manifest: dict, progress: bool = True) -> dic
         for path, remote in todo:
             storage.upload_file(path, remote)
             bar.update(path.stat().st_size)
-    storage.upload_file(stage / MANIFEST_NAME, storage.join(url, MANIFEST_NAME))  # last
-    return {"uploaded": len(todo) + 1, "kept": len(files) - len(todo), "bytes": sum(p.stat().st_size for p, _ in todo)}
+    if manifest is not None:
+        storage.upload_file(stage / MANIFEST_NAME, storage.join(url, MANIFEST_NAME))  # last
+    return {"uploaded": len(todo) + (manifest is not None), "kept": len(files) - len(todo),
+            "bytes": sum(p.stat().st_size for p, _ in todo)}
+
+
+def stage_sources(directories: list[str], progress: bool = True) -> list[str]:
+    """Partition directories for `merge`: a store prefix is brought down (all its files, those
+    already there at the same size kept) into its own staging directory; paths stay as they are."""
+    local = []
+    for directory in directories:
+        if not storage.is_url(directory):
+            local.append(directory)
+            continue
+        stage = default_stage_dir(directory)
+        stage.mkdir(parents=True, exist_ok=True)
+        if not storage.list_tree(directory):
+            raise ConfigError(f"{storage.redact(directory)} holds nothing: name the --out prefixes of the partitions")
+        storage.download_tree(directory, stage)
+        local.append(str(stage))
+    return local

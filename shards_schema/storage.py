@@ -138,3 +138,38 @@ def upload_file(local: Path, url: str) -> None:
         fs.put_file(str(local), path)
     except Exception as exc:  # noqa: BLE001
         raise classify(exc, url) from None
+
+
+def list_tree(url: str) -> dict[str, int]:
+    """{relative path: size} of every object under the prefix `url` ({} when there is none)."""
+    fs, root = _filesystem(url)
+    root = root.rstrip("/")
+    try:
+        found = fs.find(root, detail=True)
+    except FileNotFoundError:
+        return {}
+    except Exception as exc:  # noqa: BLE001
+        raise classify(exc, url) from None
+    return {name[len(root) + 1:]: int(meta.get("size") or 0) for name, meta in found.items()
+            if meta.get("type") != "directory" and name.startswith(root + "/")}
+
+
+def download_tree(url: str, local: Path) -> int:
+    """Copy every object under `url` into `local` (same relative paths), skipping files already
+    there at the same size; each lands under a temporary name and is renamed when whole."""
+    fs, _ = _filesystem(url)
+    copied = 0
+    for name, size in sorted(list_tree(url).items()):
+        target = local / name
+        if target.is_file() and target.stat().st_size == size:
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        try:
+            fs.get_file(_filesystem(join(url, name))[1], str(tmp))
+        except Exception as exc:  # noqa: BLE001
+            tmp.unlink(missing_ok=True)
+            raise classify(exc, join(url, name)) from None
+        tmp.replace(target)
+        copied += 1
+    return copied

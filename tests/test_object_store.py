@@ -272,3 +272,27 @@ def test_preprocess_into_the_store_publishes_last_resumes_a_cut_upload_and_verif
     again = run_preprocess(PreprocessConfig(inputs=[str(data)], out="s3://data/pub", stage_dir=str(tmp_path / "stage"),
                                             workers=1, rows_per_shard=4, progress=False))
     assert again["_run"]["upload"]["uploaded"] == 0
+
+
+def test_partitions_into_the_store_then_merge_from_it_equal_one_job(s3, tmp_path, monkeypatch):
+    """Each partition publishes its directory (no manifest) to its own prefix; `merge` of the
+    prefixes into a store prefix gives one local job's dataset; the stages live under a
+    temporary directory of the test's own."""
+    from shards_schema.cli import main
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    data = write_jsonl(tmp_path / "rows.jsonl", example_rows(14, seed=33, size_range=(32, 96), include_bad_rows=True))
+    local = run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(tmp_path / "local"), workers=1, rows_per_shard=4,
+                                            progress=False))
+    for i in range(3):
+        assert main(["preprocess", str(data), "--out", f"s3://data/parts/p{i}", "--num-partitions", "3",
+                     "--partition-index", str(i), "--workers", "1", "--rows-per-shard", "4", "--no-progress"]) == 0
+    client, _ = s3
+    listed = {o["Key"] for o in client.list_objects_v2(Bucket="data", Prefix="parts/").get("Contents", [])}
+    assert not any(k.endswith("manifest.json") for k in listed) and any("partition-0-of-3" in k for k in listed)
+    assert main(["merge", *(f"s3://data/parts/p{i}" for i in range(3)), "--out", "s3://data/merged"]) == 0
+    assert main(["fetch", "s3://data/merged", str(tmp_path / "got"), "--no-progress"]) == 0
+    assert _outputs(tmp_path / "got") == _outputs(tmp_path / "local")
+    local.pop("_run")
+    assert json.loads((tmp_path / "got" / "manifest.json").read_text()) == local
