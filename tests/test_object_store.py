@@ -296,3 +296,26 @@ def test_partitions_into_the_store_then_merge_from_it_equal_one_job(s3, tmp_path
     assert _outputs(tmp_path / "got") == _outputs(tmp_path / "local")
     local.pop("_run")
     assert json.loads((tmp_path / "got" / "manifest.json").read_text()) == local
+
+
+@pytest.mark.parametrize("case", ["no_manifest", "dst_is_a_file", "dst_holds_other_files"])
+def test_fetch_bad_arguments_are_one_line_exit_2(case, tmp_path, capsys):
+    from shards_schema.cli import main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    if case != "no_manifest":
+        (src / "manifest.json").write_text(json.dumps({"shards": []}))
+    dst = tmp_path / "dst"
+    if case == "dst_is_a_file":
+        dst.write_text("x")
+    elif case == "dst_holds_other_files":
+        dst.mkdir()
+        (dst / "notes.txt").write_text("mine")
+    assert main(["fetch", str(src), str(dst), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert {"no_manifest": "no manifest.json", "dst_is_a_file": "is a file, not a directory",
+            "dst_holds_other_files": "is not empty"}[case] in err
+    if case == "dst_holds_other_files":
+        assert (dst / "notes.txt").read_text() == "mine"
