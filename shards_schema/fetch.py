@@ -20,7 +20,7 @@ from .atomic import TMP_SUFFIX, write_json_atomic
 from .errors import UserError
 from .manifest import MANIFEST_NAME, REJECTS_NAME
 from .outdir import exclusive_output_dir, user_entries
-from .storage import StorageError, is_url, open_binary, redact
+from .storage import StorageError, join, open_binary, redact
 from .writer import file_sha256
 
 CHUNK = 8 << 20
@@ -32,13 +32,9 @@ class FetchMismatch(UserError):
     exit_code = 1
 
 
-def _join(src: str, name: str) -> str:
-    return f"{src.rstrip('/')}/{name}" if is_url(src) else str(Path(src) / name)
-
-
 def _read_manifest(src: str) -> dict:
     try:
-        with open_binary(_join(src, MANIFEST_NAME)) as fh:
+        with open_binary(join(src, MANIFEST_NAME)) as fh:
             manifest = json.loads(fh.read().decode("utf-8"))
     except StorageError as exc:
         raise UserError(f"{redact(src)}: no readable {MANIFEST_NAME} ({exc}): is it a finished shard directory?") from None
@@ -104,9 +100,9 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
         total = sum(int(s.get("bytes") or 0) for s in todo)
         with tqdm(total=total, unit="B", unit_scale=True, desc="fetch", disable=not progress) as bar:
             for shard in todo:
-                _copy(_join(src, shard["file"]), out / shard["file"], shard.get("bytes"), shard.get("sha256"), bar)
+                _copy(join(src, shard["file"]), out / shard["file"], shard.get("bytes"), shard.get("sha256"), bar)
         try:
-            _copy(_join(src, REJECTS_NAME), out / REJECTS_NAME, None, None, tqdm(disable=True))
+            _copy(join(src, REJECTS_NAME), out / REJECTS_NAME, None, None, tqdm(disable=True))
         except StorageError as exc:
             if exc.kind != "not_found":
                 raise

@@ -22,6 +22,14 @@ class MediaQueue:
         self.media = {"image": _as_list(images, "images"), "video": _as_list(videos, "videos")}
         self.used = {"image": 0, "video": 0}
 
+    @classmethod
+    def from_row(cls, row: dict) -> "MediaQueue":
+        """The row's `images` / `videos` lists (LLaVA's single `image` / `video` as one-element lists)."""
+        def first(*keys):
+            return next((row[key] for key in keys if row.get(key) is not None), None)
+
+        return cls(first("images", "image"), first("videos", "video"))
+
     def take(self, kind: str):
         k = self.used[kind]
         items = self.media[kind]

@@ -28,7 +28,7 @@ def to_openai(row: dict) -> dict:
     turns = row.get("conversations")
     if not isinstance(turns, list) or not turns:
         raise RejectError("no_messages", "`conversations` must be a non-empty list of {\"from\", \"value\"} turns")
-    queue = MediaQueue(_first(row, "images", "image"), _first(row, "videos", "video"))
+    queue = MediaQueue.from_row(row)
     messages = []
     system = row.get("system")
     if isinstance(system, str) and system:
@@ -48,10 +48,6 @@ def to_openai(row: dict) -> dict:
             messages.append({"role": role, "content": split_text(value, queue)})
     queue.check_all_used()
     return {"id": row.get("id"), "messages": messages, "tools": tool_schemas(row.get("tools"))}
-
-
-def _first(row: dict, *keys):
-    return next((row[key] for key in keys if row.get(key) is not None), None)
 
 
 def tool_calls(value: str, where: str) -> list[dict]:

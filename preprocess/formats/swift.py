@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..errors import RejectError
 from .placeholders import MediaQueue, split_text
-from .sharegpt import _first, tool_calls, tool_schemas
+from .sharegpt import tool_calls, tool_schemas
 
 ROLES = ("system", "user", "assistant", "tool", "tool_response", "tool_call")
 
@@ -29,7 +29,7 @@ def to_openai(row: dict) -> dict:
     if row.get("objects"):
         raise RejectError("unsupported_field", "`objects` (ms-swift grounding boxes) is not supported: "
                           "write the boxes into the text, or drop the field")
-    queue = MediaQueue(_first(row, "images", "image"), _first(row, "videos", "video"))
+    queue = MediaQueue.from_row(row)
     messages: list[dict] = []
     for k, message in enumerate(given):
         if not isinstance(message, dict):
