@@ -81,7 +81,7 @@ from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_f
 from tests.hf_reference import to_padded_batch
 from train.config import ATTENTION_KERNELS, STATE_DTYPES
 from train.metrics import lm_flops_per_token, peak_tflops
-from train.model.arch import HF_ARCHITECTURE, builtin_arch
+from train.model.arch import builtin_arch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -723,7 +723,7 @@ def hf_model_class(arch):
     """transformers' class for the arch's family (Qwen3VL... or Qwen2_5_VL...ForConditionalGeneration)."""
     import transformers
 
-    return getattr(transformers, HF_ARCHITECTURE[arch.family])
+    return getattr(transformers, arch.hf_architecture)
 
 
 class HFTrainer:
@@ -823,7 +823,7 @@ def run_hf(args, arch, data_dir: Path, pool_index: list[int], device: torch.devi
         torch.cuda.reset_peak_memory_stats()
     leftover = torch.cuda.memory_allocated() / 2**30 if cuda else None
     log(f"HF: {len(samples)} samples (those of ours' packs), {int(lengths.sum()):,} tokens, longest {lengths.max()}; "
-        f"building {HF_ARCHITECTURE[arch.family]} ({args.hf_precision if cuda else 'fp32'}, sdpa)"
+        f"building {arch.hf_architecture} ({args.hf_precision if cuda else 'fp32'}, sdpa)"
         + (f"; {leftover:.2f} GiB still allocated from ours" if cuda else ""))
     hf = HFTrainer(args, arch, profile, device)
     model_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
@@ -979,7 +979,7 @@ def print_table(res: dict) -> None:
     device = res["machine"].get("device") or "cpu"
     print(f"\n{res['args']['arch']} on {device}: ours = vlmpack trainer (megatron-core, packed), "
           f"(recompute {ours['recompute']}, grads {ours['grad_dtype']}, Adam state {ours['adam_state_dtype']}), "
-          f"HF = {HF_ARCHITECTURE[builtin_arch(res['args']['arch']).family]} (sdpa, "
+          f"HF = {builtin_arch(res['args']['arch']).hf_architecture} (sdpa, "
           f"{hf.get('precision', res['args']['hf_precision'])}, padded)", flush=True)
     widths = [22, 20, 20, 9]
     print("".join(h.ljust(w) for h, w in zip(("", "ours", "HF", "ours/HF"), widths)))

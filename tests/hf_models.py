@@ -65,6 +65,23 @@ def tiny_qwen3_vl_config():
     return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **_SPECIAL_IDS)
 
 
+def tiny_qwen3_vl_moe_config():
+    """Qwen3-VL-30B-A3B in miniature: the tiny Qwen3-VL with every MLP a Mixture of 8 SwiGLU
+    experts (width 24), 2 per token, the router's aux-loss coefficient as published (0.001)."""
+    from transformers import Qwen3VLMoeConfig
+
+    dense = tiny_qwen3_vl_config()
+    text = dense.text_config.to_dict()
+    for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
+        text.pop(key, None)
+    text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1,
+                mlp_only_layers=[], router_aux_loss_coef=0.001)
+    vision = dense.vision_config.to_dict()
+    for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
+        vision.pop(key, None)
+    return Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **_SPECIAL_IDS)
+
+
 def tiny_qwen2_5_vl_config():
     """Qwen2.5-VL-3B in miniature. head_dim 64/4 = 16 -> 8 rotary freqs, chunked [2, 3, 3]
     (the 8-freq analogue of [16, 24, 24]). window_size is in pixels: 56 / patch 14 / merge 2
@@ -112,6 +129,13 @@ def tiny_qwen3_vl(seed: int = 0):
     from transformers import Qwen3VLForConditionalGeneration
 
     return _build(Qwen3VLForConditionalGeneration, tiny_qwen3_vl_config(), seed)
+
+
+def tiny_qwen3_vl_moe(seed: int = 0):
+    """A `Qwen3VLMoeForConditionalGeneration` with `tiny_qwen3_vl_moe_config()`, fp32, eval."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    return _build(Qwen3VLMoeForConditionalGeneration, tiny_qwen3_vl_moe_config(), seed)
 
 
 def tiny_qwen2_5_vl(seed: int = 0):

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from shards_schema.errors import UserError
 from shards_schema.outdir import LOCK_NAME, exclusive_output_dir, user_entries
 from tests.cli_run import vlmpack_exit_code
-from tests.hf_models import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config
+from tests.hf_models import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config, tiny_qwen3_vl_moe_config
 from train import convert as C
 from train.checkpoint_format import (
     META_FILE,
@@ -30,8 +30,12 @@ from train.checkpoint_format import (
 )
 from train.model.arch import ModelArch, builtin_arch
 
-HF_CLASSES = {"qwen3-vl": "Qwen3VLForConditionalGeneration", "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration"}
-CONFIGS = {"qwen3-vl": tiny_qwen3_vl_config, "qwen2.5-vl": tiny_qwen2_5_vl_config}
+# Model kinds: the two families, and Qwen3-VL with Mixture-of-Experts MLPs.
+HF_CLASSES = {"qwen3-vl": "Qwen3VLForConditionalGeneration", "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
+              "qwen3-vl-moe": "Qwen3VLMoeForConditionalGeneration"}
+CONFIGS = {"qwen3-vl": tiny_qwen3_vl_config, "qwen2.5-vl": tiny_qwen2_5_vl_config,
+           "qwen3-vl-moe": tiny_qwen3_vl_moe_config}
+KINDS = ["qwen3-vl", "qwen2.5-vl", "qwen3-vl-moe"]
 
 
 def _hf_model(family: str, tied: bool, layers: int):
@@ -52,7 +56,7 @@ def hf_checkpoint(tmp_path_factory):
 
     def make(family: str, tied: bool = True):
         if (family, tied) not in cache:
-            model = _hf_model(family, tied, layers=4 if family == "qwen3-vl" else 2)
+            model = _hf_model(family, tied, layers=4 if family.startswith("qwen3-vl") else 2)
             path = tmp_path_factory.mktemp(f"hf-{family}-{'tied' if tied else 'untied'}")
             model.save_pretrained(path)
             cache[family, tied] = model, path
@@ -81,17 +85,25 @@ def _assert_same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("family", ["qwen3-vl", "qwen2.5-vl"])
+@pytest.mark.parametrize("family", KINDS)
 def test_hf_megatron_hf_is_exact(hf_checkpoint, family, tied):
     _, path = hf_checkpoint(family, tied)
     arch, hf = _load(path)
     assert arch.lm.tie_word_embeddings is tied
     full = C.hf_to_megatron(hf, arch)
     assert (C.OUTPUT in full) is not tied
-    _assert_same(C.megatron_to_hf(full, arch), hf)
+    back = C.megatron_to_hf(full, arch)
+    if arch.lm.is_moe:  # save_pretrained wrote transformers' [E, 2F, H] stacks; export writes the hub's [E, H, 2F]
+        e, h, f = arch.lm.num_experts, arch.lm.hidden_size, arch.lm.moe_intermediate_size
+        gate_up = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+        assert hf[gate_up].shape == (e, 2 * f, h) and back[gate_up].shape == (e, h, 2 * f)
+        hf = {k: v.transpose(1, 2) if ".experts." in k else v for k, v in hf.items()}
+        # and the hub layout reads back to the same weights
+        _assert_same(C.hf_to_megatron(back, arch), full)
+    _assert_same(back, hf)
 
 
-@pytest.mark.parametrize("family", ["qwen3-vl", "qwen2.5-vl"])
+@pytest.mark.parametrize("family", KINDS)
 def test_matches_built_model_and_hf_logits(hf_checkpoint, parallel, family):
     """TP=PP=1: our keys/shapes are megatron's, and the converted weights give HF's logits
     (which they would not with a wrong QKV grouping or fc1 order)."""
@@ -117,14 +129,20 @@ def _expected_tp2_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     h, d, f = lm.hidden_size, lm.head_dim, lm.intermediate_size
     qkv = (lm.num_heads + 2 * lm.num_kv_heads) * d // 2
     shapes = {"self_attention.linear_qkv.weight": (qkv, h), "self_attention.linear_proj.weight": (h, lm.num_heads * d // 2),
-              "mlp.linear_fc1.weight": (f, h), "mlp.linear_fc2.weight": (h, f // 2), "input_layernorm.weight": (h,)}
+              "input_layernorm.weight": (h,)}
+    if lm.is_moe:  # experts and router whole on each TP rank (expert TP 1)
+        e, fe = lm.num_experts, lm.moe_intermediate_size
+        shapes.update({"mlp.router.weight": (e, h), "mlp.experts.weight1": (h, e * 2 * fe),
+                       "mlp.experts.weight2": (e * fe, h)})
+    else:
+        shapes.update({"mlp.linear_fc1.weight": (f, h), "mlp.linear_fc2.weight": (h, f // 2)})
     if lm.qkv_bias:
         shapes["self_attention.linear_qkv.bias"] = (qkv,)
     return shapes
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("family", ["qwen3-vl", "qwen2.5-vl"])
+@pytest.mark.parametrize("family", KINDS)
 def test_shard_unshard(hf_checkpoint, family, tied):
     _, path = hf_checkpoint(family, tied)
     arch, hf = _load(path)
@@ -223,7 +241,7 @@ def test_model_dir_reshards_on_load(hf_checkpoint, tmp_path):
 
 def _image_logits(model, family: str) -> torch.Tensor:
     """Logits of one image + text sample (runs the vision tower, DeepStack / windows, M-RoPE)."""
-    grid, width = ([1, 4, 4], 1536) if family == "qwen3-vl" else ([1, 8, 8], 1176)
+    grid, width = ([1, 4, 4], 1536) if family.startswith("qwen3-vl") else ([1, 8, 8], 1176)
     ids = torch.tensor([[1000, 151652] + [151655] * (grid[1] * grid[2] // 4) + [151653, 1001, 1002]])
     pixels = torch.randn(grid[1] * grid[2], width, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -232,7 +250,7 @@ def _image_logits(model, family: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("family", ["qwen3-vl", "qwen2.5-vl"])
+@pytest.mark.parametrize("family", KINDS)
 def test_export_loads_in_transformers(hf_checkpoint, tmp_path, family, tied):
     import transformers
 

@@ -22,7 +22,7 @@ from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import open_shards
 from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
-from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
+from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
 from train import convert
 from train.model.arch import ModelArch
 from train.model.qwen_vl import transformer_config
@@ -30,7 +30,8 @@ from train.packed_batch import IGNORE_INDEX, assemble_pack
 from train.parallel import build_model, destroy_parallel, init_parallel
 
 TOLERANCE = 1e-4
-HF_MODELS = {"qwen3-vl": tiny_qwen3_vl, "qwen2.5-vl": tiny_qwen2_5_vl}
+# Model kinds; the MoE model reads Qwen3-VL data (the same processor and template).
+HF_MODELS = {"qwen3-vl": tiny_qwen3_vl, "qwen2.5-vl": tiny_qwen2_5_vl, "qwen3-vl-moe": tiny_qwen3_vl_moe}
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +43,16 @@ def info():
 
 @pytest.fixture(scope="module", params=sorted(HF_MODELS))
 def case(request, info, tmp_path_factory):
-    family = request.param
-    tmp = tmp_path_factory.mktemp(f"parity-{family}")
+    kind = request.param
+    family = kind.removesuffix("-moe")
+    tmp = tmp_path_factory.mktemp(f"parity-{kind}")
     rows = example_rows(16, seed=11, family=family, size_range=(32, 112), video_rows=0.3)
     run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(tmp / "rows.jsonl", rows))], out=str(tmp / "shards"),
                                     profile=family, workers=1, progress=False))
     shards = open_shards(tmp / "shards")
-    hf = HF_MODELS[family]()
+    hf = HF_MODELS[kind]()
     arch = ModelArch.from_hf_config(hf.config.to_dict())
-    return family, shards, hf, arch, megatron_model(hf, arch, info)
+    return kind, shards, hf, arch, megatron_model(hf, arch, info)
 
 
 def megatron_model(hf, arch, info):
@@ -167,6 +169,38 @@ def test_loss_on_target_rows_only(case):
     for name, grad in full_grads.items():  # fp32; only the summation order of the GEMMs differs
         diff = (sel_grads[name] - grad).abs().max().item()
         assert diff <= 1e-5 * grad.abs().max().item() + 1e-12, f"{name}: max |grad diff| {diff:.2e}"
+
+
+@pytest.mark.parametrize("images", ["mixed", "videos"])
+def test_moe_routes_every_token_to_the_same_experts(case, images):
+    """Router choices: megatron's TopKRouter picks HF's top-k experts on every row of the pack,
+    in every layer, and gives them HF's weights (softmax, top-k, renormalised)."""
+    kind, shards, hf, arch, model = case
+    if not arch.lm.is_moe:
+        pytest.skip("dense model: no router")
+    pack = assemble_pack(pick(shards, images), pad_to_multiple=8, seq_len=None)
+    theirs, ours = [], []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: theirs.append(out[1:]))
+             for layer in hf.model.language_model.layers]
+    hooks += [layer.mlp.router.register_forward_hook(lambda m, a, out: ours.append(out))
+              for layer in model.language_model.decoder.layers]
+    try:
+        hf_logits(hf, shards, pack)
+        our_outputs(model, shards, pack)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    layers = arch.lm.num_layers
+    assert len(theirs) == layers and len(ours) == 2 * layers  # our_outputs runs the model twice
+    for layer, ((hf_weights, hf_experts), (probs, routing_map)) in enumerate(zip(theirs, ours[:layers])):
+        k = arch.lm.num_experts_per_tok
+        assert torch.all(routing_map.sum(-1) == k)
+        experts = torch.nonzero(routing_map)[:, 1].reshape(-1, k)  # ascending per row
+        assert torch.equal(experts, hf_experts.sort(-1).values), f"layer {layer}: experts differ"
+        weights = probs.gather(1, experts)
+        want = hf_weights.gather(1, hf_experts.sort(-1).indices)
+        torch.testing.assert_close(weights, want, rtol=0, atol=1e-6)
+        assert len(experts) == len(pack["input_ids"])
 
 
 def test_wrong_mrope_layout_is_detected(case, info):

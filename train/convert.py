@@ -114,8 +114,16 @@ WEIGHT_MAPPINGS = (
                   "qkv", "column", only_if="qkv_bias"),
     WeightMapping((_HF_LAYER + "self_attn.o_proj.weight",), _LAYER + "self_attention.linear_proj.weight", tp_split="row"),
     WeightMapping((_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"), _LAYER + "mlp.linear_fc1.weight",
-                  "gate_up", "gated"),
-    WeightMapping((_HF_LAYER + "mlp.down_proj.weight",), _LAYER + "mlp.linear_fc2.weight", tp_split="row"),
+                  "gate_up", "gated", only_if="not is_moe"),
+    WeightMapping((_HF_LAYER + "mlp.down_proj.weight",), _LAYER + "mlp.linear_fc2.weight", tp_split="row",
+                  only_if="not is_moe"),
+    # Mixture-of-Experts layers: experts are whole on every TP rank (expert TP 1) and divided
+    # over the expert-parallel ranks (`_ep_split`).
+    WeightMapping((_HF_LAYER + "mlp.gate.weight",), _LAYER + "mlp.router.weight", only_if="is_moe"),
+    WeightMapping((_HF_LAYER + "mlp.experts.gate_up_proj",), _LAYER + "mlp.experts.weight1", "experts_fc1",
+                  only_if="is_moe"),
+    WeightMapping((_HF_LAYER + "mlp.experts.down_proj",), _LAYER + "mlp.experts.weight2", "experts_fc2",
+                  only_if="is_moe"),
 )
 
 # Families whose hub checkpoints (and transformers' save_pretrained) use the pre-5.x names:
@@ -175,6 +183,12 @@ TRANSFORMS = {
     "copy": (lambda tensors, lm: tensors[0], lambda tensor, lm: (tensor,)),
     "qkv": (lambda tensors, lm: fuse_qkv(*tensors, lm), split_qkv),
     "gate_up": (lambda tensors, lm: torch.cat(tensors), lambda tensor, lm: tuple(tensor.chunk(2))),
+    # The hub's [E, H, 2F] / [E, F, H] expert stacks are megatron GroupedMLP's weight1 /
+    # weight2 memory as they are (see train.model.moe): only the 2-D shape differs.
+    "experts_fc1": (lambda tensors, lm: tensors[0].reshape(lm.hidden_size, -1),
+                    lambda tensor, lm: (tensor.reshape(lm.num_experts, lm.hidden_size, -1),)),
+    "experts_fc2": (lambda tensors, lm: tensors[0].reshape(-1, lm.hidden_size),
+                    lambda tensor, lm: (tensor.reshape(lm.num_experts, -1, lm.hidden_size),)),
 }
 
 
@@ -221,8 +235,13 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     q, kv = lm.num_heads * d, lm.num_kv_heads * d
     layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
              "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-             "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
-             "mlp.down_proj.weight": (h, f)}
+             "self_attn.o_proj.weight": (h, q)}
+    if lm.is_moe:
+        e, fe = lm.num_experts, lm.moe_intermediate_size
+        layer.update({"mlp.gate.weight": (e, h), "mlp.experts.gate_up_proj": (e, h, 2 * fe),
+                      "mlp.experts.down_proj": (e, fe, h)})
+    else:
+        layer.update({"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)})
     if lm.qk_norm:
         layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
     if lm.qkv_bias:
@@ -281,9 +300,38 @@ def _drop_tied_lm_head(hf: dict, arch: ModelArch) -> dict:
     return {k: v for k, v in hf.items() if k != HF_LM_HEAD}
 
 
+# Qwen3-VL MoE expert stacks come in two layouts: the published checkpoints' [E, H, 2F] /
+# [E, F, H] (what our weights are, see TRANSFORMS) and transformers 5.x's in-memory
+# [E, 2F, H] / [E, H, F], which its `save_pretrained` writes. transformers tells them apart by
+# shape (a tensor shaped like its parameter is taken as is); so do we, and a square stack
+# (H == 2F, or H == F) is read as transformers reads it.
+_EXPERT_STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _transformers_layout_shapes(lm: LMArch) -> dict[str, tuple[int, ...]]:
+    e, h, f = lm.num_experts, lm.hidden_size, lm.moe_intermediate_size
+    return {"mlp.experts.gate_up_proj": (e, 2 * f, h), "mlp.experts.down_proj": (e, h, f)}
+
+
+def expert_layout(hf: dict, lm: LMArch) -> dict:
+    """Expert stacks shaped like transformers' in-memory layout, transposed. Reading, that
+    gives the published layout; writing (from the published layout), it changes only a
+    square stack, which transformers would otherwise take as its own layout."""
+    if not lm.is_moe:
+        return hf
+    memory = _transformers_layout_shapes(lm)
+    out = {}
+    for key, value in hf.items():
+        stack = next((s for s in _EXPERT_STACKS if key.endswith(s)), None)
+        if stack is not None and tuple(value.shape) == memory[stack]:
+            value = value.transpose(1, 2).contiguous()
+        out[key] = value
+    return out
+
+
 def hf_to_megatron(hf_state: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """A whole HF checkpoint -> the full Megatron state dict (tensors shared where unchanged)."""
-    hf = _drop_tied_lm_head(canonical_hf_names(hf_state), arch)
+    hf = expert_layout(_drop_tied_lm_head(canonical_hf_names(hf_state), arch), arch.lm)
     check_state(hf, hf_shapes(arch), "config.json")
     return {megatron: TRANSFORMS[m.transform][0]([hf[n] for n in names], arch.lm)
             for m, names, megatron in _name_pairs(arch.lm, hf)}
@@ -295,7 +343,7 @@ def megatron_to_hf(full_state: dict[str, torch.Tensor], arch: ModelArch) -> dict
     out = {}
     for m, names, megatron in _name_pairs(arch.lm, full_state):
         out.update(zip(names, TRANSFORMS[m.transform][1](full_state[megatron], arch.lm)))
-    return hub_hf_names(out, arch.family)
+    return hub_hf_names(expert_layout(out, arch.lm), arch.family)
 
 
 # --- full Megatron <-> per-rank shards ------------------------------------------------------

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from train.model.arch import ModelArch
 from train.model.attention import PackedCoreAttention, PackedRows
+from train.model.moe import moe_config, moe_layer_spec
 from train.model.rope import MRoPE, apply_rotary
 from train.model.vision import VisionTower
 
@@ -53,14 +54,18 @@ class DeepStackLayer(TransformerLayer):
 
 
 def layer_spec(arch: ModelArch):
-    spec = get_gpt_layer_local_spec(qk_layernorm=arch.lm.qk_norm, normalization="RMSNorm")
+    moe = arch.lm.is_moe
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.lm.qk_norm, normalization="RMSNorm",
+                                    num_experts=arch.lm.num_experts if moe else None, moe_grouped_gemm=moe)
+    if moe:
+        spec = moe_layer_spec(spec)
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     if arch.num_deepstack:
         spec.module = DeepStackLayer
     return spec
 
 
-def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtype=torch.float32,
+def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, ep: int = 1, params_dtype=torch.float32,
                        bf16: bool = False, cpu: bool = False, recompute: str = "none",
                        recompute_layers: int | None = None, **overrides) -> TransformerConfig:
     """megatron TransformerConfig for the language model; `recompute`: none | selective | full.
@@ -97,7 +102,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtyp
         bias_activation_fusion=not cpu, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, cross_entropy_loss_fusion=False,
         cuda_graph_scope=[],  # no CUDA graphs; megatron's default ("full") warns that it is deprecated
-        **recompute_kw, **overrides)
+        **(moe_config(lm, ep, cpu) if lm.is_moe else {}), **recompute_kw, **overrides)
 
 
 def vocab_parallel_token_loss(logits: Tensor, target: Tensor) -> Tensor:

@@ -1,0 +1,97 @@
+"""Mixture-of-Experts decoder MLPs on megatron-core, without Transformer Engine.
+
+The layer is megatron-core's own `MoELayer`: its `TopKRouter` (top-k of the logits, softmax
+over those k: the same weights as HF's softmax over all experts, top-k, renormalised), its
+token dispatcher (all-to-all over the expert-parallel group) and its load-balancing loss.
+The experts are megatron's `GroupedMLP` (its parameters, their grouped layout, EP/ETP
+sharding and initialisation) with the grouped GEMM done by torch (`grouped_mm`): megatron's
+own kernel comes from the separately built `grouped_gemm` package, and the TE variant needs
+Transformer Engine.
+
+`GroupedMLP` holds each rank's local experts as two matrices: `weight1` [H, E_local * 2F]
+(viewed [E_local, H, 2F]: each expert's [gate | up] columns) and `weight2` [E_local * F, H]
+(viewed [E_local, F, H]). That is the layout of the Hugging Face Qwen3-VL MoE checkpoints'
+`experts.gate_up_proj` / `experts.down_proj` tensors, so conversion is a reshape.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe import grouped_gemm_util, moe_utils
+from megatron.core.transformer.moe.experts import GroupedMLP
+from torch import Tensor
+
+# megatron's router uses TE's GEMM whenever the name is bound, and 0.16.1 leaves it unbound
+# without TE (NameError); None selects its torch.mm path.
+if not getattr(moe_utils, "HAVE_TE", False):
+    moe_utils.te_general_gemm = None
+
+
+def grouped_mm(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    """[N, K] rows grouped by expert (counts `tokens_per_expert` [E]) times weight [E, K, M] -> [N, M].
+
+    One `torch._grouped_mm` on CUDA in bf16 (Hopper and newer); elsewhere one GEMM per expert
+    (an expert with no rows still gets its zero gradient)."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offsets = tokens_per_expert.to(device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return torch._grouped_mm(x, weight, offs=offsets)
+    counts = tokens_per_expert.tolist()
+    return torch.cat([part @ w for part, w in zip(x.split(counts), weight)])
+
+
+@contextmanager
+def _torch_grouped_gemm():
+    """`GroupedMLP.__init__` asserts that the `grouped_gemm` package is importable; the GEMMs
+    of `TorchGroupedMLP` are torch's, so the check is answered for the constructor only."""
+    saved = grouped_gemm_util.grouped_gemm
+    grouped_gemm_util.grouped_gemm = grouped_gemm_util.grouped_gemm or True
+    try:
+        yield
+    finally:
+        grouped_gemm_util.grouped_gemm = saved
+
+
+class TorchGroupedMLP(GroupedMLP):
+    """megatron's `GroupedMLP` whose forward runs `grouped_mm`, in any dtype (megatron's
+    forward asserts bf16). The routing weight multiplies the SwiGLU output, before the second
+    GEMM, as megatron does (HF multiplies after it: the same value up to rounding)."""
+
+    def __init__(self, num_local_experts: int, config, pg_collection=None):
+        with _torch_grouped_gemm():
+            super().__init__(num_local_experts, config, pg_collection=pg_collection)
+
+    def forward(self, hidden: Tensor, tokens_per_expert: Tensor, probs: Tensor):
+        hidden_size = self.config.hidden_size
+        w1 = self.weight1.view(self.num_local_experts, hidden_size, -1)
+        w2 = self.weight2.view(self.num_local_experts, -1, hidden_size)
+        gate, up = grouped_mm(hidden, w1, tokens_per_expert).chunk(2, dim=-1)
+        inner = (F.silu(gate) * up * probs.unsqueeze(-1)).to(hidden.dtype)
+        return grouped_mm(inner, w2, tokens_per_expert), None
+
+
+def moe_layer_spec(base_spec):
+    """`base_spec` (megatron's local layer spec built with num_experts) with its experts
+    replaced by `TorchGroupedMLP`."""
+    experts = base_spec.submodules.mlp.submodules.experts
+    experts.module, experts.submodules = TorchGroupedMLP, None
+    return base_spec
+
+
+def moe_config(lm, ep: int, cpu: bool) -> dict:
+    """TransformerConfig fields of the MoE layers for language model `lm` (an `LMArch`).
+    The token dispatcher is megatron's all-to-all on GPUs; CPU runs (gloo) use its all-gather
+    dispatcher, as the all-to-all one allocates a CUDA stream: the same routing and experts."""
+    return dict(
+        num_moe_experts=lm.num_experts, moe_router_topk=lm.num_experts_per_tok,
+        moe_ffn_hidden_size=lm.moe_intermediate_size, expert_model_parallel_size=ep,
+        moe_router_pre_softmax=False, moe_router_score_function="softmax", moe_router_dtype="fp32",
+        moe_token_dispatcher_type="allgather" if cpu else "alltoall", moe_grouped_gemm=False, moe_permute_fusion=False,
+        moe_router_fusion=False, moe_router_load_balancing_type="aux_loss" if lm.router_aux_loss_coef else "none",
+        # megatron's per-layer switch loss is coeff * E/k * sum(f * P) with f summing to k; HF's
+        # is coef * E * sum(f * P): the same value per layer with coeff = coef * k. HF pools
+        # the layers before the product; megatron sums per layer, so each layer gets 1/L.
+        moe_aux_loss_coeff=lm.router_aux_loss_coef * lm.num_experts_per_tok / lm.num_layers,
+    )
