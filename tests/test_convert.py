@@ -205,11 +205,12 @@ def _tp_worker(rank: int, world: int, port: int, model_dir: str, ids: torch.Tens
     destroy_parallel()
 
 
-def test_tp2_model_gives_hf_logits(hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3-vl", "qwen3-vl-moe"])
+def test_tp2_model_gives_hf_logits(hf_checkpoint, tmp_path, family):
     """Two gloo processes run megatron's TP=2 forward on weights saved at TP=1 (resharded on load)."""
     import torch.multiprocessing as mp
 
-    hf_model, path = hf_checkpoint("qwen3-vl", False)
+    hf_model, path = hf_checkpoint(family, False)
     C.import_hf(path, tmp_path / "m")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -203,6 +203,49 @@ def test_moe_routes_every_token_to_the_same_experts(case, images):
         assert len(experts) == len(pack["input_ids"])
 
 
+def test_moe_load_balancing_loss_is_hfs(case, info):
+    """The reported load-balancing loss is HF's `load_balancing_loss_func` per layer (on the
+    router logits of the same pack), averaged over layers; with a coefficient it reaches the
+    routers' gradients, without one it does not exist."""
+    from megatron.core.transformer.moe import moe_utils
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
+
+    from train.model.moe import load_balancing_loss
+
+    kind, shards, hf, arch, _ = case
+    if not arch.lm.is_moe:
+        pytest.skip("dense model: no router")
+    pack = assemble_pack(pick(shards, "mixed"), pad_to_multiple=8, seq_len=None)
+    logits = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: logits.append(out[0]))
+             for layer in hf.model.language_model.layers]
+    try:
+        hf_logits(hf, shards, pack)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    k, experts = arch.lm.num_experts_per_tok, arch.lm.num_experts
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()  # megatron's tracker is process-wide
+    want = np.mean([float(load_balancing_loss_func((layer,), experts, k)) for layer in logits])
+    router_grads = {}
+    for coef in (0.0, 0.5):
+        model = build_model(arch, transformer_config(arch, cpu=True, moe_aux_loss_coef=coef,
+                                                     calculate_per_token_loss=True), info).train()
+        convert.load_into_model(model, convert.shard(convert.hf_to_megatron(hf.state_dict(), arch), arch, 1, 0, 1, 0))
+        t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded",
+                                                                 "labels", "image_grid_thw")}
+        losses = model(t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"],
+                       labels=t["labels"], pixel_values=pixel_values(shards, pack), image_grid_thw=t["image_grid_thw"])
+        losses.sum().backward()
+        got = load_balancing_loss(1, k)
+        if coef:
+            assert got == pytest.approx(want, rel=1e-5)
+        else:
+            assert got is None
+        router_grads[coef] = model.language_model.decoder.layers[0].mlp.router.weight.grad.clone()
+    assert (router_grads[0.5] - router_grads[0.0]).abs().max() > 1e-6
+
+
 def test_wrong_mrope_layout_is_detected(case, info):
     """Negative control: the other family's frequency layout changes the logits of image samples."""
     _, shards, hf, arch, _ = case

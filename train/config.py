@@ -70,6 +70,9 @@ class TrainConfig:
     freeze: list[str] = _opt([], "model", f"parts not trained: {', '.join(FREEZABLE)} (repeatable or comma-separated)")
     attention: str = _opt("fa2", "model", "CUDA attention kernel: fa2 (torch's own) or fa4 (flash-attn-4, "
                                           "Hopper/Blackwell; default fa2)")
+    moe_aux_loss_coef: float = _opt(0.0, "model", "Mixture-of-Experts models: weight of the router's load-balancing "
+                                                   "loss (HF's router_aux_loss_coef, e.g. 0.001; default 0, as HF "
+                                                   "trains without output_router_logits)")
     compile: bool = _opt(True, "model", "torch.compile the vision blocks and rotary kernels, CUDA only (default true)")
     # parallelism
     tp: int = _opt(1, "parallelism", "tensor-parallel size (divides the attention and KV heads; default 1)")
@@ -141,7 +144,7 @@ class TrainConfig:
         for name in ("lr", "adam_eps"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        for name in ("min_lr", "weight_decay", "clip_grad"):
+        for name in ("min_lr", "weight_decay", "clip_grad", "moe_aux_loss_coef"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("adam_beta1", "adam_beta2"):

@@ -54,7 +54,10 @@ class ParallelInfo:
         return self.rank == 0
 
 
-def init_parallel(tp: int = 1, pp: int = 1, *, device: str | None = None, seed: int = 0) -> ParallelInfo:
+def init_parallel(tp: int = 1, pp: int = 1, *, ep: int = 1, device: str | None = None, seed: int = 0) -> ParallelInfo:
+    """`ep`: expert-parallel size of Mixture-of-Experts layers (carved from the data-parallel
+    ranks). Experts are never split over TP ranks (expert TP 1): each is small, and whole
+    experts keep the grouped GEMM's shapes those of the checkpoint."""
     use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     if not use_cuda and not torch.cuda.is_available():
         _cpu_device_shim()
@@ -73,6 +76,7 @@ def init_parallel(tp: int = 1, pp: int = 1, *, device: str | None = None, seed: 
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
                                       create_gloo_process_groups=True)
     seed_everything(seed)
     if use_cuda:

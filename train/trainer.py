@@ -42,6 +42,7 @@ from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
 from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
+from train.model.moe import load_balancing_loss
 from train.parallel import ParallelInfo, build_model, destroy_parallel, init_parallel
 from train.preemption import StopRequest
 
@@ -65,6 +66,10 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
         raise ConfigError(f"DeepStack adds vision features after decoder layers 0..{arch.num_deepstack - 1}, which must "
                           f"all be on pipeline stage 0, but --pp {config.pp} puts only {lm.num_layers // config.pp} "
                           f"layers there; use --pp <= {lm.num_layers // arch.num_deepstack}")
+    if lm.is_moe and config.tp > 1:
+        raise ConfigError(f"--tp {config.tp} with a Mixture-of-Experts model: megatron-core's MoE layers train under "
+                          "tensor parallelism only with sequence parallelism, which this trainer does not use; "
+                          "use --tp 1 (data parallelism and --pp split the model)")
 
 
 def freeze(model, parts: list[str]) -> None:
@@ -222,7 +227,8 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
 
     model_config = transformer_config(arch, tp=config.tp, pp=config.pp, params_dtype=dtype, bf16=bf16,
                                       cpu=not cuda, recompute=config.recompute,
-                                      recompute_layers=config.recompute_layers, calculate_per_token_loss=True)
+                                      recompute_layers=config.recompute_layers,
+                                      moe_aux_loss_coef=config.moe_aux_loss_coef, calculate_per_token_loss=True)
     if cuda:
         on_fa2 = select_attention_kernel(config.attention, {"language model": arch.lm.head_dim,
                                                             "vision tower": arch.vision.head_dim})
@@ -290,6 +296,8 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
                       # > 0 and growing: the allocator had to free its cache and retry, a stall of the
                       # whole step; use more recompute (--recompute-layers) or shorter packs
                       "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None}
+            if arch.lm.is_moe and config.moe_aux_loss_coef:
+                record["moe_load_balancing_loss"] = load_balancing_loss(len(micro_batches), arch.lm.num_experts_per_tok)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {step}: lower --lr, check the data with `vlmpack verify`")
             if config.eval_data and config.eval_every and step % config.eval_every == 0 and not stop_requested:

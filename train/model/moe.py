@@ -80,18 +80,34 @@ def moe_layer_spec(base_spec):
     return base_spec
 
 
-def moe_config(lm, ep: int, cpu: bool) -> dict:
-    """TransformerConfig fields of the MoE layers for language model `lm` (an `LMArch`).
+def moe_config(lm, ep: int, cpu: bool, aux_loss_coef: float) -> dict:
+    """TransformerConfig fields of the MoE layers for language model `lm` (an `LMArch`), with
+    the router's load-balancing loss weighted `aux_loss_coef` (HF's router_aux_loss_coef; 0: none).
     The token dispatcher is megatron's all-to-all on GPUs; CPU runs (gloo) use its all-gather
     dispatcher, as the all-to-all one allocates a CUDA stream: the same routing and experts."""
     return dict(
         num_moe_experts=lm.num_experts, moe_router_topk=lm.num_experts_per_tok,
-        moe_ffn_hidden_size=lm.moe_intermediate_size, expert_model_parallel_size=ep,
+        moe_ffn_hidden_size=lm.moe_intermediate_size, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
         moe_router_pre_softmax=False, moe_router_score_function="softmax", moe_router_dtype="fp32",
         moe_token_dispatcher_type="allgather" if cpu else "alltoall", moe_grouped_gemm=False, moe_permute_fusion=False,
-        moe_router_fusion=False, moe_router_load_balancing_type="aux_loss" if lm.router_aux_loss_coef else "none",
+        moe_router_fusion=False, moe_router_load_balancing_type="aux_loss" if aux_loss_coef else "none",
         # megatron's per-layer switch loss is coeff * E/k * sum(f * P) with f summing to k; HF's
         # is coef * E * sum(f * P): the same value per layer with coeff = coef * k. HF pools
         # the layers before the product; megatron sums per layer, so each layer gets 1/L.
-        moe_aux_loss_coeff=lm.router_aux_loss_coef * lm.num_experts_per_tok / lm.num_layers,
+        moe_aux_loss_coeff=aux_loss_coef * lm.num_experts_per_tok / lm.num_layers,
     )
+
+
+def load_balancing_loss(num_micro_batches: int, topk: int) -> float | None:
+    """The step's load-balancing loss in HF's units (`load_balancing_loss_func` of one layer),
+    averaged over MoE layers and micro-batches, from megatron's tracker (which holds each
+    layer's switch loss / coeff, summed over micro-batches); None when no layer recorded one.
+    Reduced over pipeline stages and data-parallel ranks; the tracker is cleared for the next step."""
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    if "load_balancing_loss" not in tracker:
+        return None
+    moe_utils.reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
+    values = tracker["load_balancing_loss"]["values"]
+    value = float(values.mean()) * topk / max(num_micro_batches, 1)
+    moe_utils.clear_aux_losses_tracker()
+    return value

@@ -67,7 +67,8 @@ def layer_spec(arch: ModelArch):
 
 def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, ep: int = 1, params_dtype=torch.float32,
                        bf16: bool = False, cpu: bool = False, recompute: str = "none",
-                       recompute_layers: int | None = None, **overrides) -> TransformerConfig:
+                       recompute_layers: int | None = None, moe_aux_loss_coef: float = 0.0,
+                       **overrides) -> TransformerConfig:
     """megatron TransformerConfig for the language model; `recompute`: none | selective | full.
 
     With full, `recompute_layers` N recomputes only the first N decoder layers of each pipeline
@@ -102,7 +103,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, ep: int = 1
         bias_activation_fusion=not cpu, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, cross_entropy_loss_fusion=False,
         cuda_graph_scope=[],  # no CUDA graphs; megatron's default ("full") warns that it is deprecated
-        **(moe_config(lm, ep, cpu) if lm.is_moe else {}), **recompute_kw, **overrides)
+        **(moe_config(lm, ep, cpu, moe_aux_loss_coef) if lm.is_moe else {}), **recompute_kw, **overrides)
 
 
 def vocab_parallel_token_loss(logits: Tensor, target: Tensor) -> Tensor:
