@@ -391,6 +391,12 @@ def test_output_directories_hold_only_their_own_command_output(hf_checkpoint, tm
             C.export_hf(model, tmp_path / "busy")
     C.export_hf(model, tmp_path / "busy")  # free again
     assert (tmp_path / "busy" / "config.json").is_file() and not (tmp_path / "busy" / ".export-hf.tmp").exists()
+    with exclusive_output_dir(tmp_path / "busy-import", "import-hf"):
+        with pytest.raises(UserError, match="is in use by another job"):
+            C.import_hf(path, tmp_path / "busy-import")
+        assert _files(tmp_path / "busy-import") == set()
+    C.import_hf(path, tmp_path / "busy-import")
+    assert (tmp_path / "busy-import" / META_FILE).is_file()
 
 
 # Each bad `vlmpack import-hf` / `export-hf` command line ({hf}: a HF checkpoint, {m}: a model
