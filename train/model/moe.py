@@ -30,12 +30,13 @@ if not getattr(moe_utils, "HAVE_TE", False):
     moe_utils.te_general_gemm = None
 
 
-def grouped_mm(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
+def grouped_mm(x: Tensor, weight: Tensor, tokens_per_expert: Tensor, per_expert: bool = False) -> Tensor:
     """[N, K] rows grouped by expert (counts `tokens_per_expert` [E]) times weight [E, K, M] -> [N, M].
 
-    One `torch._grouped_mm` on CUDA in bf16 (Hopper and newer); elsewhere one GEMM per expert
-    (an expert with no rows still gets its zero gradient)."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+    One `torch._grouped_mm` on CUDA in bf16 (Hopper and newer); elsewhere, or with
+    `per_expert`, one GEMM per expert, as megatron's SequentialMLP runs them (an expert with no
+    rows still gets its zero gradient)."""
+    if not per_expert and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = tokens_per_expert.to(device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return torch._grouped_mm(x, weight, offs=offsets)
     counts = tokens_per_expert.tolist()
@@ -60,16 +61,18 @@ class TorchGroupedMLP(GroupedMLP):
     GEMM, as megatron does (HF multiplies after it: the same value up to rounding)."""
 
     def __init__(self, num_local_experts: int, config, pg_collection=None):
-        with _torch_grouped_gemm():
-            super().__init__(num_local_experts, config, pg_collection=pg_collection)
+        with _torch_grouped_gemm():  # outside a MoELayer (tests, benchmarks): megatron's default groups
+            super().__init__(num_local_experts, config,
+                             pg_collection=pg_collection or moe_utils.get_default_pg_collection())
+        self.per_expert = False  # one GEMM per expert even where the grouped GEMM runs (tests, benchmarks)
 
     def forward(self, hidden: Tensor, tokens_per_expert: Tensor, probs: Tensor):
         hidden_size = self.config.hidden_size
         w1 = self.weight1.view(self.num_local_experts, hidden_size, -1)
         w2 = self.weight2.view(self.num_local_experts, -1, hidden_size)
-        gate, up = grouped_mm(hidden, w1, tokens_per_expert).chunk(2, dim=-1)
+        gate, up = grouped_mm(hidden, w1, tokens_per_expert, self.per_expert).chunk(2, dim=-1)
         inner = (F.silu(gate) * up * probs.unsqueeze(-1)).to(hidden.dtype)
-        return grouped_mm(inner, w2, tokens_per_expert), None
+        return grouped_mm(inner, w2, tokens_per_expert, self.per_expert), None
 
 
 def moe_layer_spec(base_spec):
