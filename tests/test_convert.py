@@ -167,6 +167,57 @@ def test_shard_unshard(hf_checkpoint, family, tied):
                     assert {k: tuple(state[prefix + k].shape) for k in _expected_tp2_shapes(arch)} == _expected_tp2_shapes(arch)
 
 
+def test_expert_parallel_shards_hold_their_experts(hf_checkpoint, tmp_path):
+    """EP rank r holds experts r*E/ep ... of every MoE layer (megatron's local expert indices),
+    the other tensors whole; shard -> unshard is exact for ep 2 and 4 with pp 1 and 2; a model
+    directory saved at ep=2 reloads at any ep and exports the original checkpoint."""
+    _, path = hf_checkpoint("qwen3-vl-moe", False)
+    arch, hf = _load(path)
+    full = C.hf_to_megatron(hf, arch)
+    lm = arch.lm
+    e, h, f = lm.num_experts, lm.hidden_size, lm.moe_intermediate_size
+    stack = C.expert_layout(hf, lm)["model.language_model.layers.0.mlp.experts.gate_up_proj"]  # [E, H, 2F]
+    down = C.expert_layout(hf, lm)["model.language_model.layers.0.mlp.experts.down_proj"]  # [E, F, H]
+    for ep in (2, 4):
+        for pp in (1, 2):
+            states = {key: C.shard(full, arch, 1, key[0], pp, key[1], ep, key[2]) for key in C.rank_keys(1, pp, ep)}
+            _assert_same(C.unshard(states, arch, 1, pp, ep), full)
+        n = e // ep
+        for r in range(ep):
+            state = C.shard(full, arch, 1, 0, 1, 0, ep, r)
+            w1 = state["language_model.decoder.layers.0.mlp.experts.weight1"]
+            w2 = state["language_model.decoder.layers.0.mlp.experts.weight2"]
+            assert w1.shape == (h, n * 2 * f) and w2.shape == (n * f, h)
+            assert torch.equal(w1.reshape(n, h, 2 * f), stack[r * n:(r + 1) * n])
+            assert torch.equal(w2.reshape(n, f, h), down[r * n:(r + 1) * n])
+            assert torch.equal(state[C.EMBED], full[C.EMBED])
+    C.import_hf(path, tmp_path / "m", ep=2)
+    assert sorted(p.name for p in (tmp_path / "m").glob("*.safetensors")) == [
+        "model_tp0_pp0_ep0.safetensors", "model_tp0_pp0_ep1.safetensors"]
+    _assert_same(C.load_model_state(tmp_path / "m", arch), full)
+    _assert_same(C.load_model_state(tmp_path / "m", arch, 1, 0, 2, 1, 4, 3), C.shard(full, arch, 1, 0, 2, 1, 4, 3))
+    C.export_hf(tmp_path / "m", tmp_path / "hf")
+    _assert_same(load_file(str(tmp_path / "hf" / "model.safetensors")), C.megatron_to_hf(full, arch))
+    # an expert-parallel rank file whose shared tensors were changed does not merge
+    bad = dict(load_file(str(tmp_path / "m" / "model_tp0_pp0_ep1.safetensors")))
+    bad[C.EMBED] = bad[C.EMBED] + 1
+    states = {(0, 0, 0): load_file(str(tmp_path / "m" / "model_tp0_pp0_ep0.safetensors")), (0, 0, 1): bad}
+    with pytest.raises(CheckpointError, match="differs between expert-parallel ranks 0 and 1"):
+        C.unshard(states, arch, 1, 1, 2)
+
+
+@pytest.mark.parametrize("kind, tp, ep, message", [
+    ("qwen3-vl", 1, 2, "ep=2: expert parallelism needs a Mixture-of-Experts model"),
+    ("qwen3-vl-moe", 1, 3, "ep=3 does not divide the 8 experts"),
+    ("qwen3-vl-moe", 2, 2, "ep=2 with tp=2: expert parallelism runs with tp=1"),
+])
+def test_expert_parallel_layouts_that_cannot_be_built_are_refused(hf_checkpoint, tmp_path, kind, tp, ep, message):
+    _, path = hf_checkpoint(kind, True)
+    with pytest.raises(CheckpointError, match=message):
+        C.import_hf(path, tmp_path / "m", tp=tp, ep=ep)
+    assert not (tmp_path / "m").exists()
+
+
 def test_tp2_values_follow_megatron_semantics(hf_checkpoint):
     """Rank r of TP=2 holds GQA group r ([its 2 q heads, k head, v head]) and [gate_r; up_r]."""
     _, path = hf_checkpoint("qwen2.5-vl", True)

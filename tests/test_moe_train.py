@@ -1,15 +1,16 @@
 """`vlmpack train` of a Mixture-of-Experts model on CPU (`--arch tiny-moe`, 8 experts, top-2).
 
 The loss goes down with the router's load-balancing loss on and reported; a stopped and
-resumed run equals the uninterrupted one bitwise; DP=2 (gloo) gives the losses of one
-process; TP > 1 is refused by name; the exported checkpoint reloads in transformers as a
-Qwen3-VL MoE model.
+resumed run equals the uninterrupted one bitwise; DP=2, with or without the experts split
+over the ranks (EP=2), gives the losses of one process (gloo); TP > 1 is refused by name;
+the exported checkpoint reloads in transformers as a Qwen3-VL MoE model.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from shards_schema.cli import main as vlmpack
 from tests.test_train import BASE, metrics, ok, run_train
@@ -49,6 +50,38 @@ def test_moe_data_parallel_matches_single_process(shards, moe_run, tmp_path):  #
                                rtol=2e-5)
 
 
+def test_moe_expert_parallel_matches_single_process_and_resumes(shards, moe_run, tmp_path):  # noqa: F811
+    """DP=2 with the experts split over the two ranks (EP=2, megatron's all-to-all dispatcher
+    over gloo): the same losses as one process holding every expert; each rank saves its own
+    experts, a stopped run resumes to the same losses, and the checkpoint exports whole."""
+    out = tmp_path / "run"
+    args = [*MOE, "--ep", "2", "--data", str(shards), "--out", str(out), "--train-steps", "6", "--save-every", "3"]
+    ok(run_train([*args, "--exit-interval", "3"], nproc=2))
+    ok(run_train([*args, "--resume", "--export-hf", str(tmp_path / "hf")], nproc=2))
+    np.testing.assert_allclose([m["loss"] for m in metrics(out)], [m["loss"] for m in metrics(moe_run)], rtol=2e-5)
+    np.testing.assert_allclose([m["moe_load_balancing_loss"] for m in metrics(out)],
+                               [m["moe_load_balancing_loss"] for m in metrics(moe_run)], rtol=2e-5)
+    model = out / "checkpoints" / "step_00000006" / "model"
+    assert sorted(p.name for p in model.glob("*.safetensors")) == ["model_tp0_pp0_ep0.safetensors",
+                                                                    "model_tp0_pp0_ep1.safetensors"]
+    from safetensors.torch import load_file
+    ours = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    single = load_file(str(moe_run / "hf" / "model.safetensors"))
+    assert ours.keys() == single.keys()
+    for key, value in ours.items():
+        np.testing.assert_allclose(value.numpy(), single[key].numpy(), rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--ep", "3"], "--ep 3 must divide the 8 experts"),
+    (["--arch", "tiny", "--ep", "2"], "--ep 2: expert parallelism needs a Mixture-of-Experts model"),
+])
+def test_expert_parallel_settings_that_cannot_run_exit_2(shards, tmp_path, capsys, extra, message):  # noqa: F811
+    assert vlmpack(["train", *MOE, *extra, "--data", str(shards), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
 def test_moe_tensor_parallel_training_is_refused_by_name(shards, tmp_path, capsys):  # noqa: F811
     assert vlmpack(["train", *MOE, "--tp", "2", "--data", str(shards), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
@@ -67,11 +100,10 @@ def test_moe_export_loads_in_transformers(moe_run):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_grouped_gemm_equals_one_gemm_per_expert():
     """The experts' CUDA path (torch._grouped_mm) against their per-expert loop, bf16, with
     experts that get no rows: the same outputs and weight gradients up to bf16 rounding."""
-    import torch
-
     from train.model.arch import builtin_arch
     from train.model.moe import TorchGroupedMLP
     from train.model.qwen_vl import transformer_config
@@ -99,6 +131,7 @@ def test_gpu_grouped_gemm_equals_one_gemm_per_expert():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_moe_trains_and_resumes(shards, tmp_path):  # noqa: F811
     """bf16, compiled, the all-to-all dispatcher and grouped GEMMs on a GPU."""
     from tests.test_train import GPU

@@ -54,10 +54,15 @@ def read_model_arch(model_dir: str | Path) -> ModelArch:
     return fmt.read_arch(model_dir)
 
 
+def _load_shard(model, full: dict, arch: ModelArch, info) -> None:
+    """This rank's part of the full Megatron state dict `full` into `model`."""
+    convert.load_into_model(_unwrap(model), convert.shard(full, arch, info.tp, info.tp_rank, info.pp, info.pp_rank,
+                                                          info.ep, info.ep_rank))
+
+
 def load_hf_weights(model, hf_dir: str, arch: ModelArch, info) -> None:
     """Import a Hugging Face checkpoint into this rank's stage (no conversion step on disk)."""
-    full = convert.hf_to_megatron(fmt.read_hf_state(hf_dir, progress=info.is_main), arch)
-    convert.load_into_model(_unwrap(model), convert.shard(full, arch, info.tp, info.tp_rank, info.pp, info.pp_rank))
+    _load_shard(model, convert.hf_to_megatron(fmt.read_hf_state(hf_dir, progress=info.is_main), arch), arch, info)
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int) -> torch.Tensor:
@@ -66,7 +71,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float, num
     if "norm" in name:  # RMSNorm / LayerNorm gains
         return torch.ones(shape)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")) and name.startswith("language_model."):
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight", "experts.weight2")) and name.startswith("language_model."):
         std = std / math.sqrt(2.0 * num_layers)  # megatron's scaled init of the residual-branch outputs
     return torch.randn(shape, generator=generator) * std
 
@@ -83,11 +88,11 @@ def init_random_weights(model, arch: ModelArch, seed: int, info, std: float = 0.
     full = {n: _random_tensor(n, shape, seed, std, arch.lm.num_layers) if on_this_stage(n)
             else torch.empty(shape, device="meta")  # other stages' layers: never drawn, never loaded
             for n, shape in convert.megatron_shapes(arch).items()}
-    convert.load_into_model(_unwrap(model), convert.shard(full, arch, info.tp, info.tp_rank, info.pp, info.pp_rank))
+    _load_shard(model, full, arch, info)
 
 
 def load_model_weights(model, model_dir: str | Path, arch: ModelArch, info) -> None:
-    state = convert.load_model_state(model_dir, arch, info.tp, info.tp_rank, info.pp, info.pp_rank)
+    state = convert.load_model_state(model_dir, arch, info.tp, info.tp_rank, info.pp, info.pp_rank, info.ep, info.ep_rank)
     convert.load_into_model(_unwrap(model), state)
 
 
@@ -367,7 +372,7 @@ class CheckpointSaver:
         t0 = time.perf_counter()
         module = _unwrap(model)
         model_state = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
-        state = {"model": model_state if self.info.dp_rank == 0 else None,
+        state = {"model": model_state if self.info.writes_model else None,
                  "rank": {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                           "rng": _rng_state(self.info.device)}}
         distributed = _uses_distributed_optimizer(optimizer)
@@ -380,8 +385,8 @@ class CheckpointSaver:
         state["dtype"] = fmt.dtype_name(model_state.values())
         if self.info.is_main:
             state["trainer"] = {"step": step, "loader": copy.deepcopy(data.state_dict()), "config": config.to_dict(),
-                                "layout": {"tp": self.info.tp, "pp": self.info.pp, "dp": self.info.dp,
-                                           "world": self.info.world}}
+                                "layout": {"tp": self.info.tp, "pp": self.info.pp, "ep": self.info.ep,
+                                           "dp": self.info.dp, "world": self.info.world}}
             side_files = config.hf_model or (Path(config.init) / fmt.HF_SUBDIR if config.init else None)
             state["side_files"] = side_files if side_files and Path(side_files).is_dir() else None
         self._add_time("snapshot_s", t0)
@@ -468,14 +473,14 @@ class CheckpointSaver:
         tmp, info = pending["tmp"], self.info
         try:
             if state["model"] is not None:
-                fmt.save_tensors(tmp / "model" / fmt.rank_file(info.tp_rank, info.pp_rank), state["model"])
+                fmt.save_tensors(tmp / "model" / fmt.rank_file(*info.model_key), state["model"])
             param_state = state["param_state"]
             if isinstance(param_state, ParameterStateSnapshot):
                 param_state = param_state.assemble()  # a collective of the DP group's writer threads
             if param_state is not None:
                 _torch_save(param_state, tmp / f"optimizer_param_state_pp{info.pp_rank}_tp{info.tp_rank}.pt")
             if info.is_main:
-                fmt.write_meta(tmp / "model", arch, info.tp, info.pp, state["dtype"])
+                fmt.write_meta(tmp / "model", arch, info.tp, info.pp, state["dtype"], info.ep)
                 if state["side_files"]:  # tokenizer/processor files travel to export-hf
                     fmt.copy_hf_side_files(state["side_files"], tmp / "model" / fmt.HF_SUBDIR)
                 write_json_atomic(tmp / "trainer.json", state["trainer"])
@@ -560,9 +565,10 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
         return 0
     meta = json.loads((path / "trainer.json").read_text())
     layout = meta["layout"]
-    if (layout["tp"], layout["pp"], layout["world"]) != (info.tp, info.pp, info.world):
-        raise ConfigError(f"{path} was written with tp={layout['tp']} pp={layout['pp']} on {layout['world']} ranks; "
-                         f"resume with the same layout, or start a new run from its weights with --init {path / 'model'}")
+    if (layout["tp"], layout["pp"], layout.get("ep", 1), layout["world"]) != (info.tp, info.pp, info.ep, info.world):
+        raise ConfigError(f"{path} was written with tp={layout['tp']} pp={layout['pp']} ep={layout.get('ep', 1)} on "
+                          f"{layout['world']} ranks; "
+                          f"resume with the same layout, or start a new run from its weights with --init {path / 'model'}")
     arch = read_model_arch(path / "model")
     load_model_weights(model, path / "model", arch, info)
     rank_state = torch.load(path / f"rank_{info.rank:05d}.pt", map_location="cpu", weights_only=False)

@@ -4,10 +4,12 @@ A Megatron model directory (`vlmpack import-hf` writes one; the trainer can save
 
     MODEL_DIR/
       vlmpack_model.json             format + version, the architecture (dataclasses.asdict of
-                                     ModelArch), the tp / pp it was saved with, the dtype
+                                     ModelArch), the tp / pp / ep it was saved with, the dtype
       model_tp{t}_pp{p}.safetensors  one per (tp_rank, pp_rank): exactly the keys and shapes of
                                      that rank's `QwenVLModel.state_dict()` (minus megatron's
-                                     `_extra_state` entries, which hold no tensors)
+                                     `_extra_state` entries, which hold no tensors);
+                                     `model_tp{t}_pp{p}_ep{e}` per expert-parallel rank when
+                                     saved with ep > 1 (each with its own experts)
       hf/                            tokenizer, processor, chat template and generation files
                                      copied from the Hugging Face source (absent for a
                                      random-init architecture)
@@ -54,16 +56,17 @@ class CheckpointError(ValueError):
     """A model directory or a state dict does not match what the architecture implies."""
 
 
-def rank_file(tp_rank: int, pp_rank: int) -> str:
-    return f"model_tp{tp_rank}_pp{pp_rank}.safetensors"
+def rank_file(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    """The file of one rank's stage model; `ep_rank` only in an expert-parallel layout (ep > 1)."""
+    return f"model_tp{tp_rank}_pp{pp_rank}{'' if ep_rank is None else f'_ep{ep_rank}'}.safetensors"
 
 
 # --- metadata -------------------------------------------------------------------------------
 
 
-def write_meta(directory: Path, arch: ModelArch, tp: int, pp: int, dtype: str) -> None:
+def write_meta(directory: Path, arch: ModelArch, tp: int, pp: int, dtype: str, ep: int = 1) -> None:
     meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "arch": arch_dict(arch),
-            "tp": tp, "pp": pp, "dtype": dtype}
+            "tp": tp, "pp": pp, "ep": ep, "dtype": dtype}
     (Path(directory) / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 

@@ -146,7 +146,7 @@ def _input_dir(path: str, metavar: str, needs: str, what: str) -> None:
 
 
 class ImportHF:
-    """`vlmpack import-hf HF_DIR --out MODEL_DIR [--tp N --pp N]`."""
+    """`vlmpack import-hf HF_DIR --out MODEL_DIR [--tp N --pp N --ep N]`."""
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -156,26 +156,28 @@ class ImportHF:
         parallel = parser.add_argument_group("parallelism")
         parallel.add_argument("--tp", type=int, metavar="N", default=1, help="tensor-parallel size to shard for (default 1)")
         parallel.add_argument("--pp", type=int, metavar="N", default=1, help="pipeline-parallel size to shard for (default 1)")
+        parallel.add_argument("--ep", type=int, metavar="N", default=1,
+                              help="expert-parallel size to shard a Mixture-of-Experts model for (default 1)")
         _add_output_arguments(parser, "MODEL_DIR", "model directory to write (new or empty)")
-        parser.epilog = ("HF_DIR holds config.json and *.safetensors. The training run may use another --tp/--pp: "
+        parser.epilog = ("HF_DIR holds config.json and *.safetensors. The training run may use another --tp/--pp/--ep: "
                          "loading reshards. Tokenizer, processor, chat-template and generation files are kept in "
                          "MODEL_DIR/hf/ for `vlmpack export-hf`.")
 
     @staticmethod
     def run(args) -> int:
         _input_dir(args.hf_dir, "HF_DIR", "config.json", "a Hugging Face model directory")
-        for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
+        for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep)):
             if value < 1:
                 raise UserError(f"{flag} must be an integer >= 1, got {value}")
         convert = _convert_module()
         t0 = time.perf_counter()
         try:
             arch = convert.import_hf(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=_dtype(args.dtype),
-                                     progress=True, overwrite=args.overwrite)
+                                     progress=True, overwrite=args.overwrite, ep=args.ep)
         except ValueError as exc:  # a checkpoint that does not match its config.json, or tp/pp that do not fit it
             raise UserError(str(exc)) from None
         print(f"{args.out}: {arch.family}, {arch.lm.num_layers} layers, "
-              f"{arch.lm.num_params() / 1e9:.2f} B language-model parameters, tp={args.tp} pp={args.pp}, "
+              f"{arch.lm.num_params() / 1e9:.2f} B language-model parameters, tp={args.tp} pp={args.pp} ep={args.ep}, "
               f"{time.perf_counter() - t0:.1f} s")
         return 0
 

@@ -77,6 +77,8 @@ class TrainConfig:
     # parallelism
     tp: int = _opt(1, "parallelism", "tensor-parallel size (divides the attention and KV heads; default 1)")
     pp: int = _opt(1, "parallelism", "pipeline-parallel size (divides the decoder layers; default 1)")
+    ep: int = _opt(1, "parallelism", "expert-parallel size of a Mixture-of-Experts model: each group of ep "
+                                     "data-parallel ranks divides the experts (divides the experts; default 1)")
     distributed_optimizer: bool = _opt(True, "parallelism", "shard the optimizer state over data-parallel ranks "
                                                             "(megatron's DistributedOptimizer, CUDA only; default true)")
     device: str | None = _opt(None, "parallelism", "cuda or cpu (default: cuda when available)")
@@ -133,7 +135,7 @@ class TrainConfig:
                 raise ConfigError(f"unknown --arch {self.arch!r}: choose one of {sorted(BUILTIN_ARCHS)}")
         if not self.data:
             raise ConfigError("give at least one --data DIR[:WEIGHT]")
-        at_least = {"seq_len": 1, "micro_batch_packs": 1, "tp": 1, "pp": 1, "train_steps": 1, "keep_last": 1,
+        at_least = {"seq_len": 1, "micro_batch_packs": 1, "tp": 1, "pp": 1, "ep": 1, "train_steps": 1, "keep_last": 1,
                     "log_every": 1, "eval_batches": 1, "global_batch_packs": 1, "global_batch_tokens": 1,
                     "warmup_steps": 0, "save_every": 0, "exit_interval": 0, "eval_every": 0, "num_workers": 0,
                     "max_visual_tokens": 1, "recompute_layers": 1}

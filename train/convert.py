@@ -79,7 +79,8 @@ class WeightMapping:
     trailing `*` is any rest of the name, kept as it is. `transform` turns the HF tensors into
     the Megatron one and back (`TRANSFORMS`); `tp_split` is how megatron divides the Megatron
     tensor over TP ranks (`_split`); `only_if` names the `LMArch` flag the row needs ("not
-    FLAG": needs it false).
+    FLAG": needs it false); `ep_dim`, for expert stacks, the dim divided over the
+    expert-parallel ranks.
     """
 
     hf: tuple[str, ...]
@@ -87,6 +88,7 @@ class WeightMapping:
     transform: str = "copy"
     tp_split: str = "replicated"
     only_if: str | None = None
+    ep_dim: int | None = None  # expert stacks: the dim that holds the experts (`_ep_split`)
 
     def applies(self, lm: LMArch) -> bool:
         if self.only_if is None:
@@ -121,9 +123,9 @@ WEIGHT_MAPPINGS = (
     # over the expert-parallel ranks (`_ep_split`).
     WeightMapping((_HF_LAYER + "mlp.gate.weight",), _LAYER + "mlp.router.weight", only_if="is_moe"),
     WeightMapping((_HF_LAYER + "mlp.experts.gate_up_proj",), _LAYER + "mlp.experts.weight1", "experts_fc1",
-                  only_if="is_moe"),
+                  only_if="is_moe", ep_dim=1),
     WeightMapping((_HF_LAYER + "mlp.experts.down_proj",), _LAYER + "mlp.experts.weight2", "experts_fc2",
-                  only_if="is_moe"),
+                  only_if="is_moe", ep_dim=0),
 )
 
 # Families whose hub checkpoints (and transformers' save_pretrained) use the pre-5.x names:
@@ -268,10 +270,11 @@ def megatron_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
 
 
 @lru_cache(maxsize=64)
-def shard_shapes(arch: ModelArch, tp: int, tp_rank: int, pp: int, pp_rank: int) -> dict[str, tuple[int, ...]]:
+def shard_shapes(arch: ModelArch, tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int = 1,
+                 ep_rank: int = 0) -> dict[str, tuple[int, ...]]:
     """Keys and shapes of one rank's stage model: what `build_model(...).state_dict()` holds."""
     full = _meta_state(megatron_shapes(arch))
-    return {k: tuple(t.shape) for k, t in shard(full, arch, tp, tp_rank, pp, pp_rank).items()}
+    return {k: tuple(t.shape) for k, t in shard(full, arch, tp, tp_rank, pp, pp_rank, ep, ep_rank).items()}
 
 
 def check_state(state: dict, expected: dict[str, tuple[int, ...]], source: str) -> None:
@@ -349,10 +352,17 @@ def megatron_to_hf(full_state: dict[str, torch.Tensor], arch: ModelArch) -> dict
 # --- full Megatron <-> per-rank shards ------------------------------------------------------
 
 
-def check_parallel(arch: ModelArch, tp: int, pp: int) -> None:
+def check_parallel(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> None:
     lm = arch.lm
-    if tp < 1 or pp < 1:
-        raise CheckpointError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise CheckpointError(f"tp, pp and ep must be >= 1, got tp={tp} pp={pp} ep={ep}")
+    if ep > 1:
+        if not lm.is_moe:
+            raise CheckpointError(f"ep={ep}: expert parallelism needs a Mixture-of-Experts model; this one is dense")
+        if lm.num_experts % ep:
+            raise CheckpointError(f"ep={ep} does not divide the {lm.num_experts} experts")
+        if tp > 1:
+            raise CheckpointError(f"ep={ep} with tp={tp}: expert parallelism runs with tp=1")
     for field, n in (("num_attention_heads", lm.num_heads), ("num_key_value_heads", lm.num_kv_heads),
                      ("intermediate_size", lm.intermediate_size), ("vocab_size", lm.vocab_size)):
         if n % tp:
@@ -387,12 +397,44 @@ def _megatron_stage_layers(arch: ModelArch, pp: int) -> tuple[range, ...]:
     return tuple(stages)
 
 
+def _row(name: str) -> WeightMapping | None:
+    return next((m for pattern, m in _MEGATRON_PATTERNS if pattern.match(name)), None)
+
+
 def _split_rule(name: str) -> str:
     """How megatron divides the full-model tensor `name` over TP ranks (the table's `tp_split`)."""
-    for pattern, m in _MEGATRON_PATTERNS:
-        if pattern.match(name):
-            return m.tp_split
-    return "replicated"
+    row = _row(name)
+    return row.tp_split if row is not None else "replicated"
+
+
+def _ep_dim(name: str) -> int | None:
+    row = _row(name)
+    return row.ep_dim if row is not None else None
+
+
+def _ep_split(tensor: torch.Tensor, dim: int, ep: int) -> list[torch.Tensor]:
+    """megatron GroupedMLP's weight1 [H, E*2F] / weight2 [E*F, H] hold each expert as one
+    contiguous block of memory (see train.model.moe): expert-parallel rank r holds blocks
+    r*E/ep ..., i.e. the r-th contiguous 1/ep of the memory, shaped with `dim` divided."""
+    shape = list(tensor.shape)
+    shape[dim] //= ep
+    return [block.reshape(shape) for block in tensor.reshape(-1).chunk(ep)]
+
+
+def _ep_merge(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    shape = list(parts[0].shape)
+    shape[dim] *= len(parts)
+    return torch.cat([p.reshape(-1) for p in parts]).reshape(shape)
+
+
+def rank_keys(tp: int, pp: int, ep: int = 1) -> list[tuple[int, ...]]:
+    """The ranks of a layout, as the keys of per-rank state dicts: (tp_rank, pp_rank), and
+    the expert-parallel rank third when ep > 1."""
+    return [(t, p) if ep == 1 else (t, p, e) for t, p, e in product(range(tp), range(pp), range(ep))]
+
+
+def _rank_text(key: tuple[int, ...]) -> str:
+    return " ".join(f"{n} {r}" for n, r in zip(("tp", "pp", "ep"), key))
 
 
 def _split(tensor: torch.Tensor, rule: str, tp: int) -> list[torch.Tensor]:
@@ -433,16 +475,16 @@ def _global_name(local: str, layers: range) -> str:
     return f"{LM}decoder.layers.{layers.start + int(match[1])}.{match[2]}" if match else local
 
 
-def _check_rank(tp: int, tp_rank: int, pp: int, pp_rank: int) -> None:
-    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
-        raise CheckpointError(f"rank tp {tp_rank} pp {pp_rank} is outside tp={tp} pp={pp}")
+def _check_rank(tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0) -> None:
+    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp and 0 <= ep_rank < ep):
+        raise CheckpointError(f"rank tp {tp_rank} pp {pp_rank} ep {ep_rank} is outside tp={tp} pp={pp} ep={ep}")
 
 
 def shard(full_state: dict[str, torch.Tensor], arch: ModelArch, tp: int, tp_rank: int, pp: int,
-          pp_rank: int) -> dict[str, torch.Tensor]:
-    """The state dict of rank (tp_rank, pp_rank)'s stage model (views of `full_state`)."""
-    check_parallel(arch, tp, pp)
-    _check_rank(tp, tp_rank, pp, pp_rank)
+          pp_rank: int, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """The state dict of rank (tp_rank, pp_rank, ep_rank)'s stage model (views of `full_state`)."""
+    check_parallel(arch, tp, pp, ep)
+    _check_rank(tp, tp_rank, pp, pp_rank, ep, ep_rank)
     check_state(full_state, megatron_shapes(arch), "the architecture")
     layers = stage_layers(arch, pp)[pp_rank]
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -451,6 +493,8 @@ def shard(full_state: dict[str, torch.Tensor], arch: ModelArch, tp: int, tp_rank
         local = _local_name(name, layers, first, last)
         if local is not None:
             out[local] = _split(tensor, _split_rule(name), tp)[tp_rank]
+            if ep > 1 and _ep_dim(name) is not None:
+                out[local] = _ep_split(out[local], _ep_dim(name), ep)[ep_rank]
     if arch.lm.tie_word_embeddings and last and not first:
         # megatron gives the last stage its own copy of the tied embeddings as the output
         # layer, kept equal to the first stage's by an all-reduce at init and every step.
@@ -458,20 +502,37 @@ def shard(full_state: dict[str, torch.Tensor], arch: ModelArch, tp: int, tp_rank
     return out
 
 
-def unshard(states: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch, tp: int,
-            pp: int) -> dict[str, torch.Tensor]:
-    """{(tp_rank, pp_rank): stage state dict} -> the full Megatron state dict."""
-    check_parallel(arch, tp, pp)
+def _merge_expert_ranks(states: dict, arch: ModelArch, tp: int, pp: int, ep: int) -> dict:
+    """{(tp_rank, pp_rank, ep_rank): state} -> {(tp_rank, pp_rank): state with every expert}.
+    The other tensors are the same on every expert-parallel rank; a difference is an error."""
+    merged = {}
+    for tp_rank, pp_rank in product(range(tp), range(pp)):
+        ranks = [states[(tp_rank, pp_rank, e)] for e in range(ep)]
+        layers = stage_layers(arch, pp)[pp_rank]
+        out = {}
+        for local, tensor in ranks[0].items():
+            dim = _ep_dim(_global_name(local, layers))
+            if dim is not None:
+                out[local] = _ep_merge([r[local] for r in ranks], dim)
+                continue
+            for e, r in enumerate(ranks[1:], 1):
+                if not torch.equal(r[local], tensor):
+                    raise CheckpointError(f"{local} differs between expert-parallel ranks 0 and {e} "
+                                          f"(tp {tp_rank} pp {pp_rank}); it must be the same on every rank")
+            out[local] = tensor
+        merged[(tp_rank, pp_rank)] = out
+    return merged
+
+
+def unshard(states: dict[tuple[int, ...], dict[str, torch.Tensor]], arch: ModelArch, tp: int,
+            pp: int, ep: int = 1) -> dict[str, torch.Tensor]:
+    """{rank key (`rank_keys`): stage state dict} -> the full Megatron state dict."""
+    _check_rank_states(states, arch, tp, pp, ep)
+    if ep > 1:
+        states = _merge_expert_ranks(states, arch, tp, pp, ep)
     full = {}
     for pp_rank, layers in enumerate(stage_layers(arch, pp)):
-        ranks = []
-        for tp_rank in range(tp):
-            if (tp_rank, pp_rank) not in states:
-                raise CheckpointError(f"no state dict for rank tp {tp_rank} pp {pp_rank} of tp={tp} pp={pp}")
-            state = states[(tp_rank, pp_rank)]
-            check_state(state, shard_shapes(arch, tp, tp_rank, pp, pp_rank),
-                        f"the architecture at tp={tp} pp={pp} (rank tp {tp_rank} pp {pp_rank})")
-            ranks.append(state)
+        ranks = [states[(tp_rank, pp_rank)] for tp_rank in range(tp)]
         for local in ranks[0]:
             if local == OUTPUT and arch.lm.tie_word_embeddings:
                 continue  # the last stage's copy of the embeddings (see `shard`)
@@ -497,58 +558,63 @@ def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str
     return {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
 
 
-def _check_rank_states(states: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch, tp: int,
-                       pp: int) -> None:
-    check_parallel(arch, tp, pp)
-    for tp_rank, pp_rank in product(range(tp), range(pp)):
-        if (tp_rank, pp_rank) not in states:
-            raise CheckpointError(f"no state dict for rank tp {tp_rank} pp {pp_rank} of tp={tp} pp={pp}")
-        check_state(states[(tp_rank, pp_rank)], shard_shapes(arch, tp, tp_rank, pp, pp_rank),
-                    f"the architecture at tp={tp} pp={pp} (rank tp {tp_rank} pp {pp_rank})")
+def _check_rank_states(states: dict[tuple[int, ...], dict[str, torch.Tensor]], arch: ModelArch, tp: int,
+                       pp: int, ep: int = 1) -> None:
+    check_parallel(arch, tp, pp, ep)
+    for key in rank_keys(tp, pp, ep):
+        if key not in states:
+            raise CheckpointError(f"no state dict for rank {_rank_text(key)} of tp={tp} pp={pp} ep={ep}")
+        check_state(states[key], shard_shapes(arch, tp, key[0], pp, key[1], ep, key[2] if ep > 1 else 0),
+                    f"the architecture at tp={tp} pp={pp} ep={ep} (rank {_rank_text(key)})")
 
 
-def _write_model_files(directory: Path, states: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch,
-                       tp: int, pp: int, hf_files_from: str | Path | None) -> None:
-    for (tp_rank, pp_rank), state in states.items():
-        save_tensors(directory / rank_file(tp_rank, pp_rank), state)
-    write_meta(directory, arch, tp, pp, dtype_name(t for s in states.values() for t in s.values()))
+def _write_model_files(directory: Path, states: dict[tuple[int, ...], dict[str, torch.Tensor]], arch: ModelArch,
+                       tp: int, pp: int, hf_files_from: str | Path | None, ep: int = 1) -> None:
+    for key, state in states.items():
+        save_tensors(directory / rank_file(*key), state)
+    write_meta(directory, arch, tp, pp, dtype_name(t for s in states.values() for t in s.values()), ep)
     if hf_files_from is not None:
         copy_hf_side_files(hf_files_from, directory / HF_SUBDIR)
 
 
-def save_model_dir(directory: str | Path, states: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch,
-                   tp: int, pp: int, hf_files_from: str | Path | None = None) -> Path:
+def save_model_dir(directory: str | Path, states: dict[tuple[int, ...], dict[str, torch.Tensor]], arch: ModelArch,
+                   tp: int, pp: int, hf_files_from: str | Path | None = None, ep: int = 1) -> Path:
     """Write a new model directory (see `checkpoint_format`) from every rank's state dict."""
-    _check_rank_states(states, arch, tp, pp)
+    _check_rank_states(states, arch, tp, pp, ep)
     with atomic_dir(directory) as tmp:
-        _write_model_files(tmp, states, arch, tp, pp, hf_files_from)
+        _write_model_files(tmp, states, arch, tp, pp, hf_files_from, ep)
     return Path(directory)
+
+
+def _saved_layout(meta: dict) -> tuple[int, int, int]:
+    return meta["tp"], meta["pp"], meta.get("ep", 1)
 
 
 def load_full_state(directory: str | Path, progress: bool = False) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     """The architecture and full Megatron state dict of a model directory."""
     meta = read_meta(directory)
-    arch, tp, pp = arch_from_dict(meta["arch"]), meta["tp"], meta["pp"]
-    files = {(t, p): Path(directory) / rank_file(t, p) for t, p in product(range(tp), range(pp))}
-    states = {rank: load_tensors(path) for rank, path in
+    arch, (tp, pp, ep) = arch_from_dict(meta["arch"]), _saved_layout(meta)
+    files = {key: Path(directory) / rank_file(*key) for key in rank_keys(tp, pp, ep)}
+    states = {key: load_tensors(path) for key, path in
               tqdm(files.items(), desc="reading shards", unit="file", disable=not progress)}
-    return arch, unshard(states, arch, tp, pp)
+    return arch, unshard(states, arch, tp, pp, ep)
 
 
 def load_model_state(directory: str | Path, arch: ModelArch, tp: int = 1, tp_rank: int = 0, pp: int = 1,
-                     pp_rank: int = 0) -> dict[str, torch.Tensor]:
-    """Rank (tp_rank, pp_rank)'s stage state dict, resharded when the directory was saved with
-    another tp / pp (that reads every rank file: the whole model passes through memory)."""
+                     pp_rank: int = 0, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """Rank (tp_rank, pp_rank, ep_rank)'s stage state dict, resharded when the directory was
+    saved with another tp / pp / ep (that reads every rank file: the whole model passes through
+    memory)."""
     meta = read_meta(directory)
     differences = arch_differences(arch_from_dict(meta["arch"]), arch)
     if differences:
         raise CheckpointError(f"{directory} holds another architecture (saved != requested): " + "; ".join(differences))
-    _check_rank(tp, tp_rank, pp, pp_rank)
-    if (meta["tp"], meta["pp"]) != (tp, pp):
+    _check_rank(tp, tp_rank, pp, pp_rank, ep, ep_rank)
+    if _saved_layout(meta) != (tp, pp, ep):
         _, full = load_full_state(directory)
-        return shard(full, arch, tp, tp_rank, pp, pp_rank)
-    state = load_tensors(Path(directory) / rank_file(tp_rank, pp_rank))
-    check_state(state, shard_shapes(arch, tp, tp_rank, pp, pp_rank), f"{directory}'s architecture")
+        return shard(full, arch, tp, tp_rank, pp, pp_rank, ep, ep_rank)
+    state = load_tensors(Path(directory) / rank_file(tp_rank, pp_rank, ep_rank if ep > 1 else None))
+    check_state(state, shard_shapes(arch, tp, tp_rank, pp, pp_rank, ep, ep_rank), f"{directory}'s architecture")
     return state
 
 
@@ -557,7 +623,7 @@ def load_model_state(directory: str | Path, arch: ModelArch, tp: int = 1, tp_ran
 # What each command writes into its --out (names matched whole), and the file written last: a
 # directory without it is an unfinished run's.
 _OUTPUTS = {
-    "import-hf": (re.compile(rf"{re.escape(META_FILE)}|model_tp\d+_pp\d+\.safetensors|{re.escape(HF_SUBDIR)}"),
+    "import-hf": (re.compile(rf"{re.escape(META_FILE)}|model_tp\d+_pp\d+(_ep\d+)?\.safetensors|{re.escape(HF_SUBDIR)}"),
                   META_FILE),
     "export-hf": (re.compile("|".join([r"model(-\d{5}-of-\d{5})?\.safetensors",
                                        *map(re.escape, ("config.json", HF_INDEX_FILE, *HF_SIDE_FILES))])),
@@ -637,19 +703,20 @@ def _refuse_same_dir(out: str | Path, source: str | Path) -> None:
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
-              progress: bool = False, overwrite: bool = False) -> ModelArch:
-    """HF model directory -> model directory sharded for tp / pp (see `check_output_dir` for
-    which `out` it writes)."""
+              progress: bool = False, overwrite: bool = False, ep: int = 1) -> ModelArch:
+    """HF model directory -> model directory sharded for tp / pp / ep (see `check_output_dir`
+    for which `out` it writes)."""
     _refuse_same_dir(out, hf_dir)
     arch = ModelArch.from_hf_dir(hf_dir)
     check_output_dir(out, "import-hf", overwrite=overwrite)  # these three fail before gigabytes are read
-    check_parallel(arch, tp, pp)
+    check_parallel(arch, tp, pp, ep)
     stage_layers(arch, pp)
     full = _cast(hf_to_megatron(read_hf_state(hf_dir, progress), arch), dtype)
-    states = {(t, p): shard(full, arch, tp, t, pp, p) for t, p in product(range(tp), range(pp))}
-    _check_rank_states(states, arch, tp, pp)
+    states = {key: shard(full, arch, tp, key[0], pp, key[1], ep, key[2] if ep > 1 else 0)
+              for key in rank_keys(tp, pp, ep)}
+    _check_rank_states(states, arch, tp, pp, ep)
     with _output_dir(out, "import-hf", overwrite) as staging:
-        _write_model_files(staging, states, arch, tp, pp, hf_files_from=hf_dir)
+        _write_model_files(staging, states, arch, tp, pp, hf_files_from=hf_dir, ep=ep)
     return arch
 
 

@@ -61,12 +61,19 @@ class CpuAdamW:
             p.grad = None
 
     def grad_norm(self) -> float:
-        squares = torch.zeros(1, dtype=torch.float64)
+        """Over every parameter once: a TP-split one summed over the model-parallel group, and
+        an expert split over expert-parallel ranks (megatron marks those `allreduce=False`)
+        summed over the expert and pipeline ranks that hold the other experts."""
+        dense, experts = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
         for p in self.params:
-            if param_is_not_tensor_parallel_duplicate(p):
-                squares += p.grad.double().pow(2).sum()
-        dist.all_reduce(squares, group=mpu.get_model_parallel_group())
-        return float(squares.sqrt())
+            if not getattr(p, "allreduce", True):
+                experts += p.grad.double().pow(2).sum()
+            elif param_is_not_tensor_parallel_duplicate(p):
+                dense += p.grad.double().pow(2).sum()
+        dist.all_reduce(dense, group=mpu.get_model_parallel_group())
+        if mpu.get_expert_model_parallel_world_size() > 1:
+            dist.all_reduce(experts, group=mpu.get_expert_tensor_model_pipeline_parallel_group())
+        return float((dense + experts).sqrt())
 
     def step(self):
         for p in self.params:

@@ -40,6 +40,19 @@ class ParallelInfo:
     pp_rank: int
     tp_rank: int
     device: torch.device
+    ep: int = 1  # expert parallelism: carved from the data-parallel ranks
+    ep_rank: int = 0
+    expert_dp_rank: int = 0  # rank among the ranks that hold the same experts
+
+    @property
+    def model_key(self) -> tuple[int, ...]:
+        """This rank's key among the model's per-rank state dicts (`convert.rank_keys`)."""
+        return (self.tp_rank, self.pp_rank) if self.ep == 1 else (self.tp_rank, self.pp_rank, self.ep_rank)
+
+    @property
+    def writes_model(self) -> bool:
+        """Whether this rank writes its stage model to a checkpoint: one rank per model key."""
+        return self.dp_rank == 0 if self.ep == 1 else self.expert_dp_rank == 0
 
     @property
     def first_stage(self) -> bool:
@@ -74,6 +87,9 @@ def init_parallel(tp: int = 1, pp: int = 1, *, ep: int = 1, device: str | None =
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
+    if (world // (tp * pp)) % ep:
+        raise ValueError(f"the {world // (tp * pp)} data-parallel ranks cannot be split into expert-parallel groups "
+                         f"of ep={ep}: use an ep that divides world / (tp*pp)")
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                       expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
@@ -86,7 +102,9 @@ def init_parallel(tp: int = 1, pp: int = 1, *, ep: int = 1, device: str | None =
     return ParallelInfo(rank=dist.get_rank(), world=world, tp=tp, pp=pp, dp=world // (tp * pp),
                         dp_rank=mpu.get_data_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
                         tp_rank=mpu.get_tensor_model_parallel_rank(),
-                        device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"))
+                        device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"),
+                        ep=ep, ep_rank=mpu.get_expert_model_parallel_rank(),
+                        expert_dp_rank=mpu.get_expert_data_parallel_rank())
 
 
 def _free_port() -> int:

@@ -66,6 +66,11 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
         raise ConfigError(f"DeepStack adds vision features after decoder layers 0..{arch.num_deepstack - 1}, which must "
                           f"all be on pipeline stage 0, but --pp {config.pp} puts only {lm.num_layers // config.pp} "
                           f"layers there; use --pp <= {lm.num_layers // arch.num_deepstack}")
+    if config.ep > 1 and not lm.is_moe:
+        raise ConfigError(f"--ep {config.ep}: expert parallelism needs a Mixture-of-Experts model; {arch.family} "
+                          "here is dense")
+    if config.ep > 1 and lm.num_experts % config.ep:
+        raise ConfigError(f"--ep {config.ep} must divide the {lm.num_experts} experts")
     if lm.is_moe and config.tp > 1:
         raise ConfigError(f"--tp {config.tp} with a Mixture-of-Experts model: megatron-core's MoE layers train under "
                           "tensor parallelism only with sequence parallelism, which this trainer does not use; "
@@ -209,7 +214,7 @@ def train(config: TrainConfig) -> dict:
     with inputs_checked():
         arch = resolve_arch(config)
     check_layout(arch, config)  # before any process group exists: a bad layout fails on every rank alike
-    info = init_parallel(config.tp, config.pp, device=config.device, seed=config.seed)
+    info = init_parallel(config.tp, config.pp, ep=config.ep, device=config.device, seed=config.seed)
     out = Path(config.out)
     with ExitStack() as stack:
         lock_output_dir(stack, out, info)
@@ -225,7 +230,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     with inputs_checked():
         data = TrainData(config, arch, info)
 
-    model_config = transformer_config(arch, tp=config.tp, pp=config.pp, params_dtype=dtype, bf16=bf16,
+    model_config = transformer_config(arch, tp=config.tp, pp=config.pp, ep=config.ep, params_dtype=dtype, bf16=bf16,
                                       cpu=not cuda, recompute=config.recompute,
                                       recompute_layers=config.recompute_layers,
                                       moe_aux_loss_coef=config.moe_aux_loss_coef, calculate_per_token_loss=True)
@@ -246,6 +251,9 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     freeze(model, config.freeze)
 
     use_distributed = config.distributed_optimizer and cuda  # megatron's DistributedOptimizer is CUDA-only
+    if use_distributed and config.ep > 1:
+        raise ConfigError(f"--ep {config.ep} with the distributed optimizer: its checkpoints do not yet hold the "
+                          "expert-parallel optimizer state; pass --distributed-optimizer false")
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_dtype == "fp32",
                                                overlap_grad_reduce=False, use_distributed_optimizer=use_distributed)
     model = DistributedDataParallel(model_config, ddp_config, model)

@@ -2,7 +2,8 @@
 
 The layer is megatron-core's own `MoELayer`: its `TopKRouter` (top-k of the logits, softmax
 over those k: the same weights as HF's softmax over all experts, top-k, renormalised), its
-token dispatcher (all-to-all over the expert-parallel group) and its load-balancing loss.
+token dispatcher (all-to-all over the expert-parallel group; `HostMoELayer` runs it on CPU)
+and its load-balancing loss.
 The experts are megatron's `GroupedMLP` (its parameters, their grouped layout, EP/ETP
 sharding and initialisation) with the grouped GEMM done by torch (`grouped_mm`): megatron's
 own kernel comes from the separately built `grouped_gemm` package, and the TE variant needs
@@ -22,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe import grouped_gemm_util, moe_utils
 from megatron.core.transformer.moe.experts import GroupedMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from torch import Tensor
 
 # megatron's router uses TE's GEMM whenever the name is bound, and 0.16.1 leaves it unbound
@@ -75,24 +78,68 @@ class TorchGroupedMLP(GroupedMLP):
         return grouped_mm(inner, w2, tokens_per_expert, self.per_expert), None
 
 
-def moe_layer_spec(base_spec):
+@contextmanager
+def _no_dtoh_stream():
+    """megatron's all-to-all dispatcher creates a CUDA stream (for its device-to-host copies of
+    the routing counts) when the first one is built; on the host a placeholder stands in while
+    one is built, never used (`HostAlltoAllTokenDispatcher`)."""
+    saved = MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = saved or object()
+    try:
+        yield
+    finally:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = saved
+
+
+class HostAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """megatron's all-to-all token dispatcher for CPU runs (gloo): the routing counts are on the
+    host already, so the device-to-host copies and their stream are left out; the split sizes
+    become numpy arrays as megatron's copies make them."""
+
+    def __init__(self, *args, **kwargs):
+        with _no_dtoh_stream():
+            super().__init__(*args, **kwargs)
+
+    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: Tensor | None = None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name, None)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+
+class HostMoELayer(MoELayer):
+    """megatron's `MoELayer` with `HostAlltoAllTokenDispatcher`: the same routing and
+    all-to-all exchange as on GPUs, over gloo. (megatron's all-gather dispatcher, which needs
+    no CUDA, requires every expert-parallel rank to hold the same number of tokens; packs differ.)"""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+        pg_collection = pg_collection or moe_utils.get_default_pg_collection()
+        with _no_dtoh_stream():
+            super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        self.token_dispatcher = HostAlltoAllTokenDispatcher(self.num_local_experts, self.local_expert_indices,
+                                                            config=config, pg_collection=pg_collection)
+
+
+def moe_layer_spec(base_spec, cpu: bool):
     """`base_spec` (megatron's local layer spec built with num_experts) with its experts
-    replaced by `TorchGroupedMLP`."""
+    replaced by `TorchGroupedMLP`, and for CPU runs its layer by `HostMoELayer`."""
     experts = base_spec.submodules.mlp.submodules.experts
     experts.module, experts.submodules = TorchGroupedMLP, None
+    if cpu:
+        base_spec.submodules.mlp.module = HostMoELayer
     return base_spec
 
 
-def moe_config(lm, ep: int, cpu: bool, aux_loss_coef: float) -> dict:
+def moe_config(lm, ep: int, aux_loss_coef: float) -> dict:
     """TransformerConfig fields of the MoE layers for language model `lm` (an `LMArch`), with
-    the router's load-balancing loss weighted `aux_loss_coef` (HF's router_aux_loss_coef; 0: none).
-    The token dispatcher is megatron's all-to-all on GPUs; CPU runs (gloo) use its all-gather
-    dispatcher, as the all-to-all one allocates a CUDA stream: the same routing and experts."""
+    the router's load-balancing loss weighted `aux_loss_coef` (HF's router_aux_loss_coef; 0: none)."""
     return dict(
         num_moe_experts=lm.num_experts, moe_router_topk=lm.num_experts_per_tok,
         moe_ffn_hidden_size=lm.moe_intermediate_size, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
         moe_router_pre_softmax=False, moe_router_score_function="softmax", moe_router_dtype="fp32",
-        moe_token_dispatcher_type="allgather" if cpu else "alltoall", moe_grouped_gemm=False, moe_permute_fusion=False,
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_permute_fusion=False,
         moe_router_fusion=False, moe_router_load_balancing_type="aux_loss" if aux_loss_coef else "none",
         # megatron's per-layer switch loss is coeff * E/k * sum(f * P) with f summing to k; HF's
         # is coef * E * sum(f * P): the same value per layer with coeff = coef * k. HF pools

@@ -53,12 +53,12 @@ class DeepStackLayer(TransformerLayer):
         return hidden, context
 
 
-def layer_spec(arch: ModelArch):
+def layer_spec(arch: ModelArch, cpu: bool = False):
     moe = arch.lm.is_moe
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.lm.qk_norm, normalization="RMSNorm",
                                     num_experts=arch.lm.num_experts if moe else None, moe_grouped_gemm=moe)
     if moe:
-        spec = moe_layer_spec(spec)
+        spec = moe_layer_spec(spec, cpu)
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     if arch.num_deepstack:
         spec.module = DeepStackLayer
@@ -103,7 +103,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, ep: int = 1
         bias_activation_fusion=not cpu, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, cross_entropy_loss_fusion=False,
         cuda_graph_scope=[],  # no CUDA graphs; megatron's default ("full") warns that it is deprecated
-        **(moe_config(lm, ep, cpu, moe_aux_loss_coef) if lm.is_moe else {}), **recompute_kw, **overrides)
+        **(moe_config(lm, ep, moe_aux_loss_coef) if lm.is_moe else {}), **recompute_kw, **overrides)
 
 
 def vocab_parallel_token_loss(logits: Tensor, target: Tensor) -> Tensor:
@@ -185,7 +185,8 @@ class QwenVLModel(MegatronModule):
             self.vision.recompute = (config.recompute_granularity == "full" if recompute_vision is None
                                      else recompute_vision)
         self.language_model = GPTModel(
-            config=config, transformer_layer_spec=layer_spec(arch), vocab_size=arch.lm.vocab_size,
+            config=config, transformer_layer_spec=layer_spec(arch, cpu=config.use_cpu_initialization),
+            vocab_size=arch.lm.vocab_size,
             max_sequence_length=1 << 20, pre_process=pre_process, post_process=post_process,
             parallel_output=True, share_embeddings_and_output_weights=arch.lm.tie_word_embeddings,
             position_embedding_type="none", pg_collection=pg_collection, vp_stage=vp_stage)
