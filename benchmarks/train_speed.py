@@ -84,9 +84,22 @@ from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
 
 
+def register_fewer_layers(name: str, layers: int) -> str:
+    """A built-in architecture with only `layers` decoder layers, registered in this process
+    under `NAME-LAYERSl` so that the trainer (`--arch`) and HF build the same model."""
+    from train.model.arch import BUILTIN_ARCHS
+
+    arch = builtin_arch(name)
+    short = f"{name}-{layers}l"
+    BUILTIN_ARCHS[short] = dataclasses.replace(arch, lm=dataclasses.replace(arch.lm, num_layers=layers))
+    return short
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = parser(__doc__, json_out="everything, with the machine and the command (default: OUT_DIR/train_speed.json)")
     ap.add_argument("--arch", default="qwen3-vl-2b", help="builtin architecture (train.model.arch.BUILTIN_ARCHS)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only this many decoder layers of --arch (a large model's layers on one GPU)")
     ap.add_argument("--seq-len", type=int, default=16384, help="pack length; also the longest synthetic sample")
     ap.add_argument("--samples", type=int, default=400, help="synthetic samples to write")
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic data, the init and the plans")
@@ -138,6 +151,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "vlmpack_train_speed"),
                     help="data and training output (default: under the temp dir)")
     args = ap.parse_args(argv)
+    args.base_arch = args.arch
+    if args.layers:
+        args.arch = register_fewer_layers(args.arch, args.layers)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     cpu = args.device == "cpu"  # smoke runs: the tiny model's 151,936-way loss is slow on a few cores
@@ -992,6 +1008,9 @@ def print_table(res: dict) -> None:
 
 def _child(queue, fn, args) -> None:
     try:
+        for arg in args:  # a spawned process starts with the built-in table as the code has it
+            if isinstance(arg, argparse.Namespace) and arg.layers:
+                register_fewer_layers(arg.base_arch, arg.layers)
         queue.put(("ok", fn(*args)))
     except BaseException as exc:  # report, never hang the parent
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
