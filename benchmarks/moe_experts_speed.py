@@ -1,12 +1,16 @@
-"""The experts of one Mixture-of-Experts layer, forward + backward: grouped GEMM vs one GEMM per expert.
+"""One Mixture-of-Experts layer's MLP on a GPU, forward + backward, by part.
 
-Both run the trainer's `TorchGroupedMLP` (megatron's GroupedMLP parameters) on the same
-weights, tokens and routing: `grouped` is its CUDA path (one `torch._grouped_mm` per
-projection), `per-expert` its loop of one GEMM per expert (the structure of megatron's
-SequentialMLP, the TE-free alternative). Default shapes are a Qwen3-VL-30B-A3B layer (128
-experts, top-8, hidden 2048, expert width 768) on a 16k-token pack; tokens are routed by
-softmax top-k of random logits with a per-expert skew, so experts get unequal counts.
-Reported: median milliseconds per forward + backward, achieved TFLOP/s, and the ratio.
+The layer is the trainer's (megatron-core's MoELayer: TopKRouter, all-to-all token
+dispatcher, `TorchGroupedMLP` experts) at a built-in architecture's shape (default
+Qwen3-VL-30B-A3B: 128 experts, top-8, hidden 2048, expert width 768), random init, bf16, on
+one pack of `--tokens` random hidden states. Timed, median of interleaved rounds:
+
+- `layer`: the whole MLP (route, dispatch, experts, combine);
+- `router`: the router alone (gating GEMM, top-k, softmax);
+- `experts`: the experts alone on the rows the dispatcher handed them, as one grouped GEMM
+  per projection (the trainer's CUDA path) and as one GEMM per expert (the structure of
+  megatron-core's SequentialMLP, the TE-free alternative); both give the same outputs;
+- `dispatch` = layer - router - experts: permutation, exchange and un-permutation.
 
     python benchmarks/moe_experts_speed.py --json-out benchmarks/results/moe_experts_speed_h100_<yyyymmdd>.json
 """
@@ -18,36 +22,20 @@ import time
 
 import torch
 from common import log, machine_info, parser, write_json
+from megatron.core.transformer.spec_utils import build_module
 
 from train.model.arch import builtin_arch
-from train.model.moe import TorchGroupedMLP
-from train.model.qwen_vl import transformer_config
+from train.model.qwen_vl import layer_spec, transformer_config
 from train.parallel import destroy_parallel, init_parallel
 
 
-def routed_inputs(tokens: int, hidden: int, experts: int, topk: int, seed: int):
-    """Rows sorted by expert (what the token dispatcher hands the experts), their counts and probs."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    skew = torch.randn(experts, device="cuda", generator=gen)
-    logits = torch.randn(tokens, experts, device="cuda", generator=gen) + skew
-    probs, chosen = logits.softmax(-1).topk(topk, dim=-1)
-    probs = probs / probs.sum(-1, keepdim=True)
-    order = chosen.flatten().argsort(stable=True)
-    counts = torch.bincount(chosen.flatten(), minlength=experts)
-    x = torch.randn(tokens * topk, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-    return x, counts.cpu(), probs.flatten()[order].float()
-
-
-def time_path(experts: TorchGroupedMLP, x, counts, probs, warmup: int, steps: int) -> list[float]:
-    grad = torch.randn_like(x)
+def timed(fn, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` calls of fn (forward + backward), after `warmup` calls."""
     times = []
     for i in range(warmup + steps):
-        experts.zero_grad(set_to_none=True)
-        inp = x.detach().requires_grad_()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out, _ = experts(inp, counts, probs)
-        out.backward(grad)
+        fn()
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - start)
@@ -58,36 +46,75 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--arch", default="qwen3-vl-30b-a3b", help="built-in MoE architecture whose layer shape is used")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens in the pack (default %(default)s)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per path (default %(default)s)")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per path, interleaved rounds (default %(default)s)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls per part and round (default %(default)s)")
+    ap.add_argument("--steps", type=int, default=10, help="timed calls per part, over 2 rounds (default %(default)s)")
     args = ap.parse_args()
-    lm = builtin_arch(args.arch).lm
+    arch = builtin_arch(args.arch)
+    lm = arch.lm
     if not lm.is_moe:
         raise SystemExit(f"--arch {args.arch} is not a Mixture-of-Experts architecture")
     info = init_parallel(1, 1, device="cuda")
-    config = transformer_config(builtin_arch(args.arch), params_dtype=torch.bfloat16, bf16=True)
-    experts = TorchGroupedMLP(lm.num_experts, config).cuda()
-    x, counts, probs = routed_inputs(args.tokens, lm.hidden_size, lm.num_experts, lm.num_experts_per_tok, seed=0)
-    flops = 3 * 2 * x.shape[0] * 3 * lm.hidden_size * lm.moe_intermediate_size  # fwd + 2 bwd GEMMs, 3 projections
-    log(f"{args.arch} experts: {lm.num_experts} x (hidden {lm.hidden_size}, width {lm.moe_intermediate_size}), "
-        f"top-{lm.num_experts_per_tok}, {args.tokens} tokens; rows per expert {int(counts.min())}..{int(counts.max())}")
-    outputs, times = {}, {"grouped": [], "per-expert": []}
-    for per_expert in (False, True):  # the same outputs first
-        experts.per_expert = per_expert
-        outputs[per_expert] = experts(x, counts, probs)[0].float()
+    config = transformer_config(arch, params_dtype=torch.bfloat16, bf16=True)
+    layer = build_module(layer_spec(arch).submodules.mlp, config=config, layer_number=1).cuda().train()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(args.tokens, 1, lm.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    grad = torch.randn_like(hidden)
+
+    captured = {}
+    hook = layer.experts.register_forward_hook(lambda m, a, out: captured.update(inputs=a))
+    layer(hidden)
+    hook.remove()
+    rows, counts, probs = (t.detach() for t in captured["inputs"])
+    counts = counts.cpu()
+    rows_grad = torch.randn_like(rows)
+
+    def run_layer():
+        layer.zero_grad(set_to_none=True)
+        out, _ = layer(hidden.detach().requires_grad_())
+        out.backward(grad)
+
+    def run_router():
+        layer.zero_grad(set_to_none=True)
+        routed_probs, _ = layer.router(hidden.detach().requires_grad_())
+        routed_probs.sum().backward()
+
+    def run_experts(per_expert: bool):
+        def run():
+            layer.experts.per_expert = per_expert
+            layer.zero_grad(set_to_none=True)
+            out, _ = layer.experts(rows.detach().requires_grad_(), counts, probs)
+            out.backward(rows_grad)
+        return run
+
+    outputs = {}
+    for per_expert in (False, True):
+        layer.experts.per_expert = per_expert
+        with torch.no_grad():
+            outputs[per_expert] = layer.experts(rows, counts, probs)[0].float()
+    layer.experts.per_expert = False
     rel = float((outputs[True] - outputs[False]).norm() / outputs[True].norm())
-    for _ in range(2):  # two interleaved rounds
-        for name in times:
-            experts.per_expert = name == "per-expert"
-            times[name] += time_path(experts, x, counts, probs, args.warmup, args.steps // 2)
-    result = {"args": vars(args), "machine": machine_info(info.device), "relative_output_difference": rel,
-              "rows_per_expert": {"min": int(counts.min()), "max": int(counts.max())}}
-    for name, values in times.items():
-        ms = statistics.median(values) * 1e3
-        result[name] = {"ms": ms, "tflops": flops / (ms / 1e3) / 1e12}
-        log(f"{name:10s} {ms:8.2f} ms  {result[name]['tflops']:6.1f} TFLOP/s")
-    result["per_expert_over_grouped"] = result["per-expert"]["ms"] / result["grouped"]["ms"]
-    log(f"grouped GEMM is {result['per_expert_over_grouped']:.2f}x faster; outputs differ by {rel:.1e} (relative)")
+
+    parts = {"layer": run_layer, "router": run_router, "experts": run_experts(False),
+             "experts, one GEMM per expert": run_experts(True)}
+    times = {name: [] for name in parts}
+    for _ in range(2):  # interleaved rounds
+        for name, fn in parts.items():
+            times[name] += timed(fn, args.warmup, args.steps // 2)
+    ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+    ms["dispatch"] = ms["layer"] - ms["router"] - ms["experts"]
+    flops = 3 * 2 * rows.shape[0] * 3 * lm.hidden_size * lm.moe_intermediate_size  # fwd + 2 bwd GEMMs, 3 projections
+    log(f"{args.arch} MoE MLP: {lm.num_experts} experts (hidden {lm.hidden_size}, width {lm.moe_intermediate_size}), "
+        f"top-{lm.num_experts_per_tok}, {args.tokens} tokens; rows per expert {int(counts.min())}..{int(counts.max())}")
+    for name in ("layer", "router", "dispatch", "experts", "experts, one GEMM per expert"):
+        share = f"{ms[name] / ms['layer']:6.1%} of the layer" if name in ("router", "dispatch", "experts") else ""
+        log(f"  {name:30s} {ms[name]:8.2f} ms  {share}")
+    log(f"experts: grouped GEMM {flops / ms['experts'] / 1e9:.0f} TFLOP/s, "
+        f"{ms['experts, one GEMM per expert'] / ms['experts']:.2f}x faster than one GEMM per expert; "
+        f"outputs differ by {rel:.1e} (relative)")
+    result = {"args": vars(args), "machine": machine_info(info.device), "ms": ms,
+              "experts_tflops": flops / ms["experts"] / 1e9, "relative_output_difference": rel,
+              "rows_per_expert": {"min": int(counts.min()), "max": int(counts.max())},
+              "per_expert_over_grouped": ms["experts, one GEMM per expert"] / ms["experts"]}
     if args.json_out:
         write_json(args.json_out, result)
     destroy_parallel()
