@@ -491,3 +491,51 @@ def test_cli_bad_arguments_exit_2_with_one_line_naming_them(hf_checkpoint, tmp_p
     assert len(lines) == 1 and lines[0].startswith(f"vlmpack {argv[0]}: error: "), captured.err
     assert message.format(**paths) in lines[0]
     assert not (tmp_path / "o").exists() and {p: _files(p) for p in (path, model)} == untouched
+
+
+def test_import_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """import-hf reads each checkpoint tensor when its rank file needs it and lets it go once
+    written: at no point are the tensors it has read and still holds more than a few times the
+    largest one (the whole checkpoint is many times that), and the files equal the in-memory
+    conversion."""
+    import weakref
+
+    from train import checkpoint_format as fmt
+
+    import transformers
+
+    config = tiny_qwen3_vl_moe_config()  # a small vocabulary and 8 layers: no tensor is a large part of the whole
+    config.text_config.vocab_size, config.text_config.num_hidden_layers = 512, 8
+    torch.manual_seed(0)
+    transformers.Qwen3VLMoeForConditionalGeneration(config).save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf"
+    arch, hf = _load(path)
+    alive, peak = [], [0]
+    real = fmt._read_one
+
+    def read_one(*args):
+        tensor = real(*args)
+        alive.append((weakref.ref(tensor), tensor.numel() * tensor.element_size()))
+        peak[0] = max(peak[0], sum(n for ref, n in alive if ref() is not None))
+        return tensor
+
+    monkeypatch.setattr(fmt, "_read_one", read_one)
+    C.import_hf(path, tmp_path / "m", tp=2, pp=2)
+    largest = max(t.numel() * t.element_size() for t in hf.values())
+    total = sum(t.numel() * t.element_size() for t in hf.values())
+    assert len(alive) >= len(hf) and 0 < peak[0] <= 3 * largest < total / 2
+    full = C.hf_to_megatron(hf, arch)
+    for t in range(2):
+        for p in range(2):
+            _assert_same(load_file(str(tmp_path / "m" / rank_file(t, p))), C.shard(full, arch, 2, t, 2, p))
+
+
+def test_streaming_safetensors_writer(tmp_path):
+    from train.checkpoint_format import save_tensors_streaming
+
+    tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7), "c": torch.randn(2, 4).t()}
+    entries = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+    save_tensors_streaming(tmp_path / "x.safetensors", entries, iter(tensors.values()))
+    _assert_same(load_file(str(tmp_path / "x.safetensors")), {k: v.contiguous() for k, v in tensors.items()})
+    with pytest.raises(CheckpointError, match="b is"):
+        save_tensors_streaming(tmp_path / "y.safetensors", entries, iter([tensors["a"], tensors["a"], tensors["c"]]))

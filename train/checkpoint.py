@@ -61,8 +61,9 @@ def _load_shard(model, full: dict, arch: ModelArch, info) -> None:
 
 
 def load_hf_weights(model, hf_dir: str, arch: ModelArch, info) -> None:
-    """Import a Hugging Face checkpoint into this rank's stage (no conversion step on disk)."""
-    _load_shard(model, convert.hf_to_megatron(fmt.read_hf_state(hf_dir, progress=info.is_main), arch), arch, info)
+    """Import a Hugging Face checkpoint into this rank's stage (no conversion step on disk):
+    each rank reads only the tensors its stage holds, one at a time."""
+    _load_shard(model, convert.hf_to_megatron(fmt.lazy_hf_state(hf_dir), arch), arch, info)
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ so a reader sees either no directory or a complete one.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from contextlib import contextmanager
@@ -183,6 +184,82 @@ def hf_weight_files(hf_dir: str | Path) -> list[Path]:
         raise CheckpointError(f"{hf_dir} has no *.safetensors weights (pytorch_model.bin checkpoints are not read: "
                               "re-save the model with `save_pretrained(..., safe_serialization=True)`)")
     return files
+
+
+class LazyTensor:
+    """A tensor read (and transformed) only when `load()` is called: what a conversion needs
+    to know of a whole checkpoint (names, shapes, dtypes) without holding it in memory."""
+
+    def __init__(self, shape, dtype: torch.dtype, load):
+        self.shape, self.dtype, self._load = tuple(shape), dtype, load
+
+    def load(self) -> torch.Tensor:
+        return self._load()
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def transpose(self, a: int, b: int) -> LazyTensor:
+        shape = list(self.shape)
+        shape[a], shape[b] = shape[b], shape[a]
+        return LazyTensor(shape, self.dtype, lambda: self.load().transpose(a, b))
+
+    def contiguous(self) -> LazyTensor:
+        return LazyTensor(self.shape, self.dtype, lambda: self.load().contiguous())
+
+
+def materialize(tensor) -> torch.Tensor:
+    return tensor.load() if isinstance(tensor, LazyTensor) else tensor
+
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def lazy_hf_state(hf_dir: str | Path) -> dict[str, LazyTensor]:
+    """Every tensor of a HF model directory's safetensors files, read one at a time on `load()`."""
+    from safetensors import safe_open
+
+    state: dict[str, LazyTensor] = {}
+    for path in hf_weight_files(hf_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key in state:
+                    raise CheckpointError(f"{path}: tensor {key} also appears in another weight file")
+                info = f.get_slice(key)
+                state[key] = LazyTensor(info.get_shape(), _SAFETENSORS_DTYPES[info.get_dtype()],
+                                        lambda path=path, key=key: _read_one(path, key))
+    return state
+
+
+def _read_one(path: Path, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def save_tensors_streaming(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]], tensors) -> None:
+    """A safetensors file written one tensor at a time: the header from `entries` (name,
+    shape, dtype, in file order) first, then each tensor of the iterable `tensors` (the same
+    order) as it comes, so only one is held. Readable by `safetensors.safe_open` / `load_file`."""
+    codes = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, dtype in entries:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": codes[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for (name, shape, dtype), tensor in zip(entries, tensors, strict=True):
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise CheckpointError(f"{path}: {name} is {tuple(tensor.shape)} {tensor.dtype}, "
+                                      f"the header says {tuple(shape)} {dtype}")
+            f.write(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().data)
 
 
 def read_hf_state(hf_dir: str | Path, progress: bool = False) -> dict[str, torch.Tensor]:

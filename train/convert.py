@@ -40,17 +40,20 @@ from train.checkpoint_format import (
     HF_SUBDIR,
     META_FILE,
     CheckpointError,
+    LazyTensor,
     arch_differences,
     arch_from_dict,
     atomic_dir,
     copy_hf_side_files,
     dtype_name,
     fsync_tree,
+    lazy_hf_state,
     load_tensors,
+    materialize,
     rank_file,
-    read_hf_state,
     read_meta,
     save_tensors,
+    save_tensors_streaming,
     write_builtin_side_files,
     write_hf_state,
     write_meta,
@@ -297,7 +300,7 @@ def _drop_tied_lm_head(hf: dict, arch: ModelArch) -> dict:
     if not arch.lm.tie_word_embeddings or HF_LM_HEAD not in hf:
         return hf
     head, embed = hf[HF_LM_HEAD], hf.get(HF_LM + "embed_tokens.weight")
-    if embed is not None and not (head.shape == embed.shape and torch.equal(head, embed)):
+    if embed is not None and not (head.shape == embed.shape and torch.equal(materialize(head), materialize(embed))):
         raise CheckpointError(f"{HF_LM_HEAD} differs from {HF_LM}embed_tokens.weight but config.json ties them "
                               "(tie_word_embeddings: true), so transformers would discard it: fix the config")
     return {k: v for k, v in hf.items() if k != HF_LM_HEAD}
@@ -332,12 +335,21 @@ def expert_layout(hf: dict, lm: LMArch) -> dict:
     return out
 
 
-def hf_to_megatron(hf_state: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
-    """A whole HF checkpoint -> the full Megatron state dict (tensors shared where unchanged)."""
+def hf_to_megatron(hf_state: dict, arch: ModelArch) -> dict:
+    """A whole HF checkpoint -> the full Megatron state dict (tensors shared where unchanged).
+    Given `LazyTensor`s (`lazy_hf_state`), it returns `LazyTensor`s: each Megatron tensor is
+    made from its HF tensors only when loaded, so a conversion holds one at a time."""
     hf = expert_layout(_drop_tied_lm_head(canonical_hf_names(hf_state), arch), arch.lm)
     check_state(hf, hf_shapes(arch), "config.json")
-    return {megatron: TRANSFORMS[m.transform][0]([hf[n] for n in names], arch.lm)
-            for m, names, megatron in _name_pairs(arch.lm, hf)}
+
+    def convert(m: WeightMapping, names: tuple[str, ...], megatron: str):
+        sources = [hf[n] for n in names]
+        if not any(isinstance(t, LazyTensor) for t in sources):
+            return TRANSFORMS[m.transform][0](sources, arch.lm)
+        return LazyTensor(megatron_shapes(arch)[megatron], sources[0].dtype,
+                          lambda: TRANSFORMS[m.transform][0]([materialize(t) for t in sources], arch.lm))
+
+    return {megatron: convert(m, names, megatron) for m, names, megatron in _name_pairs(arch.lm, hf)}
 
 
 def megatron_to_hf(full_state: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
@@ -480,25 +492,46 @@ def _check_rank(tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int = 1, ep_ra
         raise CheckpointError(f"rank tp {tp_rank} pp {pp_rank} ep {ep_rank} is outside tp={tp} pp={pp} ep={ep}")
 
 
-def shard(full_state: dict[str, torch.Tensor], arch: ModelArch, tp: int, tp_rank: int, pp: int,
-          pp_rank: int, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
-    """The state dict of rank (tp_rank, pp_rank, ep_rank)'s stage model (views of `full_state`)."""
-    check_parallel(arch, tp, pp, ep)
-    _check_rank(tp, tp_rank, pp, pp_rank, ep, ep_rank)
-    check_state(full_state, megatron_shapes(arch), "the architecture")
+def _rank_part(tensor: torch.Tensor, rule: str, tp: int, tp_rank: int, ep_dim: int | None, ep: int,
+               ep_rank: int) -> torch.Tensor:
+    part = _split(tensor, rule, tp)[tp_rank]
+    return part if ep_dim is None else _ep_split(part, ep_dim, ep)[ep_rank]
+
+
+def _rank_plan(names, arch: ModelArch, tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int,
+               ep_rank: int) -> list[tuple[str, str, object]]:
+    """(local name, full-model name, full tensor -> this rank's part) of every tensor that rank
+    (tp_rank, pp_rank, ep_rank)'s stage model holds, from the full model's `names`."""
     layers = stage_layers(arch, pp)[pp_rank]
     first, last = pp_rank == 0, pp_rank == pp - 1
-    out = {}
-    for name, tensor in full_state.items():
+    plan = []
+    for name in names:
         local = _local_name(name, layers, first, last)
         if local is not None:
-            out[local] = _split(tensor, _split_rule(name), tp)[tp_rank]
-            if ep > 1 and _ep_dim(name) is not None:
-                out[local] = _ep_split(out[local], _ep_dim(name), ep)[ep_rank]
+            ep_dim = _ep_dim(name) if ep > 1 else None
+            plan.append((local, name, lambda t, rule=_split_rule(name), ep_dim=ep_dim:
+                         _rank_part(t, rule, tp, tp_rank, ep_dim, ep, ep_rank)))
     if arch.lm.tie_word_embeddings and last and not first:
         # megatron gives the last stage its own copy of the tied embeddings as the output
         # layer, kept equal to the first stage's by an all-reduce at init and every step.
-        out[OUTPUT] = _split(full_state[EMBED], "column", tp)[tp_rank]
+        plan.append((OUTPUT, EMBED, lambda t: _split(t, "column", tp)[tp_rank]))
+    return plan
+
+
+def shard(full_state: dict, arch: ModelArch, tp: int, tp_rank: int, pp: int,
+          pp_rank: int, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """The state dict of rank (tp_rank, pp_rank, ep_rank)'s stage model: views of
+    `full_state`, or, of `LazyTensor`s, only this rank's tensors loaded (and its parts copied
+    out, so the rest of a split tensor is not kept)."""
+    check_parallel(arch, tp, pp, ep)
+    _check_rank(tp, tp_rank, pp, pp_rank, ep, ep_rank)
+    check_state(full_state, megatron_shapes(arch), "the architecture")
+    out = {}
+    for local, name, part in _rank_plan(full_state, arch, tp, tp_rank, pp, pp_rank, ep, ep_rank):
+        tensor = full_state[name]
+        out[local] = part(materialize(tensor))
+        if isinstance(tensor, LazyTensor) and tp * ep > 1:
+            out[local] = out[local].clone()
     return out
 
 
@@ -711,13 +744,30 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dty
     check_output_dir(out, "import-hf", overwrite=overwrite)  # these three fail before gigabytes are read
     check_parallel(arch, tp, pp, ep)
     stage_layers(arch, pp)
-    full = _cast(hf_to_megatron(read_hf_state(hf_dir, progress), arch), dtype)
-    states = {key: shard(full, arch, tp, key[0], pp, key[1], ep, key[2] if ep > 1 else 0)
-              for key in rank_keys(tp, pp, ep)}
-    _check_rank_states(states, arch, tp, pp, ep)
+    full = hf_to_megatron(lazy_hf_state(hf_dir), arch)
     with _output_dir(out, "import-hf", overwrite) as staging:
-        _write_model_files(staging, states, arch, tp, pp, hf_files_from=hf_dir, ep=ep)
+        for key in tqdm(rank_keys(tp, pp, ep), desc="writing shards", unit="file", disable=not progress):
+            _write_rank_streaming(staging / rank_file(*key), full, arch, tp, pp, ep, key, dtype)
+        write_meta(staging, arch, tp, pp, dtype_name(_cast_lazy(t, dtype) for t in full.values()), ep)
+        copy_hf_side_files(hf_dir, staging / HF_SUBDIR)
     return arch
+
+
+def _cast_lazy(tensor: LazyTensor, dtype: torch.dtype | None) -> LazyTensor:
+    if dtype is None or not tensor.is_floating_point():
+        return tensor
+    return LazyTensor(tensor.shape, dtype, lambda: tensor.load().to(dtype))
+
+
+def _write_rank_streaming(path: Path, full: dict[str, LazyTensor], arch: ModelArch, tp: int, pp: int, ep: int,
+                          key: tuple[int, ...], dtype: torch.dtype | None) -> None:
+    """One rank's model file, made and written one tensor at a time (peak memory: about one
+    full-model tensor, whatever the model's size)."""
+    ep_rank = key[2] if ep > 1 else 0
+    plan = _rank_plan(full, arch, tp, key[0], pp, key[1], ep, ep_rank)
+    shapes = shard_shapes(arch, tp, key[0], pp, key[1], ep, ep_rank)
+    entries = [(local, shapes[local], _cast_lazy(full[name], dtype).dtype) for local, name, _ in plan]
+    save_tensors_streaming(path, entries, (part(_cast_lazy(full[name], dtype).load()) for _, name, part in plan))
 
 
 def export_hf(model_dir: str | Path, out: str | Path, dtype: torch.dtype | None = None,
