@@ -2,10 +2,11 @@
 
 Writes a random-weight Hugging Face checkpoint of a built-in architecture (bf16, 5 GiB
 safetensors shards with an index, as `save_pretrained` writes them; one shard in memory at a
-time), then runs `vlmpack import-hf` on it in a child process and reads the child's peak
-resident memory (ru_maxrss). The conversion streams: each output file is written one tensor
-at a time, so the peak should stay near the import's own footprint plus a few of the largest
-tensors, not the checkpoint.
+time), then converts it twice, each in a child process whose peak resident memory
+(ru_maxrss) is read: `vlmpack import-hf` (streaming: each output file written one tensor at a
+time) and the whole-checkpoint conversion it replaces (read every tensor, convert, shard,
+write: `read_hf_state` -> `hf_to_megatron` -> `shard` -> `save_model_dir`). Both outputs must
+hold the same tensors.
 
     python benchmarks/convert_memory.py --arch qwen3-vl-8b --json-out benchmarks/results/convert_memory_cpu2_<yyyymmdd>.json
 """
@@ -13,7 +14,6 @@ tensors, not the checkpoint.
 from __future__ import annotations
 
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from common import REPO, log, machine_info, parser, write_json
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from train.checkpoint_format import HF_INDEX_FILE, HF_MAX_SHARD_BYTES
@@ -61,6 +62,37 @@ def write_random_checkpoint(arch, out: Path, seed: int) -> dict:
     return {"bytes": total, "files": len(files), "largest_tensor_bytes": largest}
 
 
+# The whole-checkpoint conversion, as a child process of its own.
+WHOLE = """
+import sys
+from train import convert
+from train.checkpoint_format import read_hf_state
+from train.model.arch import ModelArch
+arch = ModelArch.from_hf_dir(sys.argv[1])
+full = convert.hf_to_megatron(read_hf_state(sys.argv[1]), arch)
+convert.save_model_dir(sys.argv[2], {(0, 0): convert.shard(full, arch, 1, 0, 1, 0)}, arch, 1, 1)
+"""
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    """The two safetensors files hold the same names and tensors (compared one at a time)."""
+    with safe_open(str(a), framework="pt") as fa, safe_open(str(b), framework="pt") as fb:
+        return set(fa.keys()) == set(fb.keys()) and all(torch.equal(fa.get_tensor(k), fb.get_tensor(k))
+                                                        for k in fa.keys())
+
+
+def child_peak(cmd: list[str]) -> dict:
+    """Run `cmd` from the repository; its wall seconds and peak resident bytes (a fresh
+    `python -c` measures its children's peak through this one, so each run is a child of a
+    child that reports only its own)."""
+    probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
+             "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+             "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", probe, *cmd], cwd=REPO, check=True, capture_output=True, text=True)
+    seconds, peak = out.stdout.split()
+    return {"seconds": float(seconds), "peak_rss_bytes": int(peak), "command": " ".join(cmd[:3])}
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--arch", default="qwen3-vl-8b", help="built-in architecture (default %(default)s)")
@@ -77,18 +109,20 @@ def main() -> None:
     checkpoint = write_random_checkpoint(arch, hf, seed=0)
     log(f"{args.arch}: wrote {checkpoint['bytes'] / GiB:.2f} GiB in {checkpoint['files']} files "
         f"({time.perf_counter() - t0:.0f} s); largest tensor {checkpoint['largest_tensor_bytes'] / GiB:.2f} GiB")
-    cmd = [sys.executable, "-m", "shards_schema.cli", "import-hf", str(hf), "--out", str(out)]
-    t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
-    written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    log(f"import-hf: {seconds:.0f} s, peak resident memory {peak / GiB:.2f} GiB = "
-        f"{peak / checkpoint['bytes']:.2f}x the checkpoint, {peak / checkpoint['largest_tensor_bytes']:.1f}x its largest "
-        f"tensor; wrote {written / GiB:.2f} GiB")
-    result = {"args": vars(args), "machine": machine_info(), "checkpoint": checkpoint, "import_seconds": seconds,
-              "peak_rss_bytes": peak, "peak_over_checkpoint": peak / checkpoint["bytes"],
-              "peak_over_largest_tensor": peak / checkpoint["largest_tensor_bytes"], "written_bytes": written}
+    whole = work / "whole"
+    runs = {"import-hf (streaming)": [sys.executable, "-m", "shards_schema.cli", "import-hf", str(hf), "--out", str(out)],
+            "whole checkpoint": [sys.executable, "-c", WHOLE, str(hf), str(whole)]}
+    result = {"args": vars(args), "machine": machine_info(), "checkpoint": checkpoint}
+    for name, cmd in runs.items():
+        result[name] = child_peak(cmd)
+        log(f"{name}: {result[name]['seconds']:.0f} s, peak resident memory {result[name]['peak_rss_bytes'] / GiB:.2f} "
+            f"GiB = {result[name]['peak_rss_bytes'] / checkpoint['bytes']:.2f}x the checkpoint, "
+            f"{result[name]['peak_rss_bytes'] / checkpoint['largest_tensor_bytes']:.1f}x its largest tensor")
+    same = same_tensors(out / "model_tp0_pp0.safetensors", whole / "model_tp0_pp0.safetensors")
+    result["same_tensors"] = same
+    result["whole_over_streaming"] = (result["whole checkpoint"]["peak_rss_bytes"]
+                                      / result["import-hf (streaming)"]["peak_rss_bytes"])
+    log(f"streaming holds {result['whole_over_streaming']:.2f}x less at its peak; same tensors: {same}")
     if args.json_out:
         write_json(args.json_out, result)
     if not args.work_dir:
