@@ -101,15 +101,14 @@ def main() -> None:
     arch = builtin_arch(args.arch)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="convert_memory_"))
     work.mkdir(parents=True, exist_ok=True)
-    hf, out = work / "hf", work / "imported"
-    shutil.rmtree(hf, ignore_errors=True)
-    shutil.rmtree(out, ignore_errors=True)
+    hf, out, whole = work / "hf", work / "imported", work / "whole"
+    for path in (hf, out, whole):
+        shutil.rmtree(path, ignore_errors=True)
     hf.mkdir()
     t0 = time.perf_counter()
     checkpoint = write_random_checkpoint(arch, hf, seed=0)
     log(f"{args.arch}: wrote {checkpoint['bytes'] / GiB:.2f} GiB in {checkpoint['files']} files "
         f"({time.perf_counter() - t0:.0f} s); largest tensor {checkpoint['largest_tensor_bytes'] / GiB:.2f} GiB")
-    whole = work / "whole"
     runs = {"import-hf (streaming)": [sys.executable, "-m", "shards_schema.cli", "import-hf", str(hf), "--out", str(out)],
             "whole checkpoint": [sys.executable, "-c", WHOLE, str(hf), str(whole)]}
     result = {"args": vars(args), "machine": machine_info(), "checkpoint": checkpoint}
