@@ -32,7 +32,8 @@ vision tower as `pixel_values_videos`), checked with `verify_shards` (what `vlmp
     classes), random init,
     sdpa attention, bf16 parameters (--hf-precision amp: fp32 parameters + bf16 autocast),
     torch AdamW (betas 0.9/0.95 as ours), grad clipping 1.0 as ours, no activation
-    checkpointing (as ours). Samples: exactly those in the packs ours trained on, shuffled
+    checkpointing (as ours; --hf-gradient-checkpointing: transformers' per-layer recompute, for a
+    model whose batch of 1 does not fit without it). Samples: exactly those in the packs ours trained on, shuffled
     (seeded), in right-padded batches (`tests.hf_reference.to_padded_batch`: attention_mask,
     labels -100 on non-targets and padding, mm_token_type_ids so HF computes its own M-RoPE
     positions in forward). Batch size: the largest that survives the WORST batch of these
@@ -43,6 +44,11 @@ vision tower as `pixel_values_videos`), checked with `verify_shards` (what `vlmp
     (HF is not charged for collation; ours is charged for its loader).
     Real tokens/s (attention_mask ones), LM MFU on real tokens, peak memory.
 
+With --lora-rank R both sides train LoRA adapters (rank R, alpha 2R) on every linear of the
+language model, the base frozen: ours `vlmpack train --lora-rank R`, HF through PEFT's
+`get_peft_model` on the same modules. MFU stays 6 * N_lm per token, as for full fine-tuning
+(a frozen weight needs no weight gradient, so LoRA does about 4 * N of real work per token).
+
 Printed last: a table with ours/HF ratios. --json-out: everything, with command and machine.
 
     # H100, Qwen3-VL-2B architecture, 16k packs
@@ -51,6 +57,9 @@ Printed last: a table with ours/HF ratios. --json-out: everything, with command 
     # ... with videos in 30 % of the samples
     python benchmarks/train_speed.py --arch qwen3-vl-2b --seq-len 16384 --samples 400 --video-prob 0.3 \
         --json-out benchmarks/results/train_speed_video_h100_<yyyymmdd>.json
+    # H100, Qwen3-VL-8B architecture, LoRA rank 64 on every language-model linear, 16k packs
+    python benchmarks/train_speed.py --arch qwen3-vl-8b --seq-len 16384 --lora-rank 64 --recompute full \
+        --hf-gradient-checkpointing --json-out benchmarks/results/train_speed_lora_8b_h100_<yyyymmdd>.json
     # CPU smoke
     python benchmarks/train_speed.py --arch tiny --seq-len 2048 --samples 40 --steps 2 --device cpu
 """
@@ -125,6 +134,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--grad-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's gradient buffers")
     ap.add_argument("--adam-state-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's Adam moments")
     ap.add_argument("--lr", type=float, default=1e-5, help="learning rate of both sides")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="both sides train LoRA adapters of this rank (alpha 2 x rank) on every language-model linear, "
+                         "the base frozen (HF: PEFT); 0: full fine-tuning")
     ap.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when available")
     ap.add_argument("--text-tokens", type=int, nargs=2, default=(100, 3000), metavar=("MIN", "MAX"),
                     help="non-image tokens per synthetic sample")
@@ -147,6 +159,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-warmup", type=int, default=1, help="unmeasured HF steps at the chosen batch size")
     ap.add_argument("--hf-precision", default="bf16", choices=("bf16", "amp"),
                     help="bf16: bf16 parameters and AdamW states; amp: fp32 parameters + bf16 autocast (GPU only)")
+    ap.add_argument("--hf-gradient-checkpointing", action="store_true",
+                    help="HF recomputes every decoder layer in backward (for models whose batch of 1 does not fit "
+                         "without it; default off, as ours with --recompute none)")
     ap.add_argument("--hf-search-budget", type=float, default=150.0, help="seconds for the HF batch-size search")
     ap.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "vlmpack_train_speed"),
                     help="data and training output (default: under the temp dir)")
@@ -535,7 +550,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         recompute=recompute, recompute_layers=args.recompute_layers if recompute == "full" else None,
         recompute_vision=args.recompute_vision, device=args.device, num_workers=args.num_workers, tensorboard=False,
         save_every=0, seed=args.seed, log_every=1, attention=args.attention, grad_dtype=args.grad_dtype,
-        adam_state_dtype=args.adam_state_dtype)
+        adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank)
     config.validate()
     probe = TrainerProbe(device, args.keep_checkpoint)
     if args.profile and device.type == "cuda":
@@ -544,7 +559,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
     log(f"ours: train({args.arch}, seq_len {args.seq_len}, {args.global_batch_packs} packs/step, "
         f"{args.warmup}+{args.steps} steps, recompute {recompute}, layers {config.recompute_layers}, "
         f"vision {config.recompute_vision}, attention {config.attention}, grads {config.grad_dtype}, "
-        f"Adam state {config.adam_state_dtype}) -> {run_dir}")
+        f"Adam state {config.adam_state_dtype}, LoRA rank {config.lora_rank}) -> {run_dir}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -696,6 +711,8 @@ def isolated_vision(probe: TrainerProbe, args, device: torch.device, in_step: di
     if model is None or not batches:
         return None
     tower = model.module.vision if hasattr(model, "module") else model.vision
+    if not any(p.requires_grad for p in tower.parameters()):  # frozen (LoRA on the language model): no backward
+        return None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     clock = probe.clock
     work = []
@@ -759,9 +776,19 @@ class HFTrainer:
             self.model = model_class._from_config(config, attn_implementation="sdpa", dtype=self.param_dtype)
         self.model.train()
         self.model.config.use_cache = False
+        forward_params = inspect.signature(self.model.forward).parameters
+        if args.hf_gradient_checkpointing:  # transformers' own per-layer recompute (non-reentrant)
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.lora_rank:  # PEFT's adapters on the same modules as ours, the base frozen
+            from peft import LoraConfig, get_peft_model
+
+            from train.model.lora import LoraSpec, peft_target_regex, resolve_sites
+
+            spec = LoraSpec(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
+            self.model = get_peft_model(self.model, LoraConfig(
+                r=spec.rank, lora_alpha=spec.alpha, target_modules=peft_target_regex(resolve_sites(arch, spec))))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-        forward_params = inspect.signature(self.model.forward).parameters
         self.takes_mm_types = "mm_token_type_ids" in forward_params
         self.takes_second_per_grid_ts = "second_per_grid_ts" in forward_params
         self.num_params = sum(p.numel() for p in self.params)

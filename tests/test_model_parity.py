@@ -74,6 +74,12 @@ def pixel_values_videos(shards, pack):
 
 
 def hf_logits(hf, shards, pack) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(**hf_inputs(hf, shards, pack)).logits[0]
+
+
+def hf_inputs(hf, shards, pack) -> dict:
+    """The HF model's arguments for a pack: its tokens, 4-row packed position ids and visuals."""
     cu = pack["cu_seqlens_padded"].astype(np.int64)
     text = torch.from_numpy(np.arange(cu[-1]) - np.repeat(cu[:-1], np.diff(cu)))[None, None]
     position_ids = torch.cat([text, torch.from_numpy(pack["position_ids"].astype(np.int64))[:, None]])
@@ -85,10 +91,8 @@ def hf_logits(hf, shards, pack) -> torch.Tensor:
         kwargs |= dict(pixel_values_videos=pixel_values_videos(shards, pack),
                        video_grid_thw=torch.from_numpy(pack["video_grid_thw"]).long())
     hf.model.rope_deltas = None
-    with torch.no_grad():
-        out = hf(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False,
-                 mm_token_type_ids=(ids == 151655).long() + 2 * (ids == 151656).long(), **kwargs)
-    return out.logits[0]
+    return dict(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False,
+                mm_token_type_ids=(ids == 151655).long() + 2 * (ids == 151656).long(), **kwargs)
 
 
 def our_outputs(model, shards, pack):

@@ -37,9 +37,11 @@ import torch.distributed as dist
 
 from shards_schema.atomic import TMP_SUFFIX, atomic_open, fsync_dir, write_json_atomic
 from shards_schema.errors import DiskFullError
+from train import adapter_format
 from train import checkpoint_format as fmt
 from train import convert
 from train.config import ConfigError
+from train.model import lora
 from train.model.arch import ModelArch
 
 CHECKPOINTS = "checkpoints"
@@ -77,19 +79,47 @@ def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float, num
     return torch.randn(shape, generator=generator) * std
 
 
+def random_full_state(arch: ModelArch, seed: int, std: float = 0.02, layers: range | None = None) -> dict:
+    """The full Megatron state of a random init; each tensor depends only on (seed, its name).
+    `layers`: draw only these decoder layers (the others are meta tensors, never loaded)."""
+    def drawn(name: str) -> bool:
+        return layers is None or not name.startswith("language_model.decoder.layers.") or int(name.split(".")[3]) in layers
+
+    return {n: _random_tensor(n, shape, seed, std, arch.lm.num_layers) if drawn(n) else torch.empty(shape, device="meta")
+            for n, shape in convert.megatron_shapes(arch).items()}
+
+
 def init_random_weights(model, arch: ModelArch, seed: int, info, std: float = 0.02) -> None:
     """Random init that depends only on (seed, parameter name), never on the TP/PP layout: every
     tensor of the full model is drawn from its own generator, then sharded like a checkpoint.
     So 1 GPU, DP, TP and PP runs start from the same weights and their loss curves compare."""
+    _load_shard(model, random_full_state(arch, seed, std, convert.stage_layers(arch, info.pp)[info.pp_rank]), arch, info)
+
+
+def base_reference(config) -> dict:
+    """What a LoRA run's adapters sit on: the model source of its config."""
+    if config.hf_model:
+        return {"hf_model": str(Path(config.hf_model).resolve())}
+    if config.init:
+        return {"init": str(Path(config.init).resolve())}
+    return {"arch": config.arch, "seed": config.seed}
+
+
+def add_adapters(model, arch: ModelArch, config, info) -> None:
+    """Freeze this rank's stage and give it the run's LoRA adapters (`model.adapters`): PEFT's
+    default init from the run's seed, or the adapters of the --init-lora PEFT directory."""
+    spec = config.lora_spec()
+    module = _unwrap(model)
     layers = convert.stage_layers(arch, info.pp)[info.pp_rank]
-
-    def on_this_stage(name: str) -> bool:
-        return not name.startswith("language_model.decoder.layers.") or int(name.split(".")[3]) in layers
-
-    full = {n: _random_tensor(n, shape, seed, std, arch.lm.num_layers) if on_this_stage(n)
-            else torch.empty(shape, device="meta")  # other stages' layers: never drawn, never loaded
-            for n, shape in convert.megatron_shapes(arch).items()}
-    _load_shard(model, full, arch, info)
+    adapters = lora.attach(module, arch, spec, info.tp, layers)
+    sites = lora.resolve_sites(arch, spec)
+    full = (adapter_format.read_peft_dir(config.init_lora, arch, spec) if config.init_lora
+            else lora.init_adapters(sites, spec.rank, config.seed))
+    local = lora.shard_adapters(full, sites, info.tp, info.tp_rank, layers, info.first_stage)
+    saved = {k: full.get(k, p) for k, p in adapters.saved_modules.items()}  # a PEFT dir may carry trained modules
+    adapters.load_state_dict(local | saved)
+    adapters.base = base_reference(config)
+    module.adapters = adapters
 
 
 def load_model_weights(model, model_dir: str | Path, arch: ModelArch, info) -> None:
@@ -372,8 +402,13 @@ class CheckpointSaver:
         self.wait()
         t0 = time.perf_counter()
         module = _unwrap(model)
-        model_state = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
-        state = {"model": model_state if self.info.writes_model else None,
+        adapters = getattr(module, "adapters", None)
+        if adapters is not None:  # a LoRA run saves its adapters (one copy per TP/PP rank), not the model
+            model_state, writes = adapters.state_dict(), self.info.dp_rank == 0
+        else:
+            model_state = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
+            writes = self.info.writes_model
+        state = {"model": model_state if writes else None,
                  "rank": {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                           "rng": _rng_state(self.info.device)}}
         distributed = _uses_distributed_optimizer(optimizer)
@@ -390,12 +425,13 @@ class CheckpointSaver:
                                            "dp": self.info.dp, "world": self.info.world}}
             side_files = config.hf_model or (Path(config.init) / fmt.HF_SUBDIR if config.init else None)
             state["side_files"] = side_files if side_files and Path(side_files).is_dir() else None
+        state["lora"] = (adapters.spec, adapters.base) if adapters is not None else None
         self._add_time("snapshot_s", t0)
         tmp = self.root / f"step_{step:08d}{TMP_SUFFIX}"
         needed = self._check_space(step, tensor_bytes(state))
         if self.info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "model").mkdir(parents=True)
+            (tmp / _weights_subdir(state)).mkdir(parents=True)
         dist.barrier()
         pending = {"step": step, "tmp": tmp, "needed": needed, "error": None, "done": threading.Event()}
         self._pending = pending
@@ -473,17 +509,24 @@ class CheckpointSaver:
         t0 = time.perf_counter()
         tmp, info = pending["tmp"], self.info
         try:
+            subdir = tmp / _weights_subdir(state)
             if state["model"] is not None:
-                fmt.save_tensors(tmp / "model" / fmt.rank_file(*info.model_key), state["model"])
+                name = (adapter_format.adapter_file(info.tp_rank, info.pp_rank) if state["lora"]
+                        else fmt.rank_file(*info.model_key))
+                fmt.save_tensors(subdir / name, state["model"])
             param_state = state["param_state"]
             if isinstance(param_state, ParameterStateSnapshot):
                 param_state = param_state.assemble()  # a collective of the DP group's writer threads
             if param_state is not None:
                 _torch_save(param_state, tmp / f"optimizer_param_state_pp{info.pp_rank}_tp{info.tp_rank}.pt")
             if info.is_main:
-                fmt.write_meta(tmp / "model", arch, info.tp, info.pp, state["dtype"], info.ep)
+                if state["lora"]:
+                    spec, base = state["lora"]
+                    adapter_format.write_lora_meta(subdir, spec, arch, info.tp, info.pp, base)
+                else:
+                    fmt.write_meta(subdir, arch, info.tp, info.pp, state["dtype"], info.ep)
                 if state["side_files"]:  # tokenizer/processor files travel to export-hf
-                    fmt.copy_hf_side_files(state["side_files"], tmp / "model" / fmt.HF_SUBDIR)
+                    fmt.copy_hf_side_files(state["side_files"], subdir / fmt.HF_SUBDIR)
                 write_json_atomic(tmp / "trainer.json", state["trainer"])
             _torch_save(state["rank"], tmp / f"rank_{info.rank:05d}.pt")
             if self.background:
@@ -544,6 +587,10 @@ class CheckpointSaver:
                 shutil.rmtree(old, ignore_errors=True)
 
 
+def _weights_subdir(state: dict) -> str:
+    return adapter_format.ADAPTER_SUBDIR if state["lora"] else "model"
+
+
 def save(saver: CheckpointSaver, step: int, model, optimizer, scheduler, data, config, arch: ModelArch) -> None:
     """Save `step` through `saver` (the trainer's one entry, so a benchmark can swap it out)."""
     saver.save(step, model, optimizer, scheduler, data, config, arch)
@@ -570,8 +617,7 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
         raise ConfigError(f"{path} was written with tp={layout['tp']} pp={layout['pp']} ep={layout.get('ep', 1)} on "
                           f"{layout['world']} ranks; "
                           f"resume with the same layout, or start a new run from its weights with --init {path / 'model'}")
-    arch = read_model_arch(path / "model")
-    load_model_weights(model, path / "model", arch, info)
+    _load_run_weights(model, path, info, meta["config"])
     rank_state = torch.load(path / f"rank_{info.rank:05d}.pt", map_location="cpu", weights_only=False)
     optimizer.load_state_dict(rank_state["optimizer"])
     if _uses_distributed_optimizer(optimizer):
@@ -584,9 +630,40 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
     return int(meta["step"])
 
 
+def _load_run_weights(model, path: Path, info, saved_config: dict) -> None:
+    """The trained weights of checkpoint `path` into `model`: the whole model, or a LoRA run's
+    adapters (the base is the run's own, loaded already: it must be the one the adapters were
+    trained on)."""
+    adapters = getattr(_unwrap(model), "adapters", None)
+    adapter_dir = path / adapter_format.ADAPTER_SUBDIR
+    if adapters is None:
+        if adapter_dir.is_dir():
+            raise ConfigError(f"{path} holds LoRA adapters, not a model: resume with its LoRA settings "
+                              f"(--lora-rank {saved_config.get('lora_rank')} ...)")
+        load_model_weights(model, path / "model", read_model_arch(path / "model"), info)
+        return
+    if not adapter_dir.is_dir():
+        raise ConfigError(f"{path} holds a full fine-tuning run's model, not LoRA adapters: resume it without "
+                          f"--lora-rank, or start a LoRA run from its weights with --init {path / 'model'}")
+    meta, spec, _ = adapter_format.read_lora_meta(adapter_dir)
+    if spec != adapters.spec:
+        raise ConfigError(f"{path} was trained with LoRA {spec.to_dict()}, this run asks for {adapters.spec.to_dict()}: "
+                          "resume with the same --lora-* settings")
+    if meta["base"] != adapters.base:
+        raise ConfigError(f"{path}'s adapters were trained on {meta['base']}, this run's model is {adapters.base}: "
+                          "resume with the same --hf-model / --init / --arch and --seed")
+    adapters.load_state_dict(fmt.load_tensors(adapter_dir / adapter_format.adapter_file(info.tp_rank, info.pp_rank)))
+
+
 def export_hf_from_run(out: Path, step: int, hf_out: str, info) -> None:
     if info.is_main:
         path = latest_checkpoint(out)
-        convert.export_hf(path / "model", hf_out)
+        adapter_dir = adapter_format.find_adapter_dir(path)
+        if adapter_dir is not None:  # a LoRA run: its adapters, as PEFT loads them
+            from train.lora_export import export_peft
+
+            export_peft(adapter_dir, hf_out)
+        else:
+            convert.export_hf(path / "model", hf_out)
         print(f"exported {path.name} to {hf_out}", flush=True)
     dist.barrier()

@@ -189,7 +189,16 @@ class ExportHF:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         _one_line_help(parser)
         source = parser.add_argument_group("input")
-        source.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (import-hf output or a training save)")
+        source.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (import-hf output or a training "
+                                                                   "save), or a LoRA run's checkpoint")
+        adapters = parser.add_argument_group("LoRA checkpoints")
+        adapters.add_argument("--lora-format", choices=["peft"], default=None,
+                              help="write the adapters as PEFT's adapter_config.json + adapter_model.safetensors "
+                                   "(the default for a LoRA checkpoint)")
+        adapters.add_argument("--merge", action="store_true",
+                              help="write the base model with the adapters merged in, as a full checkpoint")
+        adapters.add_argument("--base", metavar="DIR", default=None,
+                              help="with --merge: the base model's directory (default: the one the run trained on)")
         _add_output_arguments(parser, "HF_DIR", "Hugging Face directory to write (new or empty)")
         parser.epilog = (
             "Writes model.safetensors (numbered shards + index above 5 GiB), config.json and the tokenizer / "
@@ -201,6 +210,14 @@ class ExportHF:
     @staticmethod
     def run(args) -> int:
         convert = _convert_module()
+        from train.adapter_format import find_adapter_dir
+
+        adapter_dir = find_adapter_dir(args.model_dir)
+        if adapter_dir is not None:
+            return ExportHF.run_lora(args, adapter_dir)
+        for flag, given in (("--lora-format", args.lora_format), ("--merge", args.merge), ("--base", args.base)):
+            if given:
+                raise UserError(f"{flag}: {args.model_dir} is not a LoRA checkpoint (no adapter/lora.json); drop {flag}")
         _input_dir(args.model_dir, "MODEL_DIR", convert.META_FILE, "a model directory written by `vlmpack import-hf` or training")
         t0 = time.perf_counter()
         try:
@@ -210,4 +227,27 @@ class ExportHF:
             raise UserError(str(exc)) from None
         print(f"{args.out}: {arch.family}, {len(side_files)} tokenizer/processor files "
               f"({', '.join(side_files) or 'none'}), {time.perf_counter() - t0:.1f} s")
+        return 0
+
+    @staticmethod
+    def run_lora(args, adapter_dir: Path) -> int:
+        from train import lora_export
+
+        if args.lora_format and args.merge:
+            raise UserError("give --lora-format peft (the adapter files) or --merge (a full checkpoint), not both")
+        if args.base and not args.merge:
+            raise UserError("--base is the model to merge into: it needs --merge")
+        t0 = time.perf_counter()
+        try:
+            if args.merge:
+                arch, side_files = lora_export.export_merged(adapter_dir, args.out, args.base, dtype=_dtype(args.dtype),
+                                                             progress=True, overwrite=args.overwrite)
+                what = f"adapters merged, {len(side_files)} tokenizer/processor files"
+            else:
+                arch, count = lora_export.export_peft(adapter_dir, args.out, dtype=_dtype(args.dtype),
+                                                      overwrite=args.overwrite)
+                what = f"PEFT adapter, {count} tensors"
+        except ValueError as exc:  # adapter files that do not match their lora.json
+            raise UserError(str(exc)) from None
+        print(f"{args.out}: {arch.family}, {what}, {time.perf_counter() - t0:.1f} s")
         return 0

@@ -17,11 +17,12 @@ from pathlib import Path
 
 from shards_schema.errors import UserError
 
-FREEZABLE = ("vision", "merger", "llm")
+FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains fully (train.model.lora)
 ATTENTION_KERNELS = ("fa2", "fa4")  # train.model.attention.select_attention_kernel
 STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
 RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("cuda", "cpu")
+COMMA_LISTS = ("freeze", "lora_targets", "lora_parts", "lora_modules_to_save")  # list settings also given as "a,b"
 # --help shows the flags in these groups, in this order
 GROUPS = {
     "data": "what is trained on, and how it is batched",
@@ -30,6 +31,7 @@ GROUPS = {
     "memory": "precision and the memory / speed trade-offs",
     "optimizer": "AdamW and gradient clipping",
     "schedule": "steps, learning-rate schedule, evaluation",
+    "lora": "LoRA: low-rank adapters on a frozen model (PEFT's format)",
     "checkpoints": "the run directory, saving and resuming",
     "logging": "progress line, metrics.jsonl, TensorBoard",
 }
@@ -108,6 +110,21 @@ class TrainConfig:
                                              "slots (0: off; default 0)")
     eval_every: int = _opt(0, "schedule", "evaluate on --eval-data every N steps (0: never; default 0)")
     eval_batches: int = _opt(4, "schedule", "global batches per evaluation (default 4)")
+    # LoRA (train/model/lora.py): adapters on the chosen linears, everything else frozen
+    lora_rank: int = _opt(0, "lora", "train LoRA adapters of this rank on a frozen model (0: full fine-tuning; "
+                                     "default 0)")
+    lora_alpha: float | None = _opt(None, "lora", "adapter outputs are scaled by alpha / rank (default 2 x --lora-rank)")
+    lora_dropout: float = _opt(0.0, "lora", "dropout on the adapters' input (default 0)")
+    lora_targets: list[str] = _opt([], "lora", "linear modules that get adapters, named as in PEFT's target_modules "
+                                               "(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; vision: "
+                                               "attn.qkv,attn.proj,...) or all-linear (default all-linear: every "
+                                               "linear of --lora-parts)")
+    lora_parts: list[str] = _opt([], "lora", f"parts whose linears get adapters: {', '.join(FREEZABLE)} "
+                                             "(default llm)")
+    lora_modules_to_save: list[str] = _opt([], "lora", "parts trained fully beside the adapters and saved with "
+                                                       "them (PEFT's modules_to_save): vision, merger")
+    init_lora: str | None = _opt(None, "lora", "start the adapters from this PEFT adapter directory "
+                                               "(adapter_config.json + adapter_model.safetensors)")
     # checkpoints
     out: str = _opt("runs/train", "checkpoints", "run directory: checkpoints/, metrics.jsonl, tensorboard/ "
                                                  "(one job at a time; default runs/train)")
@@ -119,7 +136,7 @@ class TrainConfig:
                                                  "(default true)")
     resume: bool = _opt(False, "checkpoints", "continue from the newest checkpoint in --out (default false)")
     export_hf: str | None = _opt(None, "checkpoints", "after the last step, export the model to this Hugging Face "
-                                                      "directory")
+                                                      "directory (a LoRA run: its adapters, in PEFT's format)")
     # logging
     log_every: int = _opt(1, "logging", "log every N steps (default 1)")
     tensorboard: bool = _opt(True, "logging", "write TensorBoard scalars under --out/tensorboard (default true)")
@@ -156,9 +173,11 @@ class TrainConfig:
             raise ConfigError(f"--warmup-steps {self.warmup_steps} must be smaller than --train-steps {self.train_steps}")
         if self.global_batch_packs is not None and self.global_batch_tokens is not None:
             raise ConfigError("give --global-batch-packs or --global-batch-tokens, not both")
-        bad = sorted(set(self.freeze) - set(FREEZABLE))
-        if bad:
-            raise ConfigError(f"--freeze {bad}: choose from {list(FREEZABLE)}")
+        for name in ("freeze", "lora_parts"):
+            bad = sorted(set(getattr(self, name)) - set(FREEZABLE))
+            if bad:
+                raise ConfigError(f"--{name.replace('_', '-')} {bad}: choose from {list(FREEZABLE)}")
+        self._validate_lora()
         choices = {"recompute": RECOMPUTE, "attention": ATTENTION_KERNELS, "grad_dtype": STATE_DTYPES,
                    "adam_state_dtype": STATE_DTYPES}
         if self.device is not None:
@@ -169,6 +188,44 @@ class TrainConfig:
         if self.recompute_layers is not None and self.recompute != "full":
             raise ConfigError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
                               f"(the decoder layers per pipeline stage whose activations are recomputed)")
+
+    def _validate_lora(self) -> None:
+        lora_flags = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_targets", "lora_parts",
+                                                          "lora_modules_to_save", "init_lora")
+                      if getattr(self, n) not in (None, [])] + (["--lora-dropout"] if self.lora_dropout else [])
+        if self.lora_rank == 0:
+            if lora_flags:
+                raise ConfigError(f"{', '.join(lora_flags)} configure LoRA: also give --lora-rank R (e.g. 16)")
+            return
+        if self.lora_rank < 0:
+            raise ConfigError(f"--lora-rank must be >= 0, got {self.lora_rank}")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ConfigError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        bad = sorted(set(self.lora_modules_to_save) - {"vision", "merger"})
+        if bad:
+            raise ConfigError(f"--lora-modules-to-save {bad}: choose from ['vision', 'merger']")
+        parts = self.lora_parts or ["llm"]
+        both = sorted(set(parts) & set(self.lora_modules_to_save))
+        if both:
+            raise ConfigError(f"{both} given to both --lora-parts and --lora-modules-to-save: a part gets adapters or "
+                              "is trained fully, not both")
+        frozen = sorted(set(self.freeze) & (set(parts) | set(self.lora_modules_to_save)))
+        if frozen:
+            raise ConfigError(f"--freeze {frozen}: those parts are trained (--lora-parts / --lora-modules-to-save); "
+                              "with LoRA every other part is frozen already")
+
+    def lora_spec(self):
+        """The run's `LoraSpec`, None for full fine-tuning."""
+        if not self.lora_rank:
+            return None
+        from train.model.lora import ALL_LINEAR, LoraSpec
+
+        return LoraSpec(rank=self.lora_rank, alpha=self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank,
+                        dropout=self.lora_dropout, targets=tuple(self.lora_targets or [ALL_LINEAR]),
+                        parts=tuple(p for p in ("llm", "vision", "merger") if p in (self.lora_parts or ["llm"])),
+                        modules_to_save=tuple(p for p in ("vision", "merger") if p in self.lora_modules_to_save))
 
     def global_packs(self, dp: int) -> int:
         """Packs per global batch; a multiple of dp * micro_batch_packs."""
@@ -244,10 +301,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if unknown:
         raise ConfigError(f"--config {args.config}: unknown settings {unknown}: use the names of `vlmpack train` flags")
     values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
-    for key in ("data", "eval_data", "freeze"):  # "a,b" and repeated flags both work
+    for key in ("data", "eval_data", *COMMA_LISTS):  # "a,b" and repeated flags both work
         if isinstance(values.get(key), str):
             values[key] = [values[key]]
-        if key == "freeze" and key in values:
+        if key in COMMA_LISTS and key in values:
             values[key] = [p for item in values[key] for p in str(item).split(",") if p]
     config = TrainConfig(**values)
     config.validate()

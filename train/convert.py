@@ -661,6 +661,7 @@ _OUTPUTS = {
     "export-hf": (re.compile("|".join([r"model(-\d{5}-of-\d{5})?\.safetensors",
                                        *map(re.escape, ("config.json", HF_INDEX_FILE, *HF_SIDE_FILES))])),
                   "config.json"),
+    "export-peft": (re.compile(r"adapter_model\.safetensors|adapter_config\.json"), "adapter_config.json"),
 }
 
 
@@ -700,7 +701,7 @@ def check_output_dir(out: str | Path, command: str, *, overwrite: bool = False, 
 
 
 @contextmanager
-def _output_dir(out: str | Path, command: str, overwrite: bool):
+def staged_output_dir(out: str | Path, command: str, overwrite: bool):
     """Hold `out` for this job (`exclusive_output_dir`) and yield an empty staging directory
     inside it; when the block succeeds, the previous output (if any) goes, completion file
     first, and the staged files move into `out`, completion file last. So `out` holds a whole
@@ -745,7 +746,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dty
     check_parallel(arch, tp, pp, ep)
     stage_layers(arch, pp)
     full = hf_to_megatron(lazy_hf_state(hf_dir), arch)
-    with _output_dir(out, "import-hf", overwrite) as staging:
+    with staged_output_dir(out, "import-hf", overwrite) as staging:
         for key in tqdm(rank_keys(tp, pp, ep), desc="writing shards", unit="file", disable=not progress):
             _write_rank_streaming(staging / rank_file(*key), full, arch, tp, pp, ep, key, dtype)
         write_meta(staging, arch, tp, pp, dtype_name(_cast_lazy(t, dtype) for t in full.values()), ep)
@@ -777,14 +778,21 @@ def export_hf(model_dir: str | Path, out: str | Path, dtype: torch.dtype | None 
     _refuse_same_dir(out, model_dir)
     check_output_dir(out, "export-hf", overwrite=overwrite)
     arch, full = load_full_state(model_dir, progress)
-    hf = _cast(megatron_to_hf(full, arch), dtype)
+    return arch, write_hf_dir(out, megatron_to_hf(full, arch), arch, Path(model_dir) / HF_SUBDIR, dtype, progress,
+                              overwrite)
+
+
+def write_hf_dir(out: str | Path, hf: dict[str, torch.Tensor], arch: ModelArch, side: Path | None,
+                 dtype: torch.dtype | None = None, progress: bool = False, overwrite: bool = False) -> list[str]:
+    """A HF model directory from its weights (hub names): weights, config.json and the side files
+    of `side` (the built-in profile's when there are none); returns the side files written."""
+    hf = _cast(hf, dtype)
     config = arch.to_hf_config()
     stored = dtype_name(hf.values())
     if stored != "mixed":
         config["dtype"] = stored
-    with _output_dir(out, "export-hf", overwrite) as tmp:
+    with staged_output_dir(out, "export-hf", overwrite) as tmp:
         write_hf_state(tmp, hf, progress)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        side = Path(model_dir) / HF_SUBDIR
-        side_files = copy_hf_side_files(side, tmp) if side.is_dir() else write_builtin_side_files(arch.family, tmp)
-    return arch, side_files
+        has_side = side is not None and side.is_dir()
+        return copy_hf_side_files(side, tmp) if has_side else write_builtin_side_files(arch.family, tmp)

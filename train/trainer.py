@@ -1,7 +1,7 @@
 """`vlmpack train`: the training job, top to bottom.
 
     setup:  process groups -> lock --out -> model (HF import / Megatron dir / random arch) ->
-            freeze -> megatron DDP -> optimizer + LR schedule -> packed loader -> resume
+            freeze (LoRA: adapters on the frozen model) -> megatron DDP -> optimizer + LR schedule -> packed loader -> resume
     loop:   global batch of packs -> megatron forward/backward schedule (PP-aware) ->
             per-token loss over the whole global batch -> clip -> step -> save (snapshot here,
             files written in the background, see train.checkpoint.CheckpointSaver) -> log
@@ -34,7 +34,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from shards_schema.errors import UserError
 from shards_schema.outdir import exclusive_output_dir
-from train import checkpoint
+from train import adapter_format, checkpoint
 from train.config import ConfigError, TrainConfig
 from train.data import TrainData
 from train.metrics import MetricsLogger, lm_flops_per_token, peak_tflops
@@ -42,6 +42,7 @@ from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
 from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
+from train.model import lora
 from train.model.moe import load_balancing_loss
 from train.parallel import ParallelInfo, build_model, destroy_parallel, init_parallel
 from train.preemption import StopRequest
@@ -71,6 +72,14 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
                           "here is dense")
     if config.ep > 1 and lm.num_experts % config.ep:
         raise ConfigError(f"--ep {config.ep} must divide the {lm.num_experts} experts")
+    spec = config.lora_spec()
+    if spec is not None:
+        try:
+            lora.resolve_sites(arch, spec)
+            if config.init_lora:
+                adapter_format.check_peft_config(config.init_lora, spec)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if lm.is_moe and config.tp > 1:
         raise ConfigError(f"--tp {config.tp} with a Mixture-of-Experts model: megatron-core's MoE layers train under "
                           "tensor parallelism only with sequence parallelism, which this trainer does not use; "
@@ -248,6 +257,8 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
             checkpoint.load_model_weights(model, config.init, arch, info)
         else:
             checkpoint.init_random_weights(model, arch, config.seed, info)
+        if config.lora_rank:  # the base frozen, adapters (random or --init-lora) added
+            checkpoint.add_adapters(model, arch, config, info)
     freeze(model, config.freeze)
 
     use_distributed = config.distributed_optimizer and cuda  # megatron's DistributedOptimizer is CUDA-only

@@ -259,6 +259,11 @@ class QwenVLModel(MegatronModule):
         if self.pre_process:
             decoder_input, context, rows = self._decoder_input(input_ids, pixel_values, image_grid_thw, image_rows,
                                                                pixel_values_videos, video_grid_thw, video_rows)
+            if (torch.is_grad_enabled() and not decoder_input.requires_grad
+                    and self.config.recompute_granularity == "full"):
+                # megatron's full recompute is a reentrant checkpoint: a layer whose input needs no
+                # gradient gives its parameters none (a frozen embedding under LoRA adapters)
+                decoder_input = decoder_input.detach().requires_grad_()
         # qkv_format "sbhd" on purpose, and M-RoPE applied by our core attention: see PackedCoreAttention.
         cos, sin = self.rope(position_ids, self.config.params_dtype)
         packed = PackedRows(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,

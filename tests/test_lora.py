@@ -1,0 +1,476 @@
+"""LoRA: our adapters on the megatron model == Hugging Face PEFT's on the HF model.
+
+Model level (CPU, fp32): the same PEFT adapter state on both models gives the same logits,
+per-token losses and adapter gradients on packed batches with images (tiny Qwen3-VL,
+Qwen2.5-VL and Qwen3-VL MoE), with gradients on the adapters only; TP=2 (gloo) equals one
+process. Training (`vlmpack train --lora-rank`): the frozen base stays bitwise unchanged,
+only adapters (and modules_to_save) are in the optimizer, a stopped-and-resumed run equals
+the uninterrupted one bitwise, the exported PEFT directory loads in `peft` with our logits,
+`--merge` gives the same model as PEFT's merge, and `--init-lora` starts from a PEFT adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from preprocess.examples import example_rows, write_jsonl
+from preprocess.job import PreprocessConfig, run_preprocess
+from shards_schema import open_shards
+from shards_schema.cli import main as vlmpack
+from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
+from tests.test_model_parity import hf_inputs, pick, pixel_values, pixel_values_videos
+from tests.test_train import BASE, ok, preprocess, run_train
+from train import adapter_format, convert
+from train.model import lora
+from train.model.arch import ModelArch
+from train.model.qwen_vl import transformer_config
+from train.packed_batch import IGNORE_INDEX, assemble_pack
+from train.parallel import build_model, destroy_parallel, init_parallel
+
+peft = pytest.importorskip("peft")
+
+TOLERANCE = 1e-4
+# kind -> (HF model, LoRA spec): every part adapted on Qwen3-VL, a subset of targets with a
+# fully trained merger on Qwen2.5-VL (fused layers with unadapted slots), attention on the MoE
+CASES = {
+    "qwen3-vl": (tiny_qwen3_vl, lora.LoraSpec(rank=4, alpha=8, parts=("llm", "vision", "merger"))),
+    "qwen2.5-vl": (tiny_qwen2_5_vl, lora.LoraSpec(rank=4, alpha=12, targets=("q_proj", "v_proj", "up_proj", "down_proj"),
+                                                  modules_to_save=("merger",))),
+    "qwen3-vl-moe": (tiny_qwen3_vl_moe, lora.LoraSpec(rank=8, alpha=8)),
+}
+
+
+@pytest.fixture
+def info():  # per test: an in-process `vlmpack train` ends by destroying the process groups
+    info = init_parallel(1, 1, device="cpu")
+    yield info
+    destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    shards = {}
+    for family in ("qwen3-vl", "qwen2.5-vl"):
+        tmp = tmp_path_factory.mktemp(f"lora-{family}")
+        rows = example_rows(12, seed=3, family=family, size_range=(32, 96), video_rows=0.3)
+        run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(tmp / "rows.jsonl", rows))], out=str(tmp / "shards"),
+                                        profile=family, workers=1, progress=False))
+        shards[family] = open_shards(tmp / "shards")
+    return shards
+
+
+def peft_config(arch: ModelArch, spec: lora.LoraSpec, init: bool = False):
+    return peft.LoraConfig(**{k: v for k, v in adapter_format.peft_config(spec, arch, None).items()
+                              if k in ("r", "lora_alpha", "target_modules", "modules_to_save")},
+                           init_lora_weights=init)
+
+
+def peft_model(kind: str, seed: int = 0):
+    """The tiny HF model with PEFT adapters of random (non-zero) values: (PEFT model, the HF
+    model inside it, the base weights, architecture, spec)."""
+    make, spec = CASES[kind]
+    hf = make(seed)
+    base = {k: v.clone() for k, v in hf.state_dict().items()}
+    arch = ModelArch.from_hf_config(hf.config.to_dict())
+    torch.manual_seed(seed)
+    return peft.get_peft_model(hf, peft_config(arch, spec)), hf, base, arch, spec
+
+
+def our_model(base: dict, arch, spec, adapters: dict, info, tp: int = 1):
+    """Our model on the HF weights `base` with the PEFT adapter state `adapters` (split for `tp`)."""
+    model = build_model(arch, transformer_config(arch, tp=tp, cpu=True), info)
+    full = convert.hf_to_megatron(base, arch)
+    convert.load_into_model(model, convert.shard(full, arch, tp, info.tp_rank, 1, 0))
+    attached = lora.attach(model, arch, spec, tp, range(arch.lm.num_layers))
+    sites = lora.resolve_sites(arch, spec)
+    local = lora.shard_adapters(adapters, sites, tp, info.tp_rank, range(arch.lm.num_layers), True)
+    attached.load_state_dict(local | {k: adapters[k] for k in attached.saved_modules})
+    return model, attached
+
+
+def peft_state(model) -> dict[str, torch.Tensor]:
+    """PEFT's adapter state in its file names (what save_pretrained writes)."""
+    return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+
+
+def our_forward(model, shards, pack, logits: bool = False):
+    t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded",
+                                                             "labels", "image_grid_thw", "video_grid_thw")}
+    visual = dict(pixel_values=pixel_values(shards, pack) if len(pack["image_grid_thw"]) else None,
+                  image_grid_thw=t["image_grid_thw"],
+                  pixel_values_videos=pixel_values_videos(shards, pack) if len(pack["video_grid_thw"]) else None,
+                  video_grid_thw=t["video_grid_thw"])
+    args = (t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"])
+    return model(*args, return_logits=True, **visual) if logits else model(*args, labels=t["labels"], **visual)
+
+
+def real_rows(pack) -> np.ndarray:
+    return np.concatenate([np.arange(s, s + n) for s, n in zip(pack["cu_seqlens_padded"][:-1], pack["sample_lengths"])])
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+@pytest.mark.parametrize("images", ["mixed", "videos"])
+def test_adapters_match_peft_logits_losses_and_gradients(kind, images, data, info):
+    pm, hf, base, arch, spec = peft_model(kind)
+    adapters = peft_state(pm)
+    model, attached = our_model(base, arch, spec, adapters, info)
+    shards = data[kind.removesuffix("-moe")]
+    pack = assemble_pack(pick(shards, images), pad_to_multiple=8, seq_len=None)
+    rows, labels = real_rows(pack), torch.from_numpy(pack["labels"])
+    keep = labels != IGNORE_INDEX
+
+    ref = pm(**hf_inputs(hf, shards, pack)).logits[0]
+    ref_loss = F.cross_entropy(ref[keep], labels[keep], reduction="sum")
+    ref_loss.backward()
+    with torch.no_grad():
+        logits = our_forward(model, shards, pack, logits=True)
+    diff = (logits[rows] - ref[rows].detach()).abs().max().item()
+    assert diff < TOLERANCE, f"{kind}: max |logit diff| {diff:.2e}"
+    losses = our_forward(model, shards, pack)
+    assert (losses[keep] - F.cross_entropy(ref[keep].detach(), labels[keep], reduction="none")).abs().max() < TOLERANCE
+    losses.sum().backward()
+
+    peft_grads = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
+    peft_grads = {k.replace(".modules_to_save", ""): g for k, g in peft_grads.items()}
+    trained = attached.params | attached.saved_modules
+    assert set(trained) == set(peft_grads), sorted(set(trained) ^ set(peft_grads))[:4]
+    for key, param in trained.items():
+        want = peft_grads[key]
+        scale = want.abs().max().item()
+        assert scale > 0, f"{key}: PEFT's gradient is zero (the test would not see a wrong one)"
+        assert (param.grad - want).abs().max().item() < TOLERANCE * scale, key
+    frozen = [n for n, p in model.named_parameters() if all(p is not t for t in trained.values())]
+    assert frozen and all(model.get_parameter(n).grad is None and not model.get_parameter(n).requires_grad
+                          for n in frozen)
+    # the adapters are in the computation: without them the logits differ
+    with torch.no_grad():
+        for p in attached.params.values():
+            p.zero_()
+        assert (our_forward(model, shards, pack, logits=True)[rows] - logits[rows]).abs().max() > 1e3 * TOLERANCE
+
+
+def test_peft_target_regex_selects_exactly_the_adapted_modules():
+    for make, spec in CASES.values():
+        hf = make(0)
+        arch = ModelArch.from_hf_config(hf.config.to_dict())
+        sites = lora.resolve_sites(arch, spec)
+        pm = peft.get_peft_model(hf, peft_config(arch, spec))
+        adapted = {n for n, m in pm.base_model.model.named_modules() if hasattr(m, "lora_A")}
+        assert adapted == {s.module for s in sites}
+
+
+@pytest.mark.parametrize("targets, parts, message", [
+    (("gate_proj",), ("llm",), "gate_proj: no such linear module"),
+    (("q_proj", "nope"), ("llm",), "--lora-targets nope"),
+    (("attn.qkv",), ("llm",), "choose from"),
+])
+def test_targets_that_match_nothing_are_refused_by_name(targets, parts, message):
+    arch = ModelArch.from_hf_config(tiny_qwen3_vl_moe().config.to_dict())
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        lora.resolve_sites(arch, lora.LoraSpec(rank=4, alpha=4, targets=targets, parts=parts))
+
+
+def _tp_worker(rank: int, world: int, port: int, spec: lora.LoraSpec, adapters: dict, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    info = init_parallel(world, 1, device="cpu")
+    hf = tiny_qwen3_vl(0)
+    arch = ModelArch.from_hf_config(hf.config.to_dict())
+    model, attached = our_model(hf.state_dict(), arch, spec, adapters, info, tp=world)
+    n = 48
+    ids = torch.randint(0, 2000, (n,), generator=torch.Generator().manual_seed(1))
+    losses = model(ids, torch.arange(n).expand(3, n), torch.tensor([0, 20, n], dtype=torch.int32), 28, labels=ids)
+    losses.sum().backward()
+    torch.save({"losses": losses.detach(), "grads": {k: p.grad for k, p in attached.params.items()}}, f"{out}.{rank}")
+    destroy_parallel()
+
+
+def test_tp2_adapters_equal_one_process(tmp_path):
+    """Two gloo processes (TP=2: lora_B of column-parallel layers and lora_A of row-parallel
+    ones split) against one (TP=1): the same losses and, put back together, the same gradients."""
+    import torch.multiprocessing as mp
+
+    pm, _, _, arch, _ = peft_model("qwen3-vl")
+    spec = lora.LoraSpec(rank=4, alpha=8)  # the language model's adapters: the text-only batch reaches them all
+    adapters = {k: v for k, v in peft_state(pm).items() if ".language_model." in k}
+    for world in (1, 2):
+        port = 29500 + os.getpid() % 400 + world
+        mp.start_processes(_tp_worker, args=(world, port, spec, adapters, str(tmp_path / f"tp{world}")), nprocs=world,
+                           start_method="spawn")
+    one = torch.load(tmp_path / "tp1.0")
+    two = [torch.load(tmp_path / f"tp2.{r}") for r in range(2)]
+    assert (two[0]["losses"] - one["losses"]).abs().max() < TOLERANCE
+    sites = lora.resolve_sites(arch, spec)
+    merged = lora.unshard_adapters({r: two[r]["grads"] for r in range(2)}, sites)
+    for key, grad in one["grads"].items():
+        assert (merged[key] - grad).abs().max() < TOLERANCE * grad.abs().max(), key
+    split = [s for s in sites if s.split != "none"]
+    assert all(two[0]["grads"][s.key("lora_B" if s.split == "column" else "lora_A")].shape
+               != one["grads"][s.key("lora_B" if s.split == "column" else "lora_A")].shape for s in split)
+
+
+# --- training --------------------------------------------------------------------------------
+
+# `vlmpack train` with the model's parameters snapshotted when the first global batch starts;
+# at the end: which parameters changed, which the optimizer holds, and the gradient buffer's size.
+WATCH_PARAMETERS = """
+import json, sys, torch, train.trainer as trainer
+real_run, real_build, seen = trainer.run_global_batch, trainer.build_optimizer, {}
+def run_global_batch(model, *args, **kwargs):
+    if "before" not in seen:
+        seen["model"] = model
+        seen["before"] = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    return real_run(model, *args, **kwargs)
+def build_optimizer(config, model, *args):
+    seen["optimizer"] = real_build(config, model, *args)
+    return seen["optimizer"]
+trainer.run_global_batch, trainer.build_optimizer = run_global_batch, build_optimizer
+code = trainer.main(sys.argv[2:])
+model = seen["model"]
+changed = sorted(n for n, p in model.module.named_parameters() if not torch.equal(p.detach(), seen["before"][n]))
+names = {id(p): n for n, p in model.module.named_parameters()}
+optimizer = seen["optimizer"][0]  # CpuAdamW, or megatron's (its groups hold fp32 copies): what DDP buffers
+optimized = optimizer.params if hasattr(optimizer, "params") else [p for b in model.buffers for p in b.params]
+report = {"changed": changed, "all": sorted(names.values()),
+          "optimized": sorted(names[id(p)] for p in optimized),
+          "grad_buffer": sum(b.grad_data.numel() for b in model.buffers),
+          "adapters": sum(p.numel() for p in model.module.adapters.params.values()),
+          "saved": sum(p.numel() for p in model.module.adapters.saved_modules.values())}
+open(sys.argv[1], "w").write(json.dumps(report))
+sys.exit(code)
+"""
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory) -> Path:
+    """A tiny Qwen3-VL checkpoint directory, the base model of the LoRA runs."""
+    path = tmp_path_factory.mktemp("hf-base") / "qwen3-vl"
+    tiny_qwen3_vl(seed=4).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    return preprocess(tmp_path_factory.mktemp("lora-train-data"), "shards")
+
+
+def lora_args(shards: Path, hf_base: Path, out: Path, steps: int = 4) -> list[str]:
+    args = [a for a in BASE if a not in ("--arch", "tiny")]
+    return [*args, "--hf-model", str(hf_base), "--data", str(shards), "--out", str(out), "--train-steps", str(steps),
+            "--lora-rank", "8", "--lora-alpha", "16", "--lora-modules-to-save", "merger", "--save-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(shards, hf_base, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("lora-run") / "run"
+    report = out.parent / "report.json"
+    ok(run_train([str(report), *lora_args(shards, hf_base, out)], code=WATCH_PARAMETERS))
+    return out, json.loads(report.read_text())
+
+
+def test_only_adapters_and_modules_to_save_train_and_the_base_stays_bitwise(lora_run):
+    _, report = lora_run
+    trained = [n for n in report["all"] if ".lora." in n or n.startswith(("vision.merger.", "vision.deepstack_merger"))]
+    assert report["optimized"] == sorted(trained)
+    assert set(report["changed"]) == set(trained)  # every trained tensor moved, every other one is bitwise the same
+    assert report["grad_buffer"] >= report["adapters"] + report["saved"]
+    assert report["grad_buffer"] < 1.01 * (report["adapters"] + report["saved"])  # no gradient memory for the base
+
+
+def test_checkpoints_hold_adapters_only_and_resume_bitwise(lora_run, shards, hf_base, tmp_path):
+    out, _ = lora_run
+    step = out / "checkpoints" / "step_00000004"
+    assert not (step / "model").exists()
+    assert sorted(p.name for p in (step / "adapter").iterdir()) == ["adapter_tp0_pp0.safetensors", "hf", "lora.json"]
+    meta = json.loads((step / "adapter" / "lora.json").read_text())
+    assert meta["base"] == {"hf_model": str(hf_base.resolve())}
+
+    resumed = tmp_path / "resumed"
+    ok(run_train([*lora_args(shards, hf_base, resumed), "--exit-interval", "2"]))
+    ok(run_train([*lora_args(shards, hf_base, resumed), "--resume"]))
+    name = "adapter/adapter_tp0_pp0.safetensors"
+    a, b = (convert.load_tensors(d / "checkpoints" / "step_00000004" / name) for d in (out, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (out, resumed)]
+    assert losses[0] == losses[1]
+
+    changed = tmp_path / "changed"
+    shutil_copy_run(resumed, changed)
+    proc = run_train([*lora_args(shards, hf_base, changed, steps=6), "--lora-rank", "4", "--resume"])
+    assert proc.returncode == 2 and "resume with the same --lora-* settings" in proc.stderr
+
+
+def shutil_copy_run(src: Path, dst: Path) -> None:
+    import shutil
+
+    shutil.copytree(src, dst)
+    (dst / ".vlmpack.lock").unlink(missing_ok=True)
+
+
+def test_exported_peft_adapter_loads_in_peft_with_our_logits_and_merge_matches(lora_run, hf_base, data, info, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    out, _ = lora_run
+    step = out / "checkpoints" / "step_00000004"
+    assert vlmpack(["export-hf", str(step), "--lora-format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    assert vlmpack(["export-hf", str(step), "--merge", "--out", str(tmp_path / "merged")]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16 and config["base_model_name_or_path"] == str(hf_base.resolve())
+
+    hf = AutoModelForImageTextToText.from_pretrained(hf_base).eval()
+    with_adapter = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
+    shards = data["qwen3-vl"]
+    pack = assemble_pack(pick(shards, "mixed"), pad_to_multiple=8, seq_len=None)
+    rows = real_rows(pack)
+    with torch.no_grad():
+        ref = with_adapter(**hf_inputs(hf, shards, pack)).logits[0]
+        merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()
+        merged_logits = merged(**hf_inputs(merged, shards, pack)).logits[0]
+
+    _, spec, arch, adapters = adapter_format.read_adapter_dir(step / "adapter")
+    base = AutoModelForImageTextToText.from_pretrained(hf_base).eval()
+    model, _ = our_model(base.state_dict(), arch, spec, adapters, info)
+    with torch.no_grad():
+        ours = our_forward(model, shards, pack, logits=True)
+        plain = base(**hf_inputs(base, shards, pack)).logits[0]
+    assert (ours[rows] - ref[rows]).abs().max() < TOLERANCE
+    assert (merged_logits[rows] - ref[rows]).abs().max() < TOLERANCE
+    assert (plain[rows] - ref[rows]).abs().max() > 1e2 * TOLERANCE  # the trained adapters change the model
+
+
+def test_init_lora_starts_from_a_peft_adapter(shards, hf_base, tmp_path, capsys):
+    hf = tiny_qwen3_vl(seed=4)
+    arch = ModelArch.from_hf_config(hf.config.to_dict())
+    spec = lora.LoraSpec(rank=8, alpha=16, modules_to_save=("merger",))
+    torch.manual_seed(7)
+    pm = peft.get_peft_model(hf, peft_config(arch, spec))
+    pm.save_pretrained(tmp_path / "adapter")
+    start = peft_state(pm)
+    out = tmp_path / "run"
+    # a learning rate so small that one AdamW step (|update| <= lr) leaves the values within 1e-9
+    ok(run_train([*lora_args(shards, hf_base, out, steps=1), "--lr", "1e-10", "--warmup-steps", "0",
+                  "--init-lora", str(tmp_path / "adapter"), "--export-hf", str(tmp_path / "exported")]))
+    exported = convert.load_tensors(tmp_path / "exported" / adapter_format.PEFT_WEIGHTS)
+    assert exported.keys() == start.keys()
+    for key, value in start.items():
+        assert (exported[key] - value).abs().max() < 1e-8, key
+
+    code = vlmpack(["train", *lora_args(shards, hf_base, tmp_path / "other", steps=2), "--lora-rank", "4",
+                    "--init-lora", str(tmp_path / "adapter")])
+    assert code == 2
+    assert "its r is 8, this run's --lora-rank is 4; pass --lora-rank 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lora-alpha", "8"], "--lora-alpha configure LoRA: also give --lora-rank R"),
+    (["--lora-rank", "4", "--lora-targets", "q_proj,w_proj"], "--lora-targets w_proj: no such linear module"),
+    (["--lora-rank", "4", "--lora-parts", "lm"], "--lora-parts ['lm']: choose from"),
+    (["--lora-rank", "4", "--lora-modules-to-save", "llm"], "--lora-modules-to-save ['llm']: choose from"),
+    (["--lora-rank", "4", "--lora-parts", "llm,merger", "--lora-modules-to-save", "merger"], "not both"),
+    (["--lora-rank", "4", "--freeze", "llm"], "--freeze ['llm']: those parts are trained"),
+    (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
+    (["--lora-rank", "4", "--init-lora", "{empty}"], "no adapter_config.json"),
+])
+def test_bad_lora_settings_exit_2_with_one_line(shards, tmp_path, capsys, extra, message):
+    (tmp_path / "empty").mkdir()
+    extra = [a.format(empty=tmp_path / "empty") for a in extra]
+    code = vlmpack(["train", *BASE, "--data", str(shards), "--out", str(tmp_path / "out"), "--train-steps", "2", *extra])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("vlmpack train: error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+def test_moe_gate_up_down_targets_are_refused_naming_the_experts(shards, tmp_path, capsys):
+    code = vlmpack(["train", *[a if a != "tiny" else "tiny-moe" for a in BASE], "--data", str(shards), "--out",
+                    str(tmp_path / "out"), "--train-steps", "2", "--lora-rank", "4", "--lora-targets", "q_proj,gate_proj"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Mixture-of-Experts" in err and "experts are stacked tensors" in err, err
+
+
+def test_export_flags_need_a_lora_checkpoint(lora_run, tmp_path, capsys):
+    out, _ = lora_run
+    model_dir = tmp_path / "model"
+    assert vlmpack(["import-hf", str(_hf_dir(out)), "--out", str(model_dir)]) == 0
+    capsys.readouterr()
+    assert vlmpack(["export-hf", str(model_dir), "--merge", "--out", str(tmp_path / "x")]) == 2
+    assert "is not a LoRA checkpoint" in capsys.readouterr().err
+    step = out / "checkpoints" / "step_00000004"
+    assert vlmpack(["export-hf", str(step), "--base", str(model_dir), "--out", str(tmp_path / "y")]) == 2
+    assert "--base is the model to merge into: it needs --merge" in capsys.readouterr().err
+    assert vlmpack(["export-hf", str(step), "--merge", "--base", str(tmp_path), "--out", str(tmp_path / "z")]) == 2
+    assert "pass --base DIR" in capsys.readouterr().err
+    # merging into the base given as a Megatron model directory gives the same weights
+    assert vlmpack(["export-hf", str(step), "--merge", "--base", str(model_dir), "--out", str(tmp_path / "a")]) == 0
+    assert vlmpack(["export-hf", str(step), "--merge", "--out", str(tmp_path / "b")]) == 0
+    a, b = (convert.load_tensors(tmp_path / d / "model.safetensors") for d in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _hf_dir(run: Path) -> Path:
+    return Path(json.loads((run / "checkpoints" / "step_00000004" / "adapter" / "lora.json").read_text())["base"]["hf_model"])
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_recompute_gives_every_adapter_its_gradient():
+    """megatron's full recompute is a reentrant checkpoint: a layer whose input needs no gradient
+    (the frozen embedding's output) would give its adapters none. Block recompute of the first
+    layer and uniform recompute of all give the adapters the gradients of no recompute (fp32)."""
+    info = init_parallel(1, 1, device="cuda")
+    try:
+        pm, _, base, arch, _ = peft_model("qwen3-vl")
+        spec = lora.LoraSpec(rank=4, alpha=8)
+        adapters = {k: v for k, v in peft_state(pm).items() if ".language_model." in k}
+        n = 96
+        ids = torch.randint(0, 2000, (n,), generator=torch.Generator().manual_seed(2)).cuda()
+        grads = {}
+        for recompute, layers in (("none", None), ("full", 1), ("full", None)):
+            model = build_model(arch, transformer_config(arch, recompute=recompute, recompute_layers=layers), info)
+            convert.load_into_model(model, convert.shard(convert.hf_to_megatron(base, arch), arch, 1, 0, 1, 0))
+            attached = lora.attach(model, arch, spec, 1, range(arch.lm.num_layers))
+            attached.load_state_dict(lora.shard_adapters(adapters, lora.resolve_sites(arch, spec), 1, 0,
+                                                         range(arch.lm.num_layers), True))
+            losses = model(ids, torch.arange(n, device="cuda").expand(3, n),
+                           torch.tensor([0, 40, n], dtype=torch.int32, device="cuda"), 56, labels=ids)
+            losses.sum().backward()
+            grads[(recompute, layers)] = {k: p.grad for k, p in attached.params.items()}
+        for setting in (("full", 1), ("full", None)):
+            for key, want in grads[("none", None)].items():
+                got = grads[setting][key]
+                assert got is not None, f"{setting}: {key} got no gradient"
+                assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (setting, key)
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_lora_run_trains_adapters_only_and_resumes(shards, hf_base, tmp_path):
+    """bf16, megatron's DistributedOptimizer, one recomputed layer: the base stays bitwise, only
+    the adapters and the merger have gradient buffers and optimizer state, and a stop at step 2
+    plus a resume gives the uninterrupted run's losses (up to GPU non-determinism)."""
+    gpu = ["--device", "cuda", "--num-workers", "1", "--recompute", "full", "--recompute-layers", "1"]
+    full, part, report = tmp_path / "full", tmp_path / "part", tmp_path / "report.json"
+    ok(run_train([str(report), *lora_args(shards, hf_base, full), *gpu], code=WATCH_PARAMETERS))
+    seen = json.loads(report.read_text())
+    trained = [n for n in seen["all"] if ".lora." in n or n.startswith(("vision.merger.", "vision.deepstack_merger"))]
+    assert set(seen["changed"]) == set(trained) and seen["optimized"] == sorted(trained)
+    assert seen["grad_buffer"] < 1.01 * (seen["adapters"] + seen["saved"])
+    state = torch.load(full / "checkpoints" / "step_00000004" / "optimizer_param_state_pp0_tp0.pt", weights_only=False)
+    numel = sum(t.numel() for gbuf in state.values() if isinstance(gbuf, dict) for world in gbuf.values()
+                for key, t in world.items() if key == "param")
+    assert numel < 1.01 * (seen["adapters"] + seen["saved"])  # fp32 master weights of the trained tensors only
+    ok(run_train([*lora_args(shards, hf_base, part), *gpu, "--exit-interval", "2"]))
+    ok(run_train([*lora_args(shards, hf_base, part), *gpu, "--resume"]))
+    a, b = ([json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, part))
+    np.testing.assert_allclose(b, a, rtol=2e-3)

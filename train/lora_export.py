@@ -1,0 +1,68 @@
+"""`vlmpack export-hf` of a LoRA checkpoint: PEFT adapter files, or the model with the adapters merged.
+
+    PEFT:    CHECKPOINT/adapter -> adapter_config.json + adapter_model.safetensors, which
+             `peft.PeftModel.from_pretrained(base_hf_model, DIR)` loads onto the base model
+    merged:  base model + scaling * lora_B @ lora_A on every adapted weight (and the trained
+             modules_to_save) -> a full Hugging Face checkpoint, as `export-hf` writes one
+
+The base of a merge is the one the run trained on (recorded in adapter/lora.json: a Hugging
+Face directory, a Megatron model directory, or a built-in architecture and seed), or `base`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shards_schema.errors import UserError
+from train import adapter_format, convert
+from train.checkpoint import random_full_state
+from train.checkpoint_format import HF_SUBDIR, META_FILE, arch_differences, lazy_hf_state, materialize
+from train.model.arch import ModelArch
+
+
+def export_peft(adapter_dir: Path, out: str | Path, dtype: torch.dtype | None = None,
+                overwrite: bool = False) -> tuple[ModelArch, int]:
+    """PEFT directory of a LoRA checkpoint's adapters; returns the architecture and the tensors written."""
+    convert.check_output_dir(out, "export-peft", overwrite=overwrite)
+    meta, spec, arch, full = adapter_format.read_adapter_dir(adapter_dir)
+    base = meta["base"].get("hf_model")
+    with convert.staged_output_dir(out, "export-peft", overwrite) as tmp:
+        adapter_format.write_peft_dir(tmp, spec, arch, full, base, dtype)
+    return arch, len(full)
+
+
+def base_megatron_state(base: dict, arch: ModelArch, override: str | Path | None = None) -> dict[str, torch.Tensor]:
+    """The full Megatron state of the model the adapters were trained on."""
+    source = override or base.get("hf_model") or base.get("init")
+    if source is None:
+        return random_full_state(arch, base["seed"])
+    source = Path(source)
+    if (source / "config.json").is_file():
+        found = ModelArch.from_hf_dir(source)
+        loader = lambda: {k: materialize(v) for k, v in convert.hf_to_megatron(lazy_hf_state(source), arch).items()}  # noqa: E731
+    elif (source / META_FILE).is_file():
+        found, full = convert.load_full_state(source)
+        loader = lambda: full  # noqa: E731
+    else:
+        raise UserError(f"the base model {source} is not there (the adapters were trained on it): pass --base DIR, "
+                        "the Hugging Face or Megatron model directory it moved to")
+    differences = arch_differences(found, arch)
+    if differences:
+        raise UserError(f"base model {source} is not the architecture the adapters were trained on: "
+                        + "; ".join(differences))
+    return loader()
+
+
+def export_merged(adapter_dir: Path, out: str | Path, base_dir: str | Path | None = None,
+                  dtype: torch.dtype | None = None, progress: bool = False,
+                  overwrite: bool = False) -> tuple[ModelArch, list[str]]:
+    """Full HF checkpoint of the base with the adapters merged in; returns the architecture and side files."""
+    convert.check_output_dir(out, "export-hf", overwrite=overwrite)
+    meta, spec, arch, full = adapter_format.read_adapter_dir(adapter_dir)
+    base = base_megatron_state(meta["base"], arch, base_dir)
+    hf = convert.canonical_hf_names(convert.megatron_to_hf(base, arch))
+    merged = convert.hub_hf_names(adapter_format.merge_into_hf(hf, full, spec, arch), arch.family)
+    side = Path(adapter_dir) / HF_SUBDIR
+    return arch, convert.write_hf_dir(out, merged, arch, side, dtype, progress, overwrite)

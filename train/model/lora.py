@@ -1,0 +1,376 @@
+"""LoRA adapters on the model's linear layers, named and laid out as Hugging Face PEFT has them.
+
+Every adapter belongs to one Hugging Face module (`model.language_model.layers.3.self_attn.q_proj`,
+`model.visual.blocks.0.attn.qkv`) and holds PEFT's two tensors, `lora_A` [r, in] and `lora_B`
+[out, r]; the output gains `scaling * lora_B(lora_A(dropout(x)))`, scaling = alpha / r. The
+full adapter state is a dict in PEFT's file names (`base_model.model.<module>.lora_A.weight`),
+so export and import are renames at most.
+
+Where the adapters sit:
+- language model: megatron fuses HF's modules, so one megatron linear carries several adapters:
+  `linear_qkv` those of q/k/v_proj (each output placed into megatron's per-GQA-group [q, k, v]
+  rows), `linear_fc1` those of gate/up_proj ([gate; up] halves), `linear_proj` o_proj's,
+  `linear_fc2` down_proj's. Under tensor parallelism an adapter is split the way its base weight
+  is: a column-parallel base (qkv, fc1) gets a whole `lora_A` and a `lora_B` split by output
+  rows (its input gradient all-reduced over TP, as megatron does for the base); a row-parallel
+  base (proj, fc2) a `lora_A` split by input columns (its output all-reduced) and a whole
+  `lora_B`. Mixture-of-Experts layers adapt attention only: the experts are stacked tensors.
+- vision tower and mergers: plain `nn.Linear` with HF's names, adapted as PEFT does.
+
+The adapters run as forward hooks of their base layers, so parameter names of the base model
+(and with them checkpoints and conversion) stay as they are, and activation recompute redoes
+them with their layer.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from torch import Tensor, nn
+
+from train.model.arch import ModelArch
+from train.model.vision import VisionTower
+
+PEFT_PREFIX = "base_model.model."
+HF_LM = "model.language_model."
+HF_VISION = "model.visual."
+LM_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+LM_MLP = ("gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = "all-linear"
+ADAPTER_PARTS = ("llm", "vision", "merger")
+# megatron linear (within a decoder layer) -> (HF module under the layer, its slot in the linear)
+_MEGATRON_HOSTS = {
+    "self_attention.linear_qkv": (("self_attn.q_proj", "q"), ("self_attn.k_proj", "k"), ("self_attn.v_proj", "v")),
+    "self_attention.linear_proj": (("self_attn.o_proj", "row"),),
+    "mlp.linear_fc1": (("mlp.gate_proj", "gate"), ("mlp.up_proj", "up")),
+    "mlp.linear_fc2": (("mlp.down_proj", "row"),),
+}
+_ROW_PARALLEL = {"self_attn.o_proj", "mlp.down_proj"}
+_LM_MODULE = re.compile(r"^model\.language_model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What is adapted and how. `targets`: PEFT-style module names (a module matches a name
+    that equals its own last components, as PEFT's `target_modules` list does) or `all-linear`,
+    within the model parts `parts`; `modules_to_save`: parts trained fully and saved with the
+    adapter (PEFT's modules_to_save)."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = (ALL_LINEAR,)
+    parts: tuple[str, ...] = ("llm",)
+    modules_to_save: tuple[str, ...] = ()
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets),
+                "parts": list(self.parts), "modules_to_save": list(self.modules_to_save)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LoraSpec:
+        return cls(rank=int(d["rank"]), alpha=float(d["alpha"]), dropout=float(d["dropout"]),
+                   targets=tuple(d["targets"]), parts=tuple(d["parts"]), modules_to_save=tuple(d["modules_to_save"]))
+
+
+@dataclass(frozen=True)
+class Site:
+    """One adaptable HF linear module: its name, model part, shape and how TP splits it."""
+
+    module: str  # HF name, e.g. model.language_model.layers.0.self_attn.q_proj
+    part: str  # llm | vision | merger
+    in_features: int
+    out_features: int
+    split: str  # column (lora_B split by rows) | row (lora_A split by columns) | none (vision: no TP)
+
+    def key(self, tensor: str) -> str:
+        """PEFT's file name of this module's `lora_A` / `lora_B`."""
+        return f"{PEFT_PREFIX}{self.module}.{tensor}.weight"
+
+
+def vision_part(name: str) -> str:
+    """`merger` for the mergers (DeepStack's included) that project into the language model,
+    else `vision`; `name` is a vision-tower module or parameter name (ours, HF's without prefix)."""
+    return "merger" if name.startswith(("merger", "deepstack_merger_list")) else "vision"
+
+
+def all_sites(arch: ModelArch) -> list[Site]:
+    """Every linear module of the model that can carry an adapter, in model order."""
+    lm = arch.lm
+    q_out, kv_out = lm.num_heads * lm.head_dim, lm.num_kv_heads * lm.head_dim
+    shapes = {"self_attn.q_proj": (lm.hidden_size, q_out), "self_attn.k_proj": (lm.hidden_size, kv_out),
+              "self_attn.v_proj": (lm.hidden_size, kv_out), "self_attn.o_proj": (q_out, lm.hidden_size)}
+    if not lm.is_moe:
+        shapes |= {"mlp.gate_proj": (lm.hidden_size, lm.intermediate_size),
+                   "mlp.up_proj": (lm.hidden_size, lm.intermediate_size),
+                   "mlp.down_proj": (lm.intermediate_size, lm.hidden_size)}
+    with torch.device("meta"):
+        tower = VisionTower(arch.vision)
+    sites = [Site(HF_VISION + name, vision_part(name), module.in_features, module.out_features, "none")
+             for name, module in tower.named_modules() if isinstance(module, nn.Linear)]
+    for layer in range(lm.num_layers):
+        sites += [Site(f"{HF_LM}layers.{layer}.{name}", "llm", fan_in, fan_out,
+                       "row" if name in _ROW_PARALLEL else "column") for name, (fan_in, fan_out) in shapes.items()]
+    return sites
+
+
+def _matches(module: str, target: str) -> bool:
+    return module == target or module.endswith("." + target)
+
+
+def resolve_sites(arch: ModelArch, spec: LoraSpec) -> list[Site]:
+    """The sites `spec` adapts; ValueError naming a target that matches no module of the parts."""
+    candidates = [s for s in all_sites(arch) if s.part in spec.parts]
+    if ALL_LINEAR in spec.targets:
+        return candidates
+    unmatched = [t for t in spec.targets if not any(_matches(s.module, t) for s in candidates)]
+    if unmatched:
+        names = sorted({".".join(s.module.split(".")[-1 if s.part == "llm" else -2:]) for s in candidates})
+        moe = (" (a Mixture-of-Experts model: its experts are stacked tensors, not linear modules; adapt attention)"
+               if arch.lm.is_moe and any(t in LM_MLP for t in unmatched) else "")
+        raise ValueError(f"--lora-targets {','.join(unmatched)}: no such linear module in the {'/'.join(spec.parts)} "
+                         f"part(s) of this model{moe}; choose from {','.join(names)} or {ALL_LINEAR}")
+    return [s for s in candidates if any(_matches(s.module, t) for t in spec.targets)]
+
+
+def peft_target_regex(sites: list[Site]) -> str:
+    """PEFT `target_modules` (a regex PEFT matches against whole module names) that selects
+    exactly `sites`, layer numbers folded into one pattern."""
+    names = sorted({re.sub(r"\\\.\d+\\\.", lambda _: r"\.\d+\.", re.escape(s.module)) for s in sites})
+    return "^(" + "|".join(names) + ")$"
+
+
+# --- full adapter states (PEFT names, whole tensors) and their per-rank parts -------------------
+
+
+def adapter_shapes(sites: list[Site], rank: int) -> dict[str, tuple[int, int]]:
+    shapes = {}
+    for s in sites:
+        shapes[s.key("lora_A")] = (rank, s.in_features)
+        shapes[s.key("lora_B")] = (s.out_features, rank)
+    return shapes
+
+
+def init_adapters(sites: list[Site], rank: int, seed: int) -> dict[str, Tensor]:
+    """PEFT's default init, drawn per module from its own generator (so it does not depend on the
+    TP/PP layout): lora_A kaiming-uniform (a = sqrt 5, i.e. U(-1/sqrt(in), 1/sqrt(in))), lora_B 0."""
+    state = {}
+    for s in sites:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + _crc(s.module))
+        bound = 1.0 / math.sqrt(s.in_features)
+        state[s.key("lora_A")] = (torch.rand(rank, s.in_features, generator=generator) * 2 - 1) * bound
+        state[s.key("lora_B")] = torch.zeros(s.out_features, rank)
+    return state
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def _tp_dim(site: Site, tensor: str) -> int | None:
+    """The dim of `lora_A` / `lora_B` split over TP ranks, or None (whole on every rank)."""
+    if site.split == "column" and tensor == "lora_B":
+        return 0
+    if site.split == "row" and tensor == "lora_A":
+        return 1
+    return None
+
+
+def _layer(site: Site) -> int | None:
+    match = _LM_MODULE.match(site.module)
+    return int(match.group(1)) if match else None
+
+
+def on_stage(site: Site, layers: range, first_stage: bool) -> bool:
+    layer = _layer(site)
+    return first_stage if layer is None else layer in layers
+
+
+def shard_adapters(full: dict[str, Tensor], sites: list[Site], tp: int, tp_rank: int, layers: range,
+                   first_stage: bool) -> dict[str, Tensor]:
+    """The part of the full adapter state that rank (tp_rank, stage) holds, PEFT names kept."""
+    local = {}
+    for s in sites:
+        if not on_stage(s, layers, first_stage):
+            continue
+        for tensor in ("lora_A", "lora_B"):
+            value, dim = full[s.key(tensor)], _tp_dim(s, tensor)
+            local[s.key(tensor)] = value if dim is None else value.chunk(tp, dim)[tp_rank].clone()
+    return local
+
+
+def unshard_adapters(states: dict[int, dict[str, Tensor]], sites: list[Site]) -> dict[str, Tensor]:
+    """Per-TP-rank states (each holding its stages' keys, merged over PP) -> the full state."""
+    full = {}
+    for s in sites:
+        for tensor in ("lora_A", "lora_B"):
+            dim, key = _tp_dim(s, tensor), s.key(tensor)
+            full[key] = states[0][key] if dim is None else torch.cat([states[r][key] for r in sorted(states)], dim)
+    return full
+
+
+# --- the modules --------------------------------------------------------------------------------
+
+
+class LoraBranch(nn.Module):
+    """One HF module's adapter on this rank: `lora_A` [r, in/TP?], `lora_B` [out/TP?, r]."""
+
+    def __init__(self, a_shape: tuple[int, int], b_shape: tuple[int, int], dtype: torch.dtype, device,
+                 a_split: int | None, b_split: int | None):
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.zeros(a_shape, dtype=dtype, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(b_shape, dtype=dtype, device=device))
+        for param, dim in ((self.lora_A, a_split), (self.lora_B, b_split)):
+            # megatron's TP attributes: the grad norm counts a split tensor on every rank, a whole one once
+            tensor_parallel.set_tensor_model_parallel_attributes(param, dim is not None, 0 if dim is None else dim, 1)
+
+
+class LinearAdapter(nn.Module):
+    """The adapter of a plain `nn.Linear` (vision tower, mergers): no tensor parallelism."""
+
+    def __init__(self, branch: LoraBranch, scaling: float, dropout: float):
+        super().__init__()
+        self.branch, self.scaling, self.dropout = branch, scaling, dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.dropout(x, self.dropout, self.training) if self.dropout else x
+        return F.linear(F.linear(x, self.branch.lora_A), self.branch.lora_B) * self.scaling
+
+
+class MegatronLinearAdapter(nn.Module):
+    """The adapters of one megatron linear layer, its output in the layer's own layout.
+
+    `slots`: slot name (q, k, v | gate, up | row) -> branch; a fused layer's slots that are not
+    adapted contribute zeros. `qkv_sizes` (linear_qkv): the q, k and v rows per query group, of
+    which this rank holds `groups`."""
+
+    def __init__(self, slots: dict[str, LoraBranch], scaling: float, dropout: float,
+                 qkv_sizes: dict[str, int] | None = None, groups: int = 0):
+        super().__init__()
+        self.slots = nn.ModuleDict(slots)
+        self.scaling, self.dropout, self.qkv_sizes, self.groups = scaling, dropout, qkv_sizes, groups
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.dropout(x, self.dropout, self.training) if self.dropout else x
+        if "row" in self.slots:  # x holds this rank's input columns: sum the partial products over TP
+            branch = self.slots["row"]
+            hidden = tensor_parallel.reduce_from_tensor_model_parallel_region(F.linear(x, branch.lora_A))
+            return F.linear(hidden, branch.lora_B) * self.scaling
+        names = list(self.slots)
+        # one GEMM for the slots' lora_A (all see the same input); the TP ranks' lora_B parts then
+        # each give part of the output, so the input gradient is summed over TP
+        hidden = F.linear(x, torch.cat([self.slots[n].lora_A for n in names]))
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+        pieces = hidden.split([self.slots[n].lora_A.shape[0] for n in names], -1)
+        outs = {n: F.linear(h, self.slots[n].lora_B) for n, h in zip(names, pieces)}
+        return self._layout(outs, x) * self.scaling
+
+    def _layout(self, outs: dict[str, Tensor], x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        if self.qkv_sizes is None:  # linear_fc1: [gate; up], both halves of one width
+            width = next(iter(outs.values())).shape[-1]
+            return torch.cat([outs[n] if n in outs else x.new_zeros(*lead, width) for n in ("gate", "up")], -1)
+        # megatron's QKV rows: per query group [its q heads, its k head, its v head]
+        parts = [outs[n].unflatten(-1, (self.groups, -1)) if n in outs
+                 else x.new_zeros(*lead, self.groups, self.qkv_sizes[n]) for n in ("q", "k", "v")]
+        return torch.cat(parts, -1).flatten(-2)
+
+
+def _add_adapter_output(module, args, kwargs, output):
+    """Forward hook of an adapted megatron linear: output (y, bias) -> (y + adapter(x), bias)."""
+    x = args[0] if args else kwargs["input_"]
+    y, bias = output
+    return y + module.lora(x).to(y.dtype), bias
+
+
+def _add_linear_adapter_output(module, args, output):
+    return output + module.lora(args[0]).to(output.dtype)
+
+
+class Adapters:
+    """The adapters attached to one rank's model stage: PEFT key -> this rank's parameter."""
+
+    def __init__(self, spec: LoraSpec, sites: list[Site], params: dict[str, nn.Parameter],
+                 saved_modules: dict[str, nn.Parameter]):
+        self.spec, self.sites, self.params = spec, sites, params
+        self.saved_modules = saved_modules  # modules_to_save: PEFT key -> the model's own parameter
+        self.base: dict = {}  # the model the adapters belong to (train.checkpoint.base_reference)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {k: p.detach() for k, p in (self.params | self.saved_modules).items()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        expected = self.params | self.saved_modules
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"adapter state does not fit this model's adapters: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+        for key, param in expected.items():
+            if tuple(state[key].shape) != tuple(param.shape):
+                raise ValueError(f"adapter tensor {key}: shape {tuple(state[key].shape)}, this model's adapter has "
+                                 f"{tuple(param.shape)}")
+            param.copy_(state[key])
+
+
+def saved_module_params(model, parts: tuple[str, ...]) -> dict[str, nn.Parameter]:
+    """modules_to_save: the vision tower's parameters of `parts`, under PEFT's names."""
+    if model.vision is None:
+        return {}
+    return {f"{PEFT_PREFIX}{HF_VISION}{name}": p for name, p in model.vision.named_parameters()
+            if vision_part(name) in parts}
+
+
+def attach(model, arch: ModelArch, spec: LoraSpec, tp: int, layers: range) -> Adapters:
+    """Freeze this rank's stage `model` (a `QwenVLModel`) and give it `spec`'s adapters (zeros:
+    load a state next); the modules_to_save parts stay trainable."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    first = model.pre_process
+    sites = [s for s in resolve_sites(arch, spec) if on_stage(s, layers, first)]
+    dtype = model.config.params_dtype
+    params: dict[str, nn.Parameter] = {}
+
+    def branch(site: Site) -> LoraBranch:
+        a_dim, b_dim = _tp_dim(site, "lora_A"), _tp_dim(site, "lora_B")
+        a = (spec.rank, site.in_features // (tp if a_dim is not None else 1))
+        b = (site.out_features // (tp if b_dim is not None else 1), spec.rank)
+        device = next(model.parameters()).device
+        made = LoraBranch(a, b, dtype, device, a_dim, b_dim)
+        params[site.key("lora_A")], params[site.key("lora_B")] = made.lora_A, made.lora_B
+        return made
+
+    by_module = {s.module: s for s in sites}
+    if model.vision is not None:
+        for name, module in model.vision.named_modules():
+            site = by_module.get(HF_VISION + name)
+            if site is not None:
+                module.lora = LinearAdapter(branch(site), spec.scaling, spec.dropout)
+                module.register_forward_hook(_add_linear_adapter_output)
+    lm = arch.lm
+    for local, layer in enumerate(model.language_model.decoder.layers):
+        number = layers[local]
+        for host_name, slots in _MEGATRON_HOSTS.items():
+            adapted = {slot: branch(by_module[f"{HF_LM}layers.{number}.{hf}"]) for hf, slot in slots
+                       if f"{HF_LM}layers.{number}.{hf}" in by_module}
+            if not adapted:
+                continue
+            host = layer.get_submodule(host_name)
+            qkv = ({"q": lm.num_heads // lm.num_kv_heads * lm.head_dim, "k": lm.head_dim, "v": lm.head_dim}
+                   if host_name.endswith("linear_qkv") else None)
+            host.lora = MegatronLinearAdapter(adapted, spec.scaling, spec.dropout, qkv, lm.num_kv_heads // tp)
+            host.register_forward_hook(_add_adapter_output, with_kwargs=True)
+    saved = saved_module_params(model, spec.modules_to_save)
+    for param in saved.values():
+        param.requires_grad_(True)
+    return Adapters(spec, sites, params, saved)
