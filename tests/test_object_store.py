@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from preprocess.examples import example_rows, synthetic_image, write_jsonl
@@ -319,3 +320,56 @@ def test_fetch_bad_arguments_are_one_line_exit_2(case, tmp_path, capsys):
             "dst_holds_other_files": "is not empty"}[case] in err
     if case == "dst_holds_other_files":
         assert (dst / "notes.txt").read_text() == "mine"
+
+
+def test_train_on_shards_in_the_store_fetches_a_checked_copy_once_and_trains_as_on_disk(s3, tmp_path):
+    """`vlmpack train --data s3://...`: the shards come down into --data-cache with fetch's
+    checks, a second run finds them there, and the losses equal a run on the local directory;
+    under DP=2 one process per node fetches (into OUT/data_cache) and both train on it."""
+    from train.pack_plan import parse_source
+    from tests.test_train import BASE, metrics, ok, preprocess, run_train
+
+    assert parse_source("s3://data/train-shards:0.5") == ("s3://data/train-shards", 0.5)
+    client, _ = s3
+    shards = preprocess(tmp_path, "shards")
+    _upload_dir(client, shards, "train-shards")
+    steps = ["--train-steps", "3"]
+    ok(run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "local"), *steps]))
+    want = [m["loss"] for m in metrics(tmp_path / "local")]
+    cache = tmp_path / "cache"
+    for run, says in (("first", "fetched"), ("again", "already there, every shard checked")):
+        done = ok(run_train([*BASE, "--data", "s3://data/train-shards", "--data-cache", str(cache),
+                             "--out", str(tmp_path / run), *steps]))
+        assert f"--data s3://data/train-shards: {says}" in done.stdout, done.stdout
+        assert [m["loss"] for m in metrics(tmp_path / run)] == want
+    assert _outputs(cache / "s3" / "data" / "train-shards") == _outputs(shards)
+    ok(run_train([*BASE, "--data", "s3://data/train-shards", "--out", str(tmp_path / "dp2"), *steps], nproc=2))
+    np.testing.assert_allclose([m["loss"] for m in metrics(tmp_path / "dp2")], want, rtol=2e-5)
+    assert (tmp_path / "dp2" / "data_cache" / "s3" / "data" / "train-shards" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("case", ["no_bucket", "damaged_shard", "damaged_shard_dp2"])
+def test_train_on_a_store_source_that_cannot_be_fetched_stops_every_rank_with_one_line(case, s3, tmp_path):
+    from tests.test_train import BASE, preprocess, run_train
+
+    client, _ = s3
+    url = "s3://no-such-bucket/shards"
+    if case != "no_bucket":
+        shards = preprocess(tmp_path, "shards", rows=8)
+        prefix = f"bad-{case}"
+        _upload_dir(client, shards, prefix)
+        name = sorted(p.name for p in shards.glob("shard-*.arrow"))[0]
+        bad = bytearray((shards / name).read_bytes())
+        bad[len(bad) // 2] ^= 0xFF
+        client.put_object(Bucket="data", Key=f"{prefix}/{name}", Body=bytes(bad))
+        url = f"s3://data/{prefix}"
+    nproc = 2 if case.endswith("dp2") else 1
+    done = run_train([*BASE, "--data", url, "--out", str(tmp_path / "run"), "--train-steps", "2"], nproc=nproc,
+                     timeout=300)  # a rank left waiting would hang past this
+    message = "does not exist" if case == "no_bucket" else "does not match the manifest"
+    assert done.returncode == (2 if case == "no_bucket" else 1), done.stderr[-3000:]
+    assert message in done.stderr and url in done.stderr, done.stderr[-3000:]
+    if nproc == 1:  # the fetch's progress bar, then the one line
+        assert done.stderr.strip().splitlines()[-1].startswith("vlmpack train: error: "), done.stderr
+        assert done.stderr.count("error") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

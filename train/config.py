@@ -53,8 +53,11 @@ def _opt(default, group: str, help_: str):
 class TrainConfig:
     # data
     data: list[str] = _opt([], "data", "shard directory or WebDataset export to train on, DIR or DIR:WEIGHT "
-                                       "(repeatable)")
+                                       "(repeatable); an s3:// / gs:// / hf:// URL is fetched into --data-cache first")
     eval_data: list[str] = _opt([], "data", "held-out shard directory for --eval-every (repeatable)")
+    data_cache: str | None = _opt(None, "data", "local directory for copies of --data / --eval-data sources on "
+                                                 "object stores (s3://, gs://, hf://), fetched and sha256-checked "
+                                                 "before training (default: OUT/data_cache)")
     seq_len: int = _opt(8192, "data", "tokens per pack (default 8192)")
     global_batch_packs: int | None = _opt(None, "data", "packs per optimizer step, a multiple of dp x --micro-batch-packs "
                                                         "(default: dp x --micro-batch-packs)")

@@ -37,6 +37,7 @@ from shards_schema.outdir import exclusive_output_dir
 from train import adapter_format, checkpoint
 from train.config import ConfigError, TrainConfig
 from train.data import TrainData
+from train.remote_data import localize_sources
 from train.metrics import MetricsLogger, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
@@ -237,7 +238,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     bf16 = config.bf16 and cuda  # CPU runs (tests, smoke runs) are fp32 and bitwise reproducible
     dtype = torch.bfloat16 if bf16 else torch.float32
     with inputs_checked():
-        data = TrainData(config, arch, info)
+        data = TrainData(localize_sources(config, info), arch, info)
 
     model_config = transformer_config(arch, tp=config.tp, pp=config.pp, ep=config.ep, params_dtype=dtype, bf16=bf16,
                                       cpu=not cuda, recompute=config.recompute,
