@@ -664,3 +664,51 @@ def test_gpu_preemption_signal_saves_the_step_and_resumes(shards, tmp_path):
     assert list(ckpt.glob("optimizer_param_state_*.pt")), "distributed optimizer state was not saved"
     ok(run_train([*common, "--resume"]))
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
+
+
+def _wandb_records(out: Path) -> list[dict]:
+    """Every record of the run's offline W&B logs under OUT/wandb (one log per start of the run)."""
+    records = []
+    for log in sorted(out.glob("wandb/offline-run-*/run-*.wandb")):
+        done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        records += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return records
+
+
+def test_each_step_reports_its_time_split_and_wandb_logs_the_same_scalars(shards, tmp_path, monkeypatch):
+    """metrics.jsonl splits each step into data wait, forward+backward, optimizer and checkpoint
+    stall; --wandb-project (WANDB_MODE=offline) logs exactly metrics.jsonl's scalars at the same
+    steps, and a resumed run continues the same W&B run."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    args = [*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--save-every", "1",
+            "--wandb-project", "vlmpack-tests", "--wandb-run-name", "split"]
+    ok(run_train([*args, "--exit-interval", "2"]))
+    ok(run_train([*args, "--resume"]))
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        parts = [r["data_wait_s"], r["fwd_bwd_s"], r["optimizer_s"]]
+        assert all(p >= 0 for p in parts) and r["fwd_bwd_s"] > 0, r
+        assert sum(parts) <= r["step_seconds"] * 1.001 + 1e-4, r
+        assert r["checkpoint_stall_s"] >= 0, r  # a save every step
+    logged = _wandb_records(out)
+    runs = [r["run"] for r in logged if r["type"] == "run"]
+    assert len(runs) == 2 and len({r["run_id"] for r in runs}) == 1, runs
+    assert {r["project"] for r in runs} == {"vlmpack-tests"} and {r["display_name"] for r in runs} == {"split"}
+    history = {h["history"]["item"]["_step"]: h["history"]["item"] for h in logged if h["type"] == "history"}
+    assert sorted(history) == [1, 2, 3]
+    for r in records:
+        want = {f"train/{k}": v for k, v in r.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        got = {k: v for k, v in history[r["step"]].items() if k.startswith("train/")}
+        assert got == want, (r["step"], got, want)
+
+
+def test_wandb_run_name_without_a_project_is_refused(shards, tmp_path, capsys):
+    code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(tmp_path / "o"),
+                                   "--wandb-run-name", "x"], capsys)
+    assert code == 2 and "--wandb-run-name 'x' needs --wandb-project NAME" in err and err.count("\n") == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,8 +144,17 @@ class TrainConfig:
     # logging
     log_every: int = _opt(1, "logging", "log every N steps (default 1)")
     tensorboard: bool = _opt(True, "logging", "write TensorBoard scalars under --out/tensorboard (default true)")
+    wandb_project: str | None = _opt(None, "logging", "also log the scalars to this Weights & Biases project "
+                                                   "(pip install wandb; WANDB_MODE=offline logs to --out/wandb only)")
+    wandb_run_name: str | None = _opt(None, "logging", "the Weights & Biases run's name (default: the --out "
+                                                    "directory's name)")
 
     def validate(self) -> None:
+        if self.wandb_run_name and not self.wandb_project:
+            raise ConfigError(f"--wandb-run-name {self.wandb_run_name!r} needs --wandb-project NAME")
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"--wandb-project {self.wandb_project!r} needs Weights & Biases: pip install wandb "
+                              "(or vlmpack's [wandb] extra)")
         sources = [self.hf_model, self.init, self.arch]
         if sum(s is not None for s in sources) != 1:
             raise ConfigError("give exactly one model source: --hf-model DIR, --init MEGATRON_DIR or --arch NAME")

@@ -38,7 +38,7 @@ from train import adapter_format, checkpoint
 from train.config import ConfigError, TrainConfig
 from train.data import TrainData
 from train.remote_data import localize_sources
-from train.metrics import MetricsLogger, lm_flops_per_token, peak_tflops
+from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
 from train.model.qwen_vl import transformer_config
@@ -281,6 +281,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
         if cuda and config.adam_state_dtype == "fp32":
             use_fused_adamw(optimizer)  # the checkpoint may come from a run with bf16 moments
     logger = MetricsLogger(out, config, info, enabled=info.is_main)
+    timer = StepTimer(info.device)
     forward_step = make_forward_step(data, dtype)
     seq_length = config.seq_len * config.micro_batch_packs
     n_lm = lm_flops_per_token(arch)
@@ -294,10 +295,14 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
         while step < config.train_steps:
             t0 = time.perf_counter()
             micro_batches = data.next_global_batch()
+            data_wait = time.perf_counter() - t0
             model.zero_grad_buffer()
             optimizer.zero_grad()
+            timer.mark()
             losses = run_global_batch(model, micro_batches, forward_step, seq_length, config.pp, forward_only=False)
+            timer.mark()
             update_ok, grad_norm, _ = optimizer.step()
+            timer.mark()
             if update_ok:
                 scheduler.step(increment=1)
             loss, target_tokens, stop_requested, saves_written = reduce_loss(losses, info, stop.requested,
@@ -306,10 +311,12 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
             if cuda:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
+            fwd_bwd, optimizer_s = timer.seconds()
             tokens = data.global_batch_tokens(micro_batches)
             record = {"step": step, "loss": loss, "target_tokens": target_tokens, "tokens": tokens,
                       "lr": scheduler.get_lr(optimizer.param_groups[0]), "grad_norm": grad_norm,
-                      "skipped": not update_ok, "step_seconds": seconds, "tokens_per_s": tokens / seconds,
+                      "skipped": not update_ok, "step_seconds": seconds, "data_wait_s": data_wait,
+                      "fwd_bwd_s": fwd_bwd, "optimizer_s": optimizer_s, "tokens_per_s": tokens / seconds,
                       "tokens_per_s_per_gpu": tokens / seconds / info.world,
                       "mfu": tokens * n_lm / seconds / world_flops if world_flops else None,
                       "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
