@@ -25,7 +25,7 @@ from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import open_shards
 from shards_schema.cli import main as vlmpack
 from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
-from tests.test_model_parity import hf_inputs, pick, pixel_values, pixel_values_videos
+from tests.test_model_parity import hf_inputs, our_forward, pick
 from tests.test_train import BASE, ok, preprocess, run_train
 from train import adapter_format, convert
 from train.model import lora
@@ -98,17 +98,6 @@ def our_model(base: dict, arch, spec, adapters: dict, info, tp: int = 1):
 def peft_state(model) -> dict[str, torch.Tensor]:
     """PEFT's adapter state in its file names (what save_pretrained writes)."""
     return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
-
-
-def our_forward(model, shards, pack, logits: bool = False):
-    t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded",
-                                                             "labels", "image_grid_thw", "video_grid_thw")}
-    visual = dict(pixel_values=pixel_values(shards, pack) if len(pack["image_grid_thw"]) else None,
-                  image_grid_thw=t["image_grid_thw"],
-                  pixel_values_videos=pixel_values_videos(shards, pack) if len(pack["video_grid_thw"]) else None,
-                  video_grid_thw=t["video_grid_thw"])
-    args = (t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"])
-    return model(*args, return_logits=True, **visual) if logits else model(*args, labels=t["labels"], **visual)
 
 
 def real_rows(pack) -> np.ndarray:

@@ -95,7 +95,8 @@ def hf_inputs(hf, shards, pack) -> dict:
                 mm_token_type_ids=(ids == 151655).long() + 2 * (ids == 151656).long(), **kwargs)
 
 
-def our_outputs(model, shards, pack):
+def our_forward(model, shards, pack, logits: bool = False):
+    """Our model on one pack: per-token losses, or the logits."""
     t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded",
                                                              "labels", "image_grid_thw", "video_grid_thw")}
     visual = dict(pixel_values=pixel_values(shards, pack) if len(pack["image_grid_thw"]) else None,
@@ -103,10 +104,12 @@ def our_outputs(model, shards, pack):
                   pixel_values_videos=pixel_values_videos(shards, pack) if len(pack["video_grid_thw"]) else None,
                   video_grid_thw=t["video_grid_thw"])
     args = (t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"])
+    return model(*args, return_logits=True, **visual) if logits else model(*args, labels=t["labels"], **visual)
+
+
+def our_outputs(model, shards, pack):
     with torch.no_grad():
-        logits = model(*args, return_logits=True, **visual)
-        losses = model(*args, labels=t["labels"], **visual)
-    return logits, losses
+        return our_forward(model, shards, pack, logits=True), our_forward(model, shards, pack)
 
 
 def pick(shards, images: str, n: int = 5) -> list[dict]:
