@@ -189,16 +189,15 @@ class ExportHF:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         _one_line_help(parser)
         source = parser.add_argument_group("input")
-        source.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (import-hf output or a training "
-                                                                   "save), or a LoRA run's checkpoint")
+        source.add_argument("model_dir", metavar="MODEL_DIR", help="import-hf output, a training save, or a LoRA "
+                                                                   "run's checkpoint")
         adapters = parser.add_argument_group("LoRA checkpoints")
         adapters.add_argument("--lora-format", choices=["peft"], default=None,
-                              help="write the adapters as PEFT's adapter_config.json + adapter_model.safetensors "
-                                   "(the default for a LoRA checkpoint)")
+                              help="PEFT's adapter_config.json + adapter_model.safetensors (default)")
         adapters.add_argument("--merge", action="store_true",
                               help="write the base model with the adapters merged in, as a full checkpoint")
         adapters.add_argument("--base", metavar="DIR", default=None,
-                              help="with --merge: the base model's directory (default: the one the run trained on)")
+                              help="with --merge: the base model's directory (default: the run's own base)")
         _add_output_arguments(parser, "HF_DIR", "Hugging Face directory to write (new or empty)")
         parser.epilog = (
             "Writes model.safetensors (numbered shards + index above 5 GiB), config.json and the tokenizer / "
