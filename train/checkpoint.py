@@ -111,11 +111,10 @@ def add_adapters(model, arch: ModelArch, config, info) -> None:
     spec = config.lora_spec()
     module = _unwrap(model)
     layers = convert.stage_layers(arch, info.pp)[info.pp_rank]
-    adapters = lora.attach(module, arch, spec, info.tp, layers)
-    sites = lora.resolve_sites(arch, spec)
+    adapters = lora.attach(module, arch, spec, info.tp, layers)  # adapters.sites: this stage's
     full = (adapter_format.read_peft_dir(config.init_lora, arch, spec) if config.init_lora
-            else lora.init_adapters(sites, spec.rank, config.seed))
-    local = lora.shard_adapters(full, sites, info.tp, info.tp_rank, layers, info.first_stage)
+            else lora.init_adapters(adapters.sites, spec.rank, config.seed))
+    local = lora.shard_adapters(full, adapters.sites, info.tp, info.tp_rank, layers, info.first_stage)
     saved = {k: full.get(k, p) for k, p in adapters.saved_modules.items()}  # a PEFT dir may carry trained modules
     adapters.load_state_dict(local | saved)
     adapters.base = base_reference(config)

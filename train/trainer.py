@@ -37,7 +37,6 @@ from shards_schema.outdir import exclusive_output_dir
 from train import adapter_format, checkpoint
 from train.config import ConfigError, TrainConfig
 from train.data import TrainData
-from train.remote_data import localize_sources
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
@@ -47,6 +46,7 @@ from train.model import lora
 from train.model.moe import load_balancing_loss
 from train.parallel import ParallelInfo, build_model, destroy_parallel, init_parallel
 from train.preemption import StopRequest
+from train.remote_data import localize_sources
 
 
 def resolve_arch(config: TrainConfig) -> ModelArch:
