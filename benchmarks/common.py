@@ -59,6 +59,19 @@ def add_video_arguments(ap: argparse.ArgumentParser, *, seconds: float) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default %(default)s)")
 
 
+def register_fewer_layers(name: str, layers: int) -> str:
+    """A built-in architecture with only `layers` decoder layers, registered in this process
+    under `NAME-LAYERSl` so that the trainer (`--arch`) and HF build the same model."""
+    import dataclasses
+
+    from train.model.arch import BUILTIN_ARCHS, builtin_arch
+
+    arch = builtin_arch(name)
+    short = f"{name}-{layers}l"
+    BUILTIN_ARCHS[short] = dataclasses.replace(arch, lm=dataclasses.replace(arch.lm, num_layers=layers))
+    return short
+
+
 def write_json(path: str | Path, obj) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,9 +5,10 @@ Data: a synthetic Qwen3-VL mix (`benchmarks/synthetic_shards.py`; --samples samp
 longer than --max-sample-tokens, default --seq-len) written once into OUT_DIR/data.
 
 Layouts (--layouts, comma separated): `1gpu` (one process; on GPUs CUDA_VISIBLE_DEVICES is the
-first of --gpus) or any product of `dpN`, `tpN`, `ppN` (e.g. `dp2`, `tp2`, `pp2`, `tp2pp2`):
-nproc = dp * tp * pp processes, `--tp N --pp N` passed to the trainer. Each layout is its own
-launch, one after the other:
+first of --gpus) or any product of `dpN`, `tpN`, `ppN`, `epN` (e.g. `dp2`, `tp2`, `pp2`, `tp2pp2`,
+`dp2ep2`): nproc = dp * tp * pp processes, `--tp N --pp N --ep N` passed to the trainer (expert
+parallelism splits a MoE model's experts over data-parallel ranks: ep divides dp). Each layout
+is its own launch, one after the other:
 
     python -m torch.distributed.run --standalone --nproc-per-node K -m train.trainer --data DIR \\
         --out OUT_DIR/<layout> --arch ARCH --seq-len S --global-batch-packs G --train-steps N ...
@@ -15,7 +16,15 @@ launch, one after the other:
 Its OUT_DIR/<layout>/metrics.jsonl (written by rank 0) gives per step the loss of the whole
 global batch, the real and target token counts, tokens/s and rank 0's peak allocated memory.
 A layout that fails or times out is recorded (return code, last lines of its output) and the
-next one runs. Pipeline parallelism needs CUDA (megatron's PP schedule allocates on "cuda"):
+next one runs. --layers N cuts the architecture to N decoder layers (the launch goes through
+`benchmarks/trainer_fewer_layers.py`), e.g. to compare a MoE model's layouts on one GPU's memory.
+
+--hf-fsdp N adds the baseline: Hugging Face transformers under torch FSDP2 on N GPUs, on the same
+shard directory (`benchmarks/hf_fsdp_worker.py`: bf16, sdpa, AdamW, right-padded batches of
+samples shuffled from --seed). It runs --hf-steps steps at the first per-rank batch size of
+--hf-batches that does not run out of memory (largest first), and each layout of N GPUs gets
+its tokens/s ratio to it (real tokens, padding excluded). Its losses are not compared: its init
+and sample order are its own. Pipeline parallelism needs CUDA (megatron's PP schedule allocates on "cuda"):
 with --device cpu, layouts with pp > 1 are skipped with a note.
 
 Reported: a step x layout loss table; per layout max / mean |loss - reference| (reference:
@@ -29,6 +38,9 @@ so a run cut short still leaves what it measured.
 
     # 2 GPUs, Qwen3-VL-2B architecture
     python benchmarks/loss_curves.py --json-out benchmarks/results/loss_curves_h200x2_<yyyymmdd>.json
+    # 2 GPUs, Qwen3-VL-8B at 16k packs: TP=2 and DP=2 against HF + FSDP2 on the same 2 GPUs
+    python benchmarks/loss_curves.py --arch qwen3-vl-8b --seq-len 16384 --layouts tp2 --recompute full \
+        --hf-fsdp 2 --hf-batches 4,2,1 --hf-gradient-checkpointing
     # CPU smoke (tiny architecture, fp32)
     python benchmarks/loss_curves.py --arch tiny --seq-len 2048 --steps 3 --layouts 1gpu,dp2,tp2 --device cpu
 """
@@ -60,7 +72,8 @@ QUIET = ("UserWarning", "warnings.warn(", "FutureWarning", "DeprecationWarning")
 def parse_args(argv=None) -> argparse.Namespace:
     ap = parser(__doc__, json_out="every curve, the layouts' results and the machine (default: OUT_DIR/loss_curves.json)")
     ap.add_argument("--arch", default="qwen3-vl-2b", help="builtin architecture (random init)")
-    ap.add_argument("--layouts", default="1gpu,dp2,tp2,pp2", help="comma separated: 1gpu, dpN, tpN, ppN or products")
+    ap.add_argument("--layers", type=int, default=None, help="cut the architecture to this many decoder layers")
+    ap.add_argument("--layouts", default="1gpu,dp2,tp2,pp2", help="comma separated: 1gpu, dpN, tpN, ppN, epN or products")
     ap.add_argument("--steps", type=int, default=12, help="training steps per layout")
     ap.add_argument("--seq-len", type=int, default=8192, help="tokens per pack")
     ap.add_argument("--global-batch-packs", type=int, default=4, help="packs per step")
@@ -78,6 +91,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="text tokens per synthetic sample")
     ap.add_argument("--image-tokens", type=int, nargs=2, default=(64, 1300), metavar=("MIN", "MAX"),
                     help="visual tokens per synthetic image")
+    ap.add_argument("--video-prob", type=float, default=0.0, help="share of synthetic samples that hold one video")
+    ap.add_argument("--video-seconds", type=float, nargs=2, default=(4.0, 60.0), metavar=("MIN", "MAX"),
+                    help="length of each synthetic video")
+    ap.add_argument("--video-tokens", type=int, nargs=2, default=(256, 4096), metavar=("MIN", "MAX"),
+                    help="visual tokens per synthetic video")
     ap.add_argument("--data-dir", default=None, help="use this existing shard directory instead of writing one")
     ap.add_argument("--skip-steps", type=int, default=2, help="first steps left out of the speed/memory medians")
     ap.add_argument("--run-timeout", type=float, default=240.0, help="seconds per layout before it is killed")
@@ -85,6 +103,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="seconds for the whole script: a layout gets at most what is left (minus 15 s), and is "
                          "skipped when under --min-run-seconds remain")
     ap.add_argument("--min-run-seconds", type=float, default=60.0, help="a layout needs at least this much of the budget")
+    ap.add_argument("--hf-fsdp", type=int, default=0, metavar="N",
+                    help="also run HF transformers under FSDP2 on N GPUs (0: not run)")
+    ap.add_argument("--hf-batches", default="4,2,1", help="HF per-rank batch sizes to try, the first that fits wins")
+    ap.add_argument("--hf-steps", type=int, default=None, help="HF training steps (default: --steps)")
+    ap.add_argument("--hf-gradient-checkpointing", action="store_true", help="HF with transformers' per-layer recompute")
     ap.add_argument("--trainer-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for every trainer launch (repeat; e.g. --trainer-arg=--micro-batch-packs=2)")
     ap.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "vlmpack_loss_curves"),
@@ -105,6 +128,7 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     @property
     def nproc(self) -> int:
@@ -115,18 +139,33 @@ def parse_layout(name: str) -> Layout:
     name = name.strip()
     if name == "1gpu":
         return Layout(name)
-    parts = re.findall(r"(dp|tp|pp)(\d+)", name)
+    parts = re.findall(r"(dp|tp|pp|ep)(\d+)", name)
     if not parts or "".join(k + n for k, n in parts) != name or len({k for k, _ in parts}) != len(parts):
-        raise SystemExit(f"--layouts: cannot read {name!r} (use 1gpu, dpN, tpN, ppN or products like tp2pp2)")
+        raise SystemExit(f"--layouts: cannot read {name!r} (use 1gpu, dpN, tpN, ppN, epN or products like tp2pp2)")
     sizes = {k: int(n) for k, n in parts}
     if min(sizes.values()) < 1:
         raise SystemExit(f"--layouts: {name!r} has a size below 1")
+    if sizes.get("dp", 1) % sizes.get("ep", 1):
+        raise SystemExit(f"--layouts: {name!r}: ep must divide dp (experts are split over data-parallel ranks)")
     return Layout(name, **sizes)
 
 
+def hf_command(args, batch: int, data_dir: Path, out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.hf_fsdp),
+           "benchmarks/hf_fsdp_worker.py", "--data", str(data_dir), "--out", str(out), "--arch", args.arch,
+           "--batch", str(batch), "--steps", str(args.hf_steps or args.steps), "--seed", str(args.seed),
+           "--device", args.device]
+    if args.layers:
+        cmd += ["--layers", str(args.layers)]
+    if args.hf_gradient_checkpointing:
+        cmd.append("--gradient-checkpointing")
+    return cmd
+
+
 def trainer_command(args, layout: Layout, data_dir: Path, out: Path) -> list[str]:
+    launch = ["benchmarks/trainer_fewer_layers.py", "--layers", str(args.layers)] if args.layers else ["-m", "train.trainer"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(layout.nproc),
-           "-m", "train.trainer", "--data", str(data_dir), "--out", str(out), "--arch", args.arch,
+           *launch, "--data", str(data_dir), "--out", str(out), "--arch", args.arch,
            "--seq-len", str(args.seq_len), "--global-batch-packs", str(args.global_batch_packs),
            "--train-steps", str(args.steps), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
            "--num-workers", str(args.num_workers), "--tensorboard", "false", "--save-final", "false",
@@ -136,6 +175,8 @@ def trainer_command(args, layout: Layout, data_dir: Path, out: Path) -> list[str
         cmd += ["--tp", str(layout.tp)]
     if layout.pp > 1:
         cmd += ["--pp", str(layout.pp)]
+    if layout.ep > 1:
+        cmd += ["--ep", str(layout.ep)]
     return cmd + list(args.trainer_arg)
 
 
@@ -281,7 +322,8 @@ def print_table(res: dict) -> None:
     names = list(runs)
     ref = res["reference"]
     width = max(12, *(len(n) + 2 for n in names))
-    print(f"\n{res['args']['arch']} on {res['machine'].get('gpus', ['cpu'])[0]}: loss per step "
+    arch = res["args"]["arch"] + (f" cut to {res['args']['layers']} layers" if res["args"].get("layers") else "")
+    print(f"\n{arch} on {res['machine'].get('gpus', ['cpu'])[0]}: loss per step "
           f"({res['args']['global_batch_packs']} packs x {res['args']['seq_len']} tokens per step, "
           f"{'bf16' if res['args']['device'] == 'cuda' else 'fp32'}; reference {ref})", flush=True)
     print("step".ljust(6) + "".join(n.rjust(width) for n in names))
@@ -312,10 +354,19 @@ def print_table(res: dict) -> None:
         row("nvidia-smi peak GiB", lambda r: "/".join(f"{v / 1024:.1f}" for v in (r.get("nvidia_smi_peak_mib") or {}).values())
             or "-")
     row("wall s", lambda r: fmt(r.get("wall_s"), ".0f"))
+    hf = res.get("hf_fsdp")
+    if hf:
+        row(f"ours / HF FSDP2 ({hf['nproc']} GPUs)", lambda r: fmt(r.get("speedup_vs_hf_fsdp"), ".2f"))
     for n in names:
-        note = runs[n].get("note") or (runs[n].get("error_tail") or [None])[-1]
+        tail = runs[n].get("error_tail") or [None]
+        note = runs[n].get("note") or next((t for t in tail if t and "error:" in t), tail[-1])
         if runs[n]["status"] != "ok" and note:
             print(f"{n}: {runs[n]['status']}: {note}", flush=True)
+    if hf:
+        s = hf.get("summary", {})
+        print(f"HF + FSDP2 on {hf['nproc']} GPUs: {hf['status']}, batch {hf['batch_per_rank']} per rank, "
+              f"{fmt(s.get('tokens_per_s'), ',.0f')} tok/s, step {fmt(s.get('step_seconds'), '.3f')} s, "
+              f"rank0 peak {fmt(s.get('peak_memory_gib_rank0'), '.1f')} GiB", flush=True)
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -330,12 +381,12 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_out = Path(args.json_out).resolve() if args.json_out else out_dir / "loss_curves.json"
     gpus = (args.gpus or os.environ.get("CUDA_VISIBLE_DEVICES") or
-            ",".join(str(i) for i in range(max(lay.nproc for lay in layouts)))).split(",")
+            ",".join(str(i) for i in range(max(args.hf_fsdp, *(lay.nproc for lay in layouts))))).split(",")
     res = {"args": vars(args), "machine": machine_info(args.device),
            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "layouts": {}, "curves": {}}
     ref_name = "1gpu" if any(lay.name == "1gpu" for lay in layouts) else layouts[0].name
     res["reference"] = ref_name
-    log(f"{args.arch}, {args.steps} steps x {args.global_batch_packs} packs x {args.seq_len} tokens, "
+    log(f"{args.arch}" + (f" cut to {args.layers} layers" if args.layers else "") + f", {args.steps} steps x {args.global_batch_packs} packs x {args.seq_len} tokens, "
         f"device {args.device}, layouts {[lay.name for lay in layouts]}, out {out_dir}")
 
     def write_json():
@@ -352,7 +403,9 @@ def main(argv=None) -> int:
 
         data_dir = out_dir / "data"
         spec = SyntheticSpec(num_samples=args.samples, seed=args.seed, text_tokens=tuple(args.text_tokens),
-                             image_tokens=tuple(args.image_tokens), max_tokens=args.max_sample_tokens or args.seq_len)
+                             image_tokens=tuple(args.image_tokens), max_tokens=args.max_sample_tokens or args.seq_len,
+                             video_prob=args.video_prob, video_seconds=tuple(args.video_seconds),
+                             video_tokens=tuple(args.video_tokens))
         t0 = time.perf_counter()
         manifest = write_synthetic_shards(data_dir, spec, log=log)
         res["data"] = {"dir": str(data_dir), "generated": True, "spec": dataclasses.asdict(spec),
@@ -368,66 +421,93 @@ def main(argv=None) -> int:
     env_base = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])}
     env_base.setdefault("OMP_NUM_THREADS", "1" if args.device == "cuda" else str(max(1, (os.cpu_count() or 1) // 2)))
-    for i, layout in enumerate(layouts):
-        run = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "nproc": layout.nproc}
-        res["layouts"][layout.name] = run
+
+    def launch(name: str, cmd: list[str], nproc: int, out: Path, steps: int, tag: str) -> dict:
+        """One launch of `cmd` writing out/metrics.jsonl; its record, or a skip note."""
         remaining = args.time_budget - (time.perf_counter() - T0)
-        if args.device == "cpu" and layout.pp > 1:
-            run.update(status="skipped", note="pipeline parallelism needs CUDA (megatron's PP schedule allocates "
-                                              "on 'cuda'); not run with --device cpu")
-        elif args.device == "cuda" and layout.nproc > len(gpus):
-            run.update(status="skipped", note=f"needs {layout.nproc} GPUs, --gpus has {len(gpus)}")
-        elif remaining - 15 < args.min_run_seconds:
-            run.update(status="skipped", note=f"time budget: {remaining:.0f} s of --time-budget left")
-        if run.get("status") == "skipped":
-            log(f"[{i + 1}/{len(layouts)}] {layout.name}: skipped: {run['note']}")
-            write_json()
-            continue
-        out = out_dir / layout.name
+        if args.device == "cuda" and nproc > len(gpus):
+            return {"status": "skipped", "note": f"needs {nproc} GPUs, --gpus has {len(gpus)}"}
+        if remaining - 15 < args.min_run_seconds:
+            return {"status": "skipped", "note": f"time budget: {remaining:.0f} s of --time-budget left"}
         if out.exists():
             shutil.rmtree(out)  # metrics.jsonl is appended to: start clean
         out.mkdir(parents=True)
-        cmd = trainer_command(args, layout, data_dir, out)
         env = dict(env_base)
         if args.device == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[:layout.nproc])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[:nproc])
         timeout = min(args.run_timeout, remaining - 15)
-        run.update(command=" ".join(cmd), cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"), timeout_s=timeout)
-        log(f"[{i + 1}/{len(layouts)}] {layout.name}: nproc {layout.nproc}"
-            + (f", CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if args.device == "cuda" else "")
+        run = {"command": " ".join(cmd), "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"), "timeout_s": timeout}
+        log(f"{tag}: nproc {nproc}" + (f", CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if args.device == "cuda" else "")
             + f", timeout {timeout:.0f} s\n    {run['command']}")
+        log_path = out_dir / f"{out.name}.log"
         poller = GpuMemoryPoller() if args.device == "cuda" else None
         if poller:
             with poller:
-                result = run_layout(cmd, env, out_dir / f"{layout.name}.log", timeout, layout.name)
-            visible = {int(g) for g in gpus[:layout.nproc] if g.strip().isdigit()}
+                result = run_layout(cmd, env, log_path, timeout, name)
+            visible = {int(g) for g in gpus[:nproc] if g.strip().isdigit()}
             run["nvidia_smi_peak_mib"] = {k: v for k, v in sorted(poller.peak.items()) if not visible or k in visible}
         else:
-            result = run_layout(cmd, env, out_dir / f"{layout.name}.log", timeout, layout.name)
+            result = run_layout(cmd, env, log_path, timeout, name)
         records = read_metrics(out)
-        keep = ("step", "loss", "target_tokens", "tokens", "lr", "grad_norm", "skipped", "step_seconds",
-                "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
-        run["steps"] = [{k: r.get(k) for k in keep} for r in records]
+        keep = ("step", "loss", "target_tokens", "tokens", "padded_tokens", "lr", "grad_norm", "skipped",
+                "step_seconds", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
+        run["steps"] = [{k: r[k] for k in keep if k in r} for r in records]
         run["losses"] = [r["loss"] for r in records]
-        res["curves"][layout.name] = run["losses"]
-        run.update(rc=result["rc"], timed_out=result["timed_out"], wall_s=result["wall_s"],
-                   log=str(out_dir / f"{layout.name}.log"))
-        ok = result["rc"] == 0 and len(records) == args.steps
+        run.update(rc=result["rc"], timed_out=result["timed_out"], wall_s=result["wall_s"], log=str(log_path))
+        ok = result["rc"] == 0 and len(records) == steps
         run["status"] = "ok" if ok else ("timeout" if result["timed_out"] else "failed")
         if not ok:
             run["error_tail"] = result["tail"]
             if result["rc"] == 0:
-                run["note"] = f"exited 0 with {len(records)} of {args.steps} steps in metrics.jsonl"
+                run["note"] = f"exited 0 with {len(records)} of {steps} steps in metrics.jsonl"
         if records:
             run["summary"] = summarize(records, args.skip_steps)
         s = run.get("summary", {})
-        log(f"{layout.name}: {run['status']} (rc {result['rc']}) in {result['wall_s']:.0f} s, {len(records)} steps"
+        log(f"{name}: {run['status']} (rc {result['rc']}) in {result['wall_s']:.0f} s, {len(records)} steps"
             + (f", median {s['tokens_per_s']:,.0f} tok/s" if s.get("tokens_per_s") else "")
             + (f", rank0 peak {s['peak_memory_gib_rank0']:.1f} GiB" if s.get("peak_memory_gib_rank0") else ""))
         if not ok:
             print("\n".join(f"    | {line}" for line in result["tail"][-15:]), flush=True)
+        return run
+
+    for i, layout in enumerate(layouts):
+        tag = f"[{i + 1}/{len(layouts)}] {layout.name}"
+        if args.device == "cpu" and layout.pp > 1:
+            run = {"status": "skipped", "note": "pipeline parallelism needs CUDA (megatron's PP schedule allocates "
+                                                "on 'cuda'); not run with --device cpu"}
+        else:
+            run = launch(layout.name, trainer_command(args, layout, data_dir, out_dir / layout.name), layout.nproc,
+                         out_dir / layout.name, args.steps, tag)
+        res["layouts"][layout.name] = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
+                                       "nproc": layout.nproc, **run}
+        if run["status"] == "skipped":
+            log(f"{tag}: skipped: {run['note']}")
+        else:
+            res["curves"][layout.name] = run["losses"]
         write_json()
 
+    # --- the HF + FSDP2 baseline on --hf-fsdp GPUs: the largest per-rank batch that fits
+    if args.hf_fsdp:
+        hf = res["hf_fsdp"] = {"nproc": args.hf_fsdp, "tries": []}
+        for batch in [int(b) for b in args.hf_batches.split(",") if b.strip()]:
+            run = launch(f"hf-fsdp2-b{batch}", hf_command(args, batch, data_dir, out_dir / f"hf_fsdp2_b{batch}"),
+                         args.hf_fsdp, out_dir / f"hf_fsdp2_b{batch}", args.hf_steps or args.steps,
+                         f"HF + FSDP2, batch {batch} per rank")
+            run["batch_per_rank"] = batch
+            hf["tries"].append(run)
+            write_json()
+            out_of_memory = any("out of memory" in line.lower() or "OutOfMemoryError" in line
+                                for line in run.get("error_tail", []))
+            if run["status"] == "ok" or not out_of_memory:
+                break
+        best = hf["tries"][-1]
+        hf.update(status=best["status"], batch_per_rank=best["batch_per_rank"], summary=best.get("summary", {}))
+        hf_tps = hf["summary"].get("tokens_per_s") if best["status"] == "ok" else None
+        for run in res["layouts"].values():
+            ours = run.get("summary", {}).get("tokens_per_s")
+            if hf_tps and ours and run["nproc"] == args.hf_fsdp:
+                run["speedup_vs_hf_fsdp"] = ours / hf_tps
+        write_json()
     ref = res["layouts"].get(ref_name, {}).get("steps") or []
     for name, run in res["layouts"].items():
         if run.get("steps") and ref:
@@ -435,7 +515,8 @@ def main(argv=None) -> int:
     write_json()
     log(f"wrote {json_out}")
     print_table(res)
-    return 0 if all(r["status"] in ("ok", "skipped") for r in res["layouts"].values()) else 1
+    statuses = [r["status"] for r in res["layouts"].values()] + ([res["hf_fsdp"]["status"]] if args.hf_fsdp else [])
+    return 0 if all(s in ("ok", "skipped") for s in statuses) else 1
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import T0, log, machine_info, parser, write_json
+from common import T0, log, machine_info, parser, register_fewer_layers, write_json
 from synthetic_shards import SyntheticSpec, write_synthetic_shards
 
 from shards_schema import open_shards, verify_shards
@@ -91,17 +91,6 @@ from tests.hf_reference import to_padded_batch
 from train.config import ATTENTION_KERNELS, STATE_DTYPES
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
-
-
-def register_fewer_layers(name: str, layers: int) -> str:
-    """A built-in architecture with only `layers` decoder layers, registered in this process
-    under `NAME-LAYERSl` so that the trainer (`--arch`) and HF build the same model."""
-    from train.model.arch import BUILTIN_ARCHS
-
-    arch = builtin_arch(name)
-    short = f"{name}-{layers}l"
-    BUILTIN_ARCHS[short] = dataclasses.replace(arch, lm=dataclasses.replace(arch.lm, num_layers=layers))
-    return short
 
 
 def parse_args(argv=None) -> argparse.Namespace:

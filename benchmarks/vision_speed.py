@@ -179,7 +179,7 @@ def main(argv=None) -> int:
         f"{total[m]['wall_s'] * 1e3:>9.1f}/{total[m]['host_s'] * 1e3:>8.1f}/{total[m]['kernel_s'] * 1e3:>8.1f}" for m in MODES))
     print(f"tower / blocks wall: {result['tower_over_blocks_wall']:.3f}x; compile s: "
           + ", ".join(f"{m} {s:.1f}" for m, s in compile_s.items())
-          + f"; peak above inputs GiB: " + ", ".join(f"{m} {g:.2f}" for m, g in peak.items())
+          + "; peak above inputs GiB: " + ", ".join(f"{m} {g:.2f}" for m, g in peak.items())
           + f"; max |out diff| {out_diff:.3g}, max rel grad diff {grad_rel:.3g}")
     if args.json_out:
         write_json(args.json_out, result)
