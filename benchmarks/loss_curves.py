@@ -39,7 +39,7 @@ so a run cut short still leaves what it measured.
     # 2 GPUs, Qwen3-VL-2B architecture
     python benchmarks/loss_curves.py --json-out benchmarks/results/loss_curves_h200x2_<yyyymmdd>.json
     # 2 GPUs, Qwen3-VL-8B at 16k packs: TP=2 and DP=2 against HF + FSDP2 on the same 2 GPUs
-    python benchmarks/loss_curves.py --arch qwen3-vl-8b --seq-len 16384 --layouts tp2 --recompute full \
+    python benchmarks/loss_curves.py --arch qwen3-vl-8b --seq-len 16384 --layouts tp2 --recompute full \\
         --hf-fsdp 2 --hf-batches 4,2,1 --hf-gradient-checkpointing
     # CPU smoke (tiny architecture, fp32)
     python benchmarks/loss_curves.py --arch tiny --seq-len 2048 --steps 3 --layouts 1gpu,dp2,tp2 --device cpu
