@@ -496,8 +496,8 @@ def main(argv=None) -> int:
             run["batch_per_rank"] = batch
             hf["tries"].append(run)
             write_json()
-            out_of_memory = any("out of memory" in line.lower() or "OutOfMemoryError" in line
-                                for line in run.get("error_tail", []))
+            log_text = Path(run["log"]).read_text(errors="replace") if run.get("log") else ""
+            out_of_memory = "OutOfMemoryError" in log_text or "out of memory" in log_text.lower()
             if run["status"] == "ok" or not out_of_memory:
                 break
         best = hf["tries"][-1]
