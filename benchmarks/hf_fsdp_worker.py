@@ -9,9 +9,11 @@ Model: `train_speed.HFTrainer`, the single-GPU baseline (random init from --seed
 parameters, torch AdamW betas 0.9/0.95, clipping 1.0, optional transformers gradient
 checkpointing), then `torch.distributed.fsdp.fully_shard` on every decoder layer and on the
 root: parameters, gradients and Adam state are split over the N ranks, compute and reductions
-stay bf16. The vision tower is in the root unit, gathered once per step: a rank whose batch
-holds no image (or no video) does not call it, and a unit of its own would then wait for a
-collective the other ranks never join. The optimizer is rebuilt over the sharded parameters.
+stay bf16. The vision tower is in the root unit, and the loss gets 0 x the sum of its
+parameters: a rank whose batch holds no image or video does not call the tower, and FSDP2
+reduce-scatters only parameters that have a gradient, so without that term the ranks' gradient
+reductions would differ in size and hang (as ZeRO-3 trainers feed a dummy image for the same
+reason). The optimizer is rebuilt over the sharded parameters.
 
 Samples: every sample of DIR, shuffled from --seed; step k of rank r trains on the right-padded
 batch k * N + r of B samples (`to_padded_batch`, collated before the clock starts). Each step is
@@ -59,12 +61,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def shard_model(model: torch.nn.Module, mesh) -> None:
-    """One FSDP2 unit per decoder layer; the rest (embeddings, vision tower, norm, head) is the root unit."""
+    """One FSDP2 unit per decoder layer; the rest (embeddings, vision tower, norm, head) is the
+    root unit, kept gathered from its forward to its backward."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.language_model.layers:
         fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    visual = model.model.visual
+
+    def every_vision_parameter_in_the_loss(module, inputs, output):
+        output.loss = output.loss + 0.0 * sum(p.sum() for p in visual.parameters())
+        return output
+
+    model.register_forward_hook(every_vision_parameter_in_the_loss)
 
 
 def main(argv=None) -> int:
