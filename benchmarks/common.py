@@ -67,6 +67,9 @@ def register_fewer_layers(name: str, layers: int) -> str:
     from train.model.arch import BUILTIN_ARCHS, builtin_arch
 
     arch = builtin_arch(name)
+    if not arch.num_deepstack <= layers <= arch.lm.num_layers:
+        raise SystemExit(f"--layers {layers}: {name} has {arch.lm.num_layers} decoder layers and adds DeepStack "
+                         f"features after the first {arch.num_deepstack}; use {arch.num_deepstack}..{arch.lm.num_layers}")
     short = f"{name}-{layers}l"
     BUILTIN_ARCHS[short] = dataclasses.replace(arch, lm=dataclasses.replace(arch.lm, num_layers=layers))
     return short
