@@ -712,3 +712,30 @@ def test_wandb_run_name_without_a_project_is_refused(shards, tmp_path, capsys):
     code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(tmp_path / "o"),
                                    "--wandb-run-name", "x"], capsys)
     assert code == 2 and "--wandb-run-name 'x' needs --wandb-project NAME" in err and err.count("\n") == 1
+
+
+def test_random_init_is_the_same_for_any_thread_count_and_layer_subset(monkeypatch):
+    """The random init is drawn in chunks on a thread pool: the values depend only on (seed,
+    name), never on the threads, and a stage's layer subset draws exactly the full model's."""
+    from train import checkpoint
+    from train.model.arch import builtin_arch
+
+    arch = builtin_arch("tiny")
+    monkeypatch.setattr(checkpoint, "_init_threads", lambda: 1)
+    one = checkpoint.random_full_state(arch, 7)
+    monkeypatch.setattr(checkpoint, "_init_threads", lambda: 4)
+    four = checkpoint.random_full_state(arch, 7)
+    stage = checkpoint.random_full_state(arch, 7, layers=range(1, 2))
+    other_seed = checkpoint.random_full_state(arch, 8)
+    embedding = "language_model.embedding.word_embeddings.weight"
+    assert one[embedding].numel() > 2 * checkpoint.RANDOM_CHUNK  # several chunks, several generators
+    assert all(torch.equal(one[k], four[k]) for k in one)
+    for name, tensor in stage.items():
+        if tensor.device.type == "meta":
+            assert name.startswith("language_model.decoder.layers.") and name.split(".")[3] != "1", name
+        else:
+            assert torch.equal(tensor, one[name]), name
+    assert not torch.equal(one[embedding], other_seed[embedding])
+    chunks = one[embedding].view(-1).split(checkpoint.RANDOM_CHUNK)
+    assert not torch.equal(chunks[0], chunks[1][:chunks[0].numel()])  # each chunk its own stream
+    assert abs(float(one[embedding].std()) - 0.02) < 2e-4

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import hashlib
 import json
 import math
 import os
@@ -28,7 +29,7 @@ import random
 import shutil
 import threading
 import time
-import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -68,25 +69,48 @@ def load_hf_weights(model, hf_dir: str, arch: ModelArch, info) -> None:
     _load_shard(model, convert.hf_to_megatron(fmt.lazy_hf_state(hf_dir), arch), arch, info)
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int) -> torch.Tensor:
+RANDOM_CHUNK = 1 << 22  # elements per generator: the draw is the same for any number of threads
+
+
+def _chunk_seed(seed: int, name: str, chunk: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{name}/{chunk}".encode(), digest_size=8).digest(), "little")
+
+
+def _init_threads() -> int:
+    """CPU threads for the draw: the machine's cores shared by the node's ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int, pool) -> torch.Tensor:
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if "norm" in name:  # RMSNorm / LayerNorm gains
         return torch.ones(shape)
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith(("linear_proj.weight", "linear_fc2.weight", "experts.weight2")) and name.startswith("language_model."):
         std = std / math.sqrt(2.0 * num_layers)  # megatron's scaled init of the residual-branch outputs
-    return torch.randn(shape, generator=generator) * std
+    out = torch.empty(shape)
+    flat = out.view(-1)
+
+    def fill(chunk: int) -> None:  # torch's normal_ releases the GIL: chunks fill in parallel
+        part = flat[chunk * RANDOM_CHUNK:(chunk + 1) * RANDOM_CHUNK]
+        part.normal_(0.0, std, generator=torch.Generator().manual_seed(_chunk_seed(seed, name, chunk)))
+
+    list(pool.map(fill, range(-(-flat.numel() // RANDOM_CHUNK))))
+    return out
 
 
 def random_full_state(arch: ModelArch, seed: int, std: float = 0.02, layers: range | None = None) -> dict:
-    """The full Megatron state of a random init; each tensor depends only on (seed, its name).
+    """The full Megatron state of a random init; each tensor depends only on (seed, its name):
+    it is drawn in chunks of RANDOM_CHUNK elements, each from its own generator seeded by
+    (seed, name, chunk), so any number of threads gives the same values.
     `layers`: draw only these decoder layers (the others are meta tensors, never loaded)."""
     def drawn(name: str) -> bool:
         return layers is None or not name.startswith("language_model.decoder.layers.") or int(name.split(".")[3]) in layers
 
-    return {n: _random_tensor(n, shape, seed, std, arch.lm.num_layers) if drawn(n) else torch.empty(shape, device="meta")
-            for n, shape in convert.megatron_shapes(arch).items()}
+    with ThreadPoolExecutor(_init_threads()) as pool:
+        return {n: _random_tensor(n, shape, seed, std, arch.lm.num_layers, pool) if drawn(n)
+                else torch.empty(shape, device="meta") for n, shape in convert.megatron_shapes(arch).items()}
 
 
 def init_random_weights(model, arch: ModelArch, seed: int, info, std: float = 0.02) -> None:
