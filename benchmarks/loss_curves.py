@@ -16,16 +16,17 @@ is its own launch, one after the other:
 Its OUT_DIR/<layout>/metrics.jsonl (written by rank 0) gives per step the loss of the whole
 global batch, the real and target token counts, tokens/s and rank 0's peak allocated memory.
 A layout that fails or times out is recorded (return code, last lines of its output) and the
-next one runs. --layers N cuts the architecture to N decoder layers (the launch goes through
-`benchmarks/trainer_fewer_layers.py`), e.g. to compare a MoE model's layouts on one GPU's memory.
+next one runs. Pipeline parallelism needs CUDA (megatron's PP schedule allocates on "cuda"):
+with --device cpu, layouts with pp > 1 are skipped with a note. --layers N cuts the
+architecture to N decoder layers (the launch goes through `benchmarks/trainer_fewer_layers.py`),
+e.g. to compare a MoE model's layouts within one GPU's memory.
 
 --hf-fsdp N adds the baseline: Hugging Face transformers under torch FSDP2 on N GPUs, on the same
 shard directory (`benchmarks/hf_fsdp_worker.py`: bf16, sdpa, AdamW, right-padded batches of
 samples shuffled from --seed). It runs --hf-steps steps at the first per-rank batch size of
 --hf-batches that does not run out of memory (largest first), and each layout of N GPUs gets
 its tokens/s ratio to it (real tokens, padding excluded). Its losses are not compared: its init
-and sample order are its own. Pipeline parallelism needs CUDA (megatron's PP schedule allocates on "cuda"):
-with --device cpu, layouts with pp > 1 are skipped with a note.
+and sample order are its own.
 
 Reported: a step x layout loss table; per layout max / mean |loss - reference| (reference:
 `1gpu` when run, else the first layout), whether every step saw the same real and target token
@@ -38,7 +39,7 @@ so a run cut short still leaves what it measured.
 
     # 2 GPUs, Qwen3-VL-2B architecture
     python benchmarks/loss_curves.py --json-out benchmarks/results/loss_curves_h200x2_<yyyymmdd>.json
-    # 2 GPUs, Qwen3-VL-8B at 16k packs: TP=2 and DP=2 against HF + FSDP2 on the same 2 GPUs
+    # 2 GPUs, Qwen3-VL-8B at 16k packs: TP=2 against HF + FSDP2 on the same 2 GPUs
     python benchmarks/loss_curves.py --arch qwen3-vl-8b --seq-len 16384 --layouts tp2 --recompute full \\
         --hf-fsdp 2 --hf-batches 4,2,1 --hf-gradient-checkpointing
     # CPU smoke (tiny architecture, fp32)
