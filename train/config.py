@@ -97,6 +97,11 @@ class TrainConfig:
                                                         "layers per pipeline stage")
     recompute_vision: bool | None = _opt(None, "memory", "recompute the vision blocks in backward "
                                                          "(default: with --recompute full)")
+    dry_run: bool = _opt(False, "memory", "print the predicted memory per GPU and the smallest layout that "
+                                          "fits, then exit")
+    gpus: int | None = _opt(None, "memory", "with --dry-run: plan for this many GPUs (default: the launch's)")
+    gpu_memory_gib: float | None = _opt(None, "memory", "with --dry-run: memory of one GPU (default: this "
+                                                        "GPU's, else 80)")
     grad_dtype: str = _opt("fp32", "memory", "gradient buffers: fp32 or bf16 (half the memory, bf16 runs; default fp32)")
     adam_state_dtype: str = _opt("fp32", "memory", "Adam moments: fp32 or bf16 (stochastically rounded; default fp32)")
     # optimisation
@@ -163,12 +168,14 @@ class TrainConfig:
 
             if self.arch not in BUILTIN_ARCHS:
                 raise ConfigError(f"unknown --arch {self.arch!r}: choose one of {sorted(BUILTIN_ARCHS)}")
-        if not self.data:
+        if not self.data and not self.dry_run:
             raise ConfigError("give at least one --data DIR[:WEIGHT]")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ConfigError(f"--gpu-memory-gib must be > 0, got {self.gpu_memory_gib}")
         at_least = {"seq_len": 1, "micro_batch_packs": 1, "tp": 1, "pp": 1, "ep": 1, "train_steps": 1, "keep_last": 1,
                     "log_every": 1, "eval_batches": 1, "global_batch_packs": 1, "global_batch_tokens": 1,
                     "warmup_steps": 0, "save_every": 0, "exit_interval": 0, "eval_every": 0, "num_workers": 0,
-                    "max_visual_tokens": 1, "recompute_layers": 1}
+                    "max_visual_tokens": 1, "recompute_layers": 1, "gpus": 1}
         for name, low in at_least.items():
             value = getattr(self, name)
             if value is not None and value < low:

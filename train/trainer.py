@@ -215,6 +215,30 @@ def lock_output_dir(stack: ExitStack, out: Path, info: ParallelInfo) -> None:
         raise UserError(message[0])
 
 
+def dry_run(config: TrainConfig) -> str:
+    """`--dry-run`: the memory plan of this run (`train.memory_plan`); nothing is built."""
+    from train import memory_plan
+
+    config.validate()
+    with inputs_checked():
+        arch = resolve_arch(config)
+    check_layout(arch, config)
+    gpus = config.gpus or int(os.environ.get("WORLD_SIZE", "1"))
+    if gpus % (config.tp * config.pp) or (gpus // (config.tp * config.pp)) % config.ep:
+        raise ConfigError(f"--gpus {gpus} is not a multiple of --tp {config.tp} x --pp {config.pp} "
+                          f"(x --ep {config.ep} for the data-parallel ranks)")
+    dp = gpus // (config.tp * config.pp)
+    settings = memory_plan.Settings(
+        seq_len=config.seq_len, micro_batch_packs=config.micro_batch_packs, global_packs=config.global_packs(dp),
+        recompute=config.recompute, recompute_layers=config.recompute_layers, grad_dtype=config.grad_dtype,
+        adam_state_dtype=config.adam_state_dtype, distributed_optimizer=config.distributed_optimizer,
+        freeze=tuple(config.freeze), lora=config.lora_spec(), recompute_vision=config.recompute_vision)
+    gpu_gib = config.gpu_memory_gib or (torch.cuda.get_device_properties(0).total_memory / memory_plan.GIB
+                                        if torch.cuda.is_available() else 80.0)
+    layout = memory_plan.Layout(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep)
+    return memory_plan.report(config.arch or arch.hf_architecture, arch, settings, layout, gpu_gib)
+
+
 def train(config: TrainConfig) -> dict:
     config.validate()
     # Packs differ in length and patch count: expandable segments keep the CUDA caching allocator
@@ -432,6 +456,9 @@ class Train:
         from train.config import config_from_args
 
         config = config_from_args(args)  # ConfigError: one line, exit 2 (the dispatcher)
+        if config.dry_run:
+            print(dry_run(config))
+            return 0
         try:
             result = train(config)
         except RuntimeError as exc:  # torch.OutOfMemoryError is one

@@ -1,0 +1,146 @@
+"""The memory plan (`vlmpack train --dry-run`, train/memory_plan.py): its parameter counts
+against the models the trainer builds, its totals against every GPU peak the benchmarks
+recorded in benchmarks/results, and the command's output and errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from shards_schema.cli import main as vlmpack
+from train import memory_plan
+from train.model import lora
+from train.model.arch import builtin_arch
+from train.model.qwen_vl import transformer_config
+from train.parallel import build_model, destroy_parallel, init_parallel
+from train.trainer import freeze
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2.5", "tiny-moe"])
+def test_parameter_counts_equal_the_models_the_trainer_builds(name):
+    arch = builtin_arch(name)
+    info = init_parallel(1, 1, device="cpu")
+    try:
+        model = build_model(arch, transformer_config(arch, cpu=True), info)
+        count = lambda: sum(p.numel() for p in model.parameters() if p.requires_grad)  # noqa: E731
+        full = memory_plan.plan_stage(arch, memory_plan.Settings(seq_len=256), memory_plan.Layout(), 0)
+        assert full.params == full.trained == count()
+        freeze(model, ["vision"])
+        frozen = memory_plan.plan_stage(arch, memory_plan.Settings(seq_len=256, freeze=("vision",)),
+                                        memory_plan.Layout(), 0)
+        assert frozen.params == full.params and frozen.trained == count() < full.trained
+        spec = lora.LoraSpec(rank=4, alpha=8, parts=("llm", "vision"), modules_to_save=("merger",))
+        adapters = lora.attach(model, arch, spec, 1, range(arch.lm.num_layers))
+        adapted = memory_plan.plan_stage(arch, memory_plan.Settings(seq_len=256, lora=spec), memory_plan.Layout(), 0)
+        adapter_params = sum(p.numel() for p in adapters.params.values())
+        saved = sum(p.numel() for p in adapters.saved_modules.values())
+        assert adapter_params > 0 and saved > 0
+        assert adapted.params == full.params + adapter_params
+        assert adapted.trained == adapter_params + saved
+    finally:
+        destroy_parallel()
+
+
+def _settings(args: dict, trainer_args=(), layers=None) -> tuple[str, memory_plan.Settings]:
+    flags = dict(a.lstrip("-").split("=", 1) for a in trainer_args)
+    rank = args.get("lora_rank") or 0
+    settings = memory_plan.Settings(
+        seq_len=args["seq_len"], global_packs=args.get("global_batch_packs"), recompute=args["recompute"],
+        recompute_layers=args.get("recompute_layers"),
+        grad_dtype=flags.get("grad-dtype") or args.get("grad_dtype") or "fp32",
+        adam_state_dtype=flags.get("adam-state-dtype") or args.get("adam_state_dtype") or "fp32",
+        distributed_optimizer=flags.get("distributed-optimizer", "true") == "true",
+        lora=lora.LoraSpec(rank=rank, alpha=2.0 * rank) if rank else None)
+    return args["arch"].removesuffix(f"-{layers}l") if layers else args["arch"], settings
+
+
+def _args_of(command: str) -> dict:
+    """train_speed.py's arguments from the command line a result file records."""
+    words = shlex.split(command)
+    args = {"recompute": "none"}
+    for flag, value in zip(words, words[1:]):
+        key = flag.lstrip("-").replace("-", "_")
+        if flag.startswith("--") and not value.startswith("--"):
+            args[key] = int(value) if value.isdigit() else value
+    return args
+
+
+def _recorded_peaks():
+    """(label, arch name, layers, settings, layout, measured rank-0 peak GiB) of every GPU run
+    in benchmarks/results whose trainer reported its peak."""
+    for path in sorted(RESULTS.glob("train_speed*.json")):
+        result = json.loads(path.read_text())
+        args = result.get("args") or _args_of(result.get("command", ""))
+        if isinstance(result.get("runs"), dict):  # a sweep: {recompute layers: run}
+            for layers, run in result["runs"].items():
+                name, settings = _settings({**args, "recompute_layers": int(layers)})
+                yield f"{path.stem}[{layers}]", name, None, settings, memory_plan.Layout(), run["peak_memory_gib"]
+        elif "runs" in result:  # interleaved runs of one setting, or one run per --recompute-layers
+            for i, run in enumerate(result["runs"]):
+                layers = run.get("recompute_layers", args.get("recompute_layers"))
+                name, settings = _settings({**args, "recompute_layers": layers})
+                peak = run.get("peak_memory_gib") or run["summary"]["peak_memory_gib"]
+                yield f"{path.stem}[{i}]", name, args.get("layers"), settings, memory_plan.Layout(), peak
+        elif (result.get("ours") or {}).get("summary", {}).get("peak_memory_gib"):
+            name, settings = _settings(args, layers=args.get("layers"))
+            yield (path.stem, name, args.get("layers"), settings, memory_plan.Layout(),
+                   result["ours"]["summary"]["peak_memory_gib"])
+    for path in sorted(RESULTS.glob("loss_curves*h100x2*.json")):
+        result = json.loads(path.read_text())
+        args = result["args"]
+        for layout_name, run in result["layouts"].items():
+            peak = (run.get("summary") or {}).get("peak_memory_gib_rank0_max")
+            if run["status"] != "ok" or peak is None:
+                continue
+            name, settings = _settings(args, args.get("trainer_arg") or [], layers=args.get("layers"))
+            layout = memory_plan.Layout(tp=run["tp"], pp=run["pp"], dp=run["dp"], ep=run.get("ep", 1))
+            yield f"{path.stem}[{layout_name}]", name, args.get("layers"), settings, layout, peak
+
+
+RECORDED = list(_recorded_peaks())
+
+
+def test_every_recorded_gpu_peak_is_checked():
+    assert len(RECORDED) >= 15  # a renamed result file must not drop out of the check silently
+
+
+@pytest.mark.parametrize("label,name,layers,settings,layout,measured", RECORDED, ids=[r[0] for r in RECORDED])
+def test_plan_is_within_10_percent_of_the_recorded_gpu_peak(label, name, layers, settings, layout, measured):
+    arch = builtin_arch(name)
+    if layers:
+        arch = dataclasses.replace(arch, lm=dataclasses.replace(arch.lm, num_layers=layers))
+    predicted = max(s.total for s in memory_plan.plan(arch, settings, layout)) / memory_plan.GIB
+    error = predicted / measured - 1
+    if settings.lora:  # a frozen vision tower keeps no activations: the plan is high, never low
+        assert 0 <= error <= 0.15, f"{label}: predicted {predicted:.1f} GiB, measured {measured:.1f} GiB"
+    else:
+        assert abs(error) <= 0.10, f"{label}: predicted {predicted:.1f} GiB, measured {measured:.1f} GiB"
+
+
+def test_dry_run_prints_the_split_and_the_smallest_layout_that_fits(capsys):
+    rc = vlmpack(["train", "--dry-run", "--arch", "qwen3-vl-8b", "--gpus", "2", "--tp", "2", "--seq-len", "16384",
+                  "--recompute", "full", "--grad-dtype", "bf16", "--adam-state-dtype", "bf16",
+                  "--gpu-memory-gib", "79.2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for word in ("weights", "gradients", "optimizer", "activations (estimate)", "total", "fits in 95% of 79.2 GiB",
+                 "smallest layout that fits: 2 GPU(s)"):
+        assert word in out
+    rc = vlmpack(["train", "--dry-run", "--arch", "qwen3-vl-32b", "--gpus", "8", "--seq-len", "16384",
+                  "--recompute", "full", "--gpu-memory-gib", "80"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "does NOT fit" in out
+    layout = out.split("smallest layout that fits: ")[1]
+    assert int(layout.split(" GPU")[0]) > 8
+
+
+def test_dry_run_settings_that_cannot_run_exit_2_with_one_line(capsys):
+    rc = vlmpack(["train", "--dry-run", "--arch", "qwen3-vl-8b", "--gpus", "3", "--tp", "2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "--gpus 3" in err

@@ -1,0 +1,246 @@
+"""Predicted GPU memory per rank of a training run, before anything is built or allocated
+(`vlmpack train --dry-run`).
+
+Model state is counted exactly: each pipeline stage's parameters are the shapes that
+`convert.shard` gives this rank (on meta tensors, so nothing is allocated), and their bytes
+follow the memory settings:
+  weights     2 bytes per parameter (bf16 on GPUs; a LoRA base is frozen in bf16 too);
+  gradients   4 or 2 bytes per trained parameter (--grad-dtype);
+  optimizer   fp32 master weights + two Adam moments of 4 or 2 bytes (--adam-state-dtype) per
+              trained parameter, split over the data-parallel ranks by the distributed
+              optimizer.
+Activations are an estimate in bytes per token (S tokens per micro-batch, h the hidden size),
+fitted to peaks measured on H100s (bf16, FlashAttention, packed sequences):
+  a recomputed decoder layer keeps its input             LAYER_INPUT x h x S
+  a layer that keeps its activations for backward        LAYER_KEPT x h x S
+    a Mixture-of-Experts layer adds, for the top-k copies of each token that megatron's
+    dispatcher permutes, routes and gathers back       MOE_KEPT x k x h x S
+  one layer being recomputed, when any is                RECOMPUTE_WORKING x h x S
+                                                           (or a kept MoE layer's bytes)
+  the last stage's logits and loss                       LOGITS x S x vocab / tp
+    (the constant also covers the vision tower's activations in a mix with about half of each
+     pack's tokens visual; a frozen tower keeps none, so LoRA runs come out up to 15 % high)
+Under pipeline parallelism a stage holds up to pp - stage micro-batches in flight (1F1B).
+The constants were fitted on four H100 runs (Qwen3-VL-2B with every layer recomputed and with
+24 of its 28 layers kept, Qwen3-VL-8B at TP=2, and the 30B-A3B architecture cut to 3 layers on
+one GPU); tests/test_memory_plan.py
+checks the plan against every recorded peak in benchmarks/results. The vision tower's own
+activations are modelled only as recomputed (--recompute full): without recompute it keeps
+them all, and the plan says so (the 2B architecture at 8k packs then peaked 23 % above it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from train import convert
+from train.model import lora
+from train.model.arch import ModelArch
+
+GIB = 2**30
+LAYER_INPUT = 2.0
+LAYER_KEPT = 39.8
+RECOMPUTE_WORKING = 37.0
+LOGITS = 3.0
+MOE_KEPT = 48.7
+FIT_FRACTION = 0.95  # of a GPU's memory: the rest is the CUDA context and the allocator's fragments
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def __str__(self) -> str:
+        return f"tp {self.tp} x pp {self.pp} x dp {self.dp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The run's memory settings (TrainConfig's names)."""
+
+    seq_len: int
+    micro_batch_packs: int = 1
+    global_packs: int | None = None  # packs per step (default: one micro-batch per data-parallel rank)
+    recompute: str = "none"
+    recompute_layers: int | None = None
+    grad_dtype: str = "fp32"
+    adam_state_dtype: str = "fp32"
+    distributed_optimizer: bool = True
+    freeze: tuple[str, ...] = ()
+    lora: lora.LoraSpec | None = None
+    recompute_vision: bool | None = None  # default: with --recompute full
+
+    @property
+    def vision_keeps_activations(self) -> bool:
+        trained = ("vision" in self.lora.parts or "vision" in self.lora.modules_to_save) if self.lora else \
+            "vision" not in self.freeze
+        recomputed = self.recompute == "full" if self.recompute_vision is None else self.recompute_vision
+        return trained and not recomputed
+
+    def micro_batches(self, dp: int) -> int:
+        """Micro-batches per data-parallel rank per step: they bound what 1F1B keeps in flight."""
+        return max(1, -(-(self.global_packs or dp * self.micro_batch_packs) // (dp * self.micro_batch_packs)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    params: int
+    trained: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def _part(name: str) -> str:
+    """The --freeze part of a Megatron parameter name (as `train.trainer.freeze` decides it)."""
+    if name.startswith("language_model."):
+        return "llm"
+    return "merger" if name.startswith(("vision.merger", "vision.deepstack_merger_list")) else "vision"
+
+
+def _stage_shapes(arch: ModelArch, layout: Layout, stage: int) -> dict[str, int]:
+    full = {n: torch.empty(s, device="meta") for n, s in convert.megatron_shapes(arch).items()}
+    return {n: t.numel() for n, t in convert.shard(full, arch, layout.tp, 0, layout.pp, stage, layout.ep, 0).items()}
+
+
+def _adapter_params(arch: ModelArch, spec: lora.LoraSpec, layout: Layout, stage: int) -> int:
+    layers = convert.stage_layers(arch, layout.pp)[stage]
+    total = 0
+    for site in lora.resolve_sites(arch, spec):
+        if site.part == "llm":
+            if int(site.module.split("layers.")[1].split(".")[0]) not in layers:
+                continue
+        elif stage != 0:
+            continue
+        a_in = site.in_features // layout.tp if site.split == "row" else site.in_features
+        b_out = site.out_features // layout.tp if site.split == "column" else site.out_features
+        total += spec.rank * (a_in + b_out)
+    return total
+
+
+def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int) -> float:
+    lm = arch.lm
+    tokens = settings.seq_len * settings.micro_batch_packs
+    layers = len(convert.stage_layers(arch, layout.pp)[stage])
+    if settings.recompute == "full":
+        recomputed = min(layers, settings.recompute_layers or layers)
+    else:
+        recomputed = 0
+    kept = layers - recomputed
+    kept_per_layer = LAYER_KEPT * lm.hidden_size
+    if lm.is_moe:
+        kept_per_layer += MOE_KEPT * lm.num_experts_per_tok * lm.hidden_size
+    per_micro_batch = tokens * (recomputed * LAYER_INPUT * lm.hidden_size + kept * kept_per_layer)
+    in_flight = min(layout.pp - stage, settings.micro_batches(layout.dp))
+    working_per_token = kept_per_layer if lm.is_moe else RECOMPUTE_WORKING * lm.hidden_size
+    working = tokens * working_per_token if recomputed else 0.0
+    logits = tokens * LOGITS * lm.vocab_size / layout.tp if stage == layout.pp - 1 else 0.0
+    return in_flight * per_micro_batch + working + logits
+
+
+def plan_stage(arch: ModelArch, settings: Settings, layout: Layout, stage: int) -> StagePlan:
+    shapes = _stage_shapes(arch, layout, stage)
+    params = sum(shapes.values())
+    if settings.lora is not None:
+        adapters = _adapter_params(arch, settings.lora, layout, stage)
+        saved = sum(n for k, n in shapes.items() if _part(k) in settings.lora.modules_to_save)
+        params, trained = params + adapters, adapters + saved
+        split = 1  # adapters are few: the plan keeps their optimizer state whole
+    else:
+        trained = sum(n for k, n in shapes.items() if _part(k) not in settings.freeze)
+        split = layout.dp if settings.distributed_optimizer and layout.ep == 1 else 1
+    grad_bytes = 4 if settings.grad_dtype == "fp32" else 2
+    moment_bytes = 4 if settings.adam_state_dtype == "fp32" else 2
+    return StagePlan(stage=stage, params=params, trained=trained, weights=2.0 * params,
+                     gradients=float(grad_bytes * trained),
+                     optimizer=trained * (4 + 2 * moment_bytes) / split,
+                     activations=_activations(arch, settings, layout, stage))
+
+
+def plan(arch: ModelArch, settings: Settings, layout: Layout) -> list[StagePlan]:
+    """One plan per pipeline stage (rank 0 of its tensor- and expert-parallel group)."""
+    return [plan_stage(arch, settings, layout, stage) for stage in range(layout.pp)]
+
+
+def layouts_for(arch: ModelArch, gpus: int) -> list[Layout]:
+    """Every layout of `gpus` GPUs the trainer can run for `arch` (TP within a node of 8)."""
+    lm = arch.lm
+    found = []
+    for tp in (1, 2, 4, 8):
+        if lm.num_heads % tp or lm.num_kv_heads % tp or gpus % tp or (lm.is_moe and tp > 1):
+            continue
+        for pp in range(1, gpus // tp + 1):
+            if (gpus // tp) % pp or lm.num_layers % pp or arch.num_deepstack > lm.num_layers // pp:
+                continue
+            dp = gpus // (tp * pp)
+            ep = math.gcd(dp, lm.num_experts) if lm.is_moe else 1
+            found.append(Layout(tp=tp, pp=pp, dp=dp, ep=ep))
+    return found
+
+
+def smallest_fit(arch: ModelArch, settings: Settings, gpu_gib: float, max_gpus: int = 512) -> tuple[Layout, float] | None:
+    """The fewest GPUs (powers of two) with a layout whose largest stage fits FIT_FRACTION of
+    `gpu_gib`; among those layouts the one with the least model parallelism (tp x pp), then the
+    least memory."""
+    gpus = 1
+    while gpus <= max_gpus:
+        fits = []
+        for layout in layouts_for(arch, gpus):
+            peak = max(s.total for s in plan(arch, settings, layout)) / GIB
+            if peak <= FIT_FRACTION * gpu_gib:
+                fits.append((layout.tp * layout.pp, peak, layout))
+        if fits:
+            _, peak, layout = min(fits, key=lambda f: (f[0], f[1]))
+            return layout, peak
+        gpus *= 2
+    return None
+
+
+def report(name: str, arch: ModelArch, settings: Settings, layout: Layout, gpu_gib: float) -> str:
+    """What `vlmpack train --dry-run` prints."""
+    stages = plan(arch, settings, layout)
+    state = (f"gradients {settings.grad_dtype}, Adam moments {settings.adam_state_dtype}"
+             + (f", LoRA rank {settings.lora.rank}" if settings.lora else ""))
+    lines = [f"memory plan: {name} on {layout.gpus} GPU(s) as {layout}, {settings.seq_len:,}-token packs x "
+             f"{settings.micro_batch_packs}, --recompute {settings.recompute}"
+             + (f" (first {settings.recompute_layers} layers)" if settings.recompute_layers else "") + f", {state}",
+             "per GPU, GiB".ljust(28) + "".join(f"stage {s.stage}".rjust(10) for s in stages)]
+
+    def row(label, values):
+        lines.append(label.ljust(28) + "".join(v.rjust(10) for v in values))
+
+    row("parameters (B)", [f"{s.params / 1e9:.3f}" for s in stages])
+    row("  trained (B)", [f"{s.trained / 1e9:.3f}" for s in stages])
+    row("weights", [f"{s.weights / GIB:.1f}" for s in stages])
+    row("gradients", [f"{s.gradients / GIB:.1f}" for s in stages])
+    row("optimizer", [f"{s.optimizer / GIB:.1f}" for s in stages])
+    row("activations (estimate)", [f"{s.activations / GIB:.1f}" for s in stages])
+    row("total", [f"{s.total / GIB:.1f}" for s in stages])
+    peak = max(s.total for s in stages) / GIB
+    verdict = "fits" if peak <= FIT_FRACTION * gpu_gib else "does NOT fit"
+    lines.append(f"largest stage: {peak:.1f} GiB, {verdict} in {FIT_FRACTION:.0%} of {gpu_gib:.1f} GiB per GPU")
+    if settings.vision_keeps_activations:
+        lines.append("note: the vision tower keeps its activations (no --recompute full): the estimate leaves them "
+                     "out and is low")
+    if settings.lora:
+        lines.append("note: LoRA's frozen vision tower keeps no activations: the estimate is up to 15 % high")
+    best = smallest_fit(arch, settings, gpu_gib)
+    lines.append(f"smallest layout that fits: {best[0].gpus} GPU(s) as {best[0]} ({best[1]:.1f} GiB)" if best
+                 else "no layout of up to 512 GPUs fits: lower --seq-len or use --recompute full and bf16 state")
+    return "\n".join(lines)
