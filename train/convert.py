@@ -138,6 +138,15 @@ HUB_NAME_PREFIXES = {
 }
 
 
+def model_part(name: str) -> str:
+    """The --freeze part of a Megatron parameter name: llm = the language model; merger = the
+    mergers (incl. DeepStack mergers) that project into the LM; vision = the vision blocks and
+    patch embedding."""
+    if name.startswith("language_model."):
+        return "llm"
+    return "merger" if name.startswith(("vision.merger", "vision.deepstack_merger_list")) else "vision"
+
+
 def _mapping_pattern(name: str) -> re.Pattern:
     return re.compile("^" + re.escape(name).replace(re.escape("{layer}"), r"(?P<layer>\d+)").replace(
         re.escape("*"), r"(?P<rest>.*)") + "$")

@@ -23,10 +23,10 @@ fitted to peaks measured on H100s (bf16, FlashAttention, packed sequences):
 Under pipeline parallelism a stage holds up to pp - stage micro-batches in flight (1F1B).
 The constants were fitted on four H100 runs (Qwen3-VL-2B with every layer recomputed and with
 24 of its 28 layers kept, Qwen3-VL-8B at TP=2, and the 30B-A3B architecture cut to 3 layers on
-one GPU); tests/test_memory_plan.py
-checks the plan against every recorded peak in benchmarks/results. The vision tower's own
-activations are modelled only as recomputed (--recompute full): without recompute it keeps
-them all, and the plan says so (the 2B architecture at 8k packs then peaked 23 % above it).
+one GPU); tests/test_memory_plan.py checks the plan against every recorded peak in
+benchmarks/results. The vision tower's own activations are modelled only as recomputed
+(--recompute full): without recompute it keeps them all, and the plan says so (the 2B
+architecture at 8k packs then peaked 23 % above it).
 """
 
 from __future__ import annotations
@@ -107,13 +107,6 @@ class StagePlan:
         return self.weights + self.gradients + self.optimizer + self.activations
 
 
-def _part(name: str) -> str:
-    """The --freeze part of a Megatron parameter name (as `train.trainer.freeze` decides it)."""
-    if name.startswith("language_model."):
-        return "llm"
-    return "merger" if name.startswith(("vision.merger", "vision.deepstack_merger_list")) else "vision"
-
-
 def _stage_shapes(arch: ModelArch, layout: Layout, stage: int) -> dict[str, int]:
     full = {n: torch.empty(s, device="meta") for n, s in convert.megatron_shapes(arch).items()}
     return {n: t.numel() for n, t in convert.shard(full, arch, layout.tp, 0, layout.pp, stage, layout.ep, 0).items()}
@@ -159,11 +152,11 @@ def plan_stage(arch: ModelArch, settings: Settings, layout: Layout, stage: int) 
     params = sum(shapes.values())
     if settings.lora is not None:
         adapters = _adapter_params(arch, settings.lora, layout, stage)
-        saved = sum(n for k, n in shapes.items() if _part(k) in settings.lora.modules_to_save)
+        saved = sum(n for k, n in shapes.items() if convert.model_part(k) in settings.lora.modules_to_save)
         params, trained = params + adapters, adapters + saved
         split = 1  # adapters are few: the plan keeps their optimizer state whole
     else:
-        trained = sum(n for k, n in shapes.items() if _part(k) not in settings.freeze)
+        trained = sum(n for k, n in shapes.items() if convert.model_part(k) not in settings.freeze)
         split = layout.dp if settings.distributed_optimizer and layout.ep == 1 else 1
     grad_bytes = 4 if settings.grad_dtype == "fp32" else 2
     moment_bytes = 4 if settings.adam_state_dtype == "fp32" else 2

@@ -34,7 +34,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from shards_schema.errors import UserError
 from shards_schema.outdir import exclusive_output_dir
-from train import adapter_format, checkpoint
+from train import adapter_format, checkpoint, convert
 from train.config import ConfigError, TrainConfig
 from train.data import TrainData
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
@@ -88,12 +88,9 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
 
 
 def freeze(model, parts: list[str]) -> None:
-    """vision = the vision blocks and patch embedding; merger = the mergers (incl. DeepStack
-    mergers) that project into the LM; llm = the language model."""
+    """Stop training the parameters of `parts` (`convert.model_part`)."""
     for name, param in model.named_parameters():
-        part = ("llm" if name.startswith("language_model.") else
-                "merger" if name.startswith(("vision.merger", "vision.deepstack_merger_list")) else "vision")
-        if part in parts:
+        if convert.model_part(name) in parts:
             param.requires_grad_(False)
 
 
