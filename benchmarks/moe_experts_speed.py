@@ -12,15 +12,23 @@ one pack of `--tokens` random hidden states. Timed, median of interleaved rounds
   megatron-core's SequentialMLP, the TE-free alternative); both give the same outputs;
 - `dispatch` = layer - router - experts: permutation, exchange and un-permutation.
 
+Under torchrun with N processes the layer is expert-parallel over the N GPUs (EP=N, as the
+trainer's `--ep N`): each rank routes its own pack of `--tokens` tokens, holds num_experts / N
+experts, and the dispatch includes the all-to-all exchange of the routed rows. Each part is
+reported for the slowest rank (the one every other rank waits for) beside every rank's times.
+
     python benchmarks/moe_experts_speed.py --json-out benchmarks/results/moe_experts_speed_h100_<yyyymmdd>.json
+    python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/moe_experts_speed.py --tokens 8192
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from common import log, machine_info, parser, write_json
 from megatron.core.transformer.spec_utils import build_module
 
@@ -53,10 +61,14 @@ def main() -> None:
     lm = arch.lm
     if not lm.is_moe:
         raise SystemExit(f"--arch {args.arch} is not a Mixture-of-Experts architecture")
-    info = init_parallel(1, 1, device="cuda")
+    ep = int(os.environ.get("WORLD_SIZE", "1"))
+    if lm.num_experts % ep:
+        raise SystemExit(f"{lm.num_experts} experts cannot be split over {ep} ranks")
+    info = init_parallel(1, 1, ep=ep, device="cuda")
+    rank = dist.get_rank()
     config = transformer_config(arch, params_dtype=torch.bfloat16, bf16=True)
     layer = build_module(layer_spec(arch).submodules.mlp, config=config, layer_number=1).cuda().train()
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(rank)  # each rank routes its own tokens
     hidden = torch.randn(args.tokens, 1, lm.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
     grad = torch.randn_like(hidden)
 
@@ -100,19 +112,28 @@ def main() -> None:
     for _ in range(2):  # interleaved rounds
         for name, fn in parts.items():
             times[name] += timed(fn, args.warmup, args.steps // 2)
-    ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
-    ms["dispatch"] = ms["layer"] - ms["router"] - ms["experts"]
+    rank_ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+    rank_ms["dispatch"] = rank_ms["layer"] - rank_ms["router"] - rank_ms["experts"]
+    every_rank = [None] * ep
+    dist.all_gather_object(every_rank, rank_ms)
+    ms = {name: max(r[name] for r in every_rank) for name in rank_ms}  # the slowest rank sets the pace
+    local = lm.num_experts // ep
     flops = 3 * 2 * rows.shape[0] * 3 * lm.hidden_size * lm.moe_intermediate_size  # fwd + 2 bwd GEMMs, 3 projections
+    if rank:
+        destroy_parallel()
+        return
     log(f"{args.arch} MoE MLP: {lm.num_experts} experts (hidden {lm.hidden_size}, width {lm.moe_intermediate_size}), "
-        f"top-{lm.num_experts_per_tok}, {args.tokens} tokens; rows per expert {int(counts.min())}..{int(counts.max())}")
+        f"top-{lm.num_experts_per_tok}, {args.tokens} tokens per rank, EP={ep} ({local} experts per rank); "
+        f"rank 0's rows per expert {int(counts.min())}..{int(counts.max())}; times of the slowest rank")
     for name in ("layer", "router", "dispatch", "experts", "experts, one GEMM per expert"):
         share = f"{ms[name] / ms['layer']:6.1%} of the layer" if name in ("router", "dispatch", "experts") else ""
         log(f"  {name:30s} {ms[name]:8.2f} ms  {share}")
-    log(f"experts: grouped GEMM {flops / ms['experts'] / 1e9:.0f} TFLOP/s, "
+    log(f"experts: grouped GEMM {flops / rank_ms['experts'] / 1e9:.0f} TFLOP/s (rank 0), "
         f"{ms['experts, one GEMM per expert'] / ms['experts']:.2f}x faster than one GEMM per expert; "
         f"outputs differ by {rel:.1e} (relative)")
-    result = {"args": vars(args), "machine": machine_info(info.device), "ms": ms,
-              "experts_tflops": flops / ms["experts"] / 1e9, "relative_output_difference": rel,
+    result = {"args": vars(args), "machine": machine_info(info.device), "expert_parallel": ep, "ms": ms,
+              "ms_per_rank": every_rank,
+              "experts_tflops_rank0": flops / rank_ms["experts"] / 1e9, "relative_output_difference": rel,
               "rows_per_expert": {"min": int(counts.min()), "max": int(counts.max())},
               "per_expert_over_grouped": ms["experts, one GEMM per expert"] / ms["experts"]}
     if args.json_out:
