@@ -338,7 +338,7 @@ def print_table(res: dict) -> None:
     print("-" * (6 + width * len(names)))
 
     def row(label, fn):
-        print(label.ljust(24) + "".join(fn(runs[n]).rjust(width) for n in names), flush=True)
+        print(label.ljust(24) + "".join((" " + fn(runs[n])).rjust(width) for n in names), flush=True)
 
     width_label = 24
     print("".ljust(width_label) + "".join(n.rjust(width) for n in names))
@@ -459,6 +459,10 @@ def main(argv=None) -> int:
         run["status"] = "ok" if ok else ("timeout" if result["timed_out"] else "failed")
         if not ok:
             run["error_tail"] = result["tail"]
+            # the cause may sit far above the launcher's own tail: read the whole log
+            log_text = log_path.read_text(errors="replace").lower() if log_path.exists() else ""
+            run["out_of_memory"] = "outofmemoryerror" in log_text or "out of memory" in log_text \
+                or "out of gpu memory" in log_text
             if result["rc"] == 0:
                 run["note"] = f"exited 0 with {len(records)} of {steps} steps in metrics.jsonl"
         if records:
@@ -497,9 +501,7 @@ def main(argv=None) -> int:
             run["batch_per_rank"] = batch
             hf["tries"].append(run)
             write_json()
-            log_text = Path(run["log"]).read_text(errors="replace") if run.get("log") else ""
-            out_of_memory = "OutOfMemoryError" in log_text or "out of memory" in log_text.lower()
-            if run["status"] == "ok" or not out_of_memory:
+            if run["status"] == "ok" or not run.get("out_of_memory"):
                 break
         best = hf["tries"][-1]
         hf.update(status=best["status"], batch_per_rank=best["batch_per_rank"], summary=best.get("summary", {}))

@@ -9,6 +9,12 @@ follow the memory settings:
   optimizer   fp32 master weights + two Adam moments of 4 or 2 bytes (--adam-state-dtype) per
               trained parameter, split over the data-parallel ranks by the distributed
               optimizer.
+  step copy   4 bytes per trained parameter (over the data-parallel ranks with the
+              distributed optimizer) when gradients are bf16: megatron's optimizer step casts
+              every gradient to an fp32 copy, alive at once after the activations are freed.
+              The distributed optimizer with bf16 moments reads the bf16 buffer in place
+              (`optim.use_fast_step`) and makes no copy.
+A stage's peak is model state plus the larger of its activations and its step copy.
 Activations are an estimate in bytes per token (S tokens per micro-batch, h the hidden size),
 fitted to peaks measured on H100s (bf16, FlashAttention, packed sequences):
   a recomputed decoder layer keeps its input             LAYER_INPUT x h x S
@@ -101,10 +107,11 @@ class StagePlan:
     gradients: float
     optimizer: float
     activations: float
+    step_copy: float  # fp32 gradient copy of the optimizer step (activations freed by then)
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + max(self.activations, self.step_copy)
 
 
 def _stage_shapes(arch: ModelArch, layout: Layout, stage: int) -> dict[str, int]:
@@ -160,10 +167,12 @@ def plan_stage(arch: ModelArch, settings: Settings, layout: Layout, stage: int) 
         split = layout.dp if settings.distributed_optimizer and layout.ep == 1 else 1
     grad_bytes = 4 if settings.grad_dtype == "fp32" else 2
     moment_bytes = 4 if settings.adam_state_dtype == "fp32" else 2
+    fast_step = settings.distributed_optimizer and settings.adam_state_dtype == "bf16"
+    step_copy = 4.0 * trained / split if grad_bytes == 2 and not fast_step else 0.0
     return StagePlan(stage=stage, params=params, trained=trained, weights=2.0 * params,
                      gradients=float(grad_bytes * trained),
                      optimizer=trained * (4 + 2 * moment_bytes) / split,
-                     activations=_activations(arch, settings, layout, stage))
+                     activations=_activations(arch, settings, layout, stage), step_copy=step_copy)
 
 
 def plan(arch: ModelArch, settings: Settings, layout: Layout) -> list[StagePlan]:
@@ -224,6 +233,8 @@ def report(name: str, arch: ModelArch, settings: Settings, layout: Layout, gpu_g
     row("gradients", [f"{s.gradients / GIB:.1f}" for s in stages])
     row("optimizer", [f"{s.optimizer / GIB:.1f}" for s in stages])
     row("activations (estimate)", [f"{s.activations / GIB:.1f}" for s in stages])
+    if any(s.step_copy for s in stages):
+        row("step's fp32 gradient copy", [f"{s.step_copy / GIB:.1f}" for s in stages])
     row("total", [f"{s.total / GIB:.1f}" for s in stages])
     peak = max(s.total for s in stages) / GIB
     verdict = "fits" if peak <= FIT_FRACTION * gpu_gib else "does NOT fit"
