@@ -25,7 +25,7 @@ fitted to peaks measured on H100s (bf16, FlashAttention, packed sequences):
                                                            (or a kept MoE layer's bytes)
   the last stage's logits and loss                       LOGITS x S x vocab / tp
     (the constant also covers the vision tower's activations in a mix with about half of each
-     pack's tokens visual; a frozen tower keeps none, so LoRA runs come out up to 15 % high)
+     pack's tokens visual; a frozen tower keeps none, so LoRA runs come out 2-15 % high)
 Under pipeline parallelism a stage holds up to pp - stage micro-batches in flight (1F1B).
 The constants were fitted on four H100 runs (Qwen3-VL-2B with every layer recomputed and with
 24 of its 28 layers kept, Qwen3-VL-8B at TP=2, and the 30B-A3B architecture cut to 3 layers on
