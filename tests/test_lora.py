@@ -38,11 +38,12 @@ peft = pytest.importorskip("peft")
 
 TOLERANCE = 1e-4
 # kind -> (HF model, LoRA spec): every part adapted on Qwen3-VL, a subset of targets with a
-# fully trained merger on Qwen2.5-VL (fused layers with unadapted slots), attention on the MoE
+# fully trained merger and rank-stabilized scaling on Qwen2.5-VL (fused layers with unadapted
+# slots), attention on the MoE
 CASES = {
     "qwen3-vl": (tiny_qwen3_vl, lora.LoraSpec(rank=4, alpha=8, parts=("llm", "vision", "merger"))),
     "qwen2.5-vl": (tiny_qwen2_5_vl, lora.LoraSpec(rank=4, alpha=12, targets=("q_proj", "v_proj", "up_proj", "down_proj"),
-                                                  modules_to_save=("merger",))),
+                                                  modules_to_save=("merger",), rslora=True)),
     "qwen3-vl-moe": (tiny_qwen3_vl_moe, lora.LoraSpec(rank=8, alpha=8)),
 }
 
@@ -68,7 +69,7 @@ def data(tmp_path_factory):
 
 def peft_config(arch: ModelArch, spec: lora.LoraSpec, init: bool = False):
     return peft.LoraConfig(**{k: v for k, v in adapter_format.peft_config(spec, arch, None).items()
-                              if k in ("r", "lora_alpha", "target_modules", "modules_to_save")},
+                              if k in ("r", "lora_alpha", "target_modules", "modules_to_save", "use_rslora")},
                            init_lora_weights=init)
 
 
@@ -354,6 +355,10 @@ def test_init_lora_starts_from_a_peft_adapter(shards, hf_base, tmp_path, capsys)
                     "--init-lora", str(tmp_path / "adapter")])
     assert code == 2
     assert "its r is 8, this run's --lora-rank is 4; pass --lora-rank 8" in capsys.readouterr().err
+    code = vlmpack(["train", *lora_args(shards, hf_base, tmp_path / "other", steps=2), "--lora-rslora",
+                    "--init-lora", str(tmp_path / "adapter")])
+    assert code == 2
+    assert "its use_rslora is False, this run's is True; drop --lora-rslora" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, message", [

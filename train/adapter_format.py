@@ -104,7 +104,7 @@ def peft_config(spec: lora.LoraSpec, arch: ModelArch, base_model: str | None) ->
             "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
             "target_modules": lora.peft_target_regex(lora.resolve_sites(arch, spec)),
             "modules_to_save": peft_modules_to_save(arch, spec.modules_to_save) or None,
-            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": spec.rslora, "use_dora": False,
             "init_lora_weights": True, "inference_mode": True}
 
 
@@ -130,9 +130,12 @@ def check_peft_config(directory: str | Path, spec: lora.LoraSpec) -> dict:
         if float(config.get(key, -1)) != float(ours):
             raise CheckpointError(f"--init-lora {directory}: its {key} is {config.get(key)}, this run's {flag} is "
                                   f"{ours}; pass {flag} {config.get(key)}")
-    for key in ("use_dora", "use_rslora"):
-        if config.get(key):
-            raise CheckpointError(f"--init-lora {directory}: {key} adapters are not supported")
+    if config.get("use_dora"):
+        raise CheckpointError(f"--init-lora {directory}: use_dora adapters are not supported")
+    if bool(config.get("use_rslora")) != spec.rslora:
+        fix = "add --lora-rslora" if config.get("use_rslora") else "drop --lora-rslora"
+        raise CheckpointError(f"--init-lora {directory}: its use_rslora is {bool(config.get('use_rslora'))}, "
+                              f"this run's is {spec.rslora}; {fix}")
     return config
 
 

@@ -124,6 +124,7 @@ class TrainConfig:
                                      "default 0)")
     lora_alpha: float | None = _opt(None, "lora", "adapter outputs are scaled by alpha / rank (default 2 x --lora-rank)")
     lora_dropout: float = _opt(0.0, "lora", "dropout on the adapters' input (default 0)")
+    lora_rslora: bool = _opt(False, "lora", "rank-stabilized: scale by alpha / sqrt(rank) (PEFT's use_rslora)")
     lora_targets: list[str] = _opt([], "lora", "linear modules that get adapters, named as in PEFT's target_modules "
                                                "(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; vision: "
                                                "attn.qkv,attn.proj,...) or all-linear (default all-linear: every "
@@ -212,7 +213,8 @@ class TrainConfig:
     def _validate_lora(self) -> None:
         lora_flags = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_targets", "lora_parts",
                                                           "lora_modules_to_save", "init_lora")
-                      if getattr(self, n) not in (None, [])] + (["--lora-dropout"] if self.lora_dropout else [])
+                      if getattr(self, n) not in (None, [])] + (["--lora-dropout"] if self.lora_dropout else []) \
+            + (["--lora-rslora"] if self.lora_rslora else [])
         if self.lora_rank == 0:
             if lora_flags:
                 raise ConfigError(f"{', '.join(lora_flags)} configure LoRA: also give --lora-rank R (e.g. 16)")
@@ -245,7 +247,8 @@ class TrainConfig:
         return LoraSpec(rank=self.lora_rank, alpha=self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank,
                         dropout=self.lora_dropout, targets=tuple(self.lora_targets or [ALL_LINEAR]),
                         parts=tuple(p for p in ("llm", "vision", "merger") if p in (self.lora_parts or ["llm"])),
-                        modules_to_save=tuple(p for p in ("vision", "merger") if p in self.lora_modules_to_save))
+                        modules_to_save=tuple(p for p in ("vision", "merger") if p in self.lora_modules_to_save),
+                        rslora=self.lora_rslora)
 
     def global_packs(self, dp: int) -> int:
         """Packs per global batch; a multiple of dp * micro_batch_packs."""

@@ -68,19 +68,21 @@ class LoraSpec:
     targets: tuple[str, ...] = (ALL_LINEAR,)
     parts: tuple[str, ...] = ("llm",)
     modules_to_save: tuple[str, ...] = ()
+    rslora: bool = False  # rank-stabilized: alpha / sqrt(rank) (PEFT's use_rslora)
 
     @property
     def scaling(self) -> float:
-        return self.alpha / self.rank
+        return self.alpha / math.sqrt(self.rank) if self.rslora else self.alpha / self.rank
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets),
-                "parts": list(self.parts), "modules_to_save": list(self.modules_to_save)}
+                "parts": list(self.parts), "modules_to_save": list(self.modules_to_save), "rslora": self.rslora}
 
     @classmethod
     def from_dict(cls, d: dict) -> LoraSpec:
         return cls(rank=int(d["rank"]), alpha=float(d["alpha"]), dropout=float(d["dropout"]),
-                   targets=tuple(d["targets"]), parts=tuple(d["parts"]), modules_to_save=tuple(d["modules_to_save"]))
+                   targets=tuple(d["targets"]), parts=tuple(d["parts"]), modules_to_save=tuple(d["modules_to_save"]),
+                   rslora=bool(d.get("rslora", False)))
 
 
 @dataclass(frozen=True)
