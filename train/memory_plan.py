@@ -8,7 +8,7 @@ follow the memory settings:
   gradients   4 or 2 bytes per trained parameter (--grad-dtype);
   optimizer   fp32 master weights + two Adam moments of 4 or 2 bytes (--adam-state-dtype) per
               trained parameter, split over the data-parallel ranks by the distributed
-              optimizer.
+              optimizer (not under --ep, which runs without it).
   step copy   4 bytes per trained parameter (over the data-parallel ranks with the
               distributed optimizer) when gradients are bf16: megatron's optimizer step casts
               every gradient to an fp32 copy, alive at once after the activations are freed.
@@ -157,6 +157,7 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
 def plan_stage(arch: ModelArch, settings: Settings, layout: Layout, stage: int) -> StagePlan:
     shapes = _stage_shapes(arch, layout, stage)
     params = sum(shapes.values())
+    distributed = settings.distributed_optimizer and layout.ep == 1  # `--ep` runs without it
     if settings.lora is not None:
         adapters = _adapter_params(arch, settings.lora, layout, stage)
         saved = sum(n for k, n in shapes.items() if convert.model_part(k) in settings.lora.modules_to_save)
@@ -164,10 +165,10 @@ def plan_stage(arch: ModelArch, settings: Settings, layout: Layout, stage: int) 
         split = 1  # adapters are few: the plan keeps their optimizer state whole
     else:
         trained = sum(n for k, n in shapes.items() if convert.model_part(k) not in settings.freeze)
-        split = layout.dp if settings.distributed_optimizer and layout.ep == 1 else 1
+        split = layout.dp if distributed else 1
     grad_bytes = 4 if settings.grad_dtype == "fp32" else 2
     moment_bytes = 4 if settings.adam_state_dtype == "fp32" else 2
-    fast_step = settings.distributed_optimizer and settings.adam_state_dtype == "bf16"
+    fast_step = distributed and settings.adam_state_dtype == "bf16"
     step_copy = 4.0 * trained / split if grad_bytes == 2 and not fast_step else 0.0
     return StagePlan(stage=stage, params=params, trained=trained, weights=2.0 * params,
                      gradients=float(grad_bytes * trained),
