@@ -20,8 +20,9 @@ batch k * N + r of B samples (`to_padded_batch`, collated before the clock start
 timed from a barrier to a barrier, so every rank's step is in it. Rank 0 appends one record per
 step to OUT/metrics.jsonl with the trainer's keys: loss (mean over ranks), tokens (real tokens
 of all ranks), padded_tokens, step_seconds, tokens_per_s, tokens_per_s_per_gpu, mfu (6 * N_lm
-per real token) and rank 0's peak allocated memory. Out of memory is not caught: the launcher
-stops every rank, and loss_curves.py tries the next smaller batch.
+per real token), rank 0's peak allocated memory and, for a MoE model, the experts kernel
+transformers chose (`experts_implementation`: grouped_mm, batched_mm or eager). Out of memory
+is not caught: the launcher stops every rank, and loss_curves.py tries the next smaller batch.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     metrics = out / "metrics.jsonl"
     n_lm, peak = lm_flops_per_token(arch), peak_tflops(device) * 1e12
+    # which MoE experts kernel transformers chose (grouped_mm, batched_mm, eager); None when dense
+    experts = getattr(hf.model.config.get_text_config(), "_experts_implementation", None) if arch.lm.is_moe else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(1, args.steps + 1):
@@ -132,7 +135,8 @@ def main(argv=None) -> int:
                       "padded_tokens": int(totals[2]), "batch_per_rank": args.batch, "step_seconds": seconds,
                       "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world,
                       "mfu": tps / world * n_lm / peak if peak else None,
-                      "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
+                      "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                      "experts_implementation": experts}
             with open(metrics, "a") as f:
                 f.write(json.dumps(record) + "\n")
             print(f"step {step}/{args.steps}: {tokens:,} real tokens in {seconds:.2f} s ({tps:,.0f} tok/s), "

@@ -367,7 +367,8 @@ def print_table(res: dict) -> None:
         s = hf.get("summary", {})
         print(f"HF + FSDP2 on {hf['nproc']} GPUs: {hf['status']}, batch {hf['batch_per_rank']} per rank, "
               f"{fmt(s.get('tokens_per_s'), ',.0f')} tok/s, step {fmt(s.get('step_seconds'), '.3f')} s, "
-              f"rank0 peak {fmt(s.get('peak_memory_gib_rank0'), '.1f')} GiB", flush=True)
+              f"rank0 peak {fmt(s.get('peak_memory_gib_rank0'), '.1f')} GiB"
+              + (f", experts {hf['experts_implementation']}" if hf.get("experts_implementation") else ""), flush=True)
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -451,7 +452,7 @@ def main(argv=None) -> int:
             result = run_layout(cmd, env, log_path, timeout, name)
         records = read_metrics(out)
         keep = ("step", "loss", "target_tokens", "tokens", "padded_tokens", "lr", "grad_norm", "skipped",
-                "step_seconds", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
+                "step_seconds", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "experts_implementation")
         run["steps"] = [{k: r[k] for k in keep if k in r} for r in records]
         run["losses"] = [r["loss"] for r in records]
         run.update(rc=result["rc"], timed_out=result["timed_out"], wall_s=result["wall_s"], log=str(log_path))
@@ -504,7 +505,9 @@ def main(argv=None) -> int:
             if run["status"] == "ok" or not run.get("out_of_memory"):
                 break
         best = hf["tries"][-1]
-        hf.update(status=best["status"], batch_per_rank=best["batch_per_rank"], summary=best.get("summary", {}))
+        hf.update(status=best["status"], batch_per_rank=best["batch_per_rank"], summary=best.get("summary", {}),
+                  experts_implementation=next((r["experts_implementation"] for r in best.get("steps", [])
+                                               if r.get("experts_implementation")), None))
         hf_tps = hf["summary"].get("tokens_per_s") if best["status"] == "ok" else None
         for run in res["layouts"].values():
             ours = run.get("summary", {}).get("tokens_per_s")
