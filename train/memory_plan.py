@@ -246,6 +246,8 @@ def report(name: str, arch: ModelArch, settings: Settings, layout: Layout, gpu_g
     if settings.lora:
         lines.append("note: LoRA's frozen vision tower keeps no activations: the estimate is up to 15 % high")
     best = smallest_fit(arch, settings, gpu_gib)
-    lines.append(f"smallest layout that fits: {best[0].gpus} GPU(s) as {best[0]} ({best[1]:.1f} GiB)" if best
+    flags = " with --distributed-optimizer false (--ep runs without it)" if best and best[0].ep > 1 \
+        and settings.distributed_optimizer else ""
+    lines.append(f"smallest layout that fits: {best[0].gpus} GPU(s) as {best[0]}{flags} ({best[1]:.1f} GiB)" if best
                  else "no layout of up to 512 GPUs fits: lower --seq-len or use --recompute full and bf16 state")
     return "\n".join(lines)
