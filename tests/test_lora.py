@@ -37,13 +37,14 @@ from train.parallel import build_model, destroy_parallel, init_parallel
 peft = pytest.importorskip("peft")
 
 TOLERANCE = 1e-4
-# kind -> (HF model, LoRA spec): every part adapted on Qwen3-VL, a subset of targets with a
-# fully trained merger and rank-stabilized scaling on Qwen2.5-VL (fused layers with unadapted
-# slots), attention on the MoE
+# kind -> (HF model, LoRA spec): every part adapted on Qwen3-VL (with LoRA and with DoRA), a
+# subset of targets with a fully trained merger, rank-stabilized scaling and DoRA on Qwen2.5-VL
+# (fused layers with unadapted slots; q/k/v with a bias), attention on the MoE
 CASES = {
     "qwen3-vl": (tiny_qwen3_vl, lora.LoraSpec(rank=4, alpha=8, parts=("llm", "vision", "merger"))),
+    "qwen3-vl-dora": (tiny_qwen3_vl, lora.LoraSpec(rank=4, alpha=8, parts=("llm", "vision", "merger"), dora=True)),
     "qwen2.5-vl": (tiny_qwen2_5_vl, lora.LoraSpec(rank=4, alpha=12, targets=("q_proj", "v_proj", "up_proj", "down_proj"),
-                                                  modules_to_save=("merger",), rslora=True)),
+                                                  modules_to_save=("merger",), rslora=True, dora=True)),
     "qwen3-vl-moe": (tiny_qwen3_vl_moe, lora.LoraSpec(rank=8, alpha=8)),
 }
 
@@ -69,7 +70,8 @@ def data(tmp_path_factory):
 
 def peft_config(arch: ModelArch, spec: lora.LoraSpec, init: bool = False):
     return peft.LoraConfig(**{k: v for k, v in adapter_format.peft_config(spec, arch, None).items()
-                              if k in ("r", "lora_alpha", "target_modules", "modules_to_save", "use_rslora")},
+                              if k in ("r", "lora_alpha", "target_modules", "modules_to_save", "use_rslora",
+                                       "use_dora")},
                            init_lora_weights=init)
 
 
@@ -78,10 +80,20 @@ def peft_model(kind: str, seed: int = 0):
     model inside it, the base weights, architecture, spec)."""
     make, spec = CASES[kind]
     hf = make(seed)
+    with torch.no_grad():  # HF starts biases at zero, where DoRA's handling of them would not show
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in hf.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
     base = {k: v.clone() for k, v in hf.state_dict().items()}
     arch = ModelArch.from_hf_config(hf.config.to_dict())
     torch.manual_seed(seed)
-    return peft.get_peft_model(hf, peft_config(arch, spec)), hf, base, arch, spec
+    pm = peft.get_peft_model(hf, peft_config(arch, spec))
+    with torch.no_grad():  # DoRA starts each magnitude at its row's norm (a scale of 1): move them off it
+        for name, param in pm.named_parameters():
+            if lora.MAGNITUDE in name:
+                param.mul_(1 + 0.5 * torch.rand(param.shape))
+    return pm, hf, base, arch, spec
 
 
 def our_model(base: dict, arch, spec, adapters: dict, info, tp: int = 1):
@@ -111,7 +123,7 @@ def test_adapters_match_peft_logits_losses_and_gradients(kind, images, data, inf
     pm, hf, base, arch, spec = peft_model(kind)
     adapters = peft_state(pm)
     model, attached = our_model(base, arch, spec, adapters, info)
-    shards = data[kind.removesuffix("-moe")]
+    shards = data["qwen2.5-vl" if kind.startswith("qwen2.5") else "qwen3-vl"]
     pack = assemble_pack(pick(shards, images), pad_to_multiple=8, seq_len=None)
     rows, labels = real_rows(pack), torch.from_numpy(pack["labels"])
     keep = labels != IGNORE_INDEX
@@ -128,7 +140,8 @@ def test_adapters_match_peft_logits_losses_and_gradients(kind, images, data, inf
     losses.sum().backward()
 
     peft_grads = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if p.requires_grad}
-    peft_grads = {k.replace(".modules_to_save", ""): g for k, g in peft_grads.items()}
+    peft_grads = {k.replace(".modules_to_save", "").replace(f".{lora.MAGNITUDE}.weight", f".{lora.MAGNITUDE}"): g
+                  for k, g in peft_grads.items()}
     trained = attached.params | attached.saved_modules
     assert set(trained) == set(peft_grads), sorted(set(trained) ^ set(peft_grads))[:4]
     for key, param in trained.items():
@@ -144,6 +157,58 @@ def test_adapters_match_peft_logits_losses_and_gradients(kind, images, data, inf
         for p in attached.params.values():
             p.zero_()
         assert (our_forward(model, shards, pack, logits=True)[rows] - logits[rows]).abs().max() > 1e3 * TOLERANCE
+
+
+def test_dora_starts_at_the_base_and_its_peft_export_and_merge_give_our_logits(data, info, tmp_path):
+    """A fresh DoRA run starts each magnitude at its row's norm, as PEFT does, so the model is the
+    base; trained DoRA adapters exported in PEFT's format load in PEFT with our logits, and the
+    merged weights (rows scaled to their magnitudes) give them too."""
+    from transformers import AutoModelForImageTextToText
+
+    pm, hf, base, arch, spec = peft_model("qwen3-vl-dora")
+    shards = data["qwen3-vl"]
+    pack = assemble_pack(pick(shards, "mixed"), pad_to_multiple=8, seq_len=None)
+    rows = real_rows(pack)
+
+    def base_model():
+        model = tiny_qwen3_vl(0)
+        model.load_state_dict(base)
+        return model.eval()
+
+    fresh = base_model()
+    with torch.no_grad():
+        plain = fresh(**hf_inputs(fresh, shards, pack)).logits[0]
+        peft_fresh = peft.get_peft_model(base_model(), peft_config(arch, spec, init=True))
+    sites = lora.resolve_sites(arch, spec)
+
+    model = build_model(arch, transformer_config(arch, cpu=True), info)
+    convert.load_into_model(model, convert.shard(convert.hf_to_megatron(base, arch), arch, 1, 0, 1, 0))
+    attached = lora.attach(model, arch, spec, 1, range(arch.lm.num_layers))
+    attached.load_state_dict(lora.init_adapters(sites, spec.rank, seed=0), magnitudes_from_base=True)
+    with torch.no_grad():
+        start = our_forward(model, shards, pack, logits=True)
+        for name, param in peft_fresh.named_parameters():
+            if lora.MAGNITUDE in name:  # PEFT's start: ||W + scaling * B @ A|| with B = 0, i.e. ||W||
+                key = name.replace(".default.weight", "")
+                assert (attached.params[key] - param).abs().max() < 1e-5 * param.abs().max(), key
+    assert (start[rows] - plain[rows]).abs().max() < TOLERANCE
+
+    trained = peft_state(pm)  # random lora_B, magnitudes moved off the rows' norms
+    model, _ = our_model(base, arch, spec, trained, info)
+    (tmp_path / "peft").mkdir()
+    adapter_format.write_peft_dir(tmp_path / "peft", spec, arch, trained, None)
+    assert json.loads((tmp_path / "peft" / adapter_format.PEFT_CONFIG).read_text())["use_dora"] is True
+    merged_state = adapter_format.merge_into_hf(convert.canonical_hf_names(fresh.state_dict()), trained, spec, arch)
+    merged = AutoModelForImageTextToText.from_config(fresh.config).eval()
+    merged.load_state_dict(convert.hub_hf_names(merged_state, arch.family))
+    with torch.no_grad():
+        ours = our_forward(model, shards, pack, logits=True)
+        loaded = peft.PeftModel.from_pretrained(base_model(), tmp_path / "peft").eval()
+        ref = loaded(**hf_inputs(fresh, shards, pack)).logits[0]
+        merged_logits = merged(**hf_inputs(merged, shards, pack)).logits[0]
+    assert (ours[rows] - ref[rows]).abs().max() < TOLERANCE
+    assert (merged_logits[rows] - ref[rows]).abs().max() < TOLERANCE
+    assert (ref[rows] - plain[rows]).abs().max() > 1e2 * TOLERANCE  # the adapters change the model
 
 
 def test_peft_target_regex_selects_exactly_the_adapted_modules():
@@ -181,13 +246,16 @@ def _tp_worker(rank: int, world: int, port: int, spec: lora.LoraSpec, adapters: 
     destroy_parallel()
 
 
-def test_tp2_adapters_equal_one_process(tmp_path):
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_tp2_adapters_equal_one_process(tmp_path, dora):
     """Two gloo processes (TP=2: lora_B of column-parallel layers and lora_A of row-parallel
-    ones split) against one (TP=1): the same losses and, put back together, the same gradients."""
+    ones split; DoRA's magnitudes split as lora_B, its row norms summed over TP on row-parallel
+    layers) against one (TP=1): the same losses and, put back together, the same gradients."""
     import torch.multiprocessing as mp
 
-    pm, _, _, arch, _ = peft_model("qwen3-vl")
-    spec = lora.LoraSpec(rank=4, alpha=8)  # the language model's adapters: the text-only batch reaches them all
+    pm, _, _, arch, _ = peft_model("qwen3-vl-dora" if dora else "qwen3-vl")
+    # the language model's adapters: the text-only batch reaches them all
+    spec = lora.LoraSpec(rank=4, alpha=8, dora=dora)
     adapters = {k: v for k, v in peft_state(pm).items() if ".language_model." in k}
     for world in (1, 2):
         port = 29500 + os.getpid() % 400 + world
@@ -260,7 +328,8 @@ def lora_args(shards: Path, hf_base: Path, out: Path, steps: int = 4) -> list[st
 def lora_run(shards, hf_base, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("lora-run") / "run"
     report = out.parent / "report.json"
-    ok(run_train([str(report), *lora_args(shards, hf_base, out)], code=WATCH_PARAMETERS))
+    # DoRA: the run's checkpoints, resume and exports carry the magnitudes beside lora_A / lora_B
+    ok(run_train([str(report), *lora_args(shards, hf_base, out), "--lora-dora"], code=WATCH_PARAMETERS))
     return out, json.loads(report.read_text())
 
 
@@ -282,17 +351,18 @@ def test_checkpoints_hold_adapters_only_and_resume_bitwise(lora_run, shards, hf_
     assert meta["base"] == {"hf_model": str(hf_base.resolve())}
 
     resumed = tmp_path / "resumed"
-    ok(run_train([*lora_args(shards, hf_base, resumed), "--exit-interval", "2"]))
-    ok(run_train([*lora_args(shards, hf_base, resumed), "--resume"]))
+    ok(run_train([*lora_args(shards, hf_base, resumed), "--lora-dora", "--exit-interval", "2"]))
+    ok(run_train([*lora_args(shards, hf_base, resumed), "--lora-dora", "--resume"]))
     name = "adapter/adapter_tp0_pp0.safetensors"
     a, b = (convert.load_tensors(d / "checkpoints" / "step_00000004" / name) for d in (out, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith(lora.MAGNITUDE) for k in a)
     losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (out, resumed)]
     assert losses[0] == losses[1]
 
     changed = tmp_path / "changed"
     shutil_copy_run(resumed, changed)
-    proc = run_train([*lora_args(shards, hf_base, changed, steps=6), "--lora-rank", "4", "--resume"])
+    proc = run_train([*lora_args(shards, hf_base, changed, steps=6), "--lora-dora", "--lora-rank", "4", "--resume"])
     assert proc.returncode == 2 and "resume with the same --lora-* settings" in proc.stderr
 
 
@@ -312,6 +382,7 @@ def test_exported_peft_adapter_loads_in_peft_with_our_logits_and_merge_matches(l
     assert vlmpack(["export-hf", str(step), "--merge", "--out", str(tmp_path / "merged")]) == 0
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["r"] == 8 and config["lora_alpha"] == 16 and config["base_model_name_or_path"] == str(hf_base.resolve())
+    assert config["use_dora"] is True
 
     hf = AutoModelForImageTextToText.from_pretrained(hf_base).eval()
     with_adapter = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
@@ -369,6 +440,7 @@ def test_init_lora_starts_from_a_peft_adapter(shards, hf_base, tmp_path, capsys)
     (["--lora-rank", "4", "--lora-parts", "llm,merger", "--lora-modules-to-save", "merger"], "not both"),
     (["--lora-rank", "4", "--freeze", "llm"], "--freeze ['llm']: those parts are trained"),
     (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
+    (["--lora-rank", "4", "--lora-dora", "--lora-dropout", "0.1"], "--lora-dora with --lora-dropout 0.1"),
     (["--lora-rank", "4", "--init-lora", "{empty}"], "no adapter_config.json"),
 ])
 def test_bad_lora_settings_exit_2_with_one_line(shards, tmp_path, capsys, extra, message):

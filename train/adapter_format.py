@@ -77,7 +77,7 @@ def read_adapter_dir(directory: str | Path) -> tuple[dict, lora.LoraSpec, ModelA
 
 def check_adapter_state(full: dict[str, torch.Tensor], arch: ModelArch, spec: lora.LoraSpec, source: str) -> None:
     """CheckpointError naming the first adapter tensor that is missing or has the wrong shape."""
-    expected = lora.adapter_shapes(lora.resolve_sites(arch, spec), spec.rank)
+    expected = lora.adapter_shapes(lora.resolve_sites(arch, spec), spec.rank, spec.dora)
     for key, shape in expected.items():
         if key not in full:
             raise CheckpointError(f"{source}: adapter tensor {key} is missing")
@@ -104,7 +104,7 @@ def peft_config(spec: lora.LoraSpec, arch: ModelArch, base_model: str | None) ->
             "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
             "target_modules": lora.peft_target_regex(lora.resolve_sites(arch, spec)),
             "modules_to_save": peft_modules_to_save(arch, spec.modules_to_save) or None,
-            "bias": "none", "fan_in_fan_out": False, "use_rslora": spec.rslora, "use_dora": False,
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": spec.rslora, "use_dora": spec.dora,
             "init_lora_weights": True, "inference_mode": True}
 
 
@@ -130,12 +130,11 @@ def check_peft_config(directory: str | Path, spec: lora.LoraSpec) -> dict:
         if float(config.get(key, -1)) != float(ours):
             raise CheckpointError(f"--init-lora {directory}: its {key} is {config.get(key)}, this run's {flag} is "
                                   f"{ours}; pass {flag} {config.get(key)}")
-    if config.get("use_dora"):
-        raise CheckpointError(f"--init-lora {directory}: use_dora adapters are not supported")
-    if bool(config.get("use_rslora")) != spec.rslora:
-        fix = "add --lora-rslora" if config.get("use_rslora") else "drop --lora-rslora"
-        raise CheckpointError(f"--init-lora {directory}: its use_rslora is {bool(config.get('use_rslora'))}, "
-                              f"this run's is {spec.rslora}; {fix}")
+    for key, ours, flag in (("use_rslora", spec.rslora, "--lora-rslora"), ("use_dora", spec.dora, "--lora-dora")):
+        if bool(config.get(key)) != ours:
+            fix = f"add {flag}" if config.get(key) else f"drop {flag}"
+            raise CheckpointError(f"--init-lora {directory}: its {key} is {bool(config.get(key))}, this run's is "
+                                  f"{ours}; {fix}")
     return config
 
 
@@ -147,7 +146,7 @@ def read_peft_dir(directory: str | Path, arch: ModelArch, spec: lora.LoraSpec) -
     state = load_tensors(directory / PEFT_WEIGHTS)
     state = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
              for k, v in state.items()}
-    expected = lora.adapter_shapes(lora.resolve_sites(arch, spec), spec.rank)
+    expected = lora.adapter_shapes(lora.resolve_sites(arch, spec), spec.rank, spec.dora)
     extra = sorted(k for k in state if ".lora_" in k and k not in expected)
     if extra:
         raise CheckpointError(f"--init-lora {directory}: adapter {extra[0]} is on a module this run does not adapt "
@@ -160,12 +159,16 @@ def read_peft_dir(directory: str | Path, arch: ModelArch, spec: lora.LoraSpec) -
 def merge_into_hf(hf: dict[str, torch.Tensor], full: dict[str, torch.Tensor], spec: lora.LoraSpec,
                   arch: ModelArch) -> dict[str, torch.Tensor]:
     """HF weights (transformers 5.x names) with every adapter merged in (W + scaling * B @ A, in
-    fp32, stored in W's dtype) and the modules_to_save tensors replaced by the trained ones."""
+    fp32, stored in W's dtype; with DoRA each row then scaled to its magnitude) and the
+    modules_to_save tensors replaced by the trained ones."""
     out = dict(hf)
     for site in lora.resolve_sites(arch, spec):
         name = site.module + ".weight"
         delta = full[site.key("lora_B")].float() @ full[site.key("lora_A")].float()
-        out[name] = (hf[name].float() + spec.scaling * delta).to(hf[name].dtype)
+        merged = hf[name].float() + spec.scaling * delta
+        if spec.dora:
+            merged = merged * (full[site.key(lora.MAGNITUDE)].float() / merged.norm(dim=1))[:, None]
+        out[name] = merged.to(hf[name].dtype)
     for key, value in full.items():
         if ".lora_" not in key:
             name = key.removeprefix(lora.PEFT_PREFIX)

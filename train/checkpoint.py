@@ -140,7 +140,7 @@ def add_adapters(model, arch: ModelArch, config, info) -> None:
             else lora.init_adapters(adapters.sites, spec.rank, config.seed))
     local = lora.shard_adapters(full, adapters.sites, info.tp, info.tp_rank, layers, info.first_stage)
     saved = {k: full.get(k, p) for k, p in adapters.saved_modules.items()}  # a PEFT dir may carry trained modules
-    adapters.load_state_dict(local | saved)
+    adapters.load_state_dict(local | saved, magnitudes_from_base=spec.dora and not config.init_lora)
     adapters.base = base_reference(config)
     module.adapters = adapters
 

@@ -125,6 +125,7 @@ class TrainConfig:
     lora_alpha: float | None = _opt(None, "lora", "adapter outputs are scaled by alpha / rank (default 2 x --lora-rank)")
     lora_dropout: float = _opt(0.0, "lora", "dropout on the adapters' input (default 0)")
     lora_rslora: bool = _opt(False, "lora", "rank-stabilized: scale by alpha / sqrt(rank) (PEFT's use_rslora)")
+    lora_dora: bool = _opt(False, "lora", "DoRA: a trained magnitude per row (PEFT's use_dora)")
     lora_targets: list[str] = _opt([], "lora", "linear modules that get adapters, named as in PEFT's target_modules "
                                                "(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; vision: "
                                                "attn.qkv,attn.proj,...) or all-linear (default all-linear: every "
@@ -214,7 +215,7 @@ class TrainConfig:
         lora_flags = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_targets", "lora_parts",
                                                           "lora_modules_to_save", "init_lora")
                       if getattr(self, n) not in (None, [])] + (["--lora-dropout"] if self.lora_dropout else []) \
-            + (["--lora-rslora"] if self.lora_rslora else [])
+            + (["--lora-rslora"] if self.lora_rslora else []) + (["--lora-dora"] if self.lora_dora else [])
         if self.lora_rank == 0:
             if lora_flags:
                 raise ConfigError(f"{', '.join(lora_flags)} configure LoRA: also give --lora-rank R (e.g. 16)")
@@ -225,6 +226,9 @@ class TrainConfig:
             raise ConfigError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_dora and self.lora_dropout:
+            raise ConfigError(f"--lora-dora with --lora-dropout {self.lora_dropout}: DoRA here takes no dropout "
+                              "(it would need a second pass of the base layer); drop one of them")
         bad = sorted(set(self.lora_modules_to_save) - {"vision", "merger"})
         if bad:
             raise ConfigError(f"--lora-modules-to-save {bad}: choose from ['vision', 'merger']")
@@ -248,7 +252,7 @@ class TrainConfig:
                         dropout=self.lora_dropout, targets=tuple(self.lora_targets or [ALL_LINEAR]),
                         parts=tuple(p for p in ("llm", "vision", "merger") if p in (self.lora_parts or ["llm"])),
                         modules_to_save=tuple(p for p in ("vision", "merger") if p in self.lora_modules_to_save),
-                        rslora=self.lora_rslora)
+                        rslora=self.lora_rslora, dora=self.lora_dora)
 
     def global_packs(self, dp: int) -> int:
         """Packs per global batch; a multiple of dp * micro_batch_packs."""

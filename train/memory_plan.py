@@ -130,7 +130,7 @@ def _adapter_params(arch: ModelArch, spec: lora.LoraSpec, layout: Layout, stage:
             continue
         a_in = site.in_features // layout.tp if site.split == "row" else site.in_features
         b_out = site.out_features // layout.tp if site.split == "column" else site.out_features
-        total += spec.rank * (a_in + b_out)
+        total += spec.rank * (a_in + b_out) + (b_out if spec.dora else 0)  # DoRA: a magnitude per row
     return total
 
 

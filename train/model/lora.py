@@ -6,6 +6,12 @@ Every adapter belongs to one Hugging Face module (`model.language_model.layers.3
 full adapter state is a dict in PEFT's file names (`base_model.model.<module>.lora_A.weight`),
 so export and import are renames at most.
 
+DoRA (`dora`, PEFT's `use_dora`) adds a trained magnitude per output row,
+`lora_magnitude_vector` [out]: the layer computes `m / ||W + scaling * B @ A||_row * (W x + scaling
+* B A x) + bias`, the row norm recomputed every forward and kept out of the gradient, as PEFT does
+(its cost is one B @ A and one pass over W per layer, small next to the layer's GEMM on a pack).
+A fresh run starts the magnitude at the rows' norm, so the model starts as the base.
+
 Where the adapters sit:
 - language model: megatron fuses HF's modules, so one megatron linear carries several adapters:
   `linear_qkv` those of q/k/v_proj (each output placed into megatron's per-GQA-group [q, k, v]
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from torch import Tensor, nn
 
 from train.model.arch import ModelArch
@@ -44,6 +50,7 @@ LM_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 LM_MLP = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
 ADAPTER_PARTS = ("llm", "vision", "merger")
+MAGNITUDE = "lora_magnitude_vector"  # DoRA's trained magnitude per output row (PEFT's name)
 # megatron linear (within a decoder layer) -> (HF module under the layer, its slot in the linear)
 _MEGATRON_HOSTS = {
     "self_attention.linear_qkv": (("self_attn.q_proj", "q"), ("self_attn.k_proj", "k"), ("self_attn.v_proj", "v")),
@@ -69,6 +76,7 @@ class LoraSpec:
     parts: tuple[str, ...] = ("llm",)
     modules_to_save: tuple[str, ...] = ()
     rslora: bool = False  # rank-stabilized: alpha / sqrt(rank) (PEFT's use_rslora)
+    dora: bool = False  # a trained magnitude per output row (PEFT's use_dora)
 
     @property
     def scaling(self) -> float:
@@ -76,13 +84,19 @@ class LoraSpec:
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets),
-                "parts": list(self.parts), "modules_to_save": list(self.modules_to_save), "rslora": self.rslora}
+                "parts": list(self.parts), "modules_to_save": list(self.modules_to_save), "rslora": self.rslora,
+                "dora": self.dora}
 
     @classmethod
     def from_dict(cls, d: dict) -> LoraSpec:
         return cls(rank=int(d["rank"]), alpha=float(d["alpha"]), dropout=float(d["dropout"]),
                    targets=tuple(d["targets"]), parts=tuple(d["parts"]), modules_to_save=tuple(d["modules_to_save"]),
-                   rslora=bool(d.get("rslora", False)))
+                   rslora=bool(d.get("rslora", False)), dora=bool(d.get("dora", False)))
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The tensors of one adapter."""
+        return ("lora_A", "lora_B") + ((MAGNITUDE,) if self.dora else ())
 
 
 @dataclass(frozen=True)
@@ -96,8 +110,8 @@ class Site:
     split: str  # column (lora_B split by rows) | row (lora_A split by columns) | none (vision: no TP)
 
     def key(self, tensor: str) -> str:
-        """PEFT's file name of this module's `lora_A` / `lora_B`."""
-        return f"{PEFT_PREFIX}{self.module}.{tensor}.weight"
+        """PEFT's file name of this module's `lora_A` / `lora_B` / DoRA magnitude."""
+        return f"{PEFT_PREFIX}{self.module}.{tensor}" + ("" if tensor == MAGNITUDE else ".weight")
 
 
 def vision_part(name: str) -> str:
@@ -155,11 +169,13 @@ def peft_target_regex(sites: list[Site]) -> str:
 # --- full adapter states (PEFT names, whole tensors) and their per-rank parts -------------------
 
 
-def adapter_shapes(sites: list[Site], rank: int) -> dict[str, tuple[int, int]]:
+def adapter_shapes(sites: list[Site], rank: int, dora: bool = False) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for s in sites:
         shapes[s.key("lora_A")] = (rank, s.in_features)
         shapes[s.key("lora_B")] = (s.out_features, rank)
+        if dora:
+            shapes[s.key(MAGNITUDE)] = (s.out_features,)
     return shapes
 
 
@@ -180,8 +196,8 @@ def _crc(text: str) -> int:
 
 
 def _tp_dim(site: Site, tensor: str) -> int | None:
-    """The dim of `lora_A` / `lora_B` split over TP ranks, or None (whole on every rank)."""
-    if site.split == "column" and tensor == "lora_B":
+    """The dim of `lora_A` / `lora_B` / the magnitude split over TP ranks, or None (whole on every rank)."""
+    if site.split == "column" and tensor in ("lora_B", MAGNITUDE):
         return 0
     if site.split == "row" and tensor == "lora_A":
         return 1
@@ -205,7 +221,9 @@ def shard_adapters(full: dict[str, Tensor], sites: list[Site], tp: int, tp_rank:
     for s in sites:
         if not on_stage(s, layers, first_stage):
             continue
-        for tensor in ("lora_A", "lora_B"):
+        for tensor in ("lora_A", "lora_B", MAGNITUDE):
+            if s.key(tensor) not in full:  # no magnitude: LoRA, or a DoRA run's fresh start (from the base)
+                continue
             value, dim = full[s.key(tensor)], _tp_dim(s, tensor)
             local[s.key(tensor)] = value if dim is None else value.chunk(tp, dim)[tp_rank].clone()
     return local
@@ -215,8 +233,10 @@ def unshard_adapters(states: dict[int, dict[str, Tensor]], sites: list[Site]) ->
     """Per-TP-rank states (each holding its stages' keys, merged over PP) -> the full state."""
     full = {}
     for s in sites:
-        for tensor in ("lora_A", "lora_B"):
+        for tensor in ("lora_A", "lora_B", MAGNITUDE):
             dim, key = _tp_dim(s, tensor), s.key(tensor)
+            if key not in states[0]:
+                continue
             full[key] = states[0][key] if dim is None else torch.cat([states[r][key] for r in sorted(states)], dim)
     return full
 
@@ -225,16 +245,46 @@ def unshard_adapters(states: dict[int, dict[str, Tensor]], sites: list[Site]) ->
 
 
 class LoraBranch(nn.Module):
-    """One HF module's adapter on this rank: `lora_A` [r, in/TP?], `lora_B` [out/TP?, r]."""
+    """One HF module's adapter on this rank: `lora_A` [r, in/TP?], `lora_B` [out/TP?, r], and
+    with DoRA the magnitude [out/TP?] (split as lora_B)."""
 
     def __init__(self, a_shape: tuple[int, int], b_shape: tuple[int, int], dtype: torch.dtype, device,
-                 a_split: int | None, b_split: int | None):
+                 a_split: int | None, b_split: int | None, dora: bool = False):
         super().__init__()
         self.lora_A = nn.Parameter(torch.zeros(a_shape, dtype=dtype, device=device))
         self.lora_B = nn.Parameter(torch.zeros(b_shape, dtype=dtype, device=device))
-        for param, dim in ((self.lora_A, a_split), (self.lora_B, b_split)):
-            # megatron's TP attributes: the grad norm counts a split tensor on every rank, a whole one once
-            tensor_parallel.set_tensor_model_parallel_attributes(param, dim is not None, 0 if dim is None else dim, 1)
+        self.magnitude = nn.Parameter(torch.zeros(b_shape[0], dtype=dtype, device=device)) if dora else None
+        for param, dim in ((self.lora_A, a_split), (self.lora_B, b_split), (self.magnitude, b_split)):
+            if param is not None:
+                # megatron's TP attributes: the grad norm counts a split tensor on every rank, a whole one once
+                tensor_parallel.set_tensor_model_parallel_attributes(param, dim is not None, 0 if dim is None else dim, 1)
+
+    @torch.no_grad()
+    def row_norms(self, weight: Tensor, scaling: float, all_reduce: bool = False) -> Tensor:
+        """||W + scaling * B @ A|| per output row of this rank's `weight` rows (fp32, no gradient);
+        `all_reduce`: the rank holds some input columns only (row-parallel), so the squares are
+        summed over TP."""
+        merged = weight.float() + scaling * (self.lora_B.float() @ self.lora_A.float())
+        squares = merged.square().sum(1)
+        if all_reduce and parallel_state.get_tensor_model_parallel_world_size() > 1:
+            torch.distributed.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+        return squares.sqrt()
+
+
+def _dora_output(y: Tensor, base: Tensor, lora_out: Tensor, scale: Tensor) -> Tensor:
+    """DoRA's output from the base layer's output `y`, its part without bias `base`, the scaled
+    adapter output and the per-row scale m / ||W + scaling * B @ A||."""
+    scale = scale.to(y.dtype)
+    return y + (scale - 1) * base + scale * lora_out
+
+
+def _output_without_bias(host: nn.Module, y: Tensor) -> Tensor:
+    """The base layer's output without the bias it added (a megatron linear with skip_bias_add
+    returns its bias apart)."""
+    bias = getattr(host, "bias", None)
+    if bias is None or getattr(host, "skip_bias_add", False):
+        return y
+    return y - bias
 
 
 class LinearAdapter(nn.Module):
@@ -247,6 +297,17 @@ class LinearAdapter(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = F.dropout(x, self.dropout, self.training) if self.dropout else x
         return F.linear(F.linear(x, self.branch.lora_A), self.branch.lora_B) * self.scaling
+
+    def apply_to(self, host: nn.Linear, x: Tensor, y: Tensor) -> Tensor:
+        lora_out = self(x).to(y.dtype)
+        if self.branch.magnitude is None:
+            return y + lora_out
+        scale = self.branch.magnitude / self.branch.row_norms(host.weight, self.scaling)
+        return _dora_output(y, _output_without_bias(host, y), lora_out, scale)
+
+    @torch.no_grad()
+    def init_magnitudes(self, host: nn.Linear) -> None:
+        self.branch.magnitude.copy_(self.branch.row_norms(host.weight, self.scaling))
 
 
 class MegatronLinearAdapter(nn.Module):
@@ -261,6 +322,7 @@ class MegatronLinearAdapter(nn.Module):
         super().__init__()
         self.slots = nn.ModuleDict(slots)
         self.scaling, self.dropout, self.qkv_sizes, self.groups = scaling, dropout, qkv_sizes, groups
+        self._rows: dict = {}  # device -> DoRA's slot rows (`_slot_rows`)
 
     def forward(self, x: Tensor) -> Tensor:
         x = F.dropout(x, self.dropout, self.training) if self.dropout else x
@@ -277,6 +339,55 @@ class MegatronLinearAdapter(nn.Module):
         outs = {n: F.linear(h, self.slots[n].lora_B) for n, h in zip(names, pieces)}
         return self._layout(outs, x) * self.scaling
 
+    def apply_to(self, host: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        lora_out = self(x).to(y.dtype)
+        if next(iter(self.slots.values())).magnitude is None:
+            return y + lora_out
+        return _dora_output(y, _output_without_bias(host, y), lora_out, self._dora_scale(host))
+
+    def _slot_rows(self, device) -> dict[str, Tensor]:
+        """Each adapted slot's rows in this rank's fused output (megatron's layout, as `_layout`
+        builds it), found once per device (finding them syncs with the GPU)."""
+        if device not in self._rows:
+            widths = self._widths()
+            ids = {n: torch.arange(w, dtype=torch.float64) + sum(list(widths.values())[:i]) + 1
+                   for i, (n, w) in enumerate(widths.items())}
+            fused = self._layout({n: v[None] for n, v in ids.items()}, torch.zeros(1, 1))[0]
+            self._rows[device] = {n: torch.nonzero((fused >= ids[n][0]) & (fused <= ids[n][-1])).flatten().to(device)
+                                  for n in self.slots}
+        return self._rows[device]
+
+    def _widths(self) -> dict[str, int]:
+        """Every slot's output rows on this rank, adapted or not, in slot order."""
+        if self.qkv_sizes is None:
+            width = next(iter(self.slots.values())).lora_B.shape[0]
+            return {"gate": width, "up": width}
+        return {n: self.groups * self.qkv_sizes[n] for n in ("q", "k", "v")}
+
+    def _dora_scale(self, host: nn.Module) -> Tensor:
+        """m / ||W + scaling * B @ A|| per output row of this rank (1 on the rows of slots without
+        an adapter): gradient to the magnitudes only."""
+        weight = host.weight
+        if "row" in self.slots:
+            branch = self.slots["row"]
+            return branch.magnitude / branch.row_norms(weight, self.scaling, all_reduce=True)
+        scale = torch.ones(weight.shape[0], dtype=torch.float32, device=weight.device)
+        for name, rows in self._slot_rows(weight.device).items():
+            branch = self.slots[name]
+            scale = scale.index_copy(0, rows, branch.magnitude.float() / branch.row_norms(weight[rows], self.scaling))
+        return scale
+
+    @torch.no_grad()
+    def init_magnitudes(self, host: nn.Module) -> None:
+        weight = host.weight
+        if "row" in self.slots:
+            branch = self.slots["row"]
+            branch.magnitude.copy_(branch.row_norms(weight, self.scaling, all_reduce=True))
+            return
+        for name, rows in self._slot_rows(weight.device).items():
+            branch = self.slots[name]
+            branch.magnitude.copy_(branch.row_norms(weight[rows], self.scaling))
+
     def _layout(self, outs: dict[str, Tensor], x: Tensor) -> Tensor:
         lead = x.shape[:-1]
         if self.qkv_sizes is None:  # linear_fc1: [gate; up], both halves of one width
@@ -292,28 +403,33 @@ def _add_adapter_output(module, args, kwargs, output):
     """Forward hook of an adapted megatron linear: output (y, bias) -> (y + adapter(x), bias)."""
     x = args[0] if args else kwargs["input_"]
     y, bias = output
-    return y + module.lora(x).to(y.dtype), bias
+    return module.lora.apply_to(module, x, y), bias
 
 
 def _add_linear_adapter_output(module, args, output):
-    return output + module.lora(args[0]).to(output.dtype)
+    return module.lora.apply_to(module, args[0], output)
 
 
 class Adapters:
     """The adapters attached to one rank's model stage: PEFT key -> this rank's parameter."""
 
     def __init__(self, spec: LoraSpec, sites: list[Site], params: dict[str, nn.Parameter],
-                 saved_modules: dict[str, nn.Parameter]):
+                 saved_modules: dict[str, nn.Parameter], hosts: list[nn.Module] = ()):
         self.spec, self.sites, self.params = spec, sites, params
         self.saved_modules = saved_modules  # modules_to_save: PEFT key -> the model's own parameter
+        self.hosts = list(hosts)  # the adapted layers (each with its adapters as `.lora`)
         self.base: dict = {}  # the model the adapters belong to (train.checkpoint.base_reference)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: p.detach() for k, p in (self.params | self.saved_modules).items()}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, Tensor], magnitudes_from_base: bool = False) -> None:
+        """`magnitudes_from_base`: `state` holds no DoRA magnitudes; each starts as its rows' norm
+        of W + scaling * B @ A (with lora_B at zero, the base layer unchanged), as PEFT starts them."""
         expected = self.params | self.saved_modules
+        if magnitudes_from_base:
+            expected = {k: p for k, p in expected.items() if not k.endswith(MAGNITUDE)}
         missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         if missing or unexpected:
             raise ValueError(f"adapter state does not fit this model's adapters: missing {missing[:3]}, "
@@ -323,6 +439,9 @@ class Adapters:
                 raise ValueError(f"adapter tensor {key}: shape {tuple(state[key].shape)}, this model's adapter has "
                                  f"{tuple(param.shape)}")
             param.copy_(state[key])
+        if magnitudes_from_base:
+            for host in self.hosts:
+                host.lora.init_magnitudes(host)
 
 
 def saved_module_params(model, parts: tuple[str, ...]) -> dict[str, nn.Parameter]:
@@ -348,17 +467,21 @@ def attach(model, arch: ModelArch, spec: LoraSpec, tp: int, layers: range) -> Ad
         a = (spec.rank, site.in_features // (tp if a_dim is not None else 1))
         b = (site.out_features // (tp if b_dim is not None else 1), spec.rank)
         device = next(model.parameters()).device
-        made = LoraBranch(a, b, dtype, device, a_dim, b_dim)
+        made = LoraBranch(a, b, dtype, device, a_dim, b_dim, spec.dora)
         params[site.key("lora_A")], params[site.key("lora_B")] = made.lora_A, made.lora_B
+        if spec.dora:
+            params[site.key(MAGNITUDE)] = made.magnitude
         return made
 
     by_module = {s.module: s for s in sites}
+    hosts = []
     if model.vision is not None:
         for name, module in model.vision.named_modules():
             site = by_module.get(HF_VISION + name)
             if site is not None:
                 module.lora = LinearAdapter(branch(site), spec.scaling, spec.dropout)
                 module.register_forward_hook(_add_linear_adapter_output)
+                hosts.append(module)
     lm = arch.lm
     for local, layer in enumerate(model.language_model.decoder.layers):
         number = layers[local]
@@ -372,7 +495,8 @@ def attach(model, arch: ModelArch, spec: LoraSpec, tp: int, layers: range) -> Ad
                    if host_name.endswith("linear_qkv") else None)
             host.lora = MegatronLinearAdapter(adapted, spec.scaling, spec.dropout, qkv, lm.num_kv_heads // tp)
             host.register_forward_hook(_add_adapter_output, with_kwargs=True)
+            hosts.append(host)
     saved = saved_module_params(model, spec.modules_to_save)
     for param in saved.values():
         param.requires_grad_(True)
-    return Adapters(spec, sites, params, saved)
+    return Adapters(spec, sites, params, saved, hosts)
