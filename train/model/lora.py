@@ -93,11 +93,6 @@ class LoraSpec:
                    targets=tuple(d["targets"]), parts=tuple(d["parts"]), modules_to_save=tuple(d["modules_to_save"]),
                    rslora=bool(d.get("rslora", False)), dora=bool(d.get("dora", False)))
 
-    @property
-    def tensors(self) -> tuple[str, ...]:
-        """The tensors of one adapter."""
-        return ("lora_A", "lora_B") + ((MAGNITUDE,) if self.dora else ())
-
 
 @dataclass(frozen=True)
 class Site:
