@@ -164,8 +164,7 @@ def merge_into_hf(hf: dict[str, torch.Tensor], full: dict[str, torch.Tensor], sp
     out = dict(hf)
     for site in lora.resolve_sites(arch, spec):
         name = site.module + ".weight"
-        delta = full[site.key("lora_B")].float() @ full[site.key("lora_A")].float()
-        merged = hf[name].float() + spec.scaling * delta
+        merged = lora.merged_weight(hf[name], full[site.key("lora_A")], full[site.key("lora_B")], spec.scaling)
         if spec.dora:
             merged = merged * (full[site.key(lora.MAGNITUDE)].float() / merged.norm(dim=1))[:, None]
         out[name] = merged.to(hf[name].dtype)

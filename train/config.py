@@ -212,10 +212,10 @@ class TrainConfig:
                               f"(the decoder layers per pipeline stage whose activations are recomputed)")
 
     def _validate_lora(self) -> None:
-        lora_flags = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_targets", "lora_parts",
-                                                          "lora_modules_to_save", "init_lora")
-                      if getattr(self, n) not in (None, [])] + (["--lora-dropout"] if self.lora_dropout else []) \
-            + (["--lora-rslora"] if self.lora_rslora else []) + (["--lora-dora"] if self.lora_dora else [])
+        lora_flags = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_dropout", "lora_rslora", "lora_dora",
+                                                          "lora_targets", "lora_parts", "lora_modules_to_save",
+                                                          "init_lora")
+                      if getattr(self, n) not in (None, [], False, 0.0)]
         if self.lora_rank == 0:
             if lora_flags:
                 raise ConfigError(f"{', '.join(lora_flags)} configure LoRA: also give --lora-rank R (e.g. 16)")

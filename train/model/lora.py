@@ -259,11 +259,15 @@ class LoraBranch(nn.Module):
         """||W + scaling * B @ A|| per output row of this rank's `weight` rows (fp32, no gradient);
         `all_reduce`: the rank holds some input columns only (row-parallel), so the squares are
         summed over TP."""
-        merged = weight.float() + scaling * (self.lora_B.float() @ self.lora_A.float())
-        squares = merged.square().sum(1)
+        squares = merged_weight(weight, self.lora_A, self.lora_B, scaling).square().sum(1)
         if all_reduce and parallel_state.get_tensor_model_parallel_world_size() > 1:
             torch.distributed.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
         return squares.sqrt()
+
+
+def merged_weight(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -> Tensor:
+    """W + scaling * B @ A in fp32: what a merge writes, and whose row norms DoRA divides by."""
+    return weight.float() + scaling * (lora_B.float() @ lora_A.float())
 
 
 def _dora_output(y: Tensor, base: Tensor, lora_out: Tensor, scale: Tensor) -> Tensor:
