@@ -170,13 +170,17 @@ def test_dry_run_prints_the_split_and_the_smallest_layout_that_fits(capsys):
     assert rc == 0 and "does NOT fit" in out
     layout = out.split("smallest layout that fits: ")[1]
     assert int(layout.split(" GPU")[0]) > 8
-    # an expert-parallel layout names the flag it runs with
-    rc = vlmpack(["train", "--dry-run", "--arch", "qwen3-vl-30b-a3b", "--gpus", "4", "--ep", "4", "--seq-len", "8192",
-                  "--recompute", "full", "--grad-dtype", "bf16", "--adam-state-dtype", "bf16",
-                  "--gpu-memory-gib", "139.8"])
+    # expert parallel: the distributed optimizer splits the experts' state over dp / ep ranks
+    # (here 1: whole) and, with bf16 moments, makes no fp32 gradient copy
+    moe = ["train", "--dry-run", "--arch", "qwen3-vl-30b-a3b", "--gpus", "4", "--ep", "4", "--seq-len", "8192",
+           "--recompute", "full", "--grad-dtype", "bf16", "--adam-state-dtype", "bf16", "--gpu-memory-gib", "139.8"]
+    rc = vlmpack(moe)
+    out = capsys.readouterr().out
+    assert rc == 0 and "fits in" in out and "step's fp32 gradient copy" not in out
+    assert "smallest layout that fits: 4 GPU(s) as tp 1 x pp 1 x dp 4 (ep 4)" in out
+    rc = vlmpack([*moe, "--distributed-optimizer", "false"])
     out = capsys.readouterr().out
     assert rc == 0 and "does NOT fit" in out and "step's fp32 gradient copy" in out
-    assert "(ep 2) with --distributed-optimizer false (--ep runs without it)" in out
 
 
 def test_dry_run_settings_that_cannot_run_exit_2_with_one_line(capsys):

@@ -144,3 +144,35 @@ def test_gpu_moe_trains_and_resumes(shards, tmp_path):  # noqa: F811
     ok(run_train([*args, "--out", str(tmp_path / "part"), "--resume"]))
     np.testing.assert_allclose([m["loss"] for m in metrics(tmp_path / "part")][-3:],
                                [m["loss"] for m in steps][-3:], rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpu_expert_parallel_with_distributed_optimizer_saves_each_ranks_experts_and_resumes(shards, tmp_path):  # noqa: F811
+    """EP=2 on two GPUs with megatron's distributed optimizer (bf16 gradients and moments, the
+    fast step): the dense parameters' state is split over the two ranks, each rank keeps its
+    own experts' state (a chained optimizer). The background save's parameter state equals
+    megatron's own gather on both ranks; each expert-parallel rank writes its own file; a
+    stopped run resumes to the uninterrupted run's losses, which equal those of the same run
+    without the distributed optimizer."""
+    from tests.test_train import COMPARE_PARAMETER_STATE, GPU
+
+    args = [*MOE, *GPU, "--ep", "2", "--grad-dtype", "bf16", "--adam-state-dtype", "bf16", "--data", str(shards),
+            "--train-steps", "6", "--save-every", "3"]
+    full, part, plain = tmp_path / "full", tmp_path / "part", tmp_path / "plain"
+    proc = ok(run_train([*args, "--out", str(full)], nproc=2, code=COMPARE_PARAMETER_STATE))
+    assert proc.stdout.count("parameter state of step 3: same") == 2, proc.stdout[-2000:]
+    ckpt = full / "checkpoints" / "step_00000003"
+    files = sorted(ckpt.glob("optimizer_param_state_*.pt"))
+    assert [f.name for f in files] == ["optimizer_param_state_pp0_tp0_ep0.pt", "optimizer_param_state_pp0_tp0_ep1.pt"]
+    (dense0, experts0), (dense1, experts1) = (torch.load(f, weights_only=False) for f in files)
+    assert dense0 is not None and dense1 is None  # DP rank 0 writes the dense state
+    moments = [next(iter(s[0].values()))["exp_avg"] for s in (experts0, experts1)]  # buffer 0, its one dtype
+    assert moments[0].shape == moments[1].shape and not torch.equal(*moments)  # each rank's own experts
+    ok(run_train([*args, "--out", str(part), "--exit-interval", "3"], nproc=2))
+    ok(run_train([*args, "--out", str(part), "--resume"], nproc=2))
+    ok(run_train([*args, "--out", str(plain), "--distributed-optimizer", "false"], nproc=2))
+    losses = [m["loss"] for m in metrics(full)]
+    assert [m["step"] for m in metrics(part)] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([m["loss"] for m in metrics(part)], losses, rtol=2e-2)
+    np.testing.assert_allclose([m["loss"] for m in metrics(plain)], losses, rtol=2e-2)

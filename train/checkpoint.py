@@ -4,7 +4,9 @@
         model/               the weights as a Megatron model directory (train.convert's format:
                              `vlmpack export-hf` and `--init` read it directly)
         rank_00000.pt ...    per rank: optimizer (+ scheduler), RNG states, step
-        optimizer_param_state_pp{p}_tp{t}.pt  distributed optimizer's parameter state (DP rank 0 of each model-parallel group)
+        optimizer_param_state_pp{p}_tp{t}[_ep{e}].pt  distributed optimizer's parameter state, written
+                             by DP rank 0 of each model-parallel group; under --ep one file per
+                             expert-parallel rank, which alone holds its experts' state
         trainer.json         step, loader state, config, arch, layout
     OUT/checkpoints/latest   name of the newest complete checkpoint
 
@@ -171,6 +173,15 @@ def _distributed_optimizers(optimizer) -> list:
 
 def _uses_distributed_optimizer(optimizer) -> bool:
     return bool(_distributed_optimizers(optimizer))
+
+
+def parameter_state_file(info) -> str:
+    """This rank's file of the distributed optimizer's parameter state. Under --ep a rank writes
+    the dense parameters' state if it is DP rank 0 and its experts' state if it is rank 0 of
+    the ranks that hold the same experts (megatron's chained list, the other entry None), so
+    each expert-parallel rank has a file of its own."""
+    ep = f"_ep{info.ep_rank}" if info.ep > 1 else ""
+    return f"optimizer_param_state_pp{info.pp_rank}_tp{info.tp_rank}{ep}.pt"
 
 
 def _load_parameter_state(optimizer, filename: str) -> None:
@@ -541,7 +552,7 @@ class CheckpointSaver:
             if isinstance(param_state, ParameterStateSnapshot):
                 param_state = param_state.assemble()  # a collective of the DP group's writer threads
             if param_state is not None:
-                _torch_save(param_state, tmp / f"optimizer_param_state_pp{info.pp_rank}_tp{info.tp_rank}.pt")
+                _torch_save(param_state, tmp / parameter_state_file(info))
             if info.is_main:
                 if state["lora"]:
                     spec, base = state["lora"]
@@ -644,7 +655,7 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
     rank_state = torch.load(path / f"rank_{info.rank:05d}.pt", map_location="cpu", weights_only=False)
     optimizer.load_state_dict(rank_state["optimizer"])
     if _uses_distributed_optimizer(optimizer):
-        _load_parameter_state(optimizer, str(path / f"optimizer_param_state_pp{info.pp_rank}_tp{info.tp_rank}.pt"))
+        _load_parameter_state(optimizer, str(path / parameter_state_file(info)))
     scheduler.load_state_dict(rank_state["scheduler"])
     data.load_state_dict(meta["loader"])
     _set_rng_state(rank_state["rng"], info.device)

@@ -7,10 +7,10 @@ follow the memory settings:
   weights     2 bytes per parameter (bf16 on GPUs; a LoRA base is frozen in bf16 too);
   gradients   4 or 2 bytes per trained parameter (--grad-dtype);
   optimizer   fp32 master weights + two Adam moments of 4 or 2 bytes (--adam-state-dtype) per
-              trained parameter, split over the data-parallel ranks by the distributed
-              optimizer (not under --ep, which runs without it).
-  step copy   4 bytes per trained parameter (over the data-parallel ranks with the
-              distributed optimizer) when gradients are bf16: megatron's optimizer step casts
+              trained parameter, split by the distributed optimizer over the ranks that hold
+              the same parameter: the data-parallel ranks, for experts dp / ep of them.
+  step copy   4 bytes per trained parameter (split as the optimizer state) when gradients
+              are bf16: megatron's optimizer step casts
               every gradient to an fp32 copy, alive at once after the activations are freed.
               The distributed optimizer with bf16 moments reads the bf16 buffer in place
               (`optim.use_fast_step`) and makes no copy.
@@ -154,25 +154,33 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
     return in_flight * per_micro_batch + working + logits
 
 
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
 def plan_stage(arch: ModelArch, settings: Settings, layout: Layout, stage: int) -> StagePlan:
     shapes = _stage_shapes(arch, layout, stage)
     params = sum(shapes.values())
-    distributed = settings.distributed_optimizer and layout.ep == 1  # `--ep` runs without it
+    distributed = settings.distributed_optimizer
     if settings.lora is not None:
         adapters = _adapter_params(arch, settings.lora, layout, stage)
         saved = sum(n for k, n in shapes.items() if convert.model_part(k) in settings.lora.modules_to_save)
         params, trained = params + adapters, adapters + saved
-        split = 1  # adapters are few: the plan keeps their optimizer state whole
+        sharded = float(trained)  # adapters are few: the plan keeps their optimizer state whole
     else:
-        trained = sum(n for k, n in shapes.items() if convert.model_part(k) not in settings.freeze)
-        split = layout.dp if distributed else 1
+        trained_shapes = {k: n for k, n in shapes.items() if convert.model_part(k) not in settings.freeze}
+        trained = sum(trained_shapes.values())
+        experts = sum(n for k, n in trained_shapes.items() if _is_expert(k))
+        # what this rank's optimizer holds: each parameter split over the ranks that hold it
+        sharded = ((trained - experts) / layout.dp + experts / (layout.dp // layout.ep)) if distributed \
+            else float(trained)
     grad_bytes = 4 if settings.grad_dtype == "fp32" else 2
     moment_bytes = 4 if settings.adam_state_dtype == "fp32" else 2
     fast_step = distributed and settings.adam_state_dtype == "bf16"
-    step_copy = 4.0 * trained / split if grad_bytes == 2 and not fast_step else 0.0
+    step_copy = 4.0 * sharded if grad_bytes == 2 and not fast_step else 0.0
     return StagePlan(stage=stage, params=params, trained=trained, weights=2.0 * params,
                      gradients=float(grad_bytes * trained),
-                     optimizer=trained * (4 + 2 * moment_bytes) / split,
+                     optimizer=sharded * (4 + 2 * moment_bytes),
                      activations=_activations(arch, settings, layout, stage), step_copy=step_copy)
 
 
@@ -246,8 +254,6 @@ def report(name: str, arch: ModelArch, settings: Settings, layout: Layout, gpu_g
     if settings.lora:
         lines.append("note: LoRA's frozen vision tower keeps no activations: the estimate is up to 15 % high")
     best = smallest_fit(arch, settings, gpu_gib)
-    flags = " with --distributed-optimizer false (--ep runs without it)" if best and best[0].ep > 1 \
-        and settings.distributed_optimizer else ""
-    lines.append(f"smallest layout that fits: {best[0].gpus} GPU(s) as {best[0]}{flags} ({best[1]:.1f} GiB)" if best
+    lines.append(f"smallest layout that fits: {best[0].gpus} GPU(s) as {best[0]} ({best[1]:.1f} GiB)" if best
                  else "no layout of up to 512 GPUs fits: lower --seq-len or use --recompute full and bf16 state")
     return "\n".join(lines)

@@ -284,9 +284,6 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     freeze(model, config.freeze)
 
     use_distributed = config.distributed_optimizer and cuda  # megatron's DistributedOptimizer is CUDA-only
-    if use_distributed and config.ep > 1:
-        raise ConfigError(f"--ep {config.ep} with the distributed optimizer: its checkpoints do not yet hold the "
-                          "expert-parallel optimizer state; pass --distributed-optimizer false")
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_dtype == "fp32",
                                                overlap_grad_reduce=False, use_distributed_optimizer=use_distributed)
     model = DistributedDataParallel(model_config, ddp_config, model)
