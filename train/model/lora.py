@@ -259,31 +259,29 @@ class LoraBranch(nn.Module):
         """||W + scaling * B @ A|| per output row of this rank's `weight` rows (fp32, no gradient);
         `all_reduce`: the rank holds some input columns only (row-parallel), so the squares are
         summed over TP."""
-        squares = merged_weight(weight, self.lora_A, self.lora_B, scaling).square().sum(1)
-        if all_reduce and parallel_state.get_tensor_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+        merged = merged_weight(weight, self.lora_A, self.lora_B, scaling)
+        if not (all_reduce and parallel_state.get_tensor_model_parallel_world_size() > 1):
+            return torch.linalg.vector_norm(merged, dim=1)
+        squares = merged.square().sum(1)
+        torch.distributed.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
         return squares.sqrt()
 
 
 def merged_weight(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -> Tensor:
     """W + scaling * B @ A in fp32: what a merge writes, and whose row norms DoRA divides by."""
-    return weight.float() + scaling * (lora_B.float() @ lora_A.float())
+    return torch.addmm(weight.float(), lora_B.float(), lora_A.float(), alpha=scaling)
 
 
-def _dora_output(y: Tensor, base: Tensor, lora_out: Tensor, scale: Tensor) -> Tensor:
-    """DoRA's output from the base layer's output `y`, its part without bias `base`, the scaled
-    adapter output and the per-row scale m / ||W + scaling * B @ A||."""
+def _dora_output(host: nn.Module, y: Tensor, lora_out: Tensor, scale: Tensor) -> Tensor:
+    """DoRA's output from the base layer's output `y`, the scaled adapter output and the per-row
+    scale m / ||W + scaling * B @ A||: scale * (W x + lora_out), plus the bias the layer added
+    (a megatron linear with skip_bias_add returns its bias apart). Two passes over the
+    activations, the fewest this form allows."""
     scale = scale.to(y.dtype)
-    return y + (scale - 1) * base + scale * lora_out
-
-
-def _output_without_bias(host: nn.Module, y: Tensor) -> Tensor:
-    """The base layer's output without the bias it added (a megatron linear with skip_bias_add
-    returns its bias apart)."""
     bias = getattr(host, "bias", None)
     if bias is None or getattr(host, "skip_bias_add", False):
-        return y
-    return y - bias
+        return scale * (y + lora_out)
+    return torch.addcmul(bias, scale, y - bias + lora_out)
 
 
 class LinearAdapter(nn.Module):
@@ -295,14 +293,14 @@ class LinearAdapter(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = F.dropout(x, self.dropout, self.training) if self.dropout else x
-        return F.linear(F.linear(x, self.branch.lora_A), self.branch.lora_B) * self.scaling
+        return F.linear(F.linear(x, self.branch.lora_A), self.branch.lora_B * self.scaling)
 
     def apply_to(self, host: nn.Linear, x: Tensor, y: Tensor) -> Tensor:
         lora_out = self(x).to(y.dtype)
         if self.branch.magnitude is None:
             return y + lora_out
         scale = self.branch.magnitude / self.branch.row_norms(host.weight, self.scaling)
-        return _dora_output(y, _output_without_bias(host, y), lora_out, scale)
+        return _dora_output(host, y, lora_out, scale)
 
     @torch.no_grad()
     def init_magnitudes(self, host: nn.Linear) -> None:
@@ -328,21 +326,22 @@ class MegatronLinearAdapter(nn.Module):
         if "row" in self.slots:  # x holds this rank's input columns: sum the partial products over TP
             branch = self.slots["row"]
             hidden = tensor_parallel.reduce_from_tensor_model_parallel_region(F.linear(x, branch.lora_A))
-            return F.linear(hidden, branch.lora_B) * self.scaling
+            return F.linear(hidden, branch.lora_B * self.scaling)
         names = list(self.slots)
         # one GEMM for the slots' lora_A (all see the same input); the TP ranks' lora_B parts then
         # each give part of the output, so the input gradient is summed over TP
         hidden = F.linear(x, torch.cat([self.slots[n].lora_A for n in names]))
         hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
         pieces = hidden.split([self.slots[n].lora_A.shape[0] for n in names], -1)
-        outs = {n: F.linear(h, self.slots[n].lora_B) for n, h in zip(names, pieces)}
-        return self._layout(outs, x) * self.scaling
+        # the scaling applied to each small lora_B, not to the activations (one pass fewer)
+        outs = {n: F.linear(h, self.slots[n].lora_B * self.scaling) for n, h in zip(names, pieces)}
+        return self._layout(outs, x)
 
     def apply_to(self, host: nn.Module, x: Tensor, y: Tensor) -> Tensor:
         lora_out = self(x).to(y.dtype)
         if next(iter(self.slots.values())).magnitude is None:
             return y + lora_out
-        return _dora_output(y, _output_without_bias(host, y), lora_out, self._dora_scale(host))
+        return _dora_output(host, y, lora_out, self._dora_scale(host))
 
     def _slot_rows(self, device) -> dict[str, Tensor]:
         """Each adapted slot's rows in this rank's fused output (megatron's layout, as `_layout`
