@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import EXIT_USER_ERROR, UserError, user_error_from_os_error
@@ -66,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(command.run(args) or 0)
     except UserError as exc:
         return _fail(name, exc)
+    except BrokenPipeError:
+        # the reader of our output went away (`| head`): stop quietly, as Unix tools do; stdout
+        # now points at devnull so that the interpreter's final flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except OSError as exc:
         mapped = user_error_from_os_error(exc)
         if mapped is None:

@@ -440,3 +440,12 @@ def test_inspect_counts_videos_frames_seconds_and_tokens(tmp_path, capsys):
     assert totals["video_seconds"] == pytest.approx(float((grids[:, 0] * seconds).sum()))
     code, text, _ = _cli(capsys, "inspect", str(out))
     assert code == 0 and f"videos           5  {totals['video_frames']:,} frames" in text
+
+
+def test_output_into_a_closed_pipe_stops_quietly():
+    """`vlmpack ... | head`: the reader is gone before the command writes; no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "shards_schema.cli", "train", "--dry-run", "--arch", "qwen3-vl-2b"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[1])
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err

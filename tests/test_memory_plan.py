@@ -57,7 +57,7 @@ def _settings(args: dict, trainer_args=(), layers=None) -> tuple[str, memory_pla
         grad_dtype=flags.get("grad-dtype") or args.get("grad_dtype") or "fp32",
         adam_state_dtype=flags.get("adam-state-dtype") or args.get("adam_state_dtype") or "fp32",
         distributed_optimizer=flags.get("distributed-optimizer", "true") == "true",
-        lora=lora.LoraSpec(rank=rank, alpha=2.0 * rank) if rank else None)
+        lora=lora.LoraSpec(rank=rank, alpha=2.0 * rank, dora=flags.get("lora-dora") == "true") if rank else None)
     return args["arch"].removesuffix(f"-{layers}l") if layers else args["arch"], settings
 
 

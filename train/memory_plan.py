@@ -22,14 +22,15 @@ fitted to peaks measured on H100s (bf16, FlashAttention, packed sequences):
     a Mixture-of-Experts layer adds, for the top-k copies of each token that megatron's
     dispatcher permutes, routes and gathers back       MOE_KEPT x k x h x S
   one layer being recomputed, when any is                RECOMPUTE_WORKING x h x S
-                                                           (or a kept MoE layer's bytes)
+    a Mixture-of-Experts layer adds                      MOE_RECOMPUTE_WORKING x k x h x S
   the last stage's logits and loss                       LOGITS x S x vocab / tp
     (the constant also covers the vision tower's activations in a mix with about half of each
      pack's tokens visual; a frozen tower keeps none, so LoRA runs come out 2-15 % high)
 Under pipeline parallelism a stage holds up to pp - stage micro-batches in flight (1F1B).
 The constants were fitted on four H100 runs (Qwen3-VL-2B with every layer recomputed and with
 24 of its 28 layers kept, Qwen3-VL-8B at TP=2, and the 30B-A3B architecture cut to 3 layers on
-one GPU); tests/test_memory_plan.py checks the plan against every recorded peak in
+one GPU), the MoE recompute term on two H200 runs (30B-A3B with 3 and 48 layers, every layer
+recomputed); tests/test_memory_plan.py checks the plan against every recorded peak in
 benchmarks/results. The vision tower's own activations are modelled only as recomputed
 (--recompute full): without recompute it keeps them all, and the plan says so (the 2B
 architecture at 8k packs then peaked 23 % above it).
@@ -52,6 +53,7 @@ LAYER_KEPT = 39.8
 RECOMPUTE_WORKING = 37.0
 LOGITS = 3.0
 MOE_KEPT = 48.7
+MOE_RECOMPUTE_WORKING = 23.0
 FIT_FRACTION = 0.95  # of a GPU's memory: the rest is the CUDA context and the allocator's fragments
 
 
@@ -148,7 +150,9 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
         kept_per_layer += MOE_KEPT * lm.num_experts_per_tok * lm.hidden_size
     per_micro_batch = tokens * (recomputed * LAYER_INPUT * lm.hidden_size + kept * kept_per_layer)
     in_flight = min(layout.pp - stage, settings.micro_batches(layout.dp))
-    working_per_token = kept_per_layer if lm.is_moe else RECOMPUTE_WORKING * lm.hidden_size
+    working_per_token = RECOMPUTE_WORKING * lm.hidden_size
+    if lm.is_moe:
+        working_per_token += MOE_RECOMPUTE_WORKING * lm.num_experts_per_tok * lm.hidden_size
     working = tokens * working_per_token if recomputed else 0.0
     logits = tokens * LOGITS * lm.vocab_size / layout.tp if stage == layout.pp - 1 else 0.0
     return in_flight * per_micro_batch + working + logits
