@@ -19,21 +19,23 @@ Activations are an estimate in bytes per token (S tokens per micro-batch, h the 
 fitted to peaks measured on H100s (bf16, FlashAttention, packed sequences):
   a recomputed decoder layer keeps its input             LAYER_INPUT x h x S
   a layer that keeps its activations for backward        LAYER_KEPT x h x S
-    a Mixture-of-Experts layer adds, for the top-k copies of each token that megatron's
-    dispatcher permutes, routes and gathers back       MOE_KEPT x k x h x S
+    (a Mixture-of-Experts layer measured no more: 30B-A3B's, with 8 experts of width 768 a
+     token, matches a dense layer of its hidden size)
   one layer being recomputed, when any is                RECOMPUTE_WORKING x h x S
     a Mixture-of-Experts layer adds                      MOE_RECOMPUTE_WORKING x k x h x S
   the last stage's logits and loss                       LOGITS x S x vocab / tp
-    (the constant also covers the vision tower's activations in a mix with about half of each
-     pack's tokens visual; a frozen tower keeps none, so LoRA runs come out 2-15 % high)
+    (the constant also covers a recomputed vision tower's working set; a frozen tower keeps
+     none, so LoRA runs come out 2-15 % high)
+  a vision tower that keeps its activations (trained, not recomputed), on stage 0, for the
+  P = S x visual share x merge^2 patches of a micro-batch    VISION_KEPT x P x depth x hv / tp
+    (hv its hidden size; the visual share is the shards' visual tokens per token, read from
+     the manifests of --data, else VISUAL_SHARE, that of the recorded mixes)
 Under pipeline parallelism a stage holds up to pp - stage micro-batches in flight (1F1B).
-The constants were fitted on four H100 runs (Qwen3-VL-2B with every layer recomputed and with
-24 of its 28 layers kept, Qwen3-VL-8B at TP=2, and the 30B-A3B architecture cut to 3 layers on
-one GPU), the MoE recompute term on two H200 runs (30B-A3B with 3 and 48 layers, every layer
-recomputed); tests/test_memory_plan.py checks the plan against every recorded peak in
-benchmarks/results. The vision tower's own activations are modelled only as recomputed
-(--recompute full): without recompute it keeps them all, and the plan says so (the 2B
-architecture at 8k packs then peaked 23 % above it).
+The constants were fitted on three H100 runs (Qwen3-VL-2B with every layer recomputed and with
+24 of its 28 layers kept, Qwen3-VL-8B at TP=2), the MoE recompute term on two H200 runs
+(30B-A3B with 3 and 48 layers, every layer recomputed) and VISION_KEPT on the 2B runs without
+recompute (H200s, 8k packs, 1 and 2 GPUs); tests/test_memory_plan.py checks the plan against
+every recorded peak in benchmarks/results.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ LAYER_INPUT = 2.0
 LAYER_KEPT = 39.8
 RECOMPUTE_WORKING = 37.0
 LOGITS = 3.0
-MOE_KEPT = 48.7
+VISION_KEPT = 66.9
+VISUAL_SHARE = 0.34
 MOE_RECOMPUTE_WORKING = 23.0
 FIT_FRACTION = 0.95  # of a GPU's memory: the rest is the CUDA context and the allocator's fragments
 
@@ -87,6 +90,7 @@ class Settings:
     freeze: tuple[str, ...] = ()
     lora: lora.LoraSpec | None = None
     recompute_vision: bool | None = None  # default: with --recompute full
+    visual_share: float = VISUAL_SHARE  # visual tokens per pack token
 
     @property
     def vision_keeps_activations(self) -> bool:
@@ -146,8 +150,6 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
         recomputed = 0
     kept = layers - recomputed
     kept_per_layer = LAYER_KEPT * lm.hidden_size
-    if lm.is_moe:
-        kept_per_layer += MOE_KEPT * lm.num_experts_per_tok * lm.hidden_size
     per_micro_batch = tokens * (recomputed * LAYER_INPUT * lm.hidden_size + kept * kept_per_layer)
     in_flight = min(layout.pp - stage, settings.micro_batches(layout.dp))
     working_per_token = RECOMPUTE_WORKING * lm.hidden_size
@@ -155,7 +157,12 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
         working_per_token += MOE_RECOMPUTE_WORKING * lm.num_experts_per_tok * lm.hidden_size
     working = tokens * working_per_token if recomputed else 0.0
     logits = tokens * LOGITS * lm.vocab_size / layout.tp if stage == layout.pp - 1 else 0.0
-    return in_flight * per_micro_batch + working + logits
+    vision = 0.0
+    if stage == 0 and settings.vision_keeps_activations:
+        v = arch.vision
+        patches = tokens * settings.visual_share * v.spatial_merge_size ** 2
+        vision = VISION_KEPT * patches * v.depth * v.hidden_size / layout.tp
+    return in_flight * (per_micro_batch + vision) + working + logits
 
 
 def _is_expert(name: str) -> bool:
@@ -253,8 +260,8 @@ def report(name: str, arch: ModelArch, settings: Settings, layout: Layout, gpu_g
     verdict = "fits" if peak <= FIT_FRACTION * gpu_gib else "does NOT fit"
     lines.append(f"largest stage: {peak:.1f} GiB, {verdict} in {FIT_FRACTION:.0%} of {gpu_gib:.1f} GiB per GPU")
     if settings.vision_keeps_activations:
-        lines.append("note: the vision tower keeps its activations (no --recompute full): the estimate leaves them "
-                     "out and is low")
+        lines.append(f"note: the vision tower keeps its activations (no --recompute full), planned for "
+                     f"{settings.visual_share:.0%} of each pack's tokens visual")
     if settings.lora:
         lines.append("note: LoRA's frozen vision tower keeps no activations: the estimate is up to 15 % high")
     best = smallest_fit(arch, settings, gpu_gib)

@@ -225,15 +225,33 @@ def dry_run(config: TrainConfig) -> str:
         raise ConfigError(f"--gpus {gpus} is not a multiple of --tp {config.tp} x --pp {config.pp} "
                           f"(x --ep {config.ep} for the data-parallel ranks)")
     dp = gpus // (config.tp * config.pp)
+    share = _visual_share(config.data, arch.vision.spatial_merge_size)
     settings = memory_plan.Settings(
         seq_len=config.seq_len, micro_batch_packs=config.micro_batch_packs, global_packs=config.global_packs(dp),
         recompute=config.recompute, recompute_layers=config.recompute_layers, grad_dtype=config.grad_dtype,
         adam_state_dtype=config.adam_state_dtype, distributed_optimizer=config.distributed_optimizer,
-        freeze=tuple(config.freeze), lora=config.lora_spec(), recompute_vision=config.recompute_vision)
+        freeze=tuple(config.freeze), lora=config.lora_spec(), recompute_vision=config.recompute_vision,
+        visual_share=memory_plan.VISUAL_SHARE if share is None else share)
     gpu_gib = config.gpu_memory_gib or (torch.cuda.get_device_properties(0).total_memory / memory_plan.GIB
                                         if torch.cuda.is_available() else 80.0)
     layout = memory_plan.Layout(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep)
     return memory_plan.report(config.arch or arch.hf_architecture, arch, settings, layout, gpu_gib)
+
+
+def _visual_share(sources: list[str], merge: int) -> float | None:
+    """Visual tokens per token over the local shard directories among `sources` (their
+    manifests' totals); None where there are none (object stores, WebDataset exports)."""
+    from shards_schema.manifest import MANIFEST_NAME, load_manifest
+    from train.pack_plan.sources import parse_source
+
+    tokens = visual = 0
+    for source in sources:
+        directory, _ = parse_source(source)
+        if (Path(directory) / MANIFEST_NAME).is_file():
+            totals = load_manifest(directory)["totals"]
+            tokens += totals["tokens"]
+            visual += (totals["patches"] + totals.get("video_patches", 0)) // merge ** 2
+    return visual / tokens if tokens else None
 
 
 def train(config: TrainConfig) -> dict:
