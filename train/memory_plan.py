@@ -10,13 +10,13 @@ follow the memory settings:
               trained parameter, split by the distributed optimizer over the ranks that hold
               the same parameter: the data-parallel ranks, for experts dp / ep of them.
   step copy   4 bytes per trained parameter (split as the optimizer state) when gradients
-              are bf16: megatron's optimizer step casts
-              every gradient to an fp32 copy, alive at once after the activations are freed.
+              are bf16: megatron's optimizer step casts every gradient to an fp32 copy,
+              alive at once after the activations are freed.
               The distributed optimizer with bf16 moments reads the bf16 buffer in place
               (`optim.use_fast_step`) and makes no copy.
 A stage's peak is model state plus the larger of its activations and its step copy.
 Activations are an estimate in bytes per token (S tokens per micro-batch, h the hidden size),
-fitted to peaks measured on H100s (bf16, FlashAttention, packed sequences):
+fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequences):
   a recomputed decoder layer keeps its input             LAYER_INPUT x h x S
   a layer that keeps its activations for backward        LAYER_KEPT x h x S
     (a Mixture-of-Experts layer measured no more: 30B-A3B's, with 8 experts of width 768 a
