@@ -62,8 +62,9 @@ def classify(exc: BaseException, url: str) -> StorageError:
         return exc
     if isinstance(exc, FileNotFoundError):
         return StorageError("not_found", f"{where} does not exist ({text})")
-    if isinstance(exc, PermissionError) or re.search(r"AccessDenied|Forbidden|403|InvalidAccessKeyId|SignatureDoesNotMatch",
-                                                      text):
+    # a whole-word 403: the digits of an endpoint's port (":40312") are no status code
+    if isinstance(exc, PermissionError) or re.search(
+            r"AccessDenied|Forbidden|\b403\b|InvalidAccessKeyId|SignatureDoesNotMatch", text):
         return StorageError("denied", f"{where}: access denied ({text}); check the store's credentials "
                             "(e.g. AWS_PROFILE, AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS)")
     return StorageError("unreachable", f"{where}: cannot reach the store ({text}); check the network and the "

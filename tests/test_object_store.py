@@ -22,7 +22,7 @@ from preprocess.examples import example_rows, synthetic_image, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from preprocess.pipeline import SampleOptions
 from shards_schema import open_shards
-from shards_schema.storage import redact
+from shards_schema.storage import classify, redact
 
 pytest.importorskip("moto", reason="the test extra: moto's S3 server")
 pytest.importorskip("s3fs", reason="the test extra: s3fs")
@@ -373,3 +373,10 @@ def test_train_on_a_store_source_that_cannot_be_fetched_stops_every_rank_with_on
         assert done.stderr.strip().splitlines()[-1].startswith("vlmpack train: error: "), done.stderr
         assert done.stderr.count("error") == 1 and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("port", [40312, 14031, 54030])
+def test_an_unreachable_endpoint_whose_port_holds_403_is_not_access_denied(port):
+    exc = ConnectionError(f'Could not connect to the endpoint URL: "http://127.0.0.1:{port}/data/rows.jsonl"')
+    assert classify(exc, "s3://data/rows.jsonl").kind == "unreachable"
+    assert classify(RuntimeError("An error occurred (403) when calling HeadObject: Forbidden"), "s3://data/rows.jsonl").kind == "denied"
