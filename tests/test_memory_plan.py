@@ -52,10 +52,8 @@ def test_parameter_counts_equal_the_models_the_trainer_builds(name):
 
 def _visual_share(result: dict) -> float:
     """Visual tokens per token of the run's data (its recorded totals), else the plan's default."""
-    totals = (result.get("data") or {}).get("totals") or {}
-    if not totals.get("tokens"):
-        return memory_plan.VISUAL_SHARE
-    return (totals["patches"] + (totals.get("video_patches") or 0)) / 4 / totals["tokens"]  # merge 2 x 2
+    share = memory_plan.visual_share([(result.get("data") or {}).get("totals") or {}], merge=2)
+    return memory_plan.VISUAL_SHARE if share is None else share
 
 
 def _settings(args: dict, trainer_args=(), layers=None, visual_share=memory_plan.VISUAL_SHARE) -> tuple[str, memory_plan.Settings]:

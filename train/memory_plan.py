@@ -165,6 +165,14 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
     return in_flight * (per_micro_batch + vision) + working + logits
 
 
+def visual_share(totals: list[dict], merge: int) -> float | None:
+    """Visual tokens per token over shard-directory totals (a manifest's `totals`: tokens,
+    patches, video_patches); None where they hold no tokens."""
+    tokens = sum(t.get("tokens") or 0 for t in totals)
+    patches = sum((t.get("patches") or 0) + (t.get("video_patches") or 0) for t in totals)
+    return patches / merge ** 2 / tokens if tokens else None
+
+
 def _is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 

@@ -239,19 +239,15 @@ def dry_run(config: TrainConfig) -> str:
 
 
 def _visual_share(sources: list[str], merge: int) -> float | None:
-    """Visual tokens per token over the local shard directories among `sources` (their
-    manifests' totals); None where there are none (object stores, WebDataset exports)."""
+    """The visual share (`memory_plan.visual_share`) of the local shard directories among
+    `sources`; None where there are none (object stores, WebDataset exports)."""
     from shards_schema.manifest import MANIFEST_NAME, load_manifest
+    from train import memory_plan
     from train.pack_plan.sources import parse_source
 
-    tokens = visual = 0
-    for source in sources:
-        directory, _ = parse_source(source)
-        if (Path(directory) / MANIFEST_NAME).is_file():
-            totals = load_manifest(directory)["totals"]
-            tokens += totals["tokens"]
-            visual += (totals["patches"] + totals.get("video_patches", 0)) // merge ** 2
-    return visual / tokens if tokens else None
+    directories = [parse_source(source)[0] for source in sources]
+    totals = [load_manifest(d)["totals"] for d in directories if (Path(d) / MANIFEST_NAME).is_file()]
+    return memory_plan.visual_share(totals, merge)
 
 
 def train(config: TrainConfig) -> dict:
