@@ -197,6 +197,32 @@ def test_data_parallel_matches_single_process(shards, full_run, tmp_path):
     assert [m["tokens"] for m in metrics(out)] == [m["tokens"] for m in metrics(full_run)][:3]
 
 
+@pytest.mark.parametrize("sequence_parallel", ["false", "true"])
+def test_tensor_parallel_matches_single_process(shards, full_run, tmp_path, sequence_parallel):
+    """TP=2 (gloo), with the rows outside the GEMMs split over the two ranks or not: the
+    losses and gradient norms of one process (DeepStack features land on each rank's rows, the
+    norms' gradients are summed over the ranks)."""
+    out = tmp_path / "tp2"
+    ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--tp", "2",
+                  "--sequence-parallel", sequence_parallel], nproc=2))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([m[key] for m in metrics(out)], [m[key] for m in metrics(full_run)][:3],
+                                   rtol=2e-5, err_msg=key)
+
+
+def test_packs_split_over_tensor_parallel_ranks_get_a_padding_segment(shards):
+    from train.loader import PackedLoader
+
+    for pack, _ in zip(PackedLoader([str(shards)], seq_len=SEQ_LEN, global_batch_packs=2, row_multiple=3), range(4)):
+        rows, lengths = len(pack["input_ids"]), pack["sample_lengths"]
+        assert rows % 3 == 0 and int(pack["cu_seqlens_padded"][-1]) == rows
+        real = torch.zeros(rows, dtype=torch.bool)
+        for start, length in zip(pack["cu_seqlens_padded"][:len(lengths)].tolist(), lengths.tolist()):
+            real[start:start + length] = True
+        assert torch.equal(pack["padding_mask"], ~real)
+        assert int(real.sum()) == int(lengths.sum()) and (pack["labels"][~real] == -100).all()
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--seq-len", "64"], "longer than seq_len 64"),
     (["--tp", "3"], "must divide the attention heads"),
@@ -205,6 +231,8 @@ def test_data_parallel_matches_single_process(shards, full_run, tmp_path):
     (["--warmup-steps", "2"], "--warmup-steps 2 must be smaller than --train-steps 2"),
     (["--recompute-layers", "4"], "--recompute-layers 4 needs --recompute full"),
     (["--adam-state-dtype", "fp16"], "--adam-state-dtype 'fp16': choose from ['fp32', 'bf16']"),
+    (["--tp", "2", "--sequence-parallel", "true", "--lora-rank", "4"],
+     "--lora-rank with sequence parallelism: the adapters take whole rows"),
 ])
 def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message):
     proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2", *extra])

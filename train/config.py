@@ -85,6 +85,11 @@ class TrainConfig:
     pp: int = _opt(1, "parallelism", "pipeline-parallel size (divides the decoder layers; default 1)")
     ep: int = _opt(1, "parallelism", "expert-parallel size of a Mixture-of-Experts model: each group of ep "
                                      "data-parallel ranks divides the experts (divides the experts; default 1)")
+    sequence_parallel: bool | None = _opt(None, "parallelism", "with --tp > 1, each TP rank holds only its slice "
+                                          "of the rows outside the attention and MLP GEMMs (megatron's sequence "
+                                          "parallelism: less activation memory; packs are padded to a multiple of "
+                                          "--tp). Default: on for Mixture-of-Experts models, which need it, off "
+                                          "for dense ones")
     distributed_optimizer: bool = _opt(True, "parallelism", "shard the optimizer state over data-parallel ranks "
                                                             "(megatron's DistributedOptimizer, CUDA only; default true)")
     device: str | None = _opt(None, "parallelism", "cuda or cpu (default: cuda when available)")

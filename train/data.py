@@ -24,7 +24,7 @@ from train.pack_plan import parse_source, source_manifest
 from shards_schema.pixels import video_pixel_values_from_patches
 from train.packed_batch import IGNORE_INDEX
 
-MODEL_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "pixel_patches", "image_grid_thw",
+MODEL_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask", "pixel_patches", "image_grid_thw",
                 "video_patches", "video_grid_thw")
 ROW_FIELDS = ("image_rows", "video_rows", "loss_rows")  # row indices, shifted when packs are concatenated
 
@@ -78,7 +78,8 @@ def concat_packs(packs: list[dict]) -> dict:
 
 
 class TrainData:
-    def __init__(self, config, arch, info):
+    def __init__(self, config, arch, info, row_multiple: int = 1):
+        """`row_multiple`: every pack's row count is a multiple of it (sequence parallelism: --tp)."""
         self.config, self.info = config, info
         self.image_token_id, self.video_token_id = arch.image_token_id, arch.video_token_id
         specs = [parse_source(s) for s in config.data]
@@ -89,7 +90,7 @@ class TrainData:
         cuda = info.device.type == "cuda"
         loader_kwargs = dict(seq_len=config.seq_len, seed=config.seed, rank=info.dp_rank, dp_size=info.dp,
                              global_batch_packs=self.global_packs, max_visual_tokens=config.max_visual_tokens,
-                             pad_to_seq_len=config.pp > 1, cache_dir=Path(config.out) / "plans",
+                             pad_to_seq_len=config.pp > 1, row_multiple=row_multiple, cache_dir=Path(config.out) / "plans",
                              num_workers=config.num_workers, pin_memory=cuda,
                              prefetch_factor=4 if config.num_workers else None)
         self.loader = PackedLoader(specs, **loader_kwargs)

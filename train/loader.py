@@ -92,7 +92,7 @@ class PackedDataset(Dataset):
     """
 
     def __init__(self, plan: PackPlan, sources=None, *, rank: int = 0, dp_size: int = 1, pad_to_seq_len: bool = False,
-                 pad_token_id: int | None = None, pin_memory: bool = False):
+                 row_multiple: int = 1, pad_token_id: int | None = None, pin_memory: bool = False):
         dirs = list(sources) if sources is not None else plan.source_dirs
         if len(dirs) != len(plan.meta["sources"]):
             raise ValueError(f"the plan has {len(plan.meta['sources'])} sources, got {len(dirs)} directories")
@@ -108,6 +108,7 @@ class PackedDataset(Dataset):
         self.packs = plan.rank_packs(self.rank, self.dp_size)
         self.seq_len = plan.seq_len if pad_to_seq_len else None
         self.pad_to_multiple = int(plan.settings["pad_to_multiple"])
+        self.row_multiple = int(row_multiple)
         if pad_token_id is None:
             pad_token_id = int(self.shards[0].manifest["profile"].get("special_tokens", {}).get("endoftext", DEFAULT_PAD_TOKEN_ID))
         self.pad_token_id = int(pad_token_id)
@@ -144,7 +145,8 @@ class PackedDataset(Dataset):
         samples = self.samples(k)
         buffers = {name: buf for name in PATCH_FIELDS if (buf := self._patch_buffer(samples, name)) is not None}
         batch = assemble_pack(samples, seq_len=self.seq_len, pad_to_multiple=self.pad_to_multiple,
-                              pad_token_id=self.pad_token_id, patch_out={n: b.numpy() for n, b in buffers.items()})
+                              row_multiple=self.row_multiple, pad_token_id=self.pad_token_id,
+                              patch_out={n: b.numpy() for n, b in buffers.items()})
         batch["pack_index"] = int(self.packs[k])
         batch["epoch"] = int(self.plan.settings["epoch"])
         batch = _to_torch(batch)
@@ -198,7 +200,8 @@ class PackedLoader:
 
     def __init__(self, sources, *, seq_len: int, seed: int = 0, rank: int = 0, dp_size: int = 1,
                  global_batch_packs: int | None = None, max_visual_tokens: int | None = None, pad_to_multiple: int = 1,
-                 pad_to_seq_len: bool = False, cache_dir: str | Path | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 pad_to_seq_len: bool = False, row_multiple: int = 1, cache_dir: str | Path | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE,
                  num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None):
         self.sources = sources
         self.plan_settings = dict(seq_len=seq_len, seed=seed, max_visual_tokens=max_visual_tokens, dp_size=dp_size,
@@ -211,7 +214,7 @@ class PackedLoader:
         self.seed, self.rank, self.dp_size = int(seed), int(rank), int(dp_size)
         if not 0 <= self.rank < self.dp_size:
             raise ValueError(f"rank {rank} out of range for dp_size {dp_size}")
-        self.pad_to_seq_len = pad_to_seq_len
+        self.pad_to_seq_len, self.row_multiple = pad_to_seq_len, int(row_multiple)
         self.cache_dir = cache_dir
         self.loader_kwargs = dict(num_workers=num_workers, pin_memory=pin_memory)
         if num_workers > 0:
@@ -236,7 +239,8 @@ class PackedLoader:
             # read from this loader's own sources, not the plan's recorded ones: a cached plan may
             # have been built on the same data elsewhere (moved, or the Arrow twin of an export)
             self._dataset = PackedDataset(self.plan(), self.source_dirs, rank=self.rank, dp_size=self.dp_size,
-                                          pad_to_seq_len=self.pad_to_seq_len, pin_memory=self.loader_kwargs["pin_memory"])
+                                          pad_to_seq_len=self.pad_to_seq_len, row_multiple=self.row_multiple,
+                                          pin_memory=self.loader_kwargs["pin_memory"])
         return self._dataset
 
     def __len__(self) -> int:

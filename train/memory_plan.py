@@ -30,6 +30,10 @@ fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequen
   P = S x visual share x merge^2 patches of a micro-batch    VISION_KEPT x P x depth x hv / tp
     (hv its hidden size; the visual share is the shards' visual tokens per token, read from
      the manifests of --data, else VISUAL_SHARE, that of the recorded mixes)
+Under sequence parallelism (the default for MoE models at TP > 1) the decoder terms and the
+working set are divided by tp: every activation of a layer is then split over the TP ranks,
+as in Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer
+Models"; the logits and the vision tower are not split.
 Under pipeline parallelism a stage holds up to pp - stage micro-batches in flight (1F1B).
 The constants were fitted on three H100 runs (Qwen3-VL-2B with every layer recomputed and with
 24 of its 28 layers kept, Qwen3-VL-8B at TP=2), the MoE recompute term on two H200 runs
@@ -91,6 +95,7 @@ class Settings:
     lora: lora.LoraSpec | None = None
     recompute_vision: bool | None = None  # default: with --recompute full
     visual_share: float = VISUAL_SHARE  # visual tokens per pack token
+    sequence_parallel: bool | None = None  # rows split over the TP ranks; None: the trainer's default (MoE)
 
     @property
     def vision_keeps_activations(self) -> bool:
@@ -156,6 +161,9 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
     if lm.is_moe:
         working_per_token += MOE_RECOMPUTE_WORKING * lm.num_experts_per_tok * lm.hidden_size
     working = tokens * working_per_token if recomputed else 0.0
+    split = lm.is_moe if settings.sequence_parallel is None else settings.sequence_parallel
+    if split:  # each TP rank holds a TP-th of every decoder activation
+        per_micro_batch, working = per_micro_batch / layout.tp, working / layout.tp
     logits = tokens * LOGITS * lm.vocab_size / layout.tp if stage == layout.pp - 1 else 0.0
     vision = 0.0
     if stage == 0 and settings.vision_keeps_activations:
@@ -213,13 +221,13 @@ def layouts_for(arch: ModelArch, gpus: int) -> list[Layout]:
     lm = arch.lm
     found = []
     for tp in (1, 2, 4, 8):
-        if lm.num_heads % tp or lm.num_kv_heads % tp or gpus % tp or (lm.is_moe and tp > 1):
+        if lm.num_heads % tp or lm.num_kv_heads % tp or gpus % tp:
             continue
         for pp in range(1, gpus // tp + 1):
             if (gpus // tp) % pp or lm.num_layers % pp or arch.num_deepstack > lm.num_layers // pp:
                 continue
             dp = gpus // (tp * pp)
-            ep = math.gcd(dp, lm.num_experts) if lm.is_moe else 1
+            ep = math.gcd(dp, lm.num_experts) if lm.is_moe and tp == 1 else 1  # the trainer's EP needs TP 1
             found.append(Layout(tp=tp, pp=pp, dp=dp, ep=ep))
     return found
 

@@ -97,6 +97,7 @@ def assemble_pack(
     *,
     seq_len: int | None = None,
     pad_to_multiple: int = 1,
+    row_multiple: int = 1,
     pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
     patch_out: dict[str, np.ndarray] | None = None,
 ) -> dict:
@@ -109,13 +110,16 @@ def assemble_pack(
 
     Returns numpy arrays (see the module docstring for the label and padding conventions):
       input_ids int64 [T], labels int64 [T] (shifted, -100 = no target),
-      loss_mask float32 [T] (== labels != -100), position_ids int32 [3, T],
-      cu_seqlens int32 [n+1] (n+2 with `seq_len` padding), cu_seqlens_padded int32 (same
+      loss_mask float32 [T] (== labels != -100), position_ids int32 [3, T], padding_mask bool [T]
+      (True on padding rows: the MoE router leaves them out of its load-balancing loss),
+      cu_seqlens int32 [n+1] (n+2 with trailing padding), cu_seqlens_padded int32 (same
       length), max_seqlen int (longest segment of cu_seqlens_padded), sample_lengths int32 [n],
       num_samples int, num_target_tokens int, pixel_patches uint8 [sum N, W] (sample order),
       image_grid_thw int32 [sum K, 3], video_patches uint8 [sum M, W2], video_grid_thw int32
       [sum V, 3], sample_uids list[str].
-    T = sum of the samples' lengths rounded up to `pad_to_multiple`, or `seq_len` if given.
+    T = sum of the samples' lengths rounded up to `pad_to_multiple`, or `seq_len` if given;
+    without `seq_len`, a trailing padding segment rounds T up to a multiple of `row_multiple`
+    (sequence parallelism splits the rows evenly over the TP ranks).
     """
     if not samples:
         raise ValueError("assemble_pack needs at least one sample")
@@ -133,6 +137,8 @@ def assemble_pack(
                 f"more than seq_len {seq_len}; the pack plan and the loader disagree on seq_len/pad_to_multiple"
             )
         trailing = int(seq_len) - packed_total
+    else:
+        trailing = -packed_total % int(row_multiple)
     total = packed_total + trailing
 
     ids = concat_field(samples, "input_ids", np.int64)
@@ -143,6 +149,7 @@ def assemble_pack(
 
     real_starts = np.cumsum(lengths) - lengths
     row_starts = np.cumsum(padded) - padded
+    padding_mask = np.zeros(total, dtype=bool)
     if total == real_total:  # no padding anywhere: the concatenation is the pack
         input_ids, labels, position_ids = ids, labels_real, positions
     else:
@@ -153,6 +160,8 @@ def assemble_pack(
         labels[dest] = labels_real
         position_ids = np.zeros((3, total), dtype=np.int32)
         position_ids[:, dest] = positions
+        padding_mask[:] = True
+        padding_mask[dest] = False
         gaps = padded - lengths
         if gaps.any():  # per-sample padding continues the sample's last position
             _, k = segment_offsets(gaps)
@@ -176,6 +185,7 @@ def assemble_pack(
         "labels": labels,
         "loss_mask": loss_mask,
         "position_ids": position_ids,
+        "padding_mask": padding_mask,
         "cu_seqlens": cu_real.astype(np.int32),
         "cu_seqlens_padded": cu_padded.astype(np.int32),
         "max_seqlen": int(np.diff(cu_padded).max()),

@@ -81,10 +81,26 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
                 adapter_format.check_peft_config(config.init_lora, spec)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    if lm.is_moe and config.tp > 1:
-        raise ConfigError(f"--tp {config.tp} with a Mixture-of-Experts model: megatron-core's MoE layers train under "
-                          "tensor parallelism only with sequence parallelism, which this trainer does not use; "
-                          "use --tp 1 (data parallelism and --pp split the model)")
+    if config.ep > 1 and config.tp > 1:
+        raise ConfigError(f"--ep {config.ep} with --tp {config.tp}: checkpoints split the experts over expert-parallel "
+                          "ranks only at --tp 1; use --ep with --tp 1, or --tp with --ep 1")
+    if lm.is_moe and config.tp > 1 and config.sequence_parallel is False:
+        raise ConfigError(f"--tp {config.tp} with a Mixture-of-Experts model needs sequence parallelism (megatron-core's "
+                          "MoE layers train under tensor parallelism only with it); drop --sequence-parallel false")
+    if sequence_parallel(arch, config) and spec is not None:
+        raise ConfigError(f"--lora-rank with sequence parallelism: the adapters take whole rows, which each TP rank "
+                          "holds only inside the attention and MLP; use --tp 1 (or --sequence-parallel false for a "
+                          "dense model)")
+    if sequence_parallel(arch, config) and config.pp > 1 and config.seq_len % config.tp:
+        raise ConfigError(f"--seq-len {config.seq_len} must be a multiple of --tp {config.tp} with sequence parallelism "
+                          "and --pp > 1 (every pack is padded to --seq-len rows, which the TP ranks split evenly)")
+
+
+def sequence_parallel(arch: ModelArch, config: TrainConfig) -> bool:
+    """Whether the run splits the rows over the TP ranks (`--sequence-parallel`; default: MoE models)."""
+    if config.tp == 1:
+        return False
+    return arch.lm.is_moe if config.sequence_parallel is None else config.sequence_parallel
 
 
 def freeze(model, parts: list[str]) -> None:
@@ -119,7 +135,8 @@ def make_forward_step(data: TrainData, dtype: torch.dtype):
                           batch["max_seqlen"], labels=batch["labels"], pixel_values=pixel_values,
                           image_grid_thw=batch["image_grid_thw"], image_rows=batch["image_rows"],
                           loss_rows=batch["loss_rows"], pixel_values_videos=data.pixel_values_videos(batch, dtype),
-                          video_grid_thw=batch["video_grid_thw"], video_rows=batch["video_rows"])
+                          video_grid_thw=batch["video_grid_thw"], video_rows=batch["video_rows"],
+                          padding_mask=batch["padding_mask"])
 
         def loss_func(output):
             # Sum, not mean: megatron divides all gradients by the global batch's target-token
@@ -231,7 +248,8 @@ def dry_run(config: TrainConfig) -> str:
         recompute=config.recompute, recompute_layers=config.recompute_layers, grad_dtype=config.grad_dtype,
         adam_state_dtype=config.adam_state_dtype, distributed_optimizer=config.distributed_optimizer,
         freeze=tuple(config.freeze), lora=config.lora_spec(), recompute_vision=config.recompute_vision,
-        visual_share=memory_plan.VISUAL_SHARE if share is None else share)
+        visual_share=memory_plan.VISUAL_SHARE if share is None else share,
+        sequence_parallel=sequence_parallel(arch, config))
     gpu_gib = config.gpu_memory_gib or (torch.cuda.get_device_properties(0).total_memory / memory_plan.GIB
                                         if torch.cuda.is_available() else 80.0)
     layout = memory_plan.Layout(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep)
@@ -273,12 +291,14 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     bf16 = config.bf16 and cuda  # CPU runs (tests, smoke runs) are fp32 and bitwise reproducible
     dtype = torch.bfloat16 if bf16 else torch.float32
     with inputs_checked():
-        data = TrainData(localize_sources(config, info), arch, info)
+        data = TrainData(localize_sources(config, info), arch, info,
+                         row_multiple=config.tp if sequence_parallel(arch, config) else 1)
 
     model_config = transformer_config(arch, tp=config.tp, pp=config.pp, ep=config.ep, params_dtype=dtype, bf16=bf16,
                                       cpu=not cuda, recompute=config.recompute,
                                       recompute_layers=config.recompute_layers,
-                                      moe_aux_loss_coef=config.moe_aux_loss_coef, calculate_per_token_loss=True)
+                                      moe_aux_loss_coef=config.moe_aux_loss_coef,
+                                      sequence_parallel=sequence_parallel(arch, config), calculate_per_token_loss=True)
     if cuda:
         on_fa2 = select_attention_kernel(config.attention, {"language model": arch.lm.head_dim,
                                                             "vision tower": arch.vision.head_dim})

@@ -68,6 +68,15 @@ class TorchGroupedMLP(GroupedMLP):
             super().__init__(num_local_experts, config,
                              pg_collection=pg_collection or moe_utils.get_default_pg_collection())
         self.per_expert = False  # one GEMM per expert even where the grouped GEMM runs (tests, benchmarks)
+        if config.sequence_parallel and not self.expert_parallel:
+            # Each TP rank routes only its own rows to these experts, which every TP rank holds
+            # whole; with one expert-parallel rank megatron's DDP reduces them over the
+            # data-parallel ranks alone. Marked like the norms, `finalize_model_grads` also sums
+            # their gradients over the TP ranks, and the gradient norm counts them once, not
+            # once per TP rank. (With --ep > 1 megatron reduces experts over the ranks that hold
+            # the same ones, the TP ranks among them.)
+            for weight in (self.weight1, self.weight2):
+                weight.sequence_parallel, weight.tensor_model_parallel = True, False
 
     def forward(self, hidden: Tensor, tokens_per_expert: Tensor, probs: Tensor):
         hidden_size = self.config.hidden_size

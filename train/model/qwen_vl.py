@@ -20,10 +20,13 @@ that TransformerBlock hands to every layer (and through activation recompute), s
 from __future__ import annotations
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
@@ -53,23 +56,48 @@ class DeepStackLayer(TransformerLayer):
         return hidden, context
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """megatron's norm interface (config, hidden_size, eps) on torch's RMSNorm, for every norm
+    of the language model. Unlike megatron's `WrappedTorchNorm` it runs under sequence
+    parallelism: each TP rank then normalises only its slice of the rows, so the gain is marked
+    for megatron's `finalize_model_grads` to sum its gradient over the TP ranks."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
 def layer_spec(arch: ModelArch, cpu: bool = False):
     moe = arch.lm.is_moe
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.lm.qk_norm, normalization="RMSNorm",
                                     num_experts=arch.lm.num_experts if moe else None, moe_grouped_gemm=moe)
     if moe:
         spec = moe_layer_spec(spec, cpu)
-    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    attention.core_attention = PackedCoreAttention
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if arch.lm.qk_norm:
+        attention.q_layernorm = attention.k_layernorm = RMSNorm
     if arch.num_deepstack:
         spec.module = DeepStackLayer
     return spec
 
 
+def block_spec(arch: ModelArch, config: TransformerConfig, vp_stage=None) -> ModuleSpec:
+    """This pipeline stage's decoder block: its layers (`layer_spec`) and the final norm."""
+    layers = get_num_layers_to_build(config, vp_stage)
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[layer_spec(arch, cpu=config.use_cpu_initialization)] * layers, layer_norm=RMSNorm))
+
+
 def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, ep: int = 1, params_dtype=torch.float32,
                        bf16: bool = False, cpu: bool = False, recompute: str = "none",
                        recompute_layers: int | None = None, moe_aux_loss_coef: float = 0.0,
-                       **overrides) -> TransformerConfig:
+                       sequence_parallel: bool = False, **overrides) -> TransformerConfig:
     """megatron TransformerConfig for the language model; `recompute`: none | selective | full.
+    `sequence_parallel` (TP > 1): outside the attention and MLP GEMMs each TP rank holds only
+    its slice of the rows (norms, residuals, the MoE router and experts); the row count of a
+    pack must then be a multiple of `tp`.
 
     With full, `recompute_layers` N recomputes only the first N decoder layers of each pipeline
     stage (megatron's block method) and keeps the others' activations: on one 80 GB GPU a
@@ -95,7 +123,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, ep: int = 1
         normalization="RMSNorm", layernorm_epsilon=lm.rms_norm_eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=lm.qkv_bias,
         qk_layernorm=lm.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=params_dtype, bf16=bf16, pipeline_dtype=params_dtype if pp > 1 else None,
         use_cpu_initialization=cpu, init_method_std=0.02, apply_rope_fusion=False,
         # megatron's fused SwiGLU (torch.compile'd, no TE): one kernel each way and only the fc1
@@ -185,11 +213,18 @@ class QwenVLModel(MegatronModule):
             self.vision.recompute = (config.recompute_granularity == "full" if recompute_vision is None
                                      else recompute_vision)
         self.language_model = GPTModel(
-            config=config, transformer_layer_spec=layer_spec(arch, cpu=config.use_cpu_initialization),
-            vocab_size=arch.lm.vocab_size,
+            config=config, transformer_layer_spec=block_spec(arch, config, vp_stage), vocab_size=arch.lm.vocab_size,
             max_sequence_length=1 << 20, pre_process=pre_process, post_process=post_process,
             parallel_output=True, share_embeddings_and_output_weights=arch.lm.tie_word_embeddings,
-            position_embedding_type="none", pg_collection=pg_collection, vp_stage=vp_stage)
+            position_embedding_type="none", pg_collection=pg_collection, vp_stage=vp_stage,
+            scatter_embedding_sequence_parallel=False)  # visual embeddings go in first: `_decoder_input`
+        self.sequence_parallel = config.sequence_parallel
+        if self.sequence_parallel and post_process:
+            # The last hidden states are gathered once, before the chunked loss picks its rows
+            # (`forward`), so the output layer takes whole rows: megatron's non-SP TP path,
+            # whose backward all-reduces the input gradient.
+            self.language_model.output_layer.sequence_parallel = False
+            self.language_model.output_layer.allreduce_dgrad = True
         # megatron's local spec builds torch.nn.RMSNorm without a dtype: fp32 gains beside bf16
         # activations, which torch.rms_norm cannot fuse (it warns and falls back to an fp32
         # composite that is slow and keeps fp32 copies for backward). Gains in the compute
@@ -237,15 +272,32 @@ class QwenVLModel(MegatronModule):
         visual_embeds, deepstack = self.vision(values, grid)
         embeds = embeds.clone()
         embeds[rows, 0] = visual_embeds.to(embeds.dtype)
-        context = torch.stack(deepstack) if deepstack else None
-        return embeds, context, rows if context is not None else None
+        if not deepstack:
+            return embeds, None, None
+        context = torch.stack(deepstack)
+        if self.sequence_parallel:
+            context, rows = self._local_deepstack(context, rows, embeds.shape[0])
+        return embeds, context, rows
+
+    def _local_deepstack(self, context: Tensor, rows: Tensor, total: int) -> tuple[Tensor, Tensor]:
+        """The DeepStack features of the rows in this TP rank's slice of the sequence, with
+        their row indices within the slice. Each rank adds only its rows, so the features'
+        gradient is summed over the TP ranks (`copy_to_tensor_model_parallel_region`) before
+        the replicated vision tower sees it. Rows outside the slice add zeros to row 0 rather
+        than being dropped: no device-to-host sync to count them."""
+        tp, rank = self.config.tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
+        local = total // tp
+        context = tensor_parallel.copy_to_tensor_model_parallel_region(context)
+        rows = rows - rank * local
+        inside = (rows >= 0) & (rows < local)
+        return context * inside[None, :, None].to(context.dtype), torch.where(inside, rows, 0)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                 labels: Tensor | None = None, pixel_values: Tensor | None = None,
                 image_grid_thw: Tensor | None = None, image_rows: Tensor | None = None,
                 loss_rows: Tensor | None = None, return_logits: bool = False,
                 pixel_values_videos: Tensor | None = None, video_grid_thw: Tensor | None = None,
-                video_rows: Tensor | None = None) -> Tensor:
+                video_rows: Tensor | None = None, padding_mask: Tensor | None = None) -> Tensor:
         """One packed row. input_ids/labels [T], position_ids [3, T], cu_seqlens [n+1] row
         offsets (the pack's `cu_seqlens_padded`). `image_grid_thw` is best on the CPU and
         `image_rows` (the <|image_pad|> rows, found on the host's copy of the batch) given:
@@ -253,12 +305,15 @@ class QwenVLModel(MegatronModule):
         -100, also found on the host): only they go through the output layer and the loss.
         Last stage: per-token loss [T] (fp32, 0 where labels == -100), or full logits [T, V]
         with `return_logits`. Other stages: hidden [T, 1, H]. Videos come as
-        `pixel_values_videos` / `video_grid_thw` / `video_rows`, like images."""
+        `pixel_values_videos` / `video_grid_thw` / `video_rows`, like images. `padding_mask` [T]
+        (True on padding rows): MoE routers leave those rows out of the load-balancing loss."""
         context = rows = None
         decoder_input = None
         if self.pre_process:
             decoder_input, context, rows = self._decoder_input(input_ids, pixel_values, image_grid_thw, image_rows,
                                                                pixel_values_videos, video_grid_thw, video_rows)
+            if self.sequence_parallel:  # each TP rank keeps its slice of the rows from here to the loss
+                decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(decoder_input)
             if (torch.is_grad_enabled() and not decoder_input.requires_grad
                     and self.config.recompute_granularity == "full"):
                 # megatron's full recompute is a reentrant checkpoint: a layer whose input needs no
@@ -268,11 +323,20 @@ class QwenVLModel(MegatronModule):
         cos, sin = self.rope(position_ids, self.config.params_dtype)
         packed = PackedRows(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                             max_seqlen_q=int(max_seqlen), max_seqlen_kv=int(max_seqlen), rope_cos=cos, rope_sin=sin)
+        moe = {}
+        if self.arch.lm.is_moe and padding_mask is not None:
+            if self.sequence_parallel:
+                local = padding_mask.shape[0] // self.config.tensor_model_parallel_size
+                rank = parallel_state.get_tensor_model_parallel_rank()
+                padding_mask = padding_mask[rank * local:(rank + 1) * local]
+            moe["padding_mask"] = padding_mask[None]  # [b, s], as megatron's MoE layer takes it
         hidden = self.language_model.decoder(
             hidden_states=decoder_input, attention_mask=None, context=context, context_mask=rows,
-            packed_seq_params=packed)
+            packed_seq_params=packed, **moe)
         if not self.post_process:
             return hidden
+        if self.sequence_parallel:  # whole rows again: the loss picks its rows by their index in the pack
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         weight = self.language_model.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         if return_logits:
             logits, _ = self.language_model.output_layer(hidden, weight=weight)
