@@ -41,13 +41,17 @@ FIXTURES = REPO / "tests" / "fixtures"
 TEMPLATE_FILE = {"qwen3-vl": "qwen3_vl_instruct.chat_template.jinja", "qwen2.5-vl": "qwen2_5_vl_instruct.chat_template.jinja"}
 
 
-def make_rows(n: int, size: int, seed: int) -> list[dict]:
-    """Single-image photo-sized conversations (JPEG, ~size px on the long side), like captioning/VQA data."""
+def make_rows(n: int, size: int, seed: int, min_size: int | None = None) -> list[dict]:
+    """Single-image photo-sized conversations (JPEG, ~size px on the long side, or each side
+    uniform in [min_size, size]), like captioning/VQA data."""
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(n):
-        w = int(size * rng.uniform(0.75, 1.0))
-        h = int(size * rng.uniform(0.6, 1.0))
+        if min_size:
+            w, h = (int(rng.uniform(min_size, size)) for _ in range(2))
+        else:
+            w = int(size * rng.uniform(0.75, 1.0))
+            h = int(size * rng.uniform(0.6, 1.0))
         uri = encode_data_uri(synthetic_image(rng, w, h), "JPEG")
         rows.append({"id": f"r{i}", "messages": [
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "Describe the image in detail."}]},
@@ -143,6 +147,8 @@ def main() -> int:
     ap.add_argument("--profile", default="qwen3-vl", choices=sorted(TEMPLATE_FILE), help="built-in profile")
     ap.add_argument("--rows", type=int, default=300, help="conversations timed per path")
     ap.add_argument("--size", type=int, default=500, help="long side of the images in pixels")
+    ap.add_argument("--min-size", type=int, default=None,
+                    help="draw each side uniformly from [--min-size, --size] instead (e.g. 300 with --size 900)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the rows")
     ap.add_argument("--workers", default=f"1,{os.cpu_count()}", help="worker counts for the scaling run, comma separated")
     ap.add_argument("--job-rows", type=int, default=2000, help="rows of the scaling job")
@@ -152,7 +158,7 @@ def main() -> int:
 
     profile = builtin_profile(args.profile)
     template = Path(args.template or FIXTURES / TEMPLATE_FILE[args.profile]).read_text(encoding="utf-8")
-    rows = make_rows(args.rows, args.size, seed=0)
+    rows = make_rows(args.rows, args.size, seed=0, min_size=args.min_size)
     lines = [json.dumps(r) for r in rows]
     paths = {"hf": hf_path(profile, template), "vlmpack": vlmpack_path(profile), "floor": floor_path(profile)}
     for fn in paths.values():  # warm up (imports, caches)
@@ -176,9 +182,11 @@ def main() -> int:
         out = work / f"out{workers}"
         cfg = PreprocessConfig(inputs=[str(data)], out=str(out), profile=args.profile,
                                workers=workers, rows_per_shard=rows_per_shard, progress=False)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         manifest = run_preprocess(cfg)
         jobs[workers] = (time.perf_counter() - t0, manifest)
+        if workers == 1:  # in-process: the CPU time of this process is the job's (its writer thread included)
+            job1_cpu = time.process_time() - cpu0
         shutil.rmtree(out)
     shutil.rmtree(work)
     job_lines = [json.dumps(r) for r in job_rows]
@@ -191,6 +199,17 @@ def main() -> int:
     hf_bytes = 4 * v.pixel_values_row_width * v.merge_size**2
     same = all(m["shards"] == jobs[1][1]["shards"] for _, m in jobs.values())
     t1 = jobs[1][0]
+    # One worker, as a user's `vlmpack preprocess --workers 1` (in-process, so no interpreter
+    # start-up): setup (profile, input scan), the units phase per row, and the tail (records,
+    # manifest), against the floor per row measured above on the same rows.
+    run1 = jobs[1][1]["_run"]
+    per_row_ms = run1["seconds"] / len(job_rows) * 1e3
+    one_worker = {
+        "setup_seconds": run1["setup_seconds"], "units_seconds": run1["seconds"],
+        "tail_seconds": t1 - run1["setup_seconds"] - run1["seconds"], "total_seconds": t1,
+        "units_ms_per_row": per_row_ms, "floor_ms_per_row": ms["floor"], "ratio_to_floor": per_row_ms / ms["floor"],
+        "cpu_ms_per_row": (job1_cpu - run1["setup_seconds"]) / len(job_rows) * 1e3,
+    }
 
     report = {
         "machine": machine_info("cpu"),
@@ -203,6 +222,7 @@ def main() -> int:
         "bytes_reduction": hf_bytes / ours_bytes,
         "pixel_bytes_per_visual_token": pixel_bytes,
         "job_rows": len(job_rows),
+        "one_worker_job": one_worker,
         "job_rows_per_s": {w: len(job_rows) / t for w, (t, _) in jobs.items()},
         "scaling_efficiency": {w: (t1 / t) / w for w, (t, _) in jobs.items()},
         "floor_rows_per_s": floor_rate,
@@ -220,6 +240,10 @@ def main() -> int:
     print(f"bytes per visual token: {ours_bytes:,.0f} (whole shard: pixels, ids, masks, positions) / {pixel_bytes:,} "
           f"(pixels alone) vs {hf_bytes:,} (HF float32 pixel_values): {report['bytes_reduction']:.2f}x / "
           f"{hf_bytes / pixel_bytes:.2f}x fewer")
+    print(f"job with 1 worker, {len(job_rows)} rows: setup {one_worker['setup_seconds']:.2f} s | units "
+          f"{one_worker['units_seconds']:.2f} s = {per_row_ms:.2f} ms/row = {one_worker['ratio_to_floor']:.2f}x the "
+          f"floor's {ms['floor']:.2f} ms/row (CPU {one_worker['cpu_ms_per_row']:.2f} ms/row) | tail "
+          f"{one_worker['tail_seconds']:.2f} s")
     for w, rate in report["job_rows_per_s"].items():
         print(f"job with {w:>2} worker(s): {rate:8.1f} rows/s, speed-up {rate / report['job_rows_per_s'][1]:5.2f}x, "
               f"efficiency {report['scaling_efficiency'][w]:.0%} | decode+resize alone: {floor_rate[w]:8.1f} rows/s, "

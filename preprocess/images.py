@@ -47,6 +47,7 @@ from shards_schema.builtin import VisionConfig
 
 from .errors import RejectError
 from .media import DEFAULT_MAX_MEDIA_BYTES, declared_type, read_media_file, resolve_media
+from .patchify import planes_to_rows
 
 # PIL's own hard limit (2 * Image.MAX_IMAGE_PIXELS): above it Image.open raises anyway.
 DEFAULT_MAX_IMAGE_PIXELS = 178_956_970
@@ -275,13 +276,11 @@ def image_to_patches(image: Image.Image, vision: VisionConfig) -> tuple[np.ndarr
         image.height, image.width, vision.resize_factor, vision.min_pixels, vision.max_pixels
     )
     resized = image.resize((width, height), Image.Resampling.BICUBIC)
-    pixels = np.asarray(resized)  # [H, W, C] uint8
-    p, m, c = vision.patch_size, vision.merge_size, vision.channels
-    gh, gw = height // p, width // p
-    blocks = pixels.reshape(gh // m, m, p, gw // m, m, p, c)
-    # (block row, block col, row in block, col in block, channel, py, px)
-    patches = np.ascontiguousarray(blocks.transpose(0, 3, 1, 4, 6, 2, 5)).reshape(gh * gw, c * p * p)
-    return patches, (1, gh, gw)
+    planes = np.empty((1, vision.channels, height, width), dtype=np.uint8)
+    for k, band in enumerate(resized.split()):  # PIL splits the interleaved RGB in C
+        planes[0, k] = np.asarray(band)
+    patches = planes_to_rows(planes, vision.patch_size, vision.merge_size)
+    return patches, (1, height // vision.patch_size, width // vision.patch_size)
 
 
 def header_grid(image: Image.Image, vision: VisionConfig) -> tuple[int, int, int]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import os
 import re
 import stat
@@ -127,13 +128,18 @@ def _b64decode(text: str, max_bytes: int, what: str, kind: str) -> bytes:
                 f"{what} holds {encoded * 3 // 4} bytes ({encoded} base64 characters), over "
                 f"{_FLAG[kind]} {max_bytes}; shrink the {kind} or raise {_FLAG[kind]}",
             )
-    compact = "".join(text.split())
-    compact += "=" * (-len(compact) % 4)
-    altchars = b"-_" if ("-" in compact or "_" in compact) else None
-    try:
-        data = base64.b64decode(compact, altchars=altchars, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise RejectError("bad_base64", f"{kind} base64 does not decode ({exc})") from None
+    data = None
+    if len(text) % 4 == 0:  # the usual case, padded without whitespace: no copy to strip it first
+        with contextlib.suppress(binascii.Error, ValueError):
+            data = base64.b64decode(text, validate=True)
+    if data is None:
+        compact = "".join(text.split())
+        compact += "=" * (-len(compact) % 4)
+        altchars = b"-_" if ("-" in compact or "_" in compact) else None
+        try:
+            data = base64.b64decode(compact, altchars=altchars, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise RejectError("bad_base64", f"{kind} base64 does not decode ({exc})") from None
     if not data:
         raise RejectError("bad_base64", f"{kind} base64 decodes to zero bytes")
     return data

@@ -74,7 +74,7 @@ def video_patches_to_frames(video_patches: np.ndarray, grid_thw, patch_size: int
                             temporal_patch_size: int, channels: int = 3) -> np.ndarray:
     """Stored `video_patches` of one video -> its resized frames, uint8 [t*T, gh*P, gw*P, C] (the
     last temporal patch's repeated frame included). Exact inverse of
-    `preprocess.video.patches.group_to_rows`: rows in merge-block order per temporal patch,
+    `preprocess.patchify.planes_to_rows`: rows in merge-block order per temporal patch,
     columns (C, T, P, P)."""
     t, gh, gw = (int(v) for v in np.asarray(grid_thw).reshape(-1))
     p, m, c, tp = int(patch_size), int(merge_size), int(channels), int(temporal_patch_size)

@@ -74,7 +74,7 @@ def classify(exc: BaseException, url: str) -> StorageError:
 def open_binary(spec: str | Path):
     """A readable, seekable binary file of a local path or a URL."""
     if not is_url(str(spec)):
-        return open(spec, "rb")
+        return open(spec, "rb", buffering=1 << 20)  # JSONL rows with base64 media run to megabytes
     fs, path = _filesystem(str(spec))
     try:
         return fs.open(path, "rb")

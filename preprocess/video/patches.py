@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from ..patchify import planes_to_rows
+
 
 def resize_frame(frame: np.ndarray, height: int, width: int) -> np.ndarray:
     """RGB uint8 [H, W, 3] -> uint8 [3, height, width], HF's video resize."""
@@ -28,16 +30,6 @@ def resize_frame(frame: np.ndarray, height: int, width: int) -> np.ndarray:
         return tensor.numpy()
     out = interpolate(tensor[None], size=[height, width], mode="bicubic", align_corners=False, antialias=True)
     return out[0].numpy()
-
-
-def group_to_rows(group: np.ndarray, patch_size: int, merge_size: int) -> np.ndarray:
-    """One temporal group uint8 [T, C, H, W] -> rows uint8 [gh*gw, C*T*P*P] in HF's order."""
-    t, c, h, w = group.shape
-    p, m = patch_size, merge_size
-    gh, gw = h // p, w // p
-    blocks = group.reshape(t, c, gh // m, m, p, gw // m, m, p)
-    # (block row, block col, row in block, col in block, channel, t, py, px)
-    return np.ascontiguousarray(blocks.transpose(2, 5, 3, 6, 1, 0, 4, 7)).reshape(gh * gw, c * t * p * p)
 
 
 def frames_to_patches(frames: Iterable[np.ndarray], num_frames: int, height: int, width: int, *,
@@ -53,10 +45,10 @@ def frames_to_patches(frames: Iterable[np.ndarray], num_frames: int, height: int
         seen += 1
         if seen % temporal_patch_size == 0:
             g = seen // temporal_patch_size - 1
-            rows[g * gh * gw:(g + 1) * gh * gw] = group_to_rows(group, patch_size, merge_size)
+            planes_to_rows(group, patch_size, merge_size, out=rows[g * gh * gw:(g + 1) * gh * gw])
     if seen != num_frames:
         raise ValueError(f"expected {num_frames} frames, got {seen}")
     if seen % temporal_patch_size:
         group[seen % temporal_patch_size:] = group[seen % temporal_patch_size - 1]  # repeat the last frame
-        rows[(grid_t - 1) * gh * gw:] = group_to_rows(group, patch_size, merge_size)
+        planes_to_rows(group, patch_size, merge_size, out=rows[(grid_t - 1) * gh * gw:])
     return rows, (grid_t, gh, gw)
