@@ -15,8 +15,9 @@ from .atomic import TMP_SUFFIX, fsync_dir
 from .schema import SCHEMA_VERSION, Sample, shard_schema
 
 # Record batches stay far below 2^31 child values (int32 list offsets) and small enough that
-# reading one row maps only a little of the file.
-BATCH_PIXEL_BYTES = 64 << 20
+# reading one row maps only a little of the file, and that the background thread writes most of
+# a shard while its rows are still being decoded (only the last batch is written at close).
+BATCH_PIXEL_BYTES = 16 << 20
 BATCH_ROWS = 4096
 
 
