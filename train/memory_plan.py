@@ -19,6 +19,8 @@ Activations are an estimate in bytes per token (S tokens per micro-batch, h the 
 fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequences):
   a recomputed decoder layer keeps its input             LAYER_INPUT x h x S
   a layer that keeps its activations for backward        LAYER_KEPT x h x S
+    (under TP, all but LAYER_KEPT_WHOLE x h x S of it is split over the TP ranks; under
+     sequence parallelism all of it, and the recomputed layers' inputs too)
     (a Mixture-of-Experts layer measured no more: 30B-A3B's, with 8 experts of width 768 a
      token, matches a dense layer of its hidden size)
   one layer being recomputed, when any is                RECOMPUTE_WORKING x h x S
@@ -27,18 +29,17 @@ fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequen
     (the constant also covers a recomputed vision tower's working set; a frozen tower keeps
      none, so LoRA runs come out 2-15 % high)
   a vision tower that keeps its activations (trained, not recomputed), on stage 0, for the
-  P = S x visual share x merge^2 patches of a micro-batch    VISION_KEPT x P x depth x hv / tp
+  P = S x visual share x merge^2 patches of a micro-batch    VISION_KEPT x P x depth x hv
+    (not divided by tp: every TP rank runs the whole tower)
     (hv its hidden size; the visual share is the shards' visual tokens per token, read from
      the manifests of --data, else VISUAL_SHARE, that of the recorded mixes)
-Mixture-of-Experts models under TP (sequence parallelism, experts whole on every TP rank)
-are not modelled: the one recorded run (30B-A3B cut to 3 layers, TP=2, no recompute) peaked
-21 % above this plan. The layout search leaves them out and the report says so.
 Under pipeline parallelism a stage holds up to pp - stage micro-batches in flight (1F1B).
 The constants were fitted on three H100 runs (Qwen3-VL-2B with every layer recomputed and with
 24 of its 28 layers kept, Qwen3-VL-8B at TP=2), the MoE recompute term on two H200 runs
 (30B-A3B with 3 and 48 layers, every layer recomputed) and VISION_KEPT on the 2B runs without
-recompute (H200s, 8k packs, 1 and 2 GPUs); tests/test_memory_plan.py checks the plan against
-every recorded peak in benchmarks/results.
+recompute (H200s, 8k packs, 1 and 2 GPUs), LAYER_KEPT_WHOLE on the TP=2 runs without
+recompute (2B dense, and the 30B-A3B cut to 3 layers with sequence parallelism);
+tests/test_memory_plan.py checks the plan against every recorded peak in benchmarks/results.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from train.model.arch import ModelArch
 GIB = 2**30
 LAYER_INPUT = 2.0
 LAYER_KEPT = 39.8
+LAYER_KEPT_WHOLE = 5.0  # of LAYER_KEPT: what TP does not split (outside the attention and MLP GEMMs)
 RECOMPUTE_WORKING = 37.0
 LOGITS = 3.0
 VISION_KEPT = 66.9
@@ -94,6 +96,7 @@ class Settings:
     lora: lora.LoraSpec | None = None
     recompute_vision: bool | None = None  # default: with --recompute full
     visual_share: float = VISUAL_SHARE  # visual tokens per pack token
+    sequence_parallel: bool | None = None  # rows split over the TP ranks; None: the trainer's default (MoE at TP > 1)
 
     @property
     def vision_keeps_activations(self) -> bool:
@@ -152,8 +155,10 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
     else:
         recomputed = 0
     kept = layers - recomputed
-    kept_per_layer = LAYER_KEPT * lm.hidden_size
-    per_micro_batch = tokens * (recomputed * LAYER_INPUT * lm.hidden_size + kept * kept_per_layer)
+    sp = lm.is_moe and layout.tp > 1 if settings.sequence_parallel is None else settings.sequence_parallel
+    rows = layout.tp if sp else 1  # sequence parallelism: each TP rank holds a TP-th of the rows
+    kept_per_layer = (LAYER_KEPT_WHOLE / rows + (LAYER_KEPT - LAYER_KEPT_WHOLE) / layout.tp) * lm.hidden_size
+    per_micro_batch = tokens * (recomputed * LAYER_INPUT * lm.hidden_size / rows + kept * kept_per_layer)
     in_flight = min(layout.pp - stage, settings.micro_batches(layout.dp))
     working_per_token = RECOMPUTE_WORKING * lm.hidden_size
     if lm.is_moe:
@@ -164,7 +169,7 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
     if stage == 0 and settings.vision_keeps_activations:
         v = arch.vision
         patches = tokens * settings.visual_share * v.spatial_merge_size ** 2
-        vision = VISION_KEPT * patches * v.depth * v.hidden_size / layout.tp
+        vision = VISION_KEPT * patches * v.depth * v.hidden_size  # every TP rank runs the whole tower
     return in_flight * (per_micro_batch + vision) + working + logits
 
 
@@ -216,13 +221,13 @@ def layouts_for(arch: ModelArch, gpus: int) -> list[Layout]:
     lm = arch.lm
     found = []
     for tp in (1, 2, 4, 8):
-        if lm.num_heads % tp or lm.num_kv_heads % tp or gpus % tp or (lm.is_moe and tp > 1):
+        if lm.num_heads % tp or lm.num_kv_heads % tp or gpus % tp:
             continue
         for pp in range(1, gpus // tp + 1):
             if (gpus // tp) % pp or lm.num_layers % pp or arch.num_deepstack > lm.num_layers // pp:
                 continue
             dp = gpus // (tp * pp)
-            ep = math.gcd(dp, lm.num_experts) if lm.is_moe else 1
+            ep = math.gcd(dp, lm.num_experts) if lm.is_moe and tp == 1 else 1  # the trainer's EP needs TP 1
             found.append(Layout(tp=tp, pp=pp, dp=dp, ep=ep))
     return found
 
@@ -275,9 +280,6 @@ def report(name: str, arch: ModelArch, settings: Settings, layout: Layout, gpu_g
                      f"{settings.visual_share:.0%} of each pack's tokens visual")
     if settings.lora:
         lines.append("note: LoRA's frozen vision tower keeps no activations: the estimate is up to 15 % high")
-    if arch.lm.is_moe and layout.tp > 1:
-        lines.append("note: Mixture-of-Experts under --tp > 1 is not modelled: a recorded run peaked 21 % above "
-                     "this estimate")
     best = smallest_fit(arch, settings, gpu_gib)
     lines.append(f"smallest layout that fits: {best[0].gpus} GPU(s) as {best[0]} ({best[1]:.1f} GiB)" if best
                  else "no layout of up to 512 GPUs fits: lower --seq-len or use --recompute full and bf16 state")

@@ -248,7 +248,8 @@ def dry_run(config: TrainConfig) -> str:
         recompute=config.recompute, recompute_layers=config.recompute_layers, grad_dtype=config.grad_dtype,
         adam_state_dtype=config.adam_state_dtype, distributed_optimizer=config.distributed_optimizer,
         freeze=tuple(config.freeze), lora=config.lora_spec(), recompute_vision=config.recompute_vision,
-        visual_share=memory_plan.VISUAL_SHARE if share is None else share)
+        visual_share=memory_plan.VISUAL_SHARE if share is None else share,
+        sequence_parallel=sequence_parallel(arch, config))
     gpu_gib = config.gpu_memory_gib or (torch.cuda.get_device_properties(0).total_memory / memory_plan.GIB
                                         if torch.cuda.is_available() else 80.0)
     layout = memory_plan.Layout(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep)
