@@ -81,7 +81,8 @@ def _settings(args: dict, trainer_args=(), layers=None, visual_share=memory_plan
         adam_state_dtype=flags.get("adam-state-dtype") or args.get("adam_state_dtype") or "fp32",
         distributed_optimizer=flags.get("distributed-optimizer", "true") == "true",
         lora=lora.LoraSpec(rank=rank, alpha=2.0 * rank, dora=flags.get("lora-dora") == "true") if rank else None,
-        visual_share=visual_share)
+        visual_share=visual_share,
+        sequence_parallel=flags["sequence-parallel"] == "true" if "sequence-parallel" in flags else None)
     return args["arch"].removesuffix(f"-{layers}l") if layers else args["arch"], settings
 
 
