@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
@@ -96,9 +97,9 @@ def peft_model(kind: str, seed: int = 0):
     return pm, hf, base, arch, spec
 
 
-def our_model(base: dict, arch, spec, adapters: dict, info, tp: int = 1):
+def our_model(base: dict, arch, spec, adapters: dict, info, tp: int = 1, sequence_parallel: bool = False):
     """Our model on the HF weights `base` with the PEFT adapter state `adapters` (split for `tp`)."""
-    model = build_model(arch, transformer_config(arch, tp=tp, cpu=True), info)
+    model = build_model(arch, transformer_config(arch, tp=tp, cpu=True, sequence_parallel=sequence_parallel), info)
     full = convert.hf_to_megatron(base, arch)
     convert.load_into_model(model, convert.shard(full, arch, tp, info.tp_rank, 1, 0))
     attached = lora.attach(model, arch, spec, tp, range(arch.lm.num_layers))
@@ -232,25 +233,33 @@ def test_targets_that_match_nothing_are_refused_by_name(targets, parts, message)
         lora.resolve_sites(arch, lora.LoraSpec(rank=4, alpha=4, targets=targets, parts=parts))
 
 
-def _tp_worker(rank: int, world: int, port: int, spec: lora.LoraSpec, adapters: dict, out: str) -> None:
+def _tp_worker(rank: int, world: int, port: int, spec: lora.LoraSpec, adapters: dict, out: str,
+               sequence_parallel: bool) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     info = init_parallel(world, 1, device="cpu")
     hf = tiny_qwen3_vl(0)
     arch = ModelArch.from_hf_config(hf.config.to_dict())
-    model, attached = our_model(hf.state_dict(), arch, spec, adapters, info, tp=world)
+    model, attached = our_model(hf.state_dict(), arch, spec, adapters, info, tp=world,
+                                sequence_parallel=sequence_parallel)
     n = 48
     ids = torch.randint(0, 2000, (n,), generator=torch.Generator().manual_seed(1))
     losses = model(ids, torch.arange(n).expand(3, n), torch.tensor([0, 20, n], dtype=torch.int32), 28, labels=ids)
     losses.sum().backward()
+    for param in attached.params.values():  # what finalize_model_grads does for the marked ones
+        if getattr(param, "sequence_parallel", False):
+            torch.distributed.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
     torch.save({"losses": losses.detach(), "grads": {k: p.grad for k, p in attached.params.items()}}, f"{out}.{rank}")
     destroy_parallel()
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sequence-parallel"])
 @pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
-def test_tp2_adapters_equal_one_process(tmp_path, dora):
+def test_tp2_adapters_equal_one_process(tmp_path, dora, sequence_parallel):
     """Two gloo processes (TP=2: lora_B of column-parallel layers and lora_A of row-parallel
     ones split; DoRA's magnitudes split as lora_B, its row norms summed over TP on row-parallel
-    layers) against one (TP=1): the same losses and, put back together, the same gradients."""
+    layers) against one (TP=1): the same losses and, put back together, the same gradients.
+    With sequence parallelism the hosts take or give each rank's rows: the adapters gather or
+    scatter their rank-r hidden, and the tensors both ranks hold get their gradients summed."""
     import torch.multiprocessing as mp
 
     pm, _, _, arch, _ = peft_model("qwen3-vl-dora" if dora else "qwen3-vl")
@@ -259,8 +268,8 @@ def test_tp2_adapters_equal_one_process(tmp_path, dora):
     adapters = {k: v for k, v in peft_state(pm).items() if ".language_model." in k}
     for world in (1, 2):
         port = 29500 + os.getpid() % 400 + world
-        mp.start_processes(_tp_worker, args=(world, port, spec, adapters, str(tmp_path / f"tp{world}")), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(_tp_worker, args=(world, port, spec, adapters, str(tmp_path / f"tp{world}"),
+                                             sequence_parallel), nprocs=world, start_method="spawn")
     one = torch.load(tmp_path / "tp1.0")
     two = [torch.load(tmp_path / f"tp2.{r}") for r in range(2)]
     assert (two[0]["losses"] - one["losses"]).abs().max() < TOLERANCE

@@ -98,6 +98,18 @@ def test_moe_tensor_parallel_with_sequence_parallelism_matches_single_process(sh
                                    err_msg=key)
 
 
+def test_moe_lora_under_tensor_parallelism_matches_single_process(shards, tmp_path):  # noqa: F811
+    """LoRA on the attention of a MoE model at TP=2 (sequence parallelism on): the adapters
+    gather or scatter their rank-r hidden with the hosts' rows; losses and gradient norms are
+    those of one process."""
+    args = [*MOE, "--lora-rank", "4", "--lr", "1e-2", "--data", str(shards), "--train-steps", "3"]
+    ok(run_train([*args, "--out", str(tmp_path / "one")]))
+    ok(run_train([*args, "--out", str(tmp_path / "tp2"), "--tp", "2"], nproc=2))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([m[key] for m in metrics(tmp_path / "tp2")], [m[key] for m in metrics(tmp_path / "one")],
+                                   rtol=2e-5, err_msg=key)
+
+
 def test_moe_tensor_parallel_without_sequence_parallelism_is_refused(shards, tmp_path, capsys):  # noqa: F811
     assert vlmpack(["train", *MOE, "--tp", "2", "--sequence-parallel", "false", "--data", str(shards),
                     "--out", str(tmp_path / "run")]) == 2

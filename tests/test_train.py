@@ -231,8 +231,6 @@ def test_packs_split_over_tensor_parallel_ranks_get_a_padding_segment(shards):
     (["--warmup-steps", "2"], "--warmup-steps 2 must be smaller than --train-steps 2"),
     (["--recompute-layers", "4"], "--recompute-layers 4 needs --recompute full"),
     (["--adam-state-dtype", "fp16"], "--adam-state-dtype 'fp16': choose from ['fp32', 'bf16']"),
-    (["--tp", "2", "--sequence-parallel", "true", "--lora-rank", "4"],
-     "--lora-rank with sequence parallelism: the adapters take whole rows"),
 ])
 def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message):
     proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2", *extra])

@@ -87,10 +87,6 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
     if lm.is_moe and config.tp > 1 and config.sequence_parallel is False:
         raise ConfigError(f"--tp {config.tp} with a Mixture-of-Experts model needs sequence parallelism (megatron-core's "
                           "MoE layers train under tensor parallelism only with it); drop --sequence-parallel false")
-    if sequence_parallel(arch, config) and spec is not None:
-        raise ConfigError(f"--lora-rank with sequence parallelism: the adapters take whole rows, which each TP rank "
-                          "holds only inside the attention and MLP; use --tp 1 (or --sequence-parallel false for a "
-                          "dense model)")
     if sequence_parallel(arch, config) and config.pp > 1 and config.seq_len % config.tp:
         raise ConfigError(f"--seq-len {config.seq_len} must be a multiple of --tp {config.tp} with sequence parallelism "
                           "and --pp > 1 (every pack is padded to --seq-len rows, which the TP ranks split evenly)")

@@ -20,7 +20,9 @@ Where the adapters sit:
   is: a column-parallel base (qkv, fc1) gets a whole `lora_A` and a `lora_B` split by output
   rows (its input gradient all-reduced over TP, as megatron does for the base); a row-parallel
   base (proj, fc2) a `lora_A` split by input columns (its output all-reduced) and a whole
-  `lora_B`. Mixture-of-Experts layers adapt attention only: the experts are stacked tensors.
+  `lora_B`. Under sequence parallelism the rank-r hidden is gathered over the TP ranks or
+  reduce-scattered to them instead, as the base's rows are. Mixture-of-Experts layers adapt
+  attention only: the experts are stacked tensors.
 - vision tower and mergers: plain `nn.Linear` with HF's names, adapted as PEFT does.
 
 The adapters run as forward hooks of their base layers, so parameter names of the base model
@@ -315,27 +317,41 @@ class MegatronLinearAdapter(nn.Module):
     which this rank holds `groups`."""
 
     def __init__(self, slots: dict[str, LoraBranch], scaling: float, dropout: float,
-                 qkv_sizes: dict[str, int] | None = None, groups: int = 0):
+                 qkv_sizes: dict[str, int] | None = None, groups: int = 0, sequence_parallel: bool = False):
+        """`sequence_parallel`: the host takes (column-parallel) or gives (row-parallel) this TP
+        rank's slice of the rows, so the rank-r hidden is gathered or scattered like the host's
+        own activations; the adapter tensors every rank holds whole then see only the rank's
+        rows, and are marked for `finalize_model_grads` to sum their gradients over TP."""
         super().__init__()
         self.slots = nn.ModuleDict(slots)
         self.scaling, self.dropout, self.qkv_sizes, self.groups = scaling, dropout, qkv_sizes, groups
+        self.sequence_parallel = sequence_parallel
         self._rows: dict = {}  # device -> DoRA's slot rows (`_slot_rows`)
+        if sequence_parallel:
+            for branch in slots.values():
+                whole = [branch.lora_B, branch.magnitude] if "row" in slots else [branch.lora_A]
+                for param in whole:
+                    if param is not None:
+                        param.sequence_parallel = True
 
     def forward(self, x: Tensor) -> Tensor:
         x = F.dropout(x, self.dropout, self.training) if self.dropout else x
         if "row" in self.slots:  # x holds this rank's input columns: sum the partial products over TP
             branch = self.slots["row"]
-            hidden = tensor_parallel.reduce_from_tensor_model_parallel_region(F.linear(x, branch.lora_A))
+            partial = F.linear(x, branch.lora_A)
+            hidden = (tensor_parallel.reduce_scatter_to_sequence_parallel_region(partial) if self.sequence_parallel
+                      else tensor_parallel.reduce_from_tensor_model_parallel_region(partial))
             return F.linear(hidden, branch.lora_B * self.scaling)
         names = list(self.slots)
         # one GEMM for the slots' lora_A (all see the same input); the TP ranks' lora_B parts then
         # each give part of the output, so the input gradient is summed over TP
         hidden = F.linear(x, torch.cat([self.slots[n].lora_A for n in names]))
-        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+        hidden = (tensor_parallel.gather_from_sequence_parallel_region(hidden) if self.sequence_parallel
+                  else tensor_parallel.copy_to_tensor_model_parallel_region(hidden))
         pieces = hidden.split([self.slots[n].lora_A.shape[0] for n in names], -1)
         # the scaling applied to each small lora_B, not to the activations (one pass fewer)
         outs = {n: F.linear(h, self.slots[n].lora_B * self.scaling) for n, h in zip(names, pieces)}
-        return self._layout(outs, x)
+        return self._layout(outs)
 
     def apply_to(self, host: nn.Module, x: Tensor, y: Tensor) -> Tensor:
         lora_out = self(x).to(y.dtype)
@@ -350,7 +366,7 @@ class MegatronLinearAdapter(nn.Module):
             widths = self._widths()
             ids = {n: torch.arange(w, dtype=torch.float64) + sum(list(widths.values())[:i]) + 1
                    for i, (n, w) in enumerate(widths.items())}
-            fused = self._layout({n: v[None] for n, v in ids.items()}, torch.zeros(1, 1))[0]
+            fused = self._layout({n: v[None] for n, v in ids.items()})[0]
             self._rows[device] = {n: torch.nonzero((fused >= ids[n][0]) & (fused <= ids[n][-1])).flatten().to(device)
                                   for n in self.slots}
         return self._rows[device]
@@ -386,14 +402,15 @@ class MegatronLinearAdapter(nn.Module):
             branch = self.slots[name]
             branch.magnitude.copy_(branch.row_norms(weight[rows], self.scaling))
 
-    def _layout(self, outs: dict[str, Tensor], x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
+    def _layout(self, outs: dict[str, Tensor]) -> Tensor:
+        some = next(iter(outs.values()))
+        lead = some.shape[:-1]
         if self.qkv_sizes is None:  # linear_fc1: [gate; up], both halves of one width
-            width = next(iter(outs.values())).shape[-1]
-            return torch.cat([outs[n] if n in outs else x.new_zeros(*lead, width) for n in ("gate", "up")], -1)
+            width = some.shape[-1]
+            return torch.cat([outs[n] if n in outs else some.new_zeros(*lead, width) for n in ("gate", "up")], -1)
         # megatron's QKV rows: per query group [its q heads, its k head, its v head]
         parts = [outs[n].unflatten(-1, (self.groups, -1)) if n in outs
-                 else x.new_zeros(*lead, self.groups, self.qkv_sizes[n]) for n in ("q", "k", "v")]
+                 else some.new_zeros(*lead, self.groups, self.qkv_sizes[n]) for n in ("q", "k", "v")]
         return torch.cat(parts, -1).flatten(-2)
 
 
@@ -491,7 +508,8 @@ def attach(model, arch: ModelArch, spec: LoraSpec, tp: int, layers: range) -> Ad
             host = layer.get_submodule(host_name)
             qkv = ({"q": lm.num_heads // lm.num_kv_heads * lm.head_dim, "k": lm.head_dim, "v": lm.head_dim}
                    if host_name.endswith("linear_qkv") else None)
-            host.lora = MegatronLinearAdapter(adapted, spec.scaling, spec.dropout, qkv, lm.num_kv_heads // tp)
+            host.lora = MegatronLinearAdapter(adapted, spec.scaling, spec.dropout, qkv, lm.num_kv_heads // tp,
+                                              sequence_parallel=model.config.sequence_parallel)
             host.register_forward_hook(_add_adapter_output, with_kwargs=True)
             hosts.append(host)
     saved = saved_module_params(model, spec.modules_to_save)
