@@ -24,10 +24,11 @@ fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequen
     (a Mixture-of-Experts layer measured no more: 30B-A3B's, with 8 experts of width 768 a
      token, matches a dense layer of its hidden size)
   one layer being recomputed, when any is                RECOMPUTE_WORKING x h x S
+    (split over the TP ranks as a kept layer's activations are)
     a Mixture-of-Experts layer adds                      MOE_RECOMPUTE_WORKING x k x h x S
   the last stage's logits and loss                       LOGITS x S x vocab / tp
     (the constant also covers a recomputed vision tower's working set; a frozen tower keeps
-     none, so LoRA runs come out 2-15 % high)
+     none, so LoRA runs come out up to 15 % high)
   a vision tower that keeps its activations (trained, not recomputed), on stage 0, for the
   P = S x visual share x merge^2 patches of a micro-batch    VISION_KEPT x P x depth x hv
     (not divided by tp: every TP rank runs the whole tower)
@@ -163,7 +164,8 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
     working_per_token = RECOMPUTE_WORKING * lm.hidden_size
     if lm.is_moe:
         working_per_token += MOE_RECOMPUTE_WORKING * lm.num_experts_per_tok * lm.hidden_size
-    working = tokens * working_per_token if recomputed else 0.0
+    # the layer being recomputed holds what a kept layer does: split over TP alike
+    working = tokens * working_per_token * kept_per_layer / (LAYER_KEPT * lm.hidden_size) if recomputed else 0.0
     logits = tokens * LOGITS * lm.vocab_size / layout.tp if stage == layout.pp - 1 else 0.0
     vision = 0.0
     if stage == 0 and settings.vision_keeps_activations:
