@@ -285,12 +285,17 @@ class QwenVLModel(MegatronModule):
         gradient is summed over the TP ranks (`copy_to_tensor_model_parallel_region`) before
         the replicated vision tower sees it. Rows outside the slice add zeros to row 0 rather
         than being dropped: no device-to-host sync to count them."""
-        tp, rank = self.config.tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
-        local = total // tp
+        mine = self._rank_rows(total)
         context = tensor_parallel.copy_to_tensor_model_parallel_region(context)
-        rows = rows - rank * local
-        inside = (rows >= 0) & (rows < local)
+        rows = rows - mine.start
+        inside = (rows >= 0) & (rows < mine.stop - mine.start)
         return context * inside[None, :, None].to(context.dtype), torch.where(inside, rows, 0)
+
+    def _rank_rows(self, total: int) -> slice:
+        """This TP rank's rows of a `total`-row pack under sequence parallelism."""
+        local = total // self.config.tensor_model_parallel_size
+        start = parallel_state.get_tensor_model_parallel_rank() * local
+        return slice(start, start + local)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                 labels: Tensor | None = None, pixel_values: Tensor | None = None,
@@ -326,9 +331,7 @@ class QwenVLModel(MegatronModule):
         moe = {}
         if self.arch.lm.is_moe and padding_mask is not None:
             if self.sequence_parallel:
-                local = padding_mask.shape[0] // self.config.tensor_model_parallel_size
-                rank = parallel_state.get_tensor_model_parallel_rank()
-                padding_mask = padding_mask[rank * local:(rank + 1) * local]
+                padding_mask = padding_mask[self._rank_rows(padding_mask.shape[0])]
             moe["padding_mask"] = padding_mask[None]  # [b, s], as megatron's MoE layer takes it
         hidden = self.language_model.decoder(
             hidden_states=decoder_input, attention_mask=None, context=context, context_mask=rows,
