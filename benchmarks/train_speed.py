@@ -88,7 +88,7 @@ from synthetic_shards import SyntheticSpec, write_synthetic_shards
 from shards_schema import open_shards, verify_shards
 from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
 from tests.hf_reference import to_padded_batch
-from train.config import ATTENTION_KERNELS, STATE_DTYPES
+from train.config import ATTENTION_KERNELS, FP8_RECIPES, STATE_DTYPES
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
 
@@ -120,6 +120,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "report where the GPU waits for the host (gaps between kernels, by what the host was doing)")
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
     ap.add_argument("--attention", default="fa2", choices=ATTENTION_KERNELS, help="trainer's CUDA attention kernel")
+    ap.add_argument("--fp8", default=None, choices=FP8_RECIPES, help="trainer's --fp8 recipe (default: bf16 GEMMs)")
+    ap.add_argument("--compile-decoder", type=lambda v: v.lower() in ("1", "true", "yes"), default=True,
+                    help="trainer's --compile-decoder: compile each dense decoder layer (true/false; default true)")
     ap.add_argument("--grad-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's gradient buffers")
     ap.add_argument("--adam-state-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's Adam moments")
     ap.add_argument("--lr", type=float, default=1e-5, help="learning rate of both sides")
@@ -539,7 +542,8 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         recompute=recompute, recompute_layers=args.recompute_layers if recompute == "full" else None,
         recompute_vision=args.recompute_vision, device=args.device, num_workers=args.num_workers, tensorboard=False,
         save_every=0, seed=args.seed, log_every=1, attention=args.attention, grad_dtype=args.grad_dtype,
-        adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank)
+        adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank, compile_decoder=args.compile_decoder,
+        fp8=args.fp8)
     config.validate()
     probe = TrainerProbe(device, args.keep_checkpoint)
     if args.profile and device.type == "cuda":
@@ -547,7 +551,8 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         probe.trace_path = Path(args.trace) if args.trace else None
     log(f"ours: train({args.arch}, seq_len {args.seq_len}, {args.global_batch_packs} packs/step, "
         f"{args.warmup}+{args.steps} steps, recompute {recompute}, layers {config.recompute_layers}, "
-        f"vision {config.recompute_vision}, attention {config.attention}, grads {config.grad_dtype}, "
+        f"vision {config.recompute_vision}, attention {config.attention}, "
+        f"compiled decoder {config.compile_decoder}, fp8 {config.fp8 or 'off'}, grads {config.grad_dtype}, "
         f"Adam state {config.adam_state_dtype}, LoRA rank {config.lora_rank}) -> {run_dir}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -20,6 +20,7 @@ from shards_schema.errors import UserError
 
 FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains fully (train.model.lora)
 ATTENTION_KERNELS = ("fa2", "fa4")  # train.model.attention.select_attention_kernel
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # train.model.fp8.RECIPES
 STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
 RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("cuda", "cpu")
@@ -80,6 +81,12 @@ class TrainConfig:
                                                    "loss (HF's router_aux_loss_coef, e.g. 0.001; default 0, as HF "
                                                    "trains without output_router_logits)")
     compile: bool = _opt(True, "model", "torch.compile the vision blocks and rotary kernels, CUDA only (default true)")
+    fp8: str | None = _opt(None, "model", "run the decoder layers' linear GEMMs in FP8 with this torchao float8 "
+                                          "recipe: tensorwise, rowwise or rowwise_with_gw_hp (pip install -e "
+                                          "'.[fp8]'; an sm89+ GPU; CPU runs emulate it). Default: bf16")
+    compile_decoder: bool = _opt(True, "model", "with --compile: also torch.compile each dense language-model decoder "
+                                                "layer as one graph, norms, residual adds and casts fused around the "
+                                                "GEMMs (default true)")
     # parallelism
     tp: int = _opt(1, "parallelism", "tensor-parallel size (divides the attention and KV heads; default 1)")
     pp: int = _opt(1, "parallelism", "pipeline-parallel size (divides the decoder layers; default 1)")
@@ -209,6 +216,8 @@ class TrainConfig:
                    "adam_state_dtype": STATE_DTYPES}
         if self.device is not None:
             choices["device"] = DEVICES
+        if self.fp8 is not None:
+            choices["fp8"] = FP8_RECIPES
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose from {list(allowed)}")

@@ -130,13 +130,15 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
-def build_model(arch, config, info: ParallelInfo, recompute_vision: bool | None = None, compile: bool = False):
+def build_model(arch, config, info: ParallelInfo, recompute_vision: bool | None = None, compile: bool = False,
+                compile_decoder: bool = True):
     """This rank's pipeline stage of the model, on its device; `compile`: torch.compile its
-    elementwise-heavy parts (CUDA only: CPU runs are tests and stay eager)."""
+    elementwise-heavy parts (CUDA only: CPU runs are tests and stay eager), with
+    `compile_decoder` its dense decoder layers too (`compile_model`)."""
     from train.model.qwen_vl import QwenVLModel, compile_model
 
     model = QwenVLModel(arch, config, pre_process=info.first_stage, post_process=info.last_stage,
                         recompute_vision=recompute_vision).to(info.device)
     if compile and info.device.type == "cuda":
-        compile_model(model)
+        compile_model(model, decoder=compile_decoder)
     return model

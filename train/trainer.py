@@ -40,6 +40,7 @@ from train.data import TrainData
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
+from train.model.fp8 import float8_gemm, use_fp8
 from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import lora
@@ -301,7 +302,8 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
         if on_fa2 and info.is_main:
             print(f"vlmpack train: --attention fa4: {', '.join(on_fa2)} keep FA2 "
                   f"(FA4 runs head dims {', '.join(map(str, FA4_HEAD_DIMS))})", file=sys.stderr)
-    model = build_model(arch, model_config, info, recompute_vision=config.recompute_vision, compile=config.compile)
+    model = build_model(arch, model_config, info, recompute_vision=config.recompute_vision, compile=config.compile,
+                        compile_decoder=config.compile_decoder)
     with inputs_checked():
         if config.hf_model:
             checkpoint.load_hf_weights(model, config.hf_model, arch, info)
@@ -312,6 +314,8 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
         if config.lora_rank:  # the base frozen, adapters (random or --init-lora) added
             checkpoint.add_adapters(model, arch, config, info)
     freeze(model, config.freeze)
+    if config.fp8:
+        use_fp8(model, float8_gemm(config.fp8, emulate=not cuda))
 
     use_distributed = config.distributed_optimizer and cuda  # megatron's DistributedOptimizer is CUDA-only
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_dtype == "fp32",

@@ -327,6 +327,9 @@ class MegatronLinearAdapter(nn.Module):
         self.scaling, self.dropout, self.qkv_sizes, self.groups = scaling, dropout, qkv_sizes, groups
         self.sequence_parallel = sequence_parallel
         self._rows: dict = {}  # device -> DoRA's slot rows (`_slot_rows`)
+        some = next(iter(slots.values()))
+        if some.magnitude is not None and "row" not in slots:  # found here, not in a (compiled) forward: finding them is data-dependent
+            self._slot_rows(some.magnitude.device)
         if sequence_parallel:
             for branch in slots.values():
                 whole = [branch.lora_B, branch.magnitude] if "row" in slots else [branch.lora_A]
@@ -336,18 +339,21 @@ class MegatronLinearAdapter(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = F.dropout(x, self.dropout, self.training) if self.dropout else x
+        # the group named: megatron's mappings warn at every call without one, which would
+        # split a compiled decoder layer (`compile_model`) into several graphs
+        group = parallel_state.get_tensor_model_parallel_group()
         if "row" in self.slots:  # x holds this rank's input columns: sum the partial products over TP
             branch = self.slots["row"]
             partial = F.linear(x, branch.lora_A)
-            hidden = (tensor_parallel.reduce_scatter_to_sequence_parallel_region(partial) if self.sequence_parallel
-                      else tensor_parallel.reduce_from_tensor_model_parallel_region(partial))
+            hidden = (tensor_parallel.reduce_scatter_to_sequence_parallel_region(partial, group=group)
+                      if self.sequence_parallel else tensor_parallel.reduce_from_tensor_model_parallel_region(partial, group))
             return F.linear(hidden, branch.lora_B * self.scaling)
         names = list(self.slots)
         # one GEMM for the slots' lora_A (all see the same input); the TP ranks' lora_B parts then
         # each give part of the output, so the input gradient is summed over TP
         hidden = F.linear(x, torch.cat([self.slots[n].lora_A for n in names]))
-        hidden = (tensor_parallel.gather_from_sequence_parallel_region(hidden) if self.sequence_parallel
-                  else tensor_parallel.copy_to_tensor_model_parallel_region(hidden))
+        hidden = (tensor_parallel.gather_from_sequence_parallel_region(hidden, group=group) if self.sequence_parallel
+                  else tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=group))
         pieces = hidden.split([self.slots[n].lora_A.shape[0] for n in names], -1)
         # the scaling applied to each small lora_B, not to the activations (one pass fewer)
         outs = {n: F.linear(h, self.slots[n].lora_B * self.scaling) for n, h in zip(names, pieces)}

@@ -13,7 +13,7 @@ ours.
 
 DeepStack features travel through the decoder as the `context` / `context_mask` arguments
 that TransformerBlock hands to every layer (and through activation recompute), so
-`DeepStackLayer` gets them as explicit inputs rather than hidden model state: context is
+`DecoderLayer` gets them as explicit inputs rather than hidden model state: context is
 [num_deepstack, N_image_tokens, hidden], context_mask the row index of each image token.
 """
 
@@ -24,6 +24,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
                                                          get_num_layers_to_build)
@@ -34,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from train.model.arch import ModelArch
 from train.model.attention import PackedCoreAttention, PackedRows
+from train.model.fp8 import ColumnParallelLinear, RowParallelLinear
 from train.model.moe import moe_config, moe_layer_spec
 from train.model.rope import MRoPE, apply_rotary
 from train.model.vision import VisionTower
@@ -42,13 +44,22 @@ IGNORE_INDEX = -100
 LOSS_CHUNK_TOKENS = 4096  # logits of this many rows exist at once (bf16 x vocab/TP), fp32 only inside CE
 
 
-class DeepStackLayer(TransformerLayer):
-    """A decoder layer that, if it is one of the first `num_deepstack` layers, adds its
-    DeepStack feature to the image rows of its output (HF: `_deepstack_process` after
-    layer i for i < len(deepstack_visual_embeds))."""
+class DecoderLayer(TransformerLayer):
+    """megatron's decoder layer. If it is one of the first `num_deepstack` layers, it adds its
+    DeepStack feature to the image rows of its output (HF: `_deepstack_process` after layer i
+    for i < len(deepstack_visual_embeds)).
+
+    `compiled_forward` (set by `compile_model`): one torch.compile of `TransformerLayer.forward`
+    shared by every dense layer. The DeepStack add stays outside it because it reads the
+    layer's number, on which a compiled graph would specialise once per layer."""
+
+    compiled_forward = None
 
     def forward(self, *args, **kwargs):
-        hidden, context = super().forward(*args, **kwargs)
+        if self.compiled_forward is not None:
+            hidden, context = self.compiled_forward(self, *args, **kwargs)
+        else:
+            hidden, context = super().forward(*args, **kwargs)
         features, rows = kwargs.get("context"), kwargs.get("context_mask")
         index = self.layer_number - 1  # layer_number is 1-based and global across pipeline stages
         if features is not None and index < features.shape[0]:
@@ -75,11 +86,13 @@ def layer_spec(arch: ModelArch, cpu: bool = False):
         spec = moe_layer_spec(spec, cpu)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     attention.core_attention = PackedCoreAttention
+    attention.linear_qkv, attention.linear_proj = ColumnParallelLinear, RowParallelLinear
+    if not moe:
+        layer.mlp.submodules.linear_fc1, layer.mlp.submodules.linear_fc2 = ColumnParallelLinear, RowParallelLinear
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
     if arch.lm.qk_norm:
         attention.q_layernorm = attention.k_layernorm = RMSNorm
-    if arch.num_deepstack:
-        spec.module = DeepStackLayer
+    spec.module = DecoderLayer
     return spec
 
 
@@ -177,22 +190,30 @@ def chunked_cross_entropy(hidden: Tensor, labels: Tensor, output_layer, weight: 
     return loss.new_zeros(total).index_copy(0, rows, loss)
 
 
-def compile_model(model: QwenVLModel) -> None:
+def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "inductor") -> None:
     """torch.compile where eager PyTorch spends the GPU on elementwise passes (CUDA runs):
     each vision block (norms, fp32 rotary, GELU, bias and residual adds fused around the GEMMs
     and the varlen attention op, and fewer tensors kept for backward), the language model's
-    rotary and, with TP = 1, the cross-entropy over the vocabulary. Dynamic shapes: packs
-    differ in length and patch count, and the blocks share one graph (parameters are graph
-    inputs), so it compiles once per process."""
-    rotary = torch.compile(apply_rotary, dynamic=True)
+    rotary and, with TP = 1, the cross-entropy over the vocabulary. `decoder`: also each dense
+    decoder layer as one graph (norms, residual adds, casts, SwiGLU and the rotary around the
+    GEMMs and the attention op); Mixture-of-Experts layers stay eager (their token dispatch
+    syncs with the host). Dynamic shapes: packs differ in length and patch count, and the
+    vision blocks share one graph, as do the decoder layers (parameters are graph inputs), so
+    each compiles once per process (once more for the grad-free forward of a recomputed layer)."""
+    rotary = torch.compile(apply_rotary, dynamic=True, backend=backend)
     if model.token_loss is token_loss:
-        model.token_loss = torch.compile(token_loss, dynamic=True)
+        model.token_loss = torch.compile(token_loss, dynamic=True, backend=backend)
     for module in model.modules():
         if isinstance(module, PackedCoreAttention):
             module.rotary = rotary
     if model.vision is not None:
         for block in model.vision.blocks:
-            block.compile(dynamic=True)
+            block.compile(dynamic=True, backend=backend)
+    if decoder:
+        layer_forward = torch.compile(TransformerLayer.forward, dynamic=True, backend=backend)
+        for layer in model.language_model.decoder.layers:
+            if not isinstance(layer.mlp, MoELayer):
+                layer.compiled_forward = layer_forward
 
 
 class QwenVLModel(MegatronModule):
@@ -319,6 +340,10 @@ class QwenVLModel(MegatronModule):
                                                                pixel_values_videos, video_grid_thw, video_rows)
             if self.sequence_parallel:  # each TP rank keeps its slice of the rows from here to the loss
                 decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(decoder_input)
+            # The embedding hands over [T, 1, H] as a transpose of [1, T, H]: the same layout as
+            # every later layer's input but for the size-1 dim's stride, on which a compiled
+            # decoder layer would compile a second graph. `view` gives the canonical strides.
+            decoder_input = decoder_input.view(-1, 1, decoder_input.shape[-1])
             if (torch.is_grad_enabled() and not decoder_input.requires_grad
                     and self.config.recompute_granularity == "full"):
                 # megatron's full recompute is a reentrant checkpoint: a layer whose input needs no

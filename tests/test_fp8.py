@@ -1,0 +1,117 @@
+"""`--fp8`: the decoder's linears compute what torchao's own float8 `nn.Linear` computes, the
+model stays close to its bf16/fp32 self, and the trainer takes the flag (CPU: torchao's
+emulated float8; the GPU test runs `torch._scaled_mm`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tests.hf_models import tiny_qwen3_vl, tiny_qwen3_vl_moe
+from tests.test_compile import loss_and_grads, random_pack
+from tests.test_train import BASE, metrics, ok, run_train, shards  # noqa: F401  (shards: fixture)
+from train.config import FP8_RECIPES
+from train.model.arch import ModelArch
+from train.model.fp8 import Float8Linear, float8_gemm, use_fp8
+from train.model.qwen_vl import transformer_config
+from train.parallel import build_model, destroy_parallel, init_parallel
+
+
+@pytest.fixture(scope="module")
+def info():
+    info = init_parallel(1, 1, device="cpu")
+    yield info
+    destroy_parallel()
+
+
+def torchao_linear(weight: torch.Tensor, recipe: str, emulate: bool) -> nn.Module:
+    """torchao's float8 training `nn.Linear` (its public module swap) holding `weight`."""
+    from torchao.float8 import convert_to_float8_training
+
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    linear.weight.data.copy_(weight)
+    return convert_to_float8_training(nn.Sequential(linear), config=float8_gemm(recipe, emulate).config)[0]
+
+
+def check_against_torchao(model, recipe: str, emulate: bool, seeds=range(4)):
+    """Every float8 linear of `model` against torchao's own on random inputs: outputs, input
+    and weight gradients bitwise equal."""
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    for seed, layer in zip(seeds, layers * len(seeds)):
+        g = torch.Generator(device=layer.weight.device).manual_seed(seed)
+        rows = int(torch.randint(17, 300, (1,)))  # not a multiple of 16: the padded inner dim
+        x = torch.randn(rows, 1, layer.weight.shape[1], generator=g, device=layer.weight.device,
+                        dtype=layer.weight.dtype) * (seed + 1)
+        out_grad = torch.randn(rows, 1, layer.weight.shape[0], generator=g, device=x.device, dtype=x.dtype)
+        reference = torchao_linear(layer.weight.detach(), recipe, emulate)
+        results = []
+        for fn, weight in ((lambda t: layer(t)[0], layer.weight), (reference, reference.weight)):
+            x_ = x.clone().requires_grad_()
+            weight.grad = None
+            fn(x_).backward(out_grad)
+            results.append((fn(x_).detach(), x_.grad, weight.grad.clone()))
+        for what, ours, theirs in zip(("output", "input grad", "weight grad"), *results):
+            assert torch.equal(ours, theirs), (recipe, seed, what, (ours - theirs).abs().max())
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_fp8_linears_compute_what_torchaos_float8_linear_computes(info, recipe):
+    arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
+    model = build_model(arch, transformer_config(arch, cpu=True), info)
+    assert use_fp8(model, float8_gemm(recipe, emulate=True)) == 4 * arch.lm.num_layers  # qkv, proj, fc1, fc2
+    check_against_torchao(model, recipe, emulate=True)
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_fp8_model_stays_close_to_full_precision(info, recipe):
+    """Whole model, several packs: the loss within 0.5 % and every gradient within 30 % (relative
+    norm) of the fp32 model, but not equal to it (the GEMMs did run in float8)."""
+    arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
+    config = transformer_config(arch, cpu=True)
+    torch.manual_seed(0)
+    full = build_model(arch, config, info)
+    fp8 = build_model(arch, config, info)
+    fp8.load_state_dict(full.state_dict())
+    use_fp8(fp8, float8_gemm(recipe, emulate=True))
+    for seed in range(3):
+        pack = random_pack(seed)
+        (want, want_grads), (got, got_grads) = loss_and_grads(full, pack), loss_and_grads(fp8, pack)
+        assert got != want
+        assert abs(got - want) <= 5e-3 * abs(want), (seed, got, want)
+        for name, grad in want_grads.items():
+            rel = ((got_grads[name] - grad).norm() / grad.norm().clamp_min(1e-12)).item()
+            assert rel < 0.3, (seed, name, rel)
+
+
+def test_mixture_of_experts_layers_run_attention_in_fp8_and_experts_in_bf16(info):
+    arch = ModelArch.from_hf_config(tiny_qwen3_vl_moe().config.to_dict())
+    model = build_model(arch, transformer_config(arch, cpu=True), info)
+    assert use_fp8(model, float8_gemm("tensorwise", emulate=True)) == 2 * arch.lm.num_layers
+
+
+def test_train_with_fp8_trains_and_bad_recipes_exit_2(shards, tmp_path):  # noqa: F811
+    out = tmp_path / "fp8"
+    ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "4", "--fp8", "rowwise"]))
+    losses = [m["loss"] for m in metrics(out)]
+    assert len(losses) == 4 and np.isfinite(losses).all()
+    proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2",
+                      "--fp8", "e4m3"])
+    assert proc.returncode == 2 and "--fp8 'e4m3': choose from" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs an FP8 GPU (sm89+)")
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_gpu_fp8_linears_compute_what_torchaos_float8_linear_computes(recipe):
+    info = init_parallel(1, 1, device="cuda")
+    try:
+        arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
+        model = build_model(arch, transformer_config(arch, params_dtype=torch.bfloat16, bf16=True), info)
+        use_fp8(model, float8_gemm(recipe))
+        check_against_torchao(model, recipe, emulate=False)
+    finally:
+        destroy_parallel()

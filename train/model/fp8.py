@@ -1,0 +1,110 @@
+"""FP8 GEMMs for the language model's decoder linears (`--fp8`), through torchao's float8 training.
+
+The decoder layers' linears (qkv and attention output; fc1 and fc2 in dense layers) run their
+forward, input-gradient and weight-gradient GEMMs in float8 with dynamic scales taken from
+each operand, as torchao's float8 training recipes define them:
+- `tensorwise`: one scale per tensor (cuBLAS's FP8 GEMM), e4m3 forward and e5m2 gradients;
+- `rowwise`: one power-of-two scale per row (CUTLASS's rowwise GEMM), e4m3 throughout;
+- `rowwise_with_gw_hp`: rowwise, with the weight-gradient GEMM in bf16.
+Everything else stays bf16: embeddings, norms, attention, the output layer, the MoE experts and
+the vision tower. The weights stay bf16 parameters with fp32 master copies in the optimizer;
+each GEMM casts its operands, and a compiled decoder layer (`compile_model`) fuses the casts
+and scale reductions into the neighbouring elementwise work. Linears whose weight is frozen
+(LoRA's base, `--freeze llm`) keep megatron's bf16 path: torchao's backward always computes
+the weight gradient.
+
+megatron's tensor-parallel communication around the GEMM stays megatron's: a column-parallel
+layer under sequence parallelism gathers its input first (the gradient is reduce-scattered),
+otherwise its input gradient is all-reduced; a row-parallel layer's GEMM needs neither (the
+reduction follows it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core import tensor_parallel
+from torch import Tensor
+
+from train.config import FP8_RECIPES as RECIPES
+from train.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Gemm:
+    """One torchao recipe, ready for its matmul: the linear config and its GEMM configs."""
+
+    recipe: str
+    config: object  # torchao.float8.Float8LinearConfig
+    mm_config: object  # torchao.float8.float8_training_tensor.LinearMMConfig
+
+
+def float8_gemm(recipe: str, emulate: bool = False) -> Float8Gemm:
+    """torchao's `recipe`; `emulate`: the casts and scaled GEMMs in plain torch ops (CPU runs,
+    tests), where the GPU calls `torch._scaled_mm`."""
+    if recipe not in RECIPES:
+        raise ConfigError(f"--fp8 {recipe!r}: choose one of {', '.join(RECIPES)}")
+    if not emulate and torch.cuda.get_device_capability() < (8, 9):
+        major, minor = torch.cuda.get_device_capability()
+        raise ConfigError(f"--fp8 needs FP8 GEMMs (Ada, Hopper or Blackwell GPUs, sm89+); this GPU is sm{major}{minor}: "
+                          f"drop --fp8")
+    try:
+        from torchao.float8 import Float8LinearConfig
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+    except ImportError as err:
+        raise ConfigError(f"--fp8 needs torchao: pip install -e '.[fp8]' ({err})") from None
+    # pad_inner_dim: a GEMM's inner dim must be a multiple of 16 for the FP8 kernels; the
+    # weight-gradient GEMM's is the pack's row count
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, pad_inner_dim=True)
+    gemms = [ScaledMMConfig(emulate, gemm.use_fast_accum, False, True)
+             for gemm in (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)]
+    return Float8Gemm(recipe, config, LinearMMConfig(*gemms))
+
+
+def float8_linear(gemm: Float8Gemm, input: Tensor, weight: Tensor, bias: Tensor | None, *,
+                  allreduce_dgrad: bool = False, sequence_parallel: bool = False, tp_group=None) -> Tensor:
+    """megatron's `linear_with_grad_accumulation_and_async_allreduce` (input [s, b, in], weight
+    [out, in]) with the GEMMs in float8."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    if sequence_parallel:
+        input = tensor_parallel.gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
+                                                                     group=tp_group)
+    elif allreduce_dgrad:
+        input = tensor_parallel.copy_to_tensor_model_parallel_region(input, group=tp_group)
+    output = matmul_with_hp_or_float8_args.apply(input, weight.t(), gemm.mm_config, gemm.config)
+    return output if bias is None else output + bias
+
+
+class Float8Linear:
+    """Mixin for megatron's column- and row-parallel linears: with `fp8` set (`use_fp8`) and a
+    trained weight, the GEMMs run in float8; else megatron's own path, handed the layer's TP
+    group (megatron's row-parallel layer passes none and warns at every call, which would split
+    a compiled decoder layer into several graphs)."""
+
+    fp8: Float8Gemm | None = None
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        kwargs["tp_group"] = self.tp_group
+        if self.fp8 is None or not weight.requires_grad:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        bias = args[0] if args else kwargs.get("bias")
+        return float8_linear(self.fp8, input, weight, bias, allreduce_dgrad=kwargs.get("allreduce_dgrad", False),
+                             sequence_parallel=kwargs.get("sequence_parallel", False), tp_group=self.tp_group)
+
+
+class ColumnParallelLinear(Float8Linear, tensor_parallel.ColumnParallelLinear):
+    """megatron's column-parallel linear (qkv, fc1) that can run its GEMMs in float8."""
+
+
+class RowParallelLinear(Float8Linear, tensor_parallel.RowParallelLinear):
+    """megatron's row-parallel linear (attention output, fc2) that can run its GEMMs in float8."""
+
+
+def use_fp8(model: torch.nn.Module, gemm: Float8Gemm) -> int:
+    """Set every `Float8Linear` of the model to `gemm`; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    for layer in layers:
+        layer.fp8 = gemm
+    return len(layers)
