@@ -92,6 +92,15 @@ def test_compiled_decoder_layers_share_one_graph_and_compute_what_eager_computes
         assert got[1].keys() == want[1].keys()
         for name, grad in want[1].items():
             assert torch.equal(got[1][name], grad), (seed, name, (got[1][name] - grad).abs().max())
+    if arch.num_deepstack:  # image rows: DeepStack features added after the first layers
+        g = torch.Generator().manual_seed(7)
+        hidden = torch.randn(60, 1, arch.lm.hidden_size, generator=g).requires_grad_()
+        features = torch.randn(arch.num_deepstack, 9, arch.lm.hidden_size, generator=g)
+        rows = torch.randperm(60, generator=g)[:9]
+        want, got = (model.language_model.decoder(hidden_states=hidden, attention_mask=None, context=features,
+                                                  context_mask=rows, packed_seq_params=layer_rows(model, 60))
+                     for model in (eager, compiled))
+        assert torch.equal(got, want)
     # one graph for every layer and every pack, not one per layer; under adapters the first
     # layer's input (the frozen embedding's output) needs no gradient, which takes a second
     graphs = len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__))

@@ -56,15 +56,17 @@ class DecoderLayer(TransformerLayer):
     compiled_forward = None
 
     def forward(self, *args, **kwargs):
+        # The layer has no cross-attention: `context` is DeepStack's alone, and kept out of the
+        # compiled graph, which would otherwise compile again for packs without images (None).
+        features, rows = kwargs.pop("context", None), kwargs.pop("context_mask", None)
         if self.compiled_forward is not None:
-            hidden, context = self.compiled_forward(self, *args, **kwargs)
+            hidden, _ = self.compiled_forward(self, *args, **kwargs)
         else:
-            hidden, context = super().forward(*args, **kwargs)
-        features, rows = kwargs.get("context"), kwargs.get("context_mask")
+            hidden, _ = super().forward(*args, **kwargs)
         index = self.layer_number - 1  # layer_number is 1-based and global across pipeline stages
         if features is not None and index < features.shape[0]:
             hidden = hidden.index_add(0, rows, features[index].unsqueeze(1).to(hidden.dtype))
-        return hidden, context
+        return hidden, features
 
 
 class RMSNorm(torch.nn.RMSNorm):
