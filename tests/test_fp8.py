@@ -14,7 +14,7 @@ from tests.test_compile import loss_and_grads, random_pack
 from tests.test_train import BASE, metrics, ok, run_train, shards  # noqa: F401  (shards: fixture)
 from train.config import FP8_RECIPES
 from train.model.arch import ModelArch
-from train.model.fp8 import Float8Linear, float8_gemm, use_fp8
+from train.model.fp8 import Fp8CapableLinear, float8_gemm, use_fp8
 from train.model.qwen_vl import transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 
@@ -38,7 +38,7 @@ def torchao_linear(weight: torch.Tensor, recipe: str, emulate: bool) -> nn.Modul
 def check_against_torchao(model, recipe: str, emulate: bool, seeds=range(4)):
     """Every float8 linear of `model` against torchao's own on random inputs: outputs, input
     and weight gradients bitwise equal."""
-    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    layers = [m for m in model.modules() if isinstance(m, Fp8CapableLinear)]
     for seed, layer in zip(seeds, layers * len(seeds)):
         g = torch.Generator(device=layer.weight.device).manual_seed(seed)
         rows = int(torch.randint(17, 300, (1,)))  # not a multiple of 16: the padded inner dim

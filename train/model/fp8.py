@@ -77,7 +77,7 @@ def float8_linear(gemm: Float8Gemm, input: Tensor, weight: Tensor, bias: Tensor 
     return output if bias is None else output + bias
 
 
-class Float8Linear:
+class Fp8CapableLinear:
     """Mixin for megatron's column- and row-parallel linears: with `fp8` set (`use_fp8`) and a
     trained weight, the GEMMs run in float8; else megatron's own path, handed the layer's TP
     group (megatron's row-parallel layer passes none and warns at every call, which would split
@@ -94,17 +94,17 @@ class Float8Linear:
                              sequence_parallel=kwargs.get("sequence_parallel", False), tp_group=self.tp_group)
 
 
-class ColumnParallelLinear(Float8Linear, tensor_parallel.ColumnParallelLinear):
+class ColumnParallelLinear(Fp8CapableLinear, tensor_parallel.ColumnParallelLinear):
     """megatron's column-parallel linear (qkv, fc1) that can run its GEMMs in float8."""
 
 
-class RowParallelLinear(Float8Linear, tensor_parallel.RowParallelLinear):
+class RowParallelLinear(Fp8CapableLinear, tensor_parallel.RowParallelLinear):
     """megatron's row-parallel linear (attention output, fc2) that can run its GEMMs in float8."""
 
 
 def use_fp8(model: torch.nn.Module, gemm: Float8Gemm) -> int:
-    """Set every `Float8Linear` of the model to `gemm`; returns how many."""
-    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    """Set every `Fp8CapableLinear` of the model to `gemm`; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8CapableLinear)]
     for layer in layers:
         layer.fp8 = gemm
     return len(layers)
