@@ -88,7 +88,7 @@ from synthetic_shards import SyntheticSpec, write_synthetic_shards
 from shards_schema import open_shards, verify_shards
 from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
 from tests.hf_reference import to_padded_batch
-from train.config import ATTENTION_KERNELS, FP8_RECIPES, STATE_DTYPES
+from train.config import ATTENTION_KERNELS, FP8_RECIPES, STATE_DTYPES, parse_bool
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
 
@@ -111,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="on out-of-memory, fail instead of retrying with --recompute full")
     ap.add_argument("--recompute-layers", type=int, default=None,
                     help="with --recompute full: recompute only the first N decoder layers (trainer's flag)")
-    ap.add_argument("--recompute-vision", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
+    ap.add_argument("--recompute-vision", type=parse_bool, default=None,
                     help="redo the vision blocks in backward (trainer's flag; default: with full)")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler over the last warmup step: GPU time by kernel kind and the top kernels")
@@ -121,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
     ap.add_argument("--attention", default="fa2", choices=ATTENTION_KERNELS, help="trainer's CUDA attention kernel")
     ap.add_argument("--fp8", default=None, choices=FP8_RECIPES, help="trainer's --fp8 recipe (default: bf16 GEMMs)")
-    ap.add_argument("--compile-decoder", type=lambda v: v.lower() in ("1", "true", "yes"), default=True,
+    ap.add_argument("--compile-decoder", type=parse_bool, default=True,
                     help="trainer's --compile-decoder: compile each dense decoder layer (true/false; default true)")
     ap.add_argument("--grad-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's gradient buffers")
     ap.add_argument("--adam-state-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's Adam moments")

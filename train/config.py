@@ -286,7 +286,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
     if text.lower() in ("0", "false", "no", "off"):
@@ -306,7 +306,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind.startswith("list"):
             group.add_argument(flag, action="append", default=None, metavar="VALUE", help=help_)
         elif kind.startswith("bool"):
-            group.add_argument(flag, type=_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_)
+            group.add_argument(flag, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_)
         elif "int" in kind:
             group.add_argument(flag, type=int, default=None, metavar="N", help=help_)
         elif "float" in kind:

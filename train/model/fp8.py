@@ -35,7 +35,6 @@ from train.config import ConfigError
 class Float8Gemm:
     """One torchao recipe, ready for its matmul: the linear config and its GEMM configs."""
 
-    recipe: str
     config: object  # torchao.float8.Float8LinearConfig
     mm_config: object  # torchao.float8.float8_training_tensor.LinearMMConfig
 
@@ -59,7 +58,7 @@ def float8_gemm(recipe: str, emulate: bool = False) -> Float8Gemm:
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, pad_inner_dim=True)
     gemms = [ScaledMMConfig(emulate, gemm.use_fast_accum, False, True)
              for gemm in (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)]
-    return Float8Gemm(recipe, config, LinearMMConfig(*gemms))
+    return Float8Gemm(config, LinearMMConfig(*gemms))
 
 
 def float8_linear(gemm: Float8Gemm, input: Tensor, weight: Tensor, bias: Tensor | None, *,
