@@ -6,8 +6,9 @@ longer than --max-sample-tokens, default --seq-len) written once into OUT_DIR/da
 
 Layouts (--layouts, comma separated): `1gpu` (one process; on GPUs CUDA_VISIBLE_DEVICES is the
 first of --gpus) or any product of `dpN`, `tpN`, `ppN`, `epN` (e.g. `dp2`, `tp2`, `pp2`, `tp2pp2`,
-`dp2ep2`): nproc = dp * tp * pp processes, `--tp N --pp N --ep N` passed to the trainer (expert
-parallelism splits a MoE model's experts over data-parallel ranks: ep divides dp). Each layout
+`dp2ep2`, `tp2ep2`): nproc = dp * tp * pp processes, `--tp N --pp N --ep N` passed to the
+trainer (expert parallelism splits a MoE model's experts over the tp x dp ranks of a stage: ep
+divides tp * dp). Each layout
 is its own launch, one after the other:
 
     python -m torch.distributed.run --standalone --nproc-per-node K -m train.trainer --data DIR \\
@@ -146,8 +147,8 @@ def parse_layout(name: str) -> Layout:
     sizes = {k: int(n) for k, n in parts}
     if min(sizes.values()) < 1:
         raise SystemExit(f"--layouts: {name!r} has a size below 1")
-    if sizes.get("dp", 1) % sizes.get("ep", 1):
-        raise SystemExit(f"--layouts: {name!r}: ep must divide dp (experts are split over data-parallel ranks)")
+    if sizes.get("dp", 1) * sizes.get("tp", 1) % sizes.get("ep", 1):
+        raise SystemExit(f"--layouts: {name!r}: ep must divide tp * dp (experts are split over the ranks of a stage)")
     return Layout(name, **sizes)
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import socket
+from itertools import product
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from train.checkpoint_format import (
     read_arch,
     read_hf_state,
     write_hf_state,
+    write_meta,
 )
 from train.model.arch import ModelArch, builtin_arch
 
@@ -169,8 +171,10 @@ def test_shard_unshard(hf_checkpoint, family, tied):
 
 def test_expert_parallel_shards_hold_their_experts(hf_checkpoint, tmp_path):
     """EP rank r holds experts r*E/ep ... of every MoE layer (megatron's local expert indices),
-    the other tensors whole; shard -> unshard is exact for ep 2 and 4 with pp 1 and 2; a model
-    directory saved at ep=2 reloads at any ep and exports the original checkpoint."""
+    the other tensors whole; shard -> unshard is exact for ep 2 and 4 with tp 1 and 2 and pp 1
+    and 2; a model directory saved at tp=2 x ep=2 holds each TP rank's tensors but the experts
+    once, and each EP rank's experts once; it reloads at any layout and exports the original
+    checkpoint."""
     _, path = hf_checkpoint("qwen3-vl-moe", False)
     arch, hf = _load(path)
     full = C.hf_to_megatron(hf, arch)
@@ -179,9 +183,9 @@ def test_expert_parallel_shards_hold_their_experts(hf_checkpoint, tmp_path):
     stack = C.expert_layout(hf, lm)["model.language_model.layers.0.mlp.experts.gate_up_proj"]  # [E, H, 2F]
     down = C.expert_layout(hf, lm)["model.language_model.layers.0.mlp.experts.down_proj"]  # [E, F, H]
     for ep in (2, 4):
-        for pp in (1, 2):
-            states = {key: C.shard(full, arch, 1, key[0], pp, key[1], ep, key[2]) for key in C.rank_keys(1, pp, ep)}
-            _assert_same(C.unshard(states, arch, 1, pp, ep), full)
+        for tp, pp in product((1, 2), (1, 2)):
+            states = {key: C.shard(full, arch, tp, key[0], pp, key[1], ep, key[2]) for key in C.rank_keys(tp, pp, ep)}
+            _assert_same(C.unshard(states, arch, tp, pp, ep), full)
         n = e // ep
         for r in range(ep):
             state = C.shard(full, arch, 1, 0, 1, 0, ep, r)
@@ -191,25 +195,49 @@ def test_expert_parallel_shards_hold_their_experts(hf_checkpoint, tmp_path):
             assert torch.equal(w1.reshape(n, h, 2 * f), stack[r * n:(r + 1) * n])
             assert torch.equal(w2.reshape(n, f, h), down[r * n:(r + 1) * n])
             assert torch.equal(state[C.EMBED], full[C.EMBED])
-    C.import_hf(path, tmp_path / "m", ep=2)
-    assert sorted(p.name for p in (tmp_path / "m").glob("*.safetensors")) == [
-        "model_tp0_pp0_ep0.safetensors", "model_tp0_pp0_ep1.safetensors"]
-    _assert_same(C.load_model_state(tmp_path / "m", arch), full)
-    _assert_same(C.load_model_state(tmp_path / "m", arch, 1, 0, 2, 1, 4, 3), C.shard(full, arch, 1, 0, 2, 1, 4, 3))
-    C.export_hf(tmp_path / "m", tmp_path / "hf")
+    model = tmp_path / "m"
+    C.import_hf(path, model, tp=2, ep=2)
+    files = {p.name: load_file(str(p)) for p in model.glob("*.safetensors")}
+    assert sorted(files) == ["experts_pp0_ep0.safetensors", "experts_pp0_ep1.safetensors",
+                             "model_tp0_pp0.safetensors", "model_tp1_pp0.safetensors"]
+    experts = {k for k in full if k.endswith(("experts.weight1", "experts.weight2"))}
+    assert experts and all(set(files[f"experts_pp0_ep{r}.safetensors"]) == experts for r in range(2))
+    assert all(not experts & set(files[f"model_tp{t}_pp0.safetensors"]) for t in range(2))
+    for t, r in product(range(2), range(2)):
+        _assert_same(C.load_model_state(model, arch, 2, t, 1, 0, 2, r), C.shard(full, arch, 2, t, 1, 0, 2, r))
+    _assert_same(C.load_model_state(model, arch), full)
+    _assert_same(C.load_model_state(model, arch, 1, 0, 2, 1, 4, 3), C.shard(full, arch, 1, 0, 2, 1, 4, 3))
+    C.export_hf(model, tmp_path / "hf")
     _assert_same(load_file(str(tmp_path / "hf" / "model.safetensors")), C.megatron_to_hf(full, arch))
-    # an expert-parallel rank file whose shared tensors were changed does not merge
-    bad = dict(load_file(str(tmp_path / "m" / "model_tp0_pp0_ep1.safetensors")))
-    bad[C.EMBED] = bad[C.EMBED] + 1
-    states = {(0, 0, 0): load_file(str(tmp_path / "m" / "model_tp0_pp0_ep0.safetensors")), (0, 0, 1): bad}
+    # rank states whose shared tensors differ between expert-parallel ranks do not merge
+    states = {key: C.shard(full, arch, 1, key[0], 1, key[1], 2, key[2]) for key in C.rank_keys(1, 1, 2)}
+    states[(0, 0, 1)] = {**states[(0, 0, 1)], C.EMBED: states[(0, 0, 1)][C.EMBED] + 1}
     with pytest.raises(CheckpointError, match="differs between expert-parallel ranks 0 and 1"):
         C.unshard(states, arch, 1, 1, 2)
+
+
+def test_format_version_1_expert_parallel_directory_still_reads(hf_checkpoint, tmp_path):
+    """A model directory of format version 1 saved at ep=2 (one whole stage file per EP rank,
+    with that rank's experts) reloads at any layout and exports the original checkpoint."""
+    _, path = hf_checkpoint("qwen3-vl-moe", False)
+    arch, hf = _load(path)
+    full = C.hf_to_megatron(hf, arch)
+    model = tmp_path / "v1"
+    model.mkdir()
+    for r in range(2):
+        save_file(C.shard(full, arch, 1, 0, 1, 0, 2, r), str(model / f"model_tp0_pp0_ep{r}.safetensors"))
+    write_meta(model, arch, 1, 1, "float32", 2)
+    meta = json.loads((model / META_FILE).read_text())
+    (model / META_FILE).write_text(json.dumps({**meta, "format_version": 1}))
+    _assert_same(C.load_model_state(model, arch, 1, 0, 1, 0, 2, 1), C.shard(full, arch, 1, 0, 1, 0, 2, 1))
+    _assert_same(C.load_model_state(model, arch, 2, 1, 1, 0, 4, 2), C.shard(full, arch, 2, 1, 1, 0, 4, 2))
+    C.export_hf(model, tmp_path / "hf")
+    _assert_same(load_file(str(tmp_path / "hf" / "model.safetensors")), C.megatron_to_hf(full, arch))
 
 
 @pytest.mark.parametrize("kind, tp, ep, message", [
     ("qwen3-vl", 1, 2, "ep=2: expert parallelism needs a Mixture-of-Experts model"),
     ("qwen3-vl-moe", 1, 3, "ep=3 does not divide the 8 experts"),
-    ("qwen3-vl-moe", 2, 2, "ep=2 with tp=2: expert parallelism runs with tp=1"),
 ])
 def test_expert_parallel_layouts_that_cannot_be_built_are_refused(hf_checkpoint, tmp_path, kind, tp, ep, message):
     _, path = hf_checkpoint(kind, True)

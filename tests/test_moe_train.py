@@ -2,8 +2,8 @@
 
 The loss goes down with the router's load-balancing loss on and reported; a stopped and
 resumed run equals the uninterrupted one bitwise; DP=2, with or without the experts split
-over the ranks (EP=2), and TP=2 with sequence parallelism give the losses of one process (gloo);
-the exported checkpoint reloads in transformers as a Qwen3-VL MoE model.
+over the ranks (EP=2), TP=2 with sequence parallelism, and TP=2 x EP=2 x DP=2 give the losses
+of one process (gloo); the exported checkpoint reloads in transformers as a Qwen3-VL MoE model.
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ def test_moe_expert_parallel_matches_single_process_and_resumes(shards, moe_run,
     np.testing.assert_allclose([m["moe_load_balancing_loss"] for m in metrics(out)],
                                [m["moe_load_balancing_loss"] for m in metrics(moe_run)], rtol=2e-5)
     model = out / "checkpoints" / "step_00000006" / "model"
-    assert sorted(p.name for p in model.glob("*.safetensors")) == ["model_tp0_pp0_ep0.safetensors",
-                                                                    "model_tp0_pp0_ep1.safetensors"]
+    assert sorted(p.name for p in model.glob("*.safetensors")) == ["experts_pp0_ep0.safetensors",
+                                                                    "experts_pp0_ep1.safetensors",
+                                                                    "model_tp0_pp0.safetensors"]
     from safetensors.torch import load_file
     ours = load_file(str(tmp_path / "hf" / "model.safetensors"))
     single = load_file(str(moe_run / "hf" / "model.safetensors"))
@@ -75,7 +76,8 @@ def test_moe_expert_parallel_matches_single_process_and_resumes(shards, moe_run,
 @pytest.mark.parametrize("extra, message", [
     (["--ep", "3"], "--ep 3 must divide the 8 experts"),
     (["--arch", "tiny", "--ep", "2"], "--ep 2: expert parallelism needs a Mixture-of-Experts model"),
-    (["--ep", "2", "--tp", "2"], "--ep 2 with --tp 2: checkpoints split the experts"),
+    (["--tp", "2"], "--tp 2 x --pp 1 needs a multiple of 2 processes, this run has 1"),
+    (["--ep", "4", "--tp", "2", "--gpus", "2", "--dry-run"], "--gpus 2 is not a multiple of --tp 2 x --pp 1 and of --pp 1 x --ep 4"),
 ])
 def test_expert_parallel_settings_that_cannot_run_exit_2(shards, tmp_path, capsys, extra, message):  # noqa: F811
     assert vlmpack(["train", *MOE, *extra, "--data", str(shards), "--out", str(tmp_path / "run")]) == 2
@@ -96,6 +98,32 @@ def test_moe_tensor_parallel_with_sequence_parallelism_matches_single_process(sh
     for key in ("loss", "moe_load_balancing_loss", "grad_norm"):
         np.testing.assert_allclose([m[key] for m in metrics(out)], [m[key] for m in metrics(moe_run)], rtol=2e-5,
                                    err_msg=key)
+
+
+def test_moe_tensor_and_expert_parallel_with_data_parallel_matches_single_process(shards, moe_run, tmp_path):  # noqa: F811
+    """TP=2 x EP=2 x DP=2 on four processes (gloo): the two ranks of a TP group hold different
+    experts and exchange their rows' tokens (all-to-all over the TP group's ranks), the two
+    DP replicas reduce the experts they share. Losses, balance loss and gradient norms are one
+    process's; the checkpoint holds each TP rank's tensors and each EP rank's experts once,
+    a stopped run resumes to the same losses, and it exports the single process's weights."""
+    out = tmp_path / "run"
+    args = [*MOE, "--tp", "2", "--ep", "2", "--data", str(shards), "--out", str(out), "--train-steps", "6",
+            "--save-every", "3"]
+    ok(run_train([*args, "--exit-interval", "3"], nproc=4))
+    ok(run_train([*args, "--resume", "--export-hf", str(tmp_path / "hf")], nproc=4))
+    for key in ("loss", "moe_load_balancing_loss", "grad_norm"):
+        np.testing.assert_allclose([m[key] for m in metrics(out)], [m[key] for m in metrics(moe_run)], rtol=2e-5,
+                                   err_msg=key)
+    model = out / "checkpoints" / "step_00000006" / "model"
+    assert sorted(p.name for p in model.glob("*.safetensors")) == [
+        "experts_pp0_ep0.safetensors", "experts_pp0_ep1.safetensors",
+        "model_tp0_pp0.safetensors", "model_tp1_pp0.safetensors"]
+    from safetensors.torch import load_file
+    ours = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    single = load_file(str(moe_run / "hf" / "model.safetensors"))
+    assert ours.keys() == single.keys()
+    for key, value in ours.items():
+        np.testing.assert_allclose(value.numpy(), single[key].numpy(), rtol=1e-4, atol=1e-6, err_msg=key)
 
 
 def test_moe_lora_under_tensor_parallelism_matches_single_process(shards, tmp_path):  # noqa: F811
@@ -176,31 +204,39 @@ def test_gpu_moe_trains_and_resumes(shards, tmp_path):  # noqa: F811
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_gpu_expert_parallel_with_distributed_optimizer_saves_each_ranks_experts_and_resumes(shards, tmp_path):  # noqa: F811
-    """EP=2 on two GPUs with megatron's distributed optimizer (bf16 gradients and moments, the
-    fast step): the dense parameters' state is split over the two ranks, each rank keeps its
-    own experts' state (a chained optimizer). The background save's parameter state equals
-    megatron's own gather on both ranks; each expert-parallel rank writes its own file; a
-    stopped run resumes to the uninterrupted run's losses, which equal those of the same run
-    without the distributed optimizer."""
+@pytest.mark.parametrize("gpus, layout, files, dense_written", [
+    (2, ["--ep", "2"], ["pp0_tp0_ep0", "pp0_tp0_ep1"], [True, False]),
+    (4, ["--tp", "2", "--ep", "2"], ["pp0_tp0_ep0", "pp0_tp1_ep1"], [True, True]),
+], ids=["ep2", "tp2-ep2-dp2"])
+def test_gpu_expert_parallel_with_distributed_optimizer_saves_each_ranks_experts_and_resumes(
+        shards, tmp_path, gpus, layout, files, dense_written):  # noqa: F811
+    """megatron's distributed optimizer (bf16 gradients and moments, the fast step) under EP=2
+    on two GPUs and TP=2 x EP=2 x DP=2 on four: the dense parameters' state is split over the
+    data-parallel ranks, the experts' over the ranks that hold the same ones (a chained
+    optimizer). The background save's parameter state equals megatron's own gather on every
+    rank; the first DP rank of each TP rank writes the dense state and the first holder of
+    each expert-parallel rank's experts writes theirs, one file per such rank; a stopped run
+    resumes to the uninterrupted run's losses, which equal those of the same run without the
+    distributed optimizer."""
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPUs")
     from tests.test_train import COMPARE_PARAMETER_STATE, GPU
 
-    args = [*MOE, *GPU, "--ep", "2", "--grad-dtype", "bf16", "--adam-state-dtype", "bf16", "--data", str(shards),
+    args = [*MOE, *GPU, *layout, "--grad-dtype", "bf16", "--adam-state-dtype", "bf16", "--data", str(shards),
             "--train-steps", "6", "--save-every", "3"]
     full, part, plain = tmp_path / "full", tmp_path / "part", tmp_path / "plain"
-    proc = ok(run_train([*args, "--out", str(full)], nproc=2, code=COMPARE_PARAMETER_STATE))
-    assert proc.stdout.count("parameter state of step 3: same") == 2, proc.stdout[-2000:]
+    proc = ok(run_train([*args, "--out", str(full)], nproc=gpus, code=COMPARE_PARAMETER_STATE))
+    assert proc.stdout.count("parameter state of step 3: same") == gpus, proc.stdout[-2000:]
     ckpt = full / "checkpoints" / "step_00000003"
-    files = sorted(ckpt.glob("optimizer_param_state_*.pt"))
-    assert [f.name for f in files] == ["optimizer_param_state_pp0_tp0_ep0.pt", "optimizer_param_state_pp0_tp0_ep1.pt"]
-    (dense0, experts0), (dense1, experts1) = (torch.load(f, weights_only=False) for f in files)
-    assert dense0 is not None and dense1 is None  # DP rank 0 writes the dense state
+    saved = sorted(ckpt.glob("optimizer_param_state_*.pt"))
+    assert [f.name for f in saved] == [f"optimizer_param_state_{name}.pt" for name in files]
+    (dense0, experts0), (dense1, experts1) = (torch.load(f, weights_only=False) for f in saved)
+    assert [dense0 is not None, dense1 is not None] == dense_written
     moments = [next(iter(s[0].values()))["exp_avg"] for s in (experts0, experts1)]  # buffer 0, its one dtype
     assert moments[0].shape == moments[1].shape and not torch.equal(*moments)  # each rank's own experts
-    ok(run_train([*args, "--out", str(part), "--exit-interval", "3"], nproc=2))
-    ok(run_train([*args, "--out", str(part), "--resume"], nproc=2))
-    ok(run_train([*args, "--out", str(plain), "--distributed-optimizer", "false"], nproc=2))
+    ok(run_train([*args, "--out", str(part), "--exit-interval", "3"], nproc=gpus))
+    ok(run_train([*args, "--out", str(part), "--resume"], nproc=gpus))
+    ok(run_train([*args, "--out", str(plain), "--distributed-optimizer", "false"], nproc=gpus))
     losses = [m["loss"] for m in metrics(full)]
     assert [m["step"] for m in metrics(part)] == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([m["loss"] for m in metrics(part)], losses, rtol=2e-2)

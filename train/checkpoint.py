@@ -6,7 +6,8 @@
         rank_00000.pt ...    per rank: optimizer (+ scheduler), RNG states, step
         optimizer_param_state_pp{p}_tp{t}[_ep{e}].pt  distributed optimizer's parameter state, written
                              by DP rank 0 of each model-parallel group; under --ep one file per
-                             expert-parallel rank, which alone holds its experts' state
+                             (TP, expert-parallel) rank pair of a writer: the dense state of DP
+                             rank 0, the experts' state of the first rank that holds them
         trainer.json         step, loader state, config, arch, layout
     OUT/checkpoints/latest   name of the newest complete checkpoint
 
@@ -57,6 +58,22 @@ def _unwrap(model):
 
 def read_model_arch(model_dir: str | Path) -> ModelArch:
     return fmt.read_arch(model_dir)
+
+
+def _model_files(model_state: dict, arch: ModelArch, info) -> dict[str, dict]:
+    """{file name: tensors} of the model directory (`checkpoint_format`) that this rank writes:
+    its TP rank's stage file if it is DP rank 0 and, under --ep, its experts' file if it is the
+    first of the ranks that hold those experts. Every file is written by exactly one rank."""
+    if info.ep == 1:
+        return {fmt.rank_file(info.tp_rank, info.pp_rank): model_state} if info.dp_rank == 0 else {}
+    files = {}
+    if info.dp_rank == 0:
+        files[fmt.rank_file(info.tp_rank, info.pp_rank)] = convert.file_part(model_state, arch, info.pp, info.pp_rank,
+                                                                             experts=False)
+    if info.expert_dp_rank == 0:
+        files[fmt.expert_file(info.pp_rank, info.ep_rank)] = convert.file_part(model_state, arch, info.pp,
+                                                                               info.pp_rank, experts=True)
+    return files
 
 
 def _load_shard(model, full: dict, arch: ModelArch, info) -> None:
@@ -438,11 +455,13 @@ class CheckpointSaver:
         module = _unwrap(model)
         adapters = getattr(module, "adapters", None)
         if adapters is not None:  # a LoRA run saves its adapters (one copy per TP/PP rank), not the model
-            model_state, writes = adapters.state_dict(), self.info.dp_rank == 0
+            model_state = adapters.state_dict()
+            files = {adapter_format.adapter_file(self.info.tp_rank, self.info.pp_rank): model_state} \
+                if self.info.dp_rank == 0 else {}
         else:
             model_state = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
-            writes = self.info.writes_model
-        state = {"model": model_state if writes else None,
+            files = _model_files(model_state, arch, self.info)
+        state = {"model": files,
                  "rank": {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                           "rng": _rng_state(self.info.device)}}
         distributed = _uses_distributed_optimizer(optimizer)
@@ -544,10 +563,8 @@ class CheckpointSaver:
         tmp, info = pending["tmp"], self.info
         try:
             subdir = tmp / _weights_subdir(state)
-            if state["model"] is not None:
-                name = (adapter_format.adapter_file(info.tp_rank, info.pp_rank) if state["lora"]
-                        else fmt.rank_file(*info.model_key))
-                fmt.save_tensors(subdir / name, state["model"])
+            for name, tensors in state["model"].items():
+                fmt.save_tensors(subdir / name, tensors)
             param_state = state["param_state"]
             if isinstance(param_state, ParameterStateSnapshot):
                 param_state = param_state.assemble()  # a collective of the DP group's writer threads

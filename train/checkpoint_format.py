@@ -7,9 +7,12 @@ A Megatron model directory (`vlmpack import-hf` writes one; the trainer can save
                                      ModelArch), the tp / pp / ep it was saved with, the dtype
       model_tp{t}_pp{p}.safetensors  one per (tp_rank, pp_rank): exactly the keys and shapes of
                                      that rank's `QwenVLModel.state_dict()` (minus megatron's
-                                     `_extra_state` entries, which hold no tensors);
-                                     `model_tp{t}_pp{p}_ep{e}` per expert-parallel rank when
-                                     saved with ep > 1 (each with its own experts)
+                                     `_extra_state` entries, which hold no tensors), but for
+                                     the experts when saved with ep > 1
+      experts_pp{p}_ep{e}.safetensors
+                                     with ep > 1, one per (pp_rank, ep_rank): the stacked
+                                     experts of that expert-parallel rank (whole experts, the
+                                     same on every TP rank), under the stage model's names
       hf/                            tokenizer, processor, chat template and generation files
                                      copied from the Hugging Face source (absent for a
                                      random-init architecture)
@@ -37,7 +40,10 @@ from train.model.arch import LMArch, ModelArch, arch_dict
 from train.model.vision import VisionArch
 
 FORMAT_NAME = "vlmpack-megatron-model"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 wrote one file per (tp_rank, pp_rank, ep_rank) with ep > 1, each with that rank's
+# experts and a copy of the rest (only tp 1 could be saved so); it is still read.
+READABLE_VERSIONS = (1, 2)
 META_FILE = "vlmpack_model.json"
 HF_SUBDIR = "hf"
 # Everything of a HF model directory except the config and the weights: what a user needs to
@@ -57,9 +63,20 @@ class CheckpointError(ValueError):
     """A model directory or a state dict does not match what the architecture implies."""
 
 
-def rank_file(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
-    """The file of one rank's stage model; `ep_rank` only in an expert-parallel layout (ep > 1)."""
-    return f"model_tp{tp_rank}_pp{pp_rank}{'' if ep_rank is None else f'_ep{ep_rank}'}.safetensors"
+def rank_file(tp_rank: int, pp_rank: int) -> str:
+    """The file of one TP rank's stage model (without its experts when ep > 1)."""
+    return f"model_tp{tp_rank}_pp{pp_rank}.safetensors"
+
+
+def expert_file(pp_rank: int, ep_rank: int) -> str:
+    """The file of one expert-parallel rank's experts of a stage (ep > 1)."""
+    return f"experts_pp{pp_rank}_ep{ep_rank}.safetensors"
+
+
+def v1_expert_rank_file(pp_rank: int, ep_rank: int) -> str:
+    """Format version 1's file of rank (tp 0, pp_rank, ep_rank) with ep > 1: the whole stage
+    model with that rank's experts."""
+    return f"model_tp0_pp{pp_rank}_ep{ep_rank}.safetensors"
 
 
 # --- metadata -------------------------------------------------------------------------------
@@ -77,9 +94,10 @@ def read_meta(directory: str | Path) -> dict:
         raise CheckpointError(f"{directory} is not a vlmpack model directory (no {META_FILE}); "
                               "make one from a Hugging Face checkpoint with `vlmpack import-hf`")
     meta = json.loads(path.read_text())
-    if meta.get("format") != FORMAT_NAME or meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format") != FORMAT_NAME or meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}; "
-                              f"this vlmpack reads {FORMAT_NAME!r} version {FORMAT_VERSION}")
+                              f"this vlmpack reads {FORMAT_NAME!r} versions "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}")
     return meta
 
 

@@ -91,7 +91,8 @@ class TrainConfig:
     tp: int = _opt(1, "parallelism", "tensor-parallel size (divides the attention and KV heads; default 1)")
     pp: int = _opt(1, "parallelism", "pipeline-parallel size (divides the decoder layers; default 1)")
     ep: int = _opt(1, "parallelism", "expert-parallel size of a Mixture-of-Experts model: each group of ep "
-                                     "data-parallel ranks divides the experts (divides the experts; default 1)")
+                                     "ranks of a pipeline stage divides the experts, the ranks of a TP group "
+                                     "first (divides the experts and gpus / pp; default 1)")
     sequence_parallel: bool | None = _opt(None, "parallelism", "with --tp > 1, each TP rank holds only its slice "
                                           "of the rows outside the attention and MLP GEMMs (megatron's sequence "
                                           "parallelism: less activation memory; packs are padded to a multiple of "

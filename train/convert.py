@@ -46,6 +46,7 @@ from train.checkpoint_format import (
     atomic_dir,
     copy_hf_side_files,
     dtype_name,
+    expert_file,
     fsync_tree,
     lazy_hf_state,
     load_tensors,
@@ -54,6 +55,7 @@ from train.checkpoint_format import (
     read_meta,
     save_tensors,
     save_tensors_streaming,
+    v1_expert_rank_file,
     write_builtin_side_files,
     write_hf_state,
     write_meta,
@@ -382,8 +384,6 @@ def check_parallel(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> None:
             raise CheckpointError(f"ep={ep}: expert parallelism needs a Mixture-of-Experts model; this one is dense")
         if lm.num_experts % ep:
             raise CheckpointError(f"ep={ep} does not divide the {lm.num_experts} experts")
-        if tp > 1:
-            raise CheckpointError(f"ep={ep} with tp={tp}: expert parallelism runs with tp=1")
     for field, n in (("num_attention_heads", lm.num_heads), ("num_key_value_heads", lm.num_kv_heads),
                      ("intermediate_size", lm.intermediate_size), ("vocab_size", lm.vocab_size)):
         if n % tp:
@@ -452,6 +452,28 @@ def rank_keys(tp: int, pp: int, ep: int = 1) -> list[tuple[int, ...]]:
     """The ranks of a layout, as the keys of per-rank state dicts: (tp_rank, pp_rank), and
     the expert-parallel rank third when ep > 1."""
     return [(t, p) if ep == 1 else (t, p, e) for t, p, e in product(range(tp), range(pp), range(ep))]
+
+
+def model_files(tp: int, pp: int, ep: int = 1) -> list[tuple[str, tuple[int, ...], bool | None]]:
+    """The weight files of a model directory saved at tp / pp / ep (`checkpoint_format`): (file
+    name, the rank key whose stage state holds its tensors, which of them: None every one,
+    False all but the experts, True the experts)."""
+    if ep == 1:
+        return [(rank_file(t, p), (t, p), None) for t, p in product(range(tp), range(pp))]
+    return ([(rank_file(t, p), (t, p, 0), False) for t, p in product(range(tp), range(pp))]
+            + [(expert_file(p, e), (0, p, e), True) for p, e in product(range(pp), range(ep))])
+
+
+def is_expert(local: str, arch: ModelArch, pp: int, pp_rank: int) -> bool:
+    """Whether the stage tensor `local` of pipeline rank `pp_rank` is a stack of experts."""
+    return _ep_dim(_global_name(local, stage_layers(arch, pp)[pp_rank])) is not None
+
+
+def file_part(state: dict, arch: ModelArch, pp: int, pp_rank: int, experts: bool | None) -> dict:
+    """The tensors of a stage state dict that one file holds (`model_files`' third field)."""
+    if experts is None:
+        return state
+    return {k: t for k, t in state.items() if is_expert(k, arch, pp, pp_rank) == experts}
 
 
 def _rank_text(key: tuple[int, ...]) -> str:
@@ -612,8 +634,8 @@ def _check_rank_states(states: dict[tuple[int, ...], dict[str, torch.Tensor]], a
 
 def _write_model_files(directory: Path, states: dict[tuple[int, ...], dict[str, torch.Tensor]], arch: ModelArch,
                        tp: int, pp: int, hf_files_from: str | Path | None, ep: int = 1) -> None:
-    for key, state in states.items():
-        save_tensors(directory / rank_file(*key), state)
+    for name, key, experts in model_files(tp, pp, ep):
+        save_tensors(directory / name, file_part(states[key], arch, pp, key[1], experts))
     write_meta(directory, arch, tp, pp, dtype_name(t for s in states.values() for t in s.values()), ep)
     if hf_files_from is not None:
         copy_hf_side_files(hf_files_from, directory / HF_SUBDIR)
@@ -632,14 +654,31 @@ def _saved_layout(meta: dict) -> tuple[int, int, int]:
     return meta["tp"], meta["pp"], meta.get("ep", 1)
 
 
+def _rank_files(meta: dict, key: tuple[int, ...]) -> list[str]:
+    """The files that hold rank `key`'s stage state in a directory with metadata `meta`."""
+    if len(key) == 2:
+        return [rank_file(*key)]
+    tp_rank, pp_rank, ep_rank = key
+    if meta["format_version"] == 1:  # ep > 1 was saved at tp 1 only, one whole file per rank
+        return [v1_expert_rank_file(pp_rank, ep_rank)]
+    return [rank_file(tp_rank, pp_rank), expert_file(pp_rank, ep_rank)]
+
+
+def _read_rank_states(directory: str | Path, meta: dict, keys: list[tuple[int, ...]],
+                      progress: bool = False) -> dict[tuple[int, ...], dict[str, torch.Tensor]]:
+    """{key: stage state dict} of ranks `keys`, each file read once (under --ep the ranks of a
+    stage share the tensors of their TP rank's file)."""
+    names = sorted({name for key in keys for name in _rank_files(meta, key)})
+    files = {name: load_tensors(Path(directory) / name)
+             for name in tqdm(names, desc="reading shards", unit="file", disable=not progress)}
+    return {key: {k: t for name in _rank_files(meta, key) for k, t in files[name].items()} for key in keys}
+
+
 def load_full_state(directory: str | Path, progress: bool = False) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     """The architecture and full Megatron state dict of a model directory."""
     meta = read_meta(directory)
     arch, (tp, pp, ep) = arch_from_dict(meta["arch"]), _saved_layout(meta)
-    files = {key: Path(directory) / rank_file(*key) for key in rank_keys(tp, pp, ep)}
-    states = {key: load_tensors(path) for key, path in
-              tqdm(files.items(), desc="reading shards", unit="file", disable=not progress)}
-    return arch, unshard(states, arch, tp, pp, ep)
+    return arch, unshard(_read_rank_states(directory, meta, rank_keys(tp, pp, ep), progress), arch, tp, pp, ep)
 
 
 def load_model_state(directory: str | Path, arch: ModelArch, tp: int = 1, tp_rank: int = 0, pp: int = 1,
@@ -655,7 +694,8 @@ def load_model_state(directory: str | Path, arch: ModelArch, tp: int = 1, tp_ran
     if _saved_layout(meta) != (tp, pp, ep):
         _, full = load_full_state(directory)
         return shard(full, arch, tp, tp_rank, pp, pp_rank, ep, ep_rank)
-    state = load_tensors(Path(directory) / rank_file(tp_rank, pp_rank, ep_rank if ep > 1 else None))
+    key = (tp_rank, pp_rank) if ep == 1 else (tp_rank, pp_rank, ep_rank)
+    state = _read_rank_states(directory, meta, [key])[key]
     check_state(state, shard_shapes(arch, tp, tp_rank, pp, pp_rank, ep, ep_rank), f"{directory}'s architecture")
     return state
 
@@ -665,7 +705,8 @@ def load_model_state(directory: str | Path, arch: ModelArch, tp: int = 1, tp_ran
 # What each command writes into its --out (names matched whole), and the file written last: a
 # directory without it is an unfinished run's.
 _OUTPUTS = {
-    "import-hf": (re.compile(rf"{re.escape(META_FILE)}|model_tp\d+_pp\d+(_ep\d+)?\.safetensors|{re.escape(HF_SUBDIR)}"),
+    "import-hf": (re.compile(rf"{re.escape(META_FILE)}|model_tp\d+_pp\d+(_ep\d+)?\.safetensors|experts_pp\d+_ep\d+\.safetensors|"
+                             rf"{re.escape(HF_SUBDIR)}"),
                   META_FILE),
     "export-hf": (re.compile("|".join([r"model(-\d{5}-of-\d{5})?\.safetensors",
                                        *map(re.escape, ("config.json", HF_INDEX_FILE, *HF_SIDE_FILES))])),
@@ -756,8 +797,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dty
     stage_layers(arch, pp)
     full = hf_to_megatron(lazy_hf_state(hf_dir), arch)
     with staged_output_dir(out, "import-hf", overwrite) as staging:
-        for key in tqdm(rank_keys(tp, pp, ep), desc="writing shards", unit="file", disable=not progress):
-            _write_rank_streaming(staging / rank_file(*key), full, arch, tp, pp, ep, key, dtype)
+        for name, key, experts in tqdm(model_files(tp, pp, ep), desc="writing shards", unit="file",
+                                       disable=not progress):
+            _write_file_streaming(staging / name, full, arch, tp, pp, ep, key, experts, dtype)
         write_meta(staging, arch, tp, pp, dtype_name(_cast_lazy(t, dtype) for t in full.values()), ep)
         copy_hf_side_files(hf_dir, staging / HF_SUBDIR)
     return arch
@@ -769,12 +811,13 @@ def _cast_lazy(tensor: LazyTensor, dtype: torch.dtype | None) -> LazyTensor:
     return LazyTensor(tensor.shape, dtype, lambda: tensor.load().to(dtype))
 
 
-def _write_rank_streaming(path: Path, full: dict[str, LazyTensor], arch: ModelArch, tp: int, pp: int, ep: int,
-                          key: tuple[int, ...], dtype: torch.dtype | None) -> None:
-    """One rank's model file, made and written one tensor at a time (peak memory: about one
-    full-model tensor, whatever the model's size)."""
+def _write_file_streaming(path: Path, full: dict[str, LazyTensor], arch: ModelArch, tp: int, pp: int, ep: int,
+                          key: tuple[int, ...], experts: bool | None, dtype: torch.dtype | None) -> None:
+    """One model file (`model_files`), made and written one tensor at a time (peak memory:
+    about one full-model tensor, whatever the model's size)."""
     ep_rank = key[2] if ep > 1 else 0
-    plan = _rank_plan(full, arch, tp, key[0], pp, key[1], ep, ep_rank)
+    plan = [entry for entry in _rank_plan(full, arch, tp, key[0], pp, key[1], ep, ep_rank)
+            if experts is None or (_ep_dim(entry[1]) is not None) == experts]
     shapes = shard_shapes(arch, tp, key[0], pp, key[1], ep, ep_rank)
     entries = [(local, shapes[local], _cast_lazy(full[name], dtype).dtype) for local, name, _ in plan]
     save_tensors_streaming(path, entries, (part(_cast_lazy(full[name], dtype).load()) for _, name, part in plan))

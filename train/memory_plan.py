@@ -201,7 +201,10 @@ def plan_stage(arch: ModelArch, settings: Settings, layout: Layout, stage: int) 
         trained = sum(trained_shapes.values())
         experts = sum(n for k, n in trained_shapes.items() if _is_expert(k))
         # what this rank's optimizer holds: each parameter split over the ranks that hold it
-        sharded = ((trained - experts) / layout.dp + experts / (layout.dp // layout.ep)) if distributed \
+        # (under --ep megatron's expert data-parallel group: the tp x dp ranks of a stage that
+        # hold the same experts; at ep 1 the experts are dense parameters to it)
+        expert_dp = layout.tp * layout.dp // layout.ep if layout.ep > 1 else layout.dp
+        sharded = ((trained - experts) / layout.dp + experts / expert_dp) if distributed \
             else float(trained)
     grad_bytes = 4 if settings.grad_dtype == "fp32" else 2
     moment_bytes = 4 if settings.adam_state_dtype == "fp32" else 2
@@ -229,7 +232,7 @@ def layouts_for(arch: ModelArch, gpus: int) -> list[Layout]:
             if (gpus // tp) % pp or lm.num_layers % pp or arch.num_deepstack > lm.num_layers // pp:
                 continue
             dp = gpus // (tp * pp)
-            ep = math.gcd(dp, lm.num_experts) if lm.is_moe and tp == 1 else 1  # the trainer's EP needs TP 1
+            ep = math.gcd(tp * dp, lm.num_experts) if lm.is_moe else 1
             found.append(Layout(tp=tp, pp=pp, dp=dp, ep=ep))
     return found
 

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 
+from train.config import ConfigError
+
 
 @dataclass(frozen=True)
 class ParallelInfo:
@@ -40,19 +42,9 @@ class ParallelInfo:
     pp_rank: int
     tp_rank: int
     device: torch.device
-    ep: int = 1  # expert parallelism: carved from the data-parallel ranks
+    ep: int = 1  # expert parallelism: carved from the TP x DP ranks of a stage
     ep_rank: int = 0
     expert_dp_rank: int = 0  # rank among the ranks that hold the same experts
-
-    @property
-    def model_key(self) -> tuple[int, ...]:
-        """This rank's key among the model's per-rank state dicts (`convert.rank_keys`)."""
-        return (self.tp_rank, self.pp_rank) if self.ep == 1 else (self.tp_rank, self.pp_rank, self.ep_rank)
-
-    @property
-    def writes_model(self) -> bool:
-        """Whether this rank writes its stage model to a checkpoint: one rank per model key."""
-        return self.dp_rank == 0 if self.ep == 1 else self.expert_dp_rank == 0
 
     @property
     def first_stage(self) -> bool:
@@ -68,9 +60,11 @@ class ParallelInfo:
 
 
 def init_parallel(tp: int = 1, pp: int = 1, *, ep: int = 1, device: str | None = None, seed: int = 0) -> ParallelInfo:
-    """`ep`: expert-parallel size of Mixture-of-Experts layers (carved from the data-parallel
-    ranks). Experts are never split over TP ranks (expert TP 1): each is small, and whole
-    experts keep the grouped GEMM's shapes those of the checkpoint."""
+    """`ep`: expert-parallel size of Mixture-of-Experts layers, carved from the tp x dp ranks
+    of a pipeline stage (megatron's expert rank order: the EP rank runs fastest, so under TP
+    the ranks of a TP group hold different experts). Experts are never split over TP ranks
+    (expert TP 1): each is small, and whole experts keep the grouped GEMM's shapes those of
+    the checkpoint."""
     use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     if not use_cuda and not torch.cuda.is_available():
         _cpu_device_shim()
@@ -86,10 +80,11 @@ def init_parallel(tp: int = 1, pp: int = 1, *, ep: int = 1, device: str | None =
                                     world_size=1, timeout=timeout)
     world = dist.get_world_size()
     if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
-    if (world // (tp * pp)) % ep:
-        raise ValueError(f"the {world // (tp * pp)} data-parallel ranks cannot be split into expert-parallel groups "
-                         f"of ep={ep}: use an ep that divides world / (tp*pp)")
+        raise ConfigError(f"--tp {tp} x --pp {pp} needs a multiple of {tp * pp} processes, this run has {world}: "
+                          "launch it with torchrun --nproc-per-node N")
+    if (world // pp) % ep:
+        raise ConfigError(f"the {world // pp} ranks of a pipeline stage cannot be split into expert-parallel groups "
+                          f"of --ep {ep}: use an --ep that divides the number of processes / --pp")
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                       expert_model_parallel_size=ep, expert_tensor_parallel_size=1,

@@ -82,9 +82,6 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
                 adapter_format.check_peft_config(config.init_lora, spec)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    if config.ep > 1 and config.tp > 1:
-        raise ConfigError(f"--ep {config.ep} with --tp {config.tp}: checkpoints split the experts over expert-parallel "
-                          "ranks only at --tp 1; use --ep with --tp 1, or --tp with --ep 1")
     if lm.is_moe and config.tp > 1 and config.sequence_parallel is False:
         raise ConfigError(f"--tp {config.tp} with a Mixture-of-Experts model needs sequence parallelism (megatron-core's "
                           "MoE layers train under tensor parallelism only with it); drop --sequence-parallel false")
@@ -235,9 +232,9 @@ def dry_run(config: TrainConfig) -> str:
         arch = resolve_arch(config)
     check_layout(arch, config)
     gpus = config.gpus or int(os.environ.get("WORLD_SIZE", "1"))
-    if gpus % (config.tp * config.pp) or (gpus // (config.tp * config.pp)) % config.ep:
+    if gpus % (config.tp * config.pp) or (gpus // config.pp) % config.ep:
         raise ConfigError(f"--gpus {gpus} is not a multiple of --tp {config.tp} x --pp {config.pp} "
-                          f"(x --ep {config.ep} for the data-parallel ranks)")
+                          f"and of --pp {config.pp} x --ep {config.ep}")
     dp = gpus // (config.tp * config.pp)
     share = _visual_share(config.data, arch.vision.spatial_merge_size)
     settings = memory_plan.Settings(
