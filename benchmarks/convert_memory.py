@@ -34,7 +34,8 @@ GiB = 1024**3
 
 
 def write_random_checkpoint(arch, out: Path, seed: int) -> dict:
-    """The HF checkpoint of `arch` with random bf16 weights, shard by shard."""
+    """The HF checkpoint of `arch` with random bf16 weights, shard by shard (drawn on a GPU
+    where there is one: a 32B model's 33 G draws take minutes on one CPU thread)."""
     shapes = hf_shapes(arch)
     if arch.lm.tie_word_embeddings:
         shapes.pop(HF_LM_HEAD, None)
@@ -49,9 +50,11 @@ def write_random_checkpoint(arch, out: Path, seed: int) -> dict:
         groups[-1].append(name)
         size += nbytes
     files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    generator = torch.Generator().manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(seed)
     for file, group in zip(files, groups):
-        state = {n: (torch.randn(shapes[n], generator=generator) * 0.02).to(torch.bfloat16) for n in group}
+        state = {n: (torch.randn(shapes[n], generator=generator, device=device) * 0.02).to(torch.bfloat16).cpu()
+                 for n in group}
         save_file(expert_layout(state, arch.lm), str(out / file), metadata={"format": "pt"})
         del state
     total = 2 * sum(int(torch.Size(s).numel()) for s in shapes.values())
@@ -117,6 +120,8 @@ def main() -> None:
         log(f"{name}: {result[name]['seconds']:.0f} s, peak resident memory {result[name]['peak_rss_bytes'] / GiB:.2f} "
             f"GiB = {result[name]['peak_rss_bytes'] / checkpoint['bytes']:.2f}x the checkpoint, "
             f"{result[name]['peak_rss_bytes'] / checkpoint['largest_tensor_bytes']:.1f}x its largest tensor")
+        if args.json_out:  # each run as it ends: a long job stopped in the baseline keeps the streaming figure
+            write_json(args.json_out, result)
     same = same_tensors(out / "model_tp0_pp0.safetensors", whole / "model_tp0_pp0.safetensors")
     result["same_tensors"] = same
     result["whole_over_streaming"] = (result["whole checkpoint"]["peak_rss_bytes"]
