@@ -103,7 +103,7 @@ def main() -> None:
           f"ray takes {100 * (result['ray_over_local_time'] - 1):+.1f} % time (median of {args.rounds}); "
           f"Ray start-up {statistics.median(ray_start_s):.1f} s apart; outputs byte-identical")
     if args.json_out:
-        write_json(args.json_out, {"machine": machine_info("cpu"), **result})
+        write_json(args.json_out, {"machine": {**machine_info("cpu"), "ray": ray.__version__}, **result})
         log(f"wrote {args.json_out}")
 
 
