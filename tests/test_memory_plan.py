@@ -258,3 +258,54 @@ def test_dry_run_settings_that_cannot_run_exit_2_with_one_line(capsys):
     rc = vlmpack(["train", "--dry-run", "--arch", "qwen3-vl-8b", "--gpus", "3", "--tp", "2"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "--gpus 3" in err
+
+
+@pytest.mark.parametrize("arch, seq_len, pp, gpu_gib", [
+    ("qwen3-vl-2b", 16384, 1, 200.0), ("qwen3-vl-2b", 16384, 1, 79.2), ("qwen3-vl-2b", 16384, 1, 60.0),
+    ("qwen3-vl-8b", 8192, 2, 40.0), ("qwen3-vl-8b", 16384, 1, 30.0), ("qwen3-vl-30b-a3b", 8192, 1, 141.0),
+])
+def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, pp, gpu_gib):
+    """--recompute auto: none where the plan fits, else full recompute of the fewest first
+    layers per stage whose plan fits in FIT_FRACTION of the GPU (one layer fewer does not),
+    else every layer; checked against the plan of every recompute depth."""
+    from train.config import TrainConfig
+    from train.trainer import resolve_arch, resolve_recompute
+
+    config = TrainConfig(arch=arch, seq_len=seq_len, pp=pp, gpus=pp, recompute="auto", gpu_memory_gib=gpu_gib,
+                         grad_dtype="bf16", adam_state_dtype="bf16", dry_run=True)
+    model = resolve_arch(config)
+    chosen, line = resolve_recompute(config, model, cuda=True)
+    layers = model.lm.num_layers // pp
+    depths = [("none", None)] + [("full", n) for n in range(1, layers)] + [("full", None)]
+
+    def planned(recompute, recompute_layers):
+        run = dataclasses.replace(config, recompute=recompute, recompute_layers=recompute_layers)
+        return float(re.search(r"largest stage: ([\d.]+) GiB", _dry_run(run)).group(1))
+
+    budget = memory_plan.FIT_FRACTION * gpu_gib
+    fits = [planned(*depth) <= budget + 0.05 for depth in depths]  # the report rounds to 0.1 GiB
+    index = depths.index((chosen.recompute, chosen.recompute_layers))
+    assert index == (fits.index(True) if any(fits) else len(depths) - 1), (line, fits)
+    assert line.startswith("--recompute auto: ") and ("does NOT fit" in line) == (not any(fits))
+
+
+def _dry_run(config) -> str:
+    from train.trainer import dry_run
+
+    return dry_run(config)
+
+
+def test_recompute_auto_on_cpu_trains_without_recompute_and_says_so(shards, tmp_path, capsys):  # noqa: F811
+    """On CPU (megatron's recompute needs the CUDA RNG) auto keeps every activation and says so;
+    an explicit recompute and --recompute-layers with auto exit 2 with one line."""
+    from tests.test_train import BASE, metrics, ok, run_train
+
+    out = tmp_path / "run"
+    proc = ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "2", "--recompute", "auto",
+                         "--gpu-memory-gib", "0.05"]))
+    assert "--recompute auto: no recompute (a CPU run)" in proc.stdout and len(metrics(out)) == 2
+    for extra, message in ((["--recompute", "full"], "--recompute full needs CUDA"),
+                           (["--recompute", "auto", "--recompute-layers", "2"], "--recompute-layers 2 needs --recompute full")):
+        rc = vlmpack(["train", *BASE, "--device", "cpu", "--data", str(shards), "--out", str(tmp_path / "bad"), *extra])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and message in err, err

@@ -22,7 +22,7 @@ FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains 
 ATTENTION_KERNELS = ("fa2", "fa4")  # train.model.attention.select_attention_kernel
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # train.model.fp8.RECIPES
 STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "auto")
 DEVICES = ("cuda", "cpu")
 COMMA_LISTS = ("freeze", "lora_targets", "lora_parts", "lora_modules_to_save")  # list settings also given as "a,b"
 # --help shows the flags in these groups, in this order
@@ -104,7 +104,9 @@ class TrainConfig:
     # memory: bf16 halves the gradient buffers (accumulated and reduced in bf16, megatron's own
     # default; bf16 runs only) / the Adam moments (stochastically rounded, train/adamw_bf16_state.py)
     bf16: bool = _opt(True, "memory", "bf16 weights and compute on GPU (CPU runs are fp32; default true)")
-    recompute: str = _opt("none", "memory", "activation recompute of the language model: none, selective or full "
+    recompute: str = _opt("none", "memory", "activation recompute of the language model: none, selective, full, "
+                                            "or auto: none if the memory plan fits the GPU (--gpu-memory-gib), "
+                                            "else full for the fewest first layers per stage that make it fit "
                                             "(default none)")
     recompute_layers: int | None = _opt(None, "memory", "with --recompute full: recompute only the first N decoder "
                                                         "layers per pipeline stage")
@@ -113,8 +115,8 @@ class TrainConfig:
     dry_run: bool = _opt(False, "memory", "print the predicted memory per GPU and the smallest layout that "
                                           "fits, then exit")
     gpus: int | None = _opt(None, "memory", "with --dry-run: plan for this many GPUs (default: the launch's)")
-    gpu_memory_gib: float | None = _opt(None, "memory", "with --dry-run: memory of one GPU (default: this "
-                                                        "GPU's, else 80)")
+    gpu_memory_gib: float | None = _opt(None, "memory", "with --dry-run and --recompute auto: memory of one GPU "
+                                                        "(default: this GPU's, else 80)")
     grad_dtype: str = _opt("fp32", "memory", "gradient buffers: fp32 or bf16 (half the memory, bf16 runs; default fp32)")
     adam_state_dtype: str = _opt("fp32", "memory", "Adam moments: fp32 or bf16 (stochastically rounded; default fp32)")
     # optimisation

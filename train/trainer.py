@@ -13,6 +13,7 @@ tokenizer, chat template, PIL or image processor is imported in this process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -231,6 +232,45 @@ def dry_run(config: TrainConfig) -> str:
     with inputs_checked():
         arch = resolve_arch(config)
     check_layout(arch, config)
+    config, chosen = resolve_recompute(config, arch, cuda=True)  # the plan is of GPUs
+    name = config.arch or arch.hf_architecture
+    return memory_plan.report(name, arch, *_plan_inputs(config, arch)) + (f"\n{chosen}" if chosen else "")
+
+
+def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool) -> tuple[TrainConfig, str | None]:
+    """`--recompute auto` made concrete from the memory plan: none if the plan fits
+    FIT_FRACTION of the GPU, else full recompute of the fewest first decoder layers per stage
+    that make it fit (all of them if nothing fits); none on CPU. Returns the config and a line
+    saying what was chosen (None for any other --recompute)."""
+    from train import memory_plan
+
+    if config.recompute in ("selective", "full") and not cuda:
+        raise ConfigError(f"--recompute {config.recompute} needs CUDA (megatron-core's recompute saves and restores "
+                          "the CUDA RNG state); a CPU run keeps every activation: drop the flag")
+    if config.recompute != "auto":
+        return config, None
+    if not cuda:
+        return dataclasses.replace(config, recompute="none"), "--recompute auto: no recompute (a CPU run)"
+    layers = max(len(r) for r in convert.stage_layers(arch, config.pp))
+    candidates = [("none", None)] + [("full", n) for n in range(1, layers)] + [("full", None)]
+    settings, layout, gpu_gib = _plan_inputs(config, arch)
+    budget = memory_plan.FIT_FRACTION * gpu_gib
+    for recompute, recompute_layers in candidates:
+        tried = dataclasses.replace(settings, recompute=recompute, recompute_layers=recompute_layers)
+        peak = max(s.total for s in memory_plan.plan(arch, tried, layout)) / memory_plan.GIB
+        if peak <= budget:
+            break
+    what = "no recompute" if recompute == "none" else \
+        f"--recompute full of {recompute_layers or layers} of {layers} decoder layers per stage"
+    verdict = "fits" if peak <= budget else "does NOT fit even so"
+    chosen = f"--recompute auto: {what} (planned {peak:.1f} GiB, {verdict} in {budget:.1f} GiB)"
+    return dataclasses.replace(config, recompute=recompute, recompute_layers=recompute_layers), chosen
+
+
+def _plan_inputs(config: TrainConfig, arch: ModelArch):
+    """The memory plan's settings, layout and GPU memory (GiB) for this run."""
+    from train import memory_plan
+
     gpus = config.gpus or int(os.environ.get("WORLD_SIZE", "1"))
     if gpus % (config.tp * config.pp) or (gpus // config.pp) % config.ep:
         raise ConfigError(f"--gpus {gpus} is not a multiple of --tp {config.tp} x --pp {config.pp} "
@@ -246,8 +286,7 @@ def dry_run(config: TrainConfig) -> str:
         sequence_parallel=sequence_parallel(arch, config))
     gpu_gib = config.gpu_memory_gib or (torch.cuda.get_device_properties(0).total_memory / memory_plan.GIB
                                         if torch.cuda.is_available() else 80.0)
-    layout = memory_plan.Layout(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep)
-    return memory_plan.report(config.arch or arch.hf_architecture, arch, settings, layout, gpu_gib)
+    return settings, memory_plan.Layout(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep), gpu_gib
 
 
 def _visual_share(sources: list[str], merge: int) -> float | None:
@@ -271,6 +310,10 @@ def train(config: TrainConfig) -> dict:
     with inputs_checked():
         arch = resolve_arch(config)
     check_layout(arch, config)  # before any process group exists: a bad layout fails on every rank alike
+    cuda = (config.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    config, chosen = resolve_recompute(config, arch, cuda)
+    if chosen and int(os.environ.get("RANK", "0")) == 0:
+        print(f"vlmpack train: {chosen}", flush=True)
     info = init_parallel(config.tp, config.pp, ep=config.ep, device=config.device, seed=config.seed)
     out = Path(config.out)
     with ExitStack() as stack:
