@@ -88,7 +88,7 @@ from synthetic_shards import SyntheticSpec, write_synthetic_shards
 from shards_schema import open_shards, verify_shards
 from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
 from tests.hf_reference import to_padded_batch
-from train.config import ATTENTION_KERNELS, FP8_RECIPES, STATE_DTYPES, parse_bool
+from train.config import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE, STATE_DTYPES, parse_bool
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
 
@@ -104,9 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10, help="measured training steps (ours)")
     ap.add_argument("--warmup", type=int, default=None, help="unmeasured first steps (ours); default 3 (CPU: 1)")
     ap.add_argument("--global-batch-packs", type=int, default=None, help="packs per step (ours); default 2 (CPU: 1)")
-    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
-                    help="trainer activation recompute (language model); on out-of-memory the run is retried "
-                         "once with full unless --no-recompute-fallback")
+    ap.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                    help="trainer activation recompute (language model; auto: the trainer's choice from its "
+                         "memory plan, recorded as the choice); on out-of-memory the run is retried once with "
+                         "full unless --no-recompute-fallback")
     ap.add_argument("--no-recompute-fallback", action="store_true",
                     help="on out-of-memory, fail instead of retrying with --recompute full")
     ap.add_argument("--recompute-layers", type=int, default=None,
@@ -530,6 +531,21 @@ def _release(probe: TrainerProbe, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def resolve_auto_recompute(args, data_dir: Path, device: torch.device) -> None:
+    """`--recompute auto` resolved as the trainer resolves it, into this process's args: the
+    recompute and layers it chose, and its line as `recompute_auto`."""
+    from train.config import TrainConfig
+    from train.trainer import resolve_arch, resolve_recompute
+
+    config = TrainConfig(data=[str(data_dir)], arch=args.arch, seq_len=args.seq_len, dry_run=True,
+                         global_batch_packs=args.global_batch_packs, recompute="auto",
+                         recompute_vision=args.recompute_vision, grad_dtype=args.grad_dtype,
+                         adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank)
+    config, args.recompute_auto = resolve_recompute(config, resolve_arch(config), cuda=device.type == "cuda")
+    args.recompute, args.recompute_layers = config.recompute, config.recompute_layers
+    log(f"ours: {args.recompute_auto}")
+
+
 def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: torch.device):
     """One instrumented `train()`; returns (probe, config, result, wall seconds) or raises."""
     from train.config import TrainConfig
@@ -571,6 +587,8 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
     from train.trainer import is_out_of_memory
 
     device = torch.device(args.device)
+    if args.recompute == "auto":
+        resolve_auto_recompute(args, data_dir, device)
     attempts = []
     recompute = args.recompute
     while True:
@@ -696,7 +714,8 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
         f"vision {fmt_pct(summary['vision_share_of_step'])} of the step, peak {fmt_gib(summary['peak_memory_gib'])}, "
         f"allocator retries {summary['alloc_retries_measured']}")
     return {"summary": summary, "steps": [dict(r, **t) for r, t in zip(records, timings)],
-            "trainer_result": result, "config": config.to_dict()}, sorted(set(pool_index))
+            "trainer_result": result, "config": config.to_dict(),
+            "recompute_auto": getattr(args, "recompute_auto", None)}, sorted(set(pool_index))
 
 
 def isolated_vision(probe: TrainerProbe, args, device: torch.device, in_step: dict) -> dict | None:
@@ -1088,6 +1107,10 @@ def main(argv=None) -> int:
     # Each side in a process of its own: neither inherits the other's allocator cache or
     # megatron's global state, so both peaks and both batch-size searches start from an empty GPU.
     res["ours"], pool_index = isolated(run_ours, args, data_dir, out_dir / "ours")
+    if res["ours"]["recompute_auto"]:  # the arguments record what auto chose (the line says it was auto)
+        for key in ("recompute", "recompute_layers"):
+            setattr(args, key, res["ours"]["config"][key])
+        args.recompute_auto = res["ours"]["recompute_auto"]
     if not args.skip_hf:
         res["hf"] = isolated(run_hf, args, arch, data_dir, pool_index, device)
         gc.collect()
