@@ -95,7 +95,8 @@ def main() -> None:
                 shutil.rmtree(out)
                 log(f"round {r} {executor}: {seconds[executor][-1]:.2f} s ({args.rows / seconds[executor][-1]:.0f} rows/s)")
     median = {k: statistics.median(v) for k, v in seconds.items()}
-    result = {"rows": args.rows, "distinct_rows": min(args.rows, args.distinct_rows), "workers": args.workers, "rows_per_shard": args.rows_per_shard,
+    result = {"rows": args.rows, "distinct_rows": min(args.rows, args.distinct_rows), "workers": args.workers,
+              "rows_per_shard": args.rows_per_shard,
               "seconds": seconds, "rows_per_s": {k: args.rows / v for k, v in median.items()},
               "ray_over_local_time": median["ray"] / median["local"], "ray_start_s": ray_start_s,
               "outputs_identical": True}

@@ -705,8 +705,9 @@ def load_model_state(directory: str | Path, arch: ModelArch, tp: int = 1, tp_ran
 # What each command writes into its --out (names matched whole), and the file written last: a
 # directory without it is an unfinished run's.
 _OUTPUTS = {
-    "import-hf": (re.compile(rf"{re.escape(META_FILE)}|model_tp\d+_pp\d+(_ep\d+)?\.safetensors|experts_pp\d+_ep\d+\.safetensors|"
-                             rf"{re.escape(HF_SUBDIR)}"),
+    # (model_tp{t}_pp{p}_ep{e}: format version 1's expert-parallel files)
+    "import-hf": (re.compile(rf"{re.escape(META_FILE)}|model_tp\d+_pp\d+(_ep\d+)?\.safetensors|"
+                             rf"experts_pp\d+_ep\d+\.safetensors|{re.escape(HF_SUBDIR)}"),
                   META_FILE),
     "export-hf": (re.compile("|".join([r"model(-\d{5}-of-\d{5})?\.safetensors",
                                        *map(re.escape, ("config.json", HF_INDEX_FILE, *HF_SIDE_FILES))])),
