@@ -269,7 +269,7 @@ def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, p
     layers per stage whose plan fits in FIT_FRACTION of the GPU (one layer fewer does not),
     else every layer; checked against the plan of every recompute depth."""
     from train.config import TrainConfig
-    from train.trainer import resolve_arch, resolve_recompute
+    from train.trainer import dry_run, resolve_arch, resolve_recompute
 
     config = TrainConfig(arch=arch, seq_len=seq_len, pp=pp, gpus=pp, recompute="auto", gpu_memory_gib=gpu_gib,
                          grad_dtype="bf16", adam_state_dtype="bf16", dry_run=True)
@@ -280,19 +280,13 @@ def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, p
 
     def planned(recompute, recompute_layers):
         run = dataclasses.replace(config, recompute=recompute, recompute_layers=recompute_layers)
-        return float(re.search(r"largest stage: ([\d.]+) GiB", _dry_run(run)).group(1))
+        return float(re.search(r"largest stage: ([\d.]+) GiB", dry_run(run)).group(1))
 
     budget = memory_plan.FIT_FRACTION * gpu_gib
     fits = [planned(*depth) <= budget + 0.05 for depth in depths]  # the report rounds to 0.1 GiB
     index = depths.index((chosen.recompute, chosen.recompute_layers))
     assert index == (fits.index(True) if any(fits) else len(depths) - 1), (line, fits)
     assert line.startswith("--recompute auto: ") and ("does NOT fit" in line) == (not any(fits))
-
-
-def _dry_run(config) -> str:
-    from train.trainer import dry_run
-
-    return dry_run(config)
 
 
 def test_recompute_auto_on_cpu_trains_without_recompute_and_says_so(shards, tmp_path, capsys):  # noqa: F811

@@ -284,8 +284,8 @@ def _plan_inputs(config: TrainConfig, arch: ModelArch):
         freeze=tuple(config.freeze), lora=config.lora_spec(), recompute_vision=config.recompute_vision,
         visual_share=memory_plan.VISUAL_SHARE if share is None else share,
         sequence_parallel=sequence_parallel(arch, config))
-    gpu_gib = config.gpu_memory_gib or (torch.cuda.get_device_properties(0).total_memory / memory_plan.GIB
-                                        if torch.cuda.is_available() else 80.0)
+    gpu_gib = config.gpu_memory_gib or (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+                                        / memory_plan.GIB if torch.cuda.is_available() else 80.0)
     return settings, memory_plan.Layout(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep), gpu_gib
 
 
@@ -310,11 +310,11 @@ def train(config: TrainConfig) -> dict:
     with inputs_checked():
         arch = resolve_arch(config)
     check_layout(arch, config)  # before any process group exists: a bad layout fails on every rank alike
-    cuda = (config.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
-    config, chosen = resolve_recompute(config, arch, cuda)
-    if chosen and int(os.environ.get("RANK", "0")) == 0:
-        print(f"vlmpack train: {chosen}", flush=True)
     info = init_parallel(config.tp, config.pp, ep=config.ep, device=config.device, seed=config.seed)
+    # after init_parallel: each rank plans for the GPU it was given
+    config, chosen = resolve_recompute(config, arch, cuda=info.device.type == "cuda")
+    if chosen and info.is_main:
+        print(f"vlmpack train: {chosen}", flush=True)
     out = Path(config.out)
     with ExitStack() as stack:
         lock_output_dir(stack, out, info)
