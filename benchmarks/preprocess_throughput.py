@@ -115,21 +115,25 @@ def floor_path(profile):
 _FLOOR = {}
 
 
-def _floor_init(profile_name: str) -> None:
+def _floor_init(profile_name: str, lines_path: str) -> None:
     _FLOOR["run"] = floor_path(builtin_profile(profile_name))
+    _FLOOR["lines"] = Path(lines_path).read_text(encoding="utf-8").splitlines()
 
 
-def _floor_one(line: str) -> None:
-    _FLOOR["run"](line)
+def _floor_one(index: int) -> None:
+    _FLOOR["run"](_FLOOR["lines"][index])
 
 
-def parallel_floor_rows_per_s(profile_name: str, lines: list[str], workers: int) -> float:
-    """The machine's own parallel ceiling: decode+resize alone in `workers` warm processes."""
-    with mp.get_context("spawn").Pool(workers, initializer=_floor_init, initargs=(profile_name,)) as pool:
-        pool.map(_floor_one, lines[: 2 * workers], chunksize=1)
+def parallel_floor_rows_per_s(profile_name: str, lines_path: Path, distinct: int, total: int, workers: int) -> float:
+    """The machine's own parallel ceiling: decode+resize alone in `workers` warm processes. Each
+    worker reads the distinct rows from `lines_path` and gets row indices only, so the parent's
+    pipe carries no image bytes (as in the job, whose workers read their own rows)."""
+    order = [i % distinct for i in range(total)]
+    with mp.get_context("spawn").Pool(workers, initializer=_floor_init, initargs=(profile_name, str(lines_path))) as pool:
+        pool.map(_floor_one, order[: 2 * workers], chunksize=1)
         t0 = time.perf_counter()
-        pool.map(_floor_one, lines, chunksize=4)
-        return len(lines) / (time.perf_counter() - t0)
+        pool.map(_floor_one, order, chunksize=4)
+        return total / (time.perf_counter() - t0)
 
 
 def per_sample_ms(fn, lines: list[str], rounds: int) -> list[float]:
@@ -186,8 +190,9 @@ def main() -> int:
         manifest = run_preprocess(cfg)
         jobs[workers] = (time.perf_counter() - t0, manifest)
         shutil.rmtree(out)
-    job_lines = [json.dumps(r) for r in job_rows]
-    floor_rate = {w: parallel_floor_rows_per_s(args.profile, job_lines, w) for w in worker_counts}
+    distinct = work / "distinct.jsonl"
+    distinct.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    floor_rate = {w: parallel_floor_rows_per_s(args.profile, distinct, len(lines), len(job_rows), w) for w in worker_counts}
     totals = jobs[1][1]["totals"]
     v = profile.vision
     visual_tokens = totals["patches"] // v.merge_size**2

@@ -163,6 +163,20 @@ def test_rerun_with_other_settings_is_refused(example_jsonl, baseline, tmp_path)
         _run([example_jsonl], tmp_path, workers=1, sample=SampleOptions(max_seq_len=999))
 
 
+
+def test_worker_pool_started_before_the_input_scan_ends_with_the_job_however_it_ends(example_jsonl, tmp_path):
+    """The local pool starts before the inputs are scanned; a job refused after that (here: the
+    output directory holds another job) and a job that finishes both leave no worker behind."""
+    import multiprocessing as mp
+
+    before = set(mp.active_children())
+    manifest = _run([example_jsonl], tmp_path, workers=2, rows_per_shard=4)
+    assert manifest["accounting"]["rows_read"] == ROWS + 2
+    assert set(mp.active_children()) == before
+    with pytest.raises(ConfigError, match="different job.*settings"):
+        _run([example_jsonl], tmp_path, workers=2, rows_per_shard=4, sample=SampleOptions(max_seq_len=999))
+    assert set(mp.active_children()) == before
+
 def test_all_input_formats_give_the_same_samples(tmp_path):
     import datasets
     import pyarrow as pa
