@@ -58,6 +58,7 @@ from .profiles import Profile, resolve_profile
 JOB_FILE = "job.json"
 INPUTS_SEEN_FILE = "inputs_seen.json"  # where each input was found and its mtime: resume checks only
 DEFAULT_ROWS_PER_SHARD = 1024
+EARLY_ROW_BYTES = 16 * 1024  # a generous row (an inline image); rows naming image files are far smaller
 PROGRESS_EVERY_ROWS = 8
 INPUT_HASH_MODES = ("sampled", "full")
 EXECUTORS = ("local", "ray")
@@ -600,8 +601,19 @@ class _LocalPool:
     others: set  # child processes alive before the pool: not the pool's to end
 
 
+def _early_workers(cfg: PreprocessConfig) -> int:
+    """Workers worth starting before the scan has counted the rows: as many as the inputs' bytes
+    could fill with units of EARLY_ROW_BYTES rows (a small job starts few or none early); the
+    pool starts the others as their units are submitted."""
+    try:
+        size = sum(_stat(file)["size"] for spec in cfg.inputs for file in _input_files(spec))
+    except (OSError, UserError):
+        return 0  # the scan reports the input's problem
+    return min(cfg.workers, -(-size // (cfg.num_partitions * cfg.rows_per_shard * EARLY_ROW_BYTES)))
+
+
 def _start_local_pool(cfg: PreprocessConfig, profile: Profile) -> _LocalPool | None:
-    """Start the worker processes now, before the input scan: their interpreter start-up and
+    """Start worker processes now, before the input scan: their interpreter start-up and
     tokenizer load (about a second) then overlap the scan instead of delaying the first unit.
     None where the job runs in this process or on Ray."""
     if cfg.executor == "ray" or cfg.workers <= 1:
@@ -616,7 +628,7 @@ def _start_local_pool(cfg: PreprocessConfig, profile: Profile) -> _LocalPool | N
         initargs=(os.getpid(), _profile_args(cfg), profile.fingerprint["id"], cfg.sample, Path(cfg.out),
                   cfg.rows_per_shard, rows_done, rows_rejected),
     )
-    for _ in range(cfg.workers):  # a spawn pool starts a process per task waiting while none is idle
+    for _ in range(_early_workers(cfg)):  # a spawn pool starts a process per task waiting while none is idle
         executor.submit(int)
     return _LocalPool(executor, rows_done, rows_rejected, others)
 

@@ -177,6 +177,22 @@ def test_worker_pool_started_before_the_input_scan_ends_with_the_job_however_it_
         _run([example_jsonl], tmp_path, workers=2, rows_per_shard=4, sample=SampleOptions(max_seq_len=999))
     assert set(mp.active_children()) == before
 
+
+def test_workers_started_before_the_scan_follow_the_inputs_size(tmp_path):
+    from preprocess.job import EARLY_ROW_BYTES, _early_workers
+
+    unit_bytes = 1024 * EARLY_ROW_BYTES
+    big, small = tmp_path / "big.jsonl", tmp_path / "small.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(5 * unit_bytes)  # sparse: only its size matters here
+    small.write_text('{"messages": []}\n')
+    cfg = PreprocessConfig(inputs=[str(big)], out=str(tmp_path / "o"), workers=8, rows_per_shard=1024)
+    assert _early_workers(cfg) == 5
+    assert _early_workers(dataclasses.replace(cfg, workers=3)) == 3
+    assert _early_workers(dataclasses.replace(cfg, num_partitions=5)) == 1
+    assert _early_workers(dataclasses.replace(cfg, inputs=[str(small)])) == 1
+    assert _early_workers(dataclasses.replace(cfg, inputs=[str(tmp_path / "missing.jsonl")])) == 0
+
 def test_all_input_formats_give_the_same_samples(tmp_path):
     import datasets
     import pyarrow as pa
