@@ -604,9 +604,10 @@ class _LocalPool:
 def _early_workers(cfg: PreprocessConfig) -> int:
     """Workers worth starting before the scan has counted the rows: as many as the inputs' bytes
     could fill with units of EARLY_ROW_BYTES rows (a small job starts few or none early); the
-    pool starts the others as their units are submitted."""
+    pool starts the others as their units are submitted. Object-store inputs count nothing here:
+    their size would cost a round trip to the store before the scan makes its own."""
     try:
-        size = sum(_stat(file)["size"] for spec in cfg.inputs for file in _input_files(spec))
+        size = sum(_stat(file)["size"] for spec in cfg.inputs if not storage.is_url(spec) for file in _input_files(spec))
     except (OSError, UserError):
         return 0  # the scan reports the input's problem
     return min(cfg.workers, -(-size // (cfg.num_partitions * cfg.rows_per_shard * EARLY_ROW_BYTES)))

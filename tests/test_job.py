@@ -192,6 +192,7 @@ def test_workers_started_before_the_scan_follow_the_inputs_size(tmp_path):
     assert _early_workers(dataclasses.replace(cfg, num_partitions=5)) == 1
     assert _early_workers(dataclasses.replace(cfg, inputs=[str(small)])) == 1
     assert _early_workers(dataclasses.replace(cfg, inputs=[str(tmp_path / "missing.jsonl")])) == 0
+    assert _early_workers(dataclasses.replace(cfg, inputs=["s3://bucket/chats.jsonl"])) == 0  # no store round trip
 
 def test_all_input_formats_give_the_same_samples(tmp_path):
     import datasets
