@@ -190,9 +190,8 @@ def main() -> int:
         manifest = run_preprocess(cfg)
         jobs[workers] = (time.perf_counter() - t0, manifest)
         shutil.rmtree(out)
-    distinct = work / "distinct.jsonl"
-    distinct.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    floor_rate = {w: parallel_floor_rows_per_s(args.profile, distinct, len(lines), len(job_rows), w) for w in worker_counts}
+    distinct = write_jsonl(work / "distinct.jsonl", rows)
+    floor_rate = {w: parallel_floor_rows_per_s(args.profile, distinct, len(rows), len(job_rows), w) for w in worker_counts}
     totals = jobs[1][1]["totals"]
     v = profile.vision
     visual_tokens = totals["patches"] // v.merge_size**2
