@@ -697,9 +697,11 @@ def test_gpu_preemption_signal_saves_the_step_and_resumes(shards, tmp_path):
 def _wandb_records(out: Path) -> list[dict]:
     """Every record of the run's offline W&B logs under OUT/wandb (one log per start of the run)."""
     records = []
+    scratch = out / "wandb-cli-tmp"  # wandb's CLI leaves its staging directories in TMPDIR
+    scratch.mkdir(exist_ok=True)
     for log in sorted(out.glob("wandb/offline-run-*/run-*.wandb")):
         done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(scratch)})
         assert done.returncode == 0, done.stderr[-2000:]
         records += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return records
