@@ -124,9 +124,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fp8", default=None, choices=FP8_RECIPES, help="trainer's --fp8 recipe (default: bf16 GEMMs)")
     ap.add_argument("--compile-decoder", type=parse_bool, default=True,
                     help="trainer's --compile-decoder: compile each dense decoder layer (true/false; default true)")
-    ap.add_argument("--inductor-option", action="append", default=[], type=inductor_option, metavar="KEY=VALUE",
-                    help="override one of the trainer's Inductor options for its compiled parts (repeatable; "
-                         "e.g. triton.prefer_nd_tiling=false: the baseline of an A/B)")
     ap.add_argument("--grad-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's gradient buffers")
     ap.add_argument("--adam-state-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's Adam moments")
     ap.add_argument("--lr", type=float, default=1e-5, help="learning rate of both sides")
@@ -549,26 +546,10 @@ def resolve_auto_recompute(args, data_dir: Path, device: torch.device) -> None:
     log(f"ours: {args.recompute_auto}")
 
 
-def inductor_option(text: str) -> tuple[str, object]:
-    """`KEY=VALUE` of `--inductor-option`: VALUE true/false, an int, or else a string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. triton.prefer_nd_tiling=false")
-    if value.lower() in ("true", "false"):
-        return key, value.lower() == "true"
-    try:
-        return key, int(value)
-    except ValueError:
-        return key, value
-
-
 def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: torch.device):
     """One instrumented `train()`; returns (probe, config, result, wall seconds) or raises."""
     from train.config import TrainConfig
-    from train.model import qwen_vl
     from train.trainer import train
-
-    qwen_vl.INDUCTOR_OPTIONS.update(args.inductor_option)
 
     shutil.rmtree(run_dir, ignore_errors=True)
     config = TrainConfig(
@@ -587,8 +568,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
     log(f"ours: train({args.arch}, seq_len {args.seq_len}, {args.global_batch_packs} packs/step, "
         f"{args.warmup}+{args.steps} steps, recompute {recompute}, layers {config.recompute_layers}, "
         f"vision {config.recompute_vision}, attention {config.attention}, "
-        f"compiled decoder {config.compile_decoder}, Inductor {qwen_vl.INDUCTOR_OPTIONS}, "
-        f"fp8 {config.fp8 or 'off'}, grads {config.grad_dtype}, "
+        f"compiled decoder {config.compile_decoder}, fp8 {config.fp8 or 'off'}, grads {config.grad_dtype}, "
         f"Adam state {config.adam_state_dtype}, LoRA rank {config.lora_rank}) -> {run_dir}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -604,7 +584,6 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
 
 
 def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
-    from train.model import qwen_vl
     from train.trainer import is_out_of_memory
 
     device = torch.device(args.device)
@@ -711,7 +690,6 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
         "recompute_layers": config.recompute_layers,
         "recompute_vision": config.recompute_vision,
         "attention": config.attention,
-        "inductor_options": dict(qwen_vl.INDUCTOR_OPTIONS),
         "grad_dtype": config.grad_dtype,
         "adam_state_dtype": config.adam_state_dtype,
         "kernels": probe.kernels,

@@ -192,13 +192,6 @@ def chunked_cross_entropy(hidden: Tensor, labels: Tensor, output_layer, weight: 
     return loss.new_zeros(total).index_copy(0, rows, loss)
 
 
-# Inductor options of every compiled part. N-d tiling: a pointwise kernel that reads or writes
-# an operand transposed (the SwiGLU backward, FP8's column-major operand casts for the weight-
-# gradient GEMM) tiles both dims and stays coalesced, where 1-d tiling strides through memory.
-# A compiled 8B MLP block, forward + backward on one H200: bf16 12.4 -> 11.9 ms, FP8 11.2 -> 9.8 ms.
-INDUCTOR_OPTIONS = {"triton.prefer_nd_tiling": True}
-
-
 def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "inductor") -> None:
     """torch.compile where eager PyTorch spends the GPU on elementwise passes (CUDA runs):
     each vision block (norms, fp32 rotary, GELU, bias and residual adds fused around the GEMMs
@@ -209,18 +202,17 @@ def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "indu
     syncs with the host). Dynamic shapes: packs differ in length and patch count, and the
     vision blocks share one graph, as do the decoder layers (parameters are graph inputs), so
     each compiles once per process (once more for the grad-free forward of a recomputed layer)."""
-    options = INDUCTOR_OPTIONS if backend == "inductor" else None
-    rotary = torch.compile(apply_rotary, dynamic=True, backend=backend, options=options)
+    rotary = torch.compile(apply_rotary, dynamic=True, backend=backend)
     if model.token_loss is token_loss:
-        model.token_loss = torch.compile(token_loss, dynamic=True, backend=backend, options=options)
+        model.token_loss = torch.compile(token_loss, dynamic=True, backend=backend)
     for module in model.modules():
         if isinstance(module, PackedCoreAttention):
             module.rotary = rotary
     if model.vision is not None:
         for block in model.vision.blocks:
-            block.compile(dynamic=True, backend=backend, options=options)
+            block.compile(dynamic=True, backend=backend)
     if decoder:
-        layer_forward = torch.compile(TransformerLayer.forward, dynamic=True, backend=backend, options=options)
+        layer_forward = torch.compile(TransformerLayer.forward, dynamic=True, backend=backend)
         for layer in model.language_model.decoder.layers:
             if not isinstance(layer.mlp, MoELayer):
                 layer.compiled_forward = layer_forward
