@@ -412,10 +412,14 @@ def label_modules(model) -> set[str]:
         if module is None:
             continue
 
+        # dynamo leaves the hooks alone: traced inside a compiled block, they break its graph
+        # and recompile at every new range-stack depth until dynamo's recompile limit
+        @torch.compiler.disable
         def pre(m, args, name=name):
             m._vlmpack_ranges = getattr(m, "_vlmpack_ranges", []) + [torch.profiler.record_function(name)]
             m._vlmpack_ranges[-1].__enter__()
 
+        @torch.compiler.disable
         def post(m, args, output):
             m._vlmpack_ranges.pop().__exit__(None, None, None)
 
