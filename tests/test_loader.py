@@ -271,6 +271,26 @@ def test_gpu_pinning_dataset_writes_patches_into_pinned_memory(field, shard_dir,
     assert pin_memory(batch)[field].data_ptr() == batch[field].data_ptr()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the DataLoader pins on a thread only with CUDA")
+def test_gpu_pin_memory_thread_leaves_one_intra_op_thread_count(shard_dir, tmp_path):
+    """The DataLoader's pin-memory thread sets torch's process-wide intra-op thread count to 1,
+    and threads started later (autograd's, at the first backward) take the process-wide count:
+    torch.compile guards on it, so a graph run in both threads compiled twice. After the
+    loader's first batch, a new thread sees this thread's count."""
+    import threading
+
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    threads = torch.get_num_threads()
+    loader = make_loader(shard_dir, cache_dir=tmp_path, pin_memory=True, num_workers=1)
+    assert len(take(loader, 2)) == 2
+    seen = []
+    probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    probe.start()
+    probe.join()
+    assert seen == [threads]
+
+
 def make_loader(shard_dir, **kw) -> PackedLoader:
     kw.setdefault("seq_len", SEQ_LEN)
     kw.setdefault("seed", 3)

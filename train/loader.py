@@ -253,7 +253,17 @@ class PackedLoader:
             self._next_epoch()
             dataset = self.dataset()
         loader = DataLoader(dataset, batch_size=None, sampler=range(self.position, len(dataset)), **self.loader_kwargs)
-        for batch in loader:
+        threads = torch.get_num_threads()
+        pin_thread = self.loader_kwargs["pin_memory"] and self.loader_kwargs["num_workers"] > 0
+        for n, batch in enumerate(loader):
+            if n == 0 and pin_thread:
+                # The pin-memory thread sets torch's process-wide intra-op thread count to 1 when
+                # it starts (it has, by the first batch). Threads started after it take that
+                # count: autograd's device threads, at the first backward. torch.compile guards
+                # on the count, so a graph that runs both in this thread and in autograd's (a
+                # recomputed forward) would compile once more for each, toward dynamo's
+                # recompile limit. Restoring it keeps one count in both.
+                torch.set_num_threads(threads)
             self.position += 1
             yield batch
         self._next_epoch()
