@@ -64,6 +64,39 @@ def test_fp8_linears_compute_what_torchaos_float8_linear_computes(info, recipe):
     check_against_torchao(model, recipe, emulate=True)
 
 
+def test_tensorwise_amax_taken_rows_first_equals_one_reduction_over_the_tensor():
+    """The rows-first amax that `float8_gemm` installs in torchao gives exactly torchao's
+    whole-tensor amax (infinities, NaNs and zeros included); axiswise amaxes pass through."""
+    from torchao.float8 import float8_utils
+
+    float8_gemm("tensorwise", emulate=True)
+    patched = float8_utils.tensor_to_amax
+    assert getattr(patched, "rows_first", False)
+    float8_gemm("rowwise", emulate=True)
+    assert float8_utils.tensor_to_amax is patched  # installed once
+    g = torch.Generator().manual_seed(0)
+    for case in range(40):
+        shape = [(int(torch.randint(1, 50, (1,), generator=g)),), (int(torch.randint(1, 50, (1,), generator=g)), 1,
+                                                                      int(torch.randint(1, 70, (1,), generator=g)))][case % 2]
+        if case % 4 == 1:
+            shape = (shape[0], shape[2])
+        x = torch.randn(shape, generator=g) * float(torch.rand((), generator=g) * 1e3)
+        x = x.to([torch.float32, torch.bfloat16][case % 3 % 2])
+        special = case % 5
+        if special and x.numel() > 1:
+            flat = x.view(-1)
+            flat[int(torch.randint(0, flat.numel(), (1,), generator=g))] = [0, float("inf"), -float("inf"), float("nan"),
+                                                                           -1e30][special]
+        if case % 7 == 0:
+            x.zero_()
+        ours, theirs = patched(x), torch.max(torch.abs(x))
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (case, shape)
+        assert torch.equal(ours, theirs) or (ours.isnan() and theirs.isnan()), (case, shape, ours, theirs)
+        if x.dim() >= 2:
+            axiswise = patched(x, scaling_granularity=float8_utils.ScalingGranularity.AXISWISE, axiswise_dim=0)
+            assert torch.equal(axiswise.nan_to_num(), torch.amax(torch.abs(x), dim=0, keepdim=True).nan_to_num())
+
+
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_fp8_model_stays_close_to_full_precision(info, recipe):
     """Whole model, several packs: the loss within 0.5 % and every gradient within 30 % (relative

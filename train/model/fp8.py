@@ -39,6 +39,32 @@ class Float8Gemm:
     mm_config: object  # torchao.float8.float8_training_tensor.LinearMMConfig
 
 
+def use_amax_rows_first() -> None:
+    """Make torchao take a tensorwise amax per row first, then over the rows (idempotent).
+
+    torchao takes it as one reduction over the whole tensor. With the token count dynamic (a
+    compiled decoder layer), Inductor splits that reduction into chunks of a symbolic size and
+    indexes them with a modulo, which defeats vectorised loads: on an H100 it reads 8192 x 24576
+    bf16 at 0.84 TB/s, against 2.8 TB/s with static shapes. Reducing the static last dim first
+    runs at 2.3 TB/s and still fuses into the producer. A max is exact in any order, so the
+    scales are bit-identical to torchao's."""
+    from torchao.float8 import float8_utils
+
+    if getattr(float8_utils.tensor_to_amax, "rows_first", False):
+        return
+    torchao_amax = float8_utils.tensor_to_amax
+    tensorwise = float8_utils.ScalingGranularity.TENSORWISE
+
+    @torch.no_grad()
+    def tensor_to_amax(x, reduce_amax=False, device_mesh=None, scaling_granularity=tensorwise, axiswise_dim=None):
+        if scaling_granularity is tensorwise and x.dim() >= 2:
+            x = torch.abs(x).amax(dim=-1)
+        return torchao_amax(x, reduce_amax, device_mesh, scaling_granularity, axiswise_dim)
+
+    tensor_to_amax.rows_first = True
+    float8_utils.tensor_to_amax = tensor_to_amax
+
+
 def float8_gemm(recipe: str, emulate: bool = False) -> Float8Gemm:
     """torchao's `recipe`; `emulate`: the casts and scaled GEMMs in plain torch ops (CPU runs,
     tests), where the GPU calls `torch._scaled_mm`."""
@@ -56,6 +82,7 @@ def float8_gemm(recipe: str, emulate: bool = False) -> Float8Gemm:
     # pad_inner_dim: a GEMM's inner dim must be a multiple of 16 for the FP8 kernels; the
     # weight-gradient GEMM's is the pack's row count
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, pad_inner_dim=True)
+    use_amax_rows_first()
     gemms = [ScaledMMConfig(emulate, gemm.use_fast_accum, False, True)
              for gemm in (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)]
     return Float8Gemm(config, LinearMMConfig(*gemms))
