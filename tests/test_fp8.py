@@ -14,7 +14,7 @@ from tests.test_compile import loss_and_grads, random_pack
 from tests.test_train import BASE, metrics, ok, run_train, shards  # noqa: F401  (shards: fixture)
 from train.config import FP8_RECIPES
 from train.model.arch import ModelArch
-from train.model.fp8 import ROW_MULTIPLE, Fp8CapableLinear, float8_gemm, use_fp8
+from train.model.fp8 import Fp8CapableLinear, float8_gemm, use_fp8
 from train.model.qwen_vl import transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 
@@ -95,33 +95,6 @@ def test_tensorwise_amax_taken_rows_first_equals_one_reduction_over_the_tensor()
         if x.dim() >= 2:
             axiswise = patched(x, scaling_granularity=float8_utils.ScalingGranularity.AXISWISE, axiswise_dim=0)
             assert torch.equal(axiswise.nan_to_num(), torch.amax(torch.abs(x), dim=0, keepdim=True).nan_to_num())
-
-
-@pytest.mark.parametrize("recipe", FP8_RECIPES)
-def test_rows_aligned_gemms_compute_what_padded_ones_do_and_refuse_unaligned_rows(info, recipe):
-    """`rows_aligned` drops torchao's inner-dim pad: on row counts that are multiples of 16 the
-    linears give bitwise the padded path's outputs and gradients; other row counts are refused."""
-    arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
-    model = build_model(arch, transformer_config(arch, cpu=True), info)
-    layers = [m for m in model.modules() if isinstance(m, Fp8CapableLinear)]
-    padded, aligned = float8_gemm(recipe, emulate=True), float8_gemm(recipe, emulate=True, rows_aligned=True)
-    assert padded.config.pad_inner_dim and not aligned.config.pad_inner_dim
-    g = torch.Generator().manual_seed(1)
-    for seed, layer in enumerate(layers):
-        rows = ROW_MULTIPLE * int(torch.randint(1, 12, (1,), generator=g))
-        x = torch.randn(rows, 1, layer.weight.shape[1], generator=g) * (seed + 1)
-        out_grad = torch.randn(rows, 1, layer.weight.shape[0], generator=g)
-        results = []
-        for gemm in (padded, aligned):
-            layer.fp8, layer.weight.grad = gemm, None
-            x_ = x.clone().requires_grad_()
-            out = layer(x_)[0]
-            out.backward(out_grad)
-            results.append((out.detach(), x_.grad, layer.weight.grad.clone()))
-        for what, a, b in zip(("output", "input grad", "weight grad"), *results):
-            assert torch.equal(a, b), (recipe, seed, what)
-        with pytest.raises(RuntimeError, match=f"rows: the packs' row counts must be multiples of {ROW_MULTIPLE}"):
-            layer(torch.randn(rows + 1 + seed % (ROW_MULTIPLE - 1), 1, layer.weight.shape[1]))
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)

@@ -79,8 +79,7 @@ def concat_packs(packs: list[dict]) -> dict:
 
 class TrainData:
     def __init__(self, config, arch, info, row_multiple: int = 1):
-        """`row_multiple`: every pack's row count is a multiple of it (sequence parallelism: --tp;
-        FP8: its GEMMs' row multiple)."""
+        """`row_multiple`: every pack's row count is a multiple of it (sequence parallelism: --tp)."""
         self.config, self.info = config, info
         self.image_token_id, self.video_token_id = arch.image_token_id, arch.video_token_id
         specs = [parse_source(s) for s in config.data]

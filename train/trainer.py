@@ -41,7 +41,7 @@ from train.data import TrainData
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
-from train.model import fp8
+from train.model.fp8 import float8_gemm, use_fp8
 from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import lora
@@ -327,11 +327,9 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     cuda = info.device.type == "cuda"
     bf16 = config.bf16 and cuda  # CPU runs (tests, smoke runs) are fp32 and bitwise reproducible
     dtype = torch.bfloat16 if bf16 else torch.float32
-    row_multiple = config.tp if sequence_parallel(arch, config) else 1
-    if config.fp8:  # a few padding rows spare the FP8 weight-gradient GEMMs their padding copies
-        row_multiple = math.lcm(row_multiple, fp8.ROW_MULTIPLE)
     with inputs_checked():
-        data = TrainData(localize_sources(config, info), arch, info, row_multiple=row_multiple)
+        data = TrainData(localize_sources(config, info), arch, info,
+                         row_multiple=config.tp if sequence_parallel(arch, config) else 1)
 
     model_config = transformer_config(arch, tp=config.tp, pp=config.pp, ep=config.ep, params_dtype=dtype, bf16=bf16,
                                       cpu=not cuda, recompute=config.recompute,
@@ -357,9 +355,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
             checkpoint.add_adapters(model, arch, config, info)
     freeze(model, config.freeze)
     if config.fp8:
-        # with pipeline parallelism every pack is padded to exactly --seq-len rows instead
-        rows_aligned = config.pp == 1 or config.seq_len % fp8.ROW_MULTIPLE == 0
-        fp8.use_fp8(model, fp8.float8_gemm(config.fp8, emulate=not cuda, rows_aligned=rows_aligned))
+        use_fp8(model, float8_gemm(config.fp8, emulate=not cuda))
 
     use_distributed = config.distributed_optimizer and cuda  # megatron's DistributedOptimizer is CUDA-only
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_dtype == "fp32",

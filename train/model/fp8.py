@@ -31,18 +31,12 @@ from train.config import FP8_RECIPES as RECIPES
 from train.config import ConfigError
 
 
-# FP8 GEMMs need every inner dim a multiple of 16; the weight-gradient GEMM's is the pack's rows
-ROW_MULTIPLE = 16
-
-
 @dataclasses.dataclass(frozen=True)
 class Float8Gemm:
-    """One torchao recipe, ready for its matmul: the linear config and its GEMM configs;
-    `rows_aligned`: every input's row count is a multiple of ROW_MULTIPLE (not padded here)."""
+    """One torchao recipe, ready for its matmul: the linear config and its GEMM configs."""
 
     config: object  # torchao.float8.Float8LinearConfig
     mm_config: object  # torchao.float8.float8_training_tensor.LinearMMConfig
-    rows_aligned: bool = False
 
 
 def use_amax_rows_first() -> None:
@@ -71,15 +65,9 @@ def use_amax_rows_first() -> None:
     float8_utils.tensor_to_amax = tensor_to_amax
 
 
-def float8_gemm(recipe: str, emulate: bool = False, rows_aligned: bool = False) -> Float8Gemm:
+def float8_gemm(recipe: str, emulate: bool = False) -> Float8Gemm:
     """torchao's `recipe`; `emulate`: the casts and scaled GEMMs in plain torch ops (CPU runs,
-    tests), where the GPU calls `torch._scaled_mm`.
-
-    `rows_aligned`: the caller guarantees every input's row count is a multiple of ROW_MULTIPLE
-    (the trainer pads its packs so), and the weight-gradient GEMM's inner dim is not padded.
-    torchao pads it otherwise, and with the row count dynamic (a compiled decoder layer) the
-    pad turns each transposing cast into a slower masked kernel: an 8B MLP block takes 9.04 ms
-    forward and backward with the pad and 8.42 ms without, on an H200."""
+    tests), where the GPU calls `torch._scaled_mm`."""
     if recipe not in RECIPES:
         raise ConfigError(f"--fp8 {recipe!r}: choose one of {', '.join(RECIPES)}")
     if not emulate and torch.cuda.get_device_capability() < (8, 9):
@@ -93,12 +81,11 @@ def float8_gemm(recipe: str, emulate: bool = False, rows_aligned: bool = False) 
         raise ConfigError(f"--fp8 needs torchao: pip install -e '.[fp8]' ({err})") from None
     # pad_inner_dim: a GEMM's inner dim must be a multiple of 16 for the FP8 kernels; the
     # weight-gradient GEMM's is the pack's row count
-    pad = not rows_aligned
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, pad_inner_dim=pad)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, pad_inner_dim=True)
     use_amax_rows_first()
-    gemms = [ScaledMMConfig(emulate, gemm.use_fast_accum, False, pad)
+    gemms = [ScaledMMConfig(emulate, gemm.use_fast_accum, False, True)
              for gemm in (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)]
-    return Float8Gemm(config, LinearMMConfig(*gemms), rows_aligned)
+    return Float8Gemm(config, LinearMMConfig(*gemms))
 
 
 def float8_linear(gemm: Float8Gemm, input: Tensor, weight: Tensor, bias: Tensor | None, *,
@@ -112,10 +99,6 @@ def float8_linear(gemm: Float8Gemm, input: Tensor, weight: Tensor, bias: Tensor 
                                                                      group=tp_group)
     elif allreduce_dgrad:
         input = tensor_parallel.copy_to_tensor_model_parallel_region(input, group=tp_group)
-    if gemm.rows_aligned:
-        rows = input.numel() // input.shape[-1]
-        torch._check(rows % ROW_MULTIPLE == 0, lambda: f"FP8 linear input of {rows} rows: the packs' row counts must be "
-                     f"multiples of {ROW_MULTIPLE} with rows_aligned (the trainer pads them so)")
     output = matmul_with_hp_or_float8_args.apply(input, weight.t(), gemm.mm_config, gemm.config)
     return output if bias is None else output + bias
 
