@@ -44,7 +44,8 @@ def random_pack(seed: int, vocab: int = 1000):
 
 
 def models(info, kind: str, variant: str):
-    """The eager model and a copy of it, same weights; `variant`: plain, lora, dora or fp8."""
+    """The eager model and a copy of it, same weights; `variant`: plain, lora, dora, fp8 (rowwise)
+    or fp8-tensorwise."""
     arch = ModelArch.from_hf_config(HF_MODELS[kind]().config.to_dict())
     config = transformer_config(arch, cpu=True)
     torch.manual_seed(0)
@@ -57,8 +58,8 @@ def models(info, kind: str, variant: str):
             torch.manual_seed(1)  # adapters start at zero: give them values that show in the output
             for param in (p for p in model.parameters() if p.requires_grad):
                 param.data.normal_(0, 0.2).add_(1 if param.ndim == 1 else 0)
-        if variant == "fp8":
-            use_fp8(model, float8_gemm("rowwise", emulate=True))
+        if variant.startswith("fp8"):
+            use_fp8(model, float8_gemm("tensorwise" if variant == "fp8-tensorwise" else "rowwise", emulate=True))
     return arch, pair
 
 
@@ -71,7 +72,7 @@ def loss_and_grads(model, pack):
 
 
 @pytest.mark.parametrize("kind, variant", [("qwen3-vl", "plain"), ("qwen2.5-vl", "plain"), ("qwen3-vl", "lora"),
-                                           ("qwen3-vl", "dora"), ("qwen3-vl", "fp8")])
+                                           ("qwen3-vl", "dora"), ("qwen3-vl", "fp8"), ("qwen3-vl", "fp8-tensorwise")])
 def test_compiled_decoder_layers_share_one_graph_and_compute_what_eager_computes(info, kind, variant):
     torch._dynamo.reset()
     arch, (eager, compiled) = models(info, kind, variant)

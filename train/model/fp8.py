@@ -44,10 +44,10 @@ def use_amax_rows_first() -> None:
 
     torchao takes it as one reduction over the whole tensor. With the token count dynamic (a
     compiled decoder layer), Inductor splits that reduction into chunks of a symbolic size and
-    indexes them with a modulo, which defeats vectorised loads: on an H100 it reads 8192 x 24576
-    bf16 at 0.84 TB/s, against 2.8 TB/s with static shapes. Reducing the static last dim first
-    runs at 2.3 TB/s and still fuses into the producer. A max is exact in any order, so the
-    scales are bit-identical to torchao's."""
+    indexes them with a modulo, which rules out vectorised loads. A reduction over the static
+    last dim has no such index and still fuses into the kernel that produces the tensor (the
+    8B FP8 step's A/B is in docs/benchmarks.md). A max is exact in any order, so the scales are
+    bit-identical to torchao's."""
     from torchao.float8 import float8_utils
 
     if getattr(float8_utils.tensor_to_amax, "rows_first", False):
