@@ -122,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
     ap.add_argument("--attention", default="fa2", choices=ATTENTION_KERNELS, help="trainer's CUDA attention kernel")
     ap.add_argument("--fp8", default=None, choices=FP8_RECIPES, help="trainer's --fp8 recipe (default: bf16 GEMMs)")
+    ap.add_argument("--pad-packs", type=parse_bool, default=None,
+                    help="trainer's --pad-packs: pad every pack to --seq-len rows (true/false; default: the "
+                         "trainer's, on with --fp8)")
     ap.add_argument("--compile-decoder", type=parse_bool, default=True,
                     help="trainer's --compile-decoder: compile each dense decoder layer (true/false; default true)")
     ap.add_argument("--grad-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's gradient buffers")
@@ -563,7 +566,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         recompute_vision=args.recompute_vision, device=args.device, num_workers=args.num_workers, tensorboard=False,
         save_every=0, seed=args.seed, log_every=1, attention=args.attention, grad_dtype=args.grad_dtype,
         adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank, compile_decoder=args.compile_decoder,
-        fp8=args.fp8)
+        fp8=args.fp8, pad_packs=args.pad_packs)
     config.validate()
     probe = TrainerProbe(device, args.keep_checkpoint)
     if args.profile and device.type == "cuda":
@@ -572,7 +575,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
     log(f"ours: train({args.arch}, seq_len {args.seq_len}, {args.global_batch_packs} packs/step, "
         f"{args.warmup}+{args.steps} steps, recompute {recompute}, layers {config.recompute_layers}, "
         f"vision {config.recompute_vision}, attention {config.attention}, "
-        f"compiled decoder {config.compile_decoder}, fp8 {config.fp8 or 'off'}, grads {config.grad_dtype}, "
+        f"compiled decoder {config.compile_decoder}, fp8 {config.fp8 or 'off'}, packs padded {config.packs_padded()}, grads {config.grad_dtype}, "
         f"Adam state {config.adam_state_dtype}, LoRA rank {config.lora_rank}) -> {run_dir}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -17,7 +17,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
 from train.model import lora
 from train.model.arch import ModelArch
-from train.model.fp8 import float8_gemm, use_fp8
+from train.model.fp8 import use_fp8
 from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 
@@ -31,10 +31,10 @@ def info():
     destroy_parallel()
 
 
-def random_pack(seed: int, vocab: int = 1000):
-    """A pack of 2-4 segments, 40-160 rows, random tokens and targets."""
+def random_pack(seed: int, vocab: int = 1000, total: int | None = None):
+    """A pack of 2-4 segments, `total` rows (default: 40-160), random tokens and targets."""
     g = torch.Generator().manual_seed(seed)
-    total = int(torch.randint(40, 160, (1,), generator=g))
+    total = total or int(torch.randint(40, 160, (1,), generator=g))
     cuts = torch.randint(1, total, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).unique().tolist()
     cu = torch.tensor([0, *cuts, total])
     ids = torch.randint(0, vocab, (total,), generator=g)
@@ -59,7 +59,7 @@ def models(info, kind: str, variant: str):
             for param in (p for p in model.parameters() if p.requires_grad):
                 param.data.normal_(0, 0.2).add_(1 if param.ndim == 1 else 0)
         if variant.startswith("fp8"):
-            use_fp8(model, float8_gemm("tensorwise" if variant == "fp8-tensorwise" else "rowwise", emulate=True))
+            use_fp8(model, "tensorwise" if variant == "fp8-tensorwise" else "rowwise", emulate=True)
     return arch, pair
 
 
@@ -106,6 +106,23 @@ def test_compiled_decoder_layers_share_one_graph_and_compute_what_eager_computes
     # layer's input (the frozen embedding's output) needs no gradient, which takes a second
     graphs = len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__))
     assert graphs == (2 if variant in ("lora", "dora") else 1), graphs
+
+
+def test_static_rows_compile_each_decoder_layer_for_the_pack_length(info):
+    """`static_rows` (packs padded to one length): packs of that length, whatever their segments,
+    share one graph and compute what eager computes; a pack of another length needs a graph of
+    its own, so the row count is compiled in, not symbolic."""
+    torch._dynamo.reset()
+    arch, (eager, compiled) = models(info, "qwen3-vl", "fp8-tensorwise")
+    compile_model(compiled, backend="aot_eager", static_rows=True)
+    for seed in range(3):
+        pack = random_pack(seed, total=96)
+        want, got = loss_and_grads(eager, pack), loss_and_grads(compiled, pack)
+        assert torch.equal(got[0], want[0]), seed
+        assert all(torch.equal(got[1][name], grad) for name, grad in want[1].items()), seed
+    assert len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__)) == 1
+    loss_and_grads(compiled, random_pack(0, total=80))
+    assert len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__)) == 2
 
 
 def layer_rows(model, total: int):

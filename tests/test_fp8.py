@@ -4,6 +4,8 @@ emulated float8; the GPU test runs `torch._scaled_mm`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -60,7 +62,7 @@ def check_against_torchao(model, recipe: str, emulate: bool, seeds=range(4)):
 def test_fp8_linears_compute_what_torchaos_float8_linear_computes(info, recipe):
     arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
     model = build_model(arch, transformer_config(arch, cpu=True), info)
-    assert use_fp8(model, float8_gemm(recipe, emulate=True)) == 4 * arch.lm.num_layers  # qkv, proj, fc1, fc2
+    assert use_fp8(model, recipe, emulate=True) == 4 * arch.lm.num_layers  # qkv, proj, fc1, fc2
     check_against_torchao(model, recipe, emulate=True)
 
 
@@ -96,6 +98,39 @@ def test_tensorwise_amax_taken_rows_first_equals_one_reduction_over_the_tensor()
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_linears_with_every_inner_dim_aligned_skip_torchaos_pad_and_compute_what_padded_ones_do(info, recipe):
+    """`use_fp8(rows=...)`: packs of one row count. A linear whose rows and features are all
+    multiples of 16 runs without torchao's inner-dim pad, and gives bitwise the padded path's
+    output and gradients; one with a feature or the row count off that multiple keeps the pad."""
+    arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
+    arch = dataclasses.replace(arch, lm=dataclasses.replace(arch.lm, intermediate_size=72))  # fc1 144, fc2 in 72
+    model = build_model(arch, transformer_config(arch, cpu=True), info)
+    layers = [m for m in model.modules() if isinstance(m, Fp8CapableLinear)]
+    g = torch.Generator().manual_seed(3)
+    for rows in (16 * int(torch.randint(1, 20, (1,), generator=g)) for _ in range(3)):
+        use_fp8(model, recipe, emulate=True, rows=rows)
+        aligned = [layer for layer in layers if not layer.fp8.config.pad_inner_dim]
+        assert {id(layer) for layer in aligned} == {id(layer) for layer in layers
+                                                   if layer.weight.shape[0] % 16 == layer.weight.shape[1] % 16 == 0}
+        assert 0 < len(aligned) < len(layers)
+        padded = float8_gemm(recipe, emulate=True)
+        for seed, layer in enumerate(aligned):
+            x = torch.randn(rows, 1, layer.weight.shape[1], generator=g) * (seed + 1)
+            out_grad = torch.randn(rows, 1, layer.weight.shape[0], generator=g)
+            results = []
+            for gemm in (layer.fp8, padded):
+                layer.fp8, layer.weight.grad = gemm, None
+                x_ = x.clone().requires_grad_()
+                out = layer(x_)[0]
+                out.backward(out_grad)
+                results.append((out.detach(), x_.grad, layer.weight.grad.clone()))
+            for what, a, b in zip(("output", "input grad", "weight grad"), *results):
+                assert torch.equal(a, b), (recipe, rows, seed, what)
+    use_fp8(model, recipe, emulate=True, rows=16 * 7 + 5)
+    assert all(layer.fp8.config.pad_inner_dim for layer in layers)
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_fp8_model_stays_close_to_full_precision(info, recipe):
     """Whole model, several packs: the loss within 0.5 % and every gradient within 30 % (relative
     norm) of the fp32 model, but not equal to it (the GEMMs did run in float8)."""
@@ -105,7 +140,7 @@ def test_fp8_model_stays_close_to_full_precision(info, recipe):
     full = build_model(arch, config, info)
     fp8 = build_model(arch, config, info)
     fp8.load_state_dict(full.state_dict())
-    use_fp8(fp8, float8_gemm(recipe, emulate=True))
+    use_fp8(fp8, recipe, emulate=True)
     for seed in range(3):
         pack = random_pack(seed)
         (want, want_grads), (got, got_grads) = loss_and_grads(full, pack), loss_and_grads(fp8, pack)
@@ -119,7 +154,7 @@ def test_fp8_model_stays_close_to_full_precision(info, recipe):
 def test_mixture_of_experts_layers_run_attention_in_fp8_and_experts_in_bf16(info):
     arch = ModelArch.from_hf_config(tiny_qwen3_vl_moe().config.to_dict())
     model = build_model(arch, transformer_config(arch, cpu=True), info)
-    assert use_fp8(model, float8_gemm("tensorwise", emulate=True)) == 2 * arch.lm.num_layers
+    assert use_fp8(model, "tensorwise", emulate=True) == 2 * arch.lm.num_layers
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +196,7 @@ def test_gpu_fp8_linears_compute_what_torchaos_float8_linear_computes(recipe):
     try:
         arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
         model = build_model(arch, transformer_config(arch, params_dtype=torch.bfloat16, bf16=True), info)
-        use_fp8(model, float8_gemm(recipe))
+        use_fp8(model, recipe)
         check_against_torchao(model, recipe, emulate=False)
     finally:
         destroy_parallel()

@@ -8,6 +8,7 @@ checkpoint exported to Hugging Face reloads in transformers with the same logits
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -210,6 +211,31 @@ def test_tensor_parallel_matches_single_process(shards, full_run, tmp_path, sequ
                                    rtol=2e-5, err_msg=key)
 
 
+@pytest.mark.parametrize("flags, padded", [([], False), (["--fp8", "rowwise"], True), (["--pad-packs"], True),
+                                            (["--fp8", "rowwise", "--pad-packs", "false"], False)])
+def test_packs_are_padded_to_seq_len_with_fp8_or_pad_packs(shards, tmp_path, flags, padded):
+    """`--pad-packs` (default: on with --fp8): every pack the trainer gets is `--seq-len` rows,
+    its padding a segment of its own that no loss reads; off, a pack is its samples' rows."""
+    from train.config import TrainConfig, add_arguments, config_from_args
+    from train.data import TrainData
+    from train.model.arch import builtin_arch
+    from train.parallel import destroy_parallel, init_parallel
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args([*BASE, "--data", str(shards), "--out", str(tmp_path), *flags]))
+    assert isinstance(config, TrainConfig) and config.packs_padded() is padded
+    info = init_parallel(1, 1, device="cpu")
+    try:
+        data = TrainData(config, builtin_arch("tiny"), info)
+        for pack, _ in zip(data.loader, range(4)):
+            rows, real = len(pack["input_ids"]), int(pack["sample_lengths"].sum())
+            assert rows == SEQ_LEN if padded else rows == real
+            assert int((~pack["padding_mask"]).sum()) == real and (pack["labels"][pack["padding_mask"]] == -100).all()
+    finally:
+        destroy_parallel()
+
+
 def test_packs_split_over_tensor_parallel_ranks_get_a_padding_segment(shards):
     from train.loader import PackedLoader
 
@@ -231,6 +257,7 @@ def test_packs_split_over_tensor_parallel_ranks_get_a_padding_segment(shards):
     (["--warmup-steps", "2"], "--warmup-steps 2 must be smaller than --train-steps 2"),
     (["--recompute-layers", "4"], "--recompute-layers 4 needs --recompute full"),
     (["--adam-state-dtype", "fp16"], "--adam-state-dtype 'fp16': choose from ['fp32', 'bf16']"),
+    (["--pp", "3", "--pad-packs", "false"], "--pad-packs false with --pp 3: the pipeline schedule sends packs"),
 ])
 def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message):
     proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2", *extra])

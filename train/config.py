@@ -66,6 +66,11 @@ class TrainConfig:
     global_batch_tokens: int | None = _opt(None, "data", "alternative to --global-batch-packs: tokens per step, "
                                                          "rounded to whole packs of --seq-len")
     micro_batch_packs: int = _opt(1, "data", "packs laid end to end in one forward pass (default 1)")
+    pad_packs: bool | None = _opt(None, "data", "pad every pack to exactly --seq-len rows, so that the compiled "
+                                                "decoder layers see one fixed shape and Inductor writes fixed-shape "
+                                                "kernels (FP8's casts and scale reductions gain most); costs the "
+                                                "packs' empty rows (the `pack fill` a run logs). Default: on with "
+                                                "--fp8 and with --pp > 1 (which needs it), else off")
     max_visual_tokens: int | None = _opt(None, "data", "at most this many visual tokens per pack (default: no limit)")
     num_workers: int = _opt(2, "data", "loader worker processes per rank (0: load in the training process; default 2)")
     seed: int = _opt(0, "data", "seed of the pack order, data mixing and a random init (default 0)")
@@ -224,6 +229,9 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose from {list(allowed)}")
+        if self.pad_packs is False and self.pp > 1:
+            raise ConfigError(f"--pad-packs false with --pp {self.pp}: the pipeline schedule sends packs of one "
+                              f"shape, so they are padded to --seq-len; drop --pad-packs false or use --pp 1")
         if self.recompute_layers is not None and self.recompute != "full":
             raise ConfigError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
                               f"(the decoder layers per pipeline stage whose activations are recomputed)")
@@ -270,6 +278,10 @@ class TrainConfig:
                         parts=tuple(p for p in ("llm", "vision", "merger") if p in (self.lora_parts or ["llm"])),
                         modules_to_save=tuple(p for p in ("vision", "merger") if p in self.lora_modules_to_save),
                         rslora=self.lora_rslora, dora=self.lora_dora)
+
+    def packs_padded(self) -> bool:
+        """Every pack padded to exactly seq_len rows (--pad-packs, resolved)."""
+        return self.pad_packs if self.pad_packs is not None else self.fp8 is not None or self.pp > 1
 
     def global_packs(self, dp: int) -> int:
         """Packs per global batch; a multiple of dp * micro_batch_packs."""

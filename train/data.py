@@ -4,7 +4,8 @@ Every rank of a data-parallel replica (its TP and PP peers) reads the same packs
 loader's rank is the DP rank. A micro-batch is `micro_batch_packs` packs laid end to end
 in one row (segment boundaries kept), so the model always sees one packed row. With
 pipeline parallelism packs are padded to exactly `seq_len` (the schedule sends fixed-shape
-activations between stages).
+activations between stages), and so they are with FP8 or `--pad-packs` (the compiled decoder
+layers then have fixed shapes).
 
 Before anything is built, the shard directories are checked against the model: same
 family, patch and merge sizes, image token id, and the same pixel normalisation across all
@@ -90,7 +91,7 @@ class TrainData:
         cuda = info.device.type == "cuda"
         loader_kwargs = dict(seq_len=config.seq_len, seed=config.seed, rank=info.dp_rank, dp_size=info.dp,
                              global_batch_packs=self.global_packs, max_visual_tokens=config.max_visual_tokens,
-                             pad_to_seq_len=config.pp > 1, row_multiple=row_multiple, cache_dir=Path(config.out) / "plans",
+                             pad_to_seq_len=config.packs_padded(), row_multiple=row_multiple, cache_dir=Path(config.out) / "plans",
                              num_workers=config.num_workers, pin_memory=cuda,
                              prefetch_factor=4 if config.num_workers else None)
         self.loader = PackedLoader(specs, **loader_kwargs)

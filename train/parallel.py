@@ -126,14 +126,15 @@ def destroy_parallel() -> None:
 
 
 def build_model(arch, config, info: ParallelInfo, recompute_vision: bool | None = None, compile: bool = False,
-                compile_decoder: bool = True):
+                compile_decoder: bool = True, static_rows: bool = False):
     """This rank's pipeline stage of the model, on its device; `compile`: torch.compile its
     elementwise-heavy parts (CUDA only: CPU runs are tests and stay eager), with
-    `compile_decoder` its dense decoder layers too (`compile_model`)."""
+    `compile_decoder` its dense decoder layers too, for one row count with `static_rows`
+    (`compile_model`)."""
     from train.model.qwen_vl import QwenVLModel, compile_model
 
     model = QwenVLModel(arch, config, pre_process=info.first_stage, post_process=info.last_stage,
                         recompute_vision=recompute_vision).to(info.device)
     if compile and info.device.type == "cuda":
-        compile_model(model, decoder=compile_decoder)
+        compile_model(model, decoder=compile_decoder, static_rows=static_rows)
     return model

@@ -41,7 +41,7 @@ from train.data import TrainData
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
-from train.model.fp8 import float8_gemm, use_fp8
+from train.model.fp8 import use_fp8
 from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import lora
@@ -86,9 +86,10 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
     if lm.is_moe and config.tp > 1 and config.sequence_parallel is False:
         raise ConfigError(f"--tp {config.tp} with a Mixture-of-Experts model needs sequence parallelism (megatron-core's "
                           "MoE layers train under tensor parallelism only with it); drop --sequence-parallel false")
-    if sequence_parallel(arch, config) and config.pp > 1 and config.seq_len % config.tp:
+    if sequence_parallel(arch, config) and config.packs_padded() and config.seq_len % config.tp:
         raise ConfigError(f"--seq-len {config.seq_len} must be a multiple of --tp {config.tp} with sequence parallelism "
-                          "and --pp > 1 (every pack is padded to --seq-len rows, which the TP ranks split evenly)")
+                          "and packs padded to --seq-len (--pp > 1, --fp8 or --pad-packs), which the TP ranks split "
+                          "evenly")
 
 
 def sequence_parallel(arch: ModelArch, config: TrainConfig) -> bool:
@@ -343,7 +344,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
             print(f"vlmpack train: --attention fa4: {', '.join(on_fa2)} keep FA2 "
                   f"(FA4 runs head dims {', '.join(map(str, FA4_HEAD_DIMS))})", file=sys.stderr)
     model = build_model(arch, model_config, info, recompute_vision=config.recompute_vision, compile=config.compile,
-                        compile_decoder=config.compile_decoder)
+                        compile_decoder=config.compile_decoder, static_rows=config.packs_padded())
     with inputs_checked():
         if config.hf_model:
             checkpoint.load_hf_weights(model, config.hf_model, arch, info)
@@ -355,7 +356,8 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
             checkpoint.add_adapters(model, arch, config, info)
     freeze(model, config.freeze)
     if config.fp8:
-        use_fp8(model, float8_gemm(config.fp8, emulate=not cuda))
+        use_fp8(model, config.fp8, emulate=not cuda,
+                rows=config.seq_len * config.micro_batch_packs if config.packs_padded() else None)
 
     use_distributed = config.distributed_optimizer and cuda  # megatron's DistributedOptimizer is CUDA-only
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_dtype == "fp32",

@@ -31,6 +31,9 @@ from train.config import FP8_RECIPES as RECIPES
 from train.config import ConfigError
 
 
+INNER_DIM_MULTIPLE = 16  # torch._scaled_mm's FP8 GEMMs need every dim a multiple of 16
+
+
 @dataclasses.dataclass(frozen=True)
 class Float8Gemm:
     """One torchao recipe, ready for its matmul: the linear config and its GEMM configs."""
@@ -65,9 +68,12 @@ def use_amax_rows_first() -> None:
     float8_utils.tensor_to_amax = tensor_to_amax
 
 
-def float8_gemm(recipe: str, emulate: bool = False) -> Float8Gemm:
+def float8_gemm(recipe: str, emulate: bool = False, pad_inner_dim: bool = True) -> Float8Gemm:
     """torchao's `recipe`; `emulate`: the casts and scaled GEMMs in plain torch ops (CPU runs,
-    tests), where the GPU calls `torch._scaled_mm`."""
+    tests), where the GPU calls `torch._scaled_mm`. `pad_inner_dim`: pad each GEMM's inner dim
+    to a multiple of 16, which the FP8 kernels need; the weight-gradient GEMM's is the pack's
+    row count. Turn it off only where every inner dim is known aligned (`use_fp8`): the pad is
+    a copy of each operand whether or not it adds a row."""
     if recipe not in RECIPES:
         raise ConfigError(f"--fp8 {recipe!r}: choose one of {', '.join(RECIPES)}")
     if not emulate and torch.cuda.get_device_capability() < (8, 9):
@@ -79,11 +85,10 @@ def float8_gemm(recipe: str, emulate: bool = False) -> Float8Gemm:
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
     except ImportError as err:
         raise ConfigError(f"--fp8 needs torchao: pip install -e '.[fp8]' ({err})") from None
-    # pad_inner_dim: a GEMM's inner dim must be a multiple of 16 for the FP8 kernels; the
-    # weight-gradient GEMM's is the pack's row count
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, pad_inner_dim=True)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
+                                 pad_inner_dim=pad_inner_dim)
     use_amax_rows_first()
-    gemms = [ScaledMMConfig(emulate, gemm.use_fast_accum, False, True)
+    gemms = [ScaledMMConfig(emulate, gemm.use_fast_accum, False, pad_inner_dim)
              for gemm in (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)]
     return Float8Gemm(config, LinearMMConfig(*gemms))
 
@@ -128,9 +133,15 @@ class RowParallelLinear(Fp8CapableLinear, tensor_parallel.RowParallelLinear):
     """megatron's row-parallel linear (attention output, fc2) that can run its GEMMs in float8."""
 
 
-def use_fp8(model: torch.nn.Module, gemm: Float8Gemm) -> int:
-    """Set every `Fp8CapableLinear` of the model to `gemm`; returns how many."""
+def use_fp8(model: torch.nn.Module, recipe: str, emulate: bool = False, rows: int | None = None) -> int:
+    """Run every `Fp8CapableLinear` of the model with torchao's `recipe`; returns how many.
+    `rows`: every input of the linears has this many rows (packs padded to one length). Then
+    a linear whose in and out features are multiples of 16 too runs without torchao's pad
+    (`float8_gemm`): every inner dim of its three GEMMs is aligned."""
+    padded = float8_gemm(recipe, emulate)
+    aligned = float8_gemm(recipe, emulate, pad_inner_dim=False) if rows and rows % INNER_DIM_MULTIPLE == 0 else None
     layers = [m for m in model.modules() if isinstance(m, Fp8CapableLinear)]
     for layer in layers:
-        layer.fp8 = gemm
+        fits = aligned is not None and all(d % INNER_DIM_MULTIPLE == 0 for d in layer.weight.shape)
+        layer.fp8 = aligned if fits else padded
     return len(layers)

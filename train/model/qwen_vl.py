@@ -51,15 +51,20 @@ class DecoderLayer(TransformerLayer):
 
     `compiled_forward` (set by `compile_model`): one torch.compile of `TransformerLayer.forward`
     shared by every dense layer. The DeepStack add stays outside it because it reads the
-    layer's number, on which a compiled graph would specialise once per layer."""
+    layer's number, on which a compiled graph would specialise once per layer. `static_rows`
+    (packs padded to one length): the graph is compiled for the pack's row count, not for any."""
 
     compiled_forward = None
+    static_rows = False
 
     def forward(self, *args, **kwargs):
         # The layer has no cross-attention: `context` is DeepStack's alone, and kept out of the
         # compiled graph, which would otherwise compile again for packs without images (None).
         features, rows = kwargs.pop("context", None), kwargs.pop("context_mask", None)
         if self.compiled_forward is not None:
+            if self.static_rows:
+                mark_rows_static(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
+                                 kwargs.get("packed_seq_params"))
             hidden, _ = self.compiled_forward(self, *args, **kwargs)
         else:
             hidden, _ = super().forward(*args, **kwargs)
@@ -67,6 +72,16 @@ class DecoderLayer(TransformerLayer):
         if features is not None and index < features.shape[0]:
             hidden = hidden.index_add(0, rows, features[index].unsqueeze(1).to(hidden.dtype))
         return hidden, features
+
+
+def mark_rows_static(hidden: Tensor, packed: PackedRows | None) -> None:
+    """Compile the decoder layer for these tensors' row count (every other size stays dynamic).
+    Marked at each call: recompute and each layer hand over new tensors, and a graph compiled
+    on an unmarked one would be the dynamic one."""
+    torch._dynamo.mark_static(hidden, 0)
+    for table in (packed.rope_cos, packed.rope_sin) if packed is not None else ():
+        if table is not None:
+            torch._dynamo.mark_static(table, 0)
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -192,7 +207,7 @@ def chunked_cross_entropy(hidden: Tensor, labels: Tensor, output_layer, weight: 
     return loss.new_zeros(total).index_copy(0, rows, loss)
 
 
-def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "inductor") -> None:
+def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "inductor", static_rows: bool = False) -> None:
     """torch.compile where eager PyTorch spends the GPU on elementwise passes (CUDA runs):
     each vision block (norms, fp32 rotary, GELU, bias and residual adds fused around the GEMMs
     and the varlen attention op, and fewer tensors kept for backward), the language model's
@@ -201,7 +216,10 @@ def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "indu
     GEMMs and the attention op); Mixture-of-Experts layers stay eager (their token dispatch
     syncs with the host). Dynamic shapes: packs differ in length and patch count, and the
     vision blocks share one graph, as do the decoder layers (parameters are graph inputs), so
-    each compiles once per process (once more for the grad-free forward of a recomputed layer)."""
+    each compiles once per process (once more for the grad-free forward of a recomputed layer).
+    `static_rows` (every pack padded to --seq-len): the decoder layers' graphs take the row
+    count as fixed, which spares FP8's casts and scale reductions the symbolic indexing that
+    slows them (docs/benchmarks.md)."""
     rotary = torch.compile(apply_rotary, dynamic=True, backend=backend)
     if model.token_loss is token_loss:
         model.token_loss = torch.compile(token_loss, dynamic=True, backend=backend)
@@ -215,7 +233,7 @@ def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "indu
         layer_forward = torch.compile(TransformerLayer.forward, dynamic=True, backend=backend)
         for layer in model.language_model.decoder.layers:
             if not isinstance(layer.mlp, MoELayer):
-                layer.compiled_forward = layer_forward
+                layer.compiled_forward, layer.static_rows = layer_forward, static_rows
 
 
 class QwenVLModel(MegatronModule):
