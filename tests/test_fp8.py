@@ -97,26 +97,23 @@ def test_tensorwise_amax_taken_rows_first_equals_one_reduction_over_the_tensor()
             assert torch.equal(axiswise.nan_to_num(), torch.amax(torch.abs(x), dim=0, keepdim=True).nan_to_num())
 
 
-@pytest.mark.parametrize("recipe", FP8_RECIPES)
-def test_linears_with_every_inner_dim_aligned_skip_torchaos_pad_and_compute_what_padded_ones_do(info, recipe):
+def check_aligned_linears_skip_the_pad(model, recipe: str, emulate: bool):
     """`use_fp8(rows=...)`: packs of one row count. A linear whose rows and features are all
     multiples of 16 runs without torchao's inner-dim pad, and gives bitwise the padded path's
     output and gradients; one with a feature or the row count off that multiple keeps the pad."""
-    arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
-    arch = dataclasses.replace(arch, lm=dataclasses.replace(arch.lm, intermediate_size=72))  # fc1 144, fc2 in 72
-    model = build_model(arch, transformer_config(arch, cpu=True), info)
     layers = [m for m in model.modules() if isinstance(m, Fp8CapableLinear)]
+    device, dtype = layers[0].weight.device, layers[0].weight.dtype
     g = torch.Generator().manual_seed(3)
     for rows in (16 * int(torch.randint(1, 20, (1,), generator=g)) for _ in range(3)):
-        use_fp8(model, recipe, emulate=True, rows=rows)
+        use_fp8(model, recipe, emulate=emulate, rows=rows)
         aligned = [layer for layer in layers if not layer.fp8.config.pad_inner_dim]
         assert {id(layer) for layer in aligned} == {id(layer) for layer in layers
                                                    if layer.weight.shape[0] % 16 == layer.weight.shape[1] % 16 == 0}
         assert 0 < len(aligned) < len(layers)
-        padded = float8_gemm(recipe, emulate=True)
+        padded = float8_gemm(recipe, emulate=emulate)
         for seed, layer in enumerate(aligned):
-            x = torch.randn(rows, 1, layer.weight.shape[1], generator=g) * (seed + 1)
-            out_grad = torch.randn(rows, 1, layer.weight.shape[0], generator=g)
+            x = (torch.randn(rows, 1, layer.weight.shape[1], generator=g) * (seed + 1)).to(device, dtype)
+            out_grad = torch.randn(rows, 1, layer.weight.shape[0], generator=g).to(device, dtype)
             results = []
             for gemm in (layer.fp8, padded):
                 layer.fp8, layer.weight.grad = gemm, None
@@ -126,8 +123,21 @@ def test_linears_with_every_inner_dim_aligned_skip_torchaos_pad_and_compute_what
                 results.append((out.detach(), x_.grad, layer.weight.grad.clone()))
             for what, a, b in zip(("output", "input grad", "weight grad"), *results):
                 assert torch.equal(a, b), (recipe, rows, seed, what)
-    use_fp8(model, recipe, emulate=True, rows=16 * 7 + 5)
+    use_fp8(model, recipe, emulate=emulate, rows=16 * 7 + 5)
     assert all(layer.fp8.config.pad_inner_dim for layer in layers)
+
+
+def unaligned_arch() -> ModelArch:
+    """The tiny Qwen3-VL with an MLP width of 72: fc1 (144 out) and fc2 (72 in) keep the pad."""
+    arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
+    return dataclasses.replace(arch, lm=dataclasses.replace(arch.lm, intermediate_size=72))
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_linears_with_every_inner_dim_aligned_skip_torchaos_pad_and_compute_what_padded_ones_do(info, recipe):
+    arch = unaligned_arch()
+    check_aligned_linears_skip_the_pad(build_model(arch, transformer_config(arch, cpu=True), info), recipe,
+                                       emulate=True)
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
@@ -198,5 +208,8 @@ def test_gpu_fp8_linears_compute_what_torchaos_float8_linear_computes(recipe):
         model = build_model(arch, transformer_config(arch, params_dtype=torch.bfloat16, bf16=True), info)
         use_fp8(model, recipe)
         check_against_torchao(model, recipe, emulate=False)
+        arch = unaligned_arch()
+        model = build_model(arch, transformer_config(arch, params_dtype=torch.bfloat16, bf16=True), info)
+        check_aligned_linears_skip_the_pad(model, recipe, emulate=False)
     finally:
         destroy_parallel()
