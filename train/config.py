@@ -69,7 +69,7 @@ class TrainConfig:
     pad_packs: bool | None = _opt(None, "data", "pad every pack to exactly --seq-len rows, so that the compiled "
                                                 "decoder layers see one fixed shape and Inductor writes fixed-shape "
                                                 "kernels (FP8's casts and scale reductions gain most); costs the "
-                                                "packs' empty rows (the `pack fill` a run logs). Default: on with "
+                                                "packs' empty rows (the fill `vlmpack pack` reports). Default: on with "
                                                 "--fp8 and with --pp > 1 (which needs it), else off")
     max_visual_tokens: int | None = _opt(None, "data", "at most this many visual tokens per pack (default: no limit)")
     num_workers: int = _opt(2, "data", "loader worker processes per rank (0: load in the training process; default 2)")

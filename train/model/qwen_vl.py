@@ -62,9 +62,8 @@ class DecoderLayer(TransformerLayer):
         # compiled graph, which would otherwise compile again for packs without images (None).
         features, rows = kwargs.pop("context", None), kwargs.pop("context_mask", None)
         if self.compiled_forward is not None:
-            if self.static_rows:
-                mark_rows_static(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
-                                 kwargs.get("packed_seq_params"))
+            if self.static_rows:  # megatron's TransformerBlock passes every input by keyword
+                mark_rows_static(kwargs["hidden_states"], kwargs.get("packed_seq_params"))
             hidden, _ = self.compiled_forward(self, *args, **kwargs)
         else:
             hidden, _ = super().forward(*args, **kwargs)
