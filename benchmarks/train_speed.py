@@ -575,7 +575,8 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
     log(f"ours: train({args.arch}, seq_len {args.seq_len}, {args.global_batch_packs} packs/step, "
         f"{args.warmup}+{args.steps} steps, recompute {recompute}, layers {config.recompute_layers}, "
         f"vision {config.recompute_vision}, attention {config.attention}, "
-        f"compiled decoder {config.compile_decoder}, fp8 {config.fp8 or 'off'}, packs padded {config.packs_padded()}, grads {config.grad_dtype}, "
+        f"compiled decoder {config.compile_decoder}, fp8 {config.fp8 or 'off'}, "
+        f"packs padded {config.packs_padded()}, grads {config.grad_dtype}, "
         f"Adam state {config.adam_state_dtype}, LoRA rank {config.lora_rank}) -> {run_dir}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

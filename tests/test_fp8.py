@@ -37,6 +37,15 @@ def torchao_linear(weight: torch.Tensor, recipe: str, emulate: bool) -> nn.Modul
     return convert_to_float8_training(nn.Sequential(linear), config=float8_gemm(recipe, emulate).config)[0]
 
 
+def output_and_grads(fn, weight: torch.Tensor, x: torch.Tensor, out_grad: torch.Tensor):
+    """`fn(x)` and, after backward of `out_grad`, the input's and `weight`'s gradients."""
+    x = x.clone().requires_grad_()
+    weight.grad = None
+    out = fn(x)
+    out.backward(out_grad)
+    return out.detach(), x.grad, weight.grad.clone()
+
+
 def check_against_torchao(model, recipe: str, emulate: bool, seeds=range(4)):
     """Every float8 linear of `model` against torchao's own on random inputs: outputs, input
     and weight gradients bitwise equal."""
@@ -48,12 +57,8 @@ def check_against_torchao(model, recipe: str, emulate: bool, seeds=range(4)):
                         dtype=layer.weight.dtype) * (seed + 1)
         out_grad = torch.randn(rows, 1, layer.weight.shape[0], generator=g, device=x.device, dtype=x.dtype)
         reference = torchao_linear(layer.weight.detach(), recipe, emulate)
-        results = []
-        for fn, weight in ((lambda t: layer(t)[0], layer.weight), (reference, reference.weight)):
-            x_ = x.clone().requires_grad_()
-            weight.grad = None
-            fn(x_).backward(out_grad)
-            results.append((fn(x_).detach(), x_.grad, weight.grad.clone()))
+        results = [output_and_grads(fn, weight, x, out_grad)
+                   for fn, weight in ((lambda t: layer(t)[0], layer.weight), (reference, reference.weight))]
         for what, ours, theirs in zip(("output", "input grad", "weight grad"), *results):
             assert torch.equal(ours, theirs), (recipe, seed, what, (ours - theirs).abs().max())
 
@@ -116,11 +121,8 @@ def check_aligned_linears_skip_the_pad(model, recipe: str, emulate: bool):
             out_grad = torch.randn(rows, 1, layer.weight.shape[0], generator=g).to(device, dtype)
             results = []
             for gemm in (layer.fp8, padded):
-                layer.fp8, layer.weight.grad = gemm, None
-                x_ = x.clone().requires_grad_()
-                out = layer(x_)[0]
-                out.backward(out_grad)
-                results.append((out.detach(), x_.grad, layer.weight.grad.clone()))
+                layer.fp8 = gemm
+                results.append(output_and_grads(lambda t: layer(t)[0], layer.weight, x, out_grad))
             for what, a, b in zip(("output", "input grad", "weight grad"), *results):
                 assert torch.equal(a, b), (recipe, rows, seed, what)
     use_fp8(model, recipe, emulate=emulate, rows=16 * 7 + 5)

@@ -91,7 +91,8 @@ class TrainData:
         cuda = info.device.type == "cuda"
         loader_kwargs = dict(seq_len=config.seq_len, seed=config.seed, rank=info.dp_rank, dp_size=info.dp,
                              global_batch_packs=self.global_packs, max_visual_tokens=config.max_visual_tokens,
-                             pad_to_seq_len=config.packs_padded(), row_multiple=row_multiple, cache_dir=Path(config.out) / "plans",
+                             pad_to_seq_len=config.packs_padded(), row_multiple=row_multiple,
+                             cache_dir=Path(config.out) / "plans",
                              num_workers=config.num_workers, pin_memory=cuda,
                              prefetch_factor=4 if config.num_workers else None)
         self.loader = PackedLoader(specs, **loader_kwargs)

@@ -206,7 +206,8 @@ def chunked_cross_entropy(hidden: Tensor, labels: Tensor, output_layer, weight: 
     return loss.new_zeros(total).index_copy(0, rows, loss)
 
 
-def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "inductor", static_rows: bool = False) -> None:
+def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "inductor",
+                  static_rows: bool = False) -> None:
     """torch.compile where eager PyTorch spends the GPU on elementwise passes (CUDA runs):
     each vision block (norms, fp32 rotary, GELU, bias and residual adds fused around the GEMMs
     and the varlen attention op, and fewer tensors kept for backward), the language model's
