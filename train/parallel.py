@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel.utils import get_pp_last_rank
 
 from train.config import ConfigError
 
@@ -123,6 +125,28 @@ def destroy_parallel() -> None:
         mpu.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def finalize_grads(model_chunks: list, num_tokens: torch.Tensor | None = None, pg_collection=None,
+                   force_all_reduce: bool = False) -> None:
+    """megatron's `finalize_model_grads` (the gradients reduced over the data-parallel ranks),
+    then divided by the global batch's target-token count `num_tokens` (summed over those ranks)
+    with the count's reciprocal as a host float. megatron multiplies by a 0-dim GPU tensor
+    instead: with bf16 gradients that runs as a non-vectorised, dtype-casting kernel over the
+    whole gradient buffer (benchmarks/grad_scaling.py). The count comes to the host either way:
+    megatron too tests it for zero before scaling."""
+    finalize_model_grads(model_chunks, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    if num_tokens is None:
+        return
+    pp_group = pg_collection.pp if pg_collection is not None else mpu.get_pipeline_model_parallel_group()
+    dp_group = (pg_collection.dp_cp if pg_collection is not None
+                else mpu.get_data_parallel_group(with_context_parallel=True))
+    dist.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)  # the last stage counted them
+    dist.all_reduce(num_tokens, group=dp_group)
+    count = int(num_tokens.item())
+    if count > 0:
+        for chunk in model_chunks:
+            chunk.scale_gradients(1.0 / count)
 
 
 def build_model(arch, config, info: ParallelInfo, recompute_vision: bool | None = None, compile: bool = False,

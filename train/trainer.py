@@ -24,11 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -46,7 +42,7 @@ from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import lora
 from train.model.moe import load_balancing_loss
-from train.parallel import ParallelInfo, build_model, destroy_parallel, init_parallel
+from train.parallel import ParallelInfo, build_model, destroy_parallel, finalize_grads, init_parallel
 from train.preemption import StopRequest
 from train.remote_data import localize_sources
 
@@ -183,7 +179,7 @@ def run_global_batch(model, micro_batches: list[dict], forward_step, seq_length:
         reports.append(report)
         num_tokens += tokens
     if not forward_only:
-        finalize_model_grads([model], num_tokens=torch.as_tensor(num_tokens, device=loss_sum.device))
+        finalize_grads([model], num_tokens=torch.as_tensor(num_tokens, device=loss_sum.device))
     return reports
 
 
@@ -365,7 +361,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     model = DistributedDataParallel(model_config, ddp_config, model)
     optimizer, scheduler = build_optimizer(config, model, cuda, use_distributed, bf16)
     model_config.grad_scale_func = optimizer.scale_loss
-    model_config.finalize_model_grads_func = finalize_model_grads  # used by the PP schedule
+    model_config.finalize_model_grads_func = finalize_grads  # used by the PP schedule
     model_config.no_sync_func = model.no_sync
 
     step = 0
