@@ -21,19 +21,20 @@ def finalized(model, fn, grads: list[torch.Tensor], tokens: int) -> list[torch.T
     return [buffer.grad_data.clone() for buffer in model.buffers]
 
 
-def ddp_model(device: str, dtype: torch.dtype, grad_reduce_in_fp32: bool, distributed: bool):
+def ddp_model(device: str, grad_reduce_in_fp32: bool, distributed: bool):
+    """The tiny model under megatron DDP: fp32 weights on CPU, bf16 on a GPU (the trainer's)."""
     arch = builtin_arch("tiny")
-    kwargs = {"cpu": True} if device == "cpu" else {"params_dtype": dtype, "bf16": dtype == torch.bfloat16}
-    config = transformer_config(arch, **kwargs)
+    config = transformer_config(arch, cpu=True) if device == "cpu" else transformer_config(
+        arch, params_dtype=torch.bfloat16, bf16=True)
     info = init_parallel(1, 1, device=device)
-    return info, DistributedDataParallel(config, DistributedDataParallelConfig(
+    return DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=distributed), build_model(arch, config, info))
 
 
 def test_finalize_grads_divides_by_the_token_count_as_megatron_does():
     """fp32 gradients (CPU): the same values as megatron's to within one rounding of the
     reciprocal, for many counts; a count of zero leaves the gradients as they were."""
-    _, model = ddp_model("cpu", torch.float32, grad_reduce_in_fp32=True, distributed=False)
+    model = ddp_model("cpu", grad_reduce_in_fp32=True, distributed=False)
     try:
         g = torch.Generator().manual_seed(0)
         for case in range(12):
@@ -60,7 +61,7 @@ def test_gpu_finalize_grads_matches_megatron_on_the_gradient_buffer(grad_dtype):
     gradients as megatron's to within one rounding of the reciprocal; bf16 ones within one
     bf16 rounding step of megatron's (its kernel rounds differently), and within one of the
     exact quotient."""
-    _, model = ddp_model("cuda", torch.bfloat16, grad_reduce_in_fp32=grad_dtype == "fp32", distributed=True)
+    model = ddp_model("cuda", grad_reduce_in_fp32=grad_dtype == "fp32", distributed=True)
     try:
         g = torch.Generator(device="cuda").manual_seed(0)
         for tokens in (1, 3, 16303, 999_983):
