@@ -43,9 +43,9 @@ def random_pack(seed: int, vocab: int = 1000, total: int | None = None):
     return ids, positions, cu, int(cu.diff().max()), labels
 
 
-def models(info, kind: str, variant: str):
+def models(info, kind: str, variant: str, fp8_rows: int | None = None):
     """The eager model and a copy of it, same weights; `variant`: plain, lora, dora, fp8 (rowwise)
-    or fp8-tensorwise."""
+    or fp8-tensorwise; `fp8_rows`: `use_fp8`'s pack length (aligned linears skip the pad)."""
     arch = ModelArch.from_hf_config(HF_MODELS[kind]().config.to_dict())
     config = transformer_config(arch, cpu=True)
     torch.manual_seed(0)
@@ -59,7 +59,7 @@ def models(info, kind: str, variant: str):
             for param in (p for p in model.parameters() if p.requires_grad):
                 param.data.normal_(0, 0.2).add_(1 if param.ndim == 1 else 0)
         if variant.startswith("fp8"):
-            use_fp8(model, "tensorwise" if variant == "fp8-tensorwise" else "rowwise", emulate=True)
+            use_fp8(model, "tensorwise" if variant == "fp8-tensorwise" else "rowwise", emulate=True, rows=fp8_rows)
     return arch, pair
 
 
@@ -111,9 +111,12 @@ def test_compiled_decoder_layers_share_one_graph_and_compute_what_eager_computes
 def test_static_rows_compile_each_decoder_layer_for_the_pack_length(info):
     """`static_rows` (packs padded to one length): packs of that length, whatever their segments,
     share one graph and compute what eager computes; a pack of another length needs a graph of
-    its own, so the row count is compiled in, not symbolic."""
+    its own, so the row count is compiled in, not symbolic. The FP8 linears are aligned to the
+    pack length, so their backward casts run through `train.model.fp8_cast`'s op."""
     torch._dynamo.reset()
-    arch, (eager, compiled) = models(info, "qwen3-vl", "fp8-tensorwise")
+    arch, (eager, compiled) = models(info, "qwen3-vl", "fp8-tensorwise", fp8_rows=96)
+    fp8_layers = [layer for layer in compiled.modules() if getattr(layer, "fp8", None)]
+    assert fp8_layers and all(layer.fp8.transposes_by_tile for layer in fp8_layers)
     compile_model(compiled, backend="aot_eager", static_rows=True)
     for seed in range(3):
         pack = random_pack(seed, total=96)

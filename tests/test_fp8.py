@@ -16,6 +16,7 @@ from tests.test_compile import loss_and_grads, random_pack
 from tests.test_train import BASE, metrics, ok, run_train, shards  # noqa: F401  (shards: fixture)
 from train.config import FP8_RECIPES
 from train.model.arch import ModelArch
+from train.model import fp8_cast
 from train.model.fp8 import Fp8CapableLinear, float8_gemm, use_fp8
 from train.model.qwen_vl import transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
@@ -102,16 +103,49 @@ def test_tensorwise_amax_taken_rows_first_equals_one_reduction_over_the_tensor()
             assert torch.equal(axiswise.nan_to_num(), torch.amax(torch.abs(x), dim=0, keepdim=True).nan_to_num())
 
 
+def check_cast_transposed_against_torchao(device: str, cases: int = 24):
+    """`train.model.fp8_cast`'s ops give torchao's tensorwise cast bit for bit, transposed (and
+    row-major): random shapes off the kernel's tile, both formats, scales that saturate, and
+    zeros, infinities and NaNs among the values."""
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    g = torch.Generator().manual_seed(11)
+    for case in range(cases):
+        rows, cols = (int(n) for n in torch.randint(1, 300, (2,), generator=g))
+        dtype = (torch.float8_e4m3fn, torch.float8_e5m2)[case % 2]
+        x = (torch.randn(rows, cols, generator=g) * float(torch.rand((), generator=g) * 100)).to(torch.bfloat16)
+        if case % 3 == 1:
+            x.view(-1)[torch.randint(0, x.numel(), (3,), generator=g)] = torch.tensor([0.0, float("inf"), float("nan")],
+                                                                                      dtype=x.dtype)
+        x = x.to(device)
+        scale = tensor_to_scale(x.float().nan_to_num(0, 0, 0), dtype) * (1 if case % 4 else 8)  # x8: some saturate
+        want = hp_tensor_and_scale_to_float8(x, scale, dtype)._data
+        transposed = fp8_cast.cast_transposed(x, scale, dtype)
+        row_bits, both_transposed = fp8_cast.cast_rows_and_transposed(x, scale, dtype)
+        for got, reference in ((transposed, want.t()), (both_transposed, want.t()), (row_bits, want)):
+            assert got.dtype == dtype and got.is_contiguous() and got.shape == reference.shape, case
+            same_bits = torch.equal(got.view(torch.uint8), reference.contiguous().view(torch.uint8))
+            assert same_bits, (case, rows, cols, dtype)
+
+
+def test_cast_transposed_gives_torchaos_cast_bits_transposed():
+    check_cast_transposed_against_torchao("cpu")
+
+
 def check_aligned_linears_skip_the_pad(model, recipe: str, emulate: bool):
     """`use_fp8(rows=...)`: packs of one row count. A linear whose rows and features are all
-    multiples of 16 runs without torchao's inner-dim pad, and gives bitwise the padded path's
-    output and gradients; one with a feature or the row count off that multiple keeps the pad."""
+    multiples of 16 runs without torchao's inner-dim pad (under `tensorwise` through our own
+    matmul, whose backward casts run through `train.model.fp8_cast`), and gives bitwise the
+    padded path's output and gradients (torchao's matmul); one with a feature or the row count
+    off that multiple keeps the pad."""
     layers = [m for m in model.modules() if isinstance(m, Fp8CapableLinear)]
     device, dtype = layers[0].weight.device, layers[0].weight.dtype
     g = torch.Generator().manual_seed(3)
     for rows in (16 * int(torch.randint(1, 20, (1,), generator=g)) for _ in range(3)):
         use_fp8(model, recipe, emulate=emulate, rows=rows)
         aligned = [layer for layer in layers if not layer.fp8.config.pad_inner_dim]
+        assert all(layer.fp8.transposes_by_tile == (recipe == "tensorwise") for layer in aligned)
         assert {id(layer) for layer in aligned} == {id(layer) for layer in layers
                                                    if layer.weight.shape[0] % 16 == layer.weight.shape[1] % 16 == 0}
         assert 0 < len(aligned) < len(layers)
@@ -213,5 +247,53 @@ def test_gpu_fp8_linears_compute_what_torchaos_float8_linear_computes(recipe):
         arch = unaligned_arch()
         model = build_model(arch, transformer_config(arch, params_dtype=torch.bfloat16, bf16=True), info)
         check_aligned_linears_skip_the_pad(model, recipe, emulate=False)
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the Triton kernel)")
+def test_gpu_cast_transposed_gives_torchaos_cast_bits_transposed():
+    check_cast_transposed_against_torchao("cuda", cases=60)
+    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)  # a pack's activations: many tiles
+    scale = torch.tensor(37.5, device="cuda")
+    assert torch.equal(fp8_cast.cast_transposed(x, scale, torch.float8_e4m3fn).view(torch.uint8),
+                       fp8_cast.cast_reference(x, scale, torch.float8_e4m3fn).t().contiguous().view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs an FP8 GPU (sm89+)")
+def test_gpu_compiled_decoder_with_tile_cast_linears_stays_as_close_to_bf16_as_eager():
+    """Inductor compiles the decoder layers around our tensorwise matmul and its Triton casts
+    (packs of one length, every linear aligned). Inductor rounds the fused norms and SwiGLU a
+    little differently from eager, and a value that crosses an FP8 rounding boundary moves by
+    a whole FP8 step, so compiled and eager FP8 are not bitwise equal; each parameter's
+    gradient of the compiled FP8 model must be as close to the bf16 model's as the eager FP8
+    model's is (relative norm of the difference)."""
+    from train.model.qwen_vl import compile_model
+
+    info = init_parallel(1, 1, device="cuda")
+    try:
+        arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
+        config = transformer_config(arch, params_dtype=torch.bfloat16, bf16=True)
+        torch.manual_seed(0)
+        bf16, eager, compiled = (build_model(arch, config, info) for _ in range(3))
+        for model in (eager, compiled):
+            model.load_state_dict(bf16.state_dict())
+            use_fp8(model, "tensorwise", rows=96)
+        assert any(m.fp8.transposes_by_tile for m in compiled.modules() if isinstance(m, Fp8CapableLinear))
+        compile_model(compiled, static_rows=True)
+        for seed in range(3):
+            ids, positions, cu, max_len, labels = random_pack(seed, total=96)
+            pack = (ids.cuda(), positions.cuda(), cu.int().cuda(), max_len, labels.cuda())
+            (want_loss, want), *fp8 = (loss_and_grads(model, pack) for model in (bf16, eager, compiled))
+            errors = [{name: ((grads[name].float() - ref.float()).norm() / ref.float().norm()).item()
+                       for name, ref in want.items()} for _, grads in fp8]
+            for (loss, _), error in zip(fp8, errors):
+                assert abs(loss.item() - want_loss.item()) <= 1e-2 * abs(want_loss.item()), seed
+                assert max(error.values()) < 0.5, (seed, error)
+            for name in want:
+                assert errors[1][name] <= 1.25 * errors[0][name] + 0.02, (seed, name, errors[0][name], errors[1][name])
     finally:
         destroy_parallel()

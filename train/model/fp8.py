@@ -9,7 +9,10 @@ each operand, as torchao's float8 training recipes define them:
 Everything else stays bf16: embeddings, norms, attention, the output layer, the MoE experts and
 the vision tower. The weights stay bf16 parameters with fp32 master copies in the optimizer;
 each GEMM casts its operands, and a compiled decoder layer (`compile_model`) fuses the casts
-and scale reductions into the neighbouring elementwise work. Linears whose weight is frozen
+and scale reductions into the neighbouring elementwise work. The operands the backward GEMMs
+read transposed (the weight, the input, the output gradient) are cast by a tiled kernel of
+our own (`train.model.fp8_cast`) where a tensorwise linear's dims are all aligned (packs
+padded to one length), with torchao's scales and casts. Linears whose weight is frozen
 (LoRA's base, `--freeze llm`) keep megatron's bf16 path: torchao's backward always computes
 the weight gradient.
 
@@ -29,6 +32,7 @@ from torch import Tensor
 
 from train.config import FP8_RECIPES as RECIPES
 from train.config import ConfigError
+from train.model.fp8_cast import cast_reference, cast_rows_and_transposed, cast_transposed
 
 
 INNER_DIM_MULTIPLE = 16  # torch._scaled_mm's FP8 GEMMs need every dim a multiple of 16
@@ -40,6 +44,25 @@ class Float8Gemm:
 
     config: object  # torchao.float8.Float8LinearConfig
     mm_config: object  # torchao.float8.float8_training_tensor.LinearMMConfig
+
+    @property
+    def transposes_by_tile(self) -> bool:
+        """Run the GEMMs through `_TensorwiseFloat8Matmul`: every operand is cast with one dynamic
+        scale (so a transposed cast carries the row-major one's, and both gradient GEMMs read
+        one cast of the output gradient), and no inner dim is padded (torchao's pad copies each
+        operand, whatever its layout)."""
+        from torchao.float8.config import ScalingGranularity, ScalingType
+
+        config = self.config
+        casts = [getattr(config, f"cast_config_{operand}") for operand in _OPERANDS]
+        same_grad_cast = config.cast_config_grad_output == config.cast_config_grad_output_for_grad_weight
+        return (not config.pad_inner_dim and same_grad_cast
+                and all(cast.scaling_type is ScalingType.DYNAMIC
+                        and cast.scaling_granularity is ScalingGranularity.TENSORWISE for cast in casts))
+
+
+_OPERANDS = ("input", "weight", "grad_output", "input_for_grad_weight", "weight_for_grad_input",
+             "grad_output_for_grad_weight")
 
 
 def use_amax_rows_first() -> None:
@@ -93,6 +116,66 @@ def float8_gemm(recipe: str, emulate: bool = False, pad_inner_dim: bool = True) 
     return Float8Gemm(config, LinearMMConfig(*gemms))
 
 
+def _float8(bits: Tensor, scale: Tensor, orig_dtype: torch.dtype, gemm: Float8Gemm, operand: str):
+    """torchao's float8 tensor of `bits` in the role of `operand`; torch.mm on two of them runs
+    torchao's scaled GEMM with the config of that pair of roles."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    role = {"input": GemmInputRole.INPUT, "weight": GemmInputRole.WEIGHT, "grad_output": GemmInputRole.GRAD_OUTPUT}
+    return Float8TrainingTensor(bits, scale, orig_dtype, gemm.mm_config, role[operand.split("_for_")[0]])
+
+
+def _scale(hp: Tensor, gemm: Float8Gemm, operand: str) -> tuple[Tensor, torch.dtype]:
+    """torchao's tensorwise scale of `hp` for `operand` (`cast_config_<operand>`), and its format."""
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    dtype = getattr(gemm.config, f"cast_config_{operand}").target_dtype
+    return tensor_to_scale(hp, dtype, round_scales_to_power_of_2=gemm.config.round_scales_to_power_of_2), dtype
+
+
+def _cast_rows(hp: Tensor, gemm: Float8Gemm, operand: str):
+    """`hp` cast row-major as torchao casts it (plain torch ops, which Inductor fuses)."""
+    scale, dtype = _scale(hp, gemm, operand)
+    return _float8(cast_reference(hp, scale, dtype), scale, hp.dtype, gemm, operand)
+
+
+def _cast_columns(hp: Tensor, gemm: Float8Gemm, operand: str):
+    """`hp` [M, N] cast as torchao casts it, as an [M, N] float8 tensor stored column-major."""
+    scale, dtype = _scale(hp, gemm, operand)
+    return _float8(cast_transposed(hp, scale, dtype), scale, hp.dtype, gemm, operand).t()
+
+
+@torch._dynamo.allow_in_graph
+class _TensorwiseFloat8Matmul(torch.autograd.Function):
+    """torchao's `matmul_with_hp_or_float8_args` (input [..., in] @ weight [out, in]^T) for a
+    recipe with every operand scaled tensorwise (`Float8Gemm.transposes_by_tile`): the same
+    scales, casts and scaled GEMMs, bit for bit, but each operand that a backward GEMM reads
+    column-major is written so by `train.model.fp8_cast`, the output gradient in both layouts
+    from one read."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, weight: Tensor, gemm: Float8Gemm):
+        ctx.save_for_backward(input, weight)
+        ctx.gemm = gemm
+        rows = input.reshape(-1, input.shape[-1])
+        output = torch.mm(_cast_rows(rows, gemm, "input"), _cast_rows(weight, gemm, "weight").t())
+        return output.reshape(*input.shape[:-1], output.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        input, weight = ctx.saved_tensors
+        gemm = ctx.gemm
+        grad = grad_output.reshape(-1, grad_output.shape[-1])
+        scale, dtype = _scale(grad, gemm, "grad_output")
+        # torchao's config gives the two gradient casts one format and scale (`transposes_by_tile`)
+        grad_bits, grad_bits_t = cast_rows_and_transposed(grad, scale, dtype)
+        grad_input = torch.mm(_float8(grad_bits, scale, grad.dtype, gemm, "grad_output"),
+                              _cast_columns(weight, gemm, "weight_for_grad_input"))
+        grad_weight = torch.mm(_float8(grad_bits_t, scale, grad.dtype, gemm, "grad_output_for_grad_weight"),
+                               _cast_columns(input.reshape(-1, input.shape[-1]), gemm, "input_for_grad_weight"))
+        return grad_input.reshape(input.shape), grad_weight, None
+
+
 def float8_linear(gemm: Float8Gemm, input: Tensor, weight: Tensor, bias: Tensor | None, *,
                   allreduce_dgrad: bool = False, sequence_parallel: bool = False, tp_group=None) -> Tensor:
     """megatron's `linear_with_grad_accumulation_and_async_allreduce` (input [s, b, in], weight
@@ -104,7 +187,10 @@ def float8_linear(gemm: Float8Gemm, input: Tensor, weight: Tensor, bias: Tensor 
                                                                      group=tp_group)
     elif allreduce_dgrad:
         input = tensor_parallel.copy_to_tensor_model_parallel_region(input, group=tp_group)
-    output = matmul_with_hp_or_float8_args.apply(input, weight.t(), gemm.mm_config, gemm.config)
+    if gemm.transposes_by_tile:
+        output = _TensorwiseFloat8Matmul.apply(input, weight, gemm)
+    else:
+        output = matmul_with_hp_or_float8_args.apply(input, weight.t(), gemm.mm_config, gemm.config)
     return output if bias is None else output + bias
 
 
