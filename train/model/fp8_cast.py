@@ -58,9 +58,10 @@ def _cast(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, rows: bool) -> tuple
     """The row-major bits (if `rows`) and the transposed ones."""
     if x.dim() != 2:
         raise ValueError(f"fp8 cast-transpose takes a matrix, got shape {tuple(x.shape)}")
-    if x.device.type != "cuda":
+    if x.device.type != "cuda" or x.numel() == 0:  # CPU, or nothing to launch a kernel for
         bits = cast_reference(x, scale, fp8_dtype)
-        return (bits if rows else None), bits.t().contiguous()
+        # clone: with one row or column, .t() is already contiguous and would alias `bits`
+        return (bits if rows else None), bits.t().clone(memory_format=torch.contiguous_format)
     x = x.contiguous()
     M, N = x.shape
     cols = torch.empty(N, M, device=x.device, dtype=fp8_dtype)
