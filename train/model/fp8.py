@@ -32,7 +32,7 @@ from torch import Tensor
 
 from train.config import FP8_RECIPES as RECIPES
 from train.config import ConfigError
-from train.model.fp8_cast import cast_reference, cast_rows_and_transposed, cast_transposed
+from train.model.fp8_cast import cast_rows_and_transposed, cast_transposed
 
 
 INNER_DIM_MULTIPLE = 16  # torch._scaled_mm's FP8 GEMMs need every dim a multiple of 16
@@ -44,25 +44,23 @@ class Float8Gemm:
 
     config: object  # torchao.float8.Float8LinearConfig
     mm_config: object  # torchao.float8.float8_training_tensor.LinearMMConfig
-
-    @property
-    def transposes_by_tile(self) -> bool:
-        """Run the GEMMs through `_TensorwiseFloat8Matmul`: every operand is cast with one dynamic
-        scale (so a transposed cast carries the row-major one's, and both gradient GEMMs read
-        one cast of the output gradient), and no inner dim is padded (torchao's pad copies each
-        operand, whatever its layout)."""
-        from torchao.float8.config import ScalingGranularity, ScalingType
-
-        config = self.config
-        casts = [getattr(config, f"cast_config_{operand}") for operand in _OPERANDS]
-        same_grad_cast = config.cast_config_grad_output == config.cast_config_grad_output_for_grad_weight
-        return (not config.pad_inner_dim and same_grad_cast
-                and all(cast.scaling_type is ScalingType.DYNAMIC
-                        and cast.scaling_granularity is ScalingGranularity.TENSORWISE for cast in casts))
+    transposes_by_tile: bool  # GEMMs through `_TensorwiseFloat8Matmul` (`_transposes_by_tile`)
 
 
-_OPERANDS = ("input", "weight", "grad_output", "input_for_grad_weight", "weight_for_grad_input",
-             "grad_output_for_grad_weight")
+def _transposes_by_tile(config) -> bool:
+    """Whether `_TensorwiseFloat8Matmul` can run a torchao config: every operand is cast with one
+    dynamic scale (so a transposed cast carries the row-major one's, and both gradient GEMMs
+    read one cast of the output gradient), and no inner dim is padded (torchao's pad copies each
+    operand, whatever its layout)."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    operands = ("input", "weight", "grad_output", "input_for_grad_weight", "weight_for_grad_input",
+                "grad_output_for_grad_weight")
+    casts = [getattr(config, f"cast_config_{operand}") for operand in operands]
+    same_grad_cast = config.cast_config_grad_output == config.cast_config_grad_output_for_grad_weight
+    return (not config.pad_inner_dim and same_grad_cast
+            and all(cast.scaling_type is ScalingType.DYNAMIC
+                    and cast.scaling_granularity is ScalingGranularity.TENSORWISE for cast in casts))
 
 
 def use_amax_rows_first() -> None:
@@ -113,16 +111,23 @@ def float8_gemm(recipe: str, emulate: bool = False, pad_inner_dim: bool = True) 
     use_amax_rows_first()
     gemms = [ScaledMMConfig(emulate, gemm.use_fast_accum, False, pad_inner_dim)
              for gemm in (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)]
-    return Float8Gemm(config, LinearMMConfig(*gemms))
+    return Float8Gemm(config, LinearMMConfig(*gemms), _transposes_by_tile(config))
+
+
+def _role(operand: str):
+    """torchao's GEMM role of an operand named as in its cast configs (`input_for_grad_weight`: input)."""
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    return {"input": GemmInputRole.INPUT, "weight": GemmInputRole.WEIGHT,
+            "grad_output": GemmInputRole.GRAD_OUTPUT}[operand.split("_for_")[0]]
 
 
 def _float8(bits: Tensor, scale: Tensor, orig_dtype: torch.dtype, gemm: Float8Gemm, operand: str):
     """torchao's float8 tensor of `bits` in the role of `operand`; torch.mm on two of them runs
     torchao's scaled GEMM with the config of that pair of roles."""
-    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
-    role = {"input": GemmInputRole.INPUT, "weight": GemmInputRole.WEIGHT, "grad_output": GemmInputRole.GRAD_OUTPUT}
-    return Float8TrainingTensor(bits, scale, orig_dtype, gemm.mm_config, role[operand.split("_for_")[0]])
+    return Float8TrainingTensor(bits, scale, orig_dtype, gemm.mm_config, _role(operand))
 
 
 def _scale(hp: Tensor, gemm: Float8Gemm, operand: str) -> tuple[Tensor, torch.dtype]:
@@ -134,9 +139,12 @@ def _scale(hp: Tensor, gemm: Float8Gemm, operand: str) -> tuple[Tensor, torch.dt
 
 
 def _cast_rows(hp: Tensor, gemm: Float8Gemm, operand: str):
-    """`hp` cast row-major as torchao casts it (plain torch ops, which Inductor fuses)."""
-    scale, dtype = _scale(hp, gemm, operand)
-    return _float8(cast_reference(hp, scale, dtype), scale, hp.dtype, gemm, operand)
+    """`hp` cast row-major by torchao (its dynamic tensorwise cast, which Inductor fuses)."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+
+    return hp_tensor_to_float8_dynamic(hp, getattr(gemm.config, f"cast_config_{operand}").target_dtype,
+                                       gemm.mm_config, gemm_input_role=_role(operand),
+                                       round_scales_to_power_of_2=gemm.config.round_scales_to_power_of_2)
 
 
 def _cast_columns(hp: Tensor, gemm: Float8Gemm, operand: str):
