@@ -17,7 +17,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
 from train.model import lora
 from train.model.arch import ModelArch
-from train.model.fp8 import use_fp8
+from train.model.linear import DecoderLinear, use_fp8, use_grad_buffers
 from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 
@@ -44,8 +44,10 @@ def random_pack(seed: int, vocab: int = 1000, total: int | None = None):
 
 
 def models(info, kind: str, variant: str, fp8_rows: int | None = None):
-    """The eager model and a copy of it, same weights; `variant`: plain, lora, dora, fp8 (rowwise)
-    or fp8-tensorwise; `fp8_rows`: `use_fp8`'s pack length (aligned linears skip the pad)."""
+    """The eager model and a copy of it, same weights; `variant`: plain, main-grad (every weight
+    with a gradient buffer, as megatron's DDP gives it: the decoder linears add into it), lora,
+    dora, fp8 (rowwise) or fp8-tensorwise; `fp8_rows`: `use_fp8`'s pack length (aligned linears
+    skip the pad)."""
     arch = ModelArch.from_hf_config(HF_MODELS[kind]().config.to_dict())
     config = transformer_config(arch, cpu=True)
     torch.manual_seed(0)
@@ -60,18 +62,28 @@ def models(info, kind: str, variant: str, fp8_rows: int | None = None):
                 param.data.normal_(0, 0.2).add_(1 if param.ndim == 1 else 0)
         if variant.startswith("fp8"):
             use_fp8(model, "tensorwise" if variant == "fp8-tensorwise" else "rowwise", emulate=True, rows=fp8_rows)
+        if variant == "main-grad":
+            for param in model.parameters():
+                param.main_grad = torch.zeros_like(param)
+            assert use_grad_buffers(model) == 4 * arch.lm.num_layers
     return arch, pair
 
 
 def loss_and_grads(model, pack):
     ids, positions, cu, max_len, labels = pack
     model.zero_grad(set_to_none=True)
+    for param in model.parameters():
+        if hasattr(param, "main_grad"):
+            param.main_grad.zero_()
     loss = model(ids, positions, cu, max_len, labels=labels).sum()
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    added = {n: p.main_grad.clone() for n, p in model.named_parameters() if p.grad is None and hasattr(p, "main_grad")}
+    return loss.detach(), grads | {n: g for n, g in added.items() if g.any()}
 
 
-@pytest.mark.parametrize("kind, variant", [("qwen3-vl", "plain"), ("qwen2.5-vl", "plain"), ("qwen3-vl", "lora"),
+@pytest.mark.parametrize("kind, variant", [("qwen3-vl", "plain"), ("qwen2.5-vl", "plain"), ("qwen3-vl", "main-grad"),
+                                           ("qwen3-vl", "lora"),
                                            ("qwen3-vl", "dora"), ("qwen3-vl", "fp8"), ("qwen3-vl", "fp8-tensorwise")])
 def test_compiled_decoder_layers_share_one_graph_and_compute_what_eager_computes(info, kind, variant):
     torch._dynamo.reset()
@@ -91,6 +103,9 @@ def test_compiled_decoder_layers_share_one_graph_and_compute_what_eager_computes
         want, got = loss_and_grads(eager, pack), loss_and_grads(compiled, pack)
         assert torch.equal(got[0], want[0]), (seed, got[0], want[0])
         assert got[1].keys() == want[1].keys()
+        if variant == "main-grad":  # the decoder linears' gradients were added into their buffers
+            linears = [m.weight for m in compiled.modules() if isinstance(m, DecoderLinear)]
+            assert linears and all(w.grad is None and w.main_grad.any() for w in linears)
         for name, grad in want[1].items():
             assert torch.equal(got[1][name], grad), (seed, name, (got[1][name] - grad).abs().max())
     if arch.num_deepstack:  # image rows: DeepStack features added after the first layers

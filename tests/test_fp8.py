@@ -17,7 +17,8 @@ from tests.test_train import BASE, metrics, ok, run_train, shards  # noqa: F401 
 from train.config import FP8_RECIPES
 from train.model.arch import ModelArch
 from train.model import fp8_cast
-from train.model.fp8 import Fp8CapableLinear, float8_gemm, use_fp8
+from train.model.fp8 import float8_gemm
+from train.model.linear import DecoderLinear, use_fp8
 from train.model.qwen_vl import transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 
@@ -50,7 +51,7 @@ def output_and_grads(fn, weight: torch.Tensor, x: torch.Tensor, out_grad: torch.
 def check_against_torchao(model, recipe: str, emulate: bool, seeds=range(4)):
     """Every float8 linear of `model` against torchao's own on random inputs: outputs, input
     and weight gradients bitwise equal."""
-    layers = [m for m in model.modules() if isinstance(m, Fp8CapableLinear)]
+    layers = [m for m in model.modules() if isinstance(m, DecoderLinear)]
     for seed, layer in zip(seeds, layers * len(seeds)):
         g = torch.Generator(device=layer.weight.device).manual_seed(seed)
         rows = int(torch.randint(17, 300, (1,)))  # not a multiple of 16: the padded inner dim
@@ -140,7 +141,7 @@ def check_aligned_linears_skip_the_pad(model, recipe: str, emulate: bool):
     matmul, whose backward casts run through `train.model.fp8_cast`), and gives bitwise the
     padded path's output and gradients (torchao's matmul); one with a feature or the row count
     off that multiple keeps the pad."""
-    layers = [m for m in model.modules() if isinstance(m, Fp8CapableLinear)]
+    layers = [m for m in model.modules() if isinstance(m, DecoderLinear)]
     device, dtype = layers[0].weight.device, layers[0].weight.dtype
     g = torch.Generator().manual_seed(3)
     for rows in (16 * int(torch.randint(1, 20, (1,), generator=g)) for _ in range(3)):
@@ -283,7 +284,7 @@ def test_gpu_compiled_decoder_with_tile_cast_linears_stays_as_close_to_bf16_as_e
         for model in (eager, compiled):
             model.load_state_dict(bf16.state_dict())
             use_fp8(model, "tensorwise", rows=96)
-        assert any(m.fp8.transposes_by_tile for m in compiled.modules() if isinstance(m, Fp8CapableLinear))
+        assert any(m.fp8.transposes_by_tile for m in compiled.modules() if isinstance(m, DecoderLinear))
         compile_model(compiled, static_rows=True)
         for seed in range(3):
             ids, positions, cu, max_len, labels = random_pack(seed, total=96)

@@ -37,7 +37,7 @@ from train.data import TrainData
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
-from train.model.fp8 import use_fp8
+from train.model.linear import use_fp8, use_grad_buffers
 from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import lora
@@ -359,6 +359,8 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_dtype == "fp32",
                                                overlap_grad_reduce=False, use_distributed_optimizer=use_distributed)
     model = DistributedDataParallel(model_config, ddp_config, model)
+    if config.pp == 1:
+        use_grad_buffers(model)
     optimizer, scheduler = build_optimizer(config, model, cuda, use_distributed, bf16)
     model_config.grad_scale_func = optimizer.scale_loss
     model_config.finalize_model_grads_func = finalize_grads  # used by the PP schedule

@@ -16,10 +16,8 @@ padded to one length), with torchao's scales and casts. Linears whose weight is 
 (LoRA's base, `--freeze llm`) keep megatron's bf16 path: torchao's backward always computes
 the weight gradient.
 
-megatron's tensor-parallel communication around the GEMM stays megatron's: a column-parallel
-layer under sequence parallelism gathers its input first (the gradient is reduce-scattered),
-otherwise its input gradient is all-reduced; a row-parallel layer's GEMM needs neither (the
-reduction follows it).
+The linears themselves, and the tensor-parallel communication around their GEMMs, are in
+`train.model.linear`.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from megatron.core import tensor_parallel
 from torch import Tensor
 
 from train.config import FP8_RECIPES as RECIPES
@@ -184,58 +181,10 @@ class _TensorwiseFloat8Matmul(torch.autograd.Function):
         return grad_input.reshape(input.shape), grad_weight, None
 
 
-def float8_linear(gemm: Float8Gemm, input: Tensor, weight: Tensor, bias: Tensor | None, *,
-                  allreduce_dgrad: bool = False, sequence_parallel: bool = False, tp_group=None) -> Tensor:
-    """megatron's `linear_with_grad_accumulation_and_async_allreduce` (input [s, b, in], weight
-    [out, in]) with the GEMMs in float8."""
+def float8_matmul(gemm: Float8Gemm, input: Tensor, weight: Tensor) -> Tensor:
+    """input [..., in] @ weight [out, in]^T with the three GEMMs in float8 (torchao's recipe)."""
+    if gemm.transposes_by_tile:
+        return _TensorwiseFloat8Matmul.apply(input, weight, gemm)
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
-    if sequence_parallel:
-        input = tensor_parallel.gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
-                                                                     group=tp_group)
-    elif allreduce_dgrad:
-        input = tensor_parallel.copy_to_tensor_model_parallel_region(input, group=tp_group)
-    if gemm.transposes_by_tile:
-        output = _TensorwiseFloat8Matmul.apply(input, weight, gemm)
-    else:
-        output = matmul_with_hp_or_float8_args.apply(input, weight.t(), gemm.mm_config, gemm.config)
-    return output if bias is None else output + bias
-
-
-class Fp8CapableLinear:
-    """Mixin for megatron's column- and row-parallel linears: with `fp8` set (`use_fp8`) and a
-    trained weight, the GEMMs run in float8; else megatron's own path, handed the layer's TP
-    group (megatron's row-parallel layer passes none and warns at every call, which would split
-    a compiled decoder layer into several graphs)."""
-
-    fp8: Float8Gemm | None = None
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        kwargs["tp_group"] = self.tp_group
-        if self.fp8 is None or not weight.requires_grad:
-            return super()._forward_impl(input, weight, *args, **kwargs)
-        bias = args[0] if args else kwargs.get("bias")
-        return float8_linear(self.fp8, input, weight, bias, allreduce_dgrad=kwargs.get("allreduce_dgrad", False),
-                             sequence_parallel=kwargs.get("sequence_parallel", False), tp_group=self.tp_group)
-
-
-class ColumnParallelLinear(Fp8CapableLinear, tensor_parallel.ColumnParallelLinear):
-    """megatron's column-parallel linear (qkv, fc1) that can run its GEMMs in float8."""
-
-
-class RowParallelLinear(Fp8CapableLinear, tensor_parallel.RowParallelLinear):
-    """megatron's row-parallel linear (attention output, fc2) that can run its GEMMs in float8."""
-
-
-def use_fp8(model: torch.nn.Module, recipe: str, emulate: bool = False, rows: int | None = None) -> int:
-    """Run every `Fp8CapableLinear` of the model with torchao's `recipe`; returns how many.
-    `rows`: every input of the linears has this many rows (packs padded to one length). Then
-    a linear whose in and out features are multiples of 16 too runs without torchao's pad
-    (`float8_gemm`): every inner dim of its three GEMMs is aligned."""
-    padded = float8_gemm(recipe, emulate)
-    aligned = float8_gemm(recipe, emulate, pad_inner_dim=False) if rows and rows % INNER_DIM_MULTIPLE == 0 else None
-    layers = [m for m in model.modules() if isinstance(m, Fp8CapableLinear)]
-    for layer in layers:
-        fits = aligned is not None and all(d % INNER_DIM_MULTIPLE == 0 for d in layer.weight.shape)
-        layer.fp8 = aligned if fits else padded
-    return len(layers)
+    return matmul_with_hp_or_float8_args.apply(input, weight.t(), gemm.mm_config, gemm.config)

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from train.model.arch import ModelArch
 from train.model.attention import PackedCoreAttention, PackedRows
-from train.model.fp8 import ColumnParallelLinear, RowParallelLinear
+from train.model.linear import ColumnParallelLinear, RowParallelLinear
 from train.model.moe import moe_config, moe_layer_spec
 from train.model.rope import MRoPE, apply_rotary
 from train.model.vision import VisionTower

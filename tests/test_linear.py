@@ -1,0 +1,140 @@
+"""`train.model.linear`: the decoder linears add their weight gradient straight into megatron's
+gradient buffer (`main_grad`). Oracle: megatron's own linear path plus its DDP hook's add
+(`main_grad += weight.grad`), which is what runs without the fused accumulation; on CPU both
+compute the same product and add, so they must agree bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+from tests.hf_models import tiny_qwen3_vl
+from train.model.arch import ModelArch
+from train.model.linear import DecoderLinear, accumulate_weight_grad, use_grad_buffers
+from train.model.qwen_vl import compile_model, transformer_config
+from train.parallel import build_model, destroy_parallel, init_parallel
+
+
+@pytest.fixture(scope="module")
+def info():
+    info = init_parallel(1, 1, device="cpu")
+    yield info
+    destroy_parallel()
+
+
+def tiny_model(info):
+    arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
+    torch.manual_seed(0)
+    return arch, build_model(arch, transformer_config(arch, cpu=True), info)
+
+
+def megatrons_path(layer, weight, x, out_grad, main_grad):
+    """Output, input gradient and buffer after megatron's linear (no buffer handed to the
+    layer, so `DecoderLinear` hands over to it) and its DDP hook's add."""
+    x = x.clone().requires_grad_()
+    out = layer(x)[0]
+    out.backward(out_grad)
+    main_grad.add_(weight.grad)
+    weight.grad = None
+    return out.detach(), x.grad
+
+
+def test_decoder_linears_add_the_weight_gradient_into_the_buffer_as_megatrons_hook_does(info):
+    """Every decoder linear (column- and row-parallel), random row counts, two micro-batches
+    into buffers that already hold a gradient and are views of one flat buffer, as megatron's
+    DDP lays them out: the same outputs, input gradients and buffers as megatron's path,
+    bitwise; autograd gets no weight gradient."""
+    _, model = tiny_model(info)
+    layers = [m for m in model.modules() if isinstance(m, DecoderLinear)]
+    assert {type(m).__name__ for m in layers} == {"ColumnParallelLinear", "RowParallelLinear"}
+    g = torch.Generator().manual_seed(3)
+    flat = torch.randn(sum(m.weight.numel() for m in layers), generator=g)
+    offsets = torch.tensor([0] + [m.weight.numel() for m in layers]).cumsum(0).tolist()
+    for layer, start in zip(layers, offsets):
+        layer.weight.main_grad = flat[start:start + layer.weight.numel()].view(layer.weight.shape)
+    reference = flat.clone()
+    assert use_grad_buffers(model) == len(layers)
+    for micro_batch in range(2):
+        for case, (layer, start) in enumerate(zip(layers, offsets)):
+            weight = layer.weight
+            rows = int(torch.randint(1, 200, (1,), generator=g))
+            x = torch.randn(rows, 1, weight.shape[1], generator=g) * (case + 1)
+            out_grad = torch.randn(rows, 1, weight.shape[0], generator=g)
+            buffer, layer.grad_buffer = layer.grad_buffer, None
+            want = megatrons_path(layer, weight, x, out_grad, reference[start:start + weight.numel()].view(weight.shape))
+            layer.grad_buffer = buffer
+            xg = x.clone().requires_grad_()
+            out = layer(xg)[0]
+            out.backward(out_grad)
+            assert weight.grad is None, case
+            assert torch.equal(out.detach(), want[0]) and torch.equal(xg.grad, want[1]), (case, micro_batch)
+            assert torch.equal(flat, reference), (case, micro_batch, (flat - reference).abs().max())
+
+
+def test_frozen_decoder_linears_leave_the_buffer_alone(info):
+    """A frozen weight (LoRA's base, `--freeze llm`) takes megatron's frozen path even with a
+    buffer: no weight gradient anywhere, the input gradient still flows."""
+    arch, model = tiny_model(info)
+    for param in model.parameters():
+        param.main_grad = torch.zeros_like(param)
+    layer = next(m for m in model.modules() if isinstance(m, DecoderLinear))
+    layer.weight.requires_grad_(False)
+    layer.weight.main_grad = torch.zeros(layer.weight.shape)
+    assert use_grad_buffers(model) == 4 * arch.lm.num_layers - 1
+    layer.grad_buffer = layer.weight.main_grad  # even handed one, a frozen layer leaves it alone
+    x = torch.randn(7, 1, layer.weight.shape[1], requires_grad=True)
+    layer(x)[0].sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert layer.weight.grad is None and not layer.weight.main_grad.any()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gradient_buffers_under_megatrons_ddp_hold_the_models_gradients(info, compiled):
+    """The tiny model under megatron's DDP, eager or with its decoder layers compiled (dynamo
+    and AOTAutograd, as on the GPU): after two micro-batches, every parameter's buffer equals
+    the sum of its two gradients from the same model without DDP (the decoder linears' through
+    the fused add, the rest through DDP's hook), bitwise."""
+    from tests.test_compile import random_pack
+
+    arch, plain = tiny_model(info)
+    _, wrapped = tiny_model(info)
+    wrapped.load_state_dict(plain.state_dict())
+    if compiled:
+        torch._dynamo.reset()
+        compile_model(wrapped, backend="aot_eager")
+    ddp = DistributedDataParallel(transformer_config(arch, cpu=True),
+                                  DistributedDataParallelConfig(grad_reduce_in_fp32=True), wrapped)
+    assert use_grad_buffers(ddp) == 4 * arch.lm.num_layers
+    packs = [random_pack(seed) for seed in (4, 5)]
+    for model in (plain, ddp):
+        for ids, positions, cu, max_len, labels in packs:
+            model(ids, positions, cu, max_len, labels=labels).sum().backward()
+    fused = [m.weight for m in wrapped.modules() if isinstance(m, DecoderLinear)]
+    assert fused and all(w.grad is None for w in fused)
+    names = dict(wrapped.named_parameters())
+    for name, param in plain.named_parameters():
+        if param.grad is not None:
+            assert torch.equal(names[name].main_grad, param.grad), (name, (names[name].main_grad - param.grad).abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_weight_grad_accumulation_is_as_close_to_exact_as_megatrons_hook(buffer_dtype):
+    """On CUDA the accumulation is one GEMM with beta = 1 on the buffer. Against the exact sum
+    (fp64) over three micro-batches of bf16 operands, its error is at most the hook's (bf16
+    product, then the add), for random shapes of the 2B and 8B decoders' linears."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for out_features, in_features in ((6144, 2048), (2048, 2048), (4096, 12288), (12288, 4096), (24, 40)):
+        start = torch.randn(out_features, in_features, device="cuda", generator=g).to(buffer_dtype)
+        fused, hook, exact = start.clone(), start.clone(), start.double()
+        for _ in range(3):
+            rows = int(torch.randint(1, 4096, (1,), generator=g, device="cuda"))
+            grad = torch.randn(rows, out_features, device="cuda", generator=g, dtype=torch.bfloat16)
+            x = torch.randn(rows, in_features, device="cuda", generator=g, dtype=torch.bfloat16)
+            accumulate_weight_grad(fused, grad, x)
+            hook.add_(grad.t() @ x)
+            exact += grad.double().t() @ x.double()
+        errors = [((buffer.double() - exact).norm() / exact.norm()).item() for buffer in (fused, hook)]
+        assert errors[0] <= errors[1] * 1.01 + 1e-7, (out_features, in_features, buffer_dtype, errors)

@@ -1,0 +1,129 @@
+"""The language model's decoder linears (qkv and attention output; fc1 and fc2 in dense
+layers): megatron's column- and row-parallel layers, with their GEMMs chosen here.
+
+- `--fp8`: forward, input-gradient and weight-gradient GEMMs in float8 (`train.model.fp8`).
+- bf16, once megatron's DDP has given the weight its gradient buffer (`main_grad`) and
+  `use_grad_buffers` has handed it to the layer: the weight-gradient GEMM adds its product
+  straight into that buffer (`accumulate_weight_grad`:
+  cuBLAS with beta = 1, accumulating in fp32 into an fp32 buffer) and autograd gets no weight
+  gradient. megatron does the same with Apex's or Transformer Engine's fused kernel
+  (`gradient_accumulation_fusion`). Without either, its DDP hook adds each bf16 weight
+  gradient into the buffer after the GEMM: one more pass over every weight per micro-batch,
+  and the product rounded to bf16 before it is added.
+- Otherwise megatron's own path: frozen weights (LoRA's base, `--freeze llm`), and models
+  without gradient buffers (conversion, tests that call the model directly).
+
+The tensor-parallel communication around the GEMMs is megatron's: a column-parallel layer
+under sequence parallelism gathers its input first (its gradient is reduce-scattered),
+otherwise its input gradient is all-reduced; a row-parallel layer's GEMM needs neither (the
+reduction follows it). megatron's DDP runs without overlapping the gradient reduction with the
+backward (`overlap_grad_reduce=False`), so a weight whose gradient never reaches autograd
+misses nothing: its hook only adds the gradient into the buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from torch import Tensor
+
+from train.model.fp8 import INNER_DIM_MULTIPLE, Float8Gemm, float8_gemm, float8_matmul
+
+
+@torch.library.custom_op("vlmpack::accumulate_weight_grad", mutates_args=("main_grad",))
+def accumulate_weight_grad(main_grad: Tensor, grad_output: Tensor, input: Tensor) -> None:
+    """main_grad [out, in] += grad_output [T, out]^T @ input [T, in], in place. On CUDA one GEMM
+    with beta = 1 (fp32 accumulation, rounded once to the buffer's dtype); elsewhere the
+    product, then the add, as megatron's DDP hook does it."""
+    if main_grad.is_cuda:
+        torch.addmm(main_grad, grad_output.t(), input, out_dtype=main_grad.dtype, out=main_grad)
+    else:
+        main_grad.add_(torch.mm(grad_output.t(), input))
+
+
+@torch._dynamo.allow_in_graph
+class _MatmulIntoMainGrad(torch.autograd.Function):
+    """input [..., in] @ weight [out, in]^T whose backward adds the weight gradient into
+    `main_grad` and returns none for the weight."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, weight: Tensor, main_grad: Tensor):
+        ctx.save_for_backward(input, weight, main_grad)
+        return torch.matmul(input, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        input, weight, main_grad = ctx.saved_tensors
+        grad_input = torch.matmul(grad_output, weight)
+        accumulate_weight_grad(main_grad, grad_output.reshape(-1, grad_output.shape[-1]),
+                               input.reshape(-1, input.shape[-1]))
+        return grad_input, None, None
+
+
+class DecoderLinear:
+    """Mixin for megatron's column- and row-parallel linears: runs the GEMMs as the module
+    docstring says, and hands megatron's own path the layer's TP group (megatron's
+    row-parallel layer passes none and warns at every call, which would split a compiled
+    decoder layer into several graphs)."""
+
+    fp8: Float8Gemm | None = None  # set by `use_fp8`
+    grad_buffer: Tensor | None = None  # the weight's gradient buffer, set by `use_grad_buffers`
+
+    def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, sequence_parallel=False, **kwargs):
+        if not weight.requires_grad or (self.fp8 is None and self.grad_buffer is None):
+            kwargs["tp_group"] = self.tp_group
+            return super()._forward_impl(input, weight, bias, allreduce_dgrad=allreduce_dgrad,
+                                         sequence_parallel=sequence_parallel, **kwargs)
+        if sequence_parallel:
+            input = tensor_parallel.gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
+                                                                         group=self.tp_group)
+        elif allreduce_dgrad:
+            input = tensor_parallel.copy_to_tensor_model_parallel_region(input, group=self.tp_group)
+        if self.fp8 is not None:
+            output = float8_matmul(self.fp8, input, weight)
+        else:
+            output = _MatmulIntoMainGrad.apply(input, weight, self.grad_buffer)
+        return output if bias is None else output + bias
+
+
+class ColumnParallelLinear(DecoderLinear, tensor_parallel.ColumnParallelLinear):
+    """megatron's column-parallel linear (qkv, fc1) with `DecoderLinear`'s GEMMs."""
+
+
+class RowParallelLinear(DecoderLinear, tensor_parallel.RowParallelLinear):
+    """megatron's row-parallel linear (attention output, fc2) with `DecoderLinear`'s GEMMs."""
+
+
+def use_fp8(model: torch.nn.Module, recipe: str, emulate: bool = False, rows: int | None = None) -> int:
+    """Run every `DecoderLinear` of the model with torchao's `recipe`; returns how many.
+    `rows`: every input of the linears has this many rows (packs padded to one length). Then
+    a linear whose in and out features are multiples of 16 too runs without torchao's pad
+    (`float8_gemm`): every inner dim of its three GEMMs is aligned."""
+    padded = float8_gemm(recipe, emulate)
+    aligned = float8_gemm(recipe, emulate, pad_inner_dim=False) if rows and rows % INNER_DIM_MULTIPLE == 0 else None
+    layers = [m for m in model.modules() if isinstance(m, DecoderLinear)]
+    for layer in layers:
+        fits = aligned is not None and all(d % INNER_DIM_MULTIPLE == 0 for d in layer.weight.shape)
+        layer.fp8 = aligned if fits else padded
+    return len(layers)
+
+
+def use_grad_buffers(model: torch.nn.Module) -> int:
+    """Let every trained `DecoderLinear` add its weight gradient into the buffer megatron's DDP
+    gave the weight (`main_grad`); call once, after wrapping the model in DDP. Returns how many.
+
+    The layer gets the buffer as a tensor of its own over the same memory, not DDP's view:
+    every view of DDP's flat buffer shares one version counter, which each other parameter's
+    add moves on between a layer's forward and its backward, and autograd checks the counter
+    of each tensor a compiled layer saves for its backward. The layer's own add moves its
+    buffer's counter on too, so a layer must run its backward before its next forward: true
+    of one pipeline stage (megatron's schedule without pipelining runs each micro-batch's
+    forward, then its backward), not of pipeline schedules, which keep several micro-batches'
+    forwards in flight; the trainer calls this only without pipeline parallelism."""
+    layers = [m for m in model.modules()
+              if isinstance(m, DecoderLinear) and m.weight.requires_grad and hasattr(m.weight, "main_grad")]
+    for layer in layers:
+        view = layer.weight.main_grad
+        layer.grad_buffer = torch.empty(0, dtype=view.dtype, device=view.device).set_(
+            view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+    return len(layers)
