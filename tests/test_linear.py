@@ -11,7 +11,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 from tests.hf_models import tiny_qwen3_vl
 from train.model.arch import ModelArch
-from train.model.linear import DecoderLinear, accumulate_weight_grad, use_grad_buffers
+from train.model.grad_buffer import accumulate_weight_grad
+from train.model.linear import DecoderLinear, use_fp8, use_grad_buffers
 from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 
@@ -90,23 +91,30 @@ def test_frozen_decoder_linears_leave_the_buffer_alone(info):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_gradient_buffers_under_megatrons_ddp_hold_the_models_gradients(info, compiled):
+@pytest.mark.parametrize("gemms", ["bf16", "fp8-tensorwise"])
+def test_gradient_buffers_under_megatrons_ddp_hold_the_models_gradients(info, compiled, gemms):
     """The tiny model under megatron's DDP, eager or with its decoder layers compiled (dynamo
-    and AOTAutograd, as on the GPU): after two micro-batches, every parameter's buffer equals
-    the sum of its two gradients from the same model without DDP (the decoder linears' through
-    the fused add, the rest through DDP's hook), bitwise."""
+    and AOTAutograd, as on the GPU), bf16 GEMMs or FP8 tensorwise ones (packs of one aligned
+    length, so through `_TensorwiseFloat8Matmul`): after two micro-batches, every parameter's
+    buffer equals the sum of its two gradients from the same model without DDP (the decoder
+    linears' added inside their backward, the rest through DDP's hook), bitwise."""
     from tests.test_compile import random_pack
 
     arch, plain = tiny_model(info)
     _, wrapped = tiny_model(info)
     wrapped.load_state_dict(plain.state_dict())
+    fp8 = gemms == "fp8-tensorwise"
+    if fp8:
+        for model in (plain, wrapped):
+            use_fp8(model, "tensorwise", emulate=True, rows=96)
+        assert all(m.fp8.transposes_by_tile for m in wrapped.modules() if isinstance(m, DecoderLinear))
     if compiled:
         torch._dynamo.reset()
         compile_model(wrapped, backend="aot_eager")
     ddp = DistributedDataParallel(transformer_config(arch, cpu=True),
                                   DistributedDataParallelConfig(grad_reduce_in_fp32=True), wrapped)
     assert use_grad_buffers(ddp) == 4 * arch.lm.num_layers
-    packs = [random_pack(seed) for seed in (4, 5)]
+    packs = [random_pack(seed, total=96 if fp8 else None) for seed in (4, 5)]
     for model in (plain, ddp):
         for ids, positions, cu, max_len, labels in packs:
             model(ids, positions, cu, max_len, labels=labels).sum().backward()

@@ -30,6 +30,7 @@ from torch import Tensor
 from train.config import FP8_RECIPES as RECIPES
 from train.config import ConfigError
 from train.model.fp8_cast import cast_rows_and_transposed, cast_transposed
+from train.model.grad_buffer import add_weight_grad
 
 
 INNER_DIM_MULTIPLE = 16  # torch._scaled_mm's FP8 GEMMs need every dim a multiple of 16
@@ -156,11 +157,11 @@ class _TensorwiseFloat8Matmul(torch.autograd.Function):
     recipe with every operand scaled tensorwise (`Float8Gemm.transposes_by_tile`): the same
     scales, casts and scaled GEMMs, bit for bit, but each operand that a backward GEMM reads
     column-major is written so by `train.model.fp8_cast`, the output gradient in both layouts
-    from one read."""
+    from one read. With `grad_buffer`, the weight gradient is added into it, not returned."""
 
     @staticmethod
-    def forward(ctx, input: Tensor, weight: Tensor, gemm: Float8Gemm):
-        ctx.save_for_backward(input, weight)
+    def forward(ctx, input: Tensor, weight: Tensor, gemm: Float8Gemm, grad_buffer: Tensor | None):
+        ctx.save_for_backward(input, weight, grad_buffer)
         ctx.gemm = gemm
         rows = input.reshape(-1, input.shape[-1])
         output = torch.mm(_cast_rows(rows, gemm, "input"), _cast_rows(weight, gemm, "weight").t())
@@ -168,7 +169,7 @@ class _TensorwiseFloat8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        input, weight = ctx.saved_tensors
+        input, weight, grad_buffer = ctx.saved_tensors
         gemm = ctx.gemm
         grad = grad_output.reshape(-1, grad_output.shape[-1])
         scale, dtype = _scale(grad, gemm, "grad_output")
@@ -178,13 +179,18 @@ class _TensorwiseFloat8Matmul(torch.autograd.Function):
                               _cast_columns(weight, gemm, "weight_for_grad_input"))
         grad_weight = torch.mm(_float8(grad_bits_t, scale, grad.dtype, gemm, "grad_output_for_grad_weight"),
                                _cast_columns(input.reshape(-1, input.shape[-1]), gemm, "input_for_grad_weight"))
-        return grad_input.reshape(input.shape), grad_weight, None
+        if grad_buffer is not None:
+            add_weight_grad(grad_buffer, grad_weight)
+            grad_weight = None
+        return grad_input.reshape(input.shape), grad_weight, None, None
 
 
-def float8_matmul(gemm: Float8Gemm, input: Tensor, weight: Tensor) -> Tensor:
-    """input [..., in] @ weight [out, in]^T with the three GEMMs in float8 (torchao's recipe)."""
+def float8_matmul(gemm: Float8Gemm, input: Tensor, weight: Tensor, grad_buffer: Tensor | None = None) -> Tensor:
+    """input [..., in] @ weight [out, in]^T with the three GEMMs in float8 (torchao's recipe).
+    `grad_buffer`: the weight's gradient buffer (`train.model.linear.use_grad_buffers`), into
+    which a tensorwise recipe's backward adds the weight gradient instead of returning it."""
     if gemm.transposes_by_tile:
-        return _TensorwiseFloat8Matmul.apply(input, weight, gemm)
+        return _TensorwiseFloat8Matmul.apply(input, weight, gemm, grad_buffer)
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
     return matmul_with_hp_or_float8_args.apply(input, weight.t(), gemm.mm_config, gemm.config)

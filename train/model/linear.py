@@ -2,16 +2,21 @@
 layers): megatron's column- and row-parallel layers, with their GEMMs chosen here.
 
 - `--fp8`: forward, input-gradient and weight-gradient GEMMs in float8 (`train.model.fp8`).
-- bf16, once megatron's DDP has given the weight its gradient buffer (`main_grad`) and
-  `use_grad_buffers` has handed it to the layer: the weight-gradient GEMM adds its product
-  straight into that buffer (`accumulate_weight_grad`:
-  cuBLAS with beta = 1, accumulating in fp32 into an fp32 buffer) and autograd gets no weight
-  gradient. megatron does the same with Apex's or Transformer Engine's fused kernel
-  (`gradient_accumulation_fusion`). Without either, its DDP hook adds each bf16 weight
-  gradient into the buffer after the GEMM: one more pass over every weight per micro-batch,
-  and the product rounded to bf16 before it is added.
-- Otherwise megatron's own path: frozen weights (LoRA's base, `--freeze llm`), and models
-  without gradient buffers (conversion, tests that call the model directly).
+- bf16: megatron's GEMMs, computed here.
+
+Once megatron's DDP has given a trained weight its gradient buffer (`main_grad`) and
+`use_grad_buffers` has handed the buffer to the layer, the layer's backward adds the weight
+gradient into it and autograd gets none (`train.model.grad_buffer`). In bf16 the
+weight-gradient GEMM does the add itself (cuBLAS with beta = 1: fp32 accumulation into an
+fp32 buffer, one rounding into a bf16 one), as megatron does with Apex's or Transformer
+Engine's fused kernel (`gradient_accumulation_fusion`); FP8's scaled GEMM cannot, so its
+product is added after it (tensorwise recipes; the rowwise ones go through torchao's matmul
+and megatron's hook). Without this, megatron's DDP hook adds each weight gradient into the
+buffer: a Python call and an add kernel per weight and micro-batch, and in bf16 the product
+rounded before it is added.
+
+Otherwise megatron's own path runs: frozen weights (LoRA's base, `--freeze llm`), and models
+without gradient buffers (conversion, tests that call the model directly).
 
 The tensor-parallel communication around the GEMMs is megatron's: a column-parallel layer
 under sequence parallelism gathers its input first (its gradient is reduce-scattered),
@@ -28,17 +33,7 @@ from megatron.core import tensor_parallel
 from torch import Tensor
 
 from train.model.fp8 import INNER_DIM_MULTIPLE, Float8Gemm, float8_gemm, float8_matmul
-
-
-@torch.library.custom_op("vlmpack::accumulate_weight_grad", mutates_args=("main_grad",))
-def accumulate_weight_grad(main_grad: Tensor, grad_output: Tensor, input: Tensor) -> None:
-    """main_grad [out, in] += grad_output [T, out]^T @ input [T, in], in place. On CUDA one GEMM
-    with beta = 1 (fp32 accumulation, rounded once to the buffer's dtype); elsewhere the
-    product, then the add, as megatron's DDP hook does it."""
-    if main_grad.is_cuda:
-        torch.addmm(main_grad, grad_output.t(), input, out_dtype=main_grad.dtype, out=main_grad)
-    else:
-        main_grad.add_(torch.mm(grad_output.t(), input))
+from train.model.grad_buffer import accumulate_weight_grad
 
 
 @torch._dynamo.allow_in_graph
@@ -80,7 +75,7 @@ class DecoderLinear:
         elif allreduce_dgrad:
             input = tensor_parallel.copy_to_tensor_model_parallel_region(input, group=self.tp_group)
         if self.fp8 is not None:
-            output = float8_matmul(self.fp8, input, weight)
+            output = float8_matmul(self.fp8, input, weight, self.grad_buffer)
         else:
             output = _MatmulIntoMainGrad.apply(input, weight, self.grad_buffer)
         return output if bias is None else output + bias
