@@ -37,20 +37,20 @@ from train.model.grad_buffer import accumulate_weight_grad
 
 
 @torch._dynamo.allow_in_graph
-class _MatmulIntoMainGrad(torch.autograd.Function):
+class _MatmulIntoGradBuffer(torch.autograd.Function):
     """input [..., in] @ weight [out, in]^T whose backward adds the weight gradient into
-    `main_grad` and returns none for the weight."""
+    `grad_buffer` and returns none for the weight."""
 
     @staticmethod
-    def forward(ctx, input: Tensor, weight: Tensor, main_grad: Tensor):
-        ctx.save_for_backward(input, weight, main_grad)
+    def forward(ctx, input: Tensor, weight: Tensor, grad_buffer: Tensor):
+        ctx.save_for_backward(input, weight, grad_buffer)
         return torch.matmul(input, weight.t())
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        input, weight, main_grad = ctx.saved_tensors
+        input, weight, grad_buffer = ctx.saved_tensors
         grad_input = torch.matmul(grad_output, weight)
-        accumulate_weight_grad(main_grad, grad_output.reshape(-1, grad_output.shape[-1]),
+        accumulate_weight_grad(grad_buffer, grad_output.reshape(-1, grad_output.shape[-1]),
                                input.reshape(-1, input.shape[-1]))
         return grad_input, None, None
 
@@ -77,7 +77,7 @@ class DecoderLinear:
         if self.fp8 is not None:
             output = float8_matmul(self.fp8, input, weight, self.grad_buffer)
         else:
-            output = _MatmulIntoMainGrad.apply(input, weight, self.grad_buffer)
+            output = _MatmulIntoGradBuffer.apply(input, weight, self.grad_buffer)
         return output if bias is None else output + bias
 
 
