@@ -1,17 +1,25 @@
-"""`packed_attention` forward + backward with each CUDA kernel (`--attention fa2 | fa4`), side by
-side in one process, at the Qwen3-VL-2B shapes the trainer runs:
+"""`packed_attention` forward + backward with each CUDA kernel (`--attention fa2 | fa4`), and
+cuDNN's fused attention as a candidate, side by side in one process, at the Qwen3-VL-2B shapes
+the trainer runs:
 
 - LM: 16 query / 8 key-value heads of 128, causal, 16k-token packs of samples drawn like the
   training mix (100-3000 text tokens plus 0-3 images of 64-1300 visual tokens each);
 - vision: 16 heads of 64, bidirectional, 4-10 images of 4 x (64-1300) patches each.
 
-The same random packs go through both kernels. First the two kernels' outputs and q/k/v
-gradients on one pack of each shape are compared (bf16 against bf16); then fwd+bwd is timed
-per pack (the first 4 calls are printed, since FA4 compiles its kernels on first use, and
-not counted), TFLOP/s counting causal attention as half the square. Needs CUDA, and the
-flash-attn-4 package for fa4.
+The same random packs go through every kernel. First each kernel's outputs and q/k/v gradients
+on one pack of each shape are compared with FA2's (bf16 against bf16); then fwd+bwd is timed
+per pack, TFLOP/s counting causal attention as half the square. Two passes over the packs:
+the first meets each pack's shape for the first time (its first 4 calls are printed, since
+FA4 compiles its kernels on first use, and not counted), the second meets them again.
 
-    python benchmarks/attention_speed.py --json-out benchmarks/results/attention_speed_h100_<yyyymmdd>.json
+- fa2, fa4: `packed_attention` as the trainer runs it. Needs the flash-attn-4 package for fa4.
+- cudnn: cuDNN's fused flash attention on packed (THD, ragged-offset) tensors, through the
+  `nvidia-cudnn-frontend` package's `cudnn::sdpa_fwd` op and its backward. cuDNN builds an
+  execution plan per (sequences, longest sequence, and in the backward total tokens), so the
+  candidate pads the sequence count to a multiple of 16 with empty sequences and the longest
+  sequence to a multiple of 1024: the first pass counts the plan builds a new shape costs.
+
+    python benchmarks/attention_speed.py --kernels fa2,fa4,cudnn --json-out benchmarks/results/attention_speed_h100_<yyyymmdd>.json
 """
 
 from __future__ import annotations
@@ -47,8 +55,28 @@ def make(lens: list[int], hq: int, hkv: int, d: int):
     return q, k, v, cu, max(lens)
 
 
-def fwd_bwd(q, k, v, cu, max_seqlen, causal, grad_out):
-    out = packed_attention(q, k, v, cu, max_seqlen, causal=causal)
+KERNELS = ("fa2", "fa4", "cudnn")
+CUDNN_SEQUENCE_MULTIPLE, CUDNN_LENGTH_MULTIPLE = 16, 1024
+
+
+def cudnn_attention(q, k, v, cu, max_seqlen, causal):
+    """cuDNN's fused attention on THD tensors (the `nvidia-cudnn-frontend` package), with the
+    sequence count and the longest sequence padded so that packs share execution plans."""
+    from cudnn.sdpa.fwd import torch_op
+
+    sequences = cu.numel() - 1
+    padded = -(-sequences // CUDNN_SEQUENCE_MULTIPLE) * CUDNN_SEQUENCE_MULTIPLE
+    cu = torch.cat([cu, cu[-1:].expand(padded - sequences)])  # empty sequences
+    max_seqlen = -(-max_seqlen // CUDNN_LENGTH_MULTIPLE) * CUDNN_LENGTH_MULTIPLE
+    return torch_op.sdpa(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                         max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, return_lse=True)[0]  # its backward needs the LSE
+
+
+def fwd_bwd(kernel, q, k, v, cu, max_seqlen, causal, grad_out):
+    if kernel == "cudnn":
+        out = cudnn_attention(q, k, v, cu, max_seqlen, causal)
+    else:
+        out = packed_attention(q, k, v, cu, max_seqlen, causal=causal)
     return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
 
 
@@ -57,31 +85,37 @@ def flops(lens: list[int], hq: int, d: int, causal: bool) -> float:
     return f / 2 if causal else f
 
 
-def timed(kernel: str, shape: str, packs: list[list[int]]) -> dict:
+def timed(kernel: str, shape: str, packs: list[list[int]], first_pass: bool) -> dict:
     hq, hkv, d, causal = SHAPES[shape]
     seconds, work = 0.0, 0.0
+    untimed = UNTIMED if first_pass else 0
     for i, lens in enumerate(packs):
         q, k, v, cu, mx = make(lens, hq, hkv, d)
         grad_out = torch.randn_like(q)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fwd_bwd(q, k, v, cu, mx, causal, grad_out)
+        fwd_bwd(kernel, q, k, v, cu, mx, causal, grad_out)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        if i < UNTIMED:
+        if i < untimed:
             print(f"  {kernel} {shape} call {i} max_seqlen {mx}: {dt * 1e3:.1f} ms", flush=True)
         else:
             seconds += dt
             work += flops(lens, hq, d, causal)
-    return {"seconds": seconds, "packs": len(packs) - UNTIMED, "tflop_per_s": work / seconds / 1e12}
+    return {"seconds": seconds, "packs": len(packs) - untimed, "tflop_per_s": work / seconds / 1e12}
 
 
 def main(argv=None) -> int:
     ap = parser(__doc__)
-    ap.add_argument("--packs", type=int, default=16, help=f"packs per shape (the first {UNTIMED} untimed)")
+    ap.add_argument("--packs", type=int, default=16, help=f"packs per shape (the first {UNTIMED} untimed in the first pass)")
     ap.add_argument("--seq-len", type=int, default=16384, help="LM pack length")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random packs and inputs")
+    ap.add_argument("--kernels", default="fa2,fa4", help=f"comma-separated, from {', '.join(KERNELS)}; fa2 first "
+                    "(the others are compared with it)")
     args = ap.parse_args(argv)
+    kernels = args.kernels.split(",")
+    if kernels[0] != "fa2" or not set(kernels) <= set(KERNELS):
+        raise SystemExit(f"--kernels {args.kernels!r}: fa2 first, then any of {', '.join(KERNELS[1:])}")
     if not torch.cuda.is_available():
         raise SystemExit("attention_speed.py needs a CUDA GPU")
     torch.manual_seed(args.seed)
@@ -90,34 +124,45 @@ def main(argv=None) -> int:
              "vision": [vision_pack(rng) for _ in range(args.packs)]}
     machine = machine_info("cuda")
     log(f"{machine['device']}, torch {machine['torch']}")
+    if "cudnn" in kernels:
+        import cudnn
+
+        machine["cudnn_backend"] = cudnn.backend_version_string()
+        log(f"cuDNN {machine['cudnn_backend']}")
 
     results, outputs = {}, {}
-    for kernel in ("fa2", "fa4"):
-        select_attention_kernel(kernel)
+    for kernel in kernels:
+        select_attention_kernel("fa4" if kernel == "fa4" else "fa2")
         for shape in SHAPES:
             hq, hkv, d, causal = SHAPES[shape]
-            torch.manual_seed(args.seed)  # the same inputs for both kernels
+            torch.manual_seed(args.seed)  # the same inputs for every kernel
             q, k, v, cu, mx = make(packs[shape][0], hq, hkv, d)
-            outputs[kernel, shape] = fwd_bwd(q, k, v, cu, mx, causal, torch.randn_like(q))
-            results[f"{kernel}_{shape}"] = timed(kernel, shape, packs[shape])
+            outputs[kernel, shape] = fwd_bwd(kernel, q, k, v, cu, mx, causal, torch.randn_like(q))
+            for first_pass in (True, False):
+                results[f"{kernel}_{shape}_{'first' if first_pass else 'second'}"] = timed(kernel, shape, packs[shape],
+                                                                                           first_pass)
     select_attention_kernel("fa2")
 
     agreement = {}
-    for shape in SHAPES:
-        for name, a, b in zip(("out", "dq", "dk", "dv"), outputs["fa4", shape], outputs["fa2", shape]):
-            diff = (a.float() - b.float()).abs()
-            agreement[f"{shape}_{name}"] = {"max": diff.max().item(), "mean": diff.mean().item(),
-                                            "ref_abs_mean": b.float().abs().mean().item()}
-            print(f"fa4 vs fa2 {shape} {name}: max {diff.max().item():.3e} mean {diff.mean().item():.3e} "
-                  f"(|fa2| mean {b.float().abs().mean().item():.3e})")
-    print(f"\n| kernel | shape | fwd+bwd s ({args.packs - UNTIMED} packs) | TFLOP/s |\n|---|---|---|---|")
+    for kernel in kernels[1:]:
+        for shape in SHAPES:
+            for name, a, b in zip(("out", "dq", "dk", "dv"), outputs[kernel, shape], outputs["fa2", shape]):
+                diff = (a.float() - b.float()).abs()
+                agreement[f"{kernel}_{shape}_{name}"] = {"max": diff.max().item(), "mean": diff.mean().item(),
+                                                         "ref_abs_mean": b.float().abs().mean().item()}
+                print(f"{kernel} vs fa2 {shape} {name}: max {diff.max().item():.3e} mean {diff.mean().item():.3e} "
+                      f"(|fa2| mean {b.float().abs().mean().item():.3e})")
+    print("\n| kernel | shape | pass | fwd+bwd s | packs | TFLOP/s |\n|---|---|---|---|---|---|")
     for key, r in results.items():
-        print(f"| {key.split('_')[0]} | {key.split('_')[1]} | {r['seconds']:.3f} | {r['tflop_per_s']:.0f} |")
-    speedup = {shape: results[f"fa2_{shape}"]["seconds"] / results[f"fa4_{shape}"]["seconds"] for shape in SHAPES}
-    print("fa4 / fa2 speed: " + ", ".join(f"{s} {x:.2f}x" for s, x in speedup.items()))
+        kernel, shape, which = key.split("_")
+        print(f"| {kernel} | {shape} | {which} | {r['seconds']:.3f} | {r['packs']} | {r['tflop_per_s']:.0f} |")
+    speedup = {f"{kernel}_{shape}_{which}": results[f"{kernel}_{shape}_{which}"]["tflop_per_s"]
+               / results[f"fa2_{shape}_{which}"]["tflop_per_s"]
+               for kernel in kernels[1:] for shape in SHAPES for which in ("first", "second")}
+    print("speed against fa2 (TFLOP/s ratio): " + ", ".join(f"{s} {x:.2f}x" for s, x in speedup.items()))
     if args.json_out:
         write_json(args.json_out, {"machine": machine, "args": vars(args), "results": results, "speedup": speedup,
-                                   "fa4_vs_fa2": agreement})
+                                   "agreement_with_fa2": agreement})
     return 0
 
 
