@@ -156,22 +156,32 @@ def test_qwen25_windows_split_images():
         assert _max_diff(windowed(pixels, grid)[0], full(pixels, grid)[0]) > 1e-2
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_index_helpers_equal_hf_vision_utils(seed):
-    """Bit-exact against transformers.vision_utils on random grids, video frames included."""
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(6))
+def test_index_helpers_equal_hf_vision_utils(seed, device):
+    """Bit-exact against transformers.vision_utils on random grids, video frames included. The
+    per-patch tables are built on `device` from the patch count (as the Qwen3 tower builds
+    them on its GPU), and on the CPU without it."""
     from transformers import vision_utils as vu
 
     gen = torch.Generator().manual_seed(seed)
     k = int(torch.randint(1, 6, (1,), generator=gen))
     grid = torch.cat([torch.randint(1, 3, (k, 1), generator=gen), 2 * torch.randint(1, 16, (k, 2), generator=gen)], 1)
-    row, col, h, w = patch_coords(grid, 2)
-    assert torch.equal(torch.stack([row, col], 1), vu.get_vision_position_ids(grid, 2))
+    ref_coords = vu.get_vision_position_ids(grid, 2)
+    assert torch.equal(torch.stack(patch_coords(grid, 2)[:2], 1), ref_coords)
+    row, col, h, w = patch_coords(grid.to(device), 2, int(grid.prod(1).sum()))
+    assert row.device.type == device
+    assert torch.equal(torch.stack([row, col], 1).cpu(), ref_coords)
     assert torch.equal(frame_cu_seqlens(grid), vu.get_vision_cu_seqlens(grid))
     for side in (3, 8, 48):
         index, weight = pos_embed_taps(row, col, h, w, side)
         ref_index, ref_weight = vu.get_vision_interpolation_indices_and_weights(
             grid, side, mode="bilinear", align_corners=True, spatial_merge_size=2)
-        assert torch.equal(index, ref_index) and torch.equal(weight, ref_weight)
+        assert torch.equal(index.cpu(), ref_index) and torch.equal(weight.cpu(), ref_weight)
     for window_px in (32, 64, 96, 112):  # 1, 2, 3, 3 merged tokens with patch 16
         ours = window_order(grid, 2, window_px // 2 // 16)
         ref = vu.get_vision_window_index(grid, spatial_merge_size=2, window_size=window_px, patch_size=16)

@@ -8,8 +8,11 @@ load as they are. What differs is only how the work is laid out:
 - every block runs ONE packed attention call over all images (Qwen2.5: all windows), where
   HF's eager/sdpa paths loop over images;
 - the per-image index tensors (rotary positions, pos-embed taps, window order, cu_seqlens)
-  are vectorised over `image_grid_thw` and built on the CPU, so no GPU sync is needed for
-  the `max_seqlen` ints and the bits match HF's own (CPU-built) tables.
+  are vectorised over `image_grid_thw`. cu_seqlens and Qwen2.5's window order are built on
+  the CPU, so no GPU sync is needed for the `max_seqlen` ints; Qwen3's per-patch tables are
+  built on the device, where the host only queues a few small kernels instead of computing
+  tables of every patch while the GPU waits. Either way the bits are those of HF's own
+  (CPU-built) tables: integer ops, and float ops that IEEE rounds the same everywhere.
 
 Token order (both families, as HF): patches of each image come in 2x2 spatial-merge-block
 order (the image processor emits them so), so merged token j is patches 4j..4j+3.
@@ -119,17 +122,19 @@ class VisionArch:
 # Index tensors from image_grid_thw (long, CPU). Each is HF's vision_utils result, vectorised.
 
 
-def _ragged_arange(counts: Tensor) -> tuple[Tensor, Tensor]:
-    """For segments of `counts` rows: (segment id, index within the segment) of every row."""
-    seg = torch.repeat_interleave(torch.arange(len(counts)), counts)
+def _ragged_arange(counts: Tensor, total: int | None = None) -> tuple[Tensor, Tensor]:
+    """For segments of `counts` rows: (segment id, index within the segment) of every row.
+    `total` (the sum of `counts`, when the caller knows it) spares a device a sync."""
+    seg = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts, output_size=total)
     starts = counts.cumsum(0) - counts
-    return seg, torch.arange(seg.numel()) - starts[seg]
+    return seg, torch.arange(seg.numel(), device=counts.device) - starts[seg]
 
 
-def patch_coords(grid: Tensor, merge: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def patch_coords(grid: Tensor, merge: int, total: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(row, col, grid h, grid w) of every patch, patches in spatial-merge-block order
-    (block row, block col, row in block, col in block), frames repeating the same positions."""
-    seg, local = _ragged_arange(grid.prod(1))
+    (block row, block col, row in block, col in block), frames repeating the same positions.
+    On `grid`'s device; `total`: the number of patches, which spares a GPU a sync."""
+    seg, local = _ragged_arange(grid.prod(1), total)
     h, w = grid[seg, 1], grid[seg, 2]
     within = local % (h * w)
     blocks_w = w // merge
@@ -149,7 +154,7 @@ def _bilinear_axis(index: Tensor, size: Tensor, side: int) -> tuple[Tensor, Tens
     `size`, as `F.interpolate(bilinear, align_corners=True)` (the same float ops as HF)."""
     src = index.to(torch.float32) * (side - 1) / torch.clamp(size - 1, min=1)
     floor = torch.floor(src)
-    offsets = torch.arange(2)
+    offsets = torch.arange(2, device=index.device)
     taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
     weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
     return taps, weights
@@ -360,26 +365,28 @@ class VisionTower(nn.Module):
         arch, dev = self.arch, pixel_values.device
         unit = arch.spatial_merge_size ** 2
         grid = image_grid_thw.to("cpu", torch.long)
-        if int(grid.prod(1).sum()) != pixel_values.shape[0]:
-            raise ValueError(f"image_grid_thw {grid.tolist()} gives {int(grid.prod(1).sum())} patches, "
+        patches = int(grid.prod(1).sum())
+        if patches != pixel_values.shape[0]:
+            raise ValueError(f"image_grid_thw {grid.tolist()} gives {patches} patches, "
                              f"pixel_values has {pixel_values.shape[0]}")
-        row, col, h, w = patch_coords(grid, arch.spatial_merge_size)
         cu_full = frame_cu_seqlens(grid)
         full = windowed = (_host_to(cu_full, dev), _max_len(cu_full))  # (cu_seqlens, max_seqlen) per block kind
         x = self.patch_embed(pixel_values)
 
         if arch.family == "qwen3-vl":
+            row, col, h, w = patch_coords(_host_to(grid, dev), arch.spatial_merge_size, patches)
             index, weight = pos_embed_taps(row, col, h, w, math.isqrt(arch.num_position_embeddings))
-            pos = (self.pos_embed(_host_to(index, dev)) * _host_to(weight, dev)[:, :, None]).sum(1)
+            pos = (self.pos_embed(index) * weight[:, :, None]).sum(1)
             x = x + pos.to(x.dtype)
         else:
             # Windows are contiguous after reordering merged tokens (and their 4 patches); full
             # attention still sees whole frames since no window crosses a frame.
+            row, col, _, _ = patch_coords(grid, arch.spatial_merge_size)
             window_index, cu_window = window_order(grid, arch.spatial_merge_size, arch.window_tokens)
             perm = (window_index[:, None] * unit + torch.arange(unit)).flatten()
-            x, row, col = x[_host_to(perm, dev)], row[perm], col[perm]
+            x, row, col = x[_host_to(perm, dev)], _host_to(row[perm], dev), _host_to(col[perm], dev)
             windowed = (_host_to(cu_window, dev), _max_len(cu_window))
-        cos, sin = self._rotary(_host_to(row, dev), _host_to(col, dev))
+        cos, sin = self._rotary(row, col)
         out, deepstack = self.encode(x, *full, *windowed, cos, sin)
         if arch.family == "qwen2.5-vl":
             out = out[_host_to(torch.argsort(window_index), dev)]  # back to the input's token order
