@@ -125,7 +125,7 @@ class VisionArch:
 def _ragged_arange(counts: Tensor, total: int | None = None) -> tuple[Tensor, Tensor]:
     """For segments of `counts` rows: (segment id, index within the segment) of every row.
     `total` (the sum of `counts`, when the caller knows it) spares a device a sync."""
-    seg = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts, output_size=total)
+    seg = torch.repeat_interleave(counts, output_size=total)  # (repeating arange(len) reads a 1-long `counts` to the host)
     starts = counts.cumsum(0) - counts
     return seg, torch.arange(seg.numel(), device=counts.device) - starts[seg]
 
