@@ -288,8 +288,9 @@ class Quickstart:
         out = Path(args.out)
         data, shards_dir = out / "example.jsonl", out / "shards"
         total = args.rows + videos + 2
-        cfg = PreprocessConfig(inputs=[str(data)], out=str(shards_dir), profile=args.profile, workers=args.workers,
-                               rows_per_shard=max(1, (total + 1) // 2))
+        units = 2  # two shards, so the example shows a multi-shard dataset; more workers would idle
+        cfg = PreprocessConfig(inputs=[str(data)], out=str(shards_dir), profile=args.profile,
+                               workers=min(args.workers, units), rows_per_shard=max(1, -(-total // units)))
         check_config(cfg)
         prepare_output_dir(out)
         rows = example_rows(args.rows, seed=0, family=args.profile, include_bad_rows=True)

@@ -785,6 +785,18 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         return _run_with_pool(cfg, profile, pool, setup_started)
 
 
+def idle_workers_note(units: int, rows: int, workers: int, rows_per_shard: int) -> str | None:
+    """A note when a parallel job has fewer work units than workers: a unit is one shard, so
+    the others would wait the whole job. The shard size stays the user's choice (the output
+    depends on it, and must not on the worker count), so the note suggests one."""
+    if workers <= 1 or units >= workers or rows < workers:
+        return None
+    suggested = -(-rows // (4 * workers))  # about 4 units per worker, so the last ones end close together
+    return (f"vlmpack preprocess: note: {units} work unit{'s' if units > 1 else ''} for {workers} workers, so at most "
+            f"{units} run at once (a unit is one shard of --rows-per-shard {rows_per_shard} rows); "
+            f"--rows-per-shard {suggested} gives every worker about 4")
+
+
 def _run_with_pool(cfg: PreprocessConfig, profile: Profile, pool: _LocalPool | None, setup_started: float) -> dict:
     inputs = [describe_job_input(p, cfg.rows_per_shard, cfg.input_hash, cfg.input_format) for p in cfg.inputs]
     units = plan_units([inp.file for inp in inputs], cfg.rows_per_shard)
@@ -795,6 +807,9 @@ def _run_with_pool(cfg: PreprocessConfig, profile: Profile, pool: _LocalPool | N
         names = {inp.file.path: entry["path"] for inp, entry in zip(inputs, identity["inputs"])}
         committed, damaged = _committed_units(out, mine, cfg.progress)
         todo = [u for u in mine if u.index not in committed]
+        note = idle_workers_note(len(mine), sum(u.num_rows for u in mine), cfg.workers, cfg.rows_per_shard)
+        if note and todo:
+            print(note, file=sys.stderr)
         started = time.perf_counter()
         _run_units(todo, names, cfg, out, profile, pool)
         _stop_if_asked()

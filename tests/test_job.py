@@ -19,7 +19,7 @@ import pytest
 
 from preprocess.errors import ConfigError
 from preprocess.examples import encode_data_uri, example_rows, synthetic_image, write_jsonl
-from preprocess.job import PreprocessConfig, merge_partitions, run_preprocess
+from preprocess.job import PreprocessConfig, idle_workers_note, merge_partitions, run_preprocess
 from preprocess.pipeline import SampleOptions
 from shards_schema import open_shards
 from shards_schema.writer import file_sha256
@@ -92,6 +92,25 @@ def test_same_bytes_whatever_the_worker_count(example_jsonl, baseline, tmp_path)
     assert _without_run(manifest1) == _without_run(manifest2)
     assert (out1 / "rejects.jsonl").read_bytes() == (tmp_path / "rejects.jsonl").read_bytes()
     assert (out1 / "manifest.json").read_bytes() == (tmp_path / "manifest.json").read_bytes()
+
+
+def test_fewer_units_than_workers_gets_a_note_with_a_shard_size_that_fits(example_jsonl, tmp_path, capsys):
+    manifest = _run([example_jsonl], tmp_path, workers=4, rows_per_shard=1000)
+    rows = manifest["accounting"]["rows_read"]
+    err = capsys.readouterr().err
+    assert "note: 1 work unit for 4 workers, so at most 1 run at once (a unit is one shard of --rows-per-shard 1000" in err
+    assert f"--rows-per-shard {-(-rows // 16)} gives every worker about 4" in err
+
+
+@pytest.mark.parametrize("units, rows, workers, note", [
+    (8, 8000, 16, "vlmpack preprocess: note: 8 work units for 16 workers, so at most 8 run at once (a unit is one shard of --rows-per-shard 1024 "
+                  "rows); --rows-per-shard 125 gives every worker about 4"),
+    (16, 8000, 16, None),  # every worker has a unit
+    (1, 3, 8, None),  # fewer rows than workers: no shard size helps
+    (1, 1000, 1, None),  # one worker
+])
+def test_idle_workers_note(units, rows, workers, note):
+    assert idle_workers_note(units, rows, workers, 1024) == note
 
 
 def test_resume_after_kill_equals_uninterrupted_run(example_jsonl, baseline, tmp_path):
