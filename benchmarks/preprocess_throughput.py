@@ -180,7 +180,9 @@ def main() -> int:
     worker_counts = sorted({1, *(int(w) for w in args.workers.split(","))})
     job_rows = [rows[i % len(rows)] for i in range(max(args.job_rows, len(rows)))]
     data = write_jsonl(work / "rows.jsonl", job_rows)
-    rows_per_shard = max(1, len(job_rows) // (8 * worker_counts[-1]))
+    # 8 units per worker of the largest pool, rounded up: a ninth round of one left-over unit would
+    # time the job's tail, not its throughput
+    rows_per_shard = -(-len(job_rows) // (8 * worker_counts[-1]))
     jobs = {}
     for workers in worker_counts:
         out = work / f"out{workers}"
