@@ -808,7 +808,8 @@ def _run_with_pool(cfg: PreprocessConfig, profile: Profile, pool: _LocalPool | N
         committed, damaged = _committed_units(out, mine, cfg.progress)
         todo = [u for u in mine if u.index not in committed]
         note = idle_workers_note(len(mine), sum(u.num_rows for u in mine), cfg.workers, cfg.rows_per_shard)
-        if note and todo and not cfg.ray_address:  # a Ray cluster's CPUs are not --workers
+        on_cluster = cfg.executor == "ray" and (cfg.ray_address or os.environ.get("RAY_ADDRESS"))
+        if note and todo and not on_cluster:  # a Ray cluster's CPUs are not --workers
             print(note, file=sys.stderr)
         started = time.perf_counter()
         _run_units(todo, names, cfg, out, profile, pool)
