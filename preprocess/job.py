@@ -92,6 +92,11 @@ class PreprocessConfig:
     stage_dir: str | None = None  # with --out on an object store: where the job runs before the upload
     progress: bool = True
 
+    @property
+    def ray_cluster_address(self) -> str | None:
+        """The Ray cluster `--executor ray` joins; None: it starts a local instance of `workers` CPUs."""
+        return self.ray_address or os.environ.get("RAY_ADDRESS")
+
 
 class Interrupted(UserError):
     """The job was stopped by SIGTERM or SIGINT; exit status 128 + the signal number."""
@@ -808,8 +813,7 @@ def _run_with_pool(cfg: PreprocessConfig, profile: Profile, pool: _LocalPool | N
         committed, damaged = _committed_units(out, mine, cfg.progress)
         todo = [u for u in mine if u.index not in committed]
         note = idle_workers_note(len(mine), sum(u.num_rows for u in mine), cfg.workers, cfg.rows_per_shard)
-        on_cluster = cfg.executor == "ray" and (cfg.ray_address or os.environ.get("RAY_ADDRESS"))
-        if note and todo and not on_cluster:  # a Ray cluster's CPUs are not --workers
+        if note and todo and not (cfg.executor == "ray" and cfg.ray_cluster_address):  # a cluster's CPUs are not --workers
             print(note, file=sys.stderr)
         started = time.perf_counter()
         _run_units(todo, names, cfg, out, profile, pool)

@@ -63,7 +63,7 @@ def run_units_on_ray(units, names: dict[str, str], cfg, out: Path, profile, show
 
     started_here = not ray.is_initialized()
     if started_here:
-        address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+        address = cfg.ray_cluster_address
         try:
             if address:
                 ray.init(address=address, log_to_driver=False, include_dashboard=False)

@@ -119,7 +119,7 @@ class VisionArch:
 
 
 # ---------------------------------------------------------------------------------------------
-# Index tensors from image_grid_thw (long, CPU). Each is HF's vision_utils result, vectorised.
+# Index tensors from image_grid_thw (long; on its device). Each is HF's vision_utils result, vectorised.
 
 
 def _ragged_arange(counts: Tensor, total: int | None = None) -> tuple[Tensor, Tensor]:
