@@ -9,17 +9,19 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from tests.hf_models import tiny_qwen3_vl, tiny_qwen3_vl_moe
-from tests.test_compile import loss_and_grads, random_pack
+from tests.test_compile import loss_and_grads, models, random_pack
 from tests.test_train import BASE, metrics, ok, run_train, shards  # noqa: F401  (shards: fixture)
 from train.config import FP8_RECIPES
 from train.model.arch import ModelArch
 from train.model import fp8_cast
 from train.model.fp8 import float8_gemm
-from train.model.linear import DecoderLinear, use_fp8
-from train.model.qwen_vl import transformer_config
+from train.model.linear import DecoderLinear, fp8_weight_scales_once, use_fp8, use_grad_buffers
+from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 
 
@@ -165,6 +167,70 @@ def check_aligned_linears_skip_the_pad(model, recipe: str, emulate: bool):
     assert all(layer.fp8.config.pad_inner_dim for layer in layers)
 
 
+@pytest.mark.parametrize("grad_buffers", [False, True], ids=["autograd", "grad-buffers"])
+def test_weight_scales_taken_once_per_block_give_the_gemms_of_scales_taken_at_each_cast(info, grad_buffers):
+    """`fp8_weight_scales_once`: inside the block each aligned tensorwise linear casts its weight
+    with a scale taken once, and the loss and every gradient are bitwise those of taking it at
+    each cast, compiled too (one decoder-layer graph for every layer); weights changed between
+    two blocks get new scales, and after a block no scale is kept."""
+    torch._dynamo.reset()
+    arch, (per_cast, once) = models(info, "qwen3-vl", "fp8-tensorwise", fp8_rows=96)
+    _, (compiled, _) = models(info, "qwen3-vl", "fp8-tensorwise", fp8_rows=96)  # the same weights again
+    compile_model(compiled, backend="aot_eager", static_rows=True)
+    every = (per_cast, once, compiled)
+    if grad_buffers:
+        for model in every:
+            for param in model.parameters():
+                param.main_grad = torch.zeros_like(param)
+            assert use_grad_buffers(model) == 4 * arch.lm.num_layers
+    layers = [m for m in once.modules() if isinstance(m, DecoderLinear)]
+    assert all(layer.fp8.transposes_by_tile for layer in layers)
+    for seed in range(3):
+        pack = random_pack(seed, total=96)
+        want = loss_and_grads(per_cast, pack)
+        for model in (once, compiled):
+            with fp8_weight_scales_once(model):
+                assert all(m.fp8_weight_scale is not None for m in model.modules() if isinstance(m, DecoderLinear))
+                got = loss_and_grads(model, pack)
+            assert torch.equal(got[0], want[0]), seed
+            assert got[1].keys() == want[1].keys()
+            assert all(torch.equal(got[1][name], grad) for name, grad in want[1].items()), seed
+        assert all(layer.fp8_weight_scale is None for layer in layers)
+        with fp8_weight_scales_once(once):  # the GEMMs read the scales the block took
+            for layer in layers:
+                layer.fp8_weight_scale = layer.fp8_weight_scale / 64
+            assert not torch.equal(loss_and_grads(once, pack)[0], want[0])
+        with torch.no_grad():  # an optimizer step between blocks: every scale changes
+            for model in every:
+                for param in model.parameters():
+                    param.mul_(1.0 + 0.25 * (seed + 1))
+    assert len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__)) == 1
+
+
+def test_weight_scales_are_torchaos_tensorwise_scales():
+    """`weight_scales`: one amax launch over many weights gives torchao's scale of each, for
+    both formats and with power-of-two rounding, zero weights and huge ones included."""
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    from train.model.fp8 import weight_scales
+
+    g = torch.Generator().manual_seed(3)
+    for case in range(12):
+        gemm = float8_gemm("tensorwise", emulate=True, pad_inner_dim=False)
+        if case % 2:
+            gemm = dataclasses.replace(gemm, config=dataclasses.replace(gemm.config, round_scales_to_power_of_2=True))
+        weights = [(torch.randn(*(int(n) for n in torch.randint(1, 90, (2,), generator=g)), generator=g)
+                    * float(torch.rand((), generator=g)) * 10.0 ** int(torch.randint(-3, 30, (1,), generator=g)))
+                   .to(torch.bfloat16) for _ in range(5)]
+        weights[case % 5].zero_()
+        dtype = gemm.config.cast_config_weight.target_dtype
+        want = [tensor_to_scale(w, dtype, round_scales_to_power_of_2=gemm.config.round_scales_to_power_of_2)
+                for w in weights]
+        got = weight_scales(weights, gemm)
+        assert got.dtype == torch.float32 and got.shape == (5,)
+        assert all(torch.equal(scale, ref) for scale, ref in zip(got, want)), (case, got, want)
+
+
 def unaligned_arch() -> ModelArch:
     """The tiny Qwen3-VL with an MLP width of 72: fc1 (144 out) and fc2 (72 in) keep the pad."""
     arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
@@ -295,6 +361,46 @@ def test_gpu_compiled_decoder_with_tile_cast_linears_stays_as_close_to_bf16_as_e
             for (loss, _), error in zip(fp8, errors):
                 assert abs(loss.item() - want_loss.item()) <= 1e-2 * abs(want_loss.item()), seed
                 assert max(error.values()) < 0.5, (seed, error)
+            for name in want:
+                assert errors[1][name] <= 1.25 * errors[0][name] + 0.02, (seed, name, errors[0][name], errors[1][name])
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs an FP8 GPU (sm89+)")
+def test_gpu_weight_scales_taken_once_give_the_gemms_of_scales_taken_at_each_cast():
+    """`fp8_weight_scales_once` on the GPU (`torch._scaled_mm`, the Triton casts, CUDA's
+    `_foreach_norm`): eager, loss and every gradient bitwise those of scales taken at each
+    cast. With compiled decoder layers the graph changes (the scales come in instead of being
+    taken), and Inductor may fuse and round the activations around the casts differently
+    (`test_gpu_compiled_decoder_with_tile_cast_linears_stays_as_close_to_bf16_as_eager`): each
+    gradient must stay as close to the eager model's as without the scales."""
+    info = init_parallel(1, 1, device="cuda")
+    try:
+        arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
+        config = transformer_config(arch, params_dtype=torch.bfloat16, bf16=True)
+        torch.manual_seed(0)
+        eager, compiled = (build_model(arch, config, info) for _ in range(2))
+        compiled.load_state_dict(eager.state_dict())
+        for model in (eager, compiled):
+            use_fp8(model, "tensorwise", rows=96)
+        compile_model(compiled, static_rows=True)
+        for seed in range(3):
+            ids, positions, cu, max_len, labels = random_pack(seed, total=96)
+            pack = (ids.cuda(), positions.cuda(), cu.int().cuda(), max_len, labels.cuda())
+            results = {}
+            for name, model in (("eager", eager), ("compiled", compiled)):
+                results[name] = loss_and_grads(model, pack)
+                with fp8_weight_scales_once(model):
+                    results[name, "scales"] = loss_and_grads(model, pack)
+            (want_loss, want), (loss, grads) = results["eager"], results["eager", "scales"]
+            assert torch.equal(loss, want_loss), seed
+            assert grads.keys() == want.keys() and all(torch.equal(grads[n], g) for n, g in want.items()), seed
+            errors = [{name: ((got[1][name].float() - ref.float()).norm() / ref.float().norm()).item()
+                       for name, ref in want.items()} for got in (results["compiled"], results["compiled", "scales"])]
+            assert abs(results["compiled", "scales"][0].item() - want_loss.item()) <= 1e-3 * abs(want_loss.item())
             for name in want:
                 assert errors[1][name] <= 1.25 * errors[0][name] + 0.02, (seed, name, errors[0][name], errors[1][name])
     finally:

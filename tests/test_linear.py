@@ -11,8 +11,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 from tests.hf_models import tiny_qwen3_vl
 from train.model.arch import ModelArch
-from train.model.grad_buffer import accumulate_weight_grad
-from train.model.linear import DecoderLinear, use_fp8, use_grad_buffers
+from train.model.grad_buffer import accumulate_float8_weight_grad, accumulate_weight_grad, zeros_flag
+from train.model.linear import DecoderLinear, grad_buffers_zeroed, use_fp8, use_grad_buffers
 from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 
@@ -91,13 +91,16 @@ def test_frozen_decoder_linears_leave_the_buffer_alone(info):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("gemms", ["bf16", "fp8-tensorwise"])
-def test_gradient_buffers_under_megatrons_ddp_hold_the_models_gradients(info, compiled, gemms):
+@pytest.mark.parametrize("gemms, zeroed", [("bf16", False), ("fp8-tensorwise", False), ("fp8-tensorwise", True)],
+                         ids=["bf16", "fp8-tensorwise", "fp8-tensorwise-written-then-added"])
+def test_gradient_buffers_under_megatrons_ddp_hold_the_models_gradients(info, compiled, gemms, zeroed):
     """The tiny model under megatron's DDP, eager or with its decoder layers compiled (dynamo
     and AOTAutograd, as on the GPU), bf16 GEMMs or FP8 tensorwise ones (packs of one aligned
     length, so through `_TensorwiseFloat8Matmul`): after two micro-batches, every parameter's
     buffer equals the sum of its two gradients from the same model without DDP (the decoder
-    linears' added inside their backward, the rest through DDP's hook), bitwise."""
+    linears' added inside their backward, the rest through DDP's hook), bitwise. `zeroed`: the
+    FP8 linears' buffers are flagged as holding zeros (`grad_buffers_zeroed`) but hold garbage,
+    which the first micro-batch's weight gradient must overwrite and the second's add to."""
     from tests.test_compile import random_pack
 
     arch, plain = tiny_model(info)
@@ -114,6 +117,11 @@ def test_gradient_buffers_under_megatrons_ddp_hold_the_models_gradients(info, co
     ddp = DistributedDataParallel(transformer_config(arch, cpu=True),
                                   DistributedDataParallelConfig(grad_reduce_in_fp32=True), wrapped)
     assert use_grad_buffers(ddp) == 4 * arch.lm.num_layers
+    if zeroed:
+        for layer in wrapped.modules():
+            if isinstance(layer, DecoderLinear):
+                layer.grad_buffer.normal_()
+        grad_buffers_zeroed(ddp)
     packs = [random_pack(seed, total=96 if fp8 else None) for seed in (4, 5)]
     for model in (plain, ddp):
         for ids, positions, cu, max_len, labels in packs:
@@ -146,3 +154,30 @@ def test_gpu_weight_grad_accumulation_is_as_close_to_exact_as_megatrons_hook(buf
             exact += grad.double().t() @ x.double()
         errors = [((buffer.double() - exact).norm() / exact.norm()).item() for buffer in (fused, hook)]
         assert errors[0] <= errors[1] * 1.01 + 1e-7, (out_features, in_features, buffer_dtype, errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs an FP8 GPU (sm89+)")
+def test_gpu_float8_weight_grad_is_torchaos_scaled_gemm_written_or_added():
+    """`accumulate_float8_weight_grad` against torchao's scaled GEMM (`addmm_float8_unwrapped`):
+    into a bf16 buffer flagged as holding zeros (holding garbage here), the product bit for bit;
+    into one that holds a gradient, that gradient plus the product, bit for bit; into an fp32
+    buffer, the bf16 product, written or added."""
+    from torchao.float8.float8_ops import addmm_float8_unwrapped
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for out_features, in_features, rows in ((6144, 2048, 16384), (4096, 12288, 8192), (32, 48, 96)):
+        for buffer_dtype in (torch.bfloat16, torch.float32):
+            grad_bits_t = torch.randn(out_features, rows, device="cuda", generator=g).to(torch.float8_e5m2)
+            input_bits = torch.randn(in_features, rows, device="cuda", generator=g).to(torch.float8_e4m3fn).t()
+            grad_scale, input_scale = (torch.rand((), device="cuda", generator=g) * 100 + 1 for _ in range(2))
+            product = addmm_float8_unwrapped(grad_bits_t, grad_scale, input_bits, input_scale, torch.bfloat16)
+            start = torch.randn(out_features, in_features, device="cuda", generator=g).to(buffer_dtype)
+            for zeroed in (True, False):
+                buffer, holds_zeros = start.clone(), zeros_flag()
+                holds_zeros.fill_(zeroed)
+                accumulate_float8_weight_grad(buffer, holds_zeros, grad_bits_t, grad_scale, input_bits, input_scale,
+                                              torch.bfloat16, False, False)
+                want = product.to(buffer_dtype) if zeroed else start + product
+                assert not holds_zeros and torch.equal(buffer, want), (out_features, buffer_dtype, zeroed)

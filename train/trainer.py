@@ -37,7 +37,7 @@ from train.data import TrainData
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
-from train.model.linear import use_fp8, use_grad_buffers
+from train.model.linear import fp8_weight_scales_once, grad_buffers_zeroed, use_fp8, use_grad_buffers
 from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import lora
@@ -188,7 +188,9 @@ def evaluate(model, data: TrainData, forward_step, seq_length: int, info: Parall
     losses = []
     with torch.no_grad():
         for micro_batches in data.eval_batches():
-            losses += run_global_batch(model, micro_batches, forward_step, seq_length, data.config.pp, forward_only=True)
+            with fp8_weight_scales_once(model):
+                losses += run_global_batch(model, micro_batches, forward_step, seq_length, data.config.pp,
+                                           forward_only=True)
     model.train()
     loss, target_tokens, _, _ = reduce_loss(losses, info)
     return loss, target_tokens
@@ -389,9 +391,12 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
             micro_batches = data.next_global_batch()
             data_wait = time.perf_counter() - t0
             model.zero_grad_buffer()
+            grad_buffers_zeroed(model)
             optimizer.zero_grad()
             timer.mark()
-            losses = run_global_batch(model, micro_batches, forward_step, seq_length, config.pp, forward_only=False)
+            with fp8_weight_scales_once(model):
+                losses = run_global_batch(model, micro_batches, forward_step, seq_length, config.pp,
+                                          forward_only=False)
             timer.mark()
             update_ok, grad_norm, _ = optimizer.step()
             timer.mark()

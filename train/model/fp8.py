@@ -30,7 +30,7 @@ from torch import Tensor
 from train.config import FP8_RECIPES as RECIPES
 from train.config import ConfigError
 from train.model.fp8_cast import cast_rows_and_transposed, cast_transposed
-from train.model.grad_buffer import add_weight_grad
+from train.model.grad_buffer import accumulate_float8_weight_grad
 
 
 INNER_DIM_MULTIPLE = 16  # torch._scaled_mm's FP8 GEMMs need every dim a multiple of 16
@@ -47,8 +47,8 @@ class Float8Gemm:
 
 def _transposes_by_tile(config) -> bool:
     """Whether `_TensorwiseFloat8Matmul` can run a torchao config: every operand is cast with one
-    dynamic scale (so a transposed cast carries the row-major one's, and both gradient GEMMs
-    read one cast of the output gradient), and no inner dim is padded (torchao's pad copies each
+    dynamic scale (so a transposed cast carries the row-major one's, both gradient GEMMs read
+    one cast of the output gradient, and both of the weight's casts one scale), and no inner dim is padded (torchao's pad copies each
     operand, whatever its layout)."""
     from torchao.float8.config import ScalingGranularity, ScalingType
 
@@ -56,7 +56,8 @@ def _transposes_by_tile(config) -> bool:
                 "grad_output_for_grad_weight")
     casts = [getattr(config, f"cast_config_{operand}") for operand in operands]
     same_grad_cast = config.cast_config_grad_output == config.cast_config_grad_output_for_grad_weight
-    return (not config.pad_inner_dim and same_grad_cast
+    same_weight_cast = config.cast_config_weight == config.cast_config_weight_for_grad_input
+    return (not config.pad_inner_dim and same_grad_cast and same_weight_cast
             and all(cast.scaling_type is ScalingType.DYNAMIC
                     and cast.scaling_granularity is ScalingGranularity.TENSORWISE for cast in casts))
 
@@ -145,9 +146,13 @@ def _cast_rows(hp: Tensor, gemm: Float8Gemm, operand: str):
                                        round_scales_to_power_of_2=gemm.config.round_scales_to_power_of_2)
 
 
-def _cast_columns(hp: Tensor, gemm: Float8Gemm, operand: str):
-    """`hp` [M, N] cast as torchao casts it, as an [M, N] float8 tensor stored column-major."""
-    scale, dtype = _scale(hp, gemm, operand)
+def _cast_columns(hp: Tensor, gemm: Float8Gemm, operand: str, scale: Tensor | None = None):
+    """`hp` [M, N] cast as torchao casts it, as an [M, N] float8 tensor stored column-major;
+    `scale`: its scale, already taken."""
+    if scale is None:
+        scale, dtype = _scale(hp, gemm, operand)
+    else:
+        dtype = getattr(gemm.config, f"cast_config_{operand}").target_dtype
     return _float8(cast_transposed(hp, scale, dtype), scale, hp.dtype, gemm, operand).t()
 
 
@@ -157,40 +162,71 @@ class _TensorwiseFloat8Matmul(torch.autograd.Function):
     recipe with every operand scaled tensorwise (`Float8Gemm.transposes_by_tile`): the same
     scales, casts and scaled GEMMs, bit for bit, but each operand that a backward GEMM reads
     column-major is written so by `train.model.fp8_cast`, the output gradient in both layouts
-    from one read. With `grad_buffer`, the weight gradient is added into it, not returned."""
+    from one read. With `grad_buffer`, the weight gradient is added into it (written, where it
+    holds zeros: `train.model.grad_buffer`), not returned. With
+    `weight_scale` (`weight_scales`), the weight is cast with it instead of a scale taken from
+    the weight at each GEMM."""
 
     @staticmethod
-    def forward(ctx, input: Tensor, weight: Tensor, gemm: Float8Gemm, grad_buffer: Tensor | None):
-        ctx.save_for_backward(input, weight, grad_buffer)
+    def forward(ctx, input: Tensor, weight: Tensor, gemm: Float8Gemm, grad_buffer: Tensor | None,
+                holds_zeros: Tensor | None, weight_scale: Tensor | None):
+        ctx.save_for_backward(input, weight, grad_buffer, holds_zeros, weight_scale)
         ctx.gemm = gemm
         rows = input.reshape(-1, input.shape[-1])
-        output = torch.mm(_cast_rows(rows, gemm, "input"), _cast_rows(weight, gemm, "weight").t())
+        if weight_scale is None:
+            weight_fp8 = _cast_rows(weight, gemm, "weight")
+        else:
+            from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+
+            weight_fp8 = hp_tensor_and_scale_to_float8(weight, weight_scale, gemm.config.cast_config_weight.target_dtype,
+                                                       gemm.mm_config, _role("weight"))
+        output = torch.mm(_cast_rows(rows, gemm, "input"), weight_fp8.t())
         return output.reshape(*input.shape[:-1], output.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        input, weight, grad_buffer = ctx.saved_tensors
+        input, weight, grad_buffer, holds_zeros, weight_scale = ctx.saved_tensors
         gemm = ctx.gemm
         grad = grad_output.reshape(-1, grad_output.shape[-1])
         scale, dtype = _scale(grad, gemm, "grad_output")
         # torchao's config gives the two gradient casts one format and scale (`transposes_by_tile`)
         grad_bits, grad_bits_t = cast_rows_and_transposed(grad, scale, dtype)
         grad_input = torch.mm(_float8(grad_bits, scale, grad.dtype, gemm, "grad_output"),
-                              _cast_columns(weight, gemm, "weight_for_grad_input"))
-        grad_weight = torch.mm(_float8(grad_bits_t, scale, grad.dtype, gemm, "grad_output_for_grad_weight"),
-                               _cast_columns(input.reshape(-1, input.shape[-1]), gemm, "input_for_grad_weight"))
-        if grad_buffer is not None:
-            add_weight_grad(grad_buffer, grad_weight)
+                              _cast_columns(weight, gemm, "weight_for_grad_input", weight_scale))
+        rows = input.reshape(-1, input.shape[-1])
+        rows_scale, rows_dtype = _scale(rows, gemm, "input_for_grad_weight")
+        rows_bits_t = cast_transposed(rows, rows_scale, rows_dtype)
+        if grad_buffer is None:
+            grad_weight = torch.mm(_float8(grad_bits_t, scale, grad.dtype, gemm, "grad_output_for_grad_weight"),
+                                   _float8(rows_bits_t, rows_scale, rows.dtype, gemm, "input_for_grad_weight").t())
+        else:
+            mm = gemm.mm_config.grad_weight  # torchao's config for this pair of roles
+            accumulate_float8_weight_grad(grad_buffer, holds_zeros, grad_bits_t, scale, rows_bits_t.t(), rows_scale,
+                                          grad.dtype, mm.use_fast_accum, mm.emulate)
             grad_weight = None
-        return grad_input.reshape(input.shape), grad_weight, None, None
+        return grad_input.reshape(input.shape), grad_weight, None, None, None, None
 
 
-def float8_matmul(gemm: Float8Gemm, input: Tensor, weight: Tensor, grad_buffer: Tensor | None = None) -> Tensor:
+def weight_scales(weights: list[Tensor], gemm: Float8Gemm) -> Tensor:
+    """torchao's tensorwise scale of each weight [out, in] for both of its casts under `gemm`
+    (`transposes_by_tile`), from one amax launch over all of them: the forward, a recomputed
+    forward and the input-gradient GEMM would each take it again, at every micro-batch."""
+    from torchao.float8.float8_utils import amax_to_scale
+
+    amaxes = torch.stack(torch._foreach_norm(weights, float("inf")))  # max |w|: exact, as torchao's amax
+    return amax_to_scale(amaxes, gemm.config.cast_config_weight.target_dtype,
+                         round_scales_to_power_of_2=gemm.config.round_scales_to_power_of_2)
+
+
+def float8_matmul(gemm: Float8Gemm, input: Tensor, weight: Tensor, grad_buffer: Tensor | None = None,
+                  holds_zeros: Tensor | None = None, weight_scale: Tensor | None = None) -> Tensor:
     """input [..., in] @ weight [out, in]^T with the three GEMMs in float8 (torchao's recipe).
-    `grad_buffer`: the weight's gradient buffer (`train.model.linear.use_grad_buffers`), into
-    which a tensorwise recipe's backward adds the weight gradient instead of returning it."""
+    `grad_buffer`: the weight's gradient buffer (`train.model.linear.use_grad_buffers`), and its
+    `holds_zeros` flag (`train.model.grad_buffer`), into which a tensorwise recipe's backward
+    adds the weight gradient instead of returning it. `weight_scale`: the weight's scale,
+    already taken (`weight_scales`), for a tensorwise recipe."""
     if gemm.transposes_by_tile:
-        return _TensorwiseFloat8Matmul.apply(input, weight, gemm, grad_buffer)
+        return _TensorwiseFloat8Matmul.apply(input, weight, gemm, grad_buffer, holds_zeros, weight_scale)
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
     return matmul_with_hp_or_float8_args.apply(input, weight.t(), gemm.mm_config, gemm.config)

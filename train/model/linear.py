@@ -28,12 +28,14 @@ misses nothing: its hook only adds the gradient into the buffer.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from megatron.core import tensor_parallel
 from torch import Tensor
 
-from train.model.fp8 import INNER_DIM_MULTIPLE, Float8Gemm, float8_gemm, float8_matmul
-from train.model.grad_buffer import accumulate_weight_grad
+from train.model.fp8 import INNER_DIM_MULTIPLE, Float8Gemm, float8_gemm, float8_matmul, weight_scales
+from train.model.grad_buffer import accumulate_weight_grad, zeros_flag
 
 
 @torch._dynamo.allow_in_graph
@@ -63,6 +65,8 @@ class DecoderLinear:
 
     fp8: Float8Gemm | None = None  # set by `use_fp8`
     grad_buffer: Tensor | None = None  # the weight's gradient buffer, set by `use_grad_buffers`
+    grad_buffer_holds_zeros: Tensor | None = None  # its flag under tensorwise FP8 (`train.model.grad_buffer`)
+    fp8_weight_scale: Tensor | None = None  # set inside `fp8_weight_scales_once`
 
     def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, sequence_parallel=False, **kwargs):
         if not weight.requires_grad or (self.fp8 is None and self.grad_buffer is None):
@@ -75,7 +79,8 @@ class DecoderLinear:
         elif allreduce_dgrad:
             input = tensor_parallel.copy_to_tensor_model_parallel_region(input, group=self.tp_group)
         if self.fp8 is not None:
-            output = float8_matmul(self.fp8, input, weight, self.grad_buffer)
+            output = float8_matmul(self.fp8, input, weight, self.grad_buffer, self.grad_buffer_holds_zeros,
+                                   self.fp8_weight_scale)
         else:
             output = _MatmulIntoGradBuffer.apply(input, weight, self.grad_buffer)
         return output if bias is None else output + bias
@@ -103,9 +108,34 @@ def use_fp8(model: torch.nn.Module, recipe: str, emulate: bool = False, rows: in
     return len(layers)
 
 
+@contextlib.contextmanager
+def fp8_weight_scales_once(model: torch.nn.Module):
+    """Take the FP8 scale of every tensorwise `DecoderLinear`'s weight once for the forwards and
+    backwards inside the block (`train.model.fp8.weight_scales`); torchao takes it at each cast:
+    in the forward, again in a recomputed forward, and for the input gradient, at every
+    micro-batch. The scales are torchao's, so the casts and GEMMs are too. The weights must not
+    change inside the block (the optimizer steps outside it); the scales are dropped when it
+    ends, so nothing can read them stale."""
+    layers = [m for m in model.modules() if isinstance(m, DecoderLinear) and m.fp8 is not None
+              and m.fp8.transposes_by_tile and m.weight.requires_grad]
+    by_gemm: dict[int, list[DecoderLinear]] = {}
+    for layer in layers:
+        by_gemm.setdefault(id(layer.fp8), []).append(layer)
+    try:
+        with torch.no_grad():
+            for group in by_gemm.values():
+                for layer, scale in zip(group, weight_scales([layer.weight for layer in group], group[0].fp8)):
+                    layer.fp8_weight_scale = scale
+        yield
+    finally:
+        for layer in layers:
+            layer.fp8_weight_scale = None
+
+
 def use_grad_buffers(model: torch.nn.Module) -> int:
     """Let every trained `DecoderLinear` add its weight gradient into the buffer megatron's DDP
-    gave the weight (`main_grad`); call once, after wrapping the model in DDP. Returns how many.
+    gave the weight (`main_grad`); call once, after wrapping the model in DDP, and after
+    `use_fp8`. Returns how many.
 
     The layer gets the buffer as a tensor of its own over the same memory, not DDP's view:
     every view of DDP's flat buffer shares one version counter, which each other parameter's
@@ -121,4 +151,14 @@ def use_grad_buffers(model: torch.nn.Module) -> int:
         view = layer.weight.main_grad
         layer.grad_buffer = torch.empty(0, dtype=view.dtype, device=view.device).set_(
             view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+        if layer.fp8 is not None and layer.fp8.transposes_by_tile:
+            layer.grad_buffer_holds_zeros = zeros_flag()
     return len(layers)
+
+
+def grad_buffers_zeroed(model: torch.nn.Module) -> None:
+    """Call after megatron's `zero_grad_buffer`: the tensorwise FP8 linears' buffers hold zeros,
+    so their next weight gradients are written into them, with no add (`train.model.grad_buffer`)."""
+    for layer in model.modules():
+        if isinstance(layer, DecoderLinear) and layer.grad_buffer_holds_zeros is not None:
+            layer.grad_buffer_holds_zeros.fill_(True)
