@@ -48,8 +48,8 @@ class Float8Gemm:
 def _transposes_by_tile(config) -> bool:
     """Whether `_TensorwiseFloat8Matmul` can run a torchao config: every operand is cast with one
     dynamic scale (so a transposed cast carries the row-major one's, both gradient GEMMs read
-    one cast of the output gradient, and both of the weight's casts one scale), and no inner dim is padded (torchao's pad copies each
-    operand, whatever its layout)."""
+    one cast of the output gradient, and both of the weight's casts take one scale), and no
+    inner dim is padded (torchao's pad copies each operand, whatever its layout)."""
     from torchao.float8.config import ScalingGranularity, ScalingType
 
     operands = ("input", "weight", "grad_output", "input_for_grad_weight", "weight_for_grad_input",
@@ -137,10 +137,15 @@ def _scale(hp: Tensor, gemm: Float8Gemm, operand: str) -> tuple[Tensor, torch.dt
     return tensor_to_scale(hp, dtype, round_scales_to_power_of_2=gemm.config.round_scales_to_power_of_2), dtype
 
 
-def _cast_rows(hp: Tensor, gemm: Float8Gemm, operand: str):
-    """`hp` cast row-major by torchao (its dynamic tensorwise cast, which Inductor fuses)."""
+def _cast_rows(hp: Tensor, gemm: Float8Gemm, operand: str, scale: Tensor | None = None):
+    """`hp` cast row-major by torchao (its dynamic tensorwise cast, which Inductor fuses);
+    `scale`: its scale, already taken."""
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
 
+    if scale is not None:
+        return hp_tensor_and_scale_to_float8(hp, scale, getattr(gemm.config, f"cast_config_{operand}").target_dtype,
+                                             gemm.mm_config, _role(operand))
     return hp_tensor_to_float8_dynamic(hp, getattr(gemm.config, f"cast_config_{operand}").target_dtype,
                                        gemm.mm_config, gemm_input_role=_role(operand),
                                        round_scales_to_power_of_2=gemm.config.round_scales_to_power_of_2)
@@ -163,9 +168,8 @@ class _TensorwiseFloat8Matmul(torch.autograd.Function):
     scales, casts and scaled GEMMs, bit for bit, but each operand that a backward GEMM reads
     column-major is written so by `train.model.fp8_cast`, the output gradient in both layouts
     from one read. With `grad_buffer`, the weight gradient is added into it (written, where it
-    holds zeros: `train.model.grad_buffer`), not returned. With
-    `weight_scale` (`weight_scales`), the weight is cast with it instead of a scale taken from
-    the weight at each GEMM."""
+    holds zeros: `train.model.grad_buffer`), not returned. With `weight_scale`
+    (`weight_scales`), the weight is cast with that scale instead of one taken at each cast."""
 
     @staticmethod
     def forward(ctx, input: Tensor, weight: Tensor, gemm: Float8Gemm, grad_buffer: Tensor | None,
@@ -173,14 +177,7 @@ class _TensorwiseFloat8Matmul(torch.autograd.Function):
         ctx.save_for_backward(input, weight, grad_buffer, holds_zeros, weight_scale)
         ctx.gemm = gemm
         rows = input.reshape(-1, input.shape[-1])
-        if weight_scale is None:
-            weight_fp8 = _cast_rows(weight, gemm, "weight")
-        else:
-            from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
-
-            weight_fp8 = hp_tensor_and_scale_to_float8(weight, weight_scale, gemm.config.cast_config_weight.target_dtype,
-                                                       gemm.mm_config, _role("weight"))
-        output = torch.mm(_cast_rows(rows, gemm, "input"), weight_fp8.t())
+        output = torch.mm(_cast_rows(rows, gemm, "input"), _cast_rows(weight, gemm, "weight", weight_scale).t())
         return output.reshape(*input.shape[:-1], output.shape[-1])
 
     @staticmethod
