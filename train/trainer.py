@@ -186,11 +186,9 @@ def run_global_batch(model, micro_batches: list[dict], forward_step, seq_length:
 def evaluate(model, data: TrainData, forward_step, seq_length: int, info: ParallelInfo) -> tuple[float, int]:
     model.eval()
     losses = []
-    with torch.no_grad():
+    with torch.no_grad(), fp8_weight_scales_once(model):  # the weights stay as they are for the whole evaluation
         for micro_batches in data.eval_batches():
-            with fp8_weight_scales_once(model):
-                losses += run_global_batch(model, micro_batches, forward_step, seq_length, data.config.pp,
-                                           forward_only=True)
+            losses += run_global_batch(model, micro_batches, forward_step, seq_length, data.config.pp, forward_only=True)
     model.train()
     loss, target_tokens, _, _ = reduce_loss(losses, info)
     return loss, target_tokens

@@ -129,11 +129,16 @@ def _float8(bits: Tensor, scale: Tensor, orig_dtype: torch.dtype, gemm: Float8Ge
     return Float8TrainingTensor(bits, scale, orig_dtype, gemm.mm_config, _role(operand))
 
 
+def _format(gemm: Float8Gemm, operand: str) -> torch.dtype:
+    """The FP8 format torchao casts `operand` to (`cast_config_<operand>`)."""
+    return getattr(gemm.config, f"cast_config_{operand}").target_dtype
+
+
 def _scale(hp: Tensor, gemm: Float8Gemm, operand: str) -> tuple[Tensor, torch.dtype]:
     """torchao's tensorwise scale of `hp` for `operand` (`cast_config_<operand>`), and its format."""
     from torchao.float8.float8_utils import tensor_to_scale
 
-    dtype = getattr(gemm.config, f"cast_config_{operand}").target_dtype
+    dtype = _format(gemm, operand)
     return tensor_to_scale(hp, dtype, round_scales_to_power_of_2=gemm.config.round_scales_to_power_of_2), dtype
 
 
@@ -144,9 +149,8 @@ def _cast_rows(hp: Tensor, gemm: Float8Gemm, operand: str, scale: Tensor | None 
     from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
 
     if scale is not None:
-        return hp_tensor_and_scale_to_float8(hp, scale, getattr(gemm.config, f"cast_config_{operand}").target_dtype,
-                                             gemm.mm_config, _role(operand))
-    return hp_tensor_to_float8_dynamic(hp, getattr(gemm.config, f"cast_config_{operand}").target_dtype,
+        return hp_tensor_and_scale_to_float8(hp, scale, _format(gemm, operand), gemm.mm_config, _role(operand))
+    return hp_tensor_to_float8_dynamic(hp, _format(gemm, operand),
                                        gemm.mm_config, gemm_input_role=_role(operand),
                                        round_scales_to_power_of_2=gemm.config.round_scales_to_power_of_2)
 
@@ -155,9 +159,8 @@ def _cast_columns(hp: Tensor, gemm: Float8Gemm, operand: str, scale: Tensor | No
     """`hp` [M, N] cast as torchao casts it, as an [M, N] float8 tensor stored column-major;
     `scale`: its scale, already taken."""
     if scale is None:
-        scale, dtype = _scale(hp, gemm, operand)
-    else:
-        dtype = getattr(gemm.config, f"cast_config_{operand}").target_dtype
+        scale, _ = _scale(hp, gemm, operand)
+    dtype = _format(gemm, operand)
     return _float8(cast_transposed(hp, scale, dtype), scale, hp.dtype, gemm, operand).t()
 
 
@@ -211,7 +214,7 @@ def weight_scales(weights: list[Tensor], gemm: Float8Gemm) -> Tensor:
     from torchao.float8.float8_utils import amax_to_scale
 
     amaxes = torch.stack(torch._foreach_norm(weights, float("inf")))  # max |w|: exact, as torchao's amax
-    return amax_to_scale(amaxes, gemm.config.cast_config_weight.target_dtype,
+    return amax_to_scale(amaxes, _format(gemm, "weight"),
                          round_scales_to_power_of_2=gemm.config.round_scales_to_power_of_2)
 
 
