@@ -6,17 +6,19 @@
 What the trainer runs for the vision part of a step: the real architecture's tower (random
 weights, bf16), micro-batches of images drawn like the synthetic training mix (`--image-tokens`
 merged tokens per image, images added until `--visual-tokens` per micro-batch), activation
-recompute of every block as `--recompute full` does, unit output gradients. Two compile modes:
+recompute of every block as `--recompute full` does (`--no-recompute`: none), unit output
+gradients. Compile modes:
 
 - `blocks`: each block compiled on its own (24 graphs called from Python, each block's
-  checkpoint re-entered from Python in backward);
-- `tower`: `VisionTower.encode` (all blocks, recompute and mergers) compiled as one graph.
+  checkpoint re-entered from Python in backward), as the trainer does;
+- `tower`: `VisionTower.encode` (all blocks, recompute and mergers) compiled as one graph
+  (`--modes` with no mode: `blocks` alone).
 
 Per mode and micro-batch: wall seconds (forward + backward, synchronised), the host's own
 seconds to queue that work (until `backward()` returns), and, from one profiled repetition,
 the GPU's kernel seconds. Wall well above kernel time with the host's queueing time near the
 wall means the GPU waits for Python. Modes run interleaved, `--reps` times; medians reported,
-ratios against `blocks`. Outputs and gradients of the two modes are compared (max abs diff).
+ratios against `blocks`. Outputs and gradients of each mode are compared with `blocks`'s.
 """
 
 from __future__ import annotations
@@ -48,12 +50,12 @@ def micro_batch_grids(rng: np.random.Generator, visual_tokens: int, image_tokens
     return torch.tensor(grids, dtype=torch.long)
 
 
-def build_tower(arch, mode: str, device, seed: int) -> VisionTower:
+def build_tower(arch, mode: str, device, seed: int, recompute: bool) -> VisionTower:
     torch.manual_seed(seed)
     tower = VisionTower(arch.vision, params_dtype=torch.bfloat16, device=device)
     for p in tower.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    tower.recompute = True
+    tower.recompute = recompute
     if mode == "blocks":
         for block in tower.blocks:
             block.compile(dynamic=True)
@@ -89,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = parser(__doc__)
     ap.add_argument("--arch", default="qwen3-vl-2b", help="built-in architecture whose tower runs")
     ap.add_argument("--attention", default="fa2", choices=("fa2", "fa4"), help="CUDA attention kernel")
+    ap.add_argument("--modes", nargs="*", default=["tower"], choices=MODES[1:],
+                    help="modes measured against `blocks` (default: tower; none: `blocks` alone)")
     ap.add_argument("--micro-batches", type=int, default=4, help="distinct micro-batches (image mixes)")
     ap.add_argument("--visual-tokens", type=int, default=5700,
                     help="merged visual tokens per micro-batch (35 %% of a 16k pack in the training mix)")
@@ -96,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="merged tokens per image")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions of both modes (medians reported)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the image mix and the weights")
+    ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
+                    help="redo each block's forward in backward, as the trainer's --recompute full does (default on)")
     return ap.parse_args(argv)
 
 
@@ -115,7 +121,8 @@ def main(argv=None) -> int:
         grid = micro_batch_grids(rng, args.visual_tokens, tuple(args.image_tokens), v.spatial_merge_size)
         pixels = torch.randn(int(grid.prod(1).sum()), width, device=device, dtype=torch.bfloat16)
         work.append((pixels, grid))
-    towers = {mode: build_tower(arch, mode, device, args.seed) for mode in MODES}
+    modes = ("blocks", *dict.fromkeys(args.modes))
+    towers = {mode: build_tower(arch, mode, device, args.seed, args.recompute) for mode in modes}
 
     compile_s = {}
     for mode, tower in towers.items():  # the first pass compiles (dynamic shapes: once per mode)
@@ -134,15 +141,15 @@ def main(argv=None) -> int:
         outs[mode] = [t.detach().float() for t in (out, *deepstack)]
         torch.autograd.backward([out, *deepstack], [torch.ones_like(t) for t in (out, *deepstack)])
         grads[mode] = {n: p.grad.float() for n, p in tower.named_parameters()}
-    out_diff = max((a - b).abs().max().item() for a, b in zip(outs["blocks"], outs["tower"]))
-    grad_rel = max(((grads["blocks"][n] - grads["tower"][n]).norm() / grads["blocks"][n].norm().clamp(min=1e-30)).item()
-                   for n in grads["blocks"])
+    out_diff = {m: max((a - b).abs().max().item() for a, b in zip(outs["blocks"], outs[m])) for m in modes[1:]}
+    grad_rel = {m: max(((grads["blocks"][n] - grads[m][n]).norm() / grads["blocks"][n].norm().clamp(min=1e-30)).item()
+                       for n in grads["blocks"]) for m in modes[1:]}
 
-    wall = {m: [[] for _ in work] for m in MODES}
-    host = {m: [[] for _ in work] for m in MODES}
+    wall = {m: [[] for _ in work] for m in modes}
+    host = {m: [[] for _ in work] for m in modes}
     peak = {}
     for rep in range(args.reps):
-        for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+        for mode in (modes if rep % 2 == 0 else modes[::-1]):
             tower = towers[mode]
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -154,33 +161,34 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 wall[mode][i].append(time.perf_counter() - t0)
             peak[mode] = max(peak.get(mode, 0.0), (torch.cuda.max_memory_allocated() - base) / 2**30)
-    kernels = {mode: kernel_seconds(towers[mode], work) for mode in MODES}
+    kernels = {mode: kernel_seconds(towers[mode], work) for mode in modes}
 
     rows = []
     for i, (pixels, grid) in enumerate(work):
         row = {"patches": int(pixels.shape[0]), "images": int(grid.shape[0])}
-        for mode in MODES:
+        for mode in modes:
             row[mode] = {"wall_s": statistics.median(wall[mode][i]), "host_s": statistics.median(host[mode][i]),
                          "kernel_s": kernels[mode][i], "wall_s_reps": wall[mode][i]}
         rows.append(row)
-    total = {mode: {k: sum(r[mode][k] for r in rows) for k in ("wall_s", "host_s", "kernel_s")} for mode in MODES}
+    total = {mode: {k: sum(r[mode][k] for r in rows) for k in ("wall_s", "host_s", "kernel_s")} for mode in modes}
     result = {
         "machine": machine_info(device), "args": vars(args), "compile_s": compile_s, "max_abs_output_diff": out_diff, "max_rel_grad_diff": grad_rel,
         "peak_above_inputs_gib": peak, "micro_batches": rows, "total": total,
-        "tower_over_blocks_wall": total["tower"]["wall_s"] / total["blocks"]["wall_s"],
+        **{f"{m}_over_blocks_wall": total[m]["wall_s"] / total["blocks"]["wall_s"] for m in modes[1:]},
     }
-    print(f"{args.arch} vision tower, {args.attention}, recompute on, {len(work)} micro-batches "
+    print(f"{args.arch} vision tower, {args.attention}, recompute {'on' if args.recompute else 'off'}, {len(work)} micro-batches "
           f"({sum(r['patches'] for r in rows):,} patches), medians of {args.reps} reps, {result['machine']['device']}")
-    print(f"{'patches':>8} {'imgs':>4} | " + " | ".join(f"{m + ' wall/host/kernel ms':>28}" for m in MODES))
+    print(f"{'patches':>8} {'imgs':>4} | " + " | ".join(f"{m + ' wall/host/kernel ms':>28}" for m in modes))
     for r in rows:
         print(f"{r['patches']:>8} {r['images']:>4} | " + " | ".join(
-            f"{r[m]['wall_s'] * 1e3:>9.1f}/{r[m]['host_s'] * 1e3:>8.1f}/{r[m]['kernel_s'] * 1e3:>8.1f}" for m in MODES))
+            f"{r[m]['wall_s'] * 1e3:>9.1f}/{r[m]['host_s'] * 1e3:>8.1f}/{r[m]['kernel_s'] * 1e3:>8.1f}" for m in modes))
     print("total    " + "      | " + " | ".join(
-        f"{total[m]['wall_s'] * 1e3:>9.1f}/{total[m]['host_s'] * 1e3:>8.1f}/{total[m]['kernel_s'] * 1e3:>8.1f}" for m in MODES))
-    print(f"tower / blocks wall: {result['tower_over_blocks_wall']:.3f}x; compile s: "
-          + ", ".join(f"{m} {s:.1f}" for m, s in compile_s.items())
-          + "; peak above inputs GiB: " + ", ".join(f"{m} {g:.2f}" for m, g in peak.items())
-          + f"; max |out diff| {out_diff:.3g}, max rel grad diff {grad_rel:.3g}")
+        f"{total[m]['wall_s'] * 1e3:>9.1f}/{total[m]['host_s'] * 1e3:>8.1f}/{total[m]['kernel_s'] * 1e3:>8.1f}" for m in modes))
+    for m in modes[1:]:
+        print(f"{m} / blocks wall: {result[f'{m}_over_blocks_wall']:.3f}x; max |out diff| {out_diff[m]:.3g}, "
+              f"max rel grad diff {grad_rel[m]:.3g}")
+    print("compile s: " + ", ".join(f"{m} {s:.1f}" for m, s in compile_s.items())
+          + "; peak above inputs GiB: " + ", ".join(f"{m} {g:.2f}" for m, g in peak.items()))
     if args.json_out:
         write_json(args.json_out, result)
     return 0
