@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     inductor.emulate_precision_casts = False
 
     result = {"machine": machine_info("cpu"), "args": vars(args), "copies": {}}
-    print(f"{args.arch}, {arch.lm.num_layers} decoder layers, bf16 copies against the fp32 model and the eager copy, {args.packs} packs of {args.rows} rows "
-          f"(mean / max over packs)")
+    print(f"{args.arch}, {arch.lm.num_layers} decoder layers, bf16 copies against the fp32 model and the eager "
+          f"copy, {args.packs} packs of {args.rows} rows (mean / max over packs)")
     for copy, run in runs.items():
         row = {}
         for against, ref in (("fp32", fp32), ("eager", runs["eager"])):

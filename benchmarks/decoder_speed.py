@@ -16,10 +16,11 @@ document count and longest document). Modes, interleaved `--reps` times:
   buffers marked as static addresses so that the backward's adds into them can be recorded.
 
 Per mode: the median wall time of one forward+backward (synchronised), the host's own time
-to queue it (until `backward()` returns), the GPU's kernel time from one profiled repetition,
-and Inductor's CUDA graph counters (graphs recorded, replayed, declined with its reasons). Both
-modes start from the same weights and input; their weight gradients are compared. Memory is
-not compared: the allocator's peak does not count what graph trees keep in their own pool.
+to queue it (until `backward()` returns) and the GPU's kernel time from one profiled
+repetition; then Inductor's counters named for CUDA graphs and the graphs it declined to
+record, with its reasons. Both modes start from the same weights and input; their weight
+gradients are compared. Memory is not compared: the allocator's peak does not count what graph
+trees keep in their own pool.
 """
 
 from __future__ import annotations
