@@ -73,10 +73,11 @@ def test_tensor_parallelism_splits_the_decoder_activations_not_the_vision_towers
 
 def _settings(args: dict, trainer_args=(), layers=None, visual_share=memory_plan.VISUAL_SHARE) -> tuple[str, memory_plan.Settings]:
     flags = dict(a.lstrip("-").split("=", 1) for a in trainer_args)
+    recompute_layers = int(flags["recompute-layers"]) if "recompute-layers" in flags else args.get("recompute_layers")
     rank = int(flags.get("lora-rank") or args.get("lora_rank") or 0)
     settings = memory_plan.Settings(
         seq_len=args["seq_len"], global_packs=args.get("global_batch_packs"), recompute=args["recompute"],
-        recompute_layers=args.get("recompute_layers"),
+        recompute_layers=recompute_layers,
         grad_dtype=flags.get("grad-dtype") or args.get("grad_dtype") or "fp32",
         adam_state_dtype=flags.get("adam-state-dtype") or args.get("adam_state_dtype") or "fp32",
         distributed_optimizer=flags.get("distributed-optimizer", "true") == "true",
