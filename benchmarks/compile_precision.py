@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     packs = [random_pack(rng, args.rows, arch.lm.vocab_size) for _ in range(args.packs)]
     fp32 = [loss_and_grads(reference, pack) for pack in packs]
 
-    runs = {}
+    runs, emulate = {}, inductor.emulate_precision_casts
     for copy in COPIES:
         torch._dynamo.reset()  # a compiled copy compiles afresh, under its own setting
         inductor.emulate_precision_casts = copy == "compiled, emulated casts"
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
             compile_model(model, decoder=True)
         runs[copy] = [loss_and_grads(model, pack) for pack in packs]
         log(f"{copy}: {args.packs} packs")
-    inductor.emulate_precision_casts = False
+    inductor.emulate_precision_casts = emulate  # the setting this process started with
 
     result = {"machine": machine_info("cpu"), "args": vars(args), "copies": {}}
     print(f"{args.arch}, {arch.lm.num_layers} decoder layers, bf16 copies against the fp32 model and the eager "
