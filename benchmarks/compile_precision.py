@@ -1,17 +1,21 @@
-"""How compiled decoder layers round in bf16, against eager layers and an fp32 model (CPU).
+"""How compiled decoder layers round in bf16, against eager layers and an fp32 model.
 
-    python3 benchmarks/compile_precision.py --json-out FILE.json
+    python3 benchmarks/compile_precision.py [--device cuda] --json-out FILE.json
 
-One model with random weights, in fp32 (the reference) and in three bf16 copies: decoder
-layers eager; compiled by Inductor as the trainer compiles them (`compile_model`); compiled
-with Inductor's `emulate_precision_casts`, which rounds each fused op's output to bf16 where
-eager rounds it. Inductor otherwise keeps a fused kernel's intermediates in fp32, so compiled
-layers round differently from eager ones. Each copy runs forward + backward on `--packs`
-random packs; reported per copy, as the mean and max over packs: the summed loss's relative
-error and the decoder weights' gradients' relative error (norm of the difference over the
-norm, the worst weight of a pack), against the fp32 model and against the eager bf16 copy.
+One model with random weights, in fp32 (the reference) and in bf16 copies: decoder layers
+eager, twice (the second run shows the eager kernels' own run-to-run spread: none on CPU, the
+atomics of some backward kernels on a GPU); compiled by Inductor as the trainer compiles them
+(`compile_model`); compiled with Inductor's `emulate_precision_casts`, which rounds each fused
+op's output to bf16 where eager rounds it. Inductor otherwise keeps a fused kernel's
+intermediates in fp32, so compiled layers round differently from eager ones. Each copy runs
+forward + backward on `--packs` random packs; reported per copy, as the mean and max over
+packs: the summed loss's relative error and the decoder weights' gradients' relative error
+(norm of the difference over the norm, the worst weight of a pack), against the fp32 model and
+against the first eager bf16 run.
 
-Inductor compiles C++ here and Triton on GPUs; its rounding policy is the same for both.
+Inductor compiles C++ on CPU and Triton on GPUs; its rounding policy is the same for both. The
+fp32 model's attention is the masked path (the varlen kernels take bf16 only), so on a GPU
+keep --rows to a few thousand.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from train.model.arch import builtin_arch
 from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 
-COPIES = ("eager", "compiled", "compiled, emulated casts")
+# copy -> the Inductor settings it compiles under (None: eager)
+COPIES = {"eager": None, "eager, again": None, "compiled": {},
+          "compiled, emulated casts": {"emulate_precision_casts": True}}
 
 
 def parse_args(argv=None):
@@ -38,6 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--packs", type=int, default=8, help="random packs (default %(default)s)")
     ap.add_argument("--rows", type=int, default=256, help="rows per pack (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the packs")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the copies run (default %(default)s)")
     return ap.parse_args(argv)
 
 
@@ -53,10 +60,12 @@ def random_pack(rng: np.random.Generator, rows: int, vocab: int):
 
 def loss_and_grads(model, pack) -> tuple[float, dict[str, torch.Tensor]]:
     ids, positions, cu, longest, labels = pack
+    device = next(model.parameters()).device
+    ids, positions, cu, labels = (t.to(device) for t in (ids, positions, cu, labels))
     model.zero_grad(set_to_none=True)
     loss = model(ids, positions, cu, longest, labels=labels).sum()
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None and ".decoder." in n}
+    return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None and ".decoder." in n}
 
 
 def rel_errors(run, reference) -> tuple[float, float]:
@@ -70,31 +79,33 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch._inductor.config as inductor
 
+    cpu = args.device == "cpu"
     arch = builtin_arch(args.arch if args.layers is None else register_fewer_layers(args.arch, args.layers))
-    info = init_parallel(1, 1, device="cpu", seed=args.seed)
+    info = init_parallel(1, 1, device=args.device, seed=args.seed)
     torch.manual_seed(args.seed)
-    reference = build_model(arch, transformer_config(arch, cpu=True), info)
+    reference = build_model(arch, transformer_config(arch, cpu=cpu), info)
     for p in reference.parameters():  # norms' gains near 1, everything else small
         p.data.normal_(0, 0.05).add_(1 if p.ndim == 1 else 0)
     weights = reference.state_dict()
     rng = np.random.default_rng(args.seed)
     packs = [random_pack(rng, args.rows, arch.lm.vocab_size) for _ in range(args.packs)]
     fp32 = [loss_and_grads(reference, pack) for pack in packs]
+    del reference
 
-    runs, emulate = {}, inductor.emulate_precision_casts
-    for copy in COPIES:
-        torch._dynamo.reset()  # a compiled copy compiles afresh, under its own setting
-        inductor.emulate_precision_casts = copy == "compiled, emulated casts"
-        model = build_model(arch, transformer_config(arch, cpu=True, params_dtype=torch.bfloat16, bf16=True), info)
+    runs = {}
+    for copy, settings in COPIES.items():
+        torch._dynamo.reset()  # a compiled copy compiles afresh, under its own settings
+        model = build_model(arch, transformer_config(arch, cpu=cpu, params_dtype=torch.bfloat16, bf16=True), info)
         model.load_state_dict({k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
                                for k, v in weights.items()})
-        if copy != "eager":
-            compile_model(model, decoder=True)
-        runs[copy] = [loss_and_grads(model, pack) for pack in packs]
+        with inductor.patch(settings or {}):  # compiles on the first pack, so inside
+            if settings is not None:
+                compile_model(model, decoder=True)
+            runs[copy] = [loss_and_grads(model, pack) for pack in packs]
+        del model
         log(f"{copy}: {args.packs} packs")
-    inductor.emulate_precision_casts = emulate  # the setting this process started with
 
-    result = {"machine": machine_info("cpu"), "args": vars(args), "copies": {}}
+    result = {"machine": machine_info(args.device), "args": vars(args), "copies": {}}
     print(f"{args.arch}, {arch.lm.num_layers} decoder layers, bf16 copies against the fp32 model and the eager "
           f"copy, {args.packs} packs of {args.rows} rows (mean / max over packs)")
     for copy, run in runs.items():
