@@ -108,6 +108,10 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+# environment variables that change what torch compiles or how it rounds and communicates
+NUMERICS_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "PYTORCH_", "NCCL_", "CUBLAS_")
+
+
 def command_line() -> str:
     """How this process was started, script path relative to the repository (under torchrun:
     `torchrun --nproc-per-node N ...`, from torchrun's environment)."""
@@ -120,13 +124,15 @@ def command_line() -> str:
 
 def machine_info(device=None) -> dict:
     """Provenance of a result: date, commit, device (the GPU's name on CUDA, else the CPU
-    model), torch / transformers / megatron-core versions and the command line. `device` is a
+    model), torch / transformers / megatron-core versions, the command line and the environment
+    variables that change compilation or numerics (`NUMERICS_ENV_PREFIXES`). `device` is a
     torch device or its string; None means the current CUDA device if torch has one, else CPU."""
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "command": command_line(),
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(NUMERICS_ENV_PREFIXES)},
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
