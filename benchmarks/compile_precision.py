@@ -32,8 +32,9 @@ from train.model.arch import builtin_arch
 from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 
-# copy -> the Inductor settings it compiles under (None: eager)
-COPIES = {"eager": None, "eager, again": None, "compiled": {},
+# copy -> the Inductor settings it compiles under (None: eager), explicit so that the
+# environment (TORCHINDUCTOR_EMULATE_PRECISION_CASTS) cannot blur the two compiled copies
+COPIES = {"eager": None, "eager, again": None, "compiled": {"emulate_precision_casts": False},
           "compiled, emulated casts": {"emulate_precision_casts": True}}
 
 
