@@ -4,8 +4,8 @@
 
 Each run is one `loss_curves.py` result (one layout of it, `--layout`); every run must have
 trained on the same tokens step by step, or the comparison is refused. For each group, and for
-each pair of groups, every pair of runs is compared step by step: reported are the range over
-pairs of the largest and of the mean |loss difference|. Within a group that is the run-to-run
+each pair of groups, every pair of runs is compared step by step: reported are the least,
+median and largest over pairs of the largest and of the mean |loss difference|. Within a group that is the run-to-run
 spread; between groups, how far one setting's curve lies from another's. Per run: tokens/s,
 the first step's loss (same weights, same batch: any difference there is the forward's
 rounding) and the last.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -47,9 +48,10 @@ def pair_stats(a: dict, b: dict) -> tuple[float, float]:
 
 
 def spread(pairs: list[tuple[dict, dict]]) -> dict:
+    """[least, median, largest] over pairs of the largest and of the mean |loss difference|."""
     stats = [pair_stats(a, b) for a, b in pairs]
-    return {"pairs": len(stats), "max_diff": [min(s[0] for s in stats), max(s[0] for s in stats)],
-            "mean_diff": [min(s[1] for s in stats), max(s[1] for s in stats)]}
+    return {"pairs": len(stats), **{key: [min(col), statistics.median(col), max(col)]
+                                     for key, col in zip(("max_diff", "mean_diff"), zip(*stats))}}
 
 
 def main(argv=None) -> int:
@@ -77,14 +79,14 @@ def main(argv=None) -> int:
                   f"-> {run['losses'][-1]:.5f}")
     comparisons = [(a, a, list(itertools.combinations(groups[a], 2))) for a in groups]
     comparisons += [(a, b, list(itertools.product(groups[a], groups[b]))) for a, b in itertools.combinations(groups, 2)]
-    print("max / mean |loss difference| per step, range over pairs")
+    print("max / mean |loss difference| per step over pairs: least-largest (median)")
     for a, b, pairs in comparisons:
         if not pairs:
             continue
         key = a if a == b else f"{a} vs {b}"
         s = result["spread"][key] = spread(pairs)
-        print(f"  {key:>28} ({s['pairs']:>2} pairs): max {s['max_diff'][0]:.1e}-{s['max_diff'][1]:.1e}, "
-              f"mean {s['mean_diff'][0]:.1e}-{s['mean_diff'][1]:.1e}")
+        print(f"  {key:>31} ({s['pairs']:>2} pairs): max {s['max_diff'][0]:.1e}-{s['max_diff'][2]:.1e} "
+              f"({s['max_diff'][1]:.1e}), mean {s['mean_diff'][0]:.1e}-{s['mean_diff'][2]:.1e} ({s['mean_diff'][1]:.1e})")
     if args.json_out:
         write_json(args.json_out, result)
     return 0
