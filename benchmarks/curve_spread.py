@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from common import machine_info, parser, write_json
+from loss_curves import compare
 
 
 def parse_args(argv=None):
@@ -36,15 +37,12 @@ def load_run(path: str, layout: str) -> dict:
     if run is None or not run.get("steps"):
         raise SystemExit(f"error: {path} has no steps for layout {layout!r} (layouts: "
                          f"{', '.join(result.get('layouts', {})) or 'none'}); pass --layout")
-    steps = run["steps"]
-    return {"file": Path(path).name, "losses": [s["loss"] for s in steps],
-            "tokens": [(s["tokens"], s["target_tokens"]) for s in steps],
-            "tokens_per_s": run["summary"]["tokens_per_s"]}
+    return {"file": Path(path).name, "steps": run["steps"], "tokens_per_s": run["summary"]["tokens_per_s"]}
 
 
 def pair_stats(a: dict, b: dict) -> tuple[float, float]:
-    diffs = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
-    return max(diffs), sum(diffs) / len(diffs)
+    diff = compare(a["steps"], b["steps"])
+    return diff["max_abs_loss_diff"], diff["mean_abs_loss_diff"]
 
 
 def spread(pairs: list[tuple[dict, dict]]) -> dict:
@@ -62,21 +60,20 @@ def main(argv=None) -> int:
             raise SystemExit(f"error: --group {name} names no result files")
         groups[name] = [load_run(p, args.layout) for p in paths]
     runs = [run for group in groups.values() for run in group]
-    steps = min(len(r["losses"]) for r in runs)
+    steps = min(len(r["steps"]) for r in runs)  # compare() takes the steps two runs share
     for run in runs:
-        if run["tokens"][:steps] != runs[0]["tokens"][:steps]:
+        if not compare(run["steps"], runs[0]["steps"])["same_tokens"]:
             raise SystemExit(f"error: {run['file']} trained on other tokens than {runs[0]['file']}: "
                              "compare only runs of one shard directory and seed")
-        run["losses"] = run["losses"][:steps]
 
     result = {"machine": machine_info("cpu"), "args": vars(args), "steps": steps, "runs": {}, "spread": {}}
     print(f"{len(runs)} runs, {steps} steps each")
     for name, group in groups.items():
         for run in group:
+            first, last = run["steps"][0]["loss"], run["steps"][steps - 1]["loss"]
             result["runs"][run["file"]] = {"group": name, "tokens_per_s": run["tokens_per_s"],
-                                           "first_loss": run["losses"][0], "last_loss": run["losses"][-1]}
-            print(f"  {name:>12} {run['file']}: {run['tokens_per_s']:,.0f} tok/s, loss {run['losses'][0]:.5f} "
-                  f"-> {run['losses'][-1]:.5f}")
+                                           "first_loss": first, "last_loss": last}
+            print(f"  {name:>12} {run['file']}: {run['tokens_per_s']:,.0f} tok/s, loss {first:.5f} -> {last:.5f}")
     comparisons = [(a, a, list(itertools.combinations(groups[a], 2))) for a in groups]
     comparisons += [(a, b, list(itertools.product(groups[a], groups[b]))) for a, b in itertools.combinations(groups, 2)]
     print("max / mean |loss difference| per step over pairs: least-largest (median)")
