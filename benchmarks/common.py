@@ -142,6 +142,9 @@ def machine_info(device=None) -> dict:
         "torch": _version("torch"),
         "transformers": _version("transformers"),
         "megatron_core": _version("megatron-core"),
+        "peft": _version("peft"),
+        "liger_kernel": _version("liger-kernel"),
+        "flash_attn_4": _version("flash-attn-4"),
     }
     torch = sys.modules.get("torch")
     if torch is None and str(device).startswith("cuda"):

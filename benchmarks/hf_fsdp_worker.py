@@ -1,28 +1,31 @@
-"""One data-parallel training run of Hugging Face transformers under torch FSDP2: the multi-GPU
-baseline that `loss_curves.py --hf-fsdp N` runs on the same shard directory and GPUs as the
-trainer's layouts. One process per GPU:
+"""One data-parallel training run of Hugging Face transformers under torch FSDP2, on the
+strongest single-GPU recipe (`hf_baseline.py`: padding-free packs, varlen attention, Liger,
+fused AdamW): the multi-GPU baseline that `loss_curves.py --hf-fsdp N` runs on the same shard
+directory and GPUs as the trainer's layouts. One process per GPU:
 
     python -m torch.distributed.run --standalone --nproc-per-node N benchmarks/hf_fsdp_worker.py \\
-        --data DIR --out OUT --arch ARCH --batch B --steps S [--layers L] [--gradient-checkpointing]
+        --data DIR --out OUT --arch ARCH --seq-len S --global-batch-packs G --steps K [--layers L]
 
-Model: `train_speed.HFTrainer`, the single-GPU baseline (random init from --seed, sdpa, bf16
-parameters, torch AdamW betas 0.9/0.95, clipping 1.0, optional transformers gradient
-checkpointing), then `torch.distributed.fsdp.fully_shard` on every decoder layer and on the
-root: parameters, gradients and Adam state are split over the N ranks, compute and reductions
-stay bf16. The vision tower is in the root unit, and the loss gets 0 x the sum of its
-parameters: a rank whose batch holds no image or video does not call the tower, and FSDP2
-reduce-scatters only parameters that have a gradient, so without that term the ranks' gradient
-reductions would differ in size and hang (as ZeRO-3 trainers feed a dummy image for the same
-reason). The optimizer is rebuilt over the sharded parameters.
+Packs: vlmpack's own plan of DIR (`build_pack_plan`, the trainer's seed, --seq-len and global
+batch), each global batch split over the ranks as the trainer splits it (`rank_packs`), so both
+sides train on the same packs in the same order. Weights: rank 0 writes random weights of the
+arch as an HF checkpoint (`hf_baseline.write_init_checkpoint`, --seed) and every rank loads it.
 
-Samples: every sample of DIR, shuffled from --seed; step k of rank r trains on the right-padded
-batch k * N + r of B samples (`to_padded_batch`, collated before the clock starts). Each step is
-timed from a barrier to a barrier, so every rank's step is in it. Rank 0 appends one record per
-step to OUT/metrics.jsonl with the trainer's keys: loss (mean over ranks), tokens (real tokens
-of all ranks), padded_tokens, step_seconds, tokens_per_s, tokens_per_s_per_gpu, mfu (6 * N_lm
-per real token), rank 0's peak allocated memory and, for a MoE model, the experts kernel
-transformers chose (`experts_implementation`: grouped_mm, batched_mm or eager). Out of memory
-is not caught: the launcher stops every rank, and loss_curves.py tries the next smaller batch.
+Model: `hf_baseline.HFPackedTrainer`, then `torch.distributed.fsdp.fully_shard` on every decoder
+layer and on the root: parameters, gradients and Adam state are split over the N ranks, compute
+and reductions stay bf16. Each rank weights its packs' mean losses by their targets over the
+global batch's target count (summed over the ranks) times N, since FSDP2 averages gradients over
+the ranks: the gradient is the per-token mean of the global batch, as the trainer's. The vision
+tower is in the root unit, and the loss gets 0 x the sum of its parameters: a rank whose packs
+hold no image or video does not call the tower, and FSDP2 reduce-scatters only parameters that
+have a gradient, so without that term the ranks' gradient reductions would differ and hang.
+
+Each step is timed from a barrier to a barrier. Rank 0 appends one record per step to
+OUT/metrics.jsonl with the trainer's keys: loss (per target token over the global batch), tokens,
+target_tokens, step_seconds, tokens_per_s, tokens_per_s_per_gpu, mfu (6 * N_lm per token), rank
+0's peak allocated memory and, for a MoE model, the experts kernel transformers chose. Out of
+memory is not caught: the launcher stops every rank, and loss_curves.py retries with
+--gradient-checkpointing.
 """
 
 from __future__ import annotations
@@ -34,28 +37,31 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from common import register_fewer_layers
-from train_speed import HFTrainer
+from hf_baseline import HFPackedTrainer, Recipe, collate_pack, write_init_checkpoint
 
 from shards_schema import open_shards
+from train.config import parse_bool
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
+from train.pack_plan import build_pack_plan
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="shard directory")
-    ap.add_argument("--out", required=True, help="directory for metrics.jsonl")
+    ap.add_argument("--out", required=True, help="directory for metrics.jsonl (and the initial weights)")
     ap.add_argument("--arch", required=True, help="builtin architecture (random init)")
     ap.add_argument("--layers", type=int, default=None, help="keep only this many decoder layers")
-    ap.add_argument("--batch", type=int, required=True, help="samples per rank per step")
+    ap.add_argument("--seq-len", type=int, required=True, help="pack length, as the trainer's")
+    ap.add_argument("--global-batch-packs", type=int, required=True, help="packs per step over all ranks")
     ap.add_argument("--steps", type=int, required=True, help="training steps")
-    ap.add_argument("--seed", type=int, default=0, help="init and sample-order seed")
+    ap.add_argument("--seed", type=int, default=0, help="init and pack-plan seed (the trainer's --seed)")
     ap.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
+    ap.add_argument("--liger", type=parse_bool, default=True, help="apply Liger's kernels (default true)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="transformers' per-layer recompute")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, fp32 (smoke runs)")
     return ap.parse_args(argv)
@@ -66,10 +72,11 @@ def shard_model(model: torch.nn.Module, mesh) -> None:
     root unit, kept gathered from its forward to its backward."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.language_model.layers:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in inner.model.language_model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    visual = model.model.visual
+    visual = inner.model.visual
 
     def every_vision_parameter_in_the_loss(module, inputs, output):
         output.loss = output.loss + 0.0 * sum(p.sum() for p in visual.parameters())
@@ -91,22 +98,29 @@ def main(argv=None) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,))
-    arch_name = register_fewer_layers(args.arch, args.layers) if args.layers else args.arch
-    arch = builtin_arch(arch_name)
+    arch = builtin_arch(register_fewer_layers(args.arch, args.layers) if args.layers else args.arch)
+    out = Path(args.out)
+    init_dir = out / "init"
+    if rank == 0:
+        write_init_checkpoint(arch, init_dir, args.seed, torch.bfloat16 if cuda else torch.float32, device)
+    dist.barrier()
 
     shards = open_shards(args.data)
-    profile = shards.manifest["profile"]
-    hf_args = argparse.Namespace(hf_precision="bf16", seed=args.seed, lr=args.lr, lora_rank=0,
-                                 hf_gradient_checkpointing=args.gradient_checkpointing)
-    hf = HFTrainer(hf_args, arch, profile, device)
+    plan = build_pack_plan([args.data], seq_len=args.seq_len, seed=args.seed, dp_size=world,
+                           global_batch_packs=args.global_batch_packs)
+    mine = plan.rank_packs(rank, world)
+    per_rank = args.global_batch_packs // world
+    if len(mine) < args.steps * per_rank:
+        raise SystemExit(f"{len(mine)} packs for rank {rank}, {args.steps} steps need {args.steps * per_rank}: "
+                         "more samples or fewer --steps")
+
+    hf = HFPackedTrainer(arch, init_dir, shards.manifest["profile"],
+                         Recipe(lr=args.lr, liger=args.liger, gradient_checkpointing=args.gradient_checkpointing),
+                         device)
     shard_model(hf.model, mesh)
     hf.params = [p for p in hf.model.parameters() if p.requires_grad]
     hf.optimizer = torch.optim.AdamW(hf.params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
-    order = np.random.default_rng(args.seed).permutation(len(shards))
-    need = args.steps * world * args.batch
-    order = np.resize(order, need)  # more steps than samples: the order repeats
-    out = Path(args.out)
     metrics = out / "metrics.jsonl"
     n_lm, peak = lm_flops_per_token(arch), peak_tflops(device) * 1e12
     # which MoE experts kernel transformers chose (grouped_mm, batched_mm, eager); None when dense
@@ -114,33 +128,34 @@ def main(argv=None) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(1, args.steps + 1):
-        first = ((step - 1) * world + rank) * args.batch
-        batch = hf.collate([shards[int(i)] for i in order[first:first + args.batch]])
+        packs = [collate_pack([shards[int(i)] for i in plan.pack_samples(int(p))[1]])
+                 for p in mine[(step - 1) * per_rank:step * per_rank]]
+        counts = torch.tensor([sum(p["tokens"] for p in packs), sum(p["targets"] for p in packs)],
+                              dtype=torch.float64, device=device)
+        dist.all_reduce(counts)
+        tokens, targets = int(counts[0]), int(counts[1])
         if cuda:
             torch.cuda.synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
-        loss = hf.step(batch)
+        loss = hf.step(packs, targets=targets, scale=world)
         if cuda:
             torch.cuda.synchronize(device)
         dist.barrier()
         seconds = time.perf_counter() - t0
-        totals = torch.tensor([loss, batch["real_tokens"], batch["padded_tokens"]], dtype=torch.float64,
-                              device=device)
-        dist.all_reduce(totals)
+        total = torch.tensor([loss / world], dtype=torch.float64, device=device)  # this rank's share of the mean
+        dist.all_reduce(total)
         if rank == 0:
-            tokens = int(totals[1])
             tps = tokens / seconds
-            record = {"step": step, "loss": float(totals[0]) / world, "tokens": tokens,
-                      "padded_tokens": int(totals[2]), "batch_per_rank": args.batch, "step_seconds": seconds,
-                      "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world,
-                      "mfu": tps / world * n_lm / peak if peak else None,
+            record = {"step": step, "loss": float(total), "tokens": tokens, "target_tokens": targets,
+                      "packs_per_rank": per_rank, "step_seconds": seconds, "tokens_per_s": tps,
+                      "tokens_per_s_per_gpu": tps / world, "mfu": tps / world * n_lm / peak if peak else None,
                       "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-                      "experts_implementation": experts}
+                      "experts_implementation": experts, "liger": hf.liger.function}
             with open(metrics, "a") as f:
                 f.write(json.dumps(record) + "\n")
-            print(f"step {step}/{args.steps}: {tokens:,} real tokens in {seconds:.2f} s ({tps:,.0f} tok/s), "
-                  f"loss {record['loss']:.3f}", flush=True)
+            print(f"step {step}/{args.steps}: {tokens:,} tokens in {seconds:.2f} s ({tps:,.0f} tok/s), "
+                  f"loss {record['loss']:.4f}", flush=True)
     dist.destroy_process_group()
     return 0
 

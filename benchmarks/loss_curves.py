@@ -22,12 +22,12 @@ with --device cpu, layouts with pp > 1 are skipped with a note. --layers N cuts 
 architecture to N decoder layers (the launch goes through `benchmarks/trainer_fewer_layers.py`),
 e.g. to compare a MoE model's layouts within one GPU's memory.
 
---hf-fsdp N adds the baseline: Hugging Face transformers under torch FSDP2 on N GPUs, on the same
-shard directory (`benchmarks/hf_fsdp_worker.py`: bf16, sdpa, AdamW, right-padded batches of
-samples shuffled from --seed). It runs --hf-steps steps at the first per-rank batch size of
---hf-batches that does not run out of memory (largest first), and each layout of N GPUs gets
-its tokens/s ratio to it (real tokens, padding excluded). Its losses are not compared: its init
-and sample order are its own.
+--hf-fsdp N adds the baseline: Hugging Face transformers under torch FSDP2 on N GPUs, on the
+strongest HF recipe (`benchmarks/hf_fsdp_worker.py`: the trainer's packs of the same shard
+directory, padding-free, in its order; varlen attention, Liger, bf16, fused AdamW). It runs
+--hf-steps steps, with transformers' gradient checkpointing only if it runs out of memory
+without (or always, with --hf-gradient-checkpointing), and each layout of N GPUs gets its tokens/s
+ratio to it. Its losses are not compared: its init is its own.
 
 Reported: a step x layout loss table; per layout max / mean |loss - reference| (reference:
 `1gpu` when run, else the first layout), whether every step saw the same real and target token
@@ -42,7 +42,7 @@ so a run cut short still leaves what it measured.
     python benchmarks/loss_curves.py --json-out benchmarks/results/loss_curves_h200x2_<yyyymmdd>.json
     # 2 GPUs, Qwen3-VL-8B at 16k packs: TP=2 against HF + FSDP2 on the same 2 GPUs
     python benchmarks/loss_curves.py --arch qwen3-vl-8b --seq-len 16384 --layouts tp2 --recompute full \\
-        --hf-fsdp 2 --hf-batches 4,2,1 --hf-gradient-checkpointing
+        --hf-fsdp 2
     # CPU smoke (tiny architecture, fp32)
     python benchmarks/loss_curves.py --arch tiny --seq-len 2048 --steps 3 --layouts 1gpu,dp2,tp2 --device cpu
 """
@@ -107,9 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--min-run-seconds", type=float, default=60.0, help="a layout needs at least this much of the budget")
     ap.add_argument("--hf-fsdp", type=int, default=0, metavar="N",
                     help="also run HF transformers under FSDP2 on N GPUs (0: not run)")
-    ap.add_argument("--hf-batches", default="4,2,1", help="HF per-rank batch sizes to try, the first that fits wins")
     ap.add_argument("--hf-steps", type=int, default=None, help="HF training steps (default: --steps)")
-    ap.add_argument("--hf-gradient-checkpointing", action="store_true", help="HF with transformers' per-layer recompute")
+    ap.add_argument("--hf-gradient-checkpointing", action="store_true",
+                    help="HF with transformers' per-layer recompute from the start (default: only after running out "
+                         "of memory without)")
     ap.add_argument("--trainer-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for every trainer launch (repeat; e.g. --trainer-arg=--micro-batch-packs=2)")
     ap.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "vlmpack_loss_curves"),
@@ -152,14 +153,15 @@ def parse_layout(name: str) -> Layout:
     return Layout(name, **sizes)
 
 
-def hf_command(args, batch: int, data_dir: Path, out: Path) -> list[str]:
+def hf_command(args, checkpointing: bool, data_dir: Path, out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.hf_fsdp),
            "benchmarks/hf_fsdp_worker.py", "--data", str(data_dir), "--out", str(out), "--arch", args.arch,
-           "--batch", str(batch), "--steps", str(args.hf_steps or args.steps), "--seed", str(args.seed),
+           "--seq-len", str(args.seq_len), "--global-batch-packs", str(args.global_batch_packs),
+           "--steps", str(args.hf_steps or args.steps), "--seed", str(args.seed), "--lr", str(args.lr),
            "--device", args.device]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
-    if args.hf_gradient_checkpointing:
+    if checkpointing:
         cmd.append("--gradient-checkpointing")
     return cmd
 
@@ -366,7 +368,7 @@ def print_table(res: dict) -> None:
             print(f"{n}: {runs[n]['status']}: {note}", flush=True)
     if hf:
         s = hf.get("summary", {})
-        print(f"HF + FSDP2 on {hf['nproc']} GPUs: {hf['status']}, batch {hf['batch_per_rank']} per rank, "
+        print(f"HF + FSDP2 on {hf['nproc']} GPUs: {hf['status']}, gradient checkpointing {hf['gradient_checkpointing']}, "
               f"{fmt(s.get('tokens_per_s'), ',.0f')} tok/s, step {fmt(s.get('step_seconds'), '.3f')} s, "
               f"rank0 peak {fmt(s.get('peak_memory_gib_rank0'), '.1f')} GiB"
               + (f", experts {hf['experts_implementation']}" if hf.get("experts_implementation") else ""), flush=True)
@@ -493,20 +495,21 @@ def main(argv=None) -> int:
             res["curves"][layout.name] = run["losses"]
         write_json()
 
-    # --- the HF + FSDP2 baseline on --hf-fsdp GPUs: the largest per-rank batch that fits
+    # --- the HF + FSDP2 baseline on --hf-fsdp GPUs, with gradient checkpointing only if it must
     if args.hf_fsdp:
         hf = res["hf_fsdp"] = {"nproc": args.hf_fsdp, "tries": []}
-        for batch in [int(b) for b in args.hf_batches.split(",") if b.strip()]:
-            run = launch(f"hf-fsdp2-b{batch}", hf_command(args, batch, data_dir, out_dir / f"hf_fsdp2_b{batch}"),
-                         args.hf_fsdp, out_dir / f"hf_fsdp2_b{batch}", args.hf_steps or args.steps,
-                         f"HF + FSDP2, batch {batch} per rank")
-            run["batch_per_rank"] = batch
+        for checkpointing in ([True] if args.hf_gradient_checkpointing else [False, True]):
+            name = "hf_fsdp2" + ("_checkpointing" if checkpointing else "")
+            run = launch(name.replace("_", "-"), hf_command(args, checkpointing, data_dir, out_dir / name),
+                         args.hf_fsdp, out_dir / name, args.hf_steps or args.steps,
+                         f"HF + FSDP2, gradient checkpointing {checkpointing}")
+            run["gradient_checkpointing"] = checkpointing
             hf["tries"].append(run)
             write_json()
             if run["status"] == "ok" or not run.get("out_of_memory"):
                 break
         best = hf["tries"][-1]
-        hf.update(status=best["status"], batch_per_rank=best["batch_per_rank"], summary=best.get("summary", {}),
+        hf.update(status=best["status"], gradient_checkpointing=best["gradient_checkpointing"], summary=best.get("summary", {}),
                   experts_implementation=next((r["experts_implementation"] for r in best.get("steps", [])
                                                if r.get("experts_implementation")), None))
         hf_tps = hf["summary"].get("tokens_per_s") if best["status"] == "ok" else None

@@ -1,6 +1,7 @@
-"""Training speed, side by side in one process on the same data: the vlmpack trainer on packed
-rows vs Hugging Face `Qwen3VLForConditionalGeneration` (or `Qwen2_5_VL...` for a Qwen2.5-VL
---arch) on padded batches.
+"""Training speed, side by side on the same packs: the vlmpack trainer against the strongest
+Hugging Face recipe (`hf_baseline.py`: the same packs padding-free, varlen FlashAttention for the
+language model and the vision tower, Liger kernels, fused AdamW), both starting from the same
+weights, alternating runs in fresh processes on one machine.
 
 Data: a synthetic mix in the arch's chat layout, written directly as a vlmpack shard directory
 (`benchmarks/synthetic_shards.py`: 100-3000 text tokens and 0-3 images of 64-1300 merged
@@ -8,60 +9,49 @@ tokens per sample, chat structure, assistant targets, M-RoPE positions, random u
 no sample longer than --seq-len; with --video-prob, videos too, which both sides feed to the
 vision tower as `pixel_values_videos`), checked with `verify_shards` (what `vlmpack verify` runs).
 
-(a) ours: `train.trainer.train(TrainConfig(arch=..., seq_len=..., global_batch_packs=...))`,
-    random init, bf16 on GPUs (fp32 on CPU, as the trainer does), --warmup + --steps steps.
-    tokens/s, MFU and peak memory come from the trainer's own OUT/metrics.jsonl over the
-    measured steps (tokens = real tokens, padding excluded; MFU = 6 * N_lm per token over
-    989 TFLOP/s on an H100, `train.metrics`). step_seconds is the whole loop iteration (next
-    global batch from the loader, forward+backward, optimizer step, loss all-reduce, sync).
-    The same run is instrumented from outside (the trainer's module-level names are wrapped
-    for the run, the trainer's files are not changed), with CUDA events recorded on the
-    compute stream, no extra synchronisation:
+Weights: random weights of --arch are written once as an HF checkpoint (bf16 on GPUs, fp32 on
+CPU); vlmpack starts from it with `--hf-model` (converted on load) and HF loads it. So both
+sides' first steps see the same weights and the same packs: their step-1 losses must agree
+within the precision's noise (`loss_check`; fp32 on CPU: 1e-4, bf16: 5e-3 relative). A
+baseline that computes something else is no baseline.
+
+Protocol: --repeats times (default 2) vlmpack then HF, alternating, each in a fresh process on
+an empty GPU. Each run: --warmup unmeasured steps, then --steps measured ones; a run's figure
+is its median step (real tokens of the step / its wall time). Peak memory is
+`torch.cuda.max_memory_allocated` over the run. The ratio is the mean of vlmpack's runs over
+the mean of HF's; its spread is the least and largest ratio of any vlmpack run to any HF run.
+
+(a) vlmpack: `train.trainer.train(TrainConfig(hf_model=INIT, seq_len=..., global_batch_packs=...))`,
+    bf16 on GPUs (fp32 on CPU, as the trainer does). tokens/s, MFU and peak memory come from the
+    trainer's own OUT/metrics.jsonl (tokens = real tokens, padding excluded; MFU = 6 * N_lm per
+    token over the GPU's bf16 peak, `train.metrics`). step_seconds is the whole loop iteration
+    (next global batch from the loader, forward+backward, optimizer step, loss all-reduce, sync).
+    The same run is instrumented from outside with CUDA events on the compute stream:
       fwd+bwd   = `run_global_batch` (all micro-batches' forward and backward, grad finalize);
       optimizer = `optimizer.step()` (megatron mixed-precision Adam: unscale, clip, step, copy);
       vision    = the vision tower inside the step: forward from its forward pre-hook to its
                   forward hook; backward from the gradient hook on its output (image
                   embeddings) to the gradient accumulation of its first layer (patch embed /
-                  pos embed weights), i.e. the vision share is measured IN the real step.
+                  pos embed weights).
     As a cross-check, the last step's micro-batches are re-run through the vision tower alone
-    (forward + backward with unit output gradients, same pixels and grids) after training.
-    The trainer saves a checkpoint at its last step; that save is skipped here (the
-    benchmark swaps `train.checkpoint.save` for a no-op unless --keep-checkpoint), it is not
-    part of any timed step.
-(b) HF: `Qwen3VLForConditionalGeneration(Qwen3VLConfig(**arch.to_hf_config()))` (Qwen2.5-VL: its
-    classes), random init,
-    sdpa attention, bf16 parameters (--hf-precision amp: fp32 parameters + bf16 autocast),
-    torch AdamW (betas 0.9/0.95 as ours), grad clipping 1.0 as ours, no activation
-    checkpointing (as ours; --hf-gradient-checkpointing: transformers' per-layer recompute, for a
-    model whose batch of 1 does not fit without it). Samples: exactly those in the packs ours trained on, shuffled
-    (seeded), in right-padded batches (`tests.hf_reference.to_padded_batch`: attention_mask,
-    labels -100 on non-targets and padding, mm_token_type_ids so HF computes its own M-RoPE
-    positions in forward). Batch size: the largest that survives the WORST batch of these
-    samples (the B longest, padded to the longest): B = 1, 2, 4, ... until out of memory or
-    --hf-max-batch, then bisection; each try is one full training step (optimizer state
-    included), out-of-memory is caught and the cache emptied. Then --hf-warmup + --hf-steps
-    steps on random batches of that size; batches are collated on the CPU before timing
-    (HF is not charged for collation; ours is charged for its loader).
-    Real tokens/s (attention_mask ones), LM MFU on real tokens, peak memory.
+    after training. The trainer's final checkpoint save is skipped (not part of any timed step)
+    unless --keep-checkpoint.
+(b) HF: `hf_baseline.HFPackedTrainer` on exactly the packs (a) trained on, in its order, one
+    optimizer step per global batch of packs; gradient checkpointing only when a step does not
+    fit without it (--hf-gradient-checkpointing auto: the run is retried with it, and the
+    result says so). With --lora-rank R both sides train LoRA adapters (rank R, alpha 2R) on
+    every linear of the language model, the base frozen: vlmpack `--lora-rank R`, HF through
+    PEFT's `get_peft_model` on the same modules. --attention picks the kernel of both sides.
 
-With --lora-rank R both sides train LoRA adapters (rank R, alpha 2R) on every linear of the
-language model, the base frozen: ours `vlmpack train --lora-rank R`, HF through PEFT's
-`get_peft_model` on the same modules. MFU stays 6 * N_lm per token, as for full fine-tuning
-(a frozen weight needs no weight gradient, so LoRA does about 4 * N of real work per token).
+Printed last: a table with the runs and the ratio. --json-out: everything, with command and machine.
 
-Printed last: a table with ours/HF ratios. --json-out: everything, with command and machine.
-
-    # H100, Qwen3-VL-2B architecture, 16k packs
-    python benchmarks/train_speed.py --arch qwen3-vl-2b --seq-len 16384 --samples 400 \\
-        --warmup 3 --steps 10 --global-batch-packs 2 --json-out benchmarks/results/train_speed_h100_<yyyymmdd>.json
-    # ... with videos in 30 % of the samples
-    python benchmarks/train_speed.py --arch qwen3-vl-2b --seq-len 16384 --samples 400 --video-prob 0.3 \
-        --json-out benchmarks/results/train_speed_video_h100_<yyyymmdd>.json
-    # H100, Qwen3-VL-8B architecture, LoRA rank 64 on every language-model linear, 16k packs
-    python benchmarks/train_speed.py --arch qwen3-vl-8b --seq-len 16384 --lora-rank 64 --recompute full \
-        --hf-gradient-checkpointing --json-out benchmarks/results/train_speed_lora_8b_h100_<yyyymmdd>.json
-    # CPU smoke
-    python benchmarks/train_speed.py --arch tiny --seq-len 2048 --samples 40 --steps 2 --device cpu
+    # one H200, Qwen3-VL-2B architecture, 16k packs
+    python benchmarks/train_speed.py --arch qwen3-vl-2b --seq-len 16384 --samples 400 --recompute auto \\
+        --json-out benchmarks/results/train_speed_2b_h200_<yyyymmdd>.json
+    # Qwen3-VL-8B, LoRA rank 64 on every language-model linear
+    python benchmarks/train_speed.py --arch qwen3-vl-8b --seq-len 16384 --lora-rank 64 --recompute auto
+    # CPU smoke (fp32: the loss check is tight)
+    python benchmarks/train_speed.py --arch tiny --seq-len 2048 --samples 24 --device cpu
 """
 
 from __future__ import annotations
@@ -70,7 +60,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import inspect
 import json
 import multiprocessing as mp
 import os
@@ -83,11 +72,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from common import T0, log, machine_info, parser, register_fewer_layers, write_json
+import hf_baseline
 from synthetic_shards import SyntheticSpec, write_synthetic_shards
 
 from shards_schema import open_shards, verify_shards
-from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
-from tests.hf_reference import to_padded_batch
 from train.config import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE, STATE_DTYPES, parse_bool
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
@@ -101,9 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=16384, help="pack length; also the longest synthetic sample")
     ap.add_argument("--samples", type=int, default=400, help="synthetic samples to write")
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic data, the init and the plans")
-    ap.add_argument("--steps", type=int, default=10, help="measured training steps (ours)")
-    ap.add_argument("--warmup", type=int, default=None, help="unmeasured first steps (ours); default 3 (CPU: 1)")
-    ap.add_argument("--global-batch-packs", type=int, default=None, help="packs per step (ours); default 2 (CPU: 1)")
+    ap.add_argument("--steps", type=int, default=6, help="measured training steps of each run (default 6)")
+    ap.add_argument("--warmup", type=int, default=None, help="unmeasured first steps of each run; default 3 (CPU: 1)")
+    ap.add_argument("--global-batch-packs", type=int, default=None, help="packs per step; default 2 (CPU: 1)")
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE,
                     help="trainer activation recompute (language model; auto: the trainer's choice from its "
                          "memory plan, recorded as the choice); on out-of-memory the run is retried once with "
@@ -148,17 +136,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-verify", action="store_true", help="skip the full verify of the synthetic shards")
     ap.add_argument("--keep-checkpoint", action="store_true", help="let the trainer save its final checkpoint")
     ap.add_argument("--vision-reps", type=int, default=None,
-                    help="repetitions of the isolated vision cross-check; default 3 (CPU: 1)")
-    ap.add_argument("--skip-hf", action="store_true", help="measure ours only")
-    ap.add_argument("--hf-max-batch", type=int, default=None, help="largest HF batch size tried; default 32 (CPU: 2)")
-    ap.add_argument("--hf-steps", type=int, default=None, help="measured HF steps at the chosen batch size; default 5 (CPU: 2)")
-    ap.add_argument("--hf-warmup", type=int, default=1, help="unmeasured HF steps at the chosen batch size")
-    ap.add_argument("--hf-precision", default="bf16", choices=("bf16", "amp"),
-                    help="bf16: bf16 parameters and AdamW states; amp: fp32 parameters + bf16 autocast (GPU only)")
-    ap.add_argument("--hf-gradient-checkpointing", action="store_true",
-                    help="HF recomputes every decoder layer in backward (for models whose batch of 1 does not fit "
-                         "without it; default off, as ours with --recompute none)")
-    ap.add_argument("--hf-search-budget", type=float, default=150.0, help="seconds for the HF batch-size search")
+                    help="repetitions of the isolated vision cross-check (0: none); default 3 (CPU: 1)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs per side, alternating vlmpack and HF, each in a fresh process; default 2 (CPU: 1)")
+    ap.add_argument("--skip-hf", action="store_true", help="measure vlmpack only")
+    ap.add_argument("--hf-liger", type=parse_bool, default=True,
+                    help="HF side: apply every Liger kernel that supports the model (CUDA; default true)")
+    ap.add_argument("--hf-gradient-checkpointing", default="auto", choices=("auto", "true", "false"),
+                    help="HF side: transformers' per-layer recompute; auto: only when a step does not fit without "
+                         "it (the run is retried with it and the result says so; default auto)")
     ap.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "vlmpack_train_speed"),
                     help="data and training output (default: under the temp dir)")
     args = ap.parse_args(argv)
@@ -169,7 +155,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     cpu = args.device == "cpu"  # smoke runs: the tiny model's 151,936-way loss is slow on a few cores
     for name, gpu_default, cpu_default in (("warmup", 3, 1), ("global_batch_packs", 2, 1), ("vision_reps", 3, 1),
-                                           ("hf_max_batch", 32, 2), ("hf_steps", 5, 2)):
+                                           ("repeats", 2, 1)):
         if getattr(args, name) is None:
             setattr(args, name, cpu_default if cpu else gpu_default)
     return args
@@ -560,7 +546,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
 
     shutil.rmtree(run_dir, ignore_errors=True)
     config = TrainConfig(
-        data=[str(data_dir)], out=str(run_dir), arch=args.arch, seq_len=args.seq_len,
+        data=[str(data_dir)], out=str(run_dir), hf_model=str(args.init_dir), seq_len=args.seq_len,
         global_batch_packs=args.global_batch_packs, train_steps=args.warmup + args.steps, lr=args.lr,
         recompute=recompute, recompute_layers=args.recompute_layers if recompute == "full" else None,
         recompute_vision=args.recompute_vision, device=args.device, num_workers=args.num_workers, tensorboard=False,
@@ -591,7 +577,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
     return probe, config, result, time.perf_counter() - started
 
 
-def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
+def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
     from train.trainer import is_out_of_memory
 
     device = torch.device(args.device)
@@ -623,19 +609,15 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
 
     probe.active = False
     vision_check = isolated_vision(probe, args, device, timings[-1] if timings else {})
-    packs = list(probe.packs)
     plans = {}
-    pool_index: list[int] = []
-    step_samples: list[list[int]] = []  # pool indices of each step's samples (packs are consumed in step order)
-    for n, (epoch, pack) in enumerate(packs):
+    pack_samples: list[list[int]] = []  # the shard rows of each pack, in the order they were trained on
+    for epoch, pack in probe.packs:
         if epoch not in plans:
             plans[epoch] = probe.data.loader.plan(epoch)
         sources, indices = plans[epoch].pack_samples(pack)
-        chosen = [int(i) for s, i in zip(sources.tolist(), indices.tolist()) if s == 0]
-        pool_index += chosen
-        if n % args.global_batch_packs == 0:
-            step_samples.append([])
-        step_samples[-1] += chosen
+        pack_samples.append([int(i) for s, i in zip(sources.tolist(), indices.tolist()) if s == 0])
+    step_samples = [sum(pack_samples[k:k + args.global_batch_packs], [])
+                    for k in range(0, len(pack_samples), args.global_batch_packs)]
     shards = open_shards(data_dir)
     arch = builtin_arch(args.arch)
     step_flops = []
@@ -652,7 +634,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
     flops = {k: sum(f[k] for f in step_flops[args.warmup:]) for k in step_flops[0]}
     total_tokens = sum(r["tokens"] for r in measured)
     total_s = sum(r["step_seconds"] for r in measured)
-    tps = total_tokens / total_s
+    tps = float(np.median([r["tokens"] / r["step_seconds"] for r in measured]))  # the median step
 
     def total(key):
         values = [r[key] for r in measured]
@@ -664,7 +646,8 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
         "tokens_per_step_mean": total_tokens / len(measured),
         "target_tokens_per_step_mean": sum(r["target_tokens"] for r in measured) / len(measured),
         "tokens_per_s": tps,
-        "tokens_per_s_trainer_mean": float(np.mean([r["tokens_per_s"] for r in measured])),
+        "tokens_per_s_method": "median over the measured steps of the step's real tokens / its wall time",
+        "tokens_per_s_mean": total_tokens / total_s,
         "lm_mfu": tps * n_lm / peak if peak else None,
         "model_tflop_per_step": {k: v / len(measured) / 1e12 for k, v in flops.items()},
         "model_flops_share": {k: v / flops["total"] for k, v in flops.items() if k != "total"},
@@ -694,7 +677,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
         "out_of_memory_attempts": attempts,
         "pack_fill": total_tokens / (len(measured) * args.global_batch_packs * args.seq_len),
         "isolated_vision": vision_check,
-        "packs_consumed": len(packs),
+        "packs_consumed": len(pack_samples),
         "recompute_layers": config.recompute_layers,
         "recompute_vision": config.recompute_vision,
         "attention": config.attention,
@@ -723,13 +706,13 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> tuple[dict, list[int]]:
         f"allocator retries {summary['alloc_retries_measured']}")
     return {"summary": summary, "steps": [dict(r, **t) for r, t in zip(records, timings)],
             "trainer_result": result, "config": config.to_dict(),
-            "recompute_auto": getattr(args, "recompute_auto", None)}, sorted(set(pool_index))
+            "recompute_auto": getattr(args, "recompute_auto", None), "packs": pack_samples}
 
 
 def isolated_vision(probe: TrainerProbe, args, device: torch.device, in_step: dict) -> dict | None:
     """The last step's micro-batches through the vision tower alone, forward + backward."""
     model, data, batches = probe.model, probe.data, probe.last_batches
-    if model is None or not batches:
+    if model is None or not batches or args.vision_reps < 1:
         return None
     tower = model.module.vision if hasattr(model, "module") else model.vision
     if not any(p.requires_grad for p in tower.parameters()):  # frozen (LoRA on the language model): no backward
@@ -773,219 +756,83 @@ def isolated_vision(probe: TrainerProbe, args, device: torch.device, in_step: di
 # ------------------------------------------------------------------------------------------ HF
 
 
-def hf_model_class(arch):
-    """transformers' class for the arch's family (Qwen3VL... or Qwen2_5_VL...ForConditionalGeneration)."""
-    import transformers
-
-    return getattr(transformers, arch.hf_architecture)
-
-
-class HFTrainer:
-    def __init__(self, args, arch, profile: dict, device: torch.device):
-        self.device, self.cuda = device, device.type == "cuda"
-        self.vision, self.video = profile["vision"], profile.get("video")
-        special = profile["special_tokens"]
-        self.pad_id, self.image_pad_id = int(special["endoftext"]), int(special["image_pad"])
-        self.video_pad_id = int(special.get("video_pad", 151656))
-        self.amp = self.cuda and args.hf_precision == "amp"
-        self.param_dtype = torch.bfloat16 if self.cuda and args.hf_precision == "bf16" else torch.float32
-        self.pixel_dtype = torch.bfloat16 if self.cuda else torch.float32
-        model_class = hf_model_class(arch)
-        config = model_class.config_class(**arch.to_hf_config())
-        torch.manual_seed(args.seed)
-        with torch.device(device):
-            self.model = model_class._from_config(config, attn_implementation="sdpa", dtype=self.param_dtype)
-        self.model.train()
-        self.model.config.use_cache = False
-        forward_params = inspect.signature(self.model.forward).parameters
-        if args.hf_gradient_checkpointing:  # transformers' own per-layer recompute (non-reentrant)
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if args.lora_rank:  # PEFT's adapters on the same modules as ours, the base frozen
-            from peft import LoraConfig, get_peft_model
-
-            from train.model.lora import LoraSpec, peft_target_regex, resolve_sites
-
-            spec = LoraSpec(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
-            self.model = get_peft_model(self.model, LoraConfig(
-                r=spec.rank, lora_alpha=spec.alpha, target_modules=peft_target_regex(resolve_sites(arch, spec))))
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-        self.takes_mm_types = "mm_token_type_ids" in forward_params
-        self.takes_second_per_grid_ts = "second_per_grid_ts" in forward_params
-        self.num_params = sum(p.numel() for p in self.params)
-
-    def collate(self, samples: list[dict]) -> dict:
-        b = to_padded_batch(samples, pad_token_id=self.pad_id, image_pad_id=self.image_pad_id,
-                            video_pad_id=self.video_pad_id)
-        b["real_tokens"] = int(b["attention_mask"].sum())
-        b["padded_tokens"] = int(b["attention_mask"].size)
-        return b
-
-    def step(self, batch: dict) -> float:
-        dev = self.device
-        inputs = {k: torch.from_numpy(batch[k]).to(dev, non_blocking=True)
-                  for k in ("input_ids", "attention_mask", "labels")}
-        if self.takes_mm_types:
-            inputs["mm_token_type_ids"] = torch.from_numpy(batch["mm_token_type_ids"]).to(dev)
-        else:  # a transformers without mm_token_type_ids: hand it the shards' positions
-            inputs["position_ids"] = torch.from_numpy(batch["position_ids"]).to(dev)
-        if batch["pixel_patches"].shape[0]:
-            v = self.vision
-            patches = torch.from_numpy(batch["pixel_patches"]).to(dev, non_blocking=True)
-            inputs["pixel_values"] = pixel_values_from_patches(
-                patches, v["image_mean"], v["image_std"], int(v["patch_size"]), int(v["temporal_patch_size"]),
-                int(v.get("channels", 3)), dtype=self.pixel_dtype)
-            inputs["image_grid_thw"] = torch.from_numpy(batch["image_grid_thw"]).to(dev)
-        if batch["video_patches"].shape[0]:
-            patches = torch.from_numpy(batch["video_patches"]).to(dev, non_blocking=True)
-            inputs["pixel_values_videos"] = video_pixel_values_from_patches(
-                patches, self.video["image_mean"], self.video["image_std"], dtype=self.pixel_dtype)
-            inputs["video_grid_thw"] = torch.from_numpy(batch["video_grid_thw"]).to(dev)
-            if self.takes_second_per_grid_ts:
-                inputs["second_per_grid_ts"] = torch.from_numpy(batch["second_per_grid_ts"]).to(dev)
-        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.amp else contextlib.nullcontext()
-        with ctx:
-            loss = self.model(**inputs, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    def try_step(self, batch: dict) -> tuple[bool, float | None, float]:
-        """(fits, loss, seconds); out-of-memory is caught and the allocator cache emptied."""
-        from train.trainer import is_out_of_memory
-
-        if self.cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        try:
-            loss = self.step(batch)
-            if self.cuda:
-                torch.cuda.synchronize()
-            return True, loss, time.perf_counter() - t0
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            if not is_out_of_memory(exc):
-                raise
-        # outside the except block: the traceback (and the tensors its frames hold) is gone
-        self.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        return False, None, time.perf_counter() - t0
+def make_init_checkpoint(args, arch, out: Path) -> dict:
+    """The random weights both sides start from, as an HF checkpoint directory."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    t0 = time.perf_counter()
+    hf_baseline.write_init_checkpoint(arch, out, args.seed, dtype, device)
+    log(f"init: random {arch.hf_architecture} weights ({dtype}) -> {out} in {time.perf_counter() - t0:.1f} s")
+    return {"dir": str(out), "dtype": str(dtype), "seconds": time.perf_counter() - t0}
 
 
-def run_hf(args, arch, data_dir: Path, pool_index: list[int], device: torch.device) -> dict:
-    shards = open_shards(data_dir)
-    profile = shards.manifest["profile"]
-    samples = [shards[i] for i in pool_index]
-    lengths = np.array([len(s["input_ids"]) for s in samples])
+def run_hf(args, arch, data_dir: Path, packs: list[list[int]], gradient_checkpointing: bool) -> dict:
+    """`hf_baseline.HFPackedTrainer` on `packs` (shard rows per pack, the trainer's order), as
+    --warmup + --steps global batches of --global-batch-packs packs."""
+    from train.model.attention import select_attention_kernel
+    from train.trainer import is_out_of_memory
+
+    device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.empty_cache()
+        select_attention_kernel(args.attention)  # the same kernel as vlmpack's side
         torch.cuda.reset_peak_memory_stats()
-    leftover = torch.cuda.memory_allocated() / 2**30 if cuda else None
-    log(f"HF: {len(samples)} samples (those of ours' packs), {int(lengths.sum()):,} tokens, longest {lengths.max()}; "
-        f"building {arch.hf_architecture} ({args.hf_precision if cuda else 'fp32'}, sdpa)"
-        + (f"; {leftover:.2f} GiB still allocated from ours" if cuda else ""))
-    hf = HFTrainer(args, arch, profile, device)
-    model_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
-    by_length = np.argsort(-lengths, kind="stable")
-
-    def worst_batch(b: int) -> dict:
-        return hf.collate([samples[i] for i in by_length[:b]])
-
-    # --- batch-size search on the worst batch
-    tries, fits = [], {}
-    started = time.perf_counter()
-    limit = min(args.hf_max_batch, len(samples))
-
-    def attempt(b: int) -> bool:
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        ok, loss, seconds = hf.try_step(worst_batch(b))
-        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-        tries.append({"batch": b, "fits": ok, "seconds": seconds, "loss": loss, "peak_memory_gib": peak,
-                      "padded_tokens": b * int(lengths[by_length[0]])})
-        fits[b] = ok
-        log(f"HF: batch {b} (worst case {b} x {int(lengths[by_length[0]])} tokens): "
-            f"{'fits' if ok else 'out of memory'} in {seconds:.1f} s" + (f", peak {peak:.1f} GiB" if ok and cuda else ""))
-        return ok
-
-    good, bad, b = 0, None, 1
-    while b <= limit:
-        if time.perf_counter() - started > args.hf_search_budget and good:
-            break
-        if attempt(b):
-            good = b
-            if b == limit:
-                break
-            b = min(b * 2, limit)
-        else:
-            bad = b
-            break
-    while bad is not None and bad - good > 1 and time.perf_counter() - started < args.hf_search_budget:
-        mid = (good + bad) // 2
-        if attempt(mid):
-            good = mid
-        else:
-            bad = mid
-    search_s = time.perf_counter() - started
-    result = {"model_params": hf.num_params, "model_memory_gib": model_gib, "leftover_from_ours_gib": leftover,
-              "precision": args.hf_precision if cuda else "fp32", "passes_mm_token_type_ids": hf.takes_mm_types,
-              "search": tries, "search_s": search_s}
-    if not good:
-        log("HF: batch size 1 does not fit")
-        result["error"] = "out of memory at batch size 1"
-        return result
-
-    # --- measurement on random batches of the chosen size
-    rng = np.random.default_rng(args.seed)
-    batch = good
-    while batch >= 1:
-        order = rng.permutation(len(samples))
-        need = (args.hf_warmup + args.hf_steps) * batch
-        order = np.resize(order, need) if need > len(order) else order[:need]
-        batches = [hf.collate([samples[i] for i in order[k * batch:(k + 1) * batch]])
-                   for k in range(args.hf_warmup + args.hf_steps)]
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        steps, oom = [], False
-        for k, bt in enumerate(batches):
-            ok, loss, seconds = hf.try_step(bt)
-            if not ok:
-                oom = True
-                break
-            steps.append({"seconds": seconds, "loss": loss, "real_tokens": bt["real_tokens"],
-                          "padded_tokens": bt["padded_tokens"], "warmup": k < args.hf_warmup})
-            log(f"HF: step {k + 1}/{len(batches)} batch {batch}: {bt['real_tokens']:,} real / {bt['padded_tokens']:,} "
-                f"padded tokens in {seconds:.2f} s ({bt['real_tokens'] / seconds:,.0f} tok/s), loss {loss:.3f}")
-        if not oom:
-            break
-        log(f"HF: batch {batch} ran out of memory on a random batch; retrying with {batch - 1}")
-        batch -= 1
-    if batch < 1:
-        result["error"] = "out of memory on random batches at every size"
-        return result
-    measured = [s for s in steps if not s["warmup"]]
-    real = sum(s["real_tokens"] for s in measured)
-    padded = sum(s["padded_tokens"] for s in measured)
-    seconds = sum(s["seconds"] for s in measured)
+    shards = open_shards(data_dir)
+    collated = [hf_baseline.collate_pack([shards[i] for i in pack]) for pack in packs]  # before any clock
+    n = args.global_batch_packs
+    steps = [collated[k:k + n] for k in range(0, len(collated), n)][:args.warmup + args.steps]
+    recipe = hf_baseline.Recipe(lr=args.lr, liger=args.hf_liger, gradient_checkpointing=gradient_checkpointing,
+                                lora_rank=args.lora_rank)
+    trainer = hf_baseline.HFPackedTrainer(arch, Path(args.init_dir), shards.manifest["profile"], recipe, device)
+    log(f"HF: {arch.hf_architecture}, {trainer.num_params:,} trained parameters, attention "
+        f"{hf_baseline.ATTENTION} ({args.attention if cuda else 'masked, CPU'}), gradient checkpointing "
+        f"{gradient_checkpointing}, Liger: {trainer.liger.function or trainer.liger.reason} {trainer.liger.modules} "
+        f"{trainer.liger.functions}")
+    result = {"recipe": dataclasses.asdict(recipe), "liger": dataclasses.asdict(trainer.liger),
+              "attention": args.attention if cuda else "masked (CPU)", "trained_params": trainer.num_params,
+              "gradient_checkpointing": gradient_checkpointing,
+              "experts_implementation": getattr(trainer.model.config.get_text_config(), "_experts_implementation", None)}
+    try:
+        records = hf_baseline.timed_steps(trainer, steps, args.warmup, log)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        return {**result, "error": f"out of memory: {str(exc).splitlines()[0][:200]}"}
+    measured = [r for r in records if not r["warmup"]]
+    tps = float(np.median([r["tokens_per_s"] for r in measured]))
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    tps = real / seconds
-    n_lm = lm_flops_per_token(arch)
     peak_flops = peak_tflops(device) * 1e12
     result.update({
-        "batch_size": batch, "largest_fitting_worst_case": good, "first_oom": bad,
-        "steps": steps, "steps_measured": len(measured), "tokens_per_s": tps,
-        "lm_mfu": tps * n_lm / peak_flops if peak_flops else None,
-        "step_s_mean": seconds / len(measured), "real_tokens_per_step_mean": real / len(measured),
-        "padding_efficiency": real / padded, "peak_memory_gib": peak,
+        "steps": records, "steps_measured": len(measured), "tokens_per_s": tps,
+        "tokens_per_s_mean": sum(r["tokens"] for r in measured) / sum(r["step_seconds"] for r in measured),
+        "lm_mfu": tps * lm_flops_per_token(arch) / peak_flops if peak_flops else None,
+        "step_s_median": float(np.median([r["step_seconds"] for r in measured])),
+        "peak_memory_gib": peak, "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"],
     })
-    log(f"HF: batch {batch}: {tps:,.0f} real tok/s, MFU {fmt_pct(result['lm_mfu'])}, padding efficiency "
-        f"{100 * real / padded:.0f}%, peak {fmt_gib(peak)}")
+    log(f"HF: {tps:,.0f} tok/s (median step), MFU {fmt_pct(result['lm_mfu'])}, peak {fmt_gib(peak)}")
     return result
+
+
+def run_hf_fitting(args, arch, data_dir: Path, packs: list[list[int]]) -> dict:
+    """run_hf in a fresh process; with --hf-gradient-checkpointing auto, once more with
+    checkpointing if it ran out of memory without."""
+    first = args.hf_gradient_checkpointing == "true"
+    result = isolated(run_hf, args, arch, data_dir, packs, first)
+    if "error" in result and args.hf_gradient_checkpointing == "auto" and not first:
+        log(f"HF: {result['error']}; again with gradient checkpointing")
+        result = {**isolated(run_hf, args, arch, data_dir, packs, True), "without_checkpointing": result["error"]}
+    return result
+
+
+TOLERANCE = {"cpu": ("absolute", 1e-4), "cuda": ("relative", 5e-3)}
+
+
+def loss_check(ours: dict, hf: dict, device: str) -> dict:
+    """Both sides' step-1 loss (same weights, same packs): equal within the precision's noise."""
+    a, b = ours["summary"]["loss_first"], hf["loss_first"]
+    kind, limit = TOLERANCE[device]
+    diff = abs(a - b) if kind == "absolute" else abs(a - b) / abs(a)
+    return {"vlmpack": a, "hf": b, kind + "_difference": diff, "limit": limit, "ok": diff <= limit}
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -1012,46 +859,63 @@ def machine(device: torch.device) -> dict:
     return info
 
 
+def side_summary(runs: list[dict], key: str = "tokens_per_s") -> dict:
+    values = [r[key] for r in runs]
+    return {"runs": values, "mean": float(np.mean(values)), "min": min(values), "max": max(values)}
+
+
+def compare(repeats: list[dict]) -> dict:
+    """vlmpack against HF over the alternating runs: the mean ratio and its spread (the least and
+    largest ratio of any vlmpack run to any HF run), and the same for peak memory."""
+    ours = [r["ours"]["summary"] for r in repeats]
+    hf = [r["hf"] for r in repeats if "hf" in r and "error" not in r["hf"]]
+    if not hf:
+        return {}
+    out = {}
+    for key in ("tokens_per_s", "peak_memory_gib"):
+        if any(r[key] is None for r in ours + hf):  # peak memory on CPU
+            continue
+        a, b = side_summary(ours, key), side_summary(hf, key)
+        if a["mean"] and b["mean"]:
+            out[key] = {"vlmpack": a, "hf": b, "ratio": a["mean"] / b["mean"],
+                        "ratio_spread": [a["min"] / b["max"], a["max"] / b["min"]]}
+    return out
+
+
 def print_table(res: dict) -> None:
-    ours = res["ours"]["summary"]
-    hf = res.get("hf") or {}
-    hf_ok = bool(hf) and "error" not in hf
-
-    def ratio(a, b):
-        return f"{a / b:.2f}x" if a is not None and b else "-"
-
-    rows = [
-        ("real tokens/s", f"{ours['tokens_per_s']:,.0f}", f"{hf['tokens_per_s']:,.0f}" if hf_ok else "-",
-         ratio(ours["tokens_per_s"], hf.get("tokens_per_s") if hf_ok else None)),
-        ("LM MFU", fmt_pct(ours["lm_mfu"]), fmt_pct(hf.get("lm_mfu")) if hf_ok else "-", ""),
-        ("all-parts FLOPs util.", fmt_pct(ours.get("model_flops_utilization")), "", ""),
-        ("peak memory", fmt_gib(ours["peak_memory_gib"]), fmt_gib(hf.get("peak_memory_gib")) if hf_ok else "-",
-         ratio(ours["peak_memory_gib"], hf.get("peak_memory_gib") if hf_ok else None)),
-        ("batch", f"{res['args']['global_batch_packs']} x {res['args']['seq_len']} packed",
-         f"{hf['batch_size']} padded" if hf_ok else "-", ""),
-        ("pack fill", fmt_pct(ours["pack_fill"]), "", ""),
-        ("real tokens/step", f"{ours['tokens_per_step_mean']:,.0f}",
-         f"{hf['real_tokens_per_step_mean']:,.0f}" if hf_ok else "-", ""),
-        ("step time", fmt_s(ours["step_s_mean"]), fmt_s(hf.get("step_s_mean")) if hf_ok else "-", ""),
-        ("  fwd+bwd", fmt_s(ours["fwd_bwd_s_mean"]), "", ""),
-        ("  optimizer", fmt_s(ours["optimizer_s_mean"]), "", ""),
-        ("  vision fwd+bwd", fmt_s(None if ours["vision_bwd_s_mean"] is None
-                                   else ours["vision_fwd_s_mean"] + ours["vision_bwd_s_mean"]), "", ""),
-        ("vision share of step", fmt_pct(ours["vision_share_of_step"]), "", ""),
-        ("padding efficiency", "", fmt_pct(hf.get("padding_efficiency")) if hf_ok else "-", ""),
-    ]
+    arch = res["args"]["arch"]
     device = res["machine"].get("device") or "cpu"
-    print(f"\n{res['args']['arch']} on {device}: ours = vlmpack trainer (megatron-core, packed), "
-          f"(recompute {ours['recompute']}, grads {ours['grad_dtype']}, Adam state {ours['adam_state_dtype']}), "
-          f"HF = {builtin_arch(res['args']['arch']).hf_architecture} (sdpa, "
-          f"{hf.get('precision', res['args']['hf_precision'])}, padded)", flush=True)
-    widths = [22, 20, 20, 9]
-    print("".join(h.ljust(w) for h, w in zip(("", "ours", "HF", "ours/HF"), widths)))
-    print("-" * sum(widths))
-    for row in rows:
-        print("".join(str(c).ljust(w) for c, w in zip(row, widths)), flush=True)
-    if hf and not hf_ok:
-        print(f"HF: {hf['error']}")
+    first_hf = next((r["hf"] for r in res["repeats"] if "hf" in r), None)
+    print(f"\n{arch} on {device}, {res['args']['global_batch_packs']} x {res['args']['seq_len']} packs per step, "
+          f"attention {res['args']['attention']}", flush=True)
+    if first_hf:
+        liger = first_hf["liger"]
+        print(f"HF recipe: packed (padding-free), varlen attention, gradient checkpointing "
+              f"{first_hf['gradient_checkpointing']}, Liger {liger['function'] or '-'} "
+              f"({', '.join(f'{k} x{v}' for k, v in liger['modules'].items()) or liger['reason']}; "
+              f"{', '.join(liger['functions'])})")
+    widths = [10, 16, 12, 12, 12]
+    print("".join(h.ljust(w) for h, w in zip(("run", "side", "tokens/s", "peak GiB", "step 1 loss"), widths)))
+    for i, rep in enumerate(res["repeats"], 1):
+        ours = rep["ours"]["summary"]
+        print("".join(str(c).ljust(w) for c, w in zip(
+            (i, "vlmpack", f"{ours['tokens_per_s']:,.0f}", fmt_gib(ours["peak_memory_gib"]), f"{ours['loss_first']:.5f}"),
+            widths)))
+        hf = rep.get("hf")
+        if hf and "error" in hf:
+            print("".join(str(c).ljust(w) for c, w in zip((i, "HF", hf["error"][:60]), widths)))
+        elif hf:
+            print("".join(str(c).ljust(w) for c, w in zip(
+                (i, "HF", f"{hf['tokens_per_s']:,.0f}", fmt_gib(hf["peak_memory_gib"]), f"{hf['loss_first']:.5f}"),
+                widths)))
+    ratios = res.get("ratios") or {}
+    for key, label in (("tokens_per_s", "tokens/s"), ("peak_memory_gib", "peak memory")):
+        if key in ratios:
+            r = ratios[key]
+            print(f"vlmpack / HF {label}: {r['ratio']:.2f}x ({r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f}x)")
+    if res.get("loss_check"):
+        c = res["loss_check"]
+        print(f"step-1 loss check: {'ok' if c['ok'] else 'FAILED'} ({c})", flush=True)
 
 
 def _child(queue, fn, args) -> None:
@@ -1086,8 +950,7 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_out = Path(args.json_out) if args.json_out else out_dir / "train_speed.json"
     arch = builtin_arch(args.arch)
-    res = {"args": vars(args), "machine": machine(device),
-           "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    res = {"args": vars(args), "machine": machine(device), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     log(f"machine: {res['machine']['device']}, torch {torch.__version__}, "
         f"transformers {res['machine']['transformers']}, megatron-core {res['machine']['megatron_core']}")
 
@@ -1112,26 +975,32 @@ def main(argv=None) -> int:
             print(report.format_text(), flush=True)
             return 1
 
-    # Each side in a process of its own: neither inherits the other's allocator cache or
-    # megatron's global state, so both peaks and both batch-size searches start from an empty GPU.
-    res["ours"], pool_index = isolated(run_ours, args, data_dir, out_dir / "ours")
-    if res["ours"]["recompute_auto"]:  # the arguments record what auto chose (the line says it was auto)
-        for key in ("recompute", "recompute_layers"):
-            setattr(args, key, res["ours"]["config"][key])
-        args.recompute_auto = res["ours"]["recompute_auto"]
-    if not args.skip_hf:
-        res["hf"] = isolated(run_hf, args, arch, data_dir, pool_index, device)
-        gc.collect()
-    ours, hf = res["ours"]["summary"], res.get("hf") or {}
-    if hf and "error" not in hf:
-        res["ratios"] = {"tokens_per_s": ours["tokens_per_s"] / hf["tokens_per_s"],
-                         "peak_memory": (ours["peak_memory_gib"] / hf["peak_memory_gib"]
-                                         if ours["peak_memory_gib"] and hf["peak_memory_gib"] else None)}
+    # Each run in a process of its own: none inherits another's allocator cache or megatron's
+    # global state, so every peak starts from an empty GPU.
+    args.init_dir = str(out_dir / "init")
+    shutil.rmtree(args.init_dir, ignore_errors=True)
+    res["init"] = isolated(make_init_checkpoint, args, arch, Path(args.init_dir))
+    res["repeats"] = []
+    for repeat in range(args.repeats):
+        ours = isolated(run_ours, args, data_dir, out_dir / "ours")
+        if ours["recompute_auto"]:  # the arguments record what auto chose (the line says it was auto)
+            for key in ("recompute", "recompute_layers"):
+                setattr(args, key, ours["config"][key])
+            args.recompute_auto = ours["recompute_auto"]
+        args.profile = False  # the profile is of the first run only
+        run = {"ours": ours}
+        if not args.skip_hf:
+            run["hf"] = run_hf_fitting(args, arch, data_dir, ours["packs"])
+            if repeat == 0 and "error" not in run["hf"]:
+                res["loss_check"] = loss_check(ours, run["hf"], device.type)
+        res["repeats"].append(run)
+        write_json(json_out, res)  # what is measured so far survives a later failure
+    res["ratios"] = compare(res["repeats"])
     res["total_s"] = time.perf_counter() - T0
     write_json(json_out, res)
     log(f"wrote {json_out}")
     print_table(res)
-    return 0
+    return 0 if res.get("loss_check", {"ok": True})["ok"] else 1
 
 
 if __name__ == "__main__":
