@@ -991,6 +991,8 @@ def main(argv=None) -> int:
         run = {"ours": ours}
         if not args.skip_hf:
             run["hf"] = run_hf_fitting(args, arch, data_dir, ours["packs"])
+            if "without_checkpointing" in run["hf"]:  # found once: later repeats start with checkpointing
+                args.hf_gradient_checkpointing = "true"
             if repeat == 0 and "error" not in run["hf"]:
                 res["loss_check"] = loss_check(ours, run["hf"], device.type)
         res["repeats"].append(run)
