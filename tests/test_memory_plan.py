@@ -117,6 +117,11 @@ def _recorded_peaks():
                 name, settings = _settings({**args, "recompute_layers": layers}, visual_share=_visual_share(result))
                 peak = run.get("peak_memory_gib") or run["summary"]["peak_memory_gib"]
                 yield f"{path.stem}[{i}]", name, args.get("layers"), settings, memory_plan.Layout(), peak
+        elif "repeats" in result:  # alternating vlmpack / HF runs of one setting
+            name, settings = _settings(args, layers=args.get("layers"), visual_share=_visual_share(result))
+            for i, repeat in enumerate(result["repeats"]):
+                yield (f"{path.stem}[{i}]", name, args.get("layers"), settings, memory_plan.Layout(),
+                       repeat["ours"]["summary"]["peak_memory_gib"])
         elif (result.get("ours") or {}).get("summary", {}).get("peak_memory_gib"):
             if args.get("fp8"):
                 FP8_RUNS.add(path.stem)
