@@ -286,7 +286,7 @@ def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, p
 
     def planned(recompute, recompute_layers):
         run = dataclasses.replace(config, recompute=recompute, recompute_layers=recompute_layers)
-        return float(re.search(r"largest stage: ([\d.]+) GiB", dry_run(run)).group(1))
+        return float(re.search(r"largest stage: ([\d.]+) GiB", dry_run(run)[0]).group(1))
 
     budget = memory_plan.FIT_FRACTION * gpu_gib
     fits = [planned(*depth) <= budget + 0.05 for depth in depths]  # the report rounds to 0.1 GiB
@@ -309,3 +309,103 @@ def test_recompute_auto_on_cpu_trains_without_recompute_and_says_so(shards, tmp_
         rc = vlmpack(["train", *BASE, "--device", "cpu", "--data", str(shards), "--out", str(tmp_path / "bad"), *extra])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+SUGGESTION = re.compile(r"^smallest layout that fits: (\d+) GPU\(s\) as (.+) \(([\d.]+) GiB\); "
+                        r"launch on \1 GPU\(s\) with (--tp \d+ --pp \d+(?: --ep \d+)?)$", re.MULTILINE)
+
+
+@pytest.mark.parametrize("arch, gpus, flags, gpu_gib", [
+    ("qwen3-vl-2b", "1", ["--seq-len", "16384"], "80"),
+    ("qwen3-vl-8b", "2", ["--tp", "2", "--seq-len", "16384", "--recompute", "full", "--grad-dtype", "bf16",
+                          "--adam-state-dtype", "bf16"], "40"),
+    ("qwen3-vl-32b", "8", ["--seq-len", "16384", "--recompute", "full"], "80"),
+    ("qwen3-vl-32b", "4", ["--seq-len", "16384", "--recompute", "auto", "--global-batch-packs", "8",
+                           "--grad-dtype", "bf16", "--adam-state-dtype", "bf16"], "141"),
+    ("qwen3-vl-32b", "1", ["--lora-rank", "16", "--seq-len", "32768", "--recompute", "auto"], "80"),
+    ("qwen3-vl-30b-a3b", "4", ["--ep", "4", "--seq-len", "32768", "--recompute", "full"], "80"),
+    ("qwen3-vl-30b-a3b", "8", ["--seq-len", "8192", "--recompute", "auto", "--grad-dtype", "bf16",
+                               "--adam-state-dtype", "bf16", "--sequence-parallel", "false"], "141"),
+    ("qwen3-vl-235b-a22b", "8", ["--seq-len", "16384", "--recompute", "full"], "80"),
+    ("qwen3-vl-235b-a22b", "16", ["--seq-len", "8192", "--recompute", "auto", "--grad-dtype", "bf16"], "141"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_the_suggested_layout_planned_directly_gives_its_figure_and_suggests_itself(arch, gpus, flags, gpu_gib, capsys):
+    """The smallest layout that fits is a fixed point: launched with the flags it names (on its
+    GPU count, the run's other flags kept), the plan is the one it quoted and it suggests itself."""
+    def dry_run(*layout):
+        rc = vlmpack(["train", "--dry-run", "--arch", arch, *flags, "--gpu-memory-gib", gpu_gib, *layout])
+        return rc, capsys.readouterr().out
+
+    rc, out = dry_run("--gpus", gpus)
+    suggested = SUGGESTION.search(out)
+    assert rc == 0 and suggested, out
+    count, layout, peak, launch = suggested.groups()
+    rc, direct = dry_run("--gpus", count, *launch.split())
+    assert rc == 0
+    assert f"memory plan: {arch} on {count} GPU(s) as {layout}, " in direct, direct
+    assert f"largest stage: {peak} GiB, fits in 95% of {float(gpu_gib):.1f} GiB per GPU" in direct, direct
+    assert SUGGESTION.search(direct).group(0) == suggested.group(0)
+
+
+def test_moe_layouts_under_tp_are_planned_with_the_trainers_sequence_parallelism():
+    """The search plans each layout with the settings the trainer resolves for it: a MoE model
+    under TP with sequence parallelism (the trainer turns it on), though the run it starts from
+    has TP 1; with --sequence-parallel false it suggests no TP (the trainer refuses MoE under TP
+    without it)."""
+    from train.config import TrainConfig
+    from train.trainer import _plan_inputs, check_layout, resolve_arch, sequence_parallel, smallest_layout_that_fits
+
+    config = TrainConfig(arch="qwen3-vl-235b-a22b", gpus=8, seq_len=16384, recompute="full", gpu_memory_gib=80,
+                         dry_run=True)
+    arch = resolve_arch(config)
+    best = smallest_layout_that_fits(config, arch, memory_plan.VISUAL_SHARE)
+    assert best.layout.tp > 1 and best.layout.ep > 1
+    check_layout(arch, best.config)
+    assert best.settings.sequence_parallel is sequence_parallel(arch, best.config) is True
+    assert _plan_inputs(best.config, arch) == (best.settings, best.layout, 80)  # the trainer's own inputs for it
+    assert best.peak_gib == memory_plan.peak_gib(arch, best.settings, best.layout)
+    without = dataclasses.replace(best.settings, sequence_parallel=False)
+    assert memory_plan.peak_gib(arch, without, best.layout) > best.peak_gib
+    refused = smallest_layout_that_fits(dataclasses.replace(config, sequence_parallel=False), arch,
+                                        memory_plan.VISUAL_SHARE)
+    assert refused.layout.tp == 1 and refused.layout.gpus > best.layout.gpus
+
+
+def test_the_search_skips_layouts_whose_widths_tp_does_not_split():
+    """TP splits the vocabulary and MLP widths evenly (`convert.shard`): the trainer refuses a
+    --tp that does not divide them, and the search never plans one."""
+    from train.config import ConfigError, TrainConfig
+    from train.trainer import check_layout, resolve_arch, smallest_layout_that_fits
+
+    config = TrainConfig(arch="qwen3-vl-8b", gpus=1, seq_len=16384, recompute="full", gpu_memory_gib=40, dry_run=True)
+    arch = resolve_arch(config)
+    assert smallest_layout_that_fits(config, arch, memory_plan.VISUAL_SHARE).layout.tp == 2
+    odd = dataclasses.replace(arch, lm=dataclasses.replace(arch.lm, vocab_size=arch.lm.vocab_size + 1))
+    with pytest.raises(ConfigError, match="--tp 2 cannot split qwen3-vl: tp=2 does not divide vocab_size"):
+        check_layout(odd, dataclasses.replace(config, tp=2, gpus=2))
+    best = smallest_layout_that_fits(config, odd, memory_plan.VISUAL_SHARE)
+    assert best.layout.tp == 1 and best.layout.pp > 1
+
+
+def test_dry_run_where_no_layout_fits_exits_1_naming_what_to_change(capsys):
+    rc = vlmpack(["train", "--dry-run", "--arch", "qwen3-vl-235b-a22b", "--gpus", "8", "--seq-len", "32768",
+                  "--gpu-memory-gib", "80"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "does NOT fit" in out and "smallest layout that fits" not in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("no layout fits (of those searched: powers of two up to 512 GPUs, TP within 8); "
+                           "to fit, try: "), last
+    for change in ("--grad-dtype bf16 --adam-state-dtype bf16", "--recompute full", "a shorter --seq-len than 32768",
+                   "--lora-rank 16", "more than 512 GPUs"):
+        assert change in last, change
+    # --recompute auto tried every layer recomputed already: not named again
+    rc = vlmpack(["train", "--dry-run", "--arch", "qwen3-vl-2b", "--seq-len", "16384", "--recompute", "auto",
+                  "--gpu-memory-gib", "2"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert rc == 1 and last.startswith("no layout fits") and "--recompute full" not in last
+    # the run's own layout fits, on more GPUs than the search tries: it exits 0
+    rc = vlmpack(["train", "--dry-run", "--arch", "qwen3-vl-235b-a22b", "--gpus", "1024", "--tp", "4", "--pp", "2",
+                  "--ep", "128", "--seq-len", "16384", "--recompute", "full", "--gpu-memory-gib", "24"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "fits in 95% of 24.0 GiB per GPU" in out
+    assert out.strip().splitlines()[-1] == "no other layout fits (of those searched: powers of two up to 512 GPUs, TP within 8)"

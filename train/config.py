@@ -118,7 +118,8 @@ class TrainConfig:
     recompute_vision: bool | None = _opt(None, "memory", "recompute the vision blocks in backward "
                                                          "(default: with --recompute full)")
     dry_run: bool = _opt(False, "memory", "print the predicted memory per GPU and the smallest layout that "
-                                          "fits, then exit")
+                                          "fits with the flags that launch it, then exit (exit code 1 when no "
+                                          "layout fits)")
     gpus: int | None = _opt(None, "memory", "with --dry-run: plan for this many GPUs (default: the launch's)")
     gpu_memory_gib: float | None = _opt(None, "memory", "with --dry-run and --recompute auto: memory of one GPU "
                                                         "(default: this GPU's, else 80)")

@@ -46,7 +46,7 @@ tests/test_memory_plan.py checks the plan against every recorded peak in benchma
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 
 import torch
 
@@ -127,11 +127,19 @@ class StagePlan:
         return self.weights + self.gradients + self.optimizer + max(self.activations, self.step_copy)
 
 
-def _stage_shapes(arch: ModelArch, layout: Layout, stage: int) -> dict[str, int]:
+@functools.lru_cache(maxsize=4096)
+def _stage_counts(arch: ModelArch, tp: int, pp: int, ep: int, stage: int) -> tuple[tuple[str, bool, int], ...]:
+    """Parameters of a stage's rank, summed per (model part, whether an expert stack). Cached:
+    a layout search plans the same stage under many settings."""
     full = {n: torch.empty(s, device="meta") for n, s in convert.megatron_shapes(arch).items()}
-    return {n: t.numel() for n, t in convert.shard(full, arch, layout.tp, 0, layout.pp, stage, layout.ep, 0).items()}
+    counts: dict[tuple[str, bool], int] = {}
+    for name, tensor in convert.shard(full, arch, tp, 0, pp, stage, ep, 0).items():
+        key = (convert.model_part(name), _is_expert(name))
+        counts[key] = counts.get(key, 0) + tensor.numel()
+    return tuple((part, expert, n) for (part, expert), n in counts.items())
 
 
+@functools.lru_cache(maxsize=4096)
 def _adapter_params(arch: ModelArch, spec: lora.LoraSpec, layout: Layout, stage: int) -> int:
     layers = convert.stage_layers(arch, layout.pp)[stage]
     total = 0
@@ -147,6 +155,11 @@ def _adapter_params(arch: ModelArch, spec: lora.LoraSpec, layout: Layout, stage:
     return total
 
 
+def _rows_split(arch: ModelArch, settings: Settings) -> bool:
+    """Sequence parallelism: as set, else the trainer's default (on for MoE models)."""
+    return arch.lm.is_moe if settings.sequence_parallel is None else settings.sequence_parallel
+
+
 def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int) -> float:
     lm = arch.lm
     tokens = settings.seq_len * settings.micro_batch_packs
@@ -156,8 +169,7 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
     else:
         recomputed = 0
     kept = layers - recomputed
-    sp = lm.is_moe and layout.tp > 1 if settings.sequence_parallel is None else settings.sequence_parallel
-    rows = layout.tp if sp else 1  # sequence parallelism: each TP rank holds a TP-th of the rows
+    rows = layout.tp if _rows_split(arch, settings) else 1  # sequence parallelism: each TP rank holds a TP-th of the rows
     kept_per_layer = (LAYER_KEPT_WHOLE / rows + (LAYER_KEPT - LAYER_KEPT_WHOLE) / layout.tp) * lm.hidden_size
     per_micro_batch = tokens * (recomputed * LAYER_INPUT * lm.hidden_size / rows + kept * kept_per_layer)
     in_flight = min(layout.pp - stage, settings.micro_batches(layout.dp))
@@ -188,18 +200,17 @@ def _is_expert(name: str) -> bool:
 
 
 def plan_stage(arch: ModelArch, settings: Settings, layout: Layout, stage: int) -> StagePlan:
-    shapes = _stage_shapes(arch, layout, stage)
-    params = sum(shapes.values())
+    counts = _stage_counts(arch, layout.tp, layout.pp, layout.ep, stage)
+    params = sum(n for _, _, n in counts)
     distributed = settings.distributed_optimizer
     if settings.lora is not None:
-        adapters = _adapter_params(arch, settings.lora, layout, stage)
-        saved = sum(n for k, n in shapes.items() if convert.model_part(k) in settings.lora.modules_to_save)
+        adapters = _adapter_params(arch, settings.lora, Layout(tp=layout.tp, pp=layout.pp), stage)
+        saved = sum(n for part, _, n in counts if part in settings.lora.modules_to_save)
         params, trained = params + adapters, adapters + saved
         sharded = float(trained)  # adapters are few: the plan keeps their optimizer state whole
     else:
-        trained_shapes = {k: n for k, n in shapes.items() if convert.model_part(k) not in settings.freeze}
-        trained = sum(trained_shapes.values())
-        experts = sum(n for k, n in trained_shapes.items() if _is_expert(k))
+        trained = sum(n for part, _, n in counts if part not in settings.freeze)
+        experts = sum(n for part, expert, n in counts if expert and part not in settings.freeze)
         # what this rank's optimizer holds: each parameter split over the ranks that hold it
         # (under --ep megatron's expert data-parallel group: the tp x dp ranks of a stage that
         # hold the same experts; at ep 1 the experts are dense parameters to it)
@@ -221,46 +232,24 @@ def plan(arch: ModelArch, settings: Settings, layout: Layout) -> list[StagePlan]
     return [plan_stage(arch, settings, layout, stage) for stage in range(layout.pp)]
 
 
-def layouts_for(arch: ModelArch, gpus: int) -> list[Layout]:
-    """Every layout of `gpus` GPUs the trainer can run for `arch` (TP within a node of 8)."""
-    lm = arch.lm
-    found = []
-    for tp in (1, 2, 4, 8):
-        if lm.num_heads % tp or lm.num_kv_heads % tp or gpus % tp:
-            continue
-        for pp in range(1, gpus // tp + 1):
-            if (gpus // tp) % pp or lm.num_layers % pp or arch.num_deepstack > lm.num_layers // pp:
-                continue
-            dp = gpus // (tp * pp)
-            ep = math.gcd(tp * dp, lm.num_experts) if lm.is_moe else 1
-            found.append(Layout(tp=tp, pp=pp, dp=dp, ep=ep))
-    return found
+def peak_gib(arch: ModelArch, settings: Settings, layout: Layout) -> float:
+    """The largest stage's plan in GiB: a run fits only if every rank does."""
+    return max(s.total for s in plan(arch, settings, layout)) / GIB
 
 
-def smallest_fit(arch: ModelArch, settings: Settings, gpu_gib: float, max_gpus: int = 512) -> tuple[Layout, float] | None:
-    """The fewest GPUs (powers of two) with a layout whose largest stage fits FIT_FRACTION of
-    `gpu_gib`; among those layouts the one with the least model parallelism (tp x pp), then the
-    least memory."""
-    gpus = 1
-    while gpus <= max_gpus:
-        fits = []
-        for layout in layouts_for(arch, gpus):
-            peak = max(s.total for s in plan(arch, settings, layout)) / GIB
-            if peak <= FIT_FRACTION * gpu_gib:
-                fits.append((layout.tp * layout.pp, peak, layout))
-        if fits:
-            _, peak, layout = min(fits, key=lambda f: (f[0], f[1]))
-            return layout, peak
-        gpus *= 2
-    return None
+def describe(arch: ModelArch, settings: Settings, layout: Layout) -> str:
+    """The layout, and sequence parallelism where the plan splits the rows over the TP ranks."""
+    return f"{layout}" + (" with sequence parallelism" if layout.tp > 1 and _rows_split(arch, settings) else "")
 
 
 def report(name: str, arch: ModelArch, settings: Settings, layout: Layout, gpu_gib: float) -> str:
-    """What `vlmpack train --dry-run` prints."""
+    """What `vlmpack train --dry-run` prints of the run's own layout (the trainer adds the
+    smallest layout that fits, `train.trainer.smallest_layout_that_fits`)."""
     stages = plan(arch, settings, layout)
     state = (f"gradients {settings.grad_dtype}, Adam moments {settings.adam_state_dtype}"
              + (f", LoRA rank {settings.lora.rank}" if settings.lora else ""))
-    lines = [f"memory plan: {name} on {layout.gpus} GPU(s) as {layout}, {settings.seq_len:,}-token packs x "
+    lines = [f"memory plan: {name} on {layout.gpus} GPU(s) as {describe(arch, settings, layout)}, "
+             f"{settings.seq_len:,}-token packs x "
              f"{settings.micro_batch_packs}, --recompute {settings.recompute}"
              + (f" (first {settings.recompute_layers} layers)" if settings.recompute_layers else "") + f", {state}",
              "per GPU, GiB".ljust(28) + "".join(f"stage {s.stage}".rjust(10) for s in stages)]
@@ -285,7 +274,4 @@ def report(name: str, arch: ModelArch, settings: Settings, layout: Layout, gpu_g
                      f"{settings.visual_share:.0%} of each pack's tokens visual")
     if settings.lora:
         lines.append("note: LoRA's frozen vision tower keeps no activations: the estimate is up to 15 % high")
-    best = smallest_fit(arch, settings, gpu_gib)
-    lines.append(f"smallest layout that fits: {best[0].gpus} GPU(s) as {best[0]} ({best[1]:.1f} GiB)" if best
-                 else "no layout of up to 512 GPUs fits: lower --seq-len or use --recompute full and bf16 state")
     return "\n".join(lines)

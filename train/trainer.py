@@ -31,7 +31,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from shards_schema.errors import UserError
 from shards_schema.outdir import exclusive_output_dir
-from train import adapter_format, checkpoint, convert
+from train import adapter_format, checkpoint, convert, memory_plan
 from train.config import ConfigError, TrainConfig
 from train.data import TrainData
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
@@ -71,6 +71,10 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
                           "here is dense")
     if config.ep > 1 and lm.num_experts % config.ep:
         raise ConfigError(f"--ep {config.ep} must divide the {lm.num_experts} experts")
+    try:  # the widths every TP rank holds an equal part of (`convert.shard`)
+        convert.check_parallel(arch, config.tp, config.pp, config.ep)
+    except ValueError as exc:
+        raise ConfigError(f"--tp {config.tp} cannot split {arch.family}: {exc}") from None
     spec = config.lora_spec()
     if spec is not None:
         try:
@@ -221,26 +225,119 @@ def lock_output_dir(stack: ExitStack, out: Path, info: ParallelInfo) -> None:
         raise UserError(message[0])
 
 
-def dry_run(config: TrainConfig) -> str:
-    """`--dry-run`: the memory plan of this run (`train.memory_plan`); nothing is built."""
-    from train import memory_plan
-
+def dry_run(config: TrainConfig) -> tuple[str, bool]:
+    """`--dry-run`: the memory plan of this run (`train.memory_plan`) and the smallest layout
+    that fits, and whether any layout fits (this run's or one of those searched); nothing is
+    built."""
     config.validate()
     with inputs_checked():
         arch = resolve_arch(config)
     check_layout(arch, config)
-    config, chosen = resolve_recompute(config, arch, cuda=True)  # the plan is of GPUs
+    share = data_visual_share(config, arch)
+    resolved, chosen = resolve_recompute(config, arch, cuda=True, visual_share=share)  # the plan is of GPUs
     name = config.arch or arch.hf_architecture
-    return memory_plan.report(name, arch, *_plan_inputs(config, arch)) + (f"\n{chosen}" if chosen else "")
+    settings, layout, gpu_gib = _plan_inputs(resolved, arch, share)
+    lines = [memory_plan.report(name, arch, settings, layout, gpu_gib)]
+    if chosen:
+        lines.append(chosen)
+    best = smallest_layout_that_fits(config, arch, share)  # from the run's own --recompute: auto is chosen per layout
+    if best:
+        lines.append(f"smallest layout that fits: {best.layout.gpus} GPU(s) as "
+                     f"{memory_plan.describe(arch, best.settings, best.layout)} ({best.peak_gib:.1f} GiB); "
+                     f"launch on {best.layout.gpus} GPU(s) with {best.flags(arch)}")
+        return "\n".join(lines), True
+    if memory_plan.peak_gib(arch, settings, layout) <= memory_plan.FIT_FRACTION * gpu_gib:
+        lines.append(f"no other layout fits ({SEARCHED})")  # the run's own: more GPUs than searched, or TP wider
+        return "\n".join(lines), True
+    lines.append(nothing_fits_advice(config))
+    return "\n".join(lines), False
 
 
-def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool) -> tuple[TrainConfig, str | None]:
+# The layouts `--dry-run` searches: GPU counts in powers of two up to SUGGESTED_MAX_GPUS, TP
+# within a node of NODE_GPUS (its all-reduces in every layer need NVLink).
+SUGGESTED_MAX_GPUS = 512
+NODE_GPUS = 8
+SEARCHED = f"of those searched: powers of two up to {SUGGESTED_MAX_GPUS} GPUs, TP within {NODE_GPUS}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutFit:
+    """A layout the trainer accepts whose memory plan fits: the run's config there (--recompute
+    auto resolved) and its largest stage's plan."""
+
+    config: TrainConfig
+    settings: memory_plan.Settings
+    layout: memory_plan.Layout
+    peak_gib: float
+
+    def flags(self, arch: ModelArch) -> str:
+        """The flags that launch this layout."""
+        return f"--tp {self.layout.tp} --pp {self.layout.pp}" + (f" --ep {self.layout.ep}" if arch.lm.is_moe else "")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def smallest_layout_that_fits(config: TrainConfig, arch: ModelArch, visual_share: float) -> LayoutFit | None:
+    """The fewest GPUs (powers of two up to SUGGESTED_MAX_GPUS) with a layout whose largest
+    stage's plan fits FIT_FRACTION of the GPU; among those layouts the one with the least model
+    parallelism (tp x pp), then the least memory.
+
+    A layout is tried as the trainer would run it: `config` with its --gpus, --tp, --pp and
+    --ep set, accepted only if the trainer accepts that config (`TrainConfig.validate`,
+    `check_layout`, `_plan_inputs`: heads, layers, DeepStack, experts, sequence parallelism,
+    the global batch), planned with the settings the trainer takes there (sequence
+    parallelism, padded packs, the optimizer sharded over its dp, --recompute auto chosen for
+    it). The search depends on the run's other settings only, so the layout it finds, planned
+    directly, gives the same plan and finds itself again."""
+    gpus = 1
+    while gpus <= SUGGESTED_MAX_GPUS:
+        fits = []
+        for tp in (t for t in _divisors(gpus) if t <= NODE_GPUS):
+            for pp in _divisors(gpus // tp):
+                for ep in _divisors(gpus // pp) if arch.lm.is_moe else (1,):
+                    candidate = dataclasses.replace(config, gpus=gpus, tp=tp, pp=pp, ep=ep)
+                    try:
+                        candidate.validate()
+                        check_layout(arch, candidate)
+                        candidate, _ = resolve_recompute(candidate, arch, cuda=True, visual_share=visual_share)
+                        settings, layout, gpu_gib = _plan_inputs(candidate, arch, visual_share)
+                    except ConfigError:
+                        continue  # a layout the trainer refuses
+                    peak = memory_plan.peak_gib(arch, settings, layout)
+                    if peak <= memory_plan.FIT_FRACTION * gpu_gib:
+                        fits.append(LayoutFit(candidate, settings, layout, peak))
+        if fits:
+            return min(fits, key=lambda fit: (fit.layout.tp * fit.layout.pp, fit.peak_gib))
+        gpus *= 2
+    return None
+
+
+def nothing_fits_advice(config: TrainConfig) -> str:
+    """The line `--dry-run` ends with when no layout fits: what lowers the plan."""
+    if config.recompute == "auto":  # auto ended at every layer recomputed
+        config = dataclasses.replace(config, recompute="full")
+    resumable, new_run = memory_savings(config)
+    changes = resumable + new_run
+    if not config.distributed_optimizer:
+        changes.append("--distributed-optimizer true (the optimizer state sharded over the data-parallel ranks)")
+    if not config.lora_rank:
+        changes.append("--lora-rank 16 (adapters on a frozen model)"
+                       + ("" if "vision" in config.freeze else " or --freeze vision"))
+    if config.global_batch_packs or config.global_batch_tokens:
+        changes.append("a global batch that more data-parallel ranks divide (--global-batch-packs)")
+    changes.append(f"more than {SUGGESTED_MAX_GPUS} GPUs")
+    return f"no layout fits ({SEARCHED}); to fit, try: " + "; ".join(changes)
+
+
+def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
+                      visual_share: float | None = None) -> tuple[TrainConfig, str | None]:
     """`--recompute auto` made concrete from the memory plan: none if the plan fits
     FIT_FRACTION of the GPU, else full recompute of the fewest first decoder layers per stage
     that make it fit (all of them if nothing fits); none on CPU. Returns the config and a line
-    saying what was chosen (None for any other --recompute)."""
-    from train import memory_plan
-
+    saying what was chosen (None for any other --recompute). `visual_share`: the data's, when
+    already read (`data_visual_share`)."""
     if config.recompute in ("selective", "full") and not cuda:
         raise ConfigError(f"--recompute {config.recompute} needs CUDA (megatron-core's recompute saves and restores "
                           "the CUDA RNG state); a CPU run keeps every activation: drop the flag")
@@ -250,11 +347,11 @@ def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool) -> tuple
         return dataclasses.replace(config, recompute="none"), "--recompute auto: no recompute (a CPU run)"
     layers = max(len(r) for r in convert.stage_layers(arch, config.pp))
     candidates = [("none", None)] + [("full", n) for n in range(1, layers)] + [("full", None)]
-    settings, layout, gpu_gib = _plan_inputs(config, arch)
+    settings, layout, gpu_gib = _plan_inputs(config, arch, visual_share)
     budget = memory_plan.FIT_FRACTION * gpu_gib
     for recompute, recompute_layers in candidates:
         tried = dataclasses.replace(settings, recompute=recompute, recompute_layers=recompute_layers)
-        peak = max(s.total for s in memory_plan.plan(arch, tried, layout)) / memory_plan.GIB
+        peak = memory_plan.peak_gib(arch, tried, layout)
         if peak <= budget:
             break
     what = "no recompute" if recompute == "none" else \
@@ -264,33 +361,36 @@ def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool) -> tuple
     return dataclasses.replace(config, recompute=recompute, recompute_layers=recompute_layers), chosen
 
 
-def _plan_inputs(config: TrainConfig, arch: ModelArch):
-    """The memory plan's settings, layout and GPU memory (GiB) for this run."""
-    from train import memory_plan
-
+def _plan_inputs(config: TrainConfig, arch: ModelArch, visual_share: float | None = None):
+    """The memory plan's settings, layout and GPU memory (GiB) for this run. `visual_share`:
+    the data's, when already read (`data_visual_share`)."""
     gpus = config.gpus or int(os.environ.get("WORLD_SIZE", "1"))
     if gpus % (config.tp * config.pp) or (gpus // config.pp) % config.ep:
         raise ConfigError(f"--gpus {gpus} is not a multiple of --tp {config.tp} x --pp {config.pp} "
                           f"and of --pp {config.pp} x --ep {config.ep}")
     dp = gpus // (config.tp * config.pp)
-    share = _visual_share(config.data, arch.vision.spatial_merge_size)
     settings = memory_plan.Settings(
         seq_len=config.seq_len, micro_batch_packs=config.micro_batch_packs, global_packs=config.global_packs(dp),
         recompute=config.recompute, recompute_layers=config.recompute_layers, grad_dtype=config.grad_dtype,
         adam_state_dtype=config.adam_state_dtype, distributed_optimizer=config.distributed_optimizer,
         freeze=tuple(config.freeze), lora=config.lora_spec(), recompute_vision=config.recompute_vision,
-        visual_share=memory_plan.VISUAL_SHARE if share is None else share,
+        visual_share=data_visual_share(config, arch) if visual_share is None else visual_share,
         sequence_parallel=sequence_parallel(arch, config))
     gpu_gib = config.gpu_memory_gib or (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
                                         / memory_plan.GIB if torch.cuda.is_available() else 80.0)
     return settings, memory_plan.Layout(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep), gpu_gib
 
 
+def data_visual_share(config: TrainConfig, arch: ModelArch) -> float:
+    """Visual tokens per token of the --data shards (`_visual_share`), else the recorded mixes'."""
+    share = _visual_share(config.data, arch.vision.spatial_merge_size)
+    return memory_plan.VISUAL_SHARE if share is None else share
+
+
 def _visual_share(sources: list[str], merge: int) -> float | None:
     """The visual share (`memory_plan.visual_share`) of the local shard directories among
     `sources`; None where there are none (object stores, WebDataset exports)."""
     from shards_schema.manifest import MANIFEST_NAME, load_manifest
-    from train import memory_plan
     from train.pack_plan.sources import parse_source
 
     directories = [parse_source(source)[0] for source in sources]
@@ -478,14 +578,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
         sign in text for sign in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA calloc", "cudaErrorMemoryAllocation"))
 
 
-def out_of_memory_advice(config: TrainConfig, exc: BaseException) -> str:
-    """What ran out, the settings that lower memory (cheapest in speed first), and how to go on."""
-    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    where = ""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
-        where = f" (peak {torch.cuda.max_memory_allocated() / 2**30:.1f} of {total:.1f} GiB allocated)"
-    resumable, new_run = [], []  # settings --resume accepts / settings that change the data order or layout
+def memory_savings(config: TrainConfig) -> tuple[list[str], list[str]]:
+    """The settings of `config` that lower its memory, cheapest in speed first: those --resume
+    accepts, and those that need a new run (they change the data order); not the layout."""
+    resumable, new_run = [], []  # settings --resume accepts / settings that change the data order
     if config.bf16 and "fp32" in (config.grad_dtype, config.adam_state_dtype):
         resumable.append("--grad-dtype bf16 --adam-state-dtype bf16 (half the gradient and Adam-moment memory)")
     if config.recompute != "full":
@@ -500,6 +596,17 @@ def out_of_memory_advice(config: TrainConfig, exc: BaseException) -> str:
         else:  # the global batch defaults to dp x micro-batch packs: it would shrink
             new_run.append("--micro-batch-packs 1 with --global-batch-packs set to keep the global batch")
     new_run.append(f"a shorter --seq-len than {config.seq_len}")
+    return resumable, new_run
+
+
+def out_of_memory_advice(config: TrainConfig, exc: BaseException) -> str:
+    """What ran out, the settings that lower memory (cheapest in speed first), and how to go on."""
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    where = ""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+        where = f" (peak {torch.cuda.max_memory_allocated() / 2**30:.1f} of {total:.1f} GiB allocated)"
+    resumable, new_run = memory_savings(config)
     new_run.append(f"--tp {2 * config.tp} or --pp {2 * config.pp} over more GPUs")
     lines = [f"out of GPU memory{where}: {first_line}"]
     if resumable:
@@ -528,8 +635,9 @@ class Train:
 
         config = config_from_args(args)  # ConfigError: one line, exit 2 (the dispatcher)
         if config.dry_run:
-            print(dry_run(config))
-            return 0
+            report, fits = dry_run(config)
+            print(report)
+            return 0 if fits else 1  # no layout fits: nothing to launch
         try:
             result = train(config)
         except RuntimeError as exc:  # torch.OutOfMemoryError is one
