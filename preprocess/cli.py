@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -19,11 +20,13 @@ from pathlib import Path
 
 from shards_schema import storage
 from shards_schema.outdir import prepare_output_dir
+from shards_schema.storage import MAX_FETCH_RETRIES, FetchPolicy
 
 from .errors import ConfigError
 from .formats import INPUT_FORMATS
 from .job import (DEFAULT_ROWS_PER_SHARD, EXECUTORS, INPUT_HASH_MODES, PreprocessConfig, check_config, merge_partitions,
                   run_preprocess)
+from .media import MAX_OPTION_INTEGER, MIN_FPS
 from .pipeline import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_SEQ_LEN, SampleOptions
 from .render import REASONING_LOSSES
 from .video import SAMPLING_MODES, VideoOptions
@@ -92,16 +95,50 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
                         "read or decoded (default %(default)s = 128 MiB); there is no 'unlimited': a mislabelled "
                         "multi-gigabyte file would be read whole, so raise it instead")
 
-    def positive(kind):
-        def parse(text: str):
-            try:
-                value = kind(text)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}") from None
-            if not value > 0:
-                raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-            return value
-        return parse
+    def video_count(text: str) -> int:  # what a video part's counts and pixel numbers may be
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= MAX_OPTION_INTEGER:
+            raise argparse.ArgumentTypeError(f"must be a positive integer, at most 2**53, got {text}")
+        return value
+
+    def video_fps(text: str) -> float:  # what a video part's fps may be
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not MIN_FPS <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be a finite number of at least {MIN_FPS:g}, got {text}")
+        return value
+
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (0 < value < math.inf):
+            raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
+        return value
+
+    def retries(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if not 0 <= value <= MAX_FETCH_RETRIES:
+            raise argparse.ArgumentTypeError(f"must be an integer from 0 to {MAX_FETCH_RETRIES}, got {text}")
+        return value
+
+    g.add_argument("--remote-timeout", type=seconds, default=FetchPolicy.timeout, metavar="SECONDS",
+                   help="with --allow-remote-media: seconds a fetch waits to connect, and for each piece of data, "
+                        "before it gives up (default %(default)s; http(s):// and s3://); a row whose media never "
+                        "comes is rejected as remote_unreachable and the job goes on")
+    g.add_argument("--remote-retries", type=retries, default=FetchPolicy.retries, metavar="N",
+                   help=f"with --allow-remote-media: further attempts after a fetch times out, is refused or gets a "
+                        f"server error, {FetchPolicy.backoff:g} s after the first failure and twice as long after "
+                        f"each further one (default %(default)s, at most {MAX_FETCH_RETRIES})")
 
     g = parser.add_argument_group("videos")
     g.add_argument("--video-sampling", default="hf", choices=SAMPLING_MODES,
@@ -110,15 +147,15 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--video-pixel-cap", action="store_true",
                    help="hf sampling: cap each frame's pixels as qwen-vl-utils does (HF's cap_pixels_per_frame=True); "
                         "off by default, as in the transformers release the tests pin")
-    g.add_argument("--video-fps", type=positive(float), default=None,
+    g.add_argument("--video-fps", type=video_fps, default=None,
                    help="frames sampled per second where a video part gives neither fps nor nframes "
                         "(default: the profile's, 2)")
-    g.add_argument("--video-max-frames", type=positive(int), default=None,
+    g.add_argument("--video-max-frames", type=video_count, default=None,
                    help="most frames sampled from a video part that gives no max_frames (default: the profile's, 768)")
-    g.add_argument("--video-max-pixels", type=positive(int), default=None,
+    g.add_argument("--video-max-pixels", type=video_count, default=None,
                    help="max_pixels of a video part that gives none (hf sampling: the processor's size['longest_edge']; "
                         "qwen-vl-utils: per frame)")
-    g.add_argument("--video-total-pixels", type=positive(int), default=None,
+    g.add_argument("--video-total-pixels", type=video_count, default=None,
                    help="pixel budget shared by a video's frames, for parts that give no total_pixels")
     g.add_argument("--video-fit", action="store_true",
                    help="a video that alone needs more than --max-seq-len tokens is sampled with fewer frames until "
@@ -136,6 +173,7 @@ def _sample_options(args) -> SampleOptions:
         reasoning_loss=args.reasoning_loss,
         media_root=args.media_root,
         allow_remote_media=args.allow_remote_media,
+        remote_fetch=FetchPolicy(timeout=args.remote_timeout, retries=args.remote_retries),
         max_image_pixels=args.max_image_pixels,
         max_media_bytes=args.max_media_bytes,
         max_video_bytes=args.max_video_bytes,

@@ -33,20 +33,24 @@ An RGB image that needs none of this is used as is (no copy).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import struct
 import warnings
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from shards_schema.builtin import VisionConfig
+from shards_schema.storage import FetchPolicy
 
 from .errors import RejectError
-from .media import DEFAULT_MAX_MEDIA_BYTES, declared_type, read_media_file, resolve_media
+from .media import (DEFAULT_MAX_MEDIA_BYTES, check_bounds, check_unsupported_size_options, declared_type, part_number,
+                    read_media_file, resolve_media)
 from .patchify import planes_to_rows
 
 # PIL's own hard limit (2 * Image.MAX_IMAGE_PIXELS): above it Image.open raises anyway.
@@ -95,14 +99,51 @@ _NAMED_SUBTYPES = set(_FORMAT_SUBTYPE.values()) | {"avif", "heic", "heif", "jxl"
 
 
 # ---------------------------------------------------------------------------------------
+# an image part's own size bounds
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """An image part's own `min_pixels` / `max_pixels` (None: the profile's, --min-pixels /
+    --max-pixels): the bounds HF's image processor takes per call, and qwen-vl-utils per image."""
+
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+    def vision(self, vision: VisionConfig) -> VisionConfig:
+        """`vision` with this part's bounds; a minimum over the maximum in force is refused."""
+        if self.min_pixels is None and self.max_pixels is None:
+            return vision
+        bounded = dataclasses.replace(
+            vision, min_pixels=vision.min_pixels if self.min_pixels is None else self.min_pixels,
+            max_pixels=vision.max_pixels if self.max_pixels is None else self.max_pixels)
+        if self.min_pixels is not None:
+            check_bounds("min_pixels", bounded.min_pixels, "max_pixels", bounded.max_pixels, "bad_image_option",
+                         "the image part's bounds (its own, else --max-pixels, else the profile's)")
+        return bounded
+
+
+def image_request_from_part(part: dict, where: str) -> ImageRequest:
+    """An image part's options, checked like a video part's: whole numbers from 1 to 2**53, a
+    minimum not over the maximum, no option vlmpack would ignore."""
+    check_unsupported_size_options(part, "unsupported_field", where)
+    bounds = {name: part_number(part, name, integer=True, code="bad_image_option", where=where)
+              for name in ("min_pixels", "max_pixels")}
+    check_bounds("min_pixels", bounds["min_pixels"], "max_pixels", bounds["max_pixels"], "bad_image_option", where)
+    return ImageRequest(**bounds)
+
+
+# ---------------------------------------------------------------------------------------
 # source string -> bytes
 
 
 def resolve_image_source(
-    source: str, media_root: Path | None, max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES, allow_remote: bool = False
+    source: str, media_root: Path | None, max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
+    remote: FetchPolicy | None = None,
 ) -> bytes:
-    """The encoded image bytes an image reference points at (`preprocess.media.resolve_media`)."""
-    resolved = resolve_media(source, media_root, max_media_bytes, kind="image", allow_remote=allow_remote)
+    """The encoded image bytes an image reference points at (`preprocess.media.resolve_media`;
+    `remote`: how URLs are fetched, None rejects them)."""
+    resolved = resolve_media(source, media_root, max_media_bytes, kind="image", remote=remote)
     return resolved if isinstance(resolved, bytes) else read_media_file(resolved, max_media_bytes, "image")
 
 
@@ -298,10 +339,10 @@ def open_image_source(
     media_root: Path | None = None,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES,
-    allow_remote: bool = False,
+    remote: FetchPolicy | None = None,
 ) -> Image.Image:
     """Image reference of a chat part -> a header-checked image (`open_image`), pixels not decoded."""
-    data = resolve_image_source(source, media_root, max_media_bytes, allow_remote)
+    data = resolve_image_source(source, media_root, max_media_bytes, remote)
     return open_image(data, max_image_pixels=max_image_pixels, declared=declared_type(source))
 
 

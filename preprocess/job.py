@@ -31,6 +31,7 @@ import ctypes
 import dataclasses
 import hashlib
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -47,11 +48,13 @@ from shards_schema.atomic import TMP_SUFFIX, write_json_atomic, write_jsonl_atom
 from shards_schema.errors import UserError, user_error_from_os_error
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, build_manifest
 from shards_schema.outdir import exclusive_output_dir, user_entries
+from shards_schema.storage import MAX_FETCH_RETRIES
 from shards_schema.writer import ShardWriter, file_sha256
 
 from .errors import ConfigError, RejectError
 from .formats import INPUT_FORMATS, to_openai_row
 from .inputs import InputFile, WorkUnit, describe_input, hub_dataset_files, is_hub_dataset, plan_units, read_rows
+from .media import MAX_OPTION_INTEGER
 from .pipeline import SampleOptions, process_row
 from .profiles import Profile, resolve_profile
 
@@ -372,10 +375,17 @@ def job_identity(cfg: PreprocessConfig, profile: Profile, inputs: list[JobInput]
     """
     return _printable_strings(json.loads(json.dumps({
         "profile": profile.fingerprint,
-        "settings": {**dataclasses.asdict(cfg.sample), "rows_per_shard": cfg.rows_per_shard},
+        "settings": {**_sample_settings(cfg.sample), "rows_per_shard": cfg.rows_per_shard},
         "inputs": [inp.identity() for inp in inputs],
         "num_partitions": cfg.num_partitions,
     })))
+
+
+def _sample_settings(options: SampleOptions) -> dict:
+    """The sample options that decide output bytes: all but how patiently remote media are fetched."""
+    settings = dataclasses.asdict(options)
+    del settings["remote_fetch"]
+    return settings
 
 
 def _printable_strings(obj):
@@ -497,6 +507,9 @@ def check_config(cfg: PreprocessConfig) -> None:
     _at_least("--max-image-pixels", cfg.sample.max_image_pixels, 1)
     _at_least("--min-pixels", cfg.min_pixels, 1)
     _at_least("--max-pixels", cfg.max_pixels, 1)
+    for flag, value in (("--min-pixels", cfg.min_pixels), ("--max-pixels", cfg.max_pixels)):
+        if value is not None and value > MAX_OPTION_INTEGER:  # as for a part's own bounds: floats hold them exactly
+            raise ConfigError(f"{flag} must be at most 2**53 ({MAX_OPTION_INTEGER}), got {value}")
     from .render import LOSS_POLICIES, REASONING_LOSSES
 
     if cfg.sample.loss_policy not in LOSS_POLICIES:
@@ -510,6 +523,11 @@ def check_config(cfg: PreprocessConfig) -> None:
         raise ConfigError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {cfg.input_format!r}")
     if cfg.input_hash not in INPUT_HASH_MODES:
         raise ConfigError(f"--input-hash must be one of {', '.join(INPUT_HASH_MODES)}, got {cfg.input_hash!r}")
+    remote = cfg.sample.remote_fetch
+    if not 0 < remote.timeout < math.inf:
+        raise ConfigError(f"--remote-timeout must be a positive, finite number of seconds, got {remote.timeout}")
+    if not 0 <= remote.retries <= MAX_FETCH_RETRIES:
+        raise ConfigError(f"--remote-retries must be an integer from 0 to {MAX_FETCH_RETRIES}, got {remote.retries}")
     if cfg.sample.media_root is not None and not Path(cfg.sample.media_root).is_dir():
         raise ConfigError(f"--media-root {cfg.sample.media_root} is not a directory")
     if not cfg.inputs:

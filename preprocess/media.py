@@ -4,7 +4,8 @@ Which kind a reference string is, decided from the string alone (no file-system 
 
 * `scheme://...` -> a URL: `file://` is read as a local path; anything else (s3, gs, hf,
   https, ...) is rejected (`remote_url`) unless the job opts in with `--allow-remote-media`,
-  then fetched through fsspec (`shards_schema.storage`) under the same byte cap;
+  then fetched through fsspec (`shards_schema.storage`) under the same byte cap, with the
+  job's timeout and retries (`--remote-timeout`, `--remote-retries`);
 * `data:...;base64,...` -> a data URI;
 * only base64 characters (A-Z a-z 0-9 + / = - _ and whitespace) AND either longer than 256
   characters or starting like an encoded PNG/JPEG/GIF/WebP -> raw base64 (a path of
@@ -27,13 +28,14 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import math
 import os
 import re
 import stat
 from pathlib import Path
 from urllib.parse import unquote
 
-from shards_schema.storage import StorageError, read_bytes, redact
+from shards_schema.storage import FetchPolicy, StorageError, read_bytes, redact
 
 from .errors import RejectError
 
@@ -53,9 +55,10 @@ _FLAG = {"image": "--max-media-bytes", "video": "--max-video-bytes"}
 
 
 def resolve_media(source: str, media_root: Path | None, max_bytes: int, *, kind: str,
-                  allow_remote: bool = False) -> bytes | Path:
+                  remote: FetchPolicy | None = None) -> bytes | Path:
     """The bytes of an inline reference (data URI, base64, embedded bytes), or the checked path
-    of a local file (not read). `kind` ("image" or "video") names the reference in messages."""
+    of a local file (not read). `kind` ("image" or "video") names the reference in messages.
+    `remote`: how URLs are fetched; None rejects them (`remote_url`)."""
     if isinstance(source, dict) and ("bytes" in source or "path" in source):
         source = source["bytes"] if source.get("bytes") is not None else source.get("path")
     if isinstance(source, (bytes, bytearray, memoryview)):
@@ -71,8 +74,8 @@ def resolve_media(source: str, media_root: Path | None, max_bytes: int, *, kind:
     if _URL_SCHEME.match(source):
         if source[:7].lower() == "file://":
             return media_file(unquote(source[7:]), media_root, max_bytes, kind)
-        if allow_remote:
-            return _fetch(source, max_bytes, kind)
+        if remote is not None:
+            return _fetch(source, max_bytes, kind, remote)
         raise RejectError(
             "remote_url",
             f"{redact(source)[:80]!r} is a URL: fetching is off; pass --allow-remote-media, or download the {kind}s "
@@ -83,6 +86,7 @@ def resolve_media(source: str, media_root: Path | None, max_bytes: int, *, kind:
         header = source[:comma] if comma >= 0 else source[:80]
         if comma < 0 or not header.lower().endswith(";base64"):
             raise RejectError("bad_data_uri", f"data URI must be 'data:{kind}/...;base64,<data>', got {header[:80]!r}")
+        check_declared_kind(declared_type(source), kind)
         return _b64decode(source[comma + 1 :], max_bytes, "data URI", kind)
     if _looks_like_base64(source):
         return _b64decode(source, max_bytes, f"base64 {kind}", kind)
@@ -93,9 +97,9 @@ _FETCH_CODES = {"not_found": "remote_not_found", "denied": "remote_denied", "unr
                 "too_large": "media_too_large"}
 
 
-def _fetch(url: str, max_bytes: int, kind: str) -> bytes:
+def _fetch(url: str, max_bytes: int, kind: str, policy: FetchPolicy) -> bytes:
     try:
-        return read_bytes(url, max_bytes)
+        return read_bytes(url, max_bytes, policy)
     except StorageError as exc:
         flag = f" ({_FLAG[kind]})" if exc.kind == "too_large" else ""
         raise RejectError(_FETCH_CODES[exc.kind], f"{kind} {exc}{flag}") from None
@@ -108,6 +112,20 @@ def declared_type(source: str) -> str | None:
         return None
     header = source[5 : source.find(",")]
     return header.split(";", 1)[0].strip().lower()
+
+
+_OTHER_KIND = {"image": "video", "video": "image"}
+_PART_SPELLING = {"image": "an image part (image / image_url)", "video": "a video part (video / video_url)"}
+
+
+def check_declared_kind(declared: str | None, kind: str) -> None:
+    """A data URI must not declare the other kind of media: an image part's `video/mp4` or a
+    video part's `image/png` is refused before its bytes are decoded (`mime_mismatch`)."""
+    other = _OTHER_KIND[kind]
+    if declared is not None and declared.partition("/")[0] == other:
+        article = "an" if other == "image" else "a"
+        raise RejectError("mime_mismatch", f"the {kind} part's data URI says {declared[:60]!r}, {article} {other}: "
+                          f"give it as {_PART_SPELLING[other]}, or fix the data URI's type")
 
 
 def _looks_like_base64(text: str) -> bool:
@@ -222,3 +240,52 @@ def media_file(path_text: str, media_root: Path | None, max_bytes: int, kind: st
     except OSError as exc:
         raise RejectError("unreadable_file", f"{kind} file {str(resolved)[:160]!r} cannot be read ({exc})") from None
     return resolved
+
+
+# ---------------------------------------------------------------------------------------------
+# numeric options of an image or video part
+
+# The largest count or pixel number a part may give: the reference arithmetic (HF's processors,
+# qwen-vl-utils) runs in floats, which hold every integer up to 2**53 exactly.
+MAX_OPTION_INTEGER = 2**53
+# The lowest frame rate a part or a container may have: frames at most 1000 s apart, so that
+# timestamps and temporal positions stay in range.
+MIN_FPS = 1e-3
+# Options of qwen-vl-utils that vlmpack does not apply: a part giving them is refused rather
+# than sized otherwise than it asks.
+UNSUPPORTED_SIZE_OPTIONS = ("resized_height", "resized_width")
+
+
+def part_number(part: dict, name: str, *, integer: bool, code: str, where: str, minimum: float = 0.0):
+    """A media part's numeric option: None when absent, else an int (`integer`: a whole number
+    from 1 to MAX_OPTION_INTEGER, 8.0 taken as 8) or a finite float of at least `minimum`.
+    Anything else (a bool, a string, NaN, an infinity, out of range) is refused with `code`,
+    naming the option, its valid range and the value given."""
+    value = part.get(name)
+    if value is None:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and isinstance(value, float):
+        number = math.isfinite(value) and (value.is_integer() or not integer)
+    if number and (1 if integer else minimum) <= value <= (MAX_OPTION_INTEGER if integer else math.inf):
+        return int(value) if integer else float(value)
+    if integer:
+        valid = f"a positive integer, at most 2**53 ({MAX_OPTION_INTEGER})"
+    else:
+        valid = f"a positive number, at least {minimum:g} and finite" if minimum > 0 else "a number >= 0, finite"
+    given = f"{value!r:.40}" + (" (a string: give a JSON number)" if isinstance(value, str) else "")
+    raise RejectError(code, f"{where}: `{name}` must be {valid}, got {given}")
+
+
+def check_unsupported_size_options(part: dict, code: str, where: str) -> None:
+    given = [name for name in UNSUPPORTED_SIZE_OPTIONS if part.get(name) is not None]
+    if given:
+        raise RejectError(code, f"{where}: {' and '.join(f'`{n}`' for n in given)} (qwen-vl-utils' fixed size) "
+                          "is not supported: remove it and bound the size with `min_pixels` / `max_pixels`")
+
+
+def check_bounds(low_name: str, low, high_name: str, high, code: str, where: str) -> None:
+    """A lower bound over its upper bound contradicts itself: refused, naming both."""
+    if low is not None and high is not None and low > high:
+        raise RejectError(code, f"{where}: `{low_name}` {low} is more than `{high_name}` {high}: "
+                          f"give {low_name} <= {high_name}")

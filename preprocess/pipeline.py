@@ -18,6 +18,7 @@ import numpy as np
 
 from shards_schema.positions import VideoPositions, mrope_position_ids
 from shards_schema.schema import Sample
+from shards_schema.storage import FetchPolicy
 
 from .errors import RejectError
 from .images import DEFAULT_MAX_MEDIA_BYTES, decode_opened, header_grid, image_to_patches, open_image_source
@@ -32,7 +33,8 @@ DEFAULT_MAX_IMAGE_PIXELS = 178_956_970  # PIL's own decompression-bomb threshold
 
 @dataclass(frozen=True)
 class SampleOptions:
-    """Per-row settings that decide a sample's bytes (all recorded in the manifest)."""
+    """Per-row settings that decide a sample's bytes (all recorded in the manifest, but for
+    `remote_fetch`)."""
 
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     truncate: bool = False
@@ -40,11 +42,19 @@ class SampleOptions:
     reasoning_loss: str = "train"  # Thinking template: "train" the reasoning too, or "mask" it (context only)
     media_root: str | None = None
     allow_remote_media: bool = False  # fetch s3://, gs://, hf://, https:// media (off: batch jobs do not fetch)
+    # how long a fetch waits and how often it is retried: decides no sample's bytes, so it is left
+    # out of the job's identity (a job resumed with more patience is the same job)
+    remote_fetch: FetchPolicy = FetchPolicy()
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
     max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
     video: VideoOptions = VideoOptions()
     video_fit: bool = False  # a video too long for max_seq_len alone is sampled with fewer frames
+
+    @property
+    def remote(self) -> FetchPolicy | None:
+        """How media URLs are fetched; None when they are rejected (`remote_url`)."""
+        return self.remote_fetch if self.allow_remote_media else None
 
 
 def expand_image_pads(
@@ -143,6 +153,16 @@ def row_sample_uid(row_id, default: str) -> str:
     return uid
 
 
+def _check_visual_tokens(counts: list[int], options: SampleOptions) -> None:
+    """Images and videos that alone take more than --max-seq-len tokens make a row too long
+    whatever its text, with --truncate too (a cut never goes through one): refused before their
+    pads are expanded, so a huge count never becomes an array."""
+    total = sum(counts)
+    if total > options.max_seq_len:
+        raise RejectError("too_long", f"the row's images and videos alone take {total} tokens, more than "
+                          f"--max-seq-len {options.max_seq_len}; raise --max-seq-len or shrink them (max_pixels)")
+
+
 @contextmanager
 def _named_rejects(what: str):
     """Name the image or video in its reject message."""
@@ -152,10 +172,43 @@ def _named_rejects(what: str):
         raise RejectError(exc.code, f"{what}: {exc.message}") from None
 
 
-def _plan_fitting(info, part, profile: Profile, options: SampleOptions) -> tuple[VideoPlan, np.ndarray]:
+def video_token_count(plan: VideoPlan, profile: Profile, limit: int) -> int:
+    """The length of `video_tokens(plan, profile)`, counted without building it: exact when the
+    video has at most `limit` temporal patches, else a lower bound (each of Qwen3-VL's
+    timestamps takes at least one token), which is then over `limit` too."""
+    grid_t, gh, gw = plan.grid
+    pads = grid_t * (gh * gw // profile.vision.merge_size**2)
+    if profile.family != "qwen3-vl":
+        return pads
+    if grid_t > limit:  # too long already: spare tokenizing grid_t timestamps
+        return pads + 3 * grid_t
+    times = timestamps_for(plan.indices, plan.fps, profile.vision.temporal_patch_size)
+    return pads + sum(len(profile.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False).ids) + 2
+                      for seconds in times)
+
+
+def _check_frame_count(part, profile: Profile, options: SampleOptions):
+    """Before a video is opened: a part whose frames (`nframes`, or a list of frames) alone need
+    more tokens than --max-seq-len, each temporal patch taking at least one, is `video_too_long`
+    at once; with --video-fit an `nframes` is lowered to what could fit. The request to plan."""
+    temporal, budget = profile.vision.temporal_patch_size, options.max_seq_len
+    frame_list = isinstance(part.source, list)
+    asked = len(part.source) if frame_list else part.request.nframes
+    if asked is None or asked // temporal <= budget:
+        return part.request
+    if options.video_fit and not frame_list:
+        return replace(part.request, nframes=budget * temporal)
+    what, fix = (("frames are given", "give fewer frames") if frame_list
+                 else ("frames are asked for (`nframes`)", "lower nframes, pass --video-fit"))
+    raise RejectError("video_too_long", f"{asked} {what}: at least {asked // temporal} tokens (one per {temporal} "
+                      f"frames), more than --max-seq-len {budget} alone; {fix} or raise --max-seq-len")
+
+
+def _plan_fitting(info, part, request, profile: Profile, options: SampleOptions) -> tuple[VideoPlan, np.ndarray]:
     """The video's plan; one that alone needs more than --max-seq-len tokens is `video_too_long`,
     or with --video-fit is planned again with fewer frames (`nframes`, as the HF processor
-    takes it) until it fits."""
+    takes it) until it fits. Tokens are counted before they are built, so a plan asking for
+    millions of them costs nothing."""
     vision, frame_list = profile.vision, isinstance(part.source, list)
 
     def plan_for(request):
@@ -163,23 +216,23 @@ def _plan_fitting(info, part, profile: Profile, options: SampleOptions) -> tuple
                           family=profile.family, defaults=profile.video, patch_size=vision.patch_size,
                           merge_size=vision.merge_size, temporal_patch_size=vision.temporal_patch_size,
                           all_frames=frame_list)
-        return plan, video_tokens(plan, profile)
+        return plan, video_token_count(plan, profile, options.max_seq_len)
 
-    plan, tokens = plan_for(part.request)
-    first = (len(plan.indices), plan.height, plan.width, len(tokens))
+    plan, count = plan_for(request)
+    first = (len(plan.indices), plan.height, plan.width, count)
     step = vision.temporal_patch_size
-    while len(tokens) > options.max_seq_len and options.video_fit and not frame_list and len(plan.indices) > step:
+    while count > options.max_seq_len and options.video_fit and not frame_list and len(plan.indices) > step:
         frames = len(plan.indices)
-        fewer = max(step, min(frames - step, frames * options.max_seq_len // len(tokens)) // step * step)
-        plan, tokens = plan_for(replace(part.request, fps=None, nframes=fewer))
-    if len(tokens) > options.max_seq_len:
+        fewer = max(step, min(frames - step, frames * options.max_seq_len // count) // step * step)
+        plan, count = plan_for(replace(request, fps=None, nframes=fewer))
+    if count > options.max_seq_len:
         frames, height, width, need = first
         raise RejectError(
             "video_too_long",
             f"{frames} frames at {height}x{width} make {need} tokens, more than --max-seq-len {options.max_seq_len} "
             "alone; lower the video's fps, max_frames or max_pixels, raise --max-seq-len, or pass --video-fit"
-            + (f" (with --video-fit, {len(plan.indices)} frames still make {len(tokens)})" if options.video_fit else ""))
-    return plan, tokens
+            + (f" (with --video-fit, {len(plan.indices)} frames still make {count})" if options.video_fit else ""))
+    return plan, video_tokens(plan, profile)
 
 
 def _open_videos(rendered, profile: Profile, options: SampleOptions) -> tuple[list, list[tuple[VideoPlan, np.ndarray]]]:
@@ -188,14 +241,16 @@ def _open_videos(rendered, profile: Profile, options: SampleOptions) -> tuple[li
     try:
         for k, part in enumerate(rendered.videos):
             with _named_rejects(f"video {k}"):
+                request = _check_frame_count(part, profile, options)
                 reader = open_video_source(
                     part.source, request=part.request, media_root=options.media_root,
-                    max_video_bytes=options.max_video_bytes, allow_remote=options.allow_remote_media,
+                    max_video_bytes=options.max_video_bytes, remote=options.remote,
+                    max_frame_pixels=options.max_image_pixels,
                     open_image=lambda source: open_image_source(source, options.media_root, options.max_image_pixels,
-                                                                options.max_media_bytes, options.allow_remote_media),
+                                                                options.max_media_bytes, options.remote),
                     decode_image=decode_opened)
                 readers.append(reader)
-                plans.append(_plan_fitting(reader.info, part, profile, options))  # (plan, its tokens)
+                plans.append(_plan_fitting(reader.info, part, request, profile, options))  # (plan, its tokens)
     except BaseException:
         for reader in readers:
             reader.close()
@@ -233,20 +288,21 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
         reasoning_loss=options.reasoning_loss,
     )
     vision = profile.vision
-    images, header_grids = [], []
+    images, header_grids, image_visions = [], [], []
     for k, image_source in enumerate(rendered.image_sources):
         with _named_rejects(f"image {k}"):
-            image = open_image_source(
-                image_source, options.media_root, options.max_image_pixels, options.max_media_bytes,
-                options.allow_remote_media,
-            )
-            header_grids.append(header_grid(image, vision))
+            image_visions.append(rendered.image_requests[k].vision(vision))  # the part's own bounds, if any
+            image = open_image_source(image_source, options.media_root, options.max_image_pixels,
+                                      options.max_media_bytes, options.remote)
+            header_grids.append(header_grid(image, image_visions[k]))
         images.append(image)
-    tokens_per_image = np.asarray(header_grids, dtype=np.int64).reshape(-1, 3).prod(axis=1) // vision.merge_size**2
+    tokens_per_image = [t * h * w // vision.merge_size**2 for t, h, w in header_grids]
+    _check_visual_tokens(tokens_per_image, options)
 
     readers, planned = _open_videos(rendered, profile, options)
     plans = [plan for plan, _ in planned]
     try:
+        _check_visual_tokens(tokens_per_image + [len(tokens) for _, tokens in planned], options)
         input_ids, loss_mask = tokenize_rendered(rendered, profile.tokenizer)
         input_ids, loss_mask = expand_image_pads(input_ids, loss_mask, tokens_per_image, profile.special.image_pad)
         input_ids, loss_mask = expand_video_pads(input_ids, loss_mask, [tokens for _, tokens in planned],
@@ -263,7 +319,7 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
     for k in range(len(images)):
         image, images[k] = images[k], None  # each decoded image is freed before the next is decoded
         with _named_rejects(f"image {k}"):
-            image_patches, grid = image_to_patches(decode_opened(image), vision)
+            image_patches, grid = image_to_patches(decode_opened(image), image_visions[k])
             if sorted(grid) != sorted(header_grids[k]):  # EXIF orientation may only swap the sides
                 raise RejectError("bad_image", f"decodes to grid {grid}, its header promised {header_grids[k]}")
         patches.append(image_patches)

@@ -34,6 +34,7 @@ from itertools import chain
 import numpy as np
 
 from .errors import ConfigError, RejectError
+from .images import ImageRequest, image_request_from_part
 from .video import VideoRequest, request_from_part
 
 FAMILIES = ("qwen3-vl", "qwen2.5-vl")
@@ -48,6 +49,8 @@ REJECT_CODES = (
     "unknown_role",  # role outside system/user/assistant/tool
     "bad_content",  # content/part shapes the templates cannot render as intended
     "bad_video_option",  # a video part's sampling option of the wrong kind or range
+    "bad_image_option",  # an image part's min_pixels / max_pixels of the wrong kind or range
+    "unsupported_field",  # a part's option vlmpack does not apply (resized_height / resized_width)
     "bad_tool_call",  # malformed assistant tool_calls
     "bad_tools",  # row `tools` not a list of objects
     "dropped_by_template",  # the template would silently leave content out of the text
@@ -103,6 +106,7 @@ class Rendered:
     target_spans: list[tuple[int, int]]  # sorted, disjoint [start, end) character spans that are targets
     image_sources: list  # the image reference of each image, in order of appearance (str or embedded bytes)
     videos: list[VideoPart] = field(default_factory=list)  # each video, in order of appearance
+    image_requests: list[ImageRequest] = field(default_factory=list)  # each image's own size bounds, in order
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +129,8 @@ class VideoPart:
 class _Message:
     index: int  # position in the input list, for error messages
     role: str
-    items: list[tuple[str, object, str]]  # (TEXT, text, where), (IMAGE, source, where) or (VIDEO, VideoPart, where)
+    # (TEXT, text, where), (IMAGE, (source, ImageRequest), where) or (VIDEO, VideoPart, where)
+    items: list[tuple[str, object, str]]
     content_truthy: bool  # jinja truthiness of the raw `content` (decides a tool-call separator)
     tool_calls: list[tuple[str, str]] = field(default_factory=list)  # (name, rendered arguments)
     train: bool | None = None  # per-message loss override (assistant only)
@@ -216,7 +221,12 @@ def _parse_part(part, where: str, index: int) -> tuple[str, object, str]:
                 index,
                 f"{where}: the template renders this part as an image and would drop its text",
             )
-        return IMAGE, _image_source(part, where, index), f"messages[{index}].{where}"
+        source = _image_source(part, where, index)
+        try:
+            request = image_request_from_part(part, where)
+        except RejectError as exc:
+            raise _reject(exc.code, index, exc.message) from None
+        return IMAGE, (source, request), f"messages[{index}].{where}"
     if kind == TEXT:
         if part_type not in (None, "text"):
             raise _reject("bad_content", index, f"{where}: unknown part type {part_type!r}")
@@ -384,6 +394,7 @@ class _TextBuilder:
         self.length = 0
         self.spans: list[list[int]] = []
         self.images: list[str] = []
+        self.image_requests: list[ImageRequest] = []
         self.videos: list[VideoPart] = []
         self.data: list[tuple[int, int, str]] = []  # [start, end) of each data piece, and where
 
@@ -409,14 +420,16 @@ class _TextBuilder:
             elif text_only:
                 continue
             elif kind == IMAGE:
-                self.images.append(value)
+                self.images.append(value[0])
+                self.image_requests.append(value[1])
                 self.add(IMAGE_PLACEHOLDER)
             else:
                 self.videos.append(value)
                 self.add(VIDEO_PLACEHOLDER)
 
     def result(self) -> Rendered:
-        return Rendered("".join(self.pieces), [tuple(span) for span in self.spans], self.images, self.videos)
+        return Rendered("".join(self.pieces), [tuple(span) for span in self.spans], self.images, self.videos,
+                        self.image_requests)
 
 
 def _render_tool_calls(out: _TextBuilder, message: _Message, target: bool, content_truthy: bool | None = None) -> None:

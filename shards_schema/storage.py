@@ -11,6 +11,8 @@ which drops user info and credential-like query parameters (pre-signed URLs).
 from __future__ import annotations
 
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -43,23 +45,102 @@ def redact(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-def _filesystem(url: str):
+# The most retries a fetch may be given, and the longest pause between two attempts: a row
+# whose store does not answer costs a bounded time.
+MAX_FETCH_RETRIES = 10
+MAX_FETCH_PAUSE = 30.0
+
+
+@dataclass(frozen=True)
+class FetchPolicy:
+    """How long one fetch may wait, and how often it is tried again, before its store counts as
+    unreachable. `timeout` (seconds) bounds connecting and each wait for data (http(s):// through
+    aiohttp, s3:// through botocore; other stores keep their client's own timeouts). An attempt
+    that times out, is refused or gets a server error is retried up to `retries` times, after
+    `backoff` seconds and twice as long before each further one (at most MAX_FETCH_PAUSE)."""
+
+    timeout: float = 30.0
+    retries: int = 2
+    backoff: float = 1.0
+
+    def pause(self, attempt: int) -> float:
+        """Seconds to wait before attempt `attempt` (1 = the first retry)."""
+        return min(self.backoff * 2 ** (attempt - 1), MAX_FETCH_PAUSE)
+
+
+def _timeout_options(url: str, policy: FetchPolicy | None) -> dict:
+    """fsspec storage options that make the store's client give up after `policy.timeout`
+    seconds without a connection or without data, and leave retrying to `read_bytes`."""
+    if policy is None:
+        return {}
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("http", "https"):
+        import aiohttp
+
+        return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(
+            total=None, connect=policy.timeout, sock_connect=policy.timeout, sock_read=policy.timeout)}}
+    if scheme in ("s3", "s3a"):
+        return {"config_kwargs": {"connect_timeout": policy.timeout, "read_timeout": policy.timeout,
+                                  "retries": {"total_max_attempts": 1, "mode": "standard"}}}
+    return {}
+
+
+def _filesystem(url: str, policy: FetchPolicy | None = None):
     import fsspec
 
     try:
-        return fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url, **_timeout_options(url, policy))
+        if policy is not None and url.split("://", 1)[0].lower() in ("s3", "s3a"):
+            # s3fs retries timed-out calls itself (5 times by default) inside each attempt; this
+            # instance is only used with this policy's options, so read_bytes's loop is the only retry
+            fs.retries = 1
+        return fs, path
     except (ImportError, ValueError) as exc:
         scheme = url.split("://", 1)[0]
         raise StorageError("unreachable", f"{redact(url)}: no file system for {scheme}:// ({exc}); install its "
                            "fsspec package (s3fs for s3://, gcsfs for gs://)") from None
 
 
+def _causes(exc: BaseException):
+    """`exc` and the exceptions it was raised from, outermost first."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+
+
+def _transport_failure(exc: BaseException) -> str | None:
+    """The kind a wrapped HTTP status or network failure means, None when there is none.
+
+    fsspec's HTTP file system raises FileNotFoundError for any failed request, from the real
+    cause: a 403, a refused connection or a timeout is no missing file."""
+    for cause in _causes(exc):
+        status = getattr(cause, "status", None)
+        if isinstance(status, int) and 400 <= status < 600:
+            return "not_found" if status in (404, 410) else "denied" if status in (401, 403) else "unreachable"
+        if isinstance(cause, (TimeoutError, ConnectionError)) or (
+                isinstance(cause, OSError) and not isinstance(cause, (FileNotFoundError, PermissionError))
+                and cause is not exc):
+            return "unreachable"
+    return None
+
+
 def classify(exc: BaseException, url: str) -> StorageError:
     """A store's exception -> StorageError naming what went wrong and what to check."""
     where = redact(url)
-    text = f"{type(exc).__name__}: {exc}"[:300]
+    text = redact_text(f"{type(exc).__name__}: {exc}")[:300]
     if isinstance(exc, StorageError):
         return exc
+    kind = _transport_failure(exc)
+    if kind == "not_found":
+        return StorageError("not_found", f"{where} does not exist ({_reason(exc)})")
+    if kind == "denied":
+        return StorageError("denied", f"{where}: access denied ({_reason(exc)}); check the store's credentials "
+                            "(e.g. AWS_PROFILE, AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS)")
+    if kind == "unreachable":
+        return StorageError("unreachable", f"{where}: cannot reach the store ({_reason(exc)}); check the network and "
+                            "the endpoint (e.g. AWS_ENDPOINT_URL)")
     if isinstance(exc, FileNotFoundError):
         return StorageError("not_found", f"{where} does not exist ({text})")
     # a whole-word 403: the digits of an endpoint's port (":40312") are no status code
@@ -71,20 +152,32 @@ def classify(exc: BaseException, url: str) -> StorageError:
                         "endpoint (e.g. AWS_ENDPOINT_URL)")
 
 
-def open_binary(spec: str | Path):
+def _reason(exc: BaseException) -> str:
+    """The innermost cause's type and text (what the server or the network said)."""
+    inner = list(_causes(exc))[-1]
+    text = str(inner) or ("timed out" if isinstance(inner, TimeoutError) else "")
+    return f"{type(inner).__name__}: {redact_text(text)}"[:300]
+
+
+def redact_text(text: str) -> str:
+    """`text` with every URL in it redacted."""
+    return re.sub(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+", lambda m: redact(m.group(0)), text)
+
+
+def open_binary(spec: str | Path, policy: FetchPolicy | None = None):
     """A readable, seekable binary file of a local path or a URL."""
     if not is_url(str(spec)):
         return open(spec, "rb", buffering=1 << 20)  # JSONL rows with base64 media run to megabytes
-    fs, path = _filesystem(str(spec))
+    fs, path = _filesystem(str(spec), policy)
     try:
         return fs.open(path, "rb")
     except Exception as exc:  # noqa: BLE001 - every store raises its own kinds
         raise classify(exc, str(spec)) from None
 
 
-def info(spec: str) -> dict:
+def info(spec: str, policy: FetchPolicy | None = None) -> dict:
     """`{"size": bytes, "mtime_ns": int}` of a URL (StorageError when it is not there)."""
-    fs, path = _filesystem(spec)
+    fs, path = _filesystem(spec, policy)
     try:
         found = fs.info(path)
     except Exception as exc:  # noqa: BLE001
@@ -101,12 +194,30 @@ def info(spec: str) -> dict:
     return {"size": int(found.get("size") or 0), "mtime_ns": mtime_ns}
 
 
-def read_bytes(spec: str, max_bytes: int) -> bytes:
-    """The whole object, refused (StorageError "too_large") before reading when over `max_bytes`."""
-    size = info(spec)["size"]
+def read_bytes(spec: str, max_bytes: int, policy: FetchPolicy | None = None) -> bytes:
+    """The whole object, refused (StorageError "too_large") before reading when over `max_bytes`.
+    With a `policy`, each attempt is bounded by its timeout and an unreachable store is tried
+    again up to `policy.retries` times with growing pauses (a missing object, refused
+    credentials or an object over the cap are final at once)."""
+    _filesystem(spec, policy)  # no file system for the scheme: final, not worth a retry
+    attempts = 1 + (policy.retries if policy is not None else 0)
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(policy.pause(attempt))
+        try:
+            return _read_once(spec, max_bytes, policy)
+        except StorageError as exc:
+            if exc.kind != "unreachable":
+                raise
+            failure = exc
+    raise StorageError("unreachable", f"{failure} (tried {attempts} times)" if attempts > 1 else str(failure))
+
+
+def _read_once(spec: str, max_bytes: int, policy: FetchPolicy | None) -> bytes:
+    size = info(spec, policy)["size"]
     if size > max_bytes:
         raise StorageError("too_large", f"{redact(spec)} has {size:,} bytes, over the cap of {max_bytes:,}")
-    with open_binary(spec) as fh:
+    with open_binary(spec, policy) as fh:
         try:
             data = fh.read(max_bytes + 1)
         except Exception as exc:  # noqa: BLE001

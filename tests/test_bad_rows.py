@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -190,3 +191,238 @@ def test_batch_job_over_good_and_bad_rows(tmp_path):
     verify = subprocess.run([sys.executable, "-m", "shards_schema.cli", "verify", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+# ------------------------------------------------- numeric extremes in every option of a media part
+
+# Run in a child process whose address space is capped (after its imports) at what it holds plus
+# CHILD_HEADROOM: an option that makes the pipeline allocate gigabytes fails there with MemoryError
+# (reported as "exception"), not the machine. Each case is timed.
+CHILD_HEADROOM = 2 * 2**30
+_CHILD = r'''
+import json, math, resource, sys, time
+from pathlib import Path
+
+from preprocess.errors import RejectError
+from preprocess.pipeline import SampleOptions, process_row
+from preprocess.profiles import builtin_profile
+from preprocess.video import VideoOptions
+
+media, cases = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+profiles = {name: builtin_profile(name) for name in ("qwen3-vl", "qwen2.5-vl")}
+
+
+def run(case):
+    options = SampleOptions(media_root=str(media), max_seq_len=case.get("max_seq_len", 4096),
+                            video_fit=case.get("video_fit", False), video=VideoOptions(sampling=case["sampling"]))
+    started = time.perf_counter()
+    try:
+        sample = process_row(case["row"], sample_uid="u", source="s", profile=profiles[case["family"]],
+                             options=options)
+        outcome = ["ok", f"{sample.num_tokens} tokens"]
+    except RejectError as exc:
+        outcome = [exc.code, exc.message]
+    except Exception as exc:  # a traceback: what the test is there to catch
+        outcome = ["exception", f"{type(exc).__name__}: {exc}"[:300]]
+    return [*outcome, time.perf_counter() - started]
+
+
+run(cases[0])  # warm up: torch, PyAV and the tokenizer loaded before the cap
+vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + int(sys.argv[3]), vm + int(sys.argv[3])))
+print(json.dumps([run(case) for case in cases]))
+'''
+
+
+def run_bounded(cases: list[dict], media, tmp_path, timeout: float = 240) -> list:
+    """[code or "ok" or "exception", message, seconds] of each case's `process_row`, in a capped child."""
+    case_file = tmp_path / "cases.json"
+    case_file.write_text(json.dumps(cases))  # NaN and infinities as Python's json writes (and reads) them
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(media), str(case_file), str(CHILD_HEADROOM)],
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# Every kind of extreme a JSON number (or a value in its place) can take.
+EXTREMES = [True, "8", -1, 0, 0.5, 1e-300, 3, 2**53, 2**53 + 1, 10**7, 10**9, 1e300, math.inf, -math.inf,
+            math.nan]
+VIDEO_COUNT_OPTIONS = ("nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels")
+
+
+def valid_video_option(name: str, value) -> bool:
+    """The documented valid values of a video part's option (docs/preprocessing.md, Videos)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    if name in VIDEO_COUNT_OPTIONS:
+        return float(value).is_integer() and 1 <= value <= 2**53
+    if name == "fps":
+        return value >= 0.001
+    return value >= 0  # video_start, video_end
+
+
+def _video_chat(source, **options) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "video", "video": source, **options},
+                                                      {"type": "text", "text": "What happens?"}]},
+                         {"role": "assistant", "content": "Colours drift."}]}
+
+
+def _image_chat(uri, **options) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}, **options},
+                                                      {"type": "text", "text": "What is it?"}]},
+                         {"role": "assistant", "content": "A picture."}]}
+
+
+def test_every_media_option_at_every_extreme_is_valid_or_a_named_reject(tmp_path):
+    """Fields x values over image and video parts (a video file, a list of frames; both
+    families; hf and qwen-vl-utils sampling): each case is written, or rejected with a named
+    code (the invalid ones with the option's own code), within seconds and a capped address
+    space: no traceback, no hang, no allocation sized by the option (`nframes` 10**9 used to
+    allocate 8 GB, 10**7 to run past 90 s)."""
+    pytest.importorskip("av", reason="video cases need PyAV")
+    pytest.importorskip("torch", reason="video cases need torch")
+    from preprocess.examples import synthetic_video_frames, write_video
+
+    media = tmp_path / "media"
+    media.mkdir()
+    nprng = np.random.default_rng(8)
+    write_video(media / "clip.mp4", synthetic_video_frames(nprng, 6, 64, 48), 4.0)
+    for k, frame in enumerate(synthetic_video_frames(nprng, 3, 40, 30)):
+        Image.fromarray(frame).save(media / f"f{k}.png")
+    png = _data_uri("image/png", _encode(Image.fromarray(nprng.integers(0, 256, (30, 40, 3), dtype=np.uint8)), "PNG"))
+
+    cases = [{"row": _video_chat("clip.mp4"), "family": "qwen3-vl", "sampling": "hf"}]  # the warm-up row
+    expect = [{"ok"}]
+    sized = {"ok", "video_too_long", "video_sampling", "too_long", "bad_video_option"}  # bounds may contradict
+    for value in EXTREMES:
+        for family, sampling in (("qwen3-vl", "hf"), ("qwen2.5-vl", "hf"), ("qwen3-vl", "qwen-vl-utils")):
+            for name in ("fps", *VIDEO_COUNT_OPTIONS, "video_start", "video_end"):
+                cases.append({"row": _video_chat("clip.mp4", **{name: value}), "family": family, "sampling": sampling})
+                expect.append(sized if valid_video_option(name, value) else {"bad_video_option"})
+            for name in ("resized_height", "resized_width"):
+                cases.append({"row": _video_chat("clip.mp4", **{name: value}), "family": family, "sampling": sampling})
+                expect.append({"unsupported_field"})
+        for name in ("fps", "nframes"):  # a list of frames: fps gives its time line
+            cases.append({"row": _video_chat([f"f{k}.png" for k in range(3)], **{name: value}), "family": "qwen2.5-vl",
+                          "sampling": "hf"})
+            expect.append(sized if valid_video_option(name, value) else {"bad_video_option"})
+        for name in ("min_pixels", "max_pixels"):
+            cases.append({"row": _image_chat(png, **{name: value}), "family": "qwen3-vl", "sampling": "hf"})
+            expect.append({"ok", "too_long", "bad_image_option"} if valid_video_option(name, value)
+                          else {"bad_image_option"})
+        for name in ("resized_height", "resized_width"):
+            cases.append({"row": _image_chat(png, **{name: value}), "family": "qwen2.5-vl", "sampling": "hf"})
+            expect.append({"unsupported_field"})
+    # --video-fit lowers an nframes no sequence could hold until the video alone fits (the row's
+    # text may then still overflow it: too_long, as for any video --video-fit sizes to the limit)
+    cases.append({"row": _video_chat("clip.mp4", nframes=10**9), "family": "qwen3-vl", "sampling": "hf",
+                  "video_fit": True, "max_seq_len": 1024})
+    expect.append({"ok", "too_long"})
+
+    results = run_bounded(cases, media, tmp_path)
+    failures = [(case["row"]["messages"][0]["content"][0], case["family"], case["sampling"], result)
+                for case, want, result in zip(cases, expect, results) if result[0] not in want or result[2] > 5]
+    assert not failures, failures[:10]
+    assert {result[0] for result in results} >= {"ok", "video_too_long", "bad_video_option", "bad_image_option",
+                                                 "unsupported_field", "too_long"}
+
+
+# ------------------------------------------------------------------ remote media that never comes
+
+
+@pytest.fixture()
+def http_media():
+    """Three local endpoints: an HTTP server (200 for /photo.png, 404 otherwise), a socket that
+    accepts connections and never answers, and a port nobody listens on."""
+    import http.server
+    import socket
+    import threading
+
+    photo = _encode(Image.fromarray(np.random.default_rng(6).integers(0, 256, (30, 40, 3), dtype=np.uint8)), "PNG")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = photo if self.path == "/photo.png" else None
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            if body and self.command == "GET":
+                self.wfile.write(body)
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    held = []
+
+    def accept_and_wait():
+        while True:
+            try:
+                held.append(silent.accept()[0])
+            except OSError:  # closed at teardown
+                return
+
+    threading.Thread(target=accept_and_wait, daemon=True).start()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    yield {"ok": f"http://127.0.0.1:{server.server_address[1]}/photo.png",
+           "missing": f"http://127.0.0.1:{server.server_address[1]}/gone.png",
+           "silent": f"http://127.0.0.1:{silent.getsockname()[1]}/photo.png",
+           "refused": f"http://127.0.0.1:{closed_port}/photo.png"}
+    server.shutdown()
+    silent.close()
+    for conn in held:
+        conn.close()
+
+
+def test_a_fetch_is_bounded_by_its_timeout_and_retries(http_media):
+    """A server that never answers times out (each attempt, then each retry); a refused
+    connection is unreachable, not missing; a 404 is missing at once, without retries."""
+    import time
+
+    from shards_schema.storage import FetchPolicy, StorageError, read_bytes
+
+    policy = FetchPolicy(timeout=0.3, retries=2, backoff=0.1)
+    assert read_bytes(http_media["ok"], 10**6, policy).startswith(b"\x89PNG")
+    for name, kind, most in (("silent", "unreachable", 3 * (2 * 0.3) + 0.3 + 2), ("refused", "unreachable", 2),
+                             ("missing", "not_found", 1)):
+        started = time.perf_counter()
+        with pytest.raises(StorageError) as err:
+            read_bytes(http_media[name], 10**6, policy)
+        assert err.value.kind == kind, (name, err.value)
+        assert ("tried 3 times" in str(err.value)) == (kind == "unreachable"), err.value
+        assert time.perf_counter() - started < most, name
+
+
+def test_remote_media_that_never_comes_is_rejected_and_the_job_goes_on(http_media, tmp_path):
+    """With --allow-remote-media and a small --remote-timeout, a job over rows whose images sit
+    on a server that never answers, on a closed port and behind a 404 finishes: those rows are
+    `remote_unreachable`, `remote_unreachable` and `remote_not_found`, every other row (one
+    fetched over HTTP) is written."""
+    import time
+
+    lines = [(image_row(http_media["ok"]), None), (image_row(http_media["silent"]), "remote_unreachable"),
+             ({"messages": GOOD_MESSAGES}, None), (image_row(http_media["refused"]), "remote_unreachable"),
+             (image_row(http_media["missing"]), "remote_not_found"), ({"messages": GOOD_MESSAGES}, None)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row, _ in lines))
+    out = tmp_path / "shards"
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "shards_schema.cli", "preprocess", str(data), "--out", str(out),
+                           "--allow-remote-media", "--remote-timeout", "0.5", "--remote-retries", "1", "--workers",
+                           "1", "--no-progress"], capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - started
+    assert done.returncode == 0, done.stderr
+    rejects = {r["row"]: r for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())}
+    assert {row: r["code"] for row, r in rejects.items()} == {k: code for k, (_, code) in enumerate(lines) if code}
+    assert "tried 2 times" in rejects[1]["reason"] and "tried 2 times" in rejects[3]["reason"]
+    assert open_shards(out).manifest["accounting"]["rows_written"] == 3
+    # the silent server costs 2 attempts x (HEAD + GET) x 0.5 s + a 1 s pause; the rest is start-up
+    assert elapsed < 60, elapsed

@@ -415,7 +415,10 @@ def _cli(capsys, *argv) -> tuple[int, str]:
     """`vlmpack ARGV` in this process: (exit code, stderr)."""
     from shards_schema.cli import main
 
-    code = main([str(a) for a in argv])
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's own refusal of an option's value
+        code = exc.code
     return code, capsys.readouterr().err
 
 
@@ -588,6 +591,13 @@ BAD_ARGUMENTS = [
     ("preprocess", ["--min-pixels", "-1"], "--min-pixels must be an integer >= 1"),
     ("preprocess", ["--media-root", "{tmp}/nowhere"], "--media-root {tmp}/nowhere is not a directory"),
     ("preprocess", ["--profile", "llava"], "unknown profile"),
+    ("preprocess", ["--remote-timeout", "0"], "--remote-timeout: must be a positive, finite number of seconds, got 0"),
+    ("preprocess", ["--remote-timeout", "inf"], "--remote-timeout: must be a positive, finite number of seconds"),
+    ("preprocess", ["--remote-retries", "11"], "--remote-retries: must be an integer from 0 to 10, got 11"),
+    ("preprocess", ["--remote-retries", "-1"], "--remote-retries: must be an integer from 0 to 10, got -1"),
+    ("preprocess", ["--video-fps", "0.0001"], "--video-fps: must be a finite number of at least 0.001, got 0.0001"),
+    ("preprocess", ["--video-total-pixels", str(10**20)], "--video-total-pixels: must be a positive integer, at most 2**53"),
+    ("preprocess", ["--min-pixels", str(2**53 + 1)], f"--min-pixels must be at most 2**53 ({2**53}), got {2**53 + 1}"),
     ("preprocess-missing", [], "input {tmp}/missing.jsonl does not exist"),
     ("preprocess-out-file", [], "--out {tmp}/afile is a file, not a directory"),
     ("merge", ["{tmp}/nowhere", "--out", "{tmp}/m"], "{tmp}/nowhere does not exist or is not a directory"),

@@ -380,3 +380,44 @@ def test_an_unreachable_endpoint_whose_port_holds_403_is_not_access_denied(port)
     exc = ConnectionError(f'Could not connect to the endpoint URL: "http://127.0.0.1:{port}/data/rows.jsonl"')
     assert classify(exc, "s3://data/rows.jsonl").kind == "unreachable"
     assert classify(RuntimeError("An error occurred (403) when calling HeadObject: Forbidden"), "s3://data/rows.jsonl").kind == "denied"
+
+
+def test_media_from_a_store_that_never_answers_are_rejected_within_the_timeout(tmp_path):
+    """An S3 endpoint that accepts connections and never answers: with --remote-timeout 0.5 and
+    --remote-retries 1 the media row is `remote_unreachable` within seconds (botocore's and
+    s3fs's own retries would take minutes) and the other rows are written."""
+    import threading
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    held = []
+
+    def accept_and_wait():
+        while True:
+            try:
+                held.append(silent.accept()[0])
+            except OSError:  # closed below
+                return
+
+    threading.Thread(target=accept_and_wait, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    env = {**os.environ, **ENV, "FSSPEC_S3_ENDPOINT_URL": endpoint, "AWS_ENDPOINT_URL": endpoint}
+    rows = write_jsonl(tmp_path / "rows.jsonl", _rows_with_urls(["s3://data/img/a.png"]) + example_rows(2, seed=1))
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "shards_schema.cli", "preprocess", str(rows), "--out",
+                               str(tmp_path / "o"), "--allow-remote-media", "--remote-timeout", "0.5",
+                               "--remote-retries", "1", "--workers", "1", "--no-progress"],
+                              capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        silent.close()
+        for conn in held:
+            conn.close()
+    assert done.returncode == 0, done.stderr
+    rejects = [json.loads(line) for line in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["code"]) for r in rejects] == [(0, "remote_unreachable")], rejects
+    assert "tried 2 times" in rejects[0]["reason"]
+    assert open_shards(tmp_path / "o").manifest["accounting"]["rows_written"] == 2
+    assert time.perf_counter() - started < 60

@@ -27,6 +27,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 from transformers.video_processing_utils import BaseVideoProcessor  # noqa: E402
 from transformers.video_utils import VideoMetadata, load_video  # noqa: E402
 
+from preprocess.errors import RejectError  # noqa: E402
 from preprocess.examples import VIDEO_CODECS, synthetic_video_frames, write_video  # noqa: E402
 from preprocess.video import BUILTIN_VIDEO, VideoOptions, VideoRequest, plan_video, timestamps_for  # noqa: E402
 from preprocess.video.decode import VideoReader  # noqa: E402
@@ -610,6 +611,10 @@ def test_qwen_vl_utils_mode_equals_qwen_vl_utils(family):
             with pytest.raises(Exception):
                 plan(family, total, fps, height, width, request, sampling="qwen-vl-utils")
             continue
+        if min(want_size) == 0:  # qwen-vl-utils floors a thin frame to no pixels, which no processor takes
+            with pytest.raises(RejectError, match="video_sampling"):
+                plan(family, total, fps, height, width, request, sampling="qwen-vl-utils")
+            continue
         got = plan(family, total, fps, height, width, request, sampling="qwen-vl-utils")
         assert got.indices.tolist() == want_indices, (total, fps, ele)
         assert (got.height, got.width) == tuple(want_size), (height, width, ele)
@@ -664,3 +669,147 @@ def test_video_fit_samples_fewer_frames_until_the_video_fits(family, builtin_pro
         info = reader.info
     want = plan(family, info.total_frames, info.fps, info.height, info.width, VideoRequest(nframes=frames))
     assert sample.video_grid_thw[0].tolist() == list(want.grid)
+
+
+# ---------------------------------------------------------------------------------------------
+# the container's header and the part's options, checked before any frame is decoded
+
+
+def _forged_index_mp4(path, tmp_path, claimed: int):
+    """A 6-frame MP4 whose sample tables claim `claimed` one-byte frames in a single chunk: the
+    file holds a fraction of them, and FFmpeg's seeking on such an index takes minutes."""
+    import struct
+
+    clip = write_video(tmp_path / "six.mp4", synthetic_video_frames(np.random.default_rng(2), 6, 64, 48), 4.0)
+    data = bytearray(clip.read_bytes())
+
+    def box(tag):
+        return data.find(tag) - 4
+
+    struct.pack_into(">I", data, box(b"stts") + 16, claimed)  # one run of `claimed` frame durations
+    struct.pack_into(">II", data, box(b"stsz") + 12, 1, claimed)  # `claimed` frames of one byte each
+    struct.pack_into(">I", data, box(b"stsc") + 20, claimed)  # all in the first chunk
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_the_header_is_checked_before_any_frame_is_decoded(tmp_path):
+    """Frames over --max-image-pixels (`frame_too_large`), a still image given as a video
+    (`not_a_video`), a frame rate under 0.001 fps and an index promising frames the file lacks
+    (`bad_video`) are refused from the header: nothing is decoded, nothing seeks."""
+    import fractions
+    import time
+
+    import av
+
+    clip = write_video(tmp_path / "clip.mp4", synthetic_video_frames(np.random.default_rng(1), 4, 64, 48), 4.0)
+    png = tmp_path / "still.png"
+    from PIL import Image
+
+    Image.fromarray(np.zeros((48, 64, 3), np.uint8)).save(png)
+    slow = tmp_path / "slow.mkv"
+    with av.open(str(slow), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fractions.Fraction(1, 5000))  # a frame every 5000 s
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for packet in [*stream.encode(av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")),
+                       *stream.encode()]:
+            container.mux(packet)
+    forged = _forged_index_mp4(tmp_path / "forged.mp4", tmp_path, 10**6)
+    cases = [(clip, {"max_frame_pixels": 64 * 48 - 1}, "frame_too_large", "64x48 = 3072 pixels"),
+             (png, {}, "not_a_video", "still image (png_pipe)"),
+             (png.read_bytes(), {}, "not_a_video", "still image"),
+             (slow, {}, "bad_video", "0.0002 fps is below 0.001"),
+             (forged, {}, "bad_video", "promises 1000000 frames but it holds")]
+    with mock.patch.object(VideoReader, "_decoded", side_effect=AssertionError("a frame was decoded")), \
+            mock.patch.object(av.container.InputContainer, "seek", side_effect=AssertionError("the reader seeked")):
+        for source, kwargs, code, needle in cases:
+            started = time.perf_counter()
+            with pytest.raises(RejectError) as err:
+                VideoReader(source, **kwargs)
+            assert err.value.code == code and needle in err.value.message, (source, err.value)
+            assert time.perf_counter() - started < 5
+    with VideoReader(clip, max_frame_pixels=64 * 48) as reader:  # at the limit: read as usual
+        assert reader.info.total_frames == 4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_contradicting_bounds_and_the_wrong_kind_of_media_are_named_rejects(family, builtin_profiles, tmp_path):
+    """A part's min_pixels over its max_pixels (or over the maximum in force), min_frames over
+    max_frames, a video data URI that says image/png, an image data URI that says video/mp4 and
+    a PNG file given as a video are each rejected with a reason naming what is wrong."""
+    import base64
+
+    from PIL import Image
+
+    from preprocess.pipeline import SampleOptions, process_row
+
+    media = tmp_path / "media"
+    media.mkdir()
+    clip = write_video(media / "clip.mp4", synthetic_video_frames(np.random.default_rng(3), 6, 64, 48), 4.0)
+    Image.fromarray(np.full((48, 64, 3), 90, np.uint8)).save(media / "still.png")
+    png_uri = "data:image/png;base64," + base64.b64encode((media / "still.png").read_bytes()).decode()
+    video_uri = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()
+
+    def chat(part):
+        return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]},
+                             {"role": "assistant", "content": "Grey."}]}
+
+    default_max = BUILTIN_VIDEO[family].max_pixels
+    cases = [
+        ({"type": "video", "video": "clip.mp4", "min_pixels": 9000, "max_pixels": 8000}, "bad_video_option",
+         "`min_pixels` 9000 is more than `max_pixels` 8000"),
+        ({"type": "video", "video": "clip.mp4", "min_pixels": default_max + 1}, "bad_video_option",
+         f"`min_pixels` {default_max + 1} is more than `max_pixels` {default_max}"),
+        ({"type": "video", "video": "clip.mp4", "min_frames": 9, "max_frames": 8}, "bad_video_option",
+         "`min_frames` 9 is more than `max_frames` 8"),
+        ({"type": "video", "video": "clip.mp4", "min_frames": 800}, "bad_video_option",
+         "`min_frames` 800 is more than `max_frames` 768"),
+        ({"type": "image_url", "image_url": {"url": png_uri}, "min_pixels": 5000, "max_pixels": 4000},
+         "bad_image_option", "`min_pixels` 5000 is more than `max_pixels` 4000"),
+        ({"type": "image", "image": png_uri, "min_pixels": 10**9}, "bad_image_option",
+         f"`min_pixels` 1000000000 is more than `max_pixels` {builtin_profiles[family].vision.max_pixels}"),
+        ({"type": "video_url", "video_url": {"url": png_uri}}, "mime_mismatch", "says 'image/png', an image"),
+        ({"type": "image_url", "image_url": {"url": video_uri}}, "mime_mismatch", "says 'video/mp4', a video"),
+        ({"type": "video", "video": "still.png"}, "not_a_video", "still image"),
+    ]
+    for part, code, needle in cases:
+        with pytest.raises(RejectError) as err:
+            process_row(chat(part), sample_uid="u", source="s", profile=builtin_profiles[family],
+                        options=SampleOptions(media_root=str(media)))
+        assert err.value.code == code and needle in err.value.message, (part, err.value)
+    # a maximum under the profile's minimum is no contradiction: the maximum wins, as in HF
+    sample = process_row(chat({"type": "video", "video": "clip.mp4", "max_pixels": 1000}), sample_uid="u", source="s",
+                         profile=builtin_profiles[family], options=SampleOptions(media_root=str(media)))
+    assert sample.video_grid_thw.shape == (1, 3)
+
+
+def test_an_image_parts_own_pixel_bounds_size_it_as_the_job_wide_bounds_would(family, builtin_profiles, tmp_path):
+    """An image part's min_pixels / max_pixels give the sample a job with those --min-pixels /
+    --max-pixels gives (HF's image processor called with them)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from preprocess.pipeline import SampleOptions, process_row
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(4).integers(0, 256, (300, 400, 3), dtype=np.uint8)).save(buf, "PNG")
+    uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    profile = builtin_profiles[family]
+    factor = profile.vision.resize_factor
+
+    def chat(**bounds):
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}, **bounds},
+                                                          {"type": "text", "text": "What?"}]},
+                             {"role": "assistant", "content": "Noise."}]}
+
+    default = process_row(chat(), sample_uid="u", source="s", profile=profile, options=SampleOptions())
+    for bounds in ({"max_pixels": 80_000}, {"min_pixels": 400 * factor * factor},
+                   {"min_pixels": factor * factor, "max_pixels": 8 * factor * factor}):
+        got = process_row(chat(**bounds), sample_uid="u", source="s", profile=profile, options=SampleOptions())
+        want = process_row(chat(), sample_uid="u", source="s", options=SampleOptions(),
+                           profile=profile.with_pixel_bounds(bounds.get("min_pixels"), bounds.get("max_pixels")))
+        assert got.image_grid_thw.tolist() == want.image_grid_thw.tolist() != default.image_grid_thw.tolist()
+        assert np.array_equal(got.pixel_patches, want.pixel_patches)
+        assert np.array_equal(got.input_ids, want.input_ids) and np.array_equal(got.position_ids, want.position_ids)

@@ -18,10 +18,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from shards_schema.storage import FetchPolicy
+
 from ..errors import RejectError
+from ..media import MIN_FPS, check_bounds, check_unsupported_size_options, part_number
 from .decode import VideoInfo, VideoReader
 from .sampling import (
     BUILTIN_VIDEO,
+    QVU_VIDEO_MIN_TOKEN_NUM,
     SAMPLING_MODES,
     VideoDefaults,
     VideoRequest,
@@ -93,9 +97,20 @@ def plan_video(total_frames: int, fps: float, height: int, width: int, *, reques
     """The sampled frame indices and resized size of a video, from its metadata alone.
     `all_frames`: a list of frame images, which is used whole (neither reference samples one)."""
     request = options.request(request)
+    qvu = options.sampling == "qwen-vl-utils"
+    # A minimum the part asks for must not exceed the maximum in force; a maximum under a default
+    # minimum is fine (the maximum wins, as in HF's smart_resize), except in qwen-vl-utils mode,
+    # whose smart_resize asserts max_pixels >= min_pixels.
+    if qvu:
+        factor = patch_size * merge_size
+        _check_bounds("min_pixels", request.min_pixels if request.min_pixels is not None
+                      else QVU_VIDEO_MIN_TOKEN_NUM * factor * factor, "max_pixels", request.max_pixels)
+    else:
+        _check_bounds("min_pixels", request.min_pixels,
+                      "max_pixels", request.max_pixels if request.max_pixels is not None else defaults.max_pixels)
     if all_frames:
         indices = np.arange(total_frames)
-        if options.sampling == "qwen-vl-utils":
+        if qvu:
             size = qvu_resize(request, total_frames, height, width, patch_size, merge_size)
         else:
             size = hf_resize(family, total_frames, height, width, patch_size=patch_size, merge_size=merge_size,
@@ -105,7 +120,9 @@ def plan_video(total_frames: int, fps: float, height: int, width: int, *, reques
                              max_video_tokens=defaults.max_video_tokens,
                              cap_pixels_per_frame=options.cap_pixels_per_frame)
         sampled_fps = fps
-    elif options.sampling == "qwen-vl-utils":
+    elif qvu:
+        if request.nframes is None:
+            _check_bounds("min_frames", request.min_frames, "max_frames", request.max_frames)
         indices = qvu_indices(request, total_frames, fps)
         size = qvu_resize(request, len(indices), height, width, patch_size, merge_size)
         sampled_fps = len(indices) / _window(request, total_frames, fps)[1] * fps
@@ -113,6 +130,8 @@ def plan_video(total_frames: int, fps: float, height: int, width: int, *, reques
         start, window = _window(request, total_frames, fps)
         min_frames = request.min_frames if request.min_frames is not None else defaults.min_frames
         max_frames = request.max_frames if request.max_frames is not None else defaults.max_frames
+        if request.nframes is None:
+            _check_bounds("min_frames", request.min_frames, "max_frames", max_frames)
         sample_fps = request.fps if request.fps is not None or request.nframes is not None else defaults.fps
         if family == "qwen3-vl":
             indices = hf_qwen3_indices(window, fps, sample_fps, request.nframes, min_frames, max_frames)
@@ -126,6 +145,7 @@ def plan_video(total_frames: int, fps: float, height: int, width: int, *, reques
         if request.total_pixels is not None:
             if family == "qwen3-vl":  # size["longest_edge"] is already the whole clip's budget
                 max_pixels = min(max_pixels, request.total_pixels)
+                _check_bounds("min_pixels", request.min_pixels, "total_pixels", request.total_pixels)
             else:  # the processor's total bound, with the given budget
                 max_pixels = max(min(max_pixels, request.total_pixels * temporal_patch_size // len(indices)),
                                  int(min_pixels * 1.05))
@@ -135,9 +155,17 @@ def plan_video(total_frames: int, fps: float, height: int, width: int, *, reques
         sampled_fps = len(indices) / window * fps
     if len(indices) == 0:
         raise RejectError("video_sampling", f"a video of {total_frames} frames at {fps:g} fps samples no frame")
+    if min(size) < patch_size * merge_size:  # qwen-vl-utils floors a small max_pixels to nothing
+        raise RejectError("video_sampling", f"frames of {width}x{height} resized to {size[1]}x{size[0]}: less than one "
+                          f"{patch_size * merge_size}x{patch_size * merge_size} block of patches; raise max_pixels")
     grid = (math.ceil(len(indices) / temporal_patch_size), size[0] // patch_size, size[1] // patch_size)
     return VideoPlan(indices=np.asarray(indices, dtype=np.int64), fps=fps, height=size[0], width=size[1], grid=grid,
                      second_per_grid_t=temporal_patch_size / sampled_fps)
+
+
+def _check_bounds(low_name: str, low, high_name: str, high) -> None:
+    check_bounds(low_name, low, high_name, high, "bad_video_option",
+                 "the sampling options (the part's, else the --video-* flags', else the profile's)")
 
 
 def _window(request: VideoRequest, total_frames: int, fps: float) -> tuple[int, int]:
@@ -148,24 +176,24 @@ def _window(request: VideoRequest, total_frames: int, fps: float) -> tuple[int, 
     return start, end - start + 1
 
 
+# A video part's numeric options: (name, integer). Counts and pixel numbers are positive
+# integers, a frame rate at least MIN_FPS, window bounds (seconds) not negative.
+VIDEO_OPTIONS = (("fps", False), ("nframes", True), ("min_frames", True), ("max_frames", True),
+                 ("min_pixels", True), ("max_pixels", True), ("total_pixels", True), ("video_start", False),
+                 ("video_end", False))
+
+
 def request_from_part(part: dict, where: str) -> VideoRequest:
-    """A content part's sampling options, checked: numbers of the right kind and range."""
-    values = {}
-    for name, kind in (("fps", float), ("nframes", int), ("min_frames", int), ("max_frames", int),
-                       ("min_pixels", int), ("max_pixels", int), ("total_pixels", int),
-                       ("video_start", float), ("video_end", float)):
-        value = part.get(name)
-        if value is None:
-            continue
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if ok and kind is int:
-            ok = float(value).is_integer()
-        if not ok or value < 0 or (value == 0 and name not in ("video_start", "video_end")):
-            raise RejectError("bad_video_option", f"{where}: `{name}` must be a positive {'integer' if kind is int else 'number'}, "
-                              f"got {value!r:.40}")
-        values[name] = kind(value)
-    if values.get("fps") is not None and values.get("nframes") is not None:
+    """A content part's sampling options, checked: numbers of the right kind and range
+    (`part_number`), bounds that do not contradict each other, no option vlmpack would ignore."""
+    check_unsupported_size_options(part, "unsupported_field", where)
+    values = {name: part_number(part, name, integer=integer, minimum=MIN_FPS if name == "fps" else 0.0,
+                                code="bad_video_option", where=where)
+              for name, integer in VIDEO_OPTIONS}
+    if values["fps"] is not None and values["nframes"] is not None:
         raise RejectError("bad_video_option", f"{where}: `fps` and `nframes` are mutually exclusive: give one")
+    check_bounds("min_frames", values["min_frames"], "max_frames", values["max_frames"], "bad_video_option", where)
+    check_bounds("min_pixels", values["min_pixels"], "max_pixels", values["max_pixels"], "bad_video_option", where)
     return VideoRequest(**values)
 
 
@@ -199,12 +227,14 @@ class FrameList:
 
 
 def open_video_source(source, *, request: VideoRequest, media_root, max_video_bytes: int, open_image, decode_image,
-                      allow_remote: bool = False):
+                      remote: FetchPolicy | None = None, max_frame_pixels: int | None = None):
     """A video part's source -> an object with `info` (a `VideoInfo`), `frames(indices)` and
-    `close()`: a `VideoReader` on a file or inline bytes, or a `FrameList`."""
+    `close()`: a `VideoReader` on a file or inline bytes, or a `FrameList`. `remote`: how URLs
+    are fetched (None rejects them); `max_frame_pixels`: the frame size refused from the header."""
     from ..media import resolve_media
 
     if isinstance(source, list):
         fps = request.fps if request.fps is not None else DEFAULT_FRAME_LIST_FPS
         return FrameList(source, fps, open_image, decode_image)
-    return VideoReader(resolve_media(source, media_root, max_video_bytes, kind="video", allow_remote=allow_remote))
+    return VideoReader(resolve_media(source, media_root, max_video_bytes, kind="video", remote=remote),
+                       max_frame_pixels=max_frame_pixels)

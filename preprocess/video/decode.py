@@ -30,6 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RejectError
+from ..media import MIN_FPS
+
+# FFmpeg's demuxers of single still images (image2 and its *_pipe family): such a "video" is
+# a picture with a made-up frame rate.
+_STILL_IMAGE_FORMATS = ("image2", "image2pipe")
 
 
 @dataclass(frozen=True)
@@ -54,11 +59,18 @@ def _av():
 
 
 class VideoReader:
-    """An opened video: `info`, then `frames(indices)`. Use as a context manager."""
+    """An opened video: `info`, then `frames(indices)`. Use as a context manager.
 
-    def __init__(self, source: Path | bytes, *, what: str = "video"):
+    Before any frame is decoded, the container's header is checked: a video stream with a
+    decoder, a frame rate of at least MIN_FPS, not a still image, an index holding no more
+    frames than the file does, and frames of at most `max_frame_pixels` pixels
+    (`frame_too_large`), so the one frame decoded to read the rotation, and every frame after
+    it, has bounded size."""
+
+    def __init__(self, source: Path | bytes, *, what: str = "video", max_frame_pixels: int | None = None):
         av = _av()
         self._what = what
+        self._max_frame_pixels = max_frame_pixels
         try:
             self._container = av.open(str(source) if isinstance(source, Path) else io.BytesIO(source), mode="r",
                                       metadata_errors="ignore")
@@ -78,13 +90,22 @@ class VideoReader:
         stream = self._stream = streams[0]
         if stream.codec_context is None:
             raise RejectError("unsupported_codec", f"{self._what}: no decoder for codec {stream.codec.name!r}")
+        container_format = self._container.format.name
+        if container_format in _STILL_IMAGE_FORMATS or container_format.endswith("_pipe"):
+            raise RejectError("not_a_video", f"{self._what} is a still image ({container_format}), not a video: give it "
+                              "as an image part, or its frames as a list of images")
         rate = stream.average_rate or stream.guessed_rate
         if not rate or float(rate) <= 0:
             raise RejectError("bad_video", f"{self._what}: the stream has no frame rate")
-        pts, keyframes = [], []
+        if float(rate) < MIN_FPS:
+            raise RejectError("bad_video", f"{self._what}: the stream's frame rate {float(rate):.3g} fps is below "
+                              f"{MIN_FPS:g} (frames more than {1 / MIN_FPS:g} s apart)")
+        self._check_frame_size(stream.codec_context.width, stream.codec_context.height)
+        pts, keyframes, empty = [], [], 0
         try:
             for packet in self._container.demux(stream):
-                if packet.size == 0:  # the demuxer's end-of-stream marker
+                if packet.size == 0:  # the demuxer's end-of-stream marker, or a dropped frame (AVI)
+                    empty += packet.pts is not None
                     continue
                 pts.append(packet.pts)
                 keyframes.append(packet.is_keyframe)
@@ -92,6 +113,11 @@ class VideoReader:
             raise RejectError("bad_video", f"{self._what}: the container is damaged ({_reason(exc)})") from None
         if not pts:
             raise RejectError("bad_video", f"{self._what}: the video stream holds no frames")
+        if stream.frames > len(pts) + empty:
+            # an index promising frames the file does not hold: a cut-off download, or a forged
+            # index, on which FFmpeg's seeking can take minutes
+            raise RejectError("bad_video", f"{self._what}: its header promises {stream.frames} frames but it holds "
+                              f"{len(pts) + empty} (a truncated or damaged container)")
         if any(p is None for p in pts):
             self._pts = None  # no timestamps to seek by: decode from the start
         else:
@@ -119,7 +145,14 @@ class VideoReader:
             raise RejectError("bad_video", f"{self._what}: decoding failed ({_reason(exc)})") from None
         if first is None:
             raise RejectError("bad_video", f"{self._what}: no frame decodes")
+        self._check_frame_size(first.width, first.height)  # a header may leave the size out
         return round(float(first.rotation or 0) / 90) % 4
+
+    def _check_frame_size(self, width: int, height: int) -> None:
+        if self._max_frame_pixels is not None and width * height > self._max_frame_pixels:
+            raise RejectError("frame_too_large", f"{self._what}: frames of {width}x{height} = {width * height} pixels, "
+                              f"over --max-image-pixels {self._max_frame_pixels}; shrink the video or raise "
+                              "--max-image-pixels")
 
     def _rgb(self, frame) -> np.ndarray:
         rgb = frame.to_ndarray(format="rgb24")

@@ -108,7 +108,9 @@ def hf_qwen3_indices(total_frames: int, video_fps: float, fps: float | None, nfr
         raise _sampling_error("`fps` and `nframes` are mutually exclusive: give one")
     num_frames = nframes
     if num_frames is None and fps is not None:
-        num_frames = int(total_frames / video_fps * fps)
+        # capped at total_frames before int(): the same count as HF's, without int() of an overflowed
+        # product (a huge fps) raising
+        num_frames = int(min(total_frames / video_fps * fps, total_frames))
         num_frames = min(max(num_frames, min_frames), max_frames, total_frames)
     if num_frames is None:
         num_frames = min(max(total_frames, min_frames), max_frames)
