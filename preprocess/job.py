@@ -463,8 +463,20 @@ def _claim_out_dir(out: Path, identity: dict, inputs: list[JobInput], hash_mode:
     return identity
 
 
+def _same_job(recorded, identity: dict) -> bool:
+    """Whether a recorded job identity is `identity`. The profile's chat template text is left
+    out: its sha256 is compared with the rest of the profile, and a job recorded by a vlmpack
+    that kept no text in the profile is the same job (resuming it records the text)."""
+    def without_text(ident):
+        if not isinstance(ident, dict) or not isinstance(ident.get("profile"), dict):
+            return ident
+        return {**ident, "profile": {k: v for k, v in ident["profile"].items() if k != "chat_template"}}
+
+    return without_text(recorded) == without_text(identity)
+
+
 def _check_same_job(out: Path, recorded: dict, identity: dict) -> None:
-    if recorded == identity:
+    if _same_job(recorded, identity):
         return
     where = printable_path(str(out))
     fix = "use a new --out directory, or delete this one to start over"
@@ -887,9 +899,10 @@ def merge_partitions(directories: list[str], out: str) -> dict:
         if not job_file.is_file():
             raise ConfigError(f"{printable_path(str(d))}: no {PARTS_DIR}/{JOB_FILE}; not the output of `vlmpack preprocess`")
         identities.append(json.loads(job_file.read_text(encoding="utf-8")))
-    if any(ident != identities[0] for ident in identities):
+    if any(not _same_job(ident, identities[0]) for ident in identities):
         raise ConfigError("the directories hold different jobs (inputs, settings or profile differ); cannot merge")
-    identity = identities[0]
+    # a partition recorded before profiles held the chat template's text: another's has it
+    identity = next((ident for ident in identities if "chat_template" in ident.get("profile", {})), identities[0])
     rows_per_unit = identity["settings"]["rows_per_shard"]
     total_units = sum(-(-inp["rows"] // rows_per_unit) for inp in identity["inputs"])  # same cut as plan_units
     found: dict[int, Path] = {}
@@ -905,7 +918,7 @@ def merge_partitions(directories: list[str], out: str) -> dict:
     sources = {d.resolve() for d in dirs}
     with _stop_on_signals(), exclusive_output_dir(out, "merge") as out_dir, _output_errors(out_dir):
         job_file = out_dir / PARTS_DIR / JOB_FILE
-        if out_dir.resolve() not in sources and _read_json(job_file) != identity:
+        if out_dir.resolve() not in sources and not _same_job(_read_json(job_file), identity):
             if not _is_fresh(out_dir):
                 _refuse_foreign(out_dir, "merge")
             (out_dir / PARTS_DIR).mkdir(exist_ok=True)

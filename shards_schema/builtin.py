@@ -1,14 +1,15 @@
-"""The built-in model families: the published checkpoints' image-processor constants and the
-bundled Qwen tokenizer files.
+"""The built-in model families: the published checkpoints' image-processor constants, the
+bundled Qwen tokenizer files and the official chat templates.
 
 Both sides read them: preprocessing builds its built-in profiles from them
-(`preprocess.profiles`), and training writes them as a Hugging Face directory's tokenizer and
-processor files when it exports a model that was never imported from one (`train.convert`).
-So they live here, in the package both may import, and exist once.
+(`preprocess.profiles`), and training writes them as a Hugging Face directory's tokenizer,
+processor and chat-template files when it exports a model (`train.checkpoint_format`). So
+they live here, in the package both may import, and exist once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -94,3 +95,46 @@ def builtin_tokenizer_json(family: str) -> str:
         raise ValueError(f"unknown built-in family {family!r}: choose one of {sorted(BUILTIN_VISION)}")
     text = (bundled_tokenizer_dir() / "tokenizer.json").read_text(encoding="utf-8")
     return qwen2_tokenizer_json(text) if family == "qwen2.5-vl" else text
+
+
+# The official chat templates, byte for byte as published with the checkpoints (provenance:
+# tests/fixtures/README.md, whose copies the tests check these against): built-in profile name ->
+# file in chat_templates/.
+CHAT_TEMPLATE_DIR = Path(__file__).resolve().parent / "chat_templates"
+BUILTIN_CHAT_TEMPLATES = {
+    "qwen3-vl": "qwen3_vl_instruct.chat_template.jinja",
+    "qwen2.5-vl": "qwen2_5_vl_instruct.chat_template.jinja",
+    "qwen3-vl-thinking": "qwen3_vl_thinking.chat_template.jinja",
+}
+
+
+def builtin_chat_template(name: str) -> str:
+    """The official chat template of built-in profile `name`."""
+    if name not in BUILTIN_CHAT_TEMPLATES:
+        raise ValueError(f"unknown built-in profile {name!r}: choose one of {sorted(BUILTIN_CHAT_TEMPLATES)}")
+    return (CHAT_TEMPLATE_DIR / BUILTIN_CHAT_TEMPLATES[name]).read_text(encoding="utf-8")
+
+
+def builtin_chat_template_by_sha256(sha256: str | None) -> str | None:
+    """The official chat template whose text has this sha256, or None."""
+    for name in BUILTIN_CHAT_TEMPLATES:
+        text = builtin_chat_template(name)
+        if hashlib.sha256(text.encode()).hexdigest() == sha256:
+            return text
+    return None
+
+
+def read_hf_chat_template(model_dir: str | Path) -> str | None:
+    """A Hugging Face model directory's chat template as transformers resolves it
+    (chat_template.jinja, then chat_template.json, then tokenizer_config.json), or None."""
+    model_dir = Path(model_dir)
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+            if isinstance(template, str):
+                return template
+    return None

@@ -336,8 +336,13 @@ def test_export_loads_in_transformers(hf_checkpoint, tmp_path, family, tied):
 
     hf_model, path = hf_checkpoint(family, tied)
     C.import_hf(path, tmp_path / "m", tp=2, pp=2)
-    C.export_hf(tmp_path / "m", tmp_path / "hf")
-    assert user_entries(tmp_path / "hf") == ["config.json", "generation_config.json", "model.safetensors"]
+    _, side_files = C.export_hf(tmp_path / "m", tmp_path / "hf")
+    # the checkpoint's own generation_config.json; the built-in tokenizer and processor for what it lacks
+    assert user_entries(tmp_path / "hf") == ["config.json", "generation_config.json", "model.safetensors",
+                                             "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == \
+        json.loads((path / "generation_config.json").read_text())
+    assert len(side_files.notes) == 1 and "no chat template" in side_files.notes[0]
     loaded = getattr(transformers, HF_CLASSES[family]).from_pretrained(tmp_path / "hf").eval()
     assert loaded.config.tie_word_embeddings is tied
     _assert_same(loaded.state_dict(), hf_model.state_dict())
@@ -354,7 +359,8 @@ def test_export_random_init_gets_builtin_tokenizer_and_processor(tmp_path):
     full = {k: torch.randn(s) for k, s in C.megatron_shapes(arch).items()}
     C.save_model_dir(tmp_path / "m", {(0, 0): C.shard(full, arch, 1, 0, 1, 0)}, arch, 1, 1)
     _, files = C.export_hf(tmp_path / "m", tmp_path / "hf")
-    assert files == ["tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "generation_config.json"]
+    assert files.written == ["tokenizer.json", "tokenizer_config.json", "preprocessor_config.json",
+                             "generation_config.json"]
     assert type(AutoConfig.from_pretrained(tmp_path / "hf")).__name__ == "Qwen3VLConfig"
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tokenizer("<|im_start|>user<|image_pad|><|im_end|>").input_ids == [151644, 872, 151655, 151645]
@@ -479,7 +485,7 @@ def test_output_directories_hold_only_their_own_command_output(hf_checkpoint, tm
 
 
 # Each bad `vlmpack import-hf` / `export-hf` command line ({hf}: a HF checkpoint, {m}: a model
-# directory, {f}: a file, {e}: an empty directory, {t}: a fresh temporary directory) and a part
+# directory, {f}: a file (not UTF-8 text), {e}: an empty directory, {t}: a fresh temporary directory) and a part
 # of its one-line error.
 BAD_CONVERT_ARGUMENTS = [
     (["import-hf", "{t}/missing", "--out", "{t}/o"], "HF_DIR {t}/missing: no such directory"),
@@ -497,6 +503,11 @@ BAD_CONVERT_ARGUMENTS = [
     (["export-hf", "{m}", "--out", "{f}"], "--out {f} is a file, not a directory"),
     (["export-hf", "{m}", "--out", "{m}"], "--out {m} is the input directory"),
     (["export-hf", "{m}", "--out", "{hf}", "--overwrite"], "--out {hf} is not empty"),
+    (["export-hf", "{m}", "--out", "{t}/o", "--chat-template", "{t}/missing.jinja"],
+     "--chat-template {t}/missing.jinja: no such file"),
+    (["export-hf", "{m}", "--out", "{t}/o", "--chat-template", "{e}"], "--chat-template {e} is a directory"),
+    (["export-hf", "{m}", "--out", "{t}/o", "--chat-template", "{f}"], "--chat-template {f} is not UTF-8 text"),
+    (["export-hf", "{m}", "--out", "{t}/o", "--lora-base"], "--lora-base: {m} is not a LoRA checkpoint"),
 ]
 
 
@@ -508,7 +519,7 @@ def test_cli_bad_arguments_exit_2_with_one_line_naming_them(hf_checkpoint, tmp_p
     if not model.exists():
         C.import_hf(path, model)
     capsys.readouterr()  # what making the checkpoints printed
-    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_file").write_bytes(b"\xff\xfe x")  # not UTF-8
     (tmp_path / "empty").mkdir()
     paths = {"hf": str(path), "m": str(model), "f": str(tmp_path / "a_file"), "e": str(tmp_path / "empty"),
              "t": str(tmp_path)}

@@ -155,6 +155,30 @@ def test_partitions_sharing_one_directory(example_jsonl, baseline, tmp_path):
     assert merged == _without_run(baseline[1])
 
 
+def test_jobs_recorded_before_profiles_held_the_template_text_resume_and_merge(example_jsonl, baseline, tmp_path):
+    """A job recorded when the profile held its chat template's sha256 but not the text is the
+    same job: a re-run resumes it, a merge joins its partition with a newer one, and the
+    manifest gets the text."""
+    def drop_template_text(directory: Path) -> None:
+        job_file = directory / "_parts" / "job.json"
+        recorded = json.loads(job_file.read_text())
+        del recorded["profile"]["chat_template"]
+        job_file.write_text(json.dumps(recorded))
+
+    out = tmp_path / "resumed"
+    _run([example_jsonl], out, workers=1)
+    drop_template_text(out)
+    (out / "manifest.json").unlink()
+    manifest = _run([example_jsonl], out, workers=1)
+    assert manifest["_run"]["units_resumed"] == manifest["totals"]["shards"]
+    assert _without_run(manifest) == _without_run(baseline[1]) and "chat_template" in manifest["profile"]
+    parts = [tmp_path / f"part{i}" for i in range(2)]
+    for i, directory in enumerate(parts):
+        _run([example_jsonl], directory, workers=1, num_partitions=2, partition_index=i)
+    drop_template_text(parts[0])
+    assert merge_partitions([str(d) for d in parts], str(tmp_path / "merged")) == _without_run(baseline[1])
+
+
 def test_slurm_array_recipe_then_merge_equal_one_job(example_jsonl, baseline, tmp_path):
     """docs/recipes/slurm_preprocess.sbatch run as a 3-task array would run it (the tasks at once,
     Slurm's array variables set), then the merge it documents: one job's bytes."""

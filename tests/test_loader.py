@@ -411,8 +411,8 @@ def test_pixel_values_on_device(shards, some_samples):
 def test_training_side_imports_no_preprocessing_stack():
     code = (
         "import sys, tempfile, pathlib, train.pack_plan, train.packed_batch, train.loader, train.cli\n"
-        "from train.checkpoint_format import write_builtin_side_files\n"
-        "write_builtin_side_files('qwen3-vl', pathlib.Path(tempfile.mkdtemp()))  # export of a random-init model\n"
+        "from train.checkpoint_format import write_side_files\n"
+        "write_side_files(pathlib.Path(tempfile.mkdtemp()), 'qwen3-vl', None)  # export of a random-init model\n"
         "bad = [m for m in ('preprocess', 'PIL', 'tokenizers', 'transformers') if m in sys.modules]\n"
         "print(bad); sys.exit(1 if bad else 0)\n"
     )

@@ -355,7 +355,8 @@ def test_checkpoints_hold_adapters_only_and_resume_bitwise(lora_run, shards, hf_
     out, _ = lora_run
     step = out / "checkpoints" / "step_00000004"
     assert not (step / "model").exists()
-    assert sorted(p.name for p in (step / "adapter").iterdir()) == ["adapter_tp0_pp0.safetensors", "hf", "lora.json"]
+    assert sorted(p.name for p in (step / "adapter").iterdir()) == ["adapter_tp0_pp0.safetensors", "hf", "lora.json",
+                                                                     "profile.json"]
     meta = json.loads((step / "adapter" / "lora.json").read_text())
     assert meta["base"] == {"hf_model": str(hf_base.resolve())}
 
@@ -478,7 +479,7 @@ def test_export_flags_need_a_lora_checkpoint(lora_run, tmp_path, capsys):
     assert "is not a LoRA checkpoint" in capsys.readouterr().err
     step = out / "checkpoints" / "step_00000004"
     assert vlmpack(["export-hf", str(step), "--base", str(model_dir), "--out", str(tmp_path / "y")]) == 2
-    assert "--base is the model to merge into: it needs --merge" in capsys.readouterr().err
+    assert "--base is the model to merge into or to export: it needs --merge or --lora-base" in capsys.readouterr().err
     assert vlmpack(["export-hf", str(step), "--merge", "--base", str(tmp_path), "--out", str(tmp_path / "z")]) == 2
     assert "pass --base DIR" in capsys.readouterr().err
     # merging into the base given as a Megatron model directory gives the same weights

@@ -485,7 +485,7 @@ def test_export_hf_reloads_in_transformers_with_the_same_logits(shards, full_run
     from shards_schema.pixels import pixel_values_from_patches
     from train import convert
     from train.checkpoint import latest_checkpoint
-    from train.checkpoint_format import read_arch
+    from train.checkpoint_format import read_arch, read_profile
     from train.model.qwen_vl import transformer_config
     from train.packed_batch import assemble_pack
     from train.parallel import build_model, destroy_parallel, init_parallel
@@ -496,6 +496,10 @@ def test_export_hf_reloads_in_transformers_with_the_same_logits(shards, full_run
     hf = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
 
     data = open_shards(shards)
+    # the checkpoint keeps the data's profile, and the export its chat template (tests/test_export_hf.py
+    # checks the processor files against preprocessing)
+    assert read_profile(model_dir) == data.manifest["profile"]
+    assert (tmp_path / "hf" / "chat_template.jinja").read_text() == data.manifest["profile"]["chat_template"]
     counts = data.sample_stats()["num_images"]
     sample = data[int(np.flatnonzero(counts > 0)[0])]
     pack = assemble_pack([sample])

@@ -2,7 +2,9 @@
 
     OUT/checkpoints/step_00000100/
         model/               the weights as a Megatron model directory (train.convert's format:
-                             `vlmpack export-hf` and `--init` read it directly)
+                             `vlmpack export-hf` and `--init` read it directly), with the
+                             training data's profile (`checkpoint_format.PROFILE_FILE`); a LoRA
+                             run has adapter/ instead (`train.adapter_format`)
         rank_00000.pt ...    per rank: optimizer (+ scheduler), RNG states, step
         optimizer_param_state_pp{p}_tp{t}[_ep{e}].pt  distributed optimizer's parameter state, written
                              by DP rank 0 of each model-parallel group; under --ep one file per
@@ -30,6 +32,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -478,6 +481,7 @@ class CheckpointSaver:
                                            "dp": self.info.dp, "world": self.info.world}}
             side_files = config.hf_model or (Path(config.init) / fmt.HF_SUBDIR if config.init else None)
             state["side_files"] = side_files if side_files and Path(side_files).is_dir() else None
+            state["profile"] = data.profile
         state["lora"] = (adapters.spec, adapters.base) if adapters is not None else None
         self._add_time("snapshot_s", t0)
         tmp = self.root / f"step_{step:08d}{TMP_SUFFIX}"
@@ -578,6 +582,7 @@ class CheckpointSaver:
                     fmt.write_meta(subdir, arch, info.tp, info.pp, state["dtype"], info.ep)
                 if state["side_files"]:  # tokenizer/processor files travel to export-hf
                     fmt.copy_hf_side_files(state["side_files"], subdir / fmt.HF_SUBDIR)
+                fmt.write_profile(subdir, state["profile"])  # and the data's chat template and processor settings
                 write_json_atomic(tmp / "trainer.json", state["trainer"])
             _torch_save(state["rank"], tmp / f"rank_{info.rank:05d}.pt")
             if self.background:
@@ -715,6 +720,8 @@ def export_hf_from_run(out: Path, step: int, hf_out: str, info) -> None:
 
             export_peft(adapter_dir, hf_out)
         else:
-            convert.export_hf(path / "model", hf_out)
+            _, side_files = convert.export_hf(path / "model", hf_out)
+            for note in side_files.notes:
+                print(f"vlmpack train: --export-hf: {note}", file=sys.stderr, flush=True)
         print(f"exported {path.name} to {hf_out}", flush=True)
     dist.barrier()

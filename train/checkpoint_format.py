@@ -16,6 +16,10 @@ A Megatron model directory (`vlmpack import-hf` writes one; the trainer can save
       hf/                            tokenizer, processor, chat template and generation files
                                      copied from the Hugging Face source (absent for a
                                      random-init architecture)
+      profile.json                   a training save's: the preprocessing profile of the shards it
+                                     was trained on, as their manifest records it (chat template
+                                     text, image and video processor settings, tokenizer sha256),
+                                     which `vlmpack export-hf` writes as Hugging Face files
 
 Directories are written whole into `NAME.tmp` (every file fsynced) and renamed into place,
 so a reader sees either no directory or a complete one.
@@ -23,11 +27,14 @@ so a reader sees either no directory or a complete one.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import os
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,7 +42,12 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from shards_schema.atomic import TMP_SUFFIX, fsync_dir
-from shards_schema.builtin import BUILTIN_VISION, builtin_tokenizer_json
+from shards_schema.builtin import (
+    BUILTIN_VISION,
+    builtin_chat_template_by_sha256,
+    builtin_tokenizer_json,
+    read_hf_chat_template,
+)
 from train.model.arch import LMArch, ModelArch, arch_dict
 from train.model.vision import VisionArch
 
@@ -54,6 +66,7 @@ HF_SIDE_FILES = (
     "video_preprocessor_config.json", "processor_config.json", "generation_config.json",
 )
 HF_INDEX_FILE = "model.safetensors.index.json"
+PROFILE_FILE = "profile.json"
 HF_MAX_SHARD_BYTES = 5 * 1024**3  # what `save_pretrained` uses by default
 # Qwen chat checkpoints stop generating at <|im_end|> (or <|endoftext|>).
 QWEN_GENERATION_CONFIG = {"bos_token_id": 151643, "pad_token_id": 151643, "eos_token_id": [151645, 151643]}
@@ -315,34 +328,198 @@ def write_hf_state(out_dir: Path, state: dict[str, torch.Tensor], progress: bool
     return names
 
 
-def write_builtin_side_files(family: str, out_dir: Path) -> list[str]:
-    """Tokenizer, image-processor and generation files for a checkpoint that carries none.
+# --- the training data's profile ------------------------------------------------------------
 
-    From the built-in preprocessing profile: the bundled Qwen tokenizer (Qwen2.5 variant for
-    qwen2.5-vl) and the published image-processor constants. No chat template: the official
-    VL templates are not bundled, so copy `chat_template.jinja` from the official checkpoint
-    before using the directory for chat inference."""
-    vision = BUILTIN_VISION[family]
-    qwen3 = family == "qwen3-vl"
-    (out_dir / "tokenizer.json").write_text(builtin_tokenizer_json(family), encoding="utf-8")
-    tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                        "bos_token": None, "unk_token": None, "add_bos_token": False, "add_prefix_space": False,
-                        "clean_up_tokenization_spaces": False, "errors": "replace", "model_max_length": 131072,
-                        "split_special_tokens": False}
-    preprocessor = {
-        "image_processor_type": "Qwen2VLImageProcessorFast" if qwen3 else "Qwen2VLImageProcessor",
-        "processor_class": "Qwen3VLProcessor" if qwen3 else "Qwen2_5_VLProcessor",
-        "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
-        "merge_size": vision.merge_size, "image_mean": list(vision.image_mean), "image_std": list(vision.image_std),
-        "size": {"shortest_edge": vision.min_pixels, "longest_edge": vision.max_pixels},
-        "min_pixels": vision.min_pixels, "max_pixels": vision.max_pixels,
-        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
-    }
-    files = {"tokenizer_config.json": tokenizer_config, "preprocessor_config.json": preprocessor,
-             "generation_config.json": QWEN_GENERATION_CONFIG}
-    for name, obj in files.items():
-        (out_dir / name).write_text(json.dumps(obj, indent=2) + "\n")
-    return ["tokenizer.json", *files]
+
+def write_profile(directory: Path, profile: dict) -> None:
+    """PROFILE_FILE: the preprocessing profile of the shards a checkpoint was trained on, as
+    their manifest records it (`export-hf` writes its chat template and processor settings)."""
+    text = json.dumps(profile, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    (Path(directory) / PROFILE_FILE).write_text(text, encoding="utf-8")
+
+
+def read_profile(directory: str | Path) -> dict | None:
+    """A model or adapter directory's PROFILE_FILE, or None where it has none (an import-hf
+    output, a checkpoint of an earlier vlmpack)."""
+    path = Path(directory) / PROFILE_FILE
+    if not path.is_file():
+        return None
+    try:
+        profile = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc}); delete it to export without the training data's "
+                              "chat template and processor settings") from exc
+    if not isinstance(profile, dict) or not isinstance(profile.get("vision"), dict):
+        raise CheckpointError(f"{path}: not a preprocessing profile (no vision settings); delete it to export "
+                              "without the training data's chat template and processor settings")
+    return profile
+
+
+# --- Hugging Face side files: tokenizer, processors, chat template, generation defaults -------
+
+HF_PROCESSOR_CLASS = {"qwen3-vl": "Qwen3VLProcessor", "qwen2.5-vl": "Qwen2_5_VLProcessor"}
+HF_VIDEO_PROCESSOR_CLASS = {"qwen3-vl": "Qwen3VLVideoProcessor", "qwen2.5-vl": "Qwen2VLVideoProcessor"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# The bundled Qwen tokenizer's settings as the Qwen-VL checkpoints publish them.
+BUILTIN_TOKENIZER_CONFIG = {
+    "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+    "unk_token": None, "add_bos_token": False, "add_prefix_space": False, "clean_up_tokenization_spaces": False,
+    "errors": "replace", "model_max_length": 131072, "split_special_tokens": False,
+}
+_PIXEL_STEPS = {"do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                "do_convert_rgb": True}
+
+
+@dataclass
+class SideFiles:
+    """What an export wrote beside the weights and config.json."""
+
+    written: list[str]  # the side files, in HF_SIDE_FILES order
+    notes: list[str] = field(default_factory=list)  # one line each: what the directory lacks, and the fix
+
+
+def _present(config: dict) -> dict:
+    """`config` without the settings a profile does not record (one of an earlier vlmpack):
+    transformers' class defaults fill them."""
+    return {k: v for k, v in config.items() if v is not None and not (isinstance(v, dict) and None in v.values())}
+
+
+def _size(settings: dict) -> dict:
+    return {"shortest_edge": settings.get("min_pixels"), "longest_edge": settings.get("max_pixels")}
+
+
+def image_processor_config(family: str, vision: dict) -> dict:
+    """preprocessor_config.json for image-processor constants (a profile's `vision`).
+    `Qwen2VLImageProcessor` is the PIL one in transformers 4; in 5 the torchvision one, unless
+    loaded with backend="pil" (the one whose pixels the shards hold bit for bit; the config
+    cannot choose it: transformers 5 picks torchvision whenever it is installed)."""
+    return _present({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": HF_PROCESSOR_CLASS[family],
+        "patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["merge_size"], "image_mean": list(vision["image_mean"]),
+        "image_std": list(vision["image_std"]), "size": _size(vision), "min_pixels": vision.get("min_pixels"),
+        "max_pixels": vision.get("max_pixels"), **_PIXEL_STEPS,
+    })
+
+
+def video_processor_config(family: str, vision: dict, video: dict) -> dict:
+    """video_preprocessor_config.json for a profile's `vision` and `video` settings. Frames are
+    sampled at `fps` as the shards' were (Qwen2VLVideoProcessor samples none by default), with
+    no per-frame pixel cap (preprocessing's default; `--video-pixel-cap` and the other job-wide
+    `--video-*` options are the data's settings, not the profile's)."""
+    return _present({
+        "video_processor_type": HF_VIDEO_PROCESSOR_CLASS[family], "processor_class": HF_PROCESSOR_CLASS[family],
+        "patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["merge_size"], "image_mean": video.get("image_mean"), "image_std": video.get("image_std"),
+        "size": _size(video), "do_sample_frames": True, "fps": video.get("fps"), "min_frames": video.get("min_frames"),
+        "max_frames": video.get("max_frames"), "max_video_tokens": video.get("max_video_tokens"),
+        "cap_pixels_per_frame": False, **_PIXEL_STEPS,
+    })
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _update_json(path: Path, update: dict, drop: tuple[str, ...] = ()) -> None:
+    """Change the keys of `update` that a JSON file has, and remove those of `drop`."""
+    if not path.is_file():
+        return
+    obj = json.loads(path.read_text(encoding="utf-8"))
+    changed = {k: v for k, v in update.items() if k in obj}
+    if changed or any(k in obj for k in drop):
+        _write_json(path, {k: v for k, v in {**obj, **changed}.items() if k not in drop})
+
+
+def _write_tokenizer(out_dir: Path, family: str, profile: dict | None) -> list[str]:
+    """Tokenizer files for a directory that has none: the bundled Qwen tokenizer, or the one the
+    profile records when that is another (from its model directory, if it is still there);
+    returns the notes."""
+    builtin = builtin_tokenizer_json(family)
+    wanted = profile.get("tokenizer_sha256") if profile else None
+    if wanted and _sha256(builtin) != wanted:
+        source = Path(str(profile.get("source")))
+        found = source / "tokenizer.json"
+        if found.is_file() and _sha256(found.read_text(encoding="utf-8")) == wanted:
+            copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+            for name in copied:
+                shutil.copyfile(source / name, out_dir / name)
+            if "tokenizer_config.json" not in copied:
+                _write_json(out_dir / "tokenizer_config.json", BUILTIN_TOKENIZER_CONFIG)
+            return []
+        note = (f"the training data was tokenized with the tokenizer of {source} (sha256 {wanted}), which is not "
+                f"there: the export has the built-in {family} tokenizer; copy tokenizer.json and "
+                "tokenizer_config.json of that checkpoint into it")
+    else:
+        note = None
+    (out_dir / "tokenizer.json").write_text(builtin, encoding="utf-8")
+    _write_json(out_dir / "tokenizer_config.json", BUILTIN_TOKENIZER_CONFIG)
+    return [note] if note else []
+
+
+def _set_chat_template(out_dir: Path, text: str) -> None:
+    """`text` as the directory's only chat template: transformers reads chat_template.jinja
+    first, but a processor_config.json or tokenizer_config.json template could still be read."""
+    (out_dir / CHAT_TEMPLATE_FILE).write_text(text, encoding="utf-8")
+    (out_dir / "chat_template.json").unlink(missing_ok=True)
+    for name in ("tokenizer_config.json", "processor_config.json"):
+        _update_json(out_dir / name, {}, drop=("chat_template",))
+
+
+def _write_chat_template(out_dir: Path, profile: dict | None, chat_template: str | None) -> list[str]:
+    """The chat template: `chat_template` (given), else the training data's (the profile's text,
+    or the built-in template with its sha256 where the profile predates the text), else the one
+    copied from the source checkpoint; returns the notes."""
+    kept = read_hf_chat_template(out_dir)
+    fix = "pass --chat-template FILE to give it one"
+    if chat_template is None and profile is not None:
+        sha256 = profile.get("chat_template_sha256")
+        chat_template = profile.get("chat_template") or builtin_chat_template_by_sha256(sha256)
+        if chat_template is None and (kept is None or _sha256(kept) != sha256):
+            has = "has the source checkpoint's chat template, another one" if kept else "has no chat template"
+            return [f"the training data's profile records no chat template text (shards of an earlier vlmpack) and "
+                    f"its template (sha256 {sha256}) is not a built-in one, so the export {has}: {fix} "
+                    f"(the template of {profile.get('source')})"]
+    if chat_template is not None:
+        _set_chat_template(out_dir, chat_template)
+    elif kept is None:
+        return [f"no chat template: the model directory records no training data profile and no Hugging Face "
+                f"chat template, so the export has none: {fix}"]
+    return []
+
+
+def write_side_files(out_dir: Path, family: str, kept: Path | None, chat_template: str | None = None) -> SideFiles:
+    """Everything of a HF model directory but its weights and config.json, from `kept` (a model
+    or adapter directory): the files it kept of its source checkpoint (hf/); over them, what its
+    PROFILE_FILE records of the training data (the image and video processor settings, the chat
+    template); the built-in family's tokenizer, image-processor and generation files for what
+    neither gives; `chat_template` (the template's text) over all."""
+    hf_dir = kept / HF_SUBDIR if kept is not None else None
+    copied = copy_hf_side_files(hf_dir, out_dir) if hf_dir is not None and hf_dir.is_dir() else []
+    profile = read_profile(kept) if kept is not None else None
+    notes = []
+    if not {"tokenizer.json", "vocab.json"} & set(copied):
+        notes += _write_tokenizer(out_dir, family, profile)
+    if profile is not None:
+        configs = {"image_processor": image_processor_config(family, profile["vision"])}
+        if isinstance(profile.get("video"), dict):
+            configs["video_processor"] = video_processor_config(family, profile["vision"], profile["video"])
+            _write_json(out_dir / "video_preprocessor_config.json", configs["video_processor"])
+        _write_json(out_dir / "preprocessor_config.json", configs["image_processor"])
+        _update_json(out_dir / "processor_config.json", configs)  # its nested copies would be read first
+    elif "preprocessor_config.json" not in copied:
+        vision = BUILTIN_VISION[family]
+        _write_json(out_dir / "preprocessor_config.json", image_processor_config(family, dataclasses.asdict(vision)))
+    if "generation_config.json" not in copied:
+        _write_json(out_dir / "generation_config.json", QWEN_GENERATION_CONFIG)
+    notes += _write_chat_template(out_dir, profile, chat_template)
+    return SideFiles([name for name in HF_SIDE_FILES if (out_dir / name).is_file()], notes)
 
 
 def dtype_name(tensors) -> str:

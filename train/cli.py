@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -196,57 +197,100 @@ class ExportHF:
                               help="PEFT's adapter_config.json + adapter_model.safetensors (default)")
         adapters.add_argument("--merge", action="store_true",
                               help="write the base model with the adapters merged in, as a full checkpoint")
+        adapters.add_argument("--lora-base", action="store_true",
+                              help="write the base model the adapters sit on, for PEFT (a full checkpoint)")
         adapters.add_argument("--base", metavar="DIR", default=None,
-                              help="with --merge: the base model's directory (default: the run's own base)")
+                              help="with --merge or --lora-base: the base model's directory (default: the run's)")
+        files = parser.add_argument_group("Hugging Face files")
+        files.add_argument("--chat-template", metavar="FILE", default=None,
+                           help="chat template to write (default: the training data's, else the kept one)")
         _add_output_arguments(parser, "HF_DIR", "Hugging Face directory to write (new or empty)")
         parser.epilog = (
-            "Writes model.safetensors (numbered shards + index above 5 GiB), config.json and the tokenizer / "
-            "processor / chat-template files kept at import. A model directory without them (a random-init "
-            "architecture) gets the built-in profile's Qwen tokenizer, image-processor constants and Qwen "
-            "generation defaults, but no chat template: copy chat_template.jinja from the official checkpoint "
-            "before chat inference.")
+            "Writes model.safetensors (numbered shards + index above 5 GiB), config.json and the tokenizer, processor, "
+            "chat-template and generation files: those kept at import, the image and video processor settings and "
+            "chat template of the shards a training save was trained on over them, and the built-in Qwen tokenizer, "
+            "processor settings and generation defaults for what neither gives. AutoProcessor.from_pretrained(HF_DIR) "
+            "then gives the shards' token ids and grids, and their pixels bit for bit once its image_processor is "
+            "AutoImageProcessor.from_pretrained(HF_DIR, backend=\"pil\"). What the directory lacks is named in a "
+            "note. A LoRA checkpoint exports as PEFT adapter files (default), merged into its base (--merge), or as "
+            "that base alone (--lora-base: a random-init run's base exists nowhere else), onto which PEFT loads the "
+            "adapter files.")
 
     @staticmethod
     def run(args) -> int:
         convert = _convert_module()
         from train.adapter_format import find_adapter_dir
 
+        chat_template = _read_chat_template(args.chat_template) if args.chat_template else None
         adapter_dir = find_adapter_dir(args.model_dir)
         if adapter_dir is not None:
-            return ExportHF.run_lora(args, adapter_dir)
-        for flag, given in (("--lora-format", args.lora_format), ("--merge", args.merge), ("--base", args.base)):
+            return ExportHF.run_lora(args, adapter_dir, chat_template)
+        for flag, given in (("--lora-format", args.lora_format), ("--merge", args.merge),
+                            ("--lora-base", args.lora_base), ("--base", args.base)):
             if given:
                 raise UserError(f"{flag}: {args.model_dir} is not a LoRA checkpoint (no adapter/lora.json); drop {flag}")
         _input_dir(args.model_dir, "MODEL_DIR", convert.META_FILE, "a model directory written by `vlmpack import-hf` or training")
         t0 = time.perf_counter()
         try:
             arch, side_files = convert.export_hf(args.model_dir, args.out, dtype=_dtype(args.dtype), progress=True,
-                                                 overwrite=args.overwrite)
+                                                 overwrite=args.overwrite, chat_template=chat_template)
         except ValueError as exc:  # a model directory whose files do not match its architecture
             raise UserError(str(exc)) from None
-        print(f"{args.out}: {arch.family}, {len(side_files)} tokenizer/processor files "
-              f"({', '.join(side_files) or 'none'}), {time.perf_counter() - t0:.1f} s")
+        _report_export(args.out, arch, side_files, time.perf_counter() - t0)
         return 0
 
     @staticmethod
-    def run_lora(args, adapter_dir: Path) -> int:
+    def run_lora(args, adapter_dir: Path, chat_template: str | None) -> int:
         from train import lora_export
 
-        if args.lora_format and args.merge:
-            raise UserError("give --lora-format peft (the adapter files) or --merge (a full checkpoint), not both")
-        if args.base and not args.merge:
-            raise UserError("--base is the model to merge into: it needs --merge")
+        chosen = [flag for flag, given in (("--lora-format peft", args.lora_format), ("--merge", args.merge),
+                                           ("--lora-base", args.lora_base)) if given]
+        if len(chosen) > 1:
+            raise UserError(f"give one of --lora-format peft (the adapter files), --merge (a full checkpoint with the "
+                            f"adapters merged in) or --lora-base (the base model), not {' and '.join(chosen)}")
+        if args.base and not (args.merge or args.lora_base):
+            raise UserError("--base is the model to merge into or to export: it needs --merge or --lora-base")
+        if chat_template is not None and not (args.merge or args.lora_base):
+            raise UserError("--chat-template: a PEFT adapter directory holds no chat template; give it with --merge or "
+                            "--lora-base, whose full checkpoint has one")
         t0 = time.perf_counter()
         try:
-            if args.merge:
-                arch, side_files = lora_export.export_merged(adapter_dir, args.out, args.base, dtype=_dtype(args.dtype),
-                                                             progress=True, overwrite=args.overwrite)
-                what = f"adapters merged, {len(side_files)} tokenizer/processor files"
-            else:
-                arch, count = lora_export.export_peft(adapter_dir, args.out, dtype=_dtype(args.dtype),
-                                                      overwrite=args.overwrite)
-                what = f"PEFT adapter, {count} tensors"
+            if args.merge or args.lora_base:
+                export = lora_export.export_merged if args.merge else lora_export.export_base
+                arch, side_files = export(adapter_dir, args.out, args.base, dtype=_dtype(args.dtype), progress=True,
+                                          overwrite=args.overwrite, chat_template=chat_template)
+                _report_export(args.out, arch, side_files, time.perf_counter() - t0,
+                               "adapters merged" if args.merge else "the adapters' base model")
+                return 0
+            arch, count = lora_export.export_peft(adapter_dir, args.out, dtype=_dtype(args.dtype),
+                                                  overwrite=args.overwrite)
         except ValueError as exc:  # adapter files that do not match their lora.json
             raise UserError(str(exc)) from None
-        print(f"{args.out}: {arch.family}, {what}, {time.perf_counter() - t0:.1f} s")
+        print(f"{args.out}: {arch.family}, PEFT adapter, {count} tensors, {time.perf_counter() - t0:.1f} s")
         return 0
+
+
+def _read_chat_template(path: str) -> str:
+    """--chat-template FILE's text (UserError naming the file when it cannot be one)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"--chat-template {path}: no such file: pass a chat template file "
+                        "(chat_template.jinja)") from None
+    except IsADirectoryError:
+        raise UserError(f"--chat-template {path} is a directory: pass the chat template file in it "
+                        "(chat_template.jinja)") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--chat-template {path} is not UTF-8 text: pass a jinja chat template file") from None
+    except OSError as exc:
+        raise UserError(f"--chat-template {path}: cannot read it ({exc.strerror})") from None
+    if not text.strip():
+        raise UserError(f"--chat-template {path} is empty: pass a jinja chat template file")
+    return text
+
+
+def _report_export(out: str, arch, side_files, seconds: float, what: str | None = None) -> None:
+    for note in side_files.notes:
+        print(f"vlmpack export-hf: note: {note}", file=sys.stderr)
+    print(f"{out}: {arch.family}, {what + ', ' if what else ''}{len(side_files.written)} tokenizer/processor files "
+          f"({', '.join(side_files.written) or 'none'}), {seconds:.1f} s")

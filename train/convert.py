@@ -41,6 +41,7 @@ from train.checkpoint_format import (
     META_FILE,
     CheckpointError,
     LazyTensor,
+    SideFiles,
     arch_differences,
     arch_from_dict,
     atomic_dir,
@@ -56,9 +57,9 @@ from train.checkpoint_format import (
     save_tensors,
     save_tensors_streaming,
     v1_expert_rank_file,
-    write_builtin_side_files,
     write_hf_state,
     write_meta,
+    write_side_files,
 )
 from train.model.arch import LMArch, ModelArch
 from train.model.vision import VisionTower
@@ -825,20 +826,23 @@ def _write_file_streaming(path: Path, full: dict[str, LazyTensor], arch: ModelAr
 
 
 def export_hf(model_dir: str | Path, out: str | Path, dtype: torch.dtype | None = None,
-              progress: bool = False, overwrite: bool = False) -> tuple[ModelArch, list[str]]:
+              progress: bool = False, overwrite: bool = False,
+              chat_template: str | None = None) -> tuple[ModelArch, SideFiles]:
     """Model directory -> HF directory; returns the architecture and the side files written
-    (see `check_output_dir` for which `out` it writes)."""
+    (see `check_output_dir` for which `out` it writes, `write_side_files` for the side files;
+    `chat_template`: a template's text, over the one recorded with the model)."""
     _refuse_same_dir(out, model_dir)
     check_output_dir(out, "export-hf", overwrite=overwrite)
     arch, full = load_full_state(model_dir, progress)
-    return arch, write_hf_dir(out, megatron_to_hf(full, arch), arch, Path(model_dir) / HF_SUBDIR, dtype, progress,
-                              overwrite)
+    return arch, write_hf_dir(out, megatron_to_hf(full, arch), arch, Path(model_dir), dtype, progress, overwrite,
+                              chat_template)
 
 
-def write_hf_dir(out: str | Path, hf: dict[str, torch.Tensor], arch: ModelArch, side: Path | None,
-                 dtype: torch.dtype | None = None, progress: bool = False, overwrite: bool = False) -> list[str]:
-    """A HF model directory from its weights (hub names): weights, config.json and the side files
-    of `side` (the built-in profile's when there are none); returns the side files written."""
+def write_hf_dir(out: str | Path, hf: dict[str, torch.Tensor], arch: ModelArch, kept: Path | None,
+                 dtype: torch.dtype | None = None, progress: bool = False, overwrite: bool = False,
+                 chat_template: str | None = None) -> SideFiles:
+    """A HF model directory from its weights (hub names): weights, config.json and the side
+    files from `kept`, the model or adapter directory exported (`write_side_files`)."""
     hf = _cast(hf, dtype)
     config = arch.to_hf_config()
     stored = dtype_name(hf.values())
@@ -847,5 +851,4 @@ def write_hf_dir(out: str | Path, hf: dict[str, torch.Tensor], arch: ModelArch, 
     with staged_output_dir(out, "export-hf", overwrite) as tmp:
         write_hf_state(tmp, hf, progress)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        has_side = side is not None and side.is_dir()
-        return copy_hf_side_files(side, tmp) if has_side else write_builtin_side_files(arch.family, tmp)
+        return write_side_files(tmp, arch.family, kept, chat_template)

@@ -62,6 +62,15 @@ def check_profiles(dirs: list[str], arch) -> tuple[dict, dict | None]:
     return vision, video
 
 
+def export_profile(dirs: list[str]) -> dict:
+    """The preprocessing profile of the training sources, which checkpoints keep for `vlmpack
+    export-hf` (its chat template and processor settings). The sources share one (the pack
+    planner refuses others); a manifest written before profiles held the chat template's text
+    has none, so a source whose manifest has it is preferred."""
+    profiles = [source_manifest(directory)["profile"] for directory in dirs]
+    return next((p for p in profiles if p.get("chat_template")), profiles[0])
+
+
 def concat_packs(packs: list[dict]) -> dict:
     """Packs laid end to end in one row; `cu_seqlens_padded` shifted, segments kept."""
     if len(packs) == 1:
@@ -86,6 +95,7 @@ class TrainData:
         specs = [parse_source(s) for s in config.data]
         self.vision, self.video = check_profiles([d for d, _ in specs] + [parse_source(s)[0] for s in config.eval_data],
                                                  arch)
+        self.profile = export_profile([d for d, _ in specs])
         self.global_packs = config.global_packs(info.dp)
         self.packs_per_micro_batch = config.micro_batch_packs
         cuda = info.device.type == "cuda"

@@ -1,12 +1,18 @@
-"""`vlmpack export-hf` of a LoRA checkpoint: PEFT adapter files, or the model with the adapters merged.
+"""`vlmpack export-hf` of a LoRA checkpoint: PEFT adapter files, the model with the adapters
+merged, or the base model the adapters belong to.
 
     PEFT:    CHECKPOINT/adapter -> adapter_config.json + adapter_model.safetensors, which
              `peft.PeftModel.from_pretrained(base_hf_model, DIR)` loads onto the base model
     merged:  base model + scaling * lora_B @ lora_A on every adapted weight (and the trained
              modules_to_save) -> a full Hugging Face checkpoint, as `export-hf` writes one
+    base:    the base model alone, as a full Hugging Face checkpoint: what PEFT loads the
+             adapters onto when the run started from a random init (`--arch`), whose weights
+             exist nowhere else (they are drawn again from the recorded seed)
 
 The base of a merge is the one the run trained on (recorded in adapter/lora.json: a Hugging
 Face directory, a Megatron model directory, or a built-in architecture and seed), or `base`.
+Merged and base checkpoints get the side files of `convert.write_hf_dir` (tokenizer,
+processors, the training data's chat template).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch
 from shards_schema.errors import UserError
 from train import adapter_format, convert
 from train.checkpoint import random_full_state
-from train.checkpoint_format import HF_SUBDIR, META_FILE, arch_differences, lazy_hf_state, materialize
+from train.checkpoint_format import META_FILE, SideFiles, arch_differences, lazy_hf_state, materialize
 from train.model.arch import ModelArch
 
 
@@ -56,13 +62,24 @@ def base_megatron_state(base: dict, arch: ModelArch, override: str | Path | None
 
 
 def export_merged(adapter_dir: Path, out: str | Path, base_dir: str | Path | None = None,
-                  dtype: torch.dtype | None = None, progress: bool = False,
-                  overwrite: bool = False) -> tuple[ModelArch, list[str]]:
+                  dtype: torch.dtype | None = None, progress: bool = False, overwrite: bool = False,
+                  chat_template: str | None = None) -> tuple[ModelArch, SideFiles]:
     """Full HF checkpoint of the base with the adapters merged in; returns the architecture and side files."""
     convert.check_output_dir(out, "export-hf", overwrite=overwrite)
     meta, spec, arch, full = adapter_format.read_adapter_dir(adapter_dir)
     base = base_megatron_state(meta["base"], arch, base_dir)
     hf = convert.canonical_hf_names(convert.megatron_to_hf(base, arch))
     merged = convert.hub_hf_names(adapter_format.merge_into_hf(hf, full, spec, arch), arch.family)
-    side = Path(adapter_dir) / HF_SUBDIR
-    return arch, convert.write_hf_dir(out, merged, arch, side, dtype, progress, overwrite)
+    return arch, convert.write_hf_dir(out, merged, arch, Path(adapter_dir), dtype, progress, overwrite, chat_template)
+
+
+def export_base(adapter_dir: Path, out: str | Path, base_dir: str | Path | None = None,
+                dtype: torch.dtype | None = None, progress: bool = False, overwrite: bool = False,
+                chat_template: str | None = None) -> tuple[ModelArch, SideFiles]:
+    """Full HF checkpoint of the base model the adapters were trained on (or `base_dir`, where
+    it moved); returns the architecture and side files."""
+    convert.check_output_dir(out, "export-hf", overwrite=overwrite)
+    meta, _, arch = adapter_format.read_lora_meta(adapter_dir)
+    base = base_megatron_state(meta["base"], arch, base_dir)
+    return arch, convert.write_hf_dir(out, convert.megatron_to_hf(base, arch), arch, Path(adapter_dir), dtype,
+                                      progress, overwrite, chat_template)
