@@ -21,6 +21,7 @@ from shards_schema.schema import Sample
 
 from .errors import RejectError
 from .images import DEFAULT_MAX_MEDIA_BYTES, decode_opened, header_grid, image_to_patches, open_image_source
+from .inputs import DEFAULT_MAX_ROW_BYTES
 from .profiles import Profile
 from .render import lone_surrogate, render_conversation, surrogate_message, tokenize_rendered
 from .video import DEFAULT_MAX_VIDEO_BYTES, VideoOptions, VideoPlan, open_video_source, plan_video, timestamps_for
@@ -42,6 +43,7 @@ class SampleOptions:
     allow_remote_media: bool = False  # fetch s3://, gs://, hf://, https:// media (off: batch jobs do not fetch)
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES  # an input row holding more is rejected unread (preprocess.inputs)
     max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
     video: VideoOptions = VideoOptions()
     video_fit: bool = False  # a video too long for max_seq_len alone is sampled with fewer frames

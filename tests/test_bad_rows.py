@@ -190,3 +190,20 @@ def test_batch_job_over_good_and_bad_rows(tmp_path):
     verify = subprocess.run([sys.executable, "-m", "shards_schema.cli", "verify", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_max_row_bytes_must_be_positive(tmp_path, capsys):
+    from preprocess.errors import ConfigError
+    from preprocess.job import PreprocessConfig, run_preprocess
+    from tests.cli_run import vlmpack_exit_code
+
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"messages": GOOD_MESSAGES}) + "\n")
+    for value in ("0", "-1"):
+        code = vlmpack_exit_code(["preprocess", str(data), "--out", str(tmp_path / "out"), "--max-row-bytes", value])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and f"--max-row-bytes: must be a positive number of bytes, got {value}" in err
+    with pytest.raises(ConfigError, match="--max-row-bytes must be an integer >= 1, got 0"):
+        run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(tmp_path / "out"), progress=False,
+                                        sample=SampleOptions(max_row_bytes=0)))
+    assert not (tmp_path / "out").exists()
