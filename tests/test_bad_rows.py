@@ -5,9 +5,11 @@ of row and media together with good rows."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -190,6 +192,142 @@ def test_batch_job_over_good_and_bad_rows(tmp_path):
     verify = subprocess.run([sys.executable, "-m", "shards_schema.cli", "verify", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+# ----------------------------------------------------------------------------- bounded rows
+
+_LIMITED_JOB = r"""
+import json, resource, sys
+from shards_schema.cli import main
+warm_up, argv, budget = json.loads(sys.argv[1])
+if main(warm_up) != 0:
+    sys.exit("the warm-up job failed")
+peak = next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmPeak:"))
+resource.setrlimit(resource.RLIMIT_AS, (peak + budget, peak + budget))
+sys.exit(main(argv))
+"""
+
+
+def _row_of_text(text_bytes: int) -> bytes:
+    """A JSONL row whose assistant answer is ASCII words of `text_bytes` bytes in all."""
+    head, tail = json.dumps({"messages": [{"role": "user", "content": "Tell a long story."},
+                                          {"role": "assistant", "content": "@"}]}).split("@")
+    words = b"once upon a time " * (text_bytes // 17 + 1)
+    return head.encode() + words[: text_bytes - len(head) - len(tail)] + tail.encode()
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_rows_over_the_byte_limit_and_texts_too_long_to_fit_keep_memory_bounded(tmp_path, truncate):
+    """A JSONL and a JSON input each hold good rows, a row of text just under --max-row-bytes
+    (4 MiB) and one far over it (64 MiB). The job runs in a process whose address space may grow
+    by 4x the row limit plus 256 MiB past what a small job reached (RLIMIT_AS): the long row is
+    rejected as row_too_large without being held; the text just under the limit, which
+    --max-seq-len 1024 could never hold, is rejected as too_long before it is tokenized
+    (tokenizing it would take about 600 MB), or with --truncate only its head is tokenized and
+    the row written. The rows after them are written."""
+    limit = 4 << 20
+    good = json.dumps({"messages": GOOD_MESSAGES}).encode()
+    rows = [good, _row_of_text(limit - 100), _row_of_text(64 << 20), good]
+    (tmp_path / "rows.jsonl").write_bytes(b"\n".join(rows) + b"\n")
+    (tmp_path / "rows.json").write_bytes(b"[" + b",\n".join(rows) + b"]")
+    (tmp_path / "small.jsonl").write_bytes(good + b"\n")
+    common = ["--workers", "1", "--no-progress", "--max-seq-len", "1024", "--max-row-bytes", str(limit)]
+    warm_up = ["preprocess", str(tmp_path / "small.jsonl"), "--out", str(tmp_path / "warm"), *common]
+    out = tmp_path / "out"
+    argv = ["preprocess", str(tmp_path / "rows.jsonl"), str(tmp_path / "rows.json"), "--out", str(out), *common,
+            *(["--truncate"] if truncate else [])]
+    result = subprocess.run([sys.executable, "-c", _LIMITED_JOB, json.dumps([warm_up, argv, 4 * limit + (256 << 20)])],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    expected = {1: "too_long", 2: "row_too_large"} if not truncate else {2: "row_too_large"}
+    for name in ("rows.jsonl", "rows.json"):
+        assert {r["row"]: r["code"] for r in rejects if r["source"].endswith(name)} == expected
+    assert any("more than --max-row-bytes 4,194,304" in r["reason"] for r in rejects)
+    acc = json.loads((out / "manifest.json").read_text())["accounting"]
+    assert acc["rows_written"] == 2 * (4 - len(expected))
+    if truncate:
+        shards = open_shards(out)
+        assert sorted(len(shards[i]["input_ids"]) for i in range(len(shards)))[-2:] == [1024, 1024]
+
+
+HEAD_PIECES = ["the", "cat", "Hello", "it's", "we'll", "I'M", " ", "  ", "\n", "\n\n", "\t", " \n", "\r\n", ",", ".", "!",
+               "?", "'", '"', "(", ")", "[", "]", "{", "}", ";", ":", "123", "4", "_", "-", "—", "$", "#", "ü", "é",
+               "e\u0301", "A\u030a", "\u212b", "\u0958", "क", "\u093c", "我爱你", "，", "。", "、", "！", "한국어",
+               "\u1100\u1161\u11a8", "\u1100", "\u1161", "ｶﾞ", "😀", "👍🏽", "ǅ", "ﬁ", "ß", "Σ", "ς", "عربي", "\u200d",
+               "\u0301", "\u0338", ">", "<", "=", "١٢", "①", "½", "<|im_end|>", "<|vision_start|>", "<think>",
+               "</think>", "<tool_call>"]
+
+
+def test_a_head_cut_where_the_tokenizer_splits_gives_the_whole_texts_first_tokens(builtin_profiles):
+    """`TextBudget.head_end` cuts a text just after a letter that whitespace or punctuation
+    follows, outside any added token: the head's token ids are the whole text's first ids. The
+    tokenizer itself is the oracle, on random texts of ASCII words, contractions, punctuation,
+    digits, CJK, Hangul syllables and conjoining jamo, accents precomposed and combining (ones
+    NFC composes, reorders or splits), emoji, Arabic and special tokens. A cut inside a word
+    (the control) does change the first tokens."""
+    profile = builtin_profiles["qwen3-vl"]
+    tokenizer = profile.tokenizer
+    budget = dataclasses.replace(profile.text_budget, longest_token_bytes=1)  # small heads: cuts everywhere
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    rng = random.Random(11)
+    cuts = 0
+    for _ in range(300):
+        text = "".join(rng.choice(HEAD_PIECES) for _ in range(rng.randint(20, 200)))
+        whole = ids(text)
+        for _ in range(3):
+            end = budget.head_end(text, rng.randint(1, len(text)), tokenizer)
+            if end is not None:
+                head = ids(text[:end])
+                assert whole[: len(head)] == head, (text[:end], text[end:])
+                cuts += 1
+    assert cuts > 500
+    assert ids("unbelievably")[:1] != ids("unbeliev")[:1] or ids("unbelievably")[:2] != ids("unbeliev")
+
+
+def test_truncate_tokenizes_only_a_head_and_gives_what_cutting_the_whole_texts_ids_gives(builtin_profiles, monkeypatch):
+    """A text too long for --max-seq-len by its length alone (more bytes than --max-seq-len times
+    the longest token) is rejected as too_long before it is tokenized; under --truncate only a
+    head of it is tokenized, and the sample equals tokenizing the whole rendered text and cutting
+    its ids and loss mask (what --truncate always did), with an image before the text too. An
+    image after the cut is too_long, as the cut would fall before it."""
+    import preprocess.pipeline as pipeline
+    from preprocess.render import render_conversation, tokenize_rendered
+    from preprocess.text_budget import HEAD_CUT_WINDOW
+
+    profile = builtin_profiles["qwen3-vl"]
+    rng = random.Random(5)
+    story = " ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat", "é", "我爱你，", "don't", "1984"])
+                     for _ in range(40_000))
+    image = _data_uri("image/png", _encode(Image.new("RGB", (28, 28), "red"), "PNG"))
+    tokenized = []
+    monkeypatch.setattr(pipeline, "tokenize_rendered",
+                        lambda rendered, tok: tokenized.append(len(rendered.text)) or tokenize_rendered(rendered, tok))
+    for content in ("Tell a story.", [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "And?"}]):
+        row = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": story}]}
+        tokenized.clear()
+        with pytest.raises(RejectError) as err:
+            _process(row, profile, max_seq_len=256)
+        assert err.value.code == "too_long" and "make at least" in err.value.message and not tokenized
+        sample = _process(row, profile, max_seq_len=256, truncate=True)
+        rendered = render_conversation(row["messages"], family="qwen3-vl", special_tokens=profile.text_special_tokens)
+        ids, mask = tokenize_rendered(rendered, profile.tokenizer)
+        if isinstance(content, list):
+            pad = profile.special.image_pad
+            grid = sample.image_grid_thw[0]
+            ids, mask = pipeline.expand_image_pads(ids, mask, np.asarray([grid.prod() // 4]), pad)
+        assert sample.input_ids.tolist() == ids[:256].tolist()
+        assert sample.loss_mask.tolist() == mask[:256].tolist()
+        assert tokenized[-1] <= 256 * profile.text_budget.longest_token_bytes + HEAD_CUT_WINDOW < len(rendered.text)
+    row = {"messages": [{"role": "user", "content": [{"type": "text", "text": story},
+                                                    {"type": "image_url", "image_url": {"url": image}}]},
+                        {"role": "assistant", "content": "A cat."}]}
+    with pytest.raises(RejectError) as err:
+        _process(row, profile, max_seq_len=256, truncate=True)
+    assert err.value.code == "too_long" and "before an image or a video" in err.value.message
 
 
 def test_max_row_bytes_must_be_positive(tmp_path, capsys):
