@@ -330,6 +330,102 @@ def test_truncate_tokenizes_only_a_head_and_gives_what_cutting_the_whole_texts_i
     assert err.value.code == "too_long" and "before an image or a video" in err.value.message
 
 
+def _through_json(row: dict) -> dict:
+    """`row` as the reader gives it from its JSON text (NaN and Infinity literals included)."""
+    return json.loads(json.dumps(row))
+
+
+def _with(**assistant) -> dict:
+    return {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", **assistant},
+                         {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]}
+
+
+def _tool_row(arguments, tool_default=0) -> dict:
+    return {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"default": tool_default}}}],
+            "messages": [{"role": "user", "content": "q"},
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                         {"role": "tool", "content": "r"}, {"role": "assistant", "content": "done"}]}
+
+
+def _sharegpt(call: str = '{"name": "f", "arguments": {}}', **extra) -> dict:
+    return {**extra, "conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": call},
+                                       {"from": "observation", "value": "r"}, {"from": "gpt", "value": "done"}]}
+
+
+def _swift(loss, role: str = "assistant") -> dict:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]
+    messages[1 if role == "assistant" else 0]["loss"] = loss
+    return {"messages": messages, "images": []}
+
+
+NAN, INF = float("nan"), float("inf")
+NUMERIC_FIELDS = [  # (layout, row, None: written, or the reject code)
+    *[("openai", {**_with(), "id": value}, None) for value in (10**4000, -5, 0, "5", "-1e309")],
+    *[("openai", {**_with(), "id": value}, "bad_id") for value in (NAN, INF, -INF, 1e308, 1.0, -0.0, True, False)],
+    *[("openai", _with(weight=value), None) for value in (0, 1, 0.0, 1.0, None)],
+    *[("openai", _with(weight=value), "bad_message")
+      for value in (2, -1, 0.5, 1e-300, NAN, INF, -INF, True, False, "1", "0", 10**100, [1], {"w": 1})],
+    ("openai", {"messages": [{"role": "user", "content": "Hi", "weight": 1}, *_with()["messages"][1:]]}, "bad_message"),
+    ("openai", _with(weight=0, train=True), "bad_message"),
+    *[("openai", _with(train=value), "bad_message") for value in (1, 0, "true", NAN)],
+    *[("openai", _tool_row({"x": value}), None) for value in (1e308, 5e-324, 10**100, -0.0, 0, -1, True, "NaN")],
+    *[("openai", _tool_row({"x": value}), "bad_tool_call") for value in (NAN, INF, -INF)],
+    ("openai", _tool_row({"x": {"y": [1, NAN]}}), "bad_tool_call"),
+    *[("openai", _tool_row({}, tool_default=value), "bad_tools") for value in (NAN, INF, -INF)],
+    ("sharegpt", _sharegpt(), None),
+    ("sharegpt", _sharegpt('{"name": "f", "arguments": {"x": 1e999}}'), "bad_tool_call"),
+    ("sharegpt", _sharegpt('{"name": "f", "arguments": {"x": NaN}}'), "bad_tool_call"),
+    ("sharegpt", _sharegpt('{"name": "f", "arguments": {"x": ' + "9" * 5000 + "}}"), "bad_tool_call"),
+    ("sharegpt", _sharegpt("[" * 100_000 + "]" * 100_000), "bad_tool_call"),
+    ("sharegpt", _sharegpt('{"name": 5, "arguments": {}}'), "bad_tool_call"),
+    ("sharegpt", _sharegpt(tools='[{"name": "f", "parameters": {"default": NaN}}]'), "bad_tools"),
+    ("sharegpt", _sharegpt(tools="[" * 100_000 + "]" * 100_000), "bad_tools"),
+    *[("sharegpt", _sharegpt(system=value), "bad_content") for value in (5, NAN, 0, True)],
+    ("sharegpt", _sharegpt(system=""), None),
+    *[("swift", _swift(value), None) for value in (True, False, None)],
+    *[("swift", _swift(value), "bad_message") for value in (1, 0, 1.0, "true", NAN, INF)],
+    ("swift", _swift(True, role="user"), "bad_message"),
+    ("swift", _swift(False, role="user"), None),
+]
+
+
+@pytest.mark.parametrize("layout, row, code", NUMERIC_FIELDS, ids=[f"{k}-{c[0]}-{c[2]}" for k, c in enumerate(NUMERIC_FIELDS)])
+def test_numbers_in_every_row_field_are_valid_or_rejected_with_a_code(builtin_profiles, layout, row, code):
+    """Huge, tiny, infinite and NaN numbers (JSON's NaN / Infinity literals, as Python's json
+    reads them), negative numbers, zero, booleans and numbers written as strings, in every field
+    of a row the layouts read that is not a media part's: ids, OpenAI's `weight`, `train`,
+    tool-call arguments, tool schemas, ShareGPT's function calls, tools and system, ms-swift's
+    `loss`. Each is a documented value (the row is written) or the row is rejected with a code;
+    a target never holds NaN or Infinity, which are not JSON."""
+    from preprocess.formats import to_openai_row
+
+    if code is None:
+        sample = _process(to_openai_row(_through_json(row), layout), builtin_profiles["qwen3-vl"])
+        if "id" in row:
+            assert sample.sample_uid == str(row["id"])
+    else:
+        with pytest.raises(RejectError) as err:
+            _process(to_openai_row(_through_json(row), layout), builtin_profiles["qwen3-vl"])
+        assert err.value.code == code, err.value
+
+
+def test_weight_and_loss_decide_a_turns_loss_as_train_does(builtin_profiles):
+    """OpenAI's `weight: 0` and ms-swift's `loss: false` leave an assistant turn out of the loss
+    as `train: false` does (here against the all_assistant policy, which would train it);
+    `weight: 1` and `loss: true` train it as `train: true` does (against last_assistant, which
+    would not)."""
+    from preprocess.formats import to_openai_row
+
+    profile = builtin_profiles["qwen3-vl"]
+    for flag, weight, loss, policy in ((False, 0, False, "all_assistant"), (True, 1, True, "last_assistant")):
+        want = _process(_with(train=flag), profile, loss_policy=policy).loss_mask.tolist()
+        assert want != _process(_with(), profile, loss_policy=policy).loss_mask.tolist()
+        for row in (_with(weight=weight), to_openai_row(_swift(loss), "swift")):
+            assert _process(row, profile, loss_policy=policy).loss_mask.tolist() == want
+
+
 def test_max_row_bytes_must_be_positive(tmp_path, capsys):
     from preprocess.errors import ConfigError
     from preprocess.job import PreprocessConfig, run_preprocess
