@@ -94,6 +94,10 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
                    help="reject an image file, data URI or base64 image holding more bytes, checked before it is "
                         "read or decoded (default %(default)s = 128 MiB); there is no 'unlimited': a mislabelled "
                         "multi-gigabyte file would be read whole, so raise it instead")
+    g.add_argument("--max-row-bytes", type=positive_bytes, default=SampleOptions.max_row_bytes,
+                   help="reject an input row holding more bytes (a JSONL line, a JSON array element, a Parquet or "
+                        "datasets row) without reading the rest of it into memory (default %(default)s = 256 MiB, "
+                        "room for a --max-media-bytes image in base64); raise it together with --max-media-bytes")
 
     def video_count(text: str) -> int:  # what a video part's counts and pixel numbers may be
         try:
@@ -176,6 +180,7 @@ def _sample_options(args) -> SampleOptions:
         remote_fetch=FetchPolicy(timeout=args.remote_timeout, retries=args.remote_retries),
         max_image_pixels=args.max_image_pixels,
         max_media_bytes=args.max_media_bytes,
+        max_row_bytes=args.max_row_bytes,
         max_video_bytes=args.max_video_bytes,
         video_fit=args.video_fit,
         video=VideoOptions(sampling=args.video_sampling, cap_pixels_per_frame=args.video_pixel_cap, fps=args.video_fps,

@@ -10,11 +10,25 @@ never on the worker count, which is why output bytes do not depend on it either.
 A row is identified by its input path (as given on the command line) and its 0-based index
 in that input (for JSONL, the line number). Blank (whitespace-only) JSONL lines are not rows:
 they are skipped, keep their line numbers (so later rows keep theirs), and count nowhere.
+
+Memory stays bounded whatever an input holds. JSONL and JSON inputs are read in blocks, never
+whole: a JSON input is split into its top-level array's elements by a streaming splitter, and a
+row (a line, an element, or an Arrow row of Parquet and `datasets` inputs) holding more than
+`max_row_bytes` is rejected as `row_too_large` without being held (the rest of a long line or
+element is read past). A row that cannot be parsed (not JSON, nested deeper than the parser
+allows, an integer too long to convert) or read (a damaged Parquet row group or Arrow buffer)
+is rejected with its code; the other rows are read as usual. Inputs that cannot be read at all
+(missing, unreadable, a FIFO or device, a damaged Parquet footer or `datasets` directory), and
+an input named twice, stop the job before it starts with one line naming them.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -23,9 +37,12 @@ from urllib.parse import urlsplit
 
 from shards_schema import storage
 
-from .errors import ConfigError, RejectError
+from .errors import ConfigError, RejectError, loads_or_reject
 from .formats import ROW_FORMATS, detect_row_format
 
+DEFAULT_MAX_ROW_BYTES = 256 << 20  # a --max-media-bytes image (128 MiB) base64-encoded is 171 MiB, plus its row
+READ_BLOCK_BYTES = 1 << 20  # JSONL and JSON inputs are read in blocks of this size, never whole
+ARROW_BATCH_ROWS = 64  # Arrow rows are checked and converted to Python objects this many at a time
 _SUFFIX_FORMAT = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
 
 
@@ -35,7 +52,7 @@ class InputFile:
     format: str
     num_rows: int
     size: int  # bytes (sum of data files for a datasets dir), part of the job identity
-    line_offsets: tuple[int, ...] = ()  # JSONL: byte offset of every unit's first line
+    unit_offsets: tuple[int, ...] = ()  # JSONL / JSON: byte offset of every unit's first line / array element
     blank_lines: tuple[int, ...] = ()  # JSONL: blank lines in every unit (not rows)
     row_format: str = "openai"  # the rows' layout (preprocess.formats)
 
@@ -121,44 +138,383 @@ def detect_format(path: Path) -> str:
         if (path / "dataset_dict.json").is_file():
             splits = sorted(p.name for p in path.iterdir() if p.is_dir())
             raise ConfigError(f"{path} is a DatasetDict with splits {splits}: pass one split directory, e.g. {path / splits[0]}" if splits else f"{path}: empty DatasetDict")
-        raise ConfigError(f"{path}: a directory but not a `datasets` save_to_disk directory (no dataset_info.json)")
+        raise ConfigError(f"{path}: a directory but not a `datasets` save_to_disk directory (no dataset_info.json); "
+                          "give such a directory, or the .jsonl, .json or .parquet files in it")
     fmt = _SUFFIX_FORMAT.get(path.suffix.lower())
     if fmt is None:
         raise ConfigError(f"{path}: unknown input format {path.suffix!r}; use .jsonl, .json, .parquet or a datasets directory")
     return fmt
 
 
-_WHITESPACE = frozenset(bytes([c]) for c in b" \t\r\n\v\f") | {b""}
+# ---------------------------------------------------------------- inputs checked before the job starts
+
+_SPECIAL_FILES = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                  (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def _is_blank(line: bytes) -> bool:
-    # the first byte decides for almost every line, without copying a long line
-    return line[:1] in _WHITESPACE and not line.strip()
+def _special_file(path: str, mode: int, what: str) -> ConfigError:
+    kind = next((name for is_kind, name in _SPECIAL_FILES if is_kind(mode)), "not a regular file")
+    link = f" (a symbolic link to {os.path.realpath(path)})" if os.path.islink(path) else ""
+    return ConfigError(f"{what} {path}{link} is {kind}: only regular files and `datasets` directories are read "
+                       "(never opened, it could block or never end); write the data to a .jsonl, .json or .parquet "
+                       "file and give that")
+
+
+def _stat(path: str, what: str) -> os.stat_result:
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise ConfigError(f"{what} {path} is a broken symbolic link (to {os.readlink(path)}): fix the link or "
+                              "give the file itself") from None
+        raise ConfigError(f"{what} {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} {path} cannot be read ({exc.strerror or exc}): check the path and its "
+                          "permissions") from None
+
+
+def _check_readable(path: str, what: str) -> None:
+    try:
+        with open(path, "rb"):  # a regular file: opening it cannot block
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{what} {path} cannot be read ({exc.strerror or exc}): check its permissions "
+                          "(e.g. chmod a+r)") from None
+
+
+def check_local_input(path_str: str) -> os.stat_result:
+    """The stat of a local input that is a readable regular file, or a `datasets` directory whose
+    files are; otherwise a ConfigError naming it and the fix. Nothing that could block is opened:
+    a FIFO, a device (also through a symbolic link) or a socket is refused from its stat alone."""
+    st = _stat(path_str, "input")
+    if stat.S_ISREG(st.st_mode):
+        _check_readable(path_str, "input")
+    elif stat.S_ISDIR(st.st_mode):
+        detect_format(Path(path_str))  # a `datasets` directory, or an error saying what it is
+        try:
+            entries = sorted(os.listdir(path_str))
+        except OSError as exc:
+            raise ConfigError(f"input {path_str} cannot be listed ({exc.strerror or exc}): check its "
+                              "permissions") from None
+        for entry in entries:
+            file = os.path.join(path_str, entry)
+            mode = _stat(file, f"input {path_str}: file").st_mode
+            if stat.S_ISREG(mode):
+                _check_readable(file, f"input {path_str}: file")
+            elif not stat.S_ISDIR(mode):
+                raise _special_file(file, mode, f"input {path_str}: file")
+    else:
+        raise _special_file(path_str, st.st_mode, "input")
+    return st
+
+
+def check_inputs(specs: list[str]) -> None:
+    """Every local input checked (`check_local_input`), and each input named once: the same file,
+    `datasets` directory or Hub split named twice, however spelled (another relative path, a
+    symbolic or hard link, a URL with other credentials), is refused naming both spellings, as
+    its rows would otherwise be trained on twice."""
+    named: dict[tuple, str] = {}
+    for spec in specs:
+        if is_hub_dataset(spec):
+            key = ("hub", *sorted((k, v or "") for k, v in parse_hub_spec(spec).items()))
+        elif storage.is_url(spec):
+            key = ("url", storage.redact(spec))
+        else:
+            st = check_local_input(spec)
+            key = ("local", st.st_dev, st.st_ino)
+        if key in named:
+            first = named[key]
+            if spec == first:
+                raise ConfigError(f"input {storage.redact(spec)} is named twice: its rows would be read twice; name "
+                                  "each input once")
+            if key[0] != "local":
+                how = ""
+            elif os.path.realpath(spec) == os.path.realpath(first):
+                how = f" (both are {os.path.realpath(spec)})"
+            else:
+                how = " (a hard link to it)"
+            raise ConfigError(f"input {storage.redact(spec)} is the same input as {storage.redact(first)}{how}: its "
+                              "rows would be read twice; name each input once")
+        named[key] = spec
+
+
+# ---------------------------------------------------------------- JSONL: lines, read in blocks
+
+_NOT_WHITESPACE = re.compile(rb"[^ \t\r\n\v\f]")
+
+
+def _lines(fh, max_bytes: int) -> Iterator[tuple[bytes | None, int, int, bool]]:
+    """Each line of binary file `fh` from where it stands, split at b"\\n" as iterating the file
+    does: (the line's bytes, or None when it holds more than `max_bytes` without its newline;
+    its length with the newline; without it; whether it is blank). The file is read in blocks;
+    a line over `max_bytes` is read past, never held."""
+    pieces: list[bytes] = []
+    size, blank = 0, True
+    while block := fh.read(READ_BLOCK_BYTES):
+        at = 0
+        while at < len(block):
+            end = block.find(b"\n", at)
+            stop = len(block) if end < 0 else end + 1
+            if blank and _NOT_WHITESPACE.search(block, at, stop):
+                blank = False
+            size += stop - at
+            if size <= max_bytes + 1:  # + its newline
+                pieces.append(block[at:stop])
+            elif pieces:
+                pieces = []
+            if end >= 0:
+                line = b"".join(pieces) if size - 1 <= max_bytes else None
+                pieces = []  # not held twice while the line is parsed
+                yield line, size, size - 1, blank
+                size, blank = 0, True
+            at = stop
+    if size:  # a last line without a newline
+        line = b"".join(pieces) if size <= max_bytes else None
+        pieces = []
+        yield line, size, size, blank
 
 
 def _scan_jsonl(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """Count lines, remember where every unit starts and how many of its lines are blank,
-    reading the file once in binary."""
+    reading the file once in blocks (no line is held)."""
     offsets, blanks, position, rows = [], [], 0, 0
     with storage.open_binary(path) as fh:
-        for line in fh:
+        for _, size, _, blank in _lines(fh, max_bytes=0):
             if rows % rows_per_unit == 0:
                 offsets.append(position)
                 blanks.append(0)
-            if _is_blank(line):
+            if blank:
                 blanks[-1] += 1
-            position += len(line)
+            position += size
             rows += 1
     return rows, tuple(offsets), tuple(blanks)
+
+
+# ---------------------------------------------------------------- JSON: a top-level array, split as it streams
+
+# Everything up to the next byte that matters, whole strings within the block skipped: at the
+# array's top level a bracket, brace, quote or comma, deeper only a bracket, brace or quote
+# (commas there split nothing). A quote stops it only when its string goes on past the block;
+# inside such a string only its end or an escape matters. The quantifiers are possessive: a
+# match never backtracks (and runs at about the speed of json.loads).
+_JSON_SKIP_TOP = re.compile(rb'(?:[^"{}\[\],]++|"[^"\\]*+(?:\\.[^"\\]*+)*+")*+', re.DOTALL)
+_JSON_SKIP_NESTED = re.compile(rb'(?:[^"{}\[\]]++|"[^"\\]*+(?:\\.[^"\\]*+)*+")*+', re.DOTALL)
+_JSON_IN_STRING = re.compile(rb'["\\]')
+_QUOTE, _OPENING, _CLOSING = ord('"'), (ord("{"), ord("[")), (ord("}"), ord("]"))
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass
+class _Element:
+    data: bytes | None  # None when the element holds more than the byte limit (read past, not held)
+    size: int  # its bytes, whitespace around it included
+    closed: bool  # False: the file ended inside it, before the array's `]` (truncated)
+    offset: int  # byte offset of its first byte
+
+
+class _ArraySplitter:
+    """The elements of a top-level JSON array, split at its top-level commas while the file is
+    read in blocks: strings, nesting and escapes are tracked, nothing is parsed. `fh` stands at
+    an element's first byte (just after `[` or a top-level `,`); after the array's `]`, `end`
+    is the byte offset just past it."""
+
+    def __init__(self, fh, offset: int, max_bytes: int, first: bool):
+        self.fh, self.offset, self.max_bytes = fh, offset, max_bytes
+        self.first = first  # the array's first element: blank and closed by `]`, it is an empty array
+        self.end: int | None = None
+        self.tail = b""  # what followed `]` in its block
+
+    def __iter__(self) -> Iterator[_Element]:
+        depth, in_string, skip = 0, False, 0
+        pieces: list[bytes] = []
+        size, nonblank, start = 0, False, self.offset
+        base = self.offset
+
+        def add(block: bytes, lo: int, hi: int) -> None:
+            nonlocal size, nonblank, pieces
+            if hi <= lo:
+                return
+            if not nonblank and _NOT_WHITESPACE.search(block, lo, hi):
+                nonblank = True
+            size += hi - lo
+            if size <= self.max_bytes:
+                pieces.append(block[lo:hi])
+            elif pieces:
+                pieces = []
+
+        def element(closed: bool) -> _Element:
+            nonlocal pieces
+            data, pieces = (b"".join(pieces) if size <= self.max_bytes else None), []  # held once
+            return _Element(data, size, closed, start)
+
+        while block := self.fh.read(READ_BLOCK_BYTES):
+            n, at, cut = len(block), skip, 0  # `cut`: where the current element's bytes in this block begin
+            skip = 0
+            while at < n:
+                if in_string:
+                    found = _JSON_IN_STRING.search(block, at)
+                    if found is None:
+                        at = n
+                    elif found.group() == b'"':
+                        in_string, at = False, found.end()
+                    else:  # an escape: the byte after it is the string's, whatever it is
+                        at = found.end() + 1
+                        skip = max(0, at - n)
+                    continue
+                at = (_JSON_SKIP_NESTED if depth else _JSON_SKIP_TOP).match(block, at).end()
+                if at == n:
+                    break
+                byte = block[at]
+                at += 1
+                if byte == _QUOTE:
+                    in_string = True
+                elif byte in _OPENING:
+                    depth += 1
+                elif byte in _CLOSING:
+                    if depth:
+                        depth -= 1
+                    elif byte == _CLOSING[1]:  # the array ends
+                        add(block, cut, at - 1)
+                        if nonblank or not self.first:
+                            yield element(closed=True)
+                        self.end, self.tail = base + at, block[at:]
+                        return
+                else:  # a top-level comma ends the element
+                    add(block, cut, at - 1)
+                    done = element(closed=True)
+                    self.first = False
+                    size, nonblank, start, cut = 0, False, base + at, at
+                    yield done
+                    del done
+            add(block, cut, n)
+            base += n
+        if nonblank or not self.first:  # the file ends inside the array
+            yield element(closed=False)
+
+
+def _open_json_array(fh, path: str) -> int:
+    """Skip a UTF-8 byte order mark and whitespace up to the array's `[`; its offset + 1."""
+    head = fh.read(READ_BLOCK_BYTES)
+    at = len(_UTF8_BOM) if head.startswith(_UTF8_BOM) else 0
+    while (found := _NOT_WHITESPACE.search(head, at)) is None:
+        more = fh.read(READ_BLOCK_BYTES)
+        if not more:
+            raise ConfigError(f"{storage.redact(path)}: empty, not a JSON array of rows; write the rows as a JSON "
+                              "array, or one per line as .jsonl")
+        at, head = len(head), head + more
+    if found.group() != b"[":
+        start = head[found.start() : found.start() + 20].decode("utf-8", "backslashreplace")
+        raise ConfigError(f"{storage.redact(path)}: a JSON input must be an array of rows, but it starts with "
+                          f"{start!r}; write the rows as an array, or one per line as .jsonl")
+    return found.end()
+
+
+def _scan_json(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...]]:
+    """Count the array's elements and remember where every unit's first element starts, reading
+    the file once in blocks (no element is held). Anything but whitespace after the array's
+    `]` (a second array, a truncated copy) stops the job: its rows would be lost unseen."""
+    offsets, rows = [], 0
+    with storage.open_binary(path) as fh:
+        first = _open_json_array(fh, path)
+        fh.seek(first)
+        splitter = _ArraySplitter(fh, first, max_bytes=0, first=True)
+        for element in splitter:
+            if rows % rows_per_unit == 0:
+                offsets.append(element.offset)
+            rows += 1
+        if splitter.end is not None:
+            at, block = splitter.end, splitter.tail
+            while True:
+                found = _NOT_WHITESPACE.search(block)
+                if found is not None:
+                    raise ConfigError(f"{storage.redact(path)}: more data after the JSON array ends (at byte "
+                                      f"{at + found.start()}); "
+                                      "an input holds one array: split the file, or convert it to .jsonl")
+                at += len(block)
+                block = fh.read(READ_BLOCK_BYTES)
+                if not block:
+                    break
+    return rows, tuple(offsets)
+
+
+def _json_elements(path: str, offset: int, max_bytes: int, first: bool) -> Iterator[_Element]:
+    with storage.open_binary(path) as fh:
+        fh.seek(offset)
+        yield from _ArraySplitter(fh, offset, max_bytes, first)
+
+
+# ---------------------------------------------------------------- rows from bytes
+
+def _brief(exc: BaseException) -> str:
+    """An exception as one short line (pyarrow's messages run over several)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+
+
+def _too_large(size: int, max_bytes: int, what: str) -> RejectError:
+    return RejectError("row_too_large", f"{what} holds {size:,} bytes, more than --max-row-bytes {max_bytes:,}, "
+                       "and was skipped; raise --max-row-bytes, or keep large images and videos in files under "
+                       "--media-root")
+
+
+def parse_json_row(data: bytes, what: str = "row"):
+    """One JSON row's value, or the RejectError (`bad_json`) saying why it cannot be parsed."""
+    try:
+        return loads_or_reject(data, "bad_json", what)
+    except RejectError as exc:
+        return exc
+
+
+def _json_row(element: _Element, max_bytes: int):
+    if element.data is None:
+        return _too_large(element.size, max_bytes, "the array element")
+    if not element.closed:
+        return RejectError("bad_json", "the file ends inside this element, before the array's closing `]`: the file "
+                           "is truncated")
+    if not _NOT_WHITESPACE.search(element.data):
+        return RejectError("bad_json", "an empty array element (two commas in a row, or a comma before `]`)")
+    return parse_json_row(element.data, "the array element")
 
 
 def _load_dataset(path: Path):
     import datasets
 
-    return datasets.load_from_disk(str(path))
+    try:
+        return datasets.load_from_disk(str(path))
+    except Exception as exc:  # noqa: BLE001 - datasets and pyarrow raise many kinds for a damaged directory
+        fault = _damaged_json_file(path) or _brief(exc)
+        raise ConfigError(f"input {path}: a `datasets` directory that cannot be loaded ({fault}); its files are "
+                          "missing or damaged: save it again with Dataset.save_to_disk") from None
 
 
-def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto") -> InputFile:
+def _damaged_json_file(path: Path) -> str | None:
+    """Which of a `datasets` directory's JSON files is not JSON, if one is."""
+    for name in ("state.json", "dataset_info.json"):
+        try:
+            json.loads((path / name).read_bytes())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            return f"{name} is damaged: {_brief(exc)}"
+    return None
+
+
+def _parquet_file(path: str, fh):
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(fh, buffer_size=READ_BLOCK_BYTES)
+        counted = sum(pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups))
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... for a damaged footer
+        raise ConfigError(f"input {storage.redact(path)}: not a readable Parquet file ({_brief(exc)}); the file "
+                          "is truncated or damaged: write it again, or convert it to .jsonl") from None
+    if counted != pf.metadata.num_rows:
+        raise ConfigError(f"input {storage.redact(path)}: a damaged Parquet footer (its row groups hold {counted} "
+                          f"rows, the file says {pf.metadata.num_rows}); write the file again")
+    return pf
+
+
+def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto",
+                   max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> InputFile:
     """The input's size, rows and units; its row layout is `input_format`, or with "auto" the
     layout of its first row (table inputs: of its column names)."""
     path = Path(path_str)
@@ -171,9 +527,8 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
             raise ConfigError(f"{storage.redact(path_str)}: unknown input format; a URL input is a .jsonl, .json or "
                               ".parquet file")
         storage.info(path_str)  # there and readable, or a StorageError naming why not
-    elif not path.exists():
-        raise ConfigError(f"input {path_str} does not exist")
     else:
+        check_local_input(path_str)
         fmt = detect_format(path)
     offsets: tuple[int, ...] = ()
     blanks: tuple[int, ...] = ()
@@ -182,12 +537,10 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
     if fmt == "jsonl":
         rows, offsets, blanks = _scan_jsonl(path_str, rows_per_unit)
     elif fmt == "json":
-        rows = len(_load_json_array(path_str))
+        rows, offsets = _scan_json(path_str, rows_per_unit)
     elif fmt == "parquet":
-        import pyarrow.parquet as pq
-
         with storage.open_binary(path_str) as fh:
-            rows = pq.ParquetFile(fh).metadata.num_rows
+            rows = _parquet_file(path_str, fh).metadata.num_rows
     elif fmt == "hf_hub":
         rows = len(load_hub_dataset(path_str))
         size = sum(p.stat().st_size for p in hub_dataset_files(path_str))
@@ -195,37 +548,36 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
         rows = len(_load_dataset(path))
         size = sum(p.stat().st_size for p in path.glob("*.arrow"))
     if input_format == "auto":
-        row_format = detect_row_format(_first_row(path_str, fmt))
+        row_format = detect_row_format(_first_row(path_str, fmt, offsets, max_row_bytes))
     elif input_format in ROW_FORMATS:
         row_format = input_format
     else:
         raise ConfigError(f"--input-format {input_format!r}: choose auto or one of {', '.join(ROW_FORMATS)}")
-    return InputFile(path=path_str, format=fmt, num_rows=rows, size=size, line_offsets=offsets, blank_lines=blanks,
+    return InputFile(path=path_str, format=fmt, num_rows=rows, size=size, unit_offsets=offsets, blank_lines=blanks,
                      row_format=row_format)
 
 
-def _first_row(path_str: str, fmt: str):
+def _first_row(path_str: str, fmt: str, offsets: tuple[int, ...], max_row_bytes: int):
     """The first row (JSONL, JSON) or the column names (Parquet, datasets) that name an input's
-    layout; None when there is none to look at (an empty input, a first line that is not JSON)."""
+    layout; None when there is none to look at (an empty input, a first row that is not JSON or
+    over `max_row_bytes`)."""
     if fmt == "hf_hub":
         return load_hub_dataset(path_str).column_names
     if fmt == "jsonl":
         with storage.open_binary(path_str) as fh:
-            for line in fh:
-                if not _is_blank(line):
-                    try:
-                        return json.loads(line)
-                    except (json.JSONDecodeError, UnicodeDecodeError):
-                        return None
+            for data, _, _, blank in _lines(fh, max_row_bytes):
+                if not blank:
+                    row = None if data is None else parse_json_row(data)
+                    return None if isinstance(row, RejectError) else row
         return None
     if fmt == "json":
-        rows = _load_json_array(path_str)
-        return rows[0] if rows else None
+        for element in _json_elements(path_str, offsets[0], max_row_bytes, first=True) if offsets else ():
+            row = _json_row(element, max_row_bytes)
+            return None if isinstance(row, RejectError) else row
+        return None
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
         with storage.open_binary(path_str) as fh:
-            return pq.ParquetFile(fh).schema_arrow.names
+            return _parquet_file(path_str, fh).schema_arrow.names
     return _load_dataset(Path(path_str)).column_names
 
 
@@ -238,61 +590,160 @@ def plan_units(inputs: list[InputFile], rows_per_unit: int) -> list[WorkUnit]:
     return units
 
 
-@lru_cache(maxsize=2)
-def _load_json_array(path: str) -> list:
-    try:
-        with storage.open_binary(path) as fh:
-            data = json.loads(fh.read().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc}); for one conversation per line use .jsonl") from exc
-    if not isinstance(data, list):
-        raise ConfigError(f"{path}: a JSON input must be an array of rows, got {type(data).__name__}")
-    return data
+# ---------------------------------------------------------------- the rows of a unit
 
-
-def read_rows(unit: WorkUnit, rows_per_unit: int) -> Iterator[tuple[int, object]]:
-    """Yield (row index, parsed row or RejectError) for every row of the unit, in order."""
+def read_rows(unit: WorkUnit, rows_per_unit: int,
+              max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> Iterator[tuple[int, object]]:
+    """Yield (row index, parsed row or RejectError) for every row of the unit, in order; a row
+    over `max_row_bytes` is a `row_too_large` RejectError, never held whole."""
     inp = unit.input
     if inp.format == "jsonl":
         with storage.open_binary(inp.path) as fh:
-            fh.seek(inp.line_offsets[unit.start // rows_per_unit])
-            for row in range(unit.start, unit.stop):
-                line = fh.readline()
-                if _is_blank(line):
+            fh.seek(inp.unit_offsets[unit.start // rows_per_unit])
+            lines = _lines(fh, max_row_bytes)
+            for row in range(unit.start, unit.stop):  # not zip(): it would keep the last line's bytes
+                data, _, length, blank = next(lines, (None, 0, 0, None))
+                if blank is None:
+                    return  # the file is shorter than scanned: the unit's count check names it
+                if blank:
                     continue
-                try:
-                    yield row, json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    yield row, RejectError("bad_json", f"line is not valid JSON: {exc}")
+                if data is None:
+                    parsed = _too_large(length, max_row_bytes, "the line")
+                else:
+                    parsed = parse_json_row(data, "the line")
+                del data  # not held beside the parsed row
+                yield row, parsed
         return
     if inp.format == "json":
-        rows = _load_json_array(inp.path)[unit.start : unit.stop]
-    elif inp.format == "parquet":
-        rows = _parquet_rows(inp.path, unit.start, unit.stop)
-    elif inp.format == "hf_hub":
-        rows = load_hub_dataset(inp.path).with_format("arrow")[unit.start : unit.stop].to_pylist()
+        k = unit.start // rows_per_unit
+        elements = _json_elements(inp.path, inp.unit_offsets[k], max_row_bytes, first=k == 0)
+        for row in range(unit.start, unit.stop):
+            element = next(elements, None)
+            if element is None:
+                return
+            parsed = _json_row(element, max_row_bytes)
+            del element
+            yield row, parsed
+        return
+    if inp.format == "parquet":
+        yield from _parquet_rows(inp.path, unit.start, unit.stop, max_row_bytes)
+        return
+    if inp.format == "hf_hub":
+        table = load_hub_dataset(inp.path).with_format("arrow")[unit.start : unit.stop]
     else:
         table = _load_dataset(Path(inp.path)).with_format("arrow")[unit.start : unit.stop]
-        rows = table.to_pylist()
-    yield from enumerate(rows, start=unit.start)
+    yield from _arrow_rows(table, unit.start, max_row_bytes)
 
 
-def _parquet_rows(path: str, start: int, stop: int) -> list:
-    import pyarrow.parquet as pq
+def _arrow_rows(table, first: int, max_row_bytes: int) -> Iterator[tuple[int, object]]:
+    """The rows of an Arrow table or record batch as Python objects, `ARROW_BATCH_ROWS` at a
+    time. Damaged data is a rejected row (`unreadable_row`), never a read out of bounds: a batch
+    is converted once its buffers validate (offsets in bounds, strings UTF-8); otherwise its
+    rows are converted one at a time once its offsets validate, so a bad string rejects its own
+    row only. A row over `max_row_bytes` (its Arrow bytes) is `row_too_large`, never converted."""
+    for at in range(0, table.num_rows, ARROW_BATCH_ROWS):
+        batch = table.slice(at, ARROW_BATCH_ROWS)
+        if batch.nbytes <= max_row_bytes:
+            try:
+                batch.validate(full=True)
+                rows = batch.to_pylist()
+            except Exception:  # noqa: BLE001 - find the rows at fault below, one at a time
+                pass
+            else:
+                yield from enumerate(rows, start=first + at)
+                continue
+        damage = _damaged_offsets(batch)
+        for k in range(batch.num_rows):
+            if damage:
+                yield first + at + k, RejectError(
+                    "unreadable_row", f"rows {first + at}-{first + at + batch.num_rows - 1} cannot be read (their "
+                    f"Arrow offsets are damaged: {damage}); the input is damaged: write it again")
+            else:
+                yield first + at + k, _arrow_row(batch.slice(k, 1), max_row_bytes)
 
+
+def _arrow_row(one_row, max_row_bytes: int):
+    size = one_row.nbytes  # the bytes the row refers to, not its batch's
+    if size > max_row_bytes:
+        return _too_large(size, max_row_bytes, "the row")
+    try:
+        return one_row.to_pylist()[0]
+    except Exception as exc:  # noqa: BLE001 - UnicodeDecodeError, ValueError (a date out of range), ...
+        return RejectError("unreadable_row", f"the row cannot be read ({_brief(exc)}); its input is damaged: write "
+                           "it again")
+
+
+def _as_bytes(arrow_type):
+    """`arrow_type` with every string type as the binary type of its width: validating that
+    checks offsets only, not UTF-8."""
+    import pyarrow as pa
+
+    if pa.types.is_string(arrow_type):
+        return pa.binary()
+    if pa.types.is_large_string(arrow_type):
+        return pa.large_binary()
+    if pa.types.is_struct(arrow_type):
+        return pa.struct([field.with_type(_as_bytes(field.type)) for field in arrow_type])
+    if pa.types.is_map(arrow_type):
+        return pa.map_(_as_bytes(arrow_type.key_type), _as_bytes(arrow_type.item_type))
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
+        field = arrow_type.value_field.with_type(_as_bytes(arrow_type.value_type))
+        if pa.types.is_fixed_size_list(arrow_type):
+            return pa.list_(field, arrow_type.list_size)
+        return pa.large_list(field) if pa.types.is_large_list(arrow_type) else pa.list_(field)
+    return arrow_type
+
+
+def _damaged_offsets(batch) -> str | None:
+    """Why the batch's offsets and lengths do not validate, or None when they do (its strings
+    may still not be UTF-8: converting a row then raises, for that row alone)."""
+    import pyarrow as pa
+
+    try:
+        table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
+        table.cast(pa.schema([field.with_type(_as_bytes(field.type)) for field in table.schema])).validate(full=True)
+    except Exception as exc:  # noqa: BLE001
+        return _brief(exc)
+    return None
+
+
+def _parquet_rows(path: str, start: int, stop: int, max_row_bytes: int) -> Iterator[tuple[int, object]]:
+    """Rows [start, stop) of a Parquet file, one row group at a time, streamed in batches. A row
+    group that cannot be read (a damaged page) makes its rows `unreadable_row` rejects naming
+    the group and its row range; the other row groups are read as usual."""
     with storage.open_binary(path) as fh:
-        return _parquet_slice(pq.ParquetFile(fh), start, stop)
+        pf = _parquet_file(path, fh)
+        group_start = 0
+        for g in range(pf.metadata.num_row_groups):
+            group_stop = group_start + pf.metadata.row_group(g).num_rows
+            if group_stop > start and group_start < stop:
+                yield from _parquet_group_rows(pf, g, group_start, group_stop, start, stop, max_row_bytes)
+            group_start = group_stop
+            if group_start >= stop:
+                break
 
 
-def _parquet_slice(pf, start: int, stop: int) -> list:
-    groups, first_row, row = [], None, 0
-    for g in range(pf.metadata.num_row_groups):
-        n = pf.metadata.row_group(g).num_rows
-        if row + n > start and row < stop:
-            groups.append(g)
-            first_row = row if first_row is None else first_row
-        row += n
-    if not groups:
-        return []
-    table = pf.read_row_groups(groups)
-    return table.slice(start - first_row, stop - start).to_pylist()
+def _parquet_group_rows(pf, group: int, group_start: int, group_stop: int, start: int, stop: int,
+                        max_row_bytes: int) -> Iterator[tuple[int, object]]:
+    lo, hi = max(start, group_start), min(stop, group_stop)  # the unit's rows in this group
+    batch_start, wanted = group_start, lo  # the next batch's first row; the next row to yield
+    try:
+        for batch in pf.iter_batches(batch_size=ARROW_BATCH_ROWS, row_groups=[group], use_threads=False):
+            batch_stop = batch_start + batch.num_rows
+            first, last = max(batch_start, wanted), min(batch_stop, hi)
+            if first < last:
+                for index, value in _arrow_rows(batch.slice(first - batch_start, last - first), first, max_row_bytes):
+                    yield index, value
+                    wanted = index + 1
+            batch_start = batch_stop
+            if batch_start >= hi:
+                break
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises many kinds for a damaged page
+        reason = _brief(exc)
+    else:
+        if wanted >= hi:
+            return
+        reason = f"the row group gives {batch_start - group_start} rows, its footer says {group_stop - group_start}"
+    for index in range(wanted, hi):
+        yield index, RejectError("unreadable_row", f"Parquet row group {group} (rows {group_start}-{group_stop - 1}) "
+                                 f"cannot be read from row {wanted} on ({reason}); the file is damaged: write it again")

@@ -53,7 +53,8 @@ from shards_schema.writer import ShardWriter, file_sha256
 
 from .errors import ConfigError, RejectError
 from .formats import INPUT_FORMATS, to_openai_row
-from .inputs import InputFile, WorkUnit, describe_input, hub_dataset_files, is_hub_dataset, plan_units, read_rows
+from .inputs import (InputFile, WorkUnit, check_inputs, describe_input, hub_dataset_files, is_hub_dataset, plan_units,
+                     read_rows)
 from .media import MAX_OPTION_INTEGER
 from .pipeline import SampleOptions, process_row
 from .profiles import Profile, resolve_profile
@@ -155,7 +156,7 @@ def process_unit(unit: WorkUnit, name: str, rows_per_unit: int, out: Path, profi
     writer = ShardWriter(out / shard_name(unit.index), profile.vision.patch_row_width)
     rejects, rows_read, done_since_report, rejected_since_report = [], 0, 0, 0
     try:
-        for row_index, row in read_rows(unit, rows_per_unit):
+        for row_index, row in read_rows(unit, rows_per_unit, options.max_row_bytes):
             _stop_if_asked()
             rows_read += 1
             source = f"{name}:{row_index}"
@@ -356,8 +357,9 @@ class JobInput:
         return {"name": self.name, "location": self.location, "mtime_ns": self.mtime_ns}
 
 
-def describe_job_input(given: str, rows_per_unit: int, hash_mode: str, input_format: str = "auto") -> JobInput:
-    file = describe_input(given, rows_per_unit, input_format)
+def describe_job_input(given: str, rows_per_unit: int, hash_mode: str, input_format: str = "auto",
+                       max_row_bytes: int = SampleOptions.max_row_bytes) -> JobInput:
+    file = describe_input(given, rows_per_unit, input_format, max_row_bytes)
     fingerprint, mtime_ns = input_fingerprint(given, hash_mode)
     if is_hub_dataset(given) or storage.is_url(given):  # a name, not a path; recorded without credentials
         return JobInput(file, storage.redact(given), storage.redact(given), fingerprint, mtime_ns)
@@ -517,6 +519,7 @@ def check_config(cfg: PreprocessConfig) -> None:
                           f"{cfg.num_partitions}), got {cfg.partition_index}")
     _at_least("--max-seq-len", cfg.sample.max_seq_len, 1)
     _at_least("--max-image-pixels", cfg.sample.max_image_pixels, 1)
+    _at_least("--max-row-bytes", cfg.sample.max_row_bytes, 1)
     _at_least("--min-pixels", cfg.min_pixels, 1)
     _at_least("--max-pixels", cfg.max_pixels, 1)
     for flag, value in (("--min-pixels", cfg.min_pixels), ("--max-pixels", cfg.max_pixels)):
@@ -814,6 +817,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
         return _run_to_store(cfg)
     setup_started = time.perf_counter()
     check_config(cfg)
+    check_inputs(cfg.inputs)  # each there, readable, of a kind that cannot block, and named once
     profile = resolve_profile(**_profile_args(cfg))
     _ = profile.special  # fail now, not in a worker
     with _local_pool(cfg, profile) as pool:
@@ -833,7 +837,8 @@ def idle_workers_note(units: int, rows: int, workers: int, rows_per_shard: int) 
 
 
 def _run_with_pool(cfg: PreprocessConfig, profile: Profile, pool: _LocalPool | None, setup_started: float) -> dict:
-    inputs = [describe_job_input(p, cfg.rows_per_shard, cfg.input_hash, cfg.input_format) for p in cfg.inputs]
+    inputs = [describe_job_input(p, cfg.rows_per_shard, cfg.input_hash, cfg.input_format, cfg.sample.max_row_bytes)
+              for p in cfg.inputs]
     units = plan_units([inp.file for inp in inputs], cfg.rows_per_shard)
     mine = [u for u in units if u.index % cfg.num_partitions == cfg.partition_index]
     identity = job_identity(cfg, profile, inputs)

@@ -6,10 +6,13 @@ to its visual-token count and each `<|video_pad|>` to the video's tokens (on Qwe
 `<t seconds><|vision_start|>...<|vision_end|>` block per temporal patch, as HF's processor
 writes them) -> length policy -> decode, resize, patchify the images and the sampled video
 frames -> M-RoPE positions. Every check that needs no pixels runs before anything is decoded,
-so bad and over-long rows cost little.
+so bad and over-long rows cost little; a text too long for --max-seq-len by its length alone is
+rejected (or under --truncate cut to a head) before it is tokenized (text_budget.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -22,8 +25,11 @@ from shards_schema.storage import FetchPolicy
 
 from .errors import RejectError
 from .images import DEFAULT_MAX_MEDIA_BYTES, decode_opened, header_grid, image_to_patches, open_image_source
+from .inputs import DEFAULT_MAX_ROW_BYTES
 from .profiles import Profile
-from .render import lone_surrogate, render_conversation, surrogate_message, tokenize_rendered
+from .render import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Rendered, lone_surrogate, render_conversation,
+                     surrogate_message, tokenize_rendered)
+from .text_budget import might_exceed, utf8_length
 from .video import DEFAULT_MAX_VIDEO_BYTES, VideoOptions, VideoPlan, open_video_source, plan_video, timestamps_for
 from .video.patches import frames_to_patches
 
@@ -47,6 +53,7 @@ class SampleOptions:
     remote_fetch: FetchPolicy = FetchPolicy()
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES  # an input row holding more is rejected unread (preprocess.inputs)
     max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
     video: VideoOptions = VideoOptions()
     video_fit: bool = False  # a video too long for max_seq_len alone is sampled with fewer frames
@@ -134,6 +141,33 @@ def _apply_length_policy(input_ids, loss_mask, profile: Profile, options: Sample
     if not loss_mask.any():
         raise RejectError("no_targets", f"after truncation to {options.max_seq_len} tokens no target token is left")
     return input_ids, loss_mask
+
+
+def _within_reach(rendered: Rendered, profile: Profile, options: SampleOptions) -> Rendered:
+    """`rendered`, or under --truncate the head of it worth tokenizing. Tokenizing costs about
+    140 bytes of memory per byte of text, so a text that makes more than --max-seq-len tokens by
+    its length alone (`TextBudget`) is rejected before it reaches the tokenizer, and under
+    --truncate only a head of it that makes the same first tokens is tokenized."""
+    text, limit, tokenizer = rendered.text, options.max_seq_len, profile.tokenizer
+    if not might_exceed(text, limit, tokenizer):
+        return rendered
+    budget = profile.text_budget
+    fewest = budget.fewest_tokens(text, tokenizer)
+    if fewest <= limit:
+        return rendered
+    length = (f"{utf8_length(text):,} bytes of text make at least {fewest:,} tokens (no token is longer than "
+              f"{budget.longest_token_bytes} bytes) > --max-seq-len {limit}")
+    if not options.truncate:
+        raise RejectError("too_long", f"{length}; raise --max-seq-len, or pass --truncate to cut the tail")
+    end = budget.head_end(text, limit, tokenizer)
+    if end is None:
+        raise RejectError("too_long", f"{length}, and --truncate finds no place to cut it where the tokenizer would "
+                          "split it anyway (a word's end); shorten the text")
+    if (text.count(IMAGE_PLACEHOLDER, 0, end) != len(rendered.image_sources)
+            or text.count(VIDEO_PLACEHOLDER, 0, end) != len(rendered.videos)):
+        raise RejectError("too_long", f"{length} and the cut would fall inside or before an image or a video")
+    spans = [(start, min(stop, end)) for start, stop in rendered.target_spans if start < end]
+    return dataclasses.replace(rendered, text=text[:end], target_spans=spans)
 
 
 def row_sample_uid(row_id, default: str) -> str:
@@ -287,6 +321,7 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
         template=profile.template,
         reasoning_loss=options.reasoning_loss,
     )
+    rendered = _within_reach(rendered, profile, options)
     vision = profile.vision
     images, header_grids, image_visions = [], [], []
     for k, image_source in enumerate(rendered.image_sources):

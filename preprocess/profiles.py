@@ -35,6 +35,7 @@ from shards_schema.builtin import (
 
 from .errors import ConfigError
 from .render import DEFAULT_TEXT_SPECIAL_TOKENS, GROUNDING_TOKENS
+from .text_budget import TextBudget
 from .video import BUILTIN_VIDEO, VideoDefaults
 
 VLMPACK_VERSION = "0.1.0"
@@ -105,6 +106,11 @@ class Profile:
         from tokenizers import Tokenizer
 
         return Tokenizer.from_str(self.tokenizer_json)
+
+    @cached_property
+    def text_budget(self) -> TextBudget:
+        """The fewest tokens a text can make, from the vocabulary's longest entry (found once)."""
+        return TextBudget.of(self.tokenizer)
 
     @cached_property
     def special(self) -> SpecialTokens:

@@ -45,7 +45,7 @@ ROLES = ("system", "user", "assistant", "tool")
 # RejectError codes raised by render_conversation (rejects.jsonl groups rows by them).
 REJECT_CODES = (
     "no_messages",  # messages missing, empty or not a list
-    "bad_message",  # a message that is not an object, has no role, or a bad `train` flag
+    "bad_message",  # a message that is not an object, has no role, or a bad `train` flag or `weight`
     "unknown_role",  # role outside system/user/assistant/tool
     "bad_content",  # content/part shapes the templates cannot render as intended
     "bad_video_option",  # a video part's sampling option of the wrong kind or range
@@ -255,12 +255,26 @@ def _parse_content(message: dict, role: str, index: int) -> tuple[list[tuple[str
     )
 
 
+def _json_text(value, code: str, index: int | None, where: str) -> str:
+    """`value` as the templates' `tojson` writes it. What JSON cannot hold (NaN and infinite
+    numbers, which `tojson` would write as the non-JSON `NaN` / `Infinity`; bytes, decimals) or
+    what is nested too deep to write is rejected with `code`: a target the model learns must be
+    valid JSON."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except RecursionError:
+        raise _reject(code, index, f"{where} is nested too deep to write as JSON") from None
+    except (TypeError, ValueError) as exc:
+        raise _reject(code, index, f"{where} holds a value JSON cannot hold ({exc}); write NaN and infinite "
+                      "numbers as strings, or leave them out") from None
+
+
 def _render_arguments(arguments, index: int, k: int) -> str:
     """A string is rendered verbatim (OpenAI's JSON string), an object as the template's `tojson`."""
     if isinstance(arguments, str):
         return arguments
     if isinstance(arguments, dict):
-        return json.dumps(arguments, ensure_ascii=False)
+        return _json_text(arguments, "bad_tool_call", index, f"tool_calls[{k}].arguments")
     raise _reject("bad_tool_call", index, f"tool_calls[{k}].arguments must be a JSON string or an object")
 
 
@@ -300,8 +314,17 @@ def _parse_message(message, index: int, template: str = "instruct") -> _Message:
     train = message.get("train")
     if train is not None and not isinstance(train, bool):
         raise _reject("bad_message", index, "train must be true or false")
+    flag = "train: true"
+    if "weight" in message:  # OpenAI's fine-tuning format: 0 leaves an assistant turn out of the loss
+        weight = message["weight"]
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight not in (0, 1):
+            raise _reject("bad_message", index, f"weight must be 0 or 1, got {type(weight).__name__} "
+                          f"{ascii(weight):.80}")
+        if train is not None and train != (weight == 1):
+            raise _reject("bad_message", index, f"train: {str(train).lower()} and weight: {weight} disagree; give one")
+        train, flag = weight == 1, "weight: 1"
     if train and role != "assistant":
-        raise _reject("bad_message", index, f"train: true on a {role} message (only assistant turns are trained)")
+        raise _reject("bad_message", index, f"{flag} on a {role} message (only assistant turns are trained)")
     reasoning = None
     if template == "thinking" and role == "assistant" and "reasoning_content" in message:
         reasoning = message["reasoning_content"]  # a string, even empty, is what the template renders
@@ -465,7 +488,7 @@ def _render_qwen3_system(out: _TextBuilder, system: _Message | None, tools: list
         out.add(QWEN3_TOOLS_INTRO)
         for k, tool in enumerate(tools):
             out.add("\n")
-            out.add(json.dumps(tool, ensure_ascii=False), where=f"tools[{k}]")
+            out.add(_json_text(tool, "bad_tools", None, f"tools[{k}]"), where=f"tools[{k}]")
         out.add(QWEN3_TOOLS_OUTRO)
     elif system is not None:
         out.add(IM_START + "system\n")

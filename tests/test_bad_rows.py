@@ -5,10 +5,12 @@ of row and media together with good rows."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 
@@ -426,3 +428,250 @@ def test_remote_media_that_never_comes_is_rejected_and_the_job_goes_on(http_medi
     assert open_shards(out).manifest["accounting"]["rows_written"] == 3
     # the silent server costs 2 attempts x (HEAD + GET) x 0.5 s + a 1 s pause; the rest is start-up
     assert elapsed < 60, elapsed
+# ----------------------------------------------------------------------------- bounded rows
+
+_LIMITED_JOB = r"""
+import json, resource, sys
+from shards_schema.cli import main
+warm_up, argv, budget = json.loads(sys.argv[1])
+if main(warm_up) != 0:
+    sys.exit("the warm-up job failed")
+peak = next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmPeak:"))
+resource.setrlimit(resource.RLIMIT_AS, (peak + budget, peak + budget))
+sys.exit(main(argv))
+"""
+
+
+def _row_of_text(text_bytes: int) -> bytes:
+    """A JSONL row whose assistant answer is ASCII words of `text_bytes` bytes in all."""
+    head, tail = json.dumps({"messages": [{"role": "user", "content": "Tell a long story."},
+                                          {"role": "assistant", "content": "@"}]}).split("@")
+    words = b"once upon a time " * (text_bytes // 17 + 1)
+    return head.encode() + words[: text_bytes - len(head) - len(tail)] + tail.encode()
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_rows_over_the_byte_limit_and_texts_too_long_to_fit_keep_memory_bounded(tmp_path, truncate):
+    """A JSONL and a JSON input each hold good rows, a row of text just under --max-row-bytes
+    (4 MiB) and one far over it (64 MiB). The job runs in a process whose address space may grow
+    by 4x the row limit plus 256 MiB past what a small job reached (RLIMIT_AS): the long row is
+    rejected as row_too_large without being held; the text just under the limit, which
+    --max-seq-len 1024 could never hold, is rejected as too_long before it is tokenized
+    (tokenizing it would take about 600 MB), or with --truncate only its head is tokenized and
+    the row written. The rows after them are written."""
+    limit = 4 << 20
+    good = json.dumps({"messages": GOOD_MESSAGES}).encode()
+    rows = [good, _row_of_text(limit - 100), _row_of_text(64 << 20), good]
+    (tmp_path / "rows.jsonl").write_bytes(b"\n".join(rows) + b"\n")
+    (tmp_path / "rows.json").write_bytes(b"[" + b",\n".join(rows) + b"]")
+    (tmp_path / "small.jsonl").write_bytes(good + b"\n")
+    common = ["--workers", "1", "--no-progress", "--max-seq-len", "1024", "--max-row-bytes", str(limit)]
+    warm_up = ["preprocess", str(tmp_path / "small.jsonl"), "--out", str(tmp_path / "warm"), *common]
+    out = tmp_path / "out"
+    argv = ["preprocess", str(tmp_path / "rows.jsonl"), str(tmp_path / "rows.json"), "--out", str(out), *common,
+            *(["--truncate"] if truncate else [])]
+    result = subprocess.run([sys.executable, "-c", _LIMITED_JOB, json.dumps([warm_up, argv, 4 * limit + (256 << 20)])],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    expected = {1: "too_long", 2: "row_too_large"} if not truncate else {2: "row_too_large"}
+    for name in ("rows.jsonl", "rows.json"):
+        assert {r["row"]: r["code"] for r in rejects if r["source"].endswith(name)} == expected
+    assert any("more than --max-row-bytes 4,194,304" in r["reason"] for r in rejects)
+    acc = json.loads((out / "manifest.json").read_text())["accounting"]
+    assert acc["rows_written"] == 2 * (4 - len(expected))
+    if truncate:
+        shards = open_shards(out)
+        assert sorted(len(shards[i]["input_ids"]) for i in range(len(shards)))[-2:] == [1024, 1024]
+
+
+HEAD_PIECES = ["the", "cat", "Hello", "it's", "we'll", "I'M", " ", "  ", "\n", "\n\n", "\t", " \n", "\r\n", ",", ".", "!",
+               "?", "'", '"', "(", ")", "[", "]", "{", "}", ";", ":", "123", "4", "_", "-", "—", "$", "#", "ü", "é",
+               "e\u0301", "A\u030a", "\u212b", "\u0958", "क", "\u093c", "我爱你", "，", "。", "、", "！", "한국어",
+               "\u1100\u1161\u11a8", "\u1100", "\u1161", "ｶﾞ", "😀", "👍🏽", "ǅ", "ﬁ", "ß", "Σ", "ς", "عربي", "\u200d",
+               "\u0301", "\u0338", ">", "<", "=", "١٢", "①", "½", "<|im_end|>", "<|vision_start|>", "<think>",
+               "</think>", "<tool_call>"]
+
+
+def test_a_head_cut_where_the_tokenizer_splits_gives_the_whole_texts_first_tokens(builtin_profiles):
+    """`TextBudget.head_end` cuts a text just after a letter that whitespace or punctuation
+    follows, outside any added token: the head's token ids are the whole text's first ids. The
+    tokenizer itself is the oracle, on random texts of ASCII words, contractions, punctuation,
+    digits, CJK, Hangul syllables and conjoining jamo, accents precomposed and combining (ones
+    NFC composes, reorders or splits), emoji, Arabic and special tokens. A cut inside a word
+    (the control) does change the first tokens."""
+    profile = builtin_profiles["qwen3-vl"]
+    tokenizer = profile.tokenizer
+    budget = dataclasses.replace(profile.text_budget, longest_token_bytes=1)  # small heads: cuts everywhere
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    rng = random.Random(11)
+    cuts = 0
+    for _ in range(300):
+        text = "".join(rng.choice(HEAD_PIECES) for _ in range(rng.randint(20, 200)))
+        whole = ids(text)
+        for _ in range(3):
+            end = budget.head_end(text, rng.randint(1, len(text)), tokenizer)
+            if end is not None:
+                head = ids(text[:end])
+                assert whole[: len(head)] == head, (text[:end], text[end:])
+                cuts += 1
+    assert cuts > 500
+    assert ids("unbelievably")[:1] != ids("unbeliev")[:1] or ids("unbelievably")[:2] != ids("unbeliev")
+
+
+def test_truncate_tokenizes_only_a_head_and_gives_what_cutting_the_whole_texts_ids_gives(builtin_profiles, monkeypatch):
+    """A text too long for --max-seq-len by its length alone (more bytes than --max-seq-len times
+    the longest token) is rejected as too_long before it is tokenized; under --truncate only a
+    head of it is tokenized, and the sample equals tokenizing the whole rendered text and cutting
+    its ids and loss mask (what --truncate always did), with an image before the text too. An
+    image after the cut is too_long, as the cut would fall before it."""
+    import preprocess.pipeline as pipeline
+    from preprocess.render import render_conversation, tokenize_rendered
+    from preprocess.text_budget import HEAD_CUT_WINDOW
+
+    profile = builtin_profiles["qwen3-vl"]
+    rng = random.Random(5)
+    story = " ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat", "é", "我爱你，", "don't", "1984"])
+                     for _ in range(40_000))
+    image = _data_uri("image/png", _encode(Image.new("RGB", (28, 28), "red"), "PNG"))
+    tokenized = []
+    monkeypatch.setattr(pipeline, "tokenize_rendered",
+                        lambda rendered, tok: tokenized.append(len(rendered.text)) or tokenize_rendered(rendered, tok))
+    for content in ("Tell a story.", [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "And?"}]):
+        row = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": story}]}
+        tokenized.clear()
+        with pytest.raises(RejectError) as err:
+            _process(row, profile, max_seq_len=256)
+        assert err.value.code == "too_long" and "make at least" in err.value.message and not tokenized
+        sample = _process(row, profile, max_seq_len=256, truncate=True)
+        rendered = render_conversation(row["messages"], family="qwen3-vl", special_tokens=profile.text_special_tokens)
+        ids, mask = tokenize_rendered(rendered, profile.tokenizer)
+        if isinstance(content, list):
+            pad = profile.special.image_pad
+            grid = sample.image_grid_thw[0]
+            ids, mask = pipeline.expand_image_pads(ids, mask, np.asarray([grid.prod() // 4]), pad)
+        assert sample.input_ids.tolist() == ids[:256].tolist()
+        assert sample.loss_mask.tolist() == mask[:256].tolist()
+        assert tokenized[-1] <= 256 * profile.text_budget.longest_token_bytes + HEAD_CUT_WINDOW < len(rendered.text)
+    row = {"messages": [{"role": "user", "content": [{"type": "text", "text": story},
+                                                    {"type": "image_url", "image_url": {"url": image}}]},
+                        {"role": "assistant", "content": "A cat."}]}
+    with pytest.raises(RejectError) as err:
+        _process(row, profile, max_seq_len=256, truncate=True)
+    assert err.value.code == "too_long" and "before an image or a video" in err.value.message
+
+
+def _through_json(row: dict) -> dict:
+    """`row` as the reader gives it from its JSON text (NaN and Infinity literals included)."""
+    return json.loads(json.dumps(row))
+
+
+def _with(**assistant) -> dict:
+    return {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", **assistant},
+                         {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]}
+
+
+def _tool_row(arguments, tool_default=0) -> dict:
+    return {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"default": tool_default}}}],
+            "messages": [{"role": "user", "content": "q"},
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                         {"role": "tool", "content": "r"}, {"role": "assistant", "content": "done"}]}
+
+
+def _sharegpt(call: str = '{"name": "f", "arguments": {}}', **extra) -> dict:
+    return {**extra, "conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": call},
+                                       {"from": "observation", "value": "r"}, {"from": "gpt", "value": "done"}]}
+
+
+def _swift(loss, role: str = "assistant") -> dict:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]
+    messages[1 if role == "assistant" else 0]["loss"] = loss
+    return {"messages": messages, "images": []}
+
+
+NAN, INF = float("nan"), float("inf")
+NUMERIC_FIELDS = [  # (layout, row, None: written, or the reject code)
+    *[("openai", {**_with(), "id": value}, None) for value in (10**4000, -5, 0, "5", "-1e309")],
+    *[("openai", {**_with(), "id": value}, "bad_id") for value in (NAN, INF, -INF, 1e308, 1.0, -0.0, True, False)],
+    *[("openai", _with(weight=value), None) for value in (0, 1, 0.0, 1.0, None)],
+    *[("openai", _with(weight=value), "bad_message")
+      for value in (2, -1, 0.5, 1e-300, NAN, INF, -INF, True, False, "1", "0", 10**100, [1], {"w": 1})],
+    ("openai", {"messages": [{"role": "user", "content": "Hi", "weight": 1}, *_with()["messages"][1:]]}, "bad_message"),
+    ("openai", _with(weight=0, train=True), "bad_message"),
+    *[("openai", _with(train=value), "bad_message") for value in (1, 0, "true", NAN)],
+    *[("openai", _tool_row({"x": value}), None) for value in (1e308, 5e-324, 10**100, -0.0, 0, -1, True, "NaN")],
+    *[("openai", _tool_row({"x": value}), "bad_tool_call") for value in (NAN, INF, -INF)],
+    ("openai", _tool_row({"x": {"y": [1, NAN]}}), "bad_tool_call"),
+    *[("openai", _tool_row({}, tool_default=value), "bad_tools") for value in (NAN, INF, -INF)],
+    ("sharegpt", _sharegpt(), None),
+    ("sharegpt", _sharegpt('{"name": "f", "arguments": {"x": 1e999}}'), "bad_tool_call"),
+    ("sharegpt", _sharegpt('{"name": "f", "arguments": {"x": NaN}}'), "bad_tool_call"),
+    ("sharegpt", _sharegpt('{"name": "f", "arguments": {"x": ' + "9" * 5000 + "}}"), "bad_tool_call"),
+    ("sharegpt", _sharegpt("[" * 100_000 + "]" * 100_000), "bad_tool_call"),
+    ("sharegpt", _sharegpt('{"name": 5, "arguments": {}}'), "bad_tool_call"),
+    ("sharegpt", _sharegpt(tools='[{"name": "f", "parameters": {"default": NaN}}]'), "bad_tools"),
+    ("sharegpt", _sharegpt(tools="[" * 100_000 + "]" * 100_000), "bad_tools"),
+    *[("sharegpt", _sharegpt(system=value), "bad_content") for value in (5, NAN, 0, True)],
+    ("sharegpt", _sharegpt(system=""), None),
+    *[("swift", _swift(value), None) for value in (True, False, None)],
+    *[("swift", _swift(value), "bad_message") for value in (1, 0, 1.0, "true", NAN, INF)],
+    ("swift", _swift(True, role="user"), "bad_message"),
+    ("swift", _swift(False, role="user"), None),
+]
+
+
+@pytest.mark.parametrize("layout, row, code", NUMERIC_FIELDS, ids=[f"{k}-{c[0]}-{c[2]}" for k, c in enumerate(NUMERIC_FIELDS)])
+def test_numbers_in_every_row_field_are_valid_or_rejected_with_a_code(builtin_profiles, layout, row, code):
+    """Huge, tiny, infinite and NaN numbers (JSON's NaN / Infinity literals, as Python's json
+    reads them), negative numbers, zero, booleans and numbers written as strings, in every field
+    of a row the layouts read that is not a media part's: ids, OpenAI's `weight`, `train`,
+    tool-call arguments, tool schemas, ShareGPT's function calls, tools and system, ms-swift's
+    `loss`. Each is a documented value (the row is written) or the row is rejected with a code;
+    a target never holds NaN or Infinity, which are not JSON."""
+    from preprocess.formats import to_openai_row
+
+    if code is None:
+        sample = _process(to_openai_row(_through_json(row), layout), builtin_profiles["qwen3-vl"])
+        if "id" in row:
+            assert sample.sample_uid == str(row["id"])
+    else:
+        with pytest.raises(RejectError) as err:
+            _process(to_openai_row(_through_json(row), layout), builtin_profiles["qwen3-vl"])
+        assert err.value.code == code, err.value
+
+
+def test_weight_and_loss_decide_a_turns_loss_as_train_does(builtin_profiles):
+    """OpenAI's `weight: 0` and ms-swift's `loss: false` leave an assistant turn out of the loss
+    as `train: false` does (here against the all_assistant policy, which would train it);
+    `weight: 1` and `loss: true` train it as `train: true` does (against last_assistant, which
+    would not)."""
+    from preprocess.formats import to_openai_row
+
+    profile = builtin_profiles["qwen3-vl"]
+    for flag, weight, loss, policy in ((False, 0, False, "all_assistant"), (True, 1, True, "last_assistant")):
+        want = _process(_with(train=flag), profile, loss_policy=policy).loss_mask.tolist()
+        assert want != _process(_with(), profile, loss_policy=policy).loss_mask.tolist()
+        for row in (_with(weight=weight), to_openai_row(_swift(loss), "swift")):
+            assert _process(row, profile, loss_policy=policy).loss_mask.tolist() == want
+
+
+def test_max_row_bytes_must_be_positive(tmp_path, capsys):
+    from preprocess.errors import ConfigError
+    from preprocess.job import PreprocessConfig, run_preprocess
+    from tests.cli_run import vlmpack_exit_code
+
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"messages": GOOD_MESSAGES}) + "\n")
+    for value in ("0", "-1"):
+        code = vlmpack_exit_code(["preprocess", str(data), "--out", str(tmp_path / "out"), "--max-row-bytes", value])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and f"--max-row-bytes: must be a positive number of bytes, got {value}" in err
+    with pytest.raises(ConfigError, match="--max-row-bytes must be an integer >= 1, got 0"):
+        run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(tmp_path / "out"), progress=False,
+                                        sample=SampleOptions(max_row_bytes=0)))
+    assert not (tmp_path / "out").exists()

@@ -12,8 +12,10 @@ both families. The layouts are written by the tests as those projects document t
 from __future__ import annotations
 
 import base64
+import io
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -276,3 +278,201 @@ def test_hub_dataset_by_name_with_split_config_and_image_features(tmp_path, monk
     code = main(["preprocess", "hf://datasets/acme/charts?config=qa&split=validation", "--out", "bad", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "split=validation" in err and "validation" in err.split(":", 2)[-1], err
+
+
+# ---------------------------------------------------------------- inputs read as they stream, damaged inputs
+
+
+def _random_json_value(rng: random.Random, depth: int = 0):
+    kind = rng.randrange(7 if depth < 4 else 4)
+    if kind == 0:  # strings holding what a splitter could mistake for structure
+        return "".join(rng.choice(['a"b', "x\\", "[{,}]", '\\"', "é漢😀", "", "\n\t", ",]", " ", "\\\\"])
+                       for _ in range(rng.randint(0, 4)))
+    if kind == 1:
+        return rng.choice([0, -7, 3.25, 1e300, 10**30, True, False, None])
+    if kind == 2:
+        return rng.choice(["", "]", "[", "}", "{", ","])
+    if kind == 3:
+        return "w" * rng.randint(0, 30)
+    if kind in (4, 5):
+        return {rng.choice(["a", "b,", "c]", 'd"']) + str(k): _random_json_value(rng, depth + 1)
+                for k in range(rng.randint(0, 3))}
+    return [_random_json_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+
+
+def test_json_arrays_split_while_they_stream_give_the_rows_json_parses(tmp_path, monkeypatch):
+    """A .json input is split into its top-level elements as it is read in blocks (7 bytes here,
+    so strings, escapes and nesting cross block edges everywhere), never parsed whole: every
+    unit's rows equal json.loads of the whole file, for random arrays whose strings hold quotes,
+    brackets, commas, backslashes and non-ASCII text, with or without indentation, ASCII
+    escapes, a byte order mark and whitespace around the array."""
+    from preprocess import inputs
+
+    monkeypatch.setattr(inputs, "READ_BLOCK_BYTES", 7)
+    rng = random.Random(3)
+    path = tmp_path / "rows.json"
+    for _ in range(40):
+        rows = [{"id": str(k), "v": _random_json_value(rng)} for k in range(rng.randint(0, 12))]
+        text = json.dumps(rows, indent=rng.choice([None, 1]), ensure_ascii=rng.random() < 0.5)
+        head = rng.choice(["", "\ufeff", " \n"])
+        path.write_bytes((head + text + rng.choice(["", "\n", "  \r\n"])).encode("utf-8"))
+        per_unit = rng.randint(1, 5)
+        inp = inputs.describe_input(str(path), per_unit)
+        assert inp.num_rows == len(rows)
+        got = [(index, row) for unit in inputs.plan_units([inp], per_unit)
+               for index, row in inputs.read_rows(unit, per_unit)]
+        assert got == list(enumerate(rows))
+
+
+JSON_ARRAYS = [  # (file bytes, rows: a value, or (reject code, words of its reason))
+    (b"[]", []),
+    (b" \n[ \n]\n", []),
+    (b'[{"a": "x]"}, {"b": "\\"],"}]', [{"a": "x]"}, {"b": '"],'}]),
+    (b'[{"a": 1},]', [{"a": 1}, ("bad_json", "empty array element")]),
+    (b'[{"a": 1},, 2]', [{"a": 1}, ("bad_json", "empty array element"), 2]),
+    (b'[{"a": 1} xx, {"b": 2}]', [("bad_json", "not valid JSON"), {"b": 2}]),
+    (b'[{"a": 1}, {"b": "\xff"}]', [{"a": 1}, ("bad_json", "can't decode byte 0xff")]),
+    (b'[{"a": 1}, {"b": [1, 2', [{"a": 1}, ("bad_json", "the file is truncated")]),
+    (b'[{"a": 1}, {"b": 2}', [{"a": 1}, ("bad_json", "the file is truncated")]),
+    (b"[" + b"[" * 5000 + b"]" * 5000 + b", 7]", [("bad_json", "nested deeper than the JSON parser allows"), 7]),
+    (b'[{"n": ' + b"9" * 5000 + b"}, 7]", [("bad_json", "an integer of more than 4300 digits"), 7]),
+    (b'[{"n": NaN, "m": -Infinity}]', [{"n": float("nan"), "m": float("-inf")}]),  # what json reads; the row decides
+]
+
+
+@pytest.mark.parametrize("data, expected", JSON_ARRAYS, ids=[str(k) for k in range(len(JSON_ARRAYS))])
+def test_damaged_json_arrays_reject_the_damaged_element_and_keep_the_others(data, expected, tmp_path):
+    from preprocess.inputs import describe_input, plan_units, read_rows
+
+    path = tmp_path / "rows.json"
+    path.write_bytes(data)
+    inp = describe_input(str(path), 2)
+    got = [row for unit in plan_units([inp], 2) for _, row in read_rows(unit, 2)]
+    assert len(got) == len(expected) == inp.num_rows
+    for row, want in zip(got, expected):
+        if isinstance(want, tuple):
+            assert isinstance(row, RejectError) and row.code == want[0] and want[1] in row.message, row
+        else:
+            assert json.dumps(row) == json.dumps(want)  # NaN compares equal only as text
+
+
+def _parquet_bytes(rows: list[dict], row_group_size: int) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buffer, row_group_size=row_group_size)
+    return buffer.getvalue()
+
+
+def _chat(text: str, answer: str = "Fine.", **extra) -> dict:
+    return {**extra, "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]}
+
+
+def test_damaged_rows_of_every_input_format_are_rejected_by_code_and_the_other_rows_kept(tmp_path):
+    """One job over a damaged input of each format, with --max-row-bytes 256 KiB: JSONL lines that
+    are not UTF-8, hold NUL bytes, are not an object, nest 100,000 deep, hold a 5000-digit
+    integer or are over the limit, and a last line cut short; a JSON array with the same and a
+    truncated end; a Parquet file with an unreadable middle row group (its rows rejected with
+    the row range named) and a row over the limit; a Parquet file of another schema; a `datasets`
+    directory with a byte of an Arrow string buffer damaged. Each damaged row is rejected with
+    its code at its row, every other row is written, and rows read = written + rejected."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    big = "x" * (300 << 10)
+    good = [json.dumps(_chat(f"Hi {k}"), ensure_ascii=False).encode() for k in range(3)]
+    jsonl = [
+        (good[0], None),
+        (b'{"messages": "\xff\xfe"}', "bad_json"),
+        (b'{"mess\x00ages": []}', "bad_json"),
+        (b"\x00\x00\x00", "bad_json"),
+        (b"[1, 2]", "bad_row"),
+        (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "bad_json"),
+        (b'{"id": ' + b"9" * 5000 + b', "messages": []}', "bad_json"),
+        (json.dumps(_chat(big)).encode(), "row_too_large"),
+        (good[1], None),
+        (good[2][:-5], "bad_json"),  # the last line, cut short
+    ]
+    (tmp_path / "rows.jsonl").write_bytes(b"\n".join(line for line, _ in jsonl))
+    json_rows = [(good[0], None), (b'{"messages": "\xff"}', "bad_json"), (b"[" * 3000 + b"]" * 3000, "bad_json"),
+                 (json.dumps(_chat(big)).encode(), "row_too_large"), (good[1], None), (good[2][:-9], "bad_json")]
+    (tmp_path / "rows.json").write_bytes(b"[" + b",\n".join(row for row, _ in json_rows))  # no closing ]
+    table_rows = [_chat(f"Row {k}") for k in range(30)]
+    table_rows[25] = _chat(big)
+    data = bytearray(_parquet_bytes(table_rows, row_group_size=10))
+    group = pq.ParquetFile(io.BytesIO(bytes(data))).metadata.row_group(1)
+    data[group.column(0).data_page_offset] ^= 0xFF  # the first page header of row group 1
+    (tmp_path / "table.parquet").write_bytes(bytes(data))
+    (tmp_path / "other.parquet").write_bytes(_parquet_bytes([{"prompt": "q", "answer": "a"}] * 2, 10))
+    ds_rows = [_chat("DAMAGED-ROW" if k == 2 else f"Saved {k}") for k in range(5)]
+    datasets.Dataset.from_list(ds_rows).save_to_disk(str(tmp_path / "saved"))
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes().replace(b"DAMAGED-ROW", b"\xff" * 11))
+
+    inputs = ["rows.jsonl", "rows.json", "table.parquet", "other.parquet", "saved"]
+    manifest = run_preprocess(PreprocessConfig(inputs=[str(tmp_path / name) for name in inputs], out=str(tmp_path / "out"),
+                                               workers=1, progress=False, rows_per_shard=4,
+                                               sample=SampleOptions(max_row_bytes=256 << 10)))
+    expected = {("rows.jsonl", k): code for k, (_, code) in enumerate(jsonl) if code}
+    expected |= {("rows.json", k): code for k, (_, code) in enumerate(json_rows) if code}
+    expected |= {("table.parquet", k): "unreadable_row" for k in range(10, 20)} | {("table.parquet", 25): "row_too_large"}
+    expected |= {("other.parquet", 0): "no_messages", ("other.parquet", 1): "no_messages", ("saved", 2): "unreadable_row"}
+    rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert {(Path(r["source"]).name, r["row"]): r["code"] for r in rejects} == expected
+    unreadable = next(r["reason"] for r in rejects if r["code"] == "unreadable_row" and r["source"].endswith("parquet"))
+    assert "Parquet row group 1 (rows 10-19) cannot be read" in unreadable
+    acc = manifest["accounting"]
+    assert acc["rows_read"] == len(jsonl) + len(json_rows) + 30 + 2 + 5 == acc["rows_written"] + acc["rows_rejected"]
+    assert acc["rows_written"] == 2 + 2 + 19 + 4
+    shards = open_shards(tmp_path / "out")
+    assert sorted(shards[i]["source"].split(":")[-1] for i in range(len(shards))
+                  if shards[i]["source"].startswith(str(tmp_path / "table.parquet"))) == sorted(
+        str(k) for k in [*range(10), *range(20, 25), *range(26, 30)])
+
+
+def _damaged_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (an input that cannot be opened at all, words its one-line error must hold)."""
+    import datasets
+
+    good = _parquet_bytes([_chat("Hi")] * 3, 10)
+    files = {
+        "json-object.json": (b'{"messages": []}', "must be an array of rows"),
+        "json-empty.json": (b" \n", "empty, not a JSON array"),
+        "json-two-arrays.json": (b"[1] [2]", "more data after the JSON array ends (at byte 4)"),
+        "parquet-truncated.parquet": (good[: len(good) // 2], "not a readable Parquet file"),
+        "parquet-footer.parquet": (good[:-4] + b"XXXX", "not a readable Parquet file"),
+        "parquet-empty.parquet": (b"", "not a readable Parquet file"),
+    }
+    cases = {}
+    for name, (data, words) in files.items():
+        (tmp_path / name).write_bytes(data)
+        cases[name] = (tmp_path / name, words)
+    for name, damage, words in [
+        ("ds-no-arrow", lambda d: next(d.glob("*.arrow")).unlink(), "No such file or directory"),
+        ("ds-state", lambda d: (d / "state.json").write_text("{broken"), "state.json"),
+        ("ds-info", lambda d: (d / "dataset_info.json").write_text("[1,"), "dataset_info.json"),
+        ("ds-truncated-arrow", lambda d: (lambda f: f.write_bytes(f.read_bytes()[:100]))(next(d.glob("*.arrow"))),
+         "cannot be loaded"),
+    ]:
+        directory = tmp_path / name
+        datasets.Dataset.from_list([_chat("Hi")] * 3).save_to_disk(str(directory))
+        damage(directory)
+        cases[name] = (directory, words)
+    return cases
+
+
+def test_an_input_that_cannot_be_opened_at_all_stops_the_job_with_one_line(tmp_path, capsys):
+    """A JSON file that is not one array (an object, empty, two arrays), a truncated or empty
+    Parquet file or one with a damaged footer, a `datasets` directory with its Arrow file missing
+    or truncated or its state.json / dataset_info.json damaged: exit 2 before the job starts,
+    one line naming the input, what is wrong and the fix; no output directory is made."""
+    from tests.cli_run import vlmpack_exit_code
+
+    for name, (path, words) in _damaged_inputs(tmp_path).items():
+        out = tmp_path / f"out-{name}"
+        capsys.readouterr()
+        code = vlmpack_exit_code(["preprocess", str(path), "--out", str(out), "--workers", "1", "--no-progress"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and str(path) in err and words in err, (name, err)
+        assert "Traceback" not in err and not out.exists(), name

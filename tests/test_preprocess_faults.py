@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -372,3 +373,100 @@ def test_read_only_output_is_one_line_tmpfs(data, tmp_path):
             result = subprocess.run(_preprocess_cmd(data, out, workers=1), capture_output=True, text=True, timeout=120)
             assert result.returncode == EXIT_USER_ERROR and result.stderr.count("\n") == 1, result.stderr
             assert f"--out {out}" in result.stderr and ("not writable" in result.stderr or "Read-only" in result.stderr)
+
+
+# ---------------------------------------------------------------- inputs that cannot be read, or are named twice
+
+
+def _one_line_refusal(capsys, *argv) -> str:
+    """Run `vlmpack ARGV`: it must exit 2 with one line and no traceback; returns the line."""
+    capsys.readouterr()
+    code = cli_main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code == EXIT_USER_ERROR and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_fifo_as_input_is_refused_without_opening_it(tmp_path):
+    """A FIFO named .jsonl: opening it would wait for a writer forever, so it is refused from its
+    kind alone, at once (a real process, so a regression fails the timeout, not the suite)."""
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    result = subprocess.run(_cli_cmd("preprocess", fifo, "--out", tmp_path / "out", "--no-progress"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_USER_ERROR and result.stderr.count("\n") == 1, result.stderr
+    assert f"input {fifo} is a named pipe (FIFO)" in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_devices_directories_and_unreadable_inputs_stop_the_job_with_one_line(data, tmp_path, capsys, monkeypatch):
+    """/dev/zero and /dev/urandom behind symbolic links named .jsonl / .json (endless: read, they
+    exhaust memory), a FIFO inside a `datasets` directory, a directory that is not a `datasets`
+    directory, a broken symbolic link and an input that cannot be read (chmod 000; where the
+    tests run as root, which reads it anyway, EACCES injected): exit 2 before the job starts,
+    one line naming the input and the fix; no output directory is made."""
+    import datasets
+
+    import preprocess.inputs as inputs
+
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
+    (tmp_path / "random.json").symlink_to("/dev/urandom")
+    (tmp_path / "broken.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
+    (tmp_path / "plain").mkdir()
+    datasets.Dataset.from_list([{"messages": []}]).save_to_disk(str(tmp_path / "saved"))
+    os.mkfifo(tmp_path / "saved" / "extra.arrow")
+    locked = tmp_path / "locked.jsonl"
+    locked.write_bytes(data.read_bytes())
+    locked.chmod(0)
+    if os.geteuid() == 0:  # root reads any file: refuse it as the kernel would refuse anyone else
+        real_open = open
+
+        def refusing_open(path, *args, **kwargs):
+            if str(path) == str(locked):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(inputs, "open", refusing_open, raising=False)
+    cases = {
+        "zero.jsonl": "(a symbolic link to /dev/zero) is a character device",
+        "random.json": "(a symbolic link to /dev/urandom) is a character device",
+        "saved": f"input {tmp_path / 'saved'}: file {tmp_path / 'saved' / 'extra.arrow'} is a named pipe (FIFO)",
+        "plain": "not a `datasets` save_to_disk directory",
+        "broken.jsonl": f"is a broken symbolic link (to {tmp_path / 'nowhere.jsonl'})",
+        "locked.jsonl": "cannot be read (Permission denied): check its permissions",
+    }
+    for name, words in cases.items():
+        out = tmp_path / f"out-{name}"
+        err = _one_line_refusal(capsys, "preprocess", data, tmp_path / name, "--out", out, "--workers", 1, "--no-progress")
+        assert str(tmp_path / name) in err and words in err, (name, err)
+        assert not out.exists()
+
+
+def test_an_input_named_twice_is_refused_naming_both_spellings(data, tmp_path, capsys, monkeypatch):
+    """The same input named twice would train on its rows twice: the same spelling, another
+    relative spelling, a symbolic link, a hard link, a `datasets` directory with and without its
+    trailing slash, a Hub split with and without its default `split=train` are each refused
+    before the job starts (exit 2, one line naming both); a copy of the file is another input."""
+    import datasets
+
+    monkeypatch.chdir(data.parent)
+    (tmp_path / "link.jsonl").symlink_to(data)
+    os.link(data, tmp_path / "hard.jsonl")
+    shutil.copyfile(data, tmp_path / "copy.jsonl")
+    datasets.Dataset.from_list([{"messages": []}]).save_to_disk(str(tmp_path / "saved"))
+    cases = [
+        ([data, data], f"input {data} is named twice"),
+        ([data.name, f"./{data.name}"], f"input ./{data.name} is the same input as {data.name} (both are {data})"),
+        ([data, tmp_path / "link.jsonl"], f"input {tmp_path / 'link.jsonl'} is the same input as {data} (both are"),
+        ([data, tmp_path / "hard.jsonl"], f"input {tmp_path / 'hard.jsonl'} is the same input as {data} (a hard link"),
+        ([tmp_path / "saved", f"{tmp_path / 'saved'}/"], f"input {tmp_path / 'saved'}/ is the same input as"),
+        (["hf://datasets/acme/charts", "hf://datasets/acme/charts?split=train"],
+         "input hf://datasets/acme/charts?split=train is the same input as hf://datasets/acme/charts"),
+    ]
+    for inputs, words in cases:
+        out = tmp_path / "out"
+        err = _one_line_refusal(capsys, "preprocess", *inputs, "--out", out, "--workers", 1, "--no-progress")
+        assert words in err and "name each input once" in err, err
+        assert not out.exists()
+    manifest = run_preprocess(PreprocessConfig(inputs=[str(data), str(tmp_path / "copy.jsonl")],
+                                               out=str(tmp_path / "copies"), progress=False, workers=1))
+    assert len(manifest["accounting"]["inputs"]) == 2

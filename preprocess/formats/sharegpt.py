@@ -15,9 +15,7 @@ expects).
 
 from __future__ import annotations
 
-import json
-
-from ..errors import RejectError
+from ..errors import RejectError, loads_or_reject
 from .placeholders import MediaQueue, split_text
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -31,7 +29,9 @@ def to_openai(row: dict) -> dict:
     queue = MediaQueue.from_row(row)
     messages = []
     system = row.get("system")
-    if isinstance(system, str) and system:
+    if system is not None and not isinstance(system, str):
+        raise RejectError("bad_content", f"`system` must be a string, got {type(system).__name__}")
+    if system:
         messages.append({"role": "system", "content": system})
     for k, turn in enumerate(turns):
         if not isinstance(turn, dict):
@@ -52,10 +52,8 @@ def to_openai(row: dict) -> dict:
 
 def tool_calls(value: str, where: str) -> list[dict]:
     """One call's JSON `{"name", "arguments"}` (or a list of them) -> OpenAI `tool_calls`."""
-    try:
-        calls = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise RejectError("bad_tool_call", f"{where}: a function call must be JSON {{\"name\", \"arguments\"}}: {exc}") from None
+    calls = loads_or_reject(value, "bad_tool_call",
+                            f"{where}: a function call, which must be JSON {{\"name\", \"arguments\"}},")
     calls = calls if isinstance(calls, list) else [calls]
     if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
         raise RejectError("bad_tool_call", f"{where}: each function call needs a string `name`, got {value[:120]!r}")
@@ -67,10 +65,7 @@ def tool_schemas(tools) -> list[dict] | None:
     if tools is None or tools == "" or tools == []:
         return None
     if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as exc:
-            raise RejectError("bad_tools", f"`tools` is not valid JSON: {exc}") from None
+        tools = loads_or_reject(tools, "bad_tools", "`tools`")
     if isinstance(tools, dict):
         tools = [tools]
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):

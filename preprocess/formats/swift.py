@@ -10,7 +10,8 @@ Part-list content: a `{"type": "image"}` / `{"type": "video"}` part without a so
 takes the next entry of the same lists (the layout of TRL datasets, whose `images` column
 holds `Image` features). Roles: `system`, `user`, `assistant`, `tool` / `tool_response` (a
 tool's output) and `tool_call` (its content the JSON of one call, joined to the assistant
-turn right before it, as ms-swift renders it).
+turn right before it, as ms-swift renders it). A message's `loss` (true / false; null: the
+loss policy decides) is the assistant turn's `train` flag.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def to_openai(row: dict) -> dict:
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise RejectError("unknown_role", f"messages[{k}].role {role!r} is not one of {', '.join(ROLES)}")
+        train = _loss_flag(message, role, k)
         if role == "tool_call":
             if not isinstance(content, str):
                 raise RejectError("bad_tool_call", f"messages[{k}]: a tool_call's content must be the JSON of the call")
@@ -44,16 +46,37 @@ def to_openai(row: dict) -> dict:
             previous = messages[-1] if messages else None
             if previous is not None and previous["role"] == "assistant" and k and given[k - 1].get("role") in (
                     "assistant", "tool_call"):
+                if train is not None and previous.setdefault("train", train) != train:
+                    raise RejectError("bad_message", f"messages[{k}]: loss {str(train).lower()} differs from the "
+                                      "assistant turn it joins; one turn is trained or not as a whole")
                 previous.setdefault("tool_calls", []).extend(calls)
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+                messages.append({"role": "assistant", "content": "", "tool_calls": calls,
+                                 **({} if train is None else {"train": train})})
             continue
-        converted = {key: value for key, value in message.items() if key not in ("role", "content")}
+        converted = {key: value for key, value in message.items() if key not in ("role", "content", "loss")}
+        if train is not None and role == "assistant":
+            converted["train"] = train
         converted["role"] = "tool" if role == "tool_response" else role
         converted["content"] = _content(content, queue, k)
         messages.append(converted)
     queue.check_all_used()
     return {"id": row.get("id"), "messages": messages, "tools": tool_schemas(row.get("tools"))}
+
+
+def _loss_flag(message: dict, role: str, k: int) -> bool | None:
+    """ms-swift's per-message `loss` (true, false, or null for the loss policy's choice) as the
+    OpenAI row's `train` flag of an assistant turn; only assistant turns are trained."""
+    loss = message.get("loss")
+    if loss is None:
+        return None
+    if not isinstance(loss, bool):
+        raise RejectError("bad_message", f"messages[{k}].loss must be true, false or null, got {type(loss).__name__} "
+                          f"{ascii(loss):.80}")
+    if loss and role not in ("assistant", "tool_call"):
+        raise RejectError("bad_message", f"messages[{k}]: loss true on a {role} message (only assistant turns are "
+                          "trained)")
+    return loss if role in ("assistant", "tool_call") else None
 
 
 def _content(content, queue: MediaQueue, k: int):
