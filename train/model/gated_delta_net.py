@@ -221,7 +221,9 @@ class Segments:
             starts, ends, first = [], [], []
             for start, end in zip(self.bounds, self.bounds[1:]):
                 for c in range(start, end, chunk):
-                    starts.append(c), ends.append(end), first.append(c == start)
+                    starts.append(c)
+                    ends.append(end)
+                    first.append(c == start)
             rows = torch.tensor(starts)[:, None] + torch.arange(chunk)
             valid = rows < torch.tensor(ends)[:, None]
             rows = torch.where(valid, rows, self.total)
@@ -229,7 +231,8 @@ class Segments:
         return self._chunks
 
 
-_last_segments: tuple | None = None  # (cu_seqlens, its version, rows, device, Segments): one micro-batch's
+# (cu_seqlens, its version counter, rows, device, Segments) of the last pack seen
+_last_segments: tuple | None = None
 
 
 def segments_of(cu_seqlens: Tensor | None, total: int, sequence_length: int, device: torch.device) -> Segments:
