@@ -221,9 +221,11 @@ def shrunk(spec):
     return spec
 
 
-@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
-def test_shrunken_model_trains_on_an_image(path):
+@pytest.mark.parametrize("name", ["Qwen3.5-0.8B", "Qwen3.5-35B-A3B"])  # dense with tied embeddings; MoE
+def test_shrunken_model_trains_on_an_image(name):
     import torch
+
+    path = CONFIG_DIR / f"{name}.json"
 
     spec = shrunk(json.loads(path.read_text(encoding="utf-8")))
     config_cls, model_cls = config_classes(spec)
