@@ -4,7 +4,7 @@ Imports neither `preprocess` nor `train`.
 """
 
 from .manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, load_manifest
-from .reader import ShardFile, ShardSet, open_shards
+from .reader import ShardFault, ShardFile, ShardSet, open_shards
 from .schema import SCHEMA_VERSION, Sample
 from .verify import VerifyReport, verify_shards
 from .webdataset import WebDatasetShards, iter_webdataset_samples
@@ -14,6 +14,7 @@ __all__ = [
     "REJECTS_NAME",
     "SCHEMA_VERSION",
     "Sample",
+    "ShardFault",
     "ShardFile",
     "ShardFormatError",
     "ShardSet",

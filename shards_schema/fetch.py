@@ -5,25 +5,33 @@ Training memory-maps its shards, so they must be on a local or shared file syste
 how a directory written to s3:// / gs:// / hf:// gets there. Each shard is streamed into
 `DST/<file>.tmp` while hashed and renamed into place only when it matches the manifest; the
 manifest is written last, so DST holds a manifest only once everything it lists is there and
-checked. A re-run resumes: shards already in DST with the right size and sha256 are kept. A
-shard that does not match its manifest stops the fetch (exit 1) and is not kept.
+checked. A shard that does not match its manifest stops the fetch (exit 1) and is not kept.
+
+A re-run checks what DST already holds, a finished copy included: each shard's size (a stat),
+then its sha256 (one streaming read, several shards at a time). Shards that match are kept;
+any other (damaged, truncated, replaced by a directory) is fetched again, the manifest of a
+finished copy removed first, so that DST never claims a shard it has not checked. A shard
+fetched now is hashed while it streams in, never read a second time.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .atomic import TMP_SUFFIX, write_json_atomic
 from .errors import UserError
-from .manifest import MANIFEST_NAME, REJECTS_NAME
+from .manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, check_manifest, parse_manifest
 from .outdir import exclusive_output_dir, user_entries
+from .reader import file_fault
 from .storage import StorageError, join, open_binary, redact
 from .writer import file_sha256
 
 CHUNK = 8 << 20
+MAX_MANIFEST_BYTES = 1 << 30  # a manifest holds ~300 bytes per shard: this is millions of shards
+CHECK_THREADS = min(8, os.cpu_count() or 1)  # hashlib and file reads release the GIL
 
 
 class FetchMismatch(UserError):
@@ -33,18 +41,20 @@ class FetchMismatch(UserError):
 
 
 def _read_manifest(src: str) -> dict:
+    """The source's manifest, every field a reader relies on checked (as `load_manifest` does)."""
+    where = f"{redact(src).rstrip('/')}/{MANIFEST_NAME}"
     try:
         with open_binary(join(src, MANIFEST_NAME)) as fh:
-            manifest = json.loads(fh.read().decode("utf-8"))
+            data = fh.read(MAX_MANIFEST_BYTES + 1)
     except StorageError as exc:
         raise UserError(f"{redact(src)}: no readable {MANIFEST_NAME} ({exc}): is it a finished shard directory?") from None
     except FileNotFoundError:
         raise UserError(f"{src}: no {MANIFEST_NAME}: is it a finished shard directory?") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"{redact(src)}/{MANIFEST_NAME} is not valid JSON ({exc})") from None
-    if not isinstance(manifest.get("shards"), list):
-        raise UserError(f"{redact(src)}/{MANIFEST_NAME} lists no shards: not a vlmpack shard directory")
-    return manifest
+    except IsADirectoryError:
+        raise UserError(f"{src}: {MANIFEST_NAME} is a directory: is it a finished shard directory?") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise UserError(f"{where} is over {MAX_MANIFEST_BYTES:,} bytes: not a vlmpack manifest")
+    return check_manifest(parse_manifest(data, where), where, redact(src))
 
 
 def _copy(src_file: str, dst: Path, expect_bytes: int | None, expect_sha256: str | None, bar) -> None:
@@ -68,39 +78,63 @@ def _copy(src_file: str, dst: Path, expect_bytes: int | None, expect_sha256: str
         raise
 
 
+def _matches(path: Path, shard: dict) -> bool:
+    """`path` is a regular file of the shard's size (a stat) and sha256 (one streaming read)."""
+    return file_fault(path, shard["bytes"]) is None and file_sha256(path) == shard["sha256"]
+
+
+def _held_manifest(path: Path) -> dict | None:
+    """The manifest of an earlier fetch into DST; None when it is damaged (the copy is then
+    treated as unfinished: every shard in it is checked)."""
+    try:
+        return parse_manifest(path.read_bytes(), path)
+    except ShardFormatError:
+        return None
+
+
 def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
-    """Copy the shard directory `src` (URL or path) to `dst`; returns what was done."""
+    """Copy the shard directory `src` (URL or path) to `dst`; returns what was done: shards,
+    fetched, kept, bytes, up_to_date (DST already held all of it, checked), refetched (names of
+    shards of a finished copy that failed the check and were fetched again)."""
     from tqdm import tqdm
 
     manifest = _read_manifest(src)
-    shards = [s for s in manifest["shards"] if isinstance(s, dict) and isinstance(s.get("file"), str)]
-    if any("/" in s["file"] or s["file"].startswith(".") for s in shards):
-        raise UserError(f"{redact(src)}/{MANIFEST_NAME} names a shard outside the directory: refusing it")
+    shards = manifest["shards"]  # plain, unique file names with counts and a sha256 (check_manifest)
     with exclusive_output_dir(dst, "fetch") as out:
         existing = out / MANIFEST_NAME
-        if existing.exists():
-            if json.loads(existing.read_text(encoding="utf-8")) == manifest:
-                return {"shards": len(shards), "fetched": 0, "kept": len(shards), "bytes": 0, "up_to_date": True}
+        finished = existing.is_file() and (held := _held_manifest(existing)) is not None
+        if finished and held != manifest:
             raise UserError(f"{out} holds another dataset (its {MANIFEST_NAME} differs from {redact(src)}'s): "
                             "fetch into a new or empty directory")
-        wanted = {s["file"] for s in shards} | {REJECTS_NAME}
+        wanted = {s["file"] for s in shards} | {REJECTS_NAME, MANIFEST_NAME}
         foreign = [n for n in user_entries(out) if n not in wanted and not n.endswith(TMP_SUFFIX)]
         if foreign:
             raise UserError(f"{out} is not empty ({', '.join(foreign[:3])}...) and holds no fetch of {redact(src)}: "
                             "fetch into a new or empty directory")
         for stale in out.glob("*" + TMP_SUFFIX):
             stale.unlink()
-        todo, kept = [], 0
-        for shard in shards:
-            path = out / shard["file"]
-            if path.exists() and path.stat().st_size == shard.get("bytes") and file_sha256(path) == shard.get("sha256"):
-                kept += 1
-            else:
-                todo.append(shard)
-        total = sum(int(s.get("bytes") or 0) for s in todo)
+        with tqdm(total=sum(s["bytes"] for s in shards), unit="B", unit_scale=True, desc="check",
+                  disable=not progress or not any((out / s["file"]).exists() for s in shards)) as bar:
+            def check(shard: dict) -> bool:
+                ok = _matches(out / shard["file"], shard)
+                bar.update(shard["bytes"])
+                return ok
+
+            with ThreadPoolExecutor(CHECK_THREADS) as pool:
+                todo = [s for s, ok in zip(shards, pool.map(check, shards)) if not ok]
+        in_the_way = [out / s["file"] for s in todo if (out / s["file"]).is_dir()]
+        if in_the_way:
+            raise UserError(f"{in_the_way[0]} is a directory where {MANIFEST_NAME} lists a shard file: move it away "
+                            "and re-run the fetch")
+        if not todo and finished:
+            return {"shards": len(shards), "fetched": 0, "kept": len(shards), "bytes": 0, "up_to_date": True,
+                    "refetched": []}
+        if existing.exists() or existing.is_symlink():
+            existing.unlink()  # its presence means "every shard here and checked": not while one is fetched again
+        total = sum(s["bytes"] for s in todo)
         with tqdm(total=total, unit="B", unit_scale=True, desc="fetch", disable=not progress) as bar:
             for shard in todo:
-                _copy(join(src, shard["file"]), out / shard["file"], shard.get("bytes"), shard.get("sha256"), bar)
+                _copy(join(src, shard["file"]), out / shard["file"], shard["bytes"], shard["sha256"], bar)
         try:
             _copy(join(src, REJECTS_NAME), out / REJECTS_NAME, None, None, tqdm(disable=True))
         except StorageError as exc:
@@ -109,7 +143,8 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
         except FileNotFoundError:
             pass
         write_json_atomic(existing, manifest)  # last: its presence means every shard is here and checked
-    return {"shards": len(shards), "fetched": len(todo), "kept": kept, "bytes": total, "up_to_date": False}
+    return {"shards": len(shards), "fetched": len(todo), "kept": len(shards) - len(todo), "bytes": total,
+            "up_to_date": False, "refetched": [s["file"] for s in todo] if finished else []}
 
 
 class Fetch:
@@ -117,16 +152,25 @@ class Fetch:
     def add_arguments(parser) -> None:
         parser.add_argument("src", help="shard directory to copy: s3://, gs://, hf://, https:// URL (credentials from "
                                         "the store's environment) or a path")
-        parser.add_argument("dst", help="local directory to copy it into: new or empty, or an unfinished fetch of the "
-                                        "same source (re-running resumes)")
+        parser.add_argument("dst", help="local directory to copy it into: new or empty, or an earlier fetch of the same "
+                                        "source (a re-run checks every shard there and fetches what is missing or fails "
+                                        "the check)")
         parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     @staticmethod
     def run(args) -> int:
         done = fetch(args.src, args.dst, progress=not args.no_progress)
-        if done["up_to_date"]:
-            print(f"{args.dst}: already holds {redact(args.src)} ({done['shards']} shards checked)")
-        else:
-            print(f"fetched {done['fetched']} shards ({done['bytes'] / 2**20:,.1f} MiB), kept {done['kept']} already "
-                  f"there, every one checked against the manifest's sha256 -> {args.dst}")
+        print(f"{describe(done)} -> {args.dst}")
         return 0
+
+
+def describe(done: dict) -> str:
+    """What a fetch did, in one line (`vlmpack fetch`, `vlmpack train --data s3://...`)."""
+    if done["up_to_date"]:
+        return f"already there, every shard checked against the manifest's sha256 ({done['shards']} shards)"
+    damaged = ""
+    if done["refetched"]:
+        names = ", ".join(done["refetched"][:3]) + (f" and {len(done['refetched']) - 3} more" if len(done["refetched"]) > 3 else "")
+        damaged = f" ({names} failed the check and came down again)"
+    return (f"fetched {done['fetched']} shards ({done['bytes'] / 2**20:,.1f} MiB){damaged}, kept {done['kept']} already "
+            "there; every shard checked against the manifest's sha256")

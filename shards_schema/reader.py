@@ -3,60 +3,213 @@
 Each shard is memory-mapped; a row is a set of numpy views into the mapped offsets/values
 buffers (no `to_pylist`, no per-element Python). Reading sample i touches only its bytes.
 Objects pickle by path and reopen their maps lazily, so they work in DataLoader workers.
+
+Opening a shard checks everything that reading it relies on, and `vlmpack verify` runs the
+same checks (`file_fault`, `read_batches`): the file is a regular file of the manifest's
+size, its Arrow footer and record batch metadata are intact (every buffer inside the file,
+every offset in range: `RecordBatch.validate(full=True)`, which reads offsets, never token or
+pixel values), its schema is exactly the shard schema of the manifest's version and patch row
+width, and it holds the manifest's row count. A row's columns are checked against each other
+when it is read (lengths, grids against patch rows). A damaged shard raises `ShardFault`: one
+line naming the file, verify's fault kind and the fix. Bytes that only change values (a
+flipped pixel or token) are caught by sha256 (`vlmpack verify`, `export`, `fetch`).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from .atomic import refuse_leftover_tmp
-from .manifest import ShardFormatError, load_manifest
-from .schema import COLUMN_DTYPES, FORMAT_NAME, READABLE_SCHEMA_VERSIONS, VIDEO_COLUMNS, array_columns
+from .manifest import MANIFEST_NAME, ShardFormatError, load_manifest
+from .schema import (COLUMN_DTYPES, FORMAT_NAME, READABLE_SCHEMA_VERSIONS, VIDEO_COLUMNS, array_columns,
+                     shard_schema)
+
+ARROW_ERRORS = (pa.ArrowException, OSError, ValueError)  # what pyarrow raises on a damaged file
+
+
+class ShardFault(ShardFormatError):
+    """A damaged shard file, named as `vlmpack verify` names it: `kind` is verify's fault kind,
+    `detail` what is wrong, `row` the row within the shard (None: the file as a whole)."""
+
+    def __init__(self, path: str | Path, kind: str, detail: str, row: int | None = None):
+        self.path, self.kind, self.detail, self.row = Path(path), kind, detail, row
+        where = str(self.path) if row is None else f"{self.path} row {row}"
+        super().__init__(f"{where}: [{kind}] {detail}; restore the file (fetch it again, or re-run `vlmpack "
+                         f"preprocess`) and check the directory with `vlmpack verify {self.path.parent}`")
+
+
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def file_fault(path: Path, expected_bytes: int | None) -> tuple[str, str] | None:
+    """(kind, detail) of what a stat shows wrong with the shard at `path`, or None (nothing is
+    opened, so a FIFO cannot block): missing_shard, not_a_file, or size_mismatch against
+    `expected_bytes`."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return "missing_shard", f"listed in {MANIFEST_NAME} but missing from the directory"
+    except OSError as exc:
+        return "unreadable_shard", f"cannot be read ({exc.strerror or exc})"
+    if not stat.S_ISREG(found.st_mode):
+        return "not_a_file", f"a {_file_type(found.st_mode)} stands where {MANIFEST_NAME} lists a shard file"
+    if expected_bytes is not None and found.st_size != expected_bytes:
+        return "size_mismatch", (f"{found.st_size:,} bytes on disk, the manifest says {expected_bytes:,} (truncated, "
+                                 "replaced or still being copied)")
+    return None
+
+
+def schema_problem(schema: pa.Schema, patch_row_width: int | None = None, version: int | None = None) -> str | None:
+    """What makes `schema` other than the shard schema of `version` and `patch_row_width` (None:
+    the ones the schema's own metadata records), or None when it is exactly that schema."""
+    meta = schema.metadata or {}
+    fmt = meta.get(b"vlmpack.format", b"").decode(errors="replace")
+    found_version = meta.get(b"vlmpack.schema_version", b"").decode(errors="replace")
+    found_width = meta.get(b"vlmpack.patch_row_width", b"").decode(errors="replace")
+    problems = []
+    if fmt != FORMAT_NAME:
+        problems.append(f"format {fmt!r} (expected {FORMAT_NAME!r})")
+    if version is None:
+        version = int(found_version) if found_version in tuple(map(str, READABLE_SCHEMA_VERSIONS)) else None
+        if version is None:
+            problems.append(f"schema_version {found_version!r} (this vlmpack reads "
+                            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))})")
+    elif found_version != str(version):
+        problems.append(f"schema_version {found_version!r} (manifest: {version})")
+    if patch_row_width is None:
+        patch_row_width = int(found_width) if found_width.isdigit() and found_width.isascii() and int(found_width) > 0 else None
+        if patch_row_width is None:
+            problems.append(f"patch_row_width {found_width!r} (expected a positive integer)")
+    elif found_width != str(patch_row_width):
+        problems.append(f"patch_row_width {found_width!r} (manifest: {patch_row_width})")
+    if problems:
+        return "schema metadata: " + "; ".join(problems)
+    expected = shard_schema(patch_row_width, version)
+    if schema.equals(expected, check_metadata=True):
+        return None
+    head = f"Arrow schema differs from shard_schema({patch_row_width}, version {version})"
+    try:
+        diff = [f"{f.name}: {f.type}" for f in schema if f.name not in expected.names or expected.field(f.name) != f]
+        missing = [n for n in expected.names if n not in schema.names]
+    except UnicodeDecodeError:  # a damaged field name or type
+        return f"{head}: a field's name or type holds bytes that are not UTF-8"
+    other = [k.decode(errors="replace") for k in meta if meta[k] != expected.metadata.get(k)]
+    return f"{head}: differing {diff}, missing {missing}" + (f", other metadata {other}" if other else "")
+
+
+def read_batches(path: Path, patch_row_width: int | None = None,
+                 version: int | None = None) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """The memory-mapped record batches of the shard at `path`, every structure a reader relies on
+    checked (see the module docstring); ShardFault (unreadable_shard, schema_mismatch) when one
+    fails. Call `file_fault` first: it keeps a FIFO from being opened."""
+    try:
+        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+        schema = reader.schema
+    except ARROW_ERRORS as exc:
+        raise ShardFault(path, "unreadable_shard", f"not a readable Arrow IPC file (a damaged or missing footer: "
+                                                   f"truncated, or still being written?): {exc}") from None
+    problem = schema_problem(schema, patch_row_width, version)
+    if problem:
+        raise ShardFault(path, "schema_mismatch", problem)
+    batches = []
+    for b in range(reader.num_record_batches):
+        try:
+            batch = reader.get_batch(b)
+            batch.validate(full=True)  # offsets monotone and inside their buffers, UTF-8: reads no values
+        except ARROW_ERRORS as exc:
+            raise ShardFault(path, "unreadable_shard", f"record batch {b} is damaged (its metadata or offsets): "
+                                                       f"{exc}") from None
+        batches.append(batch)
+    return schema, batches
+
+
+def buffer_view(buffer: pa.Buffer | None, dtype, start: int, stop: int) -> np.ndarray:
+    """Elements [start, stop) of an Arrow buffer, zero-copy. Only those are viewed: a buffer may be
+    longer (and of any byte length). A validated array's elements are inside its buffers; an empty
+    array may have none, and its single offset is 0."""
+    dtype = np.dtype(dtype)
+    if buffer is None or buffer.size < stop * dtype.itemsize:
+        return np.zeros(max(stop - start, 0), dtype)
+    return np.frombuffer(buffer, dtype=dtype, count=stop)[start:]
+
+
+def offsets_view(column: pa.Array) -> np.ndarray:
+    """The offsets of a list or string column (int32, or int64 for large lists), zero-copy."""
+    dtype = np.int64 if pa.types.is_large_list(column.type) else np.int32
+    return buffer_view(column.buffers()[1], dtype, column.offset, column.offset + len(column) + 1)
 
 
 def list_views(column: pa.Array, dtype) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, values) numpy views of a list column, zero-copy."""
-    offsets = np.frombuffer(column.buffers()[1], dtype=np.int64 if pa.types.is_large_list(column.type) else np.int32)
-    offsets = offsets[column.offset : column.offset + len(column) + 1]
     values = column.values
-    values = np.frombuffer(values.buffers()[1], dtype=dtype)[values.offset : values.offset + len(values)]
-    return offsets, values
+    return offsets_view(column), buffer_view(values.buffers()[1], dtype, values.offset, values.offset + len(values))
+
+
+def _grid_rows(grid: np.ndarray) -> float:
+    """Patch rows a flat [t, h, w, ...] grid needs (float64: damaged values cannot wrap around)."""
+    return float(grid.reshape(-1, 3).astype(np.float64).prod(axis=1).sum())
+
+
+def row_fault(row: dict, patch_row_width: int, video_patch_row_width: int) -> tuple[str, str] | None:
+    """(verify's fault kind, detail) when the flat columns of one row do not fit together (lengths,
+    grids against patch bytes), else None. A few comparisons of lengths: cheap enough for every
+    read."""
+    n = len(row["input_ids"])
+    if len(row["loss_mask"]) != n:
+        return "loss_mask_length", f"loss_mask has {len(row['loss_mask'])} values for {n} tokens"
+    if len(row["position_ids"]) != 3 * n:
+        return "position_ids_length", f"position_ids has {len(row['position_ids'])} values, expected 3 x {n} tokens"
+    for kind, grid_name, patches_name, width in (("image", "image_grid_thw", "pixel_patches", patch_row_width),
+                                                 ("video", "video_grid_thw", "video_patches", video_patch_row_width)):
+        grid, patches = row[grid_name], row[patches_name]
+        if len(grid) % 3 or (grid < 1).any():
+            return f"{kind}_grid", f"{grid_name} {grid.tolist()[:12]} is not [t, h, w] triples of positive sizes"
+        if len(patches) != _grid_rows(grid) * width:
+            return (f"{patches_name}_length", f"{patches_name} has {len(patches):,} bytes, the grids "
+                    f"{grid.reshape(-1, 3).tolist()[:2]} need {_grid_rows(grid):,.0f} patches x {width}")
+    if len(row["second_per_grid_ts"]) != len(row["video_grid_thw"]) // 3:
+        return "video_grid", (f"{len(row['second_per_grid_ts'])} second_per_grid_ts for "
+                              f"{len(row['video_grid_thw']) // 3} videos")
+    return None
 
 
 class ShardFile:
-    """One memory-mapped Arrow IPC file."""
+    """One memory-mapped Arrow IPC file, checked when opened (`read_batches`). `patch_row_width`
+    and `version`: what the manifest says the shard holds (None: what its own schema records)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, patch_row_width: int | None = None, version: int | None = None):
         self.path = Path(path)
+        self._expected = (patch_row_width, version)
         self._open()
 
     def _open(self) -> None:
-        try:
-            self._reader = pa.ipc.open_file(pa.memory_map(str(self.path), "r"))
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise ShardFormatError(f"{self.path}: not a readable Arrow IPC file ({exc})") from exc
-        meta = self._reader.schema.metadata or {}
-        if meta.get(b"vlmpack.format") != FORMAT_NAME.encode():
-            raise ShardFormatError(f"{self.path}: not a vlmpack shard")
-        self.version = int(meta.get(b"vlmpack.schema_version", b"0"))
-        if self.version not in READABLE_SCHEMA_VERSIONS:
-            raise ShardFormatError(f"{self.path}: schema version {meta.get(b'vlmpack.schema_version')}, "
-                                   f"this vlmpack reads versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
+        fault = file_fault(self.path, None)
+        if fault is not None:
+            raise ShardFault(self.path, *fault)
+        self.schema, self._batches = read_batches(self.path, *self._expected)
+        meta = self.schema.metadata
+        self.version = int(meta[b"vlmpack.schema_version"])
         self.columns = array_columns(self.version)
         self.patch_row_width = int(meta[b"vlmpack.patch_row_width"])
         self.video_patch_row_width = int(meta.get(b"vlmpack.video_patch_row_width", 2 * self.patch_row_width))
-        self._batches = [self._reader.get_batch(b) for b in range(self._reader.num_record_batches)]
         self.batch_starts = np.cumsum([0] + [b.num_rows for b in self._batches])
         self._views: dict[int, dict] = {}
 
     def __getstate__(self):
-        return {"path": self.path}
+        return {"path": self.path, "expected": self._expected}
 
     def __setstate__(self, state):
-        self.path = state["path"]
+        self.path, self._expected = state["path"], state.get("expected", (None, None))
         self._open()
 
     def __len__(self) -> int:
@@ -83,6 +236,9 @@ class ShardFile:
         if self.version < 2:  # a version 1 shard holds no video
             for name in VIDEO_COLUMNS:
                 out[name] = np.zeros(0, COLUMN_DTYPES[name])
+        fault = row_fault(out, self.patch_row_width, self.video_patch_row_width)
+        if fault is not None:
+            raise ShardFault(self.path, *fault, row=j)
         out["position_ids"] = out["position_ids"].reshape(3, -1)
         out["image_grid_thw"] = out["image_grid_thw"].reshape(-1, 3)
         out["pixel_patches"] = out["pixel_patches"].reshape(-1, self.patch_row_width)
@@ -120,7 +276,7 @@ class ShardFile:
         parts = []
         for batch in self._batches:
             col = batch.column(name)
-            parts.append(np.frombuffer(col.buffers()[1], dtype=np.int32)[col.offset : col.offset + len(col)])
+            parts.append(buffer_view(col.buffers()[1], np.int32, col.offset, col.offset + len(col)))
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
@@ -132,7 +288,7 @@ class ShardSet:
         self.manifest = load_manifest(self.directory)
         refuse_leftover_tmp(self.directory, "shards")
         self.shard_files = [s["file"] for s in self.manifest["shards"]]
-        self.row_starts = np.cumsum([0] + [int(s["rows"]) for s in self.manifest["shards"]])
+        self.row_starts = np.cumsum([0] + [s["rows"] for s in self.manifest["shards"]], dtype=np.int64)
         self.patch_row_width = int(self.manifest["patch_row_width"])
         self._shards: list[ShardFile | None] = [None] * len(self.shard_files)
 
@@ -148,21 +304,22 @@ class ShardSet:
     def shard(self, k: int) -> ShardFile:
         shard = self._shards[k]
         if shard is None:
-            path = self.directory / self.shard_files[k]
-            if not path.is_file():
-                raise ShardFormatError(f"{path}: listed in the manifest but missing")
-            size, expected_size = path.stat().st_size, int(self.manifest["shards"][k]["bytes"])
-            if size != expected_size:  # a stat: catches truncated and replaced files before Arrow reads them
-                raise ShardFormatError(
-                    f"{path}: {size} bytes, the manifest says {expected_size} (truncated, replaced or still being "
-                    f"copied): restore it, and check the directory with `vlmpack verify {self.directory}`"
-                )
-            shard = ShardFile(path)
-            expected = int(self.manifest["shards"][k]["rows"])
-            if len(shard) != expected:
-                raise ShardFormatError(f"{path}: {len(shard)} rows, manifest says {expected}")
+            entry = self.manifest["shards"][k]
+            path = self.directory / entry["file"]
+            fault = file_fault(path, entry["bytes"])  # a stat: catches truncated and replaced files before Arrow reads them
+            if fault is not None:
+                raise ShardFault(path, *fault)
+            shard = ShardFile(path, self.patch_row_width, self.manifest["schema_version"])
+            if len(shard) != entry["rows"]:
+                raise ShardFault(path, "row_count", f"{len(shard)} rows in the file, the manifest says {entry['rows']}")
             self._shards[k] = shard
         return shard
+
+    def open_all(self) -> "ShardSet":
+        """Open (and so check) every shard now rather than at its first read: reads footers and offsets."""
+        for k in range(len(self.shard_files)):
+            self.shard(k)
+        return self
 
     def locate(self, i: int) -> tuple[int, int]:
         """Global row index -> (shard index, row within shard)."""

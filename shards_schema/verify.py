@@ -3,10 +3,12 @@
 Two depths:
 
 * `--quick` (seconds on terabytes): the manifest against the directory (files present, sizes,
-  stray or leftover files, totals, row accounting, `rejects.jsonl`), and each shard's Arrow
-  footer and schema, row count and per-shard sums read from list *offsets* (tokens, images,
-  patches) plus the small `num_target_tokens` column. Never hashes, never reads token or
-  pixel values, so a flipped byte inside pixel data passes `--quick`.
+  stray or leftover files, totals, row accounting, `rejects.jsonl`), each shard opened as every
+  reader opens it (`reader.file_fault`, `reader.read_batches`: a regular file, Arrow footer,
+  schema and record batch metadata intact, offsets in range), row count and per-shard sums
+  read from list *offsets* (tokens, images, patches) plus the small `num_target_tokens`
+  column. Never hashes, never reads token or pixel values, so a flipped byte inside pixel data
+  passes `--quick`.
 * full (default): all of the above plus the sha256 of every shard and every row's invariants
   (lengths, grids, image pads and vision markers, M-RoPE positions recomputed with
   `mrope_position_ids`, loss mask only on assistant turns, each `source` (input:row) once). Row checks
@@ -44,16 +46,14 @@ import pyarrow as pa
 
 from .atomic import TMP_SUFFIX
 from .errors import UserError
-from .manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, ShardFormatError, load_manifest, total_keys
+from .manifest import (MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, SHARD_STAT_KEYS, VIDEO_STAT_KEYS, ShardFormatError,
+                       is_count, layout_problems, read_manifest, shard_entries, total_keys)
 from .positions import VideoPositions, mrope_position_ids
-from .reader import list_views
+from .reader import ShardFault, file_fault, list_views, offsets_view, read_batches
 from .storage import is_url, redact
-from .schema import FORMAT_NAME, shard_schema
 from .writer import file_sha256
 
 SHARD_SUFFIX = ".arrow"
-SHARD_STAT_KEYS = ("tokens", "target_tokens", "images", "patches")
-VIDEO_STAT_KEYS = ("videos", "video_patches")
 SPECIAL_TOKEN_KEYS = ("im_start", "im_end", "assistant", "vision_start", "vision_end", "image_pad")
 DEFAULT_KEEP_PER_KIND = 100  # faults of one kind kept in a report (all are counted)
 DEFAULT_SHOW_PER_KIND = 20  # faults of one kind printed by the CLI
@@ -207,46 +207,16 @@ def _mib(n: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _load(directory: Path) -> dict:
-    try:
-        manifest = load_manifest(directory)
-    except OSError as exc:
-        raise ShardFormatError(f"{directory / MANIFEST_NAME}: cannot be read ({exc})") from exc
-    return manifest
-
-
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _check_shard_entries(manifest: dict, log: _FaultLog) -> list[dict]:
-    """Valid shard entries (others reported); names must be plain file names, each listed once."""
-    entries = manifest.get("shards")
-    if not isinstance(entries, list):
-        log.add("manifest_field", f"{MANIFEST_NAME}: `shards` must be a list, got {type(entries).__name__}")
-        return []
-    good, seen = [], set()
-    for i, e in enumerate(entries):
-        if not isinstance(e, dict):
-            log.add("manifest_field", f"{MANIFEST_NAME}: shards[{i}] is not an object")
-            continue
-        name = e.get("file")
-        keys = ("rows", "bytes", *SHARD_STAT_KEYS, *(VIDEO_STAT_KEYS if manifest.get("schema_version", 1) >= 2 else ()))
-        bad = [k for k in keys if not _is_count(e.get(k))]
-        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
-            log.add("manifest_field", f"{MANIFEST_NAME}: shards[{i}].file {name!r} is not a plain file name in DIR")
-            continue
-        if not isinstance(e.get("sha256"), str):
-            bad.append("sha256")
-        if bad:
-            log.add("manifest_field", f"{MANIFEST_NAME}: shards[{i}] ({name}) has missing or invalid {', '.join(bad)}", name)
-            continue
-        if name in seen:
-            log.add("manifest_field", f"{MANIFEST_NAME}: {name} is listed twice", name)
-            continue
-        seen.add(name)
-        good.append(e)
-    return good
+def _check_manifest_fields(manifest: dict, log: _FaultLog) -> list[dict]:
+    """The well-formed shard entries; each other entry, and each field readers need that is
+    missing or out of range, reported (`manifest.shard_entries`, `manifest.layout_problems`: the
+    checks every reader makes before it trusts a manifest)."""
+    entries, problems = shard_entries(manifest)
+    for message, name in problems:
+        log.add("manifest_field", f"{MANIFEST_NAME}: {message}", name)
+    for message in layout_problems(manifest):
+        log.add("manifest_field", f"{MANIFEST_NAME}: {message}")
+    return entries
 
 
 def _check_totals(manifest: dict, entries: list[dict], log: _FaultLog) -> None:
@@ -267,7 +237,7 @@ def _check_totals(manifest: dict, entries: list[dict], log: _FaultLog) -> None:
 
 def _check_accounting(manifest: dict, log: _FaultLog) -> dict | None:
     acc = manifest.get("accounting")
-    if not isinstance(acc, dict) or not all(_is_count(acc.get(k)) for k in ("rows_read", "rows_written", "rows_rejected")):
+    if not isinstance(acc, dict) or not all(is_count(acc.get(k)) for k in ("rows_read", "rows_written", "rows_rejected")):
         log.add("accounting_mismatch", f"{MANIFEST_NAME}: `accounting` needs integer rows_read, rows_written, rows_rejected")
         return None
     read, written, rejected = acc["rows_read"], acc["rows_written"], acc["rows_rejected"]
@@ -277,7 +247,7 @@ def _check_accounting(manifest: dict, log: _FaultLog) -> dict | None:
     if written != totals.get("rows"):
         log.add("accounting_mismatch", f"{MANIFEST_NAME}: rows_written {written} != totals.rows {totals.get('rows')!r}")
     by_reason = acc.get("rejects_by_reason")
-    reason_sum = sum(v for v in by_reason.values() if _is_count(v)) if isinstance(by_reason, dict) else None
+    reason_sum = sum(v for v in by_reason.values() if is_count(v)) if isinstance(by_reason, dict) else None
     if reason_sum is not None and reason_sum != rejected:
         log.add("accounting_mismatch", f"{MANIFEST_NAME}: rejects_by_reason sums to {reason_sum}, rows_rejected is {rejected}")
     return acc
@@ -354,22 +324,16 @@ def _check_shard(entry: dict, ctx: _Context, on_rows=None) -> _ShardResult:
     log = _FaultLog(ctx.keep)
     result = _ShardResult(log)
     path = Path(ctx.directory) / name
-    if not path.is_file():
-        log.add("missing_shard", f"{name} is listed in {MANIFEST_NAME} but missing from the directory", name)
-        return result
-    size = path.stat().st_size
-    size_ok = size == entry["bytes"]
-    if not size_ok:
-        log.add("size_mismatch", f"{size:,} bytes on disk, manifest says {entry['bytes']:,} (truncated, replaced or still being copied?)", name)
+    fault = file_fault(path, entry["bytes"])  # the readers' own checks (`reader.file_fault`, `read_batches`)
+    if fault is not None:
+        log.add(*fault, name)
+        if fault[0] != "size_mismatch":
+            return result
+    size_ok = fault is None  # a file of another size is still read: what else is wrong with it is worth knowing
     try:
-        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-        batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
-        for batch in batches:
-            batch.validate()  # buffer sizes against the metadata: cheap, reads no values
-    except (pa.ArrowException, OSError, ValueError) as exc:
-        log.add("unreadable_shard", f"not a readable Arrow IPC file (no footer: truncated or still being written): {exc}", name)
-        return result
-    if not _check_schema(reader.schema, ctx, name, log):
+        _, batches = read_batches(path, ctx.patch_row_width, ctx.version)
+    except ShardFault as fault:
+        log.add(fault.kind, fault.detail, name)
         return result
     rows = sum(b.num_rows for b in batches)
     result.rows = rows
@@ -388,34 +352,8 @@ def _check_shard(entry: dict, ctx: _Context, on_rows=None) -> _ShardResult:
     return result
 
 
-def _check_schema(schema: pa.Schema, ctx: _Context, name: str, log: _FaultLog) -> bool:
-    meta = schema.metadata or {}
-    fmt = meta.get(b"vlmpack.format", b"").decode(errors="replace")
-    version = meta.get(b"vlmpack.schema_version", b"").decode(errors="replace")
-    width = meta.get(b"vlmpack.patch_row_width", b"").decode(errors="replace")
-    problems = []
-    if fmt != FORMAT_NAME:
-        problems.append(f"format {fmt!r} (expected {FORMAT_NAME!r})")
-    if version != str(ctx.version):
-        problems.append(f"schema_version {version!r} (manifest: {ctx.version})")
-    if width != str(ctx.patch_row_width):
-        problems.append(f"patch_row_width {width!r} (manifest: {ctx.patch_row_width})")
-    if problems:
-        log.add("schema_mismatch", "schema metadata: " + "; ".join(problems), name)
-        return False
-    expected = shard_schema(ctx.patch_row_width, ctx.version)
-    if not schema.equals(expected, check_metadata=True):
-        diff = [f"{f.name}: {f.type}" for f in schema if f.name not in expected.names or expected.field(f.name) != f]
-        missing = [n for n in expected.names if n not in schema.names]
-        log.add("schema_mismatch", f"Arrow schema differs from shard_schema({ctx.patch_row_width}): differing {diff}, missing {missing}", name)
-        return False
-    return True
-
-
 def _offsets(batch: pa.RecordBatch, column: str) -> np.ndarray:
-    col = batch.column(column)
-    raw = np.frombuffer(col.buffers()[1], dtype=np.int64 if pa.types.is_large_list(col.type) else np.int32)
-    return raw[col.offset : col.offset + len(col) + 1].astype(np.int64)
+    return offsets_view(batch.column(column)).astype(np.int64)
 
 
 def _check_offset_stats(batches, entry: dict, ctx: _Context, name: str, log: _FaultLog) -> None:
@@ -459,18 +397,13 @@ def _check_rows(batches, entry: dict, ctx: _Context, name: str, log: _FaultLog, 
     """
     columns: dict[str, list] = {name: [] for name in UNIQUE_COLUMNS}
     row0 = 0
-    for batch in batches:
-        try:
-            batch.validate(full=True)  # offsets monotone and in range, UTF-8 valid
-        except pa.ArrowInvalid as exc:
-            log.add("unreadable_shard", f"rows {row0}..{row0 + batch.num_rows - 1}: invalid Arrow data ({exc})", name)
-        else:
-            # slices of bounded token count keep the flat temporaries small whatever the batch holds
-            offsets = _offsets(batch, "input_ids")
-            for r0, r1 in _row_slices(offsets - offsets[0], ROWS_SLICE_TOKENS):
-                _check_batch(_RowSlice.of(batch.slice(r0, r1 - r0), row0 + r0, ctx, name, log))
-            for column in UNIQUE_COLUMNS:
-                columns[column].append(batch.column(column))
+    for batch in batches:  # validated in full when the shard was opened (`read_batches`)
+        # slices of bounded token count keep the flat temporaries small whatever the batch holds
+        offsets = _offsets(batch, "input_ids")
+        for r0, r1 in _row_slices(offsets - offsets[0], ROWS_SLICE_TOKENS):
+            _check_batch(_RowSlice.of(batch.slice(r0, r1 - r0), row0 + r0, ctx, name, log))
+        for column in UNIQUE_COLUMNS:
+            columns[column].append(batch.column(column))
         row0 += batch.num_rows
         if on_rows:
             on_rows(batch.num_rows)
@@ -910,28 +843,28 @@ def _check_positions(s: _RowSlice, check: np.ndarray) -> None:
 
 def _context(directory: Path, manifest: dict, quick: bool, keep: int, log: _FaultLog) -> _Context | None:
     width = manifest.get("patch_row_width")
-    if not _is_count(width) or width == 0:
-        log.add("manifest_field", f"{MANIFEST_NAME}: patch_row_width {width!r} is not a positive integer; shards not checked")
-        return None
+    if not is_count(width) or width == 0:
+        return None  # reported by _check_manifest_fields; the shards cannot be checked without it
     profile = manifest.get("profile") if isinstance(manifest.get("profile"), dict) else {}
     vision = profile.get("vision") if isinstance(profile.get("vision"), dict) else {}
-    if all(_is_count(vision.get(k)) for k in ("channels", "patch_size")) and vision["channels"] * vision["patch_size"] ** 2 != width:
+    if all(is_count(vision.get(k)) for k in ("channels", "patch_size")) and vision["channels"] * vision["patch_size"] ** 2 != width:
         log.add("manifest_field", f"{MANIFEST_NAME}: patch_row_width {width} != channels x patch_size^2 of profile.vision")
     merge = vision.get("merge_size")
-    if not (_is_count(merge) and merge >= 1):
+    if not (is_count(merge) and merge >= 1):
         merge = None
     tokens = profile.get("special_tokens") if isinstance(profile.get("special_tokens"), dict) else {}
     special = {k: tokens.get(k) for k in SPECIAL_TOKEN_KEYS}
-    if not all(_is_count(v) for v in special.values()):
+    if not all(is_count(v) for v in special.values()):
         special = None
-    elif _is_count(tokens.get("video_pad")):
+    elif is_count(tokens.get("video_pad")):
         special["video_pad"] = tokens["video_pad"]
     if not quick and (special is None or merge is None):
         log.add("manifest_field", f"{MANIFEST_NAME}: profile.special_tokens ({', '.join(SPECIAL_TOKEN_KEYS)}) and "
                 "profile.vision.merge_size are needed for the token and position checks; those were skipped")
-    version = manifest.get("schema_version") if manifest.get("schema_version") in (1, 2) else 1
+    version = manifest["schema_version"]  # one that this vlmpack reads (`read_manifest`)
+    tokens_per_second = profile.get("tokens_per_second", 2)
     return _Context(str(directory), int(width), quick, keep, special, merge, version, profile.get("family"),
-                    int(profile.get("tokens_per_second", 2)),
+                    tokens_per_second if is_count(tokens_per_second) and tokens_per_second > 0 else 2,
                     decode_timestamps=not quick and _bundled_tokenizer_sha256(profile.get("family")) == profile.get("tokenizer_sha256"))
 
 
@@ -983,12 +916,12 @@ def verify_shards(
     """
     started = time.perf_counter()
     directory = Path(directory)
-    manifest = _load(directory)
+    manifest = read_manifest(directory)  # its format and version; every other field is checked and reported here
     log = _FaultLog(keep_per_kind)
     report = VerifyReport(directory=str(directory), mode="quick" if quick else "full",
                           schema_version=manifest.get("schema_version"))
 
-    entries = _check_shard_entries(manifest, log)
+    entries = _check_manifest_fields(manifest, log)
     _check_totals(manifest, entries, log)
     acc = _check_accounting(manifest, log)
     _check_rejects(directory, acc, log)

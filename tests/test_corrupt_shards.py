@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from preprocess.job import PreprocessConfig, run_preprocess
 from preprocess.pipeline import SampleOptions
 from shards_schema.cli import COMMANDS
 from shards_schema.cli import main as vlmpack
+from shards_schema.reader import ShardFault
 from shards_schema.webdataset import export_webdataset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -64,9 +66,9 @@ def _pixel_value_offset(path: Path) -> int:
     return values.address - base + values.size // 2
 
 
-def _flip(path: Path, at: int) -> None:
+def _flip(path: Path, at: int, mask: int = 0xFF) -> None:
     data = bytearray(path.read_bytes())
-    data[at] ^= 0xFF
+    data[at] ^= mask
     path.write_bytes(bytes(data))
 
 
@@ -76,6 +78,37 @@ def _other_version(path: Path, key: str) -> None:
     path.write_text(json.dumps(record))
 
 
+def _edit_manifest(d: Path, edit) -> None:
+    manifest = json.loads((d / "manifest.json").read_text())
+    edit(manifest)
+    (d / "manifest.json").write_text(json.dumps(manifest))  # NaN and Infinity as Python's json writes them
+
+
+def _arrow_regions(path: Path) -> dict[str, range]:
+    """File offsets of the parts of an Arrow IPC file that hold metadata: the first record batch's
+    header (lengths, field nodes, buffer offsets and lengths) and the footer (the schema readers
+    use, the record batch blocks, the footer length and closing magic)."""
+    data = path.read_bytes()
+    schema_at = 8  # after the 8-byte "ARROW1\0\0" magic: continuation, metadata length, metadata
+    batch_at = schema_at + 8 + struct.unpack_from("<i", data, schema_at + 4)[0]
+    body_at = batch_at + 8 + struct.unpack_from("<i", data, batch_at + 4)[0]
+    footer_at = len(data) - 10 - struct.unpack_from("<i", data, len(data) - 10)[0]
+    return {"batch_header": range(batch_at, body_at), "footer": range(footer_at, len(data)), "body_at": body_at}
+
+
+def _buffer_length_offset(path: Path, column: str) -> int:
+    """File offset of the length of `column`'s values buffer, in the first record batch's header."""
+    mm = pa.memory_map(str(path))
+    base = mm.read_buffer(1).address
+    mm.seek(0)
+    values = pa.ipc.open_file(mm).get_batch(0).column(column).values.buffers()[1]
+    regions = _arrow_regions(path)
+    entry = struct.pack("<qq", values.address - base - regions["body_at"], values.size)  # (offset, length) in the body
+    header = regions["batch_header"]
+    at = path.read_bytes().index(entry, header.start, header.stop)
+    return at + 8
+
+
 SHARD_DAMAGE = {
     "flipped_byte": lambda d: _flip(d / DAMAGED_SHARD, _pixel_value_offset(d / DAMAGED_SHARD)),
     "truncated": lambda d: (d / DAMAGED_SHARD).write_bytes((d / DAMAGED_SHARD).read_bytes()[:-200]),  # no Arrow footer
@@ -83,6 +116,16 @@ SHARD_DAMAGE = {
     "manifest_not_json": lambda d: (d / "manifest.json").write_text('{"format": "vlmpack-shards", '),
     "manifest_other_version": lambda d: _other_version(d / "manifest.json", "schema_version"),
     "leftover_tmp": lambda d: (d / "shard-000002.arrow.tmp").write_bytes(b"torn"),
+    # one byte of the schema's metadata in the footer (the copy readers use): a key no longer reads
+    # `vlmpack.patch_row_width`
+    "flipped_schema_byte": lambda d: _flip(d / DAMAGED_SHARD, (d / DAMAGED_SHARD).read_bytes().rindex(b"vlmpack.patch_row_width")),
+    # the pixel values buffer's length in the record batch header grows by 2^40 (a terabyte)
+    "flipped_buffer_length": lambda d: _flip(d / DAMAGED_SHARD, _buffer_length_offset(d / DAMAGED_SHARD, "pixel_patches") + 5, 0x01),
+    "zero_length": lambda d: (d / DAMAGED_SHARD).write_bytes(b""),
+    "shard_is_directory": lambda d: ((d / DAMAGED_SHARD).unlink(), (d / DAMAGED_SHARD).mkdir()),
+    "shard_is_fifo": lambda d: ((d / DAMAGED_SHARD).unlink(), os.mkfifo(d / DAMAGED_SHARD)),  # opening it would block
+    "manifest_nan_rows": lambda d: _edit_manifest(d, lambda m: m["shards"][0].update(rows=float("nan"))),
+    "manifest_shard_twice": lambda d: _edit_manifest(d, lambda m: m["shards"].append(m["shards"][0])),
 }
 
 TAR_DAMAGE = {
@@ -123,15 +166,29 @@ def _damaged(source: Path, damage, tmp_path: Path) -> Path:
 SHARD_COMMANDS = ("inspect", "show", "verify", "export", "pack", "train")
 
 # (damage, command) -> what the one error line (or, for verify, the fault report) must say
+READERS = ("inspect", "show", "export", "pack", "train")
 SHARD_EXPECTED = {
     ("flipped_byte", "verify"): rf"{DAMAGED_SHARD}: \[sha256_mismatch\]",
-    ("flipped_byte", "export"): rf"{DAMAGED_SHARD}: sha256 [0-9a-f]+ does not match manifest\.json",
-    **{("truncated", c): rf"{DAMAGED_SHARD}: \d+ bytes, the manifest says \d+ \(truncated"
-       for c in ("inspect", "show", "export", "pack", "train")},
+    ("flipped_byte", "export"): rf"{DAMAGED_SHARD}: \[sha256_mismatch\] sha256 [0-9a-f]+ does not match manifest\.json",
+    **{("truncated", c): rf"{DAMAGED_SHARD}: \[size_mismatch\] [\d,]+ bytes on disk, the manifest says [\d,]+ \(truncated"
+       for c in READERS},
     ("truncated", "verify"): rf"{DAMAGED_SHARD}: \[size_mismatch\]",
-    **{("missing", c): rf"{DAMAGED_SHARD}: listed in the manifest but missing"
-       for c in ("inspect", "show", "export", "pack", "train")},
+    **{("missing", c): rf"{DAMAGED_SHARD}: \[missing_shard\] listed in manifest\.json but missing" for c in READERS},
     ("missing", "verify"): rf"{DAMAGED_SHARD}: \[missing_shard\]",
+    # every reader names the file and the fault as verify does: `FILE: [kind] what`
+    **{("flipped_schema_byte", c): rf"{DAMAGED_SHARD}: \[schema_mismatch\] schema metadata: patch_row_width ''"
+       for c in (*READERS, "verify")},
+    **{("flipped_buffer_length", c): rf"{DAMAGED_SHARD}: \[unreadable_shard\] record batch 0 is damaged"
+       for c in (*READERS, "verify")},
+    **{("zero_length", c): rf"{DAMAGED_SHARD}: \[size_mismatch\] 0 bytes on disk" for c in (*READERS, "verify")},
+    **{("shard_is_directory", c): rf"{DAMAGED_SHARD}: \[not_a_file\] a directory stands where manifest\.json lists"
+       for c in (*READERS, "verify")},
+    **{("shard_is_fifo", c): rf"{DAMAGED_SHARD}: \[not_a_file\] a FIFO stands where" for c in (*READERS, "verify")},
+    **{("manifest_nan_rows", c): rf"manifest\.json: shards\[0\] \({DAMAGED_SHARD}\) has missing or invalid rows nan"
+       for c in READERS},
+    ("manifest_nan_rows", "verify"): rf"{DAMAGED_SHARD}: \[manifest_field\] manifest\.json: shards\[0\]",
+    **{("manifest_shard_twice", c): rf"manifest\.json: {DAMAGED_SHARD} is listed twice" for c in READERS},
+    ("manifest_shard_twice", "verify"): rf"{DAMAGED_SHARD}: \[manifest_field\] manifest\.json: {DAMAGED_SHARD} is listed twice",
     **{("manifest_not_json", c): r"manifest\.json: not valid JSON" for c in SHARD_COMMANDS},
     **{("manifest_other_version", c): r"manifest\.json: schema version 99, this vlmpack reads versions 1, 2" for c in SHARD_COMMANDS},
     **{("leftover_tmp", c): r"leftover shard-000002\.arrow\.tmp from an interrupted write"
@@ -169,9 +226,180 @@ def test_a_damaged_shard_directory_stops_the_command(clean, tmp_path, damage, co
     done = _run(command, data, tmp_path)
     _assert_stopped(done, command, SHARD_EXPECTED[(damage, command)])
     if command == "verify":
-        assert done.returncode == (1 if damage in ("flipped_byte", "truncated", "missing", "leftover_tmp") else 2)
+        assert done.returncode == (2 if damage in ("manifest_not_json", "manifest_other_version") else 1)
     if command == "export":
         assert not (tmp_path / "tars" / "index.json").exists() and not list((tmp_path / "tars").glob("*.tar"))
+    if not damage.startswith("manifest_"):  # the shard is named, an intact manifest never blamed
+        assert not re.search(r"manifest\.json(: | is malformed)", done.stderr + done.stdout), done.stderr + done.stdout
+
+
+# Flipped bytes across the Arrow metadata of the damaged shard, each through every reading
+# command in one process (the commands run in-process there, one after the other). Its memory
+# is capped at what it holds plus 2 GiB once everything is imported, so a length field that asks
+# for terabytes fails the test instead of the machine; a crash shows as the process dying.
+METADATA_SWEEP = r"""
+import contextlib, io, json, os, resource, shutil, sys
+from pathlib import Path
+
+clean, work, damaged, positions = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+import preprocess.show, shards_schema.inspect, shards_schema.verify, shards_schema.webdataset.command, train.cli
+from shards_schema import ShardFormatError
+from shards_schema.cli import main as vlmpack
+from shards_schema.reader import ShardFault
+from train.loader import PackedLoader
+
+tokenizers = []  # the same tokenizer serves every copy: `show` loads it once (seconds), not per flip
+load_tokenizer = preprocess.show.load_tokenizer
+
+
+def load_tokenizer_once(*args):
+    if not tokenizers:
+        tokenizers.append(load_tokenizer(*args))
+    return tokenizers[0]
+
+
+preprocess.show.load_tokenizer = load_tokenizer_once
+vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+results = []
+for n, (at, mask) in enumerate(positions):
+    print(f"position {at} ^ {mask:#x}", flush=True)  # the last one printed names a crash
+    data_dir = work / f"d{n}"
+    shutil.copytree(clean, data_dir)
+    shard = data_dir / damaged
+    data = bytearray(shard.read_bytes())
+    data[at] ^= mask
+    shard.write_bytes(bytes(data))
+    for argv in (["inspect", data_dir], ["show", data_dir], ["pack", data_dir, "--seq-len", "1024"],
+                 ["verify", data_dir, "--quick"], ["export", data_dir, "--out", work / f"tars{n}"]):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = vlmpack([str(a) for a in argv])
+        results.append({"at": at, "command": argv[0], "code": code, "out": out.getvalue()[-3000:], "err": err.getvalue()})
+    try:
+        PackedLoader([str(data_dir)], seq_len=1024, global_batch_packs=1).dataset()
+        results.append({"at": at, "command": "loader", "code": 0, "out": "", "err": ""})
+    except ShardFormatError as exc:
+        results.append({"at": at, "command": "loader", "code": 2, "out": "", "err": f"vlmpack loader: error: {exc}\n"})
+    shutil.rmtree(data_dir)
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def _metadata_positions(path: Path) -> list[tuple[int, int]]:
+    """A spread of (offset, xor mask) over the first record batch's header and the footer."""
+    regions = _arrow_regions(path)
+    header, footer = regions["batch_header"], regions["footer"]
+    picks = [header[i * len(header) // 5] for i in range(5)] + [footer[i * len(footer) // 6] for i in range(6)]
+    picks += [footer.stop - 10, footer.stop - 3]  # the footer's length, the closing magic
+    picks.append(_buffer_length_offset(path, "input_ids"))
+    return [(at, (0xFF, 0x01, 0x80, 0x10)[i % 4]) for i, at in enumerate(picks)]
+
+
+def test_flipped_bytes_in_the_arrow_metadata_are_named_by_every_reader(clean, tmp_path):
+    positions = _metadata_positions(clean / DAMAGED_SHARD)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", METADATA_SWEEP, str(clean), str(tmp_path), DAMAGED_SHARD,
+                           json.dumps(positions)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0 and "RESULTS " in done.stdout, (done.returncode, done.stdout[-500:], done.stderr[-3000:])
+    results = json.loads(done.stdout.split("RESULTS ", 1)[1])
+    stopped = set()
+    for r in results:
+        where = f"{r['command']} with the byte at {r['at']} flipped"
+        assert "Traceback" not in r["err"] + r["out"], (where, r["err"])
+        if r["command"] == "verify":  # --quick: the structure checks the readers make, no sha256
+            assert r["code"] in (0, 1) and (r["code"] == 0 or f"FAULT {DAMAGED_SHARD}: [" in r["out"]), (where, r)
+            continue
+        assert r["code"] in (0, 2), (where, r)
+        if r["code"] == 2:
+            stopped.add(r["at"])
+            lines = r["err"].strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"vlmpack {r['command']}: error: "), (where, r["err"])
+            assert re.search(rf"{DAMAGED_SHARD}(?: row \d+)?: \[\w+\] ", lines[0]), (where, lines[0])
+            assert "vlmpack verify" in lines[0], (where, lines[0])
+        elif r["command"] == "export":  # export hashes each shard: no flipped byte gets through
+            raise AssertionError((where, r))
+    assert len(stopped) >= len(positions) // 2, f"only {len(stopped)} of {len(positions)} flips were noticed"
+
+
+# Each numeric field a reader relies on, and the text the one-line error must name it by.
+MANIFEST_NUMBERS = {
+    ("shards", 0, "rows"): "shards[0] (shard-000000.arrow) has missing or invalid rows",
+    ("shards", 0, "bytes"): "shards[0] (shard-000000.arrow) has missing or invalid bytes",
+    ("shards", 1, "patches"): "shards[1] (shard-000001.arrow) has missing or invalid patches",
+    ("patch_row_width",): "patch_row_width",
+    ("totals", "tokens"): "totals need integers 0..2^53: tokens",
+    ("accounting", "rows_read"): "accounting needs integers 0..2^53: rows_read",
+    ("profile", "vision", "merge_size"): "profile.vision.merge_size",
+    ("profile", "vision", "image_std", 1): "profile.vision.image_std",
+    ("profile", "special_tokens", "image_pad"): "profile.special_tokens need token ids",
+    ("profile", "tokens_per_second"): "profile.tokens_per_second",
+}
+NOT_COUNTS = (-1, 2**70, float("nan"), float("inf"), 1.5, "7", None)
+
+
+@pytest.mark.parametrize("field", list(MANIFEST_NUMBERS), ids=[".".join(map(str, f)) for f in MANIFEST_NUMBERS])
+def test_a_manifest_number_out_of_range_is_named_by_every_reader(clean, tmp_path, capsys, field):
+    """Negative, huge, NaN, infinite, fractional, quoted or null numbers in the manifest: the
+    readers name the field in one line (exit 2) before any of it sizes an array or a read;
+    verify reports it (exit 1)."""
+    data = Path(shutil.copytree(clean, tmp_path / "data"))
+    original = json.loads((clean / "manifest.json").read_text())
+    bad_values = NOT_COUNTS if field[-2:] != ("image_std", 1) else (float("nan"), float("inf"), 0, "7", None)
+    for value in bad_values:
+        manifest = json.loads(json.dumps(original))
+        parent = manifest
+        for key in field[:-1]:
+            parent = parent[key]
+        parent[field[-1]] = value
+        (data / "manifest.json").write_text(json.dumps(manifest))
+        for argv in (["inspect", data], ["show", data], ["pack", data, "--seq-len", "1024"], ["export", data, "--out",
+                                                                                           tmp_path / "tars"]):
+            code = vlmpack([str(a) for a in argv])
+            out, err = capsys.readouterr()
+            assert code == 2 and out == "" and err.count("\n") == 1, (argv[0], value, code, out, err)
+            assert f"{data}/manifest.json: {MANIFEST_NUMBERS[field]}" in err, (argv[0], value, err)
+        assert vlmpack(["verify", str(data), "--quick"]) == 1, value
+        out, err = capsys.readouterr()
+        assert "FAILED" in out and "Traceback" not in err, (value, out, err)
+
+
+def test_a_row_whose_columns_disagree_is_named_by_the_commands_that_read_rows(clean, tmp_path, capsys):
+    """A shard rewritten consistently (sizes, sha256, stats) but with one row's loss_mask a token
+    short and another row's pixel patches a patch short: the commands that read rows (show,
+    export, the training loader) stop naming shard, row and fault; verify reports both; inspect
+    and pack read sizes only and go on."""
+    import numpy as np
+
+    from tests.test_verify import rewrite_shard
+    from train.loader import PackedLoader
+
+    data = Path(shutil.copytree(clean, tmp_path / "data"))
+    rows = {}
+
+    def damage(samples):
+        samples[0].loss_mask = samples[0].loss_mask[:-1].copy()
+        rows["image"] = next(j for j, sample in enumerate(samples) if j and sample.num_patches)
+        samples[rows["image"]].pixel_patches = np.ascontiguousarray(samples[rows["image"]].pixel_patches[:-1])
+
+    assert rewrite_shard(data, 0, damage) == DAMAGED_SHARD
+    expected = {0: f"{DAMAGED_SHARD} row 0: [loss_mask_length] loss_mask has ",
+                rows["image"]: f"{DAMAGED_SHARD} row {rows['image']}: [pixel_patches_length] pixel_patches has "}
+    for argv, row in ((["show", data, "--index", "0"], 0), (["show", data, "--index", rows["image"]], rows["image"]),
+                      (["export", data, "--out", tmp_path / "tars"], 0)):
+        assert vlmpack([str(a) for a in argv]) == 2
+        out, err = capsys.readouterr()
+        assert err.count("\n") == 1 and f"{data}/{expected[row]}" in err, err
+    assert vlmpack(["verify", str(data)]) == 1
+    out, _ = capsys.readouterr()
+    assert all(f"FAULT {text}" in out for text in expected.values()), out
+    for argv in (["inspect", data], ["pack", data, "--seq-len", str(SEQ_LEN)]):
+        assert vlmpack([str(a) for a in argv]) == 0
+        capsys.readouterr()
+    dataset = PackedLoader([str(data)], seq_len=SEQ_LEN, global_batch_packs=1).dataset()
+    with pytest.raises(ShardFault, match=r"row \d+: \[(loss_mask|pixel_patches)_length\]"):
+        for k in range(len(dataset)):
+            dataset[k]
 
 
 TAR_EXPECTED = {

@@ -187,6 +187,66 @@ def test_fetch_checks_every_shard_resumes_and_refuses_a_damaged_one(s3, tmp_path
     assert cli.returncode == 1 and cli.stderr.count("\n") == 1 and "the source is damaged" in cli.stderr
 
 
+def test_fetch_into_a_finished_copy_checks_every_shard_and_fetches_a_damaged_one_again(s3, tmp_path, monkeypatch, capsys):
+    """A re-run over a finished copy hashes each shard once (a shard fetched now is hashed as it
+    streams in, never read again); a shard whose bytes changed, or that a FIFO replaced, fails the
+    check and comes down again, the manifest written only when all of them are checked."""
+    import shards_schema.fetch as fetch_module
+    from shards_schema import verify_shards
+    from shards_schema.cli import main
+
+    client, _ = s3
+    data = write_jsonl(tmp_path / "rows.jsonl", example_rows(12, seed=7, size_range=(32, 96)))
+    run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(tmp_path / "made"), workers=1, rows_per_shard=4,
+                                    progress=False))
+    _upload_dir(client, tmp_path / "made", "recheck")
+    names = sorted(p.name for p in (tmp_path / "made").glob("shard-*.arrow"))
+    hashed = []
+    real_sha256 = fetch_module.file_sha256
+    monkeypatch.setattr(fetch_module, "file_sha256", lambda path: hashed.append(Path(path).name) or real_sha256(path))
+    got = tmp_path / "got"
+    assert fetch_module.fetch("s3://data/recheck", got, progress=False)["fetched"] == len(names) == 3
+    assert hashed == []  # hashed while streaming in: no second read
+    again = fetch_module.fetch("s3://data/recheck", got, progress=False)
+    assert again["up_to_date"] and sorted(hashed) == names  # each checked once, nothing downloaded
+    flipped = bytearray((got / names[1]).read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF  # same size: only the sha256 tells
+    (got / names[1]).write_bytes(bytes(flipped))
+    (got / names[2]).unlink()
+    os.mkfifo(got / names[2])  # checked by a stat, never opened
+    done = fetch_module.fetch("s3://data/recheck", got, progress=False)
+    assert not done["up_to_date"] and done["refetched"] == names[1:] and done["kept"] == 1
+    assert _outputs(got) == _outputs(tmp_path / "made")
+    assert main(["fetch", "s3://data/recheck", str(got), "--no-progress"]) == 0
+    assert "already there, every shard checked against the manifest's sha256 (3 shards)" in capsys.readouterr().out
+    (got / names[0]).write_bytes((got / names[0]).read_bytes()[:-1])
+    assert main(["fetch", "s3://data/recheck", str(got), "--no-progress"]) == 0
+    assert f"({names[0]} failed the check and came down again)" in capsys.readouterr().out
+    assert _outputs(got) == _outputs(tmp_path / "made")
+    assert verify_shards(got).ok
+
+
+def test_fetch_refuses_a_source_manifest_it_cannot_check_against(s3, tmp_path, capsys):
+    """An entry without a sha256 (or with a size that is no count) could not be checked: the
+    fetch stops at once in one line naming the field, and writes nothing."""
+    from shards_schema.cli import main
+
+    client, _ = s3
+    made = tmp_path / "made"
+    run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(tmp_path / "rows.jsonl", example_rows(4, seed=3)))],
+                                    out=str(made), workers=1, progress=False))
+    manifest = json.loads((made / "manifest.json").read_text())
+    for key, value in (("sha256", None), ("bytes", -1)):
+        broken = json.loads(json.dumps(manifest))
+        broken["shards"][0][key] = value
+        (made / "manifest.json").write_text(json.dumps(broken))
+        _upload_dir(client, made, f"unchecked-{key}")
+        assert main(["fetch", f"s3://data/unchecked-{key}", str(tmp_path / key), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"s3://data/unchecked-{key}/manifest.json: shards[0]" in err and key in err, err
+        assert not (tmp_path / key).exists() or not any((tmp_path / key).glob("*.arrow"))
+
+
 @pytest.fixture(scope="module")
 def locked_s3(tmp_path_factory):
     """A second S3 endpoint that checks credentials (moto's IAM enforcement): a bucket with an
@@ -299,14 +359,23 @@ def test_partitions_into_the_store_then_merge_from_it_equal_one_job(s3, tmp_path
     assert json.loads((tmp_path / "got" / "manifest.json").read_text()) == local
 
 
+@pytest.fixture(scope="module")
+def small_manifest(tmp_path_factory) -> str:
+    """manifest.json of a small real shard directory."""
+    root = tmp_path_factory.mktemp("small")
+    run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(root / "rows.jsonl", example_rows(2, seed=1)))],
+                                    out=str(root / "shards"), workers=1, progress=False))
+    return (root / "shards" / "manifest.json").read_text()
+
+
 @pytest.mark.parametrize("case", ["no_manifest", "dst_is_a_file", "dst_holds_other_files"])
-def test_fetch_bad_arguments_are_one_line_exit_2(case, tmp_path, capsys):
+def test_fetch_bad_arguments_are_one_line_exit_2(case, small_manifest, tmp_path, capsys):
     from shards_schema.cli import main
 
     src = tmp_path / "src"
     src.mkdir()
     if case != "no_manifest":
-        (src / "manifest.json").write_text(json.dumps({"shards": []}))
+        (src / "manifest.json").write_text(small_manifest)
     dst = tmp_path / "dst"
     if case == "dst_is_a_file":
         dst.write_text("x")
@@ -337,11 +406,18 @@ def test_train_on_shards_in_the_store_fetches_a_checked_copy_once_and_trains_as_
     ok(run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "local"), *steps]))
     want = [m["loss"] for m in metrics(tmp_path / "local")]
     cache = tmp_path / "cache"
-    for run, says in (("first", "fetched"), ("again", "already there, every shard checked")):
+    cached = cache / "s3" / "data" / "train-shards"
+    damaged = sorted(p.name for p in shards.glob("shard-*.arrow"))[0]
+    for run, says in (("first", "fetched"), ("again", "fetched 1 shards (")):
         done = ok(run_train([*BASE, "--data", "s3://data/train-shards", "--data-cache", str(cache),
                              "--out", str(tmp_path / run), *steps]))
         assert f"--data s3://data/train-shards: {says}" in done.stdout, done.stdout
         assert [m["loss"] for m in metrics(tmp_path / run)] == want
+        flipped = bytearray((cached / damaged).read_bytes())  # the cache damaged between runs: checked, fetched again
+        flipped[len(flipped) // 2] ^= 0xFF
+        (cached / damaged).write_bytes(bytes(flipped))
+    assert f"{damaged} failed the check and came down again" in done.stdout, done.stdout
+    (cached / damaged).write_bytes((shards / damaged).read_bytes())
     assert _outputs(cache / "s3" / "data" / "train-shards") == _outputs(shards)
     ok(run_train([*BASE, "--data", "s3://data/train-shards", "--out", str(tmp_path / "dp2"), *steps], nproc=2))
     np.testing.assert_allclose([m["loss"] for m in metrics(tmp_path / "dp2")], want, rtol=2e-5)

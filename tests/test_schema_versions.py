@@ -54,7 +54,7 @@ def test_a_version_1_directory_has_no_video_columns_and_reads_as_without_video(v
     manifest = json.loads((v1_dir / "manifest.json").read_text())
     assert manifest["schema_version"] == 1 and set(manifest["totals"]) == {*TOTAL_KEYS_V1, "shards"}
     shard = ShardFile(v1_dir / manifest["shards"][0]["file"])
-    assert shard.version == 1 and "video_patches" not in shard._reader.schema.names
+    assert shard.version == 1 and "video_patches" not in shard.schema.names
     shards = open_shards(v1_dir)
     for i in range(len(shards)):
         row = shards[i]

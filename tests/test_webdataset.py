@@ -321,13 +321,13 @@ def test_a_shard_with_a_flipped_byte_does_not_export(shard_dir, tmp_path):
     done = _cli("export", source, "--out", tmp_path / "tars", "--samples-per-tar", 3)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1
-    assert f"{source / second}: sha256 " in done.stderr and "does not match manifest.json" in done.stderr
+    assert f"{source / second}: [sha256_mismatch] sha256 " in done.stderr and "does not match manifest.json" in done.stderr
     assert user_entries(tmp_path / "tars") == []  # the first shard's tars were written, then removed: nothing partial
-    with pytest.raises(ShardFormatError, match=rf"{second}: \d+ bytes, the manifest says \d+ \(truncated"):
+    with pytest.raises(ShardFormatError, match=rf"{second}: \[size_mismatch\] [\d,]+ bytes on disk, the manifest says [\d,]+ \(truncated"):
         (source / second).write_bytes((source / second).read_bytes()[:-100])
         export_webdataset(source, tmp_path / "tars")
     (source / second).unlink()
-    with pytest.raises(ShardFormatError, match=rf"{second}: listed in the manifest but missing"):
+    with pytest.raises(ShardFormatError, match=rf"{second}: \[missing_shard\] listed in manifest\.json but missing"):
         export_webdataset(source, tmp_path / "tars")
 
 

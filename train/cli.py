@@ -55,14 +55,10 @@ class Pack:
         if args.out:
             check_plan_out(args.out)
         t0 = time.perf_counter()
-        try:
-            plan = build_pack_plan(specs, seq_len=args.seq_len, seed=args.seed, epoch=args.epoch,
-                                   max_visual_tokens=args.max_visual_tokens, dp_size=args.dp_size,
-                                   global_batch_packs=args.global_batch_packs, pad_to_multiple=args.pad_to_multiple,
-                                   block_size=args.block_size)
-        except (KeyError, TypeError) as exc:
-            raise UserError(f"a manifest is malformed ({type(exc).__name__}: {exc}); re-run the job that wrote it or "
-                            "check it with `vlmpack verify`") from None
+        plan = build_pack_plan(specs, seq_len=args.seq_len, seed=args.seed, epoch=args.epoch,
+                               max_visual_tokens=args.max_visual_tokens, dp_size=args.dp_size,
+                               global_batch_packs=args.global_batch_packs, pad_to_multiple=args.pad_to_multiple,
+                               block_size=args.block_size)  # manifests and shards are checked as they are opened
         seconds = time.perf_counter() - t0
         balance = plan.balance(args.dp_size) if args.dp_size > 1 else None
         saved = str(plan.save(args.out)) if args.out else None

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shards_schema import ShardFormatError
+from shards_schema import ShardFormatError, ShardSet
 from shards_schema.pixels import pixel_values_from_patches
 
 from .pack_plan import DEFAULT_BLOCK_SIZE, PackPlan, build_pack_plan, open_source, plan_request, source_fingerprint
@@ -96,7 +96,8 @@ class PackedDataset(Dataset):
         dirs = list(sources) if sources is not None else plan.source_dirs
         if len(dirs) != len(plan.meta["sources"]):
             raise ValueError(f"the plan has {len(plan.meta['sources'])} sources, got {len(dirs)} directories")
-        self.shards = [open_source(d) for d in dirs]
+        # every shard opened (so checked) now: a damaged one stops the setup, naming it, not a later step
+        self.shards = [source.open_all() if isinstance(source, ShardSet) else source for source in map(open_source, dirs)]
         for shards, recorded in zip(self.shards, plan.meta["sources"]):
             if source_fingerprint(shards.manifest) != recorded["fingerprint"]:
                 raise ShardFormatError(

@@ -5,8 +5,9 @@ to local disk with `vlmpack fetch`'s checks (every shard's size and sha256 again
 manifest, the manifest written last) before any rank reads it. One process per node fetches
 (LOCAL_RANK 0); on a cache that several nodes share, a blocking lock per source lets the
 first fetch and the others find it up to date. A cache that already holds the source is
-re-checked, not downloaded again. A failed fetch stops every rank with that fetch's
-message: no rank waits for data that will not come.
+re-checked (each shard's size and sha256), not downloaded again; a shard that fails the
+check is fetched again. A failed fetch stops every rank with that fetch's message: no rank
+waits for data that will not come.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from urllib.parse import urlsplit
 import torch.distributed as dist
 
 from shards_schema.errors import UserError
-from shards_schema.fetch import fetch
+from shards_schema.fetch import describe, fetch
 from shards_schema.storage import is_url, redact
 from train.pack_plan import parse_source
 
@@ -60,9 +61,7 @@ def _fetch_all(urls: list[str], local: dict[str, Path], announce: bool) -> None:
             raise UserError(f"--data {redact(url)} -> {local[url]}: {exc.strerror or exc}: check the connection, "
                             "and that --data-cache is a writable local directory with room for the shards") from None
         if announce:
-            what = ("already there, every shard checked" if done["up_to_date"] else
-                    f"fetched {done['fetched']} shards ({done['bytes'] / 2**20:,.1f} MiB), kept {done['kept']}")
-            print(f"--data {redact(url)}: {what} -> {local[url]}", flush=True)
+            print(f"--data {redact(url)}: {describe(done)} -> {local[url]}", flush=True)
 
 
 def localize_sources(config, info):

@@ -11,7 +11,7 @@ from ..atomic import TMP_SUFFIX, atomic_open, fsync_dir, write_json_atomic, writ
 from ..errors import UserError
 from ..manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, build_manifest
 from ..outdir import exclusive_output_dir, user_entries
-from ..reader import open_shards
+from ..reader import ShardFault, open_shards
 from ..schema import VIDEO_COLUMNS, Sample
 from ..writer import ShardWriter, file_sha256
 from .format import (
@@ -130,10 +130,8 @@ def _check_sha256(path: Path, entry: dict) -> None:
     """The shard at `path` has the sha256 its manifest entry records."""
     digest = file_sha256(path)
     if digest != entry["sha256"]:
-        raise ShardFormatError(
-            f"{path}: sha256 {digest} does not match {MANIFEST_NAME} ({entry['sha256']}); the shard is corrupted: "
-            "restore it, or re-run `vlmpack preprocess`"
-        )
+        raise ShardFault(path, "sha256_mismatch", f"sha256 {digest} does not match {MANIFEST_NAME} ({entry['sha256']}): "
+                                                  "its bytes changed since the job wrote them")
 
 
 def export_webdataset(

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import refuse_leftover_tmp
-from ..manifest import REJECTS_NAME, require_directory
+from ..manifest import REJECTS_NAME, check_manifest, require_directory
 from ..schema import FORMAT_NAME as SHARDS_FORMAT_NAME
 from ..schema import READABLE_SCHEMA_VERSIONS
 from ..writer import file_sha256
@@ -58,6 +58,7 @@ def load_index(tardir: str | Path) -> dict:
             f"{path}: exported from shard schema {manifest.get('format')!r} v{manifest.get('schema_version')}, "
             f"this vlmpack reads {SHARDS_FORMAT_NAME!r} v{', v'.join(map(str, READABLE_SCHEMA_VERSIONS))}"
         )
+    check_manifest(manifest, f"{path} (the manifest of the exported directory)", str(tardir))
     expected_first = 0
     for k, entry in enumerate(index.get("tars", [])):
         try:
