@@ -519,14 +519,6 @@ def write_html_report(report: dict, charts: dict[str, Path], path: Path) -> Path
 # ------------------------------------------------------------------------ CLI
 
 
-def _silence_stdout() -> None:
-    """After a broken pipe: point stdout at /dev/null so the interpreter's final flush is quiet."""
-    import os
-
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-
-
 class Inspect:
     """`vlmpack inspect DIR [--json] [--plots OUT/]`."""
 
@@ -550,11 +542,7 @@ class Inspect:
             print(f"vlmpack inspect: error: {args.dir}/manifest.json is malformed ({type(exc).__name__}: {exc}); "
                   "re-run the job that wrote it", file=sys.stderr)
             return 2
-        try:
-            return Inspect._print(args, report, arrays)
-        except BrokenPipeError:  # `vlmpack inspect DIR | head`: the reader left, not an error
-            _silence_stdout()
-            return 0
+        return Inspect._print(args, report, arrays)  # a closed pipe: the dispatcher ends quietly
 
     @staticmethod
     def _print(args, report: dict, arrays: dict) -> int:

@@ -442,10 +442,21 @@ def test_inspect_counts_videos_frames_seconds_and_tokens(tmp_path, capsys):
     assert code == 0 and f"videos           5  {totals['video_frames']:,} frames" in text
 
 
-def test_output_into_a_closed_pipe_stops_quietly():
-    """`vlmpack ... | head`: the reader is gone before the command writes; no traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "shards_schema.cli", "train", "--dry-run", "--arch", "qwen3-vl-2b"],
+@pytest.mark.parametrize("argv", [
+    ["--help"],
+    ["preprocess", "--help"],
+    ["inspect", "{d}"],
+    ["inspect", "{d}", "--json"],
+    ["show", "{d}", "--tokens"],
+    ["verify", "{d}"],
+    ["train", "--dry-run", "--arch", "qwen3-vl-2b"],
+], ids=lambda argv: " ".join(argv))
+def test_output_into_a_closed_pipe_stops_quietly_with_exit_141(argv, data):
+    """`vlmpack ... | head`: the reader is gone before the command writes; every command, help
+    included, ends with 128 + SIGPIPE and no traceback (the dispatcher's one rule)."""
+    argv = [a.format(d=data[0]) for a in argv]
+    proc = subprocess.Popen([sys.executable, "-m", "shards_schema.cli", *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[1])
     proc.stdout.close()
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
