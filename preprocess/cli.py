@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 from shards_schema import storage
+from shards_schema.inspect import format_storage_per_visual_token, storage_per_visual_token
+from shards_schema.manifest import profile_name
 from shards_schema.outdir import prepare_output_dir
 
 from .errors import ConfigError
@@ -42,7 +44,7 @@ def format_summary(manifest: dict, out: Path) -> str:
     visual_tokens = t["patches"] // vision["merge_size"] ** 2
     lines = [
         f"shards:         {out}/ ({t['shards']} shard files, {_human_bytes(t['bytes'])})",
-        f"profile:        {manifest['profile']['family']} (fingerprint {manifest['profile']['id']}, {manifest['profile']['source']})",
+        f"profile:        {profile_name(manifest['profile'])} (fingerprint {manifest['profile']['id']}, {manifest['profile']['source']})",
         f"rows:           read {acc['rows_read']} = written {acc['rows_written']} + rejected {acc['rows_rejected']}",
         f"tokens:         {t['tokens']:,} ({t['target_tokens']:,} targets, {t['target_tokens'] / max(t['tokens'], 1):.1%})",
         f"images:         {t['images']:,} ({visual_tokens:,} visual tokens, {t['patches']:,} patches)",
@@ -51,8 +53,9 @@ def format_summary(manifest: dict, out: Path) -> str:
     if t.get("videos"):
         lines.append(f"videos:         {t['videos']:,} ({video_tokens:,} visual tokens, {t['video_patches']:,} patches)")
     if visual_tokens + video_tokens:
-        lines.append(f"bytes/visual token: {t['bytes'] / (visual_tokens + video_tokens):,.0f} (HF float32 pixel_values: "
-                     f"{4 * vision['temporal_patch_size'] * manifest['patch_row_width'] * vision['merge_size'] ** 2:,})")
+        storage = storage_per_visual_token(t["bytes"], t["patches"], t.get("video_patches", 0), vision,
+                                           manifest["patch_row_width"])
+        lines.append(f"bytes/visual token: {format_storage_per_visual_token(storage)}")
     if acc["rejects_by_reason"]:
         reasons = ", ".join(f"{code} {n}" for code, n in acc["rejects_by_reason"].items())
         lines.append(f"rejects:        {reasons} (details: {out}/rejects.jsonl)")

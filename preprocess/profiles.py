@@ -125,9 +125,17 @@ class Profile:
             )
         return dataclasses.replace(self, vision=vision)
 
+    @property
+    def name(self) -> str:
+        """The profile as `--profile` names it: the family, with `-thinking` for a Thinking
+        checkpoint's template (a --model directory is named the same way)."""
+        return self.family if self.template == "instruct" else f"{self.family}-{self.template}"
+
     @cached_property
     def fingerprint(self) -> dict:
-        """What decides the bytes of a sample; equal fingerprints mean interchangeable shards."""
+        """What decides the bytes of a sample; equal fingerprints mean interchangeable shards.
+        `name` and `source` say where the profile came from and are not part of the id (the
+        template's sha256 already tells a Thinking profile apart)."""
         body = {
             "family": self.family,
             "tokenizer_sha256": hashlib.sha256(self.tokenizer_json.encode()).hexdigest(),
@@ -139,7 +147,7 @@ class Profile:
             "vlmpack_version": VLMPACK_VERSION,
         }
         digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-        return {"id": digest[:16], **body, "source": self.source}
+        return {"id": digest[:16], **body, "name": self.name, "source": self.source}
 
 
 def builtin_profile(name: str) -> Profile:
