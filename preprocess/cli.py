@@ -2,10 +2,11 @@
 
 Exit status: 0 when shards were written; 1 when the job finished but wrote no sample (an
 empty input, or every row rejected: the rows are still accounted for in manifest.json and
-rejects.jsonl), or when a worker process was killed by the system (re-run to resume); 2 for
-a mistake in the command (one line naming the flag or input and the fix); 4 when the disk is
-full (free space and re-run: finished shards are kept); 128 + the signal number when stopped
-by SIGTERM or SIGINT (re-run to resume).
+rejects.jsonl), or when a worker process was killed (SIGKILL, e.g. by the system when memory
+ran out, or a crash; re-run to resume); 2 for a mistake in the command (one line naming the
+flag or input and the fix); 4 when the disk is full (free space and re-run: finished shards
+are kept); 128 + the signal number when the job or one of its workers was stopped by SIGTERM,
+SIGINT or SIGHUP (re-run to resume).
 """
 
 from __future__ import annotations

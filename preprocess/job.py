@@ -20,7 +20,10 @@ hash of sampled blocks, or of the whole content with `--input-hash full`): a cha
 refused instead of mixing old and new rows.
 
 Workers die with the job: killed (even with SIGKILL), the parent takes its workers with it;
-SIGTERM or SIGINT end the workers and stop the job with committed units kept.
+SIGTERM, SIGINT or SIGHUP end the workers and stop the job with committed units kept, exit
+128 + the signal, also when the signal reached the workers first (a scheduler signals the
+whole process group). A worker lost on its own is named by what ended it: a stop signal sent
+to it, or SIGKILL (the out-of-memory killer) or a crash.
 """
 
 from __future__ import annotations
@@ -98,8 +101,11 @@ class PreprocessConfig:
         return self.ray_address or os.environ.get("RAY_ADDRESS")
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # a request to stop, not a crash
+
+
 class Interrupted(UserError):
-    """The job was stopped by SIGTERM or SIGINT; exit status 128 + the signal number."""
+    """The job was stopped by SIGTERM, SIGINT or SIGHUP; exit status 128 + the signal number."""
 
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name}; finished shards are kept: "
@@ -108,13 +114,39 @@ class Interrupted(UserError):
 
 
 class WorkerLost(UserError):
-    """A worker process ended without a result (killed by the system, e.g. out of memory)."""
+    """A worker process ended without a result. Stopped by a stop signal sent to it alone: exit
+    128 + the signal, like the job's own stop; killed otherwise (SIGKILL: the out-of-memory
+    killer, or by hand; a crash): exit 1."""
 
     exit_code = 1
 
-    def __init__(self):
-        super().__init__("a worker process ended unexpectedly (killed by the system, e.g. out of memory?); finished "
-                         "shards are kept: re-run the same command to resume, with fewer --workers if memory is short")
+    def __init__(self, signum: int | None):
+        kept = "finished shards are kept: re-run the same command to resume"
+        if signum in STOP_SIGNALS:
+            name = signal.Signals(signum).name
+            super().__init__(f"a worker process was stopped by {name} (sent to the worker, not to the job); {kept}")
+            self.exit_code = 128 + signum
+        elif signum == signal.SIGKILL:
+            super().__init__(f"a worker process ended unexpectedly: killed by SIGKILL (by the system when memory ran "
+                             f"out, or by hand); {kept}, with fewer --workers if memory is short")
+        elif signum is not None:
+            super().__init__(f"a worker process ended unexpectedly: killed by {signal.Signals(signum).name}; {kept}")
+        else:
+            super().__init__(f"a worker process ended unexpectedly (killed by the system, e.g. out of memory?); {kept}, "
+                             "with fewer --workers if memory is short")
+
+
+def worker_death_signal(exit_codes: list[int | None]) -> int | None:
+    """The signal that broke the pool, from its workers' exit codes (-N: killed by signal N).
+
+    When one worker dies the pool ends the others with SIGTERM, so a SIGTERM among other
+    deaths is the pool's own doing: any other signal is the cause; SIGTERM only when every
+    worker that died got SIGTERM. None when no worker died of a signal."""
+    signals = {-code for code in exit_codes if code is not None and code < 0}
+    others = signals - {signal.SIGTERM}
+    if others:
+        return signal.SIGKILL if signal.SIGKILL in others else min(others)
+    return signal.SIGTERM if signals else None
 
 
 def shard_name(unit_index: int) -> str:
@@ -518,14 +550,14 @@ def check_config(cfg: PreprocessConfig) -> None:
 
 @contextmanager
 def _stop_on_signals():
-    """SIGTERM and SIGINT ask the job to stop: it ends its workers and raises `Interrupted` at
+    """SIGTERM, SIGINT and SIGHUP ask the job to stop: it ends its workers and raises `Interrupted` at
     the next row or unit boundary (`_stop_if_asked`), keeping committed units. The handler only
     records the request: an exception raised at an arbitrary point could be taken by a row's
     error handling for that row's failure. A second signal ends the process at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signals = (signal.SIGTERM, signal.SIGINT)
+    signals = STOP_SIGNALS
 
     def stop(signum, frame):
         for s in signals:
@@ -625,6 +657,7 @@ def _start_local_pool(cfg: PreprocessConfig, profile: Profile) -> _LocalPool | N
     if cfg.executor == "ray" or cfg.workers <= 1:
         return None
     ctx = mp.get_context("spawn")  # no fork: tokenizers/threads in the parent must not leak into workers
+    _start_resource_tracker()
     rows_done, rows_rejected = ctx.Value("q", 0), ctx.Value("q", 0)
     others = set(mp.active_children())
     executor = cf.ProcessPoolExecutor(
@@ -637,6 +670,23 @@ def _start_local_pool(cfg: PreprocessConfig, profile: Profile) -> _LocalPool | N
     for _ in range(_early_workers(cfg)):  # a spawn pool starts a process per task waiting while none is idle
         executor.submit(int)
     return _LocalPool(executor, rows_done, rows_rejected, others)
+
+
+def _start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (it tracks the shared counters) ignoring SIGHUP,
+    as it ignores SIGTERM and SIGINT itself: a hangup sent to the job's process group must stop
+    the job, not kill the tracker, whose successor would print tracebacks as the job ends. The
+    disposition is inherited through its exec."""
+    from multiprocessing import resource_tracker
+
+    if threading.current_thread() is not threading.main_thread():
+        resource_tracker.ensure_running()
+        return
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def _end_local_pool(pool: _LocalPool | None, wait: bool) -> None:
@@ -708,10 +758,14 @@ def _run_units(units: list[WorkUnit], names: dict[str, str], cfg: PreprocessConf
         except BaseException as exc:
             # Stop now: no new units, the running ones end, and their half-written shards go
             # (those units are redone on resume).
+            workers = list((pool.executor._processes or {}).values())  # the shutdown forgets them
             _end_local_pool(pool, wait=False)
             _remove_torn_writes(out)
             if isinstance(exc, cf.process.BrokenProcessPool):
-                raise WorkerLost() from None
+                # A scheduler signals the whole process group: the workers die of the signal
+                # the job itself was asked to stop by (recorded already: it came first).
+                _stop_if_asked()
+                raise WorkerLost(worker_death_signal([p.exitcode for p in workers])) from None
             raise
     finally:
         bar.close()
