@@ -12,16 +12,21 @@ SIGINT or SIGHUP (re-run to resume).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
+import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
 from shards_schema import storage
+from shards_schema.atomic import atomic_open, write_json_atomic
 from shards_schema.inspect import format_storage_per_visual_token, storage_per_visual_token
 from shards_schema.manifest import profile_name
-from shards_schema.outdir import prepare_output_dir
+from shards_schema.outdir import exclusive_output_dir, user_entries
+from shards_schema.writer import file_sha256
 
 from .errors import ConfigError
 from .formats import INPUT_FORMATS
@@ -262,14 +267,56 @@ class Merge:
         return 0
 
 
+QUICKSTART_MAX_ROWS = 1000  # the examples are built in memory, base64 images and all
+QUICKSTART_MAX_VIDEOS = 100
+QUICKSTART_MARKER = ".vlmpack-quickstart.json"  # what quickstart wrote into its --out, so a re-run knows its own
+QUICKSTART_EXAMPLE, QUICKSTART_SHARDS = "example.jsonl", "shards"
+
+
+def _quickstart_marker(out: Path) -> dict | None:
+    """What an earlier quickstart recorded in `out`: None when `out` is empty. UserError when
+    `out` holds anything quickstart did not write there (judged by its marker and the
+    example's sha256, never by a name alone), so a re-run replaces only its own files."""
+    from .job import entries_not_of_a_job
+
+    entries = user_entries(out)
+    if not entries:
+        return None
+    fix = "choose a new or empty --out directory (quickstart writes example.jsonl and shards/ into it)"
+    try:
+        marker = json.loads((out / QUICKSTART_MARKER).read_text(encoding="utf-8"))
+        known = set(marker["example_sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"--out {out} holds files quickstart did not write ({', '.join(entries[:3])}"
+                          f"{', ...' if len(entries) > 3 else ''}): {fix}") from None
+    foreign = [e for e in entries if e not in (QUICKSTART_MARKER, QUICKSTART_EXAMPLE, QUICKSTART_SHARDS)]
+    if foreign:
+        raise ConfigError(f"--out {out} holds files quickstart did not write ({', '.join(foreign[:3])}"
+                          f"{', ...' if len(foreign) > 3 else ''}): {fix}")
+    example = out / QUICKSTART_EXAMPLE
+    if example.exists() and not (example.is_file() and file_sha256(example) in known):
+        raise ConfigError(f"--out {out}: {QUICKSTART_EXAMPLE} is not the file quickstart wrote there (it was changed "
+                          f"since): {fix}, or move it away")
+    shards = out / QUICKSTART_SHARDS
+    if shards.exists():
+        foreign = entries_not_of_a_job(shards) if shards.is_dir() and not shards.is_symlink() else ["itself"]
+        if foreign:
+            raise ConfigError(f"--out {out}: {QUICKSTART_SHARDS}/ holds files quickstart did not write "
+                              f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): {fix}")
+    return marker
+
+
 class Quickstart:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--out", default="vlmpack-quickstart", help="working directory (default %(default)s)")
-        parser.add_argument("--rows", type=int, default=64, help="example conversations to generate (default %(default)s)")
+        parser.add_argument("--out", default="vlmpack-quickstart",
+                            help="working directory (default %(default)s): new or empty, or an earlier quickstart's, "
+                                 "whose files it replaces; a directory holding anything else is refused")
+        parser.add_argument("--rows", type=int, default=64,
+                            help=f"example conversations to generate, 1 to {QUICKSTART_MAX_ROWS} (default %(default)s)")
         parser.add_argument("--videos", type=int, default=4,
-                            help="further conversations around short generated videos (default %(default)s; "
-                                 "needs the video extra, pip install -e '.[video]')")
+                            help=f"further conversations around short generated videos, 0 to {QUICKSTART_MAX_VIDEOS} "
+                                 "(default %(default)s; needs the video extra, pip install -e '.[video]')")
         parser.add_argument("--profile", default="qwen3-vl", help="built-in profile (default %(default)s)")
         parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                             help="worker processes (default %(default)s)")
@@ -278,33 +325,45 @@ class Quickstart:
     def run(args) -> int:
         from shards_schema import open_shards
 
-        from .examples import example_rows, video_example_rows, write_jsonl
+        from .examples import example_rows, jsonl_bytes, video_example_rows
+        from .profiles import builtin_profile
 
-        if args.rows < 1:
-            raise ConfigError(f"--rows must be an integer >= 1, got {args.rows}")
-        if args.videos < 0:
-            raise ConfigError(f"--videos must be an integer >= 0, got {args.videos}")
+        if not 1 <= args.rows <= QUICKSTART_MAX_ROWS:
+            raise ConfigError(f"--rows must be an integer from 1 to {QUICKSTART_MAX_ROWS}, got {args.rows}")
+        if not 0 <= args.videos <= QUICKSTART_MAX_VIDEOS:
+            raise ConfigError(f"--videos must be an integer from 0 to {QUICKSTART_MAX_VIDEOS}, got {args.videos}")
+        builtin_profile(args.profile)  # an unknown name stops here, before anything is written
         videos = args.videos
         if videos and not all(importlib.util.find_spec(m) for m in ("av", "torch")):
             print(f"videos:         none generated: the video extra (PyAV, torch) is not installed "
                   f"(pip install -e '.[video]'), so the {videos} video conversations are left out")
             videos = 0
         out = Path(args.out)
-        data, shards_dir = out / "example.jsonl", out / "shards"
+        data, shards_dir = out / QUICKSTART_EXAMPLE, out / QUICKSTART_SHARDS
         total = args.rows + videos + 2
         units = 2  # two shards, so the example shows a multi-shard dataset; more workers would idle
         cfg = PreprocessConfig(inputs=[str(data)], out=str(shards_dir), profile=args.profile,
                                workers=min(args.workers, units), rows_per_shard=max(1, -(-total // units)))
         check_config(cfg)
-        prepare_output_dir(out)
-        rows = example_rows(args.rows, seed=0, family=args.profile, include_bad_rows=True)
-        rows[args.rows:args.rows] = video_example_rows(videos, seed=0)  # before the 2 broken rows
-        # Unchanged content keeps the file's timestamp, so a re-run resumes instead of seeing a changed input.
-        write_jsonl(data, rows, keep_unchanged=True)
-        print(f"example dataset: {data} ({args.rows} conversations with base64 images, {videos} with short videos, "
-              f"+ 2 deliberately broken rows)")
-        started = time.perf_counter()
-        manifest = run_preprocess(cfg)
+        with exclusive_output_dir(out, "quickstart", check=_quickstart_marker) as out:
+            marker = _quickstart_marker(out) or {}
+            rows = example_rows(args.rows, seed=0, family=args.profile, include_bad_rows=True)
+            rows[args.rows:args.rows] = video_example_rows(videos, seed=0)  # before the 2 broken rows
+            example = jsonl_bytes(rows)
+            job = {"example_sha256": hashlib.sha256(example).hexdigest(), "profile": args.profile,
+                   "rows_per_shard": cfg.rows_per_shard}
+            if marker.get("job") != job and shards_dir.exists():
+                shutil.rmtree(shards_dir)  # this quickstart's own shards, of other examples or settings
+            written = [job["example_sha256"]] + ([file_sha256(data)] if data.exists() else [])
+            write_json_atomic(out / QUICKSTART_MARKER, {"job": job, "example_sha256": sorted(set(written))})
+            # Unchanged content keeps the file's timestamp, so a re-run resumes instead of seeing a changed input.
+            if not (data.is_file() and data.read_bytes() == example):
+                with atomic_open(data) as fh:
+                    fh.write(example)
+            print(f"example dataset: {data} ({args.rows} conversations with base64 images, {videos} with short "
+                  "videos, + 2 deliberately broken rows)")
+            started = time.perf_counter()
+            manifest = run_preprocess(cfg)  # under the lock: no other quickstart replaces these shards meanwhile
         manifest.pop("_run")
         print(format_summary(manifest, shards_dir))
         print(f"time:           {time.perf_counter() - started:.1f} s")

@@ -32,10 +32,12 @@ import concurrent.futures as cf
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import sys
@@ -438,6 +440,25 @@ def _is_fresh(out: Path) -> bool:
     return entries == [PARTS_DIR] and parts.is_dir() and set(os.listdir(parts)) <= claim_files
 
 
+_JOB_FILES = re.compile(rf"(shard-\d+\.arrow|{re.escape(MANIFEST_NAME)}|{re.escape(REJECTS_NAME)})({re.escape(TMP_SUFFIX)})?")
+_PARTS_FILES = re.compile(rf"({re.escape(JOB_FILE)}|{re.escape(INPUTS_SEEN_FILE)}|unit-\d+\.json|partition-\d+-of-\d+\.json)"
+                          rf"({re.escape(TMP_SUFFIX)})?")
+
+
+def entries_not_of_a_job(out: Path) -> list[str]:
+    """What `out` holds that no preprocess or merge job writes (its lock aside): before such a
+    directory is removed as a job's own output, nothing else may be in it."""
+    foreign = []
+    for name in user_entries(out):
+        path = out / name
+        if name == PARTS_DIR and path.is_dir() and not path.is_symlink():
+            foreign += [f"{PARTS_DIR}/{n}" for n in sorted(os.listdir(path))
+                        if not (_PARTS_FILES.fullmatch(n) and (path / n).is_file() and not (path / n).is_symlink())]
+        elif not (_JOB_FILES.fullmatch(name) and path.is_file() and not path.is_symlink()):
+            foreign.append(name)
+    return foreign
+
+
 def _refuse_foreign(out: Path, command: str) -> None:
     entries = user_entries(out)
     shown = ", ".join(printable_path(e) for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
@@ -451,37 +472,50 @@ def _remove_torn_writes(out: Path) -> None:
 
 
 def _claim_out_dir(out: Path, identity: dict, inputs: list[JobInput], hash_mode: str) -> dict:
-    """Make `out` this job's (fresh) or check it is this job's (resume); returns the identity to run.
-
-    On resume an input found at the same resolved path as recorded keeps its recorded name,
-    so the same file spelled differently continues the same job with the same sources.
-    """
+    """Make `out` this job's (fresh) or check it is this job's (resume); returns the identity to run."""
     parts = out / PARTS_DIR
     job_file, seen_file = parts / JOB_FILE, parts / INPUTS_SEEN_FILE
-    recorded = _read_json(job_file)
-    if recorded is None:
-        if not _is_fresh(out):
-            _refuse_foreign(out, "preprocess")
+    resumed = _identity_to_resume(out, identity, inputs, hash_mode)
+    if resumed is None:
         parts.mkdir(exist_ok=True)
         write_json_atomic(seen_file, [inp.seen() for inp in inputs])
         write_json_atomic(job_file, identity)  # the claim's commit point
         return identity
     seen = _read_json(seen_file)
-    if isinstance(seen, list) and len(seen) == len(inputs):
+    if not (isinstance(seen, list) and len(seen) == len(inputs)):
+        # a merged directory records no input locations: from now on this job's are checked
+        write_json_atomic(seen_file, [inp.seen() for inp in inputs])
+    _remove_torn_writes(out)
+    return resumed
+
+
+def _identity_to_resume(out: Path, identity: dict, inputs: list[JobInput], hash_mode: str) -> dict | None:
+    """Whether this job may run in `out`, reading only: None when `out` is fresh, else the
+    identity to resume with; ConfigError when `out` is another job's or holds other files.
+
+    On resume an input found at the same resolved path as recorded keeps its recorded name,
+    so the same file spelled differently continues the same job with the same sources.
+    """
+    parts = out / PARTS_DIR
+    recorded = _read_json(parts / JOB_FILE)
+    if recorded is None:
+        if not _is_fresh(out):
+            _refuse_foreign(out, "preprocess")
+        return None
+    identity = json.loads(json.dumps(identity))
+    seen = _read_json(parts / INPUTS_SEEN_FILE)
+    seen_recorded = isinstance(seen, list) and len(seen) == len(inputs)
+    if seen_recorded:
         for i, (inp, before) in enumerate(zip(inputs, seen)):
             if before.get("location") == inp.location:
                 identity["inputs"][i]["path"] = before["name"]
     _check_same_job(out, recorded, identity)
-    if isinstance(seen, list) and len(seen) == len(inputs):
-        if hash_mode == "sampled":
-            for inp, before in zip(inputs, seen):
-                if before.get("location") == inp.location and before.get("mtime_ns") != inp.mtime_ns:
-                    raise ConfigError(
-                        f"input {before['name']} was modified since {printable_path(str(out))} was started (its "
-                        "modification time changed): use a new --out directory, or delete this one to start over")
-    else:  # a merged directory records no input locations: from now on this job's are checked
-        write_json_atomic(seen_file, [inp.seen() for inp in inputs])
-    _remove_torn_writes(out)
+    if seen_recorded and hash_mode == "sampled":
+        for inp, before in zip(inputs, seen):
+            if before.get("location") == inp.location and before.get("mtime_ns") != inp.mtime_ns:
+                raise ConfigError(
+                    f"input {before['name']} was modified since {printable_path(str(out))} was started (its "
+                    "modification time changed): use a new --out directory, or delete this one to start over")
     return identity
 
 
@@ -861,7 +895,8 @@ def _run_with_pool(cfg: PreprocessConfig, profile: Profile, pool: _LocalPool | N
     units = plan_units([inp.file for inp in inputs], cfg.rows_per_shard)
     mine = [u for u in units if u.index % cfg.num_partitions == cfg.partition_index]
     identity = job_identity(cfg, profile, inputs)
-    with _stop_on_signals(), exclusive_output_dir(cfg.out, "preprocess") as out, _output_errors(out):
+    refuse_other = functools.partial(_identity_to_resume, identity=identity, inputs=inputs, hash_mode=cfg.input_hash)
+    with _stop_on_signals(), exclusive_output_dir(cfg.out, "preprocess", check=refuse_other) as out, _output_errors(out):
         identity = _claim_out_dir(out, identity, inputs, cfg.input_hash)
         names = {inp.file.path: entry["path"] for inp, entry in zip(inputs, identity["inputs"])}
         committed, damaged = _committed_units(out, mine, cfg.progress)
@@ -939,13 +974,19 @@ def merge_partitions(directories: list[str], out: str) -> dict:
             "run the missing partitions (or re-run them to finish) before merging"
         )
     sources = {d.resolve() for d in dirs}
-    with _stop_on_signals(), exclusive_output_dir(out, "merge") as out_dir, _output_errors(out_dir):
-        job_file = out_dir / PARTS_DIR / JOB_FILE
-        if out_dir.resolve() not in sources and _read_json(job_file) != identity:
-            if not _is_fresh(out_dir):
-                _refuse_foreign(out_dir, "merge")
+
+    def needs_claim(out_dir: Path) -> bool:
+        """True where `out_dir` is fresh; ConfigError where it holds anything but this merge's work."""
+        if out_dir.resolve() in sources or _read_json(out_dir / PARTS_DIR / JOB_FILE) == identity:
+            return False
+        if not _is_fresh(out_dir):
+            _refuse_foreign(out_dir, "merge")
+        return True
+
+    with _stop_on_signals(), exclusive_output_dir(out, "merge", check=needs_claim) as out_dir, _output_errors(out_dir):
+        if needs_claim(out_dir):
             (out_dir / PARTS_DIR).mkdir(exist_ok=True)
-            write_json_atomic(job_file, identity)
+            write_json_atomic(out_dir / PARTS_DIR / JOB_FILE, identity)
         _remove_torn_writes(out_dir)
         records = []
         for index in range(total_units):

@@ -76,18 +76,26 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
     shards = [s for s in manifest["shards"] if isinstance(s, dict) and isinstance(s.get("file"), str)]
     if any("/" in s["file"] or s["file"].startswith(".") for s in shards):
         raise UserError(f"{redact(src)}/{MANIFEST_NAME} names a shard outside the directory: refusing it")
-    with exclusive_output_dir(dst, "fetch") as out:
+    wanted = {s["file"] for s in shards} | {REJECTS_NAME}
+
+    def up_to_date(out: Path) -> bool:
+        """True where `out` holds this fetch, finished; UserError where it holds anything else."""
         existing = out / MANIFEST_NAME
         if existing.exists():
             if json.loads(existing.read_text(encoding="utf-8")) == manifest:
-                return {"shards": len(shards), "fetched": 0, "kept": len(shards), "bytes": 0, "up_to_date": True}
+                return True
             raise UserError(f"{out} holds another dataset (its {MANIFEST_NAME} differs from {redact(src)}'s): "
                             "fetch into a new or empty directory")
-        wanted = {s["file"] for s in shards} | {REJECTS_NAME}
         foreign = [n for n in user_entries(out) if n not in wanted and not n.endswith(TMP_SUFFIX)]
         if foreign:
             raise UserError(f"{out} is not empty ({', '.join(foreign[:3])}...) and holds no fetch of {redact(src)}: "
                             "fetch into a new or empty directory")
+        return False
+
+    with exclusive_output_dir(dst, "fetch", check=up_to_date) as out:
+        existing = out / MANIFEST_NAME
+        if up_to_date(out):
+            return {"shards": len(shards), "fetched": 0, "kept": len(shards), "bytes": 0, "up_to_date": True}
         for stale in out.glob("*" + TMP_SUFFIX):
             stale.unlink()
         todo, kept = [], 0
