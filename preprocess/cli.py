@@ -30,7 +30,7 @@ from shards_schema.writer import file_sha256
 
 from .errors import ConfigError
 from .formats import INPUT_FORMATS
-from .job import (DEFAULT_ROWS_PER_SHARD, EXECUTORS, INPUT_HASH_MODES, PreprocessConfig, check_config, merge_partitions,
+from .job import (DEFAULT_ROWS_PER_SHARD, EXECUTORS, INPUT_HASH_MODES, PreprocessConfig, check_config,
                   run_preprocess)
 from .pipeline import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_SEQ_LEN, SampleOptions
 from .render import REASONING_LOSSES
@@ -66,6 +66,14 @@ def format_summary(manifest: dict, out: Path) -> str:
         reasons = ", ".join(f"{code} {n}" for code, n in acc["rejects_by_reason"].items())
         lines.append(f"rejects:        {reasons} (details: {out}/rejects.jsonl)")
     return "\n".join(lines)
+
+
+def _upload_line(upload: dict, where: str, stage: str | None = None) -> str:
+    if upload["kept"] == "all":
+        return f"upload:         nothing to do: {where} holds this job's dataset already"
+    staged = f"; staged in {stage} (removed)" if stage else ""
+    return (f"upload:         {upload['uploaded']} objects ({upload['bytes'] / 2**20:,.1f} MiB) to {where}, "
+            f"{upload['kept']} already there{staged}")
 
 
 def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
@@ -190,8 +198,8 @@ class Preprocess:
                             "(slower; timestamps then do not matter). A job resumes with the mode it started with")
         g.add_argument("--stage-dir", default=None,
                        help="with --out on an object store (s3://, gs://): the local directory the job runs in before "
-                            "its upload (default: one per output URL under the temporary directory; a re-run resumes "
-                            "from it)")
+                            "its upload (default: one per output URL and job under the temporary directory); removed "
+                            "once the upload is complete, kept when it is cut short: the same command resumes from it")
         g.add_argument("--executor", default="local", choices=EXECUTORS,
                        help="local (default): --workers processes on this machine; ray: the work units as Ray tasks "
                             "(output byte-identical; --out must be storage every Ray node sees at the same path)")
@@ -235,8 +243,7 @@ class Preprocess:
         where = storage.redact(args.out) if storage.is_url(args.out) else Path(args.out)
         print(format_summary(result, where))
         if "upload" in run:
-            print(f"upload:         {run['upload']['uploaded']} objects ({run['upload']['bytes'] / 2**20:,.1f} MiB) to "
-                  f"{where}, {run['upload']['kept']} already there; staged in {run['stage']}")
+            print(_upload_line(run["upload"], where, run["stage"]))
         print(f"time:           {run['seconds']:.1f} s ({run['units_done_now']} units processed, {run['units_resumed']} already done)")
         if result["accounting"]["rows_written"] == 0:
             return _nothing_written("preprocess", result, where)
@@ -253,14 +260,12 @@ class Merge:
 
     @staticmethod
     def run(args) -> int:
-        from .publish import default_stage_dir, publish, stage_sources
+        from .publish import merge_staged
 
-        out = str(default_stage_dir(args.out)) if storage.is_url(args.out) else args.out
-        manifest = merge_partitions(stage_sources(args.dirs), out)
+        manifest = merge_staged(args.dirs, args.out)
         where = storage.redact(args.out) if storage.is_url(args.out) else Path(args.out)
-        if storage.is_url(args.out):
-            upload = publish(Path(out), args.out, manifest)
-            print(f"upload:         {upload['uploaded']} objects to {where}, {upload['kept']} already there")
+        if "_upload" in manifest:
+            print(_upload_line(manifest.pop("_upload"), where))
         print(format_summary(manifest, where))
         if manifest["accounting"]["rows_written"] == 0:
             return _nothing_written("merge", manifest, where)

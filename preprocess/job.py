@@ -280,7 +280,7 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def _init_worker(parent_pid: int, profile_args: dict, fingerprint_id: str, options: SampleOptions, out: Path,
+def _init_worker(parent_pid: int, profile_args: dict, fingerprint_id: str, options: SampleOptions,
                  rows_per_unit: int, rows_done, rows_rejected) -> None:
     """Each worker loads the profile itself from its small spec: shipping the 11 MB tokenizer
     through the spawn pipe would make the parent start workers one after another."""
@@ -291,7 +291,7 @@ def _init_worker(parent_pid: int, profile_args: dict, fingerprint_id: str, optio
     if profile.fingerprint["id"] != fingerprint_id:
         raise RuntimeError(f"worker loaded profile {profile.fingerprint['id']}, the job runs {fingerprint_id}: files changed?")
     _ = profile.tokenizer  # build it now, while the pool starts, not inside the first unit
-    _WORKER.update(profile=profile, options=options, out=out, rows_per_unit=rows_per_unit, done=rows_done, rejected=rows_rejected)
+    _WORKER.update(profile=profile, options=options, rows_per_unit=rows_per_unit, done=rows_done, rejected=rows_rejected)
 
 
 def _worker_on_rows(done: int, rejected: int) -> None:
@@ -302,9 +302,9 @@ def _worker_on_rows(done: int, rejected: int) -> None:
             _WORKER["rejected"].value += rejected
 
 
-def _worker_process_unit(unit: WorkUnit, name: str) -> dict:
+def _worker_process_unit(unit: WorkUnit, name: str, out: Path) -> dict:
     w = _WORKER
-    return process_unit(unit, name, w["rows_per_unit"], w["out"], w["profile"], w["options"], on_rows=_worker_on_rows)
+    return process_unit(unit, name, w["rows_per_unit"], out, w["profile"], w["options"], on_rows=_worker_on_rows)
 
 
 # ---------------------------------------------------------------- inputs: names and fingerprints
@@ -698,8 +698,8 @@ def _start_local_pool(cfg: PreprocessConfig, profile: Profile) -> _LocalPool | N
         max_workers=cfg.workers,
         mp_context=ctx,
         initializer=_init_worker,
-        initargs=(os.getpid(), _profile_args(cfg), profile.fingerprint["id"], cfg.sample, Path(cfg.out),
-                  cfg.rows_per_shard, rows_done, rows_rejected),
+        initargs=(os.getpid(), _profile_args(cfg), profile.fingerprint["id"], cfg.sample, cfg.rows_per_shard,
+                  rows_done, rows_rejected),
     )
     for _ in range(_early_workers(cfg)):  # a spawn pool starts a process per task waiting while none is idle
         executor.submit(int)
@@ -779,7 +779,7 @@ def _run_units(units: list[WorkUnit], names: dict[str, str], cfg: PreprocessConf
                 process_unit(unit, names[unit.input.path], cfg.rows_per_shard, out, profile, cfg.sample, on_rows=show)
             return
         try:
-            pending = {pool.executor.submit(_worker_process_unit, unit, names[unit.input.path]) for unit in units}
+            pending = {pool.executor.submit(_worker_process_unit, unit, names[unit.input.path], out) for unit in units}
             seen_done, seen_rejected = pool.rows_done.value, pool.rows_rejected.value
             while pending:
                 _stop_if_asked()
@@ -868,14 +868,16 @@ def write_final_outputs(out: Path, identity: dict, records: list[dict], patch_ro
 
 def run_preprocess(cfg: PreprocessConfig) -> dict:
     """Run (or resume) the job; returns the manifest, or a partition summary when partitioned."""
-    if storage.is_url(cfg.out):
-        return _run_to_store(cfg)
     setup_started = time.perf_counter()
     check_config(cfg)
     profile = resolve_profile(**_profile_args(cfg))
     _ = profile.special  # fail now, not in a worker
     with _local_pool(cfg, profile) as pool:
-        return _run_with_pool(cfg, profile, pool, setup_started)
+        inputs = [describe_job_input(p, cfg.rows_per_shard, cfg.input_hash, cfg.input_format) for p in cfg.inputs]
+        identity = job_identity(cfg, profile, inputs)
+        if storage.is_url(cfg.out):
+            return _run_to_store(cfg, profile, pool, inputs, identity, setup_started)
+        return _run_job(cfg, Path(cfg.out), profile, pool, inputs, identity, setup_started)
 
 
 def idle_workers_note(units: int, rows: int, workers: int, rows_per_shard: int) -> str | None:
@@ -890,13 +892,19 @@ def idle_workers_note(units: int, rows: int, workers: int, rows_per_shard: int) 
             f"--rows-per-shard {suggested} gives every worker about 4")
 
 
-def _run_with_pool(cfg: PreprocessConfig, profile: Profile, pool: _LocalPool | None, setup_started: float) -> dict:
-    inputs = [describe_job_input(p, cfg.rows_per_shard, cfg.input_hash, cfg.input_format) for p in cfg.inputs]
+def _partition_units(cfg: PreprocessConfig, inputs: list[JobInput]) -> list[WorkUnit]:
+    """The work units this machine runs (all of them unless the job is partitioned)."""
     units = plan_units([inp.file for inp in inputs], cfg.rows_per_shard)
-    mine = [u for u in units if u.index % cfg.num_partitions == cfg.partition_index]
-    identity = job_identity(cfg, profile, inputs)
+    return [u for u in units if u.index % cfg.num_partitions == cfg.partition_index]
+
+
+def _run_job(cfg: PreprocessConfig, out: Path, profile: Profile, pool: _LocalPool | None, inputs: list[JobInput],
+             identity: dict, setup_started: float, publish_to: str | None = None) -> dict:
+    """The job in the local directory `out`; with `publish_to` (a store URL) its finished
+    directory is uploaded there while `out` is still held, then emptied (the stage)."""
+    mine = _partition_units(cfg, inputs)
     refuse_other = functools.partial(_identity_to_resume, identity=identity, inputs=inputs, hash_mode=cfg.input_hash)
-    with _stop_on_signals(), exclusive_output_dir(cfg.out, "preprocess", check=refuse_other) as out, _output_errors(out):
+    with _stop_on_signals(), exclusive_output_dir(out, "preprocess", check=refuse_other) as out, _output_errors(out):
         identity = _claim_out_dir(out, identity, inputs, cfg.input_hash)
         names = {inp.file.path: entry["path"] for inp, entry in zip(inputs, identity["inputs"])}
         committed, damaged = _committed_units(out, mine, cfg.progress)
@@ -918,41 +926,71 @@ def _run_with_pool(cfg: PreprocessConfig, profile: Profile, pool: _LocalPool | N
             "unit_seconds": sum(r["seconds"] for r in records if r["unit"] in {u.index for u in todo}),
         }
         if cfg.num_partitions == 1:
-            manifest = write_final_outputs(out, identity, records, profile.vision.patch_row_width)
-            manifest["_run"] = run
-            return manifest
-        summary = {
-            "partition": f"{cfg.partition_index}/{cfg.num_partitions}",
-            "units": len(mine),
-            "rows_read": sum(r["rows_read"] for r in records),
-            "rows_written": sum(r["rows_written"] for r in records),
-            "rows_rejected": sum(r["rows_rejected"] for r in records),
-            "_run": run,
-        }
-        write_json_atomic(out / PARTS_DIR / f"partition-{cfg.partition_index}-of-{cfg.num_partitions}.json", summary)
-        return summary
+            result = write_final_outputs(out, identity, records, profile.vision.patch_row_width)
+        else:
+            result = {
+                "partition": f"{cfg.partition_index}/{cfg.num_partitions}",
+                "units": len(mine),
+                "rows_read": sum(r["rows_read"] for r in records),
+                "rows_written": sum(r["rows_written"] for r in records),
+                "rows_rejected": sum(r["rows_rejected"] for r in records),
+                "_run": run,
+            }
+            write_json_atomic(out / PARTS_DIR / partition_summary_name(cfg.partition_index, cfg.num_partitions), result)
+        if publish_to is not None:
+            from .publish import empty_stage, publish
 
-
-def _run_to_store(cfg: PreprocessConfig) -> dict:
-    """`--out URL`: the job in a local staging directory, then published to the store
-    (preprocess/publish.py)."""
-    from .publish import default_stage_dir, publish
-
-    stage = Path(cfg.stage_dir) if cfg.stage_dir else default_stage_dir(cfg.out)
-    result = run_preprocess(dataclasses.replace(cfg, out=str(stage)))
-    run = result.pop("_run")
-    upload = publish(stage, cfg.out, result if "totals" in result else None, cfg.progress)
-    result["_run"] = {**run, "stage": str(stage), "upload": upload}
+            last = (MANIFEST_NAME if cfg.num_partitions == 1
+                    else f"{PARTS_DIR}/{partition_summary_name(cfg.partition_index, cfg.num_partitions)}")
+            run["upload"] = publish(out, publish_to, last, result if "totals" in result else None, cfg.progress,
+                                    stop_if_asked=_stop_if_asked)
+            empty_stage(out)
+        result["_run"] = run
     return result
 
 
-def merge_partitions(directories: list[str], out: str) -> dict:
-    """Join the outputs of a partitioned job (one directory or several) into one shard directory."""
-    dirs = [Path(d) for d in directories]
+def _run_to_store(cfg: PreprocessConfig, profile: Profile, pool: _LocalPool | None, inputs: list[JobInput],
+                  identity: dict, setup_started: float) -> dict:
+    """`--out URL`: the destination is checked before the first row (another job's output there
+    is refused, this job's finished dataset is the result); the job then runs in its staging
+    directory, named after the destination and the job, and is published to the store
+    (preprocess/publish.py). The stage goes once its upload is complete; an upload cut short
+    leaves it for the same command to resume from."""
+    from .publish import check_destination, default_stage_dir, remove_stage
+
+    partition = partition_summary_name(cfg.partition_index, cfg.num_partitions) if cfg.num_partitions > 1 else None
+    published = check_destination(cfg.out, identity, partition=partition)
+    if published is not None:
+        units = len(_partition_units(cfg, inputs))
+        return {**{k: v for k, v in published.items() if k != "_run"},
+                "_run": {"units_done_now": 0, "units_resumed": units, "units_redone": [],
+                         "setup_seconds": time.perf_counter() - setup_started, "seconds": 0.0, "unit_seconds": 0.0,
+                         "stage": None, "upload": {"uploaded": 0, "kept": "all", "bytes": 0}}}
+    stage = Path(cfg.stage_dir) if cfg.stage_dir else default_stage_dir(cfg.out, identity, partition)
+    result = _run_job(dataclasses.replace(cfg, out=str(stage)), stage, profile, pool, inputs, identity, setup_started,
+                      publish_to=cfg.out)
+    remove_stage(stage)
+    result["_run"]["stage"] = str(stage)
+    return result
+
+
+def partitions_identity(directories: list[str]) -> dict:
+    """The job the partition directories (or store prefixes) belong to: ConfigError unless they
+    all hold one job's output."""
     identities = []
-    for d in dirs:
-        job_file = d / PARTS_DIR / JOB_FILE
-        if not d.is_dir():
+    for d in directories:
+        if storage.is_url(d):
+            from .publish import read_json_object
+
+            identity = read_json_object(storage.join(d, f"{PARTS_DIR}/{JOB_FILE}"))
+            if identity is None:
+                if not storage.list_tree(d):
+                    raise ConfigError(f"{storage.redact(d)} holds nothing: name the --out prefixes of the partitions")
+                raise ConfigError(f"{storage.redact(d)}: no {PARTS_DIR}/{JOB_FILE}; not the output of `vlmpack preprocess`")
+            identities.append(identity)
+            continue
+        job_file = Path(d) / PARTS_DIR / JOB_FILE
+        if not Path(d).is_dir():
             raise ConfigError(f"{printable_path(str(d))} does not exist or is not a directory: "
                               "name the --out directories of the partitions")
         if not job_file.is_file():
@@ -960,7 +998,21 @@ def merge_partitions(directories: list[str], out: str) -> dict:
         identities.append(json.loads(job_file.read_text(encoding="utf-8")))
     if any(ident != identities[0] for ident in identities):
         raise ConfigError("the directories hold different jobs (inputs, settings or profile differ); cannot merge")
-    identity = identities[0]
+    return identities[0]
+
+
+def partition_summary_name(index: int, count: int) -> str:
+    """A partition's summary in `_parts/`, written when its units are done (published last)."""
+    return f"partition-{index}-of-{count}.json"
+
+
+def merge_partitions(directories: list[str], out: str, publish_to: str | None = None) -> dict:
+    """Join the outputs of a partitioned job (one directory or several) into one shard directory.
+    With `publish_to` (a store URL) `out` is a stage: the merged directory is uploaded there
+    while still held, then emptied (preprocess/publish.py); the manifest then carries what was
+    uploaded under "_upload"."""
+    dirs = [Path(d) for d in directories]
+    identity = partitions_identity(directories)
     rows_per_unit = identity["settings"]["rows_per_shard"]
     total_units = sum(-(-inp["rows"] // rows_per_unit) for inp in identity["inputs"])  # same cut as plan_units
     found: dict[int, Path] = {}
@@ -1001,8 +1053,14 @@ def merge_partitions(directories: list[str], out: str) -> dict:
                     _link_or_copy(src / record["shard"]["file"], out_dir / record["shard"]["file"], record)
                 write_json_atomic(unit_record_path(out_dir, index), record)
             records.append(record)
-        patch_row_width = _patch_row_width(identity)
-        return write_final_outputs(out_dir, identity, records, patch_row_width)
+        manifest = write_final_outputs(out_dir, identity, records, _patch_row_width(identity))
+        if publish_to is not None:
+            from .publish import empty_stage, publish
+
+            upload = publish(out_dir, publish_to, MANIFEST_NAME, manifest, stop_if_asked=_stop_if_asked)
+            empty_stage(out_dir)
+            manifest = {**manifest, "_upload": upload}
+        return manifest
 
 
 def _patch_row_width(identity: dict) -> int:
