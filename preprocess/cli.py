@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -30,8 +31,8 @@ from shards_schema.writer import file_sha256
 
 from .errors import ConfigError
 from .formats import INPUT_FORMATS
-from .job import (DEFAULT_ROWS_PER_SHARD, EXECUTORS, INPUT_HASH_MODES, PreprocessConfig, check_config,
-                  run_preprocess)
+from .job import (DEFAULT_ROWS_PER_SHARD, EXECUTORS, INPUT_HASH_MODES, MAX_RAY_RETRIES, MAX_WORKERS, PreprocessConfig,
+                  check_config, run_preprocess)
 from .pipeline import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_SEQ_LEN, SampleOptions
 from .render import REASONING_LOSSES
 from .video import SAMPLING_MODES, VideoOptions
@@ -99,7 +100,10 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, help="reject images with more pixels (decompression bombs)")
 
     def positive_bytes(text: str) -> int:
-        value = int(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a positive whole number of bytes, got {text}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text}")
         return value
@@ -110,13 +114,15 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
                         "multi-gigabyte file would be read whole, so raise it instead")
 
     def positive(kind):
+        what = "an integer" if kind is int else "a finite number"
+
         def parse(text: str):
             try:
                 value = kind(text)
             except ValueError:
                 raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}") from None
-            if not value > 0:
-                raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+            if not (value > 0 and math.isfinite(value)):
+                raise argparse.ArgumentTypeError(f"must be positive ({what}), got {text}")
             return value
         return parse
 
@@ -188,7 +194,8 @@ class Preprocess:
                                  "re-running the same job into it resumes")
         _add_sample_arguments(parser)
         g = parser.add_argument_group("job")
-        g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores, %(default)s)")
+        g.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, MAX_WORKERS),
+                       help=f"worker processes, 1 to {MAX_WORKERS} (default: all cores, %(default)s)")
         g.add_argument("--rows-per-shard", type=int, default=DEFAULT_ROWS_PER_SHARD, help="input rows per shard file / work unit (default %(default)s)")
         g.add_argument("--num-partitions", type=int, default=1, help="split the job across this many machines")
         g.add_argument("--partition-index", type=int, default=0, help="which partition this machine runs")
@@ -207,7 +214,8 @@ class Preprocess:
                        help="with --executor ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray "
                             "instance with --workers CPUs)")
         g.add_argument("--ray-max-retries", type=int, default=3,
-                       help="with --executor ray: times a unit whose worker died is re-run (default %(default)s)")
+                       help=f"with --executor ray: times a unit whose worker died is re-run, 0 to {MAX_RAY_RETRIES} "
+                            "(default %(default)s)")
         g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     @staticmethod

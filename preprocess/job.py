@@ -69,6 +69,8 @@ INPUT_HASH_MODES = ("sampled", "full")
 EXECUTORS = ("local", "ray")
 SAMPLE_BLOCK_BYTES = 64 << 10
 SAMPLE_BLOCKS = 16  # files up to SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES (1 MiB) are hashed whole
+MAX_WORKERS = 4096  # processes on one machine; a larger number is a typo (and overflows the pool's C ints)
+MAX_RAY_RETRIES = 1000
 PARENT_WATCH_SECONDS = 0.5
 WORKER_EXIT_SECONDS = 5.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -551,9 +553,14 @@ def _at_least(flag: str, value, minimum: int) -> None:
         raise ConfigError(f"{flag} must be an integer >= {minimum}, got {value}")
 
 
+def _in_range(flag: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"{flag} must be an integer from {low} to {high}, got {value}")
+
+
 def check_config(cfg: PreprocessConfig) -> None:
     """Every setting checked before any work: one message naming the flag and its valid range."""
-    _at_least("--workers", cfg.workers, 1)
+    _in_range("--workers", cfg.workers, 1, MAX_WORKERS)
     _at_least("--rows-per-shard", cfg.rows_per_shard, 1)
     _at_least("--num-partitions", cfg.num_partitions, 1)
     if not 0 <= cfg.partition_index < cfg.num_partitions:
@@ -571,7 +578,7 @@ def check_config(cfg: PreprocessConfig) -> None:
         raise ConfigError(f"--reasoning-loss must be one of {', '.join(REASONING_LOSSES)}, got {cfg.sample.reasoning_loss!r}")
     if cfg.executor not in EXECUTORS:
         raise ConfigError(f"--executor must be one of {', '.join(EXECUTORS)}, got {cfg.executor!r}")
-    _at_least("--ray-max-retries", cfg.ray_max_retries, 0)
+    _in_range("--ray-max-retries", cfg.ray_max_retries, 0, MAX_RAY_RETRIES)
     if cfg.input_format not in INPUT_FORMATS:
         raise ConfigError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {cfg.input_format!r}")
     if cfg.input_hash not in INPUT_HASH_MODES:

@@ -120,9 +120,11 @@ class Profile:
             max_pixels=self.vision.max_pixels if max_pixels is None else int(max_pixels),
         )
         if vision.min_pixels <= 0 or vision.max_pixels < vision.min_pixels:
-            raise ConfigError(
-                f"pixel bounds must satisfy 0 < min_pixels <= max_pixels, got {vision.min_pixels}, {vision.max_pixels}"
-            )
+            bounds = [f"{flag} {value}" if given is not None else f"the profile's {flag[2:]} {value}"
+                      for flag, given, value in (("--min-pixels", min_pixels, vision.min_pixels),
+                                                 ("--max-pixels", max_pixels, vision.max_pixels))]
+            raise ConfigError(f"--min-pixels and --max-pixels must satisfy 0 < min <= max, got {bounds[0]} and "
+                              f"{bounds[1]}: lower --min-pixels or raise --max-pixels")
         return dataclasses.replace(self, vision=vision)
 
     @property

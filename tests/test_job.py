@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import os
 import signal
 import subprocess
@@ -704,8 +705,8 @@ def test_undecodable_file_names_and_surrogates_never_stop_the_job(tmp_path, monk
 
 
 BAD_ARGUMENTS = [
-    ("preprocess", ["--workers", "0"], "--workers must be an integer >= 1, got 0"),
-    ("preprocess", ["--workers", "-3"], "--workers must be an integer >= 1, got -3"),
+    ("preprocess", ["--workers", "0"], "--workers must be an integer from 1 to 4096, got 0"),
+    ("preprocess", ["--workers", "-3"], "--workers must be an integer from 1 to 4096, got -3"),
     ("preprocess", ["--max-seq-len", "0"], "--max-seq-len must be an integer >= 1, got 0"),
     ("preprocess", ["--rows-per-shard", "0"], "--rows-per-shard must be an integer >= 1, got 0"),
     ("preprocess", ["--num-partitions", "0"], "--num-partitions must be an integer >= 1, got 0"),
@@ -720,7 +721,7 @@ BAD_ARGUMENTS = [
     ("merge", ["{tmp}", "--out", "{tmp}/m"], "not the output of `vlmpack preprocess`"),
     ("quickstart", ["--rows", "0"], "--rows must be an integer from 1 to 1000, got 0"),
     ("quickstart", ["--videos", "-1"], "--videos must be an integer from 0 to 100, got -1"),
-    ("quickstart", ["--workers", "0"], "--workers must be an integer >= 1, got 0"),
+    ("quickstart", ["--workers", "0"], "--workers must be an integer from 1 to 4096, got 0"),
     ("quickstart", ["--out", "{tmp}/afile"], "--out {tmp}/afile is a file, not a directory"),
 ]
 
@@ -742,6 +743,88 @@ def test_bad_arguments_exit_2_with_one_line(command, argv, message, example_json
     assert code == 2, err
     assert err.startswith(f"vlmpack {argv[0]}: error: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "o").exists() and not (tmp_path / "m").exists() and not (tmp_path / "qs").exists()
+
+
+# Numeric extremes in every numeric flag of these commands: each value either works (exit 0) or
+# exits 2 with one line naming the flag. command -> (its command line before the flag, [(flag,
+# the type it takes, which values it accepts)]); {data}: an input with an image and a video row,
+# {shards}: a finished shard directory of ROWS samples, {o}: a new output directory.
+EXTREME_VALUES = (str(10**30), "1e30", "1e-30", "inf", "-inf", "nan", "-1", "0")
+NUMERIC_FLAGS = {
+    "preprocess": (["preprocess", "{data}", "--out", "{o}", "--workers", "1", "--no-progress"], [
+        ("--min-pixels", int, lambda v: 1 <= v <= 16777216),  # at most the profile's max_pixels
+        ("--max-pixels", int, lambda v: v >= 65536),  # at least the profile's min_pixels
+        ("--max-seq-len", int, lambda v: v >= 1),
+        ("--max-image-pixels", int, lambda v: v >= 1),
+        ("--max-media-bytes", int, lambda v: v >= 1),
+        ("--video-fps", float, lambda v: v > 0),
+        ("--video-max-frames", int, lambda v: v >= 1),
+        ("--video-max-pixels", int, lambda v: v >= 1),
+        ("--video-total-pixels", int, lambda v: v >= 1),
+        ("--max-video-bytes", int, lambda v: v >= 1),
+        ("--workers", int, lambda v: 1 <= v <= 4096),
+        ("--rows-per-shard", int, lambda v: v >= 1),
+        ("--num-partitions", int, lambda v: v >= 1),
+        ("--partition-index", int, lambda v: v == 0),  # of --num-partitions 1
+        ("--ray-max-retries", int, lambda v: 0 <= v <= 1000),
+    ]),
+    "quickstart": (["quickstart", "--out", "{o}", "--rows", "2", "--videos", "0", "--workers", "1"], [
+        ("--rows", int, lambda v: 1 <= v <= 1000),
+        ("--videos", int, lambda v: 0 <= v <= 100),
+        ("--workers", int, lambda v: v >= 1),  # no more than its 2 shards' worth run
+    ]),
+    "show": (["show", "{shards}"], [("--index", int, lambda v: -(ROWS + 2 - 2) <= v < ROWS)]),
+    "verify": (["verify", "{shards}"], [("--max-faults", int, lambda v: v >= 0), ("--workers", int, lambda v: v >= 1)]),
+    "export": (["export", "{shards}", "--out", "{o}"], [("--samples-per-tar", int, lambda v: v >= 1),
+                                                         ("--max-tar-bytes", int, lambda v: v >= 1)]),
+    "pack": (["pack", "{shards}", "--seq-len", "16384"], [
+        ("--seq-len", int, lambda v: 16384 <= v < 2**31),  # no shorter than the longest sample
+        ("--max-visual-tokens", int, lambda v: 16384 <= v < 2**31),
+        ("--pad-to-multiple", int, lambda v: 1 <= v <= 16384),
+        ("--seed", int, lambda v: v >= 0),
+        ("--epoch", int, lambda v: v >= 0),
+        ("--dp-size", int, lambda v: v == 1),  # a global batch of more packs than the data make is refused
+        ("--global-batch-packs", int, lambda v: v == 1),
+    ]),
+}
+
+
+def _accepts(kind, accepts, text: str) -> bool:
+    try:
+        value = kind(text)
+    except ValueError:
+        return False
+    return math.isfinite(value) and accepts(value)
+
+
+NUMERIC_EXTREMES = [(command, flag, text, _accepts(kind, accepts, text))
+                    for command, (_, flags) in NUMERIC_FLAGS.items() for flag, kind, accepts in flags
+                    for text in EXTREME_VALUES]
+
+
+@pytest.fixture(scope="module")
+def image_and_video_jsonl(tmp_path_factory):
+    from preprocess.examples import video_example_rows
+
+    rows = example_rows(1, seed=3, size_range=(32, 64)) + video_example_rows(2, seed=4)[1:]  # a video beside an image
+    return write_jsonl(tmp_path_factory.mktemp("extremes") / "rows.jsonl", rows)
+
+
+@pytest.mark.parametrize("command, flag, text, works", NUMERIC_EXTREMES,
+                         ids=[f"{c} {f} {t}" for c, f, t, _ in NUMERIC_EXTREMES])
+def test_numeric_extremes_work_or_exit_2_naming_the_flag(command, flag, text, works, image_and_video_jsonl, baseline,
+                                                         tmp_path, capsys):
+    base, _ = NUMERIC_FLAGS[command]
+    paths = {"data": image_and_video_jsonl, "shards": baseline[0], "o": tmp_path / "o"}
+    argv = [a.format(**paths) for a in base] + [f"{flag}={text}"]  # `=`: argparse would take -1 or -inf for a flag
+    code = vlmpack_exit_code(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s]" not in line
+           and "row/s]" not in line and "B/s]" not in line and "shard/s]" not in line]
+    assert not any("Traceback" in line for line in err), err
+    if works:
+        assert code == 0, err
+    else:
+        assert code == 2 and len(err) == 1 and err[0].startswith(f"vlmpack {command}: error: ") and flag in err[0], err
 
 
 def test_nothing_written_warns_and_exits_1_with_rows_accounted_for(tmp_path, capsys):
