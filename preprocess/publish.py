@@ -7,19 +7,20 @@ publishes the merged directory (`merge_staged`).
 
 The destination is checked before the job's first row (`check_destination`): a prefix holding
 another dataset's manifest, or another job's work state (`_parts/job.json`), is refused naming
-the URL; a prefix already holding this job's finished dataset is the result, nothing is redone.
+the URL; a prefix already holding this job's finished dataset (or partition) is the result,
+nothing is redone.
 
 The staging directory (`--stage-dir`, by default one under the system's temporary directory
 named after the destination and the job: its inputs' fingerprints, settings and profile) is an
 ordinary output directory: the job writes, commits and resumes there exactly as it does
 locally. Publishing puts every file of it into the store (shards, `_parts/` work state,
-`rejects.jsonl`) and then `manifest.json` (a partition: its summary in `_parts/`): the store
-holds a manifest only once everything it lists is there. Each upload is one object that appears whole or not at all, so a publish cut
-short (a kill, a lost connection) leaves some objects, never a torn one; the same command again
-finds the same stage, resumes the job from it (every unit already committed) and uploads only
-what the store lacks or holds at another size (an object written by something else). Once the
-upload is complete the stage is removed: a later job to the same prefix, with other inputs or
-settings, gets a stage of its own.
+`rejects.jsonl`) and then `manifest.json` (a partition: its summary in `_parts/`), so the
+store holds a manifest only once everything it lists is there. Each upload is one object that
+appears whole or not at all, so a publish cut short (a kill, a lost connection) leaves some
+objects, never a torn one; the same command again finds the same stage, resumes the job from
+it (every unit already committed) and uploads only what the store lacks or holds at another
+size (an object written by something else). Once the upload is complete the stage is removed:
+a later job to the same prefix, with other inputs or settings, gets a stage of its own.
 """
 
 from __future__ import annotations
