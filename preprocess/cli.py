@@ -2,30 +2,38 @@
 
 Exit status: 0 when shards were written; 1 when the job finished but wrote no sample (an
 empty input, or every row rejected: the rows are still accounted for in manifest.json and
-rejects.jsonl), or when a worker process was killed by the system (re-run to resume); 2 for
-a mistake in the command (one line naming the flag or input and the fix); 4 when the disk is
-full (free space and re-run: finished shards are kept); 128 + the signal number when stopped
-by SIGTERM or SIGINT (re-run to resume).
+rejects.jsonl), or when a worker process was killed (SIGKILL, e.g. by the system when memory
+ran out, or a crash; re-run to resume); 2 for a mistake in the command (one line naming the
+flag or input and the fix); 4 when the disk is full (free space and re-run: finished shards
+are kept); 128 + the signal number when the job or one of its workers was stopped by SIGTERM,
+SIGINT or SIGHUP (re-run to resume).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
+import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
 from shards_schema import storage
-from shards_schema.outdir import prepare_output_dir
+from shards_schema.atomic import atomic_open, write_json_atomic
+from shards_schema.inspect import format_storage_per_visual_token, storage_per_visual_token
+from shards_schema.manifest import profile_name
+from shards_schema.outdir import exclusive_output_dir, user_entries
 from shards_schema.storage import MAX_FETCH_RETRIES, FetchPolicy
+from shards_schema.writer import file_sha256
 
 from .errors import ConfigError
 from .formats import INPUT_FORMATS
-from .job import (DEFAULT_ROWS_PER_SHARD, EXECUTORS, INPUT_HASH_MODES, PreprocessConfig, check_config, merge_partitions,
-                  run_preprocess)
+from .job import (DEFAULT_ROWS_PER_SHARD, EXECUTORS, INPUT_HASH_MODES, MAX_RAY_RETRIES, MAX_WORKERS, PreprocessConfig,
+                  check_config, run_preprocess)
 from .media import MAX_OPTION_INTEGER, MIN_FPS
 from .pipeline import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_SEQ_LEN, SampleOptions
 from .render import REASONING_LOSSES
@@ -45,7 +53,7 @@ def format_summary(manifest: dict, out: Path) -> str:
     visual_tokens = t["patches"] // vision["merge_size"] ** 2
     lines = [
         f"shards:         {out}/ ({t['shards']} shard files, {_human_bytes(t['bytes'])})",
-        f"profile:        {manifest['profile']['family']} (fingerprint {manifest['profile']['id']}, {manifest['profile']['source']})",
+        f"profile:        {profile_name(manifest['profile'])} (fingerprint {manifest['profile']['id']}, {manifest['profile']['source']})",
         f"rows:           read {acc['rows_read']} = written {acc['rows_written']} + rejected {acc['rows_rejected']}",
         f"tokens:         {t['tokens']:,} ({t['target_tokens']:,} targets, {t['target_tokens'] / max(t['tokens'], 1):.1%})",
         f"images:         {t['images']:,} ({visual_tokens:,} visual tokens, {t['patches']:,} patches)",
@@ -54,12 +62,21 @@ def format_summary(manifest: dict, out: Path) -> str:
     if t.get("videos"):
         lines.append(f"videos:         {t['videos']:,} ({video_tokens:,} visual tokens, {t['video_patches']:,} patches)")
     if visual_tokens + video_tokens:
-        lines.append(f"bytes/visual token: {t['bytes'] / (visual_tokens + video_tokens):,.0f} (HF float32 pixel_values: "
-                     f"{4 * vision['temporal_patch_size'] * manifest['patch_row_width'] * vision['merge_size'] ** 2:,})")
+        storage = storage_per_visual_token(t["bytes"], t["patches"], t.get("video_patches", 0), vision,
+                                           manifest["patch_row_width"])
+        lines.append(f"bytes/visual token: {format_storage_per_visual_token(storage)}")
     if acc["rejects_by_reason"]:
         reasons = ", ".join(f"{code} {n}" for code, n in acc["rejects_by_reason"].items())
         lines.append(f"rejects:        {reasons} (details: {out}/rejects.jsonl)")
     return "\n".join(lines)
+
+
+def _upload_line(upload: dict, where: str, stage: str | None = None) -> str:
+    if upload["kept"] == "all":
+        return f"upload:         nothing to do: {where} holds this job's dataset already"
+    staged = f"; staged in {stage} (removed)" if stage else ""
+    return (f"upload:         {upload['uploaded']} objects ({upload['bytes'] / 2**20:,.1f} MiB) to {where}, "
+            f"{upload['kept']} already there{staged}")
 
 
 def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +102,10 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, help="reject images with more pixels (decompression bombs)")
 
     def positive_bytes(text: str) -> int:
-        value = int(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a positive whole number of bytes, got {text}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text}")
         return value
@@ -214,7 +234,8 @@ class Preprocess:
                                  "re-running the same job into it resumes")
         _add_sample_arguments(parser)
         g = parser.add_argument_group("job")
-        g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores, %(default)s)")
+        g.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, MAX_WORKERS),
+                       help=f"worker processes, 1 to {MAX_WORKERS} (default: all cores, %(default)s)")
         g.add_argument("--rows-per-shard", type=int, default=DEFAULT_ROWS_PER_SHARD, help="input rows per shard file / work unit (default %(default)s)")
         g.add_argument("--num-partitions", type=int, default=1, help="split the job across this many machines")
         g.add_argument("--partition-index", type=int, default=0, help="which partition this machine runs")
@@ -224,8 +245,8 @@ class Preprocess:
                             "(slower; timestamps then do not matter). A job resumes with the mode it started with")
         g.add_argument("--stage-dir", default=None,
                        help="with --out on an object store (s3://, gs://): the local directory the job runs in before "
-                            "its upload (default: one per output URL under the temporary directory; a re-run resumes "
-                            "from it)")
+                            "its upload (default: one per output URL and job under the temporary directory); removed "
+                            "once the upload is complete, kept when it is cut short: the same command resumes from it")
         g.add_argument("--executor", default="local", choices=EXECUTORS,
                        help="local (default): --workers processes on this machine; ray: the work units as Ray tasks "
                             "(output byte-identical; --out must be storage every Ray node sees at the same path)")
@@ -233,7 +254,8 @@ class Preprocess:
                        help="with --executor ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray "
                             "instance with --workers CPUs)")
         g.add_argument("--ray-max-retries", type=int, default=3,
-                       help="with --executor ray: times a unit whose worker died is re-run (default %(default)s)")
+                       help=f"with --executor ray: times a unit whose worker died is re-run, 0 to {MAX_RAY_RETRIES} "
+                            "(default %(default)s)")
         g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     @staticmethod
@@ -269,8 +291,7 @@ class Preprocess:
         where = storage.redact(args.out) if storage.is_url(args.out) else Path(args.out)
         print(format_summary(result, where))
         if "upload" in run:
-            print(f"upload:         {run['upload']['uploaded']} objects ({run['upload']['bytes'] / 2**20:,.1f} MiB) to "
-                  f"{where}, {run['upload']['kept']} already there; staged in {run['stage']}")
+            print(_upload_line(run["upload"], where, run["stage"]))
         print(f"time:           {run['seconds']:.1f} s ({run['units_done_now']} units processed, {run['units_resumed']} already done)")
         if result["accounting"]["rows_written"] == 0:
             return _nothing_written("preprocess", result, where)
@@ -287,28 +308,68 @@ class Merge:
 
     @staticmethod
     def run(args) -> int:
-        from .publish import default_stage_dir, publish, stage_sources
+        from .publish import merge_staged
 
-        out = str(default_stage_dir(args.out)) if storage.is_url(args.out) else args.out
-        manifest = merge_partitions(stage_sources(args.dirs), out)
+        manifest = merge_staged(args.dirs, args.out)
         where = storage.redact(args.out) if storage.is_url(args.out) else Path(args.out)
-        if storage.is_url(args.out):
-            upload = publish(Path(out), args.out, manifest)
-            print(f"upload:         {upload['uploaded']} objects to {where}, {upload['kept']} already there")
+        if "_upload" in manifest:
+            print(_upload_line(manifest.pop("_upload"), where))
         print(format_summary(manifest, where))
         if manifest["accounting"]["rows_written"] == 0:
             return _nothing_written("merge", manifest, where)
         return 0
 
 
+QUICKSTART_MAX_ROWS = 1000  # the examples are built in memory, base64 images and all
+QUICKSTART_MAX_VIDEOS = 100
+QUICKSTART_MARKER = ".vlmpack-quickstart.json"  # what quickstart wrote into its --out, so a re-run knows its own
+QUICKSTART_EXAMPLE, QUICKSTART_SHARDS = "example.jsonl", "shards"
+
+
+def _quickstart_marker(out: Path) -> dict | None:
+    """What an earlier quickstart recorded in `out`: None when `out` is empty. UserError when
+    `out` holds anything quickstart did not write there (judged by its marker and the
+    example's sha256, never by a name alone), so a re-run replaces only its own files."""
+    from .job import entries_not_of_a_job
+
+    entries = user_entries(out)
+    if not entries:
+        return None
+    fix = "choose a new or empty --out directory (quickstart writes example.jsonl and shards/ into it)"
+    try:
+        marker = json.loads((out / QUICKSTART_MARKER).read_text(encoding="utf-8"))
+        known = set(marker["example_sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"--out {out} holds files quickstart did not write ({', '.join(entries[:3])}"
+                          f"{', ...' if len(entries) > 3 else ''}): {fix}") from None
+    foreign = [e for e in entries if e not in (QUICKSTART_MARKER, QUICKSTART_EXAMPLE, QUICKSTART_SHARDS)]
+    if foreign:
+        raise ConfigError(f"--out {out} holds files quickstart did not write ({', '.join(foreign[:3])}"
+                          f"{', ...' if len(foreign) > 3 else ''}): {fix}")
+    example = out / QUICKSTART_EXAMPLE
+    if example.exists() and not (example.is_file() and file_sha256(example) in known):
+        raise ConfigError(f"--out {out}: {QUICKSTART_EXAMPLE} is not the file quickstart wrote there (it was changed "
+                          f"since): {fix}, or move it away")
+    shards = out / QUICKSTART_SHARDS
+    if shards.exists():
+        foreign = entries_not_of_a_job(shards) if shards.is_dir() and not shards.is_symlink() else ["itself"]
+        if foreign:
+            raise ConfigError(f"--out {out}: {QUICKSTART_SHARDS}/ holds files quickstart did not write "
+                              f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): {fix}")
+    return marker
+
+
 class Quickstart:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--out", default="vlmpack-quickstart", help="working directory (default %(default)s)")
-        parser.add_argument("--rows", type=int, default=64, help="example conversations to generate (default %(default)s)")
+        parser.add_argument("--out", default="vlmpack-quickstart",
+                            help="working directory (default %(default)s): new or empty, or an earlier quickstart's, "
+                                 "whose files it replaces; a directory holding anything else is refused")
+        parser.add_argument("--rows", type=int, default=64,
+                            help=f"example conversations to generate, 1 to {QUICKSTART_MAX_ROWS} (default %(default)s)")
         parser.add_argument("--videos", type=int, default=4,
-                            help="further conversations around short generated videos (default %(default)s; "
-                                 "needs the video extra, pip install -e '.[video]')")
+                            help=f"further conversations around short generated videos, 0 to {QUICKSTART_MAX_VIDEOS} "
+                                 "(default %(default)s; needs the video extra, pip install -e '.[video]')")
         parser.add_argument("--profile", default="qwen3-vl", help="built-in profile (default %(default)s)")
         parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                             help="worker processes (default %(default)s)")
@@ -317,33 +378,45 @@ class Quickstart:
     def run(args) -> int:
         from shards_schema import open_shards
 
-        from .examples import example_rows, video_example_rows, write_jsonl
+        from .examples import example_rows, jsonl_bytes, video_example_rows
+        from .profiles import builtin_profile
 
-        if args.rows < 1:
-            raise ConfigError(f"--rows must be an integer >= 1, got {args.rows}")
-        if args.videos < 0:
-            raise ConfigError(f"--videos must be an integer >= 0, got {args.videos}")
+        if not 1 <= args.rows <= QUICKSTART_MAX_ROWS:
+            raise ConfigError(f"--rows must be an integer from 1 to {QUICKSTART_MAX_ROWS}, got {args.rows}")
+        if not 0 <= args.videos <= QUICKSTART_MAX_VIDEOS:
+            raise ConfigError(f"--videos must be an integer from 0 to {QUICKSTART_MAX_VIDEOS}, got {args.videos}")
+        builtin_profile(args.profile)  # an unknown name stops here, before anything is written
         videos = args.videos
         if videos and not all(importlib.util.find_spec(m) for m in ("av", "torch")):
             print(f"videos:         none generated: the video extra (PyAV, torch) is not installed "
                   f"(pip install -e '.[video]'), so the {videos} video conversations are left out")
             videos = 0
         out = Path(args.out)
-        data, shards_dir = out / "example.jsonl", out / "shards"
+        data, shards_dir = out / QUICKSTART_EXAMPLE, out / QUICKSTART_SHARDS
         total = args.rows + videos + 2
         units = 2  # two shards, so the example shows a multi-shard dataset; more workers would idle
         cfg = PreprocessConfig(inputs=[str(data)], out=str(shards_dir), profile=args.profile,
                                workers=min(args.workers, units), rows_per_shard=max(1, -(-total // units)))
         check_config(cfg)
-        prepare_output_dir(out)
-        rows = example_rows(args.rows, seed=0, family=args.profile, include_bad_rows=True)
-        rows[args.rows:args.rows] = video_example_rows(videos, seed=0)  # before the 2 broken rows
-        # Unchanged content keeps the file's timestamp, so a re-run resumes instead of seeing a changed input.
-        write_jsonl(data, rows, keep_unchanged=True)
-        print(f"example dataset: {data} ({args.rows} conversations with base64 images, {videos} with short videos, "
-              f"+ 2 deliberately broken rows)")
-        started = time.perf_counter()
-        manifest = run_preprocess(cfg)
+        with exclusive_output_dir(out, "quickstart", check=_quickstart_marker) as out:
+            marker = _quickstart_marker(out) or {}
+            rows = example_rows(args.rows, seed=0, family=args.profile, include_bad_rows=True)
+            rows[args.rows:args.rows] = video_example_rows(videos, seed=0)  # before the 2 broken rows
+            example = jsonl_bytes(rows)
+            job = {"example_sha256": hashlib.sha256(example).hexdigest(), "profile": args.profile,
+                   "rows_per_shard": cfg.rows_per_shard}
+            if marker.get("job") != job and shards_dir.exists():
+                shutil.rmtree(shards_dir)  # this quickstart's own shards, of other examples or settings
+            written = [job["example_sha256"]] + ([file_sha256(data)] if data.exists() else [])
+            write_json_atomic(out / QUICKSTART_MARKER, {"job": job, "example_sha256": sorted(set(written))})
+            # Unchanged content keeps the file's timestamp, so a re-run resumes instead of seeing a changed input.
+            if not (data.is_file() and data.read_bytes() == example):
+                with atomic_open(data) as fh:
+                    fh.write(example)
+            print(f"example dataset: {data} ({args.rows} conversations with base64 images, {videos} with short "
+                  "videos, + 2 deliberately broken rows)")
+            started = time.perf_counter()
+            manifest = run_preprocess(cfg)  # under the lock: no other quickstart replaces these shards meanwhile
         manifest.pop("_run")
         print(format_summary(manifest, shards_dir))
         print(f"time:           {time.perf_counter() - started:.1f} s")

@@ -218,13 +218,14 @@ def video_example_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def write_jsonl(path: str | Path, rows: list[dict], *, keep_unchanged: bool = False) -> Path:
-    """One JSON row per line. With `keep_unchanged`, a file that already holds exactly these
-    rows is left alone (its modification time too)."""
+def jsonl_bytes(rows: list[dict]) -> bytes:
+    """The rows as a JSONL file's bytes: one JSON row per line."""
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
+    """One JSON row per line."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
-    if keep_unchanged and path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
-        return path
-    path.write_bytes(data)
+    path.write_bytes(jsonl_bytes(rows))
     return path

@@ -20,7 +20,10 @@ hash of sampled blocks, or of the whole content with `--input-hash full`): a cha
 refused instead of mixing old and new rows.
 
 Workers die with the job: killed (even with SIGKILL), the parent takes its workers with it;
-SIGTERM or SIGINT end the workers and stop the job with committed units kept.
+SIGTERM, SIGINT or SIGHUP end the workers and stop the job with committed units kept, exit
+128 + the signal, also when the signal reached the workers first (a scheduler signals the
+whole process group). A worker lost on its own is named by what ended it: a stop signal sent
+to it, or SIGKILL (the out-of-memory killer) or a crash.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ import concurrent.futures as cf
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import sys
@@ -68,6 +73,8 @@ INPUT_HASH_MODES = ("sampled", "full")
 EXECUTORS = ("local", "ray")
 SAMPLE_BLOCK_BYTES = 64 << 10
 SAMPLE_BLOCKS = 16  # files up to SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES (1 MiB) are hashed whole
+MAX_WORKERS = 4096  # processes on one machine; a larger number is a typo (and overflows the pool's C ints)
+MAX_RAY_RETRIES = 1000
 PARENT_WATCH_SECONDS = 0.5
 WORKER_EXIT_SECONDS = 5.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -102,8 +109,11 @@ class PreprocessConfig:
         return self.ray_address or os.environ.get("RAY_ADDRESS")
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # a request to stop, not a crash
+
+
 class Interrupted(UserError):
-    """The job was stopped by SIGTERM or SIGINT; exit status 128 + the signal number."""
+    """The job was stopped by SIGTERM, SIGINT or SIGHUP; exit status 128 + the signal number."""
 
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name}; finished shards are kept: "
@@ -112,13 +122,39 @@ class Interrupted(UserError):
 
 
 class WorkerLost(UserError):
-    """A worker process ended without a result (killed by the system, e.g. out of memory)."""
+    """A worker process ended without a result. Stopped by a stop signal sent to it alone: exit
+    128 + the signal, like the job's own stop; killed otherwise (SIGKILL: the out-of-memory
+    killer, or by hand; a crash): exit 1."""
 
     exit_code = 1
 
-    def __init__(self):
-        super().__init__("a worker process ended unexpectedly (killed by the system, e.g. out of memory?); finished "
-                         "shards are kept: re-run the same command to resume, with fewer --workers if memory is short")
+    def __init__(self, signum: int | None):
+        kept = "finished shards are kept: re-run the same command to resume"
+        if signum in STOP_SIGNALS:
+            name = signal.Signals(signum).name
+            super().__init__(f"a worker process was stopped by {name} (sent to the worker, not to the job); {kept}")
+            self.exit_code = 128 + signum
+        elif signum == signal.SIGKILL:
+            super().__init__(f"a worker process ended unexpectedly: killed by SIGKILL (by the system when memory ran "
+                             f"out, or by hand); {kept}, with fewer --workers if memory is short")
+        elif signum is not None:
+            super().__init__(f"a worker process ended unexpectedly: killed by {signal.Signals(signum).name}; {kept}")
+        else:
+            super().__init__(f"a worker process ended unexpectedly (killed by the system, e.g. out of memory?); {kept}, "
+                             "with fewer --workers if memory is short")
+
+
+def worker_death_signal(exit_codes: list[int | None]) -> int | None:
+    """The signal that broke the pool, from its workers' exit codes (-N: killed by signal N).
+
+    When one worker dies the pool ends the others with SIGTERM, so a SIGTERM among other
+    deaths is the pool's own doing: any other signal is the cause; SIGTERM only when every
+    worker that died got SIGTERM. None when no worker died of a signal."""
+    signals = {-code for code in exit_codes if code is not None and code < 0}
+    others = signals - {signal.SIGTERM}
+    if others:
+        return signal.SIGKILL if signal.SIGKILL in others else min(others)
+    return signal.SIGTERM if signals else None
 
 
 def shard_name(unit_index: int) -> str:
@@ -250,7 +286,7 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def _init_worker(parent_pid: int, profile_args: dict, fingerprint_id: str, options: SampleOptions, out: Path,
+def _init_worker(parent_pid: int, profile_args: dict, fingerprint_id: str, options: SampleOptions,
                  rows_per_unit: int, rows_done, rows_rejected) -> None:
     """Each worker loads the profile itself from its small spec: shipping the 11 MB tokenizer
     through the spawn pipe would make the parent start workers one after another."""
@@ -261,7 +297,7 @@ def _init_worker(parent_pid: int, profile_args: dict, fingerprint_id: str, optio
     if profile.fingerprint["id"] != fingerprint_id:
         raise RuntimeError(f"worker loaded profile {profile.fingerprint['id']}, the job runs {fingerprint_id}: files changed?")
     _ = profile.tokenizer  # build it now, while the pool starts, not inside the first unit
-    _WORKER.update(profile=profile, options=options, out=out, rows_per_unit=rows_per_unit, done=rows_done, rejected=rows_rejected)
+    _WORKER.update(profile=profile, options=options, rows_per_unit=rows_per_unit, done=rows_done, rejected=rows_rejected)
 
 
 def _worker_on_rows(done: int, rejected: int) -> None:
@@ -272,9 +308,9 @@ def _worker_on_rows(done: int, rejected: int) -> None:
             _WORKER["rejected"].value += rejected
 
 
-def _worker_process_unit(unit: WorkUnit, name: str) -> dict:
+def _worker_process_unit(unit: WorkUnit, name: str, out: Path) -> dict:
     w = _WORKER
-    return process_unit(unit, name, w["rows_per_unit"], w["out"], w["profile"], w["options"], on_rows=_worker_on_rows)
+    return process_unit(unit, name, w["rows_per_unit"], out, w["profile"], w["options"], on_rows=_worker_on_rows)
 
 
 # ---------------------------------------------------------------- inputs: names and fingerprints
@@ -418,6 +454,25 @@ def _is_fresh(out: Path) -> bool:
     return entries == [PARTS_DIR] and parts.is_dir() and set(os.listdir(parts)) <= claim_files
 
 
+_JOB_FILES = re.compile(rf"(shard-\d+\.arrow|{re.escape(MANIFEST_NAME)}|{re.escape(REJECTS_NAME)})({re.escape(TMP_SUFFIX)})?")
+_PARTS_FILES = re.compile(rf"({re.escape(JOB_FILE)}|{re.escape(INPUTS_SEEN_FILE)}|unit-\d+\.json|partition-\d+-of-\d+\.json)"
+                          rf"({re.escape(TMP_SUFFIX)})?")
+
+
+def entries_not_of_a_job(out: Path) -> list[str]:
+    """What `out` holds that no preprocess or merge job writes (its lock aside): before such a
+    directory is removed as a job's own output, nothing else may be in it."""
+    foreign = []
+    for name in user_entries(out):
+        path = out / name
+        if name == PARTS_DIR and path.is_dir() and not path.is_symlink():
+            foreign += [f"{PARTS_DIR}/{n}" for n in sorted(os.listdir(path))
+                        if not (_PARTS_FILES.fullmatch(n) and (path / n).is_file() and not (path / n).is_symlink())]
+        elif not (_JOB_FILES.fullmatch(name) and path.is_file() and not path.is_symlink()):
+            foreign.append(name)
+    return foreign
+
+
 def _refuse_foreign(out: Path, command: str) -> None:
     entries = user_entries(out)
     shown = ", ".join(printable_path(e) for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
@@ -431,48 +486,62 @@ def _remove_torn_writes(out: Path) -> None:
 
 
 def _claim_out_dir(out: Path, identity: dict, inputs: list[JobInput], hash_mode: str) -> dict:
-    """Make `out` this job's (fresh) or check it is this job's (resume); returns the identity to run.
-
-    On resume an input found at the same resolved path as recorded keeps its recorded name,
-    so the same file spelled differently continues the same job with the same sources.
-    """
+    """Make `out` this job's (fresh) or check it is this job's (resume); returns the identity to run."""
     parts = out / PARTS_DIR
     job_file, seen_file = parts / JOB_FILE, parts / INPUTS_SEEN_FILE
-    recorded = _read_json(job_file)
-    if recorded is None:
-        if not _is_fresh(out):
-            _refuse_foreign(out, "preprocess")
+    resumed = _identity_to_resume(out, identity, inputs, hash_mode)
+    if resumed is None:
         parts.mkdir(exist_ok=True)
         write_json_atomic(seen_file, [inp.seen() for inp in inputs])
         write_json_atomic(job_file, identity)  # the claim's commit point
         return identity
     seen = _read_json(seen_file)
-    if isinstance(seen, list) and len(seen) == len(inputs):
+    if not (isinstance(seen, list) and len(seen) == len(inputs)):
+        # a merged directory records no input locations: from now on this job's are checked
+        write_json_atomic(seen_file, [inp.seen() for inp in inputs])
+    _remove_torn_writes(out)
+    return resumed
+
+
+def _identity_to_resume(out: Path, identity: dict, inputs: list[JobInput], hash_mode: str) -> dict | None:
+    """Whether this job may run in `out`, reading only: None when `out` is fresh, else the
+    identity to resume with; ConfigError when `out` is another job's or holds other files.
+
+    On resume an input found at the same resolved path as recorded keeps its recorded name,
+    so the same file spelled differently continues the same job with the same sources.
+    """
+    parts = out / PARTS_DIR
+    recorded = _read_json(parts / JOB_FILE)
+    if recorded is None:
+        if not _is_fresh(out):
+            _refuse_foreign(out, "preprocess")
+        return None
+    identity = json.loads(json.dumps(identity))
+    seen = _read_json(parts / INPUTS_SEEN_FILE)
+    seen_recorded = isinstance(seen, list) and len(seen) == len(inputs)
+    if seen_recorded:
         for i, (inp, before) in enumerate(zip(inputs, seen)):
             if before.get("location") == inp.location:
                 identity["inputs"][i]["path"] = before["name"]
     _check_same_job(out, recorded, identity)
-    if isinstance(seen, list) and len(seen) == len(inputs):
-        if hash_mode == "sampled":
-            for inp, before in zip(inputs, seen):
-                if before.get("location") == inp.location and before.get("mtime_ns") != inp.mtime_ns:
-                    raise ConfigError(
-                        f"input {before['name']} was modified since {printable_path(str(out))} was started (its "
-                        "modification time changed): use a new --out directory, or delete this one to start over")
-    else:  # a merged directory records no input locations: from now on this job's are checked
-        write_json_atomic(seen_file, [inp.seen() for inp in inputs])
-    _remove_torn_writes(out)
+    if seen_recorded and hash_mode == "sampled":
+        for inp, before in zip(inputs, seen):
+            if before.get("location") == inp.location and before.get("mtime_ns") != inp.mtime_ns:
+                raise ConfigError(
+                    f"input {before['name']} was modified since {printable_path(str(out))} was started (its "
+                    "modification time changed): use a new --out directory, or delete this one to start over")
     return identity
 
 
 def _same_job(recorded, identity: dict) -> bool:
-    """Whether a recorded job identity is `identity`. The profile's chat template text is left
-    out: its sha256 is compared with the rest of the profile, and a job recorded by a vlmpack
-    that kept no text in the profile is the same job (resuming it records the text)."""
+    """Whether a recorded job identity is `identity`. The profile's chat template text and its
+    name are left out: the template's sha256 is compared with the rest of the profile, and a job
+    recorded by a vlmpack that kept neither in the profile is the same job (resuming it records
+    them)."""
     def without_text(ident):
         if not isinstance(ident, dict) or not isinstance(ident.get("profile"), dict):
             return ident
-        return {**ident, "profile": {k: v for k, v in ident["profile"].items() if k != "chat_template"}}
+        return {**ident, "profile": {k: v for k, v in ident["profile"].items() if k not in ("chat_template", "name")}}
 
     return without_text(recorded) == without_text(identity)
 
@@ -509,9 +578,14 @@ def _at_least(flag: str, value, minimum: int) -> None:
         raise ConfigError(f"{flag} must be an integer >= {minimum}, got {value}")
 
 
+def _in_range(flag: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"{flag} must be an integer from {low} to {high}, got {value}")
+
+
 def check_config(cfg: PreprocessConfig) -> None:
     """Every setting checked before any work: one message naming the flag and its valid range."""
-    _at_least("--workers", cfg.workers, 1)
+    _in_range("--workers", cfg.workers, 1, MAX_WORKERS)
     _at_least("--rows-per-shard", cfg.rows_per_shard, 1)
     _at_least("--num-partitions", cfg.num_partitions, 1)
     if not 0 <= cfg.partition_index < cfg.num_partitions:
@@ -533,7 +607,7 @@ def check_config(cfg: PreprocessConfig) -> None:
         raise ConfigError(f"--reasoning-loss must be one of {', '.join(REASONING_LOSSES)}, got {cfg.sample.reasoning_loss!r}")
     if cfg.executor not in EXECUTORS:
         raise ConfigError(f"--executor must be one of {', '.join(EXECUTORS)}, got {cfg.executor!r}")
-    _at_least("--ray-max-retries", cfg.ray_max_retries, 0)
+    _in_range("--ray-max-retries", cfg.ray_max_retries, 0, MAX_RAY_RETRIES)
     if cfg.input_format not in INPUT_FORMATS:
         raise ConfigError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {cfg.input_format!r}")
     if cfg.input_hash not in INPUT_HASH_MODES:
@@ -551,14 +625,14 @@ def check_config(cfg: PreprocessConfig) -> None:
 
 @contextmanager
 def _stop_on_signals():
-    """SIGTERM and SIGINT ask the job to stop: it ends its workers and raises `Interrupted` at
+    """SIGTERM, SIGINT and SIGHUP ask the job to stop: it ends its workers and raises `Interrupted` at
     the next row or unit boundary (`_stop_if_asked`), keeping committed units. The handler only
     records the request: an exception raised at an arbitrary point could be taken by a row's
     error handling for that row's failure. A second signal ends the process at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or _STOP_REQUEST["held"]:
+        yield  # another thread's job, or a block inside one that holds the signals already
         return
-    signals = (signal.SIGTERM, signal.SIGINT)
+    signals = STOP_SIGNALS
 
     def stop(signum, frame):
         for s in signals:
@@ -566,15 +640,16 @@ def _stop_on_signals():
         _STOP_REQUEST["signal"] = signum
 
     previous = {s: signal.signal(s, stop) for s in signals}
+    _STOP_REQUEST["held"] = True
     try:
         yield
     finally:
-        _STOP_REQUEST["signal"] = None
+        _STOP_REQUEST.update(signal=None, held=False)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-_STOP_REQUEST: dict = {"signal": None}
+_STOP_REQUEST: dict = {"signal": None, "held": False}
 
 
 def _stop_if_asked() -> None:
@@ -658,18 +733,36 @@ def _start_local_pool(cfg: PreprocessConfig, profile: Profile) -> _LocalPool | N
     if cfg.executor == "ray" or cfg.workers <= 1:
         return None
     ctx = mp.get_context("spawn")  # no fork: tokenizers/threads in the parent must not leak into workers
+    _start_resource_tracker()
     rows_done, rows_rejected = ctx.Value("q", 0), ctx.Value("q", 0)
     others = set(mp.active_children())
     executor = cf.ProcessPoolExecutor(
         max_workers=cfg.workers,
         mp_context=ctx,
         initializer=_init_worker,
-        initargs=(os.getpid(), _profile_args(cfg), profile.fingerprint["id"], cfg.sample, Path(cfg.out),
-                  cfg.rows_per_shard, rows_done, rows_rejected),
+        initargs=(os.getpid(), _profile_args(cfg), profile.fingerprint["id"], cfg.sample, cfg.rows_per_shard,
+                  rows_done, rows_rejected),
     )
     for _ in range(_early_workers(cfg)):  # a spawn pool starts a process per task waiting while none is idle
         executor.submit(int)
     return _LocalPool(executor, rows_done, rows_rejected, others)
+
+
+def _start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (it tracks the shared counters) ignoring SIGHUP,
+    as it ignores SIGTERM and SIGINT itself: a hangup sent to the job's process group must stop
+    the job, not kill the tracker, whose successor would print tracebacks as the job ends. The
+    disposition is inherited through its exec."""
+    from multiprocessing import resource_tracker
+
+    if threading.current_thread() is not threading.main_thread():
+        resource_tracker.ensure_running()
+        return
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def _end_local_pool(pool: _LocalPool | None, wait: bool) -> None:
@@ -728,7 +821,7 @@ def _run_units(units: list[WorkUnit], names: dict[str, str], cfg: PreprocessConf
                 process_unit(unit, names[unit.input.path], cfg.rows_per_shard, out, profile, cfg.sample, on_rows=show)
             return
         try:
-            pending = {pool.executor.submit(_worker_process_unit, unit, names[unit.input.path]) for unit in units}
+            pending = {pool.executor.submit(_worker_process_unit, unit, names[unit.input.path], out) for unit in units}
             seen_done, seen_rejected = pool.rows_done.value, pool.rows_rejected.value
             while pending:
                 _stop_if_asked()
@@ -741,10 +834,14 @@ def _run_units(units: list[WorkUnit], names: dict[str, str], cfg: PreprocessConf
         except BaseException as exc:
             # Stop now: no new units, the running ones end, and their half-written shards go
             # (those units are redone on resume).
+            workers = list((pool.executor._processes or {}).values())  # the shutdown forgets them
             _end_local_pool(pool, wait=False)
             _remove_torn_writes(out)
             if isinstance(exc, cf.process.BrokenProcessPool):
-                raise WorkerLost() from None
+                # A scheduler signals the whole process group: the workers die of the signal
+                # the job itself was asked to stop by (recorded already: it came first).
+                _stop_if_asked()
+                raise WorkerLost(worker_death_signal([p.exitcode for p in workers])) from None
             raise
     finally:
         bar.close()
@@ -813,15 +910,20 @@ def write_final_outputs(out: Path, identity: dict, records: list[dict], patch_ro
 
 def run_preprocess(cfg: PreprocessConfig) -> dict:
     """Run (or resume) the job; returns the manifest, or a partition summary when partitioned."""
-    if storage.is_url(cfg.out):
-        return _run_to_store(cfg)
     setup_started = time.perf_counter()
     check_config(cfg)
     check_inputs(cfg.inputs)  # each there, readable, of a kind that cannot block, and named once
     profile = resolve_profile(**_profile_args(cfg))
     _ = profile.special  # fail now, not in a worker
-    with _local_pool(cfg, profile) as pool:
-        return _run_with_pool(cfg, profile, pool, setup_started)
+    # held from before the workers start: a stop signal to the process group during the setup
+    # reaches them and this process alike, and must end the job as a stop, not kill it outright
+    with _stop_on_signals(), _local_pool(cfg, profile) as pool:
+        inputs = [describe_job_input(p, cfg.rows_per_shard, cfg.input_hash, cfg.input_format, cfg.sample.max_row_bytes)
+                  for p in cfg.inputs]
+        identity = job_identity(cfg, profile, inputs)
+        if storage.is_url(cfg.out):
+            return _run_to_store(cfg, profile, pool, inputs, identity, setup_started)
+        return _run_job(cfg, Path(cfg.out), profile, pool, inputs, identity, setup_started)
 
 
 def idle_workers_note(units: int, rows: int, workers: int, rows_per_shard: int) -> str | None:
@@ -836,13 +938,19 @@ def idle_workers_note(units: int, rows: int, workers: int, rows_per_shard: int) 
             f"--rows-per-shard {suggested} gives every worker about 4")
 
 
-def _run_with_pool(cfg: PreprocessConfig, profile: Profile, pool: _LocalPool | None, setup_started: float) -> dict:
-    inputs = [describe_job_input(p, cfg.rows_per_shard, cfg.input_hash, cfg.input_format, cfg.sample.max_row_bytes)
-              for p in cfg.inputs]
+def _partition_units(cfg: PreprocessConfig, inputs: list[JobInput]) -> list[WorkUnit]:
+    """The work units this machine runs (all of them unless the job is partitioned)."""
     units = plan_units([inp.file for inp in inputs], cfg.rows_per_shard)
-    mine = [u for u in units if u.index % cfg.num_partitions == cfg.partition_index]
-    identity = job_identity(cfg, profile, inputs)
-    with _stop_on_signals(), exclusive_output_dir(cfg.out, "preprocess") as out, _output_errors(out):
+    return [u for u in units if u.index % cfg.num_partitions == cfg.partition_index]
+
+
+def _run_job(cfg: PreprocessConfig, out: Path, profile: Profile, pool: _LocalPool | None, inputs: list[JobInput],
+             identity: dict, setup_started: float, publish_to: str | None = None) -> dict:
+    """The job in the local directory `out`; with `publish_to` (a store URL) its finished
+    directory is uploaded there while `out` is still held, then emptied (the stage)."""
+    mine = _partition_units(cfg, inputs)
+    refuse_other = functools.partial(_identity_to_resume, identity=identity, inputs=inputs, hash_mode=cfg.input_hash)
+    with _stop_on_signals(), exclusive_output_dir(out, "preprocess", check=refuse_other) as out, _output_errors(out):
         identity = _claim_out_dir(out, identity, inputs, cfg.input_hash)
         names = {inp.file.path: entry["path"] for inp, entry in zip(inputs, identity["inputs"])}
         committed, damaged = _committed_units(out, mine, cfg.progress)
@@ -864,41 +972,71 @@ def _run_with_pool(cfg: PreprocessConfig, profile: Profile, pool: _LocalPool | N
             "unit_seconds": sum(r["seconds"] for r in records if r["unit"] in {u.index for u in todo}),
         }
         if cfg.num_partitions == 1:
-            manifest = write_final_outputs(out, identity, records, profile.vision.patch_row_width)
-            manifest["_run"] = run
-            return manifest
-        summary = {
-            "partition": f"{cfg.partition_index}/{cfg.num_partitions}",
-            "units": len(mine),
-            "rows_read": sum(r["rows_read"] for r in records),
-            "rows_written": sum(r["rows_written"] for r in records),
-            "rows_rejected": sum(r["rows_rejected"] for r in records),
-            "_run": run,
-        }
-        write_json_atomic(out / PARTS_DIR / f"partition-{cfg.partition_index}-of-{cfg.num_partitions}.json", summary)
-        return summary
+            result = write_final_outputs(out, identity, records, profile.vision.patch_row_width)
+        else:
+            result = {
+                "partition": f"{cfg.partition_index}/{cfg.num_partitions}",
+                "units": len(mine),
+                "rows_read": sum(r["rows_read"] for r in records),
+                "rows_written": sum(r["rows_written"] for r in records),
+                "rows_rejected": sum(r["rows_rejected"] for r in records),
+                "_run": run,
+            }
+            write_json_atomic(out / PARTS_DIR / partition_summary_name(cfg.partition_index, cfg.num_partitions), result)
+        if publish_to is not None:
+            from .publish import empty_stage, publish
 
-
-def _run_to_store(cfg: PreprocessConfig) -> dict:
-    """`--out URL`: the job in a local staging directory, then published to the store
-    (preprocess/publish.py)."""
-    from .publish import default_stage_dir, publish
-
-    stage = Path(cfg.stage_dir) if cfg.stage_dir else default_stage_dir(cfg.out)
-    result = run_preprocess(dataclasses.replace(cfg, out=str(stage)))
-    run = result.pop("_run")
-    upload = publish(stage, cfg.out, result if "totals" in result else None, cfg.progress)
-    result["_run"] = {**run, "stage": str(stage), "upload": upload}
+            last = (MANIFEST_NAME if cfg.num_partitions == 1
+                    else f"{PARTS_DIR}/{partition_summary_name(cfg.partition_index, cfg.num_partitions)}")
+            run["upload"] = publish(out, publish_to, last, result if "totals" in result else None, cfg.progress,
+                                    stop_if_asked=_stop_if_asked)
+            empty_stage(out)
+        result["_run"] = run
     return result
 
 
-def merge_partitions(directories: list[str], out: str) -> dict:
-    """Join the outputs of a partitioned job (one directory or several) into one shard directory."""
-    dirs = [Path(d) for d in directories]
+def _run_to_store(cfg: PreprocessConfig, profile: Profile, pool: _LocalPool | None, inputs: list[JobInput],
+                  identity: dict, setup_started: float) -> dict:
+    """`--out URL`: the destination is checked before the first row (another job's output there
+    is refused, this job's finished dataset is the result); the job then runs in its staging
+    directory, named after the destination and the job, and is published to the store
+    (preprocess/publish.py). The stage goes once its upload is complete; an upload cut short
+    leaves it for the same command to resume from."""
+    from .publish import check_destination, default_stage_dir, remove_stage
+
+    partition = partition_summary_name(cfg.partition_index, cfg.num_partitions) if cfg.num_partitions > 1 else None
+    published = check_destination(cfg.out, identity, partition=partition)
+    if published is not None:
+        units = len(_partition_units(cfg, inputs))
+        return {**{k: v for k, v in published.items() if k != "_run"},
+                "_run": {"units_done_now": 0, "units_resumed": units, "units_redone": [],
+                         "setup_seconds": time.perf_counter() - setup_started, "seconds": 0.0, "unit_seconds": 0.0,
+                         "stage": None, "upload": {"uploaded": 0, "kept": "all", "bytes": 0}}}
+    stage = Path(cfg.stage_dir) if cfg.stage_dir else default_stage_dir(cfg.out, identity, partition)
+    result = _run_job(dataclasses.replace(cfg, out=str(stage)), stage, profile, pool, inputs, identity, setup_started,
+                      publish_to=cfg.out)
+    remove_stage(stage)
+    result["_run"]["stage"] = str(stage)
+    return result
+
+
+def partitions_identity(directories: list[str]) -> dict:
+    """The job the partition directories (or store prefixes) belong to: ConfigError unless they
+    all hold one job's output."""
     identities = []
-    for d in dirs:
-        job_file = d / PARTS_DIR / JOB_FILE
-        if not d.is_dir():
+    for d in directories:
+        if storage.is_url(d):
+            from .publish import read_json_object
+
+            identity = read_json_object(storage.join(d, f"{PARTS_DIR}/{JOB_FILE}"))
+            if identity is None:
+                if not storage.list_tree(d):
+                    raise ConfigError(f"{storage.redact(d)} holds nothing: name the --out prefixes of the partitions")
+                raise ConfigError(f"{storage.redact(d)}: no {PARTS_DIR}/{JOB_FILE}; not the output of `vlmpack preprocess`")
+            identities.append(identity)
+            continue
+        job_file = Path(d) / PARTS_DIR / JOB_FILE
+        if not Path(d).is_dir():
             raise ConfigError(f"{printable_path(str(d))} does not exist or is not a directory: "
                               "name the --out directories of the partitions")
         if not job_file.is_file():
@@ -907,7 +1045,21 @@ def merge_partitions(directories: list[str], out: str) -> dict:
     if any(not _same_job(ident, identities[0]) for ident in identities):
         raise ConfigError("the directories hold different jobs (inputs, settings or profile differ); cannot merge")
     # a partition recorded before profiles held the chat template's text: another's has it
-    identity = next((ident for ident in identities if "chat_template" in ident.get("profile", {})), identities[0])
+    return next((ident for ident in identities if "chat_template" in ident.get("profile", {})), identities[0])
+
+
+def partition_summary_name(index: int, count: int) -> str:
+    """A partition's summary in `_parts/`, written when its units are done (published last)."""
+    return f"partition-{index}-of-{count}.json"
+
+
+def merge_partitions(directories: list[str], out: str, publish_to: str | None = None) -> dict:
+    """Join the outputs of a partitioned job (one directory or several) into one shard directory.
+    With `publish_to` (a store URL) `out` is a stage: the merged directory is uploaded there
+    while still held, then emptied (preprocess/publish.py); the manifest then carries what was
+    uploaded under "_upload"."""
+    dirs = [Path(d) for d in directories]
+    identity = partitions_identity(directories)
     rows_per_unit = identity["settings"]["rows_per_shard"]
     total_units = sum(-(-inp["rows"] // rows_per_unit) for inp in identity["inputs"])  # same cut as plan_units
     found: dict[int, Path] = {}
@@ -921,13 +1073,19 @@ def merge_partitions(directories: list[str], out: str) -> dict:
             "run the missing partitions (or re-run them to finish) before merging"
         )
     sources = {d.resolve() for d in dirs}
-    with _stop_on_signals(), exclusive_output_dir(out, "merge") as out_dir, _output_errors(out_dir):
-        job_file = out_dir / PARTS_DIR / JOB_FILE
-        if out_dir.resolve() not in sources and not _same_job(_read_json(job_file), identity):
-            if not _is_fresh(out_dir):
-                _refuse_foreign(out_dir, "merge")
+
+    def needs_claim(out_dir: Path) -> bool:
+        """True where `out_dir` is fresh; ConfigError where it holds anything but this merge's work."""
+        if out_dir.resolve() in sources or _same_job(_read_json(out_dir / PARTS_DIR / JOB_FILE), identity):
+            return False
+        if not _is_fresh(out_dir):
+            _refuse_foreign(out_dir, "merge")
+        return True
+
+    with _stop_on_signals(), exclusive_output_dir(out, "merge", check=needs_claim) as out_dir, _output_errors(out_dir):
+        if needs_claim(out_dir):
             (out_dir / PARTS_DIR).mkdir(exist_ok=True)
-            write_json_atomic(job_file, identity)
+            write_json_atomic(out_dir / PARTS_DIR / JOB_FILE, identity)
         _remove_torn_writes(out_dir)
         records = []
         for index in range(total_units):
@@ -942,8 +1100,14 @@ def merge_partitions(directories: list[str], out: str) -> dict:
                     _link_or_copy(src / record["shard"]["file"], out_dir / record["shard"]["file"], record)
                 write_json_atomic(unit_record_path(out_dir, index), record)
             records.append(record)
-        patch_row_width = _patch_row_width(identity)
-        return write_final_outputs(out_dir, identity, records, patch_row_width)
+        manifest = write_final_outputs(out_dir, identity, records, _patch_row_width(identity))
+        if publish_to is not None:
+            from .publish import empty_stage, publish
+
+            upload = publish(out_dir, publish_to, MANIFEST_NAME, manifest, stop_if_asked=_stop_if_asked)
+            empty_stage(out_dir)
+            manifest = {**manifest, "_upload": upload}
+        return manifest
 
 
 def _patch_row_width(identity: dict) -> int:

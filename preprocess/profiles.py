@@ -136,14 +136,24 @@ class Profile:
             max_pixels=self.vision.max_pixels if max_pixels is None else int(max_pixels),
         )
         if vision.min_pixels <= 0 or vision.max_pixels < vision.min_pixels:
-            raise ConfigError(
-                f"pixel bounds must satisfy 0 < min_pixels <= max_pixels, got {vision.min_pixels}, {vision.max_pixels}"
-            )
+            bounds = [f"{flag} {value}" if given is not None else f"the profile's {flag[2:]} {value}"
+                      for flag, given, value in (("--min-pixels", min_pixels, vision.min_pixels),
+                                                 ("--max-pixels", max_pixels, vision.max_pixels))]
+            raise ConfigError(f"--min-pixels and --max-pixels must satisfy 0 < min <= max, got {bounds[0]} and "
+                              f"{bounds[1]}: lower --min-pixels or raise --max-pixels")
         return dataclasses.replace(self, vision=vision)
+
+    @property
+    def name(self) -> str:
+        """The profile as `--profile` names it: the family, with `-thinking` for a Thinking
+        checkpoint's template (a --model directory is named the same way)."""
+        return self.family if self.template == "instruct" else f"{self.family}-{self.template}"
 
     @cached_property
     def fingerprint(self) -> dict:
-        """What decides the bytes of a sample; equal fingerprints mean interchangeable shards."""
+        """What decides the bytes of a sample; equal fingerprints mean interchangeable shards.
+        `name` and `source` say where the profile came from and are not part of the id (the
+        template's sha256 already tells a Thinking profile apart)."""
         body = {
             "family": self.family,
             "tokenizer_sha256": hashlib.sha256(self.tokenizer_json.encode()).hexdigest(),
@@ -158,7 +168,7 @@ class Profile:
         # The template's text rides along for `vlmpack export-hf` (training never sees the model
         # directory), outside the digest: its sha256 is in the body already and names the text
         # exactly, so hashing the text too would change no comparison, only every existing id.
-        return {"id": digest[:16], **body, "source": self.source, "chat_template": self.chat_template}
+        return {"id": digest[:16], **body, "name": self.name, "source": self.source, "chat_template": self.chat_template}
 
 
 def builtin_profile(name: str) -> Profile:

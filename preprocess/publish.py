@@ -3,89 +3,188 @@ then its directory is uploaded to the store, the manifest last.
 
 Partitions (`--num-partitions`) publish their directories the same way without a manifest;
 `vlmpack merge` of store prefixes brings each down into its staging directory, merges there and
-publishes the merged directory (`stage_sources`).
+publishes the merged directory (`merge_staged`).
 
-The staging directory (`--stage-dir`, by default one per output URL under the system's
-temporary directory) is an ordinary output directory: the job writes, commits and resumes
-there exactly as it does locally. Publishing puts every file of it into the store (shards,
-`_parts/` work state, `rejects.jsonl`) and then `manifest.json`: the store holds a manifest
-only once everything it lists is there. Each upload is one object that appears whole or not at
-all, so a publish cut short (a kill, a lost connection) leaves some objects, never a torn one;
-the same command again resumes the job from its stage (every unit already committed) and
-uploads only what the store lacks or holds at another size (an object written by something
-else). A store prefix that already holds another dataset's manifest is refused before the job
-starts.
+The destination is checked before the job's first row (`check_destination`): a prefix holding
+another dataset's manifest, or another job's work state (`_parts/job.json`), is refused naming
+the URL; a prefix already holding this job's finished dataset (or partition) is the result,
+nothing is redone.
+
+The staging directory (`--stage-dir`, by default one under the system's temporary directory
+named after the destination and the job: its inputs' fingerprints, settings and profile) is an
+ordinary output directory: the job writes, commits and resumes there exactly as it does
+locally. Publishing puts every file of it into the store (shards, `_parts/` work state,
+`rejects.jsonl`) and then `manifest.json` (a partition: its summary in `_parts/`), so the
+store holds a manifest only once everything it lists is there. Each upload is one object that
+appears whole or not at all, so a publish cut short (a kill, a lost connection) leaves some
+objects, never a torn one; the same command again finds the same stage, resumes the job from
+it (every unit already committed) and uploads only what the store lacks or holds at another
+size (an object written by something else). Once the upload is complete the stage is removed:
+a later job to the same prefix, with other inputs or settings, gets a stage of its own.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
 from shards_schema import storage
-from shards_schema.manifest import MANIFEST_NAME
+from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR
+from shards_schema.outdir import LOCK_NAME
 
 from .errors import ConfigError
+from .job import JOB_FILE, merge_partitions, partitions_identity
 
 
-def default_stage_dir(url: str) -> Path:
-    """One staging directory per output URL, so a re-run of the same command finds its work."""
-    digest = hashlib.sha256(storage.redact(url).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"vlmpack-stage-{digest}"
+def default_stage_dir(url: str, identity: dict, partition: str | None = None) -> Path:
+    """The staging directory of this job's output (or partition's) to `url`: a re-run of the
+    same command finds its work there, and a different job to the same destination never does."""
+    key = json.dumps([storage.redact(url), identity, partition], sort_keys=True)
+    return Path(tempfile.gettempdir()) / f"vlmpack-stage-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def check_destination(url: str) -> dict | None:
-    """The manifest already published at `url` (None when there is none yet)."""
-    manifest_url = storage.join(url, MANIFEST_NAME)
-    if storage.remote_size(manifest_url) is None:
+def read_json_object(url: str) -> dict | None:
+    """The JSON object stored at `url`; None when there is no object there."""
+    if storage.remote_size(url) is None:
         return None
-    with storage.open_binary(manifest_url) as fh:
-        return json.loads(fh.read().decode("utf-8"))
+    with storage.open_binary(url) as fh:
+        try:
+            found = json.loads(fh.read().decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            found = None
+    if not isinstance(found, dict):
+        raise ConfigError(f"{storage.redact(url)} is not a vlmpack file (not a JSON object): choose another --out prefix")
+    return found
 
 
-def publish(stage: Path, url: str, manifest: dict | None, progress: bool = True) -> dict:
-    """Upload the finished directory `stage` to `url`; returns what was uploaded and kept.
-    `manifest` None: a partition's directory, which has none (its files only)."""
+def _differs_in(before: dict, now: dict) -> str:
+    return ", ".join(sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k)))
+
+
+def check_destination(url: str, identity: dict, partition: str | None = None) -> dict | None:
+    """Refuse `url` before any work unless it is new, holds this job's unfinished upload, or
+    holds this job's finished output, which is returned: the manifest, or for a partition
+    (`partition`: its summary's name in `_parts/`) that summary. None: there is work to do.
+
+    A manifest is this job's when it records the same profile, settings and inputs (input names
+    included: they are written into every sample's `source`)."""
+    where = storage.redact(url)
+    manifest = read_json_object(storage.join(url, MANIFEST_NAME))
+    if manifest is not None:
+        if partition is not None:
+            raise ConfigError(f"--out {where} holds a finished dataset ({MANIFEST_NAME}): a partition publishes to a "
+                              "prefix of its own; choose another prefix")
+        published = {"profile": manifest.get("profile"), "settings": manifest.get("settings"),
+                     "inputs": (manifest.get("accounting") or {}).get("inputs")}
+        wanted = {k: identity[k] for k in ("profile", "settings", "inputs")}
+        if published == wanted:
+            return manifest
+        raise ConfigError(f"--out {where} holds another dataset (its {MANIFEST_NAME} differs in: "
+                          f"{_differs_in(published, wanted)}): choose another prefix")
+    recorded = read_json_object(storage.join(url, f"{PARTS_DIR}/{JOB_FILE}"))
+    if recorded is not None and recorded != identity:
+        raise ConfigError(f"--out {where} holds the unfinished output of a different job (its {PARTS_DIR}/{JOB_FILE} "
+                          f"differs in: {_differs_in(recorded, identity)}): choose another prefix")
+    if recorded is not None and partition is not None:
+        return read_json_object(storage.join(url, f"{PARTS_DIR}/{partition}"))
+    return None
+
+
+def publish(stage: Path, url: str, last: str, manifest: dict | None, progress: bool = True,
+            stop_if_asked=None) -> dict:
+    """Upload the finished directory `stage` to `url`, the file `last` (the manifest, or a
+    partition's summary) after everything else; returns what was uploaded and kept. `manifest`
+    None: a partition's directory, which has none. `stop_if_asked` runs between objects, so a
+    stop signal ends an upload that the same command resumes."""
     from tqdm import tqdm
 
-    existing = check_destination(url) if manifest is not None else None
-    if existing is not None:
+    existing = read_json_object(storage.join(url, MANIFEST_NAME)) if manifest is not None else None
+    if existing is not None:  # published meanwhile (the destination was checked before the job)
         if existing == manifest:
             return {"uploaded": 0, "kept": "all", "bytes": 0}
         raise ConfigError(f"--out {storage.redact(url)} holds another dataset (its {MANIFEST_NAME} differs): "
                           "choose another prefix")
-    files = sorted(p for p in stage.rglob("*") if p.is_file() and p.name != ".vlmpack.lock"
-                   and p.name != MANIFEST_NAME and not p.name.endswith(".tmp"))
+    files = sorted(p for p in stage.rglob("*") if p.is_file() and p.name != LOCK_NAME and not p.name.endswith(".tmp")
+                   and p.relative_to(stage).as_posix() != last)
     todo = []
     for path in files:
         remote = storage.join(url, path.relative_to(stage).as_posix())
         if storage.remote_size(remote) != path.stat().st_size:
             todo.append((path, remote))
+    todo.append((stage / last, storage.join(url, last)))  # last: its presence means the rest is there
     with tqdm(total=sum(p.stat().st_size for p, _ in todo), unit="B", unit_scale=True, desc="upload",
               disable=not progress) as bar:
         for path, remote in todo:
+            if stop_if_asked is not None:
+                stop_if_asked()
             storage.upload_file(path, remote)
             bar.update(path.stat().st_size)
-    if manifest is not None:
-        storage.upload_file(stage / MANIFEST_NAME, storage.join(url, MANIFEST_NAME))  # last
-    return {"uploaded": len(todo) + (manifest is not None), "kept": len(files) - len(todo),
-            "bytes": sum(p.stat().st_size for p, _ in todo)}
+    return {"uploaded": len(todo), "kept": len(files) + 1 - len(todo), "bytes": sum(p.stat().st_size for p, _ in todo)}
+
+
+def empty_stage(stage: Path) -> None:
+    """Remove everything the job wrote into `stage` (its upload is complete), keeping the lock
+    file of the job that still holds it; `remove_stage` takes the rest once it is released."""
+    for entry in os.scandir(stage):
+        if entry.name == LOCK_NAME:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def remove_stage(stage: Path) -> None:
+    """Remove the emptied, released `stage` (its lock file and itself). A job that took the
+    directory in the meantime has written into it: then it is left to that job."""
+    try:
+        if os.listdir(stage) == [LOCK_NAME]:
+            (stage / LOCK_NAME).unlink()
+            stage.rmdir()
+    except OSError:
+        pass
 
 
 def stage_sources(directories: list[str], progress: bool = True) -> list[str]:
     """Partition directories for `merge`: a store prefix is brought down (all its files, those
-    already there at the same size kept) into its own staging directory; paths stay as they are."""
+    already there at the same size kept) into a staging directory named after the prefix and
+    the job its `_parts/job.json` records; paths stay as they are."""
     local = []
     for directory in directories:
         if not storage.is_url(directory):
             local.append(directory)
             continue
-        stage = default_stage_dir(directory)
+        stage = default_stage_dir(directory, partitions_identity([directory]))
         stage.mkdir(parents=True, exist_ok=True)
-        if not storage.list_tree(directory):
-            raise ConfigError(f"{storage.redact(directory)} holds nothing: name the --out prefixes of the partitions")
         storage.download_tree(directory, stage)
         local.append(str(stage))
     return local
+
+
+def merge_staged(directories: list[str], out: str, progress: bool = True) -> dict:
+    """`vlmpack merge DIR... --out OUT`, where a partition directory or OUT may be a store prefix.
+    An OUT in the store is checked first (another job's output there is refused; this job's
+    dataset there is the result). Partitions in the store are brought down into stages; with
+    OUT in the store the merge runs in a staging directory named after OUT and the job and is
+    published from there (the manifest then carries what was uploaded under "_upload"). Every
+    stage goes once the merge (and its upload) is complete."""
+    identity = partitions_identity(directories)
+    if storage.is_url(out):
+        published = check_destination(out, identity)
+        if published is not None:
+            return {**published, "_upload": {"uploaded": 0, "kept": "all", "bytes": 0}}
+    sources = stage_sources(directories, progress)
+    if storage.is_url(out):
+        stage = default_stage_dir(out, identity)
+        manifest = merge_partitions(sources, str(stage), publish_to=out)
+        remove_stage(stage)
+    else:
+        manifest = merge_partitions(sources, out)
+    for source, directory in zip(sources, directories):
+        if storage.is_url(directory):
+            shutil.rmtree(source, ignore_errors=True)
+    return manifest

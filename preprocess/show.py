@@ -311,10 +311,6 @@ class Show:
         except (UserError, IndexError, ValueError) as exc:
             print(f"vlmpack show: error: {exc}", file=sys.stderr)
             return 2
-        except BrokenPipeError:  # `vlmpack show DIR --tokens | head`: the reader left, not an error
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            return 0
 
 
 def _show(args, out) -> int:

@@ -3,6 +3,10 @@
 Subcommands are named by module path and imported only when run, so `vlmpack train` never
 loads the preprocessing stack (tokenizers, PIL) and this package imports neither side.
 Each entry names an object with `add_arguments(parser)` and `run(args) -> int`.
+
+Output piped into a reader that has gone (`vlmpack inspect DIR | head`) ends any command
+quietly with exit status 141 (128 + SIGPIPE), what a shell reports for a tool killed by
+SIGPIPE: no traceback, and the pipeline's own status tells a cut-short listing apart.
 """
 
 from __future__ import annotations
@@ -10,9 +14,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from .errors import EXIT_USER_ERROR, UserError, user_error_from_os_error
+
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 # name -> ("module:object", one-line help)
 COMMANDS = {
@@ -39,6 +46,11 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
+    def _print_message(self, message: str, file=None) -> None:
+        # argparse's own drops write errors: `--help | head` would then exit 0, other commands 141
+        if message:
+            (file or sys.stderr).write(message)
+
 
 def _usage() -> str:
     width = max(len(name) for name in COMMANDS)
@@ -49,7 +61,19 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        try:
+            return _dispatch(sys.argv[1:] if argv is None else argv)
+        finally:
+            sys.stdout.flush()  # here, not at interpreter exit: a closed pipe must fail inside this try
+    except BrokenPipeError:
+        # the reader of our output went away (`| head`): stop quietly, as Unix tools do; stdout
+        # now points at devnull so that the interpreter's final flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
@@ -68,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         return _fail(name, exc)
     except BrokenPipeError:
-        # the reader of our output went away (`| head`): stop quietly, as Unix tools do; stdout
-        # now points at devnull so that the interpreter's final flush cannot fail again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        raise
     except OSError as exc:
         mapped = user_error_from_os_error(exc)
         if mapped is None:

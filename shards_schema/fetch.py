@@ -100,17 +100,26 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
 
     manifest = _read_manifest(src)
     shards = manifest["shards"]  # plain, unique file names with counts and a sha256 (check_manifest)
-    with exclusive_output_dir(dst, "fetch") as out:
+    wanted = {s["file"] for s in shards} | {REJECTS_NAME, MANIFEST_NAME}
+
+    def held_manifest(out: Path) -> dict | None:
+        """The manifest of a finished earlier fetch of `src` into `out` (None: unfinished or
+        fresh); UserError where `out` holds anything else, checked before the directory is
+        claimed so that a refused one is left as it was."""
         existing = out / MANIFEST_NAME
-        finished = existing.is_file() and (held := _held_manifest(existing)) is not None
-        if finished and held != manifest:
+        held = _held_manifest(existing) if existing.is_file() else None
+        if held is not None and held != manifest:
             raise UserError(f"{out} holds another dataset (its {MANIFEST_NAME} differs from {redact(src)}'s): "
                             "fetch into a new or empty directory")
-        wanted = {s["file"] for s in shards} | {REJECTS_NAME, MANIFEST_NAME}
         foreign = [n for n in user_entries(out) if n not in wanted and not n.endswith(TMP_SUFFIX)]
         if foreign:
             raise UserError(f"{out} is not empty ({', '.join(foreign[:3])}...) and holds no fetch of {redact(src)}: "
                             "fetch into a new or empty directory")
+        return held
+
+    with exclusive_output_dir(dst, "fetch", check=held_manifest) as out:
+        existing = out / MANIFEST_NAME
+        finished = held_manifest(out) is not None
         for stale in out.glob("*" + TMP_SUFFIX):
             stale.unlink()
         with tqdm(total=sum(s["bytes"] for s in shards), unit="B", unit_scale=True, desc="check",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .manifest import REJECTS_NAME, ShardFormatError
+from .manifest import REJECTS_NAME, ShardFormatError, profile_name
 from .outdir import prepare_output_dir
 from .reader import open_shards
 
@@ -157,6 +157,34 @@ def _first_reject_examples(path: Path, codes) -> dict[str, dict]:
     return found
 
 
+def storage_per_visual_token(shard_bytes: int, patches: int, video_patches: int, vision: dict,
+                             patch_row_width: int) -> dict:
+    """What a visual token costs on disk, as `preprocess`, `merge`, `quickstart` and `inspect`
+    all report it: the shard files' bytes (pixels, token ids, masks, positions) over the
+    visual tokens of images and videos together; the uint8 pixels alone (an image patch holds
+    one frame, a video patch its T frames); and HF's float32 `pixel_values` per token."""
+    merge_area = int(vision["merge_size"]) ** 2
+    temporal = int(vision["temporal_patch_size"])
+    tokens = (patches + video_patches) // merge_area
+    hf_bytes = 4 * temporal * patch_row_width * merge_area
+    per_token = shard_bytes / tokens if tokens else None
+    return {
+        "bytes_per_visual_token": per_token,
+        "pixel_bytes_per_visual_token": (patches + video_patches * temporal) * patch_row_width / tokens if tokens else None,
+        "hf_pixel_values_bytes_per_visual_token": hf_bytes,
+        "hf_pixel_values_to_disk_ratio": hf_bytes / per_token if per_token else None,
+    }
+
+
+def format_storage_per_visual_token(t: dict) -> str:
+    """One line for `storage_per_visual_token`'s numbers, naming what each counts."""
+    if not t["bytes_per_visual_token"]:
+        return "- (no images or videos)"
+    return (f"{t['bytes_per_visual_token']:,.0f} (shard files' bytes over the image and video tokens; pixels alone "
+            f"{t['pixel_bytes_per_visual_token']:,.0f}); HF float32 pixel_values {t['hf_pixel_values_bytes_per_visual_token']:,} "
+            f"({t['hf_pixel_values_to_disk_ratio']:.1f}x larger)")
+
+
 def _video_totals(shards, counted: dict, merge_area: int, temporal_patch_size: int) -> dict:
     """Videos, their sampled frames (temporal patches x T, the last patch padded), seconds and tokens."""
     if "videos" not in counted:
@@ -210,17 +238,13 @@ def _collect(directory: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
             f"{key}: manifest says {int(m_totals[key]):,}, the shards hold {counted[key]:,} (run `vlmpack verify {directory}`)"
             for key in ("videos", "video_patches") if int(m_totals[key]) != counted[key]]
     visual_tokens = counted["patches"] // merge_area
-    hf_bytes = 4 * int(vision["temporal_patch_size"]) * int(manifest["patch_row_width"]) * merge_area
-    per_vt = counted["bytes"] / visual_tokens if visual_tokens else None
     totals = {
         "shards": len(shards.shard_files),
         **counted,
         "target_fraction": counted["target_tokens"] / counted["tokens"] if counted["tokens"] else 0.0,
         "visual_tokens": visual_tokens,
-        "bytes_per_visual_token": per_vt,
-        "pixel_bytes_per_visual_token": int(manifest["patch_row_width"]) * merge_area,
-        "hf_pixel_values_bytes_per_visual_token": hf_bytes,
-        "hf_pixel_values_to_disk_ratio": hf_bytes / per_vt if per_vt else None,
+        **storage_per_visual_token(counted["bytes"], counted["patches"], counted.get("video_patches", 0), vision,
+                                   int(manifest["patch_row_width"])),
         **_video_totals(shards, counted, merge_area, int(vision["temporal_patch_size"])),
         **_repeated_uids(shards),
     }
@@ -237,6 +261,7 @@ def _collect(directory: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
         "format": manifest["format"],
         "schema_version": manifest["schema_version"],
         "profile": {
+            "name": profile_name(profile),
             "family": profile.get("family"),
             "id": profile.get("id"),
             "source": profile.get("source"),
@@ -336,7 +361,7 @@ def format_report(report: dict) -> str:
     m = vision["merge_size"]
     lines = [
         f"shard directory  {report['directory']}",
-        f"profile          {prof['family']}  fingerprint {prof['id']}  source {prof['source']}",
+        f"profile          {prof['name']}  fingerprint {prof['id']}  source {prof['source']}",
         f"shards           {t['shards']} files, {human_bytes(t['bytes'])} ({t['bytes']:,} bytes)",
         f"rows             {t['rows']:,}",
         f"tokens           {t['tokens']:,}  targets {t['target_tokens']:,} ({t['target_fraction']:.1%})",
@@ -346,14 +371,7 @@ def format_report(report: dict) -> str:
         seconds = "?" if t["video_seconds"] is None else f"{t['video_seconds']:,.1f}"
         lines.append(f"videos           {t['videos']:,}  {t['video_frames']:,} frames, {seconds} s  "
                      f"visual tokens {t['video_tokens']:,} ({t['video_patches']:,} patches / {m}x{m})")
-    if t["bytes_per_visual_token"]:
-        lines.append(
-            f"bytes/visual tok {t['bytes_per_visual_token']:,.0f} on disk (pixels alone {t['pixel_bytes_per_visual_token']:,}); "
-            f"HF float32 pixel_values {t['hf_pixel_values_bytes_per_visual_token']:,} "
-            f"({t['hf_pixel_values_to_disk_ratio']:.1f}x larger)"
-        )
-    else:
-        lines.append("bytes/visual tok - (no images)")
+    lines.append(f"bytes/visual tok {format_storage_per_visual_token(t)}")
     if t["repeated_sample_uids"]:
         lines.append(
             f"sample uids      {t['repeated_sample_uids']:,} repeated, in {t['rows_with_repeated_uid']:,} rows "
@@ -460,14 +478,15 @@ def write_html_report(report: dict, charts: dict[str, Path], path: Path) -> Path
     t, acc, prof = report["totals"], report["accounting"], report["profile"]
     summary = [
         ("directory", report["directory"]),
-        ("profile", f"{prof['family']} (fingerprint {prof['id']}, source {prof['source']})"),
+        ("profile", f"{prof['name']} (fingerprint {prof['id']}, source {prof['source']})"),
         ("shards", f"{t['shards']:,} files, {human_bytes(t['bytes'])} ({t['bytes']:,} bytes)"),
         ("rows", f"{t['rows']:,}"),
         ("tokens", f"{t['tokens']:,}"),
         ("target tokens", f"{t['target_tokens']:,} ({t['target_fraction']:.1%})"),
         ("images", f"{t['images']:,}"),
         ("visual tokens", f"{t['visual_tokens']:,} ({t['patches']:,} patches)"),
-        ("bytes / visual token (on disk)", f"{t['bytes_per_visual_token']:,.0f}" if t["bytes_per_visual_token"] else "-"),
+        ("shard files' bytes / visual token (images and videos)",
+         f"{t['bytes_per_visual_token']:,.0f}" if t["bytes_per_visual_token"] else "-"),
         ("HF float32 pixel_values bytes / visual token", f"{t['hf_pixel_values_bytes_per_visual_token']:,}"),
     ]
     if acc["rows_read"] is not None:
@@ -522,14 +541,6 @@ def write_html_report(report: dict, charts: dict[str, Path], path: Path) -> Path
 # ------------------------------------------------------------------------ CLI
 
 
-def _silence_stdout() -> None:
-    """After a broken pipe: point stdout at /dev/null so the interpreter's final flush is quiet."""
-    import os
-
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-
-
 class Inspect:
     """`vlmpack inspect DIR [--json] [--plots OUT/]`."""
 
@@ -549,11 +560,7 @@ class Inspect:
         except (ShardFormatError, OSError) as exc:
             print(f"vlmpack inspect: error: {exc}", file=sys.stderr)
             return 2
-        try:
-            return Inspect._print(args, report, arrays)
-        except BrokenPipeError:  # `vlmpack inspect DIR | head`: the reader left, not an error
-            _silence_stdout()
-            return 0
+        return Inspect._print(args, report, arrays)  # a closed pipe: the dispatcher ends quietly
 
     @staticmethod
     def _print(args, report: dict, arrays: dict) -> int:

@@ -37,6 +37,12 @@ class ShardFormatError(UserError):
     """A shard directory that is missing, incomplete, or from an incompatible version."""
 
 
+def profile_name(profile: dict) -> str:
+    """The profile a manifest records, as `--profile` names it (`qwen3-vl-thinking`); manifests
+    written before the name was recorded give their rendering family."""
+    return str(profile.get("name") or profile.get("family"))
+
+
 def build_manifest(*, profile: dict, settings: dict, shards: list[dict], accounting: dict, patch_row_width: int,
                    schema_version: int = SCHEMA_VERSION) -> dict:
     keys = TOTAL_KEYS if schema_version >= 2 else TOTAL_KEYS_V1

@@ -5,6 +5,10 @@ takes an exclusive lock on it first: `flock` on `DIR/.vlmpack.lock`, which the k
 releases when the process dies however it dies (kill -9 included), so a stale lock never
 blocks a re-run. The lock file also records who holds it, so the second job's message
 names the first.
+
+A directory a command refuses is left exactly as it was found: its `check` (what the command
+would refuse: another job's output, files it did not write) runs before the lock file is
+created in a directory that exists, and again once the lock is held.
 """
 
 from __future__ import annotations
@@ -47,11 +51,15 @@ def user_entries(path: Path) -> list[str]:
 
 
 @contextmanager
-def exclusive_output_dir(path: str | Path, command: str, *, what: str = "--out"):
+def exclusive_output_dir(path: str | Path, command: str, *, what: str = "--out", check=None):
     """Hold `path` for this process until the block ends; UserError if another job holds it.
 
-    Yields the directory as a Path (created if needed).
+    Yields the directory as a Path (created if needed). `check(path)`, if given, raises the
+    command's refusal of an existing directory: it runs before anything is written there, and
+    again under the lock (another job may have changed the directory in between).
     """
+    if check is not None and Path(path).is_dir():
+        check(Path(path))
     path = prepare_output_dir(path, what=what)
     lock_path = path / LOCK_NAME
     try:
@@ -69,6 +77,8 @@ def exclusive_output_dir(path: str | Path, command: str, *, what: str = "--out")
                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[1:]}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(holder, ensure_ascii=True) + "\n").encode(), 0)
+        if check is not None:
+            check(path)
         yield path
     finally:
         os.close(fd)  # closing the descriptor releases the flock

@@ -428,8 +428,8 @@ def test_show_collapses_each_video_into_one_placeholder(family, tmp_path, capsys
 def test_inspect_counts_videos_frames_seconds_and_tokens(tmp_path, capsys):
     rows = example_rows(5, seed=4, size_range=(32, 96), video_rows=1.0)
     out = tmp_path / "shards"
-    run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(tmp_path / "rows.jsonl", rows))], out=str(out), workers=1,
-                   rows_per_shard=2, progress=False))
+    manifest = run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(tmp_path / "rows.jsonl", rows))], out=str(out),
+                                               workers=1, rows_per_shard=2, progress=False))
     shards = open_shards(out)
     grids = np.concatenate([shards[i]["video_grid_thw"] for i in range(len(shards))])
     seconds = np.concatenate([shards[i]["second_per_grid_ts"] for i in range(len(shards))])
@@ -440,12 +440,34 @@ def test_inspect_counts_videos_frames_seconds_and_tokens(tmp_path, capsys):
     assert totals["video_seconds"] == pytest.approx(float((grids[:, 0] * seconds).sum()))
     code, text, _ = _cli(capsys, "inspect", str(out))
     assert code == 0 and f"videos           5  {totals['video_frames']:,} frames" in text
+    # bytes per visual token: the shard files' bytes over image and video tokens, the same in
+    # preprocess's summary and in inspect, each saying what it counts
+    assert totals["bytes_per_visual_token"] == pytest.approx(totals["bytes"] / (totals["visual_tokens"] + totals["video_tokens"]))
+    assert totals["pixel_bytes_per_visual_token"] == pytest.approx(
+        (totals["patches"] * 768 + totals["video_patches"] * 2 * 768) / (totals["visual_tokens"] + totals["video_tokens"]))
+    from preprocess.cli import format_summary
+
+    summary = re.search(r"^bytes/visual token: (.*)$", format_summary(manifest, out), re.M).group(1)
+    assert re.search(r"^bytes/visual tok (.*)$", text, re.M).group(1) == summary
+    assert summary.startswith(f"{totals['bytes_per_visual_token']:,.0f} (shard files' bytes over the image and video tokens; "
+                              f"pixels alone {totals['pixel_bytes_per_visual_token']:,.0f}); HF float32 pixel_values 24,576")
 
 
-def test_output_into_a_closed_pipe_stops_quietly():
-    """`vlmpack ... | head`: the reader is gone before the command writes; no traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "shards_schema.cli", "train", "--dry-run", "--arch", "qwen3-vl-2b"],
+@pytest.mark.parametrize("argv", [
+    ["--help"],
+    ["preprocess", "--help"],
+    ["inspect", "{d}"],
+    ["inspect", "{d}", "--json"],
+    ["show", "{d}", "--tokens"],
+    ["verify", "{d}"],
+    ["train", "--dry-run", "--arch", "qwen3-vl-2b"],
+], ids=lambda argv: " ".join(argv))
+def test_output_into_a_closed_pipe_stops_quietly_with_exit_141(argv, data):
+    """`vlmpack ... | head`: the reader is gone before the command writes; every command, help
+    included, ends with 128 + SIGPIPE and no traceback (the dispatcher's one rule)."""
+    argv = [a.format(d=data[0]) for a in argv]
+    proc = subprocess.Popen([sys.executable, "-m", "shards_schema.cli", *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[1])
     proc.stdout.close()
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -4,9 +4,11 @@ partitions + merge, input formats, rejects that never stop the job, fail-fast co
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import io
 import json
+import math
 import os
 import signal
 import subprocess
@@ -23,6 +25,7 @@ from preprocess.job import PreprocessConfig, idle_workers_note, merge_partitions
 from preprocess.pipeline import SampleOptions
 from shards_schema import open_shards
 from shards_schema.writer import file_sha256
+from tests.cli_run import vlmpack_exit_code
 
 ROWS = 30
 
@@ -378,6 +381,13 @@ def test_cli_quickstart_runs(tmp_path, capsys):
     code, err = _cli(capsys, "quickstart", "--out", tmp_path / "qs", "--rows", "6", "--videos", "2", "--workers", "1")
     assert code == 0, err
     assert example.stat().st_mtime_ns == written
+    # other settings: quickstart knows the directory's files as its own (its marker, the
+    # example's sha256) and replaces them, shards included
+    code, err = _cli(capsys, "quickstart", "--out", tmp_path / "qs", "--rows", "3", "--videos", "0", "--workers", "1")
+    assert code == 0, err
+    assert len(open_shards(tmp_path / "qs" / "shards")) == 3 and len(example.read_text().splitlines()) == 5
+    assert sorted(p.name for p in (tmp_path / "qs").iterdir()) == [".vlmpack-quickstart.json", ".vlmpack.lock",
+                                                                   "example.jsonl", "shards"]
 
 
 def test_quickstart_without_the_video_extra_says_it_leaves_the_videos_out(tmp_path, capsys, monkeypatch):
@@ -472,6 +482,123 @@ def test_a_finished_dataset_without_work_state_is_never_overwritten(example_json
     # this job's own directory is resumable, and a merge may be re-run into its own output
     merged = merge_partitions([str(part)], str(tmp_path / "merged"))
     assert merge_partitions([str(part)], str(tmp_path / "merged")) == merged
+
+
+def _snapshot(directory: Path) -> dict[str, tuple]:
+    """Everything a refused command must leave as it was: each entry under `directory` (and the
+    directory itself) with its kind, modification time, and a file's size and sha256."""
+    import stat
+
+    entries = {}
+    for path in [directory, *sorted(directory.rglob("*"))]:
+        st = path.lstat()
+        is_file = stat.S_ISREG(st.st_mode)
+        entries[str(path.relative_to(directory))] = (stat.S_IFMT(st.st_mode), st.st_mtime_ns,
+                                                     st.st_size if is_file else None, file_sha256(path) if is_file else None)
+    return entries
+
+
+@pytest.fixture(scope="module")
+def exported(baseline, tmp_path_factory):
+    from shards_schema.webdataset.convert import export_webdataset
+
+    out = tmp_path_factory.mktemp("exported") / "tars"
+    export_webdataset(baseline[0], out)
+    return out
+
+
+def _other_files(d: Path) -> None:
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    (d / "example.jsonl").write_text('{"mine": true}\n')
+
+
+def _job_dir(d: Path, data: Path) -> None:
+    _run([data], d, workers=1)
+
+
+def _quickstart_dir(d: Path) -> None:
+    from shards_schema.cli import main
+
+    assert main(["quickstart", "--out", str(d), "--rows", "2", "--videos", "0", "--workers", "1"]) == 0
+
+
+# case -> (how the directory D is made, the refused command line, a part of its one-line error,
+# whether another job holds D meanwhile). {data}: an input, {shards}: a finished shard directory,
+# {tars}: its export, {parts}: a finished partition's directory.
+REFUSED_OUTPUT_DIRS = {
+    "preprocess into other files": (_other_files, ["preprocess", "{data}", "--out", "{D}"], "holds no resumable job", False),
+    "preprocess into another job's directory": (
+        _job_dir, ["preprocess", "{data}", "--out", "{D}", "--max-seq-len", "999"], "holds output of a different job (differs in: settings)", False),
+    "preprocess into a held directory": (
+        _job_dir, ["preprocess", "{data}", "--out", "{D}", "--rows-per-shard", "8"], "is in use by another job", True),
+    "preprocess with a bad count into a job's directory": (
+        _job_dir, ["preprocess", "{data}", "--out", "{D}", "--rows-per-shard", "0"], "--rows-per-shard must be", False),
+    "preprocess with a bad number into a job's directory": (
+        _job_dir, ["preprocess", "{data}", "--out", "{D}", "--video-fps", "nan"], "argument --video-fps", False),
+    "preprocess with an unknown profile into a job's directory": (
+        _job_dir, ["preprocess", "{data}", "--out", "{D}", "--profile", "llava"], "unknown profile", False),
+    "merge into other files": (_other_files, ["merge", "{parts}", "--out", "{D}"], "holds no resumable job of `vlmpack merge`", False),
+    "merge into another job's directory": (_job_dir, ["merge", "{parts}", "--out", "{D}"], "holds no resumable job", False),
+    "merge into a held directory": (Path.mkdir, ["merge", "{parts}", "--out", "{D}"], "is in use by another job", True),
+    "quickstart into the user's example.jsonl": (
+        _other_files, ["quickstart", "--out", "{D}", "--rows", "2"], "holds files quickstart did not write (example.jsonl", False),
+    "quickstart into a shard directory": (
+        _job_dir, ["quickstart", "--out", "{D}", "--rows", "2"], "holds files quickstart did not write (_parts", False),
+    "quickstart into a held directory": (_quickstart_dir, ["quickstart", "--out", "{D}", "--rows", "2"], "is in use", True),
+    "quickstart with a bad count into its own directory": (
+        _quickstart_dir, ["quickstart", "--out", "{D}", "--rows", "0"], "--rows must be an integer from 1 to", False),
+    "export into other files": (_other_files, ["export", "{shards}", "--out", "{D}"], "did not write (example.jsonl", False),
+    "export into an export without --overwrite": (
+        lambda d: _export(d), ["export", "{shards}", "--out", "{D}"], "pass --overwrite to replace it", False),
+    "export into a held directory": (lambda d: _export(d), ["export", "{shards}", "--out", "{D}", "--overwrite"], "is in use", True),
+    "import into other files": (_other_files, ["import", "{tars}", "--out", "{D}"], "did not write (example.jsonl", False),
+    "fetch into other files": (_other_files, ["fetch", "{shards}", "{D}", "--no-progress"], "is not empty", False),
+    "fetch into another dataset": (_job_dir, ["fetch", "{shards_other}", "{D}", "--no-progress"], "holds another dataset", False),
+    "pack into other files": (_other_files, ["pack", "{shards}", "--seq-len", "16384", "--out", "{D}"], "is not a pack plan", False),
+}
+
+
+def _export(d: Path) -> None:
+    from shards_schema.webdataset.convert import export_webdataset
+
+    export_webdataset(_export.shards, d)
+
+
+@pytest.mark.parametrize("case", list(REFUSED_OUTPUT_DIRS))
+def test_a_refused_output_directory_is_left_exactly_as_it_was(case, example_jsonl, baseline, exported, tmp_path, capsys):
+    """Every way these commands refuse an existing output directory (another job's output, files
+    they did not write, a held lock, bad flags) leaves it as found: the same entries, sizes,
+    modification times and bytes, and no lock file added."""
+    from shards_schema.outdir import exclusive_output_dir
+
+    make, argv, message, held = REFUSED_OUTPUT_DIRS[case]
+    d = tmp_path / "D"
+    parts = tmp_path / "parts"
+    _export.shards = baseline[0]
+    if "{parts}" in argv:
+        for i in range(2):
+            _run([example_jsonl], parts, workers=1, num_partitions=2, partition_index=i)
+    if make is _job_dir:
+        make(d, example_jsonl)
+    else:
+        make(d)
+    paths = {"data": example_jsonl, "D": d, "shards": baseline[0], "tars": exported, "parts": parts,
+             "shards_other": tmp_path / "other"}
+    if "{shards_other}" in argv:
+        _run([example_jsonl], tmp_path / "other", workers=1, rows_per_shard=4)
+    argv = [a.format(**paths) for a in argv]
+    with contextlib.ExitStack() as stack:
+        if held:
+            stack.enter_context(exclusive_output_dir(d, "preprocess"))
+        before = _snapshot(d)
+        code = vlmpack_exit_code(argv)
+        after = _snapshot(d)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert err[-1].startswith(f"vlmpack {argv[0]}: error: ") and message in err[-1], err
+    assert not any("Traceback" in line for line in err) and len([e for e in err if "error" in e]) == 1, err
+    assert after == before
 
 
 def test_resume_refuses_an_input_edited_in_place(tmp_path):
@@ -605,8 +732,8 @@ def test_undecodable_file_names_and_surrogates_never_stop_the_job(tmp_path, monk
 
 
 BAD_ARGUMENTS = [
-    ("preprocess", ["--workers", "0"], "--workers must be an integer >= 1, got 0"),
-    ("preprocess", ["--workers", "-3"], "--workers must be an integer >= 1, got -3"),
+    ("preprocess", ["--workers", "0"], "--workers must be an integer from 1 to 4096, got 0"),
+    ("preprocess", ["--workers", "-3"], "--workers must be an integer from 1 to 4096, got -3"),
     ("preprocess", ["--max-seq-len", "0"], "--max-seq-len must be an integer >= 1, got 0"),
     ("preprocess", ["--rows-per-shard", "0"], "--rows-per-shard must be an integer >= 1, got 0"),
     ("preprocess", ["--num-partitions", "0"], "--num-partitions must be an integer >= 1, got 0"),
@@ -626,9 +753,9 @@ BAD_ARGUMENTS = [
     ("preprocess-out-file", [], "--out {tmp}/afile is a file, not a directory"),
     ("merge", ["{tmp}/nowhere", "--out", "{tmp}/m"], "{tmp}/nowhere does not exist or is not a directory"),
     ("merge", ["{tmp}", "--out", "{tmp}/m"], "not the output of `vlmpack preprocess`"),
-    ("quickstart", ["--rows", "0"], "--rows must be an integer >= 1, got 0"),
-    ("quickstart", ["--videos", "-1"], "--videos must be an integer >= 0, got -1"),
-    ("quickstart", ["--workers", "0"], "--workers must be an integer >= 1, got 0"),
+    ("quickstart", ["--rows", "0"], "--rows must be an integer from 1 to 1000, got 0"),
+    ("quickstart", ["--videos", "-1"], "--videos must be an integer from 0 to 100, got -1"),
+    ("quickstart", ["--workers", "0"], "--workers must be an integer from 1 to 4096, got 0"),
     ("quickstart", ["--out", "{tmp}/afile"], "--out {tmp}/afile is a file, not a directory"),
 ]
 
@@ -650,6 +777,88 @@ def test_bad_arguments_exit_2_with_one_line(command, argv, message, example_json
     assert code == 2, err
     assert err.startswith(f"vlmpack {argv[0]}: error: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "o").exists() and not (tmp_path / "m").exists() and not (tmp_path / "qs").exists()
+
+
+# Numeric extremes in every numeric flag of these commands: each value either works (exit 0) or
+# exits 2 with one line naming the flag. command -> (its command line before the flag, [(flag,
+# the type it takes, which values it accepts)]); {data}: an input with an image and a video row,
+# {shards}: a finished shard directory of ROWS samples, {o}: a new output directory.
+EXTREME_VALUES = (str(10**30), "1e30", "1e-30", "inf", "-inf", "nan", "-1", "0")
+NUMERIC_FLAGS = {
+    "preprocess": (["preprocess", "{data}", "--out", "{o}", "--workers", "1", "--no-progress"], [
+        ("--min-pixels", int, lambda v: 1 <= v <= 16777216),  # at most the profile's max_pixels
+        ("--max-pixels", int, lambda v: 65536 <= v <= 2**53),  # at least the profile's min_pixels
+        ("--max-seq-len", int, lambda v: v >= 1),
+        ("--max-image-pixels", int, lambda v: v >= 1),
+        ("--max-media-bytes", int, lambda v: v >= 1),
+        ("--video-fps", float, lambda v: v >= 0.001),
+        ("--video-max-frames", int, lambda v: 1 <= v <= 2**53),
+        ("--video-max-pixels", int, lambda v: 1 <= v <= 2**53),
+        ("--video-total-pixels", int, lambda v: 1 <= v <= 2**53),
+        ("--max-video-bytes", int, lambda v: v >= 1),
+        ("--workers", int, lambda v: 1 <= v <= 4096),
+        ("--rows-per-shard", int, lambda v: v >= 1),
+        ("--num-partitions", int, lambda v: v >= 1),
+        ("--partition-index", int, lambda v: v == 0),  # of --num-partitions 1
+        ("--ray-max-retries", int, lambda v: 0 <= v <= 1000),
+    ]),
+    "quickstart": (["quickstart", "--out", "{o}", "--rows", "2", "--videos", "0", "--workers", "1"], [
+        ("--rows", int, lambda v: 1 <= v <= 1000),
+        ("--videos", int, lambda v: 0 <= v <= 100),
+        ("--workers", int, lambda v: v >= 1),  # no more than its 2 shards' worth run
+    ]),
+    "show": (["show", "{shards}"], [("--index", int, lambda v: -(ROWS + 2 - 2) <= v < ROWS)]),
+    "verify": (["verify", "{shards}"], [("--max-faults", int, lambda v: v >= 0), ("--workers", int, lambda v: v >= 1)]),
+    "export": (["export", "{shards}", "--out", "{o}"], [("--samples-per-tar", int, lambda v: v >= 1),
+                                                         ("--max-tar-bytes", int, lambda v: v >= 1)]),
+    "pack": (["pack", "{shards}", "--seq-len", "16384"], [
+        ("--seq-len", int, lambda v: 16384 <= v < 2**31),  # no shorter than the longest sample
+        ("--max-visual-tokens", int, lambda v: 16384 <= v < 2**31),
+        ("--pad-to-multiple", int, lambda v: 1 <= v <= 16384),
+        ("--seed", int, lambda v: v >= 0),
+        ("--epoch", int, lambda v: v >= 0),
+        ("--dp-size", int, lambda v: v == 1),  # a global batch of more packs than the data make is refused
+        ("--global-batch-packs", int, lambda v: v == 1),
+    ]),
+}
+
+
+def _accepts(kind, accepts, text: str) -> bool:
+    try:
+        value = kind(text)
+    except ValueError:
+        return False
+    return math.isfinite(value) and accepts(value)
+
+
+NUMERIC_EXTREMES = [(command, flag, text, _accepts(kind, accepts, text))
+                    for command, (_, flags) in NUMERIC_FLAGS.items() for flag, kind, accepts in flags
+                    for text in EXTREME_VALUES]
+
+
+@pytest.fixture(scope="module")
+def image_and_video_jsonl(tmp_path_factory):
+    from preprocess.examples import video_example_rows
+
+    rows = example_rows(1, seed=3, size_range=(32, 64)) + video_example_rows(2, seed=4)[1:]  # a video beside an image
+    return write_jsonl(tmp_path_factory.mktemp("extremes") / "rows.jsonl", rows)
+
+
+@pytest.mark.parametrize("command, flag, text, works", NUMERIC_EXTREMES,
+                         ids=[f"{c} {f} {t}" for c, f, t, _ in NUMERIC_EXTREMES])
+def test_numeric_extremes_work_or_exit_2_naming_the_flag(command, flag, text, works, image_and_video_jsonl, baseline,
+                                                         tmp_path, capsys):
+    base, _ = NUMERIC_FLAGS[command]
+    paths = {"data": image_and_video_jsonl, "shards": baseline[0], "o": tmp_path / "o"}
+    argv = [a.format(**paths) for a in base] + [f"{flag}={text}"]  # `=`: argparse would take -1 or -inf for a flag
+    code = vlmpack_exit_code(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s]" not in line
+           and "row/s]" not in line and "B/s]" not in line and "shard/s]" not in line]
+    assert not any("Traceback" in line for line in err), err
+    if works:
+        assert code == 0, err
+    else:
+        assert code == 2 and len(err) == 1 and err[0].startswith(f"vlmpack {command}: error: ") and flag in err[0], err
 
 
 def test_nothing_written_warns_and_exits_1_with_rows_accounted_for(tmp_path, capsys):

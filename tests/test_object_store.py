@@ -335,10 +335,88 @@ def test_preprocess_into_the_store_publishes_last_resumes_a_cut_upload_and_verif
     assert again["_run"]["upload"]["uploaded"] == 0
 
 
+def _stages(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.glob("vlmpack-stage-*"))
+
+
+def test_a_store_prefix_holding_another_job_is_refused_before_the_first_row_naming_the_url(s3, tmp_path, monkeypatch,
+                                                                                           capsys):
+    """The destination is checked before any work: a prefix holding another dataset (or another
+    job's unfinished upload, or, for a partition, any finished dataset) is refused in one line
+    naming the URL, never a local staging directory; no row is processed, no stage is made.
+    The same job again finds its dataset there and does nothing."""
+    import preprocess.job as job
+    from shards_schema.cli import main
+
+    client, _ = s3
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    data = write_jsonl(tmp_path / "rows.jsonl", example_rows(6, seed=41, size_range=(32, 96)))
+    common = ["--workers", "1", "--rows-per-shard", "4", "--no-progress"]
+    assert main(["preprocess", str(data), "--out", "s3://data/taken", *common]) == 0
+    capsys.readouterr()
+    processed = []
+    real_process_unit = job.process_unit
+    monkeypatch.setattr(job, "process_unit", lambda *a, **k: processed.append(1) or real_process_unit(*a, **k))
+    other_job = {"profile": {}, "settings": {}, "inputs": [], "num_partitions": 1}  # an upload cut short
+    client.put_object(Bucket="data", Key="half/_parts/job.json", Body=json.dumps(other_job).encode())
+    for out, extra, says in (
+            ("s3://data/taken", ["--max-seq-len", "999"], "holds another dataset (its manifest.json differs in: settings)"),
+            ("s3://data/half", [], "holds the unfinished output of a different job (its _parts/job.json differs in: "),
+            ("s3://data/taken", ["--num-partitions", "2"], "holds a finished dataset (manifest.json): a partition")):
+        assert main(["preprocess", str(data), "--out", out, *common, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"vlmpack preprocess: error: --out {out} {says}"), err
+        assert "vlmpack-stage" not in err and str(tmp_path) not in err
+    assert processed == [] and _stages(tmp_path / "tmp") == []
+    assert main(["preprocess", str(data), "--out", "s3://data/taken", *common]) == 0
+    assert "upload:         nothing to do: s3://data/taken holds this job's dataset already" in capsys.readouterr().out
+    assert processed == [] and _stages(tmp_path / "tmp") == []
+
+
+def test_the_stage_is_the_jobs_own_and_goes_once_its_upload_is_complete(s3, tmp_path, monkeypatch):
+    """The default stage is named after the destination and the job: an upload cut short
+    resumes from it (no unit redone), a complete upload removes it, and a later, different job
+    to the same prefix (its old dataset deleted from the store) is not refused by a stale stage."""
+    import shards_schema.storage as storage_module
+    from shards_schema.cli import main
+
+    client, _ = s3
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    first = write_jsonl(tmp_path / "first.jsonl", example_rows(6, seed=51, size_range=(32, 96)))
+    second = write_jsonl(tmp_path / "second.jsonl", example_rows(5, seed=52, size_range=(32, 96)))
+    real_upload, calls = storage_module.upload_file, []
+
+    def cut_after_two(path, url):
+        if len(calls) == 2:
+            raise storage_module.StorageError("unreachable", f"{url}: connection reset (injected)")
+        calls.append(url)
+        real_upload(path, url)
+
+    monkeypatch.setattr(storage_module, "upload_file", cut_after_two)
+    argv = ["--out", "s3://data/reused", "--workers", "1", "--rows-per-shard", "4", "--no-progress"]
+    assert main(["preprocess", str(first), *argv]) == 2
+    (stage,) = _stages(tmp_path / "tmp")  # kept: the upload is not complete
+    monkeypatch.setattr(storage_module, "upload_file", real_upload)
+    resumed = run_preprocess(PreprocessConfig(inputs=[str(first)], out="s3://data/reused", workers=1, rows_per_shard=4,
+                                              progress=False))
+    assert resumed["_run"]["units_done_now"] == 0 and resumed["_run"]["stage"] == str(tmp_path / "tmp" / stage)
+    assert _stages(tmp_path / "tmp") == []
+    client.delete_objects(Bucket="data", Delete={"Objects": [
+        {"Key": o["Key"]} for o in client.list_objects_v2(Bucket="data", Prefix="reused/")["Contents"]]})
+    assert main(["preprocess", str(second), *argv]) == 0  # new inputs, same prefix
+    assert _stages(tmp_path / "tmp") == []
+    got = tmp_path / "got"
+    assert main(["fetch", "s3://data/reused", str(got), "--no-progress"]) == 0
+    assert len(open_shards(got)) == 5
+
+
 def test_partitions_into_the_store_then_merge_from_it_equal_one_job(s3, tmp_path, monkeypatch):
     """Each partition publishes its directory (no manifest) to its own prefix; `merge` of the
     prefixes into a store prefix gives one local job's dataset; the stages live under a
-    temporary directory of the test's own."""
+    temporary directory of the test's own, and every one of them is gone at the end (a merge
+    run again finds the dataset published and does nothing)."""
     from shards_schema.cli import main
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
@@ -352,11 +430,17 @@ def test_partitions_into_the_store_then_merge_from_it_equal_one_job(s3, tmp_path
     client, _ = s3
     listed = {o["Key"] for o in client.list_objects_v2(Bucket="data", Prefix="parts/").get("Contents", [])}
     assert not any(k.endswith("manifest.json") for k in listed) and any("partition-0-of-3" in k for k in listed)
+    again = run_preprocess(PreprocessConfig(inputs=[str(data)], out="s3://data/parts/p1", num_partitions=3,
+                                            partition_index=1, workers=1, rows_per_shard=4, progress=False))
+    assert again["_run"]["units_done_now"] == 0 and again["_run"]["stage"] is None  # published whole: nothing redone
     assert main(["merge", *(f"s3://data/parts/p{i}" for i in range(3)), "--out", "s3://data/merged"]) == 0
     assert main(["fetch", "s3://data/merged", str(tmp_path / "got"), "--no-progress"]) == 0
     assert _outputs(tmp_path / "got") == _outputs(tmp_path / "local")
     local.pop("_run")
     assert json.loads((tmp_path / "got" / "manifest.json").read_text()) == local
+    assert _stages(tmp_path / "tmp") == []  # the partitions', the merged and the sources' stages all went
+    assert main(["merge", *(f"s3://data/parts/p{i}" for i in range(3)), "--out", "s3://data/merged"]) == 0
+    assert _stages(tmp_path / "tmp") == []
 
 
 @pytest.fixture(scope="module")

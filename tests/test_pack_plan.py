@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -150,6 +151,12 @@ def test_mixing_weights_give_the_right_counts():
     assert mix_counts([1, 2], np.array([1.0, 1.0])).tolist() == [2, 2]  # 1.5 -> 2
     with pytest.raises(PackingError, match="weights"):
         resolve_weights([1, 2], [-1.0, 1.0])
+    # finite weights whose sum overflows still mix by their ratio, without a numpy warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        huge = resolve_weights([10, 30], [1e308, 1e308])
+        assert mix_counts([10, 30], huge).tolist() == [20, 20]
+        assert mix_counts([10, 30], resolve_weights([10, 30], [1.5e308, 5e307])).tolist() == [30, 10]
 
 
 def test_global_batches_and_dp_balance():

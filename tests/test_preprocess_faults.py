@@ -230,11 +230,13 @@ def test_a_job_that_loses_the_lock_race_waits_for_the_holders_record(tmp_path):
 # ---------------------------------------------------------------- signals and worker processes
 
 
-def _start_and_wait_for_workers(data: Path, out: Path, stderr: Path) -> tuple[subprocess.Popen, set[int]]:
-    """A 2-worker job that has committed a unit. Its stderr goes to a file: a pipe would also be
-    held open by workers that outlive it."""
+def _start_and_wait_for_workers(data: Path, out: Path, stderr: Path, own_group: bool = False) -> tuple[subprocess.Popen, set[int]]:
+    """A 2-worker job that has committed a unit (`own_group`: in a process group of its own, as
+    a scheduler starts it). Its stderr goes to a file: a pipe would also be held open by
+    workers that outlive it."""
     with open(stderr, "w") as err:
-        proc = subprocess.Popen(_preprocess_cmd(data, out, rows_per_shard=1), stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(_preprocess_cmd(data, out, rows_per_shard=1), stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=own_group)
     _wait_for(lambda: _units_committed(out) >= 1 or proc.poll() is not None, what="a first committed unit")
     assert proc.poll() is None, "the job ended before it could be signalled: the input is too small"
     children = _children(proc.pid)
@@ -268,6 +270,33 @@ def test_sigterm_or_sigint_stops_the_job_and_its_workers_keeping_finished_units(
     assert not list(out.glob("*" + TMP_SUFFIX))
 
 
+@pytest.fixture(scope="module")
+def longer_data(tmp_path_factory) -> Path:
+    """Enough units that a signal sent within 0.2 s of the first commit finds the job running,
+    however loaded the machine is."""
+    rows = example_rows(48, seed=12, size_range=(32, 96))
+    return write_jsonl(tmp_path_factory.mktemp("longer") / "chats.jsonl", rows)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_the_whole_process_group_is_a_stop_not_a_lost_worker(signum, longer_data, tmp_path):
+    """`kill -TERM -PGID`, as a scheduler stops a job: the workers die of the signal too, often
+    before the job has looked at its own; it is still a stop by that signal (exit 128 + N), never
+    "a worker ended unexpectedly". Twice, at random moments: which death is seen first varies."""
+    rng = random.Random(signum)
+    for attempt in range(2):
+        out = tmp_path / f"out{attempt}"
+        proc, children = _start_and_wait_for_workers(longer_data, out, tmp_path / "stderr", own_group=True)
+        time.sleep(rng.uniform(0.0, 0.2))
+        os.killpg(proc.pid, signum)
+        assert proc.wait(timeout=30) == 128 + signum
+        err = (tmp_path / "stderr").read_text()
+        assert err.strip().splitlines()[-1] == (f"vlmpack preprocess: error: stopped by {signal.Signals(signum).name}; "
+                                                "finished shards are kept: re-run the same command to resume"), err
+        assert "Traceback" not in err and not _wait_gone(children)
+        assert _units_committed(out) >= 1 and not list(out.glob("*" + TMP_SUFFIX))
+
+
 def test_sigterm_stops_a_single_process_job_keeping_finished_units(data, tmp_path):
     """--workers 1 works in the job's own process: the signal lands inside a unit."""
     out = tmp_path / "out"
@@ -283,19 +312,38 @@ def test_sigterm_stops_a_single_process_job_keeping_finished_units(data, tmp_pat
     assert _units_committed(out) >= 1 and not list(out.glob("*" + TMP_SUFFIX)) and not (out / "manifest.json").exists()
 
 
-def test_a_worker_killed_by_the_system_stops_the_job_with_one_line(data, tmp_path):
+@pytest.mark.parametrize("signum, code, message", [
+    (signal.SIGKILL, 1, "a worker process ended unexpectedly: killed by SIGKILL (by the system when memory ran out, "
+                        "or by hand); finished shards are kept: re-run the same command to resume, with fewer --workers"),
+    (signal.SIGTERM, 128 + signal.SIGTERM, "a worker process was stopped by SIGTERM (sent to the worker, not to the "
+                                           "job); finished shards are kept: re-run the same command to resume"),
+], ids=["SIGKILL", "SIGTERM"])
+def test_a_lost_worker_stops_the_job_with_one_line_naming_what_ended_it(signum, code, message, data, tmp_path):
+    """A worker killed alone: SIGKILL is what the out-of-memory killer sends (exit 1); SIGTERM is
+    a stop (exit 128 + 15). Either way the finished units are kept and the re-run completes."""
     out = tmp_path / "out"
     proc, children = _start_and_wait_for_workers(data, out, tmp_path / "stderr")
     worker = next(p for p in children if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text())
-    os.kill(worker, signal.SIGKILL)  # what the out-of-memory killer does
-    assert proc.wait(timeout=60) == 1
+    os.kill(worker, signum)
+    assert proc.wait(timeout=60) == code
     err = (tmp_path / "stderr").read_text()
-    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
-        "vlmpack preprocess: error: a worker process ended unexpectedly"), err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"vlmpack preprocess: error: {message}"), err
     assert not _wait_gone(children), "the other worker outlived the stopped job"
     _run_inprocess(data, out, rows_per_shard=1)
     _run_inprocess(data, tmp_path / "one", rows_per_shard=1)
     assert _outputs(out) == _outputs(tmp_path / "one")
+
+
+@pytest.mark.parametrize("exit_codes, cause", [
+    ([-signal.SIGKILL, -signal.SIGTERM], signal.SIGKILL),  # the pool ends the others with SIGTERM
+    ([-signal.SIGTERM, -signal.SIGTERM], signal.SIGTERM),
+    ([-signal.SIGHUP, -signal.SIGTERM, None], signal.SIGHUP),
+    ([-signal.SIGSEGV, -signal.SIGTERM], signal.SIGSEGV),
+    ([1, None], None),
+    ([], None),
+])
+def test_the_signal_that_broke_the_pool_is_read_from_the_workers_exit_codes(exit_codes, cause):
+    assert job.worker_death_signal(exit_codes) == cause
 
 
 # ---------------------------------------------------------------- full disk, read-only output

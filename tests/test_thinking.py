@@ -119,9 +119,29 @@ def test_a_model_directory_with_the_thinking_template_is_detected_and_checked(tm
         "image_mean": list(v.image_mean), "image_std": list(v.image_std),
         "size": {"shortest_edge": v.min_pixels, "longest_edge": v.max_pixels}}))
     profile = profile_from_model_dir(tmp_path)  # runs every template probe through HF and the renderer
-    assert profile.template == "thinking"
+    assert profile.template == "thinking" and profile.fingerprint["name"] == "qwen3-vl-thinking"
     # the same tokenizer, template, vision and video settings: shards interchangeable with the built-in profile's
     assert profile.fingerprint["id"] == builtin_profile("qwen3-vl-thinking").fingerprint["id"]
+
+
+def test_a_thinking_job_reports_the_profile_it_was_asked_for(tmp_path, capsys):
+    """The Thinking profile shares its family's rendering rules; the manifest, the job's summary
+    and inspect (text, JSON and the HTML report) still name the profile that was asked for."""
+    from shards_schema.cli import main
+    from shards_schema.inspect import inspect_shards
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "2+2?"}, {
+        "role": "assistant", "content": "4", "reasoning_content": "2+2=4"}]}) + "\n")
+    out = tmp_path / "out"
+    assert main(["preprocess", str(data), "--out", str(out), "--profile", "qwen3-vl-thinking", "--workers", "1",
+                 "--no-progress"]) == 0
+    assert "\nprofile:        qwen3-vl-thinking (fingerprint " in capsys.readouterr().out
+    assert json.loads((out / "manifest.json").read_text())["profile"]["name"] == "qwen3-vl-thinking"
+    assert main(["inspect", str(out), "--plots", str(tmp_path / "plots")]) == 0
+    assert "\nprofile          qwen3-vl-thinking  fingerprint " in capsys.readouterr().out
+    assert inspect_shards(out)["profile"]["name"] == "qwen3-vl-thinking"
+    assert "<td>qwen3-vl-thinking (fingerprint " in (tmp_path / "plots" / "report.html").read_text()
 
 
 def test_a_thinking_job_writes_verified_shards(tmp_path):

@@ -90,25 +90,32 @@ class _TarShardWriter:
 
 def _claim_out_dir(out: Path, *, overwrite: bool, completion_file: str, owned: re.Pattern, what: str) -> None:
     """Make the locked `out` ready to write: empty, or holding only a previous run's output of
-    ours, which `overwrite` replaces. A directory with anything else in it is refused whatever
-    the flags: our output never mixes with other files, and a delete never reaches files we
-    did not write. The completion file goes first, so a run killed midway never leaves a
-    directory that looks complete.
+    ours, which `overwrite` replaces (`_check_out_dir`). The completion file goes first, so a
+    run killed midway never leaves a directory that looks complete.
     """
+    _check_out_dir(out, overwrite=overwrite, completion_file=completion_file, owned=owned, what=what)
+    entries = user_entries(out)
+    if not entries:
+        return
+    (out / completion_file).unlink(missing_ok=True)
+    for name in entries:
+        (out / name).unlink(missing_ok=True)
+    fsync_dir(out)
+
+
+def _check_out_dir(out: Path, *, overwrite: bool, completion_file: str, owned: re.Pattern, what: str) -> None:
+    """UserError unless `out` may be written, reading only: empty, or holding only a previous
+    run's output of ours and `overwrite` given. A directory with anything else in it is
+    refused whatever the flags: our output never mixes with other files, and a delete never
+    reaches files we did not write."""
     entries = user_entries(out)
     foreign = [name for name in entries if not (owned.fullmatch(name) and (out / name).is_file())]
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise UserError(f"--out {out} holds files that `{what}` did not write ({shown}): choose an empty or new directory")
-    if not entries:
-        return
-    if not overwrite:
+    if entries and not overwrite:
         state = "a finished" if completion_file in entries else f"an unfinished (no {completion_file})"
         raise UserError(f"--out {out} holds the output of {state} `{what}`: pass --overwrite to replace it, or choose a new directory")
-    (out / completion_file).unlink(missing_ok=True)
-    for name in entries:
-        (out / name).unlink(missing_ok=True)
-    fsync_dir(out)
 
 
 def _refuse_same_dir(out: Path, source: Path) -> None:
@@ -163,8 +170,9 @@ def export_webdataset(
     if not rejects_path.is_file():
         raise ShardFormatError(f"{directory}: no {REJECTS_NAME} beside {MANIFEST_NAME} (an incomplete directory?)")
     _refuse_same_dir(out, directory)
-    with exclusive_output_dir(out, "export") as out:
-        _claim_out_dir(out, overwrite=overwrite, completion_file=INDEX_NAME, owned=_EXPORT_OWNED, what="vlmpack export")
+    claim = {"overwrite": overwrite, "completion_file": INDEX_NAME, "owned": _EXPORT_OWNED, "what": "vlmpack export"}
+    with exclusive_output_dir(out, "export", check=lambda d: _check_out_dir(d, **claim)) as out:
+        _claim_out_dir(out, **claim)
         tars: list[dict] = []
         writer: _TarShardWriter | None = None
         index = 0
@@ -226,8 +234,9 @@ def import_webdataset(tardir: str | Path, out: str | Path, *, overwrite: bool = 
     if len(rejects) != rejected:
         raise WebDatasetFormatError(f"{tardir / REJECTS_NAME}: {len(rejects)} rejects, the manifest accounts for {rejected}")
     _refuse_same_dir(out, tardir)
-    with exclusive_output_dir(out, "import") as out:
-        _claim_out_dir(out, overwrite=overwrite, completion_file=MANIFEST_NAME, owned=_IMPORT_OWNED, what="vlmpack import")
+    claim = {"overwrite": overwrite, "completion_file": MANIFEST_NAME, "owned": _IMPORT_OWNED, "what": "vlmpack import"}
+    with exclusive_output_dir(out, "import", check=lambda d: _check_out_dir(d, **claim)) as out:
+        _claim_out_dir(out, **claim)
         samples = dataset.iter_samples()
         width = dataset.patch_row_width
         shard_infos: list[dict] = []

@@ -14,7 +14,7 @@ def resolve_weights(sizes: Sequence[int], weights: Sequence[float | None]) -> np
     if all(w is None for w in weights):
         return np.asarray(sizes, dtype=np.float64)
     w = np.array([1.0 if x is None else float(x) for x in weights], dtype=np.float64)
-    if (w < 0).any() or not np.isfinite(w).all() or w.sum() <= 0:
+    if (w < 0).any() or not np.isfinite(w).all() or not (w > 0).any():
         raise PackingError(f"mixing weights must be finite, >= 0 and not all 0, got {list(weights)}")
     return w
 
@@ -24,7 +24,12 @@ def mix_counts(sizes: Sequence[int], weights: np.ndarray) -> np.ndarray:
     sizes = np.asarray(sizes, dtype=np.int64)
     if sizes.sum() == 0:  # no samples at all (natural weights would all be 0): nothing to draw
         return np.zeros(len(sizes), dtype=np.int64)
-    return np.floor(weights / weights.sum() * sizes.sum() + 0.5).astype(np.int64)
+    with np.errstate(over="ignore"):
+        total = weights.sum()
+    if not np.isfinite(total):  # finite weights near the float maximum: their ratios, not their sum
+        weights = weights / weights.max()
+        total = weights.sum()
+    return np.floor(weights / total * sizes.sum() + 0.5).astype(np.int64)
 
 
 def draw_samples(sizes: Sequence[int], counts: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

@@ -371,6 +371,9 @@ def plan_from_stats(
     return PackPlan(arrays, meta)
 
 
+MAX_PACK_SETTING = 2**31 - 1
+
+
 def _effective_global_batch(global_batch_packs: int | None, dp_size: int) -> int:
     if dp_size < 1:
         raise PackingError(f"--dp-size must be an integer >= 1, got {dp_size}")
@@ -414,6 +417,11 @@ def plan_request(
                                ("--block-size", block_size, 1)):
         if value is not None and value < least:
             raise PackingError(f"{flag} must be an integer >= {least}, got {value}")
+    for flag, value in (("--seq-len", seq_len), ("--max-visual-tokens", max_visual_tokens),
+                        ("--pad-to-multiple", pad_to_multiple), ("--block-size", block_size), ("--dp-size", dp_size),
+                        ("--global-batch-packs", global_batch_packs)):
+        if value is not None and value > MAX_PACK_SETTING:  # the plan's arrays hold int32 token counts
+            raise PackingError(f"{flag} must be at most {MAX_PACK_SETTING:,}, got {value}")
     G = _effective_global_batch(global_batch_packs, dp_size)
     manifests = []
     for directory, _ in specs:
