@@ -312,10 +312,49 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
     (["--keep-last", "0"], "--keep-last must be >= 1, got 0"),
     (["--keep-last", "-2"], "--keep-last must be >= 1, got -2"),
     (["--arch", "nope"], "unknown --arch 'nope': choose one of"),
-    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--lr", "0"], "--lr must be in (0, 1], got 0.0"),
     (["--adam-beta2", "1.5"], "--adam-beta2 must be in [0, 1), got 1.5"),
     (["--global-batch-packs", "0"], "--global-batch-packs must be >= 1, got 0"),
     (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
+    # numeric extremes: infinite, not a number, huge, tiny, negative (a value argparse would
+    # take for a flag, like -1e308, is given as --flag=VALUE)
+    (["--lr", "inf"], "--lr must be in (0, 1], got inf"),
+    (["--lr", "nan"], "--lr must be in (0, 1], got nan"),
+    (["--lr", "1e308"], "--lr must be in (0, 1], got 1e+308 (AdamW moves every weight"),
+    (["--lr=-1e-5"], "--lr must be in (0, 1], got -1e-05"),
+    (["--min-lr", "1e-3", "--lr", "1e-4"], "--min-lr 0.001 must not exceed --lr 0.0001"),
+    (["--min-lr", "inf"], "--min-lr must be in [0, 1], got inf"),
+    (["--weight-decay", "1e308"], "--weight-decay 1e+308 with --lr 0.003: AdamW scales every weight by 1 - lr x"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
+    (["--adam-beta1", "nan"], "--adam-beta1 must be in [0, 1), got nan"),
+    (["--adam-eps", "1e308"], "--adam-eps must be in (0, 1], got 1e+308 (an epsilon above"),
+    (["--adam-eps", "0"], "--adam-eps must be in (0, 1], got 0.0"),
+    (["--clip-grad", "nan"], "--clip-grad must be a finite number >= 0, got nan"),
+    (["--clip-grad", "inf"], "--clip-grad must be a finite number >= 0, got inf"),
+    (["--clip-grad=-1"], "--clip-grad must be a finite number >= 0, got -1.0"),
+    (["--moe-aux-loss-coef", "inf"], "--moe-aux-loss-coef must be a finite number >= 0, got inf"),
+    (["--gpu-memory-gib", "inf"], "--gpu-memory-gib must be a finite number > 0, got inf"),
+    (["--gpu-memory-gib", "0"], "--gpu-memory-gib must be a finite number > 0, got 0.0"),
+    (["--lora-rank", "4", "--lora-alpha", "inf"], "--lora-alpha must be a finite number > 0, got inf"),
+    (["--lora-rank", "4", "--lora-dropout", "nan"], "--lora-dropout must be in [0, 1), got nan"),
+    (["--lora-rank=-4"], "--lora-rank must be >= 0, got -4"),
+    (["--lora-rank", str(2**40)], f"--lora-rank {2**40}: an adapter B @ A has rank at most min(in, out)"),
+    (["--seq-len", str(2**40)], f"--seq-len must be <= 16777216, got {2**40} (a pack that long"),
+    (["--seq-len", "8192", "--micro-batch-packs", "4096"], "--micro-batch-packs 4096 x --seq-len 8192 rows in one"),
+    (["--train-steps", str(2**70)], f"--train-steps must be <= 9223372036854775807, got {2**70}"),
+    (["--keep-last", str(2**64)], f"--keep-last must be <= 9223372036854775807, got {2**64}"),
+    (["--seed=-1"], "--seed must be >= 0, got -1"),
+    (["--seed", str(2**64)], f"--seed must be <= 9223372036854775807, got {2**64}"),
+    (["--num-workers", str(2**40)], f"--num-workers must be <= "),
+    (["--global-batch-packs", str(2**40)], f"fewer than one global batch of {2**40} packs"),
+    (["--tp", str(2**40)], f"--tp {2**40} must divide the attention heads"),
+    (["--pp", str(2**40)], f"--pp {2**40} must divide the 3 decoder layers"),
+    (["--ep", str(2**40)], f"--ep {2**40}: expert parallelism needs a Mixture-of-Experts model"),
+    (["--recompute", "full", "--recompute-layers", str(2**40)], f"--recompute-layers {2**40}: each pipeline stage has 3"),
+    (["--eval-every", "5"], "--eval-every 5 needs held-out data to evaluate on: add --eval-data DIR"),
+    (["--eval-data", "{empty}"], "--eval-data is evaluated only with --eval-every N"),
+    (["--config", "{steps_yaml}"], "steps.yaml: train_steps: expected an integer, got 2.5"),
+    (["--config", "{lr_yaml}"], "lr.yaml: lr: expected a number, got 'fast'"),
     (["--device", "tpu"], "--device 'tpu': choose from ['cuda', 'cpu']"),
     (["--recompute", "some"], "--recompute 'some': choose from"),
     (["--config", "missing.yaml"], "--config missing.yaml: cannot read it"),
@@ -325,12 +364,30 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
 def test_bad_arguments_exit_2_with_one_line(shards, tmp_path, capsys, extra, message):
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
-    extra = [a.format(empty=tmp_path / "empty", file=tmp_path / "file") for a in extra]
+    (tmp_path / "steps.yaml").write_text("train_steps: 2.5\n")
+    (tmp_path / "lr.yaml").write_text("lr: fast\n")
+    extra = [a.format(empty=tmp_path / "empty", file=tmp_path / "file", steps_yaml=tmp_path / "steps.yaml",
+                      lr_yaml=tmp_path / "lr.yaml") for a in extra]
     code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(tmp_path / "out"), "--train-steps", "2",
                                    *extra], capsys)
     assert code == 2, err
     assert err.startswith("vlmpack train: error: ") and err.count("\n") == 1, err
     assert message in err
+
+
+def test_config_file_numbers_are_read_as_their_flags_read_them(tmp_path):
+    """YAML reads `1e-5` (no dot) as a string and `1.0e3` as a float: a --config file's numbers
+    are taken either way, as the flags take them."""
+    from train.config import add_arguments, config_from_args
+
+    (tmp_path / "run.yaml").write_text("lr: 1e-5\nmin_lr: 0\ntrain_steps: 1.0e3\nseq_len: '2048'\ncompile: 'off'\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(["--config", str(tmp_path / "run.yaml"), "--arch", "tiny", "--data",
+                                                 "shards"]))
+    assert (config.lr, config.min_lr, config.train_steps, config.seq_len, config.compile) == (1e-5, 0.0, 1000, 2048,
+                                                                                             False)
+    assert isinstance(config.min_lr, float) and isinstance(config.train_steps, int)
 
 
 def test_unwritable_out_exits_2(shards, tmp_path, capsys, monkeypatch):
@@ -451,6 +508,23 @@ def test_out_of_memory_names_the_settings_that_fit_and_keeps_the_checkpoint(shar
     checkpoint = out / "checkpoints" / "step_00000001"  # the step before the failure is kept
     assert (out / "checkpoints" / "latest").read_text() == checkpoint.name
     assert f"Checkpoint {checkpoint} is intact: --resume" in saved and f"--init {checkpoint / 'model'}" in saved
+
+
+def test_a_diverged_step_exits_2_with_one_line_and_is_not_saved(shards, tmp_path):
+    """A weight turned NaN before step 2: its loss is NaN; the run stops before saving step 2,
+    in one line naming the settings that scale the update and the checkpoint of step 1."""
+    out = tmp_path / "diverged"
+    proc = run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--save-every", "1"],
+                     code=on_second_global_batch('next(args[0].parameters()).data.fill_(float("nan"))'))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("vlmpack train: error:")]
+    assert len(lines) == 1 and "training diverged at step 2 (loss nan; this step is not saved): lower --lr 0.003" \
+        in lines[0], proc.stderr[-3000:]
+    checkpoint = out / "checkpoints" / "step_00000001"
+    assert f"checkpoint {checkpoint} holds the weights from before it" in lines[0]
+    assert (out / "checkpoints" / "latest").read_text() == checkpoint.name
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000001"]
 
 
 def test_out_of_memory_is_recognised_from_every_layer_that_reports_it():

@@ -71,14 +71,22 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
                           "here is dense")
     if config.ep > 1 and lm.num_experts % config.ep:
         raise ConfigError(f"--ep {config.ep} must divide the {lm.num_experts} experts")
+    per_stage = lm.num_layers // config.pp
+    if config.recompute_layers is not None and config.recompute_layers > per_stage:
+        raise ConfigError(f"--recompute-layers {config.recompute_layers}: each pipeline stage has {per_stage} decoder "
+                          f"layers; give at most {per_stage}, or drop the flag to recompute all of them")
     spec = config.lora_spec()
     if spec is not None:
         try:
-            lora.resolve_sites(arch, spec)
+            sites = lora.resolve_sites(arch, spec)
             if config.init_lora:
                 adapter_format.check_peft_config(config.init_lora, spec)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        widest = max(min(s.in_features, s.out_features) for s in sites)
+        if spec.rank > widest:
+            raise ConfigError(f"--lora-rank {spec.rank}: an adapter B @ A has rank at most min(in, out) of its layer, "
+                              f"{widest} at most among the adapted ones; give --lora-rank <= {widest}")
     if lm.is_moe and config.tp > 1 and config.sequence_parallel is False:
         raise ConfigError(f"--tp {config.tp} with a Mixture-of-Experts model needs sequence parallelism (megatron-core's "
                           "MoE layers train under tensor parallelism only with it); drop --sequence-parallel false")
@@ -420,8 +428,9 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
                       "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None}
             if arch.lm.is_moe and config.moe_aux_loss_coef:
                 record["moe_load_balancing_loss"] = load_balancing_loss(len(micro_batches), arch.lm.num_experts_per_tok)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step}: lower --lr, check the data with `vlmpack verify`")
+            if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+                saver.wait()  # the save in flight (every rank is here: the loss and norm are global) completes
+                raise UserError(diverged_advice(config, step, loss, grad_norm))  # this step's weights are not saved
             if config.eval_data and config.eval_every and step % config.eval_every == 0 and not stop_requested:
                 record["eval_loss"], record["eval_target_tokens"] = evaluate(model, data, forward_step, seq_length, info)
             t_checkpoint = time.perf_counter()
@@ -466,6 +475,29 @@ def checkpoint_record(saver, stall: float) -> dict:
         record["checkpoint_write_s"] = saver.completed[-1]["write_s"]
         saver.completed.clear()
     return record
+
+
+def diverged_advice(config: TrainConfig, step: int, loss: float, grad_norm: float | None) -> str:
+    """One line for a step whose loss or gradient norm is not finite: the settings that scale the
+    update, and the checkpoint (saved before the step) to go on from."""
+    what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
+    settings = [f"--lr {config.lr:g}"]
+    if config.lora_rank:
+        settings.append(f"--lora-alpha {config.lora_spec().alpha:g} (the adapters' scale)")
+    if config.moe_aux_loss_coef:
+        settings.append(f"--moe-aux-loss-coef {config.moe_aux_loss_coef:g}")
+    if config.clip_grad == 0:
+        settings.append("--clip-grad 1 (clipping is off)")
+    saved = checkpoint.latest_checkpoint(Path(config.out))
+    if saved is None:
+        where = "no checkpoint was saved"
+    elif config.lora_rank:
+        where = f"checkpoint {saved} holds the adapters from before it"
+    else:
+        where = f"checkpoint {saved} holds the weights from before it: a new run starts from them with --init " \
+                f"{saved / 'model'}"
+    return (f"training diverged at step {step} ({what}; this step is not saved): lower {', '.join(settings)}, "
+            f"or check the data with `vlmpack verify`; {where}")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
