@@ -144,6 +144,110 @@ def test_resume_equals_uninterrupted_run(shards, full_run, tmp_path):
         assert torch.equal(state["exp_avg"], b["state"][key]["exp_avg"])
 
 
+def directory_state(path: Path) -> dict:
+    """Every entry under `path` with its size, modification time and (small files) bytes."""
+    return {str(p.relative_to(path)): (p.is_dir(), p.stat().st_size, p.stat().st_mtime_ns,
+                                       p.read_bytes() if p.is_file() and p.stat().st_size < 2**20 else None)
+            for p in sorted(path.rglob("*"))}
+
+
+def copy_of_run(run: Path, step: int, out: Path) -> Path:
+    """`out` holding `run`'s checkpoint of `step` as its latest, and its metrics.jsonl."""
+    start_run_from(run / "checkpoints" / f"step_{step:08d}", out)
+    shutil.copy(run / "metrics.jsonl", out / "metrics.jsonl")
+    return out
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "holds the checkpoints of an earlier run (newest step_00000003): continue it with --resume, or give a "
+         "fresh --out for a new run"),
+    (["--metrics-only"], "holds the metrics.jsonl of an earlier run (which saved no checkpoint): a new run would add"),
+])
+def test_a_new_run_into_an_out_of_an_earlier_run_is_refused_and_left_as_it_was(shards, full_run, tmp_path, capsys,
+                                                                                extra, message):
+    out = copy_of_run(full_run, 3, tmp_path / "earlier")
+    if extra:
+        shutil.rmtree(out / "checkpoints")
+    before = directory_state(out)
+    code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "6"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--out {out} {message}" in err
+    assert directory_state(out) == before
+
+
+# a resume from step 3 of `full_run` (BASE, --train-steps 6), with other settings
+@pytest.mark.parametrize("extra, message", [
+    (["--train-steps", "12"], "--resume from checkpoint step_00000003 (step 3): --train-steps 12, but its learning-rate "
+                              "schedule (--train-steps 6 --warmup-steps 1 --lr 0.003 --min-lr 0) decays to step 6, so "
+                              "every step after 6 would run at --min-lr 0; resume with --train-steps 6, add "
+                              "--extend-schedule to restretch the decay from step 3 to step 12"),
+    (["--train-steps", "4"], "--train-steps 4, but its learning-rate schedule (--train-steps 6 --warmup-steps 1 --lr "
+                             "0.003 --min-lr 0) decays to step 6, so the run would stop at step 4 in the middle"),
+    (["--lr", "1e-3"], "--lr 0.001 (the checkpoint's: 0.003): a resume continues the checkpoint's learning-rate "
+                       "schedule (--train-steps 6 --warmup-steps 1 --lr 0.003 --min-lr 0), optimizer state and data "
+                       "order as they were"),
+    (["--warmup-steps", "2", "--min-lr", "1e-4"], "--warmup-steps 2 (the checkpoint's: 1), --min-lr 0.0001 (the "
+                                                  "checkpoint's: 0)"),
+    (["--weight-decay", "0.1"], "--weight-decay 0.1 (the checkpoint's: 0)"),
+    (["--adam-beta2", "0.99"], "--adam-beta2 0.99 (the checkpoint's: 0.95)"),
+    (["--seq-len", "2048"], "--seq-len 2048 (the checkpoint's: 1024)"),
+    (["--seed", "1"], "--seed 1 (the checkpoint's: 0)"),
+    (["--max-visual-tokens", "500"], "--max-visual-tokens 500 (the checkpoint's: None)"),
+    (["--global-batch-packs", "4"], "the global batch 4 packs (the checkpoint's: 2 packs)"),
+    (["--train-steps", "3", "--extend-schedule"], "--extend-schedule --train-steps 3 must be past the checkpoint's "
+                                                  "step 3"),
+    (["--extend-schedule", "--train-steps", "8", "--from-step-6"],
+     "--resume from checkpoint step_00000006 (step 6): --extend-schedule: its schedule (--train-steps 6 --warmup-steps "
+     "1 --lr 0.003 --min-lr 0) has ended, at --min-lr 0, so a continued decay stays at 0 and nothing would train"),
+])
+def test_resume_refuses_settings_its_checkpoint_would_override(shards, full_run, tmp_path, capsys, extra, message):
+    step = 6 if "--from-step-6" in extra else 3
+    out = copy_of_run(full_run, step, tmp_path / "run")
+    before = directory_state(out)
+    code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "6", "--resume",
+                                   *[a for a in extra if a != "--from-step-6"]], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert message in err
+    if extra in (["--train-steps", "12"], ["--lr", "1e-3"]):
+        assert f"start a new run from its weights with --init {out / 'checkpoints' / f'step_{step:08d}' / 'model'}" in err
+    assert directory_state(out) == before
+
+
+def test_resume_on_other_data_names_both(full_run, tmp_path):
+    other = preprocess(tmp_path, "other", seed=6)
+    out = copy_of_run(full_run, 3, tmp_path / "run")
+    proc = run_train([*BASE, "--data", str(other), "--out", str(out), "--train-steps", "6", "--resume"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    trained_on = metrics(full_run)  # the fixture's data: the module's shards
+    assert trained_on
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("vlmpack train: error: --resume from checkpoint step_00000003: loader state was saved for "
+                           "other data"), line
+    assert line.endswith(f"this run has --data {other}") and "it was trained on --data " in line
+
+
+def test_extend_schedule_restretches_the_cosine_from_the_checkpoint(shards, full_run, tmp_path):
+    """--resume --extend-schedule from step 3 of a 6-step schedule (warm-up 1, lr 3e-3, min-lr 0)
+    to --train-steps 8: after step n the learning rate is lr_3 * 0.5 * (1 + cos(pi * (n - 3) / 5)),
+    lr_3 the old schedule's at step 3; a later resume of the extended run follows the same curve."""
+    import math
+
+    out = copy_of_run(full_run, 3, tmp_path / "run")
+    args = [*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "8", "--resume"]
+    proc = ok(run_train([*args, "--extend-schedule", "--exit-interval", "5"]))
+    lr_3 = [m["lr"] for m in metrics(full_run) if m["step"] == 3][0]
+    assert lr_3 == pytest.approx(3e-3 * 0.5 * (1 + math.cos(math.pi * 2 / 5)), rel=1e-12)
+    assert (f"--extend-schedule: the checkpoint's schedule decayed to step 6; the learning rate continues from "
+            f"{lr_3:.6g} at step 3 on a cosine down to --min-lr 0 at step 8") in proc.stdout
+    ok(run_train(args))  # the extended checkpoint's schedule is the new --train-steps: no flag needed
+    records = metrics(out)[len(metrics(full_run)):]  # after the copied run's own records
+    assert [m["step"] for m in records] == [4, 5, 6, 7, 8]
+    for m in records:
+        assert m["lr"] == pytest.approx(lr_3 * 0.5 * (1 + math.cos(math.pi * (m["step"] - 3) / 5)), rel=1e-12,
+                                        abs=1e-18), m["step"]
+    assert records[-1]["lr"] == 0.0 and all(m["lr"] > 0 for m in records[:-1])
+
+
 def test_bf16_adam_state_trains_and_resumes_bitwise(shards, full_run, tmp_path):
     """--adam-state-dtype bf16: the checkpoint holds bf16 moments, the losses follow the fp32-state
     run's, a stop/resume equals the uninterrupted run bitwise (the stochastic rounding draws

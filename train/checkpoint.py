@@ -23,6 +23,7 @@ states make the continuation equal to an uninterrupted run (bitwise on CPU).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import errno
 import hashlib
 import json
@@ -655,6 +656,106 @@ def latest_checkpoint(out: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+# what a resume takes from its checkpoint, whatever the command line says: the learning-rate
+# schedule (megatron's scheduler state), the optimizer's hyperparameters (its param groups) and,
+# through the loader state, the data order
+SCHEDULE_SETTINGS = ("train_steps", "warmup_steps", "lr", "min_lr")
+OPTIMIZER_SETTINGS = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+DATA_ORDER_SETTINGS = ("seq_len", "seed", "max_visual_tokens")  # and the global batch, and the data itself
+METRICS_FILE = "metrics.jsonl"
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """The complete checkpoints under OUT (not a `.tmp` save), oldest first."""
+    root = Path(out) / CHECKPOINTS
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX))
+
+
+def new_run_hint(path: Path, saved_config: dict) -> str:
+    """How a new run starts from checkpoint `path`'s weights."""
+    if saved_config.get("lora_rank"):
+        return (f"export its adapters (vlmpack export-hf {path} --lora-format peft --out DIR) and give "
+                "--init-lora DIR")
+    return f"--init {path / 'model'}"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def check_run_directory(config) -> None:
+    """Before anything is built or written in --out: a new run refuses a directory that holds an
+    earlier run (its checkpoints would be orphaned, `latest` repointed and metrics.jsonl mixed),
+    and a resume refuses settings its checkpoint would silently override or break."""
+    out = Path(config.out)
+    if not config.resume:
+        saved = complete_checkpoints(out)
+        if saved:
+            newest = latest_checkpoint(out) or saved[-1]
+            raise ConfigError(f"--out {out} holds the checkpoints of an earlier run (newest {newest.name}): continue "
+                              "it with --resume, or give a fresh --out for a new run")
+        metrics = out / METRICS_FILE
+        if metrics.is_file() and metrics.stat().st_size:
+            raise ConfigError(f"--out {out} holds the {METRICS_FILE} of an earlier run (which saved no checkpoint): a "
+                              f"new run would add its records to it; give a fresh --out, or move {METRICS_FILE} and "
+                              "tensorboard/ out of it first")
+        return
+    path = latest_checkpoint(out)
+    if path is not None:
+        check_resume_settings(config, json.loads((path / "trainer.json").read_text()), path)
+
+
+def check_resume_settings(config, meta: dict, path: Path) -> None:
+    """ConfigError naming each setting that differs from checkpoint `path`'s (trainer.json `meta`)
+    where the resume would not follow it: the schedule and optimizer settings (the checkpoint's
+    win), the data order. A new --train-steps is taken only with --extend-schedule."""
+    saved, step = meta.get("config", {}), int(meta["step"])
+    where = f"--resume from checkpoint {path.name} (step {step})"
+    new_run = new_run_hint(path, saved)
+    differ = [(_flag(k), saved[k], getattr(config, k))
+              for k in (*SCHEDULE_SETTINGS[1:], *OPTIMIZER_SETTINGS, *DATA_ORDER_SETTINGS)
+              if k in saved and saved[k] != getattr(config, k)]
+    dp = meta.get("layout", {}).get("dp")
+    if dp:
+        sizing = ("seq_len", "global_batch_packs", "global_batch_tokens", "micro_batch_packs")
+        try:
+            packs = (dataclasses.replace(config, **{k: saved[k] for k in sizing if k in saved}).global_packs(dp),
+                     config.global_packs(dp))
+        except ConfigError:  # a global batch this layout cannot take: refused where the run sizes it
+            packs = (0, 0)
+        if packs[0] != packs[1]:
+            differ.append(("the global batch", f"{packs[0]} packs", f"{packs[1]} packs"))
+    schedule = " ".join(f"{_flag(k)} {_shown(saved[k])}" for k in SCHEDULE_SETTINGS if k in saved)
+    if differ:
+        listing = ", ".join(f"{flag} {_shown(given)} (the checkpoint's: {_shown(theirs)})" for flag, theirs, given in differ)
+        raise ConfigError(f"{where}: {listing}: a resume continues the checkpoint's learning-rate schedule ({schedule}), "
+                          f"optimizer state and data order as they were, so these would be overridden or break it; "
+                          f"resume with the checkpoint's values, or start a new run from its weights with {new_run}")
+    old_end = saved.get("train_steps", config.train_steps)
+    if config.train_steps == old_end:
+        return
+    if config.train_steps > old_end:
+        effect = f"every step after {old_end} would run at --min-lr {_shown(saved.get('min_lr', config.min_lr))}"
+    else:
+        effect = f"the run would stop at step {config.train_steps} in the middle of the decay"
+    if not config.extend_schedule:
+        raise ConfigError(f"{where}: --train-steps {config.train_steps}, but its learning-rate schedule ({schedule}) "
+                          f"decays to step {old_end}, so {effect}; resume with --train-steps {old_end}, add "
+                          f"--extend-schedule to restretch the decay from step {step} to step {config.train_steps} "
+                          f"(docs/training.md), or start a new run from its weights with {new_run}")
+    if config.train_steps <= step:
+        raise ConfigError(f"{where}: --extend-schedule --train-steps {config.train_steps} must be past the "
+                          f"checkpoint's step {step}")
+    if step >= old_end and saved.get("min_lr") == 0:
+        raise ConfigError(f"{where}: --extend-schedule: its schedule ({schedule}) has ended, at --min-lr 0, so a "
+                          f"continued decay stays at 0 and nothing would train; start a new run (a new warm-up and "
+                          f"decay) from its weights with {new_run}")
+
+
 def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
     """Restore the newest checkpoint under OUT; returns its step (0 if there is none)."""
     path = latest_checkpoint(out)
@@ -674,7 +775,12 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
     if _uses_distributed_optimizer(optimizer):
         _load_parameter_state(optimizer, str(path / parameter_state_file(info)))
     scheduler.load_state_dict(rank_state["scheduler"])
-    data.load_state_dict(meta["loader"])
+    try:
+        data.load_state_dict(meta["loader"])
+    except ValueError as exc:  # other shards, weights or packing settings than the checkpoint's
+        raise ConfigError(f"--resume from checkpoint {path.name}: {exc}; it was trained on --data "
+                          f"{' '.join(meta['config']['data'])}, this run has --data {' '.join(data.config.data)}") \
+            from None
     _set_rng_state(rank_state["rng"], info.device)
     if info.is_main:
         print(f"resumed from {path} (step {meta['step']})", flush=True)

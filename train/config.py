@@ -180,6 +180,10 @@ class TrainConfig:
     # schedule
     train_steps: int = _opt(100, "schedule", "optimizer steps of the whole run (default 100)")
     warmup_steps: int = _opt(0, "schedule", "linear learning-rate warm-up steps, then cosine decay (default 0)")
+    extend_schedule: bool = _opt(False, "schedule", "with --resume and a --train-steps other than the checkpoint's: "
+                                                    "continue the learning rate from the checkpoint's step on a cosine "
+                                                    "from its value there down to --min-lr at the new --train-steps "
+                                                    "(default false: such a resume is refused)")
     exit_interval: int = _opt(0, "schedule", "save and exit once the step is a multiple of this, for scheduler time "
                                              "slots (0: off; default 0)")
     eval_every: int = _opt(0, "schedule", "evaluate on --eval-data every N steps (0: never; default 0)")
@@ -238,6 +242,8 @@ class TrainConfig:
         if not self.data and not self.dry_run:
             raise ConfigError("give at least one --data DIR[:WEIGHT]")
         self._validate_numbers()
+        if self.extend_schedule and not self.resume:
+            raise ConfigError("--extend-schedule continues a checkpoint's learning-rate schedule: it needs --resume")
         if self.warmup_steps >= self.train_steps:
             raise ConfigError(f"--warmup-steps {self.warmup_steps} must be smaller than --train-steps {self.train_steps}")
         if self.global_batch_packs is not None and self.global_batch_tokens is not None:

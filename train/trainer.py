@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from shards_schema.errors import UserError
@@ -34,6 +33,7 @@ from shards_schema.outdir import exclusive_output_dir
 from train import adapter_format, checkpoint, convert
 from train.config import ConfigError, TrainConfig
 from train.data import TrainData
+from train.lr_schedule import RunSchedule
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
@@ -117,7 +117,7 @@ def build_optimizer(config: TrainConfig, model, cuda: bool, use_distributed: boo
         clip_grad=config.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=use_distributed)
     optimizer = make_optimizer(model, opt_config, cuda, config.adam_state_dtype)
-    scheduler = OptimizerParamScheduler(
+    scheduler = RunSchedule(
         optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr, min_lr=config.min_lr,
         lr_warmup_steps=config.warmup_steps, lr_decay_steps=config.train_steps, lr_decay_style="cosine",
         start_wd=config.weight_decay, end_wd=config.weight_decay, wd_incr_steps=config.train_steps,
@@ -308,6 +308,8 @@ def _visual_share(sources: list[str], merge: int) -> float | None:
 
 def train(config: TrainConfig) -> dict:
     config.validate()
+    with inputs_checked():
+        checkpoint.check_run_directory(config)  # a refused --out is left as it was found
     # Packs differ in length and patch count: expandable segments keep the CUDA caching allocator
     # from fragmenting (near the memory limit, fragments cost whole layers of recompute). Read
     # when CUDA initialises, i.e. below; a PYTORCH_CUDA_ALLOC_CONF of the user's own wins.
@@ -378,6 +380,11 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     if config.resume:
         with inputs_checked():
             step = checkpoint.resume(out, model, optimizer, scheduler, data, info)
+        if config.extend_schedule and step and scheduler.lr_decay_steps != config.train_steps:
+            saved = checkpoint.latest_checkpoint(out)
+            line = scheduler.extend(config.train_steps, checkpoint.new_run_hint(saved, config.to_dict()))
+            if info.is_main:
+                print(f"vlmpack train: {line}", flush=True)
         if cuda and config.adam_state_dtype == "fp32":
             use_fused_adamw(optimizer)  # the checkpoint may come from a run with bf16 moments
     logger = MetricsLogger(out, config, info, enabled=info.is_main)
