@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from .errors import EXIT_USER_ERROR, UserError, user_error_from_os_error
@@ -59,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target, help_ = COMMANDS[name]
     module_name, attr = target.split(":")
-    command = getattr(importlib.import_module(module_name), attr)
+    try:
+        command = getattr(importlib.import_module(module_name), attr)
+    except KeyboardInterrupt:  # Ctrl-C while the command loads (torch and megatron take seconds): nothing began
+        print(f"vlmpack {name}: interrupted before it started", file=sys.stderr)
+        return 128 + signal.SIGINT
     parser = _Parser(prog=f"vlmpack {name}", description=help_)
     command.add_arguments(parser)
     args = parser.parse_args(argv[1:])

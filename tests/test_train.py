@@ -551,7 +551,7 @@ def test_preemption_signal_saves_the_step_and_resumes_like_the_uninterrupted_run
 
 # A scheduler signals every process of the job, the loader's workers too (here `kill`, another
 # process, signals the whole process group).
-SIGTERM_TO_THE_PROCESS_GROUP = """
+SIGNAL_TO_THE_PROCESS_GROUP = """
 import json, os, subprocess, sys
 from train.loader import PackedLoader
 from train.preemption import StopRequest
@@ -559,18 +559,95 @@ loader = PackedLoader([sys.argv[1]], seq_len=int(sys.argv[2]), global_batch_pack
 with StopRequest() as stop:
     packs = iter(loader)
     first = next(packs)
-    subprocess.run(["kill", "-s", "TERM", "--", f"-{os.getpgid(0)}"])
+    subprocess.run(["kill", "-s", sys.argv[3], "--", f"-{os.getpgid(0)}"])
     rest = list(packs)  # the epoch's other packs still come from the same workers
 print(json.dumps({"signal": stop.received.name, "packs": 1 + len(rest), "epoch": len(loader)}))
 """
 
 
-def test_loader_workers_outlive_a_preemption_signal_to_the_whole_job(shards):
-    proc = subprocess.run([sys.executable, "-c", SIGTERM_TO_THE_PROCESS_GROUP, str(shards), str(SEQ_LEN)], cwd=ROOT,
+@pytest.mark.parametrize("sig", ["TERM", "INT"])  # a scheduler's notice; Ctrl-C in a terminal
+def test_loader_workers_outlive_a_stop_signal_to_the_whole_job(shards, sig):
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_TO_THE_PROCESS_GROUP, str(shards), str(SEQ_LEN), sig], cwd=ROOT,
                           env=process_env(), capture_output=True, text=True, timeout=300, start_new_session=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["signal"] == "SIGTERM" and report["packs"] == report["epoch"] > 1
+    assert report["signal"] == f"SIG{sig}" and report["packs"] == report["epoch"] > 1
+
+
+def test_ctrl_c_finishes_the_step_saves_it_and_exits_130(shards, full_run, tmp_path):
+    """SIGINT mid-step: the step is finished and saved, one line says so, exit 130; the resumed
+    run goes on from the next step with the uninterrupted run's losses."""
+    out = tmp_path / "interrupted"
+    args = [*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3"]
+    proc = run_train(args, code=on_second_global_batch("os.kill(os.getpid(), signal.SIGINT)"))
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
+    assert f"vlmpack train: SIGINT: step 2 saved to {out}; continue with --resume" in proc.stderr
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
+    ok(run_train([*args, "--resume"]))
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+    # steps 1 and 2 saw the same learning rates in the 6-step run (warm-up 1): same losses
+    assert [m["loss"] for m in metrics(out)][:2] == [m["loss"] for m in metrics(full_run)][:2]
+
+
+# Ctrl-C in step 2 (finished and saved), then Ctrl-C again while step 2's files are written
+# on the background thread, which then waits: the process must end without it.
+SECOND_CTRL_C_WHILE_SAVING = """
+import os, signal, sys, time
+import train.checkpoint as ckpt, train.trainer as trainer
+real_batch, real_save, calls = trainer.run_global_batch, ckpt._torch_save, []
+def run_global_batch(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_batch(*args, **kwargs)
+def torch_save(obj, path):
+    if "step_00000002" in str(path) and path.name.startswith("rank_"):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(120)
+    return real_save(obj, path)
+trainer.run_global_batch, ckpt._torch_save = run_global_batch, torch_save
+sys.exit(trainer.main(sys.argv[1:]))
+"""
+
+
+def test_a_second_ctrl_c_while_saving_exits_at_once_keeping_the_previous_checkpoint(shards, tmp_path):
+    out = tmp_path / "twice"
+    args = [*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--save-every", "1"]
+    started = time.monotonic()
+    proc = run_train(args, code=SECOND_CTRL_C_WHILE_SAVING)
+    assert time.monotonic() - started < 100, "the process waited for the save"
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "again" in line]
+    assert lines == ["vlmpack train: SIGINT again: exiting at once; a checkpoint being written is left unfinished "
+                     "(removed by the next run), checkpoint step_00000001 is the latest and intact"], proc.stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
+    assert not (out / "checkpoints" / "step_00000002").exists()
+    ok(run_train([*args, "--resume"]))
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]  # step 2 is logged after its save, which never ended
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000001", "step_00000002",
+                                                                       "step_00000003"]
+
+
+# Ctrl-C while the model is being set up (the default handler: KeyboardInterrupt)
+CTRL_C_IN_SETUP = """
+import os, signal, sys
+import train.checkpoint as ckpt, train.trainer as trainer
+def init_random_weights(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+ckpt.init_random_weights = init_random_weights
+sys.exit(trainer.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_outside_the_training_loop_is_one_line_and_exit_130(shards, tmp_path):
+    proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "setup"), "--train-steps", "2"],
+                     code=CTRL_C_IN_SETUP)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("vlmpack train: interrupted (SIGINT) outside the training loop; "
+                                                    "no checkpoint was saved")
 
 
 def _worker_with_stop_signal_filter() -> None:

@@ -43,8 +43,11 @@ from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import lora
 from train.model.moe import load_balancing_loss
 from train.parallel import ParallelInfo, build_model, destroy_parallel, finalize_grads, init_parallel
-from train.preemption import StopRequest
+from train.preemption import INTERRUPT, StopRequest
 from train.remote_data import localize_sources
+
+
+EXIT_INTERRUPTED = 128 + INTERRUPT  # Ctrl-C: the step saved, then the status of an interrupted command
 
 
 def resolve_arch(config: TrainConfig) -> ModelArch:
@@ -150,20 +153,23 @@ def make_forward_step(data: TrainData, dtype: torch.dtype):
     return forward_step
 
 
-def reduce_loss(losses: list[dict], info: ParallelInfo, stop: bool = False,
-                save_progress: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> tuple[float, int, bool, tuple]:
-    """(mean loss per target token, target tokens, whether any rank asked to stop, the ranks'
+def reduce_loss(losses: list[dict], info: ParallelInfo, stop: StopRequest | None = None,
+                save_progress: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> tuple[float, int, str | None, tuple]:
+    """(mean loss per target token, target tokens, the stop any rank was asked for, the ranks'
     checkpoint-writing progress summed) of the global batch, on every rank: the stop request
-    and the background save's progress ride the loss's all-reduce (one collective a step)."""
-    total = torch.zeros(6, dtype=torch.float64, device=info.device)
+    (None, "preempt", or "interrupt" where any rank got Ctrl-C) and the background save's
+    progress ride the loss's all-reduce (one collective a step)."""
+    total = torch.zeros(7, dtype=torch.float64, device=info.device)
     if info.last_stage and info.tp_rank == 0:
         for item in losses:
             total[:2] += item["loss"].to(torch.float64)
-    total[2] = float(stop)
-    total[3:] = torch.tensor(save_progress, dtype=torch.float64)
+    if stop is not None:
+        total[2], total[3] = float(stop.requested), float(stop.interrupted)
+    total[4:] = torch.tensor(save_progress, dtype=torch.float64)
     dist.all_reduce(total)
-    loss, target_tokens, stops, *progress = total.tolist()
-    return loss / max(target_tokens, 1.0), int(target_tokens), stops > 0, tuple(progress)
+    loss, target_tokens, stops, interrupts, *progress = total.tolist()
+    kind = "interrupt" if interrupts else "preempt" if stops else None
+    return loss / max(target_tokens, 1.0), int(target_tokens), kind, tuple(progress)
 
 
 def run_global_batch(model, micro_batches: list[dict], forward_step, seq_length: int, pp: int,
@@ -398,7 +404,14 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     model.train()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    with StopRequest() as stop:  # a scheduler's SIGTERM/SIGUSR1: finish the step, save, exit 0
+    def repeat_line(sig) -> str:  # a second signal: the process ends at once, mid-save maybe
+        saved = checkpoint.latest_checkpoint(out)
+        kept = f"checkpoint {saved.name} is the latest and intact" if saved else "no checkpoint was saved"
+        return (f"vlmpack train: {sig.name} again: exiting at once; a checkpoint being written is left unfinished "
+                f"(removed by the next run), {kept}")
+
+    # a scheduler's SIGTERM/SIGUSR1: finish the step, save, exit 0; Ctrl-C (SIGINT): the same, exit 130
+    with StopRequest(repeat_line=repeat_line) as stop:
         while step < config.train_steps:
             t0 = time.perf_counter()
             micro_batches = data.next_global_batch()
@@ -415,8 +428,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
             timer.mark()
             if update_ok:
                 scheduler.step(increment=1)
-            loss, target_tokens, stop_requested, saves_written = reduce_loss(losses, info, stop.requested,
-                                                                             saver.progress())
+            loss, target_tokens, stop_requested, saves_written = reduce_loss(losses, info, stop, saver.progress())
             step += 1
             if cuda:
                 torch.cuda.synchronize()
@@ -442,7 +454,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
                 record["eval_loss"], record["eval_target_tokens"] = evaluate(model, data, forward_step, seq_length, info)
             t_checkpoint = time.perf_counter()
             saver.settle(saves_written)  # a background save every rank has written: complete it
-            exiting = (bool(config.exit_interval) and step % config.exit_interval == 0) or stop_requested
+            exiting = (bool(config.exit_interval) and step % config.exit_interval == 0) or stop_requested is not None
             final = step == config.train_steps and config.save_final
             if (config.save_every and step % config.save_every == 0) or final or exiting:
                 checkpoint.save(saver, step, model, optimizer, scheduler, data, config, arch)
@@ -458,6 +470,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
                     print(f"vlmpack train: {stop.received.name if stop.received else 'a stop signal on another rank'}: "
                           f"step {step} saved to {out}; continue with --resume", file=sys.stderr, flush=True)
                 result["stopped_by_signal"] = True
+                result["interrupted"] = stop_requested == "interrupt"
             if exiting:
                 break
     saver.wait()
@@ -576,12 +589,18 @@ class Train:
                 raise
             print(f"vlmpack train: error: {out_of_memory_advice(config, exc)}", file=sys.stderr)
             return 3
+        except KeyboardInterrupt:  # Ctrl-C outside the training loop (setup, export), where a step is not saved
+            saved = checkpoint.latest_checkpoint(Path(config.out))
+            print(f"vlmpack train: interrupted (SIGINT) outside the training loop; "
+                  + (f"the latest checkpoint, {saved}, is intact" if saved else "no checkpoint was saved"),
+                  file=sys.stderr)
+            return EXIT_INTERRUPTED
         finally:
             destroy_parallel()
         if result.get("final_step"):
             keys = ("start_step", "final_step", "loss", "stopped_by_signal")
             print(json.dumps({k: result[k] for k in keys if k in result}))
-        return 0
+        return EXIT_INTERRUPTED if result.get("interrupted") else 0
 
 
 def main(argv: list[str] | None = None) -> int:
