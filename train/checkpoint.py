@@ -31,6 +31,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -430,9 +431,11 @@ class CheckpointSaver:
     rank's files are on disk, with no collective of its own. `wait()` blocks until the save
     in flight is complete (the next save, the end of training and a stop wait for it).
 
-    A save that cannot fit (free space below the size of the previous checkpoint or, for the
-    first, of the state to write) or that fills the disk while writing raises DiskFullError
-    on every rank; step_N.tmp is removed and the previous checkpoint stays as it was.
+    A save short of space (free space below the size of the previous checkpoint or, for the
+    first, of the state to write) first deletes the checkpoints --keep-last would delete after
+    it (`deletable_early`). One that still cannot fit, or that fills the disk while writing,
+    raises DiskFullError on every rank; step_N.tmp is removed and the previous checkpoint stays
+    as it was.
     """
 
     def __init__(self, out: Path, info, keep_last: int, background: bool):
@@ -592,26 +595,63 @@ class CheckpointSaver:
     def _check_space(self, step: int, local_bytes: int) -> int:
         """The bytes this checkpoint needs; DiskFullError on every rank if any rank lacks them.
 
-        Checkpoints that --keep-last deletes are not counted as free: they go only after
-        the new one is complete."""
+        Short of space, the checkpoints that --keep-last would delete once this one is complete
+        (those beyond the newest keep_last - 1) are deleted first, oldest first, as many as it
+        takes; never the newest complete one, nor the one `latest` names."""
         total = torch.tensor([local_bytes], dtype=torch.float64, device=self.info.device)
         dist.all_reduce(total)
         previous = latest_checkpoint(self.root.parent)
         needed = max(int(total.item()), directory_bytes(previous) if previous else 0)
-        free = shutil.disk_usage(self.root).free
-        short = torch.tensor([float(needed > free)], dtype=torch.float64, device=self.info.device)
-        dist.all_reduce(short)
-        if short.item():
+        if self._short_of(needed):
+            self._delete_for_space(step, needed)
+        if self._short_of(needed):
+            free = shutil.disk_usage(self.root).free
             where = "are free" if needed > free else "are free here, less on another rank's disk"
             raise DiskFullError(
                 f"not enough space for checkpoint step_{step:08d} in {self.root}: it needs about {_fmt_bytes(needed)} "
                 f"({needed:,} bytes), {_fmt_bytes(free)} ({free:,} bytes) {where}; {self._kept_note(previous)}")
         return needed
 
+    def _short_of(self, needed: int) -> bool:
+        """Whether any rank has less than `needed` bytes free where the checkpoints go."""
+        short = torch.tensor([float(needed > shutil.disk_usage(self.root).free)], dtype=torch.float64,
+                             device=self.info.device)
+        dist.all_reduce(short)
+        return bool(short.item())
+
+    def deletable_early(self, keep_last: int) -> list[Path]:
+        """Checkpoints a save short of space may delete before it is written, oldest first: those
+        beyond the newest keep_last - 1 (--keep-last deletes them anyway once the new one is
+        complete), but never the newest complete one, nor the one `latest` names."""
+        complete = complete_checkpoints(self.root.parent)
+        kept = set(complete[-max(keep_last - 1, 1):]) | {latest_checkpoint(self.root.parent)}
+        return [p for p in complete if p not in kept]
+
+    def _delete_for_space(self, step: int, needed: int) -> None:
+        """Main rank: delete `deletable_early` checkpoints until `needed` bytes are free, and say so."""
+        deleted = []
+        if self.info.is_main:
+            free_before = shutil.disk_usage(self.root).free
+            for old in self.deletable_early(self.keep_last):
+                if shutil.disk_usage(self.root).free >= needed:
+                    break
+                shutil.rmtree(old, ignore_errors=True)
+                deleted.append(old.name)
+            if deleted:
+                newest = complete_checkpoints(self.root.parent)[-1].name
+                print(f"vlmpack train: deleted checkpoint {', '.join(deleted)} before writing step_{step:08d}: the "
+                      f"save needs about {_fmt_bytes(needed)} and {_fmt_bytes(free_before)} were free; --keep-last "
+                      f"{self.keep_last} would delete it once the new one is complete, and the newest, {newest}, "
+                      "stays", file=sys.stderr, flush=True)
+        dist.barrier()
+
     def _kept_note(self, previous: Path | None) -> str:
         kept = f"checkpoint {previous.name} is intact" if previous else "no checkpoint was saved yet"
-        return (f"{kept}. Free space, keep fewer checkpoints (--keep-last, now {self.keep_last}; older ones are "
-                f"deleted only once a new one is complete), or use another --out, then continue with --resume")
+        fewer = self.deletable_early(1)  # what a save short of space deletes first under --keep-last 1
+        lower = (f"; with --keep-last 1 (now {self.keep_last}) a save short of space first deletes "
+                 f"{', '.join(p.name for p in fewer)} ({_fmt_bytes(sum(directory_bytes(p) for p in fewer))})"
+                 if fewer else "")
+        return f"{kept}. Free space or use another --out, then continue with --resume{lower}"
 
     def _raise(self, pending: dict, disk_full: bool) -> None:
         error = pending["error"]
