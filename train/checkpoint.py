@@ -702,6 +702,8 @@ def latest_checkpoint(out: Path) -> Path | None:
 SCHEDULE_SETTINGS = ("train_steps", "warmup_steps", "lr", "min_lr")
 OPTIMIZER_SETTINGS = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
 DATA_ORDER_SETTINGS = ("seq_len", "seed", "max_visual_tokens")  # and the global batch, and the data itself
+LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_rslora", "lora_dora", "lora_targets", "lora_parts",
+                 "lora_modules_to_save")  # the adapters the checkpoint holds
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -756,6 +758,11 @@ def check_resume_settings(config, meta: dict, path: Path) -> None:
     saved, step = meta.get("config", {}), int(meta["step"])
     where = f"--resume from checkpoint {path.name} (step {step})"
     new_run = new_run_hint(path, saved)
+    lora_settings = {k: saved[k] for k in LORA_SETTINGS if k in saved}
+    theirs, mine = dataclasses.replace(config, **lora_settings).lora_spec(), config.lora_spec()
+    if theirs is not None and mine is not None and theirs != mine:  # LoRA against full fine-tuning: at loading
+        raise ConfigError(f"{where} was trained with LoRA {theirs.to_dict()}, this run asks for {mine.to_dict()}: "
+                          "resume with the same --lora-* settings")
     differ = [(_flag(k), saved[k], getattr(config, k))
               for k in (*SCHEDULE_SETTINGS[1:], *OPTIMIZER_SETTINGS, *DATA_ORDER_SETTINGS)
               if k in saved and saved[k] != getattr(config, k)]
