@@ -620,7 +620,7 @@ def test_a_second_ctrl_c_while_saving_exits_at_once_keeping_the_previous_checkpo
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "again" in line]
-    assert lines == ["vlmpack train: SIGINT again: exiting at once; a checkpoint being written is left unfinished "
+    assert lines == ["vlmpack train: SIGINT again: exiting at once; any checkpoint being written is left unfinished "
                      "(removed by the next run), checkpoint step_00000001 is the latest and intact"], proc.stderr[-3000:]
     assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
     assert not (out / "checkpoints" / "step_00000002").exists()

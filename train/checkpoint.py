@@ -46,7 +46,8 @@ from shards_schema.errors import DiskFullError
 from train import adapter_format
 from train import checkpoint_format as fmt
 from train import convert
-from train.config import ConfigError
+from train.config import ConfigError, flag_name
+from train.metrics import METRICS_FILE
 from train.model import lora
 from train.model.arch import ModelArch
 
@@ -704,7 +705,6 @@ OPTIMIZER_SETTINGS = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
 DATA_ORDER_SETTINGS = ("seq_len", "seed", "max_visual_tokens")  # and the global batch, and the data itself
 LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_rslora", "lora_dora", "lora_targets", "lora_parts",
                  "lora_modules_to_save")  # the adapters the checkpoint holds
-METRICS_FILE = "metrics.jsonl"
 
 
 def complete_checkpoints(out: Path) -> list[Path]:
@@ -719,10 +719,6 @@ def new_run_hint(path: Path, saved_config: dict) -> str:
         return (f"export its adapters (vlmpack export-hf {path} --lora-format peft --out DIR) and give "
                 "--init-lora DIR")
     return f"--init {path / 'model'}"
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _shown(value) -> str:
@@ -763,7 +759,7 @@ def check_resume_settings(config, meta: dict, path: Path) -> None:
     if theirs is not None and mine is not None and theirs != mine:  # LoRA against full fine-tuning: at loading
         raise ConfigError(f"{where} was trained with LoRA {theirs.to_dict()}, this run asks for {mine.to_dict()}: "
                           "resume with the same --lora-* settings")
-    differ = [(_flag(k), saved[k], getattr(config, k))
+    differ = [(flag_name(k), saved[k], getattr(config, k))
               for k in (*SCHEDULE_SETTINGS[1:], *OPTIMIZER_SETTINGS, *DATA_ORDER_SETTINGS)
               if k in saved and saved[k] != getattr(config, k)]
     dp = meta.get("layout", {}).get("dp")
@@ -776,7 +772,7 @@ def check_resume_settings(config, meta: dict, path: Path) -> None:
             packs = (0, 0)
         if packs[0] != packs[1]:
             differ.append(("the global batch", f"{packs[0]} packs", f"{packs[1]} packs"))
-    schedule = " ".join(f"{_flag(k)} {_shown(saved[k])}" for k in SCHEDULE_SETTINGS if k in saved)
+    schedule = " ".join(f"{flag_name(k)} {_shown(saved[k])}" for k in SCHEDULE_SETTINGS if k in saved)
     if differ:
         listing = ", ".join(f"{flag} {_shown(given)} (the checkpoint's: {_shown(theirs)})" for flag, theirs, given in differ)
         raise ConfigError(f"{where}: {listing}: a resume continues the checkpoint's learning-rate schedule ({schedule}), "

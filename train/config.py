@@ -71,7 +71,8 @@ GROUPS = {
 }
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """The command-line flag of setting `name`."""
     return "--" + name.replace("_", "-")
 
 
@@ -275,9 +276,9 @@ class TrainConfig:
         for name, (low, high) in ranges.items():
             value = getattr(self, name)
             if value is not None and value < low:
-                raise ConfigError(f"{_flag(name)} must be >= {low}, got {value}")
+                raise ConfigError(f"{flag_name(name)} must be >= {low}, got {value}")
             if value is not None and value > high:
-                raise ConfigError(f"{_flag(name)} must be <= {high}, got {value}{_why(name, value, low)}")
+                raise ConfigError(f"{flag_name(name)} must be <= {high}, got {value}{_why(name, value, low)}")
         for name, (low, high, open_low, open_high) in FLOAT_RANGES.items():
             value = getattr(self, name)
             if value is None:
@@ -289,7 +290,7 @@ class TrainConfig:
                     bounds = f"a finite number {'>' if open_low else '>='} {low}"
                 else:
                     bounds = f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
-                raise ConfigError(f"{_flag(name)} must be {bounds}, got {value}{_why(name, value, low)}")
+                raise ConfigError(f"{flag_name(name)} must be {bounds}, got {value}{_why(name, value, low)}")
         if self.seq_len * self.micro_batch_packs > MAX_SEQ_LEN:
             raise ConfigError(f"--micro-batch-packs {self.micro_batch_packs} x --seq-len {self.seq_len} rows in one "
                               f"forward pass: at most {MAX_SEQ_LEN} fit any GPU; lower --micro-batch-packs")

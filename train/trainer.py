@@ -407,7 +407,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     def repeat_line(sig) -> str:  # a second signal: the process ends at once, mid-save maybe
         saved = checkpoint.latest_checkpoint(out)
         kept = f"checkpoint {saved.name} is the latest and intact" if saved else "no checkpoint was saved"
-        return (f"vlmpack train: {sig.name} again: exiting at once; a checkpoint being written is left unfinished "
+        return (f"vlmpack train: {sig.name} again: exiting at once; any checkpoint being written is left unfinished "
                 f"(removed by the next run), {kept}")
 
     # a scheduler's SIGTERM/SIGUSR1: finish the step, save, exit 0; Ctrl-C (SIGINT): the same, exit 130
@@ -506,8 +506,7 @@ def diverged_advice(config: TrainConfig, step: int, loss: float, grad_norm: floa
         settings.append(f"--lora-alpha {config.lora_spec().alpha:g} (the adapters' scale)")
     if config.moe_aux_loss_coef:
         settings.append(f"--moe-aux-loss-coef {config.moe_aux_loss_coef:g}")
-    if config.clip_grad == 0:
-        settings.append("--clip-grad 1 (clipping is off)")
+    clipping = "; --clip-grad 0 turns clipping off: give e.g. --clip-grad 1" if config.clip_grad == 0 else ""
     saved = checkpoint.latest_checkpoint(Path(config.out))
     if saved is None:
         where = "no checkpoint was saved"
@@ -517,7 +516,7 @@ def diverged_advice(config: TrainConfig, step: int, loss: float, grad_norm: floa
         where = f"checkpoint {saved} holds the weights from before it: a new run starts from them with --init " \
                 f"{saved / 'model'}"
     return (f"training diverged at step {step} ({what}; this step is not saved): lower {', '.join(settings)}, "
-            f"or check the data with `vlmpack verify`; {where}")
+            f"or check the data with `vlmpack verify`{clipping}; {where}")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
