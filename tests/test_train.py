@@ -196,9 +196,12 @@ def test_a_new_run_into_an_out_of_an_earlier_run_is_refused_and_left_as_it_was(s
     (["--global-batch-packs", "4"], "the global batch 4 packs (the checkpoint's: 2 packs)"),
     (["--train-steps", "3", "--extend-schedule"], "--extend-schedule --train-steps 3 must be past the checkpoint's "
                                                   "step 3"),
-    (["--extend-schedule", "--train-steps", "8", "--from-step-6"],
-     "--resume from checkpoint step_00000006 (step 6): --extend-schedule: its schedule (--train-steps 6 --warmup-steps "
-     "1 --lr 0.003 --min-lr 0) has ended, at --min-lr 0, so a continued decay stays at 0 and nothing would train"),
+    (["--train-steps", "8", "--from-step-6"],
+     "--resume from checkpoint step_00000006 (step 6): --train-steps 8, but its learning-rate schedule (--train-steps 6 "
+     "--warmup-steps 1 --lr 0.003 --min-lr 0) has ended, at --min-lr 0, so continuing it would train nothing "
+     "(--extend-schedule too); start a new run (a new warm-up and decay) from its weights with --init"),
+    (["--extend-schedule", "--train-steps", "8", "--from-step-6"], "has ended, at --min-lr 0, so continuing it would "
+                                                                   "train nothing (--extend-schedule too)"),
 ])
 def test_resume_refuses_settings_its_checkpoint_would_override(shards, full_run, tmp_path, capsys, extra, message):
     step = 6 if "--from-step-6" in extra else 3

@@ -781,6 +781,10 @@ def check_resume_settings(config, meta: dict, path: Path) -> None:
     old_end = saved.get("train_steps", config.train_steps)
     if config.train_steps == old_end:
         return
+    if step >= old_end and saved.get("min_lr") == 0:
+        raise ConfigError(f"{where}: --train-steps {config.train_steps}, but its learning-rate schedule ({schedule}) "
+                          "has ended, at --min-lr 0, so continuing it would train nothing (--extend-schedule too); "
+                          f"start a new run (a new warm-up and decay) from its weights with {new_run}")
     if config.train_steps > old_end:
         effect = f"every step after {old_end} would run at --min-lr {_shown(saved.get('min_lr', config.min_lr))}"
     else:
@@ -793,10 +797,6 @@ def check_resume_settings(config, meta: dict, path: Path) -> None:
     if config.train_steps <= step:
         raise ConfigError(f"{where}: --extend-schedule --train-steps {config.train_steps} must be past the "
                           f"checkpoint's step {step}")
-    if step >= old_end and saved.get("min_lr") == 0:
-        raise ConfigError(f"{where}: --extend-schedule: its schedule ({schedule}) has ended, at --min-lr 0, so a "
-                          f"continued decay stays at 0 and nothing would train; start a new run (a new warm-up and "
-                          f"decay) from its weights with {new_run}")
 
 
 def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
