@@ -83,7 +83,11 @@ def _dispatch(argv: list[str]) -> int:
         return 2
     target, help_ = COMMANDS[name]
     module_name, attr = target.split(":")
-    command = getattr(importlib.import_module(module_name), attr)
+    try:
+        command = getattr(importlib.import_module(module_name), attr)
+    except KeyboardInterrupt:  # Ctrl-C while the command loads (torch and megatron take seconds): nothing began
+        print(f"vlmpack {name}: interrupted before it started", file=sys.stderr)
+        return 128 + signal.SIGINT
     parser = _Parser(prog=f"vlmpack {name}", description=help_)
     command.add_arguments(parser)
     args = parser.parse_args(argv[1:])

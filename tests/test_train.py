@@ -144,6 +144,113 @@ def test_resume_equals_uninterrupted_run(shards, full_run, tmp_path):
         assert torch.equal(state["exp_avg"], b["state"][key]["exp_avg"])
 
 
+def directory_state(path: Path) -> dict:
+    """Every entry under `path` with its size, modification time and (small files) bytes."""
+    return {str(p.relative_to(path)): (p.is_dir(), p.stat().st_size, p.stat().st_mtime_ns,
+                                       p.read_bytes() if p.is_file() and p.stat().st_size < 2**20 else None)
+            for p in sorted(path.rglob("*"))}
+
+
+def copy_of_run(run: Path, step: int, out: Path) -> Path:
+    """`out` holding `run`'s checkpoint of `step` as its latest, and its metrics.jsonl."""
+    start_run_from(run / "checkpoints" / f"step_{step:08d}", out)
+    shutil.copy(run / "metrics.jsonl", out / "metrics.jsonl")
+    return out
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "holds the checkpoints of an earlier run (newest step_00000003): continue it with --resume, or give a "
+         "fresh --out for a new run"),
+    (["--metrics-only"], "holds the metrics.jsonl of an earlier run (which saved no checkpoint): a new run would add"),
+])
+def test_a_new_run_into_an_out_of_an_earlier_run_is_refused_and_left_as_it_was(shards, full_run, tmp_path, capsys,
+                                                                                extra, message):
+    out = copy_of_run(full_run, 3, tmp_path / "earlier")
+    if extra:
+        shutil.rmtree(out / "checkpoints")
+    before = directory_state(out)
+    code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "6"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--out {out} {message}" in err
+    assert directory_state(out) == before
+
+
+# a resume from step 3 of `full_run` (BASE, --train-steps 6), with other settings
+@pytest.mark.parametrize("extra, message", [
+    (["--train-steps", "12"], "--resume from checkpoint step_00000003 (step 3): --train-steps 12, but its learning-rate "
+                              "schedule (--train-steps 6 --warmup-steps 1 --lr 0.003 --min-lr 0) decays to step 6, so "
+                              "every step after 6 would run at --min-lr 0; resume with --train-steps 6, add "
+                              "--extend-schedule to restretch the decay from step 3 to step 12"),
+    (["--train-steps", "4"], "--train-steps 4, but its learning-rate schedule (--train-steps 6 --warmup-steps 1 --lr "
+                             "0.003 --min-lr 0) decays to step 6, so the run would stop at step 4 in the middle"),
+    (["--lr", "1e-3"], "--lr 0.001 (the checkpoint's: 0.003): a resume continues the checkpoint's learning-rate "
+                       "schedule (--train-steps 6 --warmup-steps 1 --lr 0.003 --min-lr 0), optimizer state and data "
+                       "order as they were"),
+    (["--warmup-steps", "2", "--min-lr", "1e-4"], "--warmup-steps 2 (the checkpoint's: 1), --min-lr 0.0001 (the "
+                                                  "checkpoint's: 0)"),
+    (["--weight-decay", "0.1"], "--weight-decay 0.1 (the checkpoint's: 0)"),
+    (["--adam-beta2", "0.99"], "--adam-beta2 0.99 (the checkpoint's: 0.95)"),
+    (["--seq-len", "2048"], "--seq-len 2048 (the checkpoint's: 1024)"),
+    (["--seed", "1"], "--seed 1 (the checkpoint's: 0)"),
+    (["--max-visual-tokens", "500"], "--max-visual-tokens 500 (the checkpoint's: None)"),
+    (["--global-batch-packs", "4"], "the global batch 4 packs (the checkpoint's: 2 packs)"),
+    (["--train-steps", "3", "--extend-schedule"], "--extend-schedule --train-steps 3 must be past the checkpoint's "
+                                                  "step 3"),
+    (["--train-steps", "8", "--from-step-6"],
+     "--resume from checkpoint step_00000006 (step 6): --train-steps 8, but its learning-rate schedule (--train-steps 6 "
+     "--warmup-steps 1 --lr 0.003 --min-lr 0) has ended, at --min-lr 0, so continuing it would train nothing "
+     "(--extend-schedule too); start a new run (a new warm-up and decay) from its weights with --init"),
+    (["--extend-schedule", "--train-steps", "8", "--from-step-6"], "has ended, at --min-lr 0, so continuing it would "
+                                                                   "train nothing (--extend-schedule too)"),
+])
+def test_resume_refuses_settings_its_checkpoint_would_override(shards, full_run, tmp_path, capsys, extra, message):
+    step = 6 if "--from-step-6" in extra else 3
+    out = copy_of_run(full_run, step, tmp_path / "run")
+    before = directory_state(out)
+    code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "6", "--resume",
+                                   *[a for a in extra if a != "--from-step-6"]], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert message in err
+    if extra in (["--train-steps", "12"], ["--lr", "1e-3"]):
+        assert f"start a new run from its weights with --init {out / 'checkpoints' / f'step_{step:08d}' / 'model'}" in err
+    assert directory_state(out) == before
+
+
+def test_resume_on_other_data_names_both(full_run, tmp_path):
+    other = preprocess(tmp_path, "other", seed=6)
+    out = copy_of_run(full_run, 3, tmp_path / "run")
+    proc = run_train([*BASE, "--data", str(other), "--out", str(out), "--train-steps", "6", "--resume"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    trained_on = metrics(full_run)  # the fixture's data: the module's shards
+    assert trained_on
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("vlmpack train: error: --resume from checkpoint step_00000003: loader state was saved for "
+                           "other data"), line
+    assert line.endswith(f"this run has --data {other}") and "it was trained on --data " in line
+
+
+def test_extend_schedule_restretches_the_cosine_from_the_checkpoint(shards, full_run, tmp_path):
+    """--resume --extend-schedule from step 3 of a 6-step schedule (warm-up 1, lr 3e-3, min-lr 0)
+    to --train-steps 8: after step n the learning rate is lr_3 * 0.5 * (1 + cos(pi * (n - 3) / 5)),
+    lr_3 the old schedule's at step 3; a later resume of the extended run follows the same curve."""
+    import math
+
+    out = copy_of_run(full_run, 3, tmp_path / "run")
+    args = [*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "8", "--resume"]
+    proc = ok(run_train([*args, "--extend-schedule", "--exit-interval", "5"]))
+    lr_3 = [m["lr"] for m in metrics(full_run) if m["step"] == 3][0]
+    assert lr_3 == pytest.approx(3e-3 * 0.5 * (1 + math.cos(math.pi * 2 / 5)), rel=1e-12)
+    assert (f"--extend-schedule: the checkpoint's schedule decayed to step 6; the learning rate continues from "
+            f"{lr_3:.6g} at step 3 on a cosine down to --min-lr 0 at step 8") in proc.stdout
+    ok(run_train(args))  # the extended checkpoint's schedule is the new --train-steps: no flag needed
+    records = metrics(out)[len(metrics(full_run)):]  # after the copied run's own records
+    assert [m["step"] for m in records] == [4, 5, 6, 7, 8]
+    for m in records:
+        assert m["lr"] == pytest.approx(lr_3 * 0.5 * (1 + math.cos(math.pi * (m["step"] - 3) / 5)), rel=1e-12,
+                                        abs=1e-18), m["step"]
+    assert records[-1]["lr"] == 0.0 and all(m["lr"] > 0 for m in records[:-1])
+
+
 def test_bf16_adam_state_trains_and_resumes_bitwise(shards, full_run, tmp_path):
     """--adam-state-dtype bf16: the checkpoint holds bf16 moments, the losses follow the fp32-state
     run's, a stop/resume equals the uninterrupted run bitwise (the stochastic rounding draws
@@ -312,10 +419,49 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
     (["--keep-last", "0"], "--keep-last must be >= 1, got 0"),
     (["--keep-last", "-2"], "--keep-last must be >= 1, got -2"),
     (["--arch", "nope"], "unknown --arch 'nope': choose one of"),
-    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--lr", "0"], "--lr must be in (0, 1], got 0.0"),
     (["--adam-beta2", "1.5"], "--adam-beta2 must be in [0, 1), got 1.5"),
     (["--global-batch-packs", "0"], "--global-batch-packs must be >= 1, got 0"),
     (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
+    # numeric extremes: infinite, not a number, huge, tiny, negative (a value argparse would
+    # take for a flag, like -1e308, is given as --flag=VALUE)
+    (["--lr", "inf"], "--lr must be in (0, 1], got inf"),
+    (["--lr", "nan"], "--lr must be in (0, 1], got nan"),
+    (["--lr", "1e308"], "--lr must be in (0, 1], got 1e+308 (AdamW moves every weight"),
+    (["--lr=-1e-5"], "--lr must be in (0, 1], got -1e-05"),
+    (["--min-lr", "1e-3", "--lr", "1e-4"], "--min-lr 0.001 must not exceed --lr 0.0001"),
+    (["--min-lr", "inf"], "--min-lr must be in [0, 1], got inf"),
+    (["--weight-decay", "1e308"], "--weight-decay 1e+308 with --lr 0.003: AdamW scales every weight by 1 - lr x"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
+    (["--adam-beta1", "nan"], "--adam-beta1 must be in [0, 1), got nan"),
+    (["--adam-eps", "1e308"], "--adam-eps must be in (0, 1], got 1e+308 (an epsilon above"),
+    (["--adam-eps", "0"], "--adam-eps must be in (0, 1], got 0.0"),
+    (["--clip-grad", "nan"], "--clip-grad must be a finite number >= 0, got nan"),
+    (["--clip-grad", "inf"], "--clip-grad must be a finite number >= 0, got inf"),
+    (["--clip-grad=-1"], "--clip-grad must be a finite number >= 0, got -1.0"),
+    (["--moe-aux-loss-coef", "inf"], "--moe-aux-loss-coef must be a finite number >= 0, got inf"),
+    (["--gpu-memory-gib", "inf"], "--gpu-memory-gib must be a finite number > 0, got inf"),
+    (["--gpu-memory-gib", "0"], "--gpu-memory-gib must be a finite number > 0, got 0.0"),
+    (["--lora-rank", "4", "--lora-alpha", "inf"], "--lora-alpha must be a finite number > 0, got inf"),
+    (["--lora-rank", "4", "--lora-dropout", "nan"], "--lora-dropout must be in [0, 1), got nan"),
+    (["--lora-rank=-4"], "--lora-rank must be >= 0, got -4"),
+    (["--lora-rank", str(2**40)], f"--lora-rank {2**40}: an adapter B @ A has rank at most min(in, out)"),
+    (["--seq-len", str(2**40)], f"--seq-len must be <= 16777216, got {2**40} (a pack that long"),
+    (["--seq-len", "8192", "--micro-batch-packs", "4096"], "--micro-batch-packs 4096 x --seq-len 8192 rows in one"),
+    (["--train-steps", str(2**70)], f"--train-steps must be <= 9223372036854775807, got {2**70}"),
+    (["--keep-last", str(2**64)], f"--keep-last must be <= 9223372036854775807, got {2**64}"),
+    (["--seed=-1"], "--seed must be >= 0, got -1"),
+    (["--seed", str(2**64)], f"--seed must be <= 9223372036854775807, got {2**64}"),
+    (["--num-workers", str(2**40)], f"--num-workers must be <= "),
+    (["--global-batch-packs", str(2**40)], f"--global-batch-packs must be at most 2,147,483,647, got {2**40}"),
+    (["--tp", str(2**40)], f"--tp {2**40} must divide the attention heads"),
+    (["--pp", str(2**40)], f"--pp {2**40} must divide the 3 decoder layers"),
+    (["--ep", str(2**40)], f"--ep {2**40}: expert parallelism needs a Mixture-of-Experts model"),
+    (["--recompute", "full", "--recompute-layers", str(2**40)], f"--recompute-layers {2**40}: each pipeline stage has 3"),
+    (["--eval-every", "5"], "--eval-every 5 needs held-out data to evaluate on: add --eval-data DIR"),
+    (["--eval-data", "{empty}"], "--eval-data is evaluated only with --eval-every N"),
+    (["--config", "{steps_yaml}"], "steps.yaml: train_steps: expected an integer, got 2.5"),
+    (["--config", "{lr_yaml}"], "lr.yaml: lr: expected a number, got 'fast'"),
     (["--device", "tpu"], "--device 'tpu': choose from ['cuda', 'cpu']"),
     (["--recompute", "some"], "--recompute 'some': choose from"),
     (["--config", "missing.yaml"], "--config missing.yaml: cannot read it"),
@@ -325,12 +471,30 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
 def test_bad_arguments_exit_2_with_one_line(shards, tmp_path, capsys, extra, message):
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
-    extra = [a.format(empty=tmp_path / "empty", file=tmp_path / "file") for a in extra]
+    (tmp_path / "steps.yaml").write_text("train_steps: 2.5\n")
+    (tmp_path / "lr.yaml").write_text("lr: fast\n")
+    extra = [a.format(empty=tmp_path / "empty", file=tmp_path / "file", steps_yaml=tmp_path / "steps.yaml",
+                      lr_yaml=tmp_path / "lr.yaml") for a in extra]
     code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(tmp_path / "out"), "--train-steps", "2",
                                    *extra], capsys)
     assert code == 2, err
     assert err.startswith("vlmpack train: error: ") and err.count("\n") == 1, err
     assert message in err
+
+
+def test_config_file_numbers_are_read_as_their_flags_read_them(tmp_path):
+    """YAML reads `1e-5` (no dot) as a string and `1.0e3` as a float: a --config file's numbers
+    are taken either way, as the flags take them."""
+    from train.config import add_arguments, config_from_args
+
+    (tmp_path / "run.yaml").write_text("lr: 1e-5\nmin_lr: 0\ntrain_steps: 1.0e3\nseq_len: '2048'\ncompile: 'off'\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(["--config", str(tmp_path / "run.yaml"), "--arch", "tiny", "--data",
+                                                 "shards"]))
+    assert (config.lr, config.min_lr, config.train_steps, config.seq_len, config.compile) == (1e-5, 0.0, 1000, 2048,
+                                                                                             False)
+    assert isinstance(config.min_lr, float) and isinstance(config.train_steps, int)
 
 
 def test_unwritable_out_exits_2(shards, tmp_path, capsys, monkeypatch):
@@ -390,7 +554,7 @@ def test_preemption_signal_saves_the_step_and_resumes_like_the_uninterrupted_run
 
 # A scheduler signals every process of the job, the loader's workers too (here `kill`, another
 # process, signals the whole process group).
-SIGTERM_TO_THE_PROCESS_GROUP = """
+SIGNAL_TO_THE_PROCESS_GROUP = """
 import json, os, subprocess, sys
 from train.loader import PackedLoader
 from train.preemption import StopRequest
@@ -398,18 +562,95 @@ loader = PackedLoader([sys.argv[1]], seq_len=int(sys.argv[2]), global_batch_pack
 with StopRequest() as stop:
     packs = iter(loader)
     first = next(packs)
-    subprocess.run(["kill", "-s", "TERM", "--", f"-{os.getpgid(0)}"])
+    subprocess.run(["kill", "-s", sys.argv[3], "--", f"-{os.getpgid(0)}"])
     rest = list(packs)  # the epoch's other packs still come from the same workers
 print(json.dumps({"signal": stop.received.name, "packs": 1 + len(rest), "epoch": len(loader)}))
 """
 
 
-def test_loader_workers_outlive_a_preemption_signal_to_the_whole_job(shards):
-    proc = subprocess.run([sys.executable, "-c", SIGTERM_TO_THE_PROCESS_GROUP, str(shards), str(SEQ_LEN)], cwd=ROOT,
+@pytest.mark.parametrize("sig", ["TERM", "INT"])  # a scheduler's notice; Ctrl-C in a terminal
+def test_loader_workers_outlive_a_stop_signal_to_the_whole_job(shards, sig):
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_TO_THE_PROCESS_GROUP, str(shards), str(SEQ_LEN), sig], cwd=ROOT,
                           env=process_env(), capture_output=True, text=True, timeout=300, start_new_session=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["signal"] == "SIGTERM" and report["packs"] == report["epoch"] > 1
+    assert report["signal"] == f"SIG{sig}" and report["packs"] == report["epoch"] > 1
+
+
+def test_ctrl_c_finishes_the_step_saves_it_and_exits_130(shards, full_run, tmp_path):
+    """SIGINT mid-step: the step is finished and saved, one line says so, exit 130; the resumed
+    run goes on from the next step with the uninterrupted run's losses."""
+    out = tmp_path / "interrupted"
+    args = [*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3"]
+    proc = run_train(args, code=on_second_global_batch("os.kill(os.getpid(), signal.SIGINT)"))
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
+    assert f"vlmpack train: SIGINT: step 2 saved to {out}; continue with --resume" in proc.stderr
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
+    ok(run_train([*args, "--resume"]))
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+    # steps 1 and 2 saw the same learning rates in the 6-step run (warm-up 1): same losses
+    assert [m["loss"] for m in metrics(out)][:2] == [m["loss"] for m in metrics(full_run)][:2]
+
+
+# Ctrl-C in step 2 (finished and saved), then Ctrl-C again while step 2's files are written
+# on the background thread, which then waits: the process must end without it.
+SECOND_CTRL_C_WHILE_SAVING = """
+import os, signal, sys, time
+import train.checkpoint as ckpt, train.trainer as trainer
+real_batch, real_save, calls = trainer.run_global_batch, ckpt._torch_save, []
+def run_global_batch(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_batch(*args, **kwargs)
+def torch_save(obj, path):
+    if "step_00000002" in str(path) and path.name.startswith("rank_"):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(120)
+    return real_save(obj, path)
+trainer.run_global_batch, ckpt._torch_save = run_global_batch, torch_save
+sys.exit(trainer.main(sys.argv[1:]))
+"""
+
+
+def test_a_second_ctrl_c_while_saving_exits_at_once_keeping_the_previous_checkpoint(shards, tmp_path):
+    out = tmp_path / "twice"
+    args = [*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--save-every", "1"]
+    started = time.monotonic()
+    proc = run_train(args, code=SECOND_CTRL_C_WHILE_SAVING)
+    assert time.monotonic() - started < 100, "the process waited for the save"
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "again" in line]
+    assert lines == ["vlmpack train: SIGINT again: exiting at once; any checkpoint being written is left unfinished "
+                     "(removed by the next run), checkpoint step_00000001 is the latest and intact"], proc.stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000001"
+    assert not (out / "checkpoints" / "step_00000002").exists()
+    ok(run_train([*args, "--resume"]))
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]  # step 2 is logged after its save, which never ended
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000001", "step_00000002",
+                                                                       "step_00000003"]
+
+
+# Ctrl-C while the model is being set up (the default handler: KeyboardInterrupt)
+CTRL_C_IN_SETUP = """
+import os, signal, sys
+import train.checkpoint as ckpt, train.trainer as trainer
+def init_random_weights(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+ckpt.init_random_weights = init_random_weights
+sys.exit(trainer.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_outside_the_training_loop_is_one_line_and_exit_130(shards, tmp_path):
+    proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "setup"), "--train-steps", "2"],
+                     code=CTRL_C_IN_SETUP)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("vlmpack train: interrupted (SIGINT) outside the training loop; "
+                                                    "no checkpoint was saved")
 
 
 def _worker_with_stop_signal_filter() -> None:
@@ -451,6 +692,23 @@ def test_out_of_memory_names_the_settings_that_fit_and_keeps_the_checkpoint(shar
     checkpoint = out / "checkpoints" / "step_00000001"  # the step before the failure is kept
     assert (out / "checkpoints" / "latest").read_text() == checkpoint.name
     assert f"Checkpoint {checkpoint} is intact: --resume" in saved and f"--init {checkpoint / 'model'}" in saved
+
+
+def test_a_diverged_step_exits_2_with_one_line_and_is_not_saved(shards, tmp_path):
+    """A weight turned NaN before step 2: its loss is NaN; the run stops before saving step 2,
+    in one line naming the settings that scale the update and the checkpoint of step 1."""
+    out = tmp_path / "diverged"
+    proc = run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--save-every", "1"],
+                     code=on_second_global_batch('next(args[0].parameters()).data.fill_(float("nan"))'))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("vlmpack train: error:")]
+    assert len(lines) == 1 and "training diverged at step 2 (loss nan; this step is not saved): lower --lr 0.003" \
+        in lines[0], proc.stderr[-3000:]
+    checkpoint = out / "checkpoints" / "step_00000001"
+    assert f"checkpoint {checkpoint} holds the weights from before it" in lines[0]
+    assert (out / "checkpoints" / "latest").read_text() == checkpoint.name
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000001"]
 
 
 def test_out_of_memory_is_recognised_from_every_layer_that_reports_it():

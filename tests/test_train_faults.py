@@ -142,7 +142,10 @@ sys.exit(trainer.main(sys.argv[2:]))
 """
 
 
-def assert_disk_full_exit(proc, out: Path, kept: str, failed: str) -> str:
+def assert_disk_full_exit(proc, out: Path, kept: str, failed: str, others: tuple[str, ...] = ()) -> str:
+    """Exit 4 in one line naming the failed and the intact checkpoint; `others`: the older
+    checkpoints still there, which the line says --keep-last 1 would delete first (with none,
+    it does not advise --keep-last: the newest checkpoint is never deleted before a new one)."""
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("vlmpack train: error:")]
@@ -150,8 +153,13 @@ def assert_disk_full_exit(proc, out: Path, kept: str, failed: str) -> str:
     message = lines[0]
     assert failed in message and str(out / "checkpoints") in message
     assert f"checkpoint {kept} is intact" in message
-    assert "--keep-last" in message and "another --out" in message and "--resume" in message
-    assert checkpoints(out) == [kept]  # no step_N.tmp left behind
+    assert "another --out" in message and "--resume" in message
+    if others:
+        assert f"with --keep-last 1 (now " in message and f"a save short of space first deletes {', '.join(others)}" \
+            in message
+    else:
+        assert "--keep-last" not in message
+    assert checkpoints(out) == sorted([*others, kept])  # no step_N.tmp left behind
     assert (out / "checkpoints" / "latest").read_text() == kept
     assert (out / "checkpoints" / kept / "rank_00000.pt").is_file()
     return message
@@ -196,3 +204,41 @@ def test_real_full_tmpfs_during_a_save_exits_4_and_keeps_the_previous(shards, tm
         assert records[0]["step"] == 1
     finally:
         subprocess.run(["umount", "-l", str(out)], check=True)
+
+
+# a disk of CAPACITY bytes that holds only the checkpoints: free = capacity - their bytes
+SMALL_DISK = """
+import shutil, sys
+from pathlib import Path
+import train.trainer as trainer
+real, capacity = shutil.disk_usage, int(sys.argv[1])
+def disk_usage(path):
+    if "checkpoints" not in str(path):
+        return real(path)
+    used = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+    return real(path)._replace(free=max(0, capacity - used))
+shutil.disk_usage = disk_usage
+sys.exit(trainer.main(sys.argv[2:]))
+"""
+
+
+def test_a_save_short_of_space_first_deletes_what_keep_last_would(shards, reference, tmp_path):
+    """Room for about 2.5 checkpoints, a save every step: step 3 does not fit beside steps 1 and 2.
+    With --keep-last 3 none may go early (exit 4, and the line says --keep-last 1 would delete
+    step 1 first); resumed with --keep-last 1, step 1 is deleted before step 3 is written, the
+    log says so, and step 2 (the newest) stays until step 3 is complete."""
+    size = sum(p.stat().st_size for p in (reference / "checkpoints" / "step_00000004").rglob("*") if p.is_file())
+    out = tmp_path / "small"
+    args = [str(int(2.5 * size)), *BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3",
+            "--save-every", "1"]
+    proc = run_train([*args, "--keep-last", "3"], code=SMALL_DISK)
+    assert_disk_full_exit(proc, out, "step_00000002", "not enough space for checkpoint step_00000003",
+                          others=("step_00000001",))
+    proc = ok(run_train([*args, "--keep-last", "1", "--resume"], code=SMALL_DISK))
+    assert ("vlmpack train: deleted checkpoint step_00000001 before writing step_00000003: the save needs about "
+            in proc.stderr), proc.stderr[-3000:]
+    assert "--keep-last 1 would delete it once the new one is complete, and the newest, step_00000002, stays" \
+        in proc.stderr
+    assert checkpoints(out) == ["step_00000003"]
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000003"
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]

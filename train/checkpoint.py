@@ -25,6 +25,7 @@ states make the continuation equal to an uninterrupted run (bitwise on CPU).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import errno
 import hashlib
 import json
@@ -47,7 +48,8 @@ from shards_schema.errors import DiskFullError
 from train import adapter_format
 from train import checkpoint_format as fmt
 from train import convert
-from train.config import ConfigError
+from train.config import ConfigError, flag_name
+from train.metrics import METRICS_FILE
 from train.model import lora
 from train.model.arch import ModelArch
 
@@ -432,9 +434,11 @@ class CheckpointSaver:
     rank's files are on disk, with no collective of its own. `wait()` blocks until the save
     in flight is complete (the next save, the end of training and a stop wait for it).
 
-    A save that cannot fit (free space below the size of the previous checkpoint or, for the
-    first, of the state to write) or that fills the disk while writing raises DiskFullError
-    on every rank; step_N.tmp is removed and the previous checkpoint stays as it was.
+    A save short of space (free space below the size of the previous checkpoint or, for the
+    first, of the state to write) first deletes the checkpoints --keep-last would delete after
+    it (`deletable_early`). One that still cannot fit, or that fills the disk while writing,
+    raises DiskFullError on every rank; step_N.tmp is removed and the previous checkpoint stays
+    as it was.
     """
 
     def __init__(self, out: Path, info, keep_last: int, background: bool):
@@ -596,26 +600,63 @@ class CheckpointSaver:
     def _check_space(self, step: int, local_bytes: int) -> int:
         """The bytes this checkpoint needs; DiskFullError on every rank if any rank lacks them.
 
-        Checkpoints that --keep-last deletes are not counted as free: they go only after
-        the new one is complete."""
+        Short of space, the checkpoints that --keep-last would delete once this one is complete
+        (those beyond the newest keep_last - 1) are deleted first, oldest first, as many as it
+        takes; never the newest complete one, nor the one `latest` names."""
         total = torch.tensor([local_bytes], dtype=torch.float64, device=self.info.device)
         dist.all_reduce(total)
         previous = latest_checkpoint(self.root.parent)
         needed = max(int(total.item()), directory_bytes(previous) if previous else 0)
-        free = shutil.disk_usage(self.root).free
-        short = torch.tensor([float(needed > free)], dtype=torch.float64, device=self.info.device)
-        dist.all_reduce(short)
-        if short.item():
+        if self._short_of(needed):
+            self._delete_for_space(step, needed)
+        if self._short_of(needed):
+            free = shutil.disk_usage(self.root).free
             where = "are free" if needed > free else "are free here, less on another rank's disk"
             raise DiskFullError(
                 f"not enough space for checkpoint step_{step:08d} in {self.root}: it needs about {_fmt_bytes(needed)} "
                 f"({needed:,} bytes), {_fmt_bytes(free)} ({free:,} bytes) {where}; {self._kept_note(previous)}")
         return needed
 
+    def _short_of(self, needed: int) -> bool:
+        """Whether any rank has less than `needed` bytes free where the checkpoints go."""
+        short = torch.tensor([float(needed > shutil.disk_usage(self.root).free)], dtype=torch.float64,
+                             device=self.info.device)
+        dist.all_reduce(short)
+        return bool(short.item())
+
+    def deletable_early(self, keep_last: int) -> list[Path]:
+        """Checkpoints a save short of space may delete before it is written, oldest first: those
+        beyond the newest keep_last - 1 (--keep-last deletes them anyway once the new one is
+        complete), but never the newest complete one, nor the one `latest` names."""
+        complete = complete_checkpoints(self.root.parent)
+        kept = set(complete[-max(keep_last - 1, 1):]) | {latest_checkpoint(self.root.parent)}
+        return [p for p in complete if p not in kept]
+
+    def _delete_for_space(self, step: int, needed: int) -> None:
+        """Main rank: delete `deletable_early` checkpoints until `needed` bytes are free, and say so."""
+        deleted = []
+        if self.info.is_main:
+            free_before = shutil.disk_usage(self.root).free
+            for old in self.deletable_early(self.keep_last):
+                if shutil.disk_usage(self.root).free >= needed:
+                    break
+                shutil.rmtree(old, ignore_errors=True)
+                deleted.append(old.name)
+            if deleted:
+                newest = complete_checkpoints(self.root.parent)[-1].name
+                print(f"vlmpack train: deleted checkpoint {', '.join(deleted)} before writing step_{step:08d}: the "
+                      f"save needs about {_fmt_bytes(needed)} and {_fmt_bytes(free_before)} were free; --keep-last "
+                      f"{self.keep_last} would delete it once the new one is complete, and the newest, {newest}, "
+                      "stays", file=sys.stderr, flush=True)
+        dist.barrier()
+
     def _kept_note(self, previous: Path | None) -> str:
         kept = f"checkpoint {previous.name} is intact" if previous else "no checkpoint was saved yet"
-        return (f"{kept}. Free space, keep fewer checkpoints (--keep-last, now {self.keep_last}; older ones are "
-                f"deleted only once a new one is complete), or use another --out, then continue with --resume")
+        fewer = self.deletable_early(1)  # what a save short of space deletes first under --keep-last 1
+        lower = (f"; with --keep-last 1 (now {self.keep_last}) a save short of space first deletes "
+                 f"{', '.join(p.name for p in fewer)} ({_fmt_bytes(sum(directory_bytes(p) for p in fewer))})"
+                 if fewer else "")
+        return f"{kept}. Free space or use another --out, then continue with --resume{lower}"
 
     def _raise(self, pending: dict, disk_full: bool) -> None:
         error = pending["error"]
@@ -660,6 +701,108 @@ def latest_checkpoint(out: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+# what a resume takes from its checkpoint, whatever the command line says: the learning-rate
+# schedule (megatron's scheduler state), the optimizer's hyperparameters (its param groups) and,
+# through the loader state, the data order
+SCHEDULE_SETTINGS = ("train_steps", "warmup_steps", "lr", "min_lr")
+OPTIMIZER_SETTINGS = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+DATA_ORDER_SETTINGS = ("seq_len", "seed", "max_visual_tokens")  # and the global batch, and the data itself
+LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_rslora", "lora_dora", "lora_targets", "lora_parts",
+                 "lora_modules_to_save")  # the adapters the checkpoint holds
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """The complete checkpoints under OUT (not a `.tmp` save), oldest first."""
+    root = Path(out) / CHECKPOINTS
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX))
+
+
+def new_run_hint(path: Path, saved_config: dict) -> str:
+    """How a new run starts from checkpoint `path`'s weights."""
+    if saved_config.get("lora_rank"):
+        return (f"export its adapters (vlmpack export-hf {path} --lora-format peft --out DIR) and give "
+                "--init-lora DIR")
+    return f"--init {path / 'model'}"
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def check_run_directory(config) -> None:
+    """Before anything is built or written in --out: a new run refuses a directory that holds an
+    earlier run (its checkpoints would be orphaned, `latest` repointed and metrics.jsonl mixed),
+    and a resume refuses settings its checkpoint would silently override or break."""
+    out = Path(config.out)
+    if not config.resume:
+        saved = complete_checkpoints(out)
+        if saved:
+            newest = latest_checkpoint(out) or saved[-1]
+            raise ConfigError(f"--out {out} holds the checkpoints of an earlier run (newest {newest.name}): continue "
+                              "it with --resume, or give a fresh --out for a new run")
+        metrics = out / METRICS_FILE
+        if metrics.is_file() and metrics.stat().st_size:
+            raise ConfigError(f"--out {out} holds the {METRICS_FILE} of an earlier run (which saved no checkpoint): a "
+                              f"new run would add its records to it; give a fresh --out, or move {METRICS_FILE} and "
+                              "tensorboard/ out of it first")
+        return
+    path = latest_checkpoint(out)
+    if path is not None:
+        check_resume_settings(config, json.loads((path / "trainer.json").read_text()), path)
+
+
+def check_resume_settings(config, meta: dict, path: Path) -> None:
+    """ConfigError naming each setting that differs from checkpoint `path`'s (trainer.json `meta`)
+    where the resume would not follow it: the schedule and optimizer settings (the checkpoint's
+    win), the data order. A new --train-steps is taken only with --extend-schedule."""
+    saved, step = meta.get("config", {}), int(meta["step"])
+    where = f"--resume from checkpoint {path.name} (step {step})"
+    new_run = new_run_hint(path, saved)
+    lora_settings = {k: saved[k] for k in LORA_SETTINGS if k in saved}
+    theirs, mine = dataclasses.replace(config, **lora_settings).lora_spec(), config.lora_spec()
+    if theirs is not None and mine is not None and theirs != mine:  # LoRA against full fine-tuning: at loading
+        raise ConfigError(f"{where} was trained with LoRA {theirs.to_dict()}, this run asks for {mine.to_dict()}: "
+                          "resume with the same --lora-* settings")
+    differ = [(flag_name(k), saved[k], getattr(config, k))
+              for k in (*SCHEDULE_SETTINGS[1:], *OPTIMIZER_SETTINGS, *DATA_ORDER_SETTINGS)
+              if k in saved and saved[k] != getattr(config, k)]
+    dp = meta.get("layout", {}).get("dp")
+    if dp:
+        sizing = ("seq_len", "global_batch_packs", "global_batch_tokens", "micro_batch_packs")
+        try:
+            packs = (dataclasses.replace(config, **{k: saved[k] for k in sizing if k in saved}).global_packs(dp),
+                     config.global_packs(dp))
+        except ConfigError:  # a global batch this layout cannot take: refused where the run sizes it
+            packs = (0, 0)
+        if packs[0] != packs[1]:
+            differ.append(("the global batch", f"{packs[0]} packs", f"{packs[1]} packs"))
+    schedule = " ".join(f"{flag_name(k)} {_shown(saved[k])}" for k in SCHEDULE_SETTINGS if k in saved)
+    if differ:
+        listing = ", ".join(f"{flag} {_shown(given)} (the checkpoint's: {_shown(theirs)})" for flag, theirs, given in differ)
+        raise ConfigError(f"{where}: {listing}: a resume continues the checkpoint's learning-rate schedule ({schedule}), "
+                          f"optimizer state and data order as they were, so these would be overridden or break it; "
+                          f"resume with the checkpoint's values, or start a new run from its weights with {new_run}")
+    old_end = saved.get("train_steps", config.train_steps)
+    if config.train_steps == old_end:
+        return
+    if step >= old_end and saved.get("min_lr") == 0:
+        raise ConfigError(f"{where}: --train-steps {config.train_steps}, but its learning-rate schedule ({schedule}) "
+                          "has ended, at --min-lr 0, so continuing it would train nothing (--extend-schedule too); "
+                          f"start a new run (a new warm-up and decay) from its weights with {new_run}")
+    if config.train_steps > old_end:
+        effect = f"every step after {old_end} would run at --min-lr {_shown(saved.get('min_lr', config.min_lr))}"
+    else:
+        effect = f"the run would stop at step {config.train_steps} in the middle of the decay"
+    if not config.extend_schedule:
+        raise ConfigError(f"{where}: --train-steps {config.train_steps}, but its learning-rate schedule ({schedule}) "
+                          f"decays to step {old_end}, so {effect}; resume with --train-steps {old_end}, add "
+                          f"--extend-schedule to restretch the decay from step {step} to step {config.train_steps} "
+                          f"(docs/training.md), or start a new run from its weights with {new_run}")
+    if config.train_steps <= step:
+        raise ConfigError(f"{where}: --extend-schedule --train-steps {config.train_steps} must be past the "
+                          f"checkpoint's step {step}")
+
+
 def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
     """Restore the newest checkpoint under OUT; returns its step (0 if there is none)."""
     path = latest_checkpoint(out)
@@ -679,7 +822,12 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
     if _uses_distributed_optimizer(optimizer):
         _load_parameter_state(optimizer, str(path / parameter_state_file(info)))
     scheduler.load_state_dict(rank_state["scheduler"])
-    data.load_state_dict(meta["loader"])
+    try:
+        data.load_state_dict(meta["loader"])
+    except ValueError as exc:  # other shards, weights or packing settings than the checkpoint's
+        raise ConfigError(f"--resume from checkpoint {path.name}: {exc}; it was trained on --data "
+                          f"{' '.join(meta['config']['data'])}, this run has --data {' '.join(data.config.data)}") \
+            from None
     _set_rng_state(rank_state["rng"], info.device)
     if info.is_main:
         print(f"resumed from {path} (step {meta['step']})", flush=True)

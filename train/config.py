@@ -13,6 +13,8 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,36 @@ STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
 RECOMPUTE = ("none", "selective", "full", "auto")
 DEVICES = ("cuda", "cpu")
 COMMA_LISTS = ("freeze", "lora_targets", "lora_parts", "lora_modules_to_save")  # list settings also given as "a,b"
+# A pack (x --micro-batch-packs) longer than this fits no GPU: even with every layer recomputed
+# the 2B model keeps 2 x hidden x layers = 112 KiB a token (1.8 TiB here), and the host arrays
+# of a padded pack stay below 1 GiB.
+MAX_SEQ_LEN = 2**24
+INT64_MAX = 2**63 - 1  # counts and seeds end up in int64 arrays, tensors and torch.manual_seed
+# integer settings: (smallest, largest)
+INT_RANGES = {
+    "seq_len": (1, MAX_SEQ_LEN), "micro_batch_packs": (1, MAX_SEQ_LEN), "global_batch_packs": (1, INT64_MAX),
+    "global_batch_tokens": (1, INT64_MAX), "max_visual_tokens": (1, INT64_MAX), "seed": (0, INT64_MAX),
+    "tp": (1, INT64_MAX), "pp": (1, INT64_MAX), "ep": (1, INT64_MAX), "recompute_layers": (1, INT64_MAX),
+    "gpus": (1, INT64_MAX), "train_steps": (1, INT64_MAX), "warmup_steps": (0, INT64_MAX),
+    "exit_interval": (0, INT64_MAX), "eval_every": (0, INT64_MAX), "eval_batches": (1, INT64_MAX),
+    "lora_rank": (0, INT64_MAX), "save_every": (0, INT64_MAX), "keep_last": (1, INT64_MAX),
+    "log_every": (1, INT64_MAX),
+}
+# float settings: (low, high or None, low excluded, high excluded); every one must be finite
+FLOAT_RANGES = {
+    "lr": (0, 1, True, False), "min_lr": (0, 1, False, False), "weight_decay": (0, None, False, False),
+    "adam_beta1": (0, 1, False, True), "adam_beta2": (0, 1, False, True), "adam_eps": (0, 1, True, False),
+    "clip_grad": (0, None, False, False), "moe_aux_loss_coef": (0, None, False, False),
+    "gpu_memory_gib": (0, None, True, False), "lora_alpha": (0, None, True, False),
+    "lora_dropout": (0, 1, False, True),
+}
+# why a value is refused, where the range alone does not say it
+UPPER_BOUND_REASONS = {
+    "seq_len": "a pack that long fits no GPU", "micro_batch_packs": "a micro-batch that long fits no GPU",
+    "num_workers": "more loader workers than the CPU cores this process may use only add processes",
+    "lr": "AdamW moves every weight by about lr each step", "min_lr": "it is at most --lr",
+    "adam_eps": "an epsilon above the gradients' scale turns the update off",
+}
 # --help shows the flags in these groups, in this order
 GROUPS = {
     "data": "what is trained on, and how it is batched",
@@ -37,6 +69,20 @@ GROUPS = {
     "checkpoints": "the run directory, saving and resuming",
     "logging": "progress line, metrics.jsonl, TensorBoard",
 }
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of setting `name`."""
+    return "--" + name.replace("_", "-")
+
+
+def _why(name: str, value, low) -> str:
+    reason = UPPER_BOUND_REASONS.get(name)
+    return f" ({reason})" if reason and isinstance(value, (int, float)) and value > low else ""
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class ConfigError(UserError, ValueError):
@@ -132,10 +178,14 @@ class TrainConfig:
     adam_beta1: float = _opt(0.9, "optimizer", "AdamW beta1 (default 0.9)")
     adam_beta2: float = _opt(0.95, "optimizer", "AdamW beta2 (default 0.95)")
     adam_eps: float = _opt(1e-8, "optimizer", "AdamW epsilon (default 1e-8)")
-    clip_grad: float = _opt(1.0, "optimizer", "clip the global gradient norm to this (default 1.0)")
+    clip_grad: float = _opt(1.0, "optimizer", "clip the global gradient norm to this (0: no clipping; default 1.0)")
     # schedule
     train_steps: int = _opt(100, "schedule", "optimizer steps of the whole run (default 100)")
     warmup_steps: int = _opt(0, "schedule", "linear learning-rate warm-up steps, then cosine decay (default 0)")
+    extend_schedule: bool = _opt(False, "schedule", "with --resume and a --train-steps other than the checkpoint's: "
+                                                    "continue the learning rate from the checkpoint's step on a cosine "
+                                                    "from its value there down to --min-lr at the new --train-steps "
+                                                    "(default false: such a resume is refused)")
     exit_interval: int = _opt(0, "schedule", "save and exit once the step is a multiple of this, for scheduler time "
                                              "slots (0: off; default 0)")
     eval_every: int = _opt(0, "schedule", "evaluate on --eval-data every N steps (0: never; default 0)")
@@ -193,25 +243,9 @@ class TrainConfig:
                 raise ConfigError(f"unknown --arch {self.arch!r}: choose one of {sorted(BUILTIN_ARCHS)}")
         if not self.data and not self.dry_run:
             raise ConfigError("give at least one --data DIR[:WEIGHT]")
-        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
-            raise ConfigError(f"--gpu-memory-gib must be > 0, got {self.gpu_memory_gib}")
-        at_least = {"seq_len": 1, "micro_batch_packs": 1, "tp": 1, "pp": 1, "ep": 1, "train_steps": 1, "keep_last": 1,
-                    "log_every": 1, "eval_batches": 1, "global_batch_packs": 1, "global_batch_tokens": 1,
-                    "warmup_steps": 0, "save_every": 0, "exit_interval": 0, "eval_every": 0, "num_workers": 0,
-                    "max_visual_tokens": 1, "recompute_layers": 1, "gpus": 1}
-        for name, low in at_least.items():
-            value = getattr(self, name)
-            if value is not None and value < low:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
-        for name in ("lr", "adam_eps"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        for name in ("min_lr", "weight_decay", "clip_grad", "moe_aux_loss_coef"):
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        self._validate_numbers()
+        if self.extend_schedule and not self.resume:
+            raise ConfigError("--extend-schedule continues a checkpoint's learning-rate schedule: it needs --resume")
         if self.warmup_steps >= self.train_steps:
             raise ConfigError(f"--warmup-steps {self.warmup_steps} must be smaller than --train-steps {self.train_steps}")
         if self.global_batch_packs is not None and self.global_batch_tokens is not None:
@@ -237,6 +271,44 @@ class TrainConfig:
             raise ConfigError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
                               f"(the decoder layers per pipeline stage whose activations are recomputed)")
 
+    def _validate_numbers(self) -> None:
+        """Every numeric setting within its range (`INT_RANGES`, `FLOAT_RANGES`); floats finite."""
+        ranges = {**INT_RANGES, "num_workers": (0, max(2, _usable_cores()))}
+        for name, (low, high) in ranges.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ConfigError(f"{flag_name(name)} must be >= {low}, got {value}")
+            if value is not None and value > high:
+                raise ConfigError(f"{flag_name(name)} must be <= {high}, got {value}{_why(name, value, low)}")
+        for name, (low, high, open_low, open_high) in FLOAT_RANGES.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            above = value > low if open_low else value >= low
+            below = high is None or (value < high if open_high else value <= high)
+            if not (math.isfinite(value) and above and below):
+                if high is None:
+                    bounds = f"a finite number {'>' if open_low else '>='} {low}"
+                else:
+                    bounds = f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+                raise ConfigError(f"{flag_name(name)} must be {bounds}, got {value}{_why(name, value, low)}")
+        if self.seq_len * self.micro_batch_packs > MAX_SEQ_LEN:
+            raise ConfigError(f"--micro-batch-packs {self.micro_batch_packs} x --seq-len {self.seq_len} rows in one "
+                              f"forward pass: at most {MAX_SEQ_LEN} fit any GPU; lower --micro-batch-packs")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr} must not exceed --lr {self.lr} (the cosine decays from --lr "
+                              "down to --min-lr)")
+        if self.lr * self.weight_decay >= 1:
+            raise ConfigError(f"--weight-decay {self.weight_decay} with --lr {self.lr}: AdamW scales every weight by "
+                              f"1 - lr x weight decay each step, here {1 - self.lr * self.weight_decay:g}, which zeroes "
+                              "or flips it; lower --weight-decay")
+        if self.eval_every and not self.eval_data:
+            raise ConfigError(f"--eval-every {self.eval_every} needs held-out data to evaluate on: add --eval-data DIR, "
+                              "or drop --eval-every")
+        if self.eval_data and not self.eval_every:
+            raise ConfigError("--eval-data is evaluated only with --eval-every N (every N steps): add it, or drop "
+                              "--eval-data")
+
     def _validate_lora(self) -> None:
         lora_flags = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_dropout", "lora_rslora", "lora_dora",
                                                           "lora_targets", "lora_parts", "lora_modules_to_save",
@@ -246,12 +318,6 @@ class TrainConfig:
             if lora_flags:
                 raise ConfigError(f"{', '.join(lora_flags)} configure LoRA: also give --lora-rank R (e.g. 16)")
             return
-        if self.lora_rank < 0:
-            raise ConfigError(f"--lora-rank must be >= 0, got {self.lora_rank}")
-        if self.lora_alpha is not None and not self.lora_alpha > 0:
-            raise ConfigError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
-        if not 0 <= self.lora_dropout < 1:
-            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.lora_dora and self.lora_dropout:
             raise ConfigError(f"--lora-dora with --lora-dropout {self.lora_dropout}: DoRA here takes no dropout "
                               "(it would need a second pass of the base layer); drop one of them")
@@ -351,12 +417,47 @@ def load_config_file(path: str | Path) -> dict:
     return {k.replace("-", "_"): v for k, v in values.items()}
 
 
+def _file_value(path, name: str, value):
+    """A --config file's value as its flag would give it: YAML reads `1e-5` (no dot) as a
+    string and `1.0e3` as a float, so numbers written either way are taken; anything else
+    that is not of the setting's type is refused by name."""
+    kind = str({f.name: f.type for f in dataclasses.fields(TrainConfig)}[name])
+    if value is None:
+        return None
+    try:
+        if kind.startswith("list"):
+            items = value if isinstance(value, list) else [value]
+            if all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in items):
+                return [str(v) for v in items]
+        elif kind.startswith("bool"):
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str):
+                return parse_bool(value)
+        elif kind.startswith(("int", "float")) and not isinstance(value, bool):
+            number = float(value) if isinstance(value, str) else value
+            if kind.startswith("float") and isinstance(number, (int, float)):
+                return float(number)
+            if isinstance(number, int):
+                return number
+            if isinstance(number, float) and number.is_integer():
+                return int(number)
+        elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    except (ValueError, argparse.ArgumentTypeError):
+        pass
+    what = {"list": "a list of names", "bool": "true or false", "int": "an integer", "float": "a number"}
+    expected = next((text for prefix, text in what.items() if kind.startswith(prefix)), "a string")
+    raise ConfigError(f"--config {path}: {name}: expected {expected}, got {value!r}")
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = load_config_file(args.config) if args.config else {}
     unknown = sorted(set(values) - names)
     if unknown:
         raise ConfigError(f"--config {args.config}: unknown settings {unknown}: use the names of `vlmpack train` flags")
+    values = {k: _file_value(args.config, k, v) for k, v in values.items()}
     values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     for key in ("data", "eval_data", *COMMA_LISTS):  # "a,b" and repeated flags both work
         if isinstance(values.get(key), str):

@@ -19,6 +19,7 @@ import torch
 
 from shards_schema.errors import UserError
 
+METRICS_FILE = "metrics.jsonl"  # one JSON record per logged step, in --out
 DENSE_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0}
 
 
@@ -82,7 +83,7 @@ class MetricsLogger:
         if not enabled:
             return
         out.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(out / "metrics.jsonl", "a")
+        self.jsonl = open(out / METRICS_FILE, "a")
         self.tb = self.wandb = None
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from shards_schema.errors import UserError
@@ -34,6 +33,7 @@ from shards_schema.outdir import exclusive_output_dir
 from train import adapter_format, checkpoint, convert, memory_plan
 from train.config import ConfigError, TrainConfig
 from train.data import TrainData
+from train.lr_schedule import RunSchedule
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch, builtin_arch
 from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
@@ -43,8 +43,11 @@ from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import lora
 from train.model.moe import load_balancing_loss
 from train.parallel import ParallelInfo, build_model, destroy_parallel, finalize_grads, init_parallel
-from train.preemption import StopRequest
+from train.preemption import INTERRUPT, StopRequest
 from train.remote_data import localize_sources
+
+
+EXIT_INTERRUPTED = 128 + INTERRUPT  # Ctrl-C: the step saved, then the status of an interrupted command
 
 
 def resolve_arch(config: TrainConfig) -> ModelArch:
@@ -75,14 +78,22 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
         convert.check_parallel(arch, config.tp, config.pp, config.ep)
     except ValueError as exc:
         raise ConfigError(f"--tp {config.tp} cannot split {arch.family}: {exc}") from None
+    per_stage = lm.num_layers // config.pp
+    if config.recompute_layers is not None and config.recompute_layers > per_stage:
+        raise ConfigError(f"--recompute-layers {config.recompute_layers}: each pipeline stage has {per_stage} decoder "
+                          f"layers; give at most {per_stage}, or drop the flag to recompute all of them")
     spec = config.lora_spec()
     if spec is not None:
         try:
-            lora.resolve_sites(arch, spec)
+            sites = lora.resolve_sites(arch, spec)
             if config.init_lora:
                 adapter_format.check_peft_config(config.init_lora, spec)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        widest = max(min(s.in_features, s.out_features) for s in sites)
+        if spec.rank > widest:
+            raise ConfigError(f"--lora-rank {spec.rank}: an adapter B @ A has rank at most min(in, out) of its layer, "
+                              f"{widest} at most among the adapted ones; give --lora-rank <= {widest}")
     if lm.is_moe and config.tp > 1 and config.sequence_parallel is False:
         raise ConfigError(f"--tp {config.tp} with a Mixture-of-Experts model needs sequence parallelism (megatron-core's "
                           "MoE layers train under tensor parallelism only with it); drop --sequence-parallel false")
@@ -113,7 +124,7 @@ def build_optimizer(config: TrainConfig, model, cuda: bool, use_distributed: boo
         clip_grad=config.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=use_distributed)
     optimizer = make_optimizer(model, opt_config, cuda, config.adam_state_dtype)
-    scheduler = OptimizerParamScheduler(
+    scheduler = RunSchedule(
         optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr, min_lr=config.min_lr,
         lr_warmup_steps=config.warmup_steps, lr_decay_steps=config.train_steps, lr_decay_style="cosine",
         start_wd=config.weight_decay, end_wd=config.weight_decay, wd_incr_steps=config.train_steps,
@@ -146,20 +157,23 @@ def make_forward_step(data: TrainData, dtype: torch.dtype):
     return forward_step
 
 
-def reduce_loss(losses: list[dict], info: ParallelInfo, stop: bool = False,
-                save_progress: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> tuple[float, int, bool, tuple]:
-    """(mean loss per target token, target tokens, whether any rank asked to stop, the ranks'
+def reduce_loss(losses: list[dict], info: ParallelInfo, stop: StopRequest | None = None,
+                save_progress: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> tuple[float, int, str | None, tuple]:
+    """(mean loss per target token, target tokens, the stop any rank was asked for, the ranks'
     checkpoint-writing progress summed) of the global batch, on every rank: the stop request
-    and the background save's progress ride the loss's all-reduce (one collective a step)."""
-    total = torch.zeros(6, dtype=torch.float64, device=info.device)
+    (None, "preempt", or "interrupt" where any rank got Ctrl-C) and the background save's
+    progress ride the loss's all-reduce (one collective a step)."""
+    total = torch.zeros(7, dtype=torch.float64, device=info.device)
     if info.last_stage and info.tp_rank == 0:
         for item in losses:
             total[:2] += item["loss"].to(torch.float64)
-    total[2] = float(stop)
-    total[3:] = torch.tensor(save_progress, dtype=torch.float64)
+    if stop is not None:
+        total[2], total[3] = float(stop.requested), float(stop.interrupted)
+    total[4:] = torch.tensor(save_progress, dtype=torch.float64)
     dist.all_reduce(total)
-    loss, target_tokens, stops, *progress = total.tolist()
-    return loss / max(target_tokens, 1.0), int(target_tokens), stops > 0, tuple(progress)
+    loss, target_tokens, stops, interrupts, *progress = total.tolist()
+    kind = "interrupt" if interrupts else "preempt" if stops else None
+    return loss / max(target_tokens, 1.0), int(target_tokens), kind, tuple(progress)
 
 
 def run_global_batch(model, micro_batches: list[dict], forward_step, seq_length: int, pp: int,
@@ -400,6 +414,8 @@ def _visual_share(sources: list[str], merge: int) -> float | None:
 
 def train(config: TrainConfig) -> dict:
     config.validate()
+    with inputs_checked():
+        checkpoint.check_run_directory(config)  # a refused --out is left as it was found
     # Packs differ in length and patch count: expandable segments keep the CUDA caching allocator
     # from fragmenting (near the memory limit, fragments cost whole layers of recompute). Read
     # when CUDA initialises, i.e. below; a PYTORCH_CUDA_ALLOC_CONF of the user's own wins.
@@ -470,6 +486,11 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     if config.resume:
         with inputs_checked():
             step = checkpoint.resume(out, model, optimizer, scheduler, data, info)
+        if config.extend_schedule and step and scheduler.lr_decay_steps != config.train_steps:
+            saved = checkpoint.latest_checkpoint(out)
+            line = scheduler.extend(config.train_steps, checkpoint.new_run_hint(saved, config.to_dict()))
+            if info.is_main:
+                print(f"vlmpack train: {line}", flush=True)
         if cuda and config.adam_state_dtype == "fp32":
             use_fused_adamw(optimizer)  # the checkpoint may come from a run with bf16 moments
     logger = MetricsLogger(out, config, info, enabled=info.is_main)
@@ -483,7 +504,14 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
     model.train()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    with StopRequest() as stop:  # a scheduler's SIGTERM/SIGUSR1: finish the step, save, exit 0
+    def repeat_line(sig) -> str:  # a second signal: the process ends at once, mid-save maybe
+        saved = checkpoint.latest_checkpoint(out)
+        kept = f"checkpoint {saved.name} is the latest and intact" if saved else "no checkpoint was saved"
+        return (f"vlmpack train: {sig.name} again: exiting at once; any checkpoint being written is left unfinished "
+                f"(removed by the next run), {kept}")
+
+    # a scheduler's SIGTERM/SIGUSR1: finish the step, save, exit 0; Ctrl-C (SIGINT): the same, exit 130
+    with StopRequest(repeat_line=repeat_line) as stop:
         while step < config.train_steps:
             t0 = time.perf_counter()
             micro_batches = data.next_global_batch()
@@ -500,8 +528,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
             timer.mark()
             if update_ok:
                 scheduler.step(increment=1)
-            loss, target_tokens, stop_requested, saves_written = reduce_loss(losses, info, stop.requested,
-                                                                             saver.progress())
+            loss, target_tokens, stop_requested, saves_written = reduce_loss(losses, info, stop, saver.progress())
             step += 1
             if cuda:
                 torch.cuda.synchronize()
@@ -520,13 +547,14 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
                       "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None}
             if arch.lm.is_moe and config.moe_aux_loss_coef:
                 record["moe_load_balancing_loss"] = load_balancing_loss(len(micro_batches), arch.lm.num_experts_per_tok)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step}: lower --lr, check the data with `vlmpack verify`")
+            if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+                saver.wait()  # the save in flight (every rank is here: the loss and norm are global) completes
+                raise UserError(diverged_advice(config, step, loss, grad_norm))  # this step's weights are not saved
             if config.eval_data and config.eval_every and step % config.eval_every == 0 and not stop_requested:
                 record["eval_loss"], record["eval_target_tokens"] = evaluate(model, data, forward_step, seq_length, info)
             t_checkpoint = time.perf_counter()
             saver.settle(saves_written)  # a background save every rank has written: complete it
-            exiting = (bool(config.exit_interval) and step % config.exit_interval == 0) or stop_requested
+            exiting = (bool(config.exit_interval) and step % config.exit_interval == 0) or stop_requested is not None
             final = step == config.train_steps and config.save_final
             if (config.save_every and step % config.save_every == 0) or final or exiting:
                 checkpoint.save(saver, step, model, optimizer, scheduler, data, config, arch)
@@ -542,6 +570,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
                     print(f"vlmpack train: {stop.received.name if stop.received else 'a stop signal on another rank'}: "
                           f"step {step} saved to {out}; continue with --resume", file=sys.stderr, flush=True)
                 result["stopped_by_signal"] = True
+                result["interrupted"] = stop_requested == "interrupt"
             if exiting:
                 break
     saver.wait()
@@ -566,6 +595,28 @@ def checkpoint_record(saver, stall: float) -> dict:
         record["checkpoint_write_s"] = saver.completed[-1]["write_s"]
         saver.completed.clear()
     return record
+
+
+def diverged_advice(config: TrainConfig, step: int, loss: float, grad_norm: float | None) -> str:
+    """One line for a step whose loss or gradient norm is not finite: the settings that scale the
+    update, and the checkpoint (saved before the step) to go on from."""
+    what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
+    settings = [f"--lr {config.lr:g}"]
+    if config.lora_rank:
+        settings.append(f"--lora-alpha {config.lora_spec().alpha:g} (the adapters' scale)")
+    if config.moe_aux_loss_coef:
+        settings.append(f"--moe-aux-loss-coef {config.moe_aux_loss_coef:g}")
+    clipping = "; --clip-grad 0 turns clipping off: give e.g. --clip-grad 1" if config.clip_grad == 0 else ""
+    saved = checkpoint.latest_checkpoint(Path(config.out))
+    if saved is None:
+        where = "no checkpoint was saved"
+    elif config.lora_rank:
+        where = f"checkpoint {saved} holds the adapters from before it"
+    else:
+        where = f"checkpoint {saved} holds the weights from before it: a new run starts from them with --init " \
+                f"{saved / 'model'}"
+    return (f"training diverged at step {step} ({what}; this step is not saved): lower {', '.join(settings)}, "
+            f"or check the data with `vlmpack verify`{clipping}; {where}")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -645,12 +696,18 @@ class Train:
                 raise
             print(f"vlmpack train: error: {out_of_memory_advice(config, exc)}", file=sys.stderr)
             return 3
+        except KeyboardInterrupt:  # Ctrl-C outside the training loop (setup, export), where a step is not saved
+            saved = checkpoint.latest_checkpoint(Path(config.out))
+            print("vlmpack train: interrupted (SIGINT) outside the training loop; "
+                  + (f"the latest checkpoint, {saved}, is intact" if saved else "no checkpoint was saved"),
+                  file=sys.stderr)
+            return EXIT_INTERRUPTED
         finally:
             destroy_parallel()
         if result.get("final_step"):
             keys = ("start_step", "final_step", "loss", "stopped_by_signal")
             print(json.dumps({k: result[k] for k in keys if k in result}))
-        return 0
+        return EXIT_INTERRUPTED if result.get("interrupted") else 0
 
 
 def main(argv: list[str] | None = None) -> int:
