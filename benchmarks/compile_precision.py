@@ -26,7 +26,6 @@ import sys
 import numpy as np
 import torch
 from common import log, machine_info, parser, register_fewer_layers, write_json
-from decoder_speed import document_bounds
 
 from train.model.arch import builtin_arch
 from train.model.qwen_vl import compile_model, transformer_config
@@ -47,6 +46,14 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the packs")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the copies run (default %(default)s)")
     return ap.parse_args(argv)
+
+
+def document_bounds(rng: np.random.Generator, rows: int, tokens: tuple[int, int]) -> list[int]:
+    """cu_seqlens of one pack: documents of `tokens` lengths until `rows` are filled."""
+    bounds = [0]
+    while bounds[-1] < rows:
+        bounds.append(min(rows, bounds[-1] + int(rng.integers(tokens[0], tokens[1] + 1))))
+    return bounds
 
 
 def random_pack(rng: np.random.Generator, rows: int, vocab: int):

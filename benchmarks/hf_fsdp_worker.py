@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import register_fewer_layers
+from common import parser, register_fewer_layers
 from hf_baseline import HFPackedTrainer, Recipe, collate_pack, write_init_checkpoint
 
 from shards_schema import open_shards
@@ -50,8 +50,7 @@ from train.pack_plan import build_pack_plan
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, json_out=None)
     ap.add_argument("--data", required=True, help="shard directory")
     ap.add_argument("--out", required=True, help="directory for metrics.jsonl (and the initial weights)")
     ap.add_argument("--arch", required=True, help="builtin architecture (random init)")

@@ -65,7 +65,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import REPO, T0, log, machine_info, parser
+from common import REPO, T0, log, machine_info, parser, write_json
 
 TAIL_LINES = 40
 QUIET = ("UserWarning", "warnings.warn(", "FutureWarning", "DeprecationWarning")
@@ -394,10 +394,9 @@ def main(argv=None) -> int:
     log(f"{args.arch}" + (f" cut to {args.layers} layers" if args.layers else "") + f", {args.steps} steps x {args.global_batch_packs} packs x {args.seq_len} tokens, "
         f"device {args.device}, layouts {[lay.name for lay in layouts]}, out {out_dir}")
 
-    def write_json():
+    def write_result():
         res["total_s"] = time.perf_counter() - T0
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(res, indent=1, default=str))
+        write_json(json_out, res)
 
     # --- data, once
     if args.data_dir:
@@ -420,7 +419,7 @@ def main(argv=None) -> int:
         if approx_packs < packs_needed:
             log(f"note: ~{approx_packs:.0f} packs of data for {packs_needed} packs of training: later steps re-use "
                 f"data from a new epoch (all layouts alike)")
-    write_json()
+    write_result()
 
     # --- the layouts, one launch each
     env_base = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -493,7 +492,7 @@ def main(argv=None) -> int:
             log(f"{tag}: skipped: {run['note']}")
         else:
             res["curves"][layout.name] = run["losses"]
-        write_json()
+        write_result()
 
     # --- the HF + FSDP2 baseline on --hf-fsdp GPUs, with gradient checkpointing only if it must
     if args.hf_fsdp:
@@ -505,7 +504,7 @@ def main(argv=None) -> int:
                          f"HF + FSDP2, gradient checkpointing {checkpointing}")
             run["gradient_checkpointing"] = checkpointing
             hf["tries"].append(run)
-            write_json()
+            write_result()
             if run["status"] == "ok" or not run.get("out_of_memory"):
                 break
         best = hf["tries"][-1]
@@ -517,12 +516,12 @@ def main(argv=None) -> int:
             ours = run.get("summary", {}).get("tokens_per_s")
             if hf_tps and ours and run["nproc"] == args.hf_fsdp:
                 run["speedup_vs_hf_fsdp"] = ours / hf_tps
-        write_json()
+        write_result()
     ref = res["layouts"].get(ref_name, {}).get("steps") or []
     for name, run in res["layouts"].items():
         if run.get("steps") and ref:
             run["vs_reference"] = compare(run["steps"], ref)
-    write_json()
+    write_result()
     log(f"wrote {json_out}")
     print_table(res)
     statuses = [r["status"] for r in res["layouts"].values()] + ([res["hf_fsdp"]["status"]] if args.hf_fsdp else [])

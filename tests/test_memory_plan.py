@@ -1,13 +1,12 @@
 """The memory plan (`vlmpack train --dry-run`, train/memory_plan.py): its parameter counts
 against the models the trainer builds, its totals against every GPU peak the benchmarks
-recorded in benchmarks/results, and the command's output and errors."""
+measured (tests/fixtures/measured_peaks.json), and the command's output and errors."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
-import shlex
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,8 @@ from train.model.qwen_vl import transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 from train.trainer import freeze
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+# every GPU peak the benchmarks measured, with its run's settings and source
+MEASURED = Path(__file__).resolve().parent / "fixtures" / "measured_peaks.json"
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen2.5", "tiny-moe"])
@@ -50,12 +50,6 @@ def test_parameter_counts_equal_the_models_the_trainer_builds(name):
         destroy_parallel()
 
 
-def _visual_share(result: dict) -> float:
-    """Visual tokens per token of the run's data (its recorded totals), else the plan's default."""
-    share = memory_plan.visual_share([(result.get("data") or {}).get("totals") or {}], merge=2)
-    return memory_plan.VISUAL_SHARE if share is None else share
-
-
 def test_tensor_parallelism_splits_the_decoder_activations_not_the_vision_towers():
     """Under TP a layer's activations are split but for a part outside the GEMMs; with sequence
     parallelism that part too; every TP rank runs the whole vision tower."""
@@ -71,83 +65,34 @@ def test_tensor_parallelism_splits_the_decoder_activations_not_the_vision_towers
     assert rows_split < split < whole - vision / 2 and split > (whole - vision) / 2 + vision
 
 
-def _settings(args: dict, trainer_args=(), layers=None, visual_share=memory_plan.VISUAL_SHARE) -> tuple[str, memory_plan.Settings]:
-    flags = dict(a.lstrip("-").split("=", 1) for a in trainer_args)
-    recompute_layers = int(flags["recompute-layers"]) if "recompute-layers" in flags else args.get("recompute_layers")
-    rank = int(flags.get("lora-rank") or args.get("lora_rank") or 0)
-    settings = memory_plan.Settings(
-        seq_len=args["seq_len"], global_packs=args.get("global_batch_packs"), recompute=args["recompute"],
-        recompute_layers=recompute_layers,
-        grad_dtype=flags.get("grad-dtype") or args.get("grad_dtype") or "fp32",
-        adam_state_dtype=flags.get("adam-state-dtype") or args.get("adam_state_dtype") or "fp32",
-        distributed_optimizer=flags.get("distributed-optimizer", "true") == "true",
-        lora=lora.LoraSpec(rank=rank, alpha=2.0 * rank, dora=flags.get("lora-dora") == "true") if rank else None,
-        visual_share=visual_share,
-        sequence_parallel=flags["sequence-parallel"] == "true" if "sequence-parallel" in flags else None)
-    return args["arch"].removesuffix(f"-{layers}l") if layers else args["arch"], settings
+def _settings(record: dict) -> memory_plan.Settings:
+    settings = dict(record["settings"])
+    settings["freeze"] = tuple(settings["freeze"])
+    if settings["lora"]:
+        settings["lora"] = lora.LoraSpec(**{k: tuple(v) if isinstance(v, list) else v
+                                            for k, v in settings["lora"].items()})
+    return memory_plan.Settings(**settings)
 
 
-def _args_of(command: str) -> dict:
-    """train_speed.py's arguments from the command line a result file records."""
-    words = shlex.split(command)
-    args = {"recompute": "none"}
-    for flag, value in zip(words, words[1:]):
-        key = flag.lstrip("-").replace("-", "_")
-        if flag.startswith("--") and not value.startswith("--"):
-            args[key] = int(value) if value.isdigit() else value
-    return args
+def _measured(kind: str, value: str) -> list[tuple]:
+    """(label, arch name, layers, settings, layout, `value`) of each record of `kind` in
+    MEASURED: layers is the decoder layers a run kept when it cut the architecture."""
+    return [(r["label"], r["arch"], r["layers"], _settings(r), memory_plan.Layout(**r["layout"]), r[value])
+            for r in json.loads(MEASURED.read_text())[kind]]
 
 
-FP8_RUNS = set()  # labels of recorded runs with --fp8
-
-
-def _recorded_peaks():
-    """(label, arch name, layers, settings, layout, measured rank-0 peak GiB) of every GPU run
-    in benchmarks/results whose trainer reported its peak."""
-    for path in sorted(RESULTS.glob("train_speed*.json")):
-        result = json.loads(path.read_text())
-        args = result.get("args") or _args_of(result.get("command", ""))
-        if isinstance(result.get("runs"), dict):  # a sweep: {recompute layers: run}
-            for layers, run in result["runs"].items():
-                name, settings = _settings({**args, "recompute_layers": int(layers)}, visual_share=_visual_share(result))
-                yield f"{path.stem}[{layers}]", name, None, settings, memory_plan.Layout(), run["peak_memory_gib"]
-        elif "runs" in result:  # interleaved runs of one setting, or one run per --recompute-layers
-            for i, run in enumerate(result["runs"]):
-                layers = run.get("recompute_layers", args.get("recompute_layers"))
-                name, settings = _settings({**args, "recompute_layers": layers}, visual_share=_visual_share(result))
-                peak = run.get("peak_memory_gib") or run["summary"]["peak_memory_gib"]
-                yield f"{path.stem}[{i}]", name, args.get("layers"), settings, memory_plan.Layout(), peak
-        elif "repeats" in result:  # alternating vlmpack / HF runs of one setting
-            name, settings = _settings(args, layers=args.get("layers"), visual_share=_visual_share(result))
-            for i, repeat in enumerate(result["repeats"]):
-                yield (f"{path.stem}[{i}]", name, args.get("layers"), settings, memory_plan.Layout(),
-                       repeat["ours"]["summary"]["peak_memory_gib"])
-        elif (result.get("ours") or {}).get("summary", {}).get("peak_memory_gib"):
-            if args.get("fp8"):
-                FP8_RUNS.add(path.stem)
-            name, settings = _settings(args, layers=args.get("layers"), visual_share=_visual_share(result))
-            yield (path.stem, name, args.get("layers"), settings, memory_plan.Layout(),
-                   result["ours"]["summary"]["peak_memory_gib"])
-    for path in sorted(RESULTS.glob("loss_curves*.json")):
-        result = json.loads(path.read_text())
-        args = result["args"]
-        for layout_name, run in result["layouts"].items():
-            peak = (run.get("summary") or {}).get("peak_memory_gib_rank0_max")
-            if run["status"] != "ok" or peak is None:
-                continue
-            name, settings = _settings(args, args.get("trainer_arg") or [], layers=args.get("layers"),
-                                       visual_share=_visual_share(result))
-            layout = memory_plan.Layout(tp=run["tp"], pp=run["pp"], dp=run["dp"], ep=run.get("ep", 1))
-            if any(arg.startswith("--fp8") for arg in args.get("trainer_arg") or []):
-                FP8_RUNS.add(f"{path.stem}[{layout_name}]")
-            yield f"{path.stem}[{layout_name}]", name, args.get("layers"), settings, layout, peak
-
-
-RECORDED = list(_recorded_peaks())
+RECORDED = _measured("peaks", "measured_peak_gib")  # rank 0's peak of each run, GiB
+FP8_RUNS = {r["label"] for r in json.loads(MEASURED.read_text())["peaks"] if r["fp8"]}
+OUT_OF_MEMORY = _measured("out_of_memory", "gpu_memory_gib")  # runs that stopped for lack of it, with the GPU's GiB
 
 
 def test_every_recorded_gpu_peak_is_checked():
-    assert len(RECORDED) >= 50  # a renamed result file must not drop out of the check silently
+    """The record keeps every peak the benchmarks measured, each with the run it came from."""
+    records = json.loads(MEASURED.read_text())
+    labels = [r["label"] for kind in ("peaks", "out_of_memory") for r in records[kind]]
+    assert len(labels) == len(set(labels)) and len(RECORDED) >= 175 and len(OUT_OF_MEMORY) >= 3
+    for record in records["peaks"] + records["out_of_memory"]:
+        assert all(record["source"].get(key) for key in ("file", "date", "commit", "device")), record["label"]
 
 
 def _stage_plans(name: str, layers: int | None, settings, layout) -> list:
@@ -182,26 +127,6 @@ def test_plan_is_within_10_percent_of_the_recorded_gpu_peak(label, name, layers,
         assert -0.10 <= error <= 0.15, message
     else:
         assert abs(error) <= 0.10, message
-
-
-def _recorded_out_of_memory():
-    """(label, arch name, layers, settings, layout, GPU GiB) of every recorded layout that ran
-    out of GPU memory (flagged in the result, or the trainer's error in the log beside it)."""
-    for path in sorted(RESULTS.glob("loss_curves*.json")):
-        result = json.loads(path.read_text())
-        args = result["args"]
-        log = path.with_suffix(".log").read_text() if path.with_suffix(".log").exists() else ""
-        for layout_name, run in result["layouts"].items():
-            if run["status"] == "failed" and (run.get("out_of_memory")
-                                              or f"[{layout_name}] vlmpack train: error: out of GPU memory" in log):
-                name, settings = _settings(args, args.get("trainer_arg") or [], layers=args.get("layers"),
-                                       visual_share=_visual_share(result))
-                layout = memory_plan.Layout(tp=run["tp"], pp=run["pp"], dp=run["dp"], ep=run.get("ep", 1))
-                yield (f"{path.stem}[{layout_name}]", name, args.get("layers"), settings, layout,
-                       result["machine"]["gpu_memory_gib"])
-
-
-OUT_OF_MEMORY = list(_recorded_out_of_memory())
 
 
 @pytest.mark.parametrize("label,name,layers,settings,layout,gpu_gib", OUT_OF_MEMORY, ids=[r[0] for r in OUT_OF_MEMORY])
