@@ -51,10 +51,10 @@ from preprocess.job import JOB_FILE, shard_name, unit_record_path, write_final_o
 from preprocess.pipeline import SampleOptions, video_tokens
 from preprocess.video import VideoPlan
 from preprocess.profiles import resolve_profile
-from preprocess.render import QWEN2_5_DEFAULT_SYSTEM
+from preprocess.families.qwen2_5_vl import QWEN2_5_DEFAULT_SYSTEM
 from shards_schema.atomic import write_json_atomic
 from shards_schema.manifest import PARTS_DIR
-from shards_schema.positions import VideoPositions, mrope_position_ids
+from shards_schema.positions import mrope_position_ids
 from shards_schema.schema import Sample
 from shards_schema.writer import ShardWriter
 
@@ -221,9 +221,9 @@ def make_sample(index: int, spec: SyntheticSpec, tokens: _Tokens, profile, sourc
             video_patches=np.frombuffer(video_rng.bytes(rows * vision.pixel_values_row_width), dtype=np.uint8).reshape(
                 rows, vision.pixel_values_row_width),
             video_grid_thw=video_grid, second_per_grid_ts=spg)
-        videos = VideoPositions(video_pad_id=profile.special.video_pad, video_grid_thw=video_grid,
-                                second_per_grid_ts=spg, tokens_per_second=profile.tokens_per_second,
-                                split_frames=profile.family == "qwen3-vl")
+        videos = profile.family_rules.shard_rules.video_positions(
+            video_pad_id=profile.special.video_pad, video_grid_thw=video_grid, second_per_grid_ts=spg,
+            tokens_per_second=profile.tokens_per_second)
     else:
         video_fields = dict(video_patches=np.zeros((0, vision.pixel_values_row_width), dtype=np.uint8))
     positions = mrope_position_ids(input_ids, grid_thw, image_pad_id=tokens.image_pad, merge_size=merge, video=videos)

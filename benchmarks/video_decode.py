@@ -21,7 +21,7 @@ from common import add_video_arguments, log, machine_info, parser, write_json
 
 from preprocess.examples import synthetic_video_frames, write_video
 from preprocess.video.decode import VideoReader
-from preprocess.video.sampling import hf_qwen3_indices
+from preprocess.families.qwen3_vl import hf_qwen3_indices
 
 
 def read_full_decode(path: Path, indices: list[int]) -> list[np.ndarray]:

@@ -49,10 +49,10 @@ FLOOR = IMPORTS + "print(json.dumps({'peak_kib': resource.getrusage(resource.RUS
 
 HF_PATH = IMPORTS + textwrap.dedent("""
     from transformers.video_utils import load_video
-    from preprocess.video import BUILTIN_VIDEO
+    from preprocess.families.qwen3_vl import QWEN3_VL_VIDEO
     from shards_schema.builtin import BUILTIN_VISION
     from transformers import Qwen3VLVideoProcessor
-    vision, video = BUILTIN_VISION["qwen3-vl"], BUILTIN_VIDEO["qwen3-vl"]
+    vision, video = BUILTIN_VISION["qwen3-vl"], QWEN3_VL_VIDEO
     processor = Qwen3VLVideoProcessor(size={{"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels}},
                                       patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
                                       merge_size=vision.merge_size, image_mean=list(video.image_mean),

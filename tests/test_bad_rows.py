@@ -529,6 +529,7 @@ def test_truncate_tokenizes_only_a_head_and_gives_what_cutting_the_whole_texts_i
     its ids and loss mask (what --truncate always did), with an image before the text too. An
     image after the cut is too_long, as the cut would fall before it."""
     import preprocess.pipeline as pipeline
+    from preprocess.families import family_named
     from preprocess.render import render_conversation, tokenize_rendered
     from preprocess.text_budget import HEAD_CUT_WINDOW
 
@@ -547,7 +548,7 @@ def test_truncate_tokenizes_only_a_head_and_gives_what_cutting_the_whole_texts_i
             _process(row, profile, max_seq_len=256)
         assert err.value.code == "too_long" and "make at least" in err.value.message and not tokenized
         sample = _process(row, profile, max_seq_len=256, truncate=True)
-        rendered = render_conversation(row["messages"], family="qwen3-vl", special_tokens=profile.text_special_tokens)
+        rendered = render_conversation(row["messages"], family=family_named("qwen3-vl"), special_tokens=profile.text_special_tokens)
         ids, mask = tokenize_rendered(rendered, profile.tokenizer)
         if isinstance(content, list):
             pad = profile.special.image_pad

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from preprocess.errors import ConfigError, RejectError
+from preprocess.families import family_named
 from preprocess.render import (
     IMAGE_PLACEHOLDER,
     REJECT_CODES,
@@ -275,11 +276,11 @@ def check_against_hf(family, messages, tools, sources, profile, hf_tokenizer, te
         trained = expected_trained(messages, policy)
         if not any(trained):
             with pytest.raises(RejectError) as err:
-                render_conversation(messages, family=family, tools=tools, loss_policy=policy)
+                render_conversation(messages, family=family_named(family), tools=tools, loss_policy=policy)
             assert err.value.code == "no_targets"
             no_targets += 1
             continue
-        rendered = render_conversation(messages, family=family, tools=tools, loss_policy=policy)
+        rendered = render_conversation(messages, family=family_named(family), tools=tools, loss_policy=policy)
         assert rendered.text == text
         assert rendered.image_sources == sources
         assert [v.source for v in rendered.videos] == videos
@@ -328,7 +329,7 @@ def test_probes_match_hf(family, builtin_profiles, hf_tokenizers, official_templ
     checked = 0
     for _, messages, tools in TEMPLATE_PROBES:
         try:
-            render_conversation(messages, family=family, tools=tools)
+            render_conversation(messages, family=family_named(family), tools=tools)
         except RejectError:
             continue  # content this family rejects (covered by the reject tests)
         sources = image_sources_in_order(messages)
@@ -362,15 +363,15 @@ def test_spans_cover_content_tool_calls_and_im_end_only():
         {"role": "assistant", "content": "last"},
     ]
     tools = [{"type": "function", "function": {"name": "f"}}]
-    rendered = render_conversation(messages, family="qwen3-vl", tools=tools)
+    rendered = render_conversation(messages, family=family_named("qwen3-vl"), tools=tools)
     assert target_text(rendered) == [
         '<tool_call>\n{"name": "f", "arguments": {"x": "é"}}\n</tool_call><|im_end|>',
         "last<|im_end|>",
     ]
-    last_only = render_conversation(messages, family="qwen3-vl", tools=tools, loss_policy="last_assistant")
+    last_only = render_conversation(messages, family=family_named("qwen3-vl"), tools=tools, loss_policy="last_assistant")
     assert target_text(last_only) == ["last<|im_end|>"]
     messages[1]["train"] = True  # forces it in under last_assistant
-    forced = render_conversation(messages, family="qwen3-vl", tools=tools, loss_policy="last_assistant")
+    forced = render_conversation(messages, family=family_named("qwen3-vl"), tools=tools, loss_policy="last_assistant")
     assert target_text(forced) == ["first<|im_end|>", "last<|im_end|>"]
 
 
@@ -386,7 +387,7 @@ def test_qwen2_5_assistant_images_are_cut_out_of_spans(builtin_profiles):
             ],
         },
     ]
-    rendered = render_conversation(messages, family="qwen2.5-vl")
+    rendered = render_conversation(messages, family=family_named("qwen2.5-vl"))
     assert target_text(rendered) == ["a", "b<|im_end|>"]
     assert rendered.text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
     ids, mask = tokenize_rendered(rendered, builtin_profiles["qwen2.5-vl"].tokenizer)
@@ -400,7 +401,7 @@ def test_leading_newlines_merge_into_the_header_token(builtin_profiles):
     not a target (documented rule); the rest of the content is."""
     tokenizer = builtin_profiles["qwen3-vl"].tokenizer
     rendered = render_conversation(
-        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\n\nanswer"}], family="qwen3-vl"
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\n\nanswer"}], family=family_named("qwen3-vl")
     )
     ids, mask = tokenize_rendered(rendered, tokenizer)
     pieces = [tokenizer.decode([int(i)], skip_special_tokens=False) for i in ids]
@@ -415,10 +416,10 @@ def test_tool_call_newline_follows_raw_content_truthiness():
     base = [{"role": "user", "content": "q"}]
     with_list = render_conversation(
         base + [{"role": "assistant", "content": [{"type": "text", "text": ""}], "tool_calls": [call]}],
-        family="qwen3-vl",
+        family=family_named("qwen3-vl"),
     )
     with_empty = render_conversation(
-        base + [{"role": "assistant", "content": "", "tool_calls": [call]}], family="qwen3-vl"
+        base + [{"role": "assistant", "content": "", "tool_calls": [call]}], family=family_named("qwen3-vl")
     )
     assert "assistant\n\n<tool_call>" in with_list.text
     assert "assistant\n<tool_call>" in with_empty.text
@@ -427,9 +428,9 @@ def test_tool_call_newline_follows_raw_content_truthiness():
 def test_unknown_policy_and_family_are_value_errors():
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     with pytest.raises(ValueError):
-        render_conversation(messages, family="qwen3-vl", loss_policy="everything")
+        render_conversation(messages, family=family_named("qwen3-vl"), loss_policy="everything")
     with pytest.raises(ValueError):
-        render_conversation(messages, family="llama")
+        family_named("llama")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,7 +632,7 @@ def test_rejects(family, code, families, messages, tools, needle):
     if family not in families:
         pytest.skip(f"{code} case is specific to {families}")
     with pytest.raises(RejectError) as err:
-        render_conversation(messages, family=family, tools=tools)
+        render_conversation(messages, family=family_named(family), tools=tools)
     assert err.value.code == code
     assert needle in err.value.message
 
@@ -651,7 +652,7 @@ def test_control_tokens_in_text_become_structure_in_hf(family, hf_tokenizers, of
     assert ids.count(im_start) == clean_ids.count(im_start) + 1
     assert ids.count(im_end) == clean_ids.count(im_end) + 1
     with pytest.raises(RejectError) as err:
-        render_conversation(messages, family=family)
+        render_conversation(messages, family=family_named(family))
     assert err.value.code == "special_token_in_text"
 
 
@@ -669,7 +670,7 @@ def test_grounding_tokens_and_plain_added_tokens_stay_text_as_in_hf(
             "<|box_start|>(1,2),(3,4)<|box_end|><|quad_start|>q<|quad_end|>",
         },
     ]
-    rendered = render_conversation(messages, family=family, special_tokens=profile.text_special_tokens)
+    rendered = render_conversation(messages, family=family_named(family), special_tokens=profile.text_special_tokens)
     text, ids = hf_render(hf_tokenizers[family], official_template[family], messages, None)
     assert rendered.text == text
     assert tokenize_rendered(rendered, profile.tokenizer)[0].tolist() == ids
@@ -692,14 +693,14 @@ def test_text_special_tokens_come_from_the_tokenizer(builtin_profiles):
     custom = dataclasses.replace(profile, tokenizer_json=tokenizer.to_str())
     assert "<|tool_sep|>" in custom.text_special_tokens
     messages = [Q, {"role": "assistant", "content": "a<|tool_sep|>b"}]
-    assert render_conversation(messages, family="qwen3-vl").text.count("<|tool_sep|>") == 1
+    assert render_conversation(messages, family=family_named("qwen3-vl")).text.count("<|tool_sep|>") == 1
     with pytest.raises(RejectError, match="special_token_in_text: messages.1..content holds <.tool_sep.>"):
-        render_conversation(messages, family="qwen3-vl", special_tokens=custom.text_special_tokens)
+        render_conversation(messages, family=family_named("qwen3-vl"), special_tokens=custom.text_special_tokens)
 
 
 def test_last_assistant_train_false_leaves_no_targets():
     with pytest.raises(RejectError) as err:
-        render_conversation([Q, A, Q, dict(A, train=False)], family="qwen3-vl", loss_policy="last_assistant")
+        render_conversation([Q, A, Q, dict(A, train=False)], family=family_named("qwen3-vl"), loss_policy="last_assistant")
     assert err.value.code == "no_targets"
 
 
@@ -724,7 +725,7 @@ def test_dropped_by_template_rejects_are_real_losses(
     text, _ = hf_render(hf_tokenizers[family_name], official_template[family_name], messages, tools)
     assert lost not in text
     with pytest.raises(RejectError, match="dropped_by_template"):
-        render_conversation(messages, family=family_name, tools=tools)
+        render_conversation(messages, family=family_named(family_name), tools=tools)
 
 
 # ---------------------------------------------------------------------------------------------

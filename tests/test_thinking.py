@@ -11,6 +11,7 @@ import random
 import pytest
 
 from preprocess.errors import RejectError
+from preprocess.families import family_named
 from preprocess.profiles import builtin_profile
 from preprocess.render import IM_END, render_conversation
 from tests.conftest import THINKING_TEMPLATE_FILE
@@ -68,7 +69,7 @@ def test_rows_equal_the_official_thinking_template(reasoning_loss, hf_tokenizers
         messages, tools = thinking_conversation(rng)
         want = tokenizer.apply_chat_template(messages, tools=tools, chat_template=thinking_template, tokenize=False)
         try:
-            ours = render_conversation(messages, family="qwen3-vl", tools=tools, template="thinking",
+            ours = render_conversation(messages, family=family_named("qwen3-vl"), tools=tools, template="thinking",
                                        reasoning_loss=reasoning_loss)
         except RejectError as exc:
             assert exc.code in ("dropped_by_template", "no_targets"), f"conversation {n}: {exc}"
@@ -97,12 +98,12 @@ def test_rows_equal_the_official_thinking_template(reasoning_loss, hf_tokenizers
 def test_instruct_profile_still_rejects_reasoning_and_thinking_profile_names_its_template():
     rows = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "2+2=4"}]
     with pytest.raises(RejectError, match="Instruct templates do not render reasoning"):
-        render_conversation(rows, family="qwen3-vl")
+        render_conversation(rows, family=family_named("qwen3-vl"))
     profile = builtin_profile("qwen3-vl-thinking")
     assert (profile.family, profile.template) == ("qwen3-vl", "thinking")
     assert profile.fingerprint["chat_template_sha256"] == "36e042fe45641f067b1f2381fcc8955d10d956a3ed333ecdf7f7eb0916f68956"
     assert profile.fingerprint["id"] != builtin_profile("qwen3-vl").fingerprint["id"]
-    text = render_conversation(rows, family="qwen3-vl", template="thinking").text
+    text = render_conversation(rows, family=family_named("qwen3-vl"), template="thinking").text
     assert text.endswith("<|im_start|>assistant\n<think>\n2+2=4\n</think>\n\n4<|im_end|>\n")
 
 

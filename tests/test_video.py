@@ -29,7 +29,8 @@ from transformers.video_utils import VideoMetadata, load_video  # noqa: E402
 
 from preprocess.errors import RejectError  # noqa: E402
 from preprocess.examples import VIDEO_CODECS, synthetic_video_frames, write_video  # noqa: E402
-from preprocess.video import BUILTIN_VIDEO, VideoOptions, VideoRequest, plan_video, timestamps_for  # noqa: E402
+from preprocess.families import family_named  # noqa: E402
+from preprocess.video import VideoOptions, VideoRequest, plan_video, timestamps_for  # noqa: E402
 from preprocess.video.decode import VideoReader  # noqa: E402
 from preprocess.video.patches import frames_to_patches  # noqa: E402
 from shards_schema.builtin import BUILTIN_VISION  # noqa: E402
@@ -40,7 +41,7 @@ FAMILIES = ("qwen3-vl", "qwen2.5-vl")
 
 def hf_processor(family: str, **overrides):
     """The family's HF video processor with its published settings (and `overrides`)."""
-    vision, video = BUILTIN_VISION[family], BUILTIN_VIDEO[family]
+    vision, video = BUILTIN_VISION[family], family_named(family).builtin_video
     cls = Qwen3VLVideoProcessor if family == "qwen3-vl" else Qwen2VLVideoProcessor
     kwargs = dict(size={"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels},
                   patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
@@ -52,8 +53,9 @@ def hf_processor(family: str, **overrides):
 
 def plan(family: str, total: int, fps: float, height: int, width: int, request=VideoRequest(), **options):
     vision = BUILTIN_VISION[family]
-    return plan_video(total, fps, height, width, request=request, options=VideoOptions(**options), family=family,
-                      defaults=BUILTIN_VIDEO[family], patch_size=vision.patch_size, merge_size=vision.merge_size,
+    return plan_video(total, fps, height, width, request=request, options=VideoOptions(**options),
+                      family=family_named(family), defaults=family_named(family).builtin_video,
+                      patch_size=vision.patch_size, merge_size=vision.merge_size,
                       temporal_patch_size=vision.temporal_patch_size)
 
 
@@ -131,7 +133,7 @@ def test_per_part_options_equal_the_hf_processor_built_with_them(family):
         fps_or_n = rng.choice([("fps", rng.choice([0.5, 1, 2, 4])), ("nframes", rng.choice([2, 4, 6, 8]))])
         request = VideoRequest(min_frames=min_frames, max_frames=max_frames, min_pixels=min_pixels,
                                max_pixels=max_pixels, **{fps_or_n[0]: fps_or_n[1]})
-        defaults = BUILTIN_VIDEO[family]
+        defaults = family_named(family).builtin_video
         size = {"shortest_edge": min_pixels or defaults.min_pixels, "longest_edge": max_pixels or defaults.max_pixels}
         if size["shortest_edge"] > size["longest_edge"]:
             continue
@@ -152,7 +154,7 @@ def test_per_part_options_equal_the_hf_processor_built_with_them(family):
 
 def test_qwen3_smart_resize_is_hfs():
     rng = random.Random(3)
-    from preprocess.video.sampling import qwen3_video_smart_resize
+    from preprocess.families.qwen3_vl import qwen3_video_smart_resize
 
     for _ in range(2000):
         t, h, w = rng.randint(2, 800), rng.randint(16, 5000), rng.randint(16, 5000)
@@ -231,7 +233,7 @@ def _hf_videos(family, path, processor, **call_kwargs):
 
 
 def _ours(family, path, request=VideoRequest(), **options):
-    vision, video = BUILTIN_VISION[family], BUILTIN_VIDEO[family]
+    vision, video = BUILTIN_VISION[family], family_named(family).builtin_video
     with VideoReader(path) as reader:
         info = reader.info
         p = plan(family, info.total_frames, info.fps, info.height, info.width, request, **options)
@@ -435,7 +437,7 @@ def test_rows_with_videos_equal_hf_processing(family, builtin_profiles, hf_row_p
     media = tmp_path / "media"
     media.mkdir()
     options = SampleOptions(media_root=str(media), max_seq_len=1 << 20)
-    video = BUILTIN_VIDEO[family]
+    video = family_named(family).builtin_video
     for n in range(6):
         row, messages, hf_videos, hf_meta, hf_images = _random_row(rng, nprng, media, family)
         text = processor.apply_chat_template(hf_template_messages(messages), tokenize=False)
@@ -754,7 +756,7 @@ def test_contradicting_bounds_and_the_wrong_kind_of_media_are_named_rejects(fami
         return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]},
                              {"role": "assistant", "content": "Grey."}]}
 
-    default_max = BUILTIN_VIDEO[family].max_pixels
+    default_max = family_named(family).builtin_video.max_pixels
     cases = [
         ({"type": "video", "video": "clip.mp4", "min_pixels": 9000, "max_pixels": 8000}, "bad_video_option",
          "`min_pixels` 9000 is more than `max_pixels` 8000"),

@@ -24,22 +24,18 @@ from ..errors import RejectError
 from ..media import MIN_FPS, check_bounds, check_unsupported_size_options, part_number
 from .decode import VideoInfo, VideoReader
 from .sampling import (
-    BUILTIN_VIDEO,
     QVU_VIDEO_MIN_TOKEN_NUM,
     SAMPLING_MODES,
     VideoDefaults,
     VideoRequest,
-    hf_qwen2_indices,
-    hf_qwen3_indices,
-    hf_resize,
+    check_option_bounds,
     qvu_indices,
     qvu_resize,
     qvu_window,
 )
 
-__all__ = ["BUILTIN_VIDEO", "DEFAULT_FRAME_LIST_FPS", "DEFAULT_MAX_VIDEO_BYTES", "SAMPLING_MODES", "FrameList",
-           "VideoDefaults", "VideoOptions", "VideoPlan", "VideoRequest", "open_video_source", "plan_video",
-           "timestamps_for"]
+__all__ = ["DEFAULT_FRAME_LIST_FPS", "DEFAULT_MAX_VIDEO_BYTES", "SAMPLING_MODES", "FrameList", "VideoDefaults",
+           "VideoOptions", "VideoPlan", "VideoRequest", "open_video_source", "plan_video", "timestamps_for"]
 
 # A video file is streamed by the decoder, never read whole: the cap bounds disk reads and time.
 DEFAULT_MAX_VIDEO_BYTES = 4 * 2**30
@@ -92,10 +88,11 @@ def timestamps_for(indices, fps: float, temporal_patch_size: int) -> list[float]
 
 
 def plan_video(total_frames: int, fps: float, height: int, width: int, *, request: VideoRequest,
-               options: VideoOptions, family: str, defaults: VideoDefaults, patch_size: int, merge_size: int,
+               options: VideoOptions, family, defaults: VideoDefaults, patch_size: int, merge_size: int,
                temporal_patch_size: int, all_frames: bool = False) -> VideoPlan:
     """The sampled frame indices and resized size of a video, from its metadata alone.
-    `all_frames`: a list of frame images, which is used whole (neither reference samples one)."""
+    `family` (a `preprocess.families` object) gives its HF video processor's sampling and resize
+    rules; `all_frames`: a list of frame images, which is used whole (neither reference samples one)."""
     request = options.request(request)
     qvu = options.sampling == "qwen-vl-utils"
     # A minimum the part asks for must not exceed the maximum in force; a maximum under a default
@@ -103,26 +100,26 @@ def plan_video(total_frames: int, fps: float, height: int, width: int, *, reques
     # whose smart_resize asserts max_pixels >= min_pixels.
     if qvu:
         factor = patch_size * merge_size
-        _check_bounds("min_pixels", request.min_pixels if request.min_pixels is not None
-                      else QVU_VIDEO_MIN_TOKEN_NUM * factor * factor, "max_pixels", request.max_pixels)
+        check_option_bounds("min_pixels", request.min_pixels if request.min_pixels is not None
+                            else QVU_VIDEO_MIN_TOKEN_NUM * factor * factor, "max_pixels", request.max_pixels)
     else:
-        _check_bounds("min_pixels", request.min_pixels,
-                      "max_pixels", request.max_pixels if request.max_pixels is not None else defaults.max_pixels)
+        check_option_bounds("min_pixels", request.min_pixels,
+                            "max_pixels", request.max_pixels if request.max_pixels is not None else defaults.max_pixels)
     if all_frames:
         indices = np.arange(total_frames)
         if qvu:
             size = qvu_resize(request, total_frames, height, width, patch_size, merge_size)
         else:
-            size = hf_resize(family, total_frames, height, width, patch_size=patch_size, merge_size=merge_size,
-                             temporal_patch_size=temporal_patch_size,
-                             min_pixels=request.min_pixels if request.min_pixels is not None else defaults.min_pixels,
-                             max_pixels=request.max_pixels if request.max_pixels is not None else defaults.max_pixels,
-                             max_video_tokens=defaults.max_video_tokens,
-                             cap_pixels_per_frame=options.cap_pixels_per_frame)
+            size = family.hf_resize(total_frames, height, width, patch_size=patch_size, merge_size=merge_size,
+                                    temporal_patch_size=temporal_patch_size,
+                                    min_pixels=request.min_pixels if request.min_pixels is not None else defaults.min_pixels,
+                                    max_pixels=request.max_pixels if request.max_pixels is not None else defaults.max_pixels,
+                                    max_video_tokens=defaults.max_video_tokens,
+                                    cap_pixels_per_frame=options.cap_pixels_per_frame)
         sampled_fps = fps
     elif qvu:
         if request.nframes is None:
-            _check_bounds("min_frames", request.min_frames, "max_frames", request.max_frames)
+            check_option_bounds("min_frames", request.min_frames, "max_frames", request.max_frames)
         indices = qvu_indices(request, total_frames, fps)
         size = qvu_resize(request, len(indices), height, width, patch_size, merge_size)
         sampled_fps = len(indices) / _window(request, total_frames, fps)[1] * fps
@@ -131,27 +128,21 @@ def plan_video(total_frames: int, fps: float, height: int, width: int, *, reques
         min_frames = request.min_frames if request.min_frames is not None else defaults.min_frames
         max_frames = request.max_frames if request.max_frames is not None else defaults.max_frames
         if request.nframes is None:
-            _check_bounds("min_frames", request.min_frames, "max_frames", max_frames)
+            check_option_bounds("min_frames", request.min_frames, "max_frames", max_frames)
         sample_fps = request.fps if request.fps is not None or request.nframes is not None else defaults.fps
-        if family == "qwen3-vl":
-            indices = hf_qwen3_indices(window, fps, sample_fps, request.nframes, min_frames, max_frames)
-        else:
-            indices = hf_qwen2_indices(window, fps, sample_fps, request.nframes, min_frames, max_frames,
-                                       temporal_patch_size)
+        indices = family.hf_frame_indices(window, fps, sample_fps, request.nframes, min_frames, max_frames,
+                                          temporal_patch_size)
         indices = indices + start
         min_pixels = request.min_pixels if request.min_pixels is not None else defaults.min_pixels
         max_pixels = request.max_pixels if request.max_pixels is not None else defaults.max_pixels
         cap, max_video_tokens = options.cap_pixels_per_frame, defaults.max_video_tokens
         if request.total_pixels is not None:
-            if family == "qwen3-vl":  # size["longest_edge"] is already the whole clip's budget
-                max_pixels = min(max_pixels, request.total_pixels)
-                _check_bounds("min_pixels", request.min_pixels, "total_pixels", request.total_pixels)
-            else:  # the processor's total bound, with the given budget
-                max_pixels = max(min(max_pixels, request.total_pixels * temporal_patch_size // len(indices)),
-                                 int(min_pixels * 1.05))
-        size = hf_resize(family, len(indices), height, width, patch_size=patch_size, merge_size=merge_size,
-                         temporal_patch_size=temporal_patch_size, min_pixels=min_pixels, max_pixels=max_pixels,
-                         max_video_tokens=max_video_tokens, cap_pixels_per_frame=cap)
+            max_pixels = family.hf_max_pixels_within_total(request, min_pixels=min_pixels, max_pixels=max_pixels,
+                                                           num_frames=len(indices),
+                                                           temporal_patch_size=temporal_patch_size)
+        size = family.hf_resize(len(indices), height, width, patch_size=patch_size, merge_size=merge_size,
+                                temporal_patch_size=temporal_patch_size, min_pixels=min_pixels, max_pixels=max_pixels,
+                                max_video_tokens=max_video_tokens, cap_pixels_per_frame=cap)
         sampled_fps = len(indices) / window * fps
     if len(indices) == 0:
         raise RejectError("video_sampling", f"a video of {total_frames} frames at {fps:g} fps samples no frame")
@@ -161,11 +152,6 @@ def plan_video(total_frames: int, fps: float, height: int, width: int, *, reques
     grid = (math.ceil(len(indices) / temporal_patch_size), size[0] // patch_size, size[1] // patch_size)
     return VideoPlan(indices=np.asarray(indices, dtype=np.int64), fps=fps, height=size[0], width=size[1], grid=grid,
                      second_per_grid_t=temporal_patch_size / sampled_fps)
-
-
-def _check_bounds(low_name: str, low, high_name: str, high) -> None:
-    check_bounds(low_name, low, high_name, high, "bad_video_option",
-                 "the sampling options (the part's, else the --video-* flags', else the profile's)")
 
 
 def _window(request: VideoRequest, total_frames: int, fps: float) -> tuple[int, int]:

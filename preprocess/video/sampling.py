@@ -3,9 +3,9 @@
 Two modes, each the exact arithmetic of its reference:
 
 * `hf` (the default): the Hugging Face video processor of the family with frame sampling on:
-  `Qwen3VLVideoProcessor.sample_frames` / `Qwen2VLVideoProcessor.sample_frames` for the
-  indices and each processor's `smart_resize` for the size, including the optional per-frame
-  pixel cap (`cap_pixels_per_frame`);
+  its `sample_frames` for the indices and its `smart_resize` for the size, including the
+  optional per-frame pixel cap (`cap_pixels_per_frame`); each family's module of
+  `preprocess.families` holds its processor's arithmetic;
 * `qwen-vl-utils`: `qwen_vl_utils.smart_nframes` for the frame count, its `linspace`
   indices over the `video_start`/`video_end` window, and its pixel budget
   (`min_pixels`/`max_pixels`/`total_pixels`) for the size: what Qwen's own fine-tuning and
@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import RejectError
 from ..images import MAX_ASPECT_RATIO
-from ..images import smart_resize as image_smart_resize
+from ..media import check_bounds
 
 SAMPLING_MODES = ("hf", "qwen-vl-utils")
 
@@ -53,22 +53,6 @@ class VideoDefaults:
     max_video_tokens: int  # the processor's `max_video_tokens` (used by the per-frame cap)
 
 
-# Qwen3-VL-*-Instruct video_preprocessor_config.json (size, mean/std) over the class defaults
-# (fps 2, min_frames 4, max_frames 768, max_video_tokens 768).
-QWEN3_VL_VIDEO = VideoDefaults(
-    fps=2.0, min_frames=4, max_frames=768, min_pixels=4096, max_pixels=25165824,
-    image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), max_video_tokens=768,
-)
-# Qwen2.5-VL checkpoints ship no video_preprocessor_config.json: `Qwen2VLVideoProcessor`'s
-# class defaults (the CLIP mean/std of the image processor).
-QWEN2_5_VL_VIDEO = VideoDefaults(
-    fps=2.0, min_frames=4, max_frames=768, min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 768,
-    image_mean=(0.48145466, 0.4578275, 0.40821073), image_std=(0.26862954, 0.26130258, 0.27577711),
-    max_video_tokens=128000,
-)
-BUILTIN_VIDEO = {"qwen3-vl": QWEN3_VL_VIDEO, "qwen2.5-vl": QWEN2_5_VL_VIDEO}
-
-
 @dataclass(frozen=True)
 class VideoRequest:
     """A video part's sampling options (qwen-vl-utils / HF names); None means the default."""
@@ -93,98 +77,14 @@ class SamplePlan:
     width: int
 
 
-def _sampling_error(message: str) -> RejectError:
+def sampling_error(message: str) -> RejectError:
     return RejectError("video_sampling", message)
 
 
-# ---------------------------------------------------------------------------------------------
-# hf mode
-
-
-def hf_qwen3_indices(total_frames: int, video_fps: float, fps: float | None, nframes: int | None,
-                     min_frames: int, max_frames: int) -> np.ndarray:
-    """`Qwen3VLVideoProcessor.sample_frames`."""
-    if fps is not None and nframes is not None:
-        raise _sampling_error("`fps` and `nframes` are mutually exclusive: give one")
-    num_frames = nframes
-    if num_frames is None and fps is not None:
-        # capped at total_frames before int(): the same count as HF's, without int() of an overflowed
-        # product (a huge fps) raising
-        num_frames = int(min(total_frames / video_fps * fps, total_frames))
-        num_frames = min(max(num_frames, min_frames), max_frames, total_frames)
-    if num_frames is None:
-        num_frames = min(max(total_frames, min_frames), max_frames)
-    return np.linspace(0, total_frames - 1, num_frames).round().astype(int)
-
-
-def hf_qwen2_indices(total_frames: int, video_fps: float, fps: float | None, nframes: int | None,
-                     min_frames: int, max_frames: int, temporal_patch_size: int) -> np.ndarray:
-    """`Qwen2VLVideoProcessor.sample_frames` (torch float32 arange, as it computes)."""
-    import torch
-
-    if fps is not None and nframes is not None:
-        raise _sampling_error("`fps` and `nframes` are mutually exclusive: give one")
-    num_frames = None
-    if nframes is not None:
-        num_frames = round(nframes / temporal_patch_size) * temporal_patch_size
-    elif fps is not None:
-        max_frames = math.floor(min(max_frames, total_frames) / temporal_patch_size) * temporal_patch_size
-        num_frames = total_frames / video_fps * fps
-        num_frames = min(max(num_frames, min_frames), max_frames, total_frames)
-        num_frames = math.floor(num_frames / temporal_patch_size) * temporal_patch_size
-    if num_frames is not None and num_frames > total_frames:
-        raise _sampling_error(f"{num_frames} frames asked of a video of {total_frames}: lower `nframes` or `fps`")
-    if num_frames is not None and num_frames <= 0:
-        raise _sampling_error(
-            f"a video of {total_frames} frames at {video_fps:g} fps samples no frame "
-            f"(at least {temporal_patch_size} are needed)")
-    if num_frames is not None:
-        indices = torch.arange(0, total_frames, total_frames / num_frames).int()
-    else:
-        indices = torch.arange(0, total_frames).int()
-    return indices.numpy().astype(np.int64)
-
-
-def qwen3_video_smart_resize(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
-                             min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """`transformers.models.qwen3_vl.video_processing_qwen3_vl.smart_resize`."""
-    if num_frames < temporal_factor:
-        raise _sampling_error(f"{num_frames} frames sampled, at least {temporal_factor} are needed")
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height = int(height * scale)
-        width = int(width * scale)
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise RejectError("aspect_ratio", f"video {width}x{height}: aspect ratio must be at most {MAX_ASPECT_RATIO}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
-def hf_resize(family: str, num_frames: int, height: int, width: int, *, patch_size: int, merge_size: int,
-              temporal_patch_size: int, min_pixels: int, max_pixels: int, max_video_tokens: int,
-              cap_pixels_per_frame: bool) -> tuple[int, int]:
-    """The resized frame size of each family's video processor (`resize`)."""
-    factor = patch_size * merge_size
-    if family == "qwen3-vl":
-        if cap_pixels_per_frame:
-            frame_cap = max_video_tokens * factor * factor
-            pixels_per_frame = max(min(frame_cap, max_pixels // num_frames), int(min_pixels * 1.05))
-            max_pixels = pixels_per_frame * num_frames
-        return qwen3_video_smart_resize(num_frames, height, width, temporal_patch_size, factor, min_pixels, max_pixels)
-    if cap_pixels_per_frame:
-        total_pixels = int(max_video_tokens * factor * factor * 0.9)
-        max_pixels = max(min(max_pixels, total_pixels * temporal_patch_size // num_frames), int(min_pixels * 1.05))
-    return image_smart_resize(height, width, factor, min_pixels, max_pixels)
+def check_option_bounds(low_name: str, low, high_name: str, high) -> None:
+    """A minimum sampling option must not exceed the maximum in force (`bad_video_option`)."""
+    check_bounds(low_name, low, high_name, high, "bad_video_option",
+                 "the sampling options (the part's, else the --video-* flags', else the profile's)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +106,7 @@ def _floor_by(n: float, f: int) -> int:
 def qvu_nframes(request: VideoRequest, total_frames: int, video_fps: float) -> int:
     """`qwen_vl_utils.smart_nframes` (frames of the window, `total_frames`)."""
     if request.fps is not None and request.nframes is not None:
-        raise _sampling_error("`fps` and `nframes` are mutually exclusive: give one")
+        raise sampling_error("`fps` and `nframes` are mutually exclusive: give one")
     if request.nframes is not None:
         nframes = _round_by(request.nframes, QVU_FRAME_FACTOR)
     else:
@@ -219,7 +119,7 @@ def qvu_nframes(request: VideoRequest, total_frames: int, video_fps: float) -> i
         nframes = min(min(max(nframes, min_frames), max_frames), total_frames)
         nframes = _floor_by(nframes, QVU_FRAME_FACTOR)
     if not (QVU_FRAME_FACTOR <= nframes <= total_frames):
-        raise _sampling_error(f"the video samples {nframes} frames; {QVU_FRAME_FACTOR} to {total_frames} "
+        raise sampling_error(f"the video samples {nframes} frames; {QVU_FRAME_FACTOR} to {total_frames} "
                               "(its frame count) are possible: check `nframes`, `fps` and the video's length")
     return nframes
 
@@ -237,7 +137,7 @@ def qvu_window(request: VideoRequest, total_frames: int, video_fps: float) -> tu
     if request.video_end is not None:
         end_frame = min(math.floor(max(0.0, min(request.video_end, duration)) * video_fps), total_frames - 1)
     if start_frame >= end_frame:
-        raise _sampling_error(
+        raise sampling_error(
             f"window video_start={request.video_start} video_end={request.video_end} s holds at most one frame "
             f"of a video of {duration:.2f} s ({total_frames} frames at {video_fps:g} fps)")
     return start_frame, end_frame

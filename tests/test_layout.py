@@ -1,0 +1,230 @@
+"""The layout of the packages, read from their sources.
+
+* Model families: everything family-specific on the data side lives in one module per family,
+  under `preprocess/families/` and `shards_schema/families/`; shared code asks the family
+  instead of testing its name. A branch on a family name anywhere else in `preprocess/` or
+  `shards_schema/` fails `test_no_family_branches_outside_the_families`; `train/` is counted
+  and reported, not asserted (its families are not gathered yet).
+* Imports: no circle between modules of `preprocess/`, `shards_schema/` and `train/`, imports
+  inside functions included (they close a circle as surely, only later), but for the known
+  ones listed in KNOWN_CIRCLES.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("preprocess", "shards_schema", "train")
+# `family ==` / `!=` / `in (...)`, `qwen3 = ...` flags, names built on "qwen2" (e.g. `hf_qwen2_...`)
+FAMILY_BRANCH = re.compile(r"family *(==|!=|in \()|qwen3 *=|qwen2|\.family *(==|!=)")
+# Circles being removed on their own; any other circle, or a module joining one of these, fails.
+KNOWN_CIRCLES = (
+    frozenset({"preprocess.job", "preprocess.ray_executor"}),
+    frozenset({"train.checkpoint", "train.lora_export"}),
+)
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> source file, for every module of the three packages."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _in_families(path: Path) -> bool:
+    return "families" in path.relative_to(ROOT).parts[:-1]
+
+
+def _code_only(source: str) -> str:
+    """`source` with comments and the text of string literals blanked (positions kept): what the
+    code tests, not what its messages and docs say (`--profile` help names qwen2.5-vl, rightly)."""
+    lines = source.splitlines(keepends=True)
+    blank = {"COMMENT", "STRING", "FSTRING_MIDDLE"}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tokenize.tok_name[token.type] not in blank:
+            continue
+        (row0, col0), (row1, col1) = token.start, token.end
+        for row in range(row0, row1 + 1):
+            line = lines[row - 1]
+            a = col0 if row == row0 else 0
+            b = col1 if row == row1 else len(line.rstrip("\r\n"))
+            lines[row - 1] = line[:a] + " " * (b - a) + line[b:]
+    return "".join(lines)
+
+
+def _family_names() -> set[str]:
+    from preprocess.families import BUILTIN_PROFILES, FAMILY_NAMES, MODEL_TYPE_FAMILY
+
+    return set(FAMILY_NAMES) | set(BUILTIN_PROFILES) | set(MODEL_TYPE_FAMILY)
+
+
+def _is_family_literal(node: ast.AST, names: set[str]) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in names
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_is_family_literal(element, names) for element in node.elts)
+    return False
+
+
+def family_branches(path: Path, names: set[str], root: Path = ROOT) -> list[str]:
+    """`file:line: code` of each branch on a family in one module: a FAMILY_BRANCH match in its
+    code, or a comparison with a family or profile name written as a string."""
+    source = path.read_text(encoding="utf-8")
+    where = path.relative_to(root)
+    lines = source.splitlines()
+    hits = {row: line for row, line in enumerate(_code_only(source).splitlines(), 1) if FAMILY_BRANCH.search(line)}
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Compare) and any(_is_family_literal(n, names) for n in (node.left, *node.comparators)):
+            hits[node.lineno] = lines[node.lineno - 1]
+    return [f"{where}:{row}: {lines[row - 1].strip()}" for row, _ in sorted(hits.items())]
+
+
+def test_no_family_branches_outside_the_families(record_property):
+    names = _family_names()
+    found = {package: [] for package in PACKAGES}
+    for module, path in _modules().items():
+        if not _in_families(path):
+            found[module.split(".")[0]] += family_branches(path, names)
+    record_property("train_family_branches", len(found["train"]))
+    print(f"\nfamily-specific lines in train/ (branches on a family, names built on qwen2; not asserted yet): "
+          f"{len(found['train'])}", *found["train"], sep="\n  ")
+    assert found["preprocess"] == [] and found["shards_schema"] == [], (
+        "branch on a model family outside preprocess/families/ and shards_schema/families/ (ask the family "
+        "object instead, docs/families.md):\n" + "\n".join(found["preprocess"] + found["shards_schema"]))
+
+
+def test_the_branch_count_sees_branches_and_not_text(tmp_path):
+    """The count finds each kind of branch, and not a family named in a message or a comment."""
+    names = {"qwen3-vl", "qwen2.5-vl"}
+    module = tmp_path / "module.py"
+    module.write_text(
+        'HELP = "qwen2.5-vl or qwen3-vl"  # family == "qwen3-vl" in a comment\n'
+        'def f(profile, family, name):\n'
+        '    """Docs may say family != x and qwen2."""\n'
+        '    if profile.family == "x":\n'
+        '        return 1\n'
+        '    qwen3 = family == "y"\n'
+        '    if name in ("qwen2.5-vl", "other"):\n'
+        '        return hf_qwen2_indices()\n'
+        '    return name != "qwen3-vl"\n', encoding="utf-8")
+    hits = [line.split(":")[1] for line in family_branches(module, names, root=tmp_path)]
+    assert hits == ["4", "6", "7", "8", "9"]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of the three packages it imports, anywhere in its body (`import a.b`,
+    `from a import b` naming module a.b or a name of a, relative forms)."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                for alias in node.names:
+                    target = f"{base}.{alias.name}"
+                    if target in modules:
+                        imported.add(target)
+                    elif base in modules:
+                        imported.add(base)
+        graph[name] = imported - {name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index, low, on_stack, stack, circles, counter = {}, {}, set(), [], [], 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(frozenset(component))
+    return circles
+
+
+def test_no_import_circles_but_the_known_ones():
+    circles = import_circles(import_graph())
+    new = [sorted(circle) for circle in circles if circle not in KNOWN_CIRCLES]
+    assert not new, f"modules that import each other (directly or through others): {new}"
+
+
+def test_the_circle_search_finds_circles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e", "d"}}
+    assert import_circles(graph) == [frozenset({"a", "b", "c"})]
+    assert import_circles({"x": {"y"}, "y": {"x"}}) == [frozenset({"x", "y"})]
+
+
+@pytest.mark.parametrize("side", ["preprocess", "shards_schema"])
+def test_every_family_has_the_whole_interface(side):
+    """A new family module is complete: every member its package's Protocol documents."""
+    if side == "preprocess":
+        from preprocess.families import FAMILIES as families, ModelFamily as interface
+    else:
+        from shards_schema.families import RULES as families, FamilyRules as interface
+    members = set(interface.__annotations__) | {name for name, value in vars(interface).items()
+                                                if callable(value) and not name.startswith("_")}
+    assert members
+    for name, family in families.items():
+        assert family.name == name
+        assert not [member for member in sorted(members) if not hasattr(family, member)], name
+
+
+def test_the_registries_agree():
+    from preprocess.families import BUILTIN_PROFILES, FAMILIES, MODEL_TYPE_FAMILY, official_template_kind
+    from shards_schema.builtin import BUILTIN_CHAT_TEMPLATES, BUILTIN_VISION
+    from shards_schema.families import RULES
+
+    assert list(FAMILIES) == list(RULES) == list(BUILTIN_VISION)
+    for name, family in FAMILIES.items():
+        assert family.shard_rules is RULES[name]
+        assert set(family.official_template_sha256) == set(family.templates)
+        for kind, sha256 in family.official_template_sha256.items():
+            assert official_template_kind(sha256) == kind
+    assert set(MODEL_TYPE_FAMILY.values()) <= set(FAMILIES)
+    assert set(BUILTIN_PROFILES) == set(BUILTIN_CHAT_TEMPLATES)
+    for family, template in BUILTIN_PROFILES.values():
+        assert template in FAMILIES[family].templates
