@@ -418,3 +418,121 @@ def test_random_init_exports_a_model_transformers_loads(tmp_path):
     assert json.loads((tmp_path / "hf" / "preprocessor_config.json").read_text())["processor_class"] == "Qwen3VLProcessor"
     loaded = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "hf")
     assert torch.equal(loaded.model.language_model.layers[0].linear_attn.A_log, a.log())
+
+
+# --- tensor, pipeline and expert parallelism ------------------------------------------------------
+
+
+def _batch(pack: dict) -> tuple[tuple, dict]:
+    t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded", "labels")}
+    return (t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"]), \
+        dict(labels=t["labels"], **visual_inputs(pack))
+
+
+def _forward_backward(model, pack: dict, pp: int, pp_rank: int) -> torch.Tensor | None:
+    """Logits (last stage; None elsewhere), then the summed loss's backward, through `pp` stages
+    handing their activations and gradients on with send / recv (gloo)."""
+    import torch.distributed as dist
+
+    args, kwargs = _batch(pack)
+    rows, hidden = len(pack["input_ids"]), model.config.hidden_size
+    if pp_rank > 0:
+        received = torch.empty(rows, 1, hidden)
+        dist.recv(received, pp_rank - 1)
+        received.requires_grad_()
+        model.set_input_tensor(received)
+    if pp_rank < pp - 1:
+        out = model(*args, **kwargs)
+        dist.send(out.detach(), pp_rank + 1)
+        grad = torch.empty_like(out)
+        dist.recv(grad, pp_rank + 1)
+        out.backward(grad)
+        logits = None
+    else:
+        with torch.no_grad():
+            logits = model(*args, return_logits=True, **{k: v for k, v in kwargs.items() if k != "labels"})
+        if pp_rank > 0:
+            model.set_input_tensor(received)
+        model(*args, **kwargs).sum().backward()
+    if pp_rank > 0:
+        dist.send(received.grad, pp_rank - 1)
+    return logits
+
+
+def _parallel_worker(rank: int, world: int, port: int, hf_dirs: dict, pack: dict, layouts: list, out: str) -> None:
+    """One process of each layout in turn: the model built at (tp, pp, ep, sequence parallel)
+    from the HF checkpoint, run forward and backward on `pack`, against the same model built
+    whole in this process (TP = PP = EP = 1). Saves, per layout, the largest logit difference
+    and the largest gradient difference relative to the model's largest gradient, for this
+    rank's tensors; a gradient that megatron's `finalize_model_grads` sums over the TP ranks
+    (norms under sequence parallelism, q/k norms) is summed here too. Under EP each rank's
+    experts see both ranks' copies of the pack: twice the tokens, twice the gradient."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from train.checkpoint_format import lazy_hf_state
+
+    def run(kind, tp, pp, ep, sequence_parallel):
+        info = init_parallel(tp, pp, ep=ep, device="cpu")
+        arch = ModelArch.from_hf_dir(hf_dirs[kind])
+        config = transformer_config(arch, tp=tp, pp=pp, ep=ep, cpu=True, sequence_parallel=sequence_parallel)
+        model = build_model(arch, config, info)
+        full = convert.hf_to_megatron(lazy_hf_state(hf_dirs[kind]), arch)
+        convert.load_into_model(model, convert.shard(full, arch, tp, info.tp_rank, pp, info.pp_rank, ep, info.ep_rank))
+        logits = _forward_backward(model, pack, pp, info.pp_rank)
+        grads = {}
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if tp > 1 and ((config.sequence_parallel and getattr(param, "sequence_parallel", False))
+                           or "q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+            grads[name] = grad
+        parallel_state.destroy_model_parallel()
+        return arch, info, logits, grads
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    whole = {kind: run(kind, 1, 1, 1, False) for kind in hf_dirs}
+    results = []
+    for kind, tp, pp, ep, sequence_parallel in layouts:
+        arch, info, logits, grads = run(kind, tp, pp, ep, sequence_parallel)
+        _, _, want_logits, want_grads = whole[kind]
+        scale = max(g.abs().max().item() for g in want_grads.values())
+        want = convert.shard(want_grads, arch, tp, info.tp_rank, pp, info.pp_rank, ep, info.ep_rank)
+        errors = {name: (grad - want[name] * (ep if ".mlp.experts." in name else 1)).abs().max().item() / scale
+                  for name, grad in grads.items()}
+        results.append(dict(logits=None if logits is None else (logits - want_logits).abs().max().item(),
+                            names=sorted(grads) == sorted(want), grads=errors))
+    torch.save(results, f"{out}.{rank}")
+    destroy_parallel()
+
+
+# (model, tp, pp, ep, sequence parallelism): the ranks of each layout are the two processes. PP
+# runs the untied (MoE) model: megatron syncs a tied embedding's pipeline copies through CUDA.
+LAYOUTS = [("dense", 2, 1, 1, False), ("dense", 2, 1, 1, True), ("moe", 1, 2, 1, False), ("moe", 2, 1, 1, True),
+           ("moe", 1, 1, 2, False)]
+
+
+def test_tensor_pipeline_and_expert_parallel_equal_one_process(hf_checkpoint, tmp_path):
+    """TP=2 (with and without sequence parallelism: the Gated DeltaNet heads, the gated QKV
+    groups and the shared expert split over the ranks), PP=2 (two linear-attention layers on
+    the first stage, a linear and the full-attention layer on the second), EP=2 (the routed
+    experts split, the shared expert whole): two gloo processes give one process's logits
+    (to 1e-5) and gradients (to 1e-5 of the largest) (`_parallel_worker`)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    hf_dirs = {kind: str(path) for kind, (_, path) in hf_checkpoint.items()}
+    pack = make_pack(samples_of(hf_checkpoint["dense"][0])[2:])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_parallel_worker, args=(2, port, hf_dirs, pack, LAYOUTS, str(tmp_path / "results")), nprocs=2)
+    for rank in range(2):
+        for layout, result in zip(LAYOUTS, torch.load(tmp_path / f"results.{rank}")):
+            assert result["names"], layout
+            assert result["logits"] is None or result["logits"] < 1e-5, (layout, result["logits"])
+            worst = max(result["grads"].items(), key=lambda kv: kv[1])
+            assert worst[1] < 1e-5, (layout, rank, worst)
