@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
 from tests.hf_models import QWEN3_5_IDS, tiny_qwen3_5, tiny_qwen3_5_config
 from train import convert
-from train.model import qwen3_5
+from train.model import lora, qwen3_5
 from train.model.arch import ModelArch, builtin_arch
 from train.model.qwen_vl import transformer_config
 from train.packed_batch import IGNORE_INDEX, assemble_pack
@@ -420,6 +420,70 @@ def test_random_init_exports_a_model_transformers_loads(tmp_path):
     assert torch.equal(loaded.model.language_model.layers[0].linear_attn.A_log, a.log())
 
 
+# --- LoRA ---------------------------------------------------------------------------------------
+
+# every linear of the language model (gated q_proj, the Gated DeltaNet's in_proj_qkv/z/b/a and
+# out_proj, the MLP or the shared expert) and of the vision tower; DoRA on the dense model
+LORA_SPECS = {"dense": lora.LoraSpec(rank=4, alpha=8, parts=("llm", "vision", "merger"), dora=True),
+              "moe": lora.LoraSpec(rank=4, alpha=8)}
+
+
+def random_adapters(arch: ModelArch, spec: lora.LoraSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A full adapter state in PEFT's names with every tensor non-zero (DoRA magnitudes near 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = lora.adapter_shapes(lora.resolve_sites(arch, spec), spec.rank, spec.dora)
+    return {k: (1 + 0.3 * torch.rand(s, generator=generator)) if k.endswith(lora.MAGNITUDE)
+            else 0.1 * torch.randn(s, generator=generator) for k, s in shapes.items()}
+
+
+def test_lora_exports_load_in_peft_with_our_logits_and_gradients(case, info, tmp_path):
+    """Our adapters, exported in PEFT's format and loaded by PEFT onto HF's model, adapt exactly
+    our sites and give, on each sample of a pack, our logits there (HF run on the sample
+    alone); their gradients equal PEFT's to 3e-4 of the largest (the vision merger's, whose
+    gradient comes back through every decoder layer: PEFT's own fp32 gradient there is 5e-5 of
+    the largest off its float64 value)."""
+    import peft
+
+    from train import adapter_format
+
+    kind, hf_base, arch, _ = case
+    spec = LORA_SPECS[kind]
+    adapters = random_adapters(arch, spec)
+    adapter_format.write_peft_dir(tmp_path, spec, arch, adapters, None)
+    pm = peft.PeftModel.from_pretrained(tiny_qwen3_5(moe=kind == "moe"), tmp_path, is_trainable=True).eval()
+    sites = lora.resolve_sites(arch, spec)
+    assert {n for n, m in pm.base_model.model.named_modules() if hasattr(m, "lora_A")} == {s.module for s in sites}
+    assert any("linear_attn.in_proj_qkv" in s.module for s in sites) and any("q_proj" in s.module for s in sites)
+    model = megatron_model(hf_base, arch, info)
+    attached = lora.attach(model, arch, spec, 1, range(arch.lm.num_layers))
+    attached.load_state_dict(adapters)
+    samples = samples_of(hf_base)[2:]
+    pack = make_pack(samples)
+    logits = our_pack(model, pack)
+    worst = max((logits[rows] - hf_alone(pm, sample)).abs().max().item()
+                for sample, rows in zip(samples, sample_rows(pack)))
+    assert worst < TOLERANCE, worst
+    assert (logits - our_pack(megatron_model(hf_base, arch, info), pack)).abs().max() > 1e3 * TOLERANCE
+
+    sample = samples[1]
+    single = make_pack([sample], pad_to_multiple=1)
+    labels = torch.from_numpy(single["labels"])
+    keep = labels != IGNORE_INDEX
+    pm.train()
+    pm.base_model.model.model.rope_deltas = None
+    ref = pm(input_ids=torch.from_numpy(sample["input_ids"])[None], use_cache=False,
+             mm_token_type_ids=torch.from_numpy(_mm_types(sample["input_ids"]))[None], **visual_inputs(sample)).logits[0]
+    F.cross_entropy(ref[keep], labels[keep], reduction="sum").backward()
+    want = {k.replace(".default", "").removesuffix(".weight") if lora.MAGNITUDE in k else k.replace(".default", ""): p.grad
+            for k, p in pm.named_parameters() if p.requires_grad}
+    args, kwargs = _batch(single)
+    model(*args, **kwargs).sum().backward()
+    assert set(want) == set(attached.params)
+    scale = max(g.abs().max().item() for g in want.values())
+    for key, param in attached.params.items():
+        assert (param.grad - want[key]).abs().max().item() < 3e-4 * scale, key
+
+
 # --- tensor, pipeline and expert parallelism ------------------------------------------------------
 
 
@@ -459,13 +523,15 @@ def _forward_backward(model, pack: dict, pp: int, pp_rank: int) -> torch.Tensor 
     return logits
 
 
-def _parallel_worker(rank: int, world: int, port: int, hf_dirs: dict, pack: dict, layouts: list, out: str) -> None:
-    """One process of each layout in turn: the model built at (tp, pp, ep, sequence parallel)
-    from the HF checkpoint, run forward and backward on `pack`, against the same model built
-    whole in this process (TP = PP = EP = 1). Saves, per layout, the largest logit difference
-    and the largest gradient difference relative to the model's largest gradient, for this
-    rank's tensors; a gradient that megatron's `finalize_model_grads` sums over the TP ranks
-    (norms under sequence parallelism, q/k norms) is summed here too. Under EP each rank's
+def _parallel_worker(rank: int, world: int, port: int, hf_dirs: dict, pack: dict, layouts: list, adapters: dict,
+                     out: str) -> None:
+    """One process of each layout in turn: the model built at (tp, pp, ep, sequence parallel),
+    with `adapters[kind]`'s LoRA adapters where the layout says so, from the HF checkpoint, run
+    forward and backward on `pack`, against the same model built whole in this process (TP = PP
+    = EP = 1). Saves, per layout, the largest logit difference and the largest difference of
+    this rank's gradients (the adapters' where it has them) relative to the model's largest; a
+    gradient that megatron's `finalize_model_grads` sums over the TP ranks (norms and adapters
+    held whole under sequence parallelism, q/k norms) is summed here too. Under EP each rank's
     experts see both ranks' copies of the pack: twice the tokens, twice the gradient."""
     import os
 
@@ -474,32 +540,46 @@ def _parallel_worker(rank: int, world: int, port: int, hf_dirs: dict, pack: dict
 
     from train.checkpoint_format import lazy_hf_state
 
-    def run(kind, tp, pp, ep, sequence_parallel):
+    def run(kind, tp, pp, ep, sequence_parallel, adapted):
         info = init_parallel(tp, pp, ep=ep, device="cpu")
         arch = ModelArch.from_hf_dir(hf_dirs[kind])
         config = transformer_config(arch, tp=tp, pp=pp, ep=ep, cpu=True, sequence_parallel=sequence_parallel)
         model = build_model(arch, config, info)
         full = convert.hf_to_megatron(lazy_hf_state(hf_dirs[kind]), arch)
         convert.load_into_model(model, convert.shard(full, arch, tp, info.tp_rank, pp, info.pp_rank, ep, info.ep_rank))
+        layers = convert.stage_layers(arch, pp)[info.pp_rank]
+        if adapted:
+            spec, state = adapters[kind]
+            attached = lora.attach(model, arch, spec, tp, layers)
+            sites = lora.resolve_sites(arch, spec)
+            attached.load_state_dict(lora.shard_adapters(state, sites, tp, info.tp_rank, layers, info.first_stage))
         logits = _forward_backward(model, pack, pp, info.pp_rank)
         grads = {}
         for name, param in model.named_parameters():
             grad = param.grad
-            if tp > 1 and ((config.sequence_parallel and getattr(param, "sequence_parallel", False))
-                           or "q_layernorm" in name or "k_layernorm" in name):
+            if grad is not None and tp > 1 and ((config.sequence_parallel and getattr(param, "sequence_parallel", False))
+                                                or "q_layernorm" in name or "k_layernorm" in name):
                 dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
-            grads[name] = grad
+            if grad is not None:
+                grads[name] = grad
+        if adapted:
+            grads = {key: param.grad for key, param in attached.params.items()}
+            expected = lambda whole: lora.shard_adapters(whole, sites, tp, info.tp_rank, layers, info.first_stage)  # noqa: E731
+        else:
+            expected = lambda whole: convert.shard(whole, arch, tp, info.tp_rank, pp, info.pp_rank, ep, info.ep_rank)  # noqa: E731
         parallel_state.destroy_model_parallel()
-        return arch, info, logits, grads
+        return logits, grads, expected
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    whole = {kind: run(kind, 1, 1, 1, False) for kind in hf_dirs}
+    whole = {}
     results = []
-    for kind, tp, pp, ep, sequence_parallel in layouts:
-        arch, info, logits, grads = run(kind, tp, pp, ep, sequence_parallel)
-        _, _, want_logits, want_grads = whole[kind]
+    for kind, tp, pp, ep, sequence_parallel, adapted in layouts:
+        if (kind, adapted) not in whole:
+            whole[kind, adapted] = run(kind, 1, 1, 1, False, adapted)
+        logits, grads, expected = run(kind, tp, pp, ep, sequence_parallel, adapted)
+        want_logits, want_grads, _ = whole[kind, adapted]
         scale = max(g.abs().max().item() for g in want_grads.values())
-        want = convert.shard(want_grads, arch, tp, info.tp_rank, pp, info.pp_rank, ep, info.ep_rank)
+        want = expected(want_grads)
         errors = {name: (grad - want[name] * (ep if ".mlp.experts." in name else 1)).abs().max().item() / scale
                   for name, grad in grads.items()}
         results.append(dict(logits=None if logits is None else (logits - want_logits).abs().max().item(),
@@ -508,31 +588,39 @@ def _parallel_worker(rank: int, world: int, port: int, hf_dirs: dict, pack: dict
     destroy_parallel()
 
 
-# (model, tp, pp, ep, sequence parallelism): the ranks of each layout are the two processes. PP
-# runs the untied (MoE) model: megatron syncs a tied embedding's pipeline copies through CUDA.
-LAYOUTS = [("dense", 2, 1, 1, False), ("dense", 2, 1, 1, True), ("moe", 1, 2, 1, False), ("moe", 2, 1, 1, True),
-           ("moe", 1, 1, 2, False)]
+# (model, tp, pp, ep, sequence parallelism, LoRA): the ranks of each layout are the two processes.
+# PP runs the untied (MoE) model: megatron syncs a tied embedding's pipeline copies through CUDA.
+LAYOUTS = [("dense", 2, 1, 1, False, False), ("dense", 2, 1, 1, True, False), ("moe", 1, 2, 1, False, False),
+           ("moe", 2, 1, 1, True, False), ("moe", 1, 1, 2, False, False), ("dense", 2, 1, 1, False, True),
+           ("moe", 2, 1, 1, True, True)]
 
 
 def test_tensor_pipeline_and_expert_parallel_equal_one_process(hf_checkpoint, tmp_path):
     """TP=2 (with and without sequence parallelism: the Gated DeltaNet heads, the gated QKV
     groups and the shared expert split over the ranks), PP=2 (two linear-attention layers on
     the first stage, a linear and the full-attention layer on the second), EP=2 (the routed
-    experts split, the shared expert whole): two gloo processes give one process's logits
-    (to 1e-5) and gradients (to 1e-5 of the largest) (`_parallel_worker`)."""
+    experts split, the shared expert whole), and LoRA / DoRA adapters at TP=2 (in_proj_qkv's
+    lora_B split as its heads, gated q_proj's placed per group): two gloo processes give one
+    process's logits (to 1e-5) and gradients (to 5e-5 of the largest) (`_parallel_worker`).
+    Measured: 1e-6 or less without adapters and with LoRA; DoRA's row norms, summed over the TP
+    ranks in another order, 6e-6 on the logits and 1.3e-5 on the gradients."""
     import socket
 
     import torch.multiprocessing as mp
 
     hf_dirs = {kind: str(path) for kind, (_, path) in hf_checkpoint.items()}
     pack = make_pack(samples_of(hf_checkpoint["dense"][0])[2:])
+    adapters = {}
+    for kind, (hf, _) in hf_checkpoint.items():
+        arch = ModelArch.from_hf_config(hf.config.to_dict())
+        adapters[kind] = LORA_SPECS[kind], random_adapters(arch, LORA_SPECS[kind])
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_parallel_worker, args=(2, port, hf_dirs, pack, LAYOUTS, str(tmp_path / "results")), nprocs=2)
+    mp.spawn(_parallel_worker, args=(2, port, hf_dirs, pack, LAYOUTS, adapters, str(tmp_path / "results")), nprocs=2)
     for rank in range(2):
         for layout, result in zip(LAYOUTS, torch.load(tmp_path / f"results.{rank}")):
             assert result["names"], layout
             assert result["logits"] is None or result["logits"] < 1e-5, (layout, result["logits"])
             worst = max(result["grads"].items(), key=lambda kv: kv[1])
-            assert worst[1] < 1e-5, (layout, rank, worst)
+            assert worst[1] < 5e-5, (layout, rank, worst)
