@@ -343,6 +343,8 @@ def _in_proj_sizes(lm: LMArch) -> list[int]:
 def _experts_fc1(tensors: list[Tensor], lm: LMArch) -> Tensor:
     """Each expert's gate_proj, up_proj [F, H] (in expert order) -> GroupedMLP's weight1 [H, E*2F],
     whose memory is [E, H, 2F]: each expert's [gate | up] columns (`train.model.moe`)."""
+    if tensors[0].is_meta:  # shapes only (`convert.megatron_shapes`): no per-expert work
+        return torch.empty(lm.hidden_size, len(tensors) * tensors[0].shape[0], device="meta")
     pairs = zip(tensors[0::2], tensors[1::2])
     return torch.stack([torch.cat([gate.t(), up.t()], dim=1) for gate, up in pairs]).reshape(lm.hidden_size, -1)
 
@@ -355,6 +357,8 @@ def _experts_fc1_back(tensor: Tensor, lm: LMArch) -> tuple[Tensor, ...]:
 
 def _experts_fc2(tensors: list[Tensor], lm: LMArch) -> Tensor:
     """Each expert's down_proj [H, F] -> GroupedMLP's weight2 [E*F, H] (memory [E, F, H])."""
+    if tensors[0].is_meta:
+        return torch.empty(len(tensors) * tensors[0].shape[1], lm.hidden_size, device="meta")
     return torch.stack([down.t() for down in tensors]).reshape(-1, lm.hidden_size)
 
 
