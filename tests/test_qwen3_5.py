@@ -654,3 +654,47 @@ def test_dry_run_plans_the_published_models(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "memory plan: qwen3.5-397b-a17b on 64 GPU(s) as tp 2 x pp 4 x dp 8 (ep 16)" in out, out
     assert "smallest layout that fits: 64 GPU(s)" in out
+
+
+# --- GPU ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("moe", [False, True])
+def test_gpu_bf16_packed_samples_stay_close_to_hf(moe):
+    """On a GPU in bf16 (varlen attention, flash-linear-attention's Gated DeltaNet kernels where
+    fla-core is installed, the grouped GEMM): each sample of a pack stays as close to HF's fp32
+    model on that sample alone as HF's own bf16 model on the GPU does, within twice its error or
+    2 % of the largest logit, whichever is larger."""
+    import copy
+
+    info = init_parallel(1, 1, device="cuda")
+    try:
+        hf = tiny_qwen3_5(moe=moe)
+        arch = ModelArch.from_hf_config(hf.config.to_dict())
+        samples = samples_of(hf)
+        pack = make_pack(samples)
+        references = [hf_alone(hf, sample) for sample in samples]
+        hf_bf16 = copy.deepcopy(hf).to("cuda", torch.bfloat16)
+        model = build_model(arch, transformer_config(arch, params_dtype=torch.bfloat16, bf16=True), info).eval()
+        full = convert.hf_to_megatron(hf.state_dict(), arch)
+        convert.load_into_model(model, {k: v.to(torch.bfloat16) for k, v in convert.shard(full, arch, 1, 0, 1, 0).items()})
+        t = {k: torch.from_numpy(np.asarray(pack[k])).cuda() for k in ("input_ids", "position_ids", "cu_seqlens_padded")}
+        visual = {k: v.cuda().to(torch.bfloat16) if v.is_floating_point() else v for k, v in visual_inputs(pack).items()}
+        with torch.no_grad():
+            ours = model(t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"],
+                         return_logits=True, **visual).float().cpu()
+        for sample, rows, reference in zip(samples, sample_rows(pack), references):
+            ids = torch.from_numpy(sample["input_ids"])[None].cuda()
+            inputs = {k: v.cuda().to(torch.bfloat16) if v.is_floating_point() else v.cuda()
+                      for k, v in visual_inputs(sample).items()}
+            hf_bf16.model.rope_deltas = None
+            with torch.no_grad():
+                theirs = hf_bf16(input_ids=ids, use_cache=False, **inputs,
+                                 mm_token_type_ids=torch.from_numpy(_mm_types(sample["input_ids"]))[None].cuda())
+            hf_error = (theirs.logits[0].float().cpu() - reference).abs().max().item()
+            our_error = (ours[rows] - reference).abs().max().item()
+            assert our_error <= max(2 * hf_error, 0.02 * reference.abs().max().item()), (our_error, hf_error)
+    finally:
+        destroy_parallel()
