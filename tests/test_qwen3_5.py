@@ -374,7 +374,7 @@ def test_linear_attention_shards_are_the_gated_delta_net_tables(hf_checkpoint):
              if k.startswith("model.language_model.layers.1.linear_attn.")}
     for rank in range(2):
         state = convert.shard(full, arch, 2, rank, 2, 0)
-        want = gdn.hf_to_rank(layer, qwen3_5.gdn_dims(arch.lm), 2, rank)
+        want = gdn.hf_to_rank(layer, gdn.GatedDeltaNetDims.from_lm(arch.lm), 2, rank)
         for param, tensor in want.items():
             assert torch.equal(state[f"language_model.decoder.layers.1.self_attention.{param}"], tensor), param
     for tp, pp, ep in [(2, 1, 1), (1, 2, 2), (2, 2, 4)]:

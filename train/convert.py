@@ -549,10 +549,9 @@ LINEAR_ATTENTION_SPLIT = "linear_attention_heads"
 
 def _linear_attention_weight(rule: str, lm: LMArch):
     from train.model import gated_delta_net as gdn
-    from train.model.qwen3_5 import gdn_dims
 
     param = rule.split(":", 1)[1]
-    return next(w for w in gdn.WEIGHTS if w.param == param), gdn_dims(lm)
+    return next(w for w in gdn.WEIGHTS if w.param == param), gdn.GatedDeltaNetDims.from_lm(lm)
 
 
 def _split(tensor: torch.Tensor, rule: str, tp: int, lm: LMArch | None = None) -> list[torch.Tensor]:

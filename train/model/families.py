@@ -85,9 +85,13 @@ def register(family: ModelFamily) -> None:
 def _load() -> None:
     global _loaded
     if not _loaded:
-        _loaded = True
-        for module in FAMILY_MODULES:
-            importlib.import_module(module)
+        _loaded = True  # first: a lookup while a family module is being imported finds no family, not a loop
+        try:
+            for module in FAMILY_MODULES:
+                importlib.import_module(module)
+        except BaseException:
+            _loaded = False
+            raise
 
 
 def all_families() -> list[ModelFamily]:

@@ -310,12 +310,6 @@ def _convert():
     return convert
 
 
-def gdn_dims(lm: LMArch) -> gdn.GatedDeltaNetDims:
-    return gdn.GatedDeltaNetDims(hidden_size=lm.hidden_size, num_key_heads=lm.linear_num_key_heads,
-                                 num_value_heads=lm.linear_num_value_heads, key_head_dim=lm.linear_key_head_dim,
-                                 value_head_dim=lm.linear_value_head_dim, conv_kernel=lm.linear_conv_kernel_dim)
-
-
 def fuse_gated_qkv(q: Tensor, k: Tensor, v: Tensor, lm: LMArch) -> Tensor:
     """HF q_proj (per head [query; gate] rows), k_proj, v_proj -> megatron's gated QKV rows: per
     query group [its queries, their gates, its key, its value] (`get_query_key_value_tensors`
@@ -336,7 +330,7 @@ def split_gated_qkv(qkv: Tensor, lm: LMArch) -> tuple[Tensor, Tensor, Tensor]:
 
 def _in_proj_sizes(lm: LMArch) -> list[int]:
     """The rows of in_proj_qkv, in_proj_z, in_proj_b, in_proj_a."""
-    rows = gdn_dims(lm).block_rows()
+    rows = gdn.GatedDeltaNetDims.from_lm(lm).block_rows()
     return [sum(rows[block] for block in blocks) for _, blocks in gdn.WEIGHTS[0].hf]
 
 
@@ -424,7 +418,7 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     convert, lm = _convert(), arch.lm
     h, d, v = lm.hidden_size, lm.head_dim, lm.vocab_size
     q, kv = lm.num_heads * d, lm.num_kv_heads * d
-    dims = gdn_dims(lm)
+    dims = gdn.GatedDeltaNetDims.from_lm(lm)
     full = {"self_attn.q_proj.weight": (2 * q if lm.attn_output_gate else q, h), "self_attn.k_proj.weight": (kv, h),
             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q), "self_attn.q_norm.weight": (d,),
             "self_attn.k_norm.weight": (d,)}
