@@ -6,7 +6,14 @@
   configs the model cannot build are refused by field name.
 - The model: each sample of a pack (text, images, video; padded rows between and after them)
   gets the logits and losses of HF's model run on that sample alone, dense and MoE; a pack
-  equals its samples run one by one through our model (the packing is exact).
+  equals its samples run one by one through our model (the packing is exact); gradients are
+  HF's.
+- Conversion: import-hf / export-hf round trip bit for bit at TP / PP / EP layouts with the
+  multi-token-prediction tensors carried; exports load in transformers with the same logits.
+- LoRA / DoRA on every linear (the Gated DeltaNet's projections included): exported in PEFT's
+  format, loaded by PEFT onto HF's model, our logits and gradients.
+- TP=2, PP=2, TP=2 x EP=2 and LoRA at TP=2 (two gloo processes) equal one process; the memory
+  plan counts each rank's parameters and plans the published sizes.
 """
 
 from __future__ import annotations

@@ -14,6 +14,12 @@ Megatron's layout differs from HF's in three tensors per layer: QKV is one matri
 GQA group ([the group's q heads, its k head, its v head] per group) so that a TP rank holds
 whole groups; fc1 is [gate; up], each half split across TP ranks separately; the norms of
 the local (non-TE) layer spec stay separate tensors.
+
+A family with a module of its own (`train.model.families`; Qwen3.5 in train/model/qwen3_5.py)
+gives its own name table, transforms and checkpoint shapes; the tables' rows may hold for one
+layer type only and list every expert. Tensors of a checkpoint that its model does not build
+(Qwen3.5's multi-token-prediction layers) are carried: import-hf keeps them in CARRIED_FILE and
+export-hf writes them back as they are (`carried_tensors`).
 """
 
 from __future__ import annotations
