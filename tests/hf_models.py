@@ -159,3 +159,60 @@ def hf_rope_index(model, input_ids, image_grid_thw, image_pad_id: int = IMAGE_TO
     with torch.no_grad():
         pos, _ = model.model.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=grid)
     return pos[:, 0].numpy()
+
+
+# --- Qwen3.5 / Qwen3.6 -------------------------------------------------------------------------
+
+QWEN3_5_IDS = dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                   vision_end_token_id=248054)
+QWEN3_5_VOCAB_SIZE = 248320
+
+
+def tiny_qwen3_5_config(moe: bool = False, layers: int = 4):
+    """Qwen3.5 in miniature, written as the published configs are: `layers` decoder layers, three
+    of every four Gated DeltaNet (2 key heads serving 4 value heads, key/value head dims 8/12),
+    every fourth gated softmax attention (4 heads, 2 KV heads, head_dim 32 of which 8 rotate:
+    partial_rotary_factor 0.25, interleaved M-RoPE [2, 1, 1] = T, H, W, T over its 4
+    frequencies), the real vocabulary; a 2-block vision tower without DeepStack. `moe`: every MLP
+    is 8 experts of width 24, 2 per token, plus a shared expert of width 40 (Qwen3.5-35B-A3B in
+    miniature, untied like it); dense models are tied like Qwen3.5-0.8B."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    text = dict(
+        vocab_size=QWEN3_5_VOCAB_SIZE, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=262144,
+        attention_bias=False, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, mrope_section=[2, 1, 1], mrope_interleaved=True,
+                             partial_rotary_factor=0.25))
+    if moe:
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                    router_aux_loss_coef=0.001)
+    else:
+        text["intermediate_size"] = 128
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, hidden_act="gelu_pytorch_tanh",
+                  in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+                  num_position_embeddings=2304)
+    config_class = Qwen3_5MoeConfig if moe else Qwen3_5Config
+    return config_class(text_config=text, vision_config=vision, tie_word_embeddings=not moe, **QWEN3_5_IDS)
+
+
+def tiny_qwen3_5(seed: int = 0, moe: bool = False, layers: int = 4):
+    """A `Qwen3_5ForConditionalGeneration` (`moe`: `Qwen3_5MoeForConditionalGeneration`) with
+    `tiny_qwen3_5_config()`, fp32, eval, every parameter moved off its initial value (the
+    zero-centred norms' zeros, the gated norms' and dt_bias' ones), so a norm read as 1 + w or as
+    w, or a missing gate, shows."""
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+
+    model = _build(Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration,
+                   tiny_qwen3_5_config(moe, layers), seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1 or "norm" in name:
+                param.add_(0.2 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def tiny_qwen3_5_moe(seed: int = 0, layers: int = 4):
+    return tiny_qwen3_5(seed, moe=True, layers=layers)

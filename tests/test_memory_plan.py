@@ -24,7 +24,7 @@ from train.trainer import freeze
 MEASURED = Path(__file__).resolve().parent / "fixtures" / "measured_peaks.json"
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2.5", "tiny-moe"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2.5", "tiny-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe"])
 def test_parameter_counts_equal_the_models_the_trainer_builds(name):
     arch = builtin_arch(name)
     info = init_parallel(1, 1, device="cpu")

@@ -50,7 +50,7 @@ from train import checkpoint_format as fmt
 from train import convert
 from train.config import ConfigError, flag_name
 from train.metrics import METRICS_FILE
-from train.model import lora
+from train.model import families, lora
 from train.model.arch import ModelArch
 
 CHECKPOINTS = "checkpoints"
@@ -132,9 +132,15 @@ def random_full_state(arch: ModelArch, seed: int, std: float = 0.02, layers: ran
     def drawn(name: str) -> bool:
         return layers is None or not name.startswith("language_model.decoder.layers.") or int(name.split(".")[3]) in layers
 
+    family = families.of(arch)
+
+    def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        special = family.init_tensor(name, shape, seed) if family is not None else None  # e.g. zero-centred norms
+        return special if special is not None else _random_tensor(name, shape, seed, std, arch.lm.num_layers, pool)
+
     with ThreadPoolExecutor(_init_threads()) as pool:
-        return {n: _random_tensor(n, shape, seed, std, arch.lm.num_layers, pool) if drawn(n)
-                else torch.empty(shape, device="meta") for n, shape in convert.megatron_shapes(arch).items()}
+        return {n: value(n, shape) if drawn(n) else torch.empty(shape, device="meta")
+                for n, shape in convert.megatron_shapes(arch).items()}
 
 
 def init_random_weights(model, arch: ModelArch, seed: int, info, std: float = 0.02) -> None:
@@ -485,6 +491,8 @@ class CheckpointSaver:
                                            "dp": self.info.dp, "world": self.info.world}}
             side_files = config.hf_model or (Path(config.init) / fmt.HF_SUBDIR if config.init else None)
             state["side_files"] = side_files if side_files and Path(side_files).is_dir() else None
+            # the source's tensors the model does not build (`convert.carried_tensors`) travel too
+            state["carried_from"] = None if adapters is not None else (config.hf_model or config.init)
             state["profile"] = data.profile
         state["lora"] = (adapters.spec, adapters.base) if adapters is not None else None
         self._add_time("snapshot_s", t0)
@@ -586,6 +594,8 @@ class CheckpointSaver:
                     fmt.write_meta(subdir, arch, info.tp, info.pp, state["dtype"], info.ep)
                 if state["side_files"]:  # tokenizer/processor files travel to export-hf
                     fmt.copy_hf_side_files(state["side_files"], subdir / fmt.HF_SUBDIR)
+                if state["carried_from"] and Path(state["carried_from"]).is_dir():
+                    convert.write_carried(subdir, state["carried_from"], arch)
                 fmt.write_profile(subdir, state["profile"])  # and the data's chat template and processor settings
                 write_json_atomic(tmp / "trainer.json", state["trainer"])
             _torch_save(state["rank"], tmp / f"rank_{info.rank:05d}.pt")

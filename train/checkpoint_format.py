@@ -13,6 +13,10 @@ A Megatron model directory (`vlmpack import-hf` writes one; the trainer can save
                                      with ep > 1, one per (pp_rank, ep_rank): the stacked
                                      experts of that expert-parallel rank (whole experts, the
                                      same on every TP rank), under the stage model's names
+      hf_carried.safetensors         tensors of the Hugging Face source that the model does not
+                                     build, kept as they are for export-hf (Qwen3.5's multi-token-
+                                     prediction layers, `convert.carried_tensors`); absent where
+                                     there are none
       hf/                            tokenizer, processor, chat template and generation files
                                      copied from the Hugging Face source (absent for a
                                      random-init architecture)
@@ -48,6 +52,7 @@ from shards_schema.builtin import (
     builtin_tokenizer_json,
     read_hf_chat_template,
 )
+from train.model import families
 from train.model.arch import LMArch, ModelArch, arch_dict
 from train.model.vision import VisionArch
 
@@ -67,6 +72,7 @@ HF_SIDE_FILES = (
 )
 HF_INDEX_FILE = "model.safetensors.index.json"
 PROFILE_FILE = "profile.json"
+CARRIED_FILE = "hf_carried.safetensors"
 HF_MAX_SHARD_BYTES = 5 * 1024**3  # what `save_pretrained` uses by default
 # Qwen chat checkpoints stop generating at <|im_end|> (or <|endoftext|>).
 QWEN_GENERATION_CONFIG = {"bos_token_id": 151643, "pad_token_id": 151643, "eos_token_id": [151645, 151643]}
@@ -119,8 +125,10 @@ def arch_from_dict(d: dict) -> ModelArch:
     def fields(sub: dict) -> dict:
         return {k: tuple(v) if isinstance(v, list) else v for k, v in sub.items()}
     try:
+        # (files of an earlier vlmpack hold no video_token_id: theirs was the default)
         return ModelArch(family=d["family"], lm=LMArch(**fields(d["lm"])), vision=VisionArch(**fields(d["vision"])),
-                         image_token_id=d["image_token_id"])
+                         image_token_id=d["image_token_id"],
+                         **({"video_token_id": d["video_token_id"]} if "video_token_id" in d else {}))
     except (KeyError, TypeError) as exc:
         raise CheckpointError(f"{META_FILE}: the architecture does not match this vlmpack version ({exc})") from exc
 
@@ -250,17 +258,26 @@ _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torc
 
 def lazy_hf_state(hf_dir: str | Path) -> dict[str, LazyTensor]:
     """Every tensor of a HF model directory's safetensors files, read one at a time on `load()`."""
+    state: dict[str, LazyTensor] = {}
+    for path in hf_weight_files(hf_dir):
+        tensors = lazy_file_tensors(path)
+        repeated = tensors.keys() & state.keys()
+        if repeated:
+            raise CheckpointError(f"{path}: tensor {min(repeated)} also appears in another weight file")
+        state.update(tensors)
+    return state
+
+
+def lazy_file_tensors(path: Path) -> dict[str, LazyTensor]:
+    """Every tensor of one safetensors file, read on `load()`."""
     from safetensors import safe_open
 
     state: dict[str, LazyTensor] = {}
-    for path in hf_weight_files(hf_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if key in state:
-                    raise CheckpointError(f"{path}: tensor {key} also appears in another weight file")
-                info = f.get_slice(key)
-                state[key] = LazyTensor(info.get_shape(), _SAFETENSORS_DTYPES[info.get_dtype()],
-                                        lambda path=path, key=key: _read_one(path, key))
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            info = f.get_slice(key)
+            state[key] = LazyTensor(info.get_shape(), _SAFETENSORS_DTYPES[info.get_dtype()],
+                                    lambda path=path, key=key: _read_one(path, key))
     return state
 
 
@@ -390,13 +407,20 @@ def _size(settings: dict) -> dict:
     return {"shortest_edge": settings.get("min_pixels"), "longest_edge": settings.get("max_pixels")}
 
 
+def _processor_class(family: str, video: bool = False) -> str:
+    module = families.by_name(family)
+    if module is not None:
+        return module.hf_video_processor_class if video else module.hf_processor_class
+    return (HF_VIDEO_PROCESSOR_CLASS if video else HF_PROCESSOR_CLASS)[family]
+
+
 def image_processor_config(family: str, vision: dict) -> dict:
     """preprocessor_config.json for image-processor constants (a profile's `vision`).
     `Qwen2VLImageProcessor` is the PIL one in transformers 4; in 5 the torchvision one, unless
     loaded with backend="pil" (the one whose pixels the shards hold bit for bit; the config
     cannot choose it: transformers 5 picks torchvision whenever it is installed)."""
     return _present({
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": HF_PROCESSOR_CLASS[family],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": _processor_class(family),
         "patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
         "merge_size": vision["merge_size"], "image_mean": list(vision["image_mean"]),
         "image_std": list(vision["image_std"]), "size": _size(vision), "min_pixels": vision.get("min_pixels"),
@@ -410,7 +434,7 @@ def video_processor_config(family: str, vision: dict, video: dict) -> dict:
     no per-frame pixel cap (preprocessing's default; `--video-pixel-cap` and the other job-wide
     `--video-*` options are the data's settings, not the profile's)."""
     return _present({
-        "video_processor_type": HF_VIDEO_PROCESSOR_CLASS[family], "processor_class": HF_PROCESSOR_CLASS[family],
+        "video_processor_type": _processor_class(family, video=True), "processor_class": _processor_class(family),
         "patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
         "merge_size": vision["merge_size"], "image_mean": video.get("image_mean"), "image_std": video.get("image_std"),
         "size": _size(video), "do_sample_frames": True, "fps": video.get("fps"), "min_frames": video.get("min_frames"),
@@ -441,9 +465,12 @@ def _write_tokenizer(out_dir: Path, family: str, profile: dict | None) -> list[s
     """Tokenizer files for a directory that has none: the bundled Qwen tokenizer, or the one the
     profile records when that is another (from its model directory, if it is still there);
     returns the notes."""
-    builtin = builtin_tokenizer_json(family)
+    builtin = builtin_tokenizer_json(family) if family in BUILTIN_VISION else None
     wanted = profile.get("tokenizer_sha256") if profile else None
-    if wanted and _sha256(builtin) != wanted:
+    if builtin is None and not wanted:
+        return [f"no tokenizer: the model directory kept none of its source checkpoint and vlmpack bundles no {family} "
+                "tokenizer; copy tokenizer.json and tokenizer_config.json of the checkpoint into the export"]
+    if wanted and (builtin is None or _sha256(builtin) != wanted):
         source = Path(str(profile.get("source")))
         found = source / "tokenizer.json"
         if found.is_file() and _sha256(found.read_text(encoding="utf-8")) == wanted:
@@ -453,9 +480,11 @@ def _write_tokenizer(out_dir: Path, family: str, profile: dict | None) -> list[s
             if "tokenizer_config.json" not in copied:
                 _write_json(out_dir / "tokenizer_config.json", BUILTIN_TOKENIZER_CONFIG)
             return []
+        has = f"the built-in {family} tokenizer" if builtin is not None else "no tokenizer"
         note = (f"the training data was tokenized with the tokenizer of {source} (sha256 {wanted}), which is not "
-                f"there: the export has the built-in {family} tokenizer; copy tokenizer.json and "
-                "tokenizer_config.json of that checkpoint into it")
+                f"there: the export has {has}; copy tokenizer.json and tokenizer_config.json of that checkpoint into it")
+        if builtin is None:
+            return [note]
     else:
         note = None
     (out_dir / "tokenizer.json").write_text(builtin, encoding="utf-8")
@@ -514,7 +543,8 @@ def write_side_files(out_dir: Path, family: str, kept: Path | None, chat_templat
         _write_json(out_dir / "preprocessor_config.json", configs["image_processor"])
         _update_json(out_dir / "processor_config.json", configs)  # its nested copies would be read first
     elif "preprocessor_config.json" not in copied:
-        vision = BUILTIN_VISION[family]
+        module = families.by_name(family)
+        vision = BUILTIN_VISION[module.processor_defaults_family if module is not None else family]
         _write_json(out_dir / "preprocessor_config.json", image_processor_config(family, dataclasses.asdict(vision)))
     if "generation_config.json" not in copied:
         _write_json(out_dir / "generation_config.json", QWEN_GENERATION_CONFIG)

@@ -237,10 +237,10 @@ class TrainConfig:
         if sum(s is not None for s in sources) != 1:
             raise ConfigError("give exactly one model source: --hf-model DIR, --init MEGATRON_DIR or --arch NAME")
         if self.arch is not None:
-            from train.model.arch import BUILTIN_ARCHS
+            from train.model.arch import builtin_arch_names
 
-            if self.arch not in BUILTIN_ARCHS:
-                raise ConfigError(f"unknown --arch {self.arch!r}: choose one of {sorted(BUILTIN_ARCHS)}")
+            if self.arch not in builtin_arch_names():
+                raise ConfigError(f"unknown --arch {self.arch!r}: choose one of {builtin_arch_names()}")
         if not self.data and not self.dry_run:
             raise ConfigError("give at least one --data DIR[:WEIGHT]")
         self._validate_numbers()

@@ -14,6 +14,12 @@ Megatron's layout differs from HF's in three tensors per layer: QKV is one matri
 GQA group ([the group's q heads, its k head, its v head] per group) so that a TP rank holds
 whole groups; fc1 is [gate; up], each half split across TP ranks separately; the norms of
 the local (non-TE) layer spec stay separate tensors.
+
+A family with a module of its own (`train.model.families`; Qwen3.5 in train/model/qwen3_5.py)
+gives its own name table, transforms and checkpoint shapes; the tables' rows may hold for one
+layer type only and list every expert. Tensors of a checkpoint that its model does not build
+(Qwen3.5's multi-token-prediction layers) are carried: import-hf keeps them in CARRIED_FILE and
+export-hf writes them back as they are (`carried_tensors`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from shards_schema.atomic import TMP_SUFFIX, fsync_dir
 from shards_schema.errors import UserError
 from shards_schema.outdir import LOCK_NAME, exclusive_output_dir, user_entries
 from train.checkpoint_format import (
+    CARRIED_FILE,
     HF_INDEX_FILE,
     HF_SIDE_FILES,
     HF_SUBDIR,
@@ -49,6 +56,7 @@ from train.checkpoint_format import (
     dtype_name,
     expert_file,
     fsync_tree,
+    lazy_file_tensors,
     lazy_hf_state,
     load_tensors,
     materialize,
@@ -61,6 +69,7 @@ from train.checkpoint_format import (
     write_meta,
     write_side_files,
 )
+from train.model import families
 from train.model.arch import LMArch, ModelArch
 from train.model.vision import VisionTower
 
@@ -81,11 +90,13 @@ _LAYER_KEY = re.compile(r"^language_model\.decoder\.layers\.(\d+)\.(.+)$")
 class WeightMapping:
     """HF tensor(s) <-> one Megatron tensor, read in both directions.
 
-    Names are patterns: `{layer}` is a decoder layer number (the row holds for every layer), a
-    trailing `*` is any rest of the name, kept as it is. `transform` turns the HF tensors into
-    the Megatron one and back (`TRANSFORMS`); `tp_split` is how megatron divides the Megatron
-    tensor over TP ranks (`_split`); `only_if` names the `LMArch` flag the row needs ("not
-    FLAG": needs it false); `ep_dim`, for expert stacks, the dim divided over the
+    Names are patterns: `{layer}` is a decoder layer number (the row holds for every layer, or
+    with `layers` for the layers of that `LMArch.layer_type`), `{expert}` in an HF name an
+    expert number (the row's HF names repeat for every expert, in expert order), a trailing `*`
+    is any rest of the name, kept as it is. `transform` turns the HF tensors into the Megatron
+    one and back (`TRANSFORMS`, and a family's own); `tp_split` is how megatron divides the
+    Megatron tensor over TP ranks (`_split`); `only_if` names the `LMArch` field the row needs
+    ("not FLAG": needs it false); `ep_dim`, for expert stacks, the dim divided over the
     expert-parallel ranks.
     """
 
@@ -95,6 +106,7 @@ class WeightMapping:
     tp_split: str = "replicated"
     only_if: str | None = None
     ep_dim: int | None = None  # expert stacks: the dim that holds the experts (`_ep_split`)
+    layers: str | None = None  # "{layer}" rows: the layer type they belong to (None: every layer)
 
     def applies(self, lm: LMArch) -> bool:
         if self.only_if is None:
@@ -155,14 +167,35 @@ def _mapping_pattern(name: str) -> re.Pattern:
         re.escape("*"), r"(?P<rest>.*)") + "$")
 
 
-_MEGATRON_PATTERNS = tuple((_mapping_pattern(m.megatron), m) for m in WEIGHT_MAPPINGS)
+def weight_mappings(arch: ModelArch) -> tuple[WeightMapping, ...]:
+    """The name table of `arch`'s family: its module's (`train.model.families`), else WEIGHT_MAPPINGS."""
+    family = families.of(arch)
+    return family.weight_mappings() if family is not None else WEIGHT_MAPPINGS
 
 
-def _name_pairs(lm: LMArch, source_names) -> list[tuple[WeightMapping, tuple[str, ...], str]]:
+def _transforms(arch: ModelArch) -> dict:
+    family = families.of(arch)
+    return {**TRANSFORMS, **family.transforms} if family is not None else TRANSFORMS
+
+
+@lru_cache(maxsize=8)
+def _megatron_patterns(mappings: tuple[WeightMapping, ...]) -> tuple[tuple[re.Pattern, WeightMapping], ...]:
+    return tuple((_mapping_pattern(m.megatron), m) for m in mappings)
+
+
+def _hf_names(m: WeightMapping, lm: LMArch, layer: int) -> tuple[str, ...]:
+    names = tuple(h.replace("{layer}", str(layer)) for h in m.hf)
+    if not any("{expert}" in h for h in names):
+        return names
+    return tuple(h.replace("{expert}", str(e)) for e in range(lm.num_experts) for h in names)
+
+
+def _name_pairs(arch: ModelArch, source_names) -> list[tuple[WeightMapping, tuple[str, ...], str]]:
     """(row, HF names, Megatron name) of every tensor of the model, layer by layer; a `*` row
     lists the names of `source_names` that it matches (either side's names)."""
+    lm, mappings = arch.lm, weight_mappings(arch)
     pairs = []
-    for m in WEIGHT_MAPPINGS:
+    for m in mappings:
         if not m.applies(lm) or "{layer}" in m.megatron:
             continue
         if m.megatron.endswith("*"):
@@ -174,9 +207,10 @@ def _name_pairs(lm: LMArch, source_names) -> list[tuple[WeightMapping, tuple[str
                         pairs.append((m, (hf_prefix + rest,), mg_prefix + rest))
         else:
             pairs.append((m, m.hf, m.megatron))
-    layer_rows = [m for m in WEIGHT_MAPPINGS if m.applies(lm) and "{layer}" in m.megatron]
+    layer_rows = [m for m in mappings if m.applies(lm) and "{layer}" in m.megatron]
     for i in range(lm.num_layers):
-        pairs += [(m, tuple(h.format(layer=i) for h in m.hf), m.megatron.format(layer=i)) for m in layer_rows]
+        pairs += [(m, _hf_names(m, lm, i), m.megatron.format(layer=i)) for m in layer_rows
+                  if m.layers is None or m.layers == lm.layer_type(i)]
     return pairs
 
 
@@ -247,6 +281,9 @@ def hub_hf_names(state: dict, family: str) -> dict:
 @lru_cache(maxsize=16)
 def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     """Every tensor of the HF checkpoint (transformers 5.x names) and its shape."""
+    family = families.of(arch)
+    if family is not None:
+        return family.hf_shapes(arch)
     lm = arch.lm
     h, d, f, v = lm.hidden_size, lm.head_dim, lm.intermediate_size, lm.vocab_size
     q, kv = lm.num_heads * d, lm.num_kv_heads * d
@@ -347,29 +384,50 @@ def expert_layout(hf: dict, lm: LMArch) -> dict:
     return out
 
 
+def carried_tensors(hf_state: dict, arch: ModelArch) -> dict:
+    """The tensors of an HF checkpoint that the model does not build but a checkpoint of it
+    keeps as they are (the family's `carried_prefixes`: Qwen3.5's multi-token-prediction
+    layers): import-hf stores them in CARRIED_FILE, export-hf writes them back."""
+    family = families.of(arch)
+    prefixes = family.carried_prefixes if family is not None else ()
+    return {k: v for k, v in hf_state.items() if prefixes and k.startswith(prefixes)}
+
+
+def _checkpoint_layout(hf: dict, arch: ModelArch) -> dict:
+    family = families.of(arch)
+    return family.hf_checkpoint_layout(hf, arch) if family is not None else expert_layout(hf, arch.lm)
+
+
 def hf_to_megatron(hf_state: dict, arch: ModelArch) -> dict:
     """A whole HF checkpoint -> the full Megatron state dict (tensors shared where unchanged).
     Given `LazyTensor`s (`lazy_hf_state`), it returns `LazyTensor`s: each Megatron tensor is
-    made from its HF tensors only when loaded, so a conversion holds one at a time."""
-    hf = expert_layout(_drop_tied_lm_head(canonical_hf_names(hf_state), arch), arch.lm)
+    made from its HF tensors only when loaded, so a conversion holds one at a time. Carried
+    tensors (`carried_tensors`) are left out."""
+    carried = carried_tensors(hf_state, arch)
+    hf = {k: v for k, v in hf_state.items() if k not in carried}
+    hf = _checkpoint_layout(_drop_tied_lm_head(canonical_hf_names(hf), arch), arch)
     check_state(hf, hf_shapes(arch), "config.json")
+    transforms = _transforms(arch)
 
     def convert(m: WeightMapping, names: tuple[str, ...], megatron: str):
         sources = [hf[n] for n in names]
         if not any(isinstance(t, LazyTensor) for t in sources):
-            return TRANSFORMS[m.transform][0](sources, arch.lm)
+            return transforms[m.transform][0](sources, arch.lm)
         return LazyTensor(megatron_shapes(arch)[megatron], sources[0].dtype,
-                          lambda: TRANSFORMS[m.transform][0]([materialize(t) for t in sources], arch.lm))
+                          lambda: transforms[m.transform][0]([materialize(t) for t in sources], arch.lm))
 
-    return {megatron: convert(m, names, megatron) for m, names, megatron in _name_pairs(arch.lm, hf)}
+    return {megatron: convert(m, names, megatron) for m, names, megatron in _name_pairs(arch, hf)}
 
 
 def megatron_to_hf(full_state: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron`, in the names the family's hub checkpoints use."""
     check_state(full_state, megatron_shapes(arch), "the checkpoint's architecture")
+    transforms = _transforms(arch)
     out = {}
-    for m, names, megatron in _name_pairs(arch.lm, full_state):
-        out.update(zip(names, TRANSFORMS[m.transform][1](full_state[megatron], arch.lm)))
+    for m, names, megatron in _name_pairs(arch, full_state):
+        out.update(zip(names, transforms[m.transform][1](full_state[megatron], arch.lm)))
+    if families.of(arch) is not None:  # the table's names are the published checkpoints'
+        return out
     return hub_hf_names(expert_layout(out, arch.lm), arch.family)
 
 
@@ -385,8 +443,13 @@ def check_parallel(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> None:
             raise CheckpointError(f"ep={ep}: expert parallelism needs a Mixture-of-Experts model; this one is dense")
         if lm.num_experts % ep:
             raise CheckpointError(f"ep={ep} does not divide the {lm.num_experts} experts")
-    for field, n in (("num_attention_heads", lm.num_heads), ("num_key_value_heads", lm.num_kv_heads),
-                     ("intermediate_size", lm.intermediate_size), ("vocab_size", lm.vocab_size)):
+    widths = [("num_attention_heads", lm.num_heads), ("num_key_value_heads", lm.num_kv_heads),
+              ("intermediate_size", lm.intermediate_size), ("vocab_size", lm.vocab_size)]
+    if lm.has_linear_attention:  # a Gated DeltaNet's heads (and their conv channels) are split over TP
+        widths += [("linear_num_key_heads", lm.linear_num_key_heads), ("linear_num_value_heads", lm.linear_num_value_heads)]
+    if lm.shared_expert_intermediate_size:
+        widths.append(("shared_expert_intermediate_size", lm.shared_expert_intermediate_size))
+    for field, n in widths:
         if n % tp:
             raise CheckpointError(f"tp={tp} does not divide {field} = {n}: megatron gives every TP rank an equal part")
 
@@ -419,18 +482,22 @@ def _megatron_stage_layers(arch: ModelArch, pp: int) -> tuple[range, ...]:
     return tuple(stages)
 
 
-def _row(name: str) -> WeightMapping | None:
-    return next((m for pattern, m in _MEGATRON_PATTERNS if pattern.match(name)), None)
+def _row(name: str, arch: ModelArch) -> WeightMapping | None:
+    return next((m for pattern, m in _megatron_patterns(weight_mappings(arch)) if pattern.match(name)), None)
 
 
-def _split_rule(name: str) -> str:
+def _split_rule(name: str, arch: ModelArch) -> str:
     """How megatron divides the full-model tensor `name` over TP ranks (the table's `tp_split`)."""
-    row = _row(name)
-    return row.tp_split if row is not None else "replicated"
+    row = _row(name, arch)
+    if row is None:
+        return "replicated"
+    if row.tp_split == LINEAR_ATTENTION_SPLIT:  # the Gated DeltaNet parameter's own head blocks
+        return f"{LINEAR_ATTENTION_SPLIT}:{name.rsplit('self_attention.', 1)[1]}"
+    return row.tp_split
 
 
-def _ep_dim(name: str) -> int | None:
-    row = _row(name)
+def _ep_dim(name: str, arch: ModelArch) -> int | None:
+    row = _row(name, arch)
     return row.ep_dim if row is not None else None
 
 
@@ -467,7 +534,7 @@ def model_files(tp: int, pp: int, ep: int = 1) -> list[tuple[str, tuple[int, ...
 
 def is_expert(local: str, arch: ModelArch, pp: int, pp_rank: int) -> bool:
     """Whether the stage tensor `local` of pipeline rank `pp_rank` is a stack of experts."""
-    return _ep_dim(_global_name(local, stage_layers(arch, pp)[pp_rank])) is not None
+    return _ep_dim(_global_name(local, stage_layers(arch, pp)[pp_rank]), arch) is not None
 
 
 def file_part(state: dict, arch: ModelArch, pp: int, pp_rank: int, experts: bool | None) -> dict:
@@ -481,7 +548,23 @@ def _rank_text(key: tuple[int, ...]) -> str:
     return " ".join(f"{n} {r}" for n, r in zip(("tp", "pp", "ep"), key))
 
 
-def _split(tensor: torch.Tensor, rule: str, tp: int) -> list[torch.Tensor]:
+# A Gated DeltaNet parameter's TP split (`train.model.gated_delta_net.split_for_tp`): every block
+# of its rows (q, k, v, z, beta, alpha heads) divided into TP runs of whole heads.
+LINEAR_ATTENTION_SPLIT = "linear_attention_heads"
+
+
+def _linear_attention_weight(rule: str, lm: LMArch):
+    from train.model import gated_delta_net as gdn
+
+    param = rule.split(":", 1)[1]
+    return next(w for w in gdn.WEIGHTS if w.param == param), gdn.GatedDeltaNetDims.from_lm(lm)
+
+
+def _split(tensor: torch.Tensor, rule: str, tp: int, lm: LMArch | None = None) -> list[torch.Tensor]:
+    if rule.startswith(LINEAR_ATTENTION_SPLIT):
+        from train.model import gated_delta_net as gdn
+
+        return gdn.split_for_tp(tensor, *_linear_attention_weight(rule, lm), tp)
     if rule == "column":  # output features: QKV (whole GQA groups), vocabulary rows
         return list(tensor.chunk(tp, dim=0))
     if rule == "row":  # input features
@@ -492,7 +575,11 @@ def _split(tensor: torch.Tensor, rule: str, tp: int) -> list[torch.Tensor]:
     return [tensor] * tp
 
 
-def _merge(parts: list[torch.Tensor], rule: str) -> torch.Tensor:
+def _merge(parts: list[torch.Tensor], rule: str, lm: LMArch | None = None) -> torch.Tensor:
+    if rule.startswith(LINEAR_ATTENTION_SPLIT):
+        from train.model import gated_delta_net as gdn
+
+        return gdn.merge_tp(parts, *_linear_attention_weight(rule, lm))
     if rule == "column":
         return torch.cat(parts, dim=0)
     if rule == "row":
@@ -525,8 +612,8 @@ def _check_rank(tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int = 1, ep_ra
 
 
 def _rank_part(tensor: torch.Tensor, rule: str, tp: int, tp_rank: int, ep_dim: int | None, ep: int,
-               ep_rank: int) -> torch.Tensor:
-    part = _split(tensor, rule, tp)[tp_rank]
+               ep_rank: int, lm: LMArch | None = None) -> torch.Tensor:
+    part = _split(tensor, rule, tp, lm)[tp_rank]
     return part if ep_dim is None else _ep_split(part, ep_dim, ep)[ep_rank]
 
 
@@ -540,9 +627,9 @@ def _rank_plan(names, arch: ModelArch, tp: int, tp_rank: int, pp: int, pp_rank: 
     for name in names:
         local = _local_name(name, layers, first, last)
         if local is not None:
-            ep_dim = _ep_dim(name) if ep > 1 else None
-            plan.append((local, name, lambda t, rule=_split_rule(name), ep_dim=ep_dim:
-                         _rank_part(t, rule, tp, tp_rank, ep_dim, ep, ep_rank)))
+            ep_dim = _ep_dim(name, arch) if ep > 1 else None
+            plan.append((local, name, lambda t, rule=_split_rule(name, arch), ep_dim=ep_dim:
+                         _rank_part(t, rule, tp, tp_rank, ep_dim, ep, ep_rank, arch.lm)))
     if arch.lm.tie_word_embeddings and last and not first:
         # megatron gives the last stage its own copy of the tied embeddings as the output
         # layer, kept equal to the first stage's by an all-reduce at init and every step.
@@ -576,7 +663,7 @@ def _merge_expert_ranks(states: dict, arch: ModelArch, tp: int, pp: int, ep: int
         layers = stage_layers(arch, pp)[pp_rank]
         out = {}
         for local, tensor in ranks[0].items():
-            dim = _ep_dim(_global_name(local, layers))
+            dim = _ep_dim(_global_name(local, layers), arch)
             if dim is not None:
                 out[local] = _ep_merge([r[local] for r in ranks], dim)
                 continue
@@ -602,7 +689,7 @@ def unshard(states: dict[tuple[int, ...], dict[str, torch.Tensor]], arch: ModelA
             if local == OUTPUT and arch.lm.tie_word_embeddings:
                 continue  # the last stage's copy of the embeddings (see `shard`)
             name = _global_name(local, layers)
-            full[name] = _merge([r[local] for r in ranks], _split_rule(name))
+            full[name] = _merge([r[local] for r in ranks], _split_rule(name, arch), arch.lm)
     return full
 
 
@@ -708,7 +795,7 @@ def load_model_state(directory: str | Path, arch: ModelArch, tp: int = 1, tp_ran
 _OUTPUTS = {
     # (model_tp{t}_pp{p}_ep{e}: format version 1's expert-parallel files)
     "import-hf": (re.compile(rf"{re.escape(META_FILE)}|model_tp\d+_pp\d+(_ep\d+)?\.safetensors|"
-                             rf"experts_pp\d+_ep\d+\.safetensors|{re.escape(HF_SUBDIR)}"),
+                             rf"experts_pp\d+_ep\d+\.safetensors|{re.escape(HF_SUBDIR)}|{re.escape(CARRIED_FILE)}"),
                   META_FILE),
     "export-hf": (re.compile("|".join([r"model(-\d{5}-of-\d{5})?\.safetensors",
                                        *map(re.escape, ("config.json", HF_INDEX_FILE, *HF_SIDE_FILES))])),
@@ -804,7 +891,31 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dty
             _write_file_streaming(staging / name, full, arch, tp, pp, ep, key, experts, dtype)
         write_meta(staging, arch, tp, pp, dtype_name(_cast_lazy(t, dtype) for t in full.values()), ep)
         copy_hf_side_files(hf_dir, staging / HF_SUBDIR)
+        write_carried(staging, hf_dir, arch, dtype)
     return arch
+
+
+def write_carried(directory: Path, source: str | Path, arch: ModelArch, dtype: torch.dtype | None = None) -> None:
+    """CARRIED_FILE in `directory` from `source`: a Hugging Face directory (its `carried_tensors`,
+    read one at a time) or a model directory (its CARRIED_FILE); nothing where there are none.
+    Cast to `dtype` as the model's weights are, else bit for bit."""
+    carried = read_carried(source, arch)
+    if carried:
+        entries = [(name, tuple(t.shape), _cast_lazy(t, dtype).dtype) for name, t in carried.items()]
+        save_tensors_streaming(directory / CARRIED_FILE, entries,
+                               (_cast_lazy(t, dtype).load() for t in carried.values()))
+
+
+def read_carried(source: str | Path, arch: ModelArch) -> dict[str, LazyTensor]:
+    """The carried tensors (`carried_tensors`) of a model directory or a Hugging Face directory, lazily."""
+    source = Path(source)
+    if (source / META_FILE).is_file():
+        path = source / CARRIED_FILE
+        return lazy_file_tensors(path) if path.is_file() else {}
+    family = families.of(arch)
+    if family is None or not family.carried_prefixes or not (source / "config.json").is_file():
+        return {}
+    return carried_tensors(lazy_hf_state(source), arch)
 
 
 def _cast_lazy(tensor: LazyTensor, dtype: torch.dtype | None) -> LazyTensor:
@@ -819,7 +930,7 @@ def _write_file_streaming(path: Path, full: dict[str, LazyTensor], arch: ModelAr
     about one full-model tensor, whatever the model's size)."""
     ep_rank = key[2] if ep > 1 else 0
     plan = [entry for entry in _rank_plan(full, arch, tp, key[0], pp, key[1], ep, ep_rank)
-            if experts is None or (_ep_dim(entry[1]) is not None) == experts]
+            if experts is None or (_ep_dim(entry[1], arch) is not None) == experts]
     shapes = shard_shapes(arch, tp, key[0], pp, key[1], ep, ep_rank)
     entries = [(local, shapes[local], _cast_lazy(full[name], dtype).dtype) for local, name, _ in plan]
     save_tensors_streaming(path, entries, (part(_cast_lazy(full[name], dtype).load()) for _, name, part in plan))
@@ -834,8 +945,8 @@ def export_hf(model_dir: str | Path, out: str | Path, dtype: torch.dtype | None 
     _refuse_same_dir(out, model_dir)
     check_output_dir(out, "export-hf", overwrite=overwrite)
     arch, full = load_full_state(model_dir, progress)
-    return arch, write_hf_dir(out, megatron_to_hf(full, arch), arch, Path(model_dir), dtype, progress, overwrite,
-                              chat_template)
+    hf = megatron_to_hf(full, arch) | {k: materialize(v) for k, v in read_carried(model_dir, arch).items()}
+    return arch, write_hf_dir(out, hf, arch, Path(model_dir), dtype, progress, overwrite, chat_template)
 
 
 def write_hf_dir(out: str | Path, hf: dict[str, torch.Tensor], arch: ModelArch, kept: Path | None,
@@ -848,7 +959,15 @@ def write_hf_dir(out: str | Path, hf: dict[str, torch.Tensor], arch: ModelArch, 
     stored = dtype_name(hf.values())
     if stored != "mixed":
         config["dtype"] = stored
+    notes = []
+    if arch.lm.mtp_num_hidden_layers and not carried_tensors(hf, arch):
+        # a random init, or a source without them: the config promises no layers it lacks
+        config["text_config"]["mtp_num_hidden_layers"] = 0
+        notes.append(f"the checkpoint has no multi-token-prediction weights (its architecture has "
+                     f"{arch.lm.mtp_num_hidden_layers} MTP layer(s), which vlmpack does not train): config.json says 0")
     with staged_output_dir(out, "export-hf", overwrite) as tmp:
         write_hf_state(tmp, hf, progress)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        return write_side_files(tmp, arch.family, kept, chat_template)
+        side_files = write_side_files(tmp, arch.family, kept, chat_template)
+    side_files.notes[:0] = notes
+    return side_files

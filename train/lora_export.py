@@ -12,7 +12,8 @@ merged, or the base model the adapters belong to.
 The base of a merge is the one the run trained on (recorded in adapter/lora.json: a Hugging
 Face directory, a Megatron model directory, or a built-in architecture and seed), or `base`.
 Merged and base checkpoints get the side files of `convert.write_hf_dir` (tokenizer,
-processors, the training data's chat template).
+processors, the training data's chat template), and the tensors the base's source carries beside
+the model as they are (`convert.carried_tensors`: Qwen3.5's multi-token-prediction layers).
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ def export_peft(adapter_dir: Path, out: str | Path, dtype: torch.dtype | None = 
     with convert.staged_output_dir(out, "export-peft", overwrite) as tmp:
         adapter_format.write_peft_dir(tmp, spec, arch, full, base, dtype)
     return arch, len(full)
+
+
+def base_carried(base: dict, arch: ModelArch, override: str | Path | None = None) -> dict[str, torch.Tensor]:
+    """The tensors the base model's source carries beside the model (`convert.carried_tensors`:
+    Qwen3.5's multi-token-prediction layers); none for a random init."""
+    source = override or base.get("hf_model") or base.get("init")
+    if source is None or not Path(source).is_dir():
+        return {}
+    return {k: materialize(v) for k, v in convert.read_carried(source, arch).items()}
 
 
 def base_megatron_state(base: dict, arch: ModelArch, override: str | Path | None = None) -> dict[str, torch.Tensor]:
@@ -70,6 +80,7 @@ def export_merged(adapter_dir: Path, out: str | Path, base_dir: str | Path | Non
     base = base_megatron_state(meta["base"], arch, base_dir)
     hf = convert.canonical_hf_names(convert.megatron_to_hf(base, arch))
     merged = convert.hub_hf_names(adapter_format.merge_into_hf(hf, full, spec, arch), arch.family)
+    merged |= base_carried(meta["base"], arch, base_dir)
     return arch, convert.write_hf_dir(out, merged, arch, Path(adapter_dir), dtype, progress, overwrite, chat_template)
 
 
@@ -81,5 +92,5 @@ def export_base(adapter_dir: Path, out: str | Path, base_dir: str | Path | None 
     convert.check_output_dir(out, "export-hf", overwrite=overwrite)
     meta, _, arch = adapter_format.read_lora_meta(adapter_dir)
     base = base_megatron_state(meta["base"], arch, base_dir)
-    return arch, convert.write_hf_dir(out, convert.megatron_to_hf(base, arch), arch, Path(adapter_dir), dtype,
-                                      progress, overwrite, chat_template)
+    hf = convert.megatron_to_hf(base, arch) | base_carried(meta["base"], arch, base_dir)
+    return arch, convert.write_hf_dir(out, hf, arch, Path(adapter_dir), dtype, progress, overwrite, chat_template)

@@ -4,7 +4,9 @@
 image token id. Built in (`qwen3-vl-2b`, `qwen2.5-vl-3b`, and `tiny` / `tiny-qwen2.5` for
 tests), or read from a Hugging Face `config.json` (both the nested `text_config` layout of
 transformers 5.x and the flat Qwen2.5-VL layout with `rope_scaling`). `to_hf_config` writes
-the config that `transformers` loads for an exported checkpoint.
+the config that `transformers` loads for an exported checkpoint. Families with a module of
+their own (`train.model.families`: Qwen3.5 / Qwen3.6) translate their configs and hold their
+built-in architectures there; `builtin_arch` and `from_hf_config` reach them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from train.model import families
 from train.model.vision import VisionArch
 
 FAMILIES = ("qwen3-vl", "qwen2.5-vl")
@@ -52,28 +55,79 @@ class LMArch:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     router_aux_loss_coef: float = 0.0
+    # A SwiGLU expert of this width that every token passes through beside its routed experts,
+    # its output scaled by sigmoid(a learned linear of the token) (Qwen3.5 MoE); 0: none.
+    shared_expert_intermediate_size: int = 0
+    # Hybrid decoders (Qwen3.5): each layer's token mixer, "full_attention" (softmax attention) or
+    # "linear_attention" (Gated DeltaNet, `train.model.gated_delta_net`); () means every layer is
+    # full attention. The linear_* fields are the Gated DeltaNet's shape (HF's names).
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    # M-RoPE rotates the first head_dim * partial_rotary_factor dims of each q/k head; the rest pass.
+    partial_rotary_factor: float = 1.0
+    # q_proj also gives a gate per head dim: the attention output is multiplied by sigmoid(gate).
+    attn_output_gate: bool = False
+    # RMSNorm gains stored zero-centred, applied as (1 + w): the decoder layers' norms, the q/k
+    # norms and the final norm (Qwen3.5; a Gated DeltaNet's own gated norm is a plain gain).
+    zero_centered_norms: bool = False
+    # Multi-token-prediction layers of the checkpoint: not built or trained, their tensors carried
+    # from import to export as they are (`convert.carried_tensors`).
+    mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    def _layer_params(self, experts: int) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attn = h * (self.num_heads * self.head_dim) * 2 + h * kv * 2
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated dims of each q/k head (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_type(self, layer: int) -> str:
+        """The token mixer of decoder layer `layer` (0-based, global)."""
+        return self.layer_types[layer] if self.layer_types else "full_attention"
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    def _mixer_params(self, layer: int) -> int:
+        h = self.hidden_size
+        if self.layer_type(layer) == "linear_attention":
+            keys, values = self.linear_num_key_heads * self.linear_key_head_dim, \
+                self.linear_num_value_heads * self.linear_value_head_dim
+            conv = 2 * keys + values
+            # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; the depthwise conv; A_log, dt_bias; the
+            # gated norm; out_proj
+            return (h * (conv + values + 2 * self.linear_num_value_heads) + conv * self.linear_conv_kernel_dim
+                    + 2 * self.linear_num_value_heads + self.linear_value_head_dim + values * h)
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * q * (3 if self.attn_output_gate else 2) + h * kv * 2  # q (and its gate), o; k, v
+
+    def _mlp_params(self, experts: int) -> int:
+        h = self.hidden_size
         if not self.is_moe:
-            return attn + 3 * h * self.intermediate_size
-        return attn + experts * 3 * h * self.moe_intermediate_size + self.num_experts * h  # + router
+            return 3 * h * self.intermediate_size
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        return experts * 3 * h * self.moe_intermediate_size + self.num_experts * h + shared  # + router
+
+    def _layers_params(self, experts: int) -> int:
+        return sum(self._mixer_params(i) for i in range(self.num_layers)) + self.num_layers * self._mlp_params(experts)
 
     def num_params(self) -> int:
-        """Parameters of the language model (embeddings counted once when tied)."""
+        """Parameters of the language model (embeddings counted once when tied; norms not counted)."""
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * self._layer_params(self.num_experts) + emb
+        return self._layers_params(self.num_experts) + emb
 
     def num_non_embedding_params(self) -> int:
         """N for the 6*N flops-per-token rule, with the output projection counted (it is a
         GEMM). For MoE, the parameters one token passes through (its top-k experts)."""
-        return (self.num_layers * self._layer_params(self.num_experts_per_tok)
-                + self.vocab_size * self.hidden_size)
+        return self._layers_params(self.num_experts_per_tok) + self.vocab_size * self.hidden_size
 
 
 @dataclass(frozen=True)
@@ -90,20 +144,25 @@ class ModelArch:
 
     @property
     def hf_model_type(self) -> str:
-        return HF_MODEL_TYPE[(self.family, self.lm.is_moe)]
+        family = families.by_name(self.family)
+        return family.hf_model_type(self) if family else HF_MODEL_TYPE[(self.family, self.lm.is_moe)]
 
     @property
     def hf_architecture(self) -> str:
         """The transformers class of this architecture."""
-        return HF_ARCHITECTURE[(self.family, self.lm.is_moe)]
+        family = families.by_name(self.family)
+        return family.hf_architecture(self) if family else HF_ARCHITECTURE[(self.family, self.lm.is_moe)]
 
     @classmethod
     def from_hf_config(cls, config: dict) -> ModelArch:
         model_type = config.get("model_type")
+        family = families.by_model_type(model_type) if isinstance(model_type, str) else None
+        if family is not None:
+            return family.arch_from_hf_config(config)
         kind = {v: k for k, v in HF_MODEL_TYPE.items()}.get(model_type)
         if kind is None:
-            raise ValueError(f"unsupported model_type {model_type!r} in config.json: expected one of "
-                             f"{sorted(HF_MODEL_TYPE.values())}")
+            known = sorted([*HF_MODEL_TYPE.values(), *(t for f in families.all_families() for t in f.model_types)])
+            raise ValueError(f"unsupported model_type {model_type!r} in config.json: expected one of {known}")
         family, moe = kind
         text = config.get("text_config") or config
         _check_representable(text, moe)
@@ -140,6 +199,9 @@ class ModelArch:
         return cls.from_hf_config(json.loads(path.read_text()))
 
     def to_hf_config(self) -> dict:
+        family = families.by_name(self.family)
+        if family is not None:
+            return family.to_hf_config(self)
         lm = self.lm
         rope = {"rope_type": "default", "rope_theta": lm.rope_theta, "mrope_section": list(lm.mrope_section)}
         if lm.mrope_interleaved:
@@ -259,10 +321,18 @@ BUILTIN_ARCHS["tiny-moe"] = dataclasses.replace(BUILTIN_ARCHS["tiny"], lm=datacl
     router_aux_loss_coef=0.001))
 
 
+def builtin_arch_names() -> list[str]:
+    """Every built-in --arch: `BUILTIN_ARCHS` and the family modules' (`train.model.families`)."""
+    return sorted({*BUILTIN_ARCHS, *(name for f in families.all_families() for name in f.builtin_archs())})
+
+
 def builtin_arch(name: str) -> ModelArch:
-    if name not in BUILTIN_ARCHS:
-        raise ValueError(f"unknown --arch {name!r}: choose one of {sorted(BUILTIN_ARCHS)}")
-    return BUILTIN_ARCHS[name]
+    if name in BUILTIN_ARCHS:
+        return BUILTIN_ARCHS[name]
+    for family in families.all_families():
+        if name in family.builtin_archs():
+            return family.builtin_archs()[name]
+    raise ValueError(f"unknown --arch {name!r}: choose one of {builtin_arch_names()}")
 
 
 def arch_dict(arch: ModelArch) -> dict:

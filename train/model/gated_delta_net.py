@@ -67,6 +67,13 @@ class GatedDeltaNetDims:
                    num_value_heads=config.linear_num_value_heads, key_head_dim=config.linear_key_head_dim,
                    value_head_dim=config.linear_value_head_dim, conv_kernel=config.linear_conv_kernel_dim)
 
+    @classmethod
+    def from_lm(cls, lm) -> GatedDeltaNetDims:
+        """The linear-attention layers' shape of a language model (`train.model.arch.LMArch`)."""
+        return cls(hidden_size=lm.hidden_size, num_key_heads=lm.linear_num_key_heads,
+                   num_value_heads=lm.linear_num_value_heads, key_head_dim=lm.linear_key_head_dim,
+                   value_head_dim=lm.linear_value_head_dim, conv_kernel=lm.linear_conv_kernel_dim)
+
     @property
     def key_dim(self) -> int:
         return self.num_key_heads * self.key_head_dim

@@ -22,7 +22,11 @@ Where the adapters sit:
   base (proj, fc2) a `lora_A` split by input columns (its output all-reduced) and a whole
   `lora_B`. Under sequence parallelism the rank-r hidden is gathered over the TP ranks or
   reduce-scattered to them instead, as the base's rows are. Mixture-of-Experts layers adapt
-  attention only: the experts are stacked tensors.
+  attention and a shared expert (Qwen3.5) only: the routed experts are stacked tensors.
+  Gated attention (Qwen3.5): q_proj's adapter gives each head's query and gate rows, placed
+  into the group's queries and gates. Gated DeltaNet layers (Qwen3.5's linear attention):
+  `in_proj` carries those of in_proj_qkv/z/b/a (each TP rank's [qkv, z, b, a] rows; in_proj_qkv's
+  lora_B split as its q, k and v heads are), `out_proj` out_proj's (row-parallel).
 - vision tower and mergers: plain `nn.Linear` with HF's names, adapted as PEFT does.
 
 The adapters run as forward hooks of their base layers, so parameter names of the base model
@@ -50,6 +54,7 @@ HF_LM = "model.language_model."
 HF_VISION = "model.visual."
 LM_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 LM_MLP = ("gate_proj", "up_proj", "down_proj")
+LM_LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 ALL_LINEAR = "all-linear"
 ADAPTER_PARTS = ("llm", "vision", "merger")
 MAGNITUDE = "lora_magnitude_vector"  # DoRA's trained magnitude per output row (PEFT's name)
@@ -59,8 +64,15 @@ _MEGATRON_HOSTS = {
     "self_attention.linear_proj": (("self_attn.o_proj", "row"),),
     "mlp.linear_fc1": (("mlp.gate_proj", "gate"), ("mlp.up_proj", "up")),
     "mlp.linear_fc2": (("mlp.down_proj", "row"),),
+    # a Gated DeltaNet's (linear-attention layers): in_proj is [qkv, z, b, a] of each TP rank
+    "self_attention.in_proj": (("linear_attn.in_proj_qkv", "qkv"), ("linear_attn.in_proj_z", "z"),
+                               ("linear_attn.in_proj_b", "b"), ("linear_attn.in_proj_a", "a")),
+    "self_attention.out_proj": (("linear_attn.out_proj", "row"),),
+    # a Mixture-of-Experts layer's shared expert
+    "mlp.shared_experts.linear_fc1": (("mlp.shared_expert.gate_proj", "gate"), ("mlp.shared_expert.up_proj", "up")),
+    "mlp.shared_experts.linear_fc2": (("mlp.shared_expert.down_proj", "row"),),
 }
-_ROW_PARALLEL = {"self_attn.o_proj", "mlp.down_proj"}
+_ROW_PARALLEL = {"self_attn.o_proj", "mlp.down_proj", "linear_attn.out_proj", "mlp.shared_expert.down_proj"}
 _LM_MODULE = re.compile(r"^model\.language_model\.layers\.(\d+)\.(.+)$")
 
 
@@ -105,6 +117,9 @@ class Site:
     in_features: int
     out_features: int
     split: str  # column (lora_B split by rows) | row (lora_A split by columns) | none (vision: no TP)
+    # column sites whose output rows are blocks a TP rank holds a run of each of (a Gated
+    # DeltaNet's in_proj_qkv: its q, k and v heads); () is one block
+    blocks: tuple[int, ...] = ()
 
     def key(self, tensor: str) -> str:
         """PEFT's file name of this module's `lora_A` / `lora_B` / DoRA magnitude."""
@@ -117,23 +132,38 @@ def vision_part(name: str) -> str:
     return "merger" if name.startswith(("merger", "deepstack_merger_list")) else "vision"
 
 
+def _layer_shapes(lm, layer: int) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+    """The adaptable linears of decoder layer `layer`: HF name under the layer -> (in, out, blocks)."""
+    h = lm.hidden_size
+    if lm.layer_type(layer) == "linear_attention":
+        keys = lm.linear_num_key_heads * lm.linear_key_head_dim
+        values, heads = lm.linear_num_value_heads * lm.linear_value_head_dim, lm.linear_num_value_heads
+        shapes = {"linear_attn.in_proj_qkv": (h, 2 * keys + values, (keys, keys, values)),
+                  "linear_attn.in_proj_z": (h, values, ()), "linear_attn.in_proj_b": (h, heads, ()),
+                  "linear_attn.in_proj_a": (h, heads, ()), "linear_attn.out_proj": (values, h, ())}
+    else:
+        q_out, kv_out = lm.num_heads * lm.head_dim, lm.num_kv_heads * lm.head_dim
+        shapes = {"self_attn.q_proj": (h, 2 * q_out if lm.attn_output_gate else q_out, ()),
+                  "self_attn.k_proj": (h, kv_out, ()), "self_attn.v_proj": (h, kv_out, ()),
+                  "self_attn.o_proj": (q_out, h, ())}
+    mlp = "mlp.shared_expert." if lm.is_moe else "mlp."
+    width = lm.shared_expert_intermediate_size if lm.is_moe else lm.intermediate_size
+    if width:
+        shapes |= {mlp + "gate_proj": (h, width, ()), mlp + "up_proj": (h, width, ()), mlp + "down_proj": (width, h, ())}
+    return shapes
+
+
 def all_sites(arch: ModelArch) -> list[Site]:
     """Every linear module of the model that can carry an adapter, in model order."""
     lm = arch.lm
-    q_out, kv_out = lm.num_heads * lm.head_dim, lm.num_kv_heads * lm.head_dim
-    shapes = {"self_attn.q_proj": (lm.hidden_size, q_out), "self_attn.k_proj": (lm.hidden_size, kv_out),
-              "self_attn.v_proj": (lm.hidden_size, kv_out), "self_attn.o_proj": (q_out, lm.hidden_size)}
-    if not lm.is_moe:
-        shapes |= {"mlp.gate_proj": (lm.hidden_size, lm.intermediate_size),
-                   "mlp.up_proj": (lm.hidden_size, lm.intermediate_size),
-                   "mlp.down_proj": (lm.intermediate_size, lm.hidden_size)}
     with torch.device("meta"):
         tower = VisionTower(arch.vision)
     sites = [Site(HF_VISION + name, vision_part(name), module.in_features, module.out_features, "none")
              for name, module in tower.named_modules() if isinstance(module, nn.Linear)]
     for layer in range(lm.num_layers):
         sites += [Site(f"{HF_LM}layers.{layer}.{name}", "llm", fan_in, fan_out,
-                       "row" if name in _ROW_PARALLEL else "column") for name, (fan_in, fan_out) in shapes.items()]
+                       "row" if name in _ROW_PARALLEL else "column", blocks)
+                  for name, (fan_in, fan_out, blocks) in _layer_shapes(lm, layer).items()]
     return sites
 
 
@@ -149,7 +179,8 @@ def resolve_sites(arch: ModelArch, spec: LoraSpec) -> list[Site]:
     unmatched = [t for t in spec.targets if not any(_matches(s.module, t) for s in candidates)]
     if unmatched:
         names = sorted({".".join(s.module.split(".")[-1 if s.part == "llm" else -2:]) for s in candidates})
-        moe = (" (a Mixture-of-Experts model: its experts are stacked tensors, not linear modules; adapt attention)"
+        moe = (" (a Mixture-of-Experts model: its experts are stacked tensors, not linear modules; adapt attention"
+               + (" and the shared expert)" if arch.lm.shared_expert_intermediate_size else ")")
                if arch.lm.is_moe and any(t in LM_MLP for t in unmatched) else "")
         raise ValueError(f"--lora-targets {','.join(unmatched)}: no such linear module in the {'/'.join(spec.parts)} "
                          f"part(s) of this model{moe}; choose from {','.join(names)} or {ALL_LINEAR}")
@@ -211,6 +242,20 @@ def on_stage(site: Site, layers: range, first_stage: bool) -> bool:
     return first_stage if layer is None else layer in layers
 
 
+def _tp_part(value: Tensor, site: Site, dim: int, tp: int, tp_rank: int) -> Tensor:
+    if not site.blocks or dim != 0:
+        return value.chunk(tp, dim)[tp_rank]
+    return torch.cat([block.chunk(tp)[tp_rank] for block in value.split(list(site.blocks))])
+
+
+def _tp_merge(parts: list[Tensor], site: Site, dim: int) -> Tensor:
+    if not site.blocks or dim != 0:
+        return torch.cat(parts, dim)
+    local = [rows // len(parts) for rows in site.blocks]
+    per_rank = [part.split(local) for part in parts]
+    return torch.cat([torch.cat([rank[i] for rank in per_rank]) for i in range(len(local))])
+
+
 def shard_adapters(full: dict[str, Tensor], sites: list[Site], tp: int, tp_rank: int, layers: range,
                    first_stage: bool) -> dict[str, Tensor]:
     """The part of the full adapter state that rank (tp_rank, stage) holds, PEFT names kept."""
@@ -222,7 +267,7 @@ def shard_adapters(full: dict[str, Tensor], sites: list[Site], tp: int, tp_rank:
             if s.key(tensor) not in full:  # no magnitude: LoRA, or a DoRA run's fresh start (from the base)
                 continue
             value, dim = full[s.key(tensor)], _tp_dim(s, tensor)
-            local[s.key(tensor)] = value if dim is None else value.chunk(tp, dim)[tp_rank].clone()
+            local[s.key(tensor)] = value if dim is None else _tp_part(value, s, dim, tp, tp_rank).clone()
     return local
 
 
@@ -234,7 +279,7 @@ def unshard_adapters(states: dict[int, dict[str, Tensor]], sites: list[Site]) ->
             dim, key = _tp_dim(s, tensor), s.key(tensor)
             if key not in states[0]:
                 continue
-            full[key] = states[0][key] if dim is None else torch.cat([states[r][key] for r in sorted(states)], dim)
+            full[key] = states[0][key] if dim is None else _tp_merge([states[r][key] for r in sorted(states)], s, dim)
     return full
 
 
@@ -312,12 +357,17 @@ class LinearAdapter(nn.Module):
 class MegatronLinearAdapter(nn.Module):
     """The adapters of one megatron linear layer, its output in the layer's own layout.
 
-    `slots`: slot name (q, k, v | gate, up | row) -> branch; a fused layer's slots that are not
-    adapted contribute zeros. `qkv_sizes` (linear_qkv): the q, k and v rows per query group, of
-    which this rank holds `groups`."""
+    `slots`: slot name (q, k, v | gate, up | qkv, z, b, a | row) -> branch; a fused layer's
+    slots that are not adapted contribute zeros. `qkv_sizes` (linear_qkv): the q, k and v rows
+    per query group, of which this rank holds `groups`; with `gate_head_dim` (gated attention)
+    q_proj's rows are per head [query; gate] of that head dim, and megatron's per group [its
+    queries, their gates]. `slot_widths`: another fused layer's slots (a Gated DeltaNet's
+    in_proj), this rank's rows of each, laid end to end in this order; neither: linear_fc1's
+    [gate; up]."""
 
     def __init__(self, slots: dict[str, LoraBranch], scaling: float, dropout: float,
-                 qkv_sizes: dict[str, int] | None = None, groups: int = 0, sequence_parallel: bool = False):
+                 qkv_sizes: dict[str, int] | None = None, groups: int = 0, sequence_parallel: bool = False,
+                 gate_head_dim: int = 0, slot_widths: dict[str, int] | None = None):
         """`sequence_parallel`: the host takes (column-parallel) or gives (row-parallel) this TP
         rank's slice of the rows, so the rank-r hidden is gathered or scattered like the host's
         own activations; the adapter tensors every rank holds whole then see only the rank's
@@ -325,6 +375,7 @@ class MegatronLinearAdapter(nn.Module):
         super().__init__()
         self.slots = nn.ModuleDict(slots)
         self.scaling, self.dropout, self.qkv_sizes, self.groups = scaling, dropout, qkv_sizes, groups
+        self.gate_head_dim, self.slot_widths = gate_head_dim, slot_widths
         self.sequence_parallel = sequence_parallel
         self._rows: dict = {}  # device -> DoRA's slot rows (`_slot_rows`)
         some = next(iter(slots.values()))
@@ -367,18 +418,24 @@ class MegatronLinearAdapter(nn.Module):
 
     def _slot_rows(self, device) -> dict[str, Tensor]:
         """Each adapted slot's rows in this rank's fused output (megatron's layout, as `_layout`
-        builds it), found once per device (finding them syncs with the GPU)."""
+        builds it), in the slot's own row order (gated attention's q_proj rows are not in fused
+        order), found once per device (finding them syncs with the GPU)."""
         if device not in self._rows:
             widths = self._widths()
             ids = {n: torch.arange(w, dtype=torch.float64) + sum(list(widths.values())[:i]) + 1
                    for i, (n, w) in enumerate(widths.items())}
             fused = self._layout({n: v[None] for n, v in ids.items()})[0]
-            self._rows[device] = {n: torch.nonzero((fused >= ids[n][0]) & (fused <= ids[n][-1])).flatten().to(device)
-                                  for n in self.slots}
+            rows = {}
+            for n in self.slots:
+                found = torch.nonzero((fused >= ids[n][0]) & (fused <= ids[n][-1])).flatten()
+                rows[n] = found[torch.argsort(fused[found])].to(device)
+            self._rows[device] = rows
         return self._rows[device]
 
     def _widths(self) -> dict[str, int]:
         """Every slot's output rows on this rank, adapted or not, in slot order."""
+        if self.slot_widths is not None:
+            return dict(self.slot_widths)
         if self.qkv_sizes is None:
             width = next(iter(self.slots.values())).lora_B.shape[0]
             return {"gate": width, "up": width}
@@ -411,10 +468,15 @@ class MegatronLinearAdapter(nn.Module):
     def _layout(self, outs: dict[str, Tensor]) -> Tensor:
         some = next(iter(outs.values()))
         lead = some.shape[:-1]
+        if self.slot_widths is not None:
+            return torch.cat([outs[n] if n in outs else some.new_zeros(*lead, w) for n, w in self.slot_widths.items()], -1)
         if self.qkv_sizes is None:  # linear_fc1: [gate; up], both halves of one width
             width = some.shape[-1]
             return torch.cat([outs[n] if n in outs else some.new_zeros(*lead, width) for n in ("gate", "up")], -1)
-        # megatron's QKV rows: per query group [its q heads, its k head, its v head]
+        if "q" in outs and self.gate_head_dim:  # per head [query; gate] -> per group [queries; gates]
+            d = self.gate_head_dim
+            outs = {**outs, "q": outs["q"].unflatten(-1, (self.groups, -1, 2, d)).transpose(-3, -2).flatten(-4)}
+        # megatron's QKV rows: per query group [its q heads (and their gates), its k head, its v head]
         parts = [outs[n].unflatten(-1, (self.groups, -1)) if n in outs
                  else some.new_zeros(*lead, self.groups, self.qkv_sizes[n]) for n in ("q", "k", "v")]
         return torch.cat(parts, -1).flatten(-2)
@@ -512,10 +574,15 @@ def attach(model, arch: ModelArch, spec: LoraSpec, tp: int, layers: range) -> Ad
             if not adapted:
                 continue
             host = layer.get_submodule(host_name)
-            qkv = ({"q": lm.num_heads // lm.num_kv_heads * lm.head_dim, "k": lm.head_dim, "v": lm.head_dim}
-                   if host_name.endswith("linear_qkv") else None)
+            gated = lm.attn_output_gate and host_name.endswith("linear_qkv")
+            qkv = ({"q": lm.num_heads // lm.num_kv_heads * lm.head_dim * (2 if gated else 1), "k": lm.head_dim,
+                    "v": lm.head_dim} if host_name.endswith("linear_qkv") else None)
+            widths = None
+            if host_name == "self_attention.in_proj":  # this rank's part of each of the Gated DeltaNet's blocks
+                widths = {slot: _layer_shapes(lm, number)[hf][1] // tp for hf, slot in slots}
             host.lora = MegatronLinearAdapter(adapted, spec.scaling, spec.dropout, qkv, lm.num_kv_heads // tp,
-                                              sequence_parallel=model.config.sequence_parallel)
+                                              sequence_parallel=model.config.sequence_parallel,
+                                              gate_head_dim=lm.head_dim if gated else 0, slot_widths=widths)
             host.register_forward_hook(_add_adapter_output, with_kwargs=True)
             hosts.append(host)
     saved = saved_module_params(model, spec.modules_to_save)

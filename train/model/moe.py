@@ -27,6 +27,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from torch import Tensor
 
+from train.model.linear import ColumnParallelLinear, RowParallelLinear
+
 # megatron's router uses TE's GEMM whenever the name is bound, and 0.16.1 leaves it unbound
 # without TE (NameError); None selects its torch.mm path.
 if not getattr(moe_utils, "HAVE_TE", False):
@@ -133,9 +135,14 @@ class HostMoELayer(MoELayer):
 
 def moe_layer_spec(base_spec, cpu: bool):
     """`base_spec` (megatron's local layer spec built with num_experts) with its experts
-    replaced by `TorchGroupedMLP`, and for CPU runs its layer by `HostMoELayer`."""
+    replaced by `TorchGroupedMLP`, and for CPU runs its layer by `HostMoELayer`. A shared expert
+    (built when the config sets `moe_shared_expert_intermediate_size`) is megatron's
+    `SharedExpertMLP` on the decoder's linears (`train.model.linear`)."""
     experts = base_spec.submodules.mlp.submodules.experts
     experts.module, experts.submodules = TorchGroupedMLP, None
+    shared = base_spec.submodules.mlp.submodules.shared_experts
+    if shared is not None:
+        shared.submodules.linear_fc1, shared.submodules.linear_fc2 = ColumnParallelLinear, RowParallelLinear
     if cpu:
         base_spec.submodules.mlp.module = HostMoELayer
     return base_spec
@@ -154,6 +161,10 @@ def moe_config(lm, ep: int, aux_loss_coef: float) -> dict:
         # is coef * E * sum(f * P): the same value per layer with coeff = coef * k. HF pools
         # the layers before the product; megatron sums per layer, so each layer gets 1/L.
         moe_aux_loss_coeff=aux_loss_coef * lm.num_experts_per_tok / lm.num_layers,
+        # the shared expert: a SwiGLU of this width on every token, scaled by sigmoid(x @ gate^T)
+        # (HF's `shared_expert` and `shared_expert_gate`), added to the routed experts' output
+        moe_shared_expert_intermediate_size=lm.shared_expert_intermediate_size or None,
+        moe_shared_expert_gate=bool(lm.shared_expert_intermediate_size),
     )
 
 

@@ -33,8 +33,10 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from train.model import families
 from train.model.arch import ModelArch
 from train.model.attention import PackedCoreAttention, PackedRows
+from train.model.gated_delta_net import GatedDeltaNet
 from train.model.linear import ColumnParallelLinear, RowParallelLinear
 from train.model.moe import moe_config, moe_layer_spec
 from train.model.rope import MRoPE, apply_rotary
@@ -113,7 +115,11 @@ def layer_spec(arch: ModelArch, cpu: bool = False):
 
 
 def block_spec(arch: ModelArch, config: TransformerConfig, vp_stage=None) -> ModuleSpec:
-    """This pipeline stage's decoder block: its layers (`layer_spec`) and the final norm."""
+    """This pipeline stage's decoder block: its layers (`layer_spec`) and the final norm; a family
+    with a module of its own (`train.model.families`) builds its own."""
+    family = families.of(arch)
+    if family is not None:
+        return family.block_spec(arch, config, vp_stage)
     layers = get_num_layers_to_build(config, vp_stage)
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
         layer_specs=[layer_spec(arch, cpu=config.use_cpu_initialization)] * layers, layer_norm=RMSNorm))
@@ -160,7 +166,17 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, ep: int = 1
         bias_activation_fusion=not cpu, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, cross_entropy_loss_fusion=False,
         cuda_graph_scope=[],  # no CUDA graphs; megatron's default ("full") warns that it is deprecated
+        attention_output_gate=lm.attn_output_gate, **_linear_attention_config(lm),
         **(moe_config(lm, ep, moe_aux_loss_coef) if lm.is_moe else {}), **recompute_kw, **overrides)
+
+
+def _linear_attention_config(lm) -> dict:
+    """The Gated DeltaNet layers' shape (megatron's linear_* fields, `GatedDeltaNetDims.from_config`)."""
+    if not lm.has_linear_attention:
+        return {}
+    return dict(linear_num_key_heads=lm.linear_num_key_heads, linear_num_value_heads=lm.linear_num_value_heads,
+                linear_key_head_dim=lm.linear_key_head_dim, linear_value_head_dim=lm.linear_value_head_dim,
+                linear_conv_kernel_dim=lm.linear_conv_kernel_dim)
 
 
 def vocab_parallel_token_loss(logits: Tensor, target: Tensor) -> Tensor:
@@ -232,7 +248,8 @@ def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "indu
     if decoder:
         layer_forward = torch.compile(TransformerLayer.forward, dynamic=True, backend=backend)
         for layer in model.language_model.decoder.layers:
-            if not isinstance(layer.mlp, MoELayer):
+            # Gated DeltaNet layers stay eager too: their sample boundaries come to the host
+            if not isinstance(layer.mlp, MoELayer) and not isinstance(layer.self_attention, GatedDeltaNet):
                 layer.compiled_forward, layer.static_rows = layer_forward, static_rows
 
 
@@ -273,7 +290,7 @@ class QwenVLModel(MegatronModule):
         for module in self.language_model.modules():
             if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
                 module.to(config.params_dtype)
-        self.rope = MRoPE(arch.lm.head_dim, arch.lm.rope_theta, arch.lm.mrope_section, arch.lm.mrope_interleaved)
+        self.rope = MRoPE(arch.lm.rotary_dim, arch.lm.rope_theta, arch.lm.mrope_section, arch.lm.mrope_interleaved)
         self.share_embeddings_and_output_weights = arch.lm.tie_word_embeddings
         self.token_loss = token_loss if config.tensor_model_parallel_size == 1 else vocab_parallel_token_loss
         self.model_type = self.language_model.model_type  # megatron's schedules ask for it

@@ -30,6 +30,8 @@ def mrope_axis_of_frequency(section: tuple[int, int, int], interleaved: bool) ->
 
 
 class MRoPE(torch.nn.Module):
+    """`head_dim`: the rotated dims of each head (all of it, or HF's partial rotary's share)."""
+
     def __init__(self, head_dim: int, theta: float, section: tuple[int, int, int], interleaved: bool):
         super().__init__()
         if sum(section) != head_dim // 2:
@@ -57,6 +59,11 @@ class MRoPE(torch.nn.Module):
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """HF's rotate-half rotary, `x * cos + rotate_half(x) * sin` over the last dim (cos/sin
-    broadcast). Plain elementwise torch: `compile_model` fuses it into one kernel on GPUs."""
+    broadcast). Plain elementwise torch: `compile_model` fuses it into one kernel on GPUs.
+    Partial rotary (cos/sin narrower than x, Qwen3.5): the first cos.shape[-1] dims of x rotate,
+    the rest pass unchanged, as HF's `apply_rotary_pos_emb` does."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -80,7 +80,12 @@ class VisionArch:
 
     @classmethod
     def from_hf_config(cls, family: str, vision_config: dict) -> VisionArch:
-        """From a config.json's `vision_config` (the Qwen2.5-VL hub files say `in_chans`)."""
+        """From a config.json's `vision_config` (the Qwen2.5-VL hub files say `in_chans`).
+        `family`: a model family; one with a module of its own names the tower kind it builds."""
+        from train.model import families
+
+        module = families.by_name(family)
+        family = module.vision_family if module is not None else family
         vc = vision_config
         qwen3 = family == "qwen3-vl"
         rope = vc.get("rope_parameters") or {}
