@@ -71,7 +71,8 @@ def register_fewer_layers(name: str, layers: int) -> str:
         raise SystemExit(f"--layers {layers}: {name} has {arch.lm.num_layers} decoder layers and adds DeepStack "
                          f"features after the first {arch.num_deepstack}; use {arch.num_deepstack}..{arch.lm.num_layers}")
     short = f"{name}-{layers}l"
-    BUILTIN_ARCHS[short] = dataclasses.replace(arch, lm=dataclasses.replace(arch.lm, num_layers=layers))
+    lm = dataclasses.replace(arch.lm, num_layers=layers, layer_types=arch.lm.layer_types[:layers])
+    BUILTIN_ARCHS[short] = dataclasses.replace(arch, lm=lm)
     return short
 
 

@@ -101,12 +101,43 @@ def use_packed_attention(model) -> None:
             config._attn_implementation_internal = ATTENTION
 
 
+def use_packed_linear_attention(model) -> int:
+    """Hand each Gated DeltaNet layer (Qwen3.5) its pack's sample boundaries as `cu_seq_lens_q`,
+    the keyword transformers passes on to flash-linear-attention's `chunk_gated_delta_rule`, so
+    each sample's recurrent state starts fresh, as a packing user's collator
+    (`return_flash_attn_kwargs`) does. The boundaries come from the text positions of the
+    model's own call: the vision tower takes its `cu_seq_lens_q` from its grids, and a
+    top-level keyword would reach it too. transformers' causal conv1d takes no boundaries: its
+    window runs across samples (the first three tokens of a sample see the last of the one
+    before), as in any HF packed run of these models. Returns the number of layers."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    if not layers:
+        return 0
+    current: dict = {}
+
+    def record(module, args, kwargs):
+        positions = kwargs.get("position_ids")
+        current["cu"] = _boundary_cache.get(positions[0])[0] if positions is not None else None
+
+    def inject(module, args, kwargs):
+        if current.get("cu") is not None:
+            kwargs["cu_seq_lens_q"] = current["cu"]
+        return args, kwargs
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    for layer in layers:
+        layer.register_forward_pre_hook(inject, with_kwargs=True)
+    return len(layers)
+
+
 # ------------------------------------------------------------------------------------- Liger
 
 LIGER_PATCHES = {  # HF class -> liger_kernel.transformers function
     "Qwen3VLForConditionalGeneration": "apply_liger_kernel_to_qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "apply_liger_kernel_to_qwen3_vl_moe",
     "Qwen2_5_VLForConditionalGeneration": "apply_liger_kernel_to_qwen2_5_vl",
+    "Qwen3_5ForConditionalGeneration": "apply_liger_kernel_to_qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "apply_liger_kernel_to_qwen3_5_moe",
 }
 
 
@@ -201,6 +232,7 @@ class HFPackedTrainer:
         self.model = model_class.from_pretrained(init_dir, dtype=self.dtype, attn_implementation="sdpa",
                                                  device_map=str(device))
         use_packed_attention(self.model)
+        self.linear_attention_layers = use_packed_linear_attention(self.model)
         self.model.train()
         self.model.config.use_cache = False
         self.liger = LigerCoverage(None, reason="off (--hf-liger false)")

@@ -353,7 +353,9 @@ def model_flops(arch, lengths: list[int], grids: np.ndarray) -> dict:
     """Training FLOPs (forward + backward = 3 x forward, no recompute) of one step's samples,
     by part: what the model must compute, so FLOPs / (time x peak) is the utilisation of ALL
     of it, where LM MFU counts only the language model's 6 N per token.
-    lm_dense: 6 N_lm per token; lm_attention: causal, 2 L^2 (Hq d) per layer forward;
+    lm_dense: 6 N_lm per token; lm_attention: causal, 2 L^2 (Hq d) per full-attention layer
+    forward; lm_linear_attention (Gated DeltaNet layers): per token and layer forward, the state's
+    update and readout, 6 Hv dk dv, and the chunk of 64's intra-chunk products, 2 x 64 Hv (dk + dv);
     vision_dense: patch embedding + blocks per patch, mergers (final + DeepStack) per merged
     token; vision_attention: bidirectional 4 S^2 hidden per layer forward, S = the patches of
     a frame (Qwen2.5-VL: of a window, on its windowed layers)."""
@@ -361,8 +363,13 @@ def model_flops(arch, lengths: list[int], grids: np.ndarray) -> dict:
 
     lm, v = arch.lm, arch.vision
     lengths = np.asarray(lengths, dtype=np.float64)
+    kinds = [lm.layer_type(layer) for layer in range(lm.num_layers)]
+    linear = kinds.count("linear_attention")
+    state = 6.0 * lm.linear_num_value_heads * lm.linear_key_head_dim * lm.linear_value_head_dim
+    chunk = 2.0 * 64 * lm.linear_num_value_heads * (lm.linear_key_head_dim + lm.linear_value_head_dim)
     out = {"lm_dense": 6.0 * arch.lm.num_non_embedding_params() * lengths.sum(),
-           "lm_attention": 3.0 * 2.0 * (lengths ** 2).sum() * lm.num_heads * lm.head_dim * lm.num_layers,
+           "lm_attention": 3.0 * 2.0 * (lengths ** 2).sum() * lm.num_heads * lm.head_dim * kinds.count("full_attention"),
+           "lm_linear_attention": 3.0 * (state + chunk) * lengths.sum() * linear,
            "vision_dense": 0.0, "vision_attention": 0.0}
     if len(grids):
         grid = torch.as_tensor(np.asarray(grids), dtype=torch.long).reshape(-1, 3)

@@ -79,3 +79,53 @@ def test_train_speed_both_sides_start_equal(tmp_path):
     run = result["repeats"][0]
     assert [s["tokens"] for s in run["hf"]["steps"]] == [s["tokens"] for s in run["ours"]["steps"]]
     assert run["hf"]["gradient_checkpointing"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flash-linear-attention's kernels)")
+def test_gpu_qwen3_5_packed_recipe_resets_the_linear_attention_state():
+    """Qwen3.5 on HF's packed recipe (bf16, flash-linear-attention's chunked gated delta rule,
+    the pack's boundaries handed to each Gated DeltaNet layer): each sample of a text pack is as
+    close to the same model on that sample alone as bf16 allows, and at least 5 times closer
+    than without the boundaries (the recurrent state run on across samples). transformers'
+    causal conv1d takes no boundaries (its window crosses samples in any HF packed run of these
+    models), so here each conv1d keeps only its current-token tap, which crosses nothing."""
+    pytest.importorskip("fla")
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from tests.hf_models import tiny_qwen3_5_config
+
+    config = tiny_qwen3_5_config()
+    config.text_config.linear_key_head_dim = config.text_config.linear_value_head_dim = 32
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("GatedDeltaNet"):
+                module.conv1d.weight[..., :-1] = 0
+    model.to("cuda", torch.bfloat16)
+    hf_baseline.use_packed_attention(model)
+    lengths = [300, 517, 211]
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 150000, (n,), generator=g) for n in lengths]
+
+    def positions(ns: list[int]) -> torch.Tensor:
+        text = torch.cat([torch.arange(n) for n in ns])
+        return torch.stack([text, text, text, text])[:, None, :].cuda()
+
+    def logits(ns, tokens):
+        with torch.no_grad():
+            return model(input_ids=torch.cat(tokens)[None].cuda(), position_ids=positions(ns),
+                         use_cache=False).logits[0].float()
+
+    alone = [logits([n], [t]) for n, t in zip(lengths, ids)]
+    crossing = logits(lengths, ids)
+    assert hf_baseline.use_packed_linear_attention(model) == 3
+    packed = logits(lengths, ids)
+    starts = np.cumsum([0] + lengths)
+    for k in (1, 2):  # the samples after the first
+        rows = slice(int(starts[k]), int(starts[k + 1]))
+        reset = (packed[rows] - alone[k]).abs().max().item()
+        run_on = (crossing[rows] - alone[k]).abs().max().item()
+        scale = alone[k].abs().max().item()
+        assert reset <= 0.02 * scale and reset * 5 <= run_on, (k, reset, run_on, scale)

@@ -176,13 +176,14 @@ def visual_inputs(batch: dict) -> dict:
     return out
 
 
-def hf_alone(hf, sample: dict) -> torch.Tensor:
-    """HF's logits [L, V] for one sample on its own: HF computes its positions itself."""
-    ids = torch.from_numpy(sample["input_ids"])[None]
+def hf_alone(hf, sample: dict, device: str = "cpu") -> torch.Tensor:
+    """HF's logits [L, V] (on the CPU) for one sample on its own: HF computes its positions
+    itself. `hf` is on `device`."""
+    ids = torch.from_numpy(sample["input_ids"])[None].to(device)
     hf.model.rope_deltas = None
     with torch.no_grad():
-        return hf(input_ids=ids, mm_token_type_ids=torch.from_numpy(_mm_types(sample["input_ids"]))[None],
-                  use_cache=False, **visual_inputs(sample)).logits[0]
+        return hf(input_ids=ids, mm_token_type_ids=torch.from_numpy(_mm_types(sample["input_ids"]))[None].to(device),
+                  use_cache=False, **{k: v.to(device) for k, v in visual_inputs(sample).items()}).logits[0].cpu()
 
 
 def our_pack(model, pack: dict, logits: bool = True) -> torch.Tensor:
@@ -682,7 +683,10 @@ def test_gpu_bf16_packed_samples_stay_close_to_hf(moe):
         arch = ModelArch.from_hf_config(hf.config.to_dict())
         samples = samples_of(hf)
         pack = make_pack(samples)
-        references = [hf_alone(hf, sample) for sample in samples]
+        # fp32 on the GPU: where fla-core is installed, transformers runs its Triton kernels for
+        # any device, so the fp32 reference cannot run on the CPU
+        hf_fp32 = copy.deepcopy(hf).cuda()
+        references = [hf_alone(hf_fp32, sample, "cuda") for sample in samples]
         hf_bf16 = copy.deepcopy(hf).to("cuda", torch.bfloat16)
         model = build_model(arch, transformer_config(arch, params_dtype=torch.bfloat16, bf16=True), info).eval()
         full = convert.hf_to_megatron(hf.state_dict(), arch)
