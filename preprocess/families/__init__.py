@@ -9,6 +9,9 @@ the shard contract's (that part is its `shard_rules`, from `shards_schema.famili
   bound and the resize, and the video settings of its built-in profile;
 * what the generated examples (`preprocess.examples`) give it.
 
+Modules: `qwen3_vl.py`, `qwen2_5_vl.py`, `qwen3_5.py` (Qwen3.5 and Qwen3.6, with
+`qwen3_5_constants.py`, the published processor settings).
+
 Shared code asks a family (a profile's `family_rules`, or `family_named(name)`) instead of
 testing its name. The registry below maps family names, Hugging Face `model_type`s and the
 built-in profile names to families.
@@ -25,7 +28,7 @@ from shards_schema.families import FamilyRules
 
 from ..render import Message, TextBuilder
 from ..video.sampling import VideoDefaults, VideoRequest
-from . import qwen2_5_vl, qwen3_vl
+from . import qwen2_5_vl, qwen3_5, qwen3_vl
 
 __all__ = ["BUILTIN_PROFILES", "FAMILIES", "FAMILY_NAMES", "MODEL_TYPE_FAMILY", "ModelFamily", "family_named",
            "official_template_kind"]
@@ -37,6 +40,7 @@ class ModelFamily(Protocol):
     name: str  # the family's name, as profiles and manifests record it: "qwen3-vl"
     shard_rules: FamilyRules  # its rules of the shard contract: video positions and layout, tokenizer variant
     templates: tuple[str, ...]  # the chat template kinds it renders natively ("instruct", "thinking")
+    reasoning_templates: tuple[str, ...]  # those of `templates` that render an assistant's reasoning_content
     official_template_sha256: Mapping[str, str]  # template kind -> sha256 of the official chat_template.jinja
     builtin_video: VideoDefaults  # the video processor settings of its built-in profile
     example_tool_call_share: float  # share of example conversations given a tool call (0: its templates drop them)
@@ -73,7 +77,7 @@ class ModelFamily(Protocol):
 
 # Adding a family: its module here, its entry in FAMILIES, its HF model_types and built-in
 # profiles below (docs/families.md).
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (qwen3_vl.FAMILY, qwen2_5_vl.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (qwen3_vl.FAMILY, qwen2_5_vl.FAMILY, qwen3_5.FAMILY)}
 FAMILY_NAMES = tuple(FAMILIES)
 
 # HF `config.json` model_type -> family name.
@@ -81,6 +85,8 @@ MODEL_TYPE_FAMILY = {
     "qwen3_vl": "qwen3-vl",
     "qwen2_5_vl": "qwen2.5-vl",
     "qwen2_vl": "qwen2.5-vl",  # same template and processor rules as Qwen2.5-VL
+    "qwen3_5": "qwen3.5",  # Qwen3.5 and Qwen3.6 (dense)
+    "qwen3_5_moe": "qwen3.5",  # Qwen3.5 and Qwen3.6 (mixture of experts)
 }
 
 # built-in profile -> (family name, chat template): the Thinking checkpoints share the Instruct
@@ -89,6 +95,8 @@ BUILTIN_PROFILES = {
     "qwen3-vl": ("qwen3-vl", "instruct"),
     "qwen2.5-vl": ("qwen2.5-vl", "instruct"),
     "qwen3-vl-thinking": ("qwen3-vl", "thinking"),
+    "qwen3.5": ("qwen3.5", "qwen3.5"),
+    "qwen3.6": ("qwen3.5", "qwen3.6"),  # Qwen3.6: the same model family, its own chat template
 }
 
 
@@ -101,7 +109,7 @@ def family_named(name: str) -> ModelFamily:
 
 
 def official_template_kind(sha256: str) -> str | None:
-    """The kind ("instruct", "thinking") of the official chat template, of any family, whose
+    """The kind ("instruct", "thinking", "qwen3.5", ...) of the official chat template, of any family, whose
     text has this sha256; None for any other template."""
     for family in FAMILIES.values():
         for kind, official in family.official_template_sha256.items():

@@ -80,6 +80,7 @@ class Qwen2_5VL:
     name = "qwen2.5-vl"
     shard_rules = shard_qwen2_5_vl.RULES
     templates = ("instruct",)
+    reasoning_templates = ()  # its template renders no reasoning
     # sha256 of the official chat_template.jinja the renderer reproduces
     official_template_sha256 = {"instruct": "a0bc6f6fc7a29a80017a433e8f03a1cc1236e838a944a2d034295a60c4f2fddb"}
     builtin_video = QWEN2_5_VL_VIDEO

@@ -218,6 +218,7 @@ class Qwen3VL:
     name = "qwen3-vl"
     shard_rules = shard_qwen3_vl.RULES
     templates = ("instruct", "thinking")
+    reasoning_templates = ("thinking",)  # the Thinking template renders <think> reasoning
     # sha256 of the official chat_template.jinja of each template the renderer reproduces
     official_template_sha256 = {
         "instruct": "3636d0f0bd6bef02654cdffdc447b79cb2cef8ab02cc75267345946291a489e4",

@@ -1,6 +1,6 @@
 """Model families in the shard contract: the rules that both the writer (`preprocess`) and the
 checker (`verify`, `show`) of a family's shards follow, each stated once, in one module per
-family (`qwen3_vl.py`, `qwen2_5_vl.py`).
+family (`qwen3_vl.py`, `qwen2_5_vl.py`, `qwen3_5.py`).
 
 A family's rules object holds:
 
@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from ..positions import VideoPositions
-from . import qwen2_5_vl, qwen3_vl
+from . import qwen2_5_vl, qwen3_5, qwen3_vl
 
 __all__ = ["FAMILY_NAMES", "RULES", "FamilyRules", "find_rules", "reading_rules", "rules_for"]
 
@@ -76,7 +76,7 @@ class FamilyRules(Protocol):
 
 
 # Adding a family: its module here, and its rules in this tuple (docs/families.md).
-RULES: dict[str, FamilyRules] = {rules.name: rules for rules in (qwen3_vl.RULES, qwen2_5_vl.RULES)}
+RULES: dict[str, FamilyRules] = {rules.name: rules for rules in (qwen3_vl.RULES, qwen2_5_vl.RULES, qwen3_5.RULES)}
 FAMILY_NAMES = tuple(RULES)
 
 

@@ -509,7 +509,7 @@ class Qwen3_5Family(families.ModelFamily):
     vision_family = "qwen3-vl"
     hf_processor_class = "Qwen3VLProcessor"
     hf_video_processor_class = "Qwen3VLVideoProcessor"
-    processor_defaults_family = "qwen3-vl"  # preprocess/qwen3_5_constants.py: the same values as Qwen3-VL's
+    processor_defaults_family = "qwen3-vl"  # preprocess/families/qwen3_5_constants.py: the same values as Qwen3-VL's
     carried_prefixes = (MTP_PREFIX,)
     transforms = TRANSFORMS
 

@@ -30,9 +30,11 @@ rotary layout covers 64 of 256 head dimensions (Qwen3-VL: 128 of 128, sections 2
 
 from __future__ import annotations
 
-from shards_schema.builtin import VisionConfig
+from shards_schema.builtin import QWEN3_5_VISION
 
-from .video.sampling import VideoDefaults
+from ..video.sampling import VideoDefaults
+
+__all__ = ["QWEN3_5_VISION", "QWEN3_5_VIDEO"]  # QWEN3_5_VISION: the image constants, kept in shards_schema.builtin
 
 # The two processor files as published (key order kept), for profiles and for tests.
 PREPROCESSOR_CONFIG = {
@@ -57,16 +59,6 @@ VIDEO_PREPROCESSOR_CONFIG = {
 }
 # The -Base checkpoints' video_preprocessor_config.json differs only here.
 BASE_VIDEO_MAX_PIXELS = 234881024
-
-QWEN3_5_VISION = VisionConfig(
-    patch_size=PREPROCESSOR_CONFIG["patch_size"],
-    merge_size=PREPROCESSOR_CONFIG["merge_size"],
-    temporal_patch_size=PREPROCESSOR_CONFIG["temporal_patch_size"],
-    image_mean=(0.5, 0.5, 0.5),
-    image_std=(0.5, 0.5, 0.5),
-    min_pixels=PREPROCESSOR_CONFIG["size"]["shortest_edge"],
-    max_pixels=PREPROCESSOR_CONFIG["size"]["longest_edge"],
-)
 
 # The video file's size and mean/std over `Qwen3VLVideoProcessor`'s class defaults.
 QWEN3_5_VIDEO = VideoDefaults(
