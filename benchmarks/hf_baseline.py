@@ -26,6 +26,7 @@ mean over the global batch, as vlmpack's.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import time
 from pathlib import Path
 
@@ -113,6 +114,9 @@ def use_packed_linear_attention(model) -> int:
     layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
     if not layers:
         return 0
+    if importlib.util.find_spec("fla") is None:
+        raise RuntimeError("HF's packed recipe for Gated DeltaNet layers needs flash-linear-attention "
+                           "(pip install fla-core; CUDA): transformers' own path runs packed samples into each other")
     current: dict = {}
 
     def record(module, args, kwargs):
