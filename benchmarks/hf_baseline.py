@@ -143,6 +143,12 @@ LIGER_PATCHES = {  # HF class -> liger_kernel.transformers function
     "Qwen3_5ForConditionalGeneration": "apply_liger_kernel_to_qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "apply_liger_kernel_to_qwen3_5_moe",
 }
+# kernels a patch function takes but documents as not supported for the model: Liger's rotary
+# refuses Qwen3.5's hybrid layers (liger-kernel 0.8.5 raises NotImplementedError)
+LIGER_UNSUPPORTED = {
+    "Qwen3_5ForConditionalGeneration": ("rope",),
+    "Qwen3_5MoeForConditionalGeneration": ("rope",),
+}
 
 
 @dataclasses.dataclass
@@ -176,8 +182,9 @@ def apply_liger(model, hf_class: str) -> LigerCoverage:
     apply = getattr(liger, name)
     params = inspect.signature(apply).parameters
     # every kernel the function offers; the fused linear cross-entropy, not the plain one
-    arguments = {k: k != "cross_entropy" for k in ("rope", "rms_norm", "swiglu", "cross_entropy",
-                                                    "fused_linear_cross_entropy") if k in params}
+    unsupported = LIGER_UNSUPPORTED.get(hf_class, ())
+    arguments = {k: k != "cross_entropy" and k not in unsupported
+                 for k in ("rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy") if k in params}
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT
     modeling = importlib.import_module(type(hf_model).__module__)
     functions_before = {k: v for k, v in vars(modeling).items() if callable(v) and not isinstance(v, type)}
