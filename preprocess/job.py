@@ -56,7 +56,7 @@ from shards_schema.outdir import exclusive_output_dir, user_entries
 from shards_schema.storage import MAX_FETCH_RETRIES
 from shards_schema.writer import ShardWriter, file_sha256
 
-from .errors import ConfigError, RejectError
+from .errors import ConfigError, RejectError, check_reject_code
 from .formats import INPUT_FORMATS, to_openai_row
 from .inputs import (InputFile, WorkUnit, check_inputs, describe_input, hub_dataset_files, is_hub_dataset, plan_units,
                      read_rows)
@@ -258,7 +258,7 @@ def _describe(exc: Exception) -> str:
 
 
 def _reject_record(name: str, row: int, code: str, reason: str) -> dict:
-    return {"source": name, "row": row, "code": code, "reason": printable(reason)}
+    return {"source": name, "row": row, "code": check_reject_code(code), "reason": printable(reason)}
 
 
 _WORKER: dict = {}
