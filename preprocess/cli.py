@@ -24,6 +24,7 @@ from pathlib import Path
 
 from shards_schema import storage
 from shards_schema.atomic import atomic_open, write_json_atomic
+from shards_schema.errors import EXIT_FAULT
 from shards_schema.inspect import format_storage_per_visual_token, storage_per_visual_token
 from shards_schema.manifest import profile_name
 from shards_schema.outdir import exclusive_output_dir, user_entries
@@ -209,7 +210,7 @@ def _sample_options(args) -> SampleOptions:
     )
 
 
-EXIT_NOTHING_WRITTEN = 1
+EXIT_NOTHING_WRITTEN = EXIT_FAULT
 
 
 def _nothing_written(command: str, manifest: dict, out: Path) -> int:

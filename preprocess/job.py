@@ -50,13 +50,13 @@ from pathlib import Path
 
 from shards_schema import storage
 from shards_schema.atomic import TMP_SUFFIX, write_json_atomic, write_jsonl_atomic
-from shards_schema.errors import UserError, user_error_from_os_error
+from shards_schema.errors import EXIT_FAULT, UserError, signal_exit_code, user_error_from_os_error
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, build_manifest
 from shards_schema.outdir import exclusive_output_dir, user_entries
 from shards_schema.storage import MAX_FETCH_RETRIES
 from shards_schema.writer import ShardWriter, file_sha256
 
-from .errors import ConfigError, RejectError
+from .errors import ConfigError, RejectError, check_reject_code
 from .formats import INPUT_FORMATS, to_openai_row
 from .inputs import (InputFile, WorkUnit, check_inputs, describe_input, hub_dataset_files, is_hub_dataset, plan_units,
                      read_rows)
@@ -118,7 +118,7 @@ class Interrupted(UserError):
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name}; finished shards are kept: "
                          "re-run the same command to resume")
-        self.exit_code = 128 + signum
+        self.exit_code = signal_exit_code(signum)
 
 
 class WorkerLost(UserError):
@@ -126,14 +126,14 @@ class WorkerLost(UserError):
     128 + the signal, like the job's own stop; killed otherwise (SIGKILL: the out-of-memory
     killer, or by hand; a crash): exit 1."""
 
-    exit_code = 1
+    exit_code = EXIT_FAULT
 
     def __init__(self, signum: int | None):
         kept = "finished shards are kept: re-run the same command to resume"
         if signum in STOP_SIGNALS:
             name = signal.Signals(signum).name
             super().__init__(f"a worker process was stopped by {name} (sent to the worker, not to the job); {kept}")
-            self.exit_code = 128 + signum
+            self.exit_code = signal_exit_code(signum)
         elif signum == signal.SIGKILL:
             super().__init__(f"a worker process ended unexpectedly: killed by SIGKILL (by the system when memory ran "
                              f"out, or by hand); {kept}, with fewer --workers if memory is short")
@@ -258,7 +258,7 @@ def _describe(exc: Exception) -> str:
 
 
 def _reject_record(name: str, row: int, code: str, reason: str) -> dict:
-    return {"source": name, "row": row, "code": code, "reason": printable(reason)}
+    return {"source": name, "row": row, "code": check_reject_code(code), "reason": printable(reason)}
 
 
 _WORKER: dict = {}

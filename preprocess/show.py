@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from shards_schema.inspect import patches_to_image, video_patches_to_frames
-from shards_schema.errors import UserError
+from shards_schema.errors import EXIT_USER_ERROR, UserError
 from shards_schema.families import reading_rules
 from shards_schema.outdir import prepare_output_dir
 from shards_schema.reader import ShardSet, open_shards
@@ -296,7 +296,7 @@ class Show:
             return _show(args, out)
         except (UserError, IndexError, ValueError) as exc:
             print(f"vlmpack show: error: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_USER_ERROR
 
 
 def _show(args, out) -> int:

@@ -14,12 +14,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import signal
 import sys
 
-from .errors import EXIT_USER_ERROR, UserError, user_error_from_os_error
-
-EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+from .errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError, user_error_from_os_error
 
 # name -> ("module:object", one-line help)
 COMMANDS = {
@@ -80,14 +77,14 @@ def _dispatch(argv: list[str]) -> int:
     name = argv[0]
     if name not in COMMANDS:
         print(f"vlmpack: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     target, help_ = COMMANDS[name]
     module_name, attr = target.split(":")
     try:
         command = getattr(importlib.import_module(module_name), attr)
     except KeyboardInterrupt:  # Ctrl-C while the command loads (torch and megatron take seconds): nothing began
         print(f"vlmpack {name}: interrupted before it started", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return EXIT_INTERRUPTED
     parser = _Parser(prog=f"vlmpack {name}", description=help_)
     command.add_arguments(parser)
     args = parser.parse_args(argv[1:])

@@ -3,16 +3,42 @@
 A `UserError` is a mistake the person running the command can fix (a bad flag, a missing
 directory, an output directory held by another job). The command dispatcher prints its
 message as one line and exits 2: never a traceback. `DiskFullError` exits 4, so a batch
-scheduler can tell "free space and re-run" from "fix the command".
+scheduler can tell "free space and re-run" from "fix the command". `EXIT_CODES` is every exit
+status a command gives; the docs list exactly these (tests/test_docs_codes.py).
 """
 
 from __future__ import annotations
 
 import errno
+import signal
 
+EXIT_OK = 0
+EXIT_FAULT = 1
 EXIT_USER_ERROR = 2
 EXIT_OUT_OF_GPU_MEMORY = 3
 EXIT_DISK_FULL = 4
+EXIT_SIGNAL_BASE = 128  # + the signal's number: what a shell reports for a command a signal ended
+EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + signal.SIGINT  # 130: Ctrl-C
+EXIT_BROKEN_PIPE = EXIT_SIGNAL_BASE + signal.SIGPIPE  # 141: the reader of the output has gone
+SIGNAL_EXIT = "128+N"  # EXIT_CODES' key for any signal's status, spelt as the docs spell it
+
+# Every exit status of a `vlmpack` command, with what it means.
+EXIT_CODES: dict[int | str, str] = {
+    EXIT_OK: "success (also `train` stopped by SIGTERM or SIGUSR1 with the step saved: a preemption to requeue)",
+    EXIT_FAULT: "a fault found: a job that wrote nothing or lost a worker to SIGKILL or a crash, `verify` found "
+                "faults, `fetch` found a shard unlike its manifest, or `train --dry-run` found no layout that fits",
+    EXIT_USER_ERROR: "a user error: a mistake in the command or its inputs (one line naming it and the fix)",
+    EXIT_OUT_OF_GPU_MEMORY: "out of GPU memory",
+    EXIT_DISK_FULL: "disk full: free space and re-run; finished work is kept",
+    SIGNAL_EXIT: "stopped by signal N (SIGTERM, SIGINT, SIGHUP; to `train` a second signal): re-run to resume",
+    EXIT_INTERRUPTED: "Ctrl-C (128 + SIGINT)",
+    EXIT_BROKEN_PIPE: "output piped into a reader that has gone (128 + SIGPIPE)",
+}
+
+
+def signal_exit_code(signum: int) -> int:
+    """The exit status of a command stopped by signal `signum` (128 + N, as a shell reports it)."""
+    return EXIT_SIGNAL_BASE + int(signum)
 
 
 class UserError(Exception):

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .atomic import TMP_SUFFIX, write_json_atomic
-from .errors import UserError
+from .errors import EXIT_FAULT, UserError
 from .manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, check_manifest, parse_manifest
 from .outdir import exclusive_output_dir, user_entries
 from .reader import file_fault
@@ -37,7 +37,7 @@ CHECK_THREADS = min(8, os.cpu_count() or 1)  # hashlib and file reads release th
 class FetchMismatch(UserError):
     """The source's bytes are not what its manifest says: a damaged source (exit 1)."""
 
-    exit_code = 1
+    exit_code = EXIT_FAULT
 
 
 def _read_manifest(src: str) -> dict:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import EXIT_USER_ERROR
 from .manifest import REJECTS_NAME, ShardFormatError, profile_name
 from .outdir import prepare_output_dir
 from .reader import open_shards
@@ -559,7 +560,7 @@ class Inspect:
             report, arrays = _collect(args.dir)  # the manifest and each shard checked as they are opened
         except (ShardFormatError, OSError) as exc:
             print(f"vlmpack inspect: error: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_USER_ERROR
         return Inspect._print(args, report, arrays)  # a closed pipe: the dispatcher ends quietly
 
     @staticmethod

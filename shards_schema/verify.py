@@ -44,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 
 from .atomic import TMP_SUFFIX
-from .errors import UserError
+from .errors import EXIT_FAULT, EXIT_OK, EXIT_USER_ERROR, UserError
 from .families import find_rules, reading_rules
 from .manifest import (MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, SHARD_STAT_KEYS, VIDEO_STAT_KEYS, ShardFormatError,
                        is_count, layout_problems, read_manifest, shard_entries, total_keys)
@@ -978,12 +978,12 @@ class Verify:
                 print(json.dumps({"directory": str(args.directory), "ok": False, "error": str(exc)}, indent=2))
             else:
                 print(f"vlmpack verify: error: {exc}", file=sys.stderr)
-            return 2
+            return EXIT_USER_ERROR
         if args.json:
             print(json.dumps(report.to_json(), indent=2))
         else:
             print(report.format_text(args.max_faults))
-        return 0 if report.ok else 1
+        return EXIT_OK if report.ok else EXIT_FAULT
 
 
 def _verify_remote(args, progress: bool) -> int:
@@ -1002,4 +1002,4 @@ def _verify_remote(args, progress: bool) -> int:
         print(json.dumps({**report.to_json(), "directory": redact(str(args.directory))}, indent=2))
     else:
         print(text)
-    return 0 if report.ok else 1
+    return EXIT_OK if report.ok else EXIT_FAULT

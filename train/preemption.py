@@ -28,6 +28,8 @@ import threading
 import warnings
 from typing import Callable
 
+from shards_schema.errors import signal_exit_code
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 INTERRUPT = signal.SIGINT  # a person's Ctrl-C: the run stops as an interrupted command, not as a preemption
 
@@ -61,7 +63,7 @@ class StopRequest:
     def _record(self, signum: int, frame) -> None:
         if self.received is not None:  # asked twice: stop waiting for the step or the save
             print(self.repeat_line(signal.Signals(signum)), file=sys.stderr, flush=True)
-            os._exit(128 + signum)  # no cleanup that could wait: the background writer is left as it is
+            os._exit(signal_exit_code(signum))  # no cleanup that could wait: the background writer is left as it is
         self.received = signal.Signals(signum)
 
     @property

@@ -28,7 +28,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from shards_schema.errors import UserError
+from shards_schema.errors import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_GPU_MEMORY, UserError
 from shards_schema.outdir import exclusive_output_dir
 from train import adapter_format, checkpoint, convert, memory_plan
 from train.config import ConfigError, TrainConfig
@@ -43,11 +43,8 @@ from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import lora
 from train.model.moe import load_balancing_loss
 from train.parallel import ParallelInfo, build_model, destroy_parallel, finalize_grads, init_parallel
-from train.preemption import INTERRUPT, StopRequest
+from train.preemption import StopRequest
 from train.remote_data import localize_sources
-
-
-EXIT_INTERRUPTED = 128 + INTERRUPT  # Ctrl-C: the step saved, then the status of an interrupted command
 
 
 def resolve_arch(config: TrainConfig) -> ModelArch:
@@ -688,14 +685,14 @@ class Train:
         if config.dry_run:
             report, fits = dry_run(config)
             print(report)
-            return 0 if fits else 1  # no layout fits: nothing to launch
+            return EXIT_OK if fits else EXIT_FAULT  # no layout fits: nothing to launch
         try:
             result = train(config)
         except RuntimeError as exc:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(exc):
                 raise
             print(f"vlmpack train: error: {out_of_memory_advice(config, exc)}", file=sys.stderr)
-            return 3
+            return EXIT_OUT_OF_GPU_MEMORY
         except KeyboardInterrupt:  # Ctrl-C outside the training loop (setup, export), where a step is not saved
             saved = checkpoint.latest_checkpoint(Path(config.out))
             print("vlmpack train: interrupted (SIGINT) outside the training loop; "
@@ -707,7 +704,7 @@ class Train:
         if result.get("final_step"):
             keys = ("start_step", "final_step", "loss", "stopped_by_signal")
             print(json.dumps({k: result[k] for k in keys if k in result}))
-        return EXIT_INTERRUPTED if result.get("interrupted") else 0
+        return EXIT_INTERRUPTED if result.get("interrupted") else EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
