@@ -402,6 +402,19 @@ def test_model_dir_of_a_qwen3_5_checkpoint_is_its_builtin_profile(name, model_ty
     assert profile.fingerprint["id"] == profiles[name].fingerprint["id"]
 
 
+def test_the_template_check_tells_the_two_templates_apart(profiles):
+    """`--model DIR` renders by the template's kind: a template of one release passes the check
+    as its own kind and fails it as the other's (the probes hold arguments of every JSON type)."""
+    from preprocess.errors import ConfigError
+    from preprocess.render import check_template_matches
+
+    for name, other in (("qwen3.5", "qwen3.6"), ("qwen3.6", "qwen3.5")):
+        text = TEMPLATE_FILES[name].read_text(encoding="utf-8")
+        check_template_matches(profiles[name], text)
+        with pytest.raises(ConfigError, match="tool call arguments of every JSON type"):
+            check_template_matches(profiles[other], text)
+
+
 # --- verify and training --------------------------------------------------------------------------
 
 
