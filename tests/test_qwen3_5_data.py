@@ -20,6 +20,7 @@ import random
 import shutil
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,8 @@ from preprocess.render import render_conversation, tokenize_rendered
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
-TEMPLATE_FILES = {"qwen3.5": FIXTURES / "qwen3_5.chat_template.jinja", "qwen3.6": FIXTURES / "qwen3_6.chat_template.jinja"}
+TEMPLATE_FILES = {"qwen3.5": FIXTURES / "qwen3_5.chat_template.jinja",
+                  "qwen3.6": FIXTURES / "qwen3_6.chat_template.jinja"}
 PROFILES = tuple(TEMPLATE_FILES)
 CASES = int(os.environ.get("VLMPACK_ORACLE_CASES", "40"))
 
@@ -215,9 +217,10 @@ def test_reasoning_before_the_last_query_and_rows_the_template_refuses_are_rejec
     history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "why"},
                {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
     cases = {
-        "dropped_by_template": [history,
-                                [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x<think>r</think>y"}],
-                                [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>r</think>y</think>z"}]],
+        "dropped_by_template": [
+            history,
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x<think>r</think>y"}],
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>r</think>y</think>z"}]],
         "bad_message": [[{"role": "user", "content": "a"}, {"role": "system", "content": "late"},
                          {"role": "assistant", "content": "b"}],
                         [{"role": "tool", "content": "r"}, {"role": "user", "content": "a"},
@@ -351,14 +354,20 @@ def test_rows_equal_hf_processing(name, profiles, hf_processor, tmp_path):
                        return_tensors="pt", cap_pixels_per_frame=False)
         ids = hf["input_ids"][0].numpy()
         assert sample.input_ids.tolist() == ids.tolist(), n
+        # the targets are exactly the rendered text's target spans, and no vision token is one
         rendered = render_conversation(messages, family=profile.family_rules, tools=tools, template=profile.template)
-        _, mask = tokenize_rendered(rendered, profile.tokenizer)  # the text's mask: its tokens before expansion
-        assert int(sample.loss_mask.sum()) == int(mask.sum()) and not sample.loss_mask[hf["mm_token_type_ids"][0].numpy() > 0].any()
+        _, mask = tokenize_rendered(rendered, profile.tokenizer)
+        targets = profile.tokenizer.decode(ids[sample.loss_mask == 1].tolist(), skip_special_tokens=False)
+        expected = "".join(rendered.text[a:b] for a, b in rendered.target_spans)
+        assert targets == unicodedata.normalize("NFC", expected), n  # the tokenizer normalizes to NFC
+        assert int(sample.loss_mask.sum()) == int(mask.sum())
+        assert not sample.loss_mask[hf["mm_token_type_ids"][0].numpy() > 0].any()
         if images:
             assert sample.image_grid_thw.tolist() == hf["image_grid_thw"].tolist()
             v = profile.vision
-            assert np.array_equal(pixel_values_from_patches(sample.pixel_patches, v.image_mean, v.image_std,
-                                                            v.patch_size, v.temporal_patch_size), hf["pixel_values"].numpy())
+            ours = pixel_values_from_patches(sample.pixel_patches, v.image_mean, v.image_std, v.patch_size,
+                                             v.temporal_patch_size)
+            assert np.array_equal(ours, hf["pixel_values"].numpy()), n
         if videos:
             assert sample.video_grid_thw.tolist() == hf["video_grid_thw"].tolist()
             assert np.array_equal(video_pixel_values_from_patches(sample.video_patches, profile.video.image_mean,

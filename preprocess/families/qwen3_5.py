@@ -32,8 +32,8 @@ import json
 
 from shards_schema.families import qwen3_5 as shard_qwen3_5
 
-from ..render import IM_END, IM_START, IMAGE, TEXT, VIDEO, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Message, TextBuilder, \
-    json_text, reject
+from ..render import (IM_END, IM_START, IMAGE, IMAGE_PLACEHOLDER, TEXT, VIDEO, VIDEO_PLACEHOLDER, Message, TextBuilder,
+                      json_text, reject)
 from .qwen3_5_constants import QWEN3_5_VIDEO
 from .qwen3_vl import Qwen3VL
 
