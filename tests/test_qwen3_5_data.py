@@ -297,8 +297,9 @@ def hf_processor(profiles, tmp_path_factory):
 def _media_row(rng: random.Random, nprng, media, messages):
     """Give every image and video part of `messages` a real file; returns HF's images, videos and
     video metadata in order of appearance."""
-    from preprocess.examples import synthetic_image, synthetic_video_frames
-    from tests.test_video import reference_frames, write_video  # the video suite's writer and reference decoder
+    from transformers.video_utils import load_video
+
+    from preprocess.examples import synthetic_image, synthetic_video_frames, write_video
 
     images, videos, meta = [], [], []
     for message in messages:
@@ -318,7 +319,9 @@ def _media_row(rng: random.Random, nprng, media, messages):
                 path = write_video(media / f"v{len(list(media.iterdir()))}.mp4",
                                    synthetic_video_frames(nprng, n, rng.randint(40, 120), rng.randint(40, 120)), fps)
                 part["video"] = path.name
-                frames, metadata = reference_frames(path)
+                # HF's own decode of every frame (MP4 records its frame count), sampled by its processor
+                frames, metadata = load_video(str(path), backend="pyav",
+                                              sample_indices_fn=lambda metadata, **_: np.arange(metadata.total_num_frames))
                 videos.append(frames)
                 meta.append(metadata)
     return images, videos, meta
