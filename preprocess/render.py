@@ -3,7 +3,8 @@
 `render_conversation` turns one OpenAI-format conversation into the exact text the official
 chat template of the family produces (`qwen3-vl`: Qwen3-VL-*-Instruct, or with
 `template="thinking"` Qwen3-VL-*-Thinking, whose assistant turns carry `<think>` reasoning;
-`qwen2.5-vl`: Qwen2.5-VL / Qwen2-VL Instruct), built with plain string operations: no jinja at
+`qwen2.5-vl`: Qwen2.5-VL / Qwen2-VL Instruct; `qwen3.5`: Qwen3.5 / Qwen3.6, thinking and XML
+tool calls), built with plain string operations: no jinja at
 run time. This module holds what the templates share: the parsing and checking of the row
 (`Message`), the text builder that records targets (`TextBuilder`) and the ChatML turns they
 all write; each family's own template rules and renderers are in its module of
