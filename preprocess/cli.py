@@ -84,7 +84,8 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model profile")
     g.add_argument("--profile", default=None,
                    help="built-in profile: qwen3-vl (default), qwen3-vl-thinking (the Thinking checkpoints' template: "
-                        "reasoning_content / <think> blocks) or qwen2.5-vl")
+                        "reasoning_content / <think> blocks), qwen2.5-vl, qwen3.5 or qwen3.6 (Qwen3.5 / Qwen3.6 "
+                        "checkpoints: thinking, XML tool calls)")
     g.add_argument("--model", default=None, help="Hugging Face model directory (tokenizer, preprocessor config, chat template)")
     g.add_argument("--min-pixels", type=int, default=None, help="override the profile's minimum image area")
     g.add_argument("--max-pixels", type=int, default=None, help="override the profile's maximum image area")
@@ -94,7 +95,8 @@ def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--loss-policy", default="all_assistant", choices=["all_assistant", "last_assistant"],
                    help="which assistant turns are targets: every one (default) or only the last")
     g.add_argument("--reasoning-loss", default="train", choices=REASONING_LOSSES,
-                   help="Thinking template: train the reasoning inside <think> too (default), or mask it (context only; "
+                   help="Thinking templates (qwen3-vl-thinking, qwen3.5, qwen3.6): train the reasoning inside <think> "
+                        "too (default), or mask it (context only; "
                         "the answer after </think> is still a target)")
     g.add_argument("--media-root", default=None, help="directory that image file paths resolve under (never outside it)")
     g.add_argument("--allow-remote-media", action="store_true",

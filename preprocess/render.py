@@ -3,7 +3,8 @@
 `render_conversation` turns one OpenAI-format conversation into the exact text the official
 chat template of the family produces (`qwen3-vl`: Qwen3-VL-*-Instruct, or with
 `template="thinking"` Qwen3-VL-*-Thinking, whose assistant turns carry `<think>` reasoning;
-`qwen2.5-vl`: Qwen2.5-VL / Qwen2-VL Instruct), built with plain string operations: no jinja at
+`qwen2.5-vl`: Qwen2.5-VL / Qwen2-VL Instruct; `qwen3.5`: Qwen3.5 / Qwen3.6, thinking and XML
+tool calls), built with plain string operations: no jinja at
 run time. This module holds what the templates share: the parsing and checking of the row
 (`Message`), the text builder that records targets (`TextBuilder`) and the ChatML turns they
 all write; each family's own template rules and renderers are in its module of
@@ -598,7 +599,8 @@ _WEATHER_TOOL = {
 }
 _CLOCK_TOOL = {"type": "function", "function": {"name": "now", "description": "Current time", "parameters": {}}}
 
-# (name, messages, tools): together they exercise every branch of both official templates.
+# (name, messages, tools): together they exercise every branch of the official templates (the
+# families reject what they cannot render; such probes are skipped for them).
 TEMPLATE_PROBES: tuple[tuple[str, list, list | None], ...] = (
     (
         "system string",
@@ -738,6 +740,32 @@ TEMPLATE_PROBES: tuple[tuple[str, list, list | None], ...] = (
             {"role": "tool", "content": "boot log"},
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _DATA_URI}}]},
             {"role": "assistant", "content": "ok"},
+        ],
+        None,
+    ),
+    (
+        "tool call arguments of every JSON type",
+        [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {
+                    "city": "Oslo", "days": 3, "metric": True, "hourly": None, "ratio": 0.5, "fields": ["t", "w"],
+                    "options": {"lang": "nb"}}}}],
+            },
+            {"role": "tool", "content": "cold"},
+            {"role": "assistant", "content": "Cold."},
+        ],
+        [_WEATHER_TOOL],
+    ),
+    (
+        "reasoning after the last user query",
+        [
+            {"role": "user", "content": "1+1?"},
+            {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "and 2+2?"},
+            {"role": "assistant", "reasoning_content": "\nadd two\n", "content": "4"},
         ],
         None,
     ),

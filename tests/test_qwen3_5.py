@@ -405,9 +405,11 @@ def test_transformers_in_memory_experts_read_as_the_checkpoints(hf_checkpoint):
 
 def test_random_init_exports_a_model_transformers_loads(tmp_path):
     """--arch qwen3.5 random weights (zero-centred norms at 0, the Gated DeltaNet's A_log and dt_bias
-    as HF draws them) export with no MTP layers claimed, and load in transformers."""
+    as HF draws them) export with no MTP layers claimed and the built-in Qwen3.5 tokenizer, and load
+    in transformers."""
     import transformers
 
+    from shards_schema.builtin import builtin_tokenizer_json
     from train.checkpoint import random_full_state
 
     arch = dataclasses.replace(builtin_arch("tiny-qwen3.5"), lm=dataclasses.replace(
@@ -420,7 +422,8 @@ def test_random_init_exports_a_model_transformers_loads(tmp_path):
     convert.save_model_dir(tmp_path / "m", {(0, 0): convert.shard(full, arch, 1, 0, 1, 0)}, arch, 1, 1)
     _, side_files = convert.export_hf(tmp_path / "m", tmp_path / "hf")
     assert any("no multi-token-prediction weights" in note for note in side_files.notes)
-    assert any("no tokenizer" in note for note in side_files.notes)
+    assert not any("tokenizer" in note for note in side_files.notes)  # the built-in Qwen3.5 tokenizer is written
+    assert (tmp_path / "hf" / "tokenizer.json").read_text(encoding="utf-8") == builtin_tokenizer_json("qwen3.5")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["text_config"]["mtp_num_hidden_layers"] == 0
     assert json.loads((tmp_path / "hf" / "preprocessor_config.json").read_text())["processor_class"] == "Qwen3VLProcessor"

@@ -337,7 +337,7 @@ def test_probes_match_hf(family, builtin_profiles, hf_tokenizers, official_templ
             family, messages, tools, sources, builtin_profiles[family], hf_tokenizers[family], official_template[family]
         )
         checked += 1
-    assert checked == {"qwen3-vl": 11, "qwen2.5-vl": 8}[family]  # the rest carry content the family rejects
+    assert checked == {"qwen3-vl": 12, "qwen2.5-vl": 8}[family]  # the rest carry content the family rejects
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ Qwen3.5 writes a value that is not an object or a list with Python's `str` (`Tru
 Qwen3.6 as JSON (`true`, `null`), the one difference of the two templates besides
 `preserve_thinking` (not set by `apply_chat_template`'s defaults, so not rendered here).
 Tool results are `<tool_response>` blocks of one user turn, images and videos render in user,
-assistant and tool turns, and `add_vision_id` writes `Picture n: ` / `Video n: ` before them.
+assistant and tool turns, and the template's `add_vision_id` writes `Picture n: ` / `Video n: `
+before them (`render_qwen3_5(..., add_vision_id=True)`; the family's `render`, which
+preprocessing calls, renders the template's default, without them).
 
 Processors: transformers gives these checkpoints Qwen3-VL's (`Qwen3VLProcessor`,
 `Qwen2VLImageProcessor`, `Qwen3VLVideoProcessor`) with the same published constants
@@ -32,8 +34,8 @@ import json
 
 from shards_schema.families import qwen3_5 as shard_qwen3_5
 
-from ..render import IM_END, IM_START, IMAGE, TEXT, VIDEO, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Message, TextBuilder, \
-    json_text, reject
+from ..render import (IM_END, IM_START, IMAGE, IMAGE_PLACEHOLDER, TEXT, VIDEO, VIDEO_PLACEHOLDER, Message, TextBuilder,
+                      json_text, reject)
 from .qwen3_5_constants import QWEN3_5_VIDEO
 from .qwen3_vl import Qwen3VL
 
