@@ -209,11 +209,13 @@ class TrainerProbe:
     @contextlib.contextmanager
     def patched(self):
         import train.checkpoint as ckpt
+        import train.model_setup as setup
         import train.trainer as tr
 
         probe, clock = self, self.clock
-        saved = {name: getattr(tr, name) for name in ("TrainData", "run_global_batch", "build_optimizer", "build_model")}
-        saved_save = ckpt.save
+        saved = {name: getattr(tr, name) for name in ("TrainData", "run_global_batch", "build_optimizer")}
+        saved_build = setup.build_model_for_run
+        saved_save = ckpt.CheckpointSaver.save
 
         class ProbedData(saved["TrainData"]):
             def __init__(self, *a, **k):
@@ -265,12 +267,12 @@ class TrainerProbe:
             return optimizer, scheduler
 
         def build_model(*a, **k):
-            model = saved["build_model"](*a, **k)
+            model_config, model = saved_build(*a, **k)
             if model.vision is not None:
                 probe._hook_vision(model.vision)
             if probe.trace_path is not None:
                 probe.labels = label_modules(model)
-            return model
+            return model_config, model
 
         def save(*a, **k):
             if probe.keep_checkpoint:
@@ -278,15 +280,16 @@ class TrainerProbe:
             probe.checkpoint_saves_skipped += 1
             return None
 
-        tr.TrainData, tr.run_global_batch, tr.build_optimizer, tr.build_model = (
-            ProbedData, run_global_batch, build_optimizer, build_model)
-        ckpt.save = save
+        tr.TrainData, tr.run_global_batch, tr.build_optimizer = ProbedData, run_global_batch, build_optimizer
+        setup.build_model_for_run = build_model
+        ckpt.CheckpointSaver.save = save
         try:
             yield self
         finally:
             for name, value in saved.items():
                 setattr(tr, name, value)
-            ckpt.save = saved_save
+            setup.build_model_for_run = saved_build
+            ckpt.CheckpointSaver.save = saved_save
 
     def _hook_vision(self, vision) -> None:
         clock = self.clock

@@ -407,7 +407,7 @@ def test_random_init_exports_a_model_transformers_loads(tmp_path):
     as HF draws them) export with no MTP layers claimed, and load in transformers."""
     import transformers
 
-    from train.checkpoint import random_full_state
+    from train.model_setup import random_full_state
 
     arch = dataclasses.replace(builtin_arch("tiny-qwen3.5"), lm=dataclasses.replace(
         builtin_arch("tiny-qwen3.5").lm, mtp_num_hidden_layers=1))

@@ -636,10 +636,10 @@ def test_a_second_ctrl_c_while_saving_exits_at_once_keeping_the_previous_checkpo
 # Ctrl-C while the model is being set up (the default handler: KeyboardInterrupt)
 CTRL_C_IN_SETUP = """
 import os, signal, sys
-import train.checkpoint as ckpt, train.trainer as trainer
+import train.model_setup as model_setup, train.trainer as trainer
 def init_random_weights(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGINT)
-ckpt.init_random_weights = init_random_weights
+model_setup.init_random_weights = init_random_weights
 sys.exit(trainer.main(sys.argv[1:]))
 """
 
@@ -1033,21 +1033,19 @@ def test_wandb_run_name_without_a_project_is_refused(shards, tmp_path, capsys):
     assert code == 2 and "--wandb-run-name 'x' needs --wandb-project NAME" in err and err.count("\n") == 1
 
 
-def test_random_init_is_the_same_for_any_thread_count_and_layer_subset(monkeypatch):
+def test_random_init_is_the_same_for_any_thread_count_and_layer_subset():
     """The random init is drawn in chunks on a thread pool: the values depend only on (seed,
     name), never on the threads, and a stage's layer subset draws exactly the full model's."""
-    from train import checkpoint
+    from train import model_setup
     from train.model.arch import builtin_arch
 
     arch = builtin_arch("tiny")
-    monkeypatch.setattr(checkpoint, "_init_threads", lambda: 1)
-    one = checkpoint.random_full_state(arch, 7)
-    monkeypatch.setattr(checkpoint, "_init_threads", lambda: 4)
-    four = checkpoint.random_full_state(arch, 7)
-    stage = checkpoint.random_full_state(arch, 7, layers=range(1, 2))
-    other_seed = checkpoint.random_full_state(arch, 8)
+    one = model_setup.random_full_state(arch, 7, threads=1)
+    four = model_setup.random_full_state(arch, 7, threads=4)
+    stage = model_setup.random_full_state(arch, 7, layers=range(1, 2))
+    other_seed = model_setup.random_full_state(arch, 8)
     embedding = "language_model.embedding.word_embeddings.weight"
-    assert one[embedding].numel() > 2 * checkpoint.RANDOM_CHUNK  # several chunks, several generators
+    assert one[embedding].numel() > 2 * model_setup.RANDOM_CHUNK  # several chunks, several generators
     assert all(torch.equal(one[k], four[k]) for k in one)
     for name, tensor in stage.items():
         if tensor.device.type == "meta":
@@ -1055,6 +1053,6 @@ def test_random_init_is_the_same_for_any_thread_count_and_layer_subset(monkeypat
         else:
             assert torch.equal(tensor, one[name]), name
     assert not torch.equal(one[embedding], other_seed[embedding])
-    chunks = one[embedding].view(-1).split(checkpoint.RANDOM_CHUNK)
+    chunks = one[embedding].view(-1).split(model_setup.RANDOM_CHUNK)
     assert not torch.equal(chunks[0], chunks[1][:chunks[0].numel()])  # each chunk its own stream
     assert abs(float(one[embedding].std()) - 0.02) < 2e-4

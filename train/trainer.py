@@ -30,32 +30,23 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from shards_schema.errors import UserError
 from shards_schema.outdir import exclusive_output_dir
-from train import adapter_format, checkpoint, convert, memory_plan
+from train import adapter_format, checkpoint, convert, memory_plan, model_setup
 from train.config import ConfigError, TrainConfig
 from train.data import TrainData
 from train.lr_schedule import RunSchedule
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
-from train.model.arch import ModelArch, builtin_arch
-from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
+from train.model.arch import ModelArch
 from train.model.linear import fp8_weight_scales_once, grad_buffers_zeroed, use_fp8, use_grad_buffers
-from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import lora
 from train.model.moe import load_balancing_loss
-from train.parallel import ParallelInfo, build_model, destroy_parallel, finalize_grads, init_parallel
+from train.model_setup import resolve_arch
+from train.parallel import ParallelInfo, destroy_parallel, finalize_grads, init_parallel
 from train.preemption import INTERRUPT, StopRequest
 from train.remote_data import localize_sources
 
 
 EXIT_INTERRUPTED = 128 + INTERRUPT  # Ctrl-C: the step saved, then the status of an interrupted command
-
-
-def resolve_arch(config: TrainConfig) -> ModelArch:
-    if config.arch:
-        return builtin_arch(config.arch)
-    if config.hf_model:
-        return ModelArch.from_hf_dir(config.hf_model)
-    return checkpoint.read_model_arch(config.init)
 
 
 def check_layout(arch: ModelArch, config: TrainConfig) -> None:
@@ -108,13 +99,6 @@ def sequence_parallel(arch: ModelArch, config: TrainConfig) -> bool:
     if config.tp == 1:
         return False
     return arch.lm.is_moe if config.sequence_parallel is None else config.sequence_parallel
-
-
-def freeze(model, parts: list[str]) -> None:
-    """Stop training the parameters of `parts` (`convert.model_part`)."""
-    for name, param in model.named_parameters():
-        if convert.model_part(name) in parts:
-            param.requires_grad_(False)
 
 
 def build_optimizer(config: TrainConfig, model, cuda: bool, use_distributed: bool, bf16: bool):
@@ -444,29 +428,11 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
         data = TrainData(localize_sources(config, info), arch, info,
                          row_multiple=config.tp if sequence_parallel(arch, config) else 1)
 
-    model_config = transformer_config(arch, tp=config.tp, pp=config.pp, ep=config.ep, params_dtype=dtype, bf16=bf16,
-                                      cpu=not cuda, recompute=config.recompute,
-                                      recompute_layers=config.recompute_layers,
-                                      moe_aux_loss_coef=config.moe_aux_loss_coef,
-                                      sequence_parallel=sequence_parallel(arch, config), calculate_per_token_loss=True)
-    if cuda:
-        on_fa2 = select_attention_kernel(config.attention, {"language model": arch.lm.head_dim,
-                                                            "vision tower": arch.vision.head_dim})
-        if on_fa2 and info.is_main:
-            print(f"vlmpack train: --attention fa4: {', '.join(on_fa2)} keep FA2 "
-                  f"(FA4 runs head dims {', '.join(map(str, FA4_HEAD_DIMS))})", file=sys.stderr)
-    model = build_model(arch, model_config, info, recompute_vision=config.recompute_vision, compile=config.compile,
-                        compile_decoder=config.compile_decoder, static_rows=config.packs_padded())
+    model_config, model = model_setup.build_model_for_run(config, arch, info, dtype, bf16,
+                                                         sequence_parallel(arch, config))
     with inputs_checked():
-        if config.hf_model:
-            checkpoint.load_hf_weights(model, config.hf_model, arch, info)
-        elif config.init:
-            checkpoint.load_model_weights(model, config.init, arch, info)
-        else:
-            checkpoint.init_random_weights(model, arch, config.seed, info)
-        if config.lora_rank:  # the base frozen, adapters (random or --init-lora) added
-            checkpoint.add_adapters(model, arch, config, info)
-    freeze(model, config.freeze)
+        model_setup.load_weights(model, config, arch, info)
+    model_setup.freeze(model, config.freeze)
     if config.fp8:
         use_fp8(model, config.fp8, emulate=not cuda,
                 rows=config.seq_len * config.micro_batch_packs if config.packs_padded() else None)
@@ -557,7 +523,7 @@ def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Pa
             exiting = (bool(config.exit_interval) and step % config.exit_interval == 0) or stop_requested is not None
             final = step == config.train_steps and config.save_final
             if (config.save_every and step % config.save_every == 0) or final or exiting:
-                checkpoint.save(saver, step, model, optimizer, scheduler, data, config, arch)
+                saver.save(step, model, optimizer, scheduler, data, config, arch)
                 last_saved = step
                 if exiting or final:
                     saver.wait()
