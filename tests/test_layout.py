@@ -191,6 +191,19 @@ def test_no_import_circles_but_the_known_ones():
     assert not new, f"modules that import each other (directly or through others): {new}"
 
 
+def _in_model_package(module: str) -> bool:
+    return module == "train.model" or module.startswith("train.model.")
+
+
+def test_the_model_package_imports_nothing_else_of_train():
+    """train/model is the model alone: the trainer, its config and checkpoints stand on it, never
+    the other way round (what it shares with them lives in train.model.settings)."""
+    graph = import_graph()
+    outside = sorted(f"{module} imports {target}" for module, targets in graph.items() if _in_model_package(module)
+                     for target in targets if target.split(".")[0] == "train" and not _in_model_package(target))
+    assert not outside, outside
+
+
 def test_the_circle_search_finds_circles():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e", "d"}}
     assert import_circles(graph) == [frozenset({"a", "b", "c"})]

@@ -18,11 +18,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shards_schema.errors import UserError
+from train.model.settings import FP8_RECIPES, ConfigError
 
 FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains fully (train.model.lora)
 ATTENTION_KERNELS = ("fa2", "fa4")  # train.model.attention.select_attention_kernel
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # train.model.fp8.RECIPES
 STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
 RECOMPUTE = ("none", "selective", "full", "auto")
 DEVICES = ("cuda", "cpu")
@@ -83,10 +82,6 @@ def _why(name: str, value, low) -> str:
 
 def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-class ConfigError(UserError, ValueError):
-    """A setting that cannot work with this model, data or cluster; the message names the fix."""
 
 
 def _opt(default, group: str, help_: str):
