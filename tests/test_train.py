@@ -459,6 +459,8 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
     (["--ep", str(2**40)], f"--ep {2**40}: expert parallelism needs a Mixture-of-Experts model"),
     (["--recompute", "full", "--recompute-layers", str(2**40)], f"--recompute-layers {2**40}: each pipeline stage has 3"),
     (["--eval-every", "5"], "--eval-every 5 needs held-out data to evaluate on: add --eval-data DIR"),
+    (["--profile-steps", "2"], "--profile-steps 2 counts the steps profiled from --profile-start N: add it"),
+    (["--profile-start=-1"], "--profile-start must be >= 0, got -1"),
     (["--eval-data", "{empty}"], "--eval-data is evaluated only with --eval-every N"),
     (["--config", "{steps_yaml}"], "steps.yaml: train_steps: expected an integer, got 2.5"),
     (["--config", "{lr_yaml}"], "lr.yaml: lr: expected a number, got 'fast'"),
@@ -1025,6 +1027,22 @@ def test_each_step_reports_its_time_split_and_wandb_logs_the_same_scalars(shards
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
         got = {k: v for k, v in history[r["step"]].items() if k.startswith("train/")}
         assert got == want, (r["step"], got, want)
+
+
+def test_profile_options_write_a_trace_of_each_profiled_step(shards, tmp_path):
+    """--profile-start N --profile-steps K: steps N..N+K-1 each run under torch.profiler and
+    leave a Chrome trace in --out/profile; the other steps none. --memory-snapshot records CUDA
+    allocations: a CPU run says it writes none, and trains on."""
+    out = tmp_path / "profiled"
+    proc = ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3",
+                         "--profile-start", "2", "--profile-steps", "2", "--memory-snapshot"]))
+    assert sorted(p.name for p in (out / "profile").iterdir()) == ["step_00000002_rank_00000.json",
+                                                                  "step_00000003_rank_00000.json"]
+    for trace in (out / "profile").iterdir():
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert any(e.get("name", "").startswith("aten::") for e in events), trace.name
+    assert "--memory-snapshot records CUDA allocations; this CPU run writes none" in proc.stderr
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
 
 
 def test_wandb_run_name_without_a_project_is_refused(shards, tmp_path, capsys):
