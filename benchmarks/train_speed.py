@@ -26,16 +26,17 @@ the mean of HF's; its spread is the least and largest ratio of any vlmpack run t
     trainer's own OUT/metrics.jsonl (tokens = real tokens, padding excluded; MFU = 6 * N_lm per
     token over the GPU's bf16 peak, `train.metrics`). step_seconds is the whole loop iteration
     (next global batch from the loader, forward+backward, optimizer step, loss all-reduce, sync).
-    The same run is instrumented from outside with CUDA events on the compute stream:
+    The trainer's metrics time each step's phases with CUDA events on the compute stream:
       fwd+bwd   = `run_global_batch` (all micro-batches' forward and backward, grad finalize);
       optimizer = `optimizer.step()` (megatron mixed-precision Adam: unscale, clip, step, copy);
+    and a `Trainer` subclass adds hooks on the model (CUDA events too):
       vision    = the vision tower inside the step: forward from its forward pre-hook to its
                   forward hook; backward from the gradient hook on its output (image
                   embeddings) to the gradient accumulation of its first layer (patch embed /
                   pos embed weights).
     As a cross-check, the last step's micro-batches are re-run through the vision tower alone
-    after training. The trainer's final checkpoint save is skipped (not part of any timed step)
-    unless --keep-checkpoint.
+    after training. The trainer's final checkpoint save is turned off (`--save-final false`: not
+    part of any timed step) unless --keep-checkpoint.
 (b) HF: `hf_baseline.HFPackedTrainer` on exactly the packs (a) trained on, in its order, one
     optimizer step per global batch of packs; gradient checkpointing only when a step does not
     fit without it (--hf-gradient-checkpointing auto: the run is retried with it, and the
@@ -57,7 +58,6 @@ Printed last: a table with the runs and the ratio. --json-out: everything, with 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import json
@@ -103,9 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--recompute-vision", type=parse_bool, default=None,
                     help="redo the vision blocks in backward (trainer's flag; default: with full)")
     ap.add_argument("--profile", action="store_true",
-                    help="torch.profiler over the last warmup step: GPU time by kernel kind and the top kernels")
+                    help="torch.profiler over the last warmup step (the trainer's --profile-start): GPU time by "
+                         "kernel kind and the top kernels")
     ap.add_argument("--trace", default=None, metavar="FILE.json.gz",
-                    help="with --profile: also record host activity, save the step's chrome trace here and "
+                    help="with --profile: label the model's parts, save the step's chrome trace here and "
                          "report where the GPU waits for the host (gaps between kernels, by what the host was doing)")
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
     ap.add_argument("--attention", default="fa2", choices=ATTENTION_KERNELS, help="trainer's CUDA attention kernel")
@@ -186,107 +187,54 @@ class Clock:
 
 
 class TrainerProbe:
-    """Wraps the trainer's module-level names for one `train()` call (restored afterwards) to
-    record per-step marks, the packs consumed, and the model/data for the cross-check."""
+    """One instrumented training run: a subclass of the trainer that keeps its model and data
+    for the cross-check, notes the packs each step consumes and times the vision tower with
+    hooks on the model; the step's phases come from the trainer's own metrics and the profile
+    from its --profile-start option."""
 
-    def __init__(self, device: torch.device, keep_checkpoint: bool):
+    def __init__(self, device: torch.device):
         self.clock = Clock(device)
-        self.keep_checkpoint = keep_checkpoint
-        self.steps: list[dict] = []
+        self.steps: list[dict] = []  # the vision tower's marks, one dict per step
         self.packs: list[tuple[int, int]] = []  # (epoch, pack_index) in consumption order
         self.model = self.data = self.last_batches = None
-        self.checkpoint_saves_skipped = 0
         self.active = True  # hooks record only while the trainer runs
-        self.profile_step = None  # 1-based step whose forward+backward runs under torch.profiler
         self.kernels = None
-        self.trace_path: Path | None = None  # with host activity: chrome trace + GPU idle analysis
+        self.trace_path: Path | None = None  # with --trace: the profiled step's chrome trace + GPU idle analysis
         self.labels: set[str] = set()  # label_modules' range names (not kernels)
         self.idle = None
 
     def _cur(self) -> dict:
         return self.steps[-1]
 
-    @contextlib.contextmanager
-    def patched(self):
-        import train.checkpoint as ckpt
-        import train.trainer as tr
+    def train(self, config) -> dict:
+        """`train.trainer.train(config)` through a `Trainer` subclass that records what the probe needs."""
+        from train.trainer import Trainer
 
-        probe, clock = self, self.clock
-        saved = {name: getattr(tr, name) for name in ("TrainData", "run_global_batch", "build_optimizer", "build_model")}
-        saved_save = ckpt.save
+        probe = self
 
-        class ProbedData(saved["TrainData"]):
-            def __init__(self, *a, **k):
-                super().__init__(*a, **k)
-                probe.data = self
-
-            def next_global_batch(self):
-                probe.steps.append({"fb": None, "opt": None, "vf": [], "ve": [], "vb": [], "vw": [], "vp": []})
-                t0 = time.perf_counter()
-                batches = super().next_global_batch()
-                probe._cur()["data_s"] = time.perf_counter() - t0
-                return batches
-
-            def _micro_batches(self, packs_iter, count):
-                def record(it):
-                    for pack in it:
-                        probe.packs.append((int(pack["epoch"]), int(pack["pack_index"])))
-                        yield pack
-                return super()._micro_batches(record(packs_iter), count)
-
-        def run_global_batch(model, micro_batches, *a, **k):
-            probe.model, probe.last_batches = model, micro_batches
-            profiling = len(probe.steps) == probe.profile_step
-            activities = [torch.profiler.ProfilerActivity.CUDA]
-            if probe.trace_path is not None:
-                activities.append(torch.profiler.ProfilerActivity.CPU)
-            prof = torch.profiler.profile(activities=activities) if profiling else None
-            with prof or contextlib.nullcontext():
-                start = clock.mark()
-                out = saved["run_global_batch"](model, micro_batches, *a, **k)
-                probe._cur()["fb"] = (start, clock.mark())
-            if prof is not None:
-                probe.kernels = kernel_summary(prof, skip=probe.labels)
+        class ProbedTrainer(Trainer):
+            def setup(self):
+                super().setup()
+                probe.model, probe.data = self.model, self.data
+                module = self.model.module
+                if module.vision is not None:
+                    probe._hook_vision(module.vision)
                 if probe.trace_path is not None:
-                    probe.idle = save_trace(prof, probe.trace_path)
-            return out
+                    probe.labels = label_modules(module)
 
-        def build_optimizer(*a, **k):
-            optimizer, scheduler = saved["build_optimizer"](*a, **k)
-            step = optimizer.step
+            def step(self, micro_batches, started):
+                probe.steps.append({"vf": [], "ve": [], "vb": [], "vw": [], "vp": []})
+                probe.packs += [(int(b["epoch"]), int(b["pack_index"])) for b in micro_batches]
+                probe.last_batches = micro_batches
+                return super().step(micro_batches, started)
 
-            def timed_step(*sa, **sk):
-                start = clock.mark()
-                out = step(*sa, **sk)
-                probe._cur()["opt"] = (start, clock.mark())
-                return out
-
-            optimizer.step = timed_step
-            return optimizer, scheduler
-
-        def build_model(*a, **k):
-            model = saved["build_model"](*a, **k)
-            if model.vision is not None:
-                probe._hook_vision(model.vision)
-            if probe.trace_path is not None:
-                probe.labels = label_modules(model)
-            return model
-
-        def save(*a, **k):
-            if probe.keep_checkpoint:
-                return saved_save(*a, **k)
-            probe.checkpoint_saves_skipped += 1
-            return None
-
-        tr.TrainData, tr.run_global_batch, tr.build_optimizer, tr.build_model = (
-            ProbedData, run_global_batch, build_optimizer, build_model)
-        ckpt.save = save
-        try:
-            yield self
-        finally:
-            for name, value in saved.items():
-                setattr(tr, name, value)
-            ckpt.save = saved_save
+        with ProbedTrainer(config) as trainer:
+            result = trainer.train()
+        if trainer.profiling.profiler is not None:
+            self.kernels = kernel_summary(trainer.profiling.profiler, skip=self.labels)
+            if self.trace_path is not None:
+                self.idle = save_trace(trainer.profiling.traces[-1], self.trace_path)
+        return result
 
     def _hook_vision(self, vision) -> None:
         clock = self.clock
@@ -317,7 +265,8 @@ class TrainerProbe:
                     lambda p, key=key: self._cur()[key].append(clock.mark()) if self.active and self.steps else None)
 
     def step_timings(self) -> list[dict]:
-        """Seconds per step (marks of all micro-batches summed); vision_bwd_s None when unmeasured."""
+        """The vision tower's seconds per step (marks of all micro-batches summed); vision_bwd_s
+        None when unmeasured."""
         self.clock.sync()
         sec = self.clock.seconds
         out = []
@@ -327,14 +276,7 @@ class TrainerProbe:
             ends = [[s[k][i] for k in ("vw", "vp") if len(s[k]) > i] for i in range(len(s["vb"]))]
             if s["vb"] and all(ends):
                 vis_b = sum(max(sec(start, end) for end in e) for start, e in zip(s["vb"], ends))
-            out.append({
-                "data_s": s.get("data_s"),
-                "fwd_bwd_s": sec(*s["fb"]) if s["fb"] else None,
-                "optimizer_s": sec(*s["opt"]) if s["opt"] else None,
-                "vision_fwd_s": vis_f,
-                "vision_bwd_s": vis_b,
-                "vision_calls": len(s["vf"]),
-            })
+            out.append({"vision_fwd_s": vis_f, "vision_bwd_s": vis_b, "vision_calls": len(s["vf"])})
         return out
 
 
@@ -424,18 +366,17 @@ def label_modules(model) -> set[str]:
     return {name for name, module in parts if module is not None}
 
 
-def save_trace(prof, path: Path) -> dict:
-    """Write the chrome trace (gzip) and return `gpu_idle_summary` of it."""
+def save_trace(trace_file: Path, path: Path) -> dict:
+    """The trainer's chrome trace (`trace_file`) saved at `path` (gzip for .gz) and its `gpu_idle_summary`."""
     import gzip
 
-    raw = path.with_suffix("") if path.suffix == ".gz" else path
-    raw.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(raw))
-    trace = json.loads(raw.read_text())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    trace = json.loads(Path(trace_file).read_text())
     if path.suffix == ".gz":
-        with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
+        with open(trace_file, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
             shutil.copyfileobj(src, dst)
-        raw.unlink()
+    else:
+        shutil.copyfile(trace_file, path)
     return gpu_idle_summary(trace)
 
 
@@ -549,7 +490,6 @@ def resolve_auto_recompute(args, data_dir: Path, device: torch.device) -> None:
 def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: torch.device):
     """One instrumented `train()`; returns (probe, config, result, wall seconds) or raises."""
     from train.config import TrainConfig
-    from train.trainer import train
 
     shutil.rmtree(run_dir, ignore_errors=True)
     config = TrainConfig(
@@ -557,13 +497,14 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         global_batch_packs=args.global_batch_packs, train_steps=args.warmup + args.steps, lr=args.lr,
         recompute=recompute, recompute_layers=args.recompute_layers if recompute == "full" else None,
         recompute_vision=args.recompute_vision, device=args.device, num_workers=args.num_workers, tensorboard=False,
-        save_every=0, seed=args.seed, log_every=1, attention=args.attention, grad_dtype=args.grad_dtype,
+        save_every=0, save_final=args.keep_checkpoint, seed=args.seed, log_every=1, attention=args.attention, grad_dtype=args.grad_dtype,
         adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank, compile_decoder=args.compile_decoder,
-        fp8=args.fp8, pad_packs=args.pad_packs)
+        fp8=args.fp8, pad_packs=args.pad_packs,
+        # the last unmeasured step: profiling overhead stays out of the figures
+        profile_start=args.warmup if args.profile and device.type == "cuda" else 0)
     config.validate()
-    probe = TrainerProbe(device, args.keep_checkpoint)
-    if args.profile and device.type == "cuda":
-        probe.profile_step = args.warmup  # the last unmeasured step: profiling overhead stays out of the figures
+    probe = TrainerProbe(device)
+    if config.profile_start:
         probe.trace_path = Path(args.trace) if args.trace else None
     log(f"ours: train({args.arch}, seq_len {args.seq_len}, {args.global_batch_packs} packs/step, "
         f"{args.warmup}+{args.steps} steps, recompute {recompute}, layers {config.recompute_layers}, "
@@ -575,8 +516,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     try:
-        with probe.patched():
-            result = train(config)
+        result = probe.train(config)
     except BaseException:
         probe.active = False
         _release(probe, device)
@@ -632,7 +572,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
         rows = [shards[i] for i in chosen]
         grids = np.concatenate([r[k] for r in rows for k in ("image_grid_thw", "video_grid_thw")]) if rows else np.zeros((0, 3))
         step_flops.append(model_flops(arch, [len(r["input_ids"]) for r in rows], grids))
-    skipped = probe.checkpoint_saves_skipped
+    skipped = 0 if args.keep_checkpoint else 1  # the final save, turned off (--save-final false)
     _release(probe, device)
 
     n_lm = lm_flops_per_token(arch)
@@ -665,7 +605,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
         "step_s_median": float(np.median([r["step_seconds"] for r in measured])),
         "fwd_bwd_s_mean": fb / len(measured) if fb is not None else None,
         "optimizer_s_mean": opt / len(measured) if opt is not None else None,
-        "data_wait_s_mean": sum(r["data_s"] for r in measured) / len(measured),
+        "data_wait_s_mean": sum(r["data_wait_s"] for r in measured) / len(measured),
         "vision_fwd_s_mean": vf / len(measured) if vf is not None else None,
         "vision_bwd_s_mean": vb / len(measured) if vb is not None else None,
         "vision_share_of_step": (vf + vb) / total_s if vb is not None else None,

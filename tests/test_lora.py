@@ -284,25 +284,22 @@ def test_tp2_adapters_equal_one_process(tmp_path, dora, sequence_parallel):
 
 # --- training --------------------------------------------------------------------------------
 
-# `vlmpack train` with the model's parameters snapshotted when the first global batch starts;
-# at the end: which parameters changed, which the optimizer holds, and the gradient buffer's size.
+# `vlmpack train`'s Trainer with the model's parameters snapshotted after setup; at the end:
+# which parameters changed, which the optimizer holds, and the gradient buffer's size.
 WATCH_PARAMETERS = """
-import json, sys, torch, train.trainer as trainer
-real_run, real_build, seen = trainer.run_global_batch, trainer.build_optimizer, {}
-def run_global_batch(model, *args, **kwargs):
-    if "before" not in seen:
-        seen["model"] = model
-        seen["before"] = {n: p.detach().clone() for n, p in model.module.named_parameters()}
-    return real_run(model, *args, **kwargs)
-def build_optimizer(config, model, *args):
-    seen["optimizer"] = real_build(config, model, *args)
-    return seen["optimizer"]
-trainer.run_global_batch, trainer.build_optimizer = run_global_batch, build_optimizer
-code = trainer.main(sys.argv[2:])
-model = seen["model"]
-changed = sorted(n for n, p in model.module.named_parameters() if not torch.equal(p.detach(), seen["before"][n]))
+import argparse, json, sys, torch
+from train.config import add_arguments, config_from_args
+from train.parallel import destroy_parallel
+from train.trainer import Trainer
+parser = argparse.ArgumentParser()
+add_arguments(parser)
+with Trainer(config_from_args(parser.parse_args(sys.argv[2:]))) as trainer:
+    before = {n: p.detach().clone() for n, p in trainer.model.module.named_parameters()}
+    trainer.train()
+model = trainer.model
+changed = sorted(n for n, p in model.module.named_parameters() if not torch.equal(p.detach(), before[n]))
 names = {id(p): n for n, p in model.module.named_parameters()}
-optimizer = seen["optimizer"][0]  # CpuAdamW, or megatron's (its groups hold fp32 copies): what DDP buffers
+optimizer = trainer.optimizer  # CpuAdamW, or megatron's (its groups hold fp32 copies): what DDP buffers
 optimized = optimizer.params if hasattr(optimizer, "params") else [p for b in model.buffers for p in b.params]
 report = {"changed": changed, "all": sorted(names.values()),
           "optimized": sorted(names[id(p)] for p in optimized),
@@ -310,7 +307,7 @@ report = {"changed": changed, "all": sorted(names.values()),
           "adapters": sum(p.numel() for p in model.module.adapters.params.values()),
           "saved": sum(p.numel() for p in model.module.adapters.saved_modules.values())}
 open(sys.argv[1], "w").write(json.dumps(report))
-sys.exit(code)
+destroy_parallel()
 """
 
 

@@ -410,7 +410,7 @@ def test_random_init_exports_a_model_transformers_loads(tmp_path):
     import transformers
 
     from shards_schema.builtin import builtin_tokenizer_json
-    from train.checkpoint import random_full_state
+    from train.model_setup import random_full_state
 
     arch = dataclasses.replace(builtin_arch("tiny-qwen3.5"), lm=dataclasses.replace(
         builtin_arch("tiny-qwen3.5").lm, mtp_num_hidden_layers=1))

@@ -459,6 +459,8 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
     (["--ep", str(2**40)], f"--ep {2**40}: expert parallelism needs a Mixture-of-Experts model"),
     (["--recompute", "full", "--recompute-layers", str(2**40)], f"--recompute-layers {2**40}: each pipeline stage has 3"),
     (["--eval-every", "5"], "--eval-every 5 needs held-out data to evaluate on: add --eval-data DIR"),
+    (["--profile-steps", "2"], "--profile-steps 2 counts the steps profiled from --profile-start N: add it"),
+    (["--profile-start=-1"], "--profile-start must be >= 0, got -1"),
     (["--eval-data", "{empty}"], "--eval-data is evaluated only with --eval-every N"),
     (["--config", "{steps_yaml}"], "steps.yaml: train_steps: expected an integer, got 2.5"),
     (["--config", "{lr_yaml}"], "lr.yaml: lr: expected a number, got 'fast'"),
@@ -636,10 +638,10 @@ def test_a_second_ctrl_c_while_saving_exits_at_once_keeping_the_previous_checkpo
 # Ctrl-C while the model is being set up (the default handler: KeyboardInterrupt)
 CTRL_C_IN_SETUP = """
 import os, signal, sys
-import train.checkpoint as ckpt, train.trainer as trainer
+import train.model_setup as model_setup, train.trainer as trainer
 def init_random_weights(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGINT)
-ckpt.init_random_weights = init_random_weights
+model_setup.init_random_weights = init_random_weights
 sys.exit(trainer.main(sys.argv[1:]))
 """
 
@@ -1027,27 +1029,41 @@ def test_each_step_reports_its_time_split_and_wandb_logs_the_same_scalars(shards
         assert got == want, (r["step"], got, want)
 
 
+def test_profile_options_write_a_trace_of_each_profiled_step(shards, tmp_path):
+    """--profile-start N --profile-steps K: steps N..N+K-1 each run under torch.profiler and
+    leave a Chrome trace in --out/profile; the other steps none. --memory-snapshot records CUDA
+    allocations: a CPU run says it writes none, and trains on."""
+    out = tmp_path / "profiled"
+    proc = ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3",
+                         "--profile-start", "2", "--profile-steps", "2", "--memory-snapshot"]))
+    assert sorted(p.name for p in (out / "profile").iterdir()) == ["step_00000002_rank_00000.json",
+                                                                  "step_00000003_rank_00000.json"]
+    for trace in (out / "profile").iterdir():
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert any(e.get("name", "").startswith("aten::") for e in events), trace.name
+    assert "--memory-snapshot records CUDA allocations; this CPU run writes none" in proc.stderr
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+
+
 def test_wandb_run_name_without_a_project_is_refused(shards, tmp_path, capsys):
     code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(tmp_path / "o"),
                                    "--wandb-run-name", "x"], capsys)
     assert code == 2 and "--wandb-run-name 'x' needs --wandb-project NAME" in err and err.count("\n") == 1
 
 
-def test_random_init_is_the_same_for_any_thread_count_and_layer_subset(monkeypatch):
+def test_random_init_is_the_same_for_any_thread_count_and_layer_subset():
     """The random init is drawn in chunks on a thread pool: the values depend only on (seed,
     name), never on the threads, and a stage's layer subset draws exactly the full model's."""
-    from train import checkpoint
+    from train import model_setup
     from train.model.arch import builtin_arch
 
     arch = builtin_arch("tiny")
-    monkeypatch.setattr(checkpoint, "_init_threads", lambda: 1)
-    one = checkpoint.random_full_state(arch, 7)
-    monkeypatch.setattr(checkpoint, "_init_threads", lambda: 4)
-    four = checkpoint.random_full_state(arch, 7)
-    stage = checkpoint.random_full_state(arch, 7, layers=range(1, 2))
-    other_seed = checkpoint.random_full_state(arch, 8)
+    one = model_setup.random_full_state(arch, 7, threads=1)
+    four = model_setup.random_full_state(arch, 7, threads=4)
+    stage = model_setup.random_full_state(arch, 7, layers=range(1, 2))
+    other_seed = model_setup.random_full_state(arch, 8)
     embedding = "language_model.embedding.word_embeddings.weight"
-    assert one[embedding].numel() > 2 * checkpoint.RANDOM_CHUNK  # several chunks, several generators
+    assert one[embedding].numel() > 2 * model_setup.RANDOM_CHUNK  # several chunks, several generators
     assert all(torch.equal(one[k], four[k]) for k in one)
     for name, tensor in stage.items():
         if tensor.device.type == "meta":
@@ -1055,6 +1071,6 @@ def test_random_init_is_the_same_for_any_thread_count_and_layer_subset(monkeypat
         else:
             assert torch.equal(tensor, one[name]), name
     assert not torch.equal(one[embedding], other_seed[embedding])
-    chunks = one[embedding].view(-1).split(checkpoint.RANDOM_CHUNK)
+    chunks = one[embedding].view(-1).split(model_setup.RANDOM_CHUNK)
     assert not torch.equal(chunks[0], chunks[1][:chunks[0].numel()])  # each chunk its own stream
     assert abs(float(one[embedding].std()) - 0.02) < 2e-4

@@ -27,16 +27,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import errno
-import hashlib
 import json
-import math
 import os
 import random
 import shutil
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -50,19 +47,11 @@ from train import checkpoint_format as fmt
 from train import convert
 from train.config import ConfigError, flag_name
 from train.metrics import METRICS_FILE
-from train.model import families, lora
 from train.model.arch import ModelArch
+from train.model_setup import load_model_weights, read_model_arch, unwrap
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-
-
-def _unwrap(model):
-    return model.module if hasattr(model, "module") else model
-
-
-def read_model_arch(model_dir: str | Path) -> ModelArch:
-    return fmt.read_arch(model_dir)
 
 
 def _model_files(model_state: dict, arch: ModelArch, info) -> dict[str, dict]:
@@ -79,105 +68,6 @@ def _model_files(model_state: dict, arch: ModelArch, info) -> dict[str, dict]:
         files[fmt.expert_file(info.pp_rank, info.ep_rank)] = convert.file_part(model_state, arch, info.pp,
                                                                                info.pp_rank, experts=True)
     return files
-
-
-def _load_shard(model, full: dict, arch: ModelArch, info) -> None:
-    """This rank's part of the full Megatron state dict `full` into `model`."""
-    convert.load_into_model(_unwrap(model), convert.shard(full, arch, info.tp, info.tp_rank, info.pp, info.pp_rank,
-                                                          info.ep, info.ep_rank))
-
-
-def load_hf_weights(model, hf_dir: str, arch: ModelArch, info) -> None:
-    """Import a Hugging Face checkpoint into this rank's stage (no conversion step on disk):
-    each rank reads only the tensors its stage holds, one at a time."""
-    _load_shard(model, convert.hf_to_megatron(fmt.lazy_hf_state(hf_dir), arch), arch, info)
-
-
-RANDOM_CHUNK = 1 << 22  # elements per generator: the draw is the same for any number of threads
-
-
-def _chunk_seed(seed: int, name: str, chunk: int) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{seed}/{name}/{chunk}".encode(), digest_size=8).digest(), "little")
-
-
-def _init_threads() -> int:
-    """CPU threads for the draw: the machine's cores shared by the node's ranks (torchrun's LOCAL_WORLD_SIZE)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
-def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int, pool) -> torch.Tensor:
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    if "norm" in name:  # RMSNorm / LayerNorm gains
-        return torch.ones(shape)
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight", "experts.weight2")) and name.startswith("language_model."):
-        std = std / math.sqrt(2.0 * num_layers)  # megatron's scaled init of the residual-branch outputs
-    out = torch.empty(shape)
-    flat = out.view(-1)
-
-    def fill(chunk: int) -> None:  # torch's normal_ releases the GIL: chunks fill in parallel
-        part = flat[chunk * RANDOM_CHUNK:(chunk + 1) * RANDOM_CHUNK]
-        part.normal_(0.0, std, generator=torch.Generator().manual_seed(_chunk_seed(seed, name, chunk)))
-
-    list(pool.map(fill, range(-(-flat.numel() // RANDOM_CHUNK))))
-    return out
-
-
-def random_full_state(arch: ModelArch, seed: int, std: float = 0.02, layers: range | None = None) -> dict:
-    """The full Megatron state of a random init; each tensor depends only on (seed, its name):
-    it is drawn in chunks of RANDOM_CHUNK elements, each from its own generator seeded by
-    (seed, name, chunk), so any number of threads gives the same values.
-    `layers`: draw only these decoder layers (the others are meta tensors, never loaded)."""
-    def drawn(name: str) -> bool:
-        return layers is None or not name.startswith("language_model.decoder.layers.") or int(name.split(".")[3]) in layers
-
-    family = families.of(arch)
-
-    def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        special = family.init_tensor(name, shape, seed) if family is not None else None  # e.g. zero-centred norms
-        return special if special is not None else _random_tensor(name, shape, seed, std, arch.lm.num_layers, pool)
-
-    with ThreadPoolExecutor(_init_threads()) as pool:
-        return {n: value(n, shape) if drawn(n) else torch.empty(shape, device="meta")
-                for n, shape in convert.megatron_shapes(arch).items()}
-
-
-def init_random_weights(model, arch: ModelArch, seed: int, info, std: float = 0.02) -> None:
-    """Random init that depends only on (seed, parameter name), never on the TP/PP layout: every
-    tensor of the full model is drawn from its own generator, then sharded like a checkpoint.
-    So 1 GPU, DP, TP and PP runs start from the same weights and their loss curves compare."""
-    _load_shard(model, random_full_state(arch, seed, std, convert.stage_layers(arch, info.pp)[info.pp_rank]), arch, info)
-
-
-def base_reference(config) -> dict:
-    """What a LoRA run's adapters sit on: the model source of its config."""
-    if config.hf_model:
-        return {"hf_model": str(Path(config.hf_model).resolve())}
-    if config.init:
-        return {"init": str(Path(config.init).resolve())}
-    return {"arch": config.arch, "seed": config.seed}
-
-
-def add_adapters(model, arch: ModelArch, config, info) -> None:
-    """Freeze this rank's stage and give it the run's LoRA adapters (`model.adapters`): PEFT's
-    default init from the run's seed, or the adapters of the --init-lora PEFT directory."""
-    spec = config.lora_spec()
-    module = _unwrap(model)
-    layers = convert.stage_layers(arch, info.pp)[info.pp_rank]
-    adapters = lora.attach(module, arch, spec, info.tp, layers)  # adapters.sites: this stage's
-    full = (adapter_format.read_peft_dir(config.init_lora, arch, spec) if config.init_lora
-            else lora.init_adapters(adapters.sites, spec.rank, config.seed))
-    local = lora.shard_adapters(full, adapters.sites, info.tp, info.tp_rank, layers, info.first_stage)
-    saved = {k: full.get(k, p) for k, p in adapters.saved_modules.items()}  # a PEFT dir may carry trained modules
-    adapters.load_state_dict(local | saved, magnitudes_from_base=spec.dora and not config.init_lora)
-    adapters.base = base_reference(config)
-    module.adapters = adapters
-
-
-def load_model_weights(model, model_dir: str | Path, arch: ModelArch, info) -> None:
-    state = convert.load_model_state(model_dir, arch, info.tp, info.tp_rank, info.pp, info.pp_rank, info.ep, info.ep_rank)
-    convert.load_into_model(_unwrap(model), state)
 
 
 def _rng_state(device) -> dict:
@@ -465,7 +355,7 @@ class CheckpointSaver:
     def save(self, step: int, model, optimizer, scheduler, data, config, arch: ModelArch) -> None:
         self.wait()
         t0 = time.perf_counter()
-        module = _unwrap(model)
+        module = unwrap(model)
         adapters = getattr(module, "adapters", None)
         if adapters is not None:  # a LoRA run saves its adapters (one copy per TP/PP rank), not the model
             model_state = adapters.state_dict()
@@ -698,11 +588,6 @@ def _weights_subdir(state: dict) -> str:
     return adapter_format.ADAPTER_SUBDIR if state["lora"] else "model"
 
 
-def save(saver: CheckpointSaver, step: int, model, optimizer, scheduler, data, config, arch: ModelArch) -> None:
-    """Save `step` through `saver` (the trainer's one entry, so a benchmark can swap it out)."""
-    saver.save(step, model, optimizer, scheduler, data, config, arch)
-
-
 def latest_checkpoint(out: Path) -> Path | None:
     pointer = Path(out) / CHECKPOINTS / LATEST
     if not pointer.is_file():
@@ -848,7 +733,7 @@ def _load_run_weights(model, path: Path, info, saved_config: dict) -> None:
     """The trained weights of checkpoint `path` into `model`: the whole model, or a LoRA run's
     adapters (the base is the run's own, loaded already: it must be the one the adapters were
     trained on)."""
-    adapters = getattr(_unwrap(model), "adapters", None)
+    adapters = getattr(unwrap(model), "adapters", None)
     adapter_dir = path / adapter_format.ADAPTER_SUBDIR
     if adapters is None:
         if adapter_dir.is_dir():

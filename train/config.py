@@ -18,11 +18,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shards_schema.errors import UserError
+from train.model.settings import FP8_RECIPES, ConfigError
 
 FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains fully (train.model.lora)
 ATTENTION_KERNELS = ("fa2", "fa4")  # train.model.attention.select_attention_kernel
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # train.model.fp8.RECIPES
 STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
 RECOMPUTE = ("none", "selective", "full", "auto")
 DEVICES = ("cuda", "cpu")
@@ -40,7 +39,7 @@ INT_RANGES = {
     "gpus": (1, INT64_MAX), "train_steps": (1, INT64_MAX), "warmup_steps": (0, INT64_MAX),
     "exit_interval": (0, INT64_MAX), "eval_every": (0, INT64_MAX), "eval_batches": (1, INT64_MAX),
     "lora_rank": (0, INT64_MAX), "save_every": (0, INT64_MAX), "keep_last": (1, INT64_MAX),
-    "log_every": (1, INT64_MAX),
+    "log_every": (1, INT64_MAX), "profile_start": (0, INT64_MAX), "profile_steps": (1, INT64_MAX),
 }
 # float settings: (low, high or None, low excluded, high excluded); every one must be finite
 FLOAT_RANGES = {
@@ -68,6 +67,7 @@ GROUPS = {
     "lora": "LoRA: low-rank adapters on a frozen model (PEFT's format)",
     "checkpoints": "the run directory, saving and resuming",
     "logging": "progress line, metrics.jsonl, TensorBoard",
+    "profiling": "torch.profiler traces and CUDA memory snapshots under --out/profile",
 }
 
 
@@ -83,10 +83,6 @@ def _why(name: str, value, low) -> str:
 
 def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-class ConfigError(UserError, ValueError):
-    """A setting that cannot work with this model, data or cluster; the message names the fix."""
 
 
 def _opt(default, group: str, help_: str):
@@ -226,6 +222,16 @@ class TrainConfig:
                                                    "(pip install wandb; WANDB_MODE=offline logs to --out/wandb only)")
     wandb_run_name: str | None = _opt(None, "logging", "the Weights & Biases run's name (default: the --out "
                                                     "directory's name)")
+    # profiling (train.profiling)
+    profile_start: int = _opt(0, "profiling", "profile steps N .. N+K-1 (1-based; K: --profile-steps) under "
+                                             "torch.profiler, each written as a Chrome trace to "
+                                             "--out/profile/step_N_rank_R.json (0: off; default 0)")
+    profile_steps: int | None = _opt(None, "profiling", "with --profile-start: how many steps to profile "
+                                                        "(default 1)")
+    memory_snapshot: bool = _opt(False, "profiling", "record every CUDA allocation from the first step and write "
+                                                     "the snapshot to --out/profile/ after the last profiled step "
+                                                     "(step 1 without --profile-start), for pytorch.org/memory_viz "
+                                                     "(default false)")
 
     def validate(self) -> None:
         if self.wandb_run_name and not self.wandb_project:
@@ -305,6 +311,9 @@ class TrainConfig:
         if self.eval_every and not self.eval_data:
             raise ConfigError(f"--eval-every {self.eval_every} needs held-out data to evaluate on: add --eval-data DIR, "
                               "or drop --eval-every")
+        if self.profile_steps is not None and not self.profile_start:
+            raise ConfigError(f"--profile-steps {self.profile_steps} counts the steps profiled from --profile-start N: "
+                              "add it, or drop --profile-steps")
         if self.eval_data and not self.eval_every:
             raise ConfigError("--eval-data is evaluated only with --eval-every N (every N steps): add it, or drop "
                               "--eval-data")

@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
 from pathlib import Path
@@ -73,78 +72,12 @@ from train.model import families
 from train.model.arch import LMArch, ModelArch
 from train.model.vision import VisionTower
 
-HF_LM = "model.language_model."
-HF_VISION = "model.visual."
-HF_LM_HEAD = "lm_head.weight"
-LM = "language_model."
-VISION = "vision."
-EMBED = LM + "embedding.word_embeddings.weight"
-OUTPUT = LM + "output_layer.weight"
+from train.model.weight_names import (  # noqa: F401 (the name table is also the converter's)
+    EMBED, HF_LM, HF_LM_HEAD, HF_VISION, LINEAR_ATTENTION_SPLIT, LM, OUTPUT, VISION, WEIGHT_MAPPINGS, WeightMapping,
+)
+
 _LAYER_KEY = re.compile(r"^language_model\.decoder\.layers\.(\d+)\.(.+)$")
 
-
-# --- the name table -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WeightMapping:
-    """HF tensor(s) <-> one Megatron tensor, read in both directions.
-
-    Names are patterns: `{layer}` is a decoder layer number (the row holds for every layer, or
-    with `layers` for the layers of that `LMArch.layer_type`), `{expert}` in an HF name an
-    expert number (the row's HF names repeat for every expert, in expert order), a trailing `*`
-    is any rest of the name, kept as it is. `transform` turns the HF tensors into the Megatron
-    one and back (`TRANSFORMS`, and a family's own); `tp_split` is how megatron divides the
-    Megatron tensor over TP ranks (`_split`); `only_if` names the `LMArch` field the row needs
-    ("not FLAG": needs it false); `ep_dim`, for expert stacks, the dim divided over the
-    expert-parallel ranks.
-    """
-
-    hf: tuple[str, ...]
-    megatron: str
-    transform: str = "copy"
-    tp_split: str = "replicated"
-    only_if: str | None = None
-    ep_dim: int | None = None  # expert stacks: the dim that holds the experts (`_ep_split`)
-    layers: str | None = None  # "{layer}" rows: the layer type they belong to (None: every layer)
-
-    def applies(self, lm: LMArch) -> bool:
-        if self.only_if is None:
-            return True
-        flag = self.only_if.removeprefix("not ")
-        return bool(getattr(lm, flag)) == (flag == self.only_if)
-
-
-_HF_LAYER = HF_LM + "layers.{layer}."
-_LAYER = LM + "decoder.layers.{layer}."
-
-# Transformers 5.x names (every family's HF side) -> Megatron names of our `QwenVLModel`.
-WEIGHT_MAPPINGS = (
-    WeightMapping((HF_VISION + "*",), VISION + "*"),  # our VisionTower keeps HF's parameter names
-    WeightMapping((HF_LM + "embed_tokens.weight",), EMBED, tp_split="column"),
-    WeightMapping((HF_LM + "norm.weight",), LM + "decoder.final_layernorm.weight"),
-    WeightMapping((HF_LM_HEAD,), OUTPUT, tp_split="column", only_if="not tie_word_embeddings"),
-    WeightMapping((_HF_LAYER + "input_layernorm.weight",), _LAYER + "input_layernorm.weight"),
-    WeightMapping((_HF_LAYER + "post_attention_layernorm.weight",), _LAYER + "pre_mlp_layernorm.weight"),
-    WeightMapping((_HF_LAYER + "self_attn.q_norm.weight",), _LAYER + "self_attention.q_layernorm.weight", only_if="qk_norm"),
-    WeightMapping((_HF_LAYER + "self_attn.k_norm.weight",), _LAYER + "self_attention.k_layernorm.weight", only_if="qk_norm"),
-    WeightMapping(tuple(f"{_HF_LAYER}self_attn.{x}_proj.weight" for x in "qkv"), _LAYER + "self_attention.linear_qkv.weight",
-                  "qkv", "column"),
-    WeightMapping(tuple(f"{_HF_LAYER}self_attn.{x}_proj.bias" for x in "qkv"), _LAYER + "self_attention.linear_qkv.bias",
-                  "qkv", "column", only_if="qkv_bias"),
-    WeightMapping((_HF_LAYER + "self_attn.o_proj.weight",), _LAYER + "self_attention.linear_proj.weight", tp_split="row"),
-    WeightMapping((_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"), _LAYER + "mlp.linear_fc1.weight",
-                  "gate_up", "gated", only_if="not is_moe"),
-    WeightMapping((_HF_LAYER + "mlp.down_proj.weight",), _LAYER + "mlp.linear_fc2.weight", tp_split="row",
-                  only_if="not is_moe"),
-    # Mixture-of-Experts layers: experts are whole on every TP rank (expert TP 1) and divided
-    # over the expert-parallel ranks (`_ep_split`).
-    WeightMapping((_HF_LAYER + "mlp.gate.weight",), _LAYER + "mlp.router.weight", only_if="is_moe"),
-    WeightMapping((_HF_LAYER + "mlp.experts.gate_up_proj",), _LAYER + "mlp.experts.weight1", "experts_fc1",
-                  only_if="is_moe", ep_dim=1),
-    WeightMapping((_HF_LAYER + "mlp.experts.down_proj",), _LAYER + "mlp.experts.weight2", "experts_fc2",
-                  only_if="is_moe", ep_dim=0),
-)
 
 # Families whose hub checkpoints (and transformers' save_pretrained) use the pre-5.x names:
 # family -> (transformers 5.x prefix, the hub's prefix) pairs.
@@ -550,7 +483,6 @@ def _rank_text(key: tuple[int, ...]) -> str:
 
 # A Gated DeltaNet parameter's TP split (`train.model.gated_delta_net.split_for_tp`): every block
 # of its rows (q, k, v, z, beta, alpha heads) divided into TP runs of whole heads.
-LINEAR_ATTENTION_SPLIT = "linear_attention_heads"
 
 
 def _linear_attention_weight(rule: str, lm: LMArch):

@@ -24,9 +24,9 @@ import torch
 
 from shards_schema.errors import UserError
 from train import adapter_format, convert
-from train.checkpoint import random_full_state
 from train.checkpoint_format import META_FILE, SideFiles, arch_differences, lazy_hf_state, materialize
 from train.model.arch import ModelArch
+from train.model_setup import random_full_state
 
 
 def export_peft(adapter_dir: Path, out: str | Path, dtype: torch.dtype | None = None,

@@ -1,10 +1,12 @@
-"""`vlmpack train`: the training job, top to bottom.
+"""`vlmpack train`: the training job, top to bottom (`Trainer`).
 
-    setup:  process groups -> lock --out -> model (HF import / Megatron dir / random arch) ->
-            freeze (LoRA: adapters on the frozen model) -> megatron DDP -> optimizer + LR schedule -> packed loader -> resume
+    setup:  process groups -> lock --out -> packed loader -> model (HF import / Megatron dir /
+            random arch, `train.model_setup`) -> freeze (LoRA: adapters on the frozen model) ->
+            megatron DDP -> optimizer + LR schedule -> resume
     loop:   global batch of packs -> megatron forward/backward schedule (PP-aware) ->
             per-token loss over the whole global batch -> clip -> step -> save (snapshot here,
-            files written in the background, see train.checkpoint.CheckpointSaver) -> log
+            files written in the background, see train.checkpoint.CheckpointSaver) -> log;
+            profiled steps and memory snapshots as the profiling settings ask (`train.profiling`)
 
 Launch with `torchrun --nproc-per-node N -m train.trainer ...` or `vlmpack train ...` (one
 process per GPU). The loop reads only shards (token ids, positions, uint8 patches): no
@@ -30,29 +32,21 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from shards_schema.errors import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_GPU_MEMORY, UserError
 from shards_schema.outdir import exclusive_output_dir
-from train import adapter_format, checkpoint, convert, memory_plan
+from train import adapter_format, checkpoint, convert, memory_plan, model_setup
 from train.config import ConfigError, TrainConfig
 from train.data import TrainData
 from train.lr_schedule import RunSchedule
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
-from train.model.arch import ModelArch, builtin_arch
-from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
+from train.model.arch import ModelArch
 from train.model.linear import fp8_weight_scales_once, grad_buffers_zeroed, use_fp8, use_grad_buffers
-from train.model.qwen_vl import transformer_config
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import lora
 from train.model.moe import load_balancing_loss
-from train.parallel import ParallelInfo, build_model, destroy_parallel, finalize_grads, init_parallel
+from train.model_setup import resolve_arch
+from train.parallel import ParallelInfo, destroy_parallel, finalize_grads, init_parallel
 from train.preemption import StopRequest
+from train.profiling import Profiling
 from train.remote_data import localize_sources
-
-
-def resolve_arch(config: TrainConfig) -> ModelArch:
-    if config.arch:
-        return builtin_arch(config.arch)
-    if config.hf_model:
-        return ModelArch.from_hf_dir(config.hf_model)
-    return checkpoint.read_model_arch(config.init)
 
 
 def check_layout(arch: ModelArch, config: TrainConfig) -> None:
@@ -105,13 +99,6 @@ def sequence_parallel(arch: ModelArch, config: TrainConfig) -> bool:
     if config.tp == 1:
         return False
     return arch.lm.is_moe if config.sequence_parallel is None else config.sequence_parallel
-
-
-def freeze(model, parts: list[str]) -> None:
-    """Stop training the parameters of `parts` (`convert.model_part`)."""
-    for name, param in model.named_parameters():
-        if convert.model_part(name) in parts:
-            param.requires_grad_(False)
 
 
 def build_optimizer(config: TrainConfig, model, cuda: bool, use_distributed: bool, bf16: bool):
@@ -410,172 +397,224 @@ def _visual_share(sources: list[str], merge: int) -> float | None:
 
 
 def train(config: TrainConfig) -> dict:
-    config.validate()
-    with inputs_checked():
-        checkpoint.check_run_directory(config)  # a refused --out is left as it was found
-    # Packs differ in length and patch count: expandable segments keep the CUDA caching allocator
-    # from fragmenting (near the memory limit, fragments cost whole layers of recompute). Read
-    # when CUDA initialises, i.e. below; a PYTORCH_CUDA_ALLOC_CONF of the user's own wins.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    with inputs_checked():
-        arch = resolve_arch(config)
-    check_layout(arch, config)  # before any process group exists: a bad layout fails on every rank alike
-    info = init_parallel(config.tp, config.pp, ep=config.ep, device=config.device, seed=config.seed)
-    # after init_parallel: each rank plans for the GPU it was given
-    config, chosen = resolve_recompute(config, arch, cuda=info.device.type == "cuda")
-    if chosen and info.is_main:
-        print(f"vlmpack train: {chosen}", flush=True)
-    out = Path(config.out)
-    with ExitStack() as stack:
-        lock_output_dir(stack, out, info)
-        saver = checkpoint.CheckpointSaver(out, info, config.keep_last, background=config.async_save)
-        stack.callback(saver.abandon)  # an error mid-run: a save in flight still completes if it can
-        return train_loop(config, arch, info, out, saver)
+    """The whole run (what `vlmpack train` calls): set up, train, release --out."""
+    with Trainer(config) as trainer:
+        return trainer.train()
 
 
-def train_loop(config: TrainConfig, arch: ModelArch, info: ParallelInfo, out: Path, saver) -> dict:
-    cuda = info.device.type == "cuda"
-    bf16 = config.bf16 and cuda  # CPU runs (tests, smoke runs) are fp32 and bitwise reproducible
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    with inputs_checked():
-        data = TrainData(localize_sources(config, info), arch, info,
-                         row_multiple=config.tp if sequence_parallel(arch, config) else 1)
+class Trainer:
+    """One training run, read top to bottom:
 
-    model_config = transformer_config(arch, tp=config.tp, pp=config.pp, ep=config.ep, params_dtype=dtype, bf16=bf16,
-                                      cpu=not cuda, recompute=config.recompute,
-                                      recompute_layers=config.recompute_layers,
-                                      moe_aux_loss_coef=config.moe_aux_loss_coef,
-                                      sequence_parallel=sequence_parallel(arch, config), calculate_per_token_loss=True)
-    if cuda:
-        on_fa2 = select_attention_kernel(config.attention, {"language model": arch.lm.head_dim,
-                                                            "vision tower": arch.vision.head_dim})
-        if on_fa2 and info.is_main:
-            print(f"vlmpack train: --attention fa4: {', '.join(on_fa2)} keep FA2 "
-                  f"(FA4 runs head dims {', '.join(map(str, FA4_HEAD_DIMS))})", file=sys.stderr)
-    model = build_model(arch, model_config, info, recompute_vision=config.recompute_vision, compile=config.compile,
-                        compile_decoder=config.compile_decoder, static_rows=config.packs_padded())
-    with inputs_checked():
-        if config.hf_model:
-            checkpoint.load_hf_weights(model, config.hf_model, arch, info)
-        elif config.init:
-            checkpoint.load_model_weights(model, config.init, arch, info)
-        else:
-            checkpoint.init_random_weights(model, arch, config.seed, info)
-        if config.lora_rank:  # the base frozen, adapters (random or --init-lora) added
-            checkpoint.add_adapters(model, arch, config, info)
-    freeze(model, config.freeze)
-    if config.fp8:
-        use_fp8(model, config.fp8, emulate=not cuda,
-                rows=config.seq_len * config.micro_batch_packs if config.packs_padded() else None)
+        with Trainer(config) as trainer:   # config and layout checked, process groups, then
+            result = trainer.train()       # --out locked and setup(); the loop: step() per
+                                           # global batch, evaluate(), save(), the log
 
-    use_distributed = config.distributed_optimizer and cuda  # megatron's DistributedOptimizer is CUDA-only
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_dtype == "fp32",
-                                               overlap_grad_reduce=False, use_distributed_optimizer=use_distributed)
-    model = DistributedDataParallel(model_config, ddp_config, model)
-    if config.pp == 1:
-        use_grad_buffers(model)
-    optimizer, scheduler = build_optimizer(config, model, cuda, use_distributed, bf16)
-    model_config.grad_scale_func = optimizer.scale_loss
-    model_config.finalize_model_grads_func = finalize_grads  # used by the PP schedule
-    model_config.no_sync_func = model.no_sync
+    Leaving the `with` releases --out; after an error a save in flight still completes if it
+    can. The profiling options (`train.profiling`) are the trainer's own: a subclass or a
+    caller reads `model`, `data` and `profiling` and never replaces the trainer's functions."""
 
-    step = 0
-    if config.resume:
+    def __init__(self, config: TrainConfig):
+        config.validate()
         with inputs_checked():
-            step = checkpoint.resume(out, model, optimizer, scheduler, data, info)
-        if config.extend_schedule and step and scheduler.lr_decay_steps != config.train_steps:
-            saved = checkpoint.latest_checkpoint(out)
-            line = scheduler.extend(config.train_steps, checkpoint.new_run_hint(saved, config.to_dict()))
-            if info.is_main:
+            checkpoint.check_run_directory(config)  # a refused --out is left as it was found
+        # Packs differ in length and patch count: expandable segments keep the CUDA caching allocator
+        # from fragmenting (near the memory limit, fragments cost whole layers of recompute). Read
+        # when CUDA initialises, i.e. below; a PYTORCH_CUDA_ALLOC_CONF of the user's own wins.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        with inputs_checked():
+            self.arch = resolve_arch(config)
+        check_layout(self.arch, config)  # before any process group exists: a bad layout fails on every rank alike
+        self.info = init_parallel(config.tp, config.pp, ep=config.ep, device=config.device, seed=config.seed)
+        self.cuda = self.info.device.type == "cuda"
+        # after init_parallel: each rank plans for the GPU it was given
+        self.config, chosen = resolve_recompute(config, self.arch, cuda=self.cuda)
+        if chosen and self.info.is_main:
+            print(f"vlmpack train: {chosen}", flush=True)
+        self.out = Path(config.out)
+        self.bf16 = config.bf16 and self.cuda  # CPU runs (tests, smoke runs) are fp32 and bitwise reproducible
+        self.dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.use_distributed = config.distributed_optimizer and self.cuda  # megatron's DistributedOptimizer is CUDA-only
+        self._resources = ExitStack()
+
+    def __enter__(self) -> Trainer:
+        with ExitStack() as stack:  # a failing setup releases what it took
+            lock_output_dir(stack, self.out, self.info)
+            self.saver = checkpoint.CheckpointSaver(self.out, self.info, self.config.keep_last,
+                                                    background=self.config.async_save)
+            stack.callback(self.saver.abandon)  # an error mid-run: a save in flight still completes if it can
+            self.setup()
+            self._resources = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return self._resources.__exit__(*exc)
+
+    # --- setup ------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Data, model, optimizer and LR schedule, then the checkpoint --resume continues."""
+        config, arch, info = self.config, self.arch, self.info
+        with inputs_checked():
+            self.data = TrainData(localize_sources(config, info), arch, info,
+                                  row_multiple=config.tp if sequence_parallel(arch, config) else 1)
+        self.model_config, self.model = self.build_model()
+        self.optimizer, self.scheduler = build_optimizer(config, self.model, self.cuda, self.use_distributed, self.bf16)
+        self.model_config.grad_scale_func = self.optimizer.scale_loss
+        self.model_config.finalize_model_grads_func = finalize_grads  # used by the PP schedule
+        self.model_config.no_sync_func = self.model.no_sync
+        self.step_count = self.resume() if config.resume else 0
+        self.logger = MetricsLogger(self.out, config, info, enabled=info.is_main)
+        self.timer = StepTimer(info.device)
+        self.profiling = Profiling(config, self.out, info)
+        self.forward_step = make_forward_step(self.data, self.dtype)
+        self.seq_length = config.seq_len * config.micro_batch_packs
+        self.lm_flops_per_token = lm_flops_per_token(arch)
+        self.world_flops = peak_tflops(info.device) * 1e12 * info.world
+
+    def build_model(self):
+        """megatron's model config and this rank's stage, weights loaded, wrapped in megatron's DDP."""
+        config, arch, info = self.config, self.arch, self.info
+        model_config, model = model_setup.build_model_for_run(config, arch, info, self.dtype, self.bf16,
+                                                             sequence_parallel(arch, config))
+        with inputs_checked():
+            model_setup.load_weights(model, config, arch, info)
+        model_setup.freeze(model, config.freeze)
+        if config.fp8:
+            use_fp8(model, config.fp8, emulate=not self.cuda,
+                    rows=config.seq_len * config.micro_batch_packs if config.packs_padded() else None)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_dtype == "fp32",
+                                                   overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=self.use_distributed)
+        model = DistributedDataParallel(model_config, ddp_config, model)
+        if config.pp == 1:
+            use_grad_buffers(model)
+        return model_config, model
+
+    def resume(self) -> int:
+        """The newest checkpoint in --out restored (`checkpoint.resume`); its step, 0 without one."""
+        config = self.config
+        with inputs_checked():
+            step = checkpoint.resume(self.out, self.model, self.optimizer, self.scheduler, self.data, self.info)
+        if config.extend_schedule and step and self.scheduler.lr_decay_steps != config.train_steps:
+            saved = checkpoint.latest_checkpoint(self.out)
+            line = self.scheduler.extend(config.train_steps, checkpoint.new_run_hint(saved, config.to_dict()))
+            if self.info.is_main:
                 print(f"vlmpack train: {line}", flush=True)
-        if cuda and config.adam_state_dtype == "fp32":
-            use_fused_adamw(optimizer)  # the checkpoint may come from a run with bf16 moments
-    logger = MetricsLogger(out, config, info, enabled=info.is_main)
-    timer = StepTimer(info.device)
-    forward_step = make_forward_step(data, dtype)
-    seq_length = config.seq_len * config.micro_batch_packs
-    n_lm = lm_flops_per_token(arch)
-    world_flops = peak_tflops(info.device) * 1e12 * info.world
-    last_saved = step
-    result = {"start_step": step}
-    model.train()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    def repeat_line(sig) -> str:  # a second signal: the process ends at once, mid-save maybe
-        saved = checkpoint.latest_checkpoint(out)
+        if self.cuda and config.adam_state_dtype == "fp32":
+            use_fused_adamw(self.optimizer)  # the checkpoint may come from a run with bf16 moments
+        return step
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        """Steps until --train-steps (or a stop signal, or --exit-interval); the run's summary."""
+        config = self.config
+        result = {"start_step": self.step_count}
+        last_saved = self.step_count
+        self.model.train()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        # a scheduler's SIGTERM/SIGUSR1: finish the step, save, exit 0; Ctrl-C (SIGINT): the same, exit 130
+        with StopRequest(repeat_line=self.repeat_line) as self.stop:
+            while self.step_count < config.train_steps:
+                started = time.perf_counter()
+                with self.profiling.step(self.step_count + 1):
+                    micro_batches = self.data.next_global_batch()
+                    record = self.step(micro_batches, started)
+                if config.eval_data and config.eval_every and self.step_count % config.eval_every == 0 \
+                        and not self.stop_requested:
+                    record["eval_loss"], record["eval_target_tokens"] = self.evaluate()
+                t_checkpoint = time.perf_counter()
+                self.saver.settle(self.saves_written)  # a background save every rank has written: complete it
+                exiting = (bool(config.exit_interval) and self.step_count % config.exit_interval == 0) \
+                    or self.stop_requested is not None
+                final = self.step_count == config.train_steps and config.save_final
+                if (config.save_every and self.step_count % config.save_every == 0) or final or exiting:
+                    self.save()
+                    last_saved = self.step_count
+                    if exiting or final:
+                        self.saver.wait()
+                record.update(checkpoint_record(self.saver, time.perf_counter() - t_checkpoint))
+                if self.step_count % config.log_every == 0 or self.step_count == config.train_steps \
+                        or "checkpoint_stall_s" in record:
+                    self.logger.log(record)
+                result = {**result, **record}
+                if self.stop_requested:
+                    result.update(self.stopped())
+                if exiting:
+                    break
+        self.saver.wait()
+        self.logger.close()
+        if config.export_hf and self.step_count == config.train_steps == last_saved:  # not after a stop: the run goes on later
+            checkpoint.export_hf_from_run(self.out, self.step_count, config.export_hf, self.info)
+        result["final_step"] = self.step_count
+        return result
+
+    def step(self, micro_batches: list[dict], started: float) -> dict:
+        """One optimizer step on this rank's micro-batches of a global batch (fetched since
+        `started`); its metrics record. Sets `stop_requested` and `saves_written`, which ride
+        the loss's all-reduce."""
+        data_wait = time.perf_counter() - started
+        self.model.zero_grad_buffer()
+        grad_buffers_zeroed(self.model)
+        self.optimizer.zero_grad()
+        self.timer.mark()
+        with fp8_weight_scales_once(self.model):
+            losses = run_global_batch(self.model, micro_batches, self.forward_step, self.seq_length, self.config.pp,
+                                      forward_only=False)
+        self.timer.mark()
+        update_ok, grad_norm, _ = self.optimizer.step()
+        self.timer.mark()
+        if update_ok:
+            self.scheduler.step(increment=1)
+        loss, target_tokens, self.stop_requested, self.saves_written = reduce_loss(losses, self.info, self.stop,
+                                                                                  self.saver.progress())
+        self.step_count += 1
+        if self.cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        fwd_bwd, optimizer_s = self.timer.seconds()
+        tokens = self.data.global_batch_tokens(micro_batches)
+        record = {"step": self.step_count, "loss": loss, "target_tokens": target_tokens, "tokens": tokens,
+                  "lr": self.scheduler.get_lr(self.optimizer.param_groups[0]), "grad_norm": grad_norm,
+                  "skipped": not update_ok, "step_seconds": seconds, "data_wait_s": data_wait,
+                  "fwd_bwd_s": fwd_bwd, "optimizer_s": optimizer_s, "tokens_per_s": tokens / seconds,
+                  "tokens_per_s_per_gpu": tokens / seconds / self.info.world,
+                  "mfu": tokens * self.lm_flops_per_token / seconds / self.world_flops if self.world_flops else None,
+                  "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None,
+                  # > 0 and growing: the allocator had to free its cache and retry, a stall of the
+                  # whole step; use more recompute (--recompute-layers) or shorter packs
+                  "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.cuda else None}
+        lm = self.arch.lm
+        if lm.is_moe and self.config.moe_aux_loss_coef:
+            record["moe_load_balancing_loss"] = load_balancing_loss(len(micro_batches), lm.num_experts_per_tok)
+        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            self.saver.wait()  # the save in flight (every rank is here: the loss and norm are global) completes
+            raise UserError(diverged_advice(self.config, self.step_count, loss, grad_norm))  # this step is not saved
+        return record
+
+    def evaluate(self) -> tuple[float, int]:
+        """(mean loss per target token, target tokens) of the --eval-data batches."""
+        return evaluate(self.model, self.data, self.forward_step, self.seq_length, self.info)
+
+    def save(self) -> None:
+        """A checkpoint of this step (written in the background with --async-save)."""
+        self.saver.save(self.step_count, self.model, self.optimizer, self.scheduler, self.data, self.config, self.arch)
+
+    def stopped(self) -> dict:
+        """A stop signal ended the run at this step (saved): say so; the summary's keys."""
+        if self.info.is_main:
+            received = self.stop.received.name if self.stop.received else "a stop signal on another rank"
+            print(f"vlmpack train: {received}: step {self.step_count} saved to {self.out}; continue with --resume",
+                  file=sys.stderr, flush=True)
+        return {"stopped_by_signal": True, "interrupted": self.stop_requested == "interrupt"}
+
+    def repeat_line(self, sig) -> str:
+        """A second signal: the process ends at once, mid-save maybe."""
+        saved = checkpoint.latest_checkpoint(self.out)
         kept = f"checkpoint {saved.name} is the latest and intact" if saved else "no checkpoint was saved"
         return (f"vlmpack train: {sig.name} again: exiting at once; any checkpoint being written is left unfinished "
                 f"(removed by the next run), {kept}")
-
-    # a scheduler's SIGTERM/SIGUSR1: finish the step, save, exit 0; Ctrl-C (SIGINT): the same, exit 130
-    with StopRequest(repeat_line=repeat_line) as stop:
-        while step < config.train_steps:
-            t0 = time.perf_counter()
-            micro_batches = data.next_global_batch()
-            data_wait = time.perf_counter() - t0
-            model.zero_grad_buffer()
-            grad_buffers_zeroed(model)
-            optimizer.zero_grad()
-            timer.mark()
-            with fp8_weight_scales_once(model):
-                losses = run_global_batch(model, micro_batches, forward_step, seq_length, config.pp,
-                                          forward_only=False)
-            timer.mark()
-            update_ok, grad_norm, _ = optimizer.step()
-            timer.mark()
-            if update_ok:
-                scheduler.step(increment=1)
-            loss, target_tokens, stop_requested, saves_written = reduce_loss(losses, info, stop, saver.progress())
-            step += 1
-            if cuda:
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
-            fwd_bwd, optimizer_s = timer.seconds()
-            tokens = data.global_batch_tokens(micro_batches)
-            record = {"step": step, "loss": loss, "target_tokens": target_tokens, "tokens": tokens,
-                      "lr": scheduler.get_lr(optimizer.param_groups[0]), "grad_norm": grad_norm,
-                      "skipped": not update_ok, "step_seconds": seconds, "data_wait_s": data_wait,
-                      "fwd_bwd_s": fwd_bwd, "optimizer_s": optimizer_s, "tokens_per_s": tokens / seconds,
-                      "tokens_per_s_per_gpu": tokens / seconds / info.world,
-                      "mfu": tokens * n_lm / seconds / world_flops if world_flops else None,
-                      "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                      # > 0 and growing: the allocator had to free its cache and retry, a stall of the
-                      # whole step; use more recompute (--recompute-layers) or shorter packs
-                      "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None}
-            if arch.lm.is_moe and config.moe_aux_loss_coef:
-                record["moe_load_balancing_loss"] = load_balancing_loss(len(micro_batches), arch.lm.num_experts_per_tok)
-            if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
-                saver.wait()  # the save in flight (every rank is here: the loss and norm are global) completes
-                raise UserError(diverged_advice(config, step, loss, grad_norm))  # this step's weights are not saved
-            if config.eval_data and config.eval_every and step % config.eval_every == 0 and not stop_requested:
-                record["eval_loss"], record["eval_target_tokens"] = evaluate(model, data, forward_step, seq_length, info)
-            t_checkpoint = time.perf_counter()
-            saver.settle(saves_written)  # a background save every rank has written: complete it
-            exiting = (bool(config.exit_interval) and step % config.exit_interval == 0) or stop_requested is not None
-            final = step == config.train_steps and config.save_final
-            if (config.save_every and step % config.save_every == 0) or final or exiting:
-                checkpoint.save(saver, step, model, optimizer, scheduler, data, config, arch)
-                last_saved = step
-                if exiting or final:
-                    saver.wait()
-            record.update(checkpoint_record(saver, time.perf_counter() - t_checkpoint))
-            if step % config.log_every == 0 or step == config.train_steps or "checkpoint_stall_s" in record:
-                logger.log(record)
-            result = {**result, **record}
-            if stop_requested:
-                if info.is_main:
-                    print(f"vlmpack train: {stop.received.name if stop.received else 'a stop signal on another rank'}: "
-                          f"step {step} saved to {out}; continue with --resume", file=sys.stderr, flush=True)
-                result["stopped_by_signal"] = True
-                result["interrupted"] = stop_requested == "interrupt"
-            if exiting:
-                break
-    saver.wait()
-    logger.close()
-    if config.export_hf and step == config.train_steps == last_saved:  # not after a stop: the run goes on later
-        checkpoint.export_hf_from_run(out, step, config.export_hf, info)
-    result["final_step"] = step
-    return result
 
 
 def checkpoint_record(saver, stall: float) -> dict:

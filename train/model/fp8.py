@@ -27,8 +27,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from train.config import FP8_RECIPES as RECIPES
-from train.config import ConfigError
+from train.model.settings import FP8_RECIPES as RECIPES
+from train.model.settings import ConfigError
 from train.model.fp8_cast import cast_rows_and_transposed, cast_transposed
 from train.model.grad_buffer import accumulate_float8_weight_grad
 

@@ -501,7 +501,7 @@ class Adapters:
         self.spec, self.sites, self.params = spec, sites, params
         self.saved_modules = saved_modules  # modules_to_save: PEFT key -> the model's own parameter
         self.hosts = list(hosts)  # the adapted layers (each with its adapters as `.lora`)
-        self.base: dict = {}  # the model the adapters belong to (train.checkpoint.base_reference)
+        self.base: dict = {}  # the model the adapters belong to (train.model_setup.base_reference)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: p.detach() for k, p in (self.params | self.saved_modules).items()}
