@@ -308,7 +308,7 @@ class Merge:
 
     @staticmethod
     def run(args) -> int:
-        from .publish import merge_staged
+        from .job import merge_staged
 
         manifest = merge_staged(args.dirs, args.out)
         where = storage.redact(args.out) if storage.is_url(args.out) else Path(args.out)
