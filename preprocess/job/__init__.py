@@ -36,6 +36,7 @@ One module per concern:
   local     this machine's worker processes
   run       run_preprocess, with the job's context (JobContext) passed between its steps
   merge     joining a partitioned job's outputs (`vlmpack merge`)
+  publish   a finished directory uploaded to an object store (`--out s3://...`)
 """
 
 from .claim import entries_not_of_a_job

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from shards_schema.flags import nested, setting
 from shards_schema.storage import MAX_FETCH_RETRIES
 
 from ..errors import ConfigError
@@ -21,28 +22,69 @@ MAX_WORKERS = 4096  # processes on one machine; a larger number is a typo (and o
 MAX_RAY_RETRIES = 1000
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PreprocessConfig:
-    """Everything `vlmpack preprocess` takes (CLI flags map 1:1)."""
+    """Everything `vlmpack preprocess` takes: each field is its flag (shards_schema.flags), the
+    fields in the order of `--help`."""
 
-    inputs: list[str]
-    out: str
-    profile: str | None = None
-    model: str | None = None
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    sample: SampleOptions = field(default_factory=SampleOptions)
-    workers: int = 1
-    rows_per_shard: int = DEFAULT_ROWS_PER_SHARD
-    num_partitions: int = 1
-    partition_index: int = 0
-    input_hash: str = "sampled"
-    input_format: str = "auto"  # the rows' layout (preprocess.formats): detected per input, or named
-    executor: str = "local"  # "local": worker processes on this machine; "ray": Ray tasks (preprocess/ray_executor.py)
-    ray_address: str | None = None  # a running Ray cluster to join (None: RAY_ADDRESS, else a local instance)
-    ray_max_retries: int = 3  # times Ray re-runs a unit whose worker died
-    stage_dir: str | None = None  # with --out on an object store: where the job runs before the upload
-    progress: bool = True
+    inputs: list[str] = setting(name="inputs", nargs="+",
+                                help=".jsonl / .json / .parquet files or `datasets` save_to_disk directories")
+    # the rows' layout (preprocess.formats): detected per input, or named
+    input_format: str = setting(
+        "auto", choices=INPUT_FORMATS,
+        help="the rows' layout: openai (messages with content parts), sharegpt (conversations "
+             "with from/value and <image>/<video> placeholders, as LLaMA-Factory and LLaVA write), "
+             "swift (messages with <image> tags or bare image parts plus images/videos lists, as "
+             "ms-swift and TRL write); auto (default) detects it per input from its first row")
+    out: str = setting(required=True,
+                       help="output shard directory (or an s3:// / gs:// prefix: staged locally, then uploaded): new "
+                            "or empty (a directory holding anything else is refused); "
+                            "re-running the same job into it resumes")
+    profile: str | None = setting(
+        None, group="model profile",
+        help="built-in profile: qwen3-vl (default), qwen3-vl-thinking (the Thinking checkpoints' template: "
+             "reasoning_content / <think> blocks) or qwen2.5-vl")
+    model: str | None = setting(None, group="model profile",
+                                help="Hugging Face model directory (tokenizer, preprocessor config, chat template)")
+    min_pixels: int | None = setting(None, group="model profile", type=int,
+                                     help="override the profile's minimum image area")
+    max_pixels: int | None = setting(None, group="model profile", type=int,
+                                     help="override the profile's maximum image area")
+    sample: SampleOptions = nested(default_factory=SampleOptions)
+    # the command line's default is every core; a config built in code runs in this process
+    workers: int = setting(1, group="job", type=int, flag_default=min(os.cpu_count() or 1, MAX_WORKERS),
+                           help=f"worker processes, 1 to {MAX_WORKERS} (default: all cores, %(default)s)")
+    rows_per_shard: int = setting(DEFAULT_ROWS_PER_SHARD, group="job", type=int,
+                                  help="input rows per shard file / work unit (default %(default)s)")
+    num_partitions: int = setting(1, group="job", type=int, help="split the job across this many machines")
+    partition_index: int = setting(0, group="job", type=int, help="which partition this machine runs")
+    input_hash: str = setting(
+        "sampled", group="job", choices=INPUT_HASH_MODES,
+        help="how a resumed job checks that its inputs did not change: 'sampled' (default) compares "
+             "size, modification time and a hash of sampled blocks; 'full' hashes whole inputs "
+             "(slower; timestamps then do not matter). A job resumes with the mode it started with")
+    # with --out on an object store: where the job runs before the upload
+    stage_dir: str | None = setting(
+        None, group="job",
+        help="with --out on an object store (s3://, gs://): the local directory the job runs in before "
+             "its upload (default: one per output URL and job under the temporary directory); removed "
+             "once the upload is complete, kept when it is cut short: the same command resumes from it")
+    # "local": worker processes on this machine; "ray": Ray tasks (preprocess/ray_executor.py)
+    executor: str = setting(
+        "local", group="job", choices=EXECUTORS,
+        help="local (default): --workers processes on this machine; ray: the work units as Ray tasks "
+             "(output byte-identical; --out must be storage every Ray node sees at the same path)")
+    # a running Ray cluster to join (None: RAY_ADDRESS, else a local instance)
+    ray_address: str | None = setting(
+        None, group="job", metavar="ADDR",
+        help="with --executor ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray "
+             "instance with --workers CPUs)")
+    # times Ray re-runs a unit whose worker died
+    ray_max_retries: int = setting(3, group="job", type=int,
+                                   help=f"with --executor ray: times a unit whose worker died is re-run, 0 to "
+                                        f"{MAX_RAY_RETRIES} (default %(default)s)")
+    progress: bool = setting(True, group="job", name="--no-progress", action="store_false", dest="progress",
+                             help="no progress bar")
 
     @property
     def ray_cluster_address(self) -> str | None:

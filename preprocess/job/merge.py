@@ -14,7 +14,7 @@ from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR
 from shards_schema.outdir import exclusive_output_dir
 
 from ..errors import ConfigError
-from ..publish import check_destination, default_stage_dir, empty_stage, publish, read_json_object, remove_stage
+from .publish import check_destination, default_stage_dir, empty_stage, publish, read_json_object, remove_stage
 from .claim import is_fresh, output_errors, refuse_foreign
 from .identity import printable_path, same_job
 from .records import JOB_FILE, read_json, remove_torn_writes, shard_matches_record, unit_record_path, write_final_outputs
@@ -51,7 +51,7 @@ def partitions_identity(directories: list[str]) -> dict:
 def merge_partitions(directories: list[str], out: str, publish_to: str | None = None) -> dict:
     """Join the outputs of a partitioned job (one directory or several) into one shard directory.
     With `publish_to` (a store URL) `out` is a stage: the merged directory is uploaded there
-    while still held, then emptied (preprocess/publish.py); the manifest then carries what was
+    while still held, then emptied (preprocess/job/publish.py); the manifest then carries what was
     uploaded under "_upload"."""
     dirs = [Path(d) for d in directories]
     identity = partitions_identity(directories)

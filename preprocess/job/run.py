@@ -4,7 +4,7 @@ Work is cut into units of `rows_per_shard` consecutive input rows (see inputs.py
 executor (`--executor`) runs the units still to do, each committing its shard and unit record;
 when all units of the job are done, `rejects.jsonl` and finally `manifest.json` are written.
 With `--out` on an object store the job runs in a staging directory and is published from it
-(preprocess/publish.py)."""
+(preprocess/job/publish.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from shards_schema.outdir import exclusive_output_dir
 
 from ..inputs import WorkUnit, check_inputs, plan_units
 from ..profiles import Profile, resolve_profile
-from ..publish import check_destination, default_stage_dir, empty_stage, publish, remove_stage
+from .publish import check_destination, default_stage_dir, empty_stage, publish, remove_stage
 from .claim import claim_out_dir, identity_to_resume, output_errors
 from .config import PreprocessConfig, check_config, profile_args
 from .executor import Progress, UnitExecutor
@@ -152,7 +152,7 @@ def _run_to_store(job: JobContext) -> dict:
     """`--out URL`: the destination is checked before the first row (another job's output there
     is refused, this job's finished dataset is the result); the job then runs in its staging
     directory, named after the destination and the job, and is published to the store
-    (preprocess/publish.py). The stage goes once its upload is complete; an upload cut short
+    (preprocess/job/publish.py). The stage goes once its upload is complete; an upload cut short
     leaves it for the same command to resume from."""
     cfg = job.cfg
     published = check_destination(cfg.out, job.identity, partition=job.partition)

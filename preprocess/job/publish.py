@@ -36,8 +36,8 @@ from shards_schema import storage
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR
 from shards_schema.outdir import LOCK_NAME
 
-from .errors import ConfigError
-from .job.records import JOB_FILE
+from ..errors import ConfigError
+from .records import JOB_FILE
 
 
 def default_stage_dir(url: str, identity: dict, partition: str | None = None) -> Path:
