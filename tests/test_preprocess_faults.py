@@ -406,7 +406,7 @@ def test_unwritable_output_is_one_line_injected(err_no, data, tmp_path, monkeypa
     def refuse(path, obj):
         raise OSError(err_no, os.strerror(err_no), str(path))
 
-    monkeypatch.setattr(job, "write_json_atomic", refuse)
+    monkeypatch.setattr(job.claim, "write_json_atomic", refuse)  # the claim writes first
     out = tmp_path / "out"
     code = cli_main([str(a) for a in ("preprocess", data, "--out", out, "--workers", 1, "--no-progress")])
     err = capsys.readouterr().err
