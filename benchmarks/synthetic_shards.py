@@ -2,7 +2,7 @@
 
 No image is decoded and no text is tokenized per sample: token ids and uint8 patches are
 drawn at random, so a GPU host writes a few GB of shards in seconds. Everything else is what
-`vlmpack preprocess --profile qwen3-vl|qwen2.5-vl` writes (`preprocess/job.py`): the chat
+`vlmpack preprocess --profile qwen3-vl|qwen2.5-vl` writes (`preprocess/job/`): the chat
 structure of a rendered conversation (Qwen2.5-VL's template adds its default system turn
 when a conversation has none), `<|image_pad|>` runs matching each image grid, assistant-only loss
 masks, M-RoPE positions from `shards_schema.positions.mrope_position_ids` (the function

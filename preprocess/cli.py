@@ -15,7 +15,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import shutil
 import sys
@@ -25,20 +24,14 @@ from pathlib import Path
 from shards_schema import storage
 from shards_schema.atomic import atomic_open, write_json_atomic
 from shards_schema.errors import EXIT_FAULT
+from shards_schema.flags import add_flags, config_from_args
 from shards_schema.inspect import format_storage_per_visual_token, storage_per_visual_token
 from shards_schema.manifest import profile_name
 from shards_schema.outdir import exclusive_output_dir, user_entries
-from shards_schema.storage import MAX_FETCH_RETRIES, FetchPolicy
 from shards_schema.writer import file_sha256
 
 from .errors import ConfigError
-from .formats import INPUT_FORMATS
-from .job import (DEFAULT_ROWS_PER_SHARD, EXECUTORS, INPUT_HASH_MODES, MAX_RAY_RETRIES, MAX_WORKERS, PreprocessConfig,
-                  check_config, run_preprocess)
-from .media import MAX_OPTION_INTEGER, MIN_FPS
-from .pipeline import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_SEQ_LEN, SampleOptions
-from .render import REASONING_LOSSES
-from .video import SAMPLING_MODES, VideoOptions
+from .job import PreprocessConfig, check_config, run_preprocess
 
 
 def _human_bytes(n: float) -> str:
@@ -80,138 +73,6 @@ def _upload_line(upload: dict, where: str, stage: str | None = None) -> str:
             f"{upload['kept']} already there{staged}")
 
 
-def _add_sample_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model profile")
-    g.add_argument("--profile", default=None,
-                   help="built-in profile: qwen3-vl (default), qwen3-vl-thinking (the Thinking checkpoints' template: "
-                        "reasoning_content / <think> blocks), qwen2.5-vl, qwen3.5 or qwen3.6 (Qwen3.5 / Qwen3.6 "
-                        "checkpoints: thinking, XML tool calls)")
-    g.add_argument("--model", default=None, help="Hugging Face model directory (tokenizer, preprocessor config, chat template)")
-    g.add_argument("--min-pixels", type=int, default=None, help="override the profile's minimum image area")
-    g.add_argument("--max-pixels", type=int, default=None, help="override the profile's maximum image area")
-    g = parser.add_argument_group("samples")
-    g.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, help="longer conversations are rejected (default %(default)s)")
-    g.add_argument("--truncate", action="store_true", help="cut over-long conversations instead (never through an image)")
-    g.add_argument("--loss-policy", default="all_assistant", choices=["all_assistant", "last_assistant"],
-                   help="which assistant turns are targets: every one (default) or only the last")
-    g.add_argument("--reasoning-loss", default="train", choices=REASONING_LOSSES,
-                   help="Thinking templates (qwen3-vl-thinking, qwen3.5, qwen3.6): train the reasoning inside <think> "
-                        "too (default), or mask it (context only; "
-                        "the answer after </think> is still a target)")
-    g.add_argument("--media-root", default=None, help="directory that image file paths resolve under (never outside it)")
-    g.add_argument("--allow-remote-media", action="store_true",
-                   help="fetch media given as s3://, gs://, hf:// or https:// URLs (through fsspec, credentials from "
-                        "each store's environment; off by default: a URL is rejected as remote_url)")
-    g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, help="reject images with more pixels (decompression bombs)")
-
-    def positive_bytes(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a positive whole number of bytes, got {text}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text}")
-        return value
-
-    g.add_argument("--max-media-bytes", type=positive_bytes, default=SampleOptions.max_media_bytes,
-                   help="reject an image file, data URI or base64 image holding more bytes, checked before it is "
-                        "read or decoded (default %(default)s = 128 MiB); there is no 'unlimited': a mislabelled "
-                        "multi-gigabyte file would be read whole, so raise it instead")
-    g.add_argument("--max-row-bytes", type=positive_bytes, default=SampleOptions.max_row_bytes,
-                   help="reject an input row holding more bytes (a JSONL line, a JSON array element, a Parquet or "
-                        "datasets row) without reading the rest of it into memory (default %(default)s = 256 MiB, "
-                        "room for a --max-media-bytes image in base64); raise it together with --max-media-bytes")
-
-    def video_count(text: str) -> int:  # what a video part's counts and pixel numbers may be
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if not 1 <= value <= MAX_OPTION_INTEGER:
-            raise argparse.ArgumentTypeError(f"must be a positive integer, at most 2**53, got {text}")
-        return value
-
-    def video_fps(text: str) -> float:  # what a video part's fps may be
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not MIN_FPS <= value < math.inf:
-            raise argparse.ArgumentTypeError(f"must be a finite number of at least {MIN_FPS:g}, got {text}")
-        return value
-
-    def seconds(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (0 < value < math.inf):
-            raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
-        return value
-
-    def retries(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = -1
-        if not 0 <= value <= MAX_FETCH_RETRIES:
-            raise argparse.ArgumentTypeError(f"must be an integer from 0 to {MAX_FETCH_RETRIES}, got {text}")
-        return value
-
-    g.add_argument("--remote-timeout", type=seconds, default=FetchPolicy.timeout, metavar="SECONDS",
-                   help="with --allow-remote-media: seconds a fetch waits to connect, and for each piece of data, "
-                        "before it gives up (default %(default)s; http(s):// and s3://); a row whose media never "
-                        "comes is rejected as remote_unreachable and the job goes on")
-    g.add_argument("--remote-retries", type=retries, default=FetchPolicy.retries, metavar="N",
-                   help=f"with --allow-remote-media: further attempts after a fetch times out, is refused or gets a "
-                        f"server error, {FetchPolicy.backoff:g} s after the first failure and twice as long after "
-                        f"each further one (default %(default)s, at most {MAX_FETCH_RETRIES})")
-
-    g = parser.add_argument_group("videos")
-    g.add_argument("--video-sampling", default="hf", choices=SAMPLING_MODES,
-                   help="how frames are sampled and sized: 'hf' (default), as the family's Hugging Face video "
-                        "processor does; 'qwen-vl-utils', as qwen_vl_utils.fetch_video does")
-    g.add_argument("--video-pixel-cap", action="store_true",
-                   help="hf sampling: cap each frame's pixels as qwen-vl-utils does (HF's cap_pixels_per_frame=True); "
-                        "off by default, as in the transformers release the tests pin")
-    g.add_argument("--video-fps", type=video_fps, default=None,
-                   help="frames sampled per second where a video part gives neither fps nor nframes "
-                        "(default: the profile's, 2)")
-    g.add_argument("--video-max-frames", type=video_count, default=None,
-                   help="most frames sampled from a video part that gives no max_frames (default: the profile's, 768)")
-    g.add_argument("--video-max-pixels", type=video_count, default=None,
-                   help="max_pixels of a video part that gives none (hf sampling: the processor's size['longest_edge']; "
-                        "qwen-vl-utils: per frame)")
-    g.add_argument("--video-total-pixels", type=video_count, default=None,
-                   help="pixel budget shared by a video's frames, for parts that give no total_pixels")
-    g.add_argument("--video-fit", action="store_true",
-                   help="a video that alone needs more than --max-seq-len tokens is sampled with fewer frames until "
-                        "it fits (default: rejected as video_too_long)")
-    g.add_argument("--max-video-bytes", type=positive_bytes, default=SampleOptions.max_video_bytes,
-                   help="reject a video file or inline video holding more bytes (default %(default)s = 4 GiB); "
-                        "files are streamed by the decoder, never read whole")
-
-
-def _sample_options(args) -> SampleOptions:
-    return SampleOptions(
-        max_seq_len=args.max_seq_len,
-        truncate=args.truncate,
-        loss_policy=args.loss_policy,
-        reasoning_loss=args.reasoning_loss,
-        media_root=args.media_root,
-        allow_remote_media=args.allow_remote_media,
-        remote_fetch=FetchPolicy(timeout=args.remote_timeout, retries=args.remote_retries),
-        max_image_pixels=args.max_image_pixels,
-        max_media_bytes=args.max_media_bytes,
-        max_row_bytes=args.max_row_bytes,
-        max_video_bytes=args.max_video_bytes,
-        video_fit=args.video_fit,
-        video=VideoOptions(sampling=args.video_sampling, cap_pixels_per_frame=args.video_pixel_cap, fps=args.video_fps,
-                           max_frames=args.video_max_frames, max_pixels=args.video_max_pixels,
-                           total_pixels=args.video_total_pixels),
-    )
-
-
 EXIT_NOTHING_WRITTEN = EXIT_FAULT
 
 
@@ -226,63 +87,11 @@ def _nothing_written(command: str, manifest: dict, out: Path) -> int:
 class Preprocess:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("inputs", nargs="+", help=".jsonl / .json / .parquet files or `datasets` save_to_disk directories")
-        parser.add_argument("--input-format", default="auto", choices=INPUT_FORMATS,
-                            help="the rows' layout: openai (messages with content parts), sharegpt (conversations "
-                                 "with from/value and <image>/<video> placeholders, as LLaMA-Factory and LLaVA write), "
-                                 "swift (messages with <image> tags or bare image parts plus images/videos lists, as "
-                                 "ms-swift and TRL write); auto (default) detects it per input from its first row")
-        parser.add_argument("--out", required=True,
-                            help="output shard directory (or an s3:// / gs:// prefix: staged locally, then uploaded): new or empty (a directory holding anything else is refused); "
-                                 "re-running the same job into it resumes")
-        _add_sample_arguments(parser)
-        g = parser.add_argument_group("job")
-        g.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, MAX_WORKERS),
-                       help=f"worker processes, 1 to {MAX_WORKERS} (default: all cores, %(default)s)")
-        g.add_argument("--rows-per-shard", type=int, default=DEFAULT_ROWS_PER_SHARD, help="input rows per shard file / work unit (default %(default)s)")
-        g.add_argument("--num-partitions", type=int, default=1, help="split the job across this many machines")
-        g.add_argument("--partition-index", type=int, default=0, help="which partition this machine runs")
-        g.add_argument("--input-hash", default="sampled", choices=INPUT_HASH_MODES,
-                       help="how a resumed job checks that its inputs did not change: 'sampled' (default) compares "
-                            "size, modification time and a hash of sampled blocks; 'full' hashes whole inputs "
-                            "(slower; timestamps then do not matter). A job resumes with the mode it started with")
-        g.add_argument("--stage-dir", default=None,
-                       help="with --out on an object store (s3://, gs://): the local directory the job runs in before "
-                            "its upload (default: one per output URL and job under the temporary directory); removed "
-                            "once the upload is complete, kept when it is cut short: the same command resumes from it")
-        g.add_argument("--executor", default="local", choices=EXECUTORS,
-                       help="local (default): --workers processes on this machine; ray: the work units as Ray tasks "
-                            "(output byte-identical; --out must be storage every Ray node sees at the same path)")
-        g.add_argument("--ray-address", default=None, metavar="ADDR",
-                       help="with --executor ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray "
-                            "instance with --workers CPUs)")
-        g.add_argument("--ray-max-retries", type=int, default=3,
-                       help=f"with --executor ray: times a unit whose worker died is re-run, 0 to {MAX_RAY_RETRIES} "
-                            "(default %(default)s)")
-        g.add_argument("--no-progress", action="store_true", help="no progress bar")
+        add_flags(parser, PreprocessConfig)
 
     @staticmethod
     def run(args) -> int:
-        cfg = PreprocessConfig(
-            inputs=args.inputs,
-            out=args.out,
-            profile=args.profile,
-            model=args.model,
-            min_pixels=args.min_pixels,
-            max_pixels=args.max_pixels,
-            sample=_sample_options(args),
-            workers=args.workers,
-            rows_per_shard=args.rows_per_shard,
-            num_partitions=args.num_partitions,
-            partition_index=args.partition_index,
-            input_hash=args.input_hash,
-            input_format=args.input_format,
-            executor=args.executor,
-            stage_dir=args.stage_dir,
-            ray_address=args.ray_address,
-            ray_max_retries=args.ray_max_retries,
-            progress=not args.no_progress,
-        )
+        cfg = config_from_args(PreprocessConfig, args)
         result = run_preprocess(cfg)
         run = result.pop("_run")
         for unit in run["units_redone"]:
@@ -311,7 +120,7 @@ class Merge:
 
     @staticmethod
     def run(args) -> int:
-        from .publish import merge_staged
+        from .job import merge_staged
 
         manifest = merge_staged(args.dirs, args.out)
         where = storage.redact(args.out) if storage.is_url(args.out) else Path(args.out)

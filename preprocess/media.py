@@ -25,6 +25,7 @@ Images are read whole; videos stay files that the decoder streams.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import binascii
 import contextlib
@@ -254,6 +255,28 @@ MIN_FPS = 1e-3
 # Options of qwen-vl-utils that vlmpack does not apply: a part giving them is refused rather
 # than sized otherwise than it asks.
 UNSUPPORTED_SIZE_OPTIONS = ("resized_height", "resized_width")
+
+
+def count_flag(text: str) -> int:
+    """argparse type of a flag giving what a video part's counts and pixel numbers may be."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_OPTION_INTEGER:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, at most 2**53, got {text}")
+    return value
+
+
+def fps_flag(text: str) -> float:
+    """argparse type of a flag giving what a video part's fps may be."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not MIN_FPS <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least {MIN_FPS:g}, got {text}")
+    return value
 
 
 def part_number(part: dict, name: str, *, integer: bool, code: str, where: str, minimum: float = 0.0):

@@ -21,14 +21,15 @@ import numpy as np
 
 from shards_schema.positions import mrope_position_ids
 from shards_schema.schema import Sample
-from shards_schema.storage import FetchPolicy
+from shards_schema.flags import Flag, integer_from, nested, positive_bytes, positive_seconds, setting
+from shards_schema.storage import MAX_FETCH_RETRIES, FetchPolicy
 
 from .errors import RejectError
 from .images import DEFAULT_MAX_MEDIA_BYTES, decode_opened, header_grid, image_to_patches, open_image_source
 from .inputs import DEFAULT_MAX_ROW_BYTES
 from .profiles import Profile
-from .render import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Rendered, lone_surrogate, render_conversation,
-                     surrogate_message, tokenize_rendered)
+from .render import (IMAGE_PLACEHOLDER, LOSS_POLICIES, REASONING_LOSSES, VIDEO_PLACEHOLDER, Rendered, lone_surrogate,
+                     render_conversation, surrogate_message, tokenize_rendered)
 from .text_budget import might_exceed, utf8_length
 from .video import DEFAULT_MAX_VIDEO_BYTES, VideoOptions, VideoPlan, open_video_source, plan_video, timestamps_for
 from .video.patches import frames_to_patches
@@ -42,21 +43,58 @@ class SampleOptions:
     """Per-row settings that decide a sample's bytes (all recorded in the manifest, but for
     `remote_fetch`)."""
 
-    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
-    truncate: bool = False
-    loss_policy: str = "all_assistant"
-    reasoning_loss: str = "train"  # Thinking template: "train" the reasoning too, or "mask" it (context only)
-    media_root: str | None = None
-    allow_remote_media: bool = False  # fetch s3://, gs://, hf://, https:// media (off: batch jobs do not fetch)
+    # Fields in the order of their flags in `vlmpack preprocess --help` (shards_schema.flags).
+    max_seq_len: int = setting(DEFAULT_MAX_SEQ_LEN, group="samples", type=int,
+                               help="longer conversations are rejected (default %(default)s)")
+    truncate: bool = setting(False, group="samples", action="store_true",
+                             help="cut over-long conversations instead (never through an image)")
+    loss_policy: str = setting("all_assistant", group="samples", choices=LOSS_POLICIES,
+                               help="which assistant turns are targets: every one (default) or only the last")
+    # Thinking template: "train" the reasoning too, or "mask" it (context only)
+    reasoning_loss: str = setting("train", group="samples", choices=REASONING_LOSSES,
+                                  help="Thinking templates (qwen3-vl-thinking, qwen3.5, qwen3.6): train the reasoning "
+                                       "inside <think> too (default), or mask it (context only; the answer after "
+                                       "</think> is still a target)")
+    media_root: str | None = setting(None, group="samples",
+                                     help="directory that image file paths resolve under (never outside it)")
+    # fetch s3://, gs://, hf://, https:// media (off: batch jobs do not fetch)
+    allow_remote_media: bool = setting(
+        False, group="samples", action="store_true",
+        help="fetch media given as s3://, gs://, hf:// or https:// URLs (through fsspec, credentials from "
+             "each store's environment; off by default: a URL is rejected as remote_url)")
+    max_image_pixels: int = setting(DEFAULT_MAX_IMAGE_PIXELS, group="samples", type=int,
+                                    help="reject images with more pixels (decompression bombs)")
+    max_media_bytes: int = setting(
+        DEFAULT_MAX_MEDIA_BYTES, group="samples", type=positive_bytes,
+        help="reject an image file, data URI or base64 image holding more bytes, checked before it is "
+             "read or decoded (default %(default)s = 128 MiB); there is no 'unlimited': a mislabelled "
+             "multi-gigabyte file would be read whole, so raise it instead")
+    # an input row holding more is rejected unread (preprocess.inputs)
+    max_row_bytes: int = setting(
+        DEFAULT_MAX_ROW_BYTES, group="samples", type=positive_bytes,
+        help="reject an input row holding more bytes (a JSONL line, a JSON array element, a Parquet or "
+             "datasets row) without reading the rest of it into memory (default %(default)s = 256 MiB, "
+             "room for a --max-media-bytes image in base64); raise it together with --max-media-bytes")
     # how long a fetch waits and how often it is retried: decides no sample's bytes, so it is left
     # out of the job's identity (a job resumed with more patience is the same job)
-    remote_fetch: FetchPolicy = FetchPolicy()
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    max_media_bytes: int = DEFAULT_MAX_MEDIA_BYTES
-    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES  # an input row holding more is rejected unread (preprocess.inputs)
-    max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
-    video: VideoOptions = VideoOptions()
-    video_fit: bool = False  # a video too long for max_seq_len alone is sampled with fewer frames
+    remote_fetch: FetchPolicy = nested(FetchPolicy(), prefix="remote_", flags={
+        "timeout": Flag(group="samples", argparse={"type": positive_seconds, "metavar": "SECONDS"},
+                        help="with --allow-remote-media: seconds a fetch waits to connect, and for each piece of "
+                             "data, before it gives up (default %(default)s; http(s):// and s3://); a row whose "
+                             "media never comes is rejected as remote_unreachable and the job goes on"),
+        "retries": Flag(group="samples", argparse={"type": integer_from(0, MAX_FETCH_RETRIES), "metavar": "N"},
+                        help=f"with --allow-remote-media: further attempts after a fetch times out, is refused or "
+                             f"gets a server error, {FetchPolicy.backoff:g} s after the first failure and twice as "
+                             f"long after each further one (default %(default)s, at most {MAX_FETCH_RETRIES})"),
+    })
+    video: VideoOptions = nested(VideoOptions(), prefix="video_")
+    # a video too long for max_seq_len alone is sampled with fewer frames
+    video_fit: bool = setting(False, group="videos", action="store_true",
+                              help="a video that alone needs more than --max-seq-len tokens is sampled with fewer "
+                                   "frames until it fits (default: rejected as video_too_long)")
+    max_video_bytes: int = setting(DEFAULT_MAX_VIDEO_BYTES, group="videos", type=positive_bytes,
+                                   help="reject a video file or inline video holding more bytes (default "
+                                        "%(default)s = 4 GiB); files are streamed by the decoder, never read whole")
 
     @property
     def remote(self) -> FetchPolicy | None:

@@ -22,7 +22,12 @@ from functools import lru_cache
 from pathlib import Path
 
 from .errors import ConfigError
-from .profiles import resolve_profile
+from .job.config import PreprocessConfig, profile_args
+from .job.executor import Progress, UnitExecutor
+from .job.records import remove_torn_writes
+from .job.signals import stop_if_asked
+from .job.units import process_unit
+from .profiles import Profile, resolve_profile
 
 TASK_NAME = "vlmpack_preprocess_unit"  # Ray shows it as the worker's process title: ray::<name>
 
@@ -39,8 +44,6 @@ def _worker_profile(profile_args: tuple, fingerprint_id: str):
 
 
 def _unit_task(unit, name: str, rows_per_unit: int, out: str, profile_args: tuple, fingerprint_id: str, options) -> dict:
-    from .job import process_unit
-
     return process_unit(unit, name, rows_per_unit, Path(out), _worker_profile(profile_args, fingerprint_id), options)
 
 
@@ -53,14 +56,31 @@ def _absolute(unit):
     return dataclasses.replace(unit, input=dataclasses.replace(unit.input, path=os.path.abspath(unit.input.path)))
 
 
-def run_units_on_ray(units, names: dict[str, str], cfg, out: Path, profile, show, stop_if_asked) -> None:
+class RayExecutor(UnitExecutor):
+    """The units as Ray tasks: Ray is started (or joined) for the units and shut down after them."""
+
+    def __init__(self, cfg: PreprocessConfig, profile: Profile):
+        self.cfg, self.profile = cfg, profile
+
+    @property
+    def parallelism_is_workers(self) -> bool:
+        return not self.cfg.ray_cluster_address  # a cluster's CPUs are not --workers
+
+    def run_units(self, units, names: dict[str, str], out: Path, progress: Progress) -> None:
+        try:
+            _run_units_on_ray(units, names, self.cfg, out, self.profile, progress)
+        except BaseException:
+            remove_torn_writes(out)
+            raise
+
+
+def _run_units_on_ray(units, names: dict[str, str], cfg: PreprocessConfig, out: Path, profile: Profile,
+                      show: Progress) -> None:
     """Run `units` as Ray tasks; `show(rows, rejected)` advances the progress bar as units finish."""
     try:
         import ray
     except ImportError:
         raise ConfigError("--executor ray needs Ray: pip install 'vlmpack[ray]'") from None
-    from .job import _profile_args
-
     started_here = not ray.is_initialized()
     if started_here:
         address = cfg.ray_cluster_address
@@ -76,9 +96,9 @@ def run_units_on_ray(units, names: dict[str, str], cfg, out: Path, profile, show
         options = dataclasses.replace(options, media_root=os.path.abspath(options.media_root))
     task = ray.remote(num_cpus=1, max_retries=cfg.ray_max_retries, retry_exceptions=False)(_unit_task).options(
         name=TASK_NAME)
-    profile_args = tuple(sorted(_profile_args(cfg).items()))
+    profile_spec = tuple(sorted(profile_args(cfg).items()))
     pending = {task.remote(_absolute(unit), names[unit.input.path], cfg.rows_per_shard, str(out.resolve()),
-                           profile_args, profile.fingerprint["id"], options): unit for unit in units}
+                           profile_spec, profile.fingerprint["id"], options): unit for unit in units}
     try:
         while pending:
             stop_if_asked()

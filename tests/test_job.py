@@ -225,7 +225,7 @@ def test_worker_pool_started_before_the_input_scan_ends_with_the_job_however_it_
 
 
 def test_workers_started_before_the_scan_follow_the_inputs_size(tmp_path):
-    from preprocess.job import EARLY_ROW_BYTES, _early_workers
+    from preprocess.job.local import EARLY_ROW_BYTES, _early_workers
 
     unit_bytes = 1024 * EARLY_ROW_BYTES
     big, small = tmp_path / "big.jsonl", tmp_path / "small.jsonl"
@@ -691,7 +691,7 @@ def test_the_same_file_spelled_differently_is_one_job(tmp_path, monkeypatch):
 def test_undecodable_file_names_and_surrogates_never_stop_the_job(tmp_path, monkeypatch):
     """A file name that is not UTF-8, an id holding a lone surrogate, and whatever a row's
     processing raises or returns: each becomes a reject or an escaped name, never a crash."""
-    import preprocess.job as job
+    import preprocess.job.units as job  # where a unit's rows are processed
 
     rows = example_rows(5, seed=4, size_range=(32, 64))
     rows[1]["id"] = "\ud800"

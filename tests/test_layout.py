@@ -6,8 +6,7 @@
   `shards_schema/` fails `test_no_family_branches_outside_the_families`; `train/` is counted
   and reported, not asserted (its families are not gathered yet).
 * Imports: no circle between modules of `preprocess/`, `shards_schema/` and `train/`, imports
-  inside functions included (they close a circle as surely, only later), but for the known
-  ones listed in KNOWN_CIRCLES.
+  inside functions included (they close a circle as surely, only later).
 """
 
 from __future__ import annotations
@@ -24,10 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("preprocess", "shards_schema", "train")
 # `family ==` / `!=` / `in (...)`, `qwen3 = ...` flags, names built on "qwen2" (e.g. `hf_qwen2_...`)
 FAMILY_BRANCH = re.compile(r"family *(==|!=|in \()|qwen3 *=|qwen2|\.family *(==|!=)")
-# Circles being removed on their own; any other circle, or a module joining one of these, fails.
-KNOWN_CIRCLES = (
-    frozenset({"preprocess.job", "preprocess.publish", "preprocess.ray_executor"}),
-)
 
 
 def _modules() -> dict[str, Path]:
@@ -187,7 +182,7 @@ def import_circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 
 def test_no_import_circles_but_the_known_ones():
     circles = import_circles(import_graph())
-    new = [sorted(circle) for circle in circles if circle not in KNOWN_CIRCLES]
+    new = [sorted(circle) for circle in circles]
     assert not new, f"modules that import each other (directly or through others): {new}"
 
 

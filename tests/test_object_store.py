@@ -345,7 +345,7 @@ def test_a_store_prefix_holding_another_job_is_refused_before_the_first_row_nami
     job's unfinished upload, or, for a partition, any finished dataset) is refused in one line
     naming the URL, never a local staging directory; no row is processed, no stage is made.
     The same job again finds its dataset there and does nothing."""
-    import preprocess.job as job
+    import preprocess.job.local as job  # where the local executor runs its units
     from shards_schema.cli import main
 
     client, _ = s3

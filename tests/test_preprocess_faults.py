@@ -369,7 +369,7 @@ def _assert_disk_full_with_finished_units_kept(code: int, err: str, out: Path) -
 
 
 def test_full_disk_exits_4_keeps_finished_units_and_resumes_injected(data, reference, tmp_path, monkeypatch, capsys):
-    real_writer = job.ShardWriter
+    real_writer = job.units.ShardWriter
 
     class FillsTheDisk(real_writer):
         def add(self, sample):
@@ -377,13 +377,13 @@ def test_full_disk_exits_4_keeps_finished_units_and_resumes_injected(data, refer
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             super().add(sample)
 
-    monkeypatch.setattr(job, "ShardWriter", FillsTheDisk)
+    monkeypatch.setattr(job.units, "ShardWriter", FillsTheDisk)
     out = tmp_path / "out"
     code = cli_main([str(a) for a in ("preprocess", data, "--out", out, "--workers", 1, "--rows-per-shard", ROWS_PER_SHARD,
                                       "--no-progress")])
     _assert_disk_full_with_finished_units_kept(code, capsys.readouterr().err, out)
     assert _units_committed(out) == 3
-    monkeypatch.setattr(job, "ShardWriter", real_writer)
+    monkeypatch.setattr(job.units, "ShardWriter", real_writer)
     manifest = _run_inprocess(data, out)
     assert manifest["_run"]["units_resumed"] == 3
     assert _outputs(out) == _outputs(reference)
@@ -406,7 +406,7 @@ def test_unwritable_output_is_one_line_injected(err_no, data, tmp_path, monkeypa
     def refuse(path, obj):
         raise OSError(err_no, os.strerror(err_no), str(path))
 
-    monkeypatch.setattr(job, "write_json_atomic", refuse)
+    monkeypatch.setattr(job.claim, "write_json_atomic", refuse)  # the claim writes first
     out = tmp_path / "out"
     code = cli_main([str(a) for a in ("preprocess", data, "--out", out, "--workers", 1, "--no-progress")])
     err = capsys.readouterr().err

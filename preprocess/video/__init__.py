@@ -18,10 +18,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from shards_schema.flags import setting
 from shards_schema.storage import FetchPolicy
 
 from ..errors import RejectError
-from ..media import MIN_FPS, check_bounds, check_unsupported_size_options, part_number
+from ..media import MIN_FPS, check_bounds, check_unsupported_size_options, count_flag, fps_flag, part_number
 from .decode import VideoInfo, VideoReader
 from .sampling import (
     QVU_VIDEO_MIN_TOKEN_NUM,
@@ -47,12 +48,28 @@ DEFAULT_FRAME_LIST_FPS = 2.0
 class VideoOptions:
     """Job-wide video settings (recorded in the manifest): the defaults a part's own options override."""
 
-    sampling: str = "hf"
-    cap_pixels_per_frame: bool = False  # HF's `cap_pixels_per_frame` (qwen-vl-utils' per-frame cap), hf mode
-    fps: float | None = None  # --video-fps
-    max_frames: int | None = None  # --video-max-frames
-    max_pixels: int | None = None  # --video-max-pixels
-    total_pixels: int | None = None  # --video-total-pixels
+    sampling: str = setting(
+        "hf", group="videos", choices=SAMPLING_MODES,
+        help="how frames are sampled and sized: 'hf' (default), as the family's Hugging Face video "
+             "processor does; 'qwen-vl-utils', as qwen_vl_utils.fetch_video does")
+    # HF's `cap_pixels_per_frame` (qwen-vl-utils' per-frame cap), hf mode
+    cap_pixels_per_frame: bool = setting(
+        False, group="videos", name="--video-pixel-cap", action="store_true",
+        help="hf sampling: cap each frame's pixels as qwen-vl-utils does (HF's cap_pixels_per_frame=True); "
+             "off by default, as in the transformers release the tests pin")
+    fps: float | None = setting(None, group="videos", type=fps_flag,
+                                help="frames sampled per second where a video part gives neither fps nor nframes "
+                                     "(default: the profile's, 2)")
+    max_frames: int | None = setting(
+        None, group="videos", type=count_flag,
+        help="most frames sampled from a video part that gives no max_frames (default: the profile's, 768)")
+    max_pixels: int | None = setting(
+        None, group="videos", type=count_flag,
+        help="max_pixels of a video part that gives none (hf sampling: the processor's size['longest_edge']; "
+             "qwen-vl-utils: per frame)")
+    total_pixels: int | None = setting(None, group="videos", type=count_flag,
+                                       help="pixel budget shared by a video's frames, for parts that give no "
+                                            "total_pixels")
 
     def request(self, part: VideoRequest) -> VideoRequest:
         """The part's options with the job's flags filling what the part leaves out."""

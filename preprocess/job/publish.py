@@ -3,7 +3,7 @@ then its directory is uploaded to the store, the manifest last.
 
 Partitions (`--num-partitions`) publish their directories the same way without a manifest;
 `vlmpack merge` of store prefixes brings each down into its staging directory, merges there and
-publishes the merged directory (`merge_staged`).
+publishes the merged directory (`preprocess.job.merge.merge_staged`).
 
 The destination is checked before the job's first row (`check_destination`): a prefix holding
 another dataset's manifest, or another job's work state (`_parts/job.json`), is refused naming
@@ -36,8 +36,8 @@ from shards_schema import storage
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR
 from shards_schema.outdir import LOCK_NAME
 
-from .errors import ConfigError
-from .job import JOB_FILE, merge_partitions, partitions_identity
+from ..errors import ConfigError
+from .records import JOB_FILE
 
 
 def default_stage_dir(url: str, identity: dict, partition: str | None = None) -> Path:
@@ -147,44 +147,3 @@ def remove_stage(stage: Path) -> None:
             stage.rmdir()
     except OSError:
         pass
-
-
-def stage_sources(directories: list[str], progress: bool = True) -> list[str]:
-    """Partition directories for `merge`: a store prefix is brought down (all its files, those
-    already there at the same size kept) into a staging directory named after the prefix and
-    the job its `_parts/job.json` records; paths stay as they are."""
-    local = []
-    for directory in directories:
-        if not storage.is_url(directory):
-            local.append(directory)
-            continue
-        stage = default_stage_dir(directory, partitions_identity([directory]))
-        stage.mkdir(parents=True, exist_ok=True)
-        storage.download_tree(directory, stage)
-        local.append(str(stage))
-    return local
-
-
-def merge_staged(directories: list[str], out: str, progress: bool = True) -> dict:
-    """`vlmpack merge DIR... --out OUT`, where a partition directory or OUT may be a store prefix.
-    An OUT in the store is checked first (another job's output there is refused; this job's
-    dataset there is the result). Partitions in the store are brought down into stages; with
-    OUT in the store the merge runs in a staging directory named after OUT and the job and is
-    published from there (the manifest then carries what was uploaded under "_upload"). Every
-    stage goes once the merge (and its upload) is complete."""
-    identity = partitions_identity(directories)
-    if storage.is_url(out):
-        published = check_destination(out, identity)
-        if published is not None:
-            return {**published, "_upload": {"uploaded": 0, "kept": "all", "bytes": 0}}
-    sources = stage_sources(directories, progress)
-    if storage.is_url(out):
-        stage = default_stage_dir(out, identity)
-        manifest = merge_partitions(sources, str(stage), publish_to=out)
-        remove_stage(stage)
-    else:
-        manifest = merge_partitions(sources, out)
-    for source, directory in zip(sources, directories):
-        if storage.is_url(directory):
-            shutil.rmtree(source, ignore_errors=True)
-    return manifest

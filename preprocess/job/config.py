@@ -1,0 +1,149 @@
+"""`PreprocessConfig`: every setting of a preprocess job, and the checks made before any work."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from shards_schema.flags import nested, setting
+from shards_schema.storage import MAX_FETCH_RETRIES
+
+from ..errors import ConfigError
+from ..formats import INPUT_FORMATS
+from ..media import MAX_OPTION_INTEGER
+from ..pipeline import SampleOptions
+
+DEFAULT_ROWS_PER_SHARD = 1024
+INPUT_HASH_MODES = ("sampled", "full")
+EXECUTORS = ("local", "ray")
+MAX_WORKERS = 4096  # processes on one machine; a larger number is a typo (and overflows the pool's C ints)
+MAX_RAY_RETRIES = 1000
+
+
+@dataclass(kw_only=True)
+class PreprocessConfig:
+    """Everything `vlmpack preprocess` takes: each field is its flag (shards_schema.flags), the
+    fields in the order of `--help`."""
+
+    inputs: list[str] = setting(name="inputs", nargs="+",
+                                help=".jsonl / .json / .parquet files or `datasets` save_to_disk directories")
+    # the rows' layout (preprocess.formats): detected per input, or named
+    input_format: str = setting(
+        "auto", choices=INPUT_FORMATS,
+        help="the rows' layout: openai (messages with content parts), sharegpt (conversations "
+             "with from/value and <image>/<video> placeholders, as LLaMA-Factory and LLaVA write), "
+             "swift (messages with <image> tags or bare image parts plus images/videos lists, as "
+             "ms-swift and TRL write); auto (default) detects it per input from its first row")
+    out: str = setting(required=True,
+                       help="output shard directory (or an s3:// / gs:// prefix: staged locally, then uploaded): new "
+                            "or empty (a directory holding anything else is refused); "
+                            "re-running the same job into it resumes")
+    profile: str | None = setting(
+        None, group="model profile",
+        help="built-in profile: qwen3-vl (default), qwen3-vl-thinking (the Thinking checkpoints' template: "
+             "reasoning_content / <think> blocks), qwen2.5-vl, qwen3.5 or qwen3.6 (Qwen3.5 / Qwen3.6 "
+             "checkpoints: thinking, XML tool calls)")
+    model: str | None = setting(None, group="model profile",
+                                help="Hugging Face model directory (tokenizer, preprocessor config, chat template)")
+    min_pixels: int | None = setting(None, group="model profile", type=int,
+                                     help="override the profile's minimum image area")
+    max_pixels: int | None = setting(None, group="model profile", type=int,
+                                     help="override the profile's maximum image area")
+    sample: SampleOptions = nested(default_factory=SampleOptions)
+    # the command line's default is every core; a config built in code runs in this process
+    workers: int = setting(1, group="job", type=int, flag_default=min(os.cpu_count() or 1, MAX_WORKERS),
+                           help=f"worker processes, 1 to {MAX_WORKERS} (default: all cores, %(default)s)")
+    rows_per_shard: int = setting(DEFAULT_ROWS_PER_SHARD, group="job", type=int,
+                                  help="input rows per shard file / work unit (default %(default)s)")
+    num_partitions: int = setting(1, group="job", type=int, help="split the job across this many machines")
+    partition_index: int = setting(0, group="job", type=int, help="which partition this machine runs")
+    input_hash: str = setting(
+        "sampled", group="job", choices=INPUT_HASH_MODES,
+        help="how a resumed job checks that its inputs did not change: 'sampled' (default) compares "
+             "size, modification time and a hash of sampled blocks; 'full' hashes whole inputs "
+             "(slower; timestamps then do not matter). A job resumes with the mode it started with")
+    # with --out on an object store: where the job runs before the upload
+    stage_dir: str | None = setting(
+        None, group="job",
+        help="with --out on an object store (s3://, gs://): the local directory the job runs in before "
+             "its upload (default: one per output URL and job under the temporary directory); removed "
+             "once the upload is complete, kept when it is cut short: the same command resumes from it")
+    # "local": worker processes on this machine; "ray": Ray tasks (preprocess/ray_executor.py)
+    executor: str = setting(
+        "local", group="job", choices=EXECUTORS,
+        help="local (default): --workers processes on this machine; ray: the work units as Ray tasks "
+             "(output byte-identical; --out must be storage every Ray node sees at the same path)")
+    # a running Ray cluster to join (None: RAY_ADDRESS, else a local instance)
+    ray_address: str | None = setting(
+        None, group="job", metavar="ADDR",
+        help="with --executor ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray "
+             "instance with --workers CPUs)")
+    # times Ray re-runs a unit whose worker died
+    ray_max_retries: int = setting(3, group="job", type=int,
+                                   help=f"with --executor ray: times a unit whose worker died is re-run, 0 to "
+                                        f"{MAX_RAY_RETRIES} (default %(default)s)")
+    progress: bool = setting(True, group="job", name="--no-progress", action="store_false", dest="progress",
+                             help="no progress bar")
+
+    @property
+    def ray_cluster_address(self) -> str | None:
+        """The Ray cluster `--executor ray` joins; None: it starts a local instance of `workers` CPUs."""
+        return self.ray_address or os.environ.get("RAY_ADDRESS")
+
+
+def profile_args(cfg: PreprocessConfig) -> dict:
+    """The small spec every worker loads the job's profile from (`resolve_profile` arguments)."""
+    return {"name": cfg.profile, "model_dir": cfg.model, "min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels}
+
+
+def _at_least(flag: str, value, minimum: int) -> None:
+    if value is not None and value < minimum:
+        raise ConfigError(f"{flag} must be an integer >= {minimum}, got {value}")
+
+
+def _in_range(flag: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"{flag} must be an integer from {low} to {high}, got {value}")
+
+
+def check_config(cfg: PreprocessConfig) -> None:
+    """Every setting checked before any work: one message naming the flag and its valid range."""
+    _in_range("--workers", cfg.workers, 1, MAX_WORKERS)
+    _at_least("--rows-per-shard", cfg.rows_per_shard, 1)
+    _at_least("--num-partitions", cfg.num_partitions, 1)
+    if not 0 <= cfg.partition_index < cfg.num_partitions:
+        raise ConfigError(f"--partition-index must be in 0..{cfg.num_partitions - 1} (--num-partitions "
+                          f"{cfg.num_partitions}), got {cfg.partition_index}")
+    _at_least("--max-seq-len", cfg.sample.max_seq_len, 1)
+    _at_least("--max-image-pixels", cfg.sample.max_image_pixels, 1)
+    _at_least("--max-row-bytes", cfg.sample.max_row_bytes, 1)
+    _at_least("--min-pixels", cfg.min_pixels, 1)
+    _at_least("--max-pixels", cfg.max_pixels, 1)
+    for flag, value in (("--min-pixels", cfg.min_pixels), ("--max-pixels", cfg.max_pixels)):
+        if value is not None and value > MAX_OPTION_INTEGER:  # as for a part's own bounds: floats hold them exactly
+            raise ConfigError(f"{flag} must be at most 2**53 ({MAX_OPTION_INTEGER}), got {value}")
+    from ..render import LOSS_POLICIES, REASONING_LOSSES
+
+    if cfg.sample.loss_policy not in LOSS_POLICIES:
+        raise ConfigError(f"--loss-policy must be one of {', '.join(LOSS_POLICIES)}, got {cfg.sample.loss_policy!r}")
+    if cfg.sample.reasoning_loss not in REASONING_LOSSES:
+        raise ConfigError(f"--reasoning-loss must be one of {', '.join(REASONING_LOSSES)}, got {cfg.sample.reasoning_loss!r}")
+    if cfg.executor not in EXECUTORS:
+        raise ConfigError(f"--executor must be one of {', '.join(EXECUTORS)}, got {cfg.executor!r}")
+    _in_range("--ray-max-retries", cfg.ray_max_retries, 0, MAX_RAY_RETRIES)
+    if cfg.input_format not in INPUT_FORMATS:
+        raise ConfigError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {cfg.input_format!r}")
+    if cfg.input_hash not in INPUT_HASH_MODES:
+        raise ConfigError(f"--input-hash must be one of {', '.join(INPUT_HASH_MODES)}, got {cfg.input_hash!r}")
+    remote = cfg.sample.remote_fetch
+    if not 0 < remote.timeout < math.inf:
+        raise ConfigError(f"--remote-timeout must be a positive, finite number of seconds, got {remote.timeout}")
+    if not 0 <= remote.retries <= MAX_FETCH_RETRIES:
+        raise ConfigError(f"--remote-retries must be an integer from 0 to {MAX_FETCH_RETRIES}, got {remote.retries}")
+    if cfg.sample.media_root is not None and not Path(cfg.sample.media_root).is_dir():
+        raise ConfigError(f"--media-root {cfg.sample.media_root} is not a directory")
+    if not cfg.inputs:
+        raise ConfigError("no inputs given: name at least one input file or directory")
+

@@ -1,0 +1,166 @@
+"""What a job is: its inputs' names and content fingerprints, and the identity (profile,
+settings, inputs) that must match for an output directory to be resumed or merged."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from shards_schema import storage
+
+from ..inputs import InputFile, describe_input, hub_dataset_files, is_hub_dataset
+from ..pipeline import SampleOptions
+from ..profiles import Profile
+from .config import PreprocessConfig
+
+SAMPLE_BLOCK_BYTES = 64 << 10
+SAMPLE_BLOCKS = 16  # files up to SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES (1 MiB) are hashed whole
+
+
+def printable(text: str) -> str:
+    """`text` with what UTF-8 cannot hold (lone surrogates from JSON escapes or from undecodable
+    file names) written as backslash escapes: every string the job writes goes through here."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def printable_path(path: str) -> str:
+    """A file name as text: bytes the file system name holds that are not UTF-8 become \\xNN."""
+    try:
+        return os.fsencode(path).decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that no file-name byte decodes to
+        return printable(path)
+
+
+def input_name(given: str) -> str:
+    """How an input is recorded in sources, rejects and the manifest.
+
+    The same file spelled differently (`rows.jsonl`, `./rows.jsonl`, its absolute path) gets
+    one name: relative to the working directory when the file lies under it, otherwise the
+    spelling given, normalized. Undecodable file-name bytes are written as \\xNN.
+    """
+    absolute = os.path.abspath(given)
+    relative = os.path.relpath(absolute)
+    if relative != os.pardir and not relative.startswith(os.pardir + os.sep):
+        name = relative
+    else:
+        name = absolute if os.path.isabs(given) else os.path.normpath(given)
+    return printable_path(name)
+
+
+def input_files(spec: str) -> list[str]:
+    """The files an input consists of (a `datasets` directory: its data and metadata files; a
+    Hub dataset: its prepared Arrow files in the `datasets` cache; a URL: itself)."""
+    if is_hub_dataset(spec):
+        return [str(p) for p in hub_dataset_files(spec)]
+    if not storage.is_url(spec) and Path(spec).is_dir():
+        return sorted(str(p) for p in Path(spec).iterdir() if p.is_file())
+    return [spec]
+
+
+def file_stat(spec: str) -> dict:
+    """{"size", "mtime_ns"} of a local file or a URL."""
+    if storage.is_url(spec):
+        return storage.info(spec)
+    st = os.stat(spec)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _hash_file(spec: str, size: int, mode: str, digest) -> None:
+    name = spec.rsplit("/", 1)[-1] if storage.is_url(spec) else os.path.basename(spec)
+    digest.update(os.fsencode(name) + b"\0" + str(size).encode() + b"\0")
+    with storage.open_binary(spec) as fh:
+        if mode == "full" or size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+            return
+        for k in range(SAMPLE_BLOCKS):  # first and last block included, the rest evenly between
+            fh.seek((size - SAMPLE_BLOCK_BYTES) * k // (SAMPLE_BLOCKS - 1))
+            digest.update(fh.read(SAMPLE_BLOCK_BYTES))
+
+
+def input_fingerprint(path: str, mode: str) -> tuple[dict, int]:
+    """(content fingerprint, newest modification time in ns) of one input.
+
+    The fingerprint depends on content only (it is part of the job identity, which partitions
+    on other machines must share); the modification time is checked on resume in "sampled"
+    mode, where an edit between sampled blocks would otherwise go unseen.
+    """
+    digest = hashlib.sha256()
+    stats = [(file, file_stat(file)) for file in input_files(path)]
+    for file, stat in stats:
+        _hash_file(file, stat["size"], mode, digest)
+    mtime_ns = max((stat["mtime_ns"] for _, stat in stats), default=0)
+    return {"mode": mode, "sha256": digest.hexdigest()}, mtime_ns
+
+
+@dataclass(frozen=True)
+class JobInput:
+    file: InputFile  # what workers read (`file.path` is the spelling given)
+    name: str
+    location: str  # the resolved path: the same file however spelled
+    fingerprint: dict
+    mtime_ns: int
+
+    def identity(self) -> dict:
+        return {**self.file.identity(), "path": self.name, "fingerprint": self.fingerprint}
+
+    def seen(self) -> dict:
+        return {"name": self.name, "location": self.location, "mtime_ns": self.mtime_ns}
+
+
+def describe_job_input(given: str, rows_per_unit: int, hash_mode: str, input_format: str = "auto",
+                       max_row_bytes: int = SampleOptions.max_row_bytes) -> JobInput:
+    file = describe_input(given, rows_per_unit, input_format, max_row_bytes)
+    fingerprint, mtime_ns = input_fingerprint(given, hash_mode)
+    if is_hub_dataset(given) or storage.is_url(given):  # a name, not a path; recorded without credentials
+        return JobInput(file, storage.redact(given), storage.redact(given), fingerprint, mtime_ns)
+    return JobInput(file, input_name(given), printable_path(os.path.realpath(given)), fingerprint, mtime_ns)
+
+
+def job_identity(cfg: PreprocessConfig, profile: Profile, inputs: list[JobInput]) -> dict:
+    """What must match for outputs to be resumed or merged: never the worker count or partition index.
+
+    Round-tripped through JSON so it compares equal to the copy read back from disk; paths in
+    it (a --model or --media-root directory) are recorded in their printable form.
+    """
+    return _printable_strings(json.loads(json.dumps({
+        "profile": profile.fingerprint,
+        "settings": {**_sample_settings(cfg.sample), "rows_per_shard": cfg.rows_per_shard},
+        "inputs": [inp.identity() for inp in inputs],
+        "num_partitions": cfg.num_partitions,
+    })))
+
+
+def _sample_settings(options: SampleOptions) -> dict:
+    """The sample options that decide output bytes: all but how patiently remote media are fetched."""
+    settings = dataclasses.asdict(options)
+    del settings["remote_fetch"]
+    return settings
+
+
+def _printable_strings(obj):
+    if isinstance(obj, str):
+        return printable_path(obj)
+    if isinstance(obj, dict):
+        return {printable_path(k): _printable_strings(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_printable_strings(v) for v in obj]
+    return obj
+
+
+def same_job(recorded, identity: dict) -> bool:
+    """Whether a recorded job identity is `identity`. The profile's chat template text and its
+    name are left out: the template's sha256 is compared with the rest of the profile, and a job
+    recorded by a vlmpack that kept neither in the profile is the same job (resuming it records
+    them)."""
+    def without_text(ident):
+        if not isinstance(ident, dict) or not isinstance(ident.get("profile"), dict):
+            return ident
+        return {**ident, "profile": {k: v for k, v in ident["profile"].items() if k not in ("chat_template", "name")}}
+
+    return without_text(recorded) == without_text(identity)
+

@@ -1,0 +1,106 @@
+"""The files of a job's output directory: shards, unit records (the units' commit points),
+the job's identity, and the final `rejects.jsonl` and `manifest.json`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shards_schema.atomic import TMP_SUFFIX, write_json_atomic, write_jsonl_atomic
+from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, build_manifest
+from shards_schema.writer import file_sha256
+
+from ..inputs import WorkUnit
+from .signals import stop_if_asked
+
+JOB_FILE = "job.json"
+INPUTS_SEEN_FILE = "inputs_seen.json"  # where each input was found and its mtime: resume checks only
+
+
+def shard_name(unit_index: int) -> str:
+    return f"shard-{unit_index:06d}.arrow"
+
+
+def unit_record_path(out: Path, unit_index: int) -> Path:
+    return out / PARTS_DIR / f"unit-{unit_index:06d}.json"
+
+
+def partition_summary_name(index: int, count: int) -> str:
+    """A partition's summary in `_parts/`, written when its units are done (published last)."""
+    return f"partition-{index}-of-{count}.json"
+
+
+def read_json(path: Path):
+    """A JSON file's content, or None when it is absent or damaged."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def remove_torn_writes(out: Path) -> None:
+    """Remove the temporary files of writes a stopped or failed job left unfinished."""
+    for stale in list(out.glob("*" + TMP_SUFFIX)) + list((out / PARTS_DIR).glob("*" + TMP_SUFFIX)):
+        stale.unlink()
+
+
+def load_unit_records(out: Path, unit_indices) -> list[dict]:
+    return [json.loads(unit_record_path(out, i).read_text(encoding="utf-8")) for i in unit_indices]
+
+
+def shard_matches_record(directory: Path, record: dict) -> bool:
+    """The unit's shard is there as committed: same size and sha256 (no shard: all rows rejected)."""
+    shard = record.get("shard")
+    if not shard:
+        return True
+    path = directory / shard["file"]
+    try:
+        return path.stat().st_size == shard["bytes"] and file_sha256(path) == shard["sha256"]
+    except FileNotFoundError:
+        return False
+
+
+def committed_units(out: Path, units: list[WorkUnit], progress: bool) -> tuple[set[int], list[int]]:
+    """(units whose record and shard are intact, units whose record was there but the shard
+    missing or damaged); the records of the second kind are removed, so those units are redone."""
+    from tqdm import tqdm
+
+    done, damaged = set(), []
+    recorded = [u for u in units if unit_record_path(out, u.index).exists()]
+    for unit in tqdm(recorded, unit="shard", desc="check finished shards", disable=not progress or not recorded):
+        stop_if_asked()
+        path = unit_record_path(out, unit.index)
+        record = read_json(path)
+        if record is not None and record.get("unit") == unit.index and shard_matches_record(out, record):
+            done.add(unit.index)
+        else:
+            damaged.append(unit.index)
+            path.unlink()
+    return done, damaged
+
+
+def write_final_outputs(out: Path, identity: dict, records: list[dict], patch_row_width: int) -> dict:
+    """rejects.jsonl, then manifest.json (last: its presence means the directory is complete)."""
+    records = sorted(records, key=lambda r: r["unit"])
+    rejects = [rej for r in records for rej in r["rejects"]]
+    by_reason: dict[str, int] = {}
+    for rej in rejects:
+        by_reason[rej["code"]] = by_reason.get(rej["code"], 0) + 1
+    write_jsonl_atomic(out / REJECTS_NAME, rejects)
+    accounting = {
+        "rows_read": sum(r["rows_read"] for r in records),
+        "rows_written": sum(r["rows_written"] for r in records),
+        "rows_rejected": len(rejects),
+        "rejects_by_reason": dict(sorted(by_reason.items())),
+        "inputs": identity["inputs"],
+    }
+    manifest = build_manifest(
+        profile=identity["profile"],
+        settings=identity["settings"],
+        shards=[r["shard"] for r in records if r["shard"]],
+        accounting=accounting,
+        patch_row_width=patch_row_width,
+    )
+    write_json_atomic(out / MANIFEST_NAME, manifest)
+    return manifest
+
