@@ -67,7 +67,7 @@ def test_a_reject_code_outside_the_registry_is_refused_where_it_is_raised():
 
 
 def test_the_reject_records_of_the_job_take_only_registered_codes():
-    from preprocess.job import _reject_record
+    from preprocess.job.units import _reject_record
 
     assert _reject_record("rows.jsonl", 3, "internal_error", "ValueError: x")["code"] == "internal_error"
     with pytest.raises(ValueError, match="REJECT_CODES"):
