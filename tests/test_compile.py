@@ -14,7 +14,7 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
+from tests.helpers.models import tiny_qwen2_5_vl, tiny_qwen3_vl
 from train.model import lora
 from train.model.arch import ModelArch
 from train.model.linear import DecoderLinear, use_fp8, use_grad_buffers
@@ -154,7 +154,7 @@ def layer_rows(model, total: int):
 
 
 def test_mixture_of_experts_layers_stay_eager(info):
-    from tests.hf_models import tiny_qwen3_vl_moe
+    from tests.helpers.models import tiny_qwen3_vl_moe
 
     arch = ModelArch.from_hf_config(tiny_qwen3_vl_moe().config.to_dict())
     model = build_model(arch, transformer_config(arch, cpu=True), info)

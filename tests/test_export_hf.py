@@ -31,7 +31,7 @@ from shards_schema.builtin import BUILTIN_CHAT_TEMPLATES, BUILTIN_VISION, CHAT_T
 from shards_schema.cli import main as vlmpack
 from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
 from tests.conftest import FIXTURES_DIR
-from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
+from tests.helpers.models import tiny_qwen2_5_vl, tiny_qwen3_vl
 from tests.test_render import hf_template_messages
 from tests.test_train import BASE, preprocess
 from tests.test_video import _random_row

@@ -467,7 +467,7 @@ def test_an_input_that_cannot_be_opened_at_all_stops_the_job_with_one_line(tmp_p
     Parquet file or one with a damaged footer, a `datasets` directory with its Arrow file missing
     or truncated or its state.json / dataset_info.json damaged: exit 2 before the job starts,
     one line naming the input, what is wrong and the fix; no output directory is made."""
-    from tests.cli_run import vlmpack_exit_code
+    from tests.helpers.cli import vlmpack_exit_code
 
     for name, (path, words) in _damaged_inputs(tmp_path).items():
         out = tmp_path / f"out-{name}"

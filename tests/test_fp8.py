@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from tests.hf_models import tiny_qwen3_vl, tiny_qwen3_vl_moe
+from tests.helpers.models import tiny_qwen3_vl, tiny_qwen3_vl_moe
 from tests.test_compile import loss_and_grads, models, random_pack
 from tests.test_train import BASE, metrics, ok, run_train, shards  # noqa: F401  (shards: fixture)
 from train.config import FP8_RECIPES

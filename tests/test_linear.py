@@ -9,7 +9,7 @@ import pytest
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from tests.hf_models import tiny_qwen3_vl
+from tests.helpers.models import tiny_qwen3_vl
 from train.model.arch import ModelArch
 from train.model.grad_buffer import accumulate_float8_weight_grad, accumulate_weight_grad, zeros_flag
 from train.model.linear import DecoderLinear, grad_buffers_zeroed, use_fp8, use_grad_buffers

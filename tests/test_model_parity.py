@@ -22,7 +22,7 @@ from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import open_shards
 from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
-from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
+from tests.helpers.models import tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
 from train import convert
 from train.model.arch import ModelArch
 from train.model.qwen_vl import transformer_config

@@ -22,7 +22,7 @@ from preprocess.errors import RejectError
 from preprocess.examples import synthetic_image
 from preprocess.pipeline import SampleOptions, process_row
 from shards_schema.pixels import pixel_values_from_patches
-from tests.hf_models import hf_rope_index, tiny_qwen2_5_vl, tiny_qwen3_vl
+from tests.helpers.models import hf_rope_index, tiny_qwen2_5_vl, tiny_qwen3_vl
 from tests.test_render import expected_mask_from_ids, expected_trained, hf_tokenizers, rand_conversation  # noqa: F401
 
 CONVERSATIONS = 30

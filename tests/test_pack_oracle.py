@@ -34,8 +34,8 @@ from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import open_shards
 from shards_schema.pixels import pixel_values_from_patches
-from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
-from tests.hf_reference import hf_packed_inputs, hf_packed_position_ids
+from tests.helpers.models import tiny_qwen2_5_vl, tiny_qwen3_vl
+from tests.helpers.hf_reference import hf_packed_inputs, hf_packed_position_ids
 from tests.test_oracle import hf_image_processors, hf_sample  # noqa: F401  (fixture re-export)
 from tests.test_render import hf_tokenizers  # noqa: F401  (fixture re-export)
 from train.packed_batch import IGNORE_INDEX, assemble_pack

@@ -361,7 +361,7 @@ def hf_row_processors(builtin_profiles, tmp_path_factory):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from tests.conftest import FIXTURES_DIR
-    from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
+    from tests.helpers.models import tiny_qwen2_5_vl, tiny_qwen3_vl
 
     out = {}
     for family, profile in builtin_profiles.items():
