@@ -1,4 +1,5 @@
-"""Shared test fixtures: the official chat templates (tests/fixtures/) and the built-in profiles."""
+"""The fixtures that several test modules use: the official chat templates (tests/fixtures/), the
+built-in profiles, shards to train on. Shared helper code is in tests/helpers/."""
 
 from pathlib import Path
 
@@ -30,3 +31,11 @@ def builtin_profiles():
 def official_template():
     """family -> the official template text (ground truth for the renderer)."""
     return {name: path.read_text(encoding="utf-8") for name, path in TEMPLATE_FILES.items()}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """Shards of 24 example rows (Qwen3-VL) made by `vlmpack preprocess`, once per module."""
+    from tests.helpers.shards import preprocess
+
+    return preprocess(tmp_path_factory.mktemp("train-data"), "shards")

@@ -14,8 +14,8 @@ from torch import nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from tests.helpers.models import tiny_qwen3_vl, tiny_qwen3_vl_moe
+from tests.helpers.train import BASE, metrics, ok, run_train
 from tests.test_compile import loss_and_grads, models, random_pack
-from tests.test_train import BASE, metrics, ok, run_train, shards  # noqa: F401  (shards: fixture)
 from train.config import FP8_RECIPES
 from train.model.arch import ModelArch
 from train.model import fp8_cast

@@ -26,8 +26,9 @@ from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import open_shards
 from shards_schema.cli import main as vlmpack
 from tests.helpers.models import tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
+from tests.helpers.shards import preprocess
+from tests.helpers.train import BASE, ok, run_train
 from tests.test_model_parity import hf_inputs, our_forward, pick
-from tests.test_train import BASE, ok, preprocess, run_train
 from train import adapter_format, convert
 from train.model import lora
 from train.model.arch import ModelArch

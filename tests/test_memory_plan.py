@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from shards_schema.cli import main as vlmpack
-from tests.test_train import shards  # noqa: F401  (the shard fixture)
 from train import memory_plan
 from train.model import lora
 from train.model.arch import builtin_arch
@@ -223,7 +222,7 @@ def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, p
 def test_recompute_auto_on_cpu_trains_without_recompute_and_says_so(shards, tmp_path, capsys):  # noqa: F811
     """On CPU (megatron's recompute needs the CUDA RNG) auto keeps every activation and says so;
     an explicit recompute and --recompute-layers with auto exit 2 with one line."""
-    from tests.test_train import BASE, metrics, ok, run_train
+    from tests.helpers.train import BASE, metrics, ok, run_train
 
     out = tmp_path / "run"
     proc = ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "2", "--recompute", "auto",

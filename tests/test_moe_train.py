@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from shards_schema.cli import main as vlmpack
-from tests.test_train import BASE, metrics, ok, run_train
-from tests.test_train import shards  # noqa: F401  (the module's shard fixture)
+from tests.helpers.train import BASE, metrics, ok, run_train
 
 MOE = [*(a if a != "tiny" else "tiny-moe" for a in BASE), "--moe-aux-loss-coef", "0.01"]
 
@@ -191,7 +190,7 @@ def test_gpu_grouped_gemm_equals_one_gemm_per_expert():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_moe_trains_and_resumes(shards, tmp_path):  # noqa: F811
     """bf16, compiled, the all-to-all dispatcher and grouped GEMMs on a GPU."""
-    from tests.test_train import GPU
+    from tests.helpers.train import GPU
 
     args = [*MOE, *GPU, "--data", str(shards), "--train-steps", "6", "--save-every", "3"]
     ok(run_train([*args, "--out", str(tmp_path / "full")]))
@@ -220,7 +219,7 @@ def test_gpu_expert_parallel_with_distributed_optimizer_saves_each_ranks_experts
     distributed optimizer."""
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA GPUs")
-    from tests.test_train import COMPARE_PARAMETER_STATE, GPU
+    from tests.helpers.train import COMPARE_PARAMETER_STATE, GPU
 
     args = [*MOE, *GPU, *layout, "--grad-dtype", "bf16", "--adam-state-dtype", "bf16", "--data", str(shards),
             "--train-steps", "6", "--save-every", "3"]
