@@ -23,7 +23,7 @@ from preprocess.images import load_image_patches
 from preprocess.inputs import describe_input, plan_units, read_rows
 from preprocess.pipeline import SampleOptions, process_row
 from shards_schema import open_shards
-from tests.test_images import png_header_only  # tiny file, huge header: fails if its pixels are decoded
+from tests.helpers.images import png_header_only  # tiny file, huge header: fails if its pixels are decoded
 
 GOOD_MESSAGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
 

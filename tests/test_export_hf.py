@@ -32,9 +32,9 @@ from shards_schema.cli import main as vlmpack
 from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
 from tests.conftest import FIXTURES_DIR
 from tests.helpers.models import tiny_qwen2_5_vl, tiny_qwen3_vl
+from tests.helpers.render import hf_template_messages
 from tests.helpers.shards import preprocess
 from tests.helpers.train import BASE
-from tests.test_render import hf_template_messages
 from tests.test_video import _random_row
 from train import convert
 from train.checkpoint_format import image_processor_config, read_profile, write_profile

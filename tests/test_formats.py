@@ -26,8 +26,10 @@ from preprocess.job import PreprocessConfig, run_preprocess
 from preprocess.pipeline import SampleOptions, process_row
 from shards_schema import open_shards
 from shards_schema.pixels import pixel_values_from_patches
-from tests.test_oracle import TINY_MODELS, encoded_image, hf_image_processors, hf_sample  # noqa: F401
-from tests.test_render import expected_mask_from_ids, expected_trained, hf_tokenizers  # noqa: F401
+from tests.helpers.hf_reference import hf_sample
+from tests.helpers.images import encoded_image
+from tests.helpers.models import TINY_MODELS
+from tests.helpers.render import expected_mask_from_ids, expected_trained
 
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 WORDS = "the a cat dog red blue sky runs why how many is on under left right image picture".split()

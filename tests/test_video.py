@@ -429,7 +429,7 @@ def _random_row(rng, nprng, media_root, family):
 def test_rows_with_videos_equal_hf_processing(family, builtin_profiles, hf_row_processors, tmp_path):
     from preprocess.pipeline import SampleOptions, process_row
     from shards_schema.pixels import pixel_values_from_patches
-    from tests.test_render import expected_mask_from_ids, hf_template_messages
+    from tests.helpers.render import expected_mask_from_ids, hf_template_messages
 
     profile = builtin_profiles[family]
     processor, model = hf_row_processors[family]
