@@ -58,6 +58,7 @@ def hf_tokenizers(builtin_profiles, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_image_processors(builtin_profiles):
+    """family -> HF's PIL image processor with the profile's vision settings."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     out = {}

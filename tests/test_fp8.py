@@ -13,9 +13,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
+from tests.helpers.model_pairs import loss_and_grads, models, random_pack
 from tests.helpers.models import tiny_qwen3_vl, tiny_qwen3_vl_moe
 from tests.helpers.train import BASE, metrics, ok, run_train
-from tests.test_compile import loss_and_grads, models, random_pack
 from train.config import FP8_RECIPES
 from train.model.arch import ModelArch
 from train.model import fp8_cast

@@ -101,7 +101,7 @@ def test_gradient_buffers_under_megatrons_ddp_hold_the_models_gradients(info, co
     linears' added inside their backward, the rest through DDP's hook), bitwise. `zeroed`: the
     FP8 linears' buffers are flagged as holding zeros (`grad_buffers_zeroed`) but hold garbage,
     which the first micro-batch's weight gradient must overwrite and the second's add to."""
-    from tests.test_compile import random_pack
+    from tests.helpers.model_pairs import random_pack
 
     arch, plain = tiny_model(info)
     _, wrapped = tiny_model(info)

@@ -15,7 +15,6 @@ from preprocess.examples import synthetic_image
 MODES = ("RGB", "RGB", "RGBA", "L", "P", "LA", "CMYK")
 
 
-
 def encoded_image(nprng: np.random.Generator) -> tuple[bytes, Image.Image]:
     """Random size/mode/format image: its encoded bytes and what HF's processor is given."""
     w, h = (int(v) for v in nprng.integers(9, 700, 2))
@@ -27,7 +26,6 @@ def encoded_image(nprng: np.random.Generator) -> tuple[bytes, Image.Image]:
     img.save(buf, format=fmt)
     data = buf.getvalue()
     return data, ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
-
 
 
 def png_header_only(width: int, height: int, bit_depth: int = 1, colour_type: int = 0) -> bytes:

@@ -46,10 +46,8 @@ FRAGMENTS = [
 ]
 
 
-
 def rand_text(rng: random.Random) -> str:
     return "".join(rng.choice(FRAGMENTS) for _ in range(rng.choice([0, 1, 1, 2, 3, 4])))
-
 
 
 def rand_image_part(rng: random.Random) -> tuple[dict, str]:
@@ -69,7 +67,6 @@ def rand_image_part(rng: random.Random) -> tuple[dict, str]:
     return part, source["url"] if isinstance(source, dict) else source
 
 
-
 def rand_video_part(rng: random.Random) -> tuple[dict, object]:
     """A video part in one of the accepted spellings (with sampling options sometimes), and the
     source the renderer must report."""
@@ -85,7 +82,6 @@ def rand_video_part(rng: random.Random) -> tuple[dict, object]:
     return part, source
 
 
-
 def hf_template_messages(messages: list) -> list:
     """The messages as the official templates understand them: they render `{"type": "video"}`
     parts but not OpenAI-style `video_url` parts, which vlmpack renders as the video they are."""
@@ -98,7 +94,6 @@ def hf_template_messages(messages: list) -> list:
             message = {**message, "content": content}
         out.append(message)
     return out
-
 
 
 def rand_content(rng: random.Random, images: bool, sources: list):
@@ -121,7 +116,6 @@ def rand_content(rng: random.Random, images: bool, sources: list):
     return parts
 
 
-
 def rand_tools(rng: random.Random) -> list[dict]:
     return [
         {
@@ -136,7 +130,6 @@ def rand_tools(rng: random.Random) -> list[dict]:
     ]
 
 
-
 def rand_tool_call(rng: random.Random, tools: list[dict]) -> dict:
     name = rng.choice(tools)["function"]["name"]
     args = {"q": rand_text(rng), "n": rng.randint(0, 9), "nested": {"ok": rng.random() < 0.5, "l": [1, "二"]}}
@@ -145,7 +138,6 @@ def rand_tool_call(rng: random.Random, tools: list[dict]) -> dict:
     if rng.random() < 0.3:
         return {"name": name, "arguments": args}  # the bare form the template also accepts
     return {"id": f"call_{rng.randrange(999)}", "type": "function", "function": {"name": name, "arguments": args}}
-
 
 
 def maybe_train_flag(rng: random.Random, message: dict) -> dict:
@@ -157,11 +149,9 @@ def maybe_train_flag(rng: random.Random, message: dict) -> dict:
     return message
 
 
-
 def rand_assistant(rng: random.Random, family: str, sources: list[str]) -> dict:
     content = rand_content(rng, images=family == "qwen2.5-vl" and rng.random() < 0.2, sources=sources)
     return maybe_train_flag(rng, {"role": "assistant", "content": content})
-
 
 
 def rand_tool_round(rng: random.Random, tools: list[dict], sources: list[str]) -> list[dict]:
@@ -175,13 +165,11 @@ def rand_tool_round(rng: random.Random, tools: list[dict], sources: list[str]) -
     return messages
 
 
-
 def rand_system(rng: random.Random, family: str, sources: list[str]) -> dict:
     if rng.random() < 0.5:
         return {"role": "system", "content": rand_text(rng)}
     images = family == "qwen2.5-vl" and rng.random() < 0.3  # qwen3-vl would drop them (rejected)
     return {"role": "system", "content": rand_content(rng, images, sources) or [{"type": "text", "text": ""}]}
-
 
 
 def rand_conversation(rng: random.Random, family: str):
@@ -209,13 +197,11 @@ def rand_conversation(rng: random.Random, family: str):
     return messages, tools, sources
 
 
-
 def expected_trained(messages: list, policy: str) -> list[bool]:
     """Per assistant message, in order: is it a target under `policy` and the `train` overrides."""
     assistant = [m for m in messages if m["role"] == "assistant"]
     flags = [policy == "all_assistant" or k == len(assistant) - 1 for k in range(len(assistant))]
     return [m.get("train", flag) for m, flag in zip(assistant, flags, strict=True)]
-
 
 
 def expected_mask_from_ids(ids: list[int], trained: list[bool], tokenizer) -> np.ndarray:
