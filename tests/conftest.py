@@ -70,3 +70,12 @@ def hf_image_processors(builtin_profiles):
         )
     return out
 
+
+@pytest.fixture(scope="module")
+def info():
+    """One CPU process group (TP=1, PP=1) for the module's models, destroyed after its tests."""
+    from train.parallel import destroy_parallel, init_parallel
+
+    info = init_parallel(1, 1, device="cpu")
+    yield info
+    destroy_parallel()

@@ -18,14 +18,7 @@ from tests.helpers.model_pairs import loss_and_grads, models, random_pack
 from train.model.arch import ModelArch
 from train.model.linear import DecoderLinear
 from train.model.qwen_vl import compile_model, transformer_config
-from train.parallel import build_model, destroy_parallel, init_parallel
-
-
-@pytest.fixture(scope="module")
-def info():
-    info = init_parallel(1, 1, device="cpu")
-    yield info
-    destroy_parallel()
+from train.parallel import build_model
 
 
 @pytest.mark.parametrize("kind, variant", [("qwen3-vl", "plain"), ("qwen2.5-vl", "plain"), ("qwen3-vl", "main-grad"),

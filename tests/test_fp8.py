@@ -25,13 +25,6 @@ from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 
 
-@pytest.fixture(scope="module")
-def info():
-    info = init_parallel(1, 1, device="cpu")
-    yield info
-    destroy_parallel()
-
-
 def torchao_linear(weight: torch.Tensor, recipe: str, emulate: bool) -> nn.Module:
     """torchao's float8 training `nn.Linear` (its public module swap) holding `weight`."""
     from torchao.float8 import convert_to_float8_training

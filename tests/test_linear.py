@@ -14,14 +14,7 @@ from train.model.arch import ModelArch
 from train.model.grad_buffer import accumulate_float8_weight_grad, accumulate_weight_grad, zeros_flag
 from train.model.linear import DecoderLinear, grad_buffers_zeroed, use_fp8, use_grad_buffers
 from train.model.qwen_vl import compile_model, transformer_config
-from train.parallel import build_model, destroy_parallel, init_parallel
-
-
-@pytest.fixture(scope="module")
-def info():
-    info = init_parallel(1, 1, device="cpu")
-    yield info
-    destroy_parallel()
+from train.parallel import build_model
 
 
 def tiny_model(info):

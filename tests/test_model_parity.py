@@ -27,17 +27,10 @@ from train import convert
 from train.model.arch import ModelArch
 from train.model.qwen_vl import transformer_config
 from train.packed_batch import IGNORE_INDEX, assemble_pack
-from train.parallel import build_model, destroy_parallel, init_parallel
+from train.parallel import build_model
 
 # Model kinds; the MoE model reads Qwen3-VL data (the same processor and template).
 HF_MODELS = {"qwen3-vl": tiny_qwen3_vl, "qwen2.5-vl": tiny_qwen2_5_vl, "qwen3-vl-moe": tiny_qwen3_vl_moe}
-
-
-@pytest.fixture(scope="module")
-def info():
-    info = init_parallel(1, 1, device="cpu")
-    yield info
-    destroy_parallel()
 
 
 @pytest.fixture(scope="module", params=sorted(HF_MODELS))

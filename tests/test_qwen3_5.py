@@ -212,13 +212,6 @@ def samples_of(hf) -> list[dict]:
 # --- the model ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def info():
-    info = init_parallel(1, 1, device="cpu")
-    yield info
-    destroy_parallel()
-
-
 def megatron_model(hf, arch, info):
     model = build_model(arch, transformer_config(arch, cpu=True), info).eval()
     convert.load_into_model(model, convert.shard(convert.hf_to_megatron(hf.state_dict(), arch), arch, 1, 0, 1, 0))

@@ -52,6 +52,7 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
+# the GPU tests' device and precision
 GPU = ["--device", "cuda", "--bf16", "true"]
 
 # Before each save: the DistributedOptimizer's parameter state as a background save assembles
