@@ -265,13 +265,13 @@ def test_mixture_of_experts_layers_run_attention_in_fp8_and_experts_in_bf16(info
 
 
 @pytest.fixture(scope="module")
-def fp8_run(shards, tmp_path_factory):  # noqa: F811
+def fp8_run(shards, tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8")
     ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--fp8", "rowwise"]))
     return out
 
 
-def test_train_with_fp8_trains_and_bad_recipes_exit_2(shards, fp8_run, tmp_path):  # noqa: F811
+def test_train_with_fp8_trains_and_bad_recipes_exit_2(shards, fp8_run, tmp_path):
     losses = [m["loss"] for m in metrics(fp8_run)]
     assert len(losses) == 3 and np.isfinite(losses).all()
     proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2",
@@ -281,7 +281,7 @@ def test_train_with_fp8_trains_and_bad_recipes_exit_2(shards, fp8_run, tmp_path)
 
 
 @pytest.mark.parametrize("sequence_parallel", ["false", "true"])
-def test_fp8_under_tensor_parallelism_stays_with_one_process(shards, fp8_run, tmp_path, sequence_parallel):  # noqa: F811
+def test_fp8_under_tensor_parallelism_stays_with_one_process(shards, fp8_run, tmp_path, sequence_parallel):
     """TP=2 (gloo): megatron's communication around the FP8 GEMMs (the input gathered under
     sequence parallelism, else its gradient all-reduced). Not bitwise: a row-parallel layer's
     rowwise scales come from its half of the input columns. The tolerances sit well inside

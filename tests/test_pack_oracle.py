@@ -130,7 +130,7 @@ class Case:
 
 
 @pytest.fixture(scope="module")
-def case(family, hf_tokenizers, official_template, hf_image_processors, tmp_path_factory):  # noqa: F811
+def case(family, hf_tokenizers, official_template, hf_image_processors, tmp_path_factory):
     return Case(family, tmp_path_factory.mktemp(f"pack-{family}"), hf_tokenizers[family],
                 official_template[family], hf_image_processors[family])
 
