@@ -23,7 +23,7 @@ from preprocess.images import load_image_patches
 from preprocess.inputs import describe_input, plan_units, read_rows
 from preprocess.pipeline import SampleOptions, process_row
 from shards_schema import open_shards
-from tests.test_images import png_header_only  # tiny file, huge header: fails if its pixels are decoded
+from tests.helpers.images import png_header_only  # tiny file, huge header: fails if its pixels are decoded
 
 GOOD_MESSAGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
 
@@ -664,7 +664,7 @@ def test_weight_and_loss_decide_a_turns_loss_as_train_does(builtin_profiles):
 def test_max_row_bytes_must_be_positive(tmp_path, capsys):
     from preprocess.errors import ConfigError
     from preprocess.job import PreprocessConfig, run_preprocess
-    from tests.cli_run import vlmpack_exit_code
+    from tests.helpers.cli import vlmpack_exit_code
 
     data = tmp_path / "in.jsonl"
     data.write_text(json.dumps({"messages": GOOD_MESSAGES}) + "\n")

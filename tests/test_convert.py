@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from shards_schema.errors import UserError
 from shards_schema.outdir import LOCK_NAME, exclusive_output_dir, user_entries
-from tests.cli_run import vlmpack_exit_code
-from tests.hf_models import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config, tiny_qwen3_vl_moe_config
+from tests.helpers.cli import vlmpack_exit_code
+from tests.helpers.models import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config, tiny_qwen3_vl_moe_config
 from train import convert as C
 from train.checkpoint_format import (
     META_FILE,

@@ -371,7 +371,7 @@ def test_a_row_whose_columns_disagree_is_named_by_the_commands_that_read_rows(cl
     and pack read sizes only and go on."""
     import numpy as np
 
-    from tests.test_verify import rewrite_shard
+    from tests.helpers.shards import rewrite_shard
     from train.loader import PackedLoader
 
     data = Path(shutil.copytree(clean, tmp_path / "data"))

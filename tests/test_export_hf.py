@@ -31,10 +31,11 @@ from shards_schema.builtin import BUILTIN_CHAT_TEMPLATES, BUILTIN_VISION, CHAT_T
 from shards_schema.cli import main as vlmpack
 from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
 from tests.conftest import FIXTURES_DIR
-from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
-from tests.test_render import hf_template_messages
-from tests.test_train import BASE, preprocess
-from tests.test_video import _random_row
+from tests.helpers.models import tiny_qwen2_5_vl, tiny_qwen3_vl
+from tests.helpers.render import hf_template_messages
+from tests.helpers.shards import preprocess
+from tests.helpers.train import BASE
+from tests.helpers.video import random_video_row
 from train import convert
 from train.checkpoint_format import image_processor_config, read_profile, write_profile
 
@@ -133,7 +134,7 @@ def test_export_processes_like_the_training_data(name, hf_checkpoints, tmp_path)
 
     # the processor's call on conversations with videos (and images): ids, grids, pixels
     for n in range(2):
-        row, messages, videos, metadata, images = _random_row(rng, nprng, media, family)
+        row, messages, videos, metadata, images = random_video_row(rng, nprng, media, family)
         sample = process_row(row, sample_uid=f"r{n}", source="x", profile=profile, options=options)
         text = processor.apply_chat_template(hf_template_messages(messages), tokenize=False)
         hf = processor(text=[text], images=images or None, videos=videos, video_metadata=metadata,
@@ -257,8 +258,7 @@ def test_lora_run_on_a_random_init_exports_its_base_and_peft_loads_the_adapters_
 
     peft = pytest.importorskip("peft")
     from shards_schema import open_shards
-    from tests.test_lora import TOLERANCE, our_model, real_rows
-    from tests.test_model_parity import hf_inputs, our_forward, pick
+    from tests.helpers.parity import TOLERANCE, hf_inputs, our_forward, our_model, pick, real_rows
     from train import adapter_format
     from train.packed_batch import assemble_pack
     from train.parallel import destroy_parallel, init_parallel

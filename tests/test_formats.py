@@ -26,8 +26,10 @@ from preprocess.job import PreprocessConfig, run_preprocess
 from preprocess.pipeline import SampleOptions, process_row
 from shards_schema import open_shards
 from shards_schema.pixels import pixel_values_from_patches
-from tests.test_oracle import TINY_MODELS, encoded_image, hf_image_processors, hf_sample  # noqa: F401
-from tests.test_render import expected_mask_from_ids, expected_trained, hf_tokenizers  # noqa: F401
+from tests.helpers.hf_reference import hf_sample
+from tests.helpers.images import encoded_image
+from tests.helpers.models import TINY_MODELS
+from tests.helpers.render import expected_mask_from_ids, expected_trained
 
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 WORDS = "the a cat dog red blue sky runs why how many is on under left right image picture".split()
@@ -467,7 +469,7 @@ def test_an_input_that_cannot_be_opened_at_all_stops_the_job_with_one_line(tmp_p
     Parquet file or one with a damaged footer, a `datasets` directory with its Arrow file missing
     or truncated or its state.json / dataset_info.json damaged: exit 2 before the job starts,
     one line naming the input, what is wrong and the fix; no output directory is made."""
-    from tests.cli_run import vlmpack_exit_code
+    from tests.helpers.cli import vlmpack_exit_code
 
     for name, (path, words) in _damaged_inputs(tmp_path).items():
         out = tmp_path / f"out-{name}"

@@ -13,9 +13,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from tests.hf_models import tiny_qwen3_vl, tiny_qwen3_vl_moe
-from tests.test_compile import loss_and_grads, models, random_pack
-from tests.test_train import BASE, metrics, ok, run_train, shards  # noqa: F401  (shards: fixture)
+from tests.helpers.model_pairs import loss_and_grads, models, random_pack
+from tests.helpers.models import tiny_qwen3_vl, tiny_qwen3_vl_moe
+from tests.helpers.train import BASE, metrics, ok, run_train
 from train.config import FP8_RECIPES
 from train.model.arch import ModelArch
 from train.model import fp8_cast
@@ -23,13 +23,6 @@ from train.model.fp8 import float8_gemm
 from train.model.linear import DecoderLinear, fp8_weight_scales_once, use_fp8, use_grad_buffers
 from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
-
-
-@pytest.fixture(scope="module")
-def info():
-    info = init_parallel(1, 1, device="cpu")
-    yield info
-    destroy_parallel()
 
 
 def torchao_linear(weight: torch.Tensor, recipe: str, emulate: bool) -> nn.Module:
@@ -272,13 +265,13 @@ def test_mixture_of_experts_layers_run_attention_in_fp8_and_experts_in_bf16(info
 
 
 @pytest.fixture(scope="module")
-def fp8_run(shards, tmp_path_factory):  # noqa: F811
+def fp8_run(shards, tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8")
     ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--fp8", "rowwise"]))
     return out
 
 
-def test_train_with_fp8_trains_and_bad_recipes_exit_2(shards, fp8_run, tmp_path):  # noqa: F811
+def test_train_with_fp8_trains_and_bad_recipes_exit_2(shards, fp8_run, tmp_path):
     losses = [m["loss"] for m in metrics(fp8_run)]
     assert len(losses) == 3 and np.isfinite(losses).all()
     proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2",
@@ -288,7 +281,7 @@ def test_train_with_fp8_trains_and_bad_recipes_exit_2(shards, fp8_run, tmp_path)
 
 
 @pytest.mark.parametrize("sequence_parallel", ["false", "true"])
-def test_fp8_under_tensor_parallelism_stays_with_one_process(shards, fp8_run, tmp_path, sequence_parallel):  # noqa: F811
+def test_fp8_under_tensor_parallelism_stays_with_one_process(shards, fp8_run, tmp_path, sequence_parallel):
     """TP=2 (gloo): megatron's communication around the FP8 GEMMs (the input gathered under
     sequence parallelism, else its gradient all-reduced). Not bitwise: a row-parallel layer's
     rowwise scales come from its half of the input columns. The tolerances sit well inside

@@ -11,11 +11,9 @@ import dataclasses
 import io
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
-import zlib
 from functools import lru_cache
 
 import numpy as np
@@ -44,6 +42,7 @@ from preprocess.images import (
 )
 from shards_schema.builtin import QWEN2_5_VL_VISION, QWEN3_VL_VISION, VisionConfig
 from shards_schema.pixels import normalization_lut, pixel_values_from_patches
+from tests.helpers.images import png_header_only
 
 VISIONS = {"qwen3-vl": QWEN3_VL_VISION, "qwen2.5-vl": QWEN2_5_VL_VISION}
 
@@ -416,17 +415,6 @@ def jpeg_bytes() -> bytes:
 def png_bytes() -> bytes:
     rng = np.random.default_rng(2)
     return encode(Image.fromarray(rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)), "PNG")
-
-
-def png_header_only(width: int, height: int, bit_depth: int = 1, colour_type: int = 0) -> bytes:
-    """A PNG whose header claims width x height (default 1-bit greyscale; colour type 6 = RGBA),
-    with a tiny IDAT: costs nothing to build, and fails if anything decodes its pixels."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, bit_depth, colour_type, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
 
 
 def test_reject_bad_base64():

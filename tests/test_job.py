@@ -25,7 +25,7 @@ from preprocess.job import PreprocessConfig, idle_workers_note, merge_partitions
 from preprocess.pipeline import SampleOptions
 from shards_schema import open_shards
 from shards_schema.writer import file_sha256
-from tests.cli_run import vlmpack_exit_code
+from tests.helpers.cli import vlmpack_exit_code
 
 ROWS = 30
 

@@ -234,3 +234,54 @@ def test_the_registries_agree():
     assert set(BUILTIN_PROFILES) == set(BUILTIN_CHAT_TEMPLATES)
     for family, template in BUILTIN_PROFILES.values():
         assert template in FAMILIES[family].templates
+
+
+def imported_test_modules(path: Path, root: Path = ROOT) -> list[str]:
+    """`file:line: module` of each test module (`test_*`, in tests/ or next to the importer) that
+    one source file imports, anywhere in its body: `from tests.test_x import ...`, `from test_x
+    import ...`, `from .test_x import ...`, `from tests import test_x`, `import test_x`."""
+    where = path.relative_to(root)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            names = [base, *(f"{base}.{alias.name}" if base else alias.name for alias in node.names)]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            module = parts[:2] if parts[0] == "tests" else parts[:1]
+            if module[-1].startswith("test_"):
+                found.append(f"{where}:{node.lineno}: {'.'.join(module)}")
+                break
+    return found
+
+
+def test_no_module_imports_a_test_module():
+    """Code that several test modules share is in tests/helpers/, their shared fixtures in
+    tests/conftest.py; a test module imported by another would run its module-level code there
+    and hand its fixtures over by name. Benchmarks import no test module either."""
+    paths = sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "benchmarks").rglob("*.py"))
+    found = [hit for path in paths for hit in imported_test_modules(path)]
+    assert not found, ("imports of a test module (move what they use into tests/helpers/, fixtures into "
+                       "tests/conftest.py):\n" + "\n".join(found))
+
+
+def test_the_test_module_import_search_finds_each_form(tmp_path):
+    module = tmp_path / "test_a.py"
+    module.write_text(
+        "from tests.test_train import ok\n"
+        "from tests.helpers.train import run_train\n"
+        "import test_b\n"
+        "def f():\n"
+        "    from .test_c import x\n"
+        "    from tests import test_d, helpers\n"
+        "    from test_e import y\n"
+        "    import tests.test_f as f\n"
+        "    from . import test_g\n"
+        "    from preprocess.examples import example_rows\n", encoding="utf-8")
+    assert imported_test_modules(module, root=tmp_path) == [
+        "test_a.py:1: tests.test_train", "test_a.py:3: test_b", "test_a.py:5: test_c", "test_a.py:6: tests.test_d",
+        "test_a.py:7: test_e", "test_a.py:8: tests.test_f", "test_a.py:9: test_g"]

@@ -9,19 +9,12 @@ import pytest
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from tests.hf_models import tiny_qwen3_vl
+from tests.helpers.models import tiny_qwen3_vl
 from train.model.arch import ModelArch
 from train.model.grad_buffer import accumulate_float8_weight_grad, accumulate_weight_grad, zeros_flag
 from train.model.linear import DecoderLinear, grad_buffers_zeroed, use_fp8, use_grad_buffers
 from train.model.qwen_vl import compile_model, transformer_config
-from train.parallel import build_model, destroy_parallel, init_parallel
-
-
-@pytest.fixture(scope="module")
-def info():
-    info = init_parallel(1, 1, device="cpu")
-    yield info
-    destroy_parallel()
+from train.parallel import build_model
 
 
 def tiny_model(info):
@@ -101,7 +94,7 @@ def test_gradient_buffers_under_megatrons_ddp_hold_the_models_gradients(info, co
     linears' added inside their backward, the rest through DDP's hook), bitwise. `zeroed`: the
     FP8 linears' buffers are flagged as holding zeros (`grad_buffers_zeroed`) but hold garbage,
     which the first micro-batch's weight gradient must overwrite and the second's add to."""
-    from tests.test_compile import random_pack
+    from tests.helpers.model_pairs import random_pack
 
     arch, plain = tiny_model(info)
     _, wrapped = tiny_model(info)

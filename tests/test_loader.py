@@ -21,7 +21,7 @@ from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import ShardFormatError, open_shards
 from shards_schema.pixels import pixel_values_from_patches_np
 from shards_schema.webdataset import WebDatasetFormatError, WebDatasetShards, export_webdataset
-from tests.hf_reference import hf_packed_inputs, hf_packed_position_ids, to_padded_batch
+from tests.helpers.hf_reference import hf_packed_inputs, hf_packed_position_ids, to_padded_batch
 from train.loader import LoaderState, PackedDataset, PackedLoader, pixel_values_on_device, shared_uint8
 from train.pack_plan import PackingError, build_pack_plan, open_source
 from train.packed_batch import IGNORE_INDEX, assemble_pack

@@ -25,9 +25,10 @@ from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import open_shards
 from shards_schema.cli import main as vlmpack
-from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
-from tests.test_model_parity import hf_inputs, our_forward, pick
-from tests.test_train import BASE, ok, preprocess, run_train
+from tests.helpers.models import tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
+from tests.helpers.parity import TOLERANCE, hf_inputs, our_forward, our_model, pick, real_rows
+from tests.helpers.shards import preprocess
+from tests.helpers.train import BASE, ok, run_train
 from train import adapter_format, convert
 from train.model import lora
 from train.model.arch import ModelArch
@@ -37,7 +38,6 @@ from train.parallel import build_model, destroy_parallel, init_parallel
 
 peft = pytest.importorskip("peft")
 
-TOLERANCE = 1e-4
 # kind -> (HF model, LoRA spec): every part adapted on Qwen3-VL (with LoRA and with DoRA), a
 # subset of targets with a fully trained merger, rank-stabilized scaling and DoRA on Qwen2.5-VL
 # (fused layers with unadapted slots; q/k/v with a bias), attention on the MoE
@@ -97,25 +97,9 @@ def peft_model(kind: str, seed: int = 0):
     return pm, hf, base, arch, spec
 
 
-def our_model(base: dict, arch, spec, adapters: dict, info, tp: int = 1, sequence_parallel: bool = False):
-    """Our model on the HF weights `base` with the PEFT adapter state `adapters` (split for `tp`)."""
-    model = build_model(arch, transformer_config(arch, tp=tp, cpu=True, sequence_parallel=sequence_parallel), info)
-    full = convert.hf_to_megatron(base, arch)
-    convert.load_into_model(model, convert.shard(full, arch, tp, info.tp_rank, 1, 0))
-    attached = lora.attach(model, arch, spec, tp, range(arch.lm.num_layers))
-    sites = lora.resolve_sites(arch, spec)
-    local = lora.shard_adapters(adapters, sites, tp, info.tp_rank, range(arch.lm.num_layers), True)
-    attached.load_state_dict(local | {k: adapters[k] for k in attached.saved_modules})
-    return model, attached
-
-
 def peft_state(model) -> dict[str, torch.Tensor]:
     """PEFT's adapter state in its file names (what save_pretrained writes)."""
     return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
-
-
-def real_rows(pack) -> np.ndarray:
-    return np.concatenate([np.arange(s, s + n) for s, n in zip(pack["cu_seqlens_padded"][:-1], pack["sample_lengths"])])
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from shards_schema.cli import main as vlmpack
-from tests.test_train import shards  # noqa: F401  (the shard fixture)
 from train import memory_plan
 from train.model import lora
 from train.model.arch import builtin_arch
@@ -163,7 +162,7 @@ def test_dry_run_prints_the_split_and_the_smallest_layout_that_fits(capsys):
     assert rc == 0 and "does NOT fit" in out and "step's fp32 gradient copy" in out
 
 
-def test_dry_run_plans_a_trained_vision_tower_for_the_visual_share_of_the_data(shards, capsys):  # noqa: F811
+def test_dry_run_plans_a_trained_vision_tower_for_the_visual_share_of_the_data(shards, capsys):
     """Without --recompute full the vision tower keeps its activations: the plan takes the share
     of visual tokens from the --data manifests (else the recorded mixes' share), and more of it
     plans more memory."""
@@ -220,10 +219,10 @@ def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, p
     assert line.startswith("--recompute auto: ") and ("does NOT fit" in line) == (not any(fits))
 
 
-def test_recompute_auto_on_cpu_trains_without_recompute_and_says_so(shards, tmp_path, capsys):  # noqa: F811
+def test_recompute_auto_on_cpu_trains_without_recompute_and_says_so(shards, tmp_path, capsys):
     """On CPU (megatron's recompute needs the CUDA RNG) auto keeps every activation and says so;
     an explicit recompute and --recompute-layers with auto exit 2 with one line."""
-    from tests.test_train import BASE, metrics, ok, run_train
+    from tests.helpers.train import BASE, metrics, ok, run_train
 
     out = tmp_path / "run"
     proc = ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "2", "--recompute", "auto",

@@ -21,24 +21,16 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import open_shards
-from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
-from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
+from tests.helpers.models import tiny_qwen2_5_vl, tiny_qwen3_vl, tiny_qwen3_vl_moe
+from tests.helpers.parity import TOLERANCE, hf_inputs, our_forward, pick, pixel_values
 from train import convert
 from train.model.arch import ModelArch
 from train.model.qwen_vl import transformer_config
 from train.packed_batch import IGNORE_INDEX, assemble_pack
-from train.parallel import build_model, destroy_parallel, init_parallel
+from train.parallel import build_model
 
-TOLERANCE = 1e-4
 # Model kinds; the MoE model reads Qwen3-VL data (the same processor and template).
 HF_MODELS = {"qwen3-vl": tiny_qwen3_vl, "qwen2.5-vl": tiny_qwen2_5_vl, "qwen3-vl-moe": tiny_qwen3_vl_moe}
-
-
-@pytest.fixture(scope="module")
-def info():
-    info = init_parallel(1, 1, device="cpu")
-    yield info
-    destroy_parallel()
 
 
 @pytest.fixture(scope="module", params=sorted(HF_MODELS))
@@ -62,67 +54,14 @@ def megatron_model(hf, arch, info):
     return model
 
 
-def pixel_values(shards, pack):
-    v = shards.manifest["profile"]["vision"]
-    return pixel_values_from_patches(torch.from_numpy(pack["pixel_patches"]), v["image_mean"], v["image_std"],
-                                     v["patch_size"], v["temporal_patch_size"])
-
-
-def pixel_values_videos(shards, pack):
-    video = shards.manifest["profile"]["video"]
-    return video_pixel_values_from_patches(torch.from_numpy(pack["video_patches"]), video["image_mean"], video["image_std"])
-
-
 def hf_logits(hf, shards, pack) -> torch.Tensor:
     with torch.no_grad():
         return hf(**hf_inputs(hf, shards, pack)).logits[0]
 
 
-def hf_inputs(hf, shards, pack) -> dict:
-    """The HF model's arguments for a pack: its tokens, 4-row packed position ids and visuals."""
-    cu = pack["cu_seqlens_padded"].astype(np.int64)
-    text = torch.from_numpy(np.arange(cu[-1]) - np.repeat(cu[:-1], np.diff(cu)))[None, None]
-    position_ids = torch.cat([text, torch.from_numpy(pack["position_ids"].astype(np.int64))[:, None]])
-    ids = torch.from_numpy(pack["input_ids"])[None]
-    kwargs = {}
-    if len(pack["image_grid_thw"]):
-        kwargs = dict(pixel_values=pixel_values(shards, pack), image_grid_thw=torch.from_numpy(pack["image_grid_thw"]).long())
-    if len(pack["video_grid_thw"]):
-        kwargs |= dict(pixel_values_videos=pixel_values_videos(shards, pack),
-                       video_grid_thw=torch.from_numpy(pack["video_grid_thw"]).long())
-    hf.model.rope_deltas = None
-    return dict(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False,
-                mm_token_type_ids=(ids == 151655).long() + 2 * (ids == 151656).long(), **kwargs)
-
-
-def our_forward(model, shards, pack, logits: bool = False):
-    """Our model on one pack: per-token losses, or the logits."""
-    t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded",
-                                                             "labels", "image_grid_thw", "video_grid_thw")}
-    visual = dict(pixel_values=pixel_values(shards, pack) if len(pack["image_grid_thw"]) else None,
-                  image_grid_thw=t["image_grid_thw"],
-                  pixel_values_videos=pixel_values_videos(shards, pack) if len(pack["video_grid_thw"]) else None,
-                  video_grid_thw=t["video_grid_thw"])
-    args = (t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"])
-    return model(*args, return_logits=True, **visual) if logits else model(*args, labels=t["labels"], **visual)
-
-
 def our_outputs(model, shards, pack):
     with torch.no_grad():
         return our_forward(model, shards, pack, logits=True), our_forward(model, shards, pack)
-
-
-def pick(shards, images: str, n: int = 5) -> list[dict]:
-    stats = shards.sample_stats()
-    counts, videos = stats["num_images"], stats["num_videos"]
-    text = np.flatnonzero((counts == 0) & (videos == 0))
-    image = np.flatnonzero((counts > 0) & (videos == 0))
-    video = np.flatnonzero(videos > 0)
-    idx = {"none": text[:n], "some": image[:n],
-           "mixed": np.concatenate([image[:2], text[:1], image[2:3], text[1:2]]),
-           "videos": np.concatenate([video[:2], image[:1], text[:1], video[2:3]])}[images]
-    assert len(idx), f"no samples with images={images}"
-    return [shards[int(i)] for i in idx]
 
 
 @pytest.mark.parametrize("images", ["mixed", "some", "none", "videos"])

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from shards_schema.cli import main as vlmpack
-from tests.test_train import BASE, metrics, ok, run_train
-from tests.test_train import shards  # noqa: F401  (the module's shard fixture)
+from tests.helpers.train import BASE, metrics, ok, run_train
 
 MOE = [*(a if a != "tiny" else "tiny-moe" for a in BASE), "--moe-aux-loss-coef", "0.01"]
 
 
 @pytest.fixture(scope="module")
-def moe_run(shards, tmp_path_factory):  # noqa: F811
+def moe_run(shards, tmp_path_factory):
     out = tmp_path_factory.mktemp("moe-full")
     ok(run_train([*MOE, "--data", str(shards), "--out", str(out), "--train-steps", "6", "--save-every", "3",
                   "--export-hf", str(out / "hf")]))
@@ -35,7 +34,7 @@ def test_moe_loss_decreases_and_reports_load_balance(moe_run):
     assert all(1.9 < b < 8 for b in balance), balance
 
 
-def test_moe_resume_equals_uninterrupted_run(shards, moe_run, tmp_path):  # noqa: F811
+def test_moe_resume_equals_uninterrupted_run(shards, moe_run, tmp_path):
     out = tmp_path / "run"
     args = [*MOE, "--data", str(shards), "--out", str(out), "--train-steps", "6", "--save-every", "3"]
     ok(run_train([*args, "--exit-interval", "3"]))
@@ -43,14 +42,14 @@ def test_moe_resume_equals_uninterrupted_run(shards, moe_run, tmp_path):  # noqa
     assert {m["step"]: m["loss"] for m in metrics(out)} == {m["step"]: m["loss"] for m in metrics(moe_run)}
 
 
-def test_moe_data_parallel_matches_single_process(shards, moe_run, tmp_path):  # noqa: F811
+def test_moe_data_parallel_matches_single_process(shards, moe_run, tmp_path):
     out = tmp_path / "run"
     ok(run_train([*MOE, "--data", str(shards), "--out", str(out), "--train-steps", "3"], nproc=2))
     np.testing.assert_allclose([m["loss"] for m in metrics(out)], [m["loss"] for m in metrics(moe_run)][:3],
                                rtol=2e-5)
 
 
-def test_moe_expert_parallel_matches_single_process_and_resumes(shards, moe_run, tmp_path):  # noqa: F811
+def test_moe_expert_parallel_matches_single_process_and_resumes(shards, moe_run, tmp_path):
     """DP=2 with the experts split over the two ranks (EP=2, megatron's all-to-all dispatcher
     over gloo): the same losses as one process holding every expert; each rank saves its own
     experts, a stopped run resumes to the same losses, and the checkpoint exports whole."""
@@ -79,13 +78,13 @@ def test_moe_expert_parallel_matches_single_process_and_resumes(shards, moe_run,
     (["--tp", "2"], "--tp 2 x --pp 1 needs a multiple of 2 processes, this run has 1"),
     (["--ep", "4", "--tp", "2", "--gpus", "2", "--dry-run"], "--gpus 2 is not a multiple of --tp 2 x --pp 1 and of --pp 1 x --ep 4"),
 ])
-def test_expert_parallel_settings_that_cannot_run_exit_2(shards, tmp_path, capsys, extra, message):  # noqa: F811
+def test_expert_parallel_settings_that_cannot_run_exit_2(shards, tmp_path, capsys, extra, message):
     assert vlmpack(["train", *MOE, *extra, "--data", str(shards), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
 
 
-def test_moe_tensor_parallel_with_sequence_parallelism_matches_single_process(shards, moe_run, tmp_path):  # noqa: F811
+def test_moe_tensor_parallel_with_sequence_parallelism_matches_single_process(shards, moe_run, tmp_path):
     """TP=2 (gloo): megatron's MoE layers train under TP only with the rows split over the TP
     ranks, which is on by default for MoE models. Each rank routes its own rows through
     experts that both ranks hold whole, so their gradients are summed over the ranks and
@@ -100,7 +99,7 @@ def test_moe_tensor_parallel_with_sequence_parallelism_matches_single_process(sh
                                    err_msg=key)
 
 
-def test_moe_tensor_and_expert_parallel_with_data_parallel_matches_single_process(shards, moe_run, tmp_path):  # noqa: F811
+def test_moe_tensor_and_expert_parallel_with_data_parallel_matches_single_process(shards, moe_run, tmp_path):
     """TP=2 x EP=2 x DP=2 on four processes (gloo): the two ranks of a TP group hold different
     experts and exchange their rows' tokens (all-to-all over the TP group's ranks), the two
     DP replicas reduce the experts they share. Losses, balance loss and gradient norms are one
@@ -126,7 +125,7 @@ def test_moe_tensor_and_expert_parallel_with_data_parallel_matches_single_proces
         np.testing.assert_allclose(value.numpy(), single[key].numpy(), rtol=1e-4, atol=1e-6, err_msg=key)
 
 
-def test_moe_lora_under_tensor_parallelism_matches_single_process(shards, tmp_path):  # noqa: F811
+def test_moe_lora_under_tensor_parallelism_matches_single_process(shards, tmp_path):
     """LoRA on the attention of a MoE model at TP=2 (sequence parallelism on): the adapters
     gather or scatter their rank-r hidden with the hosts' rows; losses and gradient norms are
     those of one process."""
@@ -138,7 +137,7 @@ def test_moe_lora_under_tensor_parallelism_matches_single_process(shards, tmp_pa
                                    rtol=2e-5, err_msg=key)
 
 
-def test_moe_tensor_parallel_without_sequence_parallelism_is_refused(shards, tmp_path, capsys):  # noqa: F811
+def test_moe_tensor_parallel_without_sequence_parallelism_is_refused(shards, tmp_path, capsys):
     assert vlmpack(["train", *MOE, "--tp", "2", "--sequence-parallel", "false", "--data", str(shards),
                     "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
@@ -189,9 +188,9 @@ def test_gpu_grouped_gemm_equals_one_gemm_per_expert():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_moe_trains_and_resumes(shards, tmp_path):  # noqa: F811
+def test_gpu_moe_trains_and_resumes(shards, tmp_path):
     """bf16, compiled, the all-to-all dispatcher and grouped GEMMs on a GPU."""
-    from tests.test_train import GPU
+    from tests.helpers.train import GPU
 
     args = [*MOE, *GPU, "--data", str(shards), "--train-steps", "6", "--save-every", "3"]
     ok(run_train([*args, "--out", str(tmp_path / "full")]))
@@ -209,7 +208,7 @@ def test_gpu_moe_trains_and_resumes(shards, tmp_path):  # noqa: F811
     (4, ["--tp", "2", "--ep", "2"], ["pp0_tp0_ep0", "pp0_tp1_ep1"], [True, True]),
 ], ids=["ep2", "tp2-ep2-dp2"])
 def test_gpu_expert_parallel_with_distributed_optimizer_saves_each_ranks_experts_and_resumes(
-        shards, tmp_path, gpus, layout, files, dense_written):  # noqa: F811
+        shards, tmp_path, gpus, layout, files, dense_written):
     """megatron's distributed optimizer (bf16 gradients and moments, the fast step) under EP=2
     on two GPUs and TP=2 x EP=2 x DP=2 on four: the dense parameters' state is split over the
     data-parallel ranks, the experts' over the ranks that hold the same ones (a chained
@@ -220,7 +219,7 @@ def test_gpu_expert_parallel_with_distributed_optimizer_saves_each_ranks_experts
     distributed optimizer."""
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA GPUs")
-    from tests.test_train import COMPARE_PARAMETER_STATE, GPU
+    from tests.helpers.train import COMPARE_PARAMETER_STATE, GPU
 
     args = [*MOE, *GPU, *layout, "--grad-dtype", "bf16", "--adam-state-dtype", "bf16", "--data", str(shards),
             "--train-steps", "6", "--save-every", "3"]

@@ -480,7 +480,8 @@ def test_train_on_shards_in_the_store_fetches_a_checked_copy_once_and_trains_as_
     checks, a second run finds them there, and the losses equal a run on the local directory;
     under DP=2 one process per node fetches (into OUT/data_cache) and both train on it."""
     from train.pack_plan import parse_source
-    from tests.test_train import BASE, metrics, ok, preprocess, run_train
+    from tests.helpers.shards import preprocess
+    from tests.helpers.train import BASE, metrics, ok, run_train
 
     assert parse_source("s3://data/train-shards:0.5") == ("s3://data/train-shards", 0.5)
     client, _ = s3
@@ -510,7 +511,8 @@ def test_train_on_shards_in_the_store_fetches_a_checked_copy_once_and_trains_as_
 
 @pytest.mark.parametrize("case", ["no_bucket", "damaged_shard", "damaged_shard_dp2"])
 def test_train_on_a_store_source_that_cannot_be_fetched_stops_every_rank_with_one_line(case, s3, tmp_path):
-    from tests.test_train import BASE, preprocess, run_train
+    from tests.helpers.shards import preprocess
+    from tests.helpers.train import BASE, run_train
 
     client, _ = s3
     url = "s3://no-such-bucket/shards"

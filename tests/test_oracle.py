@@ -11,36 +11,20 @@ token ids alone.
 from __future__ import annotations
 
 import base64
-import io
 import random
 
 import numpy as np
 import pytest
-from PIL import Image, ImageOps
 
 from preprocess.errors import RejectError
-from preprocess.examples import synthetic_image
 from preprocess.pipeline import SampleOptions, process_row
 from shards_schema.pixels import pixel_values_from_patches
-from tests.hf_models import hf_rope_index, tiny_qwen2_5_vl, tiny_qwen3_vl
-from tests.test_render import expected_mask_from_ids, expected_trained, hf_tokenizers, rand_conversation  # noqa: F401
+from tests.helpers.hf_reference import hf_sample
+from tests.helpers.images import encoded_image
+from tests.helpers.models import TINY_MODELS
+from tests.helpers.render import expected_mask_from_ids, expected_trained, rand_conversation
 
 CONVERSATIONS = 30
-TINY_MODELS = {"qwen3-vl": tiny_qwen3_vl, "qwen2.5-vl": tiny_qwen2_5_vl}
-MODES = ("RGB", "RGB", "RGBA", "L", "P", "LA", "CMYK")
-
-
-def encoded_image(nprng: np.random.Generator) -> tuple[bytes, Image.Image]:
-    """Random size/mode/format image: its encoded bytes and what HF's processor is given."""
-    w, h = (int(v) for v in nprng.integers(9, 700, 2))
-    mode = MODES[int(nprng.integers(len(MODES)))]
-    img = synthetic_image(nprng, w, h, "RGBA" if mode in ("RGBA", "LA") else "RGB")
-    img = img.convert(mode) if mode != "RGBA" else img
-    fmt = {"CMYK": "JPEG", "LA": "PNG", "RGBA": "PNG", "P": "PNG"}.get(mode, ["PNG", "JPEG", "WEBP"][int(nprng.integers(3))])
-    buf = io.BytesIO()
-    img.save(buf, format=fmt)
-    data = buf.getvalue()
-    return data, ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
 
 
 def without_videos(messages: list) -> list:
@@ -72,36 +56,6 @@ def with_real_images(messages: list, rng: random.Random, nprng, media_root) -> l
             )
             hf_images.append(hf_image)
     return hf_images
-
-
-@pytest.fixture(scope="module")
-def hf_image_processors(builtin_profiles):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    out = {}
-    for family, profile in builtin_profiles.items():
-        v = profile.vision
-        out[family] = Qwen2VLImageProcessorPil(
-            patch_size=v.patch_size, merge_size=v.merge_size, temporal_patch_size=v.temporal_patch_size,
-            image_mean=list(v.image_mean), image_std=list(v.image_std), min_pixels=v.min_pixels, max_pixels=v.max_pixels,
-        )
-    return out
-
-
-def hf_sample(family, messages, tools, hf_images, tokenizer, template, image_processor, model):
-    text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False)
-    if hf_images:
-        features = image_processor(images=hf_images, return_tensors="np")
-        pixel_values, grid = features["pixel_values"], features["image_grid_thw"]
-    else:
-        pixel_values, grid = np.zeros((0, 0), np.float32), np.zeros((0, 3), np.int64)
-    merge = image_processor.merge_size
-    pieces = text.split("<|image_pad|>")
-    assert len(pieces) == len(grid) + 1
-    expanded = pieces[0] + "".join("<|image_pad|>" * int(g.prod() // merge**2) + p for g, p in zip(grid, pieces[1:]))
-    ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
-    positions = hf_rope_index(model, ids, grid)
-    return ids, positions, pixel_values, grid
 
 
 @pytest.mark.parametrize("family_name", ["qwen3-vl", "qwen2.5-vl"])

@@ -34,17 +34,14 @@ from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import open_shards
 from shards_schema.pixels import pixel_values_from_patches
-from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
-from tests.hf_reference import hf_packed_inputs, hf_packed_position_ids
-from tests.test_oracle import hf_image_processors, hf_sample  # noqa: F401  (fixture re-export)
-from tests.test_render import hf_tokenizers  # noqa: F401  (fixture re-export)
+from tests.helpers.hf_reference import hf_packed_inputs, hf_packed_position_ids, hf_sample
+from tests.helpers.models import TINY_MODELS
 from train.packed_batch import IGNORE_INDEX, assemble_pack
 
 ROWS = 24
 SEED = 7  # 4 text-only conversations for both families
 TOLERANCE = 1e-4  # fp32, max |packed - per-sample| per target token
 LEAK_MIN_DIFF = 1e-2  # the negative control must differ by at least this much
-TINY_MODELS = {"qwen3-vl": tiny_qwen3_vl, "qwen2.5-vl": tiny_qwen2_5_vl}
 MAX_DIFFS: dict[str, float] = {}  # family -> largest packed vs per-sample diff seen (reported at the end)
 
 
@@ -133,7 +130,7 @@ class Case:
 
 
 @pytest.fixture(scope="module")
-def case(family, hf_tokenizers, official_template, hf_image_processors, tmp_path_factory):  # noqa: F811
+def case(family, hf_tokenizers, official_template, hf_image_processors, tmp_path_factory):
     return Case(family, tmp_path_factory.mktemp(f"pack-{family}"), hf_tokenizers[family],
                 official_template[family], hf_image_processors[family])
 

@@ -18,7 +18,7 @@ import pytest
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import ShardFormatError, open_shards
-from tests.cli_run import vlmpack_exit_code
+from tests.helpers.cli import vlmpack_exit_code
 from train.pack_plan import (
     PackingError,
     PackPlan,

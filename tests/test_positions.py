@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from shards_schema.positions import mrope_position_ids, text_position_ids
-from tests.hf_models import (
+from tests.helpers.models import (
     IMAGE_TOKEN_ID,
     VISION_END_TOKEN_ID,
     VISION_START_TOKEN_ID,

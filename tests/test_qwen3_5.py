@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
-from tests.hf_models import QWEN3_5_IDS, tiny_qwen3_5, tiny_qwen3_5_config
+from tests.helpers.models import QWEN3_5_IDS, tiny_qwen3_5, tiny_qwen3_5_config
 from train import convert, memory_plan
 from train.model import lora, qwen3_5
 from train.model.arch import ModelArch, builtin_arch
@@ -211,13 +211,6 @@ def samples_of(hf) -> list[dict]:
 
 
 # --- the model ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def info():
-    info = init_parallel(1, 1, device="cpu")
-    yield info
-    destroy_parallel()
 
 
 def megatron_model(hf, arch, info):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from shards_schema import open_shards
-from tests.test_train import process_env
+from tests.helpers.cli import process_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

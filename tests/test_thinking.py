@@ -15,7 +15,7 @@ from preprocess.families import family_named
 from preprocess.profiles import builtin_profile
 from preprocess.render import IM_END, render_conversation
 from tests.conftest import THINKING_TEMPLATE_FILE
-from tests.test_render import expected_trained, hf_tokenizers, rand_conversation  # noqa: F401
+from tests.helpers.render import expected_trained, rand_conversation
 
 CONVERSATIONS = 300
 REASONING = ["Let me think.", "\nStep 1: look.\nStep 2: count.\n", "", "hmm, 3 + 4 = 7", "  spaced  "]

@@ -22,33 +22,12 @@ import numpy as np
 import pytest
 import torch
 
-from preprocess.examples import example_rows, write_jsonl
 from shards_schema.cli import main as vlmpack
+from tests.helpers.cli import process_env
+from tests.helpers.shards import preprocess
+from tests.helpers.train import BASE, COMPARE_PARAMETER_STATE, GPU, SEQ_LEN, metrics, ok, run_train, start_run_from
 
 ROOT = Path(__file__).resolve().parents[1]
-SEQ_LEN = 1024
-BASE = ["--arch", "tiny", "--seq-len", str(SEQ_LEN), "--global-batch-packs", "2", "--lr", "3e-3",
-        "--warmup-steps", "1", "--num-workers", "0", "--tensorboard", "false", "--log-every", "1"]
-
-
-def preprocess(tmp: Path, name: str, profile: str = "qwen3-vl", rows: int = 24, seed: int = 5,
-               seq_len: int = SEQ_LEN, size_range: tuple[int, int] = (32, 96), video_rows: float = 0.0) -> Path:
-    data = write_jsonl(tmp / f"{name}.jsonl", example_rows(rows, seed=seed, family=profile, size_range=size_range,
-                                                           video_rows=video_rows))
-    out = tmp / name
-    assert vlmpack(["preprocess", str(data), "--out", str(out), "--profile", profile, "--workers", "1",
-                    "--max-seq-len", str(seq_len), "--no-progress"]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    return preprocess(tmp_path_factory.mktemp("train-data"), "shards")
-
-
-# `vlmpack train ...`, then the list of every module the process has loaded.
-REPORT_MODULES = ("import json, sys; from shards_schema.cli import main; rc = main(['train', *sys.argv[2:]]); "
-                  "open(sys.argv[1], 'w').write(json.dumps(sorted(sys.modules))); sys.exit(rc)")
 
 
 def on_second_global_batch(action: str) -> str:
@@ -65,42 +44,6 @@ def run_global_batch(*args, **kwargs):
 trainer.run_global_batch = run_global_batch
 sys.exit(trainer.main(sys.argv[1:]))
 """
-
-
-def process_env() -> dict:
-    """The environment of a child Python process that imports this checkout."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-
-
-def run_train(args: list[str], *, nproc: int = 1, timeout: int = 600, modules_to: Path | None = None,
-              code: str | None = None):
-    """A training process of its own (fresh sys.modules and process groups), like a real launch;
-    `code` runs in place of `python -m train.trainer` (same arguments)."""
-    env = {**process_env(), "OMP_NUM_THREADS": "1"}
-    if modules_to is not None:
-        cmd = [sys.executable, "-c", REPORT_MODULES, str(modules_to), *args]
-    elif nproc == 1:
-        cmd = [sys.executable, *(["-c", code] if code else ["-m", "train.trainer"]), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(29600 + os.getpid() % 300),
-               *(["--no-python", sys.executable, "-c", code] if code else ["-m", "train.trainer"]), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def start_run_from(checkpoint: Path, out: Path) -> None:
-    """A new run directory whose latest checkpoint is a copy of `checkpoint` (for --resume)."""
-    shutil.copytree(checkpoint, out / "checkpoints" / checkpoint.name)
-    (out / "checkpoints" / "latest").write_text(checkpoint.name)
-
-
-def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -801,9 +744,6 @@ def test_micro_batch_of_several_packs_keeps_every_segment(shards):
     assert len(row["image_grid_thw"]) == len(a["image_grid_thw"]) + len(b["image_grid_thw"])
 
 
-GPU = ["--device", "cuda", "--bf16", "true"]
-
-
 def nested_dicts(obj, keys: tuple[str, ...]) -> list[dict]:
     """Every dict inside a (checkpoint) structure of dicts and lists that holds all of `keys`."""
     if isinstance(obj, dict):
@@ -841,35 +781,6 @@ def test_gpu_resume_with_distributed_optimizer(shards, tmp_path):
     assert [(m["tokens"], m["target_tokens"]) for m in a] == [(m["tokens"], m["target_tokens"]) for m in b]
     np.testing.assert_allclose([m["loss"] for m in b], [m["loss"] for m in a], rtol=2e-3)
     assert np.mean([m["loss"] for m in a[-2:]]) < np.mean([m["loss"] for m in a[:2]])
-
-
-# Before each save: the DistributedOptimizer's parameter state as a background save assembles
-# it from host copies, and as megatron gathers it, must be the same, tensor for tensor.
-COMPARE_PARAMETER_STATE = """
-import sys, torch, train.checkpoint as ckpt, train.trainer as trainer
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
-real = ckpt.CheckpointSaver.save
-def save(self, step, model, optimizer, *args):
-    self.wait()  # the save before is complete: its host buffers are spare
-    snapshot = ckpt.ParameterStateSnapshot(optimizer, ckpt.HostCopies(torch.device("cuda")))
-    torch.cuda.synchronize()
-    reference = ckpt._gather_parameter_state(optimizer)
-    assert same(snapshot.assemble(), reference), f"step {step}: parameter states differ"
-    print(f"parameter state of step {step}: same, {'written' if reference is not None else 'none on this rank'}",
-          flush=True)
-    spare = [t for buffers in self.host._spare.values() for t in buffers]
-    print(f"host buffers before step {step}: {len(spare)}, pinned: {all(t.is_pinned() for t in spare)}", flush=True)
-    return real(self, step, model, optimizer, *args)
-ckpt.CheckpointSaver.save = save
-sys.exit(trainer.main(sys.argv[1:]))
-"""
 
 
 @pytest.mark.gpu

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import metrics, ok, preprocess, run_train, start_run_from
+from tests.helpers.shards import preprocess
+from tests.helpers.train import metrics, ok, run_train, start_run_from
 
 # short packs, one a step: the tiny model's 152k-token output layer is most of a step's time
 BASE = ["--arch", "tiny", "--seq-len", "512", "--global-batch-packs", "1", "--lr", "3e-3", "--warmup-steps", "1",

@@ -19,12 +19,10 @@ import pytest
 
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
-from shards_schema import ShardFile, ShardFormatError
+from shards_schema import ShardFormatError
 from shards_schema.cli import main as cli_main
-from shards_schema.manifest import total_keys
-from shards_schema.schema import Sample
 from shards_schema.verify import verify_shards
-from shards_schema.writer import ShardWriter
+from tests.helpers.shards import manifest_of, rewrite_shard, write_manifest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ROWS = 20  # + 2 bad rows, 8 rows per unit -> 3 shards
@@ -44,14 +42,6 @@ def shards(original, tmp_path) -> Path:
     return Path(shutil.copytree(original, tmp_path / "copy"))
 
 
-def manifest_of(d: Path) -> dict:
-    return json.loads((d / "manifest.json").read_text())
-
-
-def write_manifest(d: Path, manifest: dict) -> None:
-    (d / "manifest.json").write_text(json.dumps(manifest, indent=2))
-
-
 def verify_cli(d: Path, *args: str, capsys) -> tuple[int, str]:
     rc = cli_main(["verify", str(d), *args])
     captured = capsys.readouterr()
@@ -60,33 +50,6 @@ def verify_cli(d: Path, *args: str, capsys) -> tuple[int, str]:
 
 def kinds(report) -> set[str]:
     return set(report.fault_counts)
-
-
-def read_samples(path: Path) -> list[Sample]:
-    shard = ShardFile(path)
-    out = []
-    for j in range(len(shard)):
-        r = shard.row(j)
-        out.append(Sample(r["sample_uid"], r["source"], r["input_ids"].copy(), r["loss_mask"].copy(),
-                          r["position_ids"].copy(), r["pixel_patches"].copy(), r["image_grid_thw"].copy(),
-                          r["video_patches"].copy(), r["video_grid_thw"].copy(), r["second_per_grid_ts"].copy()))
-    return out
-
-
-def rewrite_shard(d: Path, k: int, mutate) -> str:
-    """Rewrite shard k with `mutate(samples)` applied, then make the manifest agree with the new bytes."""
-    manifest = manifest_of(d)
-    entry = manifest["shards"][k]
-    samples = read_samples(d / entry["file"])
-    mutate(samples)
-    writer = ShardWriter(d / entry["file"], manifest["patch_row_width"], manifest["schema_version"])
-    for s in samples:
-        writer.add(s)
-    manifest["shards"][k] = writer.close().to_json()
-    for key in total_keys(manifest):
-        manifest["totals"][key] = sum(s[key] for s in manifest["shards"])
-    write_manifest(d, manifest)
-    return entry["file"]
 
 
 def special(d: Path) -> dict:

@@ -35,6 +35,7 @@ from preprocess.video.decode import VideoReader  # noqa: E402
 from preprocess.video.patches import frames_to_patches  # noqa: E402
 from shards_schema.builtin import BUILTIN_VISION  # noqa: E402
 from shards_schema.pixels import video_pixel_values_from_patches  # noqa: E402
+from tests.helpers.video import random_video_row, reference_frames  # noqa: E402
 
 FAMILIES = ("qwen3-vl", "qwen2.5-vl")
 
@@ -178,26 +179,6 @@ def test_timestamps_equal_the_hf_processor():
 
 # ---------------------------------------------------------------------------------------------
 # decoded frames and pixels: real videos
-
-
-def reference_frames(path):
-    """Every frame and HF's metadata: `load_video(backend="pyav")` where the container records
-    its frame count; Matroska/WebM record none (HF's reader then reports 0 frames and fails),
-    so there the same full decode from the start is done here, with the real frame count."""
-    import av
-
-    with av.open(str(path)) as container:
-        recorded = container.streams.video[0].frames
-    if recorded:
-        return load_video(str(path), backend="pyav",
-                          sample_indices_fn=lambda metadata, **kw: np.arange(metadata.total_num_frames))
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(stream)])
-        meta = VideoMetadata(total_num_frames=len(frames), fps=float(stream.average_rate), height=stream.height,
-                             width=stream.width, video_backend="pyav")
-    meta.frames_indices = np.arange(len(frames))
-    return frames, meta
 
 
 def _video(tmp_path, rng, name, num_frames, fps, width, height, container="mp4", gop=None, pts_step=None):
@@ -361,7 +342,7 @@ def hf_row_processors(builtin_profiles, tmp_path_factory):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from tests.conftest import FIXTURES_DIR
-    from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
+    from tests.helpers.models import tiny_qwen2_5_vl, tiny_qwen3_vl
 
     out = {}
     for family, profile in builtin_profiles.items():
@@ -382,54 +363,11 @@ def hf_row_processors(builtin_profiles, tmp_path_factory):
     return out
 
 
-def _random_row(rng, nprng, media_root, family):
-    """A conversation with 1-2 videos (files, data URIs), sometimes images and several turns;
-    returns (row, hf messages, hf videos, hf metadata, hf images)."""
-    import base64
-    import io
-
-    from preprocess.examples import synthetic_image
-
-    messages, hf_videos, hf_meta, hf_images = [], [], [], []
-    for turn in range(rng.randint(1, 2)):
-        parts = []  # (part, what HF is given for it)
-        for _ in range(rng.randint(1 if turn == 0 else 0, 2)):
-            container = rng.choice(list(VIDEO_CODECS))
-            n, fps = rng.randint(2, 60), rng.choice([2.0, 8.0, 24.0, 30.0])
-            w, h = rng.randint(40, 160), rng.randint(40, 160)
-            path = write_video(media_root / f"v{len(list(media_root.iterdir()))}.{container}",
-                               synthetic_video_frames(nprng, n, w, h), fps, codec=VIDEO_CODECS[container],
-                               gop=rng.choice([None, 8]))
-            if rng.random() < 0.3:
-                source = f"data:video/{container};base64," + base64.b64encode(path.read_bytes()).decode()
-            else:
-                source = path.name
-            part = rng.choice([{"type": "video", "video": source}, {"type": "video_url", "video_url": {"url": source}}])
-            parts.append((part, ("video", reference_frames(path))))
-        if rng.random() < 0.4:
-            img = synthetic_image(nprng, rng.randint(30, 200), rng.randint(30, 200))
-            buf = io.BytesIO()
-            img.save(buf, format="PNG")
-            uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-            parts.append(({"type": "image_url", "image_url": {"url": uri}}, ("image", img)))
-        parts.append(({"type": "text", "text": rng.choice(["What happens?", "Describe it.", "图中是什么？"])}, None))
-        rng.shuffle(parts)
-        for _, given in parts:  # HF pairs videos and images with the text's placeholders in order
-            if given and given[0] == "video":
-                hf_videos.append(given[1][0])
-                hf_meta.append(given[1][1])
-            elif given:
-                hf_images.append(given[1])
-        messages.append({"role": "user", "content": [part for part, _ in parts]})
-        messages.append({"role": "assistant", "content": rng.choice(["A bar sweeps.", "Colours drift left."])})
-    return {"messages": messages}, messages, hf_videos, hf_meta, hf_images
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rows_with_videos_equal_hf_processing(family, builtin_profiles, hf_row_processors, tmp_path):
     from preprocess.pipeline import SampleOptions, process_row
     from shards_schema.pixels import pixel_values_from_patches
-    from tests.test_render import expected_mask_from_ids, hf_template_messages
+    from tests.helpers.render import expected_mask_from_ids, hf_template_messages
 
     profile = builtin_profiles[family]
     processor, model = hf_row_processors[family]
@@ -439,7 +377,7 @@ def test_rows_with_videos_equal_hf_processing(family, builtin_profiles, hf_row_p
     options = SampleOptions(media_root=str(media), max_seq_len=1 << 20)
     video = family_named(family).builtin_video
     for n in range(6):
-        row, messages, hf_videos, hf_meta, hf_images = _random_row(rng, nprng, media, family)
+        row, messages, hf_videos, hf_meta, hf_images = random_video_row(rng, nprng, media, family)
         text = processor.apply_chat_template(hf_template_messages(messages), tokenize=False)
         hf = processor(text=[text], images=hf_images or None, videos=hf_videos, video_metadata=hf_meta,
                        return_tensors="pt", cap_pixels_per_frame=False)

@@ -13,7 +13,7 @@ is rejected with ValueError. Hence `num_target_tokens = loss_mask.sum()` equals 
 the samples' `num_target_tokens`, which is what per-token loss normalisation over the
 global batch needs. The loss is `sum(CE(logits[i], labels[i]) * loss_mask[i])`; no further
 shift. (Hugging Face models shift internally and take *unshifted* labels; the test and
-benchmark references in `tests/hf_reference.py` produce that convention.)
+benchmark references in `tests/helpers/hf_reference.py` produce that convention.)
 
 Padding. With `pad_to_multiple = m > 1` (TP sequence parallel / context parallel), sample j
 occupies rows [cu_seqlens_padded[j], cu_seqlens_padded[j] + sample_lengths[j]) and is

@@ -145,6 +145,10 @@ def tiny_qwen2_5_vl(seed: int = 0):
     return _build(Qwen2_5_VLForConditionalGeneration, tiny_qwen2_5_vl_config(), seed)
 
 
+# family -> its tiny model
+TINY_MODELS = {"qwen3-vl": tiny_qwen3_vl, "qwen2.5-vl": tiny_qwen2_5_vl}
+
+
 def hf_rope_index(model, input_ids, image_grid_thw, image_pad_id: int = IMAGE_TOKEN_ID) -> np.ndarray:
     """HF `get_rope_index` for one sample -> numpy int64 [3, L].
 

@@ -1,5 +1,6 @@
-"""Hugging Face layouts of the same samples a pack holds: the references the oracle tests
-and the training-speed baseline feed to HF models.
+"""Hugging Face references: one conversation as HF's own processing makes it, and HF layouts
+of the same samples a pack holds, which the oracle tests and the training-speed baseline feed
+to HF models.
 
 HF models shift labels internally, so both layouts carry *unshifted* labels (labels[i] =
 input_ids[i] where the shard's loss_mask[i] == 1, else -100), unlike `assemble_pack`'s
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.helpers.models import hf_rope_index
 from train.packed_batch import (
     DEFAULT_PAD_TOKEN_ID,
     IGNORE_INDEX,
@@ -113,3 +115,20 @@ def to_padded_batch(
         "second_per_grid_ts": concat_field([{"s": np.asarray(s.get("second_per_grid_ts", []), np.float32)}
                                             for s in samples], "s", np.float32),
     }
+
+
+def hf_sample(family, messages, tools, hf_images, tokenizer, template, image_processor, model):
+    text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False)
+    if hf_images:
+        features = image_processor(images=hf_images, return_tensors="np")
+        pixel_values, grid = features["pixel_values"], features["image_grid_thw"]
+    else:
+        pixel_values, grid = np.zeros((0, 0), np.float32), np.zeros((0, 3), np.int64)
+    merge = image_processor.merge_size
+    pieces = text.split("<|image_pad|>")
+    assert len(pieces) == len(grid) + 1
+    expanded = pieces[0] + "".join("<|image_pad|>" * int(g.prod() // merge**2) + p for g, p in zip(grid, pieces[1:]))
+    ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
+    positions = hf_rope_index(model, ids, grid)
+    return ids, positions, pixel_values, grid
+
