@@ -93,7 +93,7 @@ def test_gpu_qwen3_5_packed_recipe_resets_the_linear_attention_state():
     pytest.importorskip("fla")
     from transformers import Qwen3_5ForConditionalGeneration
 
-    from tests.hf_models import tiny_qwen3_5_config
+    from tests.helpers.models import tiny_qwen3_5_config
 
     config = tiny_qwen3_5_config()
     config.text_config.linear_key_head_dim = config.text_config.linear_value_head_dim = 32

@@ -277,7 +277,7 @@ def hf_processor(profiles, tmp_path_factory):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from preprocess.families.qwen3_5_constants import PREPROCESSOR_CONFIG as IMG, VIDEO_PREPROCESSOR_CONFIG as VID
-    from tests.hf_models import tiny_qwen3_5
+    from tests.helpers.models import tiny_qwen3_5
 
     directory = tmp_path_factory.mktemp("qwen3_5-tokenizer")
     (directory / "tokenizer.json").write_text(profiles["qwen3.5"].tokenizer_json, encoding="utf-8")
