@@ -17,7 +17,7 @@ from train.model import lora
 from train.model.arch import builtin_arch
 from train.model.qwen_vl import transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
-from train.trainer import freeze
+from train.model_setup import freeze
 
 # every GPU peak the benchmarks measured, with its run's settings and source
 MEASURED = Path(__file__).resolve().parent / "fixtures" / "measured_peaks.json"
