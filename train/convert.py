@@ -15,7 +15,7 @@ GQA group ([the group's q heads, its k head, its v head] per group) so that a TP
 whole groups; fc1 is [gate; up], each half split across TP ranks separately; the norms of
 the local (non-TE) layer spec stay separate tensors.
 
-A family with a module of its own (`train.model.families`; Qwen3.5 in train/model/qwen3_5.py)
+A family with a module of its own (`train.model.families`; Qwen3.5 in train/model/families/qwen3_5.py)
 gives its own name table, transforms and checkpoint shapes; the tables' rows may hold for one
 layer type only and list every expert. Tensors of a checkpoint that its model does not build
 (Qwen3.5's multi-token-prediction layers) are carried: import-hf keeps them in CARRIED_FILE and

@@ -59,7 +59,7 @@ ARCHITECTURES = {False: "Qwen3_5ForConditionalGeneration", True: "Qwen3_5MoeForC
 SPECIAL_TOKEN_IDS = dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
                          vision_end_token_id=248054)
 LAYER_TYPES = ("linear_attention", "full_attention")
-CONFIGS_DIR = Path(__file__).resolve().parent / "configs" / "qwen3_5"
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs" / "qwen3_5"
 # transformers' defaults where a config leaves a field out (Qwen3_5TextConfig, its rotary embedding)
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25

@@ -1,4 +1,4 @@
-"""Model families that live in one module each (`train.model.qwen3_5`), and the lookups through
+"""Model families that live in one module each (`train.model.families.qwen3_5`), and the lookups through
 which shared code reaches them.
 
 A family module defines a `ModelFamily` and registers it here: its Hugging Face model types and
@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 
 # The modules that define families; each calls `register` when imported.
-FAMILY_MODULES = ("train.model.qwen3_5",)
+FAMILY_MODULES = ("train.model.families.qwen3_5",)
 
 _FAMILIES: dict[str, ModelFamily] = {}
 _loaded = False
