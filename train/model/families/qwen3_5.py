@@ -221,15 +221,16 @@ def _tiny_lm(**moe) -> LMArch:
                   partial_rotary_factor=0.25, attn_output_gate=True, zero_centered_norms=True, **moe)
 
 
-_TINY_VISION = VisionArch(family="qwen3-vl", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-                          out_hidden_size=64, hidden_act="gelu_pytorch_tanh")
-TINY_ARCHS = {
-    "tiny-qwen3.5": ModelArch(FAMILY, _tiny_lm(), _TINY_VISION, **{k: SPECIAL_TOKEN_IDS[k] for k in
-                                                                     ("image_token_id", "video_token_id")}),
-    "tiny-qwen3.5-moe": ModelArch(FAMILY, _tiny_lm(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                                                   shared_expert_intermediate_size=40, router_aux_loss_coef=0.001),
-                                  _TINY_VISION, **{k: SPECIAL_TOKEN_IDS[k] for k in ("image_token_id", "video_token_id")}),
-}
+def _tiny_archs() -> dict[str, ModelArch]:
+    vision = VisionArch(family="qwen3-vl", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                        out_hidden_size=64, hidden_act="gelu_pytorch_tanh")
+    ids = {k: SPECIAL_TOKEN_IDS[k] for k in ("image_token_id", "video_token_id")}
+    return {
+        "tiny-qwen3.5": ModelArch(FAMILY, _tiny_lm(), vision, **ids),
+        "tiny-qwen3.5-moe": ModelArch(FAMILY, _tiny_lm(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                                       shared_expert_intermediate_size=40, router_aux_loss_coef=0.001),
+                                      vision, **ids),
+    }
 
 
 def preset_name(config_file: Path) -> str:
@@ -243,7 +244,7 @@ def builtin_archs() -> dict[str, ModelArch]:
     weights of `--arch`), and the tiny test architectures."""
     published = {preset_name(path): arch_from_hf_config(json.loads(path.read_text()))
                  for path in sorted(CONFIGS_DIR.glob("*.json"))}
-    return {**published, **TINY_ARCHS}
+    return {**published, **_tiny_archs()}
 
 
 # --- the decoder ---------------------------------------------------------------------------------
@@ -375,7 +376,7 @@ def weight_mappings() -> tuple:
     `layers` rows apply to the decoder layers of that kind only; `{expert}` rows list every expert."""
     convert = _convert()
     W, HF_LAYER, LAYER = convert.WeightMapping, convert.HF_LM + "layers.{layer}.", convert.LM + "decoder.layers.{layer}."
-    common = tuple(m for m in convert.WEIGHT_MAPPINGS if "{layer}" not in m.megatron)  # vision, embeddings, head, final norm
+    common = convert.COMMON_MAPPINGS  # vision, embeddings, head, final norm
     linear_splits = {"heads": convert.LINEAR_ATTENTION_SPLIT, "row": "row", "replicated": "replicated"}
     linear = tuple(
         W(tuple(HF_LAYER + name for name, _ in weight.hf), LAYER + "self_attention." + weight.param,
