@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import inspect
 import io
 import re
 import tokenize
@@ -225,3 +226,24 @@ def test_the_registries_agree():
     assert set(BUILTIN_PROFILES) == set(BUILTIN_CHAT_TEMPLATES)
     for family, template in BUILTIN_PROFILES.values():
         assert template in FAMILIES[family].templates
+
+
+def test_every_train_family_implements_its_hooks():
+    """A new training-side family module is complete: every attribute the `ModelFamily` base
+    documents, every hook without a default implemented, its vision tower a variant of a family
+    that defines one, and each of its modules registered."""
+    from train.model import families
+    from train.model.vision import TowerVariant
+
+    base = families.ModelFamily
+    required = [name for name, value in vars(base).items()
+                if callable(value) and "raise NotImplementedError" in inspect.getsource(value)]
+    assert "weight_mappings" in required and "block_spec" in required
+    registered = families.all_families()
+    assert sorted(type(f).__module__ for f in registered) == sorted(families.FAMILY_MODULES)
+    for family in registered:
+        assert families.by_name(family.name) is family
+        assert not [a for a in base.__annotations__ if not hasattr(family, a)], family.name
+        assert not [m for m in required if getattr(type(family), m) is getattr(base, m)], family.name
+        assert isinstance(families.vision_tower(family.vision_family), TowerVariant)
+        assert all(families.by_model_type(t) is family for t in family.model_types)
