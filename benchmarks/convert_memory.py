@@ -27,8 +27,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from train.checkpoint_format import HF_INDEX_FILE, HF_MAX_SHARD_BYTES
-from train.convert import HF_LM_HEAD, expert_layout, hf_shapes, hub_hf_names
+from train.convert import HF_LM_HEAD, hf_shapes, hub_hf_names
 from train.model.arch import builtin_arch
+from train.model.families.qwen3_vl import expert_layout
 
 GiB = 1024**3
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from train import convert
+from train.model import families
 from train.model.arch import BUILTIN_ARCHS, ModelArch
+from train.model.families import qwen2_5_vl, qwen3_vl
 
 # Parameters of the published checkpoints, in billions (the model cards' sizes, to 0.1 %).
 PUBLISHED_BILLIONS = {
@@ -34,14 +36,14 @@ def _hf_meta_model(arch: ModelArch):
         return getattr(transformers, arch.hf_architecture)(hf_config)
 
 
-@pytest.mark.parametrize("name", sorted(BUILTIN_ARCHS))
+@pytest.mark.parametrize("name", sorted({**qwen3_vl.builtin_archs(), **qwen2_5_vl.builtin_archs()}))
 def test_builtin_arch_is_the_transformers_model(name):
     arch = BUILTIN_ARCHS[name]
     assert ModelArch.from_hf_config(arch.to_hf_config()) == arch
     model = _hf_meta_model(arch)
     state = {k: torch.empty(v.shape, device="meta") for k, v in model.state_dict().items()}
     # transformers holds MoE expert stacks as [E, 2F, H]; the checkpoint layout we read is [E, H, 2F]
-    state = convert.expert_layout(state, arch.lm)
+    state = families.of(arch).hf_checkpoint_layout(state, arch)
     if arch.lm.tie_word_embeddings:
         state.pop(convert.HF_LM_HEAD, None)
     assert {k: tuple(v.shape) for k, v in state.items()} == convert.hf_shapes(arch)

@@ -31,6 +31,7 @@ from train.checkpoint_format import (
     write_meta,
 )
 from train.model.arch import ModelArch, builtin_arch
+from train.model.families import qwen3_vl
 
 # Model kinds: the two families, and Qwen3-VL with Mixture-of-Experts MLPs.
 HF_CLASSES = {"qwen3-vl": "Qwen3VLForConditionalGeneration", "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
@@ -180,8 +181,8 @@ def test_expert_parallel_shards_hold_their_experts(hf_checkpoint, tmp_path):
     full = C.hf_to_megatron(hf, arch)
     lm = arch.lm
     e, h, f = lm.num_experts, lm.hidden_size, lm.moe_intermediate_size
-    stack = C.expert_layout(hf, lm)["model.language_model.layers.0.mlp.experts.gate_up_proj"]  # [E, H, 2F]
-    down = C.expert_layout(hf, lm)["model.language_model.layers.0.mlp.experts.down_proj"]  # [E, F, H]
+    stack = qwen3_vl.expert_layout(hf, lm)["model.language_model.layers.0.mlp.experts.gate_up_proj"]  # [E, H, 2F]
+    down = qwen3_vl.expert_layout(hf, lm)["model.language_model.layers.0.mlp.experts.down_proj"]  # [E, F, H]
     for ep in (2, 4):
         for tp, pp in product((1, 2), (1, 2)):
             states = {key: C.shard(full, arch, tp, key[0], pp, key[1], ep, key[2]) for key in C.rank_keys(tp, pp, ep)}

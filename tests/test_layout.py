@@ -1,10 +1,9 @@
 """The layout of the packages, read from their sources.
 
-* Model families: everything family-specific on the data side lives in one module per family,
-  under `preprocess/families/` and `shards_schema/families/`; shared code asks the family
-  instead of testing its name. A branch on a family name anywhere else in `preprocess/` or
-  `shards_schema/` fails `test_no_family_branches_outside_the_families`; `train/` is counted
-  and reported, not asserted (its families are not gathered yet).
+* Model families: everything family-specific lives in one module per family, under
+  `preprocess/families/`, `shards_schema/families/` and `train/model/families/`; shared code asks
+  the family instead of testing its name. A branch on a family name anywhere else in the three
+  packages fails `test_no_family_branches_outside_the_families`.
 * Imports: no circle between modules of `preprocess/`, `shards_schema/` and `train/`, imports
   inside functions included (they close a circle as surely, only later).
 """
@@ -12,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import inspect
 import io
 import re
 import tokenize
@@ -83,18 +83,16 @@ def family_branches(path: Path, names: set[str], root: Path = ROOT) -> list[str]
     return [f"{where}:{row}: {lines[row - 1].strip()}" for row, _ in sorted(hits.items())]
 
 
-def test_no_family_branches_outside_the_families(record_property):
+def test_no_family_branches_outside_the_families():
     names = _family_names()
     found = {package: [] for package in PACKAGES}
     for module, path in _modules().items():
         if not _in_families(path):
             found[module.split(".")[0]] += family_branches(path, names)
-    record_property("train_family_branches", len(found["train"]))
-    print(f"\nfamily-specific lines in train/ (branches on a family, names built on qwen2; not asserted yet): "
-          f"{len(found['train'])}", *found["train"], sep="\n  ")
-    assert found["preprocess"] == [] and found["shards_schema"] == [], (
-        "branch on a model family outside preprocess/families/ and shards_schema/families/ (ask the family "
-        "object instead, docs/families.md):\n" + "\n".join(found["preprocess"] + found["shards_schema"]))
+    hits = [hit for package in PACKAGES for hit in found[package]]
+    assert hits == [], (
+        "branch on a model family outside preprocess/families/, shards_schema/families/ and "
+        "train/model/families/ (ask the family object instead, docs/families.md):\n" + "\n".join(hits))
 
 
 def test_the_branch_count_sees_branches_and_not_text(tmp_path):
@@ -285,3 +283,24 @@ def test_the_test_module_import_search_finds_each_form(tmp_path):
     assert imported_test_modules(module, root=tmp_path) == [
         "test_a.py:1: tests.test_train", "test_a.py:3: test_b", "test_a.py:5: test_c", "test_a.py:6: tests.test_d",
         "test_a.py:7: test_e", "test_a.py:8: tests.test_f", "test_a.py:9: test_g"]
+
+
+def test_every_train_family_implements_its_hooks():
+    """A new training-side family module is complete: every attribute the `ModelFamily` base
+    documents, every hook without a default implemented, its vision tower a variant of a family
+    that defines one, and each of its modules registered."""
+    from train.model import families
+    from train.model.vision import TowerVariant
+
+    base = families.ModelFamily
+    required = [name for name, value in vars(base).items()
+                if callable(value) and "raise NotImplementedError" in inspect.getsource(value)]
+    assert "weight_mappings" in required and "block_spec" in required
+    registered = families.all_families()
+    assert sorted(type(f).__module__ for f in registered) == sorted(families.FAMILY_MODULES)
+    for family in registered:
+        assert families.by_name(family.name) is family
+        assert not [a for a in base.__annotations__ if not hasattr(family, a)], family.name
+        assert not [m for m in required if getattr(type(family), m) is getattr(base, m)], family.name
+        assert isinstance(families.vision_tower(family.vision_family), TowerVariant)
+        assert all(families.by_model_type(t) is family for t in family.model_types)

@@ -1,4 +1,4 @@
-"""Qwen3.5 / Qwen3.6 on the training side (`train.model.qwen3_5`) against transformers'
+"""Qwen3.5 / Qwen3.6 on the training side (`train.model.families.qwen3_5`) against transformers'
 `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` (CPU, fp32, tiny).
 
 - Architectures: every vendored published config.json is a built-in --arch whose HF tensors
@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from shards_schema.pixels import pixel_values_from_patches, video_pixel_values_from_patches
 from tests.helpers.models import QWEN3_5_IDS, tiny_qwen3_5, tiny_qwen3_5_config
 from train import convert, memory_plan
-from train.model import lora, qwen3_5
+from train.model import lora
 from train.model.arch import ModelArch, builtin_arch
+from train.model.families import qwen3_5
 from train.model.qwen_vl import transformer_config
 from train.packed_batch import IGNORE_INDEX, assemble_pack
 from train.parallel import build_model, destroy_parallel, init_parallel

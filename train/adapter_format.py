@@ -92,7 +92,7 @@ def peft_modules_to_save(arch: ModelArch, parts: tuple[str, ...]) -> list[str]:
     names = []
     if "vision" in parts:
         names += ["patch_embed", *(f"blocks.{i}" for i in range(arch.vision.depth))]
-        names += ["pos_embed"] if arch.vision.family == "qwen3-vl" else []  # the tower with a learned position table
+        names += ["pos_embed"] if arch.vision.variant.learned_position_table else []
     if "merger" in parts:
         names += ["merger"] + [f"deepstack_merger_list.{i}" for i in range(len(arch.vision.deepstack_visual_indexes))]
     return [f"model.visual.{n}" for n in names]

@@ -374,8 +374,6 @@ def read_profile(directory: str | Path) -> dict | None:
 
 # --- Hugging Face side files: tokenizer, processors, chat template, generation defaults -------
 
-HF_PROCESSOR_CLASS = {"qwen3-vl": "Qwen3VLProcessor", "qwen2.5-vl": "Qwen2_5_VLProcessor"}
-HF_VIDEO_PROCESSOR_CLASS = {"qwen3-vl": "Qwen3VLVideoProcessor", "qwen2.5-vl": "Qwen2VLVideoProcessor"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -409,9 +407,7 @@ def _size(settings: dict) -> dict:
 
 def _processor_class(family: str, video: bool = False) -> str:
     module = families.by_name(family)
-    if module is not None:
-        return module.hf_video_processor_class if video else module.hf_processor_class
-    return (HF_VIDEO_PROCESSOR_CLASS if video else HF_PROCESSOR_CLASS)[family]
+    return module.hf_video_processor_class if video else module.hf_processor_class
 
 
 def image_processor_config(family: str, vision: dict) -> dict:
@@ -543,8 +539,7 @@ def write_side_files(out_dir: Path, family: str, kept: Path | None, chat_templat
         _write_json(out_dir / "preprocessor_config.json", configs["image_processor"])
         _update_json(out_dir / "processor_config.json", configs)  # its nested copies would be read first
     elif "preprocessor_config.json" not in copied:
-        module = families.by_name(family)
-        vision = BUILTIN_VISION[module.processor_defaults_family if module is not None else family]
+        vision = BUILTIN_VISION[families.by_name(family).processor_defaults_family]
         _write_json(out_dir / "preprocessor_config.json", image_processor_config(family, dataclasses.asdict(vision)))
     if "generation_config.json" not in copied:
         _write_json(out_dir / "generation_config.json", QWEN_GENERATION_CONFIG)

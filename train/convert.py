@@ -15,9 +15,9 @@ GQA group ([the group's q heads, its k head, its v head] per group) so that a TP
 whole groups; fc1 is [gate; up], each half split across TP ranks separately; the norms of
 the local (non-TE) layer spec stay separate tensors.
 
-A family with a module of its own (`train.model.families`; Qwen3.5 in train/model/qwen3_5.py)
-gives its own name table, transforms and checkpoint shapes; the tables' rows may hold for one
-layer type only and list every expert. Tensors of a checkpoint that its model does not build
+Each model family's module (`train.model.families`) gives its name table (built on the rows
+shared here), its transforms, its checkpoint shapes and its checkpoints' names and layouts; the
+tables' rows may hold for one layer type only and list every expert. Tensors of a checkpoint that its model does not build
 (Qwen3.5's multi-token-prediction layers) are carried: import-hf keeps them in CARRIED_FILE and
 export-hf writes them back as they are (`carried_tensors`).
 """
@@ -70,20 +70,15 @@ from train.checkpoint_format import (
 )
 from train.model import families
 from train.model.arch import LMArch, ModelArch
-from train.model.vision import VisionTower
 
 from train.model.weight_names import (  # noqa: F401 (the name table is also the converter's)
-    EMBED, HF_LM, HF_LM_HEAD, HF_VISION, LINEAR_ATTENTION_SPLIT, LM, OUTPUT, VISION, WEIGHT_MAPPINGS, WeightMapping,
+    EMBED, HF_LM, HF_LM_HEAD, HF_VISION, LINEAR_ATTENTION_SPLIT, LM, OUTPUT,
+    VISION, WeightMapping, renamed,
 )
 
 _LAYER_KEY = re.compile(r"^language_model\.decoder\.layers\.(\d+)\.(.+)$")
 
 
-# Families whose hub checkpoints (and transformers' save_pretrained) use the pre-5.x names:
-# family -> (transformers 5.x prefix, the hub's prefix) pairs.
-HUB_NAME_PREFIXES = {
-    "qwen2.5-vl": ((HF_VISION, "visual."), (HF_LM, "model.")),
-}
 
 
 def model_part(name: str) -> str:
@@ -101,14 +96,12 @@ def _mapping_pattern(name: str) -> re.Pattern:
 
 
 def weight_mappings(arch: ModelArch) -> tuple[WeightMapping, ...]:
-    """The name table of `arch`'s family: its module's (`train.model.families`), else WEIGHT_MAPPINGS."""
-    family = families.of(arch)
-    return family.weight_mappings() if family is not None else WEIGHT_MAPPINGS
+    """The name table of `arch`'s family (`train.model.families`)."""
+    return families.of(arch).weight_mappings()
 
 
 def _transforms(arch: ModelArch) -> dict:
-    family = families.of(arch)
-    return {**TRANSFORMS, **family.transforms} if family is not None else TRANSFORMS
+    return {**TRANSFORMS, **families.of(arch).transforms}
 
 
 @lru_cache(maxsize=8)
@@ -167,25 +160,25 @@ TRANSFORMS = {
     "copy": (lambda tensors, lm: tensors[0], lambda tensor, lm: (tensor,)),
     "qkv": (lambda tensors, lm: fuse_qkv(*tensors, lm), split_qkv),
     "gate_up": (lambda tensors, lm: torch.cat(tensors), lambda tensor, lm: tuple(tensor.chunk(2))),
-    # The hub's [E, H, 2F] / [E, F, H] expert stacks are megatron GroupedMLP's weight1 /
-    # weight2 memory as they are (see train.model.moe): only the 2-D shape differs.
-    "experts_fc1": (lambda tensors, lm: tensors[0].reshape(lm.hidden_size, -1),
-                    lambda tensor, lm: (tensor.reshape(lm.num_experts, lm.hidden_size, -1),)),
-    "experts_fc2": (lambda tensors, lm: tensors[0].reshape(-1, lm.hidden_size),
-                    lambda tensor, lm: (tensor.reshape(lm.num_experts, -1, lm.hidden_size),)),
 }
 
 
 # --- HF names -------------------------------------------------------------------------------
 
 
+def _hub_name_prefixes() -> tuple[tuple[str, str], ...]:
+    """Every family's (transformers 5.x prefix, its hub checkpoints' prefix) pairs."""
+    return tuple(pair for family in families.all_families() for pair in family.hub_name_prefixes)
+
+
 def canonical_hf_names(state: dict) -> dict:
     """Hub names of any family (`visual.*`, `model.layers.*`) -> transformers 5.x names."""
-    current = tuple(new for pairs in HUB_NAME_PREFIXES.values() for new, _ in pairs)
+    pairs = _hub_name_prefixes()
+    current = tuple(new for new, _ in pairs)
     out = {}
     for key, value in state.items():
         if not key.startswith(current):
-            for new, old in (pair for pairs in HUB_NAME_PREFIXES.values() for pair in pairs):
+            for new, old in pairs:
                 if key.startswith(old):
                     key = new + key.removeprefix(old)
                     break
@@ -197,15 +190,7 @@ def canonical_hf_names(state: dict) -> dict:
 
 def hub_hf_names(state: dict, family: str) -> dict:
     """transformers 5.x names -> the names the family's hub checkpoints use."""
-    pairs = HUB_NAME_PREFIXES.get(family, ())
-    out = {}
-    for key, value in state.items():
-        for new, old in pairs:
-            if key.startswith(new):
-                key = old + key.removeprefix(new)
-                break
-        out[key] = value
-    return out
+    return renamed(state, families.by_name(family).hub_name_prefixes)
 
 
 # --- expected shapes ------------------------------------------------------------------------
@@ -213,35 +198,8 @@ def hub_hf_names(state: dict, family: str) -> dict:
 
 @lru_cache(maxsize=16)
 def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the HF checkpoint (transformers 5.x names) and its shape."""
-    family = families.of(arch)
-    if family is not None:
-        return family.hf_shapes(arch)
-    lm = arch.lm
-    h, d, f, v = lm.hidden_size, lm.head_dim, lm.intermediate_size, lm.vocab_size
-    q, kv = lm.num_heads * d, lm.num_kv_heads * d
-    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-             "self_attn.o_proj.weight": (h, q)}
-    if lm.is_moe:
-        e, fe = lm.num_experts, lm.moe_intermediate_size
-        layer.update({"mlp.gate.weight": (e, h), "mlp.experts.gate_up_proj": (e, h, 2 * fe),
-                      "mlp.experts.down_proj": (e, fe, h)})
-    else:
-        layer.update({"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)})
-    if lm.qk_norm:
-        layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
-    if lm.qkv_bias:
-        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
-    shapes = {HF_LM + "embed_tokens.weight": (v, h), HF_LM + "norm.weight": (h,)}
-    if not lm.tie_word_embeddings:
-        shapes[HF_LM_HEAD] = (v, h)
-    for i in range(lm.num_layers):
-        shapes.update({f"{HF_LM}layers.{i}.{k}": s for k, s in layer.items()})
-    # Our VisionTower has HF's parameter names, so a meta-device instance lists them.
-    tower = VisionTower(arch.vision, device="meta")
-    shapes.update({HF_VISION + k: tuple(t.shape) for k, t in tower.state_dict().items()})
-    return shapes
+    """Every tensor of the HF checkpoint, in the names of its family's table, and its shape."""
+    return families.of(arch).hf_shapes(arch)
 
 
 def _meta_state(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
@@ -288,47 +246,16 @@ def _drop_tied_lm_head(hf: dict, arch: ModelArch) -> dict:
     return {k: v for k, v in hf.items() if k != HF_LM_HEAD}
 
 
-# Qwen3-VL MoE expert stacks come in two layouts: the published checkpoints' [E, H, 2F] /
-# [E, F, H] (what our weights are, see TRANSFORMS) and transformers 5.x's in-memory
-# [E, 2F, H] / [E, H, F], which its `save_pretrained` writes. transformers tells them apart by
-# shape (a tensor shaped like its parameter is taken as is); so do we, and a square stack
-# (H == 2F, or H == F) is read as transformers reads it.
-_EXPERT_STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-
-def _transformers_layout_shapes(lm: LMArch) -> dict[str, tuple[int, ...]]:
-    e, h, f = lm.num_experts, lm.hidden_size, lm.moe_intermediate_size
-    return {"mlp.experts.gate_up_proj": (e, 2 * f, h), "mlp.experts.down_proj": (e, h, f)}
-
-
-def expert_layout(hf: dict, lm: LMArch) -> dict:
-    """Expert stacks shaped like transformers' in-memory layout, transposed. Reading, that
-    gives the published layout; writing (from the published layout), it changes only a
-    square stack, which transformers would otherwise take as its own layout."""
-    if not lm.is_moe:
-        return hf
-    memory = _transformers_layout_shapes(lm)
-    out = {}
-    for key, value in hf.items():
-        stack = next((s for s in _EXPERT_STACKS if key.endswith(s)), None)
-        if stack is not None and tuple(value.shape) == memory[stack]:
-            value = value.transpose(1, 2).contiguous()
-        out[key] = value
-    return out
-
-
 def carried_tensors(hf_state: dict, arch: ModelArch) -> dict:
     """The tensors of an HF checkpoint that the model does not build but a checkpoint of it
     keeps as they are (the family's `carried_prefixes`: Qwen3.5's multi-token-prediction
     layers): import-hf stores them in CARRIED_FILE, export-hf writes them back."""
-    family = families.of(arch)
-    prefixes = family.carried_prefixes if family is not None else ()
+    prefixes = families.of(arch).carried_prefixes
     return {k: v for k, v in hf_state.items() if prefixes and k.startswith(prefixes)}
 
 
 def _checkpoint_layout(hf: dict, arch: ModelArch) -> dict:
-    family = families.of(arch)
-    return family.hf_checkpoint_layout(hf, arch) if family is not None else expert_layout(hf, arch.lm)
+    return families.of(arch).hf_checkpoint_layout(hf, arch)
 
 
 def hf_to_megatron(hf_state: dict, arch: ModelArch) -> dict:
@@ -359,9 +286,7 @@ def megatron_to_hf(full_state: dict[str, torch.Tensor], arch: ModelArch) -> dict
     out = {}
     for m, names, megatron in _name_pairs(arch, full_state):
         out.update(zip(names, transforms[m.transform][1](full_state[megatron], arch.lm)))
-    if families.of(arch) is not None:  # the table's names are the published checkpoints'
-        return out
-    return hub_hf_names(expert_layout(out, arch.lm), arch.family)
+    return families.of(arch).hf_export_layout(out, arch)
 
 
 # --- full Megatron <-> per-rank shards ------------------------------------------------------
@@ -844,8 +769,7 @@ def read_carried(source: str | Path, arch: ModelArch) -> dict[str, LazyTensor]:
     if (source / META_FILE).is_file():
         path = source / CARRIED_FILE
         return lazy_file_tensors(path) if path.is_file() else {}
-    family = families.of(arch)
-    if family is None or not family.carried_prefixes or not (source / "config.json").is_file():
+    if not families.of(arch).carried_prefixes or not (source / "config.json").is_file():
         return {}
     return carried_tensors(lazy_hf_state(source), arch)
 

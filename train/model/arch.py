@@ -1,33 +1,25 @@
 """Architectures: what the model is, independent of how it is parallelised.
 
 `ModelArch` = language model shape (`LMArch`) + vision tower shape (`VisionArch`) + the
-image token id. Built in (`qwen3-vl-2b`, `qwen2.5-vl-3b`, and `tiny` / `tiny-qwen2.5` for
-tests), or read from a Hugging Face `config.json` (both the nested `text_config` layout of
-transformers 5.x and the flat Qwen2.5-VL layout with `rope_scaling`). `to_hf_config` writes
-the config that `transformers` loads for an exported checkpoint. Families with a module of
-their own (`train.model.families`: Qwen3.5 / Qwen3.6) translate their configs and hold their
-built-in architectures there; `builtin_arch` and `from_hf_config` reach them.
+image token id. Built in (`BUILTIN_ARCHS`: `qwen3-vl-2b`, `qwen2.5-vl-3b`, `tiny` for tests,
+...), or read from a Hugging Face `config.json`; `to_hf_config` writes the config that
+`transformers` loads for an exported checkpoint. Each model family's module
+(`train.model.families`) holds its built-in architectures and translates its configs;
+`builtin_arch`, `from_hf_config` and `to_hf_config` reach them. The config reader and writer
+that Qwen3-VL and Qwen2.5-VL share are here (`lm_from_hf_config`, `hf_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from train.model import families
 from train.model.vision import VisionArch
 
-FAMILIES = ("qwen3-vl", "qwen2.5-vl")
-# (family, Mixture-of-Experts language model) -> Hugging Face model_type / architecture. The
-# MoE checkpoints share the dense family's vision tower, chat template and processor: for the
-# data they are the same family.
-HF_MODEL_TYPE = {("qwen3-vl", False): "qwen3_vl", ("qwen2.5-vl", False): "qwen2_5_vl",
-                 ("qwen3-vl", True): "qwen3_vl_moe"}
-HF_ARCHITECTURE = {("qwen3-vl", False): "Qwen3VLForConditionalGeneration",
-                   ("qwen2.5-vl", False): "Qwen2_5_VLForConditionalGeneration",
-                   ("qwen3-vl", True): "Qwen3VLMoeForConditionalGeneration"}
 SPECIAL_TOKEN_IDS = dict(image_token_id=151655, video_token_id=151656,
                          vision_start_token_id=151652, vision_end_token_id=151653)
 
@@ -144,52 +136,21 @@ class ModelArch:
 
     @property
     def hf_model_type(self) -> str:
-        family = families.by_name(self.family)
-        return family.hf_model_type(self) if family else HF_MODEL_TYPE[(self.family, self.lm.is_moe)]
+        return families.of(self).hf_model_type(self)
 
     @property
     def hf_architecture(self) -> str:
         """The transformers class of this architecture."""
-        family = families.by_name(self.family)
-        return family.hf_architecture(self) if family else HF_ARCHITECTURE[(self.family, self.lm.is_moe)]
+        return families.of(self).hf_architecture(self)
 
     @classmethod
     def from_hf_config(cls, config: dict) -> ModelArch:
         model_type = config.get("model_type")
         family = families.by_model_type(model_type) if isinstance(model_type, str) else None
-        if family is not None:
-            return family.arch_from_hf_config(config)
-        kind = {v: k for k, v in HF_MODEL_TYPE.items()}.get(model_type)
-        if kind is None:
-            known = sorted([*HF_MODEL_TYPE.values(), *(t for f in families.all_families() for t in f.model_types)])
-            raise ValueError(f"unsupported model_type {model_type!r} in config.json: expected one of {known}")
-        family, moe = kind
-        text = config.get("text_config") or config
-        _check_representable(text, moe)
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or config.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", text.get("rope_theta"))
-        qwen3 = family == "qwen3-vl"
-        section = tuple(rope.get("mrope_section") or ((24, 20, 20) if qwen3 else (16, 24, 24)))
-        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-        if sum(section) != head_dim // 2:
-            raise ValueError(f"mrope_section {list(section)} must sum to head_dim/2 = {head_dim // 2}")
-        tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-        lm = LMArch(
-            vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
-            num_layers=text["num_hidden_layers"], num_heads=text["num_attention_heads"],
-            num_kv_heads=text.get("num_key_value_heads", text["num_attention_heads"]), head_dim=head_dim,
-            intermediate_size=text["intermediate_size"], rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta if theta is not None else (5e6 if qwen3 else 1e6)),
-            mrope_section=section, mrope_interleaved=qwen3, qkv_bias=not qwen3, qk_norm=qwen3,
-            tie_word_embeddings=bool(tie),
-            # transformers >= 5.2x saves num_experts as num_local_experts
-            **(dict(num_experts=text.get("num_experts", text.get("num_local_experts")), num_experts_per_tok=text["num_experts_per_tok"],
-                    moe_intermediate_size=text["moe_intermediate_size"],
-                    router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001))) if moe else {}))
-        vision = VisionArch.from_hf_config(family, config["vision_config"])
-        return cls(family=family, lm=lm, vision=vision,
-                   image_token_id=config.get("image_token_id", SPECIAL_TOKEN_IDS["image_token_id"]),
-                   video_token_id=config.get("video_token_id", SPECIAL_TOKEN_IDS["video_token_id"]))
+        if family is None:
+            raise ValueError(f"unsupported model_type {model_type!r} in config.json: expected one of "
+                             f"{families.model_types()}")
+        return family.arch_from_hf_config(config)
 
     @classmethod
     def from_hf_dir(cls, model_dir: str | Path) -> ModelArch:
@@ -199,29 +160,65 @@ class ModelArch:
         return cls.from_hf_config(json.loads(path.read_text()))
 
     def to_hf_config(self) -> dict:
-        family = families.by_name(self.family)
-        if family is not None:
-            return family.to_hf_config(self)
-        lm = self.lm
-        rope = {"rope_type": "default", "rope_theta": lm.rope_theta, "mrope_section": list(lm.mrope_section)}
-        if lm.mrope_interleaved:
-            rope["mrope_interleaved"] = True
-        text = dict(
-            vocab_size=lm.vocab_size, hidden_size=lm.hidden_size, intermediate_size=lm.intermediate_size,
-            num_hidden_layers=lm.num_layers, num_attention_heads=lm.num_heads,
-            num_key_value_heads=lm.num_kv_heads, head_dim=lm.head_dim, hidden_act="silu",
-            rms_norm_eps=lm.rms_norm_eps, max_position_embeddings=128000, attention_bias=lm.qkv_bias,
-            rope_parameters=rope, tie_word_embeddings=lm.tie_word_embeddings,
-            model_type=self.hf_model_type + "_text")
-        if lm.is_moe:
-            text.update(num_experts=lm.num_experts, num_experts_per_tok=lm.num_experts_per_tok,
-                        moe_intermediate_size=lm.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
-                        router_aux_loss_coef=lm.router_aux_loss_coef)
-        return dict(architectures=[self.hf_architecture], model_type=self.hf_model_type,
-                    text_config=text, vision_config=self.vision.to_hf_config(),
-                    tie_word_embeddings=lm.tie_word_embeddings,
-                    **{**SPECIAL_TOKEN_IDS, "image_token_id": self.image_token_id,
-                       "video_token_id": self.video_token_id})
+        return families.of(self).to_hf_config(self)
+
+
+def lm_from_hf_config(config: dict, moe: bool, *, mrope_section: tuple[int, int, int], rope_theta: float,
+                      mrope_interleaved: bool, qkv_bias: bool, qk_norm: bool) -> LMArch:
+    """The language model of a Qwen3-VL or Qwen2.5-VL config.json (the nested `text_config`
+    layout of transformers 5.x, or the flat Qwen2.5-VL layout with `rope_scaling`); the family
+    gives the M-RoPE sections and theta its configs may leave out and its fixed features."""
+    text = config.get("text_config") or config
+    _check_representable(text, moe)
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", text.get("rope_theta"))
+    section = tuple(rope.get("mrope_section") or mrope_section)
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if sum(section) != head_dim // 2:
+        raise ValueError(f"mrope_section {list(section)} must sum to head_dim/2 = {head_dim // 2}")
+    tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return LMArch(
+        vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
+        num_layers=text["num_hidden_layers"], num_heads=text["num_attention_heads"],
+        num_kv_heads=text.get("num_key_value_heads", text["num_attention_heads"]), head_dim=head_dim,
+        intermediate_size=text["intermediate_size"], rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta if theta is not None else rope_theta),
+        mrope_section=section, mrope_interleaved=mrope_interleaved, qkv_bias=qkv_bias, qk_norm=qk_norm,
+        tie_word_embeddings=bool(tie),
+        # transformers >= 5.2x saves num_experts as num_local_experts
+        **(dict(num_experts=text.get("num_experts", text.get("num_local_experts")), num_experts_per_tok=text["num_experts_per_tok"],
+                moe_intermediate_size=text["moe_intermediate_size"],
+                router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001))) if moe else {}))
+
+
+def token_ids(config: dict) -> dict:
+    """The image and video token ids a config.json sets (ModelArch's defaults where it sets none)."""
+    return {"image_token_id": config.get("image_token_id", SPECIAL_TOKEN_IDS["image_token_id"]),
+            "video_token_id": config.get("video_token_id", SPECIAL_TOKEN_IDS["video_token_id"])}
+
+
+def hf_config(arch: ModelArch) -> dict:
+    """The config.json of a Qwen3-VL or Qwen2.5-VL checkpoint of `arch` (transformers 5.x layout)."""
+    lm = arch.lm
+    rope = {"rope_type": "default", "rope_theta": lm.rope_theta, "mrope_section": list(lm.mrope_section)}
+    if lm.mrope_interleaved:
+        rope["mrope_interleaved"] = True
+    text = dict(
+        vocab_size=lm.vocab_size, hidden_size=lm.hidden_size, intermediate_size=lm.intermediate_size,
+        num_hidden_layers=lm.num_layers, num_attention_heads=lm.num_heads,
+        num_key_value_heads=lm.num_kv_heads, head_dim=lm.head_dim, hidden_act="silu",
+        rms_norm_eps=lm.rms_norm_eps, max_position_embeddings=128000, attention_bias=lm.qkv_bias,
+        rope_parameters=rope, tie_word_embeddings=lm.tie_word_embeddings,
+        model_type=arch.hf_model_type + "_text")
+    if lm.is_moe:
+        text.update(num_experts=lm.num_experts, num_experts_per_tok=lm.num_experts_per_tok,
+                    moe_intermediate_size=lm.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
+                    router_aux_loss_coef=lm.router_aux_loss_coef)
+    return dict(architectures=[arch.hf_architecture], model_type=arch.hf_model_type,
+                text_config=text, vision_config=arch.vision.to_hf_config(),
+                tie_word_embeddings=lm.tie_word_embeddings,
+                **{**SPECIAL_TOKEN_IDS, "image_token_id": arch.image_token_id,
+                   "video_token_id": arch.video_token_id})
 
 
 def _check_representable(text: dict, moe: bool) -> None:
@@ -239,100 +236,49 @@ def _check_representable(text: dict, moe: bool) -> None:
             raise ValueError("config.json norm_topk_prob false: the router renormalises its top-k weights")
 
 
-def _qwen3_vision(**kw) -> VisionArch:
-    return VisionArch(family="qwen3-vl", hidden_act="gelu_pytorch_tanh", **kw)
+class _BuiltinArchs(MutableMapping):
+    """--arch name -> ModelArch: every family module's `builtin_archs` (read on first use, when
+    the family modules are imported), and any added at run time (the benchmarks' shortened ones)."""
 
+    def __init__(self):
+        self._added: dict[str, ModelArch] = {}
 
-def _qwen3_lm(hidden: int, layers: int, heads: int, intermediate: int, tie: bool, kv_heads: int = 8,
-              **moe) -> LMArch:
-    return LMArch(vocab_size=151936, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-                  head_dim=128, intermediate_size=intermediate, rms_norm_eps=1e-6, rope_theta=5e6,
-                  mrope_section=(24, 20, 20), mrope_interleaved=True, qkv_bias=False, qk_norm=True,
-                  tie_word_embeddings=tie, **moe)
+    def _all(self) -> dict[str, ModelArch]:
+        return {**{name: arch for family in families.all_families() for name, arch in family.builtin_archs().items()},
+                **self._added}
 
+    def __getitem__(self, name: str) -> ModelArch:
+        return self._all()[name]
 
-def _qwen3_moe(hidden: int, layers: int, expert_width: int) -> LMArch:
-    return _qwen3_lm(hidden, layers, heads=hidden // 64, intermediate=3 * hidden, tie=False, kv_heads=4,
-                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=expert_width,
-                     router_aux_loss_coef=0.001)
+    def __setitem__(self, name: str, arch: ModelArch) -> None:
+        self._added[name] = arch
 
+    def __delitem__(self, name: str) -> None:
+        del self._added[name]
 
-def _qwen3_vision_large(out: int) -> VisionArch:
-    """The 27-block tower of Qwen3-VL 8B and larger."""
-    return _qwen3_vision(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=out,
-                         deepstack_visual_indexes=(8, 16, 24))
+    def __iter__(self):
+        return iter(self._all())
 
-
-def _qwen3_vision_small(out: int) -> VisionArch:
-    """The 24-block tower of Qwen3-VL 2B and 4B."""
-    return _qwen3_vision(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=out,
-                         deepstack_visual_indexes=(5, 11, 17))
-
-
-def _qwen2_5_lm(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
-                tie: bool) -> LMArch:
-    return LMArch(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-                  head_dim=128, intermediate_size=intermediate, rms_norm_eps=1e-6, rope_theta=1e6,
-                  mrope_section=(16, 24, 24), mrope_interleaved=False, qkv_bias=True, qk_norm=False,
-                  tie_word_embeddings=tie)
-
-
-def _qwen2_5_vision(out: int, intermediate: int) -> VisionArch:
-    return VisionArch(family="qwen2.5-vl", depth=32, hidden_size=1280, intermediate_size=intermediate, num_heads=16,
-                      out_hidden_size=out, patch_size=14, window_size=112, fullatt_block_indexes=(7, 15, 23, 31),
-                      hidden_act="silu")
+    def __len__(self) -> int:
+        return len(self._all())
 
 
 # The published architectures (the Instruct and Thinking checkpoints of a size share one), with
-# random weights: benchmarks, memory plans and GPU tests run them without a download.
-BUILTIN_ARCHS: dict[str, ModelArch] = {
-    "qwen3-vl-2b": ModelArch("qwen3-vl", _qwen3_lm(2048, 28, 16, 6144, tie=True), _qwen3_vision_small(2048)),
-    "qwen3-vl-4b": ModelArch("qwen3-vl", _qwen3_lm(2560, 36, 32, 9728, tie=True), _qwen3_vision_small(2560)),
-    "qwen3-vl-8b": ModelArch("qwen3-vl", _qwen3_lm(4096, 36, 32, 12288, tie=False), _qwen3_vision_large(4096)),
-    "qwen3-vl-32b": ModelArch("qwen3-vl", _qwen3_lm(5120, 64, 64, 25600, tie=False), _qwen3_vision_large(5120)),
-    "qwen3-vl-30b-a3b": ModelArch("qwen3-vl", _qwen3_moe(2048, 48, 768), _qwen3_vision_large(2048)),
-    "qwen3-vl-235b-a22b": ModelArch("qwen3-vl", _qwen3_moe(4096, 94, 1536), _qwen3_vision_large(4096)),
-    "qwen2.5-vl-3b": ModelArch("qwen2.5-vl", _qwen2_5_lm(151936, 2048, 36, 16, 2, 11008, tie=True),
-                               _qwen2_5_vision(2048, 3420)),
-    "qwen2.5-vl-7b": ModelArch("qwen2.5-vl", _qwen2_5_lm(152064, 3584, 28, 28, 4, 18944, tie=False),
-                               _qwen2_5_vision(3584, 3420)),
-    "qwen2.5-vl-32b": ModelArch("qwen2.5-vl", _qwen2_5_lm(152064, 5120, 64, 40, 8, 27648, tie=False),
-                                _qwen2_5_vision(5120, 3456)),
-    "qwen2.5-vl-72b": ModelArch("qwen2.5-vl", _qwen2_5_lm(152064, 8192, 80, 64, 8, 29568, tie=False),
-                                _qwen2_5_vision(8192, 3456)),
-    # Tiny shapes with every structural feature (GQA, DeepStack on 2 of 3 layers, windows,
-    # experts): CPU tests and smoke runs.
-    "tiny": ModelArch("qwen3-vl", LMArch(
-        vocab_size=151936, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
-        intermediate_size=128, rms_norm_eps=1e-6, rope_theta=5e6, mrope_section=(4, 2, 2),
-        mrope_interleaved=True, qkv_bias=False, qk_norm=True, tie_word_embeddings=True),
-        _qwen3_vision(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                      deepstack_visual_indexes=(0, 1))),
-    "tiny-qwen2.5": ModelArch("qwen2.5-vl", LMArch(
-        vocab_size=151936, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        intermediate_size=128, rms_norm_eps=1e-6, rope_theta=1e6, mrope_section=(2, 3, 3),
-        mrope_interleaved=False, qkv_bias=True, qk_norm=False, tie_word_embeddings=True),
-        VisionArch(family="qwen2.5-vl", depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
-                   out_hidden_size=64, patch_size=14, window_size=56, fullatt_block_indexes=(1, 3),
-                   hidden_act="silu")),
-}
-BUILTIN_ARCHS["tiny-moe"] = dataclasses.replace(BUILTIN_ARCHS["tiny"], lm=dataclasses.replace(
-    BUILTIN_ARCHS["tiny"].lm, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-    router_aux_loss_coef=0.001))
+# random weights: benchmarks, memory plans and GPU tests run them without a download; and tiny
+# ones with every structural feature for CPU tests and smoke runs.
+BUILTIN_ARCHS: MutableMapping[str, ModelArch] = _BuiltinArchs()
 
 
 def builtin_arch_names() -> list[str]:
-    """Every built-in --arch: `BUILTIN_ARCHS` and the family modules' (`train.model.families`)."""
-    return sorted({*BUILTIN_ARCHS, *(name for f in families.all_families() for name in f.builtin_archs())})
+    """Every built-in --arch (`BUILTIN_ARCHS`)."""
+    return sorted(BUILTIN_ARCHS)
 
 
 def builtin_arch(name: str) -> ModelArch:
-    if name in BUILTIN_ARCHS:
-        return BUILTIN_ARCHS[name]
-    for family in families.all_families():
-        if name in family.builtin_archs():
-            return family.builtin_archs()[name]
-    raise ValueError(f"unknown --arch {name!r}: choose one of {builtin_arch_names()}")
+    archs = dict(BUILTIN_ARCHS)
+    if name not in archs:
+        raise ValueError(f"unknown --arch {name!r}: choose one of {sorted(archs)}")
+    return archs[name]
 
 
 def arch_dict(arch: ModelArch) -> dict:

@@ -115,11 +115,12 @@ def layer_spec(arch: ModelArch, cpu: bool = False):
 
 
 def block_spec(arch: ModelArch, config: TransformerConfig, vp_stage=None) -> ModuleSpec:
-    """This pipeline stage's decoder block: its layers (`layer_spec`) and the final norm; a family
-    with a module of its own (`train.model.families`) builds its own."""
-    family = families.of(arch)
-    if family is not None:
-        return family.block_spec(arch, config, vp_stage)
+    """This pipeline stage's decoder block, as `arch`'s family builds it (`train.model.families`)."""
+    return families.of(arch).block_spec(arch, config, vp_stage)
+
+
+def uniform_block_spec(arch: ModelArch, config: TransformerConfig, vp_stage=None) -> ModuleSpec:
+    """A decoder block of this stage's layers, each `layer_spec`, and the final norm (Qwen3-VL's, Qwen2.5-VL's)."""
     layers = get_num_layers_to_build(config, vp_stage)
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
         layer_specs=[layer_spec(arch, cpu=config.use_cpu_initialization)] * layers, layer_norm=RMSNorm))

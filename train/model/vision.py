@@ -1,4 +1,4 @@
-"""Qwen3-VL and Qwen2.5-VL vision towers in plain torch (no transformers at train time).
+"""The vision towers (Qwen3-VL's, Qwen2.5-VL's) in plain torch (no transformers at train time).
 
 Numerically the same as HF's `Qwen3VLVisionModel` and `Qwen2_5_VisionTransformerPretrainedModel`
 (transformers 5.x), with identical parameter names, so a checkpoint's `model.visual.*` tensors
@@ -14,13 +14,16 @@ load as they are. What differs is only how the work is laid out:
   tables of every patch while the GPU waits. Either way the bits are those of HF's own
   (CPU-built) tables: integer ops, and float ops that IEEE rounds the same everywhere.
 
+What differs between the towers is a `TowerVariant` in the family module that defines the
+tower (`train.model.families`: Qwen3-VL's learned position table and DeepStack mergers, Qwen2.5-VL's
+window attention, their blocks' norms and MLPs, their mergers); this module holds what they share.
+
 Token order (both families, as HF): patches of each image come in 2x2 spatial-merge-block
 order (the image processor emits them so), so merged token j is patches 4j..4j+3.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +31,11 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from train.model import families
 from train.model.attention import packed_attention
 from train.model.rope import apply_rotary
 
-FAMILIES = ("qwen3-vl", "qwen2.5-vl")
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
     "silu": F.silu,
@@ -41,7 +44,7 @@ _ACTIVATIONS = {
 
 @dataclass(frozen=True)
 class VisionArch:
-    family: str  # "qwen3-vl" | "qwen2.5-vl"
+    family: str  # the tower kind: the family that defines it (`families.vision_tower`)
     depth: int
     hidden_size: int
     intermediate_size: int
@@ -59,15 +62,15 @@ class VisionArch:
     rope_theta: float = 10000.0
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"unknown vision family {self.family!r}: expected one of {FAMILIES}")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}: expected one of {sorted(_ACTIVATIONS)}")
-        if self.family == "qwen3-vl" and math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
-            raise ValueError(f"num_position_embeddings {self.num_position_embeddings} is not a square")
-        if self.family == "qwen2.5-vl" and self.window_size < self.patch_size * self.spatial_merge_size:
-            raise ValueError(f"window_size {self.window_size} px is smaller than one merged token "
-                             f"({self.patch_size * self.spatial_merge_size} px)")
+        variant = self.variant
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}: expected one of {sorted(ACTIVATIONS)}")
+        variant.check(self)
+
+    @property
+    def variant(self) -> TowerVariant:
+        """What this tower kind builds differently (its family module's `TowerVariant`)."""
+        return families.vision_tower(self.family)
 
     @property
     def head_dim(self) -> int:
@@ -80,47 +83,83 @@ class VisionArch:
 
     @classmethod
     def from_hf_config(cls, family: str, vision_config: dict) -> VisionArch:
-        """From a config.json's `vision_config` (the Qwen2.5-VL hub files say `in_chans`).
-        `family`: a model family; one with a module of its own names the tower kind it builds."""
-        from train.model import families
-
-        module = families.by_name(family)
-        family = module.vision_family if module is not None else family
+        """From a config.json's `vision_config` (the Qwen2.5-VL hub files say `in_chans`) of a
+        checkpoint of model family `family`, whose tower kind its family module names."""
+        kind = families.by_name(family).vision_family
+        variant = families.vision_tower(kind)
         vc = vision_config
-        qwen3 = family == "qwen3-vl"
         rope = vc.get("rope_parameters") or {}
         kw = {
-            "family": family, "depth": vc["depth"], "hidden_size": vc["hidden_size"],
+            "family": kind, "depth": vc["depth"], "hidden_size": vc["hidden_size"],
             "intermediate_size": vc["intermediate_size"], "num_heads": vc["num_heads"],
             "out_hidden_size": vc["out_hidden_size"], "patch_size": vc["patch_size"],
             "temporal_patch_size": vc.get("temporal_patch_size", 2),
             "in_channels": vc.get("in_channels", vc.get("in_chans", 3)),
             "spatial_merge_size": vc.get("spatial_merge_size", 2),
-            "hidden_act": vc.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu"),
-            "rope_theta": float(rope.get("rope_theta", vc.get("rope_theta", 10000.0)))}
-        if qwen3:
-            kw.update(num_position_embeddings=vc.get("num_position_embeddings", 2304),
-                      deepstack_visual_indexes=tuple(vc.get("deepstack_visual_indexes", ())))
-        else:
-            kw.update(window_size=vc.get("window_size", 112),
-                      fullatt_block_indexes=tuple(vc.get("fullatt_block_indexes", ())))
+            "hidden_act": vc.get("hidden_act", variant.default_hidden_act),
+            "rope_theta": float(rope.get("rope_theta", vc.get("rope_theta", 10000.0))),
+            **variant.fields_from_hf_config(vc)}
         return cls(**kw)
 
     def to_hf_config(self) -> dict:
         """The `vision_config` dict for an exported config.json (transformers 5.x key names)."""
+        variant = self.variant
         out = {
-            "model_type": "qwen3_vl_vision" if self.family == "qwen3-vl" else "qwen2_5_vl_vision",
+            "model_type": variant.hf_model_type,
             "depth": self.depth, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_heads": self.num_heads, "out_hidden_size": self.out_hidden_size, "hidden_act": self.hidden_act,
             "patch_size": self.patch_size, "temporal_patch_size": self.temporal_patch_size,
             "in_channels": self.in_channels, "spatial_merge_size": self.spatial_merge_size,
-            "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta}}
-        if self.family == "qwen3-vl":
-            out.update(num_position_embeddings=self.num_position_embeddings,
-                       deepstack_visual_indexes=list(self.deepstack_visual_indexes))
-        else:
-            out.update(window_size=self.window_size, fullatt_block_indexes=list(self.fullatt_block_indexes))
+            "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},
+            **variant.hf_config_fields(self)}
         return out
+
+
+class TowerVariant:
+    """What one vision tower kind builds differently; a family module that defines a tower
+    subclasses it (`ModelFamily.vision_tower`). The blocks' attention, the patch embedding, the
+    2-D rotary and the packed attention over frames or windows are shared (`VisionTower`)."""
+
+    hf_model_type: str  # the exported vision_config's model_type
+    default_hidden_act: str  # where a vision_config names none
+    patch_bias: bool  # whether the patch embedding has a bias
+    learned_position_table: bool = False  # a `pos_embed` table (`VisionArch.num_position_embeddings`)
+
+    def check(self, arch: VisionArch) -> None:
+        """ValueError naming a field of `arch` this tower cannot build."""
+
+    def fields_from_hf_config(self, vision_config: dict) -> dict:
+        """The `VisionArch` fields of this kind, read from a config.json's `vision_config`."""
+        raise NotImplementedError
+
+    def hf_config_fields(self, arch: VisionArch) -> dict:
+        """The `vision_config` keys of this kind for an exported config.json."""
+        raise NotImplementedError
+
+    def norm(self, arch: VisionArch, **dd) -> nn.Module:
+        """A block's norm (norm1, norm2)."""
+        raise NotImplementedError
+
+    def mlp(self, arch: VisionArch, **dd) -> nn.Module:
+        """A block's MLP."""
+        raise NotImplementedError
+
+    def merger(self, arch: VisionArch, **dd) -> nn.Module:
+        """The final patch merger (merge^2 patches -> one LM token)."""
+        raise NotImplementedError
+
+    def deepstack_merger(self, arch: VisionArch, **dd) -> nn.Module:
+        """The merger of one `deepstack_visual_indexes` block."""
+        raise ValueError(f"the {arch.family} vision tower has no DeepStack mergers: "
+                         f"deepstack_visual_indexes must be empty, got {list(arch.deepstack_visual_indexes)}")
+
+    def arrange(self, tower: VisionTower, x: Tensor, grid: Tensor, patches: int,
+                ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, int] | None, Tensor | None]:
+        """Embedded patches `x` (input order) -> (the blocks' input, each row's patch row and col
+        on x's device, the windowed blocks' (cu_seqlens, max_seqlen) or None for whole frames,
+        the order that puts the merged output back into the input's order or None). `grid`:
+        image_grid_thw on the CPU; `patches`: its number of patches."""
+        raise NotImplementedError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,11 +236,11 @@ def window_order(grid: Tensor, merge: int, window: int) -> tuple[Tensor, Tensor]
     return window_index, cu
 
 
-def _max_len(cu: Tensor) -> int:
+def max_len(cu: Tensor) -> int:
     return int((cu[1:] - cu[:-1]).max())
 
 
-def _host_to(t: Tensor, device: torch.device) -> Tensor:
+def host_to(t: Tensor, device: torch.device) -> Tensor:
     """A CPU-built index tensor to `device`. On CUDA through pinned memory and asynchronously:
     a copy from pageable memory would make the host wait for the GPU to drain, and the host
     could no longer queue the next layers' kernels ahead of it."""
@@ -212,19 +251,6 @@ def _host_to(t: Tensor, device: torch.device) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Modules. Names and shapes follow HF's, so `state_dict()` keys equal `model.visual.*` minus the prefix.
-
-
-class _RMSNorm(nn.Module):
-    """Qwen2.5-VL's RMSNorm: normalise in fp32, scale in the input dtype (HF's rounding)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class _PatchEmbed(nn.Module):
@@ -257,77 +283,18 @@ class _Attention(nn.Module):
         return self.proj(out.flatten(1))
 
 
-class _MLP(nn.Module):
-    """Qwen3-VL: fc1 -> act -> fc2."""
-
-    def __init__(self, arch: VisionArch, **dd):
-        super().__init__()
-        self.act = _ACTIVATIONS[arch.hidden_act]
-        self.linear_fc1 = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=True, **dd)
-        self.linear_fc2 = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=True, **dd)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-class _SwiGLU(nn.Module):
-    """Qwen2.5-VL: down(act(gate(x)) * up(x)), with biases."""
-
-    def __init__(self, arch: VisionArch, **dd):
-        super().__init__()
-        self.act = _ACTIVATIONS[arch.hidden_act]
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=True, **dd)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=True, **dd)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=True, **dd)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Block(nn.Module):
     def __init__(self, arch: VisionArch, **dd):
         super().__init__()
-        qwen3 = arch.family == "qwen3-vl"
-        norm = nn.LayerNorm if qwen3 else _RMSNorm
-        self.norm1 = norm(arch.hidden_size, eps=1e-6, **dd)
-        self.norm2 = norm(arch.hidden_size, eps=1e-6, **dd)
+        variant = arch.variant
+        self.norm1 = variant.norm(arch, **dd)
+        self.norm2 = variant.norm(arch, **dd)
         self.attn = _Attention(arch, **dd)
-        self.mlp = _MLP(arch, **dd) if qwen3 else _SwiGLU(arch, **dd)
+        self.mlp = variant.mlp(arch, **dd)
 
     def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attn(self.norm1(x), cu_seqlens, max_seqlen, cos, sin)
         return x + self.mlp(self.norm2(x))
-
-
-class _Merger(nn.Module):
-    """Qwen3-VL patch merger: 2x2 patches -> one LM token. The final merger normalises each
-    patch (LayerNorm(hidden)) before concatenating; DeepStack mergers normalise after."""
-
-    def __init__(self, arch: VisionArch, postshuffle_norm: bool, **dd):
-        super().__init__()
-        self.merged = arch.hidden_size * arch.spatial_merge_size ** 2
-        self.postshuffle_norm = postshuffle_norm
-        self.norm = nn.LayerNorm(self.merged if postshuffle_norm else arch.hidden_size, eps=1e-6, **dd)
-        self.linear_fc1 = nn.Linear(self.merged, self.merged, **dd)
-        self.linear_fc2 = nn.Linear(self.merged, arch.out_hidden_size, **dd)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.norm(x.view(-1, self.merged)) if self.postshuffle_norm else self.norm(x).view(-1, self.merged)
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
-
-
-class _Merger25(nn.Module):
-    """Qwen2.5-VL patch merger: RMSNorm per patch, concatenate 2x2, MLP (`mlp.0`, `mlp.2`)."""
-
-    def __init__(self, arch: VisionArch, **dd):
-        super().__init__()
-        self.merged = arch.hidden_size * arch.spatial_merge_size ** 2
-        self.ln_q = _RMSNorm(arch.hidden_size, eps=1e-6, **dd)
-        self.mlp = nn.Sequential(nn.Linear(self.merged, self.merged, **dd), nn.GELU(),
-                                 nn.Linear(self.merged, arch.out_hidden_size, **dd))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.merged))
 
 
 class VisionTower(nn.Module):
@@ -336,15 +303,15 @@ class VisionTower(nn.Module):
     def __init__(self, arch: VisionArch, params_dtype=torch.float32, device=None):
         super().__init__()
         self.arch = arch
-        qwen3 = arch.family == "qwen3-vl"
+        variant = arch.variant
         dd = {"device": device, "dtype": params_dtype}
-        self.patch_embed = _PatchEmbed(arch, bias=qwen3, **dd)
-        if qwen3:
+        self.patch_embed = _PatchEmbed(arch, bias=variant.patch_bias, **dd)
+        if variant.learned_position_table:
             self.pos_embed = nn.Embedding(arch.num_position_embeddings, arch.hidden_size, **dd)
         self.blocks = nn.ModuleList(_Block(arch, **dd) for _ in range(arch.depth))
-        self.merger = _Merger(arch, postshuffle_norm=False, **dd) if qwen3 else _Merger25(arch, **dd)
-        self.deepstack_merger_list = nn.ModuleList(
-            _Merger(arch, postshuffle_norm=True, **dd) for _ in arch.deepstack_visual_indexes)
+        self.merger = variant.merger(arch, **dd)
+        self.deepstack_merger_list = nn.ModuleList(variant.deepstack_merger(arch, **dd)
+                                                   for _ in arch.deepstack_visual_indexes)
         # inv_freq is not a buffer: Float16Module-style `.bfloat16()` would round it. HF builds it
         # in fp32 on the CPU; so do we (pow on the GPU may differ by an ulp).
         spatial = arch.head_dim // 2
@@ -353,7 +320,7 @@ class VisionTower(nn.Module):
 
     def _rotary(self, row: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [N, 1, head_dim] fp32: h angles then w angles, the pair repeated (HF's layout)."""
-        inv_freq = _host_to(self._inv_freq, row.device)
+        inv_freq = host_to(self._inv_freq, row.device)
         angles = torch.cat([row[:, None].float() * inv_freq, col[:, None].float() * inv_freq], dim=-1)
         angles = torch.cat([angles, angles], dim=-1)[:, None, :]
         return angles.cos(), angles.sin()
@@ -368,33 +335,18 @@ class VisionTower(nn.Module):
         Passing image_grid_thw on the CPU saves a device-to-host copy.
         """
         arch, dev = self.arch, pixel_values.device
-        unit = arch.spatial_merge_size ** 2
         grid = image_grid_thw.to("cpu", torch.long)
         patches = int(grid.prod(1).sum())
         if patches != pixel_values.shape[0]:
             raise ValueError(f"image_grid_thw {grid.tolist()} gives {patches} patches, "
                              f"pixel_values has {pixel_values.shape[0]}")
         cu_full = frame_cu_seqlens(grid)
-        full = windowed = (_host_to(cu_full, dev), _max_len(cu_full))  # (cu_seqlens, max_seqlen) per block kind
-        x = self.patch_embed(pixel_values)
-
-        if arch.family == "qwen3-vl":
-            row, col, h, w = patch_coords(_host_to(grid, dev), arch.spatial_merge_size, patches)
-            index, weight = pos_embed_taps(row, col, h, w, math.isqrt(arch.num_position_embeddings))
-            pos = (self.pos_embed(index) * weight[:, :, None]).sum(1)
-            x = x + pos.to(x.dtype)
-        else:
-            # Windows are contiguous after reordering merged tokens (and their 4 patches); full
-            # attention still sees whole frames since no window crosses a frame.
-            row, col, _, _ = patch_coords(grid, arch.spatial_merge_size)
-            window_index, cu_window = window_order(grid, arch.spatial_merge_size, arch.window_tokens)
-            perm = (window_index[:, None] * unit + torch.arange(unit)).flatten()
-            x, row, col = x[_host_to(perm, dev)], _host_to(row[perm], dev), _host_to(col[perm], dev)
-            windowed = (_host_to(cu_window, dev), _max_len(cu_window))
+        full = (host_to(cu_full, dev), max_len(cu_full))  # (cu_seqlens, max_seqlen) per block kind
+        x, row, col, windowed, restore = arch.variant.arrange(self, self.patch_embed(pixel_values), grid, patches)
         cos, sin = self._rotary(row, col)
-        out, deepstack = self.encode(x, *full, *windowed, cos, sin)
-        if arch.family == "qwen2.5-vl":
-            out = out[_host_to(torch.argsort(window_index), dev)]  # back to the input's token order
+        out, deepstack = self.encode(x, *full, *(windowed or full), cos, sin)
+        if restore is not None:
+            out = out[restore]  # back to the input's token order
         return out, deepstack
 
     def encode(self, x: Tensor, cu_full: Tensor, max_full: int, cu_windowed: Tensor, max_windowed: int,

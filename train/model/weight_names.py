@@ -52,12 +52,15 @@ class WeightMapping:
 _HF_LAYER = HF_LM + "layers.{layer}."
 _LAYER = LM + "decoder.layers.{layer}."
 
-# Transformers 5.x names (every family's HF side) -> Megatron names of our `QwenVLModel`.
-WEIGHT_MAPPINGS = (
+# Transformers 5.x names -> Megatron names of our `QwenVLModel`: the rows of every family's table,
+COMMON_MAPPINGS = (
     WeightMapping((HF_VISION + "*",), VISION + "*"),  # our VisionTower keeps HF's parameter names
     WeightMapping((HF_LM + "embed_tokens.weight",), EMBED, tp_split="column"),
     WeightMapping((HF_LM + "norm.weight",), LM + "decoder.final_layernorm.weight"),
     WeightMapping((HF_LM_HEAD,), OUTPUT, tp_split="column", only_if="not tie_word_embeddings"),
+)
+# and the Qwen decoder layer's (softmax attention, a dense SwiGLU MLP) of Qwen3-VL's and Qwen2.5-VL's.
+DECODER_LAYER_MAPPINGS = (
     WeightMapping((_HF_LAYER + "input_layernorm.weight",), _LAYER + "input_layernorm.weight"),
     WeightMapping((_HF_LAYER + "post_attention_layernorm.weight",), _LAYER + "pre_mlp_layernorm.weight"),
     WeightMapping((_HF_LAYER + "self_attn.q_norm.weight",), _LAYER + "self_attention.q_layernorm.weight", only_if="qk_norm"),
@@ -71,11 +74,17 @@ WEIGHT_MAPPINGS = (
                   "gate_up", "gated", only_if="not is_moe"),
     WeightMapping((_HF_LAYER + "mlp.down_proj.weight",), _LAYER + "mlp.linear_fc2.weight", tp_split="row",
                   only_if="not is_moe"),
-    # Mixture-of-Experts layers: experts are whole on every TP rank (expert TP 1) and divided
-    # over the expert-parallel ranks (`train.convert._ep_split`).
-    WeightMapping((_HF_LAYER + "mlp.gate.weight",), _LAYER + "mlp.router.weight", only_if="is_moe"),
-    WeightMapping((_HF_LAYER + "mlp.experts.gate_up_proj",), _LAYER + "mlp.experts.weight1", "experts_fc1",
-                  only_if="is_moe", ep_dim=1),
-    WeightMapping((_HF_LAYER + "mlp.experts.down_proj",), _LAYER + "mlp.experts.weight2", "experts_fc2",
-                  only_if="is_moe", ep_dim=0),
 )
+
+
+def renamed(state: dict, prefixes: tuple[tuple[str, str], ...]) -> dict:
+    """`state` with each name starting with the first of a (prefix, replacement) pair renamed to
+    start with the second."""
+    out = {}
+    for key, value in state.items():
+        for new, old in prefixes:
+            if key.startswith(new):
+                key = old + key.removeprefix(new)
+                break
+        out[key] = value
+    return out

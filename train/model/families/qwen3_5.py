@@ -59,7 +59,7 @@ ARCHITECTURES = {False: "Qwen3_5ForConditionalGeneration", True: "Qwen3_5MoeForC
 SPECIAL_TOKEN_IDS = dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
                          vision_end_token_id=248054)
 LAYER_TYPES = ("linear_attention", "full_attention")
-CONFIGS_DIR = Path(__file__).resolve().parent / "configs" / "qwen3_5"
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs" / "qwen3_5"
 # transformers' defaults where a config leaves a field out (Qwen3_5TextConfig, its rotary embedding)
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
@@ -221,15 +221,16 @@ def _tiny_lm(**moe) -> LMArch:
                   partial_rotary_factor=0.25, attn_output_gate=True, zero_centered_norms=True, **moe)
 
 
-_TINY_VISION = VisionArch(family="qwen3-vl", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-                          out_hidden_size=64, hidden_act="gelu_pytorch_tanh")
-TINY_ARCHS = {
-    "tiny-qwen3.5": ModelArch(FAMILY, _tiny_lm(), _TINY_VISION, **{k: SPECIAL_TOKEN_IDS[k] for k in
-                                                                     ("image_token_id", "video_token_id")}),
-    "tiny-qwen3.5-moe": ModelArch(FAMILY, _tiny_lm(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                                                   shared_expert_intermediate_size=40, router_aux_loss_coef=0.001),
-                                  _TINY_VISION, **{k: SPECIAL_TOKEN_IDS[k] for k in ("image_token_id", "video_token_id")}),
-}
+def _tiny_archs() -> dict[str, ModelArch]:
+    vision = VisionArch(family="qwen3-vl", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                        out_hidden_size=64, hidden_act="gelu_pytorch_tanh")
+    ids = {k: SPECIAL_TOKEN_IDS[k] for k in ("image_token_id", "video_token_id")}
+    return {
+        "tiny-qwen3.5": ModelArch(FAMILY, _tiny_lm(), vision, **ids),
+        "tiny-qwen3.5-moe": ModelArch(FAMILY, _tiny_lm(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                                       shared_expert_intermediate_size=40, router_aux_loss_coef=0.001),
+                                      vision, **ids),
+    }
 
 
 def preset_name(config_file: Path) -> str:
@@ -243,7 +244,7 @@ def builtin_archs() -> dict[str, ModelArch]:
     weights of `--arch`), and the tiny test architectures."""
     published = {preset_name(path): arch_from_hf_config(json.loads(path.read_text()))
                  for path in sorted(CONFIGS_DIR.glob("*.json"))}
-    return {**published, **TINY_ARCHS}
+    return {**published, **_tiny_archs()}
 
 
 # --- the decoder ---------------------------------------------------------------------------------
@@ -375,7 +376,7 @@ def weight_mappings() -> tuple:
     `layers` rows apply to the decoder layers of that kind only; `{expert}` rows list every expert."""
     convert = _convert()
     W, HF_LAYER, LAYER = convert.WeightMapping, convert.HF_LM + "layers.{layer}.", convert.LM + "decoder.layers.{layer}."
-    common = tuple(m for m in convert.WEIGHT_MAPPINGS if "{layer}" not in m.megatron)  # vision, embeddings, head, final norm
+    common = convert.COMMON_MAPPINGS  # vision, embeddings, head, final norm
     linear_splits = {"heads": convert.LINEAR_ATTENTION_SPLIT, "row": "row", "replicated": "replicated"}
     linear = tuple(
         W(tuple(HF_LAYER + name for name, _ in weight.hf), LAYER + "self_attention." + weight.param,
@@ -468,7 +469,8 @@ def hf_checkpoint_layout(state: dict, arch: ModelArch) -> dict:
         if stack is None:
             out[key] = value
             continue
-        value = _convert().materialize(value)
+        if not isinstance(value, torch.Tensor):  # a tensor read lazily from a checkpoint file
+            value = value.load()
         prefix = key.removesuffix("gate_up_proj").removesuffix("down_proj")
         for e in range(value.shape[0]):
             if stack.endswith("gate_up_proj"):
