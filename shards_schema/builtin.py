@@ -68,16 +68,8 @@ QWEN2_5_VL_VISION = VisionConfig(
 )
 
 # Qwen3.5 / Qwen3.6 preprocessor_config.json (provenance: preprocess/families/qwen3_5_constants.py,
-# whose tests check these against the published file): Qwen3-VL's values.
-QWEN3_5_VISION = VisionConfig(
-    patch_size=16,
-    merge_size=2,
-    temporal_patch_size=2,
-    image_mean=(0.5, 0.5, 0.5),
-    image_std=(0.5, 0.5, 0.5),
-    min_pixels=65536,
-    max_pixels=16777216,
-)
+# whose tests check these against the published file) holds Qwen3-VL's values.
+QWEN3_5_VISION = QWEN3_VL_VISION
 
 BUILTIN_VISION = {"qwen3-vl": QWEN3_VL_VISION, "qwen2.5-vl": QWEN2_5_VL_VISION, "qwen3.5": QWEN3_5_VISION}
 
