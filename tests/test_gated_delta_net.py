@@ -318,3 +318,28 @@ def test_gpu_fla_kernels_equal_the_torch_path():
             assert error <= max(2 * bf16, 1e-2), f"{name}: fla {error:.3g}, PyTorch path in bf16 {bf16:.3g}"
     finally:
         destroy_parallel()
+
+
+@pytest.mark.parametrize("hopper,buggy_triton,tilelang,refused", [
+    (True, True, False, True), (True, True, True, False), (True, False, False, False), (False, True, False, False)])
+def test_a_backward_fla_would_refuse_is_named_before_training(monkeypatch, hopper, buggy_triton, tilelang, refused):
+    """flash-linear-attention 0.6 raises in the middle of a step on Hopper with a Triton from 3.4.0
+    to before 3.7.1 unless tilelang is installed; the trainer asks first and stops with the fix."""
+    import importlib.util
+    import sys
+    import types
+
+    flags = types.ModuleType("fla.utils")
+    flags.IS_NVIDIA_HOPPER, flags.TRITON_ABOVE_3_4_0, flags.TRITON_ABOVE_3_7_1 = hopper, True, not buggy_triton
+    monkeypatch.setitem(sys.modules, "fla.utils", flags)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    monkeypatch.setattr(G, "fla_kernels", lambda: (None, None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "tilelang" and tilelang else
+                        (None if name == "tilelang" else find_spec(name, *a)))
+    message = G.fla_backward_refusal()
+    assert (message is not None) == refused
+    if refused:
+        assert "pip install tilelang" in message and "3.6.0" in message

@@ -40,7 +40,7 @@ from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tfl
 from train.model.arch import ModelArch
 from train.model.linear import fp8_weight_scales_once, grad_buffers_zeroed, use_fp8, use_grad_buffers
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
-from train.model import lora
+from train.model import gated_delta_net, lora
 from train.model.moe import load_balancing_loss
 from train.model_setup import resolve_arch
 from train.parallel import ParallelInfo, destroy_parallel, finalize_grads, init_parallel
@@ -426,6 +426,8 @@ class Trainer:
         check_layout(self.arch, config)  # before any process group exists: a bad layout fails on every rank alike
         self.info = init_parallel(config.tp, config.pp, ep=config.ep, device=config.device, seed=config.seed)
         self.cuda = self.info.device.type == "cuda"
+        if self.cuda and self.arch.lm.has_linear_attention and (refusal := gated_delta_net.fla_backward_refusal()):
+            raise ConfigError(refusal)
         # after init_parallel: each rank plans for the GPU it was given
         self.config, chosen = resolve_recompute(config, self.arch, cuda=self.cuda)
         if chosen and self.info.is_main:

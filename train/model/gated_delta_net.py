@@ -34,6 +34,8 @@ gradient is summed over the TP ranks, each of which normalises only its own head
 
 from __future__ import annotations
 
+import importlib.util
+
 import warnings
 from dataclasses import dataclass
 
@@ -350,6 +352,27 @@ def fla_kernels():
         except ImportError:
             _fla = False
     return _fla or None
+
+
+def fla_backward_refusal() -> str | None:
+    """Why flash-linear-attention would refuse this GPU's backward of the gated delta rule, or
+    None. fla-core 0.6 raises mid-step on Hopper GPUs with a Triton from 3.4.0 to before 3.7.1,
+    which computes that kernel wrongly, unless tilelang (its other backend) is installed: found
+    before the first step, it is a setup error with its fix, not a failure an hour in."""
+    if fla_kernels() is None or not torch.cuda.is_available():
+        return None
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # another fla release: it decides for itself
+        return None
+    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 \
+            and importlib.util.find_spec("tilelang") is None:
+        import triton
+
+        return (f"flash-linear-attention refuses the Gated DeltaNet's backward on Hopper GPUs with Triton "
+                f"{triton.__version__} (3.4.0 to before 3.7.1 computes it wrongly): pip install tilelang, which it "
+                f"then runs that kernel on, or a torch whose Triton is 3.7.1 or newer")
+    return None
 
 
 # --- the module -------------------------------------------------------------------------------
