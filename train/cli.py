@@ -71,6 +71,29 @@ class Pack:
         return 0
 
 
+class Train:
+    """`vlmpack train ...`: the flags here (`train.config`, no torch needed, so `--help` works
+    anywhere), the run in `train.trainer`, imported only when it starts."""
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        from train.config import add_arguments
+
+        add_arguments(parser)
+        parser.epilog = ("Multi-GPU: torchrun --nproc-per-node N $(which vlmpack) train ... ; every flag can also be "
+                         "given in --config FILE (YAML/JSON, same keys), flags win.")
+
+    @staticmethod
+    def run(args) -> int:
+        from shards_schema.cli import interrupted_before_start
+
+        try:
+            from train.trainer import Train as TrainRun  # torch and megatron: seconds to load
+        except KeyboardInterrupt:
+            return interrupted_before_start("train")
+        return TrainRun.run(args)
+
+
 def format_pack_report(report: dict) -> str:
     s, st = report["settings"], report["stats"]
     vis = s["max_visual_tokens"] if s["max_visual_tokens"] is not None else "none"

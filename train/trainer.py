@@ -670,15 +670,8 @@ def out_of_memory_advice(config: TrainConfig, exc: BaseException) -> str:
 
 
 class Train:
-    """`vlmpack train ...` (the dispatcher's entry); `python -m train.trainer` is the same."""
-
-    @staticmethod
-    def add_arguments(parser) -> None:
-        from train.config import add_arguments
-
-        add_arguments(parser)
-        parser.epilog = ("Multi-GPU: torchrun --nproc-per-node N $(which vlmpack) train ... ; every flag can also be "
-                         "given in --config FILE (YAML/JSON, same keys), flags win.")
+    """What `vlmpack train ...` runs (its flags are `train.cli.Train`'s, defined without torch);
+    `python -m train.trainer` is the same."""
 
     @staticmethod
     def run(args) -> int:
