@@ -119,8 +119,8 @@ def measure_loader(source: str, seq_len: int, num_workers: int, min_packs: int, 
     cpu0, child0, wall0 = time.process_time(), children_cpu(), time.perf_counter()
     for batch in loader:  # exhausting the iterator joins the workers, so their CPU is in RUSAGE_CHILDREN
         packs += 1
-        samples += batch["num_samples"]
-        tokens += int(batch["sample_lengths"].sum())
+        samples += batch.num_samples
+        tokens += int(batch.sample_lengths.sum())
     wall = time.perf_counter() - wall0
     main_cpu, worker_cpu = time.process_time() - cpu0, children_cpu() - child0
     cpu = main_cpu + worker_cpu
@@ -176,7 +176,7 @@ def measure_handoff(source: str, seq_len: int, seed: int) -> dict:
         for way in ways[k % 3:] + ways[:k % 3]:
             t0 = time.process_time()
             if way == "private":
-                torch.from_numpy(assemble_pack(samples)["pixel_patches"]).share_memory_()
+                torch.from_numpy(assemble_pack(samples).pixel_patches).share_memory_()
             else:
                 rows, width = patch_rows(samples)
                 out = shared_uint8(rows, width, prefault=way == "shared").numpy() if rows else None

@@ -230,7 +230,7 @@ class TrainerProbe:
             def _micro_batches(self, packs_iter, count):
                 def record(it):
                     for pack in it:
-                        probe.packs.append((int(pack["epoch"]), int(pack["pack_index"])))
+                        probe.packs.append((int(pack.epoch), int(pack.pack_index)))
                         yield pack
                 return super()._micro_batches(record(packs_iter), count)
 
@@ -721,8 +721,8 @@ def isolated_vision(probe: TrainerProbe, args, device: torch.device, in_step: di
     clock = probe.clock
     work = []
     for b in batches:  # images and videos in one tower call, as the model makes it
-        parts = [(values, grid) for values, grid in ((data.pixel_values(b, dtype), b["image_grid_thw"]),
-                                                     (data.pixel_values_videos(b, dtype), b["video_grid_thw"]))
+        parts = [(values, grid) for values, grid in ((data.pixel_values(b, dtype), b.image_grid_thw),
+                                                     (data.pixel_values_videos(b, dtype), b.video_grid_thw))
                  if values is not None]
         if parts:
             work.append((torch.cat([v for v, _ in parts]), torch.cat([torch.as_tensor(g) for _, g in parts])))

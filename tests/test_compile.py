@@ -17,6 +17,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from tests.hf_models import tiny_qwen2_5_vl, tiny_qwen3_vl
 from train.model import lora
 from train.model.arch import ModelArch
+from train.model.batch import PackedBatch
 from train.model.linear import DecoderLinear, use_fp8, use_grad_buffers
 from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
@@ -75,7 +76,7 @@ def loss_and_grads(model, pack):
     for param in model.parameters():
         if hasattr(param, "main_grad"):
             param.main_grad.zero_()
-    loss = model(ids, positions, cu, max_len, labels=labels).sum()
+    loss = model(PackedBatch.from_segments(ids, positions, cu, labels)).sum()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     added = {n: p.main_grad.clone() for n, p in model.named_parameters() if p.grad is None and hasattr(p, "main_grad")}

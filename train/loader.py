@@ -33,7 +33,6 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -41,6 +40,7 @@ from shards_schema import ShardFormatError, ShardSet
 from shards_schema.pixels import pixel_values_from_patches
 
 from .pack_plan import DEFAULT_BLOCK_SIZE, PackPlan, build_pack_plan, open_source, plan_request, source_fingerprint
+from .model.batch import PackedBatch
 from .packed_batch import DEFAULT_PAD_TOKEN_ID, PATCH_FIELDS, assemble_pack, patch_rows
 from .preemption import ignore_stop_signals
 
@@ -77,13 +77,9 @@ def shared_uint8(rows: int, width: int, prefault: bool = True) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(rows, width)
 
 
-def _to_torch(batch: dict) -> dict:
-    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
-
-
 class PackedDataset(Dataset):
-    """This rank's packs of one epoch's plan, as dicts of torch tensors (see `assemble_pack`
-    for the fields), plus `pack_index` (position in the plan) and `epoch`.
+    """This rank's packs of one epoch's plan, as `PackedBatch`es of torch tensors, with
+    `pack_index` (position in the plan) and `epoch` set.
 
     `sources` defaults to the directories recorded in the plan; pass others (same data,
     moved, or exported to WebDataset) and their manifests must match the plan's fingerprints. `pad_to_seq_len` pads every
@@ -140,7 +136,7 @@ class PackedDataset(Dataset):
             return torch.empty((rows, width), dtype=torch.uint8, pin_memory=True)
         return None
 
-    def __getitem__(self, k: int) -> dict:
+    def __getitem__(self, k: int) -> PackedBatch:
         if not 0 <= k < len(self.packs):
             raise IndexError(f"pack {k} out of range: rank {self.rank} has {len(self.packs)} packs this epoch")
         samples = self.samples(k)
@@ -148,11 +144,9 @@ class PackedDataset(Dataset):
         batch = assemble_pack(samples, seq_len=self.seq_len, pad_to_multiple=self.pad_to_multiple,
                               row_multiple=self.row_multiple, pad_token_id=self.pad_token_id,
                               patch_out={n: b.numpy() for n, b in buffers.items()})
-        batch["pack_index"] = int(self.packs[k])
-        batch["epoch"] = int(self.plan.settings["epoch"])
-        batch = _to_torch(batch)
-        batch.update(buffers)  # the tensors themselves: their storage is the shared / pinned one
-        return batch
+        # the buffers themselves, not tensors made from their numpy views: their storage is the shared / pinned one
+        return batch.replace(pack_index=int(self.packs[k]), epoch=int(self.plan.settings["epoch"])).as_tensors() \
+            .replace(**buffers)
 
 
 def pixel_values_on_device(pixel_patches: torch.Tensor, vision: dict, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -163,11 +157,6 @@ def pixel_values_on_device(pixel_patches: torch.Tensor, vision: dict, dtype: tor
         pixel_patches, vision["image_mean"], vision["image_std"], int(vision["patch_size"]),
         int(vision["temporal_patch_size"]), int(vision.get("channels", 3)), dtype=dtype,
     )
-
-
-def batch_to_device(batch: dict, device, non_blocking: bool = True) -> dict:
-    """Tensors to `device` (asynchronous from pinned memory); other values unchanged."""
-    return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @dataclass
