@@ -24,7 +24,7 @@ from shards_schema.pixels import pixel_values_from_patches_np
 from shards_schema.webdataset import WebDatasetFormatError, WebDatasetShards, export_webdataset
 from tests.hf_reference import hf_packed_inputs, hf_packed_position_ids, to_padded_batch
 from train.loader import LoaderState, PackedDataset, PackedLoader, pixel_values_on_device, shared_uint8
-from train.pack_plan import PackingError, build_pack_plan, open_source
+from train.pack_plan import PackingError, PackSettings, build_pack_plan, open_source
 from train.packed_batch import IGNORE_INDEX, assemble_pack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -168,7 +168,7 @@ def pack_ids(batches) -> list[int]:
 
 
 def test_dataset_returns_plan_packs_as_tensors(shard_dir, shards):
-    plan = build_pack_plan([shard_dir], seq_len=SEQ_LEN)
+    plan = build_pack_plan([shard_dir], PackSettings(seq_len=SEQ_LEN))
     dataset = PackedDataset(plan)
     assert len(dataset) == plan.num_packs
     seen = []
@@ -180,7 +180,7 @@ def test_dataset_returns_plan_packs_as_tensors(shard_dir, shards):
         check_pack(batch.as_numpy(), samples)
         seen += idx.tolist()
     assert sorted(seen) == list(range(len(shards)))
-    aligned = PackedDataset(build_pack_plan([shard_dir], seq_len=SEQ_LEN, pad_to_multiple=64))[0]
+    aligned = PackedDataset(build_pack_plan([shard_dir], PackSettings(seq_len=SEQ_LEN, pad_to_multiple=64)))[0]
     assert (aligned.cu_seqlens_padded % 64 == 0).all() and len(aligned.input_ids) % 64 == 0
     padded = PackedDataset(plan, pad_to_seq_len=True)[0]
     assert padded.input_ids.shape == (SEQ_LEN,)
@@ -188,7 +188,7 @@ def test_dataset_returns_plan_packs_as_tensors(shard_dir, shards):
 
 
 def test_workers_give_the_same_packs(shard_dir):
-    plan = build_pack_plan([shard_dir], seq_len=SEQ_LEN)
+    plan = build_pack_plan([shard_dir], PackSettings(seq_len=SEQ_LEN))
     dataset = PackedDataset(plan)
     serial = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0))
     parallel = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2))
@@ -206,7 +206,7 @@ def test_worker_writes_patches_into_shared_memory(field, shard_dir, video_shard_
     """In a DataLoader worker the pack's image and video patches are written straight into
     shared memory (the result queue then passes them without another copy); the values are the
     plain path's, which are the samples' rows end to end."""
-    plan = build_pack_plan([video_shard_dir if field == "video_patches" else shard_dir], seq_len=SEQ_LEN)
+    plan = build_pack_plan([video_shard_dir if field == "video_patches" else shard_dir], PackSettings(seq_len=SEQ_LEN))
     dataset = PackedDataset(plan)
     with_patches = next(k for k in range(len(dataset)) if len(getattr(dataset[k], PATCH_GRIDS[field])))
     plain = getattr(dataset[with_patches], field)
@@ -263,7 +263,7 @@ def test_gpu_pinning_dataset_writes_patches_into_pinned_memory(field, shard_dir,
     second copy)."""
     from torch.utils.data._utils.pin_memory import pin_memory
 
-    plan = build_pack_plan([video_shard_dir if field == "video_patches" else shard_dir], seq_len=SEQ_LEN)
+    plan = build_pack_plan([video_shard_dir if field == "video_patches" else shard_dir], PackSettings(seq_len=SEQ_LEN))
     pinned = PackedDataset(plan, pin_memory=True)
     with_patches = next(k for k in range(len(pinned)) if len(getattr(pinned[k], PATCH_GRIDS[field])))
     batch = pinned[with_patches]
@@ -292,10 +292,14 @@ def test_gpu_pin_memory_thread_leaves_one_intra_op_thread_count(shard_dir, tmp_p
     assert seen == [threads]
 
 
+PACK_SETTING_NAMES = {field.name for field in dataclasses.fields(PackSettings)}
+
+
 def make_loader(shard_dir, **kw) -> PackedLoader:
-    kw.setdefault("seq_len", SEQ_LEN)
-    kw.setdefault("seed", 3)
-    return PackedLoader([shard_dir], **kw)
+    """A loader of `shard_dir`: keyword arguments of PackSettings (seq_len SEQ_LEN and seed 3
+    unless given) or of the loader."""
+    planning = {"seq_len": SEQ_LEN, "seed": 3} | {k: kw.pop(k) for k in list(kw) if k in PACK_SETTING_NAMES}
+    return PackedLoader([shard_dir], PackSettings(**planning), **kw)
 
 
 def take(loader: PackedLoader, n: int) -> list[dict]:
@@ -376,7 +380,8 @@ def test_fewer_packs_than_one_global_batch_is_refused_not_an_empty_epoch(shard_d
     """An epoch without a whole global batch used to be empty: `for batch in loader` ended at
     once and a loop over epochs planned (and cached) one empty epoch after another."""
     cache = tmp_path / "plans"
-    loader = PackedLoader([shard_dir], seq_len=16384, rank=0, dp_size=8, global_batch_packs=64, cache_dir=cache)
+    loader = PackedLoader([shard_dir], PackSettings(seq_len=16384, dp_size=8, global_batch_packs=64), rank=0,
+                          cache_dir=cache)
     for consume in (len, lambda loader: next(iter(loader))):
         with pytest.raises(PackingError, match="fewer than one global batch of 64 packs"):
             consume(loader)
@@ -452,14 +457,14 @@ def test_webdataset_export_packs_exactly_like_its_directory(shard_dir, shards, w
     for name, values in wds.sample_stats().items():  # from tar headers alone
         assert np.array_equal(values, stats[name]), name
     for settings in ({"seq_len": SEQ_LEN}, {"seq_len": SEQ_LEN, "pad_to_multiple": 64, "seed": 5, "epoch": 1}):
-        arrow, tars = build_pack_plan([shard_dir], **settings), build_pack_plan([webdataset_dir], **settings)
+        arrow, tars = (build_pack_plan([source], PackSettings(**settings)) for source in (shard_dir, webdataset_dir))
         assert arrow.key == tars.key and tars.source_dirs == [str(webdataset_dir.resolve())]
         for name in arrow.arrays:
             assert np.array_equal(arrow.arrays[name], tars.arrays[name]), name
         assert_same_packs(PackedDataset(arrow), PackedDataset(tars))
         assert_same_packs(PackedDataset(arrow, pad_to_seq_len=True), PackedDataset(tars, pad_to_seq_len=True))
     # an export mixes with directories; same fingerprint, so the packs are those of [dir, dir]
-    mixed = build_pack_plan([shard_dir, webdataset_dir], seq_len=SEQ_LEN)
+    mixed = build_pack_plan([shard_dir, webdataset_dir], PackSettings(seq_len=SEQ_LEN))
     assert_same_packs(PackedDataset(mixed), PackedDataset(mixed, [shard_dir, shard_dir]))
     assert set(np.unique(mixed.sample_source).tolist()) == {0, 1}
 
@@ -479,7 +484,7 @@ def test_webdataset_loader_with_workers_and_resume_across_formats(shard_dir, web
 def test_unknown_or_damaged_webdataset_sources_are_refused(webdataset_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ShardFormatError, match="neither manifest.json nor index.json"):
-        build_pack_plan([tmp_path / "empty"], seq_len=SEQ_LEN)
+        build_pack_plan([tmp_path / "empty"], PackSettings(seq_len=SEQ_LEN))
     damaged = tmp_path / "damaged"
     shutil.copytree(webdataset_dir, damaged)
     index = json.loads((damaged / "index.json").read_text())
@@ -490,7 +495,7 @@ def test_unknown_or_damaged_webdataset_sources_are_refused(webdataset_dir, tmp_p
     tar.write_bytes(bytes(data))
     key = f"s{index['tars'][1]['first_index'] + 2:09d}"
     with pytest.raises(WebDatasetFormatError, match=f"{tar.name}: sample {key} .*expected member image_grid_thw.npy"):
-        build_pack_plan([damaged], seq_len=SEQ_LEN)
+        build_pack_plan([damaged], PackSettings(seq_len=SEQ_LEN))
     tar.write_bytes(bytes(data[:-20000]))
     with pytest.raises(WebDatasetFormatError, match="truncated"):
-        build_pack_plan([damaged], seq_len=SEQ_LEN)
+        build_pack_plan([damaged], PackSettings(seq_len=SEQ_LEN))

@@ -345,8 +345,10 @@ def test_packs_are_padded_to_seq_len_with_fp8_or_pad_packs(shards, tmp_path, fla
 
 def test_packs_split_over_tensor_parallel_ranks_get_a_padding_segment(shards):
     from train.loader import PackedLoader
+    from train.pack_plan import PackSettings
 
-    for pack, _ in zip(PackedLoader([str(shards)], seq_len=SEQ_LEN, global_batch_packs=2, row_multiple=3), range(4)):
+    loader = PackedLoader([str(shards)], PackSettings(seq_len=SEQ_LEN, global_batch_packs=2), row_multiple=3)
+    for pack, _ in zip(loader, range(4)):
         rows, lengths = len(pack.input_ids), pack.sample_lengths
         assert rows % 3 == 0 and int(pack.cu_seqlens_padded[-1]) == rows
         real = torch.zeros(rows, dtype=torch.bool)
@@ -557,8 +559,9 @@ def test_preemption_signal_saves_the_step_and_resumes_like_the_uninterrupted_run
 SIGNAL_TO_THE_PROCESS_GROUP = """
 import json, os, subprocess, sys
 from train.loader import PackedLoader
+from train.pack_plan import PackSettings
 from train.preemption import StopRequest
-loader = PackedLoader([sys.argv[1]], seq_len=int(sys.argv[2]), global_batch_packs=2, num_workers=2)
+loader = PackedLoader([sys.argv[1]], PackSettings(seq_len=int(sys.argv[2]), global_batch_packs=2), num_workers=2)
 with StopRequest() as stop:
     packs = iter(loader)
     first = next(packs)
@@ -786,8 +789,9 @@ def test_export_hf_reloads_in_transformers_with_the_same_logits(shards, full_run
 def test_micro_batch_of_several_packs_keeps_every_segment(shards):
     from train.loader import PackedLoader
     from train.model.batch import PackedBatch
+    from train.pack_plan import PackSettings
 
-    loader = PackedLoader([str(shards)], seq_len=SEQ_LEN, global_batch_packs=2)
+    loader = PackedLoader([str(shards)], PackSettings(seq_len=SEQ_LEN, global_batch_packs=2))
     a, b = [pack for pack, _ in zip(loader, range(2))]
     row = PackedBatch.concat([a, b])
     n = len(a.input_ids)

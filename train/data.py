@@ -22,7 +22,7 @@ from megatron.core import parallel_state as mpu
 
 from train.loader import PackedLoader, pixel_values_on_device
 from train.model.batch import PackedBatch
-from train.pack_plan import parse_source, source_manifest
+from train.pack_plan import PackSettings, parse_source, source_manifest
 from shards_schema.pixels import video_pixel_values_from_patches
 
 
@@ -79,14 +79,14 @@ class TrainData:
         self.global_packs = config.global_packs(info.dp)
         self.packs_per_micro_batch = config.micro_batch_packs
         cuda = info.device.type == "cuda"
-        loader_kwargs = dict(seq_len=config.seq_len, seed=config.seed, rank=info.dp_rank, dp_size=info.dp,
-                             global_batch_packs=self.global_packs, max_visual_tokens=config.max_visual_tokens,
-                             pad_to_seq_len=config.packs_padded(), row_multiple=row_multiple,
+        packing = PackSettings(seq_len=config.seq_len, seed=config.seed, dp_size=info.dp,
+                               global_batch_packs=self.global_packs, max_visual_tokens=config.max_visual_tokens)
+        loader_kwargs = dict(rank=info.dp_rank, pad_to_seq_len=config.packs_padded(), row_multiple=row_multiple,
                              cache_dir=Path(config.out) / "plans",
                              num_workers=config.num_workers, pin_memory=cuda,
                              prefetch_factor=4 if config.num_workers else None)
-        self.loader = PackedLoader(specs, **loader_kwargs)
-        self.eval_loader = PackedLoader([parse_source(s) for s in config.eval_data], **loader_kwargs) \
+        self.loader = PackedLoader(specs, packing, **loader_kwargs)
+        self.eval_loader = PackedLoader([parse_source(s) for s in config.eval_data], packing, **loader_kwargs) \
             if config.eval_data else None
         self._packs = None
         # plan now: a sample longer than seq_len, or too little data for one global batch, fails

@@ -39,7 +39,8 @@ class PackedBatch:
     labels: Array  # int64 [T]: shifted targets, labels[i] is what row i predicts; -100 = no target
     loss_mask: Array  # float32 [T]: labels != -100
     position_ids: Array  # int32 [3, T]: M-RoPE (temporal, height, width) positions
-    padding_mask: Array | None  # bool [T]: True on padding rows, which MoE routers leave out of the balancing loss (None: none left out)
+    # bool [T]: True on padding rows, which MoE routers leave out of the load-balancing loss (None: no row left out)
+    padding_mask: Array | None
     cu_seqlens: Array  # int32 [n+1]: cumulative real lengths of the segments (Transformer Engine's cu_seqlens_q)
     cu_seqlens_padded: Array  # int32 [n+1]: row offsets of the padded segments (what varlen attention takes)
     max_seqlen: int  # longest segment of cu_seqlens_padded
