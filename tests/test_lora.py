@@ -244,7 +244,8 @@ def _tp_worker(rank: int, world: int, port: int, spec: lora.LoraSpec, adapters: 
                                 sequence_parallel=sequence_parallel)
     n = 48
     ids = torch.randint(0, 2000, (n,), generator=torch.Generator().manual_seed(1))
-    losses = model(PackedBatch.from_segments(ids, torch.arange(n).expand(3, n), torch.tensor([0, 20, n]), ids))
+    row = PackedBatch.from_segments(ids, torch.arange(n).expand(3, n), torch.tensor([0, 20, n], dtype=torch.int32), ids)
+    losses = model(row)
     losses.sum().backward()
     for param in attached.params.values():  # what finalize_model_grads does for the marked ones
         if getattr(param, "sequence_parallel", False):
@@ -518,7 +519,7 @@ def test_gpu_recompute_gives_every_adapter_its_gradient():
             attached.load_state_dict(lora.shard_adapters(adapters, lora.resolve_sites(arch, spec), 1, 0,
                                                          range(arch.lm.num_layers), True))
             losses = model(PackedBatch.from_segments(ids, torch.arange(n, device="cuda").expand(3, n),
-                                                     torch.tensor([0, 40, n], device="cuda"), ids))
+                                                     torch.tensor([0, 40, n], dtype=torch.int32, device="cuda"), ids))
             losses.sum().backward()
             grads[(recompute, layers)] = {k: p.grad for k, p in attached.params.items()}
         for setting in (("full", 1), ("full", None)):

@@ -68,7 +68,6 @@ class PackedBatch:
         import torch
 
         labels = torch.full_like(input_ids, IGNORE_INDEX) if labels is None else labels
-        cu_seqlens = cu_seqlens.to(torch.int32)
         lengths = cu_seqlens.diff()
         host = torch.device("cpu")
         return cls(input_ids=input_ids, labels=labels, loss_mask=(labels != IGNORE_INDEX).float(),
