@@ -28,6 +28,7 @@ import torch
 from common import log, machine_info, parser, register_fewer_layers, write_json
 
 from train.model.arch import builtin_arch
+from train.model.batch import PackedBatch
 from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model, destroy_parallel, init_parallel
 
@@ -71,7 +72,7 @@ def loss_and_grads(model, pack) -> tuple[float, dict[str, torch.Tensor]]:
     device = next(model.parameters()).device
     ids, positions, cu, labels = (t.to(device) for t in (ids, positions, cu, labels))
     model.zero_grad(set_to_none=True)
-    loss = model(ids, positions, cu, longest, labels=labels).sum()
+    loss = model(PackedBatch.from_segments(ids, positions, cu, labels)).sum()
     loss.backward()
     return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None and ".decoder." in n}
 

@@ -46,7 +46,7 @@ from shards_schema import open_shards
 from train.config import parse_bool
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
-from train.pack_plan import build_pack_plan
+from train.pack_plan import PackSettings, build_pack_plan
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,8 +105,8 @@ def main(argv=None) -> int:
     dist.barrier()
 
     shards = open_shards(args.data)
-    plan = build_pack_plan([args.data], seq_len=args.seq_len, seed=args.seed, dp_size=world,
-                           global_batch_packs=args.global_batch_packs)
+    plan = build_pack_plan([args.data], PackSettings(seq_len=args.seq_len, seed=args.seed, dp_size=world,
+                                                     global_batch_packs=args.global_batch_packs))
     mine = plan.rank_packs(rank, world)
     per_rank = args.global_batch_packs // world
     if len(mine) < args.steps * per_rank:

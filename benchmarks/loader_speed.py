@@ -58,7 +58,7 @@ from shards_schema.builtin import QWEN3_VL_VISION
 from shards_schema import open_shards
 from shards_schema.webdataset import WebDatasetShards, export_webdataset
 from train.loader import PackedDataset, shared_uint8
-from train.pack_plan import build_pack_plan
+from train.pack_plan import PackSettings, build_pack_plan
 from train.packed_batch import assemble_pack, patch_rows
 
 DEFAULT_TEMPLATE = REPO / "tests" / "fixtures" / "qwen3_vl_instruct.chat_template.jinja"
@@ -110,7 +110,7 @@ def measure_loader(source: str, seq_len: int, num_workers: int, min_packs: int, 
     the page-mapping faults a real epoch pays once per page; workers start once. `pin`: the
     trainer's setting on GPUs, packs end in pinned memory (the copy the GPU transfer reads)."""
     t0 = time.perf_counter()
-    plan = build_pack_plan([source], seq_len=seq_len, seed=seed)
+    plan = build_pack_plan([source], PackSettings(seq_len=seq_len, seed=seed))
     plan_seconds = time.perf_counter() - t0
     epochs = [PackedDataset(plan, pin_memory=pin)]
     epochs += [PackedDataset(plan, pin_memory=pin) for _ in range(-(-min_packs // len(epochs[0])) - 1)]
@@ -119,8 +119,8 @@ def measure_loader(source: str, seq_len: int, num_workers: int, min_packs: int, 
     cpu0, child0, wall0 = time.process_time(), children_cpu(), time.perf_counter()
     for batch in loader:  # exhausting the iterator joins the workers, so their CPU is in RUSAGE_CHILDREN
         packs += 1
-        samples += batch["num_samples"]
-        tokens += int(batch["sample_lengths"].sum())
+        samples += batch.num_samples
+        tokens += int(batch.sample_lengths.sum())
     wall = time.perf_counter() - wall0
     main_cpu, worker_cpu = time.process_time() - cpu0, children_cpu() - child0
     cpu = main_cpu + worker_cpu
@@ -139,7 +139,7 @@ def measure_copy_floor(source: str, seq_len: int, min_packs: int, seed: int) -> 
     """The floor under any loader that hands the trainer one contiguous pixel buffer per pack:
     fetch the pack's samples (`PackedDataset.samples`) and concatenate their pixel patches, and
     nothing else, under the same fresh-mapping protocol as `measure_loader` (workers 0)."""
-    plan = build_pack_plan([source], seq_len=seq_len, seed=seed)
+    plan = build_pack_plan([source], PackSettings(seq_len=seq_len, seed=seed))
     first = PackedDataset(plan)
     epochs = [first] + [PackedDataset(plan) for _ in range(-(-min_packs // len(first)) - 1)]
     samples = 0
@@ -165,7 +165,7 @@ def measure_handoff(source: str, seq_len: int, seed: int) -> dict:
     allocated in shared memory, its pages faulted in one by one by the copy; `shared` = the same
     with the block's pages mapped up front (`train.loader.shared_uint8`, what `PackedDataset`
     does in a worker)."""
-    plan = build_pack_plan([source], seq_len=seq_len, seed=seed)
+    plan = build_pack_plan([source], PackSettings(seq_len=seq_len, seed=seed))
     dataset = PackedDataset(plan)
     ways = ("private", "faulting", "shared")
     cpu = dict.fromkeys(ways, 0.0)
@@ -176,7 +176,7 @@ def measure_handoff(source: str, seq_len: int, seed: int) -> dict:
         for way in ways[k % 3:] + ways[:k % 3]:
             t0 = time.process_time()
             if way == "private":
-                torch.from_numpy(assemble_pack(samples)["pixel_patches"]).share_memory_()
+                torch.from_numpy(assemble_pack(samples).pixel_patches).share_memory_()
             else:
                 rows, width = patch_rows(samples)
                 out = shared_uint8(rows, width, prefault=way == "shared").numpy() if rows else None
@@ -270,7 +270,7 @@ def padded_batches(lengths: np.ndarray, budget: int) -> dict:
 
 def packing_efficiency(shards_dir: str, budget: int, seed: int) -> dict:
     lengths = open_shards(shards_dir).sample_stats()["num_tokens"].astype(np.int64)
-    plan = build_pack_plan([shards_dir], seq_len=budget, seed=seed)
+    plan = build_pack_plan([shards_dir], PackSettings(seq_len=budget, seed=seed))
     pack_tokens = np.asarray(plan.pack_tokens, dtype=np.int64)
     shuffled = lengths[np.random.default_rng(seed).permutation(len(lengths))]
     return {

@@ -20,7 +20,7 @@ import time
 import numpy as np
 from common import machine_info, parser, write_json
 
-from train.pack_plan import SourceStats, plan_from_stats
+from train.pack_plan import PackSettings, SourceStats, plan_from_stats
 
 
 def synthetic_source(n: int, seed: int) -> SourceStats:
@@ -56,8 +56,8 @@ def main() -> None:
             best, plan = float("inf"), None
             for _ in range(args.repeat):
                 t0 = time.perf_counter()
-                plan = plan_from_stats([source], seq_len=seq_len, seed=args.seed, max_visual_tokens=budget,
-                                       global_batch_packs=args.global_batch_packs)
+                plan = plan_from_stats([source], PackSettings(seq_len=seq_len, seed=args.seed, max_visual_tokens=budget,
+                                                              global_batch_packs=args.global_batch_packs))
                 best = min(best, time.perf_counter() - t0)
             st = plan.stats
             bound = max(source.num_tokens.sum() / seq_len, source.visual_tokens.sum() / budget if budget else 0)

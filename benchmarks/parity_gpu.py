@@ -59,6 +59,7 @@ from train import convert
 from train.config import ATTENTION_KERNELS
 from train.model.arch import SPECIAL_TOKEN_IDS, ModelArch, builtin_arch
 from train.model.attention import select_attention_kernel
+from train.model.batch import PackedBatch
 from train.model.qwen_vl import transformer_config
 from train.packed_batch import IGNORE_INDEX, assemble_pack
 from train.parallel import build_model, destroy_parallel, init_parallel
@@ -110,8 +111,9 @@ def make_sample(rng: np.random.Generator, length: int, n_images: int, merge: int
             "sample_uid": f"synthetic-{index}"}
 
 
-def make_batch(arch: ModelArch, seed: int, n_samples: int, tokens: int) -> dict:
-    """The pack (numpy, `assemble_pack` layout) plus float pixel_values [patches, C*T*P*P]."""
+def make_batch(arch: ModelArch, seed: int, n_samples: int, tokens: int) -> tuple[PackedBatch, torch.Tensor, list[int]]:
+    """The pack (numpy, from `assemble_pack`), float pixel values [patches, C*T*P*P] and the
+    images of each sample."""
     rng = np.random.default_rng(seed)
     v = arch.vision
     # image layout per sample: 1 image, none, 2 images, none, none, 1 image, ...
@@ -122,23 +124,21 @@ def make_batch(arch: ModelArch, seed: int, n_samples: int, tokens: int) -> dict:
     samples = [make_sample(rng, int(n), k, v.spatial_merge_size, i) for i, (n, k) in enumerate(zip(lengths, counts))]
     pack = assemble_pack(samples, pad_to_multiple=1)
     width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-    patches = int(pack["image_grid_thw"].astype(np.int64).prod(1).sum()) if len(pack["image_grid_thw"]) else 0
+    patches = int(pack.image_grid_thw.astype(np.int64).prod(1).sum()) if len(pack.image_grid_thw) else 0
     gen = torch.Generator().manual_seed(seed + 1)
-    pack["pixel_values"] = torch.rand(patches, width, generator=gen) * 2 - 1
-    pack["images_per_sample"] = counts
-    return pack
+    return pack, torch.rand(patches, width, generator=gen) * 2 - 1, counts
 
 
-def hf_inputs(pack: dict, device) -> dict:
-    cu = pack["cu_seqlens_padded"].astype(np.int64)
+def hf_inputs(pack: PackedBatch, pixel_values: torch.Tensor, device) -> dict:
+    cu = pack.cu_seqlens_padded.astype(np.int64)
     text = np.arange(cu[-1]) - np.repeat(cu[:-1], np.diff(cu))
-    positions = np.concatenate([text[None], pack["position_ids"].astype(np.int64)])[:, None, :]
-    ids = torch.from_numpy(pack["input_ids"])[None].to(device)
+    positions = np.concatenate([text[None], pack.position_ids.astype(np.int64)])[:, None, :]
+    ids = torch.from_numpy(pack.input_ids)[None].to(device)
     kwargs = {"input_ids": ids, "position_ids": torch.from_numpy(positions).to(device), "attention_mask": None,
               "use_cache": False, "mm_token_type_ids": (ids == IMAGE_PAD).long()}
-    if len(pack["image_grid_thw"]):
-        kwargs.update(pixel_values=pack["pixel_values"].to(device),
-                      image_grid_thw=torch.from_numpy(pack["image_grid_thw"].astype(np.int64)).to(device))
+    if len(pack.image_grid_thw):
+        kwargs.update(pixel_values=pixel_values.to(device),
+                      image_grid_thw=torch.from_numpy(pack.image_grid_thw.astype(np.int64)).to(device))
     return kwargs
 
 
@@ -196,15 +196,14 @@ def our_model(arch: ModelArch, hf_state: dict, info, dtype: torch.dtype):
     return model, cast, buffers
 
 
-def stage_forward(model, info, batch: dict, dtype: torch.dtype, *, labels: bool, pp_comm: str):
-    """This rank's part of one forward of the pack; the last stage returns logits [T, V] fp32
-    (gathered over TP) or per-token losses [T]; other stages return None."""
-    args = (batch["input_ids"], batch["position_ids"], batch["cu_seqlens"], batch["max_seqlen"])
-    kwargs = {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"]}
+def stage_forward(model, info, batch: PackedBatch, pixel_values: torch.Tensor | None, dtype: torch.dtype, *,
+                  labels: bool, pp_comm: str):
+    """This rank's part of one forward of the pack (on the device); the last stage returns
+    logits [T, V] fp32 (gathered over TP) or per-token losses [T]; other stages return None."""
     if labels:  # the trainer's loss path: output layer and CE only on the rows with a target
-        kwargs.update(labels=batch["labels"], loss_rows=torch.nonzero(batch["labels"] != IGNORE_INDEX)[:, 0])
-    else:
-        kwargs["return_logits"] = True
+        batch = batch.replace(loss_rows=torch.nonzero(batch.labels != IGNORE_INDEX)[:, 0])
+    args = (batch,)
+    kwargs = {"pixel_values": pixel_values, "return_logits": not labels}
     if info.pp == 1:
         return model(*args, **kwargs)
     if pp_comm == "schedule":
@@ -217,11 +216,11 @@ def stage_forward(model, info, batch: dict, dtype: torch.dtype, *, labels: bool,
 
         store = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
-            seq_length=int(batch["input_ids"].shape[0]), micro_batch_size=1, forward_only=True)
+            seq_length=batch.num_rows, micro_batch_size=1, forward_only=True)
         return store[0]["out"] if info.last_stage else None
     from megatron.core import parallel_state as mpu
 
-    shape = (int(batch["input_ids"].shape[0]), 1, model.config.hidden_size)
+    shape = (batch.num_rows, 1, model.config.hidden_size)
     if not info.first_stage:
         hidden = torch.empty(shape, dtype=dtype, device=info.device)
         dist.recv(hidden, src=mpu.get_pipeline_model_parallel_prev_rank())
@@ -281,11 +280,11 @@ def hf_forward(hf, inputs: dict) -> torch.Tensor:
         return hf(**inputs).logits[0]
 
 
-def reference(hf, pack: dict, device, bf16: bool) -> dict:
+def reference(hf, pack: PackedBatch, pixel_values: torch.Tensor, device, bf16: bool) -> dict:
     """HF logits [T, V] in fp32 (and bf16 with `bf16`), the model moved to `device`."""
     t0 = time.perf_counter()
     hf.to(device)
-    inputs = hf_inputs(pack, device)
+    inputs = hf_inputs(pack, pixel_values, device)
     out = {"fp32": hf_forward(hf, inputs)}
     sync(device)
     times = {"hf_fp32_s": time.perf_counter() - t0}
@@ -396,41 +395,34 @@ def main(argv=None) -> int:
         f"{times['ours_build_load_s']:.1f}s; params cast afterwards: "
         f"{f'{len(cast)} ({cast[0]}, ...)' if cast else 'none'}; float buffers {buffers}")
 
-    pack = make_batch(arch, args.seed, args.samples, args.tokens)
+    pack, pixel_values, images_per_sample = make_batch(arch, args.seed, args.samples, args.tokens)
     dev = info.device
-    batch = {
-        "input_ids": torch.from_numpy(pack["input_ids"]).to(dev),
-        "position_ids": torch.from_numpy(pack["position_ids"]).to(dev),
-        "cu_seqlens": torch.from_numpy(pack["cu_seqlens_padded"]).to(dev),
-        "max_seqlen": int(pack["max_seqlen"]),
-        "labels": torch.from_numpy(pack["labels"]).to(dev),
-        "pixel_values": pack["pixel_values"].to(dev, dtype) if len(pack["image_grid_thw"]) else None,
-        "image_grid_thw": torch.from_numpy(pack["image_grid_thw"]),  # the vision tower wants it on the CPU
-    }
-    total = int(pack["input_ids"].shape[0])
-    n_images = len(pack["image_grid_thw"])
-    image_tokens = int((pack["input_ids"] == IMAGE_PAD).sum())
+    batch = pack.as_tensors().to(dev)  # the grids stay on the CPU, where the vision tower wants them
+    ours_pixels = pixel_values.to(dev, dtype) if len(pack.image_grid_thw) else None
+    total = int(pack.input_ids.shape[0])
+    n_images = len(pack.image_grid_thw)
+    image_tokens = int((pack.input_ids == IMAGE_PAD).sum())
     log(f"pack: {args.samples} samples, {total} tokens ({image_tokens} image tokens in {n_images} images, "
-        f"grids {pack['image_grid_thw'].tolist()}), {int(pack['num_target_tokens'])} targets, "
-        f"lengths {pack['sample_lengths'].tolist()}")
+        f"grids {pack.image_grid_thw.tolist()}), {pack.num_target_tokens} targets, "
+        f"lengths {pack.sample_lengths.tolist()}")
 
     t0 = time.perf_counter()
     with torch.no_grad():
-        logits = stage_forward(model, info, batch, dtype, labels=False, pp_comm=args.pp_comm)
-        losses = stage_forward(model, info, batch, dtype, labels=True, pp_comm=args.pp_comm)
+        logits = stage_forward(model, info, batch, ours_pixels, dtype, labels=False, pp_comm=args.pp_comm)
+        losses = stage_forward(model, info, batch, ours_pixels, dtype, labels=True, pp_comm=args.pp_comm)
     sync(dev)
     times["ours_forward_x2_s"] = time.perf_counter() - t0
     del model
 
     result = None
     if is_ref:
-        ref = reference(hf, pack, dev, bf16=dtype == torch.bfloat16)
+        ref = reference(hf, pack, pixel_values, dev, bf16=dtype == torch.bfloat16)
         times.update(ref.pop("times"))
-        labels = batch["labels"]
+        labels = batch.labels
         keep = labels != IGNORE_INDEX
-        cu = pack["cu_seqlens_padded"]
+        cu = pack.cu_seqlens_padded
         rows = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in
-                                                zip(cu[:-1], pack["sample_lengths"])])).to(dev)
+                                                zip(cu[:-1], pack.sample_lengths)])).to(dev)
         ref32_loss = token_losses(ref["fp32"], labels)
         ours = f"ours_{dtype_name}"
         results = {f"{ours}_vs_hf_fp32": compare(logits, ref["fp32"], rows, losses, ref32_loss, keep)}
@@ -447,9 +439,9 @@ def main(argv=None) -> int:
             "device": dev.type, "pp_comm": args.pp_comm if info.pp > 1 else None,
             "hf_attn_implementation": hf.config._attn_implementation, "seed": args.seed,
             "pack": {"tokens": total, "real_rows": len(rows), "samples": args.samples,
-                     "sample_lengths": pack["sample_lengths"].tolist(), "images_per_sample": pack["images_per_sample"],
-                     "image_grid_thw": pack["image_grid_thw"].tolist(), "image_tokens": image_tokens,
-                     "target_tokens": int(keep.sum()), "max_seqlen": int(pack["max_seqlen"])},
+                     "sample_lengths": pack.sample_lengths.tolist(), "images_per_sample": images_per_sample,
+                     "image_grid_thw": pack.image_grid_thw.tolist(), "image_tokens": image_tokens,
+                     "target_tokens": int(keep.sum()), "max_seqlen": int(pack.max_seqlen)},
             "results": results, "ours_logits_vs_ours_loss_max_abs": self_loss,
             "ours_params_cast_after_load": cast, "ours_float_buffers": buffers,
             "times_s": {k: round(v, 2) for k, v in times.items()},

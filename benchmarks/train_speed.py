@@ -224,7 +224,7 @@ class TrainerProbe:
 
             def step(self, micro_batches, started):
                 probe.steps.append({"vf": [], "ve": [], "vb": [], "vw": [], "vp": []})
-                probe.packs += [(int(b["epoch"]), int(b["pack_index"])) for b in micro_batches]
+                probe.packs += [(int(b.epoch), int(b.pack_index)) for b in micro_batches]  # one pack per micro-batch
                 probe.last_batches = micro_batches
                 return super().step(micro_batches, started)
 
@@ -668,8 +668,8 @@ def isolated_vision(probe: TrainerProbe, args, device: torch.device, in_step: di
     clock = probe.clock
     work = []
     for b in batches:  # images and videos in one tower call, as the model makes it
-        parts = [(values, grid) for values, grid in ((data.pixel_values(b, dtype), b["image_grid_thw"]),
-                                                     (data.pixel_values_videos(b, dtype), b["video_grid_thw"]))
+        parts = [(values, grid) for values, grid in ((data.pixel_values(b, dtype), b.image_grid_thw),
+                                                     (data.pixel_values_videos(b, dtype), b.video_grid_thw))
                  if values is not None]
         if parts:
             work.append((torch.cat([v for v, _ in parts]), torch.cat([torch.as_tensor(g) for _, g in parts])))

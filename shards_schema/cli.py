@@ -27,7 +27,7 @@ COMMANDS = {
     "show": ("preprocess.show:Show", "one sample decoded back to text, targets highlighted, images rebuilt"),
     "verify": ("shards_schema.verify:Verify", "check a shard directory end to end (exit code != 0 on any fault)"),
     "pack": ("train.cli:Pack", "plan packs over shard directories (offline, sizes only)"),
-    "train": ("train.trainer:Train", "train on shard directories (launch with torchrun: one process per GPU)"),
+    "train": ("train.cli:Train", "train on shard directories (launch with torchrun: one process per GPU)"),
     "import-hf": ("train.cli:ImportHF", "Hugging Face Qwen-VL checkpoint -> Megatron model directory (any TP/PP)"),
     "export-hf": ("train.cli:ExportHF", "Megatron model directory -> Hugging Face checkpoint"),
     "fetch": ("shards_schema.fetch:Fetch", "copy a shard directory from an object store (s3://, gs://, ...) to local "
@@ -83,8 +83,7 @@ def _dispatch(argv: list[str]) -> int:
     try:
         command = getattr(importlib.import_module(module_name), attr)
     except KeyboardInterrupt:  # Ctrl-C while the command loads (torch and megatron take seconds): nothing began
-        print(f"vlmpack {name}: interrupted before it started", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted_before_start(name)
     parser = _Parser(prog=f"vlmpack {name}", description=help_)
     command.add_arguments(parser)
     args = parser.parse_args(argv[1:])
@@ -99,6 +98,12 @@ def _dispatch(argv: list[str]) -> int:
         if mapped is None:
             raise
         return _fail(name, mapped)
+
+
+def interrupted_before_start(name: str) -> int:
+    """Ctrl-C while a command loads its modules: one line, the status of an interrupted command."""
+    print(f"vlmpack {name}: interrupted before it started", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def _fail(name: str, exc: UserError) -> int:

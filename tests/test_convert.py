@@ -32,6 +32,7 @@ from train.checkpoint_format import (
 )
 from train.model.arch import ModelArch, builtin_arch
 from train.model.families import qwen3_vl
+from train.model.batch import PackedBatch
 
 # Model kinds: the two families, and Qwen3-VL with Mixture-of-Experts MLPs.
 HF_CLASSES = {"qwen3-vl": "Qwen3VLForConditionalGeneration", "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
@@ -122,8 +123,8 @@ def test_matches_built_model_and_hf_logits(hf_checkpoint, parallel, family):
     ids = torch.arange(1000, 1016)
     with torch.no_grad():
         want = hf_model(input_ids=ids[None]).logits[0]
-        got = model(ids, torch.arange(16).expand(3, 16), torch.tensor([0, 16], dtype=torch.int32), 16,
-                    return_logits=True)
+        row = PackedBatch.from_segments(ids, torch.arange(16).expand(3, 16), torch.tensor([0, 16], dtype=torch.int32))
+        got = model(row, return_logits=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -279,7 +280,8 @@ def _tp_worker(rank: int, world: int, port: int, model_dir: str, ids: torch.Tens
     C.load_into_model(model, C.load_model_state(model_dir, arch, world, info.tp_rank, 1, 0))
     n = ids.numel()
     with torch.no_grad():
-        logits = model(ids, torch.arange(n).expand(3, n), torch.tensor([0, n], dtype=torch.int32), n, return_logits=True)
+        row = PackedBatch.from_segments(ids, torch.arange(n).expand(3, n), torch.tensor([0, n], dtype=torch.int32))
+        logits = model(row, return_logits=True)
     if rank == 0:
         torch.save(logits, out)
     destroy_parallel()

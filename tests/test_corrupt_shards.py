@@ -247,6 +247,7 @@ from shards_schema import ShardFormatError
 from shards_schema.cli import main as vlmpack
 from shards_schema.reader import ShardFault
 from train.loader import PackedLoader
+from train.pack_plan import PackSettings
 
 tokenizers = []  # the same tokenizer serves every copy: `show` loads it once (seconds), not per flip
 load_tokenizer = preprocess.show.load_tokenizer
@@ -277,7 +278,7 @@ for n, (at, mask) in enumerate(positions):
             code = vlmpack([str(a) for a in argv])
         results.append({"at": at, "command": argv[0], "code": code, "out": out.getvalue()[-3000:], "err": err.getvalue()})
     try:
-        PackedLoader([str(data_dir)], seq_len=1024, global_batch_packs=1).dataset()
+        PackedLoader([str(data_dir)], PackSettings(seq_len=1024, global_batch_packs=1)).dataset()
         results.append({"at": at, "command": "loader", "code": 0, "out": "", "err": ""})
     except ShardFormatError as exc:
         results.append({"at": at, "command": "loader", "code": 2, "out": "", "err": f"vlmpack loader: error: {exc}\n"})
@@ -373,6 +374,7 @@ def test_a_row_whose_columns_disagree_is_named_by_the_commands_that_read_rows(cl
 
     from tests.helpers.shards import rewrite_shard
     from train.loader import PackedLoader
+    from train.pack_plan import PackSettings
 
     data = Path(shutil.copytree(clean, tmp_path / "data"))
     rows = {}
@@ -396,7 +398,7 @@ def test_a_row_whose_columns_disagree_is_named_by_the_commands_that_read_rows(cl
     for argv in (["inspect", data], ["pack", data, "--seq-len", str(SEQ_LEN)]):
         assert vlmpack([str(a) for a in argv]) == 0
         capsys.readouterr()
-    dataset = PackedLoader([str(data)], seq_len=SEQ_LEN, global_batch_packs=1).dataset()
+    dataset = PackedLoader([str(data)], PackSettings(seq_len=SEQ_LEN, global_batch_packs=1)).dataset()
     with pytest.raises(ShardFault, match=r"row \d+: \[(loss_mask|pixel_patches)_length\]"):
         for k in range(len(dataset)):
             dataset[k]

@@ -11,6 +11,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 from tests.helpers.models import tiny_qwen3_vl
 from train.model.arch import ModelArch
+from train.model.batch import PackedBatch
 from train.model.grad_buffer import accumulate_float8_weight_grad, accumulate_weight_grad, zeros_flag
 from train.model.linear import DecoderLinear, grad_buffers_zeroed, use_fp8, use_grad_buffers
 from train.model.qwen_vl import compile_model, transformer_config
@@ -117,8 +118,8 @@ def test_gradient_buffers_under_megatrons_ddp_hold_the_models_gradients(info, co
         grad_buffers_zeroed(ddp)
     packs = [random_pack(seed, total=96 if fp8 else None) for seed in (4, 5)]
     for model in (plain, ddp):
-        for ids, positions, cu, max_len, labels in packs:
-            model(ids, positions, cu, max_len, labels=labels).sum().backward()
+        for ids, positions, cu, _, labels in packs:
+            model(PackedBatch.from_segments(ids, positions, cu, labels)).sum().backward()
     fused = [m.weight for m in wrapped.modules() if isinstance(m, DecoderLinear)]
     assert fused and all(w.grad is None for w in fused)
     names = dict(wrapped.named_parameters())

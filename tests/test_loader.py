@@ -5,6 +5,7 @@ the training side never imports the preprocessing stack."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from shards_schema.pixels import pixel_values_from_patches_np
 from shards_schema.webdataset import WebDatasetFormatError, WebDatasetShards, export_webdataset
 from tests.helpers.hf_reference import hf_packed_inputs, hf_packed_position_ids, to_padded_batch
 from train.loader import LoaderState, PackedDataset, PackedLoader, pixel_values_on_device, shared_uint8
-from train.pack_plan import PackingError, build_pack_plan, open_source
+from train.pack_plan import PackingError, PackSettings, build_pack_plan, open_source
 from train.packed_batch import IGNORE_INDEX, assemble_pack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -71,40 +72,40 @@ def check_pack(pack: dict, samples: list[dict], pad_to_multiple: int = 1, seq_le
     padded = -(-lengths // pad_to_multiple) * pad_to_multiple
     starts = np.concatenate([[0], np.cumsum(padded)])[:-1]
     T = int(padded.sum()) if seq_len is None else seq_len
-    assert pack["input_ids"].shape == (T,) and pack["labels"].shape == (T,) and pack["position_ids"].shape == (3, T)
-    assert pack["sample_lengths"].tolist() == lengths.tolist() and pack["num_samples"] == len(samples)
-    assert pack["cu_seqlens"][: len(samples) + 1].tolist() == [0, *np.cumsum(lengths).tolist()]
-    assert pack["cu_seqlens_padded"][: len(samples) + 1].tolist() == [0, *np.cumsum(padded).tolist()]
-    assert pack["cu_seqlens_padded"][-1] == T and pack["max_seqlen"] == int(np.diff(pack["cu_seqlens_padded"]).max())
+    assert pack.input_ids.shape == (T,) and pack.labels.shape == (T,) and pack.position_ids.shape == (3, T)
+    assert pack.sample_lengths.tolist() == lengths.tolist() and pack.num_samples == len(samples)
+    assert pack.cu_seqlens[: len(samples) + 1].tolist() == [0, *np.cumsum(lengths).tolist()]
+    assert pack.cu_seqlens_padded[: len(samples) + 1].tolist() == [0, *np.cumsum(padded).tolist()]
+    assert pack.cu_seqlens_padded[-1] == T and pack.max_seqlen == int(np.diff(pack.cu_seqlens_padded).max())
     covered = np.zeros(T, bool)
     for s, start in zip(samples, starts):
         L = len(s["input_ids"])
         rows = slice(start, start + L)
         covered[start:start + L] = True
         ids, mask = s["input_ids"].astype(np.int64), s["loss_mask"].astype(bool)
-        assert (pack["input_ids"][rows] == ids).all()
+        assert (pack.input_ids[rows] == ids).all()
         # labels of a sample = its own ids shifted by one where the next token is a target
         expected = np.full(L, IGNORE_INDEX)
         expected[:-1] = np.where(mask[1:], ids[1:], IGNORE_INDEX)
-        assert (pack["labels"][rows] == expected).all()
-        assert pack["labels"][start + L - 1] == IGNORE_INDEX  # the last token predicts nothing
+        assert (pack.labels[rows] == expected).all()
+        assert pack.labels[start + L - 1] == IGNORE_INDEX  # the last token predicts nothing
         assert not mask[0]  # a sample's first token is never a target (it is <|im_start|>)
-        assert (pack["position_ids"][:, rows] == s["position_ids"]).all()  # restart per sample
-        assert pack["position_ids"][0, start] == 0
-    assert (pack["labels"][~covered] == IGNORE_INDEX).all()  # padding has no targets
-    assert (pack["loss_mask"] == (pack["labels"] != IGNORE_INDEX)).all() and pack["loss_mask"].dtype == np.float32
-    assert pack["num_target_tokens"] == int(pack["loss_mask"].sum()) == sum(int(s["loss_mask"].sum()) for s in samples)
+        assert (pack.position_ids[:, rows] == s["position_ids"]).all()  # restart per sample
+        assert pack.position_ids[0, start] == 0
+    assert (pack.labels[~covered] == IGNORE_INDEX).all()  # padding has no targets
+    assert (pack.loss_mask == (pack.labels != IGNORE_INDEX)).all() and pack.loss_mask.dtype == np.float32
+    assert pack.num_target_tokens == int(pack.loss_mask.sum()) == sum(int(s["loss_mask"].sum()) for s in samples)
     # pixels and grids concatenated in sample order; one patch row per t*h*w
-    assert np.array_equal(pack["pixel_patches"], np.concatenate([s["pixel_patches"] for s in samples]))
-    assert np.array_equal(pack["image_grid_thw"], np.concatenate([s["image_grid_thw"].reshape(-1, 3) for s in samples]))
-    assert int(np.prod(pack["image_grid_thw"], axis=1).sum()) == len(pack["pixel_patches"])
+    assert np.array_equal(pack.pixel_patches, np.concatenate([s["pixel_patches"] for s in samples]))
+    assert np.array_equal(pack.image_grid_thw, np.concatenate([s["image_grid_thw"].reshape(-1, 3) for s in samples]))
+    assert int(np.prod(pack.image_grid_thw, axis=1).sum()) == len(pack.pixel_patches)
 
 
 def test_assemble_pack_no_padding(some_samples):
     pack = assemble_pack(some_samples)
     check_pack(pack, some_samples)
-    assert np.array_equal(pack["cu_seqlens"], pack["cu_seqlens_padded"])
-    assert pack["input_ids"].dtype == np.int64 and pack["position_ids"].dtype == np.int32
+    assert np.array_equal(pack.cu_seqlens, pack.cu_seqlens_padded)
+    assert pack.input_ids.dtype == np.int64 and pack.position_ids.dtype == np.int32
 
 
 @pytest.mark.parametrize("pad_to_multiple,seq_len", [(64, None), (1, 4096), (128, 4096)])
@@ -112,18 +113,18 @@ def test_assemble_pack_padding(some_samples, pad_to_multiple, seq_len):
     pack = assemble_pack(some_samples, pad_to_multiple=pad_to_multiple, seq_len=seq_len, pad_token_id=7)
     check_pack(pack, some_samples, pad_to_multiple, seq_len)
     n = len(some_samples)
-    cu = pack["cu_seqlens_padded"]
-    assert len(pack["cu_seqlens"]) == n + 1 + (seq_len is not None)  # trailing padding is one extra segment
+    cu = pack.cu_seqlens_padded
+    assert len(pack.cu_seqlens) == n + 1 + (seq_len is not None)  # trailing padding is one extra segment
     for j, s in enumerate(some_samples):  # per-sample padding: pad id, positions continue the sample's last
         L = len(s["input_ids"])
         pad = slice(cu[j] + L, cu[j + 1])
-        assert (pack["input_ids"][pad] == 7).all()
+        assert (pack.input_ids[pad] == 7).all()
         k = np.arange(cu[j + 1] - cu[j] - L)
-        assert (pack["position_ids"][:, pad] == s["position_ids"][:, -1:] + 1 + k).all()
+        assert (pack.position_ids[:, pad] == s["position_ids"][:, -1:] + 1 + k).all()
     if seq_len is not None:
         tail = slice(cu[n], seq_len)
-        assert (pack["position_ids"][:, tail] == np.arange(seq_len - cu[n])).all()
-        assert pack["cu_seqlens"][-1] - pack["cu_seqlens"][-2] == seq_len - cu[n]
+        assert (pack.position_ids[:, tail] == np.arange(seq_len - cu[n])).all()
+        assert pack.cu_seqlens[-1] - pack.cu_seqlens[-2] == seq_len - cu[n]
     with pytest.raises(ValueError, match="more than seq_len"):
         assemble_pack(some_samples, seq_len=100)
 
@@ -145,7 +146,7 @@ def test_hf_packed_inputs_and_padded_batch(some_samples):
     hf = hf_packed_inputs(some_samples)
     pack = assemble_pack(some_samples)
     # HF's unshifted labels, shifted the way HF's loss does, are exactly our pack labels
-    assert np.array_equal(np.append(hf["labels"][0, 1:], IGNORE_INDEX), pack["labels"])
+    assert np.array_equal(np.append(hf["labels"][0, 1:], IGNORE_INDEX), pack.labels)
     assert hf["mm_token_type_ids"].sum() == sum(int(np.prod(s["image_grid_thw"], axis=1).sum()) // 4 for s in some_samples)
     batch = to_padded_batch(some_samples)
     assert batch["input_ids"].shape == (len(some_samples), max(lengths))
@@ -156,45 +157,45 @@ def test_hf_packed_inputs_and_padded_batch(some_samples):
         assert (batch["labels"][b, L:] == IGNORE_INDEX).all() and (batch["position_ids"][:, b, L:] == 1).all()
         row = np.append(batch["labels"][b, 1:L], IGNORE_INDEX)
         start = sum(lengths[:b])
-        assert np.array_equal(row, pack["labels"][start:start + L])
+        assert np.array_equal(row, pack.labels[start:start + L])
 
 
 # --------------------------------------------------------------------------- dataset / loader
 
 
 def pack_ids(batches) -> list[int]:
-    return [b["pack_index"] for b in batches]
+    return [b.pack_index for b in batches]
 
 
 def test_dataset_returns_plan_packs_as_tensors(shard_dir, shards):
-    plan = build_pack_plan([shard_dir], seq_len=SEQ_LEN)
+    plan = build_pack_plan([shard_dir], PackSettings(seq_len=SEQ_LEN))
     dataset = PackedDataset(plan)
     assert len(dataset) == plan.num_packs
     seen = []
     for k in range(len(dataset)):
         batch = dataset[k]
-        assert isinstance(batch["input_ids"], torch.Tensor) and batch["input_ids"].dtype == torch.int64
-        src, idx = plan.pack_samples(batch["pack_index"])
+        assert isinstance(batch.input_ids, torch.Tensor) and batch.input_ids.dtype == torch.int64
+        src, idx = plan.pack_samples(batch.pack_index)
         samples = [shards[i] for i in idx.tolist()]
-        check_pack({k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}, samples)
+        check_pack(batch.as_numpy(), samples)
         seen += idx.tolist()
     assert sorted(seen) == list(range(len(shards)))
-    aligned = PackedDataset(build_pack_plan([shard_dir], seq_len=SEQ_LEN, pad_to_multiple=64))[0]
-    assert (aligned["cu_seqlens_padded"] % 64 == 0).all() and len(aligned["input_ids"]) % 64 == 0
+    aligned = PackedDataset(build_pack_plan([shard_dir], PackSettings(seq_len=SEQ_LEN, pad_to_multiple=64)))[0]
+    assert (aligned.cu_seqlens_padded % 64 == 0).all() and len(aligned.input_ids) % 64 == 0
     padded = PackedDataset(plan, pad_to_seq_len=True)[0]
-    assert padded["input_ids"].shape == (SEQ_LEN,)
-    assert padded["input_ids"][-1] == shards.manifest["profile"]["special_tokens"]["endoftext"]
+    assert padded.input_ids.shape == (SEQ_LEN,)
+    assert padded.input_ids[-1] == shards.manifest["profile"]["special_tokens"]["endoftext"]
 
 
 def test_workers_give_the_same_packs(shard_dir):
-    plan = build_pack_plan([shard_dir], seq_len=SEQ_LEN)
+    plan = build_pack_plan([shard_dir], PackSettings(seq_len=SEQ_LEN))
     dataset = PackedDataset(plan)
     serial = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0))
     parallel = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2))
     assert pack_ids(serial) == pack_ids(parallel) == list(range(plan.num_packs))
     for a, b in zip(serial, parallel):
         for key in ("input_ids", "labels", "position_ids", "pixel_patches", "cu_seqlens"):
-            assert torch.equal(a[key], b[key])
+            assert torch.equal(getattr(a, key), getattr(b, key))
 
 
 PATCH_GRIDS = {"pixel_patches": "image_grid_thw", "video_patches": "video_grid_thw"}
@@ -205,14 +206,14 @@ def test_worker_writes_patches_into_shared_memory(field, shard_dir, video_shard_
     """In a DataLoader worker the pack's image and video patches are written straight into
     shared memory (the result queue then passes them without another copy); the values are the
     plain path's, which are the samples' rows end to end."""
-    plan = build_pack_plan([video_shard_dir if field == "video_patches" else shard_dir], seq_len=SEQ_LEN)
+    plan = build_pack_plan([video_shard_dir if field == "video_patches" else shard_dir], PackSettings(seq_len=SEQ_LEN))
     dataset = PackedDataset(plan)
-    with_patches = next(k for k in range(len(dataset)) if len(dataset[k][PATCH_GRIDS[field]]))
-    plain = dataset[with_patches][field]
+    with_patches = next(k for k in range(len(dataset)) if len(getattr(dataset[k], PATCH_GRIDS[field])))
+    plain = getattr(dataset[with_patches], field)
     assert not plain.is_shared() and len(plain)
     assert np.array_equal(plain.numpy(), np.concatenate([np.asarray(s[field]) for s in dataset.samples(with_patches)]))
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
-    shared = dataset[with_patches][field]
+    shared = getattr(dataset[with_patches], field)
     assert shared.is_shared() and torch.equal(shared, plain) and shared.dtype == torch.uint8
 
 
@@ -262,13 +263,13 @@ def test_gpu_pinning_dataset_writes_patches_into_pinned_memory(field, shard_dir,
     second copy)."""
     from torch.utils.data._utils.pin_memory import pin_memory
 
-    plan = build_pack_plan([video_shard_dir if field == "video_patches" else shard_dir], seq_len=SEQ_LEN)
+    plan = build_pack_plan([video_shard_dir if field == "video_patches" else shard_dir], PackSettings(seq_len=SEQ_LEN))
     pinned = PackedDataset(plan, pin_memory=True)
-    with_patches = next(k for k in range(len(pinned)) if len(pinned[k][PATCH_GRIDS[field]]))
+    with_patches = next(k for k in range(len(pinned)) if len(getattr(pinned[k], PATCH_GRIDS[field])))
     batch = pinned[with_patches]
-    assert batch[field].is_pinned()
-    assert torch.equal(batch[field], PackedDataset(plan)[with_patches][field])
-    assert pin_memory(batch)[field].data_ptr() == batch[field].data_ptr()
+    assert getattr(batch, field).is_pinned()
+    assert torch.equal(getattr(batch, field), getattr(PackedDataset(plan)[with_patches], field))
+    assert getattr(pin_memory(batch), field).data_ptr() == getattr(batch, field).data_ptr()
 
 
 @pytest.mark.gpu
@@ -291,10 +292,14 @@ def test_gpu_pin_memory_thread_leaves_one_intra_op_thread_count(shard_dir, tmp_p
     assert seen == [threads]
 
 
+PACK_SETTING_NAMES = {field.name for field in dataclasses.fields(PackSettings)}
+
+
 def make_loader(shard_dir, **kw) -> PackedLoader:
-    kw.setdefault("seq_len", SEQ_LEN)
-    kw.setdefault("seed", 3)
-    return PackedLoader([shard_dir], **kw)
+    """A loader of `shard_dir`: keyword arguments of PackSettings (seq_len SEQ_LEN and seed 3
+    unless given) or of the loader."""
+    planning = {"seq_len": SEQ_LEN, "seed": 3} | {k: kw.pop(k) for k in list(kw) if k in PACK_SETTING_NAMES}
+    return PackedLoader([shard_dir], PackSettings(**planning), **kw)
 
 
 def take(loader: PackedLoader, n: int) -> list[dict]:
@@ -375,7 +380,8 @@ def test_fewer_packs_than_one_global_batch_is_refused_not_an_empty_epoch(shard_d
     """An epoch without a whole global batch used to be empty: `for batch in loader` ended at
     once and a loop over epochs planned (and cached) one empty epoch after another."""
     cache = tmp_path / "plans"
-    loader = PackedLoader([shard_dir], seq_len=16384, rank=0, dp_size=8, global_batch_packs=64, cache_dir=cache)
+    loader = PackedLoader([shard_dir], PackSettings(seq_len=16384, dp_size=8, global_batch_packs=64), rank=0,
+                          cache_dir=cache)
     for consume in (len, lambda loader: next(iter(loader))):
         with pytest.raises(PackingError, match="fewer than one global batch of 64 packs"):
             consume(loader)
@@ -388,19 +394,19 @@ def test_pin_memory(shard_dir, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # CPU-only torch warns that pinning needs an accelerator
         batches = take(loader, 4)
-    assert isinstance(batches[0]["input_ids"], torch.Tensor) and loader.position == 4
+    assert isinstance(batches[0].input_ids, torch.Tensor) and loader.position == 4
     if not torch.cuda.is_available():
         pytest.skip("pinned memory needs CUDA (the loader ran, unpinned)")
-    assert any(len(b["pixel_patches"]) for b in batches)
+    assert any(len(b.pixel_patches) for b in batches)
     # a zero-size tensor (a pack without images has no patches) has no memory to pin
     unpinned = [(i, k) for i, b in enumerate(batches) for k in ("input_ids", "labels", "position_ids", "pixel_patches",
-                                                                 "cu_seqlens") if b[k].numel() and not b[k].is_pinned()]
+                                                                 "cu_seqlens") if getattr(b, k).numel() and not getattr(b, k).is_pinned()]
     assert not unpinned, f"not pinned: {unpinned}"
 
 
 def test_pixel_values_on_device(shards, some_samples):
     vision = shards.manifest["profile"]["vision"]
-    patches = assemble_pack(some_samples)["pixel_patches"]
+    patches = assemble_pack(some_samples).pixel_patches
     got = pixel_values_on_device(torch.from_numpy(patches), vision)
     expected = pixel_values_from_patches_np(patches, vision["image_mean"], vision["image_std"], vision["patch_size"],
                                             vision["temporal_patch_size"])
@@ -436,12 +442,12 @@ def assert_same_packs(a, b) -> None:
     a, b = list(a), list(b)
     assert len(a) == len(b) > 0
     for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        for key in x:
-            if isinstance(x[key], torch.Tensor):
-                assert x[key].dtype == y[key].dtype and torch.equal(x[key], y[key]), key
+        for field in dataclasses.fields(x):
+            one, other = getattr(x, field.name), getattr(y, field.name)
+            if isinstance(one, torch.Tensor):
+                assert one.dtype == other.dtype and torch.equal(one, other), field.name
             else:
-                assert x[key] == y[key], key
+                assert one == other, field.name
 
 
 def test_webdataset_export_packs_exactly_like_its_directory(shard_dir, shards, webdataset_dir):
@@ -451,14 +457,14 @@ def test_webdataset_export_packs_exactly_like_its_directory(shard_dir, shards, w
     for name, values in wds.sample_stats().items():  # from tar headers alone
         assert np.array_equal(values, stats[name]), name
     for settings in ({"seq_len": SEQ_LEN}, {"seq_len": SEQ_LEN, "pad_to_multiple": 64, "seed": 5, "epoch": 1}):
-        arrow, tars = build_pack_plan([shard_dir], **settings), build_pack_plan([webdataset_dir], **settings)
+        arrow, tars = (build_pack_plan([source], PackSettings(**settings)) for source in (shard_dir, webdataset_dir))
         assert arrow.key == tars.key and tars.source_dirs == [str(webdataset_dir.resolve())]
         for name in arrow.arrays:
             assert np.array_equal(arrow.arrays[name], tars.arrays[name]), name
         assert_same_packs(PackedDataset(arrow), PackedDataset(tars))
         assert_same_packs(PackedDataset(arrow, pad_to_seq_len=True), PackedDataset(tars, pad_to_seq_len=True))
     # an export mixes with directories; same fingerprint, so the packs are those of [dir, dir]
-    mixed = build_pack_plan([shard_dir, webdataset_dir], seq_len=SEQ_LEN)
+    mixed = build_pack_plan([shard_dir, webdataset_dir], PackSettings(seq_len=SEQ_LEN))
     assert_same_packs(PackedDataset(mixed), PackedDataset(mixed, [shard_dir, shard_dir]))
     assert set(np.unique(mixed.sample_source).tolist()) == {0, 1}
 
@@ -478,7 +484,7 @@ def test_webdataset_loader_with_workers_and_resume_across_formats(shard_dir, web
 def test_unknown_or_damaged_webdataset_sources_are_refused(webdataset_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ShardFormatError, match="neither manifest.json nor index.json"):
-        build_pack_plan([tmp_path / "empty"], seq_len=SEQ_LEN)
+        build_pack_plan([tmp_path / "empty"], PackSettings(seq_len=SEQ_LEN))
     damaged = tmp_path / "damaged"
     shutil.copytree(webdataset_dir, damaged)
     index = json.loads((damaged / "index.json").read_text())
@@ -489,7 +495,7 @@ def test_unknown_or_damaged_webdataset_sources_are_refused(webdataset_dir, tmp_p
     tar.write_bytes(bytes(data))
     key = f"s{index['tars'][1]['first_index'] + 2:09d}"
     with pytest.raises(WebDatasetFormatError, match=f"{tar.name}: sample {key} .*expected member image_grid_thw.npy"):
-        build_pack_plan([damaged], seq_len=SEQ_LEN)
+        build_pack_plan([damaged], PackSettings(seq_len=SEQ_LEN))
     tar.write_bytes(bytes(data[:-20000]))
     with pytest.raises(WebDatasetFormatError, match="truncated"):
-        build_pack_plan([damaged], seq_len=SEQ_LEN)
+        build_pack_plan([damaged], PackSettings(seq_len=SEQ_LEN))

@@ -32,6 +32,7 @@ from tests.helpers.train import BASE, ok, run_train
 from train import adapter_format, convert
 from train.model import lora
 from train.model.arch import ModelArch
+from train.model.batch import PackedBatch
 from train.model.qwen_vl import transformer_config
 from train.packed_batch import IGNORE_INDEX, assemble_pack
 from train.parallel import build_model, destroy_parallel, init_parallel
@@ -110,7 +111,7 @@ def test_adapters_match_peft_logits_losses_and_gradients(kind, images, data, inf
     model, attached = our_model(base, arch, spec, adapters, info)
     shards = data["qwen2.5-vl" if kind.startswith("qwen2.5") else "qwen3-vl"]
     pack = assemble_pack(pick(shards, images), pad_to_multiple=8, seq_len=None)
-    rows, labels = real_rows(pack), torch.from_numpy(pack["labels"])
+    rows, labels = real_rows(pack), torch.from_numpy(pack.labels)
     keep = labels != IGNORE_INDEX
 
     ref = pm(**hf_inputs(hf, shards, pack)).logits[0]
@@ -227,7 +228,8 @@ def _tp_worker(rank: int, world: int, port: int, spec: lora.LoraSpec, adapters: 
                                 sequence_parallel=sequence_parallel)
     n = 48
     ids = torch.randint(0, 2000, (n,), generator=torch.Generator().manual_seed(1))
-    losses = model(ids, torch.arange(n).expand(3, n), torch.tensor([0, 20, n], dtype=torch.int32), 28, labels=ids)
+    row = PackedBatch.from_segments(ids, torch.arange(n).expand(3, n), torch.tensor([0, 20, n], dtype=torch.int32), ids)
+    losses = model(row)
     losses.sum().backward()
     for param in attached.params.values():  # what finalize_model_grads does for the marked ones
         if getattr(param, "sequence_parallel", False):
@@ -497,8 +499,8 @@ def test_gpu_recompute_gives_every_adapter_its_gradient():
             attached = lora.attach(model, arch, spec, 1, range(arch.lm.num_layers))
             attached.load_state_dict(lora.shard_adapters(adapters, lora.resolve_sites(arch, spec), 1, 0,
                                                          range(arch.lm.num_layers), True))
-            losses = model(ids, torch.arange(n, device="cuda").expand(3, n),
-                           torch.tensor([0, 40, n], dtype=torch.int32, device="cuda"), 56, labels=ids)
+            losses = model(PackedBatch.from_segments(ids, torch.arange(n, device="cuda").expand(3, n),
+                                                     torch.tensor([0, 40, n], dtype=torch.int32, device="cuda"), ids))
             losses.sum().backward()
             grads[(recompute, layers)] = {k: p.grad for k, p in attached.params.items()}
         for setting in (("full", 1), ("full", None)):

@@ -70,10 +70,10 @@ def test_logits_and_losses_match_hf(case, images):
     pack = assemble_pack(pick(shards, images), pad_to_multiple=8, seq_len=None)
     ref = hf_logits(hf, shards, pack)
     logits, losses = our_outputs(model, shards, pack)
-    real = np.concatenate([np.arange(s, s + n) for s, n in zip(pack["cu_seqlens_padded"][:-1], pack["sample_lengths"])])
+    real = np.concatenate([np.arange(s, s + n) for s, n in zip(pack.cu_seqlens_padded[:-1], pack.sample_lengths)])
     diff = (logits[real] - ref[real]).abs().max().item()
     assert diff < TOLERANCE, f"{family}: max |logit diff| {diff:.2e}"
-    labels = torch.from_numpy(pack["labels"])
+    labels = torch.from_numpy(pack.labels)
     keep = labels != IGNORE_INDEX
     ref_losses = F.cross_entropy(ref[keep], labels[keep], reduction="none")
     assert (losses[keep] - ref_losses).abs().max().item() < TOLERANCE
@@ -87,10 +87,9 @@ def test_loss_on_target_rows_only(case):
     with logits for all rows."""
     _, shards, _, _, model = case
     pack = assemble_pack(pick(shards, "mixed"), pad_to_multiple=8)
-    t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded",
-                                                             "labels", "image_grid_thw")}
-    rows = torch.nonzero(t["labels"] != IGNORE_INDEX)[:, 0]
-    assert 0 < len(rows) < len(t["labels"])  # prompts, images and padding rows have no target
+    batch = pack.as_tensors()
+    rows = torch.nonzero(batch.labels != IGNORE_INDEX)[:, 0]
+    assert 0 < len(rows) < len(batch.labels)  # prompts, images and padding rows have no target
     seen = []
     hook = model.language_model.output_layer.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[0]))
     results = []
@@ -98,9 +97,7 @@ def test_loss_on_target_rows_only(case):
         for loss_rows in (None, rows):
             seen.clear()
             model.zero_grad(set_to_none=True)
-            losses = model(t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"],
-                           labels=t["labels"], pixel_values=pixel_values(shards, pack),
-                           image_grid_thw=t["image_grid_thw"], loss_rows=loss_rows)
+            losses = model(batch.replace(loss_rows=loss_rows), pixel_values=pixel_values(shards, pack))
             (losses * torch.linspace(0.5, 1.5, len(losses))).sum().backward()
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             results.append((losses.detach(), grads, max(seen)))  # (called again in backward: recompute)
@@ -108,9 +105,9 @@ def test_loss_on_target_rows_only(case):
         hook.remove()
         model.zero_grad(set_to_none=True)
     (full, full_grads, full_rows), (sel, sel_grads, sel_rows) = results
-    assert full_rows == len(t["labels"]) and sel_rows == len(rows)
+    assert full_rows == len(batch.labels) and sel_rows == len(rows)
     torch.testing.assert_close(sel, full, rtol=0, atol=1e-6)
-    assert torch.all(sel[t["labels"] == IGNORE_INDEX] == 0)
+    assert torch.all(sel[batch.labels == IGNORE_INDEX] == 0)
     assert full_grads.keys() == sel_grads.keys()
     for name, grad in full_grads.items():  # fp32; only the summation order of the GEMMs differs
         diff = (sel_grads[name] - grad).abs().max().item()
@@ -146,7 +143,7 @@ def test_moe_routes_every_token_to_the_same_experts(case, images):
         weights = probs.gather(1, experts)
         want = hf_weights.gather(1, hf_experts.sort(-1).indices)
         torch.testing.assert_close(weights, want, rtol=0, atol=1e-6)
-        assert len(experts) == len(pack["input_ids"])
+        assert len(experts) == len(pack.input_ids)
 
 
 def test_moe_load_balancing_loss_is_hfs(case, info):
@@ -178,10 +175,8 @@ def test_moe_load_balancing_loss_is_hfs(case, info):
         model = build_model(arch, transformer_config(arch, cpu=True, moe_aux_loss_coef=coef,
                                                      calculate_per_token_loss=True), info).train()
         convert.load_into_model(model, convert.shard(convert.hf_to_megatron(hf.state_dict(), arch), arch, 1, 0, 1, 0))
-        t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded",
-                                                                 "labels", "image_grid_thw")}
-        losses = model(t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"],
-                       labels=t["labels"], pixel_values=pixel_values(shards, pack), image_grid_thw=t["image_grid_thw"])
+        # no padding mask: HF's balancing loss counts every row, the padding ones too
+        losses = model(pack.as_tensors().replace(padding_mask=None), pixel_values=pixel_values(shards, pack))
         losses.sum().backward()
         got = load_balancing_loss(1, k)
         if coef:
@@ -222,13 +217,10 @@ def test_deepstack_changes_the_output(case):
 def test_image_count_mismatch_is_a_clear_error(case):
     _, shards, _, arch, model = case
     pack = assemble_pack(pick(shards, "some", 1))
-    pack["image_grid_thw"] = pack["image_grid_thw"][:0]
-    pack["pixel_patches"] = pack["pixel_patches"][:0]
-    t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded")}
+    batch = pack.as_tensors().replace(image_grid_thw=torch.tensor([[1, 2, 2]]))
     pv = torch.zeros(4, 3 * 2 * arch.vision.patch_size ** 2)
     with pytest.raises(ValueError, match="image_pad"):
-        model(t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"], pixel_values=pv,
-              image_grid_thw=torch.tensor([[1, 2, 2]]), return_logits=True)
+        model(batch, pixel_values=pv, return_logits=True)
 
 
 def test_bf16_model_holds_every_parameter_in_bf16(case, info):

@@ -36,6 +36,7 @@ from shards_schema import open_shards
 from shards_schema.pixels import pixel_values_from_patches
 from tests.helpers.hf_reference import hf_packed_inputs, hf_packed_position_ids, hf_sample
 from tests.helpers.models import TINY_MODELS
+from train.model.batch import PackedBatch
 from train.packed_batch import IGNORE_INDEX, assemble_pack
 
 ROWS = 24
@@ -140,34 +141,34 @@ def case(family, hf_tokenizers, official_template, hf_image_processors, tmp_path
 # ---------------------------------------------------------------------------------------------
 
 
-def hf_text_positions(pack: dict) -> np.ndarray:
+def hf_text_positions(pack: PackedBatch) -> np.ndarray:
     """Row 0 of HF's packed position ids for an assembled pack: 0, 1, ... within every segment of
     `cu_seqlens_padded` (a sample plus its own padding; the trailing padding is a segment)."""
-    cu = pack["cu_seqlens_padded"].astype(np.int64)
-    total = len(pack["input_ids"])
+    cu = pack.cu_seqlens_padded.astype(np.int64)
+    total = len(pack.input_ids)
     return np.arange(total) - np.repeat(cu[:-1], np.diff(cu))
 
 
-def packed_pixel_values(case: Case, pack: dict) -> torch.Tensor:
+def packed_pixel_values(case: Case, pack: PackedBatch) -> torch.Tensor:
     """What the trainer feeds the vision tower: our uint8 patches through the exact LUT (torch path)."""
     v = case.vision
-    return pixel_values_from_patches(torch.from_numpy(pack["pixel_patches"]), v["image_mean"], v["image_std"],
+    return pixel_values_from_patches(torch.from_numpy(pack.pixel_patches), v["image_mean"], v["image_std"],
                                      v["patch_size"], v["temporal_patch_size"])
 
 
-def packed_forward(case: Case, pack: dict, *, rows: int = 4) -> np.ndarray:
+def packed_forward(case: Case, pack: PackedBatch, *, rows: int = 4) -> np.ndarray:
     """One HF forward over the whole pack -> per-row CE against the pack's shifted labels
     (float64 [T], NaN where labels == -100). `rows=3` drops row 0 (the negative control)."""
-    mrope = torch.from_numpy(pack["position_ids"].astype(np.int64))[:, None, :]
+    mrope = torch.from_numpy(pack.position_ids.astype(np.int64))[:, None, :]
     text = torch.from_numpy(hf_text_positions(pack))[None, None, :]
     position_ids = torch.cat([text, mrope]) if rows == 4 else mrope
-    input_ids = torch.from_numpy(pack["input_ids"])[None]
-    labels = torch.from_numpy(pack["labels"])
+    input_ids = torch.from_numpy(pack.input_ids)[None]
+    labels = torch.from_numpy(pack.labels)
     is_target = labels != IGNORE_INDEX
     kwargs = {}
-    if len(pack["image_grid_thw"]):
+    if len(pack.image_grid_thw):
         kwargs = dict(pixel_values=packed_pixel_values(case, pack),
-                      image_grid_thw=torch.from_numpy(pack["image_grid_thw"]).long())
+                      image_grid_thw=torch.from_numpy(pack.image_grid_thw).long())
     case.model.model.rope_deltas = None
     with torch.no_grad():
         out = case.model(
@@ -182,16 +183,16 @@ def packed_forward(case: Case, pack: dict, *, rows: int = 4) -> np.ndarray:
     return losses
 
 
-def sample_rows(pack: dict, j: int) -> np.ndarray:
-    start = int(pack["cu_seqlens_padded"][j])
-    return np.arange(start, start + int(pack["sample_lengths"][j]))
+def sample_rows(pack: PackedBatch, j: int) -> np.ndarray:
+    start = int(pack.cu_seqlens_padded[j])
+    return np.arange(start, start + int(pack.sample_lengths[j]))
 
 
 def compare_with_per_sample(case: Case, samples: list[dict], **pack_kwargs) -> float:
     """Assemble, run once packed, compare with each sample's HF reference; returns the max diff."""
     pack = assemble_pack(samples, pad_token_id=case.special["endoftext"], **pack_kwargs)
     losses = packed_forward(case, pack)
-    is_target = pack["labels"] != IGNORE_INDEX
+    is_target = pack.labels != IGNORE_INDEX
     max_diff, weighted = 0.0, []
     for j, sample in enumerate(samples):
         ref, rows = case.reference(sample), sample_rows(pack, j)
@@ -199,14 +200,14 @@ def compare_with_per_sample(case: Case, samples: list[dict], **pack_kwargs) -> f
         local = np.flatnonzero(is_target[rows])
         # our shifted labels are exactly HF's shift: same predicting rows, same target ids
         np.testing.assert_array_equal(local, ref["predicting_rows"], err_msg=f"sample {j}: target rows")
-        np.testing.assert_array_equal(pack["labels"][start + local], ref["targets"], err_msg=f"sample {j}: labels")
+        np.testing.assert_array_equal(pack.labels[start + local], ref["targets"], err_msg=f"sample {j}: labels")
         diff = np.abs(losses[start + local] - ref["losses"])
         max_diff = max(max_diff, float(diff.max()))
         assert diff.max() < TOLERANCE, f"sample {j} ({sample['sample_uid']}): packed vs alone differ by {diff.max():.3g}"
         weighted.append((len(local), ref["hf_loss"]))
         # exact inputs too: the loss alone is only weakly sensitive to some of them in a tiny
         # random model (e.g. an h/w swap of Qwen2.5-VL's low-frequency M-RoPE rows moves it ~1e-4)
-        np.testing.assert_array_equal(pack["position_ids"][:, rows], ref["positions"], err_msg=f"sample {j}: M-RoPE")
+        np.testing.assert_array_equal(pack.position_ids[:, rows], ref["positions"], err_msg=f"sample {j}: M-RoPE")
     hf_pixels = [case.reference(s)["pixel_values"] for s in samples if len(s["image_grid_thw"])]
     if hf_pixels:
         assert torch.equal(packed_pixel_values(case, pack), torch.from_numpy(np.concatenate(hf_pixels)))
@@ -215,8 +216,8 @@ def compare_with_per_sample(case: Case, samples: list[dict], **pack_kwargs) -> f
     real = np.zeros(len(is_target), bool)
     real[np.concatenate([sample_rows(pack, j) for j in range(len(samples))])] = True
     assert not is_target[~real].any(), "a padding row carries a target"
-    assert pack["num_target_tokens"] == counts.sum() == sum(case.shard_targets[str(s["sample_uid"])] for s in samples)
-    pack_mean = np.nansum(losses) / pack["num_target_tokens"]  # sum(CE * loss_mask) / num_target_tokens
+    assert pack.num_target_tokens == counts.sum() == sum(case.shard_targets[str(s["sample_uid"])] for s in samples)
+    pack_mean = np.nansum(losses) / pack.num_target_tokens  # sum(CE * loss_mask) / num_target_tokens
     per_sample_mean = float(np.dot(counts, [loss for _, loss in weighted]) / counts.sum())
     assert abs(pack_mean - per_sample_mean) < TOLERANCE, (pack_mean, per_sample_mean)
     MAX_DIFFS[case.family] = max(MAX_DIFFS.get(case.family, 0.0), max_diff)
@@ -271,16 +272,16 @@ def test_pack_conventions_match_hf_helpers(case):
     samples = mixed(case)
     pack = assemble_pack(samples, pad_token_id=case.special["endoftext"])
     hf = hf_packed_inputs(samples, image_pad_id=case.special["image_pad"])
-    np.testing.assert_array_equal(pack["input_ids"], hf["input_ids"][0])
-    four = np.concatenate([hf_text_positions(pack)[None], pack["position_ids"].astype(np.int64)])[:, None, :]
+    np.testing.assert_array_equal(pack.input_ids, hf["input_ids"][0])
+    four = np.concatenate([hf_text_positions(pack)[None], pack.position_ids.astype(np.int64)])[:, None, :]
     np.testing.assert_array_equal(four, hf_packed_position_ids(samples))
     np.testing.assert_array_equal(four, hf["position_ids"])
-    np.testing.assert_array_equal(pack["image_grid_thw"], hf["image_grid_thw"])
-    np.testing.assert_array_equal(pack["pixel_patches"], hf["pixel_patches"])
-    shifted = np.full_like(pack["labels"], IGNORE_INDEX)
+    np.testing.assert_array_equal(pack.image_grid_thw, hf["image_grid_thw"])
+    np.testing.assert_array_equal(pack.pixel_patches, hf["pixel_patches"])
+    shifted = np.full_like(pack.labels, IGNORE_INDEX)
     shifted[:-1] = hf["labels"][0, 1:]
-    shifted[pack["cu_seqlens"][1:] - 1] = IGNORE_INDEX
-    np.testing.assert_array_equal(pack["labels"], shifted)
+    shifted[pack.cu_seqlens[1:] - 1] = IGNORE_INDEX
+    np.testing.assert_array_equal(pack.labels, shifted)
 
 
 def test_three_row_positions_leak_between_samples(case):
@@ -290,7 +291,7 @@ def test_three_row_positions_leak_between_samples(case):
     pack = assemble_pack(samples, pad_token_id=case.special["endoftext"])
     leaky = packed_forward(case, pack, rows=3)
     first = sample_rows(pack, 0)
-    is_target = pack["labels"] != IGNORE_INDEX
+    is_target = pack.labels != IGNORE_INDEX
     ref0 = case.reference(samples[0])["losses"]
     assert np.abs(leaky[first][is_target[first]] - ref0).max() < TOLERANCE
     for j in range(1, len(samples)):

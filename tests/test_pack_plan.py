@@ -5,6 +5,7 @@ balance and dp-independence, fill efficiency, errors that name the sample, the c
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from tests.helpers.cli import vlmpack_exit_code
 from train.pack_plan import (
     PackingError,
     PackPlan,
+    PackSettings,
     SourceStats,
     _save_to_cache,
     build_pack_plan,
@@ -63,7 +65,8 @@ def pack_sums(plan: PackPlan, per_sample: list[np.ndarray]) -> np.ndarray:
 
 def test_every_sample_once_within_budgets():
     a, b = synthetic_source(5000, 1, "a"), synthetic_source(3000, 2, "b")
-    plan = plan_from_stats([a, b], seq_len=8192, pad_to_multiple=8, max_visual_tokens=4096, block_size=1024)
+    plan = plan_from_stats([a, b], PackSettings(seq_len=8192, pad_to_multiple=8, max_visual_tokens=4096,
+                                                block_size=1024))
     assert sorted(plan_samples(plan)) == [(0, i) for i in range(5000)] + [(1, i) for i in range(3000)]
     padded = [-(-s.num_tokens // 8) * 8 for s in (a, b)]
     assert (pack_sums(plan, padded) == plan.pack_padded_tokens).all()
@@ -81,13 +84,13 @@ def test_every_sample_once_within_budgets():
 
 def test_deterministic_per_seed_and_epoch():
     src = synthetic_source(4000, 3)
-    one = plan_from_stats([src], seq_len=8192, seed=5)
-    two = plan_from_stats([src], seq_len=8192, seed=5)
+    one = plan_from_stats([src], PackSettings(seq_len=8192, seed=5))
+    two = plan_from_stats([src], PackSettings(seq_len=8192, seed=5))
     for name, array in one.arrays.items():
         assert np.array_equal(array, two.arrays[name]), name
     assert one.key == two.key
-    other_seed = plan_from_stats([src], seq_len=8192, seed=6)
-    other_epoch = plan_from_stats([src], seq_len=8192, seed=5, epoch=1)
+    other_seed = plan_from_stats([src], PackSettings(seq_len=8192, seed=6))
+    other_epoch = plan_from_stats([src], PackSettings(seq_len=8192, seed=5, epoch=1))
     for other in (other_seed, other_epoch):
         assert not np.array_equal(one.sample_index, other.sample_index)
         assert other.key != one.key and other.data_fingerprint == one.data_fingerprint
@@ -96,7 +99,7 @@ def test_deterministic_per_seed_and_epoch():
 
 @pytest.mark.parametrize("seq_len", [8192, 16384, 32768])
 def test_fill_efficiency_on_realistic_mix(seq_len):
-    plan = plan_from_stats([synthetic_source(100_000, 11)], seq_len=seq_len, global_batch_packs=32)
+    plan = plan_from_stats([synthetic_source(100_000, 11)], PackSettings(seq_len=seq_len, global_batch_packs=32))
     print(f"seq_len {seq_len}: fill {plan.stats['fill_efficiency']:.4f}, {plan.stats['samples_per_pack_mean']:.1f} "
           f"samples/pack, {plan.stats['plan_seconds']:.2f} s for 100k samples")
     assert plan.stats["fill_efficiency"] >= 0.95
@@ -107,7 +110,7 @@ def test_visual_budget_fill_is_near_the_lower_bound():
     two-phase best fit stays within 2% of that bound."""
     src = synthetic_source(30_000, 12)
     for budget in (4096, 8192):
-        plan = plan_from_stats([src], seq_len=16384, max_visual_tokens=budget)
+        plan = plan_from_stats([src], PackSettings(seq_len=16384, max_visual_tokens=budget))
         bound = max(src.num_tokens.sum() / 16384, src.visual_tokens.sum() / budget)
         assert plan.num_packs <= 1.02 * bound, (budget, plan.num_packs, bound)
         assert plan.pack_visual_tokens.max() <= budget and plan.pack_padded_tokens.max() <= 16384
@@ -117,22 +120,22 @@ def test_too_long_sample_names_source_index_uid_and_length():
     src = synthetic_source(100, 4, name="/data/chats")
     src.num_tokens[37] = 9000
     with pytest.raises(PackingError) as err:
-        plan_from_stats([src], seq_len=8192)
+        plan_from_stats([src], PackSettings(seq_len=8192))
     message = str(err.value)
     for part in ("/data/chats", "sample 37", "uid /data/chats-37", "9000 tokens", "seq_len 8192", "--max-seq-len"):
         assert part in message, (part, message)
     # rounding to pad_to_multiple counts against seq_len
     src.num_tokens[37] = 8190
-    plan_from_stats([src], seq_len=8191)
+    plan_from_stats([src], PackSettings(seq_len=8191))
     with pytest.raises(PackingError, match="multiple of 64"):
-        plan_from_stats([src], seq_len=8191, pad_to_multiple=64)  # 8190 -> 8192 > 8191
+        plan_from_stats([src], PackSettings(seq_len=8191, pad_to_multiple=64))  # 8190 -> 8192 > 8191
     with pytest.raises(PackingError, match="max_visual_tokens 100"):
-        plan_from_stats([src], seq_len=8191, max_visual_tokens=100)
+        plan_from_stats([src], PackSettings(seq_len=8191, max_visual_tokens=100))
 
 
 def test_mixing_weights_give_the_right_counts():
     a, b = synthetic_source(1000, 5, "a"), synthetic_source(3000, 6, "b")
-    plan = plan_from_stats([a, b], [0.75, 0.25], seq_len=8192)
+    plan = plan_from_stats([a, b], PackSettings(seq_len=8192), [0.75, 0.25])
     counts = Counter(plan_samples(plan))
     per_source = np.bincount(np.asarray(plan.sample_source), minlength=2)
     assert per_source.tolist() == [3000, 1000]  # round(w / sum(w) * 4000)
@@ -141,7 +144,7 @@ def test_mixing_weights_give_the_right_counts():
     assert sum(1 for (s, _), c in counts.items() if s == 1 and c == 1) == 1000
     assert [m["drawn"] for m in plan.meta["sources"]] == [3000, 1000]
     # another epoch draws another subset of b
-    again = plan_from_stats([a, b], [0.75, 0.25], seq_len=8192, epoch=1)
+    again = plan_from_stats([a, b], PackSettings(seq_len=8192, epoch=1), [0.75, 0.25])
     subset = lambda p: {i for s, i in plan_samples(p) if s == 1}  # noqa: E731
     assert subset(again) != subset(plan)
     # the rule, directly: natural weights by default, a missing weight is 1, round half up
@@ -162,7 +165,7 @@ def test_mixing_weights_give_the_right_counts():
 def test_global_batches_and_dp_balance():
     src = synthetic_source(20_000, 7)
     G = 16
-    plan = plan_from_stats([src], seq_len=8192, global_batch_packs=G)
+    plan = plan_from_stats([src], PackSettings(seq_len=8192, global_batch_packs=G))
     assert plan.num_packs % G == 0 and plan.stats["dropped_packs"] < G
     assert plan.num_samples + plan.stats["dropped_samples"] == 20_000
     for dp in (1, 2, 4, 8, 16):
@@ -187,7 +190,7 @@ def test_plan_speed_one_million_samples():
     """Measured, not asserted (timings are for benchmarks/pack_plan_speed.py)."""
     src = synthetic_source(1_000_000, 8)
     t0 = time.perf_counter()
-    plan = plan_from_stats([src], seq_len=16384, global_batch_packs=64)
+    plan = plan_from_stats([src], PackSettings(seq_len=16384, global_batch_packs=64))
     seconds = time.perf_counter() - t0
     print(f"planned 1M samples into {plan.num_packs} packs in {seconds:.2f} s, fill {plan.stats['fill_efficiency']:.4f}")
     assert plan.num_samples + plan.stats["dropped_samples"] == 1_000_000
@@ -204,18 +207,19 @@ def test_parse_source(tmp_path):
 
 def test_fewer_packs_than_one_global_batch_is_an_error_naming_the_numbers_and_the_fix():
     src = synthetic_source(40, 9, name="/data/small")
-    packs = plan_from_stats([src], seq_len=16384).num_packs
+    packs = plan_from_stats([src], PackSettings(seq_len=16384)).num_packs
     assert 0 < packs < 64
     with pytest.raises(PackingError) as err:
-        plan_from_stats([src], seq_len=16384, global_batch_packs=64, dp_size=8)
+        plan_from_stats([src], PackSettings(seq_len=16384, global_batch_packs=64, dp_size=8))
     message = str(err.value)
     for part in ("/data/small", f"make {packs} pack(s) of 16384 tokens", "fewer than one global batch of 64 packs",
                  "--global-batch-packs 64, data-parallel size 8", "lower --global-batch-packs or --seq-len", "add data"):
         assert part in message, (part, message)
-    assert plan_from_stats([src], seq_len=16384, global_batch_packs=packs).num_packs == packs  # exactly one batch is fine
+    one_batch = PackSettings(seq_len=16384, global_batch_packs=packs)
+    assert plan_from_stats([src], one_batch).num_packs == packs  # exactly one batch is fine
     # a source without samples is the same error, not a division by zero
     with pytest.raises(PackingError, match=r"make 0 pack\(s\)"):
-        plan_from_stats([synthetic_source(0)], seq_len=8192)
+        plan_from_stats([synthetic_source(0)], PackSettings(seq_len=8192))
 
 
 # --------------------------------------------------------------------------- real shards
@@ -249,7 +253,7 @@ def test_real_shards_plan_and_visual_tokens(shard_dirs):
     cap = max(max(v) for v in per_sample)
     packs = {}
     for max_visual in (None, cap):
-        plan = build_pack_plan([a, b], seq_len=2048, max_visual_tokens=max_visual)
+        plan = build_pack_plan([a, b], PackSettings(seq_len=2048, max_visual_tokens=max_visual))
         packs[max_visual] = plan.num_packs
         assert sorted(plan_samples(plan)) == [(0, i) for i in range(len(sets[0]))] + [(1, i) for i in range(len(sets[1]))]
         for p in range(plan.num_packs):
@@ -265,21 +269,25 @@ def test_save_load_pickle_and_cache(shard_dirs, tmp_path):
 
     a, b = shard_dirs
     cache = tmp_path / "cache"
-    first = build_pack_plan([(a, 1.0), (b, 1.0)], seq_len=2048, dp_size=2, global_batch_packs=2, cache_dir=cache)
+    two_ranks = PackSettings(seq_len=2048, dp_size=2, global_batch_packs=2)
+    first = build_pack_plan([(a, 1.0), (b, 1.0)], two_ranks, cache_dir=cache)
     assert first.path is not None and first.path.parent == cache
     assert isinstance(first.sample_index, np.memmap)
-    again = build_pack_plan([(a, 1.0), (b, 1.0)], seq_len=2048, dp_size=2, global_batch_packs=2, cache_dir=cache)
+    again = build_pack_plan([(a, 1.0), (b, 1.0)], two_ranks, cache_dir=cache)
     assert again.path == first.path
     for name in first.arrays:
         assert np.array_equal(first.arrays[name], again.arrays[name])
     # dp_size is not in the key (the plan does not depend on it); seq_len, seed, weights are
-    assert build_pack_plan([(a, 1.0), (b, 1.0)], seq_len=2048, dp_size=1, global_batch_packs=2, cache_dir=cache).path == first.path
-    other = build_pack_plan([(a, 1.0), (b, 1.0)], seq_len=4096, global_batch_packs=2, cache_dir=cache)
+    one_rank = PackSettings(seq_len=2048, dp_size=1, global_batch_packs=2)
+    assert build_pack_plan([(a, 1.0), (b, 1.0)], one_rank, cache_dir=cache).path == first.path
+    other = build_pack_plan([(a, 1.0), (b, 1.0)], PackSettings(seq_len=4096, global_batch_packs=2), cache_dir=cache)
     assert other.path != first.path and other.seq_len == 4096
-    assert build_pack_plan([(a, 2.0), (b, 1.0)], seq_len=2048, global_batch_packs=2, cache_dir=cache).path not in (first.path, other.path)
+    reweighted = build_pack_plan([(a, 2.0), (b, 1.0)], PackSettings(seq_len=2048, global_batch_packs=2),
+                                 cache_dir=cache)
+    assert reweighted.path not in (first.path, other.path)
     assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 3
     # a second writer losing the rename race keeps the first plan and leaves no temporary
-    _save_to_cache(plan_from_stats([synthetic_source(50)], seq_len=8192), first.path)
+    _save_to_cache(plan_from_stats([synthetic_source(50)], PackSettings(seq_len=8192)), first.path)
     assert np.array_equal(PackPlan.load(first.path).sample_index, first.sample_index)
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]
     # pickles by path; explicit save/load round trip
@@ -294,7 +302,7 @@ def test_save_load_pickle_and_cache(shard_dirs, tmp_path):
 
 def test_missing_directory_and_mixed_profiles(shard_dirs, tmp_path):
     with pytest.raises(ShardFormatError, match="no such directory"):
-        build_pack_plan([tmp_path / "nope"], seq_len=2048)
+        build_pack_plan([tmp_path / "nope"], PackSettings(seq_len=2048))
     # a copy of a manifest claiming another profile cannot share packs
     other = tmp_path / "other"
     other.mkdir()
@@ -302,7 +310,7 @@ def test_missing_directory_and_mixed_profiles(shard_dirs, tmp_path):
     manifest["profile"]["id"] = "something-else"
     (other / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(PackingError, match="different profiles"):
-        build_pack_plan([shard_dirs[0], other], seq_len=2048)
+        build_pack_plan([shard_dirs[0], other], PackSettings(seq_len=2048))
 
 
 # --------------------------------------------------------------------------- CLI
@@ -412,18 +420,18 @@ def test_cli_out_may_be_an_empty_directory_or_a_plan_it_replaces(shard_dirs, tmp
 def test_too_little_data_for_a_global_batch_caches_no_plan_and_refuses_a_cached_one(shard_dirs, tmp_path):
     a = shard_dirs[0]
     cache = tmp_path / "cache"
-    settings = dict(seq_len=16384, dp_size=8, global_batch_packs=64)
+    settings = PackSettings(seq_len=16384, dp_size=8, global_batch_packs=64)
     with pytest.raises(PackingError, match="fewer than one global batch of 64 packs"):
-        build_pack_plan([a], cache_dir=cache, **settings)
+        build_pack_plan([a], settings, cache_dir=cache)
     assert not cache.exists() or not list(cache.iterdir())
     # a plan without a global batch already in the cache (written before this check) is refused, not used
-    request = plan_request([a], **settings)
-    whole = build_pack_plan([a], seq_len=16384)
+    request = plan_request([a], settings)
+    whole = build_pack_plan([a], PackSettings(seq_len=16384))
     empty = {name: np.asarray(array)[:0] for name, array in whole.arrays.items()}
     empty["pack_offsets"] = np.zeros(1, np.int64)
     PackPlan(empty, {**whole.meta, "key": request.key, "settings": request.settings}).save(cache / f"plan-{request.key[:32]}")
     with pytest.raises(PackingError, match="make 0 pack"):
-        build_pack_plan([a], cache_dir=cache, **settings)
+        build_pack_plan([a], settings, cache_dir=cache)
 
 
 def test_cli_too_little_data_for_a_global_batch_exits_2_with_one_line(shard_dirs, tmp_path):
@@ -464,8 +472,9 @@ def test_train_with_too_little_data_for_a_global_batch_exits_2_at_once_writing_n
 
 def test_train_with_too_little_eval_data_for_a_global_batch_exits_2_before_the_first_step(shard_dirs, tmp_path):
     a, b = shard_dirs
-    G = build_pack_plan([b], seq_len=1024).num_packs + 1
-    assert build_pack_plan([a], seq_len=1024, global_batch_packs=G).num_packs >= G  # the training data are enough
+    G = build_pack_plan([b], PackSettings(seq_len=1024)).num_packs + 1
+    enough = build_pack_plan([a], PackSettings(seq_len=1024, global_batch_packs=G))
+    assert enough.num_packs >= G  # the training data are enough
     out = tmp_path / "run"
     # before the eval data were planned up front, step 1 ran and step 2's evaluation failed
     error = _one_train_error(_vlmpack_train("--data", a, "--eval-data", b, "--eval-every", 2, "--log-every", 1,
@@ -474,3 +483,26 @@ def test_train_with_too_little_eval_data_for_a_global_batch_exits_2_before_the_f
     assert f"{b}: the data make {G - 1} pack(s)" in error and f"fewer than one global batch of {G} packs" in error
     metrics = out / "metrics.jsonl"
     assert not metrics.exists() or metrics.read_text() == ""  # no step ran
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"seq_len": 0}, "--seq-len must be an integer >= 1, got 0"),
+    ({"seq_len": 2**31}, "--seq-len must be at most 2,147,483,647, got 2147483648"),
+    ({"seed": -1}, "--seed must be an integer >= 0, got -1"),
+    ({"max_visual_tokens": 0}, "--max-visual-tokens must be an integer >= 1, got 0"),
+    ({"block_size": 0}, "--block-size must be an integer >= 1, got 0"),
+    ({"dp_size": 0}, "--dp-size must be an integer >= 1, got 0"),
+    ({"dp_size": 3, "global_batch_packs": 4}, "--global-batch-packs 4 must be a positive multiple of dp_size 3"),
+])
+def test_pack_settings_refuse_a_bad_value_when_made_naming_its_flag(changes, message):
+    """The settings `vlmpack pack`, the planner and the loader share check themselves, with the
+    messages `vlmpack pack` gives."""
+    with pytest.raises(PackingError, match=re.escape(message)):
+        PackSettings(**{"seq_len": 2048, **changes})
+
+
+def test_pack_settings_record_the_global_batch_and_not_dp_size():
+    settings = PackSettings(seq_len=2048, dp_size=4, epoch=1)
+    assert settings.global_batch == 4 and settings.for_epoch(2).epoch == 2
+    assert settings.recorded() == {"seq_len": 2048, "seed": 0, "epoch": 1, "max_visual_tokens": None,
+                                   "global_batch_packs": 4, "pad_to_multiple": 1, "block_size": 4096}

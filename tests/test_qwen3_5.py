@@ -33,6 +33,7 @@ from train.model import lora
 from train.model.arch import ModelArch, builtin_arch
 from train.model.families import qwen3_5
 from train.model.qwen_vl import transformer_config
+from train.model.batch import PackedBatch
 from train.packed_batch import IGNORE_INDEX, assemble_pack
 from train.parallel import build_model, destroy_parallel, init_parallel
 
@@ -164,17 +165,23 @@ def _mm_types(ids: np.ndarray) -> np.ndarray:
     return ((ids == QWEN3_5_IDS["image_token_id"]) + 2 * (ids == QWEN3_5_IDS["video_token_id"])).astype(np.int64)
 
 
-def visual_inputs(batch: dict) -> dict:
+def visual_inputs(batch: dict | PackedBatch) -> dict:
     """pixel_values / image_grid_thw / pixel_values_videos / video_grid_thw of a sample or pack (torch)."""
+    field = batch.__getitem__ if isinstance(batch, dict) else lambda name: getattr(batch, name)
     out = {}
-    if len(batch["image_grid_thw"]):
-        out.update(pixel_values=pixel_values_from_patches(torch.from_numpy(batch["pixel_patches"]), MEAN, STD, 16, 2),
-                   image_grid_thw=torch.from_numpy(batch["image_grid_thw"]).long())
-    if len(batch["video_grid_thw"]):
-        out.update(pixel_values_videos=video_pixel_values_from_patches(torch.from_numpy(batch["video_patches"]), MEAN,
+    if len(field("image_grid_thw")):
+        out.update(pixel_values=pixel_values_from_patches(torch.from_numpy(field("pixel_patches")), MEAN, STD, 16, 2),
+                   image_grid_thw=torch.from_numpy(field("image_grid_thw")).long())
+    if len(field("video_grid_thw")):
+        out.update(pixel_values_videos=video_pixel_values_from_patches(torch.from_numpy(field("video_patches")), MEAN,
                                                                        STD),
-                   video_grid_thw=torch.from_numpy(batch["video_grid_thw"]).long())
+                   video_grid_thw=torch.from_numpy(field("video_grid_thw")).long())
     return out
+
+
+def pixel_inputs(pack: PackedBatch) -> dict:
+    """Our model's inputs besides the pack: the vision tower's pixel values (the grids are the pack's)."""
+    return {k: v for k, v in visual_inputs(pack).items() if k in ("pixel_values", "pixel_values_videos")}
 
 
 def hf_alone(hf, sample: dict, device: str = "cpu") -> torch.Tensor:
@@ -187,21 +194,17 @@ def hf_alone(hf, sample: dict, device: str = "cpu") -> torch.Tensor:
                   use_cache=False, **{k: v.to(device) for k, v in visual_inputs(sample).items()}).logits[0].cpu()
 
 
-def our_pack(model, pack: dict, logits: bool = True) -> torch.Tensor:
+def our_pack(model, pack: PackedBatch, logits: bool = True) -> torch.Tensor:
     """Our model on one pack: logits [T, V] (or the per-token losses [T])."""
-    t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded", "labels")}
-    args = (t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"])
     with torch.no_grad():
-        if logits:
-            return model(*args, return_logits=True, **visual_inputs(pack))
-        return model(*args, labels=t["labels"], **visual_inputs(pack))
+        return model(pack.as_tensors(), return_logits=logits, **pixel_inputs(pack))
 
 
-def sample_rows(pack: dict) -> list[np.ndarray]:
-    return [np.arange(s, s + n) for s, n in zip(pack["cu_seqlens_padded"][:-1], pack["sample_lengths"])]
+def sample_rows(pack: PackedBatch) -> list[np.ndarray]:
+    return [np.arange(s, s + n) for s, n in zip(pack.cu_seqlens_padded[:-1], pack.sample_lengths)]
 
 
-def make_pack(samples: list[dict], **kwargs) -> dict:
+def make_pack(samples: list[dict], **kwargs) -> PackedBatch:
     return assemble_pack(samples, pad_token_id=PAD, **{"pad_to_multiple": 8, **kwargs})
 
 
@@ -234,7 +237,7 @@ def test_each_packed_sample_equals_hf_on_that_sample_alone(case):
     samples = samples_of(hf)
     pack = make_pack(samples, seq_len=sum(-(-len(s["input_ids"]) // 8) * 8 for s in samples) + 13)
     logits, losses = our_pack(model, pack), our_pack(model, pack, logits=False)
-    labels = torch.from_numpy(pack["labels"])
+    labels = torch.from_numpy(pack.labels)
     worst_logit = worst_loss = 0.0
     for sample, rows in zip(samples, sample_rows(pack)):
         ref = hf_alone(hf, sample)
@@ -272,7 +275,7 @@ def test_gradients_equal_hfs(case, info):
     model = megatron_model(hf, arch, info).train()
     sample = samples_of(hf)[2]  # video and image
     pack = make_pack([sample], pad_to_multiple=1)
-    labels = torch.from_numpy(pack["labels"])
+    labels = torch.from_numpy(pack.labels)
     keep = labels != IGNORE_INDEX
     hf.train()
     hf.zero_grad(set_to_none=True)
@@ -286,9 +289,7 @@ def test_gradients_equal_hfs(case, info):
     finally:
         hf.eval()
     want = convert.hf_to_megatron(qwen3_5.hf_checkpoint_layout(hf_grads, arch), arch)
-    t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded")}
-    model(t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"], labels=labels,
-          **visual_inputs(pack)).sum().backward()
+    model(pack.as_tensors(), **pixel_inputs(pack)).sum().backward()
     got = {n: p.grad for n, p in model.named_parameters()}
     assert got.keys() == {n for n in want if n != convert.OUTPUT or not arch.lm.tie_word_embeddings}
     floor = 0.01 * max(g.abs().max().item() for g in got.values())
@@ -472,7 +473,7 @@ def test_lora_exports_load_in_peft_with_our_logits_and_gradients(case, info, tmp
 
     sample = samples[1]
     single = make_pack([sample], pad_to_multiple=1)
-    labels = torch.from_numpy(single["labels"])
+    labels = torch.from_numpy(single.labels)
     keep = labels != IGNORE_INDEX
     pm.train()
     pm.base_model.model.model.rope_deltas = None
@@ -481,8 +482,7 @@ def test_lora_exports_load_in_peft_with_our_logits_and_gradients(case, info, tmp
     F.cross_entropy(ref[keep], labels[keep], reduction="sum").backward()
     want = {k.replace(".default", "").removesuffix(".weight") if lora.MAGNITUDE in k else k.replace(".default", ""): p.grad
             for k, p in pm.named_parameters() if p.requires_grad}
-    args, kwargs = _batch(single)
-    model(*args, **kwargs).sum().backward()
+    model(single.as_tensors(), **pixel_inputs(single)).sum().backward()
     assert set(want) == set(attached.params)
     scale = max(g.abs().max().item() for g in want.values())
     for key, param in attached.params.items():
@@ -492,26 +492,20 @@ def test_lora_exports_load_in_peft_with_our_logits_and_gradients(case, info, tmp
 # --- tensor, pipeline and expert parallelism ------------------------------------------------------
 
 
-def _batch(pack: dict) -> tuple[tuple, dict]:
-    t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded", "labels")}
-    return (t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"]), \
-        dict(labels=t["labels"], **visual_inputs(pack))
-
-
-def _forward_backward(model, pack: dict, pp: int, pp_rank: int) -> torch.Tensor | None:
+def _forward_backward(model, pack: PackedBatch, pp: int, pp_rank: int) -> torch.Tensor | None:
     """Logits (last stage; None elsewhere), then the summed loss's backward, through `pp` stages
     handing their activations and gradients on with send / recv (gloo)."""
     import torch.distributed as dist
 
-    args, kwargs = _batch(pack)
-    rows, hidden = len(pack["input_ids"]), model.config.hidden_size
+    batch, pixels = pack.as_tensors(), pixel_inputs(pack)
+    rows, hidden = len(pack.input_ids), model.config.hidden_size
     if pp_rank > 0:
         received = torch.empty(rows, 1, hidden)
         dist.recv(received, pp_rank - 1)
         received.requires_grad_()
         model.set_input_tensor(received)
     if pp_rank < pp - 1:
-        out = model(*args, **kwargs)
+        out = model(batch, **pixels)
         dist.send(out.detach(), pp_rank + 1)
         grad = torch.empty_like(out)
         dist.recv(grad, pp_rank + 1)
@@ -519,16 +513,16 @@ def _forward_backward(model, pack: dict, pp: int, pp_rank: int) -> torch.Tensor 
         logits = None
     else:
         with torch.no_grad():
-            logits = model(*args, return_logits=True, **{k: v for k, v in kwargs.items() if k != "labels"})
+            logits = model(batch, return_logits=True, **pixels)
         if pp_rank > 0:
             model.set_input_tensor(received)
-        model(*args, **kwargs).sum().backward()
+        model(batch, **pixels).sum().backward()
     if pp_rank > 0:
         dist.send(received.grad, pp_rank - 1)
     return logits
 
 
-def _parallel_worker(rank: int, world: int, port: int, hf_dirs: dict, pack: dict, layouts: list, adapters: dict,
+def _parallel_worker(rank: int, world: int, port: int, hf_dirs: dict, pack: PackedBatch, layouts: list, adapters: dict,
                      out: str) -> None:
     """One process of each layout in turn: the model built at (tp, pp, ep, sequence parallel),
     with `adapters[kind]`'s LoRA adapters where the layout says so, from the HF checkpoint, run
@@ -554,7 +548,7 @@ def _parallel_worker(rank: int, world: int, port: int, hf_dirs: dict, pack: dict
         full = convert.hf_to_megatron(lazy_hf_state(hf_dirs[kind]), arch)
         convert.load_into_model(model, convert.shard(full, arch, tp, info.tp_rank, pp, info.pp_rank, ep, info.ep_rank))
         layers = convert.stage_layers(arch, pp)[info.pp_rank]
-        plan = memory_plan.plan_stage(arch, memory_plan.Settings(seq_len=len(pack["input_ids"])),
+        plan = memory_plan.plan_stage(arch, memory_plan.Settings(seq_len=len(pack.input_ids)),
                                       memory_plan.Layout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep), info.pp_rank)
         params = sum(p.numel() for p in model.parameters()) == plan.params
         if adapted:
@@ -688,11 +682,9 @@ def test_gpu_bf16_packed_samples_stay_close_to_hf(moe):
         model = build_model(arch, transformer_config(arch, params_dtype=torch.bfloat16, bf16=True), info).eval()
         full = convert.hf_to_megatron(hf.state_dict(), arch)
         convert.load_into_model(model, {k: v.to(torch.bfloat16) for k, v in convert.shard(full, arch, 1, 0, 1, 0).items()})
-        t = {k: torch.from_numpy(np.asarray(pack[k])).cuda() for k in ("input_ids", "position_ids", "cu_seqlens_padded")}
-        visual = {k: v.cuda().to(torch.bfloat16) if v.is_floating_point() else v for k, v in visual_inputs(pack).items()}
+        pixels = {k: v.cuda().to(torch.bfloat16) for k, v in pixel_inputs(pack).items()}
         with torch.no_grad():
-            ours = model(t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"],
-                         return_logits=True, **visual).float().cpu()
+            ours = model(pack.as_tensors().to("cuda"), return_logits=True, **pixels).float().cpu()
         for sample, rows, reference in zip(samples, sample_rows(pack), references):
             ids = torch.from_numpy(sample["input_ids"])[None].cuda()
             inputs = {k: v.cuda().to(torch.bfloat16) if v.is_floating_point() else v.cuda()

@@ -279,24 +279,26 @@ def test_packs_are_padded_to_seq_len_with_fp8_or_pad_packs(shards, tmp_path, fla
     try:
         data = TrainData(config, builtin_arch("tiny"), info)
         for pack, _ in zip(data.loader, range(4)):
-            rows, real = len(pack["input_ids"]), int(pack["sample_lengths"].sum())
+            rows, real = len(pack.input_ids), int(pack.sample_lengths.sum())
             assert rows == SEQ_LEN if padded else rows == real
-            assert int((~pack["padding_mask"]).sum()) == real and (pack["labels"][pack["padding_mask"]] == -100).all()
+            assert int((~pack.padding_mask).sum()) == real and (pack.labels[pack.padding_mask] == -100).all()
     finally:
         destroy_parallel()
 
 
 def test_packs_split_over_tensor_parallel_ranks_get_a_padding_segment(shards):
     from train.loader import PackedLoader
+    from train.pack_plan import PackSettings
 
-    for pack, _ in zip(PackedLoader([str(shards)], seq_len=SEQ_LEN, global_batch_packs=2, row_multiple=3), range(4)):
-        rows, lengths = len(pack["input_ids"]), pack["sample_lengths"]
-        assert rows % 3 == 0 and int(pack["cu_seqlens_padded"][-1]) == rows
+    loader = PackedLoader([str(shards)], PackSettings(seq_len=SEQ_LEN, global_batch_packs=2), row_multiple=3)
+    for pack, _ in zip(loader, range(4)):
+        rows, lengths = len(pack.input_ids), pack.sample_lengths
+        assert rows % 3 == 0 and int(pack.cu_seqlens_padded[-1]) == rows
         real = torch.zeros(rows, dtype=torch.bool)
-        for start, length in zip(pack["cu_seqlens_padded"][:len(lengths)].tolist(), lengths.tolist()):
+        for start, length in zip(pack.cu_seqlens_padded[:len(lengths)].tolist(), lengths.tolist()):
             real[start:start + length] = True
-        assert torch.equal(pack["padding_mask"], ~real)
-        assert int(real.sum()) == int(lengths.sum()) and (pack["labels"][~real] == -100).all()
+        assert torch.equal(pack.padding_mask, ~real)
+        assert int(real.sum()) == int(lengths.sum()) and (pack.labels[~real] == -100).all()
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -502,8 +504,9 @@ def test_preemption_signal_saves_the_step_and_resumes_like_the_uninterrupted_run
 SIGNAL_TO_THE_PROCESS_GROUP = """
 import json, os, subprocess, sys
 from train.loader import PackedLoader
+from train.pack_plan import PackSettings
 from train.preemption import StopRequest
-loader = PackedLoader([sys.argv[1]], seq_len=int(sys.argv[2]), global_batch_packs=2, num_workers=2)
+loader = PackedLoader([sys.argv[1]], PackSettings(seq_len=int(sys.argv[2]), global_batch_packs=2), num_workers=2)
 with StopRequest() as stop:
     packs = iter(loader)
     first = next(packs)
@@ -707,10 +710,10 @@ def test_export_hf_reloads_in_transformers_with_the_same_logits(shards, full_run
     sample = data[int(np.flatnonzero(counts > 0)[0])]
     pack = assemble_pack([sample])
     v = data.manifest["profile"]["vision"]
-    pixels = pixel_values_from_patches(torch.from_numpy(pack["pixel_patches"]), v["image_mean"], v["image_std"],
+    pixels = pixel_values_from_patches(torch.from_numpy(pack.pixel_patches), v["image_mean"], v["image_std"],
                                        v["patch_size"], v["temporal_patch_size"])
-    grid = torch.from_numpy(pack["image_grid_thw"]).long()
-    ids = torch.from_numpy(pack["input_ids"])
+    grid = torch.from_numpy(pack.image_grid_thw).long()
+    ids = torch.from_numpy(pack.input_ids)
     with torch.no_grad():
         ref = hf(input_ids=ids[None], pixel_values=pixels, image_grid_thw=grid, use_cache=False,
                  mm_token_type_ids=(ids[None] == 151655).long()).logits[0]
@@ -720,8 +723,7 @@ def test_export_hf_reloads_in_transformers_with_the_same_logits(shards, full_run
         model = build_model(arch, transformer_config(arch, cpu=True), info).eval()
         convert.load_into_model(model, convert.load_model_state(model_dir, arch))
         with torch.no_grad():
-            ours = model(ids, torch.from_numpy(pack["position_ids"]), torch.from_numpy(pack["cu_seqlens_padded"]),
-                         pack["max_seqlen"], pixel_values=pixels, image_grid_thw=grid, return_logits=True)
+            ours = model(pack.as_tensors(), pixel_values=pixels, return_logits=True)
     finally:
         destroy_parallel()
     assert (ours - ref).abs().max().item() < 1e-4
@@ -730,18 +732,27 @@ def test_export_hf_reloads_in_transformers_with_the_same_logits(shards, full_run
 
 
 def test_micro_batch_of_several_packs_keeps_every_segment(shards):
-    from train.data import concat_packs
     from train.loader import PackedLoader
+    from train.model.batch import PackedBatch
+    from train.pack_plan import PackSettings
 
-    loader = PackedLoader([str(shards)], seq_len=SEQ_LEN, global_batch_packs=2)
+    loader = PackedLoader([str(shards)], PackSettings(seq_len=SEQ_LEN, global_batch_packs=2))
     a, b = [pack for pack, _ in zip(loader, range(2))]
-    row = concat_packs([a, b])
-    n = len(a["input_ids"])
-    assert torch.equal(row["input_ids"], torch.cat([a["input_ids"], b["input_ids"]]))
-    assert torch.equal(row["position_ids"][:, n:], b["position_ids"])
-    assert row["cu_seqlens_padded"].tolist() == a["cu_seqlens_padded"].tolist() + (b["cu_seqlens_padded"][1:] + n).tolist()
-    assert row["max_seqlen"] == max(a["max_seqlen"], b["max_seqlen"])
-    assert len(row["image_grid_thw"]) == len(a["image_grid_thw"]) + len(b["image_grid_thw"])
+    row = PackedBatch.concat([a, b])
+    n = len(a.input_ids)
+    assert torch.equal(row.input_ids, torch.cat([a.input_ids, b.input_ids]))
+    assert torch.equal(row.position_ids[:, n:], b.position_ids)
+    assert row.cu_seqlens_padded.tolist() == a.cu_seqlens_padded.tolist() + (b.cu_seqlens_padded[1:] + n).tolist()
+    assert row.max_seqlen == max(a.max_seqlen, b.max_seqlen)
+    assert len(row.image_grid_thw) == len(a.image_grid_thw) + len(b.image_grid_thw)
+    assert row.cu_seqlens.tolist() == a.cu_seqlens.tolist() + (b.cu_seqlens[1:] + a.cu_seqlens[-1]).tolist()
+    assert row.num_samples == a.num_samples + b.num_samples and row.sample_uids == a.sample_uids + b.sample_uids
+    assert row.num_target_tokens == a.num_target_tokens + b.num_target_tokens
+    a, b = (pack.with_rows(image_token_id=151655, video_token_id=151656) for pack in (a, b))
+    row = PackedBatch.concat([a, b])
+    for name in ("image_rows", "video_rows", "loss_rows"):
+        assert getattr(row, name).tolist() == getattr(a, name).tolist() + (getattr(b, name) + n).tolist(), name
+    assert len(row.image_rows) and len(row.loss_rows)
 
 
 def nested_dicts(obj, keys: tuple[str, ...]) -> list[dict]:
@@ -859,18 +870,15 @@ def test_gpu_compiled_model_equals_eager(shards):
         data = open_shards(shards)
         pack = assemble_pack([data[i] for i in range(6)])
         v = data.manifest["profile"]["vision"]
-        pixels = pixel_values_from_patches(torch.from_numpy(pack["pixel_patches"]).cuda(), v["image_mean"],
+        pixels = pixel_values_from_patches(torch.from_numpy(pack.pixel_patches).cuda(), v["image_mean"],
                                            v["image_std"], v["patch_size"], v["temporal_patch_size"]).bfloat16()
-        t = {k: torch.from_numpy(np.asarray(pack[k])).cuda() for k in ("input_ids", "position_ids", "cu_seqlens_padded", "labels")}
-        grid = torch.from_numpy(pack["image_grid_thw"])
+        batch = pack.as_tensors().to("cuda")
         grads = []
         for model in (eager, compiled):
-            loss = model(t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"],
-                         labels=t["labels"], pixel_values=pixels, image_grid_thw=grid).sum()
+            loss = model(batch, pixel_values=pixels).sum()
             loss.backward()
             grads.append({n: p.grad.float() for n, p in model.named_parameters()})
-            logits = model(t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"],
-                           pixel_values=pixels, image_grid_thw=grid, return_logits=True)
+            logits = model(batch, pixel_values=pixels, return_logits=True)
             grads[-1]["logits"] = logits
         for name, ref in grads[0].items():
             diff = (grads[1][name] - ref).abs().max().item()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shards_schema.errors import UserError
 
-from .pack_plan import DEFAULT_BLOCK_SIZE, build_pack_plan, check_plan_out, parse_source
+from .pack_plan import DEFAULT_BLOCK_SIZE, PackSettings, build_pack_plan, check_plan_out, parse_source
 
 
 def _fmt_int(n) -> str:
@@ -55,10 +55,11 @@ class Pack:
         if args.out:
             check_plan_out(args.out)
         t0 = time.perf_counter()
-        plan = build_pack_plan(specs, seq_len=args.seq_len, seed=args.seed, epoch=args.epoch,
+        packing = PackSettings(seq_len=args.seq_len, seed=args.seed, epoch=args.epoch,
                                max_visual_tokens=args.max_visual_tokens, dp_size=args.dp_size,
                                global_batch_packs=args.global_batch_packs, pad_to_multiple=args.pad_to_multiple,
-                               block_size=args.block_size)  # manifests and shards are checked as they are opened
+                               block_size=args.block_size)
+        plan = build_pack_plan(specs, packing)  # manifests and shards are checked as they are opened
         seconds = time.perf_counter() - t0
         balance = plan.balance(args.dp_size) if args.dp_size > 1 else None
         saved = str(plan.save(args.out)) if args.out else None
@@ -69,6 +70,29 @@ class Pack:
         else:
             print(format_pack_report(report))
         return 0
+
+
+class Train:
+    """`vlmpack train ...`: the flags here (`train.config`, no torch needed, so `--help` works
+    anywhere), the run in `train.trainer`, imported only when it starts."""
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        from train.config import add_arguments
+
+        add_arguments(parser)
+        parser.epilog = ("Multi-GPU: torchrun --nproc-per-node N $(which vlmpack) train ... ; every flag can also be "
+                         "given in --config FILE (YAML/JSON, same keys), flags win.")
+
+    @staticmethod
+    def run(args) -> int:
+        from shards_schema.cli import interrupted_before_start
+
+        try:
+            from train.trainer import Train as TrainRun  # torch and megatron: seconds to load
+        except KeyboardInterrupt:
+            return interrupted_before_start("train")
+        return TrainRun.run(args)
 
 
 def format_pack_report(report: dict) -> str:

@@ -20,14 +20,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from train.loader import PackedLoader, batch_to_device, pixel_values_on_device
-from train.pack_plan import parse_source, source_manifest
+from train.loader import PackedLoader, pixel_values_on_device
+from train.model.batch import PackedBatch
+from train.pack_plan import PackSettings, parse_source, source_manifest
 from shards_schema.pixels import video_pixel_values_from_patches
-from train.packed_batch import IGNORE_INDEX
-
-MODEL_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask", "pixel_patches", "image_grid_thw",
-                "video_patches", "video_grid_thw")
-ROW_FIELDS = ("image_rows", "video_rows", "loss_rows")  # row indices, shifted when packs are concatenated
 
 
 def check_profiles(dirs: list[str], arch) -> tuple[dict, dict | None]:
@@ -71,22 +67,6 @@ def export_profile(dirs: list[str]) -> dict:
     return next((p for p in profiles if p.get("chat_template")), profiles[0])
 
 
-def concat_packs(packs: list[dict]) -> dict:
-    """Packs laid end to end in one row; `cu_seqlens_padded` shifted, segments kept."""
-    if len(packs) == 1:
-        return packs[0]
-    out = {k: torch.cat([p[k] for p in packs], dim=-1 if k == "position_ids" else 0) for k in MODEL_FIELDS}
-    offsets = torch.cumsum(torch.tensor([0] + [len(p["input_ids"]) for p in packs[:-1]]), 0)
-    out["cu_seqlens_padded"] = torch.cat([packs[0]["cu_seqlens_padded"][:1]] +
-                                         [p["cu_seqlens_padded"][1:] + o for p, o in zip(packs, offsets.tolist())])
-    out["max_seqlen"] = max(int(p["max_seqlen"]) for p in packs)
-    for rows in ROW_FIELDS:
-        if rows in packs[0]:
-            out[rows] = torch.cat([p[rows] + o for p, o in zip(packs, offsets.tolist())])
-    out["sample_lengths"] = torch.cat([p["sample_lengths"] for p in packs])
-    return out
-
-
 class TrainData:
     def __init__(self, config, arch, info, row_multiple: int = 1):
         """`row_multiple`: every pack's row count is a multiple of it (sequence parallelism: --tp)."""
@@ -99,14 +79,14 @@ class TrainData:
         self.global_packs = config.global_packs(info.dp)
         self.packs_per_micro_batch = config.micro_batch_packs
         cuda = info.device.type == "cuda"
-        loader_kwargs = dict(seq_len=config.seq_len, seed=config.seed, rank=info.dp_rank, dp_size=info.dp,
-                             global_batch_packs=self.global_packs, max_visual_tokens=config.max_visual_tokens,
-                             pad_to_seq_len=config.packs_padded(), row_multiple=row_multiple,
+        packing = PackSettings(seq_len=config.seq_len, seed=config.seed, dp_size=info.dp,
+                               global_batch_packs=self.global_packs, max_visual_tokens=config.max_visual_tokens)
+        loader_kwargs = dict(rank=info.dp_rank, pad_to_seq_len=config.packs_padded(), row_multiple=row_multiple,
                              cache_dir=Path(config.out) / "plans",
                              num_workers=config.num_workers, pin_memory=cuda,
                              prefetch_factor=4 if config.num_workers else None)
-        self.loader = PackedLoader(specs, **loader_kwargs)
-        self.eval_loader = PackedLoader([parse_source(s) for s in config.eval_data], **loader_kwargs) \
+        self.loader = PackedLoader(specs, packing, **loader_kwargs)
+        self.eval_loader = PackedLoader([parse_source(s) for s in config.eval_data], packing, **loader_kwargs) \
             if config.eval_data else None
         self._packs = None
         # plan now: a sample longer than seq_len, or too little data for one global batch, fails
@@ -119,26 +99,20 @@ class TrainData:
         while True:
             yield from self.loader
 
-    def _to_device(self, pack: dict) -> dict:
+    def _to_device(self, pack: PackedBatch) -> PackedBatch:
         """The pack on the device, but for what the host reads to queue the forward: image and
         video grids stay on the CPU (the vision tower builds its index tensors there), and the
         <|image_pad|> and <|video_pad|> rows and the rows with a target (the only ones the loss
         computes logits for) are found on the CPU copy. So no forward step waits for the GPU."""
-        rows = {"image_rows": torch.nonzero(pack["input_ids"] == self.image_token_id)[:, 0],
-                "video_rows": torch.nonzero(pack["input_ids"] == self.video_token_id)[:, 0],
-                "loss_rows": torch.nonzero(pack["labels"] != IGNORE_INDEX)[:, 0]}
-        if self.info.device.type == "cuda":
-            rows = {k: v.pin_memory() for k, v in rows.items()}
-        out = batch_to_device({**pack, **rows}, self.info.device)
-        out["image_grid_thw"], out["video_grid_thw"] = pack["image_grid_thw"], pack["video_grid_thw"]
-        return out
+        cuda = self.info.device.type == "cuda"
+        return pack.with_rows(self.image_token_id, self.video_token_id, pin_memory=cuda).to(self.info.device)
 
-    def _micro_batches(self, packs_iter, count: int) -> list[dict]:
+    def _micro_batches(self, packs_iter, count: int) -> list[PackedBatch]:
         per = self.packs_per_micro_batch
         packs = [self._to_device(next(packs_iter)) for _ in range(count)]
-        return [concat_packs(packs[i:i + per]) for i in range(0, count, per)]
+        return [PackedBatch.concat(packs[i:i + per]) for i in range(0, count, per)]
 
-    def next_global_batch(self) -> list[dict]:
+    def next_global_batch(self) -> list[PackedBatch]:
         """This rank's micro-batches of the next global batch (on the device)."""
         if self._packs is None:
             self._packs = self._forever()
@@ -151,20 +125,20 @@ class TrainData:
         for _ in range(min(self.config.eval_batches, len(self.eval_loader) // (self.global_packs // self.info.dp))):
             yield self._micro_batches(packs, self.global_packs // self.info.dp)
 
-    def pixel_values(self, batch: dict, dtype: torch.dtype):
-        if batch["pixel_patches"].shape[0] == 0:
+    def pixel_values(self, batch: PackedBatch, dtype: torch.dtype):
+        if batch.pixel_patches.shape[0] == 0:
             return None
-        return pixel_values_on_device(batch["pixel_patches"], self.vision, dtype)
+        return pixel_values_on_device(batch.pixel_patches, self.vision, dtype)
 
-    def pixel_values_videos(self, batch: dict, dtype: torch.dtype):
-        if batch["video_patches"].shape[0] == 0:
+    def pixel_values_videos(self, batch: PackedBatch, dtype: torch.dtype):
+        if batch.video_patches.shape[0] == 0:
             return None
-        return video_pixel_values_from_patches(batch["video_patches"], self.video["image_mean"], self.video["image_std"],
+        return video_pixel_values_from_patches(batch.video_patches, self.video["image_mean"], self.video["image_std"],
                                                dtype=dtype)
 
-    def global_batch_tokens(self, micro_batches: list[dict]) -> int:
+    def global_batch_tokens(self, micro_batches: list[PackedBatch]) -> int:
         """Real (non-padding) tokens in the whole global batch."""
-        local = torch.tensor([sum(int(m["sample_lengths"].sum()) for m in micro_batches)], dtype=torch.int64,
+        local = torch.tensor([sum(int(m.sample_lengths.sum()) for m in micro_batches)], dtype=torch.int64,
                              device=self.info.device)
         dist.all_reduce(local, group=mpu.get_data_parallel_group())
         return int(local.item())

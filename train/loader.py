@@ -14,8 +14,8 @@ fingerprint of the directory it came from, so the same plan gives the same packs
 tensor, and a loader state saved on one resumes on the other.
 
 `PackedLoader` runs epochs: epoch e uses the plan built with seed sequence (seed, e)
-(`build_pack_plan(..., epoch=e)`: new mix draw, new packs, new order), so every epoch is
-reshuffled and reproducible. Its state is `LoaderState(fingerprint, seed, epoch,
+(`build_pack_plan` with `packing.for_epoch(e)`: new mix draw, new packs, new order), so every
+epoch is reshuffled and reproducible. Its state is `LoaderState(fingerprint, seed, epoch,
 packs_consumed, dp_size)`, where `packs_consumed` counts packs of the epoch consumed by *all*
 ranks together (global batches * G + the within-batch packs * dp_size). Because the
 sequence of global batches does not depend on dp_size, a state saved at a global-batch
@@ -33,14 +33,14 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from shards_schema import ShardFormatError, ShardSet
 from shards_schema.pixels import pixel_values_from_patches
 
-from .pack_plan import DEFAULT_BLOCK_SIZE, PackPlan, build_pack_plan, open_source, plan_request, source_fingerprint
+from .pack_plan import PackPlan, PackSettings, build_pack_plan, open_source, plan_request, source_fingerprint
+from .model.batch import PackedBatch
 from .packed_batch import DEFAULT_PAD_TOKEN_ID, PATCH_FIELDS, assemble_pack, patch_rows
 from .preemption import ignore_stop_signals
 
@@ -77,13 +77,9 @@ def shared_uint8(rows: int, width: int, prefault: bool = True) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(rows, width)
 
 
-def _to_torch(batch: dict) -> dict:
-    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
-
-
 class PackedDataset(Dataset):
-    """This rank's packs of one epoch's plan, as dicts of torch tensors (see `assemble_pack`
-    for the fields), plus `pack_index` (position in the plan) and `epoch`.
+    """This rank's packs of one epoch's plan, as `PackedBatch`es of torch tensors, with
+    `pack_index` (position in the plan) and `epoch` set.
 
     `sources` defaults to the directories recorded in the plan; pass others (same data,
     moved, or exported to WebDataset) and their manifests must match the plan's fingerprints. `pad_to_seq_len` pads every
@@ -140,7 +136,7 @@ class PackedDataset(Dataset):
             return torch.empty((rows, width), dtype=torch.uint8, pin_memory=True)
         return None
 
-    def __getitem__(self, k: int) -> dict:
+    def __getitem__(self, k: int) -> PackedBatch:
         if not 0 <= k < len(self.packs):
             raise IndexError(f"pack {k} out of range: rank {self.rank} has {len(self.packs)} packs this epoch")
         samples = self.samples(k)
@@ -148,11 +144,9 @@ class PackedDataset(Dataset):
         batch = assemble_pack(samples, seq_len=self.seq_len, pad_to_multiple=self.pad_to_multiple,
                               row_multiple=self.row_multiple, pad_token_id=self.pad_token_id,
                               patch_out={n: b.numpy() for n, b in buffers.items()})
-        batch["pack_index"] = int(self.packs[k])
-        batch["epoch"] = int(self.plan.settings["epoch"])
-        batch = _to_torch(batch)
-        batch.update(buffers)  # the tensors themselves: their storage is the shared / pinned one
-        return batch
+        # the buffers themselves, not tensors made from their numpy views: their storage is the shared / pinned one
+        return batch.replace(pack_index=int(self.packs[k]), epoch=int(self.plan.settings["epoch"])).as_tensors() \
+            .replace(**buffers)
 
 
 def pixel_values_on_device(pixel_patches: torch.Tensor, vision: dict, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -163,11 +157,6 @@ def pixel_values_on_device(pixel_patches: torch.Tensor, vision: dict, dtype: tor
         pixel_patches, vision["image_mean"], vision["image_std"], int(vision["patch_size"]),
         int(vision["temporal_patch_size"]), int(vision.get("channels", 3)), dtype=dtype,
     )
-
-
-def batch_to_device(batch: dict, device, non_blocking: bool = True) -> dict:
-    """Tensors to `device` (asynchronous from pinned memory); other values unchanged."""
-    return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @dataclass
@@ -194,27 +183,24 @@ class PackedLoader:
 
     `for batch in loader:` yields the rest of the current epoch, then moves to the next one
     (so `for epoch in ...: for batch in loader:` works, and so does resuming mid-epoch).
-    `sources` and the planning settings are those of `build_pack_plan` (shard directories or
-    WebDataset exports, each optionally weighted); `cache_dir` shares plans between ranks and
+    `sources` and `packing` are those of `build_pack_plan` (shard directories or WebDataset
+    exports, each optionally weighted; `packing.epoch` is where the loader starts, and
+    `packing.dp_size` the ranks it is one of); `cache_dir` shares plans between ranks and
     restarts. DataLoader settings: num_workers, pin_memory, prefetch_factor.
     """
 
-    def __init__(self, sources, *, seq_len: int, seed: int = 0, rank: int = 0, dp_size: int = 1,
-                 global_batch_packs: int | None = None, max_visual_tokens: int | None = None, pad_to_multiple: int = 1,
-                 pad_to_seq_len: bool = False, row_multiple: int = 1, cache_dir: str | Path | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE,
+    def __init__(self, sources, packing: PackSettings, *, rank: int = 0, pad_to_seq_len: bool = False,
+                 row_multiple: int = 1, cache_dir: str | Path | None = None,
                  num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None):
         self.sources = sources
-        self.plan_settings = dict(seq_len=seq_len, seed=seed, max_visual_tokens=max_visual_tokens, dp_size=dp_size,
-                                  global_batch_packs=global_batch_packs, pad_to_multiple=pad_to_multiple,
-                                  block_size=block_size)
-        request = plan_request(sources, epoch=0, **self.plan_settings)  # validates settings, no shard read
+        self.packing = packing
+        request = plan_request(sources, packing)  # checks the sources' manifests, no shard read
         self.fingerprint = request.data_fingerprint
         self.source_dirs = [directory for directory, _ in request.specs]
-        self.global_batch_packs = int(request.settings["global_batch_packs"])
-        self.seed, self.rank, self.dp_size = int(seed), int(rank), int(dp_size)
+        self.global_batch_packs = packing.global_batch
+        self.seed, self.rank, self.dp_size = int(packing.seed), int(rank), int(packing.dp_size)
         if not 0 <= self.rank < self.dp_size:
-            raise ValueError(f"rank {rank} out of range for dp_size {dp_size}")
+            raise ValueError(f"rank {rank} out of range for dp_size {self.dp_size}")
         self.pad_to_seq_len, self.row_multiple = pad_to_seq_len, int(row_multiple)
         self.cache_dir = cache_dir
         self.loader_kwargs = dict(num_workers=num_workers, pin_memory=pin_memory)
@@ -222,7 +208,7 @@ class PackedLoader:
             self.loader_kwargs["worker_init_fn"] = ignore_stop_signals  # a preemption notice is the trainer's
             if prefetch_factor is not None:
                 self.loader_kwargs["prefetch_factor"] = prefetch_factor
-        self.epoch = 0
+        self.epoch = int(packing.epoch)
         self.position = 0  # packs of this epoch consumed by this rank
         self._dataset: PackedDataset | None = None
 
@@ -232,7 +218,7 @@ class PackedLoader:
 
     def plan(self, epoch: int | None = None) -> PackPlan:
         epoch = self.epoch if epoch is None else epoch
-        return build_pack_plan(self.sources, epoch=epoch, cache_dir=self.cache_dir, **self.plan_settings)
+        return build_pack_plan(self.sources, self.packing.for_epoch(epoch), cache_dir=self.cache_dir)
 
     def dataset(self) -> PackedDataset:
         """The current epoch's dataset (built on first use)."""

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import numpy as np
 
-IGNORE_INDEX = -100  # torch CrossEntropyLoss / HF default ignore_index
+from train.model.batch import IGNORE_INDEX, PackedBatch
+
 DEFAULT_PAD_TOKEN_ID = 151643  # <|endoftext|> for Qwen2.5-VL / Qwen3-VL; prefer the manifest's
 
 
@@ -100,7 +101,7 @@ def assemble_pack(
     row_multiple: int = 1,
     pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
     patch_out: dict[str, np.ndarray] | None = None,
-) -> dict:
+) -> PackedBatch:
     """Lay `samples` (dicts as returned by `open_shards(DIR)[i]`) out as one THD pack.
 
     `patch_out` ({"pixel_patches" or "video_patches": uint8 array of `patch_rows(samples, name)`
@@ -108,15 +109,10 @@ def assemble_pack(
     pinned memory, so this one copy out of the mapped shards is the last the patches see on
     the host.
 
-    Returns numpy arrays (see the module docstring for the label and padding conventions):
-      input_ids int64 [T], labels int64 [T] (shifted, -100 = no target),
-      loss_mask float32 [T] (== labels != -100), position_ids int32 [3, T], padding_mask bool [T]
-      (True on padding rows: the MoE router leaves them out of its load-balancing loss),
-      cu_seqlens int32 [n+1] (n+2 with trailing padding), cu_seqlens_padded int32 (same
-      length), max_seqlen int (longest segment of cu_seqlens_padded), sample_lengths int32 [n],
-      num_samples int, num_target_tokens int, pixel_patches uint8 [sum N, W] (sample order),
-      image_grid_thw int32 [sum K, 3], video_patches uint8 [sum M, W2], video_grid_thw int32
-      [sum V, 3], sample_uids list[str].
+    Returns a `PackedBatch` of numpy arrays (see the module docstring for the label and padding
+    conventions, `PackedBatch` for the fields): cu_seqlens and cu_seqlens_padded have n+1
+    entries, n+2 with trailing padding; pixel_patches [sum N, W] and video_patches [sum M, W2]
+    are in sample order.
     T = sum of the samples' lengths rounded up to `pad_to_multiple`, or `seq_len` if given;
     without `seq_len`, a trailing padding segment rounds T up to a multiple of `row_multiple`
     (sequence parallelism splits the rows evenly over the TP ranks).
@@ -180,24 +176,24 @@ def assemble_pack(
     patch_out = patch_out or {}
     patches = {name: concat_field(samples, name, np.uint8, patch_rows(samples, name)[1], patch_out.get(name))
                for name in PATCH_FIELDS}
-    return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "position_ids": position_ids,
-        "padding_mask": padding_mask,
-        "cu_seqlens": cu_real.astype(np.int32),
-        "cu_seqlens_padded": cu_padded.astype(np.int32),
-        "max_seqlen": int(np.diff(cu_padded).max()),
-        "sample_lengths": lengths.astype(np.int32),
-        "num_samples": len(samples),
-        "num_target_tokens": int(np.count_nonzero(labels != IGNORE_INDEX)),
-        "pixel_patches": patches["pixel_patches"],
-        "image_grid_thw": concat_field(samples, "image_grid_thw", np.int32, 3),
-        "video_patches": patches["video_patches"],
-        "video_grid_thw": concat_field(samples, "video_grid_thw", np.int32, 3),
-        "sample_uids": [str(s.get("sample_uid", "")) for s in samples],
-    }
+    return PackedBatch(
+        input_ids=input_ids,
+        labels=labels,
+        loss_mask=loss_mask,
+        position_ids=position_ids,
+        padding_mask=padding_mask,
+        cu_seqlens=cu_real.astype(np.int32),
+        cu_seqlens_padded=cu_padded.astype(np.int32),
+        max_seqlen=int(np.diff(cu_padded).max()),
+        sample_lengths=lengths.astype(np.int32),
+        num_samples=len(samples),
+        num_target_tokens=int(np.count_nonzero(labels != IGNORE_INDEX)),
+        pixel_patches=patches["pixel_patches"],
+        image_grid_thw=concat_field(samples, "image_grid_thw", np.int32, 3),
+        video_patches=patches["video_patches"],
+        video_grid_thw=concat_field(samples, "video_grid_thw", np.int32, 3),
+        sample_uids=[str(s.get("sample_uid", "")) for s in samples],
+    )
 
 
 PATCH_FIELDS = ("pixel_patches", "video_patches")  # the uint8 fields that hold most of a pack's bytes

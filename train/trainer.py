@@ -122,18 +122,13 @@ def make_forward_step(data: TrainData, dtype: torch.dtype):
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         pixel_values = data.pixel_values(batch, dtype)
-        per_token = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens_padded"],
-                          batch["max_seqlen"], labels=batch["labels"], pixel_values=pixel_values,
-                          image_grid_thw=batch["image_grid_thw"], image_rows=batch["image_rows"],
-                          loss_rows=batch["loss_rows"], pixel_values_videos=data.pixel_values_videos(batch, dtype),
-                          video_grid_thw=batch["video_grid_thw"], video_rows=batch["video_rows"],
-                          padding_mask=batch["padding_mask"])
+        per_token = model(batch, pixel_values=pixel_values, pixel_values_videos=data.pixel_values_videos(batch, dtype))
 
         def loss_func(output):
             # Sum, not mean: megatron divides all gradients by the global batch's target-token
             # count (calculate_per_token_loss), so every target token weighs the same.
             loss_sum = output.sum()
-            num_tokens = batch["loss_mask"].sum().to(torch.int)
+            num_tokens = batch.loss_mask.sum().to(torch.int)
             return loss_sum, num_tokens, {"loss": torch.stack([loss_sum.detach().float(), num_tokens.float()])}
 
         return per_token, loss_func
@@ -708,15 +703,8 @@ def out_of_memory_advice(config: TrainConfig, exc: BaseException) -> str:
 
 
 class Train:
-    """`vlmpack train ...` (the dispatcher's entry); `python -m train.trainer` is the same."""
-
-    @staticmethod
-    def add_arguments(parser) -> None:
-        from train.config import add_arguments
-
-        add_arguments(parser)
-        parser.epilog = ("Multi-GPU: torchrun --nproc-per-node N $(which vlmpack) train ... ; every flag can also be "
-                         "given in --config FILE (YAML/JSON, same keys), flags win.")
+    """What `vlmpack train ...` runs (its flags are `train.cli.Train`'s, defined without torch);
+    `python -m train.trainer` is the same."""
 
     @staticmethod
     def run(args) -> int:

@@ -9,6 +9,7 @@ import torch
 from tests.helpers.models import TINY_MODELS
 from train.model import lora
 from train.model.arch import ModelArch
+from train.model.batch import PackedBatch
 from train.model.linear import use_fp8, use_grad_buffers
 from train.model.qwen_vl import transformer_config
 from train.parallel import build_model
@@ -58,7 +59,7 @@ def loss_and_grads(model, pack):
     for param in model.parameters():
         if hasattr(param, "main_grad"):
             param.main_grad.zero_()
-    loss = model(ids, positions, cu, max_len, labels=labels).sum()
+    loss = model(PackedBatch.from_segments(ids, positions, cu, labels)).sum()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     added = {n: p.main_grad.clone() for n, p in model.named_parameters() if p.grad is None and hasattr(p, "main_grad")}

@@ -18,27 +18,27 @@ TOLERANCE = 1e-4
 
 def pixel_values(shards, pack):
     v = shards.manifest["profile"]["vision"]
-    return pixel_values_from_patches(torch.from_numpy(pack["pixel_patches"]), v["image_mean"], v["image_std"],
+    return pixel_values_from_patches(torch.from_numpy(pack.pixel_patches), v["image_mean"], v["image_std"],
                                      v["patch_size"], v["temporal_patch_size"])
 
 
 def pixel_values_videos(shards, pack):
     video = shards.manifest["profile"]["video"]
-    return video_pixel_values_from_patches(torch.from_numpy(pack["video_patches"]), video["image_mean"], video["image_std"])
+    return video_pixel_values_from_patches(torch.from_numpy(pack.video_patches), video["image_mean"], video["image_std"])
 
 
 def hf_inputs(hf, shards, pack) -> dict:
     """The HF model's arguments for a pack: its tokens, 4-row packed position ids and visuals."""
-    cu = pack["cu_seqlens_padded"].astype(np.int64)
+    cu = pack.cu_seqlens_padded.astype(np.int64)
     text = torch.from_numpy(np.arange(cu[-1]) - np.repeat(cu[:-1], np.diff(cu)))[None, None]
-    position_ids = torch.cat([text, torch.from_numpy(pack["position_ids"].astype(np.int64))[:, None]])
-    ids = torch.from_numpy(pack["input_ids"])[None]
+    position_ids = torch.cat([text, torch.from_numpy(pack.position_ids.astype(np.int64))[:, None]])
+    ids = torch.from_numpy(pack.input_ids)[None]
     kwargs = {}
-    if len(pack["image_grid_thw"]):
-        kwargs = dict(pixel_values=pixel_values(shards, pack), image_grid_thw=torch.from_numpy(pack["image_grid_thw"]).long())
-    if len(pack["video_grid_thw"]):
+    if len(pack.image_grid_thw):
+        kwargs = dict(pixel_values=pixel_values(shards, pack), image_grid_thw=torch.from_numpy(pack.image_grid_thw).long())
+    if len(pack.video_grid_thw):
         kwargs |= dict(pixel_values_videos=pixel_values_videos(shards, pack),
-                       video_grid_thw=torch.from_numpy(pack["video_grid_thw"]).long())
+                       video_grid_thw=torch.from_numpy(pack.video_grid_thw).long())
     hf.model.rope_deltas = None
     return dict(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False,
                 mm_token_type_ids=(ids == 151655).long() + 2 * (ids == 151656).long(), **kwargs)
@@ -46,14 +46,9 @@ def hf_inputs(hf, shards, pack) -> dict:
 
 def our_forward(model, shards, pack, logits: bool = False):
     """Our model on one pack: per-token losses, or the logits."""
-    t = {k: torch.from_numpy(np.asarray(pack[k])) for k in ("input_ids", "position_ids", "cu_seqlens_padded",
-                                                             "labels", "image_grid_thw", "video_grid_thw")}
-    visual = dict(pixel_values=pixel_values(shards, pack) if len(pack["image_grid_thw"]) else None,
-                  image_grid_thw=t["image_grid_thw"],
-                  pixel_values_videos=pixel_values_videos(shards, pack) if len(pack["video_grid_thw"]) else None,
-                  video_grid_thw=t["video_grid_thw"])
-    args = (t["input_ids"], t["position_ids"], t["cu_seqlens_padded"], pack["max_seqlen"])
-    return model(*args, return_logits=True, **visual) if logits else model(*args, labels=t["labels"], **visual)
+    visual = dict(pixel_values=pixel_values(shards, pack) if len(pack.image_grid_thw) else None,
+                  pixel_values_videos=pixel_values_videos(shards, pack) if len(pack.video_grid_thw) else None)
+    return model(pack.as_tensors(), return_logits=logits, **visual)
 
 
 def pick(shards, images: str, n: int = 5) -> list[dict]:
@@ -82,5 +77,5 @@ def our_model(base: dict, arch, spec, adapters: dict, info, tp: int = 1, sequenc
 
 
 def real_rows(pack) -> np.ndarray:
-    return np.concatenate([np.arange(s, s + n) for s, n in zip(pack["cu_seqlens_padded"][:-1], pack["sample_lengths"])])
+    return np.concatenate([np.arange(s, s + n) for s, n in zip(pack.cu_seqlens_padded[:-1], pack.sample_lengths)])
 

@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from train.model import families
 from train.model.arch import ModelArch
 from train.model.attention import PackedCoreAttention, PackedRows
+from train.model.batch import PackedBatch
 from train.model.gated_delta_net import GatedDeltaNet
 from train.model.linear import ColumnParallelLinear, RowParallelLinear
 from train.model.moe import moe_config, moe_layer_spec
@@ -356,26 +357,27 @@ class QwenVLModel(MegatronModule):
         start = parallel_state.get_tensor_model_parallel_rank() * local
         return slice(start, start + local)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                labels: Tensor | None = None, pixel_values: Tensor | None = None,
-                image_grid_thw: Tensor | None = None, image_rows: Tensor | None = None,
-                loss_rows: Tensor | None = None, return_logits: bool = False,
-                pixel_values_videos: Tensor | None = None, video_grid_thw: Tensor | None = None,
-                video_rows: Tensor | None = None, padding_mask: Tensor | None = None) -> Tensor:
-        """One packed row. input_ids/labels [T], position_ids [3, T], cu_seqlens [n+1] row
-        offsets (the pack's `cu_seqlens_padded`). `image_grid_thw` is best on the CPU and
-        `image_rows` (the <|image_pad|> rows, found on the host's copy of the batch) given:
-        then the forward never waits for the GPU. `loss_rows` (the rows whose label is not
-        -100, also found on the host): only they go through the output layer and the loss.
+    def forward(self, batch: PackedBatch, pixel_values: Tensor | None = None,
+                pixel_values_videos: Tensor | None = None, return_logits: bool = False) -> Tensor:
+        """One packed row (`PackedBatch`, its tensors on this device but for the grids): it reads
+        input_ids, labels, position_ids, cu_seqlens_padded (row offsets) and max_seqlen, the
+        image and video grids (best on the CPU), padding_mask (MoE routers leave those rows out
+        of the load-balancing loss), and the rows found on the host when given (`with_rows`:
+        then the forward never waits for the GPU): image_rows / video_rows, where the visual
+        embeddings land, and loss_rows, the only rows that go through the output layer and the
+        loss. `pixel_values` / `pixel_values_videos`: the vision tower's inputs, made from the
+        batch's patches (`train.data.TrainData.pixel_values`).
         Last stage: per-token loss [T] (fp32, 0 where labels == -100), or full logits [T, V]
-        with `return_logits`. Other stages: hidden [T, 1, H]. Videos come as
-        `pixel_values_videos` / `video_grid_thw` / `video_rows`, like images. `padding_mask` [T]
-        (True on padding rows): MoE routers leave those rows out of the load-balancing loss."""
+        with `return_logits`. Other stages: hidden [T, 1, H] (their input is the previous
+        stage's output, `set_input_tensor`)."""
+        input_ids, position_ids, padding_mask = batch.input_ids, batch.position_ids, batch.padding_mask
+        cu_seqlens, max_seqlen = batch.cu_seqlens_padded, batch.max_seqlen
         context = rows = None
         decoder_input = None
         if self.pre_process:
-            decoder_input, context, rows = self._decoder_input(input_ids, pixel_values, image_grid_thw, image_rows,
-                                                               pixel_values_videos, video_grid_thw, video_rows)
+            decoder_input, context, rows = self._decoder_input(input_ids, pixel_values, batch.image_grid_thw,
+                                                               batch.image_rows, pixel_values_videos,
+                                                               batch.video_grid_thw, batch.video_rows)
             if self.sequence_parallel:  # each TP rank keeps its slice of the rows from here to the loss
                 decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(decoder_input)
             # The embedding hands over [T, 1, H] as a transpose of [1, T, H]: the same layout as
@@ -407,5 +409,5 @@ class QwenVLModel(MegatronModule):
         if return_logits:
             logits, _ = self.language_model.output_layer(hidden, weight=weight)
             return tensor_parallel.gather_from_tensor_model_parallel_region(logits)[:, 0].float()
-        return chunked_cross_entropy(hidden, labels, self.language_model.output_layer, weight, self.token_loss,
-                                     rows=loss_rows)
+        return chunked_cross_entropy(hidden, batch.labels, self.language_model.output_layer, weight, self.token_loss,
+                                     rows=batch.loss_rows)

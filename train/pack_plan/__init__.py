@@ -43,9 +43,11 @@ Rules (each one is what a reproducible, resumable training run needs):
   a half-written plan. dp_size is not in the key: the plan does not depend on it. A
   cached plan without a whole global batch is refused, never used.
 
-Modules: `sources` (per-sample counts of a shard directory or WebDataset export), `mixing`
-(weights, counts, draws), `bin_packing` (best-fit-decreasing under both budgets, ranks),
-`plan` (`PackPlan`, its key and cache, `build_pack_plan`).
+Modules: `settings` (`PackSettings`: seq_len, seed, epoch, budgets, global batch, the one set
+that `vlmpack pack`, the planner and the loader share), `sources` (per-sample counts of a
+shard directory or WebDataset export), `mixing` (weights, counts, draws), `bin_packing`
+(best-fit-decreasing under both budgets, ranks), `plan` (`PackPlan`, its key and cache,
+`build_pack_plan`).
 """
 
 from .bin_packing import assign_ranks, best_fit_decreasing
@@ -53,7 +55,6 @@ from .errors import PackingError
 from .mixing import draw_samples, mix_counts, resolve_weights
 from .plan import (
     ARRAY_NAMES,
-    DEFAULT_BLOCK_SIZE,
     PLAN_META,
     PLANNER_VERSION,
     PackPlan,
@@ -65,6 +66,7 @@ from .plan import (
     plan_keys,
     plan_request,
 )
+from .settings import DEFAULT_BLOCK_SIZE, MAX_PACK_SETTING, PackSettings
 from .sources import (
     SourceStats,
     is_webdataset_export,
@@ -76,7 +78,8 @@ from .sources import (
 )
 
 __all__ = [
-    "ARRAY_NAMES", "DEFAULT_BLOCK_SIZE", "PLAN_META", "PLANNER_VERSION", "PackPlan", "PackingError", "PlanRequest",
+    "ARRAY_NAMES", "DEFAULT_BLOCK_SIZE", "MAX_PACK_SETTING", "PLAN_META", "PLANNER_VERSION", "PackPlan",
+    "PackSettings", "PackingError", "PlanRequest",
     "SourceStats", "assign_ranks", "best_fit_decreasing", "build_pack_plan", "check_plan_out", "draw_samples",
     "is_webdataset_export", "load_source_stats", "mix_counts", "open_source", "parse_source", "plan_from_stats",
     "plan_keys", "plan_request", "resolve_weights", "source_fingerprint", "source_manifest",

@@ -20,10 +20,10 @@ from shards_schema.errors import UserError
 from .bin_packing import assign_ranks, best_fit_decreasing, check_sizes
 from .errors import PackingError
 from .mixing import draw_samples, mix_counts, resolve_weights
+from .settings import PackSettings
 from .sources import SourceStats, load_source_stats, normalize_sources, source_fingerprint, source_manifest
 
 PLANNER_VERSION = 1
-DEFAULT_BLOCK_SIZE = 4096
 PLAN_META = "plan.json"
 ARRAY_NAMES = ("pack_offsets", "sample_source", "sample_index", "pack_tokens", "pack_padded_tokens", "pack_visual_tokens")
 
@@ -211,18 +211,6 @@ def _sha256_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _settings(seq_len, seed, epoch, max_visual_tokens, global_batch_packs, pad_to_multiple, block_size) -> dict:
-    return {
-        "seq_len": int(seq_len),
-        "seed": int(seed),
-        "epoch": int(epoch),
-        "max_visual_tokens": None if max_visual_tokens is None else int(max_visual_tokens),
-        "global_batch_packs": int(global_batch_packs),
-        "pad_to_multiple": int(pad_to_multiple),
-        "block_size": int(block_size),
-    }
-
-
 def plan_keys(fingerprints: list[dict], weights: list[float | None], settings: dict) -> tuple[str, str]:
     """(data_fingerprint, key): the first excludes seed and epoch (what a resume must match)."""
     data = {
@@ -249,31 +237,20 @@ def check_whole_global_batch(num_packs: int, seq_len: int, global_batch_packs: i
     )
 
 
-def plan_from_stats(
-    sources: list[SourceStats],
-    weights: Sequence[float | None] | None = None,
-    *,
-    seq_len: int,
-    seed: int = 0,
-    epoch: int = 0,
-    max_visual_tokens: int | None = None,
-    global_batch_packs: int = 1,
-    pad_to_multiple: int = 1,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    dp_size: int | None = None,
-) -> PackPlan:
-    """The planner proper, on per-sample sizes (synthetic stats in tests, shards otherwise).
-    `dp_size` only appears in the error for data that fill no global batch."""
+def plan_from_stats(sources: list[SourceStats], packing: PackSettings,
+                    weights: Sequence[float | None] | None = None) -> PackPlan:
+    """The planner proper, on per-sample sizes (synthetic stats in tests, shards otherwise), each
+    source optionally weighted. `packing.dp_size` only appears in the error for data that fill no
+    global batch."""
     t0 = time.perf_counter()
     weights = list(weights) if weights is not None else [None] * len(sources)
     if len(weights) != len(sources):
         raise PackingError(f"{len(weights)} weights for {len(sources)} sources")
     if not sources:
         raise PackingError("no sources to pack")
-    if seq_len < 1 or pad_to_multiple < 1 or block_size < 1 or global_batch_packs < 1:
-        raise PackingError("seq_len, pad_to_multiple, block_size and global_batch_packs must be >= 1")
-    settings = _settings(seq_len, seed, epoch, max_visual_tokens, global_batch_packs, pad_to_multiple, block_size)
-    m = int(pad_to_multiple)
+    settings = packing.recorded()
+    seq_len, max_visual_tokens, block_size = settings["seq_len"], settings["max_visual_tokens"], settings["block_size"]
+    global_batch_packs, m = settings["global_batch_packs"], settings["pad_to_multiple"]
 
     sizes = [len(s) for s in sources]
     padded_per_source = []
@@ -284,7 +261,7 @@ def plan_from_stats(
     resolved = resolve_weights(sizes, weights)
     counts = mix_counts(sizes, resolved)
 
-    rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
+    rng = np.random.default_rng(np.random.SeedSequence([settings["seed"], settings["epoch"]]))
     src, idx = draw_samples(sizes, counts, rng)
     base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     flat = base[src] + idx
@@ -301,7 +278,7 @@ def plan_from_stats(
     pack_of = best_fit_decreasing(padded[order], visual[order], block_starts, seq_len=seq_len,
                                   max_visual_tokens=max_visual_tokens)
     num_packs = int(pack_of.max()) + 1 if len(pack_of) else 0
-    check_whole_global_batch(num_packs, seq_len, global_batch_packs, dp_size, [s.name for s in sources])
+    check_whole_global_batch(num_packs, seq_len, global_batch_packs, packing.dp_size, [s.name for s in sources])
 
     # group the samples by pack (stable: within a pack, descending length)
     by_pack = order[np.argsort(pack_of, kind="stable")]
@@ -371,20 +348,6 @@ def plan_from_stats(
     return PackPlan(arrays, meta)
 
 
-MAX_PACK_SETTING = 2**31 - 1
-
-
-def _effective_global_batch(global_batch_packs: int | None, dp_size: int) -> int:
-    if dp_size < 1:
-        raise PackingError(f"--dp-size must be an integer >= 1, got {dp_size}")
-    G = int(global_batch_packs) if global_batch_packs is not None else int(dp_size)
-    if G < 1 or G % dp_size:
-        raise PackingError(
-            f"--global-batch-packs {G} must be a positive multiple of dp_size {dp_size} (every rank gets the same number of packs)"
-        )
-    return G
-
-
 @dataclass
 class PlanRequest:
     """Sources and settings of a plan, resolved from manifests alone (no shard is opened)."""
@@ -396,33 +359,11 @@ class PlanRequest:
     key: str
 
 
-def plan_request(
-    sources,
-    *,
-    seq_len: int,
-    seed: int = 0,
-    epoch: int = 0,
-    max_visual_tokens: int | None = None,
-    dp_size: int = 1,
-    global_batch_packs: int | None = None,
-    pad_to_multiple: int = 1,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-) -> PlanRequest:
-    """Check the sources and settings and compute the plan's key (cheap: manifests only)."""
+def plan_request(sources, packing: PackSettings) -> PlanRequest:
+    """Check the sources and compute the plan's key (cheap: manifests only; `packing` checked itself)."""
     specs = normalize_sources(sources)
     if not specs:
         raise PackingError("no sources to pack")
-    for flag, value, least in (("--seq-len", seq_len, 1), ("--seed", seed, 0), ("--epoch", epoch, 0),
-                               ("--max-visual-tokens", max_visual_tokens, 1), ("--pad-to-multiple", pad_to_multiple, 1),
-                               ("--block-size", block_size, 1)):
-        if value is not None and value < least:
-            raise PackingError(f"{flag} must be an integer >= {least}, got {value}")
-    for flag, value in (("--seq-len", seq_len), ("--max-visual-tokens", max_visual_tokens),
-                        ("--pad-to-multiple", pad_to_multiple), ("--block-size", block_size), ("--dp-size", dp_size),
-                        ("--global-batch-packs", global_batch_packs)):
-        if value is not None and value > MAX_PACK_SETTING:  # the plan's arrays hold int32 token counts
-            raise PackingError(f"{flag} must be at most {MAX_PACK_SETTING:,}, got {value}")
-    G = _effective_global_batch(global_batch_packs, dp_size)
     manifests = []
     for directory, _ in specs:
         if not Path(directory).is_dir():
@@ -432,51 +373,35 @@ def plan_request(
     if len(profiles) > 1:
         listing = ", ".join(f"{d} -> {m['profile']['id']} ({m['profile'].get('family')})" for (d, _), m in zip(specs, manifests))
         raise PackingError(f"sources were preprocessed with different profiles and cannot share packs: {listing}")
-    settings = _settings(seq_len, seed, epoch, max_visual_tokens, G, pad_to_multiple, block_size)
+    settings = packing.recorded()
     data_fingerprint, key = plan_keys([source_fingerprint(m) for m in manifests], [w for _, w in specs], settings)
     return PlanRequest(specs, manifests, settings, data_fingerprint, key)
 
 
-def build_pack_plan(
-    sources,
-    *,
-    seq_len: int,
-    seed: int = 0,
-    epoch: int = 0,
-    max_visual_tokens: int | None = None,
-    dp_size: int = 1,
-    global_batch_packs: int | None = None,
-    pad_to_multiple: int = 1,
-    cache_dir: str | Path | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-) -> PackPlan:
-    """Plan one epoch of packs over shard directories.
+def build_pack_plan(sources, packing: PackSettings, *, cache_dir: str | Path | None = None) -> PackPlan:
+    """Plan epoch `packing.epoch` of packs over shard directories.
 
     `sources`: shard directories, each a path, 'DIR:weight', or (DIR, weight); see the
-    module docstring for the mixing, packing, ordering and caching rules. `dp_size` only
+    module docstring for the mixing, packing, ordering and caching rules. `packing.dp_size` only
     checks that it divides `global_batch_packs` (default: dp_size) — the plan is the same
     for every dp_size. With `cache_dir`, a plan with the same key is loaded (memory-mapped)
     instead of rebuilt, and a new one is saved there atomically. Raises PackingError for
     samples that cannot be packed or data that fill no global batch, ShardFormatError for
     missing or unreadable directories. A plan with no global batch is never cached.
     """
-    request = plan_request(sources, seq_len=seq_len, seed=seed, epoch=epoch, max_visual_tokens=max_visual_tokens,
-                           dp_size=dp_size, global_batch_packs=global_batch_packs, pad_to_multiple=pad_to_multiple,
-                           block_size=block_size)
+    request = plan_request(sources, packing)
     cached = Path(cache_dir) / f"plan-{request.key[:32]}" if cache_dir is not None else None
     if cached is not None and (cached / PLAN_META).is_file():
         plan = PackPlan.load(cached)
         if plan.key == request.key:
-            check_whole_global_batch(plan.num_packs, plan.seq_len, plan.global_batch_packs, dp_size, plan.source_dirs)
+            check_whole_global_batch(plan.num_packs, plan.seq_len, plan.global_batch_packs, packing.dp_size,
+                                     plan.source_dirs)
             return plan
 
     t0 = time.perf_counter()
     stats = [load_source_stats(d) for d, _ in request.specs]
     read_seconds = time.perf_counter() - t0
-    s = request.settings
-    plan = plan_from_stats(stats, [w for _, w in request.specs], seq_len=s["seq_len"], seed=s["seed"], epoch=s["epoch"],
-                           max_visual_tokens=s["max_visual_tokens"], global_batch_packs=s["global_batch_packs"],
-                           pad_to_multiple=s["pad_to_multiple"], block_size=s["block_size"], dp_size=dp_size)
+    plan = plan_from_stats(stats, packing, [w for _, w in request.specs])
     plan.stats["read_stats_seconds"] = round(read_seconds, 4)
     if cached is not None:
         _save_to_cache(plan, cached)
