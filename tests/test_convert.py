@@ -69,15 +69,6 @@ def hf_checkpoint(tmp_path_factory):
     return make
 
 
-@pytest.fixture(scope="module")
-def parallel():
-    from train.parallel import destroy_parallel, init_parallel
-
-    info = init_parallel(1, 1, device="cpu")
-    yield info
-    destroy_parallel()
-
-
 def _load(path) -> tuple[ModelArch, dict]:
     return ModelArch.from_hf_dir(path), load_file(str(path / "model.safetensors"))
 
@@ -108,7 +99,7 @@ def test_hf_megatron_hf_is_exact(hf_checkpoint, family, tied):
 
 
 @pytest.mark.parametrize("family", KINDS)
-def test_matches_built_model_and_hf_logits(hf_checkpoint, parallel, family):
+def test_matches_built_model_and_hf_logits(hf_checkpoint, info, family):
     """TP=PP=1: our keys/shapes are megatron's, and the converted weights give HF's logits
     (which they would not with a wrong QKV grouping or fc1 order)."""
     from train.model.qwen_vl import transformer_config
@@ -116,7 +107,7 @@ def test_matches_built_model_and_hf_logits(hf_checkpoint, parallel, family):
 
     hf_model, path = hf_checkpoint(family, False)
     arch, hf = _load(path)
-    model = build_model(arch, transformer_config(arch, cpu=True), parallel).eval()
+    model = build_model(arch, transformer_config(arch, cpu=True), info).eval()
     built = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
     assert built == C.shard_shapes(arch, 1, 0, 1, 0) == C.megatron_shapes(arch)
     C.load_into_model(model, C.shard(C.hf_to_megatron(hf, arch), arch, 1, 0, 1, 0))
