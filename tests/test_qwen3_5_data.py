@@ -451,11 +451,8 @@ def qwen3_5_shards(tmp_path_factory) -> Path:
 
 def test_qwen3_5_shards_verify_clean_and_a_bad_timestamp_is_named(qwen3_5_shards, tmp_path):
     from preprocess.profiles import builtin_profile
-    from shards_schema import ShardFile
-    from shards_schema.manifest import total_keys
-    from shards_schema.schema import Sample
     from shards_schema.verify import verify_shards
-    from shards_schema.writer import ShardWriter
+    from tests.helpers.shards import rewrite_shard
 
     manifest = json.loads((qwen3_5_shards / "manifest.json").read_text())
     assert manifest["profile"]["family"] == "qwen3.5" and manifest["totals"]["videos"] >= 2
@@ -464,29 +461,23 @@ def test_qwen3_5_shards_verify_clean_and_a_bad_timestamp_is_named(qwen3_5_shards
 
     broken = Path(shutil.copytree(qwen3_5_shards, tmp_path / "broken"))
     special = manifest["profile"]["special_tokens"]
-    k, entry = next((k, e) for k, e in enumerate(manifest["shards"]) if e.get("videos", 1))
-    shard = ShardFile(broken / entry["file"])
-    fields = ("sample_uid", "source", "input_ids", "loss_mask", "position_ids", "pixel_patches", "image_grid_thw",
-              "video_patches", "video_grid_thw", "second_per_grid_ts")
-    samples = [Sample(*(r[f].copy() if isinstance(r[f], np.ndarray) else r[f] for f in fields))
-               for r in (shard.row(j) for j in range(len(shard)))]
-    row = next(j for j, s in enumerate(samples) if (s.input_ids == special["video_pad"]).any())
-    ids = samples[row].input_ids
-    start = int(np.flatnonzero(ids == special["video_pad"])[0])
-    first = int(np.flatnonzero(ids[: start - 1] == special["vision_start"])[-1]) + 1  # the first group's timestamp
+    k = next(k for k, e in enumerate(manifest["shards"]) if e.get("videos", 1))
     tokenizer = builtin_profile("qwen3.5").tokenizer
-    assert tokenizer.decode(ids[first:start - 1].tolist()).startswith("<")
-    ids[first] = tokenizer.token_to_id("x")  # "<" -> "x" (one token for one): the positions still hold
-    writer = ShardWriter(broken / entry["file"], manifest["patch_row_width"], manifest["schema_version"])
-    for sample in samples:
-        writer.add(sample)
-    manifest["shards"][k] = writer.close().to_json()
-    for key in total_keys(manifest):
-        manifest["totals"][key] = sum(s[key] for s in manifest["shards"])
-    (broken / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    broken_row = []
+
+    def break_a_timestamp(samples):
+        row = next(j for j, s in enumerate(samples) if (s.input_ids == special["video_pad"]).any())
+        ids = samples[row].input_ids
+        start = int(np.flatnonzero(ids == special["video_pad"])[0])
+        first = int(np.flatnonzero(ids[: start - 1] == special["vision_start"])[-1]) + 1  # the first group's timestamp
+        assert tokenizer.decode(ids[first:start - 1].tolist()).startswith("<")
+        ids[first] = tokenizer.token_to_id("x")  # "<" -> "x" (one token for one): the positions still hold
+        broken_row.append(row)
+
+    rewrite_shard(broken, k, break_a_timestamp)
     report = verify_shards(broken)
     assert set(report.fault_counts) == {"video_timestamps"}, report.format_text()
-    assert "is not '<t.t seconds>'" in report.faults[0].message and report.faults[0].row == row
+    assert "is not '<t.t seconds>'" in report.faults[0].message and report.faults[0].row == broken_row[0]
 
 
 def test_preprocess_then_train_tiny_qwen3_5_two_steps(qwen3_5_shards, tmp_path):
