@@ -76,6 +76,23 @@ def _outputs(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file() and p.name != ".vlmpack.lock"}
 
 
+
+def cut_uploads_after(monkeypatch, uploads: int):
+    """Every upload after the first `uploads` fails as a reset connection would. Returns the real
+    upload function and the list of URLs uploaded."""
+    import shards_schema.storage as storage_module
+
+    real_upload, calls = storage_module.upload_file, []
+
+    def cut(path, url):
+        if len(calls) == uploads:
+            raise storage_module.StorageError("unreachable", f"{url}: connection reset (injected)")
+        calls.append(url)
+        real_upload(path, url)
+
+    monkeypatch.setattr(storage_module, "upload_file", cut)
+    return real_upload, calls
+
 def test_inputs_from_s3_equal_the_same_files_on_disk(s3, tmp_path):
     client, _ = s3
     data = write_jsonl(tmp_path / "rows.jsonl", example_rows(20, seed=4, size_range=(32, 128), include_bad_rows=True))
@@ -304,15 +321,7 @@ def test_preprocess_into_the_store_publishes_last_resumes_a_cut_upload_and_verif
                                             progress=False))
     names = sorted(p.name for p in (tmp_path / "local").glob("shard-*.arrow"))
     client.put_object(Bucket="data", Key=f"pub/{names[-1]}", Body=b"a partial upload by someone else")
-    real_upload, calls = storage_module.upload_file, []
-
-    def cut_after_two(path, url):
-        if len(calls) == 2:
-            raise storage_module.StorageError("unreachable", f"{url}: connection reset (injected)")
-        calls.append(url)
-        real_upload(path, url)
-
-    monkeypatch.setattr(storage_module, "upload_file", cut_after_two)
+    real_upload, calls = cut_uploads_after(monkeypatch, 2)
     argv = ["preprocess", str(data), "--out", "s3://data/pub", "--stage-dir", str(tmp_path / "stage"), "--workers", "1",
             "--rows-per-shard", "4", "--no-progress"]
     assert main(argv) == 2
@@ -386,15 +395,7 @@ def test_the_stage_is_the_jobs_own_and_goes_once_its_upload_is_complete(s3, tmp_
     (tmp_path / "tmp").mkdir()
     first = write_jsonl(tmp_path / "first.jsonl", example_rows(6, seed=51, size_range=(32, 96)))
     second = write_jsonl(tmp_path / "second.jsonl", example_rows(5, seed=52, size_range=(32, 96)))
-    real_upload, calls = storage_module.upload_file, []
-
-    def cut_after_two(path, url):
-        if len(calls) == 2:
-            raise storage_module.StorageError("unreachable", f"{url}: connection reset (injected)")
-        calls.append(url)
-        real_upload(path, url)
-
-    monkeypatch.setattr(storage_module, "upload_file", cut_after_two)
+    real_upload, calls = cut_uploads_after(monkeypatch, 2)
     argv = ["--out", "s3://data/reused", "--workers", "1", "--rows-per-shard", "4", "--no-progress"]
     assert main(["preprocess", str(first), *argv]) == 2
     (stage,) = _stages(tmp_path / "tmp")  # kept: the upload is not complete
