@@ -8,11 +8,14 @@ or, for a dataclass of another package that declares none, named in `flags`. `ad
 one flag per setting, in field order (groups appear where their first flag does), and
 `config_from_args` builds the dataclass back from the parsed namespace. So a setting cannot
 reach the command line undocumented, and a flag cannot set a field other than its own.
+`to_flat` / `from_flat` write and read a config as one flat mapping keyed by the flags'
+destinations (their names, underscored): the form of a config file and of a saved config.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 from dataclasses import MISSING, dataclass, field
@@ -89,30 +92,58 @@ def _dest(flag: Flag, name: str) -> str:
     return flag.argparse.get("dest") or name.lstrip("-").replace("-", "_")
 
 
-def add_flags(parser: argparse.ArgumentParser, cls) -> None:
-    """One flag per setting of the config dataclass `cls`, in its group."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
+def add_flags(parser: argparse.ArgumentParser, cls, groups: dict[str, str] | None = None) -> None:
+    """One flag per setting of the config dataclass `cls`, in its group; `groups` (name ->
+    description): groups added in this order, with their descriptions, before any flag."""
+    added = {name: parser.add_argument_group(name, description) for name, description in (groups or {}).items()}
     for _, flag, name, default in _flags(cls):
         target = parser
         if flag.group is not None:
-            if flag.group not in groups:
-                groups[flag.group] = parser.add_argument_group(flag.group)
-            target = groups[flag.group]
+            if flag.group not in added:
+                added[flag.group] = parser.add_argument_group(flag.group)
+            target = added[flag.group]
         keywords = dict(flag.argparse)
         if "default" not in keywords and default is not MISSING and not keywords.get("required"):
             keywords["default"] = default
         target.add_argument(name, help=flag.help, **keywords)
 
 
+def flat_paths(cls) -> dict[str, tuple[str, ...]]:
+    """Each flag's destination (its key in a flat mapping) -> the path of the field it sets."""
+    return {_dest(flag, name): path for path, flag, name, _ in _flags(cls)}
+
+
 def config_from_args(cls, args: argparse.Namespace):
     """The config dataclass `cls` holding the parsed flags' values (fields without a flag: their defaults)."""
-    values: dict = {}
-    for path, flag, name, _ in _flags(cls):
-        holder = values
-        for part in path[:-1]:
+    return from_flat(cls, {dest: getattr(args, dest) for dest in flat_paths(cls)})
+
+
+def from_flat(cls, values: dict):
+    """The config dataclass `cls` from a flat mapping of flag destinations to values (settings
+    not in it: their defaults). KeyError naming the keys that are no setting of `cls`."""
+    paths = flat_paths(cls)
+    unknown = sorted(set(values) - set(paths))
+    if unknown:
+        raise KeyError(unknown)
+    nested_values: dict = {}
+    for key, value in values.items():
+        holder = nested_values
+        for part in paths[key][:-1]:
             holder = holder.setdefault(part, {})
-        holder[path[-1]] = getattr(args, _dest(flag, name))
-    return _build(cls, values)
+        holder[paths[key][-1]] = value
+    return _build(cls, nested_values)
+
+
+def to_flat(config) -> dict:
+    """The settings of config dataclass `config` as one flat mapping (flag destination -> a copy
+    of its value), in field order: what `from_flat` reads back."""
+    values = {}
+    for dest, path in flat_paths(type(config)).items():
+        value = config
+        for part in path:
+            value = getattr(value, part)
+        values[dest] = copy.deepcopy(value)
+    return values
 
 
 def _build(cls, values: dict):
@@ -121,6 +152,15 @@ def _build(cls, values: dict):
 
 
 # ---------------------------------------------------------------- argparse types of common settings
+
+
+def parse_bool(text: str) -> bool:
+    """true/false, also 1/0, yes/no, on/off (any case)."""
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
 def positive_bytes(text: str) -> int:
