@@ -32,10 +32,10 @@ from train.trainer import train
 
 
 def run(setting_async: bool, args, data_dir: Path, out: Path) -> dict:
-    config = TrainConfig(data=[str(data_dir)], out=str(out), arch=args.arch, seq_len=args.seq_len,
-                         train_steps=args.steps, save_every=args.save_every, async_save=setting_async,
-                         keep_last=2, device=args.device, num_workers=args.num_workers, tensorboard=False,
-                         lr=1e-4, compile=args.device == "cuda")
+    config = TrainConfig.from_flat(dict(
+        data=[str(data_dir)], out=str(out), arch=args.arch, seq_len=args.seq_len, train_steps=args.steps,
+        save_every=args.save_every, async_save=setting_async, keep_last=2, device=args.device,
+        num_workers=args.num_workers, tensorboard=False, lr=1e-4, compile=args.device == "cuda"))
     try:
         train(config)
     finally:

@@ -43,7 +43,7 @@ from common import parser, register_fewer_layers
 from hf_baseline import HFPackedTrainer, Recipe, collate_pack, write_init_checkpoint
 
 from shards_schema import open_shards
-from train.config import parse_bool
+from shards_schema.flags import parse_bool
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
 from train.pack_plan import PackSettings, build_pack_plan

@@ -21,7 +21,7 @@ is its median step (real tokens of the step / its wall time). Peak memory is
 `torch.cuda.max_memory_allocated` over the run. The ratio is the mean of vlmpack's runs over
 the mean of HF's; its spread is the least and largest ratio of any vlmpack run to any HF run.
 
-(a) vlmpack: `train.trainer.train(TrainConfig(hf_model=INIT, seq_len=..., global_batch_packs=...))`,
+(a) vlmpack: `train.trainer.train(TrainConfig.from_flat({hf_model: INIT, seq_len: ..., ...}))`,
     bf16 on GPUs (fp32 on CPU, as the trainer does). tokens/s, MFU and peak memory come from the
     trainer's own OUT/metrics.jsonl (tokens = real tokens, padding excluded; MFU = 6 * N_lm per
     token over the GPU's bf16 peak, `train.metrics`). step_seconds is the whole loop iteration
@@ -76,7 +76,8 @@ import hf_baseline
 from synthetic_shards import SyntheticSpec, write_synthetic_shards
 
 from shards_schema import open_shards, verify_shards
-from train.config import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE, STATE_DTYPES, parse_bool
+from shards_schema.flags import parse_bool
+from train.config import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE, STATE_DTYPES
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
 
@@ -478,12 +479,12 @@ def resolve_auto_recompute(args, data_dir: Path, device: torch.device) -> None:
     from train.config import TrainConfig
     from train.trainer import resolve_arch, resolve_recompute
 
-    config = TrainConfig(data=[str(data_dir)], arch=args.arch, seq_len=args.seq_len, dry_run=True,
-                         global_batch_packs=args.global_batch_packs, recompute="auto",
-                         recompute_vision=args.recompute_vision, grad_dtype=args.grad_dtype,
-                         adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank)
-    config, args.recompute_auto = resolve_recompute(config, resolve_arch(config), cuda=device.type == "cuda")
-    args.recompute, args.recompute_layers = config.recompute, config.recompute_layers
+    config = TrainConfig.from_flat(dict(
+        data=[str(data_dir)], arch=args.arch, seq_len=args.seq_len, dry_run=True,
+        global_batch_packs=args.global_batch_packs, recompute="auto", recompute_vision=args.recompute_vision,
+        grad_dtype=args.grad_dtype, adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank))
+    config, args.recompute_auto = resolve_recompute(config, resolve_arch(config.model), cuda=device.type == "cuda")
+    args.recompute, args.recompute_layers = config.memory.recompute, config.memory.recompute_layers
     log(f"ours: {args.recompute_auto}")
 
 
@@ -492,7 +493,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
     from train.config import TrainConfig
 
     shutil.rmtree(run_dir, ignore_errors=True)
-    config = TrainConfig(
+    config = TrainConfig.from_flat(dict(
         data=[str(data_dir)], out=str(run_dir), hf_model=str(args.init_dir), seq_len=args.seq_len,
         global_batch_packs=args.global_batch_packs, train_steps=args.warmup + args.steps, lr=args.lr,
         recompute=recompute, recompute_layers=args.recompute_layers if recompute == "full" else None,
@@ -501,17 +502,18 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank, compile_decoder=args.compile_decoder,
         fp8=args.fp8, pad_packs=args.pad_packs,
         # the last unmeasured step: profiling overhead stays out of the figures
-        profile_start=args.warmup if args.profile and device.type == "cuda" else 0)
+        profile_start=args.warmup if args.profile and device.type == "cuda" else 0))
     config.validate()
     probe = TrainerProbe(device)
-    if config.profile_start:
+    memory, model = config.memory, config.model
+    if config.profiling.profile_start:
         probe.trace_path = Path(args.trace) if args.trace else None
     log(f"ours: train({args.arch}, seq_len {args.seq_len}, {args.global_batch_packs} packs/step, "
-        f"{args.warmup}+{args.steps} steps, recompute {recompute}, layers {config.recompute_layers}, "
-        f"vision {config.recompute_vision}, attention {config.attention}, "
-        f"compiled decoder {config.compile_decoder}, fp8 {config.fp8 or 'off'}, "
-        f"packs padded {config.packs_padded()}, grads {config.grad_dtype}, "
-        f"Adam state {config.adam_state_dtype}, LoRA rank {config.lora_rank}) -> {run_dir}")
+        f"{args.warmup}+{args.steps} steps, recompute {recompute}, layers {memory.recompute_layers}, "
+        f"vision {memory.recompute_vision}, attention {model.attention}, "
+        f"compiled decoder {model.compile_decoder}, fp8 {model.fp8 or 'off'}, "
+        f"packs padded {config.packs_padded()}, grads {memory.grad_dtype}, "
+        f"Adam state {memory.adam_state_dtype}, LoRA rank {config.lora.lora_rank}) -> {run_dir}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -625,11 +627,11 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
         "pack_fill": total_tokens / (len(measured) * args.global_batch_packs * args.seq_len),
         "isolated_vision": vision_check,
         "packs_consumed": len(pack_samples),
-        "recompute_layers": config.recompute_layers,
-        "recompute_vision": config.recompute_vision,
-        "attention": config.attention,
-        "grad_dtype": config.grad_dtype,
-        "adam_state_dtype": config.adam_state_dtype,
+        "recompute_layers": config.memory.recompute_layers,
+        "recompute_vision": config.memory.recompute_vision,
+        "attention": config.model.attention,
+        "grad_dtype": config.memory.grad_dtype,
+        "adam_state_dtype": config.memory.adam_state_dtype,
         "kernels": probe.kernels,
         "gpu_idle": probe.idle,
     }
@@ -652,7 +654,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
         f"vision {fmt_pct(summary['vision_share_of_step'])} of the step, peak {fmt_gib(summary['peak_memory_gib'])}, "
         f"allocator retries {summary['alloc_retries_measured']}")
     return {"summary": summary, "steps": [dict(r, **t) for r, t in zip(records, timings)],
-            "trainer_result": result, "config": config.to_dict(),
+            "trainer_result": result, "config": config.to_flat(),
             "recompute_auto": getattr(args, "recompute_auto", None), "packs": pack_samples}
 
 

@@ -48,7 +48,7 @@ def test_masked_path_equals_per_segment(seed, causal, hq, hkv):
 
 def test_attention_choice_is_checked():
     with pytest.raises(ValueError, match="--attention 'fa3'"):
-        TrainConfig(data=["d"], arch="tiny", attention="fa3").validate()
+        TrainConfig.from_flat({"data": ["d"], "arch": "tiny", "attention": "fa3"}).validate()
     with pytest.raises(ValueError, match="choose fa2 or fa4"):
         A.select_attention_kernel("flash")
     assert A.select_attention_kernel("fa2", {"vision tower": 80}) == []

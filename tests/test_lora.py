@@ -274,11 +274,11 @@ def test_tp2_adapters_equal_one_process(tmp_path, dora, sequence_parallel):
 # which parameters changed, which the optimizer holds, and the gradient buffer's size.
 WATCH_PARAMETERS = """
 import argparse, json, sys, torch
-from train.config import add_arguments, config_from_args
+from train.config import add_train_flags, config_from_args
 from train.parallel import destroy_parallel
 from train.trainer import Trainer
 parser = argparse.ArgumentParser()
-add_arguments(parser)
+add_train_flags(parser)
 with Trainer(config_from_args(parser.parse_args(sys.argv[2:]))) as trainer:
     before = {n: p.detach().clone() for n, p in trainer.model.module.named_parameters()}
     trainer.train()

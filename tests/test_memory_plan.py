@@ -201,20 +201,20 @@ def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, p
     from train.config import TrainConfig
     from train.trainer import dry_run, resolve_arch, resolve_recompute
 
-    config = TrainConfig(arch=arch, seq_len=seq_len, pp=pp, gpus=pp, recompute="auto", gpu_memory_gib=gpu_gib,
-                         grad_dtype="bf16", adam_state_dtype="bf16", dry_run=True)
-    model = resolve_arch(config)
+    config = TrainConfig.from_flat(dict(arch=arch, seq_len=seq_len, pp=pp, gpus=pp, recompute="auto",
+                                        gpu_memory_gib=gpu_gib, grad_dtype="bf16", adam_state_dtype="bf16", dry_run=True))
+    model = resolve_arch(config.model)
     chosen, line = resolve_recompute(config, model, cuda=True)
     layers = model.lm.num_layers // pp
     depths = [("none", None)] + [("full", n) for n in range(1, layers)] + [("full", None)]
 
     def planned(recompute, recompute_layers):
-        run = dataclasses.replace(config, recompute=recompute, recompute_layers=recompute_layers)
+        run = TrainConfig.from_flat({**config.to_flat(), "recompute": recompute, "recompute_layers": recompute_layers})
         return float(re.search(r"largest stage: ([\d.]+) GiB", dry_run(run)[0]).group(1))
 
     budget = memory_plan.FIT_FRACTION * gpu_gib
     fits = [planned(*depth) <= budget + 0.05 for depth in depths]  # the report rounds to 0.1 GiB
-    index = depths.index((chosen.recompute, chosen.recompute_layers))
+    index = depths.index((chosen.memory.recompute, chosen.memory.recompute_layers))
     assert index == (fits.index(True) if any(fits) else len(depths) - 1), (line, fits)
     assert line.startswith("--recompute auto: ") and ("does NOT fit" in line) == (not any(fits))
 
@@ -279,18 +279,18 @@ def test_moe_layouts_under_tp_are_planned_with_the_trainers_sequence_parallelism
     from train.config import TrainConfig
     from train.trainer import _plan_inputs, check_layout, resolve_arch, sequence_parallel, smallest_layout_that_fits
 
-    config = TrainConfig(arch="qwen3-vl-235b-a22b", gpus=8, seq_len=16384, recompute="full", gpu_memory_gib=80,
-                         dry_run=True)
-    arch = resolve_arch(config)
+    config = TrainConfig.from_flat(dict(arch="qwen3-vl-235b-a22b", gpus=8, seq_len=16384, recompute="full",
+                                        gpu_memory_gib=80, dry_run=True))
+    arch = resolve_arch(config.model)
     best = smallest_layout_that_fits(config, arch, memory_plan.VISUAL_SHARE)
     assert best.layout.tp > 1 and best.layout.ep > 1
     check_layout(arch, best.config)
-    assert best.settings.sequence_parallel is sequence_parallel(arch, best.config) is True
+    assert best.settings.sequence_parallel is sequence_parallel(arch, best.config.parallelism) is True
     assert _plan_inputs(best.config, arch) == (best.settings, best.layout, 80)  # the trainer's own inputs for it
     assert best.peak_gib == memory_plan.peak_gib(arch, best.settings, best.layout)
     without = dataclasses.replace(best.settings, sequence_parallel=False)
     assert memory_plan.peak_gib(arch, without, best.layout) > best.peak_gib
-    refused = smallest_layout_that_fits(dataclasses.replace(config, sequence_parallel=False), arch,
+    refused = smallest_layout_that_fits(TrainConfig.from_flat({**config.to_flat(), "sequence_parallel": False}), arch,
                                         memory_plan.VISUAL_SHARE)
     assert refused.layout.tp == 1 and refused.layout.gpus > best.layout.gpus
 
@@ -301,12 +301,13 @@ def test_the_search_skips_layouts_whose_widths_tp_does_not_split():
     from train.config import ConfigError, TrainConfig
     from train.trainer import check_layout, resolve_arch, smallest_layout_that_fits
 
-    config = TrainConfig(arch="qwen3-vl-8b", gpus=1, seq_len=16384, recompute="full", gpu_memory_gib=40, dry_run=True)
-    arch = resolve_arch(config)
+    config = TrainConfig.from_flat(dict(arch="qwen3-vl-8b", gpus=1, seq_len=16384, recompute="full", gpu_memory_gib=40,
+                                        dry_run=True))
+    arch = resolve_arch(config.model)
     assert smallest_layout_that_fits(config, arch, memory_plan.VISUAL_SHARE).layout.tp == 2
     odd = dataclasses.replace(arch, lm=dataclasses.replace(arch.lm, vocab_size=arch.lm.vocab_size + 1))
     with pytest.raises(ConfigError, match="--tp 2 cannot split qwen3-vl: tp=2 does not divide vocab_size"):
-        check_layout(odd, dataclasses.replace(config, tp=2, gpus=2))
+        check_layout(odd, TrainConfig.from_flat({**config.to_flat(), "tp": 2, "gpus": 2}))
     best = smallest_layout_that_fits(config, odd, memory_plan.VISUAL_SHARE)
     assert best.layout.tp == 1 and best.layout.pp > 1
 

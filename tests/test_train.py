@@ -266,18 +266,19 @@ def test_tensor_parallel_matches_single_process(shards, full_run, tmp_path, sequ
 def test_packs_are_padded_to_seq_len_with_fp8_or_pad_packs(shards, tmp_path, flags, padded):
     """`--pad-packs` (default: on with --fp8): every pack the trainer gets is `--seq-len` rows,
     its padding a segment of its own that no loss reads; off, a pack is its samples' rows."""
-    from train.config import TrainConfig, add_arguments, config_from_args
+    from train.config import TrainConfig, add_train_flags, config_from_args
     from train.data import TrainData
     from train.model.arch import builtin_arch
     from train.parallel import destroy_parallel, init_parallel
 
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    add_train_flags(parser)
     config = config_from_args(parser.parse_args([*BASE, "--data", str(shards), "--out", str(tmp_path), *flags]))
     assert isinstance(config, TrainConfig) and config.packs_padded() is padded
     info = init_parallel(1, 1, device="cpu")
     try:
-        data = TrainData(config, builtin_arch("tiny"), info)
+        data = TrainData(config.data, builtin_arch("tiny"), info, padded=config.packs_padded(),
+                         plan_cache=tmp_path / "plans")
         for pack, _ in zip(data.loader, range(4)):
             rows, real = len(pack.input_ids), int(pack.sample_lengths.sum())
             assert rows == SEQ_LEN if padded else rows == real
@@ -331,8 +332,6 @@ def test_trains_on_shards_with_videos_and_images(tmp_path):
 
 def test_help_lists_every_option_with_its_help_in_groups_and_nothing_before_it():
     """megatron's import-time warnings (no Transformer Engine / Apex) are silenced: the help comes first."""
-    import dataclasses
-
     from train.config import GROUPS, TrainConfig
 
     proc = subprocess.run([sys.executable, "-c", "import sys; from shards_schema.cli import main; sys.exit(main())",
@@ -343,7 +342,7 @@ def test_help_lists_every_option_with_its_help_in_groups_and_nothing_before_it()
     options = proc.stdout.split("\noptions:\n", 1)[1]
     headings = [line[:-1] for line in options.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert headings == list(GROUPS)
-    flags = ["--config"] + ["--" + f.name.replace("_", "-") for f in dataclasses.fields(TrainConfig)]
+    flags = ["--config"] + ["--" + name.replace("_", "-") for name in TrainConfig().to_flat()]
     for flag in flags:
         # "  --flag METAVAR   help..." or the help on the next line when the flag is long
         entry = re.search(rf"^  {re.escape(flag)}\b[^\n]*\n?(.*)$", options, re.M)
@@ -409,6 +408,7 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
     (["--eval-data", "{empty}"], "--eval-data is evaluated only with --eval-every N"),
     (["--config", "{steps_yaml}"], "steps.yaml: train_steps: expected an integer, got 2.5"),
     (["--config", "{lr_yaml}"], "lr.yaml: lr: expected a number, got 'fast'"),
+    (["--config", "{section_yaml}"], "section.yaml: unknown settings ['optimizer']: use the names of `vlmpack train` flags"),
     (["--device", "tpu"], "--device 'tpu': choose from ['cuda', 'cpu']"),
     (["--recompute", "some"], "--recompute 'some': choose from"),
     (["--config", "missing.yaml"], "--config missing.yaml: cannot read it"),
@@ -420,8 +420,9 @@ def test_bad_arguments_exit_2_with_one_line(shards, tmp_path, capsys, extra, mes
     (tmp_path / "file").write_text("x")
     (tmp_path / "steps.yaml").write_text("train_steps: 2.5\n")
     (tmp_path / "lr.yaml").write_text("lr: fast\n")
+    (tmp_path / "section.yaml").write_text("optimizer:\n  lr: 1.0e-4\n")  # the keys are flat: no sections
     extra = [a.format(empty=tmp_path / "empty", file=tmp_path / "file", steps_yaml=tmp_path / "steps.yaml",
-                      lr_yaml=tmp_path / "lr.yaml") for a in extra]
+                      lr_yaml=tmp_path / "lr.yaml", section_yaml=tmp_path / "section.yaml") for a in extra]
     code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(tmp_path / "out"), "--train-steps", "2",
                                    *extra], capsys)
     assert code == 2, err
@@ -432,17 +433,38 @@ def test_bad_arguments_exit_2_with_one_line(shards, tmp_path, capsys, extra, mes
 def test_config_file_numbers_are_read_as_their_flags_read_them(tmp_path):
     """YAML reads `1e-5` (no dot) as a string and `1.0e3` as a float: a --config file's numbers
     are taken either way, as the flags take them."""
-    from train.config import add_arguments, config_from_args
+    from train.config import add_train_flags, config_from_args
 
     (tmp_path / "run.yaml").write_text("lr: 1e-5\nmin_lr: 0\ntrain_steps: 1.0e3\nseq_len: '2048'\ncompile: 'off'\n")
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    add_train_flags(parser)
     config = config_from_args(parser.parse_args(["--config", str(tmp_path / "run.yaml"), "--arch", "tiny", "--data",
                                                  "shards"]))
-    assert (config.lr, config.min_lr, config.train_steps, config.seq_len, config.compile) == (1e-5, 0.0, 1000, 2048,
-                                                                                             False)
-    assert isinstance(config.min_lr, float) and isinstance(config.train_steps, int)
+    flat = config.to_flat()
+    assert (flat["lr"], flat["min_lr"], flat["train_steps"], flat["seq_len"], flat["compile"]) == (1e-5, 0.0, 1000,
+                                                                                                  2048, False)
+    assert isinstance(config.optimizer.min_lr, float) and isinstance(config.schedule.train_steps, int)
 
+
+
+def test_the_saved_config_is_flat_and_reads_back_as_a_config_file(tmp_path):
+    """The resolved config a checkpoint saves (trainer.json's `config`, `TrainConfig.to_flat`) is
+    flat, keyed by the flags' names in --help's order, whatever section a setting is in; as a
+    --config file (or through `from_flat`, as a resume reads it) it gives the same config."""
+    from train.config import TrainConfig, add_train_flags, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_flags(parser)
+    config = config_from_args(parser.parse_args(["--arch", "tiny", "--data", "a:2", "--data", "b", "--lr", "3e-5",
+                                                 "--lora-rank", "8", "--lora-parts", "llm,vision", "--tp", "2",
+                                                 "--profile-start", "3", "--pad-packs"]))
+    assert (config.data.data, config.optimizer.lr, config.lora.lora_parts, config.parallelism.tp,
+            config.profiling.profile_start, config.data.pad_packs) == (["a:2", "b"], 3e-5, ["llm", "vision"], 2, 3, True)
+    flat = config.to_flat()
+    assert list(flat) == [a.dest for a in parser._actions if a.dest not in ("help", "config")]
+    (tmp_path / "saved.json").write_text(json.dumps(flat))
+    assert config_from_args(parser.parse_args(["--config", str(tmp_path / "saved.json")])) == config
+    assert TrainConfig.from_flat(json.loads(json.dumps(flat))) == config
 
 def test_unwritable_out_exits_2(shards, tmp_path, capsys, monkeypatch):
     """As root every directory is writable: the check that sees a read-only --out is made to see one."""
@@ -678,7 +700,7 @@ def test_deepstack_layers_must_be_on_the_first_stage(shards, tmp_path):
     from train.model.arch import builtin_arch
     from train.trainer import ConfigError, check_layout
 
-    config = TrainConfig(data=[str(shards)], arch="tiny", pp=3)
+    config = TrainConfig.from_flat({"data": [str(shards)], "arch": "tiny", "pp": 3})
     with pytest.raises(ConfigError, match="DeepStack"):
         check_layout(builtin_arch("tiny"), config)
 

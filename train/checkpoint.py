@@ -45,7 +45,8 @@ from shards_schema.errors import DiskFullError
 from train import adapter_format
 from train import checkpoint_format as fmt
 from train import convert
-from train.config import ConfigError, flag_name
+from shards_schema.flags import flag_name
+from train.config import ConfigError
 from train.metrics import METRICS_FILE
 from train.model.arch import ModelArch
 from train.model_setup import load_model_weights, read_model_arch, unwrap
@@ -352,7 +353,10 @@ class CheckpointSaver:
 
     # --- what the trainer calls -----------------------------------------------------------
 
-    def save(self, step: int, model, optimizer, scheduler, data, config, arch: ModelArch) -> None:
+    def save(self, step: int, model, optimizer, scheduler, data, arch: ModelArch, *, run_config: dict, source) -> None:
+        """Checkpoint `step`; `run_config`: the run's settings, flat (`TrainConfig.to_flat`),
+        kept in trainer.json; `source`: the model section, whose source's side files and
+        tensors the model does not build travel with it."""
         self.wait()
         t0 = time.perf_counter()
         module = unwrap(model)
@@ -376,13 +380,13 @@ class CheckpointSaver:
             state["param_state"] = _gather_parameter_state(optimizer) if distributed else None
         state["dtype"] = fmt.dtype_name(model_state.values())
         if self.info.is_main:
-            state["trainer"] = {"step": step, "loader": copy.deepcopy(data.state_dict()), "config": config.to_dict(),
+            state["trainer"] = {"step": step, "loader": copy.deepcopy(data.state_dict()), "config": run_config,
                                 "layout": {"tp": self.info.tp, "pp": self.info.pp, "ep": self.info.ep,
                                            "dp": self.info.dp, "world": self.info.world}}
-            side_files = config.hf_model or (Path(config.init) / fmt.HF_SUBDIR if config.init else None)
+            side_files = source.hf_model or (Path(source.init) / fmt.HF_SUBDIR if source.init else None)
             state["side_files"] = side_files if side_files and Path(side_files).is_dir() else None
             # the source's tensors the model does not build (`convert.carried_tensors`) travel too
-            state["carried_from"] = None if adapters is not None else (config.hf_model or config.init)
+            state["carried_from"] = None if adapters is not None else (source.hf_model or source.init)
             state["profile"] = data.profile
         state["lora"] = (adapters.spec, adapters.base) if adapters is not None else None
         self._add_time("snapshot_s", t0)
@@ -627,9 +631,10 @@ def _shown(value) -> str:
 def check_run_directory(config) -> None:
     """Before anything is built or written in --out: a new run refuses a directory that holds an
     earlier run (its checkpoints would be orphaned, `latest` repointed and metrics.jsonl mixed),
-    and a resume refuses settings its checkpoint would silently override or break."""
-    out = Path(config.out)
-    if not config.resume:
+    and a resume refuses settings its checkpoint would silently override or break. `config`:
+    the whole `TrainConfig`, as a resume compares every section with the checkpoint's."""
+    out = Path(config.checkpoints.out)
+    if not config.checkpoints.resume:
         saved = complete_checkpoints(out)
         if saved:
             newest = latest_checkpoint(out) or saved[-1]
@@ -653,20 +658,21 @@ def check_resume_settings(config, meta: dict, path: Path) -> None:
     saved, step = meta.get("config", {}), int(meta["step"])
     where = f"--resume from checkpoint {path.name} (step {step})"
     new_run = new_run_hint(path, saved)
+    given = config.to_flat()
     lora_settings = {k: saved[k] for k in LORA_SETTINGS if k in saved}
-    theirs, mine = dataclasses.replace(config, **lora_settings).lora_spec(), config.lora_spec()
+    theirs, mine = dataclasses.replace(config.lora, **lora_settings).spec(), config.lora.spec()
     if theirs is not None and mine is not None and theirs != mine:  # LoRA against full fine-tuning: at loading
         raise ConfigError(f"{where} was trained with LoRA {theirs.to_dict()}, this run asks for {mine.to_dict()}: "
                           "resume with the same --lora-* settings")
-    differ = [(flag_name(k), saved[k], getattr(config, k))
+    differ = [(flag_name(k), saved[k], given[k])
               for k in (*SCHEDULE_SETTINGS[1:], *OPTIMIZER_SETTINGS, *DATA_ORDER_SETTINGS)
-              if k in saved and saved[k] != getattr(config, k)]
+              if k in saved and saved[k] != given[k]]
     dp = meta.get("layout", {}).get("dp")
     if dp:
         sizing = ("seq_len", "global_batch_packs", "global_batch_tokens", "micro_batch_packs")
         try:
-            packs = (dataclasses.replace(config, **{k: saved[k] for k in sizing if k in saved}).global_packs(dp),
-                     config.global_packs(dp))
+            packs = (dataclasses.replace(config.data, **{k: saved[k] for k in sizing if k in saved}).global_packs(dp),
+                     config.data.global_packs(dp))
         except ConfigError:  # a global batch this layout cannot take: refused where the run sizes it
             packs = (0, 0)
         if packs[0] != packs[1]:
@@ -677,24 +683,25 @@ def check_resume_settings(config, meta: dict, path: Path) -> None:
         raise ConfigError(f"{where}: {listing}: a resume continues the checkpoint's learning-rate schedule ({schedule}), "
                           f"optimizer state and data order as they were, so these would be overridden or break it; "
                           f"resume with the checkpoint's values, or start a new run from its weights with {new_run}")
-    old_end = saved.get("train_steps", config.train_steps)
-    if config.train_steps == old_end:
+    train_steps = config.schedule.train_steps
+    old_end = saved.get("train_steps", train_steps)
+    if train_steps == old_end:
         return
     if step >= old_end and saved.get("min_lr") == 0:
-        raise ConfigError(f"{where}: --train-steps {config.train_steps}, but its learning-rate schedule ({schedule}) "
+        raise ConfigError(f"{where}: --train-steps {train_steps}, but its learning-rate schedule ({schedule}) "
                           "has ended, at --min-lr 0, so continuing it would train nothing (--extend-schedule too); "
                           f"start a new run (a new warm-up and decay) from its weights with {new_run}")
-    if config.train_steps > old_end:
-        effect = f"every step after {old_end} would run at --min-lr {_shown(saved.get('min_lr', config.min_lr))}"
+    if train_steps > old_end:
+        effect = f"every step after {old_end} would run at --min-lr {_shown(saved.get('min_lr', config.optimizer.min_lr))}"
     else:
-        effect = f"the run would stop at step {config.train_steps} in the middle of the decay"
-    if not config.extend_schedule:
-        raise ConfigError(f"{where}: --train-steps {config.train_steps}, but its learning-rate schedule ({schedule}) "
+        effect = f"the run would stop at step {train_steps} in the middle of the decay"
+    if not config.schedule.extend_schedule:
+        raise ConfigError(f"{where}: --train-steps {train_steps}, but its learning-rate schedule ({schedule}) "
                           f"decays to step {old_end}, so {effect}; resume with --train-steps {old_end}, add "
-                          f"--extend-schedule to restretch the decay from step {step} to step {config.train_steps} "
+                          f"--extend-schedule to restretch the decay from step {step} to step {train_steps} "
                           f"(docs/training.md), or start a new run from its weights with {new_run}")
-    if config.train_steps <= step:
-        raise ConfigError(f"{where}: --extend-schedule --train-steps {config.train_steps} must be past the "
+    if train_steps <= step:
+        raise ConfigError(f"{where}: --extend-schedule --train-steps {train_steps} must be past the "
                           f"checkpoint's step {step}")
 
 

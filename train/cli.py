@@ -78,9 +78,9 @@ class Train:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        from train.config import add_arguments
+        from train.config import add_train_flags
 
-        add_arguments(parser)
+        add_train_flags(parser)
         parser.epilog = ("Multi-GPU: torchrun --nproc-per-node N $(which vlmpack) train ... ; every flag can also be "
                          "given in --config FILE (YAML/JSON, same keys), flags win.")
 

@@ -1,10 +1,14 @@
-"""`TrainConfig`: every setting of a training job, one dataclass.
+"""`TrainConfig`: every setting of a training job, in sections, one dataclass each.
 
-The command line and a YAML/JSON file (`--config FILE`) mirror each other: a file holds the
-same keys as the flags (dashes or underscores), flags given on the command line win. The
-resolved config is saved next to every checkpoint, so a run can be reproduced from it.
-Each field carries its `--help` line and its group there (`metadata`), so a new setting
-cannot reach the command line undocumented.
+The sections are `--help`'s groups (`GROUPS`): `DataConfig`, `ModelConfig`, ..., and each part
+of the trainer gets only the sections it reads. Every setting is a `shards_schema.flags.setting`
+that carries its `--help` line and group, so a new setting cannot reach the command line
+undocumented; the flags are generated from the fields (`add_train_flags`). The command line and
+a YAML/JSON file (`--config FILE`) mirror each other: a file holds the same keys as the flags,
+flat (dashes or underscores), flags given on the command line win. The resolved config is saved
+next to every checkpoint in that same flat form (`TrainConfig.to_flat` / `from_flat`), so a run
+can be reproduced from it. Each section checks its own settings (`validate`); checks that span
+sections are `TrainConfig.validate`'s.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import importlib.util
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from shards_schema.flags import add_flags, flag_name, flat_paths, from_flat, nested, parse_bool, setting, to_flat
 from train.model.settings import FP8_RECIPES, ConfigError
 
 FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains fully (train.model.lora)
@@ -71,10 +76,6 @@ GROUPS = {
 }
 
 
-def flag_name(name: str) -> str:
-    """The command-line flag of setting `name`."""
-    return "--" + name.replace("_", "-")
-
 
 def _why(name: str, value, low) -> str:
     reason = UPPER_BOUND_REASONS.get(name)
@@ -85,279 +86,99 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _opt(default, group: str, help_: str):
-    """A setting: its default, its --help group and line (lists get a fresh [] per config)."""
-    meta = {"group": group, "help": help_}
-    if isinstance(default, list):
-        return field(default_factory=list, metadata=meta)
-    return field(default=default, metadata=meta)
+# A setting of each kind: its default, its --help group and line. The flag's own default is None
+# (not given), so that a --config file's value is kept unless the flag overrides it.
+def _int(default, group: str, help_: str):
+    return setting(default, help=help_, group=group, flag_default=None, type=int, metavar="N")
+
+
+def _float(default, group: str, help_: str):
+    return setting(default, help=help_, group=group, flag_default=None, type=float, metavar="X")
+
+
+def _bool(default, group: str, help_: str):
+    return setting(default, help=help_, group=group, flag_default=None, type=parse_bool, nargs="?", const=True,
+                   metavar="BOOL")
+
+
+def _text(default, group: str, help_: str):
+    return setting(default, help=help_, group=group, flag_default=None)
+
+
+def _list(group: str, help_: str):
+    """A repeatable setting (a fresh [] per config)."""
+    return setting(default_factory=list, help=help_, group=group, flag_default=None, action="append",
+                   metavar="VALUE")
+
+
+def _check_numbers(section) -> None:
+    """Every numeric setting of `section` within its range (`INT_RANGES`, `FLOAT_RANGES`); floats finite."""
+    names = {f.name for f in dataclasses.fields(section)}
+    ranges = {**INT_RANGES, "num_workers": (0, max(2, _usable_cores()))}
+    for name, (low, high) in ranges.items():
+        value = getattr(section, name) if name in names else None
+        if value is not None and value < low:
+            raise ConfigError(f"{flag_name(name)} must be >= {low}, got {value}")
+        if value is not None and value > high:
+            raise ConfigError(f"{flag_name(name)} must be <= {high}, got {value}{_why(name, value, low)}")
+    for name, (low, high, open_low, open_high) in FLOAT_RANGES.items():
+        value = getattr(section, name) if name in names else None
+        if value is None:
+            continue
+        above = value > low if open_low else value >= low
+        below = high is None or (value < high if open_high else value <= high)
+        if not (math.isfinite(value) and above and below):
+            if high is None:
+                bounds = f"a finite number {'>' if open_low else '>='} {low}"
+            else:
+                bounds = f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+            raise ConfigError(f"{flag_name(name)} must be {bounds}, got {value}{_why(name, value, low)}")
+
+
+def _check_choices(section, choices: dict) -> None:
+    for name, allowed in choices.items():
+        if getattr(section, name) not in allowed:
+            raise ConfigError(f"{flag_name(name)} {getattr(section, name)!r}: choose from {list(allowed)}")
+
+
+def _check_parts(section, name: str) -> None:
+    bad = sorted(set(getattr(section, name)) - set(FREEZABLE))
+    if bad:
+        raise ConfigError(f"{flag_name(name)} {bad}: choose from {list(FREEZABLE)}")
 
 
 @dataclass
-class TrainConfig:
-    # data
-    data: list[str] = _opt([], "data", "shard directory or WebDataset export to train on, DIR or DIR:WEIGHT "
-                                       "(repeatable); an s3:// / gs:// / hf:// URL is fetched into --data-cache first")
-    eval_data: list[str] = _opt([], "data", "held-out shard directory for --eval-every (repeatable)")
-    data_cache: str | None = _opt(None, "data", "local directory for copies of --data / --eval-data sources on "
-                                                 "object stores (s3://, gs://, hf://), fetched and sha256-checked "
-                                                 "before training (default: OUT/data_cache)")
-    seq_len: int = _opt(8192, "data", "tokens per pack (default 8192)")
-    global_batch_packs: int | None = _opt(None, "data", "packs per optimizer step, a multiple of dp x --micro-batch-packs "
+class DataConfig:
+    """What is trained on, and how it is batched (the loader's settings)."""
+
+    data: list[str] = _list("data", "shard directory or WebDataset export to train on, DIR or DIR:WEIGHT "
+                                    "(repeatable); an s3:// / gs:// / hf:// URL is fetched into --data-cache first")
+    eval_data: list[str] = _list("data", "held-out shard directory for --eval-every (repeatable)")
+    data_cache: str | None = _text(None, "data", "local directory for copies of --data / --eval-data sources on "
+                                                  "object stores (s3://, gs://, hf://), fetched and sha256-checked "
+                                                  "before training (default: OUT/data_cache)")
+    seq_len: int = _int(8192, "data", "tokens per pack (default 8192)")
+    global_batch_packs: int | None = _int(None, "data", "packs per optimizer step, a multiple of dp x --micro-batch-packs "
                                                         "(default: dp x --micro-batch-packs)")
-    global_batch_tokens: int | None = _opt(None, "data", "alternative to --global-batch-packs: tokens per step, "
+    global_batch_tokens: int | None = _int(None, "data", "alternative to --global-batch-packs: tokens per step, "
                                                          "rounded to whole packs of --seq-len")
-    micro_batch_packs: int = _opt(1, "data", "packs laid end to end in one forward pass (default 1)")
-    pad_packs: bool | None = _opt(None, "data", "pad every pack to exactly --seq-len rows, so that the compiled "
-                                                "decoder layers see one fixed shape and Inductor writes fixed-shape "
-                                                "kernels (FP8's casts and scale reductions gain most); costs the "
-                                                "packs' empty rows (the fill `vlmpack pack` reports). Default: on with "
-                                                "--fp8 and with --pp > 1 (which needs it), else off")
-    max_visual_tokens: int | None = _opt(None, "data", "at most this many visual tokens per pack (default: no limit)")
-    num_workers: int = _opt(2, "data", "loader worker processes per rank (0: load in the training process; default 2)")
-    seed: int = _opt(0, "data", "seed of the pack order, data mixing and a random init (default 0)")
-    # model: exactly one of hf_model (import on the fly), init (Megatron dir), arch (random init)
-    hf_model: str | None = _opt(None, "model", "start from this Hugging Face Qwen-VL checkpoint directory")
-    init: str | None = _opt(None, "model", "start from this Megatron model directory (`vlmpack import-hf`, or a "
-                                           "checkpoint's model/)")
-    arch: str | None = _opt(None, "model", "start from random weights of this built-in architecture (e.g. tiny)")
-    freeze: list[str] = _opt([], "model", f"parts not trained: {', '.join(FREEZABLE)} (repeatable or comma-separated)")
-    attention: str = _opt("fa2", "model", "CUDA attention kernel: fa2 (torch's own) or fa4 (flash-attn-4, "
-                                          "Hopper/Blackwell; default fa2)")
-    moe_aux_loss_coef: float = _opt(0.0, "model", "Mixture-of-Experts models: weight of the router's load-balancing "
-                                                   "loss (HF's router_aux_loss_coef, e.g. 0.001; default 0, as HF "
-                                                   "trains without output_router_logits)")
-    compile: bool = _opt(True, "model", "torch.compile the vision blocks and rotary kernels, CUDA only (default true)")
-    fp8: str | None = _opt(None, "model", "run the decoder layers' linear GEMMs in FP8 with this torchao float8 "
-                                          "recipe: tensorwise, rowwise or rowwise_with_gw_hp (pip install -e "
-                                          "'.[fp8]'; an sm89+ GPU; CPU runs emulate it). Default: bf16")
-    compile_decoder: bool = _opt(True, "model", "with --compile: also torch.compile each dense language-model decoder "
-                                                "layer as one graph, norms, residual adds and casts fused around the "
-                                                "GEMMs (default true)")
-    # parallelism
-    tp: int = _opt(1, "parallelism", "tensor-parallel size (divides the attention and KV heads; default 1)")
-    pp: int = _opt(1, "parallelism", "pipeline-parallel size (divides the decoder layers; default 1)")
-    ep: int = _opt(1, "parallelism", "expert-parallel size of a Mixture-of-Experts model: each group of ep "
-                                     "ranks of a pipeline stage divides the experts, the ranks of a TP group "
-                                     "first (divides the experts and gpus / pp; default 1)")
-    sequence_parallel: bool | None = _opt(None, "parallelism", "with --tp > 1, each TP rank holds only its slice "
-                                          "of the rows outside the attention and MLP GEMMs (megatron's sequence "
-                                          "parallelism: less activation memory; packs are padded to a multiple of "
-                                          "--tp). Default: on for Mixture-of-Experts models, which need it, off "
-                                          "for dense ones")
-    distributed_optimizer: bool = _opt(True, "parallelism", "shard the optimizer state over data-parallel ranks "
-                                                            "(megatron's DistributedOptimizer, CUDA only; default true)")
-    device: str | None = _opt(None, "parallelism", "cuda or cpu (default: cuda when available)")
-    # memory: bf16 halves the gradient buffers (accumulated and reduced in bf16, megatron's own
-    # default; bf16 runs only) / the Adam moments (stochastically rounded, train/adamw_bf16_state.py)
-    bf16: bool = _opt(True, "memory", "bf16 weights and compute on GPU (CPU runs are fp32; default true)")
-    recompute: str = _opt("none", "memory", "activation recompute of the language model: none, selective, full, "
-                                            "or auto: none if the memory plan fits the GPU (--gpu-memory-gib), "
-                                            "else full for the fewest first layers per stage that make it fit "
-                                            "(default none)")
-    recompute_layers: int | None = _opt(None, "memory", "with --recompute full: recompute only the first N decoder "
-                                                        "layers per pipeline stage")
-    recompute_vision: bool | None = _opt(None, "memory", "recompute the vision blocks in backward "
-                                                         "(default: with --recompute full)")
-    dry_run: bool = _opt(False, "memory", "print the predicted memory per GPU and the smallest layout that "
-                                          "fits with the flags that launch it, then exit (exit code 1 when no "
-                                          "layout fits)")
-    gpus: int | None = _opt(None, "memory", "with --dry-run: plan for this many GPUs (default: the launch's)")
-    gpu_memory_gib: float | None = _opt(None, "memory", "with --dry-run and --recompute auto: memory of one GPU "
-                                                        "(default: this GPU's, else 80)")
-    grad_dtype: str = _opt("fp32", "memory", "gradient buffers: fp32 or bf16 (half the memory, bf16 runs; default fp32)")
-    adam_state_dtype: str = _opt("fp32", "memory", "Adam moments: fp32 or bf16 (stochastically rounded; default fp32)")
-    # optimisation
-    lr: float = _opt(1e-5, "optimizer", "peak learning rate (default 1e-5)")
-    min_lr: float = _opt(0.0, "optimizer", "learning rate at the end of the cosine decay (default 0)")
-    weight_decay: float = _opt(0.0, "optimizer", "AdamW weight decay (default 0)")
-    adam_beta1: float = _opt(0.9, "optimizer", "AdamW beta1 (default 0.9)")
-    adam_beta2: float = _opt(0.95, "optimizer", "AdamW beta2 (default 0.95)")
-    adam_eps: float = _opt(1e-8, "optimizer", "AdamW epsilon (default 1e-8)")
-    clip_grad: float = _opt(1.0, "optimizer", "clip the global gradient norm to this (0: no clipping; default 1.0)")
-    # schedule
-    train_steps: int = _opt(100, "schedule", "optimizer steps of the whole run (default 100)")
-    warmup_steps: int = _opt(0, "schedule", "linear learning-rate warm-up steps, then cosine decay (default 0)")
-    extend_schedule: bool = _opt(False, "schedule", "with --resume and a --train-steps other than the checkpoint's: "
-                                                    "continue the learning rate from the checkpoint's step on a cosine "
-                                                    "from its value there down to --min-lr at the new --train-steps "
-                                                    "(default false: such a resume is refused)")
-    exit_interval: int = _opt(0, "schedule", "save and exit once the step is a multiple of this, for scheduler time "
-                                             "slots (0: off; default 0)")
-    eval_every: int = _opt(0, "schedule", "evaluate on --eval-data every N steps (0: never; default 0)")
-    eval_batches: int = _opt(4, "schedule", "global batches per evaluation (default 4)")
-    # LoRA (train/model/lora.py): adapters on the chosen linears, everything else frozen
-    lora_rank: int = _opt(0, "lora", "train LoRA adapters of this rank on a frozen model (0: full fine-tuning; "
-                                     "default 0)")
-    lora_alpha: float | None = _opt(None, "lora", "adapter outputs are scaled by alpha / rank (default 2 x --lora-rank)")
-    lora_dropout: float = _opt(0.0, "lora", "dropout on the adapters' input (default 0)")
-    lora_rslora: bool = _opt(False, "lora", "rank-stabilized: scale by alpha / sqrt(rank) (PEFT's use_rslora)")
-    lora_dora: bool = _opt(False, "lora", "DoRA: a trained magnitude per row (PEFT's use_dora)")
-    lora_targets: list[str] = _opt([], "lora", "linear modules that get adapters, named as in PEFT's target_modules "
-                                               "(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; vision: "
-                                               "attn.qkv,attn.proj,...) or all-linear (default all-linear: every "
-                                               "linear of --lora-parts)")
-    lora_parts: list[str] = _opt([], "lora", f"parts whose linears get adapters: {', '.join(FREEZABLE)} "
-                                             "(default llm)")
-    lora_modules_to_save: list[str] = _opt([], "lora", "parts trained fully beside the adapters and saved with "
-                                                       "them (PEFT's modules_to_save): vision, merger")
-    init_lora: str | None = _opt(None, "lora", "start the adapters from this PEFT adapter directory "
-                                               "(adapter_config.json + adapter_model.safetensors)")
-    # checkpoints
-    out: str = _opt("runs/train", "checkpoints", "run directory: checkpoints/, metrics.jsonl, tensorboard/ "
-                                                 "(one job at a time; default runs/train)")
-    save_every: int = _opt(0, "checkpoints", "save a checkpoint every N steps (0: only at the end; default 0)")
-    save_final: bool = _opt(True, "checkpoints", "save a checkpoint at the last step (default true)")
-    keep_last: int = _opt(3, "checkpoints", "keep the newest N checkpoints, delete older ones once a new one is "
-                                            "complete (>= 1; default 3)")
-    async_save: bool = _opt(True, "checkpoints", "write checkpoints in the background while training goes on "
-                                                 "(default true)")
-    resume: bool = _opt(False, "checkpoints", "continue from the newest checkpoint in --out (default false)")
-    export_hf: str | None = _opt(None, "checkpoints", "after the last step, export the model to this Hugging Face "
-                                                      "directory (a LoRA run: its adapters, in PEFT's format)")
-    # logging
-    log_every: int = _opt(1, "logging", "log every N steps (default 1)")
-    tensorboard: bool = _opt(True, "logging", "write TensorBoard scalars under --out/tensorboard (default true)")
-    wandb_project: str | None = _opt(None, "logging", "also log the scalars to this Weights & Biases project "
-                                                   "(pip install wandb; WANDB_MODE=offline logs to --out/wandb only)")
-    wandb_run_name: str | None = _opt(None, "logging", "the Weights & Biases run's name (default: the --out "
-                                                    "directory's name)")
-    # profiling (train.profiling)
-    profile_start: int = _opt(0, "profiling", "profile steps N .. N+K-1 (1-based; K: --profile-steps) under "
-                                             "torch.profiler, each written as a Chrome trace to "
-                                             "--out/profile/step_N_rank_R.json (0: off; default 0)")
-    profile_steps: int | None = _opt(None, "profiling", "with --profile-start: how many steps to profile "
-                                                        "(default 1)")
-    memory_snapshot: bool = _opt(False, "profiling", "record every CUDA allocation from the first step and write "
-                                                     "the snapshot to --out/profile/ after the last profiled step "
-                                                     "(step 1 without --profile-start), for pytorch.org/memory_viz "
-                                                     "(default false)")
+    micro_batch_packs: int = _int(1, "data", "packs laid end to end in one forward pass (default 1)")
+    pad_packs: bool | None = _bool(None, "data", "pad every pack to exactly --seq-len rows, so that the compiled "
+                                                 "decoder layers see one fixed shape and Inductor writes fixed-shape "
+                                                 "kernels (FP8's casts and scale reductions gain most); costs the "
+                                                 "packs' empty rows (the fill `vlmpack pack` reports). Default: on with "
+                                                 "--fp8 and with --pp > 1 (which needs it), else off")
+    max_visual_tokens: int | None = _int(None, "data", "at most this many visual tokens per pack (default: no limit)")
+    num_workers: int = _int(2, "data", "loader worker processes per rank (0: load in the training process; default 2)")
+    seed: int = _int(0, "data", "seed of the pack order, data mixing and a random init (default 0)")
 
     def validate(self) -> None:
-        if self.wandb_run_name and not self.wandb_project:
-            raise ConfigError(f"--wandb-run-name {self.wandb_run_name!r} needs --wandb-project NAME")
-        if self.wandb_project and importlib.util.find_spec("wandb") is None:
-            raise ConfigError(f"--wandb-project {self.wandb_project!r} needs Weights & Biases: pip install wandb "
-                              "(or vlmpack's [wandb] extra)")
-        sources = [self.hf_model, self.init, self.arch]
-        if sum(s is not None for s in sources) != 1:
-            raise ConfigError("give exactly one model source: --hf-model DIR, --init MEGATRON_DIR or --arch NAME")
-        if self.arch is not None:
-            from train.model.arch import builtin_arch_names
-
-            if self.arch not in builtin_arch_names():
-                raise ConfigError(f"unknown --arch {self.arch!r}: choose one of {builtin_arch_names()}")
-        if not self.data and not self.dry_run:
-            raise ConfigError("give at least one --data DIR[:WEIGHT]")
-        self._validate_numbers()
-        if self.extend_schedule and not self.resume:
-            raise ConfigError("--extend-schedule continues a checkpoint's learning-rate schedule: it needs --resume")
-        if self.warmup_steps >= self.train_steps:
-            raise ConfigError(f"--warmup-steps {self.warmup_steps} must be smaller than --train-steps {self.train_steps}")
-        if self.global_batch_packs is not None and self.global_batch_tokens is not None:
-            raise ConfigError("give --global-batch-packs or --global-batch-tokens, not both")
-        for name in ("freeze", "lora_parts"):
-            bad = sorted(set(getattr(self, name)) - set(FREEZABLE))
-            if bad:
-                raise ConfigError(f"--{name.replace('_', '-')} {bad}: choose from {list(FREEZABLE)}")
-        self._validate_lora()
-        choices = {"recompute": RECOMPUTE, "attention": ATTENTION_KERNELS, "grad_dtype": STATE_DTYPES,
-                   "adam_state_dtype": STATE_DTYPES}
-        if self.device is not None:
-            choices["device"] = DEVICES
-        if self.fp8 is not None:
-            choices["fp8"] = FP8_RECIPES
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose from {list(allowed)}")
-        if self.pad_packs is False and self.pp > 1:
-            raise ConfigError(f"--pad-packs false with --pp {self.pp}: the pipeline schedule sends packs of one "
-                              f"shape, so they are padded to --seq-len; drop --pad-packs false or use --pp 1")
-        if self.recompute_layers is not None and self.recompute != "full":
-            raise ConfigError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
-                              f"(the decoder layers per pipeline stage whose activations are recomputed)")
-
-    def _validate_numbers(self) -> None:
-        """Every numeric setting within its range (`INT_RANGES`, `FLOAT_RANGES`); floats finite."""
-        ranges = {**INT_RANGES, "num_workers": (0, max(2, _usable_cores()))}
-        for name, (low, high) in ranges.items():
-            value = getattr(self, name)
-            if value is not None and value < low:
-                raise ConfigError(f"{flag_name(name)} must be >= {low}, got {value}")
-            if value is not None and value > high:
-                raise ConfigError(f"{flag_name(name)} must be <= {high}, got {value}{_why(name, value, low)}")
-        for name, (low, high, open_low, open_high) in FLOAT_RANGES.items():
-            value = getattr(self, name)
-            if value is None:
-                continue
-            above = value > low if open_low else value >= low
-            below = high is None or (value < high if open_high else value <= high)
-            if not (math.isfinite(value) and above and below):
-                if high is None:
-                    bounds = f"a finite number {'>' if open_low else '>='} {low}"
-                else:
-                    bounds = f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
-                raise ConfigError(f"{flag_name(name)} must be {bounds}, got {value}{_why(name, value, low)}")
+        _check_numbers(self)
         if self.seq_len * self.micro_batch_packs > MAX_SEQ_LEN:
             raise ConfigError(f"--micro-batch-packs {self.micro_batch_packs} x --seq-len {self.seq_len} rows in one "
                               f"forward pass: at most {MAX_SEQ_LEN} fit any GPU; lower --micro-batch-packs")
-        if self.min_lr > self.lr:
-            raise ConfigError(f"--min-lr {self.min_lr} must not exceed --lr {self.lr} (the cosine decays from --lr "
-                              "down to --min-lr)")
-        if self.lr * self.weight_decay >= 1:
-            raise ConfigError(f"--weight-decay {self.weight_decay} with --lr {self.lr}: AdamW scales every weight by "
-                              f"1 - lr x weight decay each step, here {1 - self.lr * self.weight_decay:g}, which zeroes "
-                              "or flips it; lower --weight-decay")
-        if self.eval_every and not self.eval_data:
-            raise ConfigError(f"--eval-every {self.eval_every} needs held-out data to evaluate on: add --eval-data DIR, "
-                              "or drop --eval-every")
-        if self.profile_steps is not None and not self.profile_start:
-            raise ConfigError(f"--profile-steps {self.profile_steps} counts the steps profiled from --profile-start N: "
-                              "add it, or drop --profile-steps")
-        if self.eval_data and not self.eval_every:
-            raise ConfigError("--eval-data is evaluated only with --eval-every N (every N steps): add it, or drop "
-                              "--eval-data")
-
-    def _validate_lora(self) -> None:
-        lora_flags = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_dropout", "lora_rslora", "lora_dora",
-                                                          "lora_targets", "lora_parts", "lora_modules_to_save",
-                                                          "init_lora")
-                      if getattr(self, n) not in (None, [], False, 0.0)]
-        if self.lora_rank == 0:
-            if lora_flags:
-                raise ConfigError(f"{', '.join(lora_flags)} configure LoRA: also give --lora-rank R (e.g. 16)")
-            return
-        if self.lora_dora and self.lora_dropout:
-            raise ConfigError(f"--lora-dora with --lora-dropout {self.lora_dropout}: DoRA here takes no dropout "
-                              "(it would need a second pass of the base layer); drop one of them")
-        bad = sorted(set(self.lora_modules_to_save) - {"vision", "merger"})
-        if bad:
-            raise ConfigError(f"--lora-modules-to-save {bad}: choose from ['vision', 'merger']")
-        parts = self.lora_parts or ["llm"]
-        both = sorted(set(parts) & set(self.lora_modules_to_save))
-        if both:
-            raise ConfigError(f"{both} given to both --lora-parts and --lora-modules-to-save: a part gets adapters or "
-                              "is trained fully, not both")
-        frozen = sorted(set(self.freeze) & (set(parts) | set(self.lora_modules_to_save)))
-        if frozen:
-            raise ConfigError(f"--freeze {frozen}: those parts are trained (--lora-parts / --lora-modules-to-save); "
-                              "with LoRA every other part is frozen already")
-
-    def lora_spec(self):
-        """The run's `LoraSpec`, None for full fine-tuning."""
-        if not self.lora_rank:
-            return None
-        from train.model.lora import ALL_LINEAR, LoraSpec
-
-        return LoraSpec(rank=self.lora_rank, alpha=self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank,
-                        dropout=self.lora_dropout, targets=tuple(self.lora_targets or [ALL_LINEAR]),
-                        parts=tuple(p for p in ("llm", "vision", "merger") if p in (self.lora_parts or ["llm"])),
-                        modules_to_save=tuple(p for p in ("vision", "merger") if p in self.lora_modules_to_save),
-                        rslora=self.lora_rslora, dora=self.lora_dora)
-
-    def packs_padded(self) -> bool:
-        """Every pack padded to exactly seq_len rows (--pad-packs, resolved)."""
-        return self.pad_packs if self.pad_packs is not None else self.fp8 is not None or self.pp > 1
+        if self.global_batch_packs is not None and self.global_batch_tokens is not None:
+            raise ConfigError("give --global-batch-packs or --global-batch-tokens, not both")
 
     def global_packs(self, dp: int) -> int:
         """Packs per global batch; a multiple of dp * micro_batch_packs."""
@@ -373,37 +194,338 @@ class TrainConfig:
                               f"({self.micro_batch_packs}) = {unit}")
         return packs
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+
+@dataclass
+class ModelConfig:
+    """Where the weights come from, and what is trained (model setup's settings)."""
+
+    # exactly one of hf_model (import on the fly), init (Megatron dir), arch (random init)
+    hf_model: str | None = _text(None, "model", "start from this Hugging Face Qwen-VL checkpoint directory")
+    init: str | None = _text(None, "model", "start from this Megatron model directory (`vlmpack import-hf`, or a "
+                                            "checkpoint's model/)")
+    arch: str | None = _text(None, "model", "start from random weights of this built-in architecture (e.g. tiny)")
+    freeze: list[str] = _list("model", f"parts not trained: {', '.join(FREEZABLE)} (repeatable or comma-separated)")
+    attention: str = _text("fa2", "model", "CUDA attention kernel: fa2 (torch's own) or fa4 (flash-attn-4, "
+                                           "Hopper/Blackwell; default fa2)")
+    moe_aux_loss_coef: float = _float(0.0, "model", "Mixture-of-Experts models: weight of the router's load-balancing "
+                                                     "loss (HF's router_aux_loss_coef, e.g. 0.001; default 0, as HF "
+                                                     "trains without output_router_logits)")
+    compile: bool = _bool(True, "model", "torch.compile the vision blocks and rotary kernels, CUDA only (default true)")
+    fp8: str | None = _text(None, "model", "run the decoder layers' linear GEMMs in FP8 with this torchao float8 "
+                                           "recipe: tensorwise, rowwise or rowwise_with_gw_hp (pip install -e "
+                                           "'.[fp8]'; an sm89+ GPU; CPU runs emulate it). Default: bf16")
+    compile_decoder: bool = _bool(True, "model", "with --compile: also torch.compile each dense language-model decoder "
+                                                 "layer as one graph, norms, residual adds and casts fused around the "
+                                                 "GEMMs (default true)")
+
+    def validate(self) -> None:
+        if sum(s is not None for s in (self.hf_model, self.init, self.arch)) != 1:
+            raise ConfigError("give exactly one model source: --hf-model DIR, --init MEGATRON_DIR or --arch NAME")
+        if self.arch is not None:
+            from train.model.arch import builtin_arch_names
+
+            if self.arch not in builtin_arch_names():
+                raise ConfigError(f"unknown --arch {self.arch!r}: choose one of {builtin_arch_names()}")
+        _check_numbers(self)
+        _check_parts(self, "freeze")
+        _check_choices(self, {"attention": ATTENTION_KERNELS, **({"fp8": FP8_RECIPES} if self.fp8 is not None else {})})
 
 
-def parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+@dataclass
+class ParallelismConfig:
+    """How the model is split over the GPUs."""
+
+    tp: int = _int(1, "parallelism", "tensor-parallel size (divides the attention and KV heads; default 1)")
+    pp: int = _int(1, "parallelism", "pipeline-parallel size (divides the decoder layers; default 1)")
+    ep: int = _int(1, "parallelism", "expert-parallel size of a Mixture-of-Experts model: each group of ep "
+                                     "ranks of a pipeline stage divides the experts, the ranks of a TP group "
+                                     "first (divides the experts and gpus / pp; default 1)")
+    sequence_parallel: bool | None = _bool(None, "parallelism", "with --tp > 1, each TP rank holds only its slice "
+                                           "of the rows outside the attention and MLP GEMMs (megatron's sequence "
+                                           "parallelism: less activation memory; packs are padded to a multiple of "
+                                           "--tp). Default: on for Mixture-of-Experts models, which need it, off "
+                                           "for dense ones")
+    distributed_optimizer: bool = _bool(True, "parallelism", "shard the optimizer state over data-parallel ranks "
+                                                             "(megatron's DistributedOptimizer, CUDA only; default true)")
+    device: str | None = _text(None, "parallelism", "cuda or cpu (default: cuda when available)")
+
+    def validate(self) -> None:
+        _check_numbers(self)
+        if self.device is not None:
+            _check_choices(self, {"device": DEVICES})
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field (lists repeatable), in its group, defaults left to the dataclass."""
+@dataclass
+class MemoryConfig:
+    """Precision and the memory / speed trade-offs."""
+
+    # bf16 halves the gradient buffers (accumulated and reduced in bf16, megatron's own default;
+    # bf16 runs only) / the Adam moments (stochastically rounded, train/adamw_bf16_state.py)
+    bf16: bool = _bool(True, "memory", "bf16 weights and compute on GPU (CPU runs are fp32; default true)")
+    recompute: str = _text("none", "memory", "activation recompute of the language model: none, selective, full, "
+                                             "or auto: none if the memory plan fits the GPU (--gpu-memory-gib), "
+                                             "else full for the fewest first layers per stage that make it fit "
+                                             "(default none)")
+    recompute_layers: int | None = _int(None, "memory", "with --recompute full: recompute only the first N decoder "
+                                                        "layers per pipeline stage")
+    recompute_vision: bool | None = _bool(None, "memory", "recompute the vision blocks in backward "
+                                                          "(default: with --recompute full)")
+    dry_run: bool = _bool(False, "memory", "print the predicted memory per GPU and the smallest layout that "
+                                           "fits with the flags that launch it, then exit (exit code 1 when no "
+                                           "layout fits)")
+    gpus: int | None = _int(None, "memory", "with --dry-run: plan for this many GPUs (default: the launch's)")
+    gpu_memory_gib: float | None = _float(None, "memory", "with --dry-run and --recompute auto: memory of one GPU "
+                                                          "(default: this GPU's, else 80)")
+    grad_dtype: str = _text("fp32", "memory", "gradient buffers: fp32 or bf16 (half the memory, bf16 runs; default fp32)")
+    adam_state_dtype: str = _text("fp32", "memory", "Adam moments: fp32 or bf16 (stochastically rounded; default fp32)")
+
+    def validate(self) -> None:
+        _check_numbers(self)
+        _check_choices(self, {"recompute": RECOMPUTE, "grad_dtype": STATE_DTYPES, "adam_state_dtype": STATE_DTYPES})
+        if self.recompute_layers is not None and self.recompute != "full":
+            raise ConfigError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
+                              f"(the decoder layers per pipeline stage whose activations are recomputed)")
+
+
+@dataclass
+class AdamWConfig:
+    """AdamW and gradient clipping (the optimizer builder's settings)."""
+
+    lr: float = _float(1e-5, "optimizer", "peak learning rate (default 1e-5)")
+    min_lr: float = _float(0.0, "optimizer", "learning rate at the end of the cosine decay (default 0)")
+    weight_decay: float = _float(0.0, "optimizer", "AdamW weight decay (default 0)")
+    adam_beta1: float = _float(0.9, "optimizer", "AdamW beta1 (default 0.9)")
+    adam_beta2: float = _float(0.95, "optimizer", "AdamW beta2 (default 0.95)")
+    adam_eps: float = _float(1e-8, "optimizer", "AdamW epsilon (default 1e-8)")
+    clip_grad: float = _float(1.0, "optimizer", "clip the global gradient norm to this (0: no clipping; default 1.0)")
+
+    def validate(self) -> None:
+        _check_numbers(self)
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr} must not exceed --lr {self.lr} (the cosine decays from --lr "
+                              "down to --min-lr)")
+        if self.lr * self.weight_decay >= 1:
+            raise ConfigError(f"--weight-decay {self.weight_decay} with --lr {self.lr}: AdamW scales every weight by "
+                              f"1 - lr x weight decay each step, here {1 - self.lr * self.weight_decay:g}, which zeroes "
+                              "or flips it; lower --weight-decay")
+
+
+@dataclass
+class ScheduleConfig:
+    """Steps, learning-rate schedule, evaluation."""
+
+    train_steps: int = _int(100, "schedule", "optimizer steps of the whole run (default 100)")
+    warmup_steps: int = _int(0, "schedule", "linear learning-rate warm-up steps, then cosine decay (default 0)")
+    extend_schedule: bool = _bool(False, "schedule", "with --resume and a --train-steps other than the checkpoint's: "
+                                                     "continue the learning rate from the checkpoint's step on a cosine "
+                                                     "from its value there down to --min-lr at the new --train-steps "
+                                                     "(default false: such a resume is refused)")
+    exit_interval: int = _int(0, "schedule", "save and exit once the step is a multiple of this, for scheduler time "
+                                             "slots (0: off; default 0)")
+    eval_every: int = _int(0, "schedule", "evaluate on --eval-data every N steps (0: never; default 0)")
+    eval_batches: int = _int(4, "schedule", "global batches per evaluation (default 4)")
+
+    def validate(self) -> None:
+        _check_numbers(self)
+        if self.warmup_steps >= self.train_steps:
+            raise ConfigError(f"--warmup-steps {self.warmup_steps} must be smaller than --train-steps {self.train_steps}")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA: low-rank adapters on a frozen model."""
+
+    # train/model/lora.py: adapters on the chosen linears, everything else frozen
+    lora_rank: int = _int(0, "lora", "train LoRA adapters of this rank on a frozen model (0: full fine-tuning; "
+                                     "default 0)")
+    lora_alpha: float | None = _float(None, "lora", "adapter outputs are scaled by alpha / rank (default 2 x --lora-rank)")
+    lora_dropout: float = _float(0.0, "lora", "dropout on the adapters' input (default 0)")
+    lora_rslora: bool = _bool(False, "lora", "rank-stabilized: scale by alpha / sqrt(rank) (PEFT's use_rslora)")
+    lora_dora: bool = _bool(False, "lora", "DoRA: a trained magnitude per row (PEFT's use_dora)")
+    lora_targets: list[str] = _list("lora", "linear modules that get adapters, named as in PEFT's target_modules "
+                                            "(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; vision: "
+                                            "attn.qkv,attn.proj,...) or all-linear (default all-linear: every "
+                                            "linear of --lora-parts)")
+    lora_parts: list[str] = _list("lora", f"parts whose linears get adapters: {', '.join(FREEZABLE)} "
+                                          "(default llm)")
+    lora_modules_to_save: list[str] = _list("lora", "parts trained fully beside the adapters and saved with "
+                                                    "them (PEFT's modules_to_save): vision, merger")
+    init_lora: str | None = _text(None, "lora", "start the adapters from this PEFT adapter directory "
+                                                "(adapter_config.json + adapter_model.safetensors)")
+
+    def validate(self) -> None:
+        _check_numbers(self)
+        _check_parts(self, "lora_parts")
+        lora_flags = [flag_name(n) for n in ("lora_alpha", "lora_dropout", "lora_rslora", "lora_dora", "lora_targets",
+                                             "lora_parts", "lora_modules_to_save", "init_lora")
+                      if getattr(self, n) not in (None, [], False, 0.0)]
+        if self.lora_rank == 0:
+            if lora_flags:
+                raise ConfigError(f"{', '.join(lora_flags)} configure LoRA: also give --lora-rank R (e.g. 16)")
+            return
+        if self.lora_dora and self.lora_dropout:
+            raise ConfigError(f"--lora-dora with --lora-dropout {self.lora_dropout}: DoRA here takes no dropout "
+                              "(it would need a second pass of the base layer); drop one of them")
+        bad = sorted(set(self.lora_modules_to_save) - {"vision", "merger"})
+        if bad:
+            raise ConfigError(f"--lora-modules-to-save {bad}: choose from ['vision', 'merger']")
+        both = sorted(set(self.trained_parts()) & set(self.lora_modules_to_save))
+        if both:
+            raise ConfigError(f"{both} given to both --lora-parts and --lora-modules-to-save: a part gets adapters or "
+                              "is trained fully, not both")
+
+    def trained_parts(self) -> list[str]:
+        """The parts that get adapters (--lora-parts, default llm)."""
+        return self.lora_parts or ["llm"]
+
+    def spec(self):
+        """The run's `LoraSpec`, None for full fine-tuning."""
+        if not self.lora_rank:
+            return None
+        from train.model.lora import ALL_LINEAR, LoraSpec
+
+        return LoraSpec(rank=self.lora_rank, alpha=self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank,
+                        dropout=self.lora_dropout, targets=tuple(self.lora_targets or [ALL_LINEAR]),
+                        parts=tuple(p for p in ("llm", "vision", "merger") if p in self.trained_parts()),
+                        modules_to_save=tuple(p for p in ("vision", "merger") if p in self.lora_modules_to_save),
+                        rslora=self.lora_rslora, dora=self.lora_dora)
+
+
+@dataclass
+class CheckpointsConfig:
+    """The run directory, saving and resuming."""
+
+    out: str = _text("runs/train", "checkpoints", "run directory: checkpoints/, metrics.jsonl, tensorboard/ "
+                                                  "(one job at a time; default runs/train)")
+    save_every: int = _int(0, "checkpoints", "save a checkpoint every N steps (0: only at the end; default 0)")
+    save_final: bool = _bool(True, "checkpoints", "save a checkpoint at the last step (default true)")
+    keep_last: int = _int(3, "checkpoints", "keep the newest N checkpoints, delete older ones once a new one is "
+                                            "complete (>= 1; default 3)")
+    async_save: bool = _bool(True, "checkpoints", "write checkpoints in the background while training goes on "
+                                                  "(default true)")
+    resume: bool = _bool(False, "checkpoints", "continue from the newest checkpoint in --out (default false)")
+    export_hf: str | None = _text(None, "checkpoints", "after the last step, export the model to this Hugging Face "
+                                                       "directory (a LoRA run: its adapters, in PEFT's format)")
+
+    def validate(self) -> None:
+        _check_numbers(self)
+
+
+@dataclass
+class LoggingConfig:
+    """Progress line, metrics.jsonl, TensorBoard, Weights & Biases (the logger's settings)."""
+
+    log_every: int = _int(1, "logging", "log every N steps (default 1)")
+    tensorboard: bool = _bool(True, "logging", "write TensorBoard scalars under --out/tensorboard (default true)")
+    wandb_project: str | None = _text(None, "logging", "also log the scalars to this Weights & Biases project "
+                                                    "(pip install wandb; WANDB_MODE=offline logs to --out/wandb only)")
+    wandb_run_name: str | None = _text(None, "logging", "the Weights & Biases run's name (default: the --out "
+                                                     "directory's name)")
+
+    def validate(self) -> None:
+        if self.wandb_run_name and not self.wandb_project:
+            raise ConfigError(f"--wandb-run-name {self.wandb_run_name!r} needs --wandb-project NAME")
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"--wandb-project {self.wandb_project!r} needs Weights & Biases: pip install wandb "
+                              "(or vlmpack's [wandb] extra)")
+        _check_numbers(self)
+
+
+@dataclass
+class ProfilingConfig:
+    """torch.profiler traces and CUDA memory snapshots (`train.profiling`'s settings)."""
+
+    profile_start: int = _int(0, "profiling", "profile steps N .. N+K-1 (1-based; K: --profile-steps) under "
+                                             "torch.profiler, each written as a Chrome trace to "
+                                             "--out/profile/step_N_rank_R.json (0: off; default 0)")
+    profile_steps: int | None = _int(None, "profiling", "with --profile-start: how many steps to profile "
+                                                        "(default 1)")
+    memory_snapshot: bool = _bool(False, "profiling", "record every CUDA allocation from the first step and write "
+                                                      "the snapshot to --out/profile/ after the last profiled step "
+                                                      "(step 1 without --profile-start), for pytorch.org/memory_viz "
+                                                      "(default false)")
+
+    def validate(self) -> None:
+        _check_numbers(self)
+        if self.profile_steps is not None and not self.profile_start:
+            raise ConfigError(f"--profile-steps {self.profile_steps} counts the steps profiled from --profile-start N: "
+                              "add it, or drop --profile-steps")
+
+
+@dataclass
+class TrainConfig:
+    """The whole job: one section per `--help` group. Flags and file keys are the settings' own
+    names, without the section (`--seq-len`, not `--data-seq-len`)."""
+
+    data: DataConfig = nested(default_factory=DataConfig)
+    model: ModelConfig = nested(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = nested(default_factory=ParallelismConfig)
+    memory: MemoryConfig = nested(default_factory=MemoryConfig)
+    optimizer: AdamWConfig = nested(default_factory=AdamWConfig)
+    schedule: ScheduleConfig = nested(default_factory=ScheduleConfig)
+    lora: LoraConfig = nested(default_factory=LoraConfig)
+    checkpoints: CheckpointsConfig = nested(default_factory=CheckpointsConfig)
+    logging: LoggingConfig = nested(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = nested(default_factory=ProfilingConfig)
+
+    def sections(self) -> list:
+        """The section dataclasses, in --help's order."""
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    def validate(self) -> None:
+        """Each section's own checks, then those that span sections."""
+        self.logging.validate()
+        self.model.validate()
+        if not self.data.data and not self.memory.dry_run:
+            raise ConfigError("give at least one --data DIR[:WEIGHT]")
+        for section in (self.data, self.parallelism, self.memory, self.optimizer, self.schedule, self.checkpoints,
+                        self.profiling):
+            section.validate()
+        if self.schedule.eval_every and not self.data.eval_data:
+            raise ConfigError(f"--eval-every {self.schedule.eval_every} needs held-out data to evaluate on: add "
+                              "--eval-data DIR, or drop --eval-every")
+        if self.data.eval_data and not self.schedule.eval_every:
+            raise ConfigError("--eval-data is evaluated only with --eval-every N (every N steps): add it, or drop "
+                              "--eval-data")
+        if self.schedule.extend_schedule and not self.checkpoints.resume:
+            raise ConfigError("--extend-schedule continues a checkpoint's learning-rate schedule: it needs --resume")
+        self.lora.validate()
+        if self.lora.lora_rank:
+            trained = set(self.lora.trained_parts()) | set(self.lora.lora_modules_to_save)
+            frozen = sorted(set(self.model.freeze) & trained)
+            if frozen:
+                raise ConfigError(f"--freeze {frozen}: those parts are trained (--lora-parts / --lora-modules-to-save); "
+                                  "with LoRA every other part is frozen already")
+        if self.data.pad_packs is False and self.parallelism.pp > 1:
+            raise ConfigError(f"--pad-packs false with --pp {self.parallelism.pp}: the pipeline schedule sends packs of "
+                              "one shape, so they are padded to --seq-len; drop --pad-packs false or use --pp 1")
+
+    def packs_padded(self) -> bool:
+        """Every pack padded to exactly seq_len rows (--pad-packs, resolved)."""
+        pad = self.data.pad_packs
+        return pad if pad is not None else self.model.fp8 is not None or self.parallelism.pp > 1
+
+    def to_flat(self) -> dict:
+        """Every setting under its flag's name (underscored), in `--help`'s order: the form of a
+        --config file and of the config a checkpoint saves."""
+        return to_flat(self)
+
+    @classmethod
+    def from_flat(cls, values: dict) -> TrainConfig:
+        """The config of flat `values` (`to_flat`'s form, dashes or underscores; settings not in
+        it: their defaults), not validated. ConfigError naming keys that are no setting."""
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(values) - set(flat_paths(cls)))
+        if unknown:
+            raise ConfigError(f"unknown settings {unknown}: use the names of `vlmpack train` flags")
+        return from_flat(cls, values)
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """`--config FILE` and one flag per setting (lists repeatable), in its group; defaults left to the dataclasses."""
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON file with the same keys as these flags "
                                                          "(flags given here win)")
-    groups = {name: parser.add_argument_group(name, description) for name, description in GROUPS.items()}
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        group, help_ = groups[f.metadata["group"]], f.metadata["help"]
-        kind = str(f.type)
-        if kind.startswith("list"):
-            group.add_argument(flag, action="append", default=None, metavar="VALUE", help=help_)
-        elif kind.startswith("bool"):
-            group.add_argument(flag, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_)
-        elif "int" in kind:
-            group.add_argument(flag, type=int, default=None, metavar="N", help=help_)
-        elif "float" in kind:
-            group.add_argument(flag, type=float, default=None, metavar="X", help=help_)
-        else:
-            group.add_argument(flag, default=None, help=help_)
+    add_flags(parser, TrainConfig, GROUPS)
 
 
 def load_config_file(path: str | Path) -> dict:
@@ -430,7 +552,7 @@ def _file_value(path, name: str, value):
     """A --config file's value as its flag would give it: YAML reads `1e-5` (no dot) as a
     string and `1.0e3` as a float, so numbers written either way are taken; anything else
     that is not of the setting's type is refused by name."""
-    kind = str({f.name: f.type for f in dataclasses.fields(TrainConfig)}[name])
+    kind = {f.name: str(f.type) for section in TrainConfig().sections() for f in dataclasses.fields(section)}[name]
     if value is None:
         return None
     try:
@@ -461,7 +583,7 @@ def _file_value(path, name: str, value):
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    names = set(flat_paths(TrainConfig))
     values = load_config_file(args.config) if args.config else {}
     unknown = sorted(set(values) - names)
     if unknown:
@@ -473,6 +595,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             values[key] = [values[key]]
         if key in COMMA_LISTS and key in values:
             values[key] = [p for item in values[key] for p in str(item).split(",") if p]
-    config = TrainConfig(**values)
+    config = TrainConfig.from_flat(values)
     config.validate()
     return config

@@ -68,9 +68,13 @@ def export_profile(dirs: list[str]) -> dict:
 
 
 class TrainData:
-    def __init__(self, config, arch, info, row_multiple: int = 1):
-        """`row_multiple`: every pack's row count is a multiple of it (sequence parallelism: --tp)."""
-        self.config, self.info = config, info
+    def __init__(self, config, arch, info, *, padded: bool, plan_cache: Path, eval_batches: int = 0,
+                 row_multiple: int = 1):
+        """The loaders of the run's data section `config` (`train.config.DataConfig`). `padded`:
+        every pack padded to --seq-len rows; `plan_cache`: where pack plans are kept;
+        `eval_batches`: global batches per evaluation; `row_multiple`: every pack's row count is a
+        multiple of it (sequence parallelism: --tp)."""
+        self.config, self.info, self.eval_global_batches = config, info, eval_batches
         self.image_token_id, self.video_token_id = arch.image_token_id, arch.video_token_id
         specs = [parse_source(s) for s in config.data]
         self.vision, self.video = check_profiles([d for d, _ in specs] + [parse_source(s)[0] for s in config.eval_data],
@@ -81,8 +85,8 @@ class TrainData:
         cuda = info.device.type == "cuda"
         packing = PackSettings(seq_len=config.seq_len, seed=config.seed, dp_size=info.dp,
                                global_batch_packs=self.global_packs, max_visual_tokens=config.max_visual_tokens)
-        loader_kwargs = dict(rank=info.dp_rank, pad_to_seq_len=config.packs_padded(), row_multiple=row_multiple,
-                             cache_dir=Path(config.out) / "plans",
+        loader_kwargs = dict(rank=info.dp_rank, pad_to_seq_len=padded, row_multiple=row_multiple,
+                             cache_dir=Path(plan_cache),
                              num_workers=config.num_workers, pin_memory=cuda,
                              prefetch_factor=4 if config.num_workers else None)
         self.loader = PackedLoader(specs, packing, **loader_kwargs)
@@ -122,7 +126,7 @@ class TrainData:
         """The first `eval_batches` global batches of the eval data, the same ones every time."""
         self.eval_loader.load_state_dict({**self.eval_loader.state_dict(), "epoch": 0, "packs_consumed": 0})
         packs = iter(self.eval_loader)
-        for _ in range(min(self.config.eval_batches, len(self.eval_loader) // (self.global_packs // self.info.dp))):
+        for _ in range(min(self.eval_global_batches, len(self.eval_loader) // (self.global_packs // self.info.dp))):
             yield self._micro_batches(packs, self.global_packs // self.info.dp)
 
     def pixel_values(self, batch: PackedBatch, dtype: torch.dtype):

@@ -75,9 +75,11 @@ class StepTimer:
 
 
 class MetricsLogger:
-    def __init__(self, out: Path, config, info, enabled: bool):
+    def __init__(self, out: Path, config, info, enabled: bool, *, total_steps: int, run_config: dict):
+        """`config`: the logging section (`train.config.LoggingConfig`); `run_config`: every
+        setting of the run (flat), which a Weights & Biases run records."""
         self.enabled = enabled
-        self.total_steps = config.train_steps
+        self.total_steps = total_steps
         self.start = time.perf_counter()
         self.first_step = None
         if not enabled:
@@ -95,7 +97,7 @@ class MetricsLogger:
             try:
                 self.wandb = wandb.init(project=config.wandb_project, name=config.wandb_run_name or out.resolve().name,
                                         id=wandb_run_id(out), resume="allow", dir=str(out),
-                                        config={k: v for k, v in vars(config).items() if v is not None})
+                                        config={k: v for k, v in run_config.items() if v is not None})
             except Exception as exc:  # noqa: BLE001 - wandb's own errors vary (login, network, settings)
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
                 raise UserError(f"--wandb-project {config.wandb_project}: Weights & Biases did not start ({first}); "

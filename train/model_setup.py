@@ -37,6 +37,7 @@ def read_model_arch(model_dir: str | Path) -> ModelArch:
 
 
 def resolve_arch(config) -> ModelArch:
+    """The architecture of the model section `config`'s source (`train.config.ModelConfig`)."""
     """The architecture of the run's model source (--arch, --hf-model or --init)."""
     if config.arch:
         return builtin_arch(config.arch)
@@ -116,28 +117,30 @@ def init_random_weights(model, arch: ModelArch, seed: int, info, std: float = 0.
     _load_shard(model, random_full_state(arch, seed, std, convert.stage_layers(arch, info.pp)[info.pp_rank]), arch, info)
 
 
-def base_reference(config) -> dict:
-    """What a LoRA run's adapters sit on: the model source of its config."""
+def base_reference(config, seed: int) -> dict:
+    """What a LoRA run's adapters sit on: the model source of its model section `config` (and
+    the --seed of a random init)."""
     if config.hf_model:
         return {"hf_model": str(Path(config.hf_model).resolve())}
     if config.init:
         return {"init": str(Path(config.init).resolve())}
-    return {"arch": config.arch, "seed": config.seed}
+    return {"arch": config.arch, "seed": seed}
 
 
-def add_adapters(model, arch: ModelArch, config, info) -> None:
-    """Freeze this rank's stage and give it the run's LoRA adapters (`model.adapters`): PEFT's
-    default init from the run's seed, or the adapters of the --init-lora PEFT directory."""
-    spec = config.lora_spec()
+def add_adapters(model, arch: ModelArch, source, config, seed: int, info) -> None:
+    """Freeze this rank's stage and give it the adapters of the LoRA section `config`
+    (`model.adapters`): PEFT's default init from the run's `seed`, or the adapters of the
+    --init-lora PEFT directory; `source`: the model section, whose base they sit on."""
+    spec = config.spec()
     module = unwrap(model)
     layers = convert.stage_layers(arch, info.pp)[info.pp_rank]
     adapters = lora.attach(module, arch, spec, info.tp, layers)  # adapters.sites: this stage's
     full = (adapter_format.read_peft_dir(config.init_lora, arch, spec) if config.init_lora
-            else lora.init_adapters(adapters.sites, spec.rank, config.seed))
+            else lora.init_adapters(adapters.sites, spec.rank, seed))
     local = lora.shard_adapters(full, adapters.sites, info.tp, info.tp_rank, layers, info.first_stage)
     saved = {k: full.get(k, p) for k, p in adapters.saved_modules.items()}  # a PEFT dir may carry trained modules
     adapters.load_state_dict(local | saved, magnitudes_from_base=spec.dora and not config.init_lora)
-    adapters.base = base_reference(config)
+    adapters.base = base_reference(source, seed)
     module.adapters = adapters
 
 
@@ -154,17 +157,20 @@ def freeze(model, parts: list[str]) -> None:
             param.requires_grad_(False)
 
 
-def build_model_for_run(config, arch: ModelArch, info, dtype: torch.dtype, bf16: bool, sequence_parallel: bool):
+def build_model_for_run(config, memory, arch: ModelArch, info, dtype: torch.dtype, bf16: bool, sequence_parallel: bool,
+                        static_rows: bool):
     """megatron's TransformerConfig of the run and this rank's pipeline stage built with it, on
-    its device, weights not loaded yet (`load_weights`); on CUDA the attention kernel chosen."""
+    its device, weights not loaded yet (`load_weights`); on CUDA the attention kernel chosen.
+    `config`, `memory`: the model and memory sections (`train.config`); the layout is `info`'s;
+    `static_rows`: every pack padded to --seq-len rows."""
     from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
     from train.model.qwen_vl import transformer_config
     from train.parallel import build_model
 
     cuda = info.device.type == "cuda"
-    model_config = transformer_config(arch, tp=config.tp, pp=config.pp, ep=config.ep, params_dtype=dtype, bf16=bf16,
-                                      cpu=not cuda, recompute=config.recompute,
-                                      recompute_layers=config.recompute_layers,
+    model_config = transformer_config(arch, tp=info.tp, pp=info.pp, ep=info.ep, params_dtype=dtype, bf16=bf16,
+                                      cpu=not cuda, recompute=memory.recompute,
+                                      recompute_layers=memory.recompute_layers,
                                       moe_aux_loss_coef=config.moe_aux_loss_coef,
                                       sequence_parallel=sequence_parallel, calculate_per_token_loss=True)
     if cuda:
@@ -173,19 +179,20 @@ def build_model_for_run(config, arch: ModelArch, info, dtype: torch.dtype, bf16:
         if on_fa2 and info.is_main:
             print(f"vlmpack train: --attention fa4: {', '.join(on_fa2)} keep FA2 "
                   f"(FA4 runs head dims {', '.join(map(str, FA4_HEAD_DIMS))})", file=sys.stderr)
-    model = build_model(arch, model_config, info, recompute_vision=config.recompute_vision, compile=config.compile,
-                        compile_decoder=config.compile_decoder, static_rows=config.packs_padded())
+    model = build_model(arch, model_config, info, recompute_vision=memory.recompute_vision, compile=config.compile,
+                        compile_decoder=config.compile_decoder, static_rows=static_rows)
     return model_config, model
 
 
-def load_weights(model, config, arch: ModelArch, info) -> None:
-    """The run's starting weights into this rank's stage: --hf-model, --init or a random init
-    from --seed; with --lora-rank the base frozen and the adapters (random or --init-lora) added."""
+def load_weights(model, config, lora_config, seed: int, arch: ModelArch, info) -> None:
+    """The starting weights of the model section `config` into this rank's stage: --hf-model,
+    --init or a random init from `seed`; with the LoRA section `lora_config`'s --lora-rank the
+    base frozen and the adapters (random or --init-lora) added."""
     if config.hf_model:
         load_hf_weights(model, config.hf_model, arch, info)
     elif config.init:
         load_model_weights(model, config.init, arch, info)
     else:
-        init_random_weights(model, arch, config.seed, info)
-    if config.lora_rank:
-        add_adapters(model, arch, config, info)
+        init_random_weights(model, arch, seed, info)
+    if lora_config.lora_rank:
+        add_adapters(model, arch, config, lora_config, seed, info)

@@ -64,14 +64,16 @@ def _fetch_all(urls: list[str], local: dict[str, Path], announce: bool) -> None:
             print(f"--data {redact(url)}: {describe(done)} -> {local[url]}", flush=True)
 
 
-def localize_sources(config, info):
-    """`config` with every object-store source of --data / --eval-data replaced by its checked
-    local copy (weights kept); `config` itself where every source is local."""
+def localize_sources(config, out: Path, info):
+    """The data section `config` (`train.config.DataConfig`) with every object-store source of
+    --data / --eval-data replaced by its checked local copy (weights kept), fetched into
+    --data-cache (default: the run directory `out`'s data_cache/); `config` itself where every
+    source is local."""
     specs = {key: [parse_source(s) for s in getattr(config, key)] for key in SOURCE_KEYS}
     urls = sorted({d for sources in specs.values() for d, _ in sources if is_url(d)})
     if not urls:
         return config
-    cache = Path(config.data_cache) if config.data_cache else Path(config.out) / "data_cache"
+    cache = Path(config.data_cache) if config.data_cache else Path(out) / "data_cache"
     error = None
     try:
         local = {url: cache_path(url, cache) for url in urls}

@@ -33,7 +33,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from shards_schema.errors import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_GPU_MEMORY, UserError
 from shards_schema.outdir import exclusive_output_dir
 from train import adapter_format, checkpoint, convert, memory_plan, model_setup
-from train.config import ConfigError, TrainConfig
+from train.config import (AdamWConfig, ConfigError, DataConfig, MemoryConfig, ParallelismConfig, ScheduleConfig,
+                          TrainConfig)
 from train.data import TrainData
 from train.lr_schedule import RunSchedule
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
@@ -50,70 +51,79 @@ from train.remote_data import localize_sources
 
 
 def check_layout(arch: ModelArch, config: TrainConfig) -> None:
+    """The run's settings against the architecture: the layout, recompute, LoRA, packs."""
     lm = arch.lm
-    if lm.num_heads % config.tp or lm.num_kv_heads % config.tp:
-        raise ConfigError(f"--tp {config.tp} must divide the attention heads ({lm.num_heads}) and the KV heads "
+    tp, pp, ep = config.parallelism.tp, config.parallelism.pp, config.parallelism.ep
+    if lm.num_heads % tp or lm.num_kv_heads % tp:
+        raise ConfigError(f"--tp {tp} must divide the attention heads ({lm.num_heads}) and the KV heads "
                           f"({lm.num_kv_heads}) of {arch.family}")
-    if lm.num_layers % config.pp:
-        raise ConfigError(f"--pp {config.pp} must divide the {lm.num_layers} decoder layers")
-    if arch.num_deepstack > lm.num_layers // config.pp:
+    if lm.num_layers % pp:
+        raise ConfigError(f"--pp {pp} must divide the {lm.num_layers} decoder layers")
+    if arch.num_deepstack > lm.num_layers // pp:
         raise ConfigError(f"DeepStack adds vision features after decoder layers 0..{arch.num_deepstack - 1}, which must "
-                          f"all be on pipeline stage 0, but --pp {config.pp} puts only {lm.num_layers // config.pp} "
+                          f"all be on pipeline stage 0, but --pp {pp} puts only {lm.num_layers // pp} "
                           f"layers there; use --pp <= {lm.num_layers // arch.num_deepstack}")
-    if config.ep > 1 and not lm.is_moe:
-        raise ConfigError(f"--ep {config.ep}: expert parallelism needs a Mixture-of-Experts model; {arch.family} "
+    if ep > 1 and not lm.is_moe:
+        raise ConfigError(f"--ep {ep}: expert parallelism needs a Mixture-of-Experts model; {arch.family} "
                           "here is dense")
-    if config.ep > 1 and lm.num_experts % config.ep:
-        raise ConfigError(f"--ep {config.ep} must divide the {lm.num_experts} experts")
+    if ep > 1 and lm.num_experts % ep:
+        raise ConfigError(f"--ep {ep} must divide the {lm.num_experts} experts")
     try:  # the widths every TP rank holds an equal part of (`convert.shard`)
-        convert.check_parallel(arch, config.tp, config.pp, config.ep)
+        convert.check_parallel(arch, tp, pp, ep)
     except ValueError as exc:
-        raise ConfigError(f"--tp {config.tp} cannot split {arch.family}: {exc}") from None
-    per_stage = lm.num_layers // config.pp
-    if config.recompute_layers is not None and config.recompute_layers > per_stage:
-        raise ConfigError(f"--recompute-layers {config.recompute_layers}: each pipeline stage has {per_stage} decoder "
+        raise ConfigError(f"--tp {tp} cannot split {arch.family}: {exc}") from None
+    per_stage = lm.num_layers // pp
+    if config.memory.recompute_layers is not None and config.memory.recompute_layers > per_stage:
+        raise ConfigError(f"--recompute-layers {config.memory.recompute_layers}: each pipeline stage has {per_stage} decoder "
                           f"layers; give at most {per_stage}, or drop the flag to recompute all of them")
-    spec = config.lora_spec()
+    spec = config.lora.spec()
     if spec is not None:
         try:
             sites = lora.resolve_sites(arch, spec)
-            if config.init_lora:
-                adapter_format.check_peft_config(config.init_lora, spec)
+            if config.lora.init_lora:
+                adapter_format.check_peft_config(config.lora.init_lora, spec)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         widest = max(min(s.in_features, s.out_features) for s in sites)
         if spec.rank > widest:
             raise ConfigError(f"--lora-rank {spec.rank}: an adapter B @ A has rank at most min(in, out) of its layer, "
                               f"{widest} at most among the adapted ones; give --lora-rank <= {widest}")
-    if lm.is_moe and config.tp > 1 and config.sequence_parallel is False:
-        raise ConfigError(f"--tp {config.tp} with a Mixture-of-Experts model needs sequence parallelism (megatron-core's "
+    if lm.is_moe and tp > 1 and config.parallelism.sequence_parallel is False:
+        raise ConfigError(f"--tp {tp} with a Mixture-of-Experts model needs sequence parallelism (megatron-core's "
                           "MoE layers train under tensor parallelism only with it); drop --sequence-parallel false")
-    if sequence_parallel(arch, config) and config.packs_padded() and config.seq_len % config.tp:
-        raise ConfigError(f"--seq-len {config.seq_len} must be a multiple of --tp {config.tp} with sequence parallelism "
+    if sequence_parallel(arch, config.parallelism) and config.packs_padded() and config.data.seq_len % tp:
+        raise ConfigError(f"--seq-len {config.data.seq_len} must be a multiple of --tp {tp} with sequence parallelism "
                           "and packs padded to --seq-len (--pp > 1, --fp8 or --pad-packs), which the TP ranks split "
                           "evenly")
 
 
-def sequence_parallel(arch: ModelArch, config: TrainConfig) -> bool:
-    """Whether the run splits the rows over the TP ranks (`--sequence-parallel`; default: MoE models)."""
+def sequence_parallel(arch: ModelArch, config: ParallelismConfig) -> bool:
+    """Whether the run splits the rows over the TP ranks (`--sequence-parallel` of the
+    parallelism section `config`; default: MoE models)."""
     if config.tp == 1:
         return False
     return arch.lm.is_moe if config.sequence_parallel is None else config.sequence_parallel
 
 
-def build_optimizer(config: TrainConfig, model, cuda: bool, use_distributed: bool, bf16: bool):
+def build_optimizer(config: AdamWConfig, memory: MemoryConfig, model, cuda: bool, use_distributed: bool, bf16: bool):
+    """The optimizer of the optimizer section `config`, its Adam moments in the memory
+    section's --adam-state-dtype."""
     opt_config = OptimizerConfig(
         optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
         adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
         clip_grad=config.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=use_distributed)
-    optimizer = make_optimizer(model, opt_config, cuda, config.adam_state_dtype)
-    scheduler = RunSchedule(
-        optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr, min_lr=config.min_lr,
-        lr_warmup_steps=config.warmup_steps, lr_decay_steps=config.train_steps, lr_decay_style="cosine",
-        start_wd=config.weight_decay, end_wd=config.weight_decay, wd_incr_steps=config.train_steps,
+    return make_optimizer(model, opt_config, cuda, memory.adam_state_dtype)
+
+
+def build_scheduler(optimizer, config: AdamWConfig, schedule: ScheduleConfig) -> RunSchedule:
+    """The learning-rate and weight-decay schedule: the optimizer section's rates over the
+    schedule section's steps (linear warm-up, then cosine decay)."""
+    return RunSchedule(
+        optimizer, init_lr=0.0 if schedule.warmup_steps else config.lr, max_lr=config.lr, min_lr=config.min_lr,
+        lr_warmup_steps=schedule.warmup_steps, lr_decay_steps=schedule.train_steps, lr_decay_style="cosine",
+        start_wd=config.weight_decay, end_wd=config.weight_decay, wd_incr_steps=schedule.train_steps,
         wd_incr_style="constant")
-    return optimizer, scheduler
 
 
 def make_forward_step(data: TrainData, dtype: torch.dtype):
@@ -180,12 +190,12 @@ def run_global_batch(model, micro_batches: list[dict], forward_step, seq_length:
     return reports
 
 
-def evaluate(model, data: TrainData, forward_step, seq_length: int, info: ParallelInfo) -> tuple[float, int]:
+def evaluate(model, data: TrainData, forward_step, seq_length: int, pp: int, info: ParallelInfo) -> tuple[float, int]:
     model.eval()
     losses = []
     with torch.no_grad(), fp8_weight_scales_once(model):  # the weights stay as they are for the whole evaluation
         for micro_batches in data.eval_batches():
-            losses += run_global_batch(model, micro_batches, forward_step, seq_length, data.config.pp, forward_only=True)
+            losses += run_global_batch(model, micro_batches, forward_step, seq_length, pp, forward_only=True)
     model.train()
     loss, target_tokens, _, _ = reduce_loss(losses, info)
     return loss, target_tokens
@@ -224,11 +234,11 @@ def dry_run(config: TrainConfig) -> tuple[str, bool]:
     built."""
     config.validate()
     with inputs_checked():
-        arch = resolve_arch(config)
+        arch = resolve_arch(config.model)
     check_layout(arch, config)
-    share = data_visual_share(config, arch)
+    share = data_visual_share(config.data, arch)
     resolved, chosen = resolve_recompute(config, arch, cuda=True, visual_share=share)  # the plan is of GPUs
-    name = config.arch or arch.hf_architecture
+    name = config.model.arch or arch.hf_architecture
     settings, layout, gpu_gib = _plan_inputs(resolved, arch, share)
     lines = [memory_plan.report(name, arch, settings, layout, gpu_gib)]
     if chosen:
@@ -290,7 +300,9 @@ def smallest_layout_that_fits(config: TrainConfig, arch: ModelArch, visual_share
         for tp in (t for t in _divisors(gpus) if t <= NODE_GPUS):
             for pp in _divisors(gpus // tp):
                 for ep in _divisors(gpus // pp) if arch.lm.is_moe else (1,):
-                    candidate = dataclasses.replace(config, gpus=gpus, tp=tp, pp=pp, ep=ep)
+                    candidate = dataclasses.replace(
+                        config, memory=dataclasses.replace(config.memory, gpus=gpus),
+                        parallelism=dataclasses.replace(config.parallelism, tp=tp, pp=pp, ep=ep))
                     try:
                         candidate.validate()
                         check_layout(arch, candidate)
@@ -309,16 +321,16 @@ def smallest_layout_that_fits(config: TrainConfig, arch: ModelArch, visual_share
 
 def nothing_fits_advice(config: TrainConfig) -> str:
     """The line `--dry-run` ends with when no layout fits: what lowers the plan."""
-    if config.recompute == "auto":  # auto ended at every layer recomputed
-        config = dataclasses.replace(config, recompute="full")
+    if config.memory.recompute == "auto":  # auto ended at every layer recomputed
+        config = dataclasses.replace(config, memory=dataclasses.replace(config.memory, recompute="full"))
     resumable, new_run = memory_savings(config)
     changes = resumable + new_run
-    if not config.distributed_optimizer:
+    if not config.parallelism.distributed_optimizer:
         changes.append("--distributed-optimizer true (the optimizer state sharded over the data-parallel ranks)")
-    if not config.lora_rank:
+    if not config.lora.lora_rank:
         changes.append("--lora-rank 16 (adapters on a frozen model)"
-                       + ("" if "vision" in config.freeze else " or --freeze vision"))
-    if config.global_batch_packs or config.global_batch_tokens:
+                       + ("" if "vision" in config.model.freeze else " or --freeze vision"))
+    if config.data.global_batch_packs or config.data.global_batch_tokens:
         changes.append("a global batch that more data-parallel ranks divide (--global-batch-packs)")
     changes.append(f"more than {SUGGESTED_MAX_GPUS} GPUs")
     return f"no layout fits ({SEARCHED}); to fit, try: " + "; ".join(changes)
@@ -331,14 +343,16 @@ def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
     that make it fit (all of them if nothing fits); none on CPU. Returns the config and a line
     saying what was chosen (None for any other --recompute). `visual_share`: the data's, when
     already read (`data_visual_share`)."""
-    if config.recompute in ("selective", "full") and not cuda:
-        raise ConfigError(f"--recompute {config.recompute} needs CUDA (megatron-core's recompute saves and restores "
+    memory = config.memory
+    if memory.recompute in ("selective", "full") and not cuda:
+        raise ConfigError(f"--recompute {memory.recompute} needs CUDA (megatron-core's recompute saves and restores "
                           "the CUDA RNG state); a CPU run keeps every activation: drop the flag")
-    if config.recompute != "auto":
+    if memory.recompute != "auto":
         return config, None
     if not cuda:
-        return dataclasses.replace(config, recompute="none"), "--recompute auto: no recompute (a CPU run)"
-    layers = max(len(r) for r in convert.stage_layers(arch, config.pp))
+        return dataclasses.replace(config, memory=dataclasses.replace(memory, recompute="none")), \
+            "--recompute auto: no recompute (a CPU run)"
+    layers = max(len(r) for r in convert.stage_layers(arch, config.parallelism.pp))
     candidates = [("none", None)] + [("full", n) for n in range(1, layers)] + [("full", None)]
     settings, layout, gpu_gib = _plan_inputs(config, arch, visual_share)
     budget = memory_plan.FIT_FRACTION * gpu_gib
@@ -351,31 +365,34 @@ def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
         f"--recompute full of {recompute_layers or layers} of {layers} decoder layers per stage"
     verdict = "fits" if peak <= budget else "does NOT fit even so"
     chosen = f"--recompute auto: {what} (planned {peak:.1f} GiB, {verdict} in {budget:.1f} GiB)"
-    return dataclasses.replace(config, recompute=recompute, recompute_layers=recompute_layers), chosen
+    memory = dataclasses.replace(memory, recompute=recompute, recompute_layers=recompute_layers)
+    return dataclasses.replace(config, memory=memory), chosen
 
 
 def _plan_inputs(config: TrainConfig, arch: ModelArch, visual_share: float | None = None):
     """The memory plan's settings, layout and GPU memory (GiB) for this run. `visual_share`:
     the data's, when already read (`data_visual_share`)."""
-    gpus = config.gpus or int(os.environ.get("WORLD_SIZE", "1"))
-    if gpus % (config.tp * config.pp) or (gpus // config.pp) % config.ep:
-        raise ConfigError(f"--gpus {gpus} is not a multiple of --tp {config.tp} x --pp {config.pp} "
-                          f"and of --pp {config.pp} x --ep {config.ep}")
-    dp = gpus // (config.tp * config.pp)
+    data, memory, parallelism = config.data, config.memory, config.parallelism
+    tp, pp, ep = parallelism.tp, parallelism.pp, parallelism.ep
+    gpus = memory.gpus or int(os.environ.get("WORLD_SIZE", "1"))
+    if gpus % (tp * pp) or (gpus // pp) % ep:
+        raise ConfigError(f"--gpus {gpus} is not a multiple of --tp {tp} x --pp {pp} and of --pp {pp} x --ep {ep}")
+    dp = gpus // (tp * pp)
     settings = memory_plan.Settings(
-        seq_len=config.seq_len, micro_batch_packs=config.micro_batch_packs, global_packs=config.global_packs(dp),
-        recompute=config.recompute, recompute_layers=config.recompute_layers, grad_dtype=config.grad_dtype,
-        adam_state_dtype=config.adam_state_dtype, distributed_optimizer=config.distributed_optimizer,
-        freeze=tuple(config.freeze), lora=config.lora_spec(), recompute_vision=config.recompute_vision,
-        visual_share=data_visual_share(config, arch) if visual_share is None else visual_share,
-        sequence_parallel=sequence_parallel(arch, config))
-    gpu_gib = config.gpu_memory_gib or (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        seq_len=data.seq_len, micro_batch_packs=data.micro_batch_packs, global_packs=data.global_packs(dp),
+        recompute=memory.recompute, recompute_layers=memory.recompute_layers, grad_dtype=memory.grad_dtype,
+        adam_state_dtype=memory.adam_state_dtype, distributed_optimizer=parallelism.distributed_optimizer,
+        freeze=tuple(config.model.freeze), lora=config.lora.spec(), recompute_vision=memory.recompute_vision,
+        visual_share=data_visual_share(data, arch) if visual_share is None else visual_share,
+        sequence_parallel=sequence_parallel(arch, parallelism))
+    gpu_gib = memory.gpu_memory_gib or (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
                                         / memory_plan.GIB if torch.cuda.is_available() else 80.0)
-    return settings, memory_plan.Layout(tp=config.tp, pp=config.pp, dp=dp, ep=config.ep), gpu_gib
+    return settings, memory_plan.Layout(tp=tp, pp=pp, dp=dp, ep=ep), gpu_gib
 
 
-def data_visual_share(config: TrainConfig, arch: ModelArch) -> float:
-    """Visual tokens per token of the --data shards (`_visual_share`), else the recorded mixes'."""
+def data_visual_share(config: DataConfig, arch: ModelArch) -> float:
+    """Visual tokens per token of the data section's --data shards (`_visual_share`), else the
+    recorded mixes'."""
     share = _visual_share(config.data, arch.vision.spatial_merge_size)
     return memory_plan.VISUAL_SHARE if share is None else share
 
@@ -406,7 +423,8 @@ class Trainer:
 
     Leaving the `with` releases --out; after an error a save in flight still completes if it
     can. The profiling options (`train.profiling`) are the trainer's own: a subclass or a
-    caller reads `model`, `data` and `profiling` and never replaces the trainer's functions."""
+    caller reads `model`, `data` and `profiling` and never replaces the trainer's functions.
+    The trainer holds the whole config; each part it builds gets only its sections."""
 
     def __init__(self, config: TrainConfig):
         config.validate()
@@ -417,9 +435,11 @@ class Trainer:
         # when CUDA initialises, i.e. below; a PYTORCH_CUDA_ALLOC_CONF of the user's own wins.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         with inputs_checked():
-            self.arch = resolve_arch(config)
+            self.arch = resolve_arch(config.model)
         check_layout(self.arch, config)  # before any process group exists: a bad layout fails on every rank alike
-        self.info = init_parallel(config.tp, config.pp, ep=config.ep, device=config.device, seed=config.seed)
+        parallelism = config.parallelism
+        self.info = init_parallel(parallelism.tp, parallelism.pp, ep=parallelism.ep, device=parallelism.device,
+                                  seed=config.data.seed)
         self.cuda = self.info.device.type == "cuda"
         if self.cuda and self.arch.lm.has_linear_attention and (refusal := gated_delta_net.fla_backward_refusal()):
             raise ConfigError(refusal)
@@ -427,17 +447,18 @@ class Trainer:
         self.config, chosen = resolve_recompute(config, self.arch, cuda=self.cuda)
         if chosen and self.info.is_main:
             print(f"vlmpack train: {chosen}", flush=True)
-        self.out = Path(config.out)
-        self.bf16 = config.bf16 and self.cuda  # CPU runs (tests, smoke runs) are fp32 and bitwise reproducible
+        self.out = Path(config.checkpoints.out)
+        self.bf16 = config.memory.bf16 and self.cuda  # CPU runs (tests, smoke runs) are fp32 and bitwise reproducible
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
-        self.use_distributed = config.distributed_optimizer and self.cuda  # megatron's DistributedOptimizer is CUDA-only
+        # megatron's DistributedOptimizer is CUDA-only
+        self.use_distributed = parallelism.distributed_optimizer and self.cuda
         self._resources = ExitStack()
 
     def __enter__(self) -> Trainer:
         with ExitStack() as stack:  # a failing setup releases what it took
             lock_output_dir(stack, self.out, self.info)
-            self.saver = checkpoint.CheckpointSaver(self.out, self.info, self.config.keep_last,
-                                                    background=self.config.async_save)
+            self.saver = checkpoint.CheckpointSaver(self.out, self.info, self.config.checkpoints.keep_last,
+                                                    background=self.config.checkpoints.async_save)
             stack.callback(self.saver.abandon)  # an error mid-run: a save in flight still completes if it can
             self.setup()
             self._resources = stack.pop_all()
@@ -452,38 +473,44 @@ class Trainer:
         """Data, model, optimizer and LR schedule, then the checkpoint --resume continues."""
         config, arch, info = self.config, self.arch, self.info
         with inputs_checked():
-            self.data = TrainData(localize_sources(config, info), arch, info,
-                                  row_multiple=config.tp if sequence_parallel(arch, config) else 1)
+            self.data = TrainData(localize_sources(config.data, self.out, info), arch, info,
+                                  padded=config.packs_padded(), plan_cache=self.out / "plans",
+                                  eval_batches=config.schedule.eval_batches,
+                                  row_multiple=info.tp if sequence_parallel(arch, config.parallelism) else 1)
         self.model_config, self.model = self.build_model()
-        self.optimizer, self.scheduler = build_optimizer(config, self.model, self.cuda, self.use_distributed, self.bf16)
+        self.optimizer = build_optimizer(config.optimizer, config.memory, self.model, self.cuda, self.use_distributed,
+                                         self.bf16)
+        self.scheduler = build_scheduler(self.optimizer, config.optimizer, config.schedule)
         self.model_config.grad_scale_func = self.optimizer.scale_loss
         self.model_config.finalize_model_grads_func = finalize_grads  # used by the PP schedule
         self.model_config.no_sync_func = self.model.no_sync
-        self.step_count = self.resume() if config.resume else 0
-        self.logger = MetricsLogger(self.out, config, info, enabled=info.is_main)
+        self.step_count = self.resume() if config.checkpoints.resume else 0
+        self.logger = MetricsLogger(self.out, config.logging, info, enabled=info.is_main,
+                                    total_steps=config.schedule.train_steps, run_config=config.to_flat())
         self.timer = StepTimer(info.device)
-        self.profiling = Profiling(config, self.out, info)
+        self.profiling = Profiling(config.profiling, self.out, info)
         self.forward_step = make_forward_step(self.data, self.dtype)
-        self.seq_length = config.seq_len * config.micro_batch_packs
+        self.seq_length = config.data.seq_len * config.data.micro_batch_packs
         self.lm_flops_per_token = lm_flops_per_token(arch)
         self.world_flops = peak_tflops(info.device) * 1e12 * info.world
 
     def build_model(self):
         """megatron's model config and this rank's stage, weights loaded, wrapped in megatron's DDP."""
         config, arch, info = self.config, self.arch, self.info
-        model_config, model = model_setup.build_model_for_run(config, arch, info, self.dtype, self.bf16,
-                                                             sequence_parallel(arch, config))
+        model_config, model = model_setup.build_model_for_run(config.model, config.memory, arch, info, self.dtype,
+                                                             self.bf16, sequence_parallel(arch, config.parallelism),
+                                                             static_rows=config.packs_padded())
         with inputs_checked():
-            model_setup.load_weights(model, config, arch, info)
-        model_setup.freeze(model, config.freeze)
-        if config.fp8:
-            use_fp8(model, config.fp8, emulate=not self.cuda,
-                    rows=config.seq_len * config.micro_batch_packs if config.packs_padded() else None)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_dtype == "fp32",
+            model_setup.load_weights(model, config.model, config.lora, config.data.seed, arch, info)
+        model_setup.freeze(model, config.model.freeze)
+        if config.model.fp8:
+            use_fp8(model, config.model.fp8, emulate=not self.cuda,
+                    rows=config.data.seq_len * config.data.micro_batch_packs if config.packs_padded() else None)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=config.memory.grad_dtype == "fp32",
                                                    overlap_grad_reduce=False,
                                                    use_distributed_optimizer=self.use_distributed)
         model = DistributedDataParallel(model_config, ddp_config, model)
-        if config.pp == 1:
+        if info.pp == 1:
             use_grad_buffers(model)
         return model_config, model
 
@@ -492,12 +519,13 @@ class Trainer:
         config = self.config
         with inputs_checked():
             step = checkpoint.resume(self.out, self.model, self.optimizer, self.scheduler, self.data, self.info)
-        if config.extend_schedule and step and self.scheduler.lr_decay_steps != config.train_steps:
+        train_steps = config.schedule.train_steps
+        if config.schedule.extend_schedule and step and self.scheduler.lr_decay_steps != train_steps:
             saved = checkpoint.latest_checkpoint(self.out)
-            line = self.scheduler.extend(config.train_steps, checkpoint.new_run_hint(saved, config.to_dict()))
+            line = self.scheduler.extend(train_steps, checkpoint.new_run_hint(saved, config.to_flat()))
             if self.info.is_main:
                 print(f"vlmpack train: {line}", flush=True)
-        if self.cuda and config.adam_state_dtype == "fp32":
+        if self.cuda and config.memory.adam_state_dtype == "fp32":
             use_fused_adamw(self.optimizer)  # the checkpoint may come from a run with bf16 moments
         return step
 
@@ -505,7 +533,7 @@ class Trainer:
 
     def train(self) -> dict:
         """Steps until --train-steps (or a stop signal, or --exit-interval); the run's summary."""
-        config = self.config
+        schedule, checkpoints = self.config.schedule, self.config.checkpoints
         result = {"start_step": self.step_count}
         last_saved = self.step_count
         self.model.train()
@@ -513,26 +541,27 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
         # a scheduler's SIGTERM/SIGUSR1: finish the step, save, exit 0; Ctrl-C (SIGINT): the same, exit 130
         with StopRequest(repeat_line=self.repeat_line) as self.stop:
-            while self.step_count < config.train_steps:
+            while self.step_count < schedule.train_steps:
                 started = time.perf_counter()
                 with self.profiling.step(self.step_count + 1):
                     micro_batches = self.data.next_global_batch()
                     record = self.step(micro_batches, started)
-                if config.eval_data and config.eval_every and self.step_count % config.eval_every == 0 \
-                        and not self.stop_requested:
+                evaluating = schedule.eval_every and self.data.eval_loader is not None \
+                    and self.step_count % schedule.eval_every == 0
+                if evaluating and not self.stop_requested:
                     record["eval_loss"], record["eval_target_tokens"] = self.evaluate()
                 t_checkpoint = time.perf_counter()
                 self.saver.settle(self.saves_written)  # a background save every rank has written: complete it
-                exiting = (bool(config.exit_interval) and self.step_count % config.exit_interval == 0) \
+                exiting = (bool(schedule.exit_interval) and self.step_count % schedule.exit_interval == 0) \
                     or self.stop_requested is not None
-                final = self.step_count == config.train_steps and config.save_final
-                if (config.save_every and self.step_count % config.save_every == 0) or final or exiting:
+                final = self.step_count == schedule.train_steps and checkpoints.save_final
+                if (checkpoints.save_every and self.step_count % checkpoints.save_every == 0) or final or exiting:
                     self.save()
                     last_saved = self.step_count
                     if exiting or final:
                         self.saver.wait()
                 record.update(checkpoint_record(self.saver, time.perf_counter() - t_checkpoint))
-                if self.step_count % config.log_every == 0 or self.step_count == config.train_steps \
+                if self.step_count % self.config.logging.log_every == 0 or self.step_count == schedule.train_steps \
                         or "checkpoint_stall_s" in record:
                     self.logger.log(record)
                 result = {**result, **record}
@@ -542,8 +571,8 @@ class Trainer:
                     break
         self.saver.wait()
         self.logger.close()
-        if config.export_hf and self.step_count == config.train_steps == last_saved:  # not after a stop: the run goes on later
-            checkpoint.export_hf_from_run(self.out, self.step_count, config.export_hf, self.info)
+        if checkpoints.export_hf and self.step_count == schedule.train_steps == last_saved:  # not after a stop: goes on later
+            checkpoint.export_hf_from_run(self.out, self.step_count, checkpoints.export_hf, self.info)
         result["final_step"] = self.step_count
         return result
 
@@ -557,7 +586,7 @@ class Trainer:
         self.optimizer.zero_grad()
         self.timer.mark()
         with fp8_weight_scales_once(self.model):
-            losses = run_global_batch(self.model, micro_batches, self.forward_step, self.seq_length, self.config.pp,
+            losses = run_global_batch(self.model, micro_batches, self.forward_step, self.seq_length, self.info.pp,
                                       forward_only=False)
         self.timer.mark()
         update_ok, grad_norm, _ = self.optimizer.step()
@@ -583,7 +612,7 @@ class Trainer:
                   # whole step; use more recompute (--recompute-layers) or shorter packs
                   "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.cuda else None}
         lm = self.arch.lm
-        if lm.is_moe and self.config.moe_aux_loss_coef:
+        if lm.is_moe and self.config.model.moe_aux_loss_coef:
             record["moe_load_balancing_loss"] = load_balancing_loss(len(micro_batches), lm.num_experts_per_tok)
         if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
             self.saver.wait()  # the save in flight (every rank is here: the loss and norm are global) completes
@@ -592,11 +621,12 @@ class Trainer:
 
     def evaluate(self) -> tuple[float, int]:
         """(mean loss per target token, target tokens) of the --eval-data batches."""
-        return evaluate(self.model, self.data, self.forward_step, self.seq_length, self.info)
+        return evaluate(self.model, self.data, self.forward_step, self.seq_length, self.info.pp, self.info)
 
     def save(self) -> None:
         """A checkpoint of this step (written in the background with --async-save)."""
-        self.saver.save(self.step_count, self.model, self.optimizer, self.scheduler, self.data, self.config, self.arch)
+        self.saver.save(self.step_count, self.model, self.optimizer, self.scheduler, self.data, self.arch,
+                        run_config=self.config.to_flat(), source=self.config.model)
 
     def stopped(self) -> dict:
         """A stop signal ended the run at this step (saved): say so; the summary's keys."""
@@ -634,16 +664,16 @@ def diverged_advice(config: TrainConfig, step: int, loss: float, grad_norm: floa
     """One line for a step whose loss or gradient norm is not finite: the settings that scale the
     update, and the checkpoint (saved before the step) to go on from."""
     what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
-    settings = [f"--lr {config.lr:g}"]
-    if config.lora_rank:
-        settings.append(f"--lora-alpha {config.lora_spec().alpha:g} (the adapters' scale)")
-    if config.moe_aux_loss_coef:
-        settings.append(f"--moe-aux-loss-coef {config.moe_aux_loss_coef:g}")
-    clipping = "; --clip-grad 0 turns clipping off: give e.g. --clip-grad 1" if config.clip_grad == 0 else ""
-    saved = checkpoint.latest_checkpoint(Path(config.out))
+    settings = [f"--lr {config.optimizer.lr:g}"]
+    if config.lora.lora_rank:
+        settings.append(f"--lora-alpha {config.lora.spec().alpha:g} (the adapters' scale)")
+    if config.model.moe_aux_loss_coef:
+        settings.append(f"--moe-aux-loss-coef {config.model.moe_aux_loss_coef:g}")
+    clipping = "; --clip-grad 0 turns clipping off: give e.g. --clip-grad 1" if config.optimizer.clip_grad == 0 else ""
+    saved = checkpoint.latest_checkpoint(Path(config.checkpoints.out))
     if saved is None:
         where = "no checkpoint was saved"
-    elif config.lora_rank:
+    elif config.lora.lora_rank:
         where = f"checkpoint {saved} holds the adapters from before it"
     else:
         where = f"checkpoint {saved} holds the weights from before it: a new run starts from them with --init " \
@@ -665,21 +695,22 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def memory_savings(config: TrainConfig) -> tuple[list[str], list[str]]:
     """The settings of `config` that lower its memory, cheapest in speed first: those --resume
     accepts, and those that need a new run (they change the data order); not the layout."""
+    memory, data = config.memory, config.data
     resumable, new_run = [], []  # settings --resume accepts / settings that change the data order
-    if config.bf16 and "fp32" in (config.grad_dtype, config.adam_state_dtype):
+    if memory.bf16 and "fp32" in (memory.grad_dtype, memory.adam_state_dtype):
         resumable.append("--grad-dtype bf16 --adam-state-dtype bf16 (half the gradient and Adam-moment memory)")
-    if config.recompute != "full":
+    if memory.recompute != "full":
         resumable.append("--recompute full (decoder layers recomputed in backward)")
-    elif config.recompute_layers is not None:
-        resumable.append(f"more --recompute-layers than {config.recompute_layers}, or drop the flag (every layer recomputed)")
-    if config.recompute_vision is False:
+    elif memory.recompute_layers is not None:
+        resumable.append(f"more --recompute-layers than {memory.recompute_layers}, or drop the flag (every layer recomputed)")
+    if memory.recompute_vision is False:
         resumable.append("--recompute-vision true")
-    if config.micro_batch_packs > 1:
-        if config.global_batch_packs or config.global_batch_tokens:
+    if data.micro_batch_packs > 1:
+        if data.global_batch_packs or data.global_batch_tokens:
             resumable.append("--micro-batch-packs 1 (more micro-batches, the same global batch)")
         else:  # the global batch defaults to dp x micro-batch packs: it would shrink
             new_run.append("--micro-batch-packs 1 with --global-batch-packs set to keep the global batch")
-    new_run.append(f"a shorter --seq-len than {config.seq_len}")
+    new_run.append(f"a shorter --seq-len than {data.seq_len}")
     return resumable, new_run
 
 
@@ -691,12 +722,12 @@ def out_of_memory_advice(config: TrainConfig, exc: BaseException) -> str:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
         where = f" (peak {torch.cuda.max_memory_allocated() / 2**30:.1f} of {total:.1f} GiB allocated)"
     resumable, new_run = memory_savings(config)
-    new_run.append(f"--tp {2 * config.tp} or --pp {2 * config.pp} over more GPUs")
+    new_run.append(f"--tp {2 * config.parallelism.tp} or --pp {2 * config.parallelism.pp} over more GPUs")
     lines = [f"out of GPU memory{where}: {first_line}"]
     if resumable:
         lines.append("To fit, try (cheapest first): " + "; ".join(resumable) + ".")
     lines.append(("Or, as a new run: " if resumable else "To fit, start a new run with: ") + "; ".join(new_run) + ".")
-    saved = checkpoint.latest_checkpoint(Path(config.out))
+    saved = checkpoint.latest_checkpoint(Path(config.checkpoints.out))
     lines.append(f"Checkpoint {saved} is intact: --resume continues it with the first kind of change; a new run "
                  f"starts from its weights with --init {saved / 'model'}." if saved else "No checkpoint was saved yet.")
     return "\n".join(lines)
@@ -711,7 +742,7 @@ class Train:
         from train.config import config_from_args
 
         config = config_from_args(args)  # ConfigError: one line, exit 2 (the dispatcher)
-        if config.dry_run:
+        if config.memory.dry_run:
             report, fits = dry_run(config)
             print(report)
             return EXIT_OK if fits else EXIT_FAULT  # no layout fits: nothing to launch
@@ -723,7 +754,7 @@ class Train:
             print(f"vlmpack train: error: {out_of_memory_advice(config, exc)}", file=sys.stderr)
             return EXIT_OUT_OF_GPU_MEMORY
         except KeyboardInterrupt:  # Ctrl-C outside the training loop (setup, export), where a step is not saved
-            saved = checkpoint.latest_checkpoint(Path(config.out))
+            saved = checkpoint.latest_checkpoint(Path(config.checkpoints.out))
             print("vlmpack train: interrupted (SIGINT) outside the training loop; "
                   + (f"the latest checkpoint, {saved}, is intact" if saved else "no checkpoint was saved"),
                   file=sys.stderr)
