@@ -319,6 +319,18 @@ def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message)
     assert "Traceback" not in proc.stderr
 
 
+
+def test_eval_every_evaluates_the_eval_data_every_n_steps(shards, tmp_path):
+    """--eval-every N with --eval-data: every N steps (and only then) the step's record holds the
+    loss over the first --eval-batches global batches of the eval data."""
+    out = tmp_path / "run"
+    ok(run_train([*BASE, "--data", str(shards), "--eval-data", str(shards), "--eval-every", "2", "--eval-batches", "1",
+                  "--out", str(out), "--train-steps", "2", "--save-final", "false"]))
+    first, second = metrics(out)
+    assert "eval_loss" not in first and np.isfinite(second["eval_loss"]) and second["eval_loss"] > 0
+    # one global batch of the same shards, planned alike: the packs of the first training step
+    assert second["eval_target_tokens"] == first["target_tokens"] > 0
+
 def test_trains_on_shards_with_videos_and_images(tmp_path):
     """Rows with videos (and images) through the loader, the vision tower and the loss; the
     model's logits on such packs equal HF's (tests/test_model_parity.py)."""

@@ -72,9 +72,9 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
         convert.check_parallel(arch, tp, pp, ep)
     except ValueError as exc:
         raise ConfigError(f"--tp {tp} cannot split {arch.family}: {exc}") from None
-    per_stage = lm.num_layers // pp
-    if config.memory.recompute_layers is not None and config.memory.recompute_layers > per_stage:
-        raise ConfigError(f"--recompute-layers {config.memory.recompute_layers}: each pipeline stage has {per_stage} decoder "
+    per_stage, recompute_layers = lm.num_layers // pp, config.memory.recompute_layers
+    if recompute_layers is not None and recompute_layers > per_stage:
+        raise ConfigError(f"--recompute-layers {recompute_layers}: each pipeline stage has {per_stage} decoder "
                           f"layers; give at most {per_stage}, or drop the flag to recompute all of them")
     spec = config.lora.spec()
     if spec is not None:
@@ -190,12 +190,12 @@ def run_global_batch(model, micro_batches: list[dict], forward_step, seq_length:
     return reports
 
 
-def evaluate(model, data: TrainData, forward_step, seq_length: int, pp: int, info: ParallelInfo) -> tuple[float, int]:
+def evaluate(model, data: TrainData, forward_step, seq_length: int, info: ParallelInfo) -> tuple[float, int]:
     model.eval()
     losses = []
     with torch.no_grad(), fp8_weight_scales_once(model):  # the weights stay as they are for the whole evaluation
         for micro_batches in data.eval_batches():
-            losses += run_global_batch(model, micro_batches, forward_step, seq_length, pp, forward_only=True)
+            losses += run_global_batch(model, micro_batches, forward_step, seq_length, info.pp, forward_only=True)
     model.train()
     loss, target_tokens, _, _ = reduce_loss(losses, info)
     return loss, target_tokens
@@ -621,7 +621,7 @@ class Trainer:
 
     def evaluate(self) -> tuple[float, int]:
         """(mean loss per target token, target tokens) of the --eval-data batches."""
-        return evaluate(self.model, self.data, self.forward_step, self.seq_length, self.info.pp, self.info)
+        return evaluate(self.model, self.data, self.forward_step, self.seq_length, self.info)
 
     def save(self) -> None:
         """A checkpoint of this step (written in the background with --async-save)."""
