@@ -463,7 +463,7 @@ def test_the_saved_config_is_flat_and_reads_back_as_a_config_file(tmp_path):
     """The resolved config a checkpoint saves (trainer.json's `config`, `TrainConfig.to_flat`) is
     flat, keyed by the flags' names in --help's order, whatever section a setting is in; as a
     --config file (or through `from_flat`, as a resume reads it) it gives the same config."""
-    from train.config import TrainConfig, add_train_flags, config_from_args
+    from train.config import FLOAT_RANGES, INT_RANGES, TrainConfig, add_train_flags, config_from_args
 
     parser = argparse.ArgumentParser()
     add_train_flags(parser)
@@ -474,6 +474,7 @@ def test_the_saved_config_is_flat_and_reads_back_as_a_config_file(tmp_path):
             config.profiling.profile_start, config.data.pad_packs) == (["a:2", "b"], 3e-5, ["llm", "vision"], 2, 3, True)
     flat = config.to_flat()
     assert list(flat) == [a.dest for a in parser._actions if a.dest not in ("help", "config")]
+    assert set(INT_RANGES) | set(FLOAT_RANGES) <= set(flat)  # each range is checked by its setting's section
     (tmp_path / "saved.json").write_text(json.dumps(flat))
     assert config_from_args(parser.parse_args(["--config", str(tmp_path / "saved.json")])) == config
     assert TrainConfig.from_flat(json.loads(json.dumps(flat))) == config

@@ -76,7 +76,6 @@ GROUPS = {
 }
 
 
-
 def _why(name: str, value, low) -> str:
     reason = UPPER_BOUND_REASONS.get(name)
     return f" ({reason})" if reason and isinstance(value, (int, float)) and value > low else ""
