@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -785,6 +786,30 @@ def loss_check(ours: dict, hf: dict, device: str) -> dict:
 # ------------------------------------------------------------------------------------------ report
 
 
+def curve_check(repeats: list[dict]) -> dict | None:
+    """Step-by-step loss curves of every run (warm-up steps included: all start from the same
+    weights on the same packs): how far vlmpack's curves lie from HF's, against how far HF's
+    own runs lie from each other (its run-to-run spread: atomics in the attention and GDN
+    backward make no two runs equal). Per step, the largest difference over pairs; reported:
+    their median and largest over the steps."""
+    ours = [[s["loss"] for s in r["ours"]["steps"]] for r in repeats]
+    hf = [[s["loss"] for s in r["hf"]["steps"]] for r in repeats if "hf" in r and "error" not in r["hf"]]
+    if len(hf) < 2:
+        return None
+    steps = min(len(c) for c in ours + hf)
+
+    def spread(pairs) -> dict:
+        per_step = [max(abs(a[s] - b[s]) for a, b in pairs) for s in range(steps)]
+        return {"median": float(np.median(per_step)), "max": max(per_step), "per_step": per_step}
+
+    across = spread([(a, b) for a in ours for b in hf])
+    within_hf = spread(list(itertools.combinations(hf, 2)))
+    within_ours = spread(list(itertools.combinations(ours, 2)))
+    return {"steps": steps, "vlmpack_vs_hf": across, "hf_vs_hf": within_hf, "vlmpack_vs_vlmpack": within_ours,
+            "within_hf_spread": across["median"] <= within_hf["median"],
+            "method": "per step: the largest |loss difference| over pairs of runs; median and largest over steps"}
+
+
 def fmt_pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -860,6 +885,12 @@ def print_table(res: dict) -> None:
         if key in ratios:
             r = ratios[key]
             print(f"vlmpack / HF {label}: {r['ratio']:.2f}x ({r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f}x)")
+    if res.get("curves"):
+        c = res["curves"]
+        print(f"loss curves over {c['steps']} steps, median (largest) per-step difference: vlmpack vs HF "
+              f"{c['vlmpack_vs_hf']['median']:.4f} ({c['vlmpack_vs_hf']['max']:.4f}), HF vs HF "
+              f"{c['hf_vs_hf']['median']:.4f} ({c['hf_vs_hf']['max']:.4f}), vlmpack vs vlmpack "
+              f"{c['vlmpack_vs_vlmpack']['median']:.4f} ({c['vlmpack_vs_vlmpack']['max']:.4f})", flush=True)
     if res.get("loss_check"):
         c = res["loss_check"]
         print(f"step-1 loss check: {'ok' if c['ok'] else 'FAILED'} ({c})", flush=True)
@@ -945,6 +976,7 @@ def main(argv=None) -> int:
         res["repeats"].append(run)
         write_json(json_out, res)  # what is measured so far survives a later failure
     res["ratios"] = compare(res["repeats"])
+    res["curves"] = curve_check(res["repeats"])
     res["total_s"] = time.perf_counter() - T0
     write_json(json_out, res)
     log(f"wrote {json_out}")
