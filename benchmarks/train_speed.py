@@ -282,6 +282,10 @@ class TrainerProbe:
 
 
 KERNEL_KINDS = (  # first match wins; FlashAttention kernel names mention cutlass types, so they go first
+    # flash-linear-attention's Gated DeltaNet kernels (its chunked delta rule, gates, conv)
+    ("linear attention", ("gated_delta", "gdn_", "chunk_", "solve_tril", "wy_", "kkt", "l2norm", "causal_conv1d",
+                          "fused_recurrent", "cumsum_", "recompute_w_u")),
+    ("experts (grouped GEMM, dispatch)", ("grouped", "moe", "permute")),
     ("attention", ("flash", "fmha", "attn")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "sm80_xmma", "wgmma")),
     ("norm", ("norm",)),
@@ -437,7 +441,7 @@ def gpu_idle_summary(trace: dict, big_gap_us: float = 20.0, top: int = 15) -> di
             "by_label": ranked(by["label"]), "by_host_op": ranked(by["op"]), "by_runtime_call": ranked(by["runtime"])}
 
 
-def kernel_summary(prof, top: int = 25, skip: set[str] = frozenset()) -> dict:
+def kernel_summary(prof, top: int = 60, skip: set[str] = frozenset()) -> dict:
     """GPU self time per kernel kind and the top kernels of one profiled step. `skip`: names of
     user ranges (`label_modules`), which the profiler also lists as device-side annotations
     spanning their kernels: counted, they doubled the GPU time of `--trace` runs."""
