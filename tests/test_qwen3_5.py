@@ -664,8 +664,11 @@ def test_dry_run_plans_the_published_models(capsys):
 def test_gpu_bf16_packed_samples_stay_close_to_hf(moe):
     """On a GPU in bf16 (varlen attention, flash-linear-attention's Gated DeltaNet kernels where
     fla-core is installed, the grouped GEMM): each sample of a pack stays as close to HF's fp32
-    model on that sample alone as HF's own bf16 model on the GPU does, within twice its error or
-    2 % of the largest logit, whichever is larger."""
+    model on that sample alone as HF's own bf16 model on the GPU does: its mean error within
+    twice HF's, its largest within twice HF's largest or 2 % of the largest logit, whichever is
+    larger. In the MoE model a token whose router scores nearly tie may pick another expert in
+    bf16, on either side, and its row then differs by far more than rounding: there the bound
+    on the largest error is 10 % of the largest logit."""
     import copy
 
     info = init_parallel(1, 1, device="cuda")
@@ -693,8 +696,11 @@ def test_gpu_bf16_packed_samples_stay_close_to_hf(moe):
             with torch.no_grad():
                 theirs = hf_bf16(input_ids=ids, use_cache=False, **inputs,
                                  mm_token_type_ids=torch.from_numpy(_mm_types(sample["input_ids"]))[None].cuda())
-            hf_error = (theirs.logits[0].float().cpu() - reference).abs().max().item()
-            our_error = (ours[rows] - reference).abs().max().item()
-            assert our_error <= max(2 * hf_error, 0.02 * reference.abs().max().item()), (our_error, hf_error)
+            hf_error = (theirs.logits[0].float().cpu() - reference).abs()
+            our_error = (ours[rows] - reference).abs()
+            assert our_error.mean() <= 2 * hf_error.mean(), (our_error.mean().item(), hf_error.mean().item())
+            share = 0.1 if moe else 0.02
+            largest = max(2 * hf_error.max().item(), share * reference.abs().max().item())
+            assert our_error.max().item() <= largest, (our_error.max().item(), hf_error.max().item())
     finally:
         destroy_parallel()
