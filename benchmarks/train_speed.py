@@ -285,7 +285,7 @@ KERNEL_KINDS = (  # first match wins; FlashAttention kernel names mention cutlas
     # flash-linear-attention's Gated DeltaNet kernels (its chunked delta rule, gates, conv)
     ("linear attention", ("gated_delta", "gdn_", "chunk_", "solve_tril", "wy_", "kkt", "l2norm", "causal_conv1d",
                           "fused_recurrent", "cumsum_", "recompute_w_u")),
-    ("experts (grouped GEMM, dispatch)", ("grouped", "moe", "permute")),
+    ("experts (grouped GEMM, dispatch)", ("grouped", "groupproblem", "moe", "permute")),
     ("attention", ("flash", "fmha", "attn")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "sm80_xmma", "wgmma")),
     ("norm", ("norm",)),
