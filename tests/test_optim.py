@@ -167,6 +167,83 @@ def test_bf16_gradient_in_place_with_scale_equals_the_scaled_fp32_copy(seed, gra
             assert torch.equal(ours.state[a][key], ref.state[b][key]), key
 
 
+def test_bf16_parameter_update_is_unbiased_where_round_to_nearest_never_moves():
+    """bf16 parameters (`bf16_params`, `--master-weights bf16`): with lr 1e-3 every AdamW step
+    moves a weight of about 1 by 1e-3, below half its bf16 step (2^-8 = 3.9e-3), so a
+    round-to-nearest update never moves it. Stochastically rounded, each stored weight is one of
+    the two bf16 values around torch's fp32 result, and the mean over many copies follows the
+    fp32 trajectory over 20 steps within a tolerance far below the 0.02 it travels."""
+    values, copies, steps, lr = 64, 4000, 20, 1e-3
+    start = (1 + torch.rand(values, generator=torch.Generator().manual_seed(0))).bfloat16().repeat(copies)
+    grad = torch.linspace(-1, 1, values).add_(0.01).repeat(copies)  # no zeros: each weight moves lr a step
+    ours = start.clone().requires_grad_()
+    ref = start.float().requires_grad_()
+    adam = AdamWBf16State([ours], lr=lr, betas=(0.9, 0.95), bf16_params=True)
+    torch_adam = torch.optim.AdamW([ref], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    nearest = start.clone()
+    torch.manual_seed(0)
+    for step in range(steps):
+        before = ref.detach().clone()
+        ours.grad, ref.grad = grad.bfloat16(), grad.clone()
+        adam.step()
+        torch_adam.step()
+        nearest = (nearest.float() + (ref.detach() - before)).bfloat16()  # the same update, rounded to nearest
+        if step == 0:
+            below, above = bf16_neighbours(ref.detach())
+            assert ((ours.float() == below) | (ours.float() == above)).all()
+    assert ours.dtype == torch.bfloat16 and adam.state[ours]["exp_avg"].dtype == torch.bfloat16
+    mean = ours.detach().float().view(copies, values).mean(0)
+    exact = ref.detach()[:values]
+    bf16_step = 2.0 ** -7  # of values in [1, 2)
+    tolerance = 5 * steps ** 0.5 * bf16_step / 2 / copies ** 0.5  # 5 sigma of the mean of 20 roundings
+    assert (exact - start[:values].float()).abs().min() > 10 * tolerance  # the weights really travel
+    assert (mean - exact).abs().max() < tolerance, ((mean - exact).abs().max(), tolerance)
+    assert torch.equal(nearest, start)  # the contrast: round-to-nearest never moved a weight
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_fp32_tensors_holding_bf16_values_take_the_same_bf16_step(state_dtype):
+    """A CPU run computes in fp32, so `--master-weights bf16` keeps its weights as fp32 tensors at
+    bf16 values: from the same random stream they take bitwise the step that bf16 tensors take.
+    Moments are stored in `state_dtype` (fp32 moments: `--adam-state-dtype fp32`): fp32 ones are
+    torch's AdamW moments, and they survive a state-dict round trip in their dtype."""
+    g = torch.Generator().manual_seed(3)
+    start = [torch.randn(s, generator=g).bfloat16() for s in [(17,), (8, 9)]]
+    grads = [torch.randn(t.shape, generator=g).bfloat16().float() for t in start]  # the same in either dtype
+    runs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        tensors = [t.detach().to(dtype, copy=True).requires_grad_() for t in start]
+        adam = AdamWBf16State(tensors, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, bf16_params=True,
+                              state_dtype=state_dtype)
+        torch.manual_seed(0)
+        for _ in range(3):
+            for t, grad in zip(tensors, grads):
+                t.grad = grad.to(dtype)
+            adam.step()
+        runs.append((tensors, adam))
+    (bf16, ours), (fp32, emulated) = runs
+    for a, b in zip(bf16, fp32):
+        assert a.dtype == torch.bfloat16 and b.dtype == torch.float32
+        assert torch.equal(a.float(), b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert ours.state[a][key].dtype == state_dtype
+            assert torch.equal(ours.state[a][key], emulated.state[b][key])
+    if state_dtype == torch.float32:  # fp32 moments: torch's, from the same gradients
+        ref = [t.detach().float().requires_grad_() for t in start]
+        torch_adam = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        for _ in range(3):
+            for t, grad in zip(ref, grads):
+                t.grad = grad.clone()
+            torch_adam.step()
+        for a, r in zip(bf16, ref):
+            torch.testing.assert_close(ours.state[a]["exp_avg"], torch_adam.state[r]["exp_avg"], rtol=1e-6, atol=1e-7)
+    fresh = AdamWBf16State(bf16, lr=1e-2, bf16_params=True, state_dtype=state_dtype)
+    fresh.load_state_dict(ours.state_dict())
+    for a in bf16:
+        assert all(torch.equal(fresh.state[a][k], ours.state[a][k]) for k in ("exp_avg", "exp_avg_sq"))
+        assert fresh.state[a]["exp_avg"].dtype == state_dtype
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fused_step_equals_torch_adamw():
