@@ -7,10 +7,14 @@ form of Adam's second-moment average under a constant gradient.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
+from tests.helpers.cli import process_env
 from train.adamw_bf16_state import AdamWBf16State, stochastic_round_bf16
 
 
@@ -242,6 +246,87 @@ def test_fp32_tensors_holding_bf16_values_take_the_same_bf16_step(state_dtype):
     for a in bf16:
         assert all(torch.equal(fresh.state[a][k], ours.state[a][k]) for k in ("exp_avg", "exp_avg_sq"))
         assert fresh.state[a]["exp_avg"].dtype == state_dtype
+
+
+def fused_step(adam: AdamWBf16State, device: torch.device) -> None:
+    """`adam.step()` through the Triton kernel on `device` (a CPU one: the kernel in Triton's
+    interpreter), every tensor one group, no closure."""
+    from train.adamw_bf16_state import adamw_scalars
+
+    (group,) = adam.param_groups
+    items = []
+    for p in group["params"]:
+        state = adam._state_of(p)
+        state["step"] += 1
+        items.append((p, adam.gradient(p), state))
+    scalars = adamw_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], float(items[0][2]["step"]))
+    adam._fused_step(items, scalars, 1.0, device)
+
+
+def check_fused_bf16_parameter_step(device: torch.device, state_dtype: torch.dtype) -> None:
+    """The Triton kernel with bf16 parameters (PARAM_BF16) and bf16 or fp32 moments
+    (STATE_BF16), on tensors around and across its block: each stored weight is one of the
+    two bf16 values around the eager update's exact fp32 result (give or take a few fp32 ulps
+    of operation order), fp32 moments are the eager ones, bf16 moments their neighbours, and
+    over 500 copies of the same values the stored weights average to the fp32 result."""
+    from train.adamw_bf16_state import BLOCK
+
+    copies = 500
+    gen = torch.Generator().manual_seed(4)
+    sizes = [7, BLOCK, BLOCK + 1, 64 * copies]
+    start = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    start[-1] = start[-1][:64].repeat(copies)
+    grads = [torch.randn(n, generator=gen) * 10 ** (i % 3 - 2) for i, n in enumerate(sizes)]
+    grads[-1] = grads[-1][:64].repeat(copies)
+    options = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    exact = [t.float().requires_grad_() for t in start]  # fp32 weights and moments: nothing rounded
+    oracle = AdamWBf16State(exact, state_dtype=torch.float32, **options)
+    ours = [t.to(device).requires_grad_() for t in start]
+    adam = AdamWBf16State(ours, fused=True, bf16_params=True, state_dtype=state_dtype, **options)
+    for t, e, g in zip(ours, exact, grads):
+        t.decoupled_grad, e.grad = g.bfloat16().to(device), g.bfloat16().float()
+    oracle.step()
+    torch.manual_seed(0)
+    fused_step(adam, device)
+    for i, (t, e) in enumerate(zip(ours, exact)):
+        stored, fp32 = t.detach().float().cpu(), e.detach()
+        slack = 8 * torch.finfo(torch.float32).eps * fp32.abs()
+        below, _ = bf16_neighbours(fp32 - slack)
+        _, above = bf16_neighbours(fp32 + slack)
+        assert t.dtype == torch.bfloat16 and ((stored >= below) & (stored <= above)).all(), i
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment, ref = adam.state[t][key].cpu(), oracle.state[e][key]
+            assert moment.dtype == state_dtype
+            if state_dtype == torch.float32:
+                torch.testing.assert_close(moment, ref, rtol=1e-6, atol=1e-12)
+            else:
+                low, _ = bf16_neighbours(ref - 4 * torch.finfo(torch.float32).eps * ref.abs())
+                _, high = bf16_neighbours(ref + 4 * torch.finfo(torch.float32).eps * ref.abs())
+                assert ((moment.float() >= low) & (moment.float() <= high)).all(), (i, key)
+    mean = ours[-1].detach().float().cpu().view(copies, 64).mean(0)
+    below, above = bf16_neighbours(exact[-1].detach()[:64])
+    error = (mean - exact[-1].detach()[:64]).abs() / (above - below).clamp(min=torch.finfo(torch.float32).tiny)
+    assert error.max() < 5 * 0.5 / copies ** 0.5, error.max()
+    moved = exact[-1].detach()[:64] != start[-1][:64].float()
+    assert moved.all() and (exact[-1].detach()[:64].bfloat16() == start[-1][:64]).any()  # some only stochastically
+
+
+def test_fused_bf16_parameter_step_in_tritons_interpreter_equals_the_eager_oracle():
+    """`check_fused_bf16_parameter_step` on the CPU: the kernel run by Triton's interpreter,
+    which is chosen before Triton is imported, so in a process of its own."""
+    pytest.importorskip("triton")
+    code = ("import torch; from tests.test_optim import check_fused_bf16_parameter_step as check; "
+            "[check(torch.device('cpu'), dtype) for dtype in (torch.bfloat16, torch.float32)]")
+    proc = subprocess.run([sys.executable, "-c", code], env={**process_env(), "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_fused_bf16_parameter_step_equals_the_eager_oracle(state_dtype):
+    check_fused_bf16_parameter_step(torch.device("cuda"), state_dtype)
 
 
 @pytest.mark.gpu
