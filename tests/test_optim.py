@@ -541,3 +541,75 @@ def test_gpu_fast_step_equals_megatrons_step(state_dtype, clip_grad):
                 torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
     finally:
         destroy_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_gpu_distributed_optimizer_without_master_weights_updates_the_bf16_weights(state_dtype):
+    """`--master-weights bf16` under megatron's DistributedOptimizer: building it allocates no
+    fp32 copy of the weights (4 bytes a parameter with fp32 master weights), the inner
+    optimizer's parameters are the model's own bf16 weights (their memory in DDP's parameter
+    buffer), and from the same weights and gradients three steps give the fp32-master run's
+    first grad norm and weights within a few bf16 steps of its weights."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from train.model.arch import builtin_arch
+    from train.model.qwen_vl import transformer_config
+    from train.optim import build_optimizer
+    from train.parallel import build_model, destroy_parallel, init_parallel
+
+    info = init_parallel(1, 1, device="cuda")
+    try:
+        arch = builtin_arch("tiny")
+        config = transformer_config(arch, params_dtype=torch.bfloat16, bf16=True)
+        torch.manual_seed(0)
+        weights = build_model(arch, config, info).state_dict()
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        runs = []
+        for master_weights in ("fp32", "bf16"):
+            model = build_model(arch, config, info)
+            model.load_state_dict(weights)
+            model = DistributedDataParallel(config, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+            opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=1.0, bf16=True,
+                                         params_dtype=torch.bfloat16, use_distributed_optimizer=True)
+            params = [p for p in model.parameters() if p.requires_grad]
+            numel = sum(p.numel() for p in params)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            optimizer = build_optimizer(model, opt_config, cuda=True, adam_state_dtype=state_dtype,
+                                        master_weights=master_weights)
+            built = torch.cuda.max_memory_allocated() - before
+            inner = [p for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+                     for group in sub.optimizer.param_groups for p in group["params"]]
+            if master_weights == "bf16":
+                assert built < 0.5 * numel, (built, numel)
+                assert all(p.dtype == torch.bfloat16 for p in inner)
+                assert sorted(p.data_ptr() for p in inner) == sorted(p.data_ptr() for p in params)  # dp 1: whole
+            else:
+                assert built >= 4 * numel and all(p.dtype == torch.float32 for p in inner)
+            initial = [p.detach().float().clone() for p in params]
+            gen.manual_seed(1)
+            torch.manual_seed(0)
+            norms = []
+            for step in range(3):
+                model.zero_grad_buffer()
+                optimizer.zero_grad()
+                for p in params:
+                    p.main_grad.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.01)
+                ok, norm, _ = optimizer.step()
+                assert ok
+                norms.append(norm)
+            runs.append((norms, initial, [p.detach().float().clone() for p in params]))
+        (norms_fp32, _, weights_fp32), (norms_bf16, initial, weights_bf16) = runs
+        assert abs(norms_bf16[0] - norms_fp32[0]) <= 1e-5 * norms_fp32[0]
+        numel = sum(t.numel() for t in initial)
+        assert sum(int((a != b).sum()) for a, b in zip(weights_bf16, initial)) > numel / 2  # updated in place
+        for a, b in zip(weights_bf16, weights_fp32):
+            ulp = torch.finfo(torch.bfloat16).eps * b.abs().clamp(min=1e-6)
+            assert ((a - b).abs() <= 4 * ulp + 1e-6).all()
+    finally:
+        destroy_parallel()

@@ -889,6 +889,33 @@ def test_gpu_bf16_grads_and_adam_state_with_distributed_optimizer(shards, tmp_pa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_master_weights_with_distributed_optimizer(shards, tmp_path):
+    """--master-weights bf16 under megatron's DistributedOptimizer: its parameter state file
+    holds the bf16 weights as "param" (bf16 values, with the Adam moments), the background
+    save writes what megatron would, a stop/resume gives the uninterrupted run's losses (up to
+    GPU non-determinism), and the losses follow the fp32-master run's."""
+    common = [*BASE, *GPU, "--data", str(shards), "--train-steps", "6", "--save-every", "3", "--grad-dtype", "bf16"]
+    low = [*common, "--master-weights", "bf16"]
+    ok(run_train([*common, "--out", str(tmp_path / "fp32")]))
+    ok(run_train([*low, "--out", str(tmp_path / "full")]))
+    proc = ok(run_train([*low, "--out", str(tmp_path / "part"), "--exit-interval", "3"], code=COMPARE_PARAMETER_STATE))
+    assert "parameter state of step 3: same, written" in proc.stdout
+    ckpt = tmp_path / "part" / "checkpoints" / "step_00000003"
+    param_state = torch.load(next(ckpt.glob("optimizer_param_state_*.pt")), weights_only=False)
+    saved = nested_dicts(param_state, ("param", "exp_avg", "exp_avg_sq"))
+    assert saved and all(torch.equal(d["param"], d["param"].bfloat16().float()) for d in saved)
+    assert all(d["param"].abs().sum() > 0 and d["exp_avg_sq"].abs().sum() > 0 for d in saved)
+    ok(run_train([*low, "--out", str(tmp_path / "part"), "--resume"]))
+    fp32, full, part = (metrics(tmp_path / name) for name in ("fp32", "full", "part"))
+    assert [m["step"] for m in part] == [1, 2, 3, 4, 5, 6]
+    assert [m["tokens"] for m in part] == [m["tokens"] for m in full] == [m["tokens"] for m in fp32]
+    np.testing.assert_allclose([m["loss"] for m in part], [m["loss"] for m in full], rtol=2e-3)
+    np.testing.assert_allclose([m["loss"] for m in full], [m["loss"] for m in fp32], rtol=2e-2)
+    assert np.mean([m["loss"] for m in full[-2:]]) < np.mean([m["loss"] for m in full[:2]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_compiled_model_equals_eager(shards):
     """compile_model (torch.compile of the vision blocks and the rotary) computes what the eager
     model computes: same logits and parameter gradients up to bf16 rounding."""
