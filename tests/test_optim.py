@@ -172,7 +172,7 @@ def test_bf16_gradient_in_place_with_scale_equals_the_scaled_fp32_copy(seed, gra
 
 
 def test_bf16_parameter_update_is_unbiased_where_round_to_nearest_never_moves():
-    """bf16 parameters (`bf16_params`, `--master-weights bf16`): with lr 1e-3 every AdamW step
+    """bf16 parameters (`--master-weights bf16`): with lr 1e-3 every AdamW step
     moves a weight of about 1 by 1e-3, below half its bf16 step (2^-8 = 3.9e-3), so a
     round-to-nearest update never moves it. Stochastically rounded, each stored weight is one of
     the two bf16 values around torch's fp32 result, and the mean over many copies follows the
@@ -182,7 +182,7 @@ def test_bf16_parameter_update_is_unbiased_where_round_to_nearest_never_moves():
     grad = torch.linspace(-1, 1, values).add_(0.01).repeat(copies)  # no zeros: each weight moves lr a step
     ours = start.clone().requires_grad_()
     ref = start.float().requires_grad_()
-    adam = AdamWBf16State([ours], lr=lr, betas=(0.9, 0.95), bf16_params=True)
+    adam = AdamWBf16State([ours], lr=lr, betas=(0.9, 0.95))
     torch_adam = torch.optim.AdamW([ref], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     nearest = start.clone()
     torch.manual_seed(0)
@@ -217,8 +217,8 @@ def test_fp32_tensors_holding_bf16_values_take_the_same_bf16_step(state_dtype):
     runs = []
     for dtype in (torch.bfloat16, torch.float32):
         tensors = [t.detach().to(dtype, copy=True).requires_grad_() for t in start]
-        adam = AdamWBf16State(tensors, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, bf16_params=True,
-                              state_dtype=state_dtype)
+        adam = AdamWBf16State(tensors, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                              bf16_values=dtype == torch.float32, state_dtype=state_dtype)
         torch.manual_seed(0)
         for _ in range(3):
             for t, grad in zip(tensors, grads):
@@ -241,7 +241,7 @@ def test_fp32_tensors_holding_bf16_values_take_the_same_bf16_step(state_dtype):
             torch_adam.step()
         for a, r in zip(bf16, ref):
             torch.testing.assert_close(ours.state[a]["exp_avg"], torch_adam.state[r]["exp_avg"], rtol=1e-6, atol=1e-7)
-    fresh = AdamWBf16State(bf16, lr=1e-2, bf16_params=True, state_dtype=state_dtype)
+    fresh = AdamWBf16State(bf16, lr=1e-2, state_dtype=state_dtype)
     fresh.load_state_dict(ours.state_dict())
     for a in bf16:
         assert all(torch.equal(fresh.state[a][k], ours.state[a][k]) for k in ("exp_avg", "exp_avg_sq"))
@@ -282,7 +282,7 @@ def check_fused_bf16_parameter_step(device: torch.device, state_dtype: torch.dty
     exact = [t.float().requires_grad_() for t in start]  # fp32 weights and moments: nothing rounded
     oracle = AdamWBf16State(exact, state_dtype=torch.float32, **options)
     ours = [t.to(device).requires_grad_() for t in start]
-    adam = AdamWBf16State(ours, fused=True, bf16_params=True, state_dtype=state_dtype, **options)
+    adam = AdamWBf16State(ours, fused=True, state_dtype=state_dtype, **options)
     for t, e, g in zip(ours, exact, grads):
         t.decoupled_grad, e.grad = g.bfloat16().to(device), g.bfloat16().float()
     oracle.step()

@@ -1,5 +1,5 @@
 """`AdamWBf16State`: AdamW on fp32 master weights with its two moments stored in bf16 (or on
-the bf16 weights themselves, with no fp32 master copy: `bf16_params`).
+the bf16 weights themselves, with no fp32 master copy).
 
 torch.optim.AdamW keeps `exp_avg` / `exp_avg_sq` in the parameter's dtype: 8 bytes per fp32
 parameter, 16 GiB for Qwen3-VL-2B. Here they take 4 bytes. The update itself is torch's
@@ -20,11 +20,12 @@ kernel then reads megatron's bf16 gradient buffer where it lies, upcasting in re
 instead of an fp32 copy of every gradient (`train.optim.use_fast_step`). `grad_scale`
 multiplies the next step's gradients (gradient clipping folded into the update).
 
-`bf16_params` (`--master-weights bf16`): no fp32 master weights at all. The update reads the
+bf16 parameters (`--master-weights bf16`: no fp32 master weights at all): the update reads the
 bf16 parameter, computes in fp32 and writes the parameter back stochastically rounded, as the
 moments are, so an update below half a bf16 step of the weight (2^-9 of it: most updates at
-fine-tuning learning rates) still moves it on average instead of being lost. `state_dtype`
-fp32 keeps the moments in fp32 (`--adam-state-dtype fp32` with bf16 parameters).
+fine-tuning learning rates) still moves it on average instead of being lost. A CPU run, which
+computes in fp32, keeps fp32 parameters at bf16 values the same way (`bf16_values`).
+`state_dtype` fp32 keeps the moments in fp32 (`--adam-state-dtype fp32` with bf16 parameters).
 """
 
 from __future__ import annotations
@@ -63,12 +64,12 @@ def _store(dst: Tensor, value: Tensor, rounded: bool) -> None:
 
 
 def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, scalars: list[float],
-                 grad_scale: float = 1.0, bf16_param: bool = False) -> None:
+                 grad_scale: float = 1.0, bf16_value: bool = False) -> None:
     """One AdamW step of one tensor, in place (eager torch), computed in fp32; the gradient
     (fp32 or bf16) is multiplied by `grad_scale` in fp32 first, as megatron's clipping scales
     fp32 gradients. bf16 moments are stored stochastically rounded, fp32 ones as computed. The
-    parameter is stored stochastically rounded to bf16 when it is a bf16 tensor or `bf16_param`
-    (an fp32 tensor that holds bf16 values: `--master-weights bf16` on a CPU run)."""
+    parameter is stored stochastically rounded to bf16 when it is a bf16 tensor or `bf16_value`
+    (an fp32 tensor kept at bf16 values: `--master-weights bf16` on a CPU run)."""
     beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, correction2_sqrt = scalars
     grad = grad.float() if grad_scale == 1.0 else grad.float() * grad_scale
     m = torch.lerp(exp_avg.float(), grad, one_minus_beta1)
@@ -76,7 +77,7 @@ def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
     denominator = v.sqrt().div_(correction2_sqrt).add_(eps)
     _store(exp_avg, m, exp_avg.dtype == torch.bfloat16)
     _store(exp_avg_sq, v, exp_avg_sq.dtype == torch.bfloat16)
-    if bf16_param or param.dtype != torch.float32:
+    if bf16_value or param.dtype != torch.float32:
         _store(param, param.float().mul(decay).addcdiv_(m, denominator, value=step_size), True)
     else:
         param.mul_(decay)
@@ -190,18 +191,19 @@ class AdamWBf16State(torch.optim.Optimizer):
     casts). `fused`: the multi-tensor Triton kernel (CUDA tensors); otherwise eager torch.
     Gradients: see `gradient` and `grad_scale`.
 
-    `bf16_params`: the parameters are the model's own bf16 weights (no fp32 master copy), or on
-    a CPU run fp32 tensors kept at bf16 values; each update is stored stochastically rounded.
-    `state_dtype`: the moments' dtype, bf16 (default) or fp32."""
+    bf16 parameters (the model's own weights, no fp32 master copy) are written back
+    stochastically rounded. `bf16_values`: so are fp32 parameters, kept at bf16 values (a CPU
+    run's `--master-weights bf16`; eager path). `state_dtype`: the moments' dtype, bf16
+    (default) or fp32."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, fused: bool = False, bf16_params: bool = False,
+                 weight_decay: float = 0.0, fused: bool = False, bf16_values: bool = False,
                  state_dtype: torch.dtype = torch.bfloat16):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         if state_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"AdamWBf16State: state_dtype {state_dtype}: bf16 or fp32 moments only")
         self.fused = fused
-        self.bf16_params = bf16_params
+        self.bf16_values = bf16_values
         self.state_dtype = state_dtype
         self._tables: dict[tuple, _BlockTable] = {}
         self._warned_unaligned = False
@@ -248,32 +250,30 @@ class AdamWBf16State(torch.optim.Optimizer):
         assert closure is None, "AdamWBf16State takes no closure"
         grad_scale, self.grad_scale = self.grad_scale, 1.0
         for group in self.param_groups:
-            batches: dict[tuple, list] = {}  # tensors that share a device, a step count and a gradient dtype
+            batches: dict[tuple, list] = {}  # tensors that share a device, a step count and parameter and gradient dtypes
             for p in group["params"]:
                 grad = self.gradient(p)
                 if grad is None:
                     continue
                 state = self._state_of(p)
                 state["step"] += 1
-                batches.setdefault((p.device, float(state["step"]), grad.dtype), []).append((p, grad, state))
-            for (device, step, _), items in batches.items():
+                batches.setdefault((p.device, float(state["step"]), p.dtype, grad.dtype), []).append((p, grad, state))
+            for (device, step, param_dtype, _), items in batches.items():
                 scalars = adamw_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], step)
-                if self.fused and device.type == "cuda":
+                if self.fused and device.type == "cuda" and not (self.bf16_values and param_dtype == torch.float32):
                     self._fused_step(items, scalars, grad_scale, device)
                 else:
                     for p, grad, state in items:
                         adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], scalars, grad_scale,
-                                     self.bf16_params)
+                                     self.bf16_values)
 
     def _fused_step(self, items: list, scalars: list[float], grad_scale: float, device: torch.device) -> None:
-        grad_dtype = items[0][1].dtype
-        param_dtype = torch.bfloat16 if self.bf16_params else torch.float32
+        param_dtype, grad_dtype = items[0][0].dtype, items[0][1].dtype  # one of each per batch
         for p, grad, _ in items:
-            if not (p.dtype == param_dtype and grad.dtype in (torch.float32, torch.bfloat16)
+            if not (p.dtype in (torch.float32, torch.bfloat16) and grad.dtype in (torch.float32, torch.bfloat16)
                     and p.is_contiguous() and grad.is_contiguous()):
-                raise TypeError(f"AdamWBf16State(fused=True, bf16_params={self.bf16_params}) updates contiguous "
-                                f"{param_dtype} parameters with fp32 or bf16 gradients, got {p.dtype} "
-                                f"{tuple(p.shape)} with a {grad.dtype} gradient")
+                raise TypeError(f"AdamWBf16State(fused=True) updates contiguous fp32 or bf16 parameters with fp32 or "
+                                f"bf16 gradients, got {p.dtype} {tuple(p.shape)} with a {grad.dtype} gradient")
         pointers = torch.tensor([[t.data_ptr() for t in (p, g, s["exp_avg"], s["exp_avg_sq"])] for p, g, s in items],
                                 dtype=torch.int64)
         aligned = (pointers % 16 == 0).all(dim=1)  # the kernel's vector loads need 16-byte aligned starts
@@ -284,8 +284,7 @@ class AdamWBf16State(torch.optim.Optimizer):
                 self._warned_unaligned = True
             for (p, grad, state), ok in zip(items, aligned.tolist()):
                 if not ok:
-                    adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], scalars, grad_scale,
-                                 self.bf16_params)
+                    adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], scalars, grad_scale)
             items, pointers = [item for item, ok in zip(items, aligned.tolist()) if ok], pointers[aligned]
             if not items:
                 return
@@ -303,4 +302,5 @@ class AdamWBf16State(torch.optim.Optimizer):
             if block_tensor.numel():
                 kernel[(block_tensor.numel(),)](block_tensor, block_start, *pointers, table.numels, scalars_t, seed,
                                                 BLOCK=BLOCK, TAIL=tail, GRAD_BF16=grad_dtype == torch.bfloat16,
-                                                PARAM_BF16=self.bf16_params, STATE_BF16=self.state_dtype == torch.bfloat16)
+                                                PARAM_BF16=param_dtype == torch.bfloat16,
+                                                STATE_BF16=self.state_dtype == torch.bfloat16)

@@ -15,9 +15,10 @@ DistributedOptimizer `use_fast_step` replaces its step's norm and clipping (and,
 AdamWBf16State, its fp32 copy of every gradient).
 
 `--master-weights bf16` drops the fp32 master weights (4 bytes per parameter): AdamWBf16State
-with `bf16_params` updates the model's bf16 weights themselves, stochastically rounded, its
-moments in the `--adam-state-dtype` (`use_bf16_params`). On CPU runs (fp32 compute) the weights
-stay fp32 tensors holding bf16 values.
+updates the model's bf16 weights themselves, stochastically rounded, its moments in the
+`--adam-state-dtype` (on GPUs under megatron's distributed optimizer:
+`distributed_optimizer_without_master_weights`). On CPU runs (fp32 compute) the weights stay
+fp32 tensors kept at bf16 values (`bf16_values`).
 """
 
 from __future__ import annotations
@@ -43,11 +44,13 @@ def _decays(name: str, param: torch.nn.Parameter) -> bool:
     return param.ndim > 1 and not name.endswith(".bias")
 
 
-def _adamw_options(adam_state_dtype: str, master_weights: str) -> dict:
-    """AdamWBf16State's options for these settings (None: torch's AdamW does it)."""
+def _adamw_options(adam_state_dtype: str, master_weights: str, cuda: bool) -> dict | None:
+    """AdamWBf16State's options for these settings; None where torch's AdamW makes the same
+    update (fp32 master weights and moments; on bf16 weights it would round to nearest). On GPUs
+    bf16 weights are bf16 tensors, rounded as such; a CPU run's are fp32 tensors at bf16 values."""
     if master_weights == "fp32" and adam_state_dtype == "fp32":
         return None
-    return dict(bf16_params=master_weights == "bf16",
+    return dict(bf16_values=master_weights == "bf16" and not cuda,
                 state_dtype=torch.bfloat16 if adam_state_dtype == "bf16" else torch.float32)
 
 
@@ -57,7 +60,7 @@ class CpuAdamW:
         self.params = [p for _, p in named]
         groups = [{"params": [p for n, p in named if _decays(n, p)], "weight_decay": config.weight_decay},
                   {"params": [p for n, p in named if not _decays(n, p)], "weight_decay": 0.0, "wd_mult": 0.0}]
-        options = _adamw_options(adam_state_dtype, master_weights)
+        options = _adamw_options(adam_state_dtype, master_weights, cuda=False)
         self.optimizer = (torch.optim.AdamW if options is None else functools.partial(AdamWBf16State, **options))(
             [g for g in groups if g["params"]], lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps)
@@ -143,10 +146,11 @@ def use_bf16_adam_state(optimizer, **options) -> None:
 
 def distributed_optimizer_without_master_weights(model, config: OptimizerConfig):
     """megatron's DistributedOptimizer whose inner optimizer holds shards of the model's own
-    bf16 weights instead of fp32 copies of them (`--master-weights bf16`); the inner torch
-    AdamW is still to be replaced (`use_bf16_adam_state(bf16_params=True)`).
+    bf16 weights instead of fp32 copies of them (`--master-weights bf16`); its inner torch
+    AdamW is still to be replaced by `AdamWBf16State` (`use_bf16_adam_state`), which rounds
+    bf16 weights stochastically.
 
-    megatron lays its optimizer out so for its precision-aware optimizer (Transformer Engine's
+    megatron builds this layout for its precision-aware optimizer (Transformer Engine's
     FusedAdam, which keeps the master weights itself): `use_precision_aware_optimizer_no_fp8_or_ds_fp8`
     makes `_build_model_and_main_param_groups` allocate no fp32 main shards and give the inner
     optimizer the bf16 shards, views of DDP's parameter buffer, which the step's all-gather then
@@ -254,10 +258,10 @@ def build_optimizer(model, config: OptimizerConfig, cuda: bool, adam_state_dtype
     optimizer, `use_fast_step` (False: megatron's own step, for A/B)."""
     if not cuda:
         return CpuAdamW(model, config, adam_state_dtype, master_weights)
-    options = _adamw_options(adam_state_dtype, master_weights)
+    options = _adamw_options(adam_state_dtype, master_weights, cuda=True)
     if master_weights == "bf16":
         optimizer = distributed_optimizer_without_master_weights(model, config)
-        fast_step = True  # megatron's own step reads `.grad`, which bf16 shards cannot take in fp32
+        fast_step = True  # megatron's own step copies each gradient to an fp32 `.grad`, which a bf16 shard cannot hold
     else:
         optimizer = get_megatron_optimizer(config, [model])
     if options is None:
