@@ -244,7 +244,7 @@ def test_bf16_master_weights_train_and_resume_bitwise(shards, full_run, tmp_path
     stochastically rounded (a CPU run computes in fp32, so its weights are fp32 tensors at bf16
     values). The loss falls, the saved weights are bf16 values, a stop/resume equals the
     uninterrupted run bitwise (the rounding draws from the RNG state the checkpoint saved), and
-    the fp32-master run's checkpoint continues with bf16 weights, its fp32 moments kept."""
+    a checkpoint resumes with the other setting in either direction."""
     from safetensors.torch import load_file
 
     args = [*BASE, "--data", str(shards), "--train-steps", "6", "--save-every", "3", "--master-weights", "bf16"]
@@ -271,6 +271,16 @@ def test_bf16_master_weights_train_and_resume_bitwise(shards, full_run, tmp_path
     switched_losses = [m["loss"] for m in metrics(switched)]
     assert [m["step"] for m in metrics(switched)] == [4, 5, 6] and switched_losses[0] == fp32_master[3]
     np.testing.assert_allclose(switched_losses, fp32_master[3:], rtol=5e-2)
+    # and back: the bf16-master checkpoint of step 3 continues with fp32 master weights (torch's
+    # AdamW again, from the bf16 values)
+    back = tmp_path / "back"
+    start_run_from(part / "checkpoints" / "step_00000003", back)
+    ok(run_train([*[a for a in args if a not in ("--master-weights", "bf16")], "--out", str(back), "--resume"]))
+    back_losses = [m["loss"] for m in metrics(back)]
+    assert [m["step"] for m in metrics(back)] == [4, 5, 6] and back_losses[0] == losses[3]
+    np.testing.assert_allclose(back_losses, losses[3:], rtol=5e-2)
+    groups = torch.load(back / "checkpoints/step_00000006/rank_00000.pt", weights_only=False)["optimizer"]["param_groups"]
+    assert all("amsgrad" in g for g in groups)  # torch's AdamW wrote it
 
 
 def test_data_parallel_matches_single_process(shards, full_run, tmp_path):
