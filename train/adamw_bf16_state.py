@@ -184,7 +184,7 @@ class _BlockTable:
 
 
 class AdamWBf16State(torch.optim.Optimizer):
-    """AdamW on fp32 parameters whose moments `exp_avg` / `exp_avg_sq` are bf16.
+    """AdamW on fp32 (or bf16) parameters whose moments `exp_avg` / `exp_avg_sq` are bf16 (or fp32).
 
     State keys and the CPU `step` tensor are torch.optim.AdamW's, so megatron's distributed
     optimizer saves, gathers and restores them as it does torch's (it copies values, which
@@ -250,7 +250,8 @@ class AdamWBf16State(torch.optim.Optimizer):
         assert closure is None, "AdamWBf16State takes no closure"
         grad_scale, self.grad_scale = self.grad_scale, 1.0
         for group in self.param_groups:
-            batches: dict[tuple, list] = {}  # tensors that share a device, a step count and parameter and gradient dtypes
+            # tensors that share a device, a step count, a parameter dtype and a gradient dtype
+            batches: dict[tuple, list] = {}
             for p in group["params"]:
                 grad = self.gradient(p)
                 if grad is None:
