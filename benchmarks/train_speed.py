@@ -119,6 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="trainer's --compile-decoder: compile each dense decoder layer (true/false; default true)")
     ap.add_argument("--grad-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's gradient buffers")
     ap.add_argument("--adam-state-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's Adam moments")
+    ap.add_argument("--master-weights", default="fp32", choices=STATE_DTYPES,
+                    help="trainer's --master-weights: fp32 copy of the bf16 weights, or none (bf16)")
     ap.add_argument("--lr", type=float, default=1e-5, help="learning rate of both sides")
     ap.add_argument("--lora-rank", type=int, default=0,
                     help="both sides train LoRA adapters of this rank (alpha 2 x rank) on every language-model linear, "
@@ -486,7 +488,8 @@ def resolve_auto_recompute(args, data_dir: Path, device: torch.device) -> None:
     config = TrainConfig(data=[str(data_dir)], arch=args.arch, seq_len=args.seq_len, dry_run=True,
                          global_batch_packs=args.global_batch_packs, recompute="auto",
                          recompute_vision=args.recompute_vision, grad_dtype=args.grad_dtype,
-                         adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank)
+                         adam_state_dtype=args.adam_state_dtype, master_weights=args.master_weights,
+                         lora_rank=args.lora_rank)
     config, args.recompute_auto = resolve_recompute(config, resolve_arch(config), cuda=device.type == "cuda")
     args.recompute, args.recompute_layers = config.recompute, config.recompute_layers
     log(f"ours: {args.recompute_auto}")
@@ -503,7 +506,8 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         recompute=recompute, recompute_layers=args.recompute_layers if recompute == "full" else None,
         recompute_vision=args.recompute_vision, device=args.device, num_workers=args.num_workers, tensorboard=False,
         save_every=0, save_final=args.keep_checkpoint, seed=args.seed, log_every=1, attention=args.attention, grad_dtype=args.grad_dtype,
-        adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank, compile_decoder=args.compile_decoder,
+        adam_state_dtype=args.adam_state_dtype, master_weights=args.master_weights, lora_rank=args.lora_rank,
+        compile_decoder=args.compile_decoder,
         fp8=args.fp8, pad_packs=args.pad_packs,
         # the last unmeasured step: profiling overhead stays out of the figures
         profile_start=args.warmup if args.profile and device.type == "cuda" else 0)
@@ -516,7 +520,8 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         f"vision {config.recompute_vision}, attention {config.attention}, "
         f"compiled decoder {config.compile_decoder}, fp8 {config.fp8 or 'off'}, "
         f"packs padded {config.packs_padded()}, grads {config.grad_dtype}, "
-        f"Adam state {config.adam_state_dtype}, LoRA rank {config.lora_rank}) -> {run_dir}")
+        f"Adam state {config.adam_state_dtype}, master weights {config.master_weights}, "
+        f"LoRA rank {config.lora_rank}) -> {run_dir}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -635,6 +640,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
         "attention": config.attention,
         "grad_dtype": config.grad_dtype,
         "adam_state_dtype": config.adam_state_dtype,
+        "master_weights": config.master_weights,
         "kernels": probe.kernels,
         "gpu_idle": probe.idle,
     }

@@ -167,6 +167,11 @@ class TrainConfig:
                                                         "(default: this GPU's, else 80)")
     grad_dtype: str = _opt("fp32", "memory", "gradient buffers: fp32 or bf16 (half the memory, bf16 runs; default fp32)")
     adam_state_dtype: str = _opt("fp32", "memory", "Adam moments: fp32 or bf16 (stochastically rounded; default fp32)")
+    master_weights: str = _opt("fp32", "memory", "weights the optimizer updates: fp32 (an fp32 copy of every bf16 "
+                                                 "weight, 4 bytes a trained parameter) or bf16 (the bf16 weights "
+                                                 "themselves, updated with stochastic rounding: saves those 4 bytes, "
+                                                 "at some accuracy risk in long runs; full fine-tuning with --bf16 "
+                                                 "and the distributed optimizer only; default fp32)")
     # optimisation
     lr: float = _opt(1e-5, "optimizer", "peak learning rate (default 1e-5)")
     min_lr: float = _opt(0.0, "optimizer", "learning rate at the end of the cosine decay (default 0)")
@@ -262,7 +267,7 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {bad}: choose from {list(FREEZABLE)}")
         self._validate_lora()
         choices = {"recompute": RECOMPUTE, "attention": ATTENTION_KERNELS, "grad_dtype": STATE_DTYPES,
-                   "adam_state_dtype": STATE_DTYPES}
+                   "adam_state_dtype": STATE_DTYPES, "master_weights": STATE_DTYPES}
         if self.device is not None:
             choices["device"] = DEVICES
         if self.fp8 is not None:
@@ -270,12 +275,28 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose from {list(allowed)}")
+        if self.master_weights == "bf16":
+            self._validate_bf16_master_weights()
         if self.pad_packs is False and self.pp > 1:
             raise ConfigError(f"--pad-packs false with --pp {self.pp}: the pipeline schedule sends packs of one "
                               f"shape, so they are padded to --seq-len; drop --pad-packs false or use --pp 1")
         if self.recompute_layers is not None and self.recompute != "full":
             raise ConfigError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
                               f"(the decoder layers per pipeline stage whose activations are recomputed)")
+
+    def _validate_bf16_master_weights(self) -> None:
+        """--master-weights bf16 drops the fp32 copy of weights that are bf16 and fully trained."""
+        if self.lora_rank:
+            raise ConfigError(f"--master-weights bf16 with --lora-rank {self.lora_rank}: LoRA trains only the adapters "
+                              "(and --lora-modules-to-save), whose fp32 master weights are small; the frozen base has "
+                              "none; drop --master-weights bf16")
+        if not self.bf16:
+            raise ConfigError("--master-weights bf16 with --bf16 false: fp32 weights have no fp32 copy to drop; "
+                              "drop --master-weights bf16 or --bf16 false")
+        if not self.distributed_optimizer:
+            raise ConfigError("--master-weights bf16 with --distributed-optimizer false: the bf16 update is built on "
+                              "the distributed optimizer (it still shards the Adam moments over data-parallel ranks); "
+                              "drop --distributed-optimizer false")
 
     def _validate_numbers(self) -> None:
         """Every numeric setting within its range (`INT_RANGES`, `FLOAT_RANGES`); floats finite."""

@@ -107,7 +107,7 @@ def build_optimizer(config: TrainConfig, model, cuda: bool, use_distributed: boo
         adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
         clip_grad=config.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=use_distributed)
-    optimizer = make_optimizer(model, opt_config, cuda, config.adam_state_dtype)
+    optimizer = make_optimizer(model, opt_config, cuda, config.adam_state_dtype, master_weights=config.master_weights)
     scheduler = RunSchedule(
         optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr, min_lr=config.min_lr,
         lr_warmup_steps=config.warmup_steps, lr_decay_steps=config.train_steps, lr_decay_style="cosine",
@@ -365,7 +365,8 @@ def _plan_inputs(config: TrainConfig, arch: ModelArch, visual_share: float | Non
     settings = memory_plan.Settings(
         seq_len=config.seq_len, micro_batch_packs=config.micro_batch_packs, global_packs=config.global_packs(dp),
         recompute=config.recompute, recompute_layers=config.recompute_layers, grad_dtype=config.grad_dtype,
-        adam_state_dtype=config.adam_state_dtype, distributed_optimizer=config.distributed_optimizer,
+        adam_state_dtype=config.adam_state_dtype, master_weights=config.master_weights,
+        distributed_optimizer=config.distributed_optimizer,
         freeze=tuple(config.freeze), lora=config.lora_spec(), recompute_vision=config.recompute_vision,
         visual_share=data_visual_share(config, arch) if visual_share is None else visual_share,
         sequence_parallel=sequence_parallel(arch, config))
