@@ -307,7 +307,7 @@ def model_flops(arch, lengths: list[int], grids: np.ndarray) -> dict:
     update and readout, 6 Hv dk dv, and the chunk of 64's intra-chunk products, 2 x 64 Hv (dk + dv);
     vision_dense: patch embedding + blocks per patch, mergers (final + DeepStack) per merged
     token; vision_attention: bidirectional 4 S^2 hidden per layer forward, S = the patches of
-    a frame (Qwen2.5-VL: of a window, on its windowed layers)."""
+    a frame (a windowed tower, Qwen2.5-VL's: of a window, on its windowed layers)."""
     from train.model.vision import frame_cu_seqlens, window_order
 
     lm, v = arch.lm, arch.vision
@@ -323,8 +323,9 @@ def model_flops(arch, lengths: list[int], grids: np.ndarray) -> dict:
     if len(grids):
         grid = torch.as_tensor(np.asarray(grids), dtype=torch.long).reshape(-1, 3)
         patches = float(grid.prod(1).sum())
-        h, i = v.hidden_size, v.intermediate_size
-        mlp = (3 if v.family == "qwen2.5-vl" else 2) * h * i
+        h = v.hidden_size
+        with torch.device("meta"):  # a block MLP's multiply-adds per patch: its weight matrices' sizes
+            mlp = sum(p.numel() for p in v.variant.mlp(v).parameters() if p.dim() == 2)
         block = 4 * h * h + mlp
         embed = v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * h
         merged = h * v.spatial_merge_size ** 2
@@ -334,7 +335,7 @@ def model_flops(arch, lengths: list[int], grids: np.ndarray) -> dict:
         full = np.diff(frame_cu_seqlens(grid).numpy()).astype(np.float64)
         per_layer = {"full": (full ** 2).sum()}
         full_layers = v.depth
-        if v.family == "qwen2.5-vl":
+        if v.fullatt_block_indexes:  # a windowed tower: the other blocks attend within windows
             windows = np.diff(window_order(grid, v.spatial_merge_size, v.window_tokens)[1].numpy()).astype(np.float64)
             full_layers = len(v.fullatt_block_indexes)
             per_layer["windowed"] = (windows ** 2).sum() * (v.depth - full_layers)
