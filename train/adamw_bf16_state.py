@@ -116,8 +116,7 @@ def _triton_kernel():
         else:
             exp_avg_ptr = tl.multiple_of(tl.load(exp_avg_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
             exp_avg_sq_ptr = tl.multiple_of(tl.load(exp_avg_sq_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
-        beta1 = tl.load(scalars + 0)
-        one_minus_beta1 = tl.load(scalars + 1)
+        one_minus_beta1 = tl.load(scalars + 1)  # scalars[0], beta1, is the eager path's
         beta2 = tl.load(scalars + 2)
         one_minus_beta2 = tl.load(scalars + 3)
         eps = tl.load(scalars + 4)
