@@ -524,3 +524,12 @@ def test_preprocess_then_train_tiny_qwen3_5_two_steps(qwen3_5_shards, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and all(np.isfinite(losses))
+
+
+def test_example_rows_of_a_profile_are_its_familys():
+    """The example rows of `--profile qwen3.6` are those of its family, tool calls included."""
+    from preprocess.examples import example_rows
+
+    rows = example_rows(30, seed=1, family="qwen3.6", size_range=(16, 32))
+    assert rows == example_rows(30, seed=1, family="qwen3.5", size_range=(16, 32))
+    assert any("tool_calls" in m for row in rows for m in row["messages"])
