@@ -1,7 +1,7 @@
 """Parity of our megatron-core Qwen-VL model with Hugging Face's, same random weights, same
 packed batch, at the real architecture (default `qwen3-vl-2b`), in bf16 on GPUs, at any TP / PP.
 
-Weights: `Qwen3VLForConditionalGeneration(Qwen3VLConfig(**arch.to_hf_config()))` built on the
+Weights: the HF model of `arch.to_hf_config()` (e.g. `Qwen3VLForConditionalGeneration`) built on the
 CPU in fp32 from --seed (every rank builds the same model; a checksum all-gather proves it),
 converted with `train.convert.hf_to_megatron`, sharded with `train.convert.shard` for this
 rank's (tp_rank, pp_rank) and loaded strictly into the stage model that
@@ -108,6 +108,7 @@ def make_sample(rng: np.random.Generator, length: int, n_images: int, merge: int
     patches = int(grid.prod(1).sum()) if len(grid) else 0
     return {"input_ids": ids, "loss_mask": loss_mask, "position_ids": positions, "image_grid_thw": grid,
             "pixel_patches": np.zeros((patches, 1), dtype=np.uint8),  # placeholder: pixels are floats here
+            "video_patches": np.zeros((0, 2), dtype=np.uint8), "video_grid_thw": np.zeros((0, 3), dtype=np.int64),
             "sample_uid": f"synthetic-{index}"}
 
 
@@ -147,16 +148,20 @@ def hf_inputs(pack: PackedBatch, pixel_values: torch.Tensor, device) -> dict:
 
 def hf_model(arch: ModelArch, seed: int):
     """HF model, fp32, on the CPU, eval; the config is `arch.to_hf_config()` and must map back to `arch`."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    import transformers
 
-    if arch.family != "qwen3-vl":
-        raise SystemExit(f"--arch {arch.family}: this script builds Qwen3-VL reference models only")
-    config = Qwen3VLConfig(**arch.to_hf_config())
+    if "linear_attention" in {arch.lm.layer_type(i) for i in range(arch.lm.num_layers)}:
+        # transformers' CPU path of a Gated DeltaNet layer runs packed samples into each other
+        raise SystemExit(f"{arch.hf_architecture}: HF's model has no packed reference for Gated DeltaNet layers "
+                         "(tests/test_qwen3_5.py compares such models sample by sample)")
+    hf_config = arch.to_hf_config()
+    config = transformers.AutoConfig.for_model(
+        hf_config["model_type"], **{k: v for k, v in hf_config.items() if k != "model_type"})
     back = ModelArch.from_hf_config(config.to_dict())
     if back != arch:
-        raise SystemExit(f"Qwen3VLConfig(**arch.to_hf_config()) describes another architecture:\n{back}\n!=\n{arch}")
+        raise SystemExit(f"{type(config).__name__}(**arch.to_hf_config()) describes another architecture:\n{back}\n!=\n{arch}")
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+    model = getattr(transformers, arch.hf_architecture)(config).to(torch.float32).eval()
     return model
 
 

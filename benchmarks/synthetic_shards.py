@@ -51,7 +51,7 @@ from preprocess.job import JOB_FILE, shard_name, unit_record_path, write_final_o
 from preprocess.pipeline import SampleOptions, video_tokens
 from preprocess.video import VideoPlan
 from preprocess.profiles import resolve_profile
-from preprocess.families.qwen2_5_vl import QWEN2_5_DEFAULT_SYSTEM
+from preprocess.render import IM_END, IM_START, render_conversation
 from shards_schema.atomic import write_json_atomic
 from shards_schema.manifest import PARTS_DIR
 from shards_schema.positions import mrope_position_ids
@@ -90,8 +90,13 @@ class _Tokens:
         self.turn_end = enc("<|im_end|>\n")  # [im_end, "\n"]
         self.vision_start, self.vision_end, self.image_pad = sp.vision_start, sp.vision_end, sp.image_pad
         self.im_end = sp.im_end
-        # the system turn the profile's template writes when a conversation has none
-        self.default_system = enc(QWEN2_5_DEFAULT_SYSTEM) if profile.family == "qwen2.5-vl" else []
+        # the system turn the profile's template writes when a conversation has none: what it
+        # renders before the first user turn of a conversation without one
+        written = render_conversation([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                                      family=profile.family_rules,
+                                      template=profile.template).text.split(IM_START + "user\n")[0]
+        system_turn = IM_START + "system\n"
+        self.default_system = enc(written.removeprefix(system_turn).removesuffix(IM_END + "\n")) if written else []
         if self.turn_end[0] != sp.im_end or self.assistant_header[1] != sp.assistant:
             raise RuntimeError(f"unexpected chat token ids {self.turn_end}, {self.assistant_header}")
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -119,6 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="trainer's --compile-decoder: compile each dense decoder layer (true/false; default true)")
     ap.add_argument("--grad-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's gradient buffers")
     ap.add_argument("--adam-state-dtype", default="fp32", choices=STATE_DTYPES, help="trainer's Adam moments")
+    ap.add_argument("--master-weights", default="fp32", choices=STATE_DTYPES,
+                    help="trainer's --master-weights: fp32 copy of the bf16 weights, or none (bf16)")
     ap.add_argument("--lr", type=float, default=1e-5, help="learning rate of both sides")
     ap.add_argument("--lora-rank", type=int, default=0,
                     help="both sides train LoRA adapters of this rank (alpha 2 x rank) on every language-model linear, "
@@ -282,6 +285,10 @@ class TrainerProbe:
 
 
 KERNEL_KINDS = (  # first match wins; FlashAttention kernel names mention cutlass types, so they go first
+    # flash-linear-attention's Gated DeltaNet kernels (its chunked delta rule, gates, conv)
+    ("linear attention", ("gated_delta", "gdn_", "chunk_", "solve_tril", "wy_", "kkt", "l2norm", "causal_conv1d",
+                          "fused_recurrent", "cumsum_", "recompute_w_u")),
+    ("experts (grouped GEMM, dispatch)", ("grouped", "groupproblem", "moe", "permute")),
     ("attention", ("flash", "fmha", "attn")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "sm80_xmma", "wgmma")),
     ("norm", ("norm",)),
@@ -301,7 +308,7 @@ def model_flops(arch, lengths: list[int], grids: np.ndarray) -> dict:
     update and readout, 6 Hv dk dv, and the chunk of 64's intra-chunk products, 2 x 64 Hv (dk + dv);
     vision_dense: patch embedding + blocks per patch, mergers (final + DeepStack) per merged
     token; vision_attention: bidirectional 4 S^2 hidden per layer forward, S = the patches of
-    a frame (Qwen2.5-VL: of a window, on its windowed layers)."""
+    a frame (a windowed tower, Qwen2.5-VL's: of a window, on its windowed layers)."""
     from train.model.vision import frame_cu_seqlens, window_order
 
     lm, v = arch.lm, arch.vision
@@ -317,8 +324,9 @@ def model_flops(arch, lengths: list[int], grids: np.ndarray) -> dict:
     if len(grids):
         grid = torch.as_tensor(np.asarray(grids), dtype=torch.long).reshape(-1, 3)
         patches = float(grid.prod(1).sum())
-        h, i = v.hidden_size, v.intermediate_size
-        mlp = (3 if v.family == "qwen2.5-vl" else 2) * h * i
+        h = v.hidden_size
+        with torch.device("meta"):  # a block MLP's multiply-adds per patch: its weight matrices' sizes
+            mlp = sum(p.numel() for p in v.variant.mlp(v).parameters() if p.dim() == 2)
         block = 4 * h * h + mlp
         embed = v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * h
         merged = h * v.spatial_merge_size ** 2
@@ -328,7 +336,7 @@ def model_flops(arch, lengths: list[int], grids: np.ndarray) -> dict:
         full = np.diff(frame_cu_seqlens(grid).numpy()).astype(np.float64)
         per_layer = {"full": (full ** 2).sum()}
         full_layers = v.depth
-        if v.family == "qwen2.5-vl":
+        if v.fullatt_block_indexes:  # a windowed tower: the other blocks attend within windows
             windows = np.diff(window_order(grid, v.spatial_merge_size, v.window_tokens)[1].numpy()).astype(np.float64)
             full_layers = len(v.fullatt_block_indexes)
             per_layer["windowed"] = (windows ** 2).sum() * (v.depth - full_layers)
@@ -437,7 +445,7 @@ def gpu_idle_summary(trace: dict, big_gap_us: float = 20.0, top: int = 15) -> di
             "by_label": ranked(by["label"]), "by_host_op": ranked(by["op"]), "by_runtime_call": ranked(by["runtime"])}
 
 
-def kernel_summary(prof, top: int = 25, skip: set[str] = frozenset()) -> dict:
+def kernel_summary(prof, top: int = 60, skip: set[str] = frozenset()) -> dict:
     """GPU self time per kernel kind and the top kernels of one profiled step. `skip`: names of
     user ranges (`label_modules`), which the profiler also lists as device-side annotations
     spanning their kernels: counted, they doubled the GPU time of `--trace` runs."""
@@ -482,7 +490,8 @@ def resolve_auto_recompute(args, data_dir: Path, device: torch.device) -> None:
     config = TrainConfig.from_flat(dict(
         data=[str(data_dir)], arch=args.arch, seq_len=args.seq_len, dry_run=True,
         global_batch_packs=args.global_batch_packs, recompute="auto", recompute_vision=args.recompute_vision,
-        grad_dtype=args.grad_dtype, adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank))
+        grad_dtype=args.grad_dtype, adam_state_dtype=args.adam_state_dtype, master_weights=args.master_weights,
+        lora_rank=args.lora_rank))
     config, args.recompute_auto = resolve_recompute(config, resolve_arch(config.model), cuda=device.type == "cuda")
     args.recompute, args.recompute_layers = config.memory.recompute, config.memory.recompute_layers
     log(f"ours: {args.recompute_auto}")
@@ -499,7 +508,8 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         recompute=recompute, recompute_layers=args.recompute_layers if recompute == "full" else None,
         recompute_vision=args.recompute_vision, device=args.device, num_workers=args.num_workers, tensorboard=False,
         save_every=0, save_final=args.keep_checkpoint, seed=args.seed, log_every=1, attention=args.attention, grad_dtype=args.grad_dtype,
-        adam_state_dtype=args.adam_state_dtype, lora_rank=args.lora_rank, compile_decoder=args.compile_decoder,
+        adam_state_dtype=args.adam_state_dtype, master_weights=args.master_weights, lora_rank=args.lora_rank,
+        compile_decoder=args.compile_decoder,
         fp8=args.fp8, pad_packs=args.pad_packs,
         # the last unmeasured step: profiling overhead stays out of the figures
         profile_start=args.warmup if args.profile and device.type == "cuda" else 0))
@@ -513,7 +523,8 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         f"vision {memory.recompute_vision}, attention {model.attention}, "
         f"compiled decoder {model.compile_decoder}, fp8 {model.fp8 or 'off'}, "
         f"packs padded {config.packs_padded()}, grads {memory.grad_dtype}, "
-        f"Adam state {memory.adam_state_dtype}, LoRA rank {config.lora.lora_rank}) -> {run_dir}")
+        f"Adam state {memory.adam_state_dtype}, master weights {memory.master_weights}, "
+        f"LoRA rank {config.lora.lora_rank}) -> {run_dir}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -632,6 +643,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
         "attention": config.model.attention,
         "grad_dtype": config.memory.grad_dtype,
         "adam_state_dtype": config.memory.adam_state_dtype,
+        "master_weights": config.memory.master_weights,
         "kernels": probe.kernels,
         "gpu_idle": probe.idle,
     }
@@ -787,6 +799,30 @@ def loss_check(ours: dict, hf: dict, device: str) -> dict:
 # ------------------------------------------------------------------------------------------ report
 
 
+def curve_check(repeats: list[dict]) -> dict | None:
+    """Step-by-step loss curves of every run (warm-up steps included: all start from the same
+    weights on the same packs): how far vlmpack's curves lie from HF's, against how far HF's
+    own runs lie from each other (its run-to-run spread: atomics in the attention and GDN
+    backward make no two runs equal). Per step, the largest difference over pairs; reported:
+    their median and largest over the steps."""
+    ours = [[s["loss"] for s in r["ours"]["steps"]] for r in repeats]
+    hf = [[s["loss"] for s in r["hf"]["steps"]] for r in repeats if "hf" in r and "error" not in r["hf"]]
+    if len(hf) < 2:
+        return None
+    steps = min(len(c) for c in ours + hf)
+
+    def spread(pairs) -> dict:
+        per_step = [max(abs(a[s] - b[s]) for a, b in pairs) for s in range(steps)]
+        return {"median": float(np.median(per_step)), "max": max(per_step), "per_step": per_step}
+
+    across = spread([(a, b) for a in ours for b in hf])
+    within_hf = spread(list(itertools.combinations(hf, 2)))
+    within_ours = spread(list(itertools.combinations(ours, 2)))
+    return {"steps": steps, "vlmpack_vs_hf": across, "hf_vs_hf": within_hf, "vlmpack_vs_vlmpack": within_ours,
+            "within_hf_spread": across["median"] <= within_hf["median"],
+            "method": "per step: the largest |loss difference| over pairs of runs; median and largest over steps"}
+
+
 def fmt_pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -862,6 +898,12 @@ def print_table(res: dict) -> None:
         if key in ratios:
             r = ratios[key]
             print(f"vlmpack / HF {label}: {r['ratio']:.2f}x ({r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f}x)")
+    if res.get("curves"):
+        c = res["curves"]
+        print(f"loss curves over {c['steps']} steps, median (largest) per-step difference: vlmpack vs HF "
+              f"{c['vlmpack_vs_hf']['median']:.4f} ({c['vlmpack_vs_hf']['max']:.4f}), HF vs HF "
+              f"{c['hf_vs_hf']['median']:.4f} ({c['hf_vs_hf']['max']:.4f}), vlmpack vs vlmpack "
+              f"{c['vlmpack_vs_vlmpack']['median']:.4f} ({c['vlmpack_vs_vlmpack']['max']:.4f})", flush=True)
     if res.get("loss_check"):
         c = res["loss_check"]
         print(f"step-1 loss check: {'ok' if c['ok'] else 'FAILED'} ({c})", flush=True)
@@ -947,6 +989,7 @@ def main(argv=None) -> int:
         res["repeats"].append(run)
         write_json(json_out, res)  # what is measured so far survives a later failure
     res["ratios"] = compare(res["repeats"])
+    res["curves"] = curve_check(res["repeats"])
     res["total_s"] = time.perf_counter() - T0
     write_json(json_out, res)
     log(f"wrote {json_out}")

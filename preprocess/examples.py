@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .families import FAMILIES
+from .families import BUILTIN_PROFILES, FAMILIES
 
 WORDS = (
     "the a image shows cat dog street map chart table red blue green small large left right "
@@ -144,9 +144,11 @@ def encode_video_data_uri(frames, fps: float, container: str = "mp4") -> str:
 def example_rows(n: int, seed: int = 0, *, family: str = "qwen3-vl", size_range=(48, 640), include_bad_rows: bool = False,
                  video_rows: float = 0.0) -> list[dict]:
     """`n` conversations: single/multi-image, text-only, multi-turn, system prompts, tool calls
-    (the family's share of them, `example_tool_call_share`; none for a name that is not a family);
-    a `video_rows` fraction of them opens with a short generated video (2-5 s at 4-8 fps)."""
+    (the family's share of them, `example_tool_call_share`; `family` may also be a built-in
+    profile's name; none for another name); a `video_rows` fraction of them opens with a short
+    generated video (2-5 s at 4-8 fps)."""
     rng, nprng = random.Random(seed), np.random.default_rng(seed)
+    family = BUILTIN_PROFILES[family][0] if family in BUILTIN_PROFILES else family
     tool_call_share = FAMILIES[family].example_tool_call_share if family in FAMILIES else 0.0
 
     def image_part() -> dict:

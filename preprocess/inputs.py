@@ -28,7 +28,6 @@ import json
 import os
 import re
 import stat
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path

@@ -89,3 +89,10 @@ def test_the_recipes_cite_docs_anchors_that_exist():
             if anchor not in github_anchors((ROOT / page).read_text(encoding="utf-8")):
                 cited.append(f"{recipe.name}: {page}#{anchor}")
     assert not cited, cited
+
+
+def test_the_benchmarks_page_stays_a_page_of_current_figures():
+    """docs/benchmarks.md holds one table per area, current figures only: at most 400 lines
+    (superseded figures are deleted, experiments not kept are one line in performance.md)."""
+    lines = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= 400, f"docs/benchmarks.md has {lines} lines: delete superseded figures, condense"

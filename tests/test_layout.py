@@ -3,7 +3,8 @@
 * Model families: everything family-specific lives in one module per family, under
   `preprocess/families/`, `shards_schema/families/` and `train/model/families/`; shared code asks
   the family instead of testing its name. A branch on a family name anywhere else in the three
-  packages fails `test_no_family_branches_outside_the_families`.
+  packages fails `test_no_family_branches_outside_the_families`, and one in `benchmarks/`
+  `test_no_family_branches_in_the_benchmarks`.
 * Imports: no circle between modules of `preprocess/`, `shards_schema/` and `train/`, imports
   inside functions included (they close a circle as surely, only later).
 """
@@ -23,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("preprocess", "shards_schema", "train")
 # `family ==` / `!=` / `in (...)`, `qwen3 = ...` flags, names built on "qwen2" (e.g. `hf_qwen2_...`)
 FAMILY_BRANCH = re.compile(r"family *(==|!=|in \()|qwen3 *=|qwen2|\.family *(==|!=)")
+# transformers' module names hold "qwen2" (Qwen3-VL's image processor is `Qwen2VLImageProcessor`)
+TRANSFORMERS_IMPORT = re.compile(r" *from transformers[. ]")
 
 
 def _modules() -> dict[str, Path]:
@@ -76,7 +79,8 @@ def family_branches(path: Path, names: set[str], root: Path = ROOT) -> list[str]
     source = path.read_text(encoding="utf-8")
     where = path.relative_to(root)
     lines = source.splitlines()
-    hits = {row: line for row, line in enumerate(_code_only(source).splitlines(), 1) if FAMILY_BRANCH.search(line)}
+    hits = {row: line for row, line in enumerate(_code_only(source).splitlines(), 1)
+            if FAMILY_BRANCH.search(line) and not TRANSFORMERS_IMPORT.match(line)}
     for node in ast.walk(ast.parse(source, str(path))):
         if isinstance(node, ast.Compare) and any(_is_family_literal(n, names) for n in (node.left, *node.comparators)):
             hits[node.lineno] = lines[node.lineno - 1]
@@ -93,6 +97,13 @@ def test_no_family_branches_outside_the_families():
     assert hits == [], (
         "branch on a model family outside preprocess/families/, shards_schema/families/ and "
         "train/model/families/ (ask the family object instead, docs/families.md):\n" + "\n".join(hits))
+
+
+def test_no_family_branches_in_the_benchmarks():
+    """The benchmarks run every family through the same code: they ask the family objects too."""
+    names = _family_names()
+    hits = [hit for path in sorted((ROOT / "benchmarks").glob("*.py")) for hit in family_branches(path, names)]
+    assert hits == [], "branch on a model family in benchmarks/ (ask the family object instead):\n" + "\n".join(hits)
 
 
 def test_the_branch_count_sees_branches_and_not_text(tmp_path):

@@ -162,6 +162,36 @@ def test_dry_run_prints_the_split_and_the_smallest_layout_that_fits(capsys):
     assert rc == 0 and "does NOT fit" in out and "step's fp32 gradient copy" in out
 
 
+@pytest.mark.parametrize("grad_dtype, adam_state_dtype", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")])
+def test_bf16_master_weights_drop_4_bytes_a_trained_parameter_from_the_optimizer(grad_dtype, adam_state_dtype, capsys):
+    """--master-weights bf16: the optimizer holds no fp32 copy of the weights (4 bytes a trained
+    parameter, split over the data-parallel ranks), the weights stay 2 bytes a parameter, and
+    with bf16 gradients the step reads them in place (no fp32 copy), whatever the moments'
+    dtype. --dry-run names the setting."""
+    arch = builtin_arch("qwen3-vl-8b")
+    layout = memory_plan.Layout(dp=2)
+
+    def stage(master_weights):
+        settings = memory_plan.Settings(seq_len=8192, grad_dtype=grad_dtype, adam_state_dtype=adam_state_dtype,
+                                        master_weights=master_weights)
+        return memory_plan.plan_stage(arch, settings, layout, 0)
+
+    fp32, bf16 = stage("fp32"), stage("bf16")
+    moments = 8 if adam_state_dtype == "fp32" else 4
+    assert fp32.optimizer == fp32.trained / 2 * (4 + moments)
+    assert bf16.optimizer == bf16.trained / 2 * moments
+    assert bf16.weights == fp32.weights == 2 * fp32.params and bf16.gradients == fp32.gradients
+    assert bf16.step_copy == 0 and fp32.step_copy == (4 * fp32.trained / 2 if (grad_dtype, adam_state_dtype) ==
+                                                      ("bf16", "fp32") else 0)
+    assert fp32.total - bf16.total >= 4 * fp32.trained / 2 > 15 * 2**30 / 2  # 8B: ~16 GiB of master weights
+    flags = ["train", "--dry-run", "--arch", "qwen3-vl-8b", "--gpus", "2", "--seq-len", "8192", "--grad-dtype",
+             grad_dtype, "--adam-state-dtype", adam_state_dtype, "--gpu-memory-gib", "80"]
+    assert vlmpack([*flags, "--master-weights", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert f"gradients {grad_dtype}, Adam moments {adam_state_dtype}, master weights bf16" in out
+    assert f"{bf16.optimizer / memory_plan.GIB:.1f}" in re.search(r"^optimizer .*$", out, re.M).group(0)
+
+
 def test_dry_run_plans_a_trained_vision_tower_for_the_visual_share_of_the_data(shards, capsys):
     """Without --recompute full the vision tower keeps its activations: the plan takes the share
     of visual tokens from the --data manifests (else the recorded mixes' share), and more of it

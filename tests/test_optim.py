@@ -7,10 +7,14 @@ form of Adam's second-moment average under a constant gradient.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
+from tests.helpers.cli import process_env
 from train.adamw_bf16_state import AdamWBf16State, stochastic_round_bf16
 
 
@@ -165,6 +169,164 @@ def test_bf16_gradient_in_place_with_scale_equals_the_scaled_fp32_copy(seed, gra
         assert torch.equal(a, b)
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(ours.state[a][key], ref.state[b][key]), key
+
+
+def test_bf16_parameter_update_is_unbiased_where_round_to_nearest_never_moves():
+    """bf16 parameters (`--master-weights bf16`): with lr 1e-3 every AdamW step
+    moves a weight of about 1 by 1e-3, below half its bf16 step (2^-8 = 3.9e-3), so a
+    round-to-nearest update never moves it. Stochastically rounded, each stored weight is one of
+    the two bf16 values around torch's fp32 result, and the mean over many copies follows the
+    fp32 trajectory over 20 steps within a tolerance far below the 0.02 it travels."""
+    values, copies, steps, lr = 64, 4000, 20, 1e-3
+    start = (1 + torch.rand(values, generator=torch.Generator().manual_seed(0))).bfloat16().repeat(copies)
+    grad = torch.linspace(-1, 1, values).add_(0.01).repeat(copies)  # no zeros: each weight moves lr a step
+    ours = start.clone().requires_grad_()
+    ref = start.float().requires_grad_()
+    adam = AdamWBf16State([ours], lr=lr, betas=(0.9, 0.95))
+    torch_adam = torch.optim.AdamW([ref], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    nearest = start.clone()
+    torch.manual_seed(0)
+    for step in range(steps):
+        before = ref.detach().clone()
+        ours.grad, ref.grad = grad.bfloat16(), grad.clone()
+        adam.step()
+        torch_adam.step()
+        nearest = (nearest.float() + (ref.detach() - before)).bfloat16()  # the same update, rounded to nearest
+        if step == 0:
+            below, above = bf16_neighbours(ref.detach())
+            assert ((ours.float() == below) | (ours.float() == above)).all()
+    assert ours.dtype == torch.bfloat16 and adam.state[ours]["exp_avg"].dtype == torch.bfloat16
+    mean = ours.detach().float().view(copies, values).mean(0)
+    exact = ref.detach()[:values]
+    bf16_step = 2.0 ** -7  # of values in [1, 2)
+    tolerance = 5 * steps ** 0.5 * bf16_step / 2 / copies ** 0.5  # 5 sigma of the mean of 20 roundings
+    assert (exact - start[:values].float()).abs().min() > 10 * tolerance  # the weights really travel
+    assert (mean - exact).abs().max() < tolerance, ((mean - exact).abs().max(), tolerance)
+    assert torch.equal(nearest, start)  # the contrast: round-to-nearest never moved a weight
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_fp32_tensors_holding_bf16_values_take_the_same_bf16_step(state_dtype):
+    """A CPU run computes in fp32, so `--master-weights bf16` keeps its weights as fp32 tensors at
+    bf16 values: from the same random stream they take bitwise the step that bf16 tensors take.
+    Moments are stored in `state_dtype` (fp32 moments: `--adam-state-dtype fp32`): fp32 ones are
+    torch's AdamW moments, and they survive a state-dict round trip in their dtype."""
+    g = torch.Generator().manual_seed(3)
+    start = [torch.randn(s, generator=g).bfloat16() for s in [(17,), (8, 9)]]
+    grads = [torch.randn(t.shape, generator=g).bfloat16().float() for t in start]  # the same in either dtype
+    runs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        tensors = [t.detach().to(dtype, copy=True).requires_grad_() for t in start]
+        adam = AdamWBf16State(tensors, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                              bf16_values=dtype == torch.float32, state_dtype=state_dtype)
+        torch.manual_seed(0)
+        for _ in range(3):
+            for t, grad in zip(tensors, grads):
+                t.grad = grad.to(dtype)
+            adam.step()
+        runs.append((tensors, adam))
+    (bf16, ours), (fp32, emulated) = runs
+    for a, b in zip(bf16, fp32):
+        assert a.dtype == torch.bfloat16 and b.dtype == torch.float32
+        assert torch.equal(a.float(), b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert ours.state[a][key].dtype == state_dtype
+            assert torch.equal(ours.state[a][key], emulated.state[b][key])
+    if state_dtype == torch.float32:  # fp32 moments: torch's, from the same gradients
+        ref = [t.detach().float().requires_grad_() for t in start]
+        torch_adam = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        for _ in range(3):
+            for t, grad in zip(ref, grads):
+                t.grad = grad.clone()
+            torch_adam.step()
+        for a, r in zip(bf16, ref):
+            torch.testing.assert_close(ours.state[a]["exp_avg"], torch_adam.state[r]["exp_avg"], rtol=1e-6, atol=1e-7)
+    fresh = AdamWBf16State(bf16, lr=1e-2, state_dtype=state_dtype)
+    fresh.load_state_dict(ours.state_dict())
+    for a in bf16:
+        assert all(torch.equal(fresh.state[a][k], ours.state[a][k]) for k in ("exp_avg", "exp_avg_sq"))
+        assert fresh.state[a]["exp_avg"].dtype == state_dtype
+
+
+def fused_step(adam: AdamWBf16State, device: torch.device) -> None:
+    """`adam.step()` through the Triton kernel on `device` (a CPU one: the kernel in Triton's
+    interpreter), every tensor one group, no closure."""
+    from train.adamw_bf16_state import adamw_scalars
+
+    (group,) = adam.param_groups
+    items = []
+    for p in group["params"]:
+        state = adam._state_of(p)
+        state["step"] += 1
+        items.append((p, adam.gradient(p), state))
+    scalars = adamw_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], float(items[0][2]["step"]))
+    adam._fused_step(items, scalars, 1.0, device)
+
+
+def check_fused_bf16_parameter_step(device: torch.device, state_dtype: torch.dtype) -> None:
+    """The Triton kernel with bf16 parameters (PARAM_BF16) and bf16 or fp32 moments
+    (STATE_BF16), on tensors around and across its block: each stored weight is one of the
+    two bf16 values around the eager update's exact fp32 result (give or take a few fp32 ulps
+    of operation order), fp32 moments are the eager ones, bf16 moments their neighbours, and
+    over 500 copies of the same values the stored weights average to the fp32 result."""
+    from train.adamw_bf16_state import BLOCK
+
+    copies = 500
+    gen = torch.Generator().manual_seed(4)
+    sizes = [7, BLOCK, BLOCK + 1, 64 * copies]
+    start = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    start[-1] = start[-1][:64].repeat(copies)
+    grads = [torch.randn(n, generator=gen) * 10 ** (i % 3 - 2) for i, n in enumerate(sizes)]
+    grads[-1] = grads[-1][:64].repeat(copies)
+    options = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    exact = [t.float().requires_grad_() for t in start]  # fp32 weights and moments: nothing rounded
+    oracle = AdamWBf16State(exact, state_dtype=torch.float32, **options)
+    ours = [t.to(device).requires_grad_() for t in start]
+    adam = AdamWBf16State(ours, fused=True, state_dtype=state_dtype, **options)
+    for t, e, g in zip(ours, exact, grads):
+        t.decoupled_grad, e.grad = g.bfloat16().to(device), g.bfloat16().float()
+    oracle.step()
+    torch.manual_seed(0)
+    fused_step(adam, device)
+    for i, (t, e) in enumerate(zip(ours, exact)):
+        stored, fp32 = t.detach().float().cpu(), e.detach()
+        slack = 8 * torch.finfo(torch.float32).eps * fp32.abs()
+        below, _ = bf16_neighbours(fp32 - slack)
+        _, above = bf16_neighbours(fp32 + slack)
+        assert t.dtype == torch.bfloat16 and ((stored >= below) & (stored <= above)).all(), i
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment, ref = adam.state[t][key].cpu(), oracle.state[e][key]
+            assert moment.dtype == state_dtype
+            if state_dtype == torch.float32:
+                torch.testing.assert_close(moment, ref, rtol=1e-6, atol=1e-12)
+            else:
+                low, _ = bf16_neighbours(ref - 4 * torch.finfo(torch.float32).eps * ref.abs())
+                _, high = bf16_neighbours(ref + 4 * torch.finfo(torch.float32).eps * ref.abs())
+                assert ((moment.float() >= low) & (moment.float() <= high)).all(), (i, key)
+    mean = ours[-1].detach().float().cpu().view(copies, 64).mean(0)
+    below, above = bf16_neighbours(exact[-1].detach()[:64])
+    error = (mean - exact[-1].detach()[:64]).abs() / (above - below).clamp(min=torch.finfo(torch.float32).tiny)
+    assert error.max() < 5 * 0.5 / copies ** 0.5, error.max()
+    moved = exact[-1].detach()[:64] != start[-1][:64].float()
+    assert moved.all() and (exact[-1].detach()[:64].bfloat16() == start[-1][:64]).any()  # some only stochastically
+
+
+def test_fused_bf16_parameter_step_in_tritons_interpreter_equals_the_eager_oracle():
+    """`check_fused_bf16_parameter_step` on the CPU: the kernel run by Triton's interpreter,
+    which is chosen before Triton is imported, so in a process of its own."""
+    pytest.importorskip("triton")
+    code = ("import torch; from tests.test_optim import check_fused_bf16_parameter_step as check; "
+            "[check(torch.device('cpu'), dtype) for dtype in (torch.bfloat16, torch.float32)]")
+    proc = subprocess.run([sys.executable, "-c", code], env={**process_env(), "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_fused_bf16_parameter_step_equals_the_eager_oracle(state_dtype):
+    check_fused_bf16_parameter_step(torch.device("cuda"), state_dtype)
 
 
 @pytest.mark.gpu
@@ -377,5 +539,77 @@ def test_gpu_fast_step_equals_megatrons_step(state_dtype, clip_grad):
             # far below the 1e-3-sized updates an unclipped step would change
             for a, b in zip(masters_fast, masters_megatron):
                 torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_gpu_distributed_optimizer_without_master_weights_updates_the_bf16_weights(state_dtype):
+    """`--master-weights bf16` under megatron's DistributedOptimizer: building it allocates no
+    fp32 copy of the weights (4 bytes a parameter with fp32 master weights), the inner
+    optimizer's parameters are the model's own bf16 weights (their memory in DDP's parameter
+    buffer), and from the same weights and gradients three steps give the fp32-master run's
+    first grad norm and weights within a few bf16 steps of its weights."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from train.model.arch import builtin_arch
+    from train.model.qwen_vl import transformer_config
+    from train.optim import build_optimizer
+    from train.parallel import build_model, destroy_parallel, init_parallel
+
+    info = init_parallel(1, 1, device="cuda")
+    try:
+        arch = builtin_arch("tiny")
+        config = transformer_config(arch, params_dtype=torch.bfloat16, bf16=True)
+        torch.manual_seed(0)
+        weights = build_model(arch, config, info).state_dict()
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        runs = []
+        for master_weights in ("fp32", "bf16"):
+            model = build_model(arch, config, info)
+            model.load_state_dict(weights)
+            model = DistributedDataParallel(config, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+            opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=1.0, bf16=True,
+                                         params_dtype=torch.bfloat16, use_distributed_optimizer=True)
+            params = [p for p in model.parameters() if p.requires_grad]
+            numel = sum(p.numel() for p in params)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            optimizer = build_optimizer(model, opt_config, cuda=True, adam_state_dtype=state_dtype,
+                                        master_weights=master_weights)
+            built = torch.cuda.max_memory_allocated() - before
+            inner = [p for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+                     for group in sub.optimizer.param_groups for p in group["params"]]
+            if master_weights == "bf16":
+                assert built < 0.5 * numel, (built, numel)
+                assert all(p.dtype == torch.bfloat16 for p in inner)
+                assert sorted(p.data_ptr() for p in inner) == sorted(p.data_ptr() for p in params)  # dp 1: whole
+            else:
+                assert built >= 4 * numel and all(p.dtype == torch.float32 for p in inner)
+            initial = [p.detach().float().clone() for p in params]
+            gen.manual_seed(1)
+            torch.manual_seed(0)
+            norms = []
+            for step in range(3):
+                model.zero_grad_buffer()
+                optimizer.zero_grad()
+                for p in params:
+                    p.main_grad.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.01)
+                ok, norm, _ = optimizer.step()
+                assert ok
+                norms.append(norm)
+            runs.append((norms, initial, [p.detach().float().clone() for p in params]))
+        (norms_fp32, _, weights_fp32), (norms_bf16, initial, weights_bf16) = runs
+        assert abs(norms_bf16[0] - norms_fp32[0]) <= 1e-5 * norms_fp32[0]
+        numel = sum(t.numel() for t in initial)
+        assert sum(int((a != b).sum()) for a, b in zip(weights_bf16, initial)) > numel / 2  # updated in place
+        for a, b in zip(weights_bf16, weights_fp32):
+            ulp = torch.finfo(torch.bfloat16).eps * b.abs().clamp(min=1e-6)
+            assert ((a - b).abs() <= 4 * ulp + 1e-6).all()
     finally:
         destroy_parallel()

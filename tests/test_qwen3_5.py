@@ -48,6 +48,7 @@ PUBLISHED_PARAMS = {
     "qwen3.5-0.8b": 852_985_920, "qwen3.5-2b": 2_213_241_664, "qwen3.5-4b": 4_539_265_536,
     "qwen3.5-9b": 9_409_813_744, "qwen3.5-27b": 27_356_728_560, "qwen3.5-35b-a3b": 35_107_181_936,
     "qwen3.5-122b-a10b": 122_562_817_776, "qwen3.5-397b-a17b": 396_802_360_816,
+    "qwen3.6-27b": 27_356_728_560, "qwen3.6-35b-a3b": 35_107_181_936,
 }
 
 
@@ -68,6 +69,13 @@ def test_every_published_config_is_a_builtin_arch():
     assert {qwen3_5.preset_name(f) for f in files} == set(PUBLISHED_PARAMS)
     for name in PUBLISHED_PARAMS:
         assert builtin_arch(name).family == "qwen3.5"
+
+
+@pytest.mark.parametrize("size", ["27b", "35b-a3b"])
+def test_qwen3_6_builds_the_qwen3_5_model_of_its_size(size):
+    """Qwen3.6's published configs differ from Qwen3.5's of the same size in layout and
+    metadata only: the same architecture, hence the same model."""
+    assert builtin_arch(f"qwen3.6-{size}") == builtin_arch(f"qwen3.5-{size}")
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
@@ -112,6 +120,7 @@ def test_tiny_archs_are_the_test_models(moe):
     (dict(rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.5, mrope_section=[2, 1, 1])),
      r"mrope_section \[2, 1, 1\] must sum to the rotary dims / 2 = 8"),
     (dict(mlp_only_layers=[1]), "mlp_only_layers"),
+    (dict(output_gate_type="sigmoid"), "text_config.output_gate_type 'sigmoid'"),
 ])
 def test_configs_the_model_cannot_build_are_refused_by_name(change, message):
     config = builtin_arch("tiny-qwen3.5-moe").to_hf_config()
@@ -664,8 +673,11 @@ def test_dry_run_plans_the_published_models(capsys):
 def test_gpu_bf16_packed_samples_stay_close_to_hf(moe):
     """On a GPU in bf16 (varlen attention, flash-linear-attention's Gated DeltaNet kernels where
     fla-core is installed, the grouped GEMM): each sample of a pack stays as close to HF's fp32
-    model on that sample alone as HF's own bf16 model on the GPU does, within twice its error or
-    2 % of the largest logit, whichever is larger."""
+    model on that sample alone as HF's own bf16 model on the GPU does: its mean error within
+    twice HF's, its largest within twice HF's largest or 2 % of the largest logit, whichever is
+    larger. In the MoE model a token whose router scores nearly tie may pick another expert in
+    bf16, on either side, and its row then differs by far more than rounding: there the bound
+    on the largest error is 10 % of the largest logit."""
     import copy
 
     info = init_parallel(1, 1, device="cuda")
@@ -693,8 +705,11 @@ def test_gpu_bf16_packed_samples_stay_close_to_hf(moe):
             with torch.no_grad():
                 theirs = hf_bf16(input_ids=ids, use_cache=False, **inputs,
                                  mm_token_type_ids=torch.from_numpy(_mm_types(sample["input_ids"]))[None].cuda())
-            hf_error = (theirs.logits[0].float().cpu() - reference).abs().max().item()
-            our_error = (ours[rows] - reference).abs().max().item()
-            assert our_error <= max(2 * hf_error, 0.02 * reference.abs().max().item()), (our_error, hf_error)
+            hf_error = (theirs.logits[0].float().cpu() - reference).abs()
+            our_error = (ours[rows] - reference).abs()
+            assert our_error.mean() <= 2 * hf_error.mean(), (our_error.mean().item(), hf_error.mean().item())
+            share = 0.1 if moe else 0.02
+            largest = max(2 * hf_error.max().item(), share * reference.abs().max().item())
+            assert our_error.max().item() <= largest, (our_error.max().item(), hf_error.max().item())
     finally:
         destroy_parallel()

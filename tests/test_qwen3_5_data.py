@@ -11,6 +11,7 @@ steps of `--arch tiny-qwen3.5` on CPU.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import os
@@ -33,6 +34,9 @@ FIXTURES = ROOT / "tests" / "fixtures"
 TEMPLATE_FILES = {"qwen3.5": FIXTURES / "qwen3_5.chat_template.jinja",
                   "qwen3.6": FIXTURES / "qwen3_6.chat_template.jinja"}
 PROFILES = tuple(TEMPLATE_FILES)
+# Qwen3.5-0.8B's and -2B's template: thinking off unless asked (tests/fixtures/README.md)
+SMALL_TEMPLATE = FIXTURES / "qwen3_5_small.chat_template.jinja"
+SMALL_TEMPLATE_SHA256 = "273d8e0e683b885071fb17e08d71e5f2a5ddfb5309756181681de4f5a1822d80"
 CASES = 40  # random conversations per rendering test
 
 
@@ -43,11 +47,12 @@ def profiles():
     return {name: builtin_profile(name) for name in PROFILES}
 
 
-def hf_render(profile_name: str, messages: list, tools=None, **kwargs) -> str:
+def hf_render(profile_name: str, messages: list, tools=None, template: Path | None = None, **kwargs) -> str:
+    """transformers' rendering of the profile's official template (or of the `template` file)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    out = render_jinja_template(conversations=[messages], tools=tools,
-                                chat_template=TEMPLATE_FILES[profile_name].read_text(encoding="utf-8"), **kwargs)
+    text = (template or TEMPLATE_FILES[profile_name]).read_text(encoding="utf-8")
+    out = render_jinja_template(conversations=[messages], tools=tools, chat_template=text, **kwargs)
     return out[0][0]
 
 
@@ -425,6 +430,33 @@ def test_the_template_check_tells_the_two_templates_apart(profiles):
             check_template_matches(profiles[other], text)
 
 
+def test_the_small_checkpoints_template_renders_training_rows_as_qwen3_5(profiles, tmp_path):
+    """Qwen3.5-0.8B's and -2B's template differs from the larger checkpoints' only in its
+    generation prompt (thinking off unless asked): training rows render the same, so a
+    checkpoint directory holding it is the `qwen3.5` profile, and every rendered row equals
+    that template's own rendering."""
+    from preprocess.families.qwen3_5_constants import PREPROCESSOR_CONFIG, VIDEO_PREPROCESSOR_CONFIG
+    from preprocess.profiles import profile_from_model_dir
+
+    assert hashlib.sha256(SMALL_TEMPLATE.read_bytes()).hexdigest() == SMALL_TEMPLATE_SHA256
+    prompt = [{"role": "user", "content": "hi"}]
+    assert hf_render("qwen3.5", prompt, template=SMALL_TEMPLATE, add_generation_prompt=True).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert hf_render("qwen3.5", prompt, add_generation_prompt=True).endswith("<|im_start|>assistant\n<think>\n")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "vision_config": {}}))
+    (tmp_path / "tokenizer.json").write_text(profiles["qwen3.5"].tokenizer_json, encoding="utf-8")
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG))
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR_CONFIG))
+    shutil.copy(SMALL_TEMPLATE, tmp_path / "chat_template.jinja")
+    profile = profile_from_model_dir(tmp_path)
+    assert (profile.family, profile.template) == ("qwen3.5", "qwen3.5")
+    rng = random.Random("small-template")
+    for n in range(CASES // 2):
+        messages, tools = rand_conversation(rng)
+        ours = render_conversation(messages, family=profile.family_rules, tools=tools, template=profile.template)
+        assert ours.text == hf_render("qwen3.5", hf_messages(messages), tools, template=SMALL_TEMPLATE), n
+
+
 # --- verify and training --------------------------------------------------------------------------
 
 
@@ -492,3 +524,12 @@ def test_preprocess_then_train_tiny_qwen3_5_two_steps(qwen3_5_shards, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and all(np.isfinite(losses))
+
+
+def test_example_rows_of_a_profile_are_its_familys():
+    """The example rows of `--profile qwen3.6` are those of its family, tool calls included."""
+    from preprocess.examples import example_rows
+
+    rows = example_rows(30, seed=1, family="qwen3.6", size_range=(16, 32))
+    assert rows == example_rows(30, seed=1, family="qwen3.5", size_range=(16, 32))
+    assert any("tool_calls" in m for row in rows for m in row["messages"])

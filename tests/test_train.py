@@ -239,6 +239,50 @@ def test_bf16_adam_state_trains_and_resumes_bitwise(shards, full_run, tmp_path):
     assert all("amsgrad" in g for g in state["param_groups"])  # torch's AdamW wrote it
 
 
+def test_bf16_master_weights_train_and_resume_bitwise(shards, full_run, tmp_path):
+    """--master-weights bf16: no fp32 copy of the weights; the update writes them back
+    stochastically rounded (a CPU run computes in fp32, so its weights are fp32 tensors at bf16
+    values). The loss falls, the saved weights are bf16 values, a stop/resume equals the
+    uninterrupted run bitwise (the rounding draws from the RNG state the checkpoint saved), and
+    a checkpoint resumes with the other setting in either direction."""
+    from safetensors.torch import load_file
+
+    args = [*BASE, "--data", str(shards), "--train-steps", "6", "--save-every", "3", "--master-weights", "bf16"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    ok(run_train([*args, "--out", str(full)]))
+    ok(run_train([*args, "--out", str(part), "--exit-interval", "3"]))
+    ok(run_train([*args, "--out", str(part), "--resume"]))
+    losses = [m["loss"] for m in metrics(full)]
+    assert [m["loss"] for m in metrics(part)] == losses
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.5, losses
+    fp32_master = [m["loss"] for m in metrics(full_run)]
+    assert losses[0] == fp32_master[0] and losses != fp32_master  # the weights really are rounded
+    np.testing.assert_allclose(losses, fp32_master, rtol=5e-2)
+    weights = [t for f in sorted((full / "checkpoints/step_00000006/model").glob("*.safetensors"))
+               for t in load_file(f).values() if t.is_floating_point()]
+    assert weights and all(torch.equal(t, t.bfloat16().to(t.dtype)) for t in weights)
+    state = torch.load(full / "checkpoints/step_00000006/rank_00000.pt", weights_only=False)["optimizer"]["state"]
+    assert state and all(s["exp_avg"].dtype == torch.float32 and float(s["step"]) == 6 for s in state.values())
+    # the fp32-master checkpoint of step 3 resumed with bf16 weights: step 4's loss comes before
+    # the first bf16 update
+    switched = tmp_path / "switched"
+    start_run_from(full_run / "checkpoints" / "step_00000003", switched)
+    ok(run_train([*args, "--out", str(switched), "--resume"]))
+    switched_losses = [m["loss"] for m in metrics(switched)]
+    assert [m["step"] for m in metrics(switched)] == [4, 5, 6] and switched_losses[0] == fp32_master[3]
+    np.testing.assert_allclose(switched_losses, fp32_master[3:], rtol=5e-2)
+    # and back: the bf16-master checkpoint of step 3 continues with fp32 master weights (torch's
+    # AdamW again, from the bf16 values)
+    back = tmp_path / "back"
+    start_run_from(part / "checkpoints" / "step_00000003", back)
+    ok(run_train([*[a for a in args if a not in ("--master-weights", "bf16")], "--out", str(back), "--resume"]))
+    back_losses = [m["loss"] for m in metrics(back)]
+    assert [m["step"] for m in metrics(back)] == [4, 5, 6] and back_losses[0] == losses[3]
+    np.testing.assert_allclose(back_losses, losses[3:], rtol=5e-2)
+    groups = torch.load(back / "checkpoints/step_00000006/rank_00000.pt", weights_only=False)["optimizer"]["param_groups"]
+    assert all("amsgrad" in g for g in groups)  # torch's AdamW wrote it
+
+
 def test_data_parallel_matches_single_process(shards, full_run, tmp_path):
     out = tmp_path / "dp2"
     ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3"], nproc=2))
@@ -423,6 +467,13 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
     (["--config", "{section_yaml}"], "section.yaml: unknown settings ['optimizer']: use the names of `vlmpack train` flags"),
     (["--device", "tpu"], "--device 'tpu': choose from ['cuda', 'cpu']"),
     (["--recompute", "some"], "--recompute 'some': choose from"),
+    (["--master-weights", "fp16"], "--master-weights 'fp16': choose from ['fp32', 'bf16']"),
+    (["--master-weights", "bf16", "--lora-rank", "8"], "--master-weights bf16 with --lora-rank 8: LoRA trains only "
+                                                      "the adapters"),
+    (["--master-weights", "bf16", "--bf16", "false"], "--master-weights bf16 with --bf16 false: fp32 weights have no "
+                                                      "fp32 copy to drop"),
+    (["--master-weights", "bf16", "--distributed-optimizer", "false"],
+     "--master-weights bf16 with --distributed-optimizer false: the bf16 update is built on the distributed optimizer"),
     (["--config", "missing.yaml"], "--config missing.yaml: cannot read it"),
     (["--data", "{empty}"], "neither manifest.json nor index.json"),
     (["--out", "{file}"], "is a file, not a directory: pass a directory path"),
@@ -879,6 +930,33 @@ def test_gpu_bf16_grads_and_adam_state_with_distributed_optimizer(shards, tmp_pa
     assert groups and all(g["fused"] and not g["foreach"] for g in groups), "not torch's fused AdamW after the switch"
     assert {g["step"] for g in groups} == {6}
     np.testing.assert_allclose([m["loss"] for m in metrics(back)], [m["loss"] for m in full[3:]], rtol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_master_weights_with_distributed_optimizer(shards, tmp_path):
+    """--master-weights bf16 under megatron's DistributedOptimizer: its parameter state file
+    holds the bf16 weights as "param" (bf16 values, with the Adam moments), the background
+    save writes what megatron would, a stop/resume gives the uninterrupted run's losses (up to
+    GPU non-determinism), and the losses follow the fp32-master run's."""
+    common = [*BASE, *GPU, "--data", str(shards), "--train-steps", "6", "--save-every", "3", "--grad-dtype", "bf16"]
+    low = [*common, "--master-weights", "bf16"]
+    ok(run_train([*common, "--out", str(tmp_path / "fp32")]))
+    ok(run_train([*low, "--out", str(tmp_path / "full")]))
+    proc = ok(run_train([*low, "--out", str(tmp_path / "part"), "--exit-interval", "3"], code=COMPARE_PARAMETER_STATE))
+    assert "parameter state of step 3: same, written" in proc.stdout
+    ckpt = tmp_path / "part" / "checkpoints" / "step_00000003"
+    param_state = torch.load(next(ckpt.glob("optimizer_param_state_*.pt")), weights_only=False)
+    saved = nested_dicts(param_state, ("param", "exp_avg", "exp_avg_sq"))
+    assert saved and all(torch.equal(d["param"], d["param"].bfloat16().float()) for d in saved)
+    assert all(d["param"].abs().sum() > 0 and d["exp_avg_sq"].abs().sum() > 0 for d in saved)
+    ok(run_train([*low, "--out", str(tmp_path / "part"), "--resume"]))
+    fp32, full, part = (metrics(tmp_path / name) for name in ("fp32", "full", "part"))
+    assert [m["step"] for m in part] == [1, 2, 3, 4, 5, 6]
+    assert [m["tokens"] for m in part] == [m["tokens"] for m in full] == [m["tokens"] for m in fp32]
+    np.testing.assert_allclose([m["loss"] for m in part], [m["loss"] for m in full], rtol=2e-3)
+    np.testing.assert_allclose([m["loss"] for m in full], [m["loss"] for m in fp32], rtol=2e-2)
+    assert np.mean([m["loss"] for m in full[-2:]]) < np.mean([m["loss"] for m in full[:2]])
 
 
 @pytest.mark.gpu

@@ -156,7 +156,7 @@ def assert_disk_full_exit(proc, out: Path, kept: str, failed: str, others: tuple
     assert f"checkpoint {kept} is intact" in message
     assert "another --out" in message and "--resume" in message
     if others:
-        assert f"with --keep-last 1 (now " in message and f"a save short of space first deletes {', '.join(others)}" \
+        assert "with --keep-last 1 (now " in message and f"a save short of space first deletes {', '.join(others)}" \
             in message
     else:
         assert "--keep-last" not in message

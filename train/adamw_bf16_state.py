@@ -1,4 +1,5 @@
-"""`AdamWBf16State`: AdamW on fp32 master weights with its two moments stored in bf16.
+"""`AdamWBf16State`: AdamW on fp32 master weights with its two moments stored in bf16 (or on
+the bf16 weights themselves, with no fp32 master copy).
 
 torch.optim.AdamW keeps `exp_avg` / `exp_avg_sq` in the parameter's dtype: 8 bytes per fp32
 parameter, 16 GiB for Qwen3-VL-2B. Here they take 4 bytes. The update itself is torch's
@@ -18,6 +19,13 @@ wants `.grad` in the parameter's dtype; megatron uses the same attribute name fo
 kernel then reads megatron's bf16 gradient buffer where it lies, upcasting in registers,
 instead of an fp32 copy of every gradient (`train.optim.use_fast_step`). `grad_scale`
 multiplies the next step's gradients (gradient clipping folded into the update).
+
+bf16 parameters (`--master-weights bf16`: no fp32 master weights at all): the update reads the
+bf16 parameter, computes in fp32 and writes the parameter back stochastically rounded, as the
+moments are, so an update below half a bf16 step of the weight (2^-9 of it: most updates at
+fine-tuning learning rates) still moves it on average instead of being lost. A CPU run, which
+computes in fp32, keeps fp32 parameters at bf16 values the same way (`bf16_values`).
+`state_dtype` fp32 keeps the moments in fp32 (`--adam-state-dtype fp32` with bf16 parameters).
 """
 
 from __future__ import annotations
@@ -50,18 +58,30 @@ def adamw_scalars(lr: float, betas: tuple[float, float], eps: float, weight_deca
             (1 - beta2 ** step) ** 0.5]
 
 
+def _store(dst: Tensor, value: Tensor, rounded: bool) -> None:
+    """fp32 `value` into `dst`: stochastically rounded to bf16 where `rounded`, else as it is."""
+    dst.copy_(stochastic_round_bf16(value) if rounded else value)
+
+
 def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, scalars: list[float],
-                 grad_scale: float = 1.0) -> None:
-    """One AdamW step of one fp32 tensor, in place (eager torch); the gradient (fp32 or bf16)
-    is multiplied by `grad_scale` in fp32 first, as megatron's clipping scales fp32 gradients."""
+                 grad_scale: float = 1.0, bf16_value: bool = False) -> None:
+    """One AdamW step of one tensor, in place (eager torch), computed in fp32; the gradient
+    (fp32 or bf16) is multiplied by `grad_scale` in fp32 first, as megatron's clipping scales
+    fp32 gradients. bf16 moments are stored stochastically rounded, fp32 ones as computed. The
+    parameter is stored stochastically rounded to bf16 when it is a bf16 tensor or `bf16_value`
+    (an fp32 tensor kept at bf16 values: `--master-weights bf16` on a CPU run)."""
     beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, correction2_sqrt = scalars
     grad = grad.float() if grad_scale == 1.0 else grad.float() * grad_scale
     m = torch.lerp(exp_avg.float(), grad, one_minus_beta1)
     v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=one_minus_beta2)
-    param.mul_(decay)
-    param.addcdiv_(m, v.sqrt().div_(correction2_sqrt).add_(eps), value=step_size)
-    exp_avg.copy_(stochastic_round_bf16(m))
-    exp_avg_sq.copy_(stochastic_round_bf16(v))
+    denominator = v.sqrt().div_(correction2_sqrt).add_(eps)
+    _store(exp_avg, m, exp_avg.dtype == torch.bfloat16)
+    _store(exp_avg_sq, v, exp_avg_sq.dtype == torch.bfloat16)
+    if bf16_value or param.dtype != torch.float32:
+        _store(param, param.float().mul(decay).addcdiv_(m, denominator, value=step_size), True)
+    else:
+        param.mul_(decay)
+        param.addcdiv_(m, denominator, value=step_size)
 
 
 @functools.cache
@@ -73,22 +93,30 @@ def _triton_kernel():
     @triton.jit(do_not_specialize=["seed"])  # a new seed each step must not mean a new compile
     def adamw_bf16_state_kernel(block_tensor, block_start, param_ptrs, grad_ptrs, exp_avg_ptrs, exp_avg_sq_ptrs,
                                 numels, scalars, seed, BLOCK: tl.constexpr, TAIL: tl.constexpr,
-                                GRAD_BF16: tl.constexpr):
+                                GRAD_BF16: tl.constexpr, PARAM_BF16: tl.constexpr, STATE_BF16: tl.constexpr):
         # program -> (tensor t, first value of its block); the tensors' addresses come from tables.
         # Full blocks (TAIL False) load without a mask, from 16-byte aligned addresses (checked on
         # the host), so the loads are vectorised; each tensor's last partial block is a tail block.
+        # PARAM_BF16: bf16 parameters (no fp32 master weights), stored stochastically rounded;
+        # STATE_BF16: bf16 moments (else fp32, stored as computed).
         pid = tl.program_id(0)
         t = tl.load(block_tensor + pid)
         offsets = tl.multiple_of(tl.load(block_start + pid), BLOCK) + tl.arange(0, BLOCK)
-        param_ptr = tl.multiple_of(tl.load(param_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
+        if PARAM_BF16:
+            param_ptr = tl.multiple_of(tl.load(param_ptrs + t).to(tl.pointer_type(tl.bfloat16)), 16)
+        else:
+            param_ptr = tl.multiple_of(tl.load(param_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
         if GRAD_BF16:
             grad_ptr = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(tl.bfloat16)), 16)
         else:
             grad_ptr = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
-        exp_avg_ptr = tl.multiple_of(tl.load(exp_avg_ptrs + t).to(tl.pointer_type(tl.bfloat16)), 16)
-        exp_avg_sq_ptr = tl.multiple_of(tl.load(exp_avg_sq_ptrs + t).to(tl.pointer_type(tl.bfloat16)), 16)
-        beta1 = tl.load(scalars + 0)
-        one_minus_beta1 = tl.load(scalars + 1)
+        if STATE_BF16:
+            exp_avg_ptr = tl.multiple_of(tl.load(exp_avg_ptrs + t).to(tl.pointer_type(tl.bfloat16)), 16)
+            exp_avg_sq_ptr = tl.multiple_of(tl.load(exp_avg_sq_ptrs + t).to(tl.pointer_type(tl.bfloat16)), 16)
+        else:
+            exp_avg_ptr = tl.multiple_of(tl.load(exp_avg_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
+            exp_avg_sq_ptr = tl.multiple_of(tl.load(exp_avg_sq_ptrs + t).to(tl.pointer_type(tl.float32)), 16)
+        one_minus_beta1 = tl.load(scalars + 1)  # scalars[0], beta1, is the eager path's
         beta2 = tl.load(scalars + 2)
         one_minus_beta2 = tl.load(scalars + 3)
         eps = tl.load(scalars + 4)
@@ -102,22 +130,28 @@ def _triton_kernel():
             grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            param = tl.load(param_ptr + offsets, mask=mask, other=0.0)
+            param = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         else:
             grad = tl.load(grad_ptr + offsets).to(tl.float32)
             m = tl.load(exp_avg_ptr + offsets).to(tl.float32)
             v = tl.load(exp_avg_sq_ptr + offsets).to(tl.float32)
-            param = tl.load(param_ptr + offsets)
+            param = tl.load(param_ptr + offsets).to(tl.float32)
         grad = grad * grad_scale  # exact when 1 (no clipping)
         m = m + one_minus_beta1 * (grad - m)  # lerp
         v = v * beta2 + grad * grad * one_minus_beta2
         param = param * decay + step_size * (m / (tl.sqrt_rn(v) / correction2_sqrt + eps))
-        # stochastic rounding: 16 random bits each (one philox draw), added below the bf16 mantissa
-        bits = tl.randint(seed + t, offsets).to(tl.int32, bitcast=True)
-        m_bits = (m.to(tl.int32, bitcast=True) + (bits & 0xFFFF)) & -65536
-        v_bits = (v.to(tl.int32, bitcast=True) + ((bits >> 16) & 0xFFFF)) & -65536
-        m = m_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-        v = v_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        # stochastic rounding: 16 random bits each (one philox call gives four 32-bit draws: the
+        # moments share the first, the parameter takes the second), added below the bf16 mantissa
+        bits, param_bits, _, _ = tl.randint4x(seed + t, offsets)
+        if STATE_BF16:
+            bits = bits.to(tl.int32, bitcast=True)
+            m_bits = (m.to(tl.int32, bitcast=True) + (bits & 0xFFFF)) & -65536
+            v_bits = (v.to(tl.int32, bitcast=True) + ((bits >> 16) & 0xFFFF)) & -65536
+            m = m_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+            v = v_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        if PARAM_BF16:
+            param_bits = (param.to(tl.int32, bitcast=True) + (param_bits.to(tl.int32, bitcast=True) & 0xFFFF)) & -65536
+            param = param_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
         if TAIL:
             tl.store(param_ptr + offsets, param, mask=mask)
             tl.store(exp_avg_ptr + offsets, m, mask=mask)
@@ -149,17 +183,27 @@ class _BlockTable:
 
 
 class AdamWBf16State(torch.optim.Optimizer):
-    """AdamW on fp32 parameters whose moments `exp_avg` / `exp_avg_sq` are bf16.
+    """AdamW on fp32 (or bf16) parameters whose moments `exp_avg` / `exp_avg_sq` are bf16 (or fp32).
 
     State keys and the CPU `step` tensor are torch.optim.AdamW's, so megatron's distributed
     optimizer saves, gathers and restores them as it does torch's (it copies values, which
     casts). `fused`: the multi-tensor Triton kernel (CUDA tensors); otherwise eager torch.
-    Gradients: see `gradient` and `grad_scale`."""
+    Gradients: see `gradient` and `grad_scale`.
+
+    bf16 parameters (the model's own weights, no fp32 master copy) are written back
+    stochastically rounded. `bf16_values`: so are fp32 parameters, kept at bf16 values (a CPU
+    run's `--master-weights bf16`; eager path). `state_dtype`: the moments' dtype, bf16
+    (default) or fp32."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, fused: bool = False):
+                 weight_decay: float = 0.0, fused: bool = False, bf16_values: bool = False,
+                 state_dtype: torch.dtype = torch.bfloat16):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        if state_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"AdamWBf16State: state_dtype {state_dtype}: bf16 or fp32 moments only")
         self.fused = fused
+        self.bf16_values = bf16_values
+        self.state_dtype = state_dtype
         self._tables: dict[tuple, _BlockTable] = {}
         self._warned_unaligned = False
         self.grad_scale = 1.0  # multiplies the next step's gradients only (clipping sets it)
@@ -174,19 +218,23 @@ class AdamWBf16State(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        for state in self.state.values():
-            # torch casts floating state to the parameter's dtype (fp32): back to bf16. megatron's
-            # distributed optimizer hands every parameter the same `step` tensor: one each, or
-            # the in-place increment would count one step per parameter.
+        # torch casts floating state to the parameter's dtype, which would round fp32 moments of
+        # bf16 parameters: the saved moments again, cast to the moments' dtype. megatron's
+        # distributed optimizer hands every parameter the same `step` tensor: one each, or the
+        # in-place increment would count one step per parameter.
+        params = {saved_id: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
+                  for saved_id, p in zip(saved["params"], group["params"])}
+        for saved_id, saved in state_dict["state"].items():
+            state = self.state[params[saved_id]]
             for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    state[key] = state[key].to(torch.bfloat16)
+                if key in saved:
+                    state[key] = saved[key].to(device=state[key].device, dtype=self.state_dtype)
             if "step" in state:
                 state["step"] = torch.tensor(float(state["step"]))
 
@@ -201,29 +249,31 @@ class AdamWBf16State(torch.optim.Optimizer):
         assert closure is None, "AdamWBf16State takes no closure"
         grad_scale, self.grad_scale = self.grad_scale, 1.0
         for group in self.param_groups:
-            batches: dict[tuple, list] = {}  # tensors that share a device, a step count and a gradient dtype
+            # tensors that share a device, a step count, a parameter dtype and a gradient dtype
+            batches: dict[tuple, list] = {}
             for p in group["params"]:
                 grad = self.gradient(p)
                 if grad is None:
                     continue
                 state = self._state_of(p)
                 state["step"] += 1
-                batches.setdefault((p.device, float(state["step"]), grad.dtype), []).append((p, grad, state))
-            for (device, step, _), items in batches.items():
+                batches.setdefault((p.device, float(state["step"]), p.dtype, grad.dtype), []).append((p, grad, state))
+            for (device, step, param_dtype, _), items in batches.items():
                 scalars = adamw_scalars(group["lr"], group["betas"], group["eps"], group["weight_decay"], step)
-                if self.fused and device.type == "cuda":
+                if self.fused and device.type == "cuda" and not (self.bf16_values and param_dtype == torch.float32):
                     self._fused_step(items, scalars, grad_scale, device)
                 else:
                     for p, grad, state in items:
-                        adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], scalars, grad_scale)
+                        adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], scalars, grad_scale,
+                                     self.bf16_values)
 
     def _fused_step(self, items: list, scalars: list[float], grad_scale: float, device: torch.device) -> None:
-        grad_dtype = items[0][1].dtype
+        param_dtype, grad_dtype = items[0][0].dtype, items[0][1].dtype  # one of each per batch
         for p, grad, _ in items:
-            if not (p.dtype == torch.float32 and grad.dtype in (torch.float32, torch.bfloat16)
+            if not (p.dtype in (torch.float32, torch.bfloat16) and grad.dtype in (torch.float32, torch.bfloat16)
                     and p.is_contiguous() and grad.is_contiguous()):
-                raise TypeError(f"AdamWBf16State(fused=True) updates contiguous fp32 parameters with fp32 or bf16 "
-                                f"gradients, got {p.dtype} {tuple(p.shape)} with a {grad.dtype} gradient")
+                raise TypeError(f"AdamWBf16State(fused=True) updates contiguous fp32 or bf16 parameters with fp32 or "
+                                f"bf16 gradients, got {p.dtype} {tuple(p.shape)} with a {grad.dtype} gradient")
         pointers = torch.tensor([[t.data_ptr() for t in (p, g, s["exp_avg"], s["exp_avg_sq"])] for p, g, s in items],
                                 dtype=torch.int64)
         aligned = (pointers % 16 == 0).all(dim=1)  # the kernel's vector loads need 16-byte aligned starts
@@ -251,4 +301,6 @@ class AdamWBf16State(torch.optim.Optimizer):
         for (block_tensor, block_start), tail in ((table.full, False), (table.tail, True)):
             if block_tensor.numel():
                 kernel[(block_tensor.numel(),)](block_tensor, block_start, *pointers, table.numels, scalars_t, seed,
-                                                BLOCK=BLOCK, TAIL=tail, GRAD_BF16=grad_dtype == torch.bfloat16)
+                                                BLOCK=BLOCK, TAIL=tail, GRAD_BF16=grad_dtype == torch.bfloat16,
+                                                PARAM_BF16=param_dtype == torch.bfloat16,
+                                                STATE_BF16=self.state_dtype == torch.bfloat16)

@@ -277,10 +277,16 @@ class MemoryConfig:
                                                           "(default: this GPU's, else 80)")
     grad_dtype: str = _text("fp32", "memory", "gradient buffers: fp32 or bf16 (half the memory, bf16 runs; default fp32)")
     adam_state_dtype: str = _text("fp32", "memory", "Adam moments: fp32 or bf16 (stochastically rounded; default fp32)")
+    master_weights: str = _text("fp32", "memory", "weights the optimizer updates: fp32 (an fp32 copy of every bf16 "
+                                                  "weight, 4 bytes a trained parameter) or bf16 (the bf16 weights "
+                                                  "themselves, updated with stochastic rounding: saves those 4 bytes, "
+                                                  "at some accuracy risk in long runs; full fine-tuning with --bf16 "
+                                                  "and the distributed optimizer only; default fp32)")
 
     def validate(self) -> None:
         _check_numbers(self)
-        _check_choices(self, {"recompute": RECOMPUTE, "grad_dtype": STATE_DTYPES, "adam_state_dtype": STATE_DTYPES})
+        _check_choices(self, {"recompute": RECOMPUTE, "grad_dtype": STATE_DTYPES, "adam_state_dtype": STATE_DTYPES,
+                              "master_weights": STATE_DTYPES})
         if self.recompute_layers is not None and self.recompute != "full":
             raise ConfigError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
                               f"(the decoder layers per pipeline stage whose activations are recomputed)")
@@ -495,9 +501,25 @@ class TrainConfig:
             if frozen:
                 raise ConfigError(f"--freeze {frozen}: those parts are trained (--lora-parts / --lora-modules-to-save); "
                                   "with LoRA every other part is frozen already")
+        if self.memory.master_weights == "bf16":
+            self._validate_bf16_master_weights()
         if self.data.pad_packs is False and self.parallelism.pp > 1:
             raise ConfigError(f"--pad-packs false with --pp {self.parallelism.pp}: the pipeline schedule sends packs of "
                               "one shape, so they are padded to --seq-len; drop --pad-packs false or use --pp 1")
+
+    def _validate_bf16_master_weights(self) -> None:
+        """--master-weights bf16 drops the fp32 copy of weights that are bf16 and fully trained."""
+        if self.lora.lora_rank:
+            raise ConfigError(f"--master-weights bf16 with --lora-rank {self.lora.lora_rank}: LoRA trains only the "
+                              "adapters (and --lora-modules-to-save), whose fp32 master weights are small; the frozen "
+                              "base has none; drop --master-weights bf16")
+        if not self.memory.bf16:
+            raise ConfigError("--master-weights bf16 with --bf16 false: fp32 weights have no fp32 copy to drop; "
+                              "drop --master-weights bf16 or --bf16 false")
+        if not self.parallelism.distributed_optimizer:
+            raise ConfigError("--master-weights bf16 with --distributed-optimizer false: the bf16 update is built on "
+                              "the distributed optimizer (it still shards the Adam moments over data-parallel ranks); "
+                              "drop --distributed-optimizer false")
 
     def packs_padded(self) -> bool:
         """Every pack padded to exactly seq_len rows (--pad-packs, resolved)."""

@@ -6,14 +6,15 @@ Model state is counted exactly: each pipeline stage's parameters are the shapes 
 follow the memory settings:
   weights     2 bytes per parameter (bf16 on GPUs; a LoRA base is frozen in bf16 too);
   gradients   4 or 2 bytes per trained parameter (--grad-dtype);
-  optimizer   fp32 master weights + two Adam moments of 4 or 2 bytes (--adam-state-dtype) per
-              trained parameter, split by the distributed optimizer over the ranks that hold
+  optimizer   fp32 master weights (4 bytes; none with --master-weights bf16, which updates the
+              2-byte weights themselves) + two Adam moments of 4 or 2 bytes (--adam-state-dtype)
+              per trained parameter, split by the distributed optimizer over the ranks that hold
               the same parameter: the data-parallel ranks, for experts dp / ep of them.
   step copy   4 bytes per trained parameter (split as the optimizer state) when gradients
               are bf16: megatron's optimizer step casts every gradient to an fp32 copy,
               alive at once after the activations are freed.
-              The distributed optimizer with bf16 moments reads the bf16 buffer in place
-              (`optim.use_fast_step`) and makes no copy.
+              The distributed optimizer with bf16 moments or bf16 master weights reads the
+              bf16 buffer in place (`optim.use_fast_step`) and makes no copy.
 A stage's peak is model state plus the larger of its activations and its step copy.
 Activations are an estimate in bytes per token (S tokens per micro-batch, h the hidden size),
 fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequences):
@@ -106,6 +107,7 @@ class Settings:
     recompute_layers: int | None = None
     grad_dtype: str = "fp32"
     adam_state_dtype: str = "fp32"
+    master_weights: str = "fp32"
     distributed_optimizer: bool = True
     freeze: tuple[str, ...] = ()
     lora: lora.LoraSpec | None = None
@@ -249,11 +251,12 @@ def plan_stage(arch: ModelArch, settings: Settings, layout: Layout, stage: int) 
             else float(trained)
     grad_bytes = 4 if settings.grad_dtype == "fp32" else 2
     moment_bytes = 4 if settings.adam_state_dtype == "fp32" else 2
-    fast_step = distributed and settings.adam_state_dtype == "bf16"
+    master_bytes = 4 if settings.master_weights == "fp32" else 0
+    fast_step = distributed and "bf16" in (settings.adam_state_dtype, settings.master_weights)
     step_copy = 4.0 * sharded if grad_bytes == 2 and not fast_step else 0.0
     return StagePlan(stage=stage, params=params, trained=trained, weights=2.0 * params,
                      gradients=float(grad_bytes * trained),
-                     optimizer=sharded * (4 + 2 * moment_bytes),
+                     optimizer=sharded * (master_bytes + 2 * moment_bytes),
                      activations=_activations(arch, settings, layout, stage), step_copy=step_copy)
 
 
@@ -276,7 +279,8 @@ def report(name: str, arch: ModelArch, settings: Settings, layout: Layout, gpu_g
     """What `vlmpack train --dry-run` prints of the run's own layout (the trainer adds the
     smallest layout that fits, `train.trainer.smallest_layout_that_fits`)."""
     stages = plan(arch, settings, layout)
-    state = (f"gradients {settings.grad_dtype}, Adam moments {settings.adam_state_dtype}"
+    state = (f"gradients {settings.grad_dtype}, Adam moments {settings.adam_state_dtype}, "
+             f"master weights {settings.master_weights}"
              + (f", LoRA rank {settings.lora.rank}" if settings.lora else ""))
     lines = [f"memory plan: {name} on {layout.gpus} GPU(s) as {describe(arch, settings, layout)}, "
              f"{settings.seq_len:,}-token packs x "

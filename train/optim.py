@@ -13,9 +13,17 @@ trainer uses.
 with the two Adam moments stored in bf16 (4 bytes per parameter instead of 8). Under megatron's
 DistributedOptimizer `use_fast_step` replaces its step's norm and clipping (and, with
 AdamWBf16State, its fp32 copy of every gradient).
+
+`--master-weights bf16` drops the fp32 master weights (4 bytes per parameter): AdamWBf16State
+updates the model's bf16 weights themselves, stochastically rounded, its moments in the
+`--adam-state-dtype` (on GPUs under megatron's distributed optimizer:
+`distributed_optimizer_without_master_weights`). On CPU runs (fp32 compute) the weights stay
+fp32 tensors kept at bf16 values (`bf16_values`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -36,15 +44,26 @@ def _decays(name: str, param: torch.nn.Parameter) -> bool:
     return param.ndim > 1 and not name.endswith(".bias")
 
 
+def _adamw_options(adam_state_dtype: str, master_weights: str, cuda: bool) -> dict | None:
+    """AdamWBf16State's options for these settings; None where torch's AdamW makes the same
+    update (fp32 master weights and moments; on bf16 weights it would round to nearest). On GPUs
+    bf16 weights are bf16 tensors, rounded as such; a CPU run's are fp32 tensors at bf16 values."""
+    if master_weights == "fp32" and adam_state_dtype == "fp32":
+        return None
+    return dict(bf16_values=master_weights == "bf16" and not cuda,
+                state_dtype=torch.bfloat16 if adam_state_dtype == "bf16" else torch.float32)
+
+
 class CpuAdamW:
-    def __init__(self, model, config: OptimizerConfig, adam_state_dtype: str = "fp32"):
+    def __init__(self, model, config: OptimizerConfig, adam_state_dtype: str = "fp32", master_weights: str = "fp32"):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         groups = [{"params": [p for n, p in named if _decays(n, p)], "weight_decay": config.weight_decay},
                   {"params": [p for n, p in named if not _decays(n, p)], "weight_decay": 0.0, "wd_mult": 0.0}]
-        adamw = torch.optim.AdamW if adam_state_dtype == "fp32" else AdamWBf16State
-        self.optimizer = adamw([g for g in groups if g["params"]], lr=config.lr,
-                               betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        options = _adamw_options(adam_state_dtype, master_weights, cuda=False)
+        self.optimizer = (torch.optim.AdamW if options is None else functools.partial(AdamWBf16State, **options))(
+            [g for g in groups if g["params"]], lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps)
         self.clip_grad = config.clip_grad
 
     @property
@@ -112,16 +131,46 @@ def use_fused_adamw(optimizer) -> None:
                         state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
-def use_bf16_adam_state(optimizer) -> None:
-    """Replace megatron's inner torch AdamW (still without state) by `AdamWBf16State` on the
-    same parameter groups: megatron's wrappers (distributed optimizer, clipping, checkpoint
-    gathering) read `.optimizer.param_groups` / `.optimizer.state` and work unchanged."""
+def use_bf16_adam_state(optimizer, **options) -> None:
+    """Replace megatron's inner torch AdamW (still without state) by `AdamWBf16State` (with
+    `options`, see there) on the same parameter groups: megatron's wrappers (distributed
+    optimizer, clipping, checkpoint gathering) read `.optimizer.param_groups` /
+    `.optimizer.state` and work unchanged."""
     for megatron_opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = megatron_opt.optimizer
         assert isinstance(inner, torch.optim.AdamW) and not inner.state, type(inner)
         groups = [{k: v for k, v in g.items() if k not in _TORCH_ADAM_ONLY} for g in inner.param_groups]
-        megatron_opt.optimizer = AdamWBf16State(groups, fused=True)
+        megatron_opt.optimizer = AdamWBf16State(groups, fused=True, **options)
         megatron_opt.init_state_fn = lambda opt, config=None: opt.init_state()
+
+
+def distributed_optimizer_without_master_weights(model, config: OptimizerConfig):
+    """megatron's DistributedOptimizer whose inner optimizer holds shards of the model's own
+    bf16 weights instead of fp32 copies of them (`--master-weights bf16`); its inner torch
+    AdamW is still to be replaced by `AdamWBf16State` (`use_bf16_adam_state`), which rounds
+    bf16 weights stochastically.
+
+    megatron builds this layout for its precision-aware optimizer (Transformer Engine's
+    FusedAdam, which keeps the master weights itself): `use_precision_aware_optimizer_no_fp8_or_ds_fp8`
+    makes `_build_model_and_main_param_groups` allocate no fp32 main shards and give the inner
+    optimizer the bf16 shards, views of DDP's parameter buffer, which the step's all-gather then
+    sends to the other data-parallel ranks. The flag is set only while the optimizer is built
+    (its only reader there); everywhere else it would call FusedAdam's methods. Megatron's
+    fp32-main groups are then pointed at those same bf16 shards, so its copies between main and
+    model params copy a shard onto itself, `zero_grad` finds them, and its checkpoint code saves
+    and restores them as each parameter's "param" state (values, cast to fp32 in the file and
+    back exactly). The Adam moments stay sharded over the data-parallel ranks."""
+    if not config.use_distributed_optimizer:
+        raise ValueError("bf16 master weights on GPUs are built on megatron's distributed optimizer")
+    config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    try:
+        optimizer = get_megatron_optimizer(config, [model])
+    finally:
+        config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = False
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(sub, DistributedOptimizer) and not sub.is_stub_optimizer:
+            sub.shard_fp32_from_float16_groups = sub.shard_float16_groups
+    return optimizer
 
 
 def global_grad_norm(grads: list[torch.Tensor], group) -> float:
@@ -152,20 +201,12 @@ def use_fast_step(optimizer) -> None:
     to this is its precision-aware optimizer, which needs Transformer Engine's FusedAdam.
 
     Two methods of the live objects are replaced: the (chained) optimizer's `step`, and for
-    AdamWBf16State each distributed optimizer's gradient copy."""
+    AdamWBf16State each distributed optimizer's gradient copy (`read_grads_in_place`)."""
     # stub optimizers hold no parameters on this rank; megatron's prepare/step skip them
     subs = [sub for sub in getattr(optimizer, "chained_optimizers", [optimizer]) if not sub.is_stub_optimizer]
     if not all(isinstance(sub, DistributedOptimizer) and sub.grad_scaler is None for sub in subs):
         raise TypeError("use_fast_step: needs megatron DistributedOptimizer(s) without a loss scaler "
                         "(bf16 or fp32 training)")
-
-    def point_at_grad_buffer(sub: DistributedOptimizer) -> None:
-        for model_groups, shard_groups in ((sub.model_float16_groups, sub.shard_fp32_from_float16_groups),
-                                           (sub.model_fp32_groups, sub.shard_fp32_groups)):
-            for model_group, shard_group in zip(model_groups, shard_groups):
-                for model_param, shard_param in zip(model_group, shard_group):
-                    span = sub._get_model_param_range_map(model_param)["param"]
-                    shard_param.decoupled_grad = model_param.main_grad.view(-1)[span.start:span.end]
 
     def grads(sub: DistributedOptimizer, for_norm: bool) -> list[torch.Tensor]:
         tp_group = getattr(sub, "tp_group", None)
@@ -189,21 +230,44 @@ def use_fast_step(optimizer) -> None:
 
     for sub in subs:
         if isinstance(sub.optimizer, AdamWBf16State):
-            sub._copy_model_grads_to_main_grads = lambda sub=sub: point_at_grad_buffer(sub)
+            read_grads_in_place(sub)
     optimizer.step = step
 
 
+def read_grads_in_place(sub: DistributedOptimizer) -> None:
+    """Make `sub`'s gradient copy point each main shard's `decoupled_grad` at its span of
+    megatron's gradient buffer (read by AdamWBf16State in the buffer's dtype) instead of
+    writing an fp32 `.grad` copy."""
+    def point_at_grad_buffer() -> None:
+        for model_groups, shard_groups in ((sub.model_float16_groups, sub.shard_fp32_from_float16_groups),
+                                           (sub.model_fp32_groups, sub.shard_fp32_groups)):
+            for model_group, shard_group in zip(model_groups, shard_groups):
+                for model_param, shard_param in zip(model_group, shard_group):
+                    span = sub._get_model_param_range_map(model_param)["param"]
+                    shard_param.decoupled_grad = model_param.main_grad.view(-1)[span.start:span.end]
+
+    sub._copy_model_grads_to_main_grads = point_at_grad_buffer
+
+
 def build_optimizer(model, config: OptimizerConfig, cuda: bool, adam_state_dtype: str = "fp32",
-                    fast_step: bool = True):
-    """`adam_state_dtype`: fp32 (torch's AdamW) | bf16 (`AdamWBf16State`). `fast_step`: with
-    megatron's distributed optimizer, `use_fast_step` (False: megatron's own step, for A/B)."""
+                    fast_step: bool = True, master_weights: str = "fp32"):
+    """`adam_state_dtype`: fp32 (torch's AdamW) | bf16 (`AdamWBf16State`). `master_weights`:
+    fp32 (megatron's fp32 copy of every bf16 weight) | bf16 (none: `AdamWBf16State` updates the
+    bf16 weights; on GPUs megatron's distributed optimizer, always with `use_fast_step`, whose
+    gradient norm reads the gradients in place). `fast_step`: with megatron's distributed
+    optimizer, `use_fast_step` (False: megatron's own step, for A/B)."""
     if not cuda:
-        return CpuAdamW(model, config, adam_state_dtype)
-    optimizer = get_megatron_optimizer(config, [model])
-    if adam_state_dtype == "fp32":
+        return CpuAdamW(model, config, adam_state_dtype, master_weights)
+    options = _adamw_options(adam_state_dtype, master_weights, cuda=True)
+    if master_weights == "bf16":
+        optimizer = distributed_optimizer_without_master_weights(model, config)
+        fast_step = True  # megatron's own step copies each gradient to an fp32 `.grad`, which a bf16 shard cannot hold
+    else:
+        optimizer = get_megatron_optimizer(config, [model])
+    if options is None:
         use_fused_adamw(optimizer)
     else:
-        use_bf16_adam_state(optimizer)
+        use_bf16_adam_state(optimizer, **options)
     if fast_step and config.use_distributed_optimizer:
         use_fast_step(optimizer)
     return optimizer

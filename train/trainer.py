@@ -106,14 +106,14 @@ def sequence_parallel(arch: ModelArch, config: ParallelismConfig) -> bool:
 
 
 def build_optimizer(config: AdamWConfig, memory: MemoryConfig, model, cuda: bool, use_distributed: bool, bf16: bool):
-    """The optimizer of the optimizer section `config`, its Adam moments in the memory
-    section's --adam-state-dtype."""
+    """The optimizer of the optimizer section `config`, its Adam moments and master weights as
+    the memory section's --adam-state-dtype and --master-weights say."""
     opt_config = OptimizerConfig(
         optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
         adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
         clip_grad=config.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=use_distributed)
-    return make_optimizer(model, opt_config, cuda, memory.adam_state_dtype)
+    return make_optimizer(model, opt_config, cuda, memory.adam_state_dtype, master_weights=memory.master_weights)
 
 
 def build_scheduler(optimizer, config: AdamWConfig, schedule: ScheduleConfig) -> RunSchedule:
@@ -381,7 +381,8 @@ def _plan_inputs(config: TrainConfig, arch: ModelArch, visual_share: float | Non
     settings = memory_plan.Settings(
         seq_len=data.seq_len, micro_batch_packs=data.micro_batch_packs, global_packs=data.global_packs(dp),
         recompute=memory.recompute, recompute_layers=memory.recompute_layers, grad_dtype=memory.grad_dtype,
-        adam_state_dtype=memory.adam_state_dtype, distributed_optimizer=parallelism.distributed_optimizer,
+        adam_state_dtype=memory.adam_state_dtype, master_weights=memory.master_weights,
+        distributed_optimizer=parallelism.distributed_optimizer,
         freeze=tuple(config.model.freeze), lora=config.lora.spec(), recompute_vision=memory.recompute_vision,
         visual_share=data_visual_share(data, arch) if visual_share is None else visual_share,
         sequence_parallel=sequence_parallel(arch, parallelism))

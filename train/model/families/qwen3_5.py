@@ -106,6 +106,10 @@ def _check_representable(text: dict, moe: bool) -> None:
     if moe and text.get("mlp_only_layers"):
         raise ValueError(f"config.json text_config.mlp_only_layers {text['mlp_only_layers']}: this model builds every "
                          "decoder layer as a Mixture-of-Experts layer (mlp_only_layers [])")
+    gate = text.get("output_gate_type", "swish")
+    if gate != "swish":
+        raise ValueError(f"config.json text_config.output_gate_type {gate!r}: this model gates the Gated DeltaNet "
+                         "output norm with swish (silu) only")
     keys, values = text.get("linear_num_key_heads", 16), text.get("linear_num_value_heads", 32)
     if values % keys:
         raise ValueError(f"config.json text_config.linear_num_value_heads {values} must be a multiple of "
