@@ -452,7 +452,7 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
     (["--keep-last", str(2**64)], f"--keep-last must be <= 9223372036854775807, got {2**64}"),
     (["--seed=-1"], "--seed must be >= 0, got -1"),
     (["--seed", str(2**64)], f"--seed must be <= 9223372036854775807, got {2**64}"),
-    (["--num-workers", str(2**40)], f"--num-workers must be <= "),
+    (["--num-workers", str(2**40)], "--num-workers must be <= "),
     (["--global-batch-packs", str(2**40)], f"--global-batch-packs must be at most 2,147,483,647, got {2**40}"),
     (["--tp", str(2**40)], f"--tp {2**40} must divide the attention heads"),
     (["--pp", str(2**40)], f"--pp {2**40} must divide the 3 decoder layers"),
