@@ -25,7 +25,8 @@ import torch
 from shards_schema.cli import main as vlmpack
 from tests.helpers.cli import process_env
 from tests.helpers.shards import preprocess
-from tests.helpers.train import BASE, COMPARE_PARAMETER_STATE, GPU, SEQ_LEN, metrics, ok, run_train, start_run_from
+from tests.helpers.train import (BASE, COMPARE_PARAMETER_STATE, GPU, SEQ_LEN, metrics, ok, run_train, start_run_from,
+                                 stopped_and_resumed)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -200,12 +201,7 @@ def test_bf16_adam_state_trains_and_resumes_bitwise(shards, full_run, tmp_path):
     from the RNG state the checkpoint saved), and a checkpoint resumes with the other setting
     in either direction."""
     args = [*BASE, "--data", str(shards), "--train-steps", "6", "--save-every", "3", "--adam-state-dtype", "bf16"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    ok(run_train([*args, "--out", str(full)]))
-    ok(run_train([*args, "--out", str(part), "--exit-interval", "3"]))
-    ok(run_train([*args, "--out", str(part), "--resume"]))
-    losses = [m["loss"] for m in metrics(full)]
-    assert [m["loss"] for m in metrics(part)] == losses
+    full, part, losses = stopped_and_resumed(args, tmp_path, stop_at=3)
     fp32_state = [m["loss"] for m in metrics(full_run)]
     assert losses[0] == fp32_state[0]  # the first loss comes before any update
     np.testing.assert_allclose(losses, fp32_state, rtol=2e-2)
@@ -248,12 +244,7 @@ def test_bf16_master_weights_train_and_resume_bitwise(shards, full_run, tmp_path
     from safetensors.torch import load_file
 
     args = [*BASE, "--data", str(shards), "--train-steps", "6", "--save-every", "3", "--master-weights", "bf16"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    ok(run_train([*args, "--out", str(full)]))
-    ok(run_train([*args, "--out", str(part), "--exit-interval", "3"]))
-    ok(run_train([*args, "--out", str(part), "--resume"]))
-    losses = [m["loss"] for m in metrics(full)]
-    assert [m["loss"] for m in metrics(part)] == losses
+    full, part, losses = stopped_and_resumed(args, tmp_path, stop_at=3)
     assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.5, losses
     fp32_master = [m["loss"] for m in metrics(full_run)]
     assert losses[0] == fp32_master[0] and losses != fp32_master  # the weights really are rounded

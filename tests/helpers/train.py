@@ -52,6 +52,19 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
+def stopped_and_resumed(args: list[str], tmp: Path, stop_at: int) -> tuple[Path, Path, list[float]]:
+    """`args` trained through into tmp/full, and into tmp/part stopped after step `stop_at`
+    (--exit-interval) then resumed; the two runs' losses must be equal bitwise. Returns
+    (full, part, losses)."""
+    full, part = tmp / "full", tmp / "part"
+    ok(run_train([*args, "--out", str(full)]))
+    ok(run_train([*args, "--out", str(part), "--exit-interval", str(stop_at)]))
+    ok(run_train([*args, "--out", str(part), "--resume"]))
+    losses = [m["loss"] for m in metrics(full)]
+    assert [m["loss"] for m in metrics(part)] == losses
+    return full, part, losses
+
+
 # the GPU tests' device and precision
 GPU = ["--device", "cuda", "--bf16", "true"]
 
