@@ -472,6 +472,42 @@ def test_gpu_fused_step_reads_bf16_gradients_in_place(grad_scale):
             assert_same_step(a, b, params[i], f"tensor {i}")
 
 
+def _tiny_bf16_ddp_models(info, grad_reduce_in_fp32: bool):
+    """A function building the tiny model in bf16 on the GPU, each time from the same weights,
+    under megatron's DDP laid out for its distributed optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from train.model.arch import builtin_arch
+    from train.model.qwen_vl import transformer_config
+    from train.parallel import build_model
+
+    arch = builtin_arch("tiny")
+    config = transformer_config(arch, params_dtype=torch.bfloat16, bf16=True)
+    torch.manual_seed(0)
+    weights = build_model(arch, config, info).state_dict()
+
+    def fresh_model():
+        model = build_model(arch, config, info)
+        model.load_state_dict(weights)
+        return DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=True), model)
+
+    return fresh_model
+
+
+def _distributed_adam_config(clip_grad: float):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=clip_grad, bf16=True,
+                           params_dtype=torch.bfloat16, use_distributed_optimizer=True)
+
+
+def _inner_params(optimizer) -> list:
+    """The parameters the (chained) megatron optimizer's inner torch optimizers update."""
+    return [p for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+            for group in sub.optimizer.param_groups for p in group["params"]]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
@@ -483,29 +519,17 @@ def test_gpu_fast_step_equals_megatrons_step(state_dtype, clip_grad):
     may differ by an ulp otherwise). With AdamWBf16State (`--adam-state-dtype bf16`) the fast
     step reads the gradients in place: it allocates a small fraction of the 4 bytes per
     parameter megatron's fp32 copy takes."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-
-    from train.model.arch import builtin_arch
-    from train.model.qwen_vl import transformer_config
     from train.optim import build_optimizer
-    from train.parallel import build_model, destroy_parallel, init_parallel
+    from train.parallel import destroy_parallel, init_parallel
 
     info = init_parallel(1, 1, device="cuda")
     try:
-        arch = builtin_arch("tiny")
-        config = transformer_config(arch, params_dtype=torch.bfloat16, bf16=True)
-        torch.manual_seed(0)
-        weights = build_model(arch, config, info).state_dict()
+        fresh_model = _tiny_bf16_ddp_models(info, grad_reduce_in_fp32=False)
         gen = torch.Generator(device="cuda").manual_seed(1)
         runs = []
         for fast in (False, True):
-            model = build_model(arch, config, info)
-            model.load_state_dict(weights)
-            model = DistributedDataParallel(config, DistributedDataParallelConfig(
-                grad_reduce_in_fp32=False, use_distributed_optimizer=True), model)
-            opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=clip_grad, bf16=True,
-                                         params_dtype=torch.bfloat16, use_distributed_optimizer=True)
+            model = fresh_model()
+            opt_config = _distributed_adam_config(clip_grad=clip_grad)
             optimizer = build_optimizer(model, opt_config, cuda=True, adam_state_dtype=state_dtype, fast_step=fast)
             gen.manual_seed(1)
             torch.manual_seed(0)
@@ -522,8 +546,7 @@ def test_gpu_fast_step_equals_megatrons_step(state_dtype, clip_grad):
                 assert ok
                 step_bytes.append(torch.cuda.max_memory_allocated() - before)
                 norms.append(norm)
-            masters = [p.detach().clone() for sub in getattr(optimizer, "chained_optimizers", [optimizer])
-                       for group in sub.optimizer.param_groups for p in group["params"]]
+            masters = [p.detach().clone() for p in _inner_params(optimizer)]
             runs.append((norms, masters, max(step_bytes[1:])))  # step 1 also allocates the moments
         (norms_megatron, masters_megatron, bytes_megatron), (norms_fast, masters_fast, bytes_fast) = runs
         numel = sum(p.numel() for p in masters_megatron)
@@ -552,29 +575,17 @@ def test_gpu_distributed_optimizer_without_master_weights_updates_the_bf16_weigh
     optimizer's parameters are the model's own bf16 weights (their memory in DDP's parameter
     buffer), and from the same weights and gradients three steps give the fp32-master run's
     first grad norm and weights within a few bf16 steps of its weights."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-
-    from train.model.arch import builtin_arch
-    from train.model.qwen_vl import transformer_config
     from train.optim import build_optimizer
-    from train.parallel import build_model, destroy_parallel, init_parallel
+    from train.parallel import destroy_parallel, init_parallel
 
     info = init_parallel(1, 1, device="cuda")
     try:
-        arch = builtin_arch("tiny")
-        config = transformer_config(arch, params_dtype=torch.bfloat16, bf16=True)
-        torch.manual_seed(0)
-        weights = build_model(arch, config, info).state_dict()
+        fresh_model = _tiny_bf16_ddp_models(info, grad_reduce_in_fp32=True)
         gen = torch.Generator(device="cuda").manual_seed(1)
         runs = []
         for master_weights in ("fp32", "bf16"):
-            model = build_model(arch, config, info)
-            model.load_state_dict(weights)
-            model = DistributedDataParallel(config, DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
-            opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1, clip_grad=1.0, bf16=True,
-                                         params_dtype=torch.bfloat16, use_distributed_optimizer=True)
+            model = fresh_model()
+            opt_config = _distributed_adam_config(clip_grad=1.0)
             params = [p for p in model.parameters() if p.requires_grad]
             numel = sum(p.numel() for p in params)
             torch.cuda.synchronize()
@@ -583,8 +594,7 @@ def test_gpu_distributed_optimizer_without_master_weights_updates_the_bf16_weigh
             optimizer = build_optimizer(model, opt_config, cuda=True, adam_state_dtype=state_dtype,
                                         master_weights=master_weights)
             built = torch.cuda.max_memory_allocated() - before
-            inner = [p for sub in getattr(optimizer, "chained_optimizers", [optimizer])
-                     for group in sub.optimizer.param_groups for p in group["params"]]
+            inner = _inner_params(optimizer)
             if master_weights == "bf16":
                 assert built < 0.5 * numel, (built, numel)
                 assert all(p.dtype == torch.bfloat16 for p in inner)
