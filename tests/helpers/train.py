@@ -81,7 +81,7 @@ def same(a, b):
         return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b
 real = ckpt.CheckpointSaver.save
-def save(self, step, model, optimizer, *args):
+def save(self, step, model, optimizer, *args, **kwargs):
     self.wait()  # the save before is complete: its host buffers are spare
     snapshot = ckpt.ParameterStateSnapshot(optimizer, ckpt.HostCopies(torch.device("cuda")))
     torch.cuda.synchronize()
@@ -91,7 +91,7 @@ def save(self, step, model, optimizer, *args):
           flush=True)
     spare = [t for buffers in self.host._spare.values() for t in buffers]
     print(f"host buffers before step {step}: {len(spare)}, pinned: {all(t.is_pinned() for t in spare)}", flush=True)
-    return real(self, step, model, optimizer, *args)
+    return real(self, step, model, optimizer, *args, **kwargs)
 ckpt.CheckpointSaver.save = save
 sys.exit(trainer.main(sys.argv[1:]))
 """
