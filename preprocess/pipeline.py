@@ -55,6 +55,15 @@ class SampleOptions:
                                   help="Thinking templates (qwen3-vl-thinking, qwen3.5, qwen3.6): train the reasoning "
                                        "inside <think> too (default), or mask it (context only; the answer after "
                                        "</think> is still a target)")
+    # the official templates' variables of these names (apply_chat_template's keyword arguments)
+    add_vision_id: bool = setting(False, group="samples", action="store_true",
+                                  help="write 'Picture n: ' / 'Video n: ' before each image and video, numbered "
+                                       "through the conversation, as the template's add_vision_id does")
+    preserve_thinking: bool = setting(
+        False, group="samples", action="store_true",
+        help="Qwen3.6's template: keep the <think> block of every assistant turn, not only those after the last "
+             "user message, so multi-turn rows with reasoning in earlier turns train instead of being rejected "
+             "as dropped_by_template (refused for templates without this variable)")
     media_root: str | None = setting(None, group="samples",
                                      help="directory that image file paths resolve under (never outside it)")
     # fetch s3://, gs://, hf://, https:// media (off: batch jobs do not fetch)
@@ -351,6 +360,8 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
         special_tokens=profile.text_special_tokens,
         template=profile.template,
         reasoning_loss=options.reasoning_loss,
+        add_vision_id=options.add_vision_id,
+        preserve_thinking=options.preserve_thinking,
     )
     rendered = _within_reach(rendered, profile, options)
     vision = profile.vision

@@ -376,7 +376,10 @@ class TextBuilder:
     every other piece is the template's own markup.
     """
 
-    def __init__(self):
+    def __init__(self, add_vision_id: bool = False):
+        """`add_vision_id`: the templates' variable of that name, which writes `Picture n: ` /
+        `Video n: ` (numbered through the conversation) before each image / video."""
+        self.add_vision_id = add_vision_id
         self.pieces: list[str] = []
         self.length = 0
         self.spans: list[list[int]] = []
@@ -409,9 +412,11 @@ class TextBuilder:
             elif kind == IMAGE:
                 self.images.append(value[0])
                 self.image_requests.append(value[1])
+                self.add(f"Picture {len(self.images)}: " if self.add_vision_id else "")
                 self.add(IMAGE_PLACEHOLDER)
             else:
                 self.videos.append(value)
+                self.add(f"Video {len(self.videos)}: " if self.add_vision_id else "")
                 self.add(VIDEO_PLACEHOLDER)
 
     def result(self) -> Rendered:
@@ -505,6 +510,14 @@ def _check_data_text(text: str, data: list[tuple[int, int, str]], special_tokens
         raise reject(code, None, f"{location}: {meaning}; remove it or write it differently (e.g. with spaces)")
 
 
+def preserve_thinking_refusal(family, template: str) -> str:
+    """Why a template cannot render with `preserve_thinking`, and what can."""
+    able = ", ".join(family.preserve_thinking_templates)
+    return (f"--preserve-thinking: the {template} template has no preserve_thinking variable "
+            f"({'only ' + able + ' has' if able else 'no ' + family.name + ' template has'}); drop the flag"
+            + (f" or preprocess with --profile {family.preserve_thinking_templates[-1]}" if able else ""))
+
+
 def render_conversation(
     messages: list,
     *,
@@ -514,6 +527,8 @@ def render_conversation(
     special_tokens: Collection[str] = DEFAULT_TEXT_SPECIAL_TOKENS,
     template: str = "instruct",
     reasoning_loss: str = "train",
+    add_vision_id: bool = False,
+    preserve_thinking: bool = False,
 ) -> Rendered:
     """Render OpenAI-format `messages` (and the row's `tools`) exactly as the family's official template.
 
@@ -522,7 +537,9 @@ def render_conversation(
     Raises RejectError for rows that are malformed, would lose content in the template, or
     whose text holds one of `special_tokens` (or a vision token, or a lone surrogate), and
     ValueError for a template the family has not, or an unknown loss policy (job configuration,
-    not data).
+    not data). `add_vision_id` and `preserve_thinking` are the official templates' variables of
+    those names (`apply_chat_template(..., add_vision_id=True)`); only the templates in the
+    family's `preserve_thinking_templates` have the second (ValueError otherwise).
     """
     if loss_policy not in LOSS_POLICIES:
         raise ValueError(f"unknown loss_policy {loss_policy!r}; choose one of {LOSS_POLICIES}")
@@ -530,10 +547,12 @@ def render_conversation(
         raise ValueError(f"unknown template {template!r} for {family.name}")
     if reasoning_loss not in REASONING_LOSSES:
         raise ValueError(f"unknown reasoning_loss {reasoning_loss!r}; choose one of {REASONING_LOSSES}")
+    if preserve_thinking and template not in family.preserve_thinking_templates:
+        raise ValueError(preserve_thinking_refusal(family, template))
     parsed, tools = _parse_conversation(messages, tools, family, template)
     targets = _target_flags(parsed, loss_policy)
-    out = TextBuilder()
-    family.render(out, parsed, tools, targets, template, reasoning_loss)
+    out = TextBuilder(add_vision_id)
+    family.render(out, parsed, tools, targets, template, reasoning_loss, preserve_thinking)
     rendered = out.result()
     _check_data_text(rendered.text, out.data, frozenset(special_tokens))
     if not rendered.target_spans:

@@ -27,6 +27,8 @@ FLAG_VALUES = [
     (["--truncate"], ("sample", "truncate"), True),
     (["--loss-policy", "last_assistant"], ("sample", "loss_policy"), "last_assistant"),
     (["--reasoning-loss", "mask"], ("sample", "reasoning_loss"), "mask"),
+    (["--add-vision-id"], ("sample", "add_vision_id"), True),
+    (["--preserve-thinking"], ("sample", "preserve_thinking"), True),
     (["--media-root", "media"], ("sample", "media_root"), "media"),
     (["--allow-remote-media"], ("sample", "allow_remote_media"), True),
     (["--max-image-pixels", "1000"], ("sample", "max_image_pixels"), 1000),

@@ -110,10 +110,11 @@ def _assistant(rng: random.Random, tools: bool, visuals: bool) -> dict:
     return message
 
 
-def rand_conversation(rng: random.Random, visuals: bool = True) -> tuple[list, list | None]:
+def rand_conversation(rng: random.Random, visuals: bool = True, early_reasoning: bool = False) -> tuple[list, list | None]:
     """A conversation every part of which the templates render: system (text), tools, user turns
     with images and videos, assistant turns with reasoning (field or <think> block), images and
-    tool calls, tool results with images; reasoning only after the last user query."""
+    tool calls, tool results with images; reasoning only after the last user query, unless
+    `early_reasoning` (for `preserve_thinking`, which renders it in every turn)."""
     tools = None
     if rng.random() < 0.4:
         tools = [{"type": "function", "function": {"name": f"fn{k}", "description": _text(rng),
@@ -131,6 +132,8 @@ def rand_conversation(rng: random.Random, visuals: bool = True) -> tuple[list, l
                 for _ in message["tool_calls"]:
                     messages.append({"role": "tool", "content": _content(rng, visuals)})
                 messages.append({"role": "assistant", "content": _text(rng) or "so"})
+    if early_reasoning:
+        return messages, tools
     # the templates drop the reasoning of turns before the last user query: keep it only after
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     for i, m in enumerate(messages[:last_user]):
@@ -250,24 +253,59 @@ def test_reasoning_before_the_last_query_and_rows_the_template_refuses_are_rejec
                 hf_render("qwen3.5", messages)
 
 
-def test_add_vision_id_numbers_pictures_and_videos_as_the_template_does():
-    from preprocess.families.qwen3_5 import render_qwen3_5
-    from preprocess.render import TextBuilder, _parse_conversation, _target_flags
+@pytest.mark.parametrize("name", PROFILES)
+def test_add_vision_id_numbers_pictures_and_videos_as_the_template_does(name, profiles):
+    """`add_vision_id` (`--add-vision-id`): `Picture n: ` / `Video n: ` before each image and
+    video, numbered through the conversation, as context; the text equals the template's."""
+    family = profiles[name].family_rules
+    rng = random.Random(f"vision-id-{name}")
+    numbered = 0
+    for n in range(CASES // 2):
+        messages, tools = rand_conversation(rng)
+        ours = render_conversation(messages, family=family, tools=tools, template=name, add_vision_id=True)
+        assert ours.text == hf_render(name, hf_messages(messages), tools, add_vision_id=True), n
+        plain = render_conversation(messages, family=family, tools=tools, template=name)
+        ids = ours.text.count("Picture ") - plain.text.count("Picture ")
+        assert ids == len(ours.image_sources) and len(ours.image_sources) == len(plain.image_sources), n
+        trained = "".join(ours.text[a:b] for a, b in ours.target_spans)
+        assert trained == "".join(plain.text[a:b] for a, b in plain.target_spans), n  # the numbers are context
+        numbered += ids > 1
+    assert numbered >= 2
 
-    family = family_named("qwen3.5")
-    messages = [{"role": "user", "content": [{"type": "image", "image": "a"}, {"type": "video", "video": "v"},
-                                             {"type": "text", "text": "and"}, {"type": "image", "image": "b"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": "see"}, {"type": "image", "image": "c"}]},
-                {"role": "user", "content": [{"type": "video", "video": "w"}]},
-                {"role": "assistant", "content": "ok"}]
-    for name in PROFILES:
-        parsed, tools = _parse_conversation(messages, None, family, name)
-        out = TextBuilder()
-        render_qwen3_5(out, parsed, tools, _target_flags(parsed, "all_assistant"), json_scalars=name == "qwen3.6",
-                       add_vision_id=True)
-        text = out.result().text
-        assert text == hf_render(name, messages, add_vision_id=True)
-        assert "Picture 3: " in text and "Video 2: " in text
+
+def test_preserve_thinking_keeps_every_turns_reasoning_as_the_qwen3_6_template_does(profiles):
+    """`preserve_thinking` (`--preserve-thinking`, Qwen3.6's template only): reasoning before the
+    last user query renders as the template writes it and trains as the last turn's does (or is
+    context, `reasoning_loss=mask`); the Qwen3.5 template has no such variable: refused."""
+    family = profiles["qwen3.6"].family_rules
+    rng = random.Random("preserve-thinking")
+    early = 0
+    for n in range(CASES):
+        messages, tools = rand_conversation(rng, early_reasoning=True)
+        hf_text = hf_render("qwen3.6", hf_messages(messages), tools, preserve_thinking=True)
+        for loss in ("train", "mask"):
+            ours = render_conversation(messages, family=family, tools=tools, template="qwen3.6",
+                                       reasoning_loss=loss, preserve_thinking=True)
+            assert ours.text == hf_text, n
+            trained = "".join(ours.text[a:b] for a, b in ours.target_spans)
+            for m in messages[:max(i for i, m in enumerate(messages) if m["role"] == "user")]:
+                reasoning = (m.get("reasoning_content") or "").strip() if m["role"] == "assistant" else ""
+                if reasoning:
+                    early += loss == "train"
+                    assert (reasoning + "\n</think>\n\n" in trained) == (loss == "train"), (n, reasoning)
+    assert early >= 5
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "why"},
+               {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    kept = render_conversation(history, family=family, template="qwen3.6", preserve_thinking=True)
+    assert "<|im_start|>assistant\n<think>\nwhy\n</think>\n\nb<|im_end|>" in kept.text
+    with pytest.raises(RejectError) as error:  # without it the row would lose "why"
+        render_conversation(history, family=family, template="qwen3.6")
+    assert error.value.code == "dropped_by_template" and "--preserve-thinking" in str(error.value)
+    with pytest.raises(ValueError, match="qwen3.5 template has no preserve_thinking.*--profile qwen3.6"):
+        render_conversation(history, family=family, template="qwen3.5", preserve_thinking=True)
+    for other in ("qwen3-vl", "qwen2.5-vl"):
+        with pytest.raises(ValueError, match="no preserve_thinking"):
+            render_conversation(history[-2:], family=family_named(other), preserve_thinking=True)
 
 
 # --- whole rows against HF's processor and get_rope_index ----------------------------------------
@@ -332,7 +370,9 @@ def _media_row(rng: random.Random, nprng, media, messages):
 
 @pytest.mark.parametrize("name", PROFILES)
 def test_rows_equal_hf_processing(name, profiles, hf_processor, tmp_path):
-    """Token ids, loss masks, pixel values and grids of images and videos, M-RoPE positions."""
+    """Token ids, loss masks, pixel values and grids of images and videos, M-RoPE positions;
+    Qwen3.6's rows with the template variables `add_vision_id` and `preserve_thinking` set (and
+    reasoning in earlier turns), Qwen3.5's without."""
     import torch
 
     from preprocess.pipeline import SampleOptions, process_row
@@ -344,10 +384,11 @@ def test_rows_equal_hf_processing(name, profiles, hf_processor, tmp_path):
     rng, nprng = random.Random(f"rows-{name}"), np.random.default_rng(3)
     media = tmp_path / "media"
     media.mkdir()
-    options = SampleOptions(media_root=str(media), max_seq_len=1 << 20)
+    variables = {"add_vision_id": name == "qwen3.6", "preserve_thinking": name == "qwen3.6"}
+    options = SampleOptions(media_root=str(media), max_seq_len=1 << 20, **variables)
     seen = {"images": 0, "videos": 0, "text_only": 0}
     for n in range(3):
-        messages, tools = rand_conversation(rng, visuals=n > 0)
+        messages, tools = rand_conversation(rng, visuals=n > 0, early_reasoning=variables["preserve_thinking"])
         if n == 1:  # a video (its timestamps) and an image in every run, however the draws fall
             user = next(m for m in messages if m["role"] == "user")
             user["content"] = [{"type": "video", "video": "v"}, {"type": "image", "image": "i"},
@@ -355,13 +396,15 @@ def test_rows_equal_hf_processing(name, profiles, hf_processor, tmp_path):
         images, videos, meta = _media_row(rng, nprng, media, messages)
         sample = process_row({"messages": messages, "tools": tools}, sample_uid=f"r{n}", source="x", profile=profile,
                              options=options)
-        text = processor.apply_chat_template(hf_messages(messages), tools=tools, tokenize=False)
+        text = processor.apply_chat_template(hf_messages(messages), tools=tools, tokenize=False, **variables)
+        assert ("Picture 1: " in text) == (bool(images) and variables["add_vision_id"]), n
         hf = processor(text=[text], images=images or None, videos=videos or None, video_metadata=meta or None,
                        return_tensors="pt", cap_pixels_per_frame=False)
         ids = hf["input_ids"][0].numpy()
         assert sample.input_ids.tolist() == ids.tolist(), n
         # the targets are exactly the rendered text's target spans, and no vision token is one
-        rendered = render_conversation(messages, family=profile.family_rules, tools=tools, template=profile.template)
+        rendered = render_conversation(messages, family=profile.family_rules, tools=tools, template=profile.template,
+                                       **variables)
         _, mask = tokenize_rendered(rendered, profile.tokenizer)
         targets = profile.tokenizer.decode(ids[sample.loss_mask == 1].tolist(), skip_special_tokens=False)
         expected = "".join(rendered.text[a:b] for a, b in rendered.target_spans)
@@ -479,6 +522,46 @@ def qwen3_5_shards(tmp_path_factory) -> Path:
     rows.append({"id": "thinking", "messages": [{"role": "user", "content": "2+2?"},
                                                  {"role": "assistant", "reasoning_content": "4.", "content": "4"}]})
     return _preprocess(tmp_path_factory.mktemp("qwen3_5"), rows)
+
+
+def test_preserve_thinking_preprocesses_multi_turn_reasoning_with_qwen3_6_and_is_refused_for_qwen3_5(tmp_path,
+                                                                                                    capsys):
+    """`--preserve-thinking`: a Qwen3.6 job keeps the rows whose earlier turns hold reasoning
+    (rejected without it, never dropped silently) and verifies clean; a Qwen3.5 job is refused
+    before any work, exit 2 and one line naming the flag and the fix."""
+    from preprocess.examples import write_jsonl
+    from shards_schema import open_shards
+    from shards_schema.cli import main as vlmpack
+    from shards_schema.verify import verify_shards
+
+    rows = [{"id": f"r{k}", "messages": [
+        {"role": "user", "content": f"{k}+1?"}, {"role": "assistant", "reasoning_content": "add one", "content": f"{k + 1}"},
+        {"role": "user", "content": "and twice that?"},
+        {"role": "assistant", "reasoning_content": "double it", "content": f"{2 * (k + 1)}"}]} for k in range(3)]
+    rows.append({"id": "single", "messages": rows[0]["messages"][2:]})
+    data = write_jsonl(tmp_path / "chats.jsonl", rows)
+    common = [str(data), "--workers", "1", "--no-progress", "--add-vision-id"]
+    assert vlmpack(["preprocess", *common, "--out", str(tmp_path / "plain"), "--profile", "qwen3.6"]) == 0
+    manifest = json.loads((tmp_path / "plain" / "manifest.json").read_text())
+    assert manifest["accounting"]["rejects_by_reason"] == {"dropped_by_template": 3}, manifest["accounting"]
+    assert manifest["settings"]["add_vision_id"] and not manifest["settings"]["preserve_thinking"]
+    assert vlmpack(["preprocess", *common, "--out", str(tmp_path / "kept"), "--profile", "qwen3.6",
+                    "--preserve-thinking"]) == 0
+    assert verify_shards(tmp_path / "kept").fault_counts == {}
+    shards = open_shards(tmp_path / "kept")
+    assert len(shards) == 4
+    from preprocess.profiles import builtin_profile
+
+    sample = shards[0]
+    trained = builtin_profile("qwen3.6").tokenizer.decode(sample["input_ids"][sample["loss_mask"] == 1].tolist(),
+                                                          skip_special_tokens=False)
+    assert "add one\n</think>" in trained and "double it\n</think>" in trained
+    capsys.readouterr()
+    assert vlmpack(["preprocess", *common, "--out", str(tmp_path / "refused"), "--profile", "qwen3.5",
+                    "--preserve-thinking"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--preserve-thinking" in err and "--profile qwen3.6" in err, err
+    assert not (tmp_path / "refused").exists()
 
 
 def test_qwen3_5_shards_verify_clean_and_a_bad_timestamp_is_named(qwen3_5_shards, tmp_path):

@@ -32,15 +32,16 @@ POLICIES = ("all_assistant", "last_assistant")
 # ---------------------------------------------------------------------------------------------
 
 
-def hf_render(tokenizer, template: str, messages: list, tools) -> tuple[str, list[int]]:
-    text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False)
-    ids = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=True, return_dict=False)
+def hf_render(tokenizer, template: str, messages: list, tools, **variables) -> tuple[str, list[int]]:
+    text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False, **variables)
+    ids = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=True, return_dict=False,
+                                        **variables)
     return text, list(ids)
 
 
-def check_against_hf(family, messages, tools, sources, profile, hf_tokenizer, template) -> int:
+def check_against_hf(family, messages, tools, sources, profile, hf_tokenizer, template, add_vision_id=False) -> int:
     """Compare text, ids and masks under every policy; returns how many policies left no targets."""
-    text, ids = hf_render(hf_tokenizer, template, hf_template_messages(messages), tools)
+    text, ids = hf_render(hf_tokenizer, template, hf_template_messages(messages), tools, add_vision_id=add_vision_id)
     videos = [s[1] for s in sources if isinstance(s, tuple)]
     sources = [s for s in sources if not isinstance(s, tuple)]
     no_targets = 0
@@ -52,14 +53,16 @@ def check_against_hf(family, messages, tools, sources, profile, hf_tokenizer, te
             assert err.value.code == "no_targets"
             no_targets += 1
             continue
-        rendered = render_conversation(messages, family=family_named(family), tools=tools, loss_policy=policy)
+        rendered = render_conversation(messages, family=family_named(family), tools=tools, loss_policy=policy,
+                                       add_vision_id=add_vision_id)
         assert rendered.text == text
         assert rendered.image_sources == sources
         assert [v.source for v in rendered.videos] == videos
         input_ids, loss_mask = tokenize_rendered(rendered, profile.tokenizer)
         assert input_ids.dtype == np.int32 and loss_mask.dtype == np.uint8
         assert input_ids.tolist() == ids
-        np.testing.assert_array_equal(loss_mask, expected_mask_from_ids(ids, trained, hf_tokenizer))
+        np.testing.assert_array_equal(loss_mask, expected_mask_from_ids(ids, trained, hf_tokenizer,
+                                                                        text if add_vision_id else None))
         image_pads = input_ids == profile.special.image_pad
         assert image_pads.sum() == len(sources) and not loss_mask[image_pads].any()
         video_pads = input_ids == profile.special.video_pad
@@ -83,6 +86,19 @@ def test_random_conversations_match_hf(family, builtin_profiles, hf_tokenizers, 
     assert stats["images"] > N_RANDOM and stats["tool_msgs"] > 20 and stats["no_targets"] > 5
     assert stats["videos"] > N_RANDOM // 10
     assert family == "qwen2.5-vl" or (stats["tools"] > 50 and stats["tool_msgs"] > 100)
+
+
+def test_add_vision_id_matches_hf(family, builtin_profiles, hf_tokenizers, official_template):
+    """The templates' `add_vision_id` (`--add-vision-id`): `Picture n: ` / `Video n: ` before
+    each image and video, numbered through the conversation; ids and masks as HF's."""
+    rng = random.Random(f"vision-id-{family}")
+    numbered = 0
+    for _ in range(N_RANDOM // 10):
+        messages, tools, sources = rand_conversation(rng, family)
+        check_against_hf(family, messages, tools, sources, builtin_profiles[family], hf_tokenizers[family],
+                         official_template[family], add_vision_id=True)
+        numbered += len(sources) > 1
+    assert numbered >= 5
 
 
 def image_sources_in_order(messages: list) -> list[str]:

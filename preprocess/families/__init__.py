@@ -41,6 +41,8 @@ class ModelFamily(Protocol):
     shard_rules: FamilyRules  # its rules of the shard contract: video positions and layout, tokenizer variant
     templates: tuple[str, ...]  # the chat template kinds it renders natively ("instruct", "thinking")
     reasoning_templates: tuple[str, ...]  # those of `templates` that render an assistant's reasoning_content
+    # those of `templates` whose `preserve_thinking` keeps the reasoning of turns before the last user query
+    preserve_thinking_templates: tuple[str, ...]
     official_template_sha256: Mapping[str, str]  # template kind -> sha256 of the official chat_template.jinja
     builtin_video: VideoDefaults  # the video processor settings of its built-in profile
     example_tool_call_share: float  # share of example conversations given a tool call (0: its templates drop them)
@@ -51,10 +53,12 @@ class ModelFamily(Protocol):
         ...
 
     def render(self, out: TextBuilder, messages: list[Message], tools: list[dict], targets: list[bool], template: str,
-               reasoning_loss: str) -> None:
+               reasoning_loss: str, preserve_thinking: bool) -> None:
         """Write the conversation into `out` as the official `template` renders it, marking the
         messages flagged in `targets` as training targets (`reasoning_loss`: the Thinking
-        template's reasoning is trained, "train", or context, "mask")."""
+        template's reasoning is trained, "train", or context, "mask"; `preserve_thinking`: the
+        template variable, for a template in `preserve_thinking_templates`). `out` writes the
+        images and videos (`TextBuilder.add_items`), with `add_vision_id`'s numbers if set."""
         ...
 
     def hf_frame_indices(self, total_frames: int, video_fps: float, fps: float | None, nframes: int | None,

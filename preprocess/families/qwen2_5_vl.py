@@ -81,6 +81,7 @@ class Qwen2_5VL:
     shard_rules = shard_qwen2_5_vl.RULES
     templates = ("instruct",)
     reasoning_templates = ()  # its template renders no reasoning
+    preserve_thinking_templates = ()
     # sha256 of the official chat_template.jinja the renderer reproduces
     official_template_sha256 = {"instruct": "a0bc6f6fc7a29a80017a433e8f03a1cc1236e838a944a2d034295a60c4f2fddb"}
     builtin_video = QWEN2_5_VL_VIDEO
@@ -102,7 +103,7 @@ class Qwen2_5VL:
                 )
 
     def render(self, out: TextBuilder, messages: list[Message], tools: list[dict], targets: list[bool], template: str,
-               reasoning_loss: str) -> None:
+               reasoning_loss: str, preserve_thinking: bool) -> None:
         _render_instruct(out, messages, targets)
 
     def hf_frame_indices(self, total_frames: int, video_fps: float, fps: float | None, nframes: int | None,

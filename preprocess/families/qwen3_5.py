@@ -12,15 +12,13 @@ a `<think>...</think>` block at the start of the content; an empty one,
 (`enable_thinking=False`), so a turn without reasoning is a thinking-off turn and its empty
 block is context, while a turn with reasoning trains it (or not: `reasoning_loss`) after the
 `<think>\\n` that the thinking-on generation prompt ends with. Turns before the last user query
-render without the block: their reasoning would be dropped, so such rows are rejected. Tool
+render without the block: their reasoning would be dropped, so such rows are rejected, unless
+Qwen3.6's `preserve_thinking` (`--preserve-thinking`) keeps the block in every turn. Tool
 calls are XML (`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...`);
 Qwen3.5 writes a value that is not an object or a list with Python's `str` (`True`, `None`),
 Qwen3.6 as JSON (`true`, `null`), the one difference of the two templates besides
-`preserve_thinking` (not set by `apply_chat_template`'s defaults, so not rendered here).
-Tool results are `<tool_response>` blocks of one user turn, images and videos render in user,
-assistant and tool turns, and the template's `add_vision_id` writes `Picture n: ` / `Video n: `
-before them (`render_qwen3_5(..., add_vision_id=True)`; the family's `render`, which
-preprocessing calls, renders the template's default, without them).
+`preserve_thinking`. Tool results are `<tool_response>` blocks of one user turn; images and
+videos render in user, assistant and tool turns.
 
 Processors: transformers gives these checkpoints Qwen3-VL's (`Qwen3VLProcessor`,
 `Qwen2VLImageProcessor`, `Qwen3VLVideoProcessor`) with the same published constants
@@ -96,23 +94,6 @@ def _last_query_index(messages: list[Message]) -> int | None:
     return None
 
 
-class _Writer:
-    """Writes content items, counting images and videos for `add_vision_id`."""
-
-    def __init__(self, out: TextBuilder, add_vision_id: bool):
-        self.out, self.add_vision_id = out, add_vision_id
-        self.count = {IMAGE: 0, VIDEO: 0}
-
-    def content(self, items: list, target: bool = False) -> None:
-        for item in items:
-            kind = item[0]
-            if kind != TEXT:
-                self.count[kind] += 1
-                if self.add_vision_id:
-                    self.out.add(f"{'Picture' if kind == IMAGE else 'Video'} {self.count[kind]}: ")
-            self.out.add_items([item], target)
-
-
 def _argument_text(value, *, json_scalars: bool, index: int, where: str) -> str:
     """One tool-call argument's value as the template writes it inside `<parameter=...>`."""
     if isinstance(value, str):
@@ -173,7 +154,7 @@ def _split_reasoning(message: Message, items: list) -> tuple[str, str, list]:
     return head[-1].lstrip("\n"), where, [(TEXT, parts[-1].lstrip("\n"), where)]
 
 
-def _render_assistant(out: TextBuilder, writer: _Writer, message: Message, target: bool, after_query: bool,
+def _render_assistant(out: TextBuilder, message: Message, target: bool, after_query: bool,
                       reasoning_loss: str, json_scalars: bool) -> None:
     reasoning, reasoning_where, items = _split_reasoning(message, _trimmed(message.items))
     reasoning = reasoning.strip()
@@ -188,20 +169,21 @@ def _render_assistant(out: TextBuilder, writer: _Writer, message: Message, targe
     else:
         if reasoning:
             raise reject("dropped_by_template", message.index, "the template drops the reasoning of an assistant "
-                         "turn before the last user message; give each turn its own row")
+                         "turn before the last user message; give each turn its own row (Qwen3.6's template keeps "
+                         "it with --preserve-thinking)")
         out.add(IM_START + "assistant\n")
-    writer.content(items, target)
+    out.add_items(items, target)
     _render_tool_calls(out, message, target, bool(_flat(items).strip()), json_scalars)
     out.add(IM_END, target)
     out.add("\n")
 
 
-def _render_tool_result(out: TextBuilder, writer: _Writer, messages: list[Message], i: int) -> None:
+def _render_tool_result(out: TextBuilder, messages: list[Message], i: int) -> None:
     """Consecutive tool results share one user turn, each wrapped in <tool_response>."""
     if messages[i - 1].role != "tool":
         out.add(IM_START + "user")
     out.add("\n<tool_response>\n")
-    writer.content(_trimmed(messages[i].items))
+    out.add_items(_trimmed(messages[i].items))
     out.add("\n</tool_response>")
     if i == len(messages) - 1 or messages[i + 1].role != "tool":
         out.add(IM_END + "\n")
@@ -226,22 +208,24 @@ def _render_system(out: TextBuilder, system: Message | None, tools: list[dict]) 
 
 
 def render_qwen3_5(out: TextBuilder, messages: list[Message], tools: list[dict], targets: list[bool], *,
-                   json_scalars: bool, reasoning_loss: str = "train", add_vision_id: bool = False) -> None:
+                   json_scalars: bool, reasoning_loss: str = "train", preserve_thinking: bool = False) -> None:
     """The conversation as the official Qwen3.5 (`json_scalars=False`) or Qwen3.6 template
-    renders it without a generation prompt, targets marked."""
+    renders it without a generation prompt, targets marked; `preserve_thinking` (Qwen3.6's
+    variable): every assistant turn opens with its <think> block, not only those after the last
+    user query."""
     system = messages[0] if messages[0].role == "system" else None
     _render_system(out, system, tools)
     last_query = _last_query_index(messages)
-    writer = _Writer(out, add_vision_id)
     for i, message in enumerate(messages):
         if message.role == "user":
             out.add(IM_START + "user\n")
-            writer.content(_trimmed(message.items))
+            out.add_items(_trimmed(message.items))
             out.add(IM_END + "\n")
         elif message.role == "assistant":
-            _render_assistant(out, writer, message, targets[i], i > last_query, reasoning_loss, json_scalars)
+            _render_assistant(out, message, targets[i], preserve_thinking or i > last_query, reasoning_loss,
+                              json_scalars)
         elif message.role == "tool":
-            _render_tool_result(out, writer, messages, i)
+            _render_tool_result(out, messages, i)
         # system: rendered above (only as the first message; `reject_dropped_content` rejects any other)
 
 
@@ -253,6 +237,7 @@ class Qwen3_5(Qwen3VL):
     shard_rules = shard_qwen3_5.RULES
     templates = ("qwen3.5", "qwen3.6")
     reasoning_templates = ("qwen3.5", "qwen3.6")  # both render <think> blocks
+    preserve_thinking_templates = ("qwen3.6",)
     # sha256 of the official chat_template.jinja of each template the renderer reproduces
     official_template_sha256 = {
         "qwen3.5": "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715",
@@ -280,8 +265,9 @@ class Qwen3_5(Qwen3VL):
                          "<tool_response> blocks")
 
     def render(self, out: TextBuilder, messages: list[Message], tools: list[dict], targets: list[bool], template: str,
-               reasoning_loss: str) -> None:
-        render_qwen3_5(out, messages, tools, targets, json_scalars=template == "qwen3.6", reasoning_loss=reasoning_loss)
+               reasoning_loss: str, preserve_thinking: bool) -> None:
+        render_qwen3_5(out, messages, tools, targets, json_scalars=template == "qwen3.6", reasoning_loss=reasoning_loss,
+                       preserve_thinking=preserve_thinking)
 
 
 FAMILY = Qwen3_5()

@@ -219,6 +219,7 @@ class Qwen3VL:
     shard_rules = shard_qwen3_vl.RULES
     templates = ("instruct", "thinking")
     reasoning_templates = ("thinking",)  # the Thinking template renders <think> reasoning
+    preserve_thinking_templates = ()  # the Thinking template drops earlier turns' reasoning, always
     # sha256 of the official chat_template.jinja of each template the renderer reproduces
     official_template_sha256 = {
         "instruct": "3636d0f0bd6bef02654cdffdc447b79cb2cef8ab02cc75267345946291a489e4",
@@ -247,7 +248,7 @@ class Qwen3VL:
                 raise reject("dropped_by_template", m.index, f"qwen3-vl drops {visual}s inside {m.role} messages")
 
     def render(self, out: TextBuilder, messages: list[Message], tools: list[dict], targets: list[bool], template: str,
-               reasoning_loss: str) -> None:
+               reasoning_loss: str, preserve_thinking: bool) -> None:
         if template == "thinking":
             _render_thinking(out, messages, tools, targets, reasoning_loss)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import re
 
 import numpy as np
 
@@ -204,10 +205,12 @@ def expected_trained(messages: list, policy: str) -> list[bool]:
     return [m.get("train", flag) for m, flag in zip(assistant, flags, strict=True)]
 
 
-def expected_mask_from_ids(ids: list[int], trained: list[bool], tokenizer) -> np.ndarray:
+def expected_mask_from_ids(ids: list[int], trained: list[bool], tokenizer, vision_id_text: str | None = None) -> np.ndarray:
     """Mask from token ids alone: for the k-th `<|im_start|> assistant` pair, if trained, every
     token after the header's newline token up to and including the next `<|im_end|>`, minus
-    vision tokens. The header's newline token may have absorbed leading newlines of the content."""
+    vision tokens. The header's newline token may have absorbed leading newlines of the content.
+    `vision_id_text`: HF's text rendered with `add_vision_id`, whose `Picture n: ` / `Video n: `
+    before each image or video belong to it, never a target (tokens starting inside one)."""
     im_start, im_end, assistant = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "assistant"])
     vision = set(tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>"]))
     mask = np.zeros(len(ids), dtype=np.uint8)
@@ -221,5 +224,12 @@ def expected_mask_from_ids(ids: list[int], trained: list[bool], tokenizer) -> np
             turn += 1
     assert turn == len(trained)
     mask[np.isin(np.asarray(ids), list(vision))] = 0
+    if vision_id_text is not None:
+        encoding = tokenizer(vision_id_text, add_special_tokens=False, return_offsets_mapping=True)
+        assert encoding["input_ids"] == list(ids)
+        labels = [m.span() for m in re.finditer(r"(?:Picture|Video) \d+: (?=<\|vision_start\|>)", vision_id_text)]
+        for k, (start, _) in enumerate(encoding["offset_mapping"]):
+            if any(a <= start < b for a, b in labels):
+                mask[k] = 0
     return mask
 
