@@ -12,6 +12,10 @@ transformers' own model classes:
   name holds "flash", so the vision towers hand it their `cu_seqlens`; it is absent from the
   mask interface, so the language model builds no 4-D mask, and its sample boundaries come
   from the text positions (where they restart at 0), as transformers' own FA2 path finds them;
+- Qwen3.5's Gated DeltaNet layers on flash-linear-attention's varlen kernels: the chunked gated
+  delta rule given each pack's boundaries (transformers passes `cu_seq_lens_q` on to it), and
+  the causal conv1d too (`fla.modules.causal_conv1d` with `cu_seqlens`, in place of
+  transformers' conv, which takes no boundaries), so each sample starts fresh as it would alone;
 - Liger kernels (`liger-kernel`) where they support the model (`apply_liger_kernel_to_<model>`):
   which parts they cover is recorded (`LigerCoverage`);
 - bf16 parameters, fused AdamW (bf16 moments), gradient clipping at 1.0; PEFT adapters for LoRA;
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import sys
 import time
 from pathlib import Path
 
@@ -102,21 +107,43 @@ def use_packed_attention(model) -> None:
             config._attn_implementation_internal = ATTENTION
 
 
+def packed_causal_conv1d(original):
+    """transformers' `causal_conv1d_fn` ([B, D, T] in and out) that, given the pack's boundaries
+    (`cu_seq_lens_q`, which the Gated DeltaNet layer passes on in its keywords), runs
+    flash-linear-attention's varlen causal conv1d, whose window restarts at each sample: the
+    first tokens of a sample see zeros, not the end of the sample before. Without them it is
+    `original`."""
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, cu_seq_lens_q=None, **kwargs):
+        if cu_seq_lens_q is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        out, _ = causal_conv1d(x=hidden_states.transpose(1, 2).to(weight.dtype).contiguous(), weight=weight, bias=bias,
+                               activation=activation, cu_seqlens=cu_seq_lens_q)
+        return out.transpose(1, 2).to(hidden_states.dtype)
+
+    causal_conv1d_fn.packed = True
+    return causal_conv1d_fn
+
+
 def use_packed_linear_attention(model) -> int:
     """Hand each Gated DeltaNet layer (Qwen3.5) its pack's sample boundaries as `cu_seq_lens_q`,
     the keyword transformers passes on to flash-linear-attention's `chunk_gated_delta_rule`, so
     each sample's recurrent state starts fresh, as a packing user's collator
-    (`return_flash_attn_kwargs`) does. The boundaries come from the text positions of the
-    model's own call: the vision tower takes its `cu_seq_lens_q` from its grids, and a
-    top-level keyword would reach it too. transformers' causal conv1d takes no boundaries: its
-    window runs across samples (the first three tokens of a sample see the last of the one
-    before), as in any HF packed run of these models. Returns the number of layers."""
+    (`return_flash_attn_kwargs`) does, and to the layer's causal conv1d, which is made to take
+    them (`packed_causal_conv1d`; transformers' own conv window runs across samples). The
+    boundaries come from the text positions of the model's own call: the vision tower takes its
+    `cu_seq_lens_q` from its grids, and a top-level keyword would reach it too. Returns the
+    number of layers."""
     layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
     if not layers:
         return 0
     if importlib.util.find_spec("fla") is None:
         raise RuntimeError("HF's packed recipe for Gated DeltaNet layers needs flash-linear-attention "
                            "(pip install fla-core; CUDA): transformers' own path runs packed samples into each other")
+    for module in {sys.modules[type(layer).__module__] for layer in layers}:
+        if not getattr(module.causal_conv1d_fn, "packed", False):
+            module.causal_conv1d_fn = packed_causal_conv1d(module.causal_conv1d_fn)
     current: dict = {}
 
     def record(module, args, kwargs):
