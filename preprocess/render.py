@@ -510,8 +510,10 @@ def _check_data_text(text: str, data: list[tuple[int, int, str]], special_tokens
         raise reject(code, None, f"{location}: {meaning}; remove it or write it differently (e.g. with spaces)")
 
 
-def preserve_thinking_refusal(family, template: str) -> str:
-    """Why a template cannot render with `preserve_thinking`, and what can."""
+def preserve_thinking_refusal(family, template: str) -> str | None:
+    """Why `template` cannot render with `preserve_thinking`, and what can; None where it can."""
+    if template in family.preserve_thinking_templates:
+        return None
     able = ", ".join(family.preserve_thinking_templates)
     return (f"--preserve-thinking: the {template} template has no preserve_thinking variable "
             f"({'only ' + able + ' has' if able else 'no ' + family.name + ' template has'}); drop the flag"
@@ -547,8 +549,8 @@ def render_conversation(
         raise ValueError(f"unknown template {template!r} for {family.name}")
     if reasoning_loss not in REASONING_LOSSES:
         raise ValueError(f"unknown reasoning_loss {reasoning_loss!r}; choose one of {REASONING_LOSSES}")
-    if preserve_thinking and template not in family.preserve_thinking_templates:
-        raise ValueError(preserve_thinking_refusal(family, template))
+    if preserve_thinking and (refusal := preserve_thinking_refusal(family, template)):
+        raise ValueError(refusal)
     parsed, tools = _parse_conversation(messages, tools, family, template)
     targets = _target_flags(parsed, loss_policy)
     out = TextBuilder(add_vision_id)

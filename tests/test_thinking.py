@@ -95,6 +95,24 @@ def test_rows_equal_the_official_thinking_template(reasoning_loss, hf_tokenizers
     assert matched >= 100 and think_turns >= 100 and dropped >= 20, (matched, think_turns, dropped)
 
 
+def test_add_vision_id_equals_the_official_thinking_template(hf_tokenizers, thinking_template):
+    tokenizer = hf_tokenizers["qwen3-vl"]
+    rng = random.Random("thinking-vision-id")
+    numbered = 0
+    for n in range(CONVERSATIONS // 4):
+        messages, tools = thinking_conversation(rng)
+        try:
+            ours = render_conversation(messages, family=family_named("qwen3-vl"), tools=tools, template="thinking",
+                                       add_vision_id=True)
+        except RejectError:
+            continue
+        want = tokenizer.apply_chat_template(messages, tools=tools, chat_template=thinking_template, tokenize=False,
+                                             add_vision_id=True)
+        assert ours.text == want, f"conversation {n}"
+        numbered += "Picture 2: " in want or "Video 2: " in want
+    assert numbered >= 3, numbered
+
+
 def test_instruct_profile_still_rejects_reasoning_and_thinking_profile_names_its_template():
     rows = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "2+2=4"}]
     with pytest.raises(RejectError, match="Instruct templates do not render reasoning"):

@@ -20,9 +20,9 @@ from shards_schema.atomic import write_json_atomic
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR
 from shards_schema.outdir import exclusive_output_dir
 
+from ..errors import ConfigError
 from ..inputs import WorkUnit, check_inputs, plan_units
 from ..profiles import Profile, resolve_profile
-from ..errors import ConfigError
 from ..render import preserve_thinking_refusal
 from .publish import check_destination, default_stage_dir, empty_stage, publish, remove_stage
 from .claim import claim_out_dir, identity_to_resume, output_errors
@@ -74,8 +74,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     check_inputs(cfg.inputs)  # each there, readable, of a kind that cannot block, and named once
     profile = resolve_profile(**profile_args(cfg))
     _ = profile.special  # fail now, not in a worker
-    if cfg.sample.preserve_thinking and profile.template not in profile.family_rules.preserve_thinking_templates:
-        raise ConfigError(preserve_thinking_refusal(profile.family_rules, profile.template))
+    if cfg.sample.preserve_thinking and (refusal := preserve_thinking_refusal(profile.family_rules, profile.template)):
+        raise ConfigError(refusal)
     # held from before the workers start: a stop signal to the process group during the setup
     # reaches them and this process alike, and must end the job as a stop, not kill it outright
     with stop_on_signals(), executor_for(cfg, profile) as executor:
