@@ -220,6 +220,15 @@ def test_dry_run_settings_that_cannot_run_exit_2_with_one_line(capsys):
     assert rc == 2 and len(err.splitlines()) == 1 and "--gpus 3" in err
 
 
+def test_gpus_other_than_the_launch_is_refused_outside_a_dry_run(shards, tmp_path, capsys, monkeypatch):
+    """--gpus plans a --dry-run; a run plans (--recompute auto) for the GPUs it is launched on."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    rc = vlmpack(["train", "--data", str(shards), "--out", str(tmp_path / "run"), "--arch", "tiny", "--gpus", "8"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "--gpus 8" in err and "2 GPU(s)" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("arch, seq_len, pp, gpu_gib", [
     ("qwen3-vl-2b", 16384, 1, 200.0), ("qwen3-vl-2b", 16384, 1, 79.2), ("qwen3-vl-2b", 16384, 1, 60.0),
     ("qwen3-vl-8b", 8192, 2, 40.0), ("qwen3-vl-8b", 16384, 1, 30.0), ("qwen3-vl-30b-a3b", 8192, 1, 141.0),
