@@ -62,6 +62,33 @@ def test_compiled_decoder_layers_share_one_graph_and_compute_what_eager_computes
     assert graphs == (2 if variant in ("lora", "dora") else 1), graphs
 
 
+def test_gated_delta_net_layers_compile_around_their_eager_mixer(info):
+    """Qwen3.5's Gated DeltaNet layers are compiled too, their mixer run eagerly between the
+    graphs (its sample boundaries come to the host): the layer breaks only there, the norms,
+    MLP and residual adds are compiled, and the model computes what eager computes (the same
+    loss bitwise; gradients up to fp32 rounding, the graph break reorders a residual's sum)."""
+    torch._dynamo.reset()
+    arch, (eager, compiled) = models(info, "qwen3.5", "plain")
+    compile_model(compiled, backend="aot_eager")
+    layers = compiled.language_model.decoder.layers
+    kinds = [type(layer.self_attention).__name__ for layer in layers]
+    assert "GatedDeltaNet" in kinds and all(layer.compiled_forward is not None for layer in layers), kinds
+    gdn = layers[kinds.index("GatedDeltaNet")]
+    explained = torch._dynamo.explain(TransformerLayer.forward)(
+        gdn, hidden_states=torch.randn(48, 1, arch.lm.hidden_size), attention_mask=None,
+        packed_seq_params=layer_rows(compiled, 48))
+    assert explained.graph_break_count >= 1 and explained.op_count > 10
+    assert all("torch.compiler.disable" in str(b.reason) for b in explained.break_reasons), explained.break_reasons
+    torch._dynamo.reset()
+    for seed in range(3):
+        pack = random_pack(seed)
+        want, got = loss_and_grads(eager, pack), loss_and_grads(compiled, pack)
+        assert torch.equal(got[0], want[0]), seed
+        assert got[1].keys() == want[1].keys()
+        for name, grad in want[1].items():
+            torch.testing.assert_close(got[1][name], grad, rtol=1e-5, atol=1e-6, msg=f"{seed} {name}")
+
+
 def test_static_rows_compile_each_decoder_layer_for_the_pack_length(info):
     """`static_rows` (packs padded to one length): packs of that length, whatever their segments,
     share one graph and compute what eager computes; a pack of another length needs a graph of

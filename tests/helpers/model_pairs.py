@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.helpers.models import TINY_MODELS
+from tests.helpers.models import TINY_MODELS, tiny_qwen3_5
 from train.model import lora
 from train.model.arch import ModelArch
 from train.model.batch import PackedBatch
@@ -32,7 +32,7 @@ def models(info, kind: str, variant: str, fp8_rows: int | None = None):
     with a gradient buffer, as megatron's DDP gives it: the decoder linears add into it), lora,
     dora, fp8 (rowwise) or fp8-tensorwise; `fp8_rows`: `use_fp8`'s pack length (aligned linears
     skip the pad)."""
-    arch = ModelArch.from_hf_config(TINY_MODELS[kind]().config.to_dict())
+    arch = ModelArch.from_hf_config({**TINY_MODELS, "qwen3.5": tiny_qwen3_5}[kind]().config.to_dict())
     config = transformer_config(arch, cpu=True)
     torch.manual_seed(0)
     pair = [build_model(arch, config, info) for _ in range(2)]

@@ -481,6 +481,9 @@ class GatedDeltaNet(MegatronModule):
                           "(exact, much slower). pip install -e '.[qwen3.5]'", stacklevel=3)
         return available
 
+    # A compiled decoder layer (`compile_model`) runs the mixer eagerly between its graphs: the
+    # pack's boundaries come to the host here (`segments_of`), and fla's kernels are their own
+    @torch.compiler.disable
     def forward(self, hidden_states: Tensor, attention_mask=None, inference_context=None, packed_seq_params=None,
                 **_):
         if inference_context is not None:

@@ -37,7 +37,6 @@ from train.model import families
 from train.model.arch import ModelArch
 from train.model.attention import PackedCoreAttention, PackedRows
 from train.model.batch import PackedBatch
-from train.model.gated_delta_net import GatedDeltaNet
 from train.model.linear import ColumnParallelLinear, RowParallelLinear
 from train.model.moe import moe_config, moe_layer_spec
 from train.model.rope import MRoPE, apply_rotary
@@ -231,8 +230,9 @@ def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "indu
     and the varlen attention op, and fewer tensors kept for backward), the language model's
     rotary and, with TP = 1, the cross-entropy over the vocabulary. `decoder`: also each dense
     decoder layer as one graph (norms, residual adds, casts, SwiGLU and the rotary around the
-    GEMMs and the attention op); Mixture-of-Experts layers stay eager (their token dispatch
-    syncs with the host). Dynamic shapes: packs differ in length and patch count, and the
+    GEMMs and the attention op; in a Gated DeltaNet layer, around its mixer, which runs eagerly
+    between two graphs); Mixture-of-Experts layers stay eager (their token dispatch syncs with
+    the host). Dynamic shapes: packs differ in length and patch count, and the
     vision blocks share one graph, as do the decoder layers (parameters are graph inputs), so
     each compiles once per process (once more for the grad-free forward of a recomputed layer).
     `static_rows` (every pack padded to --seq-len): the decoder layers' graphs take the row
@@ -250,8 +250,7 @@ def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "indu
     if decoder:
         layer_forward = torch.compile(TransformerLayer.forward, dynamic=True, backend=backend)
         for layer in model.language_model.decoder.layers:
-            # Gated DeltaNet layers stay eager too: their sample boundaries come to the host
-            if not isinstance(layer.mlp, MoELayer) and not isinstance(layer.self_attention, GatedDeltaNet):
+            if not isinstance(layer.mlp, MoELayer):
                 layer.compiled_forward, layer.static_rows = layer_forward, static_rows
 
 
