@@ -99,6 +99,8 @@ class Rendered:
     image_sources: list  # the image reference of each image, in order of appearance (str or embedded bytes)
     videos: list[VideoPart] = field(default_factory=list)  # each video, in order of appearance
     image_requests: list[ImageRequest] = field(default_factory=list)  # each image's own size bounds, in order
+    # [start, end) spans no token may be a target through, even in part (`add_vision_id`'s labels)
+    context_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,6 +382,7 @@ class TextBuilder:
         """`add_vision_id`: the templates' variable of that name, which writes `Picture n: ` /
         `Video n: ` (numbered through the conversation) before each image / video."""
         self.add_vision_id = add_vision_id
+        self.labels: list[tuple[int, int]] = []  # the spans of those labels
         self.pieces: list[str] = []
         self.length = 0
         self.spans: list[list[int]] = []
@@ -412,16 +415,22 @@ class TextBuilder:
             elif kind == IMAGE:
                 self.images.append(value[0])
                 self.image_requests.append(value[1])
-                self.add(f"Picture {len(self.images)}: " if self.add_vision_id else "")
+                self._label(f"Picture {len(self.images)}: ")
                 self.add(IMAGE_PLACEHOLDER)
             else:
                 self.videos.append(value)
-                self.add(f"Video {len(self.videos)}: " if self.add_vision_id else "")
+                self._label(f"Video {len(self.videos)}: ")
                 self.add(VIDEO_PLACEHOLDER)
+
+    def _label(self, text: str) -> None:
+        """`add_vision_id`'s label of the image or video that follows: context, like the image."""
+        if self.add_vision_id:
+            self.labels.append((self.length, self.length + len(text)))
+            self.add(text)
 
     def result(self) -> Rendered:
         return Rendered("".join(self.pieces), [tuple(span) for span in self.spans], self.images, self.videos,
-                        self.image_requests)
+                        self.image_requests, self.labels)
 
 
 def render_tool_calls(out: TextBuilder, message: Message, target: bool, content_truthy: bool | None = None) -> None:
@@ -578,7 +587,9 @@ def tokenize_rendered(rendered: Rendered, tokenizer) -> tuple[np.ndarray, np.nda
     and special tokens never merge with neighbouring text, so this is exact except at the
     start of a turn: the byte-level BPE merges the header's "\\n" with leading newlines of the
     content into one token, which starts in the header and is therefore not a target (the
-    content's leading newlines are not learned; everything after them is).
+    content's leading newlines are not learned; everything after them is). A token that
+    overlaps one of `context_spans` is context, whatever its start: `add_vision_id`'s label
+    before an image in an assistant turn may merge with the text before it (" Picture").
     """
     encoding = tokenizer.encode(rendered.text, add_special_tokens=False)
     input_ids = np.asarray(encoding.ids, dtype=np.int32)
@@ -590,6 +601,10 @@ def tokenize_rendered(rendered: Rendered, tokenizer) -> tuple[np.ndarray, np.nda
     bounds = np.asarray(rendered.target_spans, dtype=np.int64).reshape(-1)
     inside = np.searchsorted(bounds, starts, side="right") & 1
     loss_mask = inside.astype(np.uint8)
+    if rendered.context_spans:
+        ends = offsets[1::2]
+        for start, end in rendered.context_spans:
+            loss_mask[(starts < end) & (ends > start)] = 0
     _check_image_pads(input_ids, loss_mask, rendered, tokenizer)
     return input_ids, loss_mask
 

@@ -182,6 +182,23 @@ def test_jobs_recorded_before_profiles_held_the_template_text_resume_and_merge(e
     assert merge_partitions([str(d) for d in parts], str(tmp_path / "merged")) == _without_run(baseline[1])
 
 
+def test_jobs_recorded_before_a_sample_setting_existed_resume_at_its_default(example_jsonl, baseline, tmp_path):
+    """A job recorded by a vlmpack without `add_vision_id` and `preserve_thinking` (settings it
+    could not set) resumes as the same job with them off; asked to turn one on, it is refused."""
+    out = tmp_path / "resumed"
+    _run([example_jsonl], out, workers=1)
+    job_file = out / "_parts" / "job.json"
+    recorded = json.loads(job_file.read_text())
+    del recorded["settings"]["add_vision_id"], recorded["settings"]["preserve_thinking"]
+    job_file.write_text(json.dumps(recorded))
+    (out / "manifest.json").unlink()
+    with pytest.raises(ConfigError, match="differs in: settings"):
+        _run([example_jsonl], out, workers=1, sample=SampleOptions(add_vision_id=True))
+    manifest = _run([example_jsonl], out, workers=1)
+    assert manifest["_run"]["units_resumed"] == manifest["totals"]["shards"]
+    assert _without_run(manifest) == _without_run(baseline[1])
+
+
 def test_slurm_array_recipe_then_merge_equal_one_job(example_jsonl, baseline, tmp_path):
     """docs/recipes/slurm_preprocess.sbatch run as a 3-task array would run it (the tasks at once,
     Slurm's array variables set), then the merge it documents: one job's bytes."""

@@ -101,6 +101,25 @@ def test_add_vision_id_matches_hf(family, builtin_profiles, hf_tokenizers, offic
     assert numbered >= 5
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3.6"])
+def test_a_vision_label_merged_with_the_text_before_it_is_never_a_target(name):
+    """In an assistant turn, `Picture n: ` may merge with the target text before it into one
+    token (" Picture"): that token is context, as the label and the image are."""
+    from preprocess.profiles import builtin_profile
+
+    profile = builtin_profile(name)
+    messages = [{"role": "user", "content": "show me"},
+                {"role": "assistant", "content": [{"type": "text", "text": "Here it is "},
+                                                  {"type": "image", "image": "a.png"},
+                                                  {"type": "text", "text": " done"}]}]
+    rendered = render_conversation(messages, family=profile.family_rules, template=profile.template, add_vision_id=True)
+    ids, mask = tokenize_rendered(rendered, profile.tokenizer)
+    tokens = [profile.tokenizer.id_to_token(int(i)) for i in ids]
+    label = tokens.index("\u0120Picture")  # the byte-level BPE's space + "Picture": it starts in the target text
+    assert mask[label] == 0 and mask[label - 1] == 1 and tokens[label - 1] == "\u0120is"
+    assert profile.tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == "Here it is done<|im_end|>"
+
+
 def image_sources_in_order(messages: list) -> list[str]:
     sources = []
     for message in messages:

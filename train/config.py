@@ -290,8 +290,8 @@ class MemoryConfig:
         if self.recompute_layers is not None and self.recompute != "full":
             raise ConfigError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
                               f"(the decoder layers per pipeline stage whose activations are recomputed)")
-        launched = os.environ.get("WORLD_SIZE", "1")
-        if self.gpus is not None and not self.dry_run and str(self.gpus) != launched:
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.gpus is not None and not self.dry_run and self.gpus != launched:
             # --recompute auto would plan for the wrong data-parallel size
             raise ConfigError(f"--gpus {self.gpus} plans a --dry-run; this run is launched on {launched} GPU(s) "
                               "(WORLD_SIZE) and plans for those: add --dry-run, or drop --gpus")

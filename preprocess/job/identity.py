@@ -162,5 +162,14 @@ def same_job(recorded, identity: dict) -> bool:
             return ident
         return {**ident, "profile": {k: v for k, v in ident["profile"].items() if k not in ("chat_template", "name")}}
 
-    return without_text(recorded) == without_text(identity)
+    return without_text(with_later_settings(recorded)) == without_text(identity)
+
+
+def with_later_settings(recorded):
+    """A recorded job identity with the sample settings that vlmpack added since (which the job
+    could not have set) at their defaults, so that a job started by an earlier vlmpack resumes."""
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("settings"), dict):
+        return recorded
+    defaults = json.loads(json.dumps(_sample_settings(SampleOptions())))
+    return {**recorded, "settings": {**defaults, **recorded["settings"]}}
 

@@ -210,7 +210,7 @@ def expected_mask_from_ids(ids: list[int], trained: list[bool], tokenizer, visio
     token after the header's newline token up to and including the next `<|im_end|>`, minus
     vision tokens. The header's newline token may have absorbed leading newlines of the content.
     `vision_id_text`: HF's text rendered with `add_vision_id`, whose `Picture n: ` / `Video n: `
-    before each image or video belong to it, never a target (tokens starting inside one)."""
+    before each image or video belong to it, never a target (no token reaching into one)."""
     im_start, im_end, assistant = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "assistant"])
     vision = set(tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>"]))
     mask = np.zeros(len(ids), dtype=np.uint8)
@@ -228,8 +228,8 @@ def expected_mask_from_ids(ids: list[int], trained: list[bool], tokenizer, visio
         encoding = tokenizer(vision_id_text, add_special_tokens=False, return_offsets_mapping=True)
         assert encoding["input_ids"] == list(ids)
         labels = [m.span() for m in re.finditer(r"(?:Picture|Video) \d+: (?=<\|vision_start\|>)", vision_id_text)]
-        for k, (start, _) in enumerate(encoding["offset_mapping"]):
-            if any(a <= start < b for a, b in labels):
+        for k, (start, end) in enumerate(encoding["offset_mapping"]):
+            if any(start < b and end > a for a, b in labels):
                 mask[k] = 0
     return mask
 
