@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -126,6 +127,13 @@ def packed_causal_conv1d(original):
     return causal_conv1d_fn
 
 
+def calls_module_conv(layer) -> bool:
+    """Whether a Gated DeltaNet layer's forward calls its module's `causal_conv1d_fn`, the
+    function `use_packed_linear_attention` replaces (not a per-layer binding of its own)."""
+    forward = inspect.unwrap(type(layer).forward)
+    return "causal_conv1d_fn" in forward.__code__.co_names and "causal_conv1d_fn" not in vars(layer)
+
+
 def use_packed_linear_attention(model) -> int:
     """Hand each Gated DeltaNet layer (Qwen3.5) its pack's sample boundaries as `cu_seq_lens_q`,
     the keyword transformers passes on to flash-linear-attention's `chunk_gated_delta_rule`, so
@@ -141,6 +149,10 @@ def use_packed_linear_attention(model) -> int:
     if importlib.util.find_spec("fla") is None:
         raise RuntimeError("HF's packed recipe for Gated DeltaNet layers needs flash-linear-attention "
                            "(pip install fla-core; CUDA): transformers' own path runs packed samples into each other")
+    for layer in layers:
+        if not calls_module_conv(layer):
+            raise RuntimeError(f"{type(layer).__name__} of this transformers version does not call its module's "
+                               "causal_conv1d_fn: the packed recipe cannot give its conv the sample boundaries")
     for module in {sys.modules[type(layer).__module__] for layer in layers}:
         if not getattr(module.causal_conv1d_fn, "packed", False):
             module.causal_conv1d_fn = packed_causal_conv1d(module.causal_conv1d_fn)

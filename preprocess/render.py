@@ -820,10 +820,14 @@ TEMPLATE_PROBES: tuple[tuple[str, list, list | None], ...] = (
 )
 
 
-def _render_with_hf(template_text: str, messages: list, tools: list | None) -> str:
+def _with(variables: dict) -> str:
+    return "".join(f" with {k}" for k in variables)
+
+
+def _render_with_hf(template_text: str, messages: list, tools: list | None, **variables) -> str:
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=template_text)
+    rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=template_text, **variables)
     return rendered[0]
 
 
@@ -855,8 +859,9 @@ def _excerpt(text: str, at: int, radius: int = 60) -> str:
     return repr(text[max(0, at - radius) : at + radius])
 
 
-def check_template_matches(profile, template_text: str) -> None:
-    """Raise ConfigError unless `template_text` renders every probe exactly like `render_conversation`.
+def check_template_matches(profile, template_text: str, **variables) -> None:
+    """Raise ConfigError unless `template_text` renders every probe exactly like `render_conversation`,
+    both with the template `variables` (`add_vision_id=True`, ...) set, if any.
 
     Probes the family rejects (e.g. tool calls under qwen2.5-vl) are skipped for that family.
     """
@@ -869,19 +874,20 @@ def check_template_matches(profile, template_text: str) -> None:
     family = profile.family
     for name, messages, tools in TEMPLATE_PROBES:
         try:
-            ours = render_conversation(messages, family=profile.family_rules, tools=tools, template=profile.template).text
+            ours = render_conversation(messages, family=profile.family_rules, tools=tools, template=profile.template,
+                                       **variables).text
         except RejectError:
             continue  # content this family cannot render without loss; not a template property
         try:
             try:
-                theirs = _render_with_hf(template_text, messages, tools)
+                theirs = _render_with_hf(template_text, messages, tools, **variables)
             except Exception:
                 # a template that iterates the arguments (Qwen3.5's XML tool calls) takes no JSON
                 # string: vlmpack renders such a string as its object, so compare on the object
                 decoded = _with_object_arguments(messages)
                 if decoded is messages:
                     raise
-                theirs = _render_with_hf(template_text, decoded, tools)
+                theirs = _render_with_hf(template_text, decoded, tools, **variables)
         except Exception as exc:  # jinja syntax or runtime errors from an arbitrary template
             raise ConfigError(
                 f"the chat template of {profile.source} fails on probe {name!r} ({type(exc).__name__}: {exc}); "
@@ -891,7 +897,7 @@ def check_template_matches(profile, template_text: str) -> None:
             at = _first_difference(theirs, ours)
             raise ConfigError(
                 f"the chat template of {profile.source} is not one vlmpack renders natively: it differs from the "
-                f"official {family} {profile.template} template on probe {name!r} at character {at}\n"
+                f"official {family} {profile.template} template on probe {name!r}{_with(variables)} at character {at}\n"
                 f"  template: ...{_excerpt(theirs, at)}...\n"
                 f"  vlmpack:  ...{_excerpt(ours, at)}...\n"
                 f"use the official chat template of the checkpoint (sha256 of the supported templates is in "

@@ -57,6 +57,19 @@ def test_packed_recipe_equals_hf_per_sample(tmp_path, arch_name):
     assert packed == pytest.approx(weighted / targets, abs=2e-5)
 
 
+def test_the_gated_delta_net_layers_call_the_conv_the_packed_recipe_replaces():
+    """transformers' Qwen3.5 (dense and MoE) Gated DeltaNet layers call their module's
+    `causal_conv1d_fn`, which the packed recipe replaces with the varlen conv; a layer holding
+    its own binding would be refused."""
+    from tests.helpers.models import tiny_qwen3_5
+
+    for moe in (False, True):
+        layers = [m for m in tiny_qwen3_5(moe=moe).modules() if type(m).__name__.endswith("GatedDeltaNet")]
+        assert layers and all(hf_baseline.calls_module_conv(layer) for layer in layers)
+    layers[0].causal_conv1d_fn = lambda *args, **kwargs: None
+    assert not hf_baseline.calls_module_conv(layers[0])
+
+
 def test_collate_pack_refuses_a_target_at_a_sample_start():
     sample = {"input_ids": np.arange(4), "loss_mask": np.array([1, 0, 1, 1], np.uint8),
               "position_ids": np.zeros((3, 4), np.int64), "pixel_patches": np.zeros((0, 8), np.uint8),

@@ -598,6 +598,34 @@ def test_model_dir_with_modified_template_is_refused(tmp_path, builtin_profiles,
         profile_from_model_dir(tmp_path)
 
 
+def test_model_dir_template_is_checked_with_the_jobs_template_variables(tmp_path, builtin_profiles, official_template,
+                                                                       capsys):
+    """A checkpoint's own template that numbers images its own way passes the default probes
+    (`add_vision_id` unset), so it serves a job without `--add-vision-id`; a job with it checks
+    the template's branch too and is refused, exit 2, before any work."""
+    from preprocess.examples import write_jsonl
+    from shards_schema.cli import main as vlmpack
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    (model / "tokenizer.json").write_text(builtin_profiles["qwen3-vl"].tokenizer_json, encoding="utf-8")
+    (model / "preprocessor_config.json").write_text(json.dumps(
+        {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    own = official_template["qwen3-vl"].replace("Picture {{ image_count.value }}: ", "Image {{ image_count.value }}: ")
+    assert own != official_template["qwen3-vl"]
+    (model / "chat_template.jinja").write_text(own, encoding="utf-8")
+    data = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                                {"role": "assistant", "content": "hello"}]}])
+    common = ["preprocess", str(data), "--model", str(model), "--workers", "1", "--no-progress"]
+    assert vlmpack([*common, "--out", str(tmp_path / "plain")]) == 0
+    capsys.readouterr()
+    assert vlmpack([*common, "--out", str(tmp_path / "numbered"), "--add-vision-id"]) == 2
+    err = capsys.readouterr().err
+    assert "with add_vision_id" in err and "not one vlmpack renders natively" in err, err
+    assert not (tmp_path / "numbered").exists()
+
+
 def test_vendored_templates_are_the_published_bytes():
     """Each vendored template's sha256 equals the one its provenance note records."""
     import hashlib

@@ -22,8 +22,8 @@ from shards_schema.outdir import exclusive_output_dir
 
 from ..errors import ConfigError
 from ..inputs import WorkUnit, check_inputs, plan_units
-from ..profiles import Profile, resolve_profile
-from ..render import preserve_thinking_refusal
+from ..profiles import OFFICIAL_TEMPLATE_SHA256, Profile, resolve_profile
+from ..render import check_template_matches, preserve_thinking_refusal
 from .publish import check_destination, default_stage_dir, empty_stage, publish, remove_stage
 from .claim import claim_out_dir, identity_to_resume, output_errors
 from .config import PreprocessConfig, check_config, profile_args
@@ -76,6 +76,9 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     _ = profile.special  # fail now, not in a worker
     if cfg.sample.preserve_thinking and (refusal := preserve_thinking_refusal(profile.family_rules, profile.template)):
         raise ConfigError(refusal)
+    variables = {name: True for name in ("add_vision_id", "preserve_thinking") if getattr(cfg.sample, name)}
+    if variables and profile.template_sha256 not in OFFICIAL_TEMPLATE_SHA256.values():
+        check_template_matches(profile, profile.chat_template, **variables)  # a template's own branches for them
     # held from before the workers start: a stop signal to the process group during the setup
     # reaches them and this process alike, and must end the job as a stop, not kill it outright
     with stop_on_signals(), executor_for(cfg, profile) as executor:
