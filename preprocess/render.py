@@ -526,7 +526,8 @@ def preserve_thinking_refusal(family, template: str) -> str | None:
     able = ", ".join(family.preserve_thinking_templates)
     return (f"--preserve-thinking: the {template} template has no preserve_thinking variable "
             f"({'only ' + able + ' has' if able else 'no ' + family.name + ' template has'}); drop the flag"
-            + (f" or preprocess with --profile {family.preserve_thinking_templates[-1]}" if able else ""))
+            + (f" or preprocess with the {able} template (--profile {family.preserve_thinking_templates[-1]}, or "
+               f"--model a checkpoint that has it)" if able else ""))
 
 
 def render_conversation(
