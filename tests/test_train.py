@@ -658,10 +658,12 @@ def test_a_second_ctrl_c_while_saving_exits_at_once_keeping_the_previous_checkpo
                                                                        "step_00000003"]
 
 
-# Ctrl-C while the model is being set up (the default handler: KeyboardInterrupt)
+# Ctrl-C while the model is being set up (the default handler: KeyboardInterrupt, set here as a
+# terminal gives it: a process started from a background shell inherits SIGINT ignored)
 CTRL_C_IN_SETUP = """
 import os, signal, sys
 import train.model_setup as model_setup, train.trainer as trainer
+signal.signal(signal.SIGINT, signal.default_int_handler)
 def init_random_weights(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGINT)
 model_setup.init_random_weights = init_random_weights
