@@ -862,7 +862,7 @@ def _excerpt(text: str, at: int, radius: int = 60) -> str:
 
 def check_template_matches(profile, template_text: str, **variables) -> None:
     """Raise ConfigError unless `template_text` renders every probe exactly like `render_conversation`,
-    both with the template `variables` (`add_vision_id=True`, ...) set, if any.
+    the template `variables` (`add_vision_id=True`, ...) set on both sides.
 
     Probes the family rejects (e.g. tool calls under qwen2.5-vl) are skipped for that family.
     """
