@@ -106,6 +106,11 @@ class SampleOptions:
                                         "%(default)s = 4 GiB); files are streamed by the decoder, never read whole")
 
     @property
+    def template_variables(self) -> dict[str, bool]:
+        """The chat template's variables this job sets (`apply_chat_template`'s keywords)."""
+        return {name: True for name in ("add_vision_id", "preserve_thinking") if getattr(self, name)}
+
+    @property
     def remote(self) -> FetchPolicy | None:
         """How media URLs are fetched; None when they are rejected (`remote_url`)."""
         return self.remote_fetch if self.allow_remote_media else None
@@ -360,8 +365,7 @@ def process_row(row, *, sample_uid: str, source: str, profile: Profile, options:
         special_tokens=profile.text_special_tokens,
         template=profile.template,
         reasoning_loss=options.reasoning_loss,
-        add_vision_id=options.add_vision_id,
-        preserve_thinking=options.preserve_thinking,
+        **options.template_variables,
     )
     rendered = _within_reach(rendered, profile, options)
     vision = profile.vision

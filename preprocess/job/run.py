@@ -76,7 +76,7 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     _ = profile.special  # fail now, not in a worker
     if cfg.sample.preserve_thinking and (refusal := preserve_thinking_refusal(profile.family_rules, profile.template)):
         raise ConfigError(refusal)
-    variables = {name: True for name in ("add_vision_id", "preserve_thinking") if getattr(cfg.sample, name)}
+    variables = cfg.sample.template_variables
     if variables and profile.template_sha256 not in OFFICIAL_TEMPLATE_SHA256.values():
         check_template_matches(profile, profile.chat_template, **variables)  # a template's own branches for them
     # held from before the workers start: a stop signal to the process group during the setup
