@@ -81,6 +81,7 @@ from shards_schema.flags import parse_bool
 from train.config import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE, STATE_DTYPES
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
+from train.model.attention import resolve_attention_kernel
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -111,7 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --profile: label the model's parts, save the step's chrome trace here and "
                          "report where the GPU waits for the host (gaps between kernels, by what the host was doing)")
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
-    ap.add_argument("--attention", default="fa2", choices=ATTENTION_KERNELS, help="trainer's CUDA attention kernel")
+    ap.add_argument("--attention", default="fa2", choices=ATTENTION_KERNELS,
+                    help="CUDA attention kernel of both sides (the trainer's flag; auto: fa4 where it runs, else "
+                         "fa2, resolved once and recorded; default fa2)")
     ap.add_argument("--fp8", default=None, choices=FP8_RECIPES, help="trainer's --fp8 recipe (default: bf16 GEMMs)")
     ap.add_argument("--pad-packs", type=parse_bool, default=None,
                     help="trainer's --pad-packs: pad every pack to --seq-len rows (true/false; default: the "
@@ -941,6 +944,8 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_out = Path(args.json_out) if args.json_out else out_dir / "train_speed.json"
     arch = builtin_arch(args.arch)
+    if device.type == "cuda":  # both sides run, and the result names, the kernel auto picks on this machine
+        args.attention = resolve_attention_kernel(args.attention)
     res = {"args": vars(args), "machine": machine(device), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     log(f"machine: {res['machine']['device']}, torch {torch.__version__}, "
         f"transformers {res['machine']['transformers']}, megatron-core {res['machine']['megatron_core']}")

@@ -49,10 +49,46 @@ def test_masked_path_equals_per_segment(seed, causal, hq, hkv):
 def test_attention_choice_is_checked():
     with pytest.raises(ValueError, match="--attention 'fa3'"):
         TrainConfig.from_flat({"data": ["d"], "arch": "tiny", "attention": "fa3"}).validate()
-    with pytest.raises(ValueError, match="choose fa2 or fa4"):
+    with pytest.raises(ValueError, match="choose auto, fa2 or fa4"):
         A.select_attention_kernel("flash")
-    assert A.select_attention_kernel("fa2", {"vision tower": 80}) == []
+    assert A.select_attention_kernel("fa2", {"vision tower": 80}) == ("fa2", [])
     assert A._fa4_attention is None
+    assert TrainConfig.from_flat({"data": ["d"], "arch": "tiny"}).model.attention == "auto"
+
+
+@pytest.mark.parametrize("gpu,capability,fa4_installed,kernel,why", [
+    (False, None, True, "fa2", "no CUDA GPU"),
+    (True, (8, 0), True, "fa2", "the GPU is sm8x"),
+    (True, (9, 0), False, "fa2", "flash-attn-4 is not importable"),
+    (True, (9, 0), True, "fa4", None),
+    (True, (10, 0), True, "fa4", None),
+    (True, (12, 0), True, "fa2", "the GPU is sm12x"),
+])
+def test_auto_attention_is_fa4_where_it_runs(monkeypatch, gpu, capability, fa4_installed, kernel, why):
+    """auto takes FA4 on a Hopper or Blackwell GPU with flash-attn-4 importable, FA2 elsewhere,
+    and says why; an explicit fa4 where it cannot run is refused with that reason."""
+    import sys
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    fake = types.ModuleType("train.model.flash_attn4")
+    fake.fa4_varlen_attention = lambda *args: None
+    # None in sys.modules makes the import fail, as a missing flash_attn.cute does
+    monkeypatch.setitem(sys.modules, "train.model.flash_attn4", fake if fa4_installed else None)
+    assert A.resolve_attention_kernel("auto") == kernel
+    assert A.resolve_attention_kernel("fa2") == "fa2" and A.resolve_attention_kernel("fa4") == "fa4"
+    why_now = A.fa4_unavailable()
+    assert (why_now is None) if why is None else why_now.startswith(why)
+    try:
+        assert A.select_attention_kernel("auto", {"language model": 256, "vision tower": 64}) == \
+            (kernel, ["language model (head dim 256)"] if kernel == "fa4" else [])
+        assert A._fa4_attention is (fake.fa4_varlen_attention if kernel == "fa4" else None)
+        if why:
+            with pytest.raises(RuntimeError, match=f"--attention fa4 cannot run: {why}"):
+                A.select_attention_kernel("fa4")
+    finally:
+        A.select_attention_kernel("fa2")
 
 
 def _fa4_available() -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
@@ -63,9 +64,9 @@ def test_compiled_decoder_layers_share_one_graph_and_compute_what_eager_computes
 
 
 def test_gated_delta_net_layers_compile_around_their_eager_mixer(info):
-    """Qwen3.5's Gated DeltaNet layers are compiled too, their mixer run eagerly between the
-    graphs (its sample boundaries come to the host): the layer breaks only there, the norms,
-    MLP and residual adds are compiled, and the model computes what eager computes (the same
+    """Qwen3.5's Gated DeltaNet layers are compiled too, their conv and delta rule run eagerly
+    between the graphs (the sample boundaries come to the host): the layer breaks only there,
+    the projections, gates, gated norm, MLP and residual adds are compiled, and the model computes what eager computes (the same
     loss bitwise; gradients up to fp32 rounding, the graph break reorders a residual's sum)."""
     torch._dynamo.reset()
     arch, (eager, compiled) = models(info, "qwen3.5", "plain")
@@ -79,6 +80,10 @@ def test_gated_delta_net_layers_compile_around_their_eager_mixer(info):
         packed_seq_params=layer_rows(compiled, 48))
     assert explained.graph_break_count >= 1 and explained.op_count > 10
     assert all("torch.compiler.disable" in str(b.reason) for b in explained.break_reasons), explained.break_reasons
+    # the graphs hold all but the conv and the delta rule: the gates and the gated RMSNorm too
+    compiled_code = "\n".join(graph.code for graph in explained.graphs)
+    for op in ("softplus", "sigmoid", "rsqrt", "silu"):
+        assert op in compiled_code, op
     torch._dynamo.reset()
     for seed in range(3):
         pack = random_pack(seed)
@@ -127,3 +132,28 @@ def test_mixture_of_experts_layers_stay_eager(info):
     compile_model(model, backend="aot_eager")
     assert all(layer.compiled_forward is None for layer in model.language_model.decoder.layers)
     assert all(block._compiled_call_impl is not None for block in model.vision.blocks)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_token_loss_is_cross_entropy_eager_and_compiled(seed):
+    """`token_loss` (the TP = 1 loss `compile_model` compiles) is torch's cross-entropy of each
+    row, value and gradient, on bf16 logits of random rows, vocabulary and targets."""
+    from train.model.qwen_vl import token_loss
+
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(2, 3000, (1,), generator=g))
+    logits = (torch.randn(rows, 1, vocab, generator=g) * 4).bfloat16()
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    grad_out = torch.randn(rows, generator=g)
+    compiled = torch.compile(token_loss, dynamic=True, backend="aot_eager")
+    results = []
+    for fn in (token_loss, compiled,
+               lambda x, y: F.cross_entropy(x[:, 0].float(), y, reduction="none")):
+        x = logits.clone().requires_grad_()
+        loss = fn(x, target)
+        loss.backward(grad_out)
+        results.append((loss, x.grad))
+    (loss, grad), (compiled_loss, compiled_grad), (want, want_grad) = results
+    assert torch.equal(compiled_loss, loss) and torch.equal(compiled_grad, grad)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.float(), want_grad.float(), rtol=1e-2, atol=1e-3)

@@ -26,7 +26,7 @@ from shards_schema.flags import add_flags, flag_name, flat_paths, from_flat, nes
 from train.model.settings import FP8_RECIPES, ConfigError
 
 FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains fully (train.model.lora)
-ATTENTION_KERNELS = ("fa2", "fa4")  # train.model.attention.select_attention_kernel
+ATTENTION_KERNELS = ("auto", "fa2", "fa4")  # train.model.attention.select_attention_kernel
 STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
 RECOMPUTE = ("none", "selective", "full", "auto")
 DEVICES = ("cuda", "cpu")
@@ -204,8 +204,8 @@ class ModelConfig:
                                             "checkpoint's model/)")
     arch: str | None = _text(None, "model", "start from random weights of this built-in architecture (e.g. tiny)")
     freeze: list[str] = _list("model", f"parts not trained: {', '.join(FREEZABLE)} (repeatable or comma-separated)")
-    attention: str = _text("fa2", "model", "CUDA attention kernel: fa2 (torch's own) or fa4 (flash-attn-4, "
-                                           "Hopper/Blackwell; default fa2)")
+    attention: str = _text("auto", "model", "CUDA attention kernel: fa2 (torch's own), fa4 (flash-attn-4, "
+                                            "Hopper/Blackwell) or auto (default): fa4 where it runs, else fa2")
     moe_aux_loss_coef: float = _float(0.0, "model", "Mixture-of-Experts models: weight of the router's load-balancing "
                                                      "loss (HF's router_aux_loss_coef, e.g. 0.001; default 0, as HF "
                                                      "trains without output_router_logits)")

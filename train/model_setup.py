@@ -163,7 +163,7 @@ def build_model_for_run(config, memory, arch: ModelArch, info, dtype: torch.dtyp
     its device, weights not loaded yet (`load_weights`); on CUDA the attention kernel chosen.
     `config`, `memory`: the model and memory sections (`train.config`); the layout is `info`'s;
     `static_rows`: every pack padded to --seq-len rows."""
-    from train.model.attention import FA4_HEAD_DIMS, select_attention_kernel
+    from train.model.attention import FA4_HEAD_DIMS, fa4_unavailable, select_attention_kernel
     from train.model.qwen_vl import transformer_config
     from train.parallel import build_model
 
@@ -174,10 +174,13 @@ def build_model_for_run(config, memory, arch: ModelArch, info, dtype: torch.dtyp
                                       moe_aux_loss_coef=config.moe_aux_loss_coef,
                                       sequence_parallel=sequence_parallel, calculate_per_token_loss=True)
     if cuda:
-        on_fa2 = select_attention_kernel(config.attention, {"language model": arch.lm.head_dim,
-                                                            "vision tower": arch.vision.head_dim})
+        kernel, on_fa2 = select_attention_kernel(config.attention, {"language model": arch.lm.head_dim,
+                                                                    "vision tower": arch.vision.head_dim})
+        if info.is_main and config.attention == "auto":
+            why = f" ({fa4_unavailable()})" if kernel == "fa2" else ""
+            print(f"vlmpack train: --attention auto: {kernel}{why}", file=sys.stderr)
         if on_fa2 and info.is_main:
-            print(f"vlmpack train: --attention fa4: {', '.join(on_fa2)} keep FA2 "
+            print(f"vlmpack train: --attention {kernel}: {', '.join(on_fa2)} keep FA2 "
                   f"(FA4 runs head dims {', '.join(map(str, FA4_HEAD_DIMS))})", file=sys.stderr)
     model = build_model(arch, model_config, info, recompute_vision=memory.recompute_vision, compile=config.compile,
                         compile_decoder=config.compile_decoder, static_rows=static_rows)

@@ -3,7 +3,7 @@
 One function, `packed_attention`, serves the language model (causal, GQA) and the vision
 towers (bidirectional, per image or per window). On CUDA it is PyTorch's FlashAttention
 varlen kernel (`torch.nn.attention.varlen.varlen_attn`, FA2), or FlashAttention-4 with
-`--attention fa4` (`select_attention_kernel`); elsewhere an exact masked
+`--attention fa4`, or `auto` where it runs (`select_attention_kernel`); elsewhere an exact masked
 `scaled_dot_product_attention` over the whole row with a block-diagonal mask built from
 `cu_seqlens` (O(T^2) memory: for tests and CPU smoke runs, not for long packs).
 
@@ -40,31 +40,50 @@ _fa4_attention = None
 FA4_HEAD_DIMS = (64, 128)
 
 
-def select_attention_kernel(kernel: str, head_dims: dict[str, int] | None = None) -> list[str]:
-    """fa2: torch's built-in FlashAttention-2 `varlen_attn` (default, nothing to install).
-    fa4: FlashAttention-4 (package `flash-attn-4`, CuTe DSL kernels for Hopper and Blackwell),
-    through `train.model.flash_attn4`, for head dims in FA4_HEAD_DIMS. Process-wide: call once,
-    before the model first runs. Returns the parts of `head_dims` ({part: head dim}) that keep
-    FA2 under fa4, for the caller to report."""
-    global _fa4_attention
-    if kernel == "fa2":
-        _fa4_attention = None
-        return []
-    if kernel != "fa4":
-        raise ValueError(f"--attention {kernel!r}: choose fa2 or fa4")
+def fa4_unavailable() -> str | None:
+    """Why FA4 cannot run here (no Hopper or Blackwell GPU, no flash-attn-4), or None."""
     if not torch.cuda.is_available():
-        raise RuntimeError("--attention fa4 needs a CUDA GPU (Hopper or Blackwell); CPU runs use the masked path")
+        return "no CUDA GPU"
     major, _ = torch.cuda.get_device_capability()
     if major not in (9, 10):
-        raise RuntimeError(f"--attention fa4 runs on Hopper (sm90) or Blackwell (sm100) GPUs; this GPU is sm{major}x. "
-                           f"Use --attention fa2")
+        return f"the GPU is sm{major}x, FA4 runs on sm90 and sm100"
     try:
-        from train.model.flash_attn4 import fa4_varlen_attention
+        import train.model.flash_attn4  # noqa: F401
     except ImportError as err:
-        raise RuntimeError(f"--attention fa4 needs the flash-attn-4 package: pip install -e '.[fa4]' "
-                           f"(with a CUDA 13 torch also 'nvidia-cutlass-dsl[cu13]'): {err}") from err
+        return f"flash-attn-4 is not importable ({err})"
+    return None
+
+
+def resolve_attention_kernel(kernel: str) -> str:
+    """The kernel `kernel` names on this machine: fa2 and fa4 as they are; auto is fa4 where
+    it runs (`fa4_unavailable`), else fa2."""
+    if kernel not in ("auto", "fa2", "fa4"):
+        raise ValueError(f"--attention {kernel!r}: choose auto, fa2 or fa4")
+    if kernel != "auto":
+        return kernel
+    return "fa2" if fa4_unavailable() else "fa4"
+
+
+def select_attention_kernel(kernel: str, head_dims: dict[str, int] | None = None) -> tuple[str, list[str]]:
+    """auto (`resolve_attention_kernel`): fa4 where it runs, else fa2.
+    fa2: torch's built-in FlashAttention-2 `varlen_attn` (nothing to install).
+    fa4: FlashAttention-4 (package `flash-attn-4`, CuTe DSL kernels for Hopper and Blackwell),
+    through `train.model.flash_attn4`, for head dims in FA4_HEAD_DIMS. Process-wide: call once,
+    before the model first runs. Returns the kernel chosen and the parts of `head_dims`
+    ({part: head dim}) that keep FA2 under fa4, for the caller to report."""
+    global _fa4_attention
+    kernel = resolve_attention_kernel(kernel)
+    if kernel == "fa2":
+        _fa4_attention = None
+        return kernel, []
+    why = fa4_unavailable()
+    if why:
+        raise RuntimeError(f"--attention fa4 cannot run: {why}. Use --attention fa2 (or auto), or run on a Hopper "
+                           f"or Blackwell GPU with pip install -e '.[fa4]' (with a CUDA 13 torch also "
+                           f"'nvidia-cutlass-dsl[cu13]')")
+    from train.model.flash_attn4 import fa4_varlen_attention
     _fa4_attention = fa4_varlen_attention
-    return [f"{part} (head dim {dim})" for part, dim in (head_dims or {}).items() if dim not in FA4_HEAD_DIMS]
+    return kernel, [f"{part} (head dim {dim})" for part, dim in (head_dims or {}).items() if dim not in FA4_HEAD_DIMS]
 
 
 def _segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:

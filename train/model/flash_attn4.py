@@ -6,7 +6,7 @@ so the compiled vision blocks keep one graph around it, as they do around `varle
 torch's own route to FA4 (`torch.nn.attention.activate_flash_attention_impl("FA4")`) is not
 used: in torch 2.11 it refuses the backward of causal attention written as a window, which is
 how `varlen_attn` writes it, and it unpacks two values from the kernel's forward where the 4.0
-betas return five. Imported only when `--attention fa4` is chosen.
+betas return five. Imported when `--attention fa4` is chosen, or `auto` looks for it.
 """
 
 from __future__ import annotations

@@ -244,7 +244,7 @@ class Segments:
 _last_segments: tuple | None = None
 
 
-def segments_of(cu_seqlens: Tensor | None, total: int, sequence_length: int, device: torch.device) -> Segments:
+def segments_of(cu_seqlens: Tensor | None, total: int, sequence_length: int | None, device: torch.device) -> Segments:
     """The segments of `total` rows: from `cu_seqlens` (a pack), or, without it, runs of
     `sequence_length` rows (an unpacked batch). A pack's boundaries come to the host once per
     micro-batch: every layer is handed the same cu_seqlens tensor, and the last one's segments
@@ -481,9 +481,6 @@ class GatedDeltaNet(MegatronModule):
                           "(exact, much slower). pip install -e '.[qwen3.5]'", stacklevel=3)
         return available
 
-    # A compiled decoder layer (`compile_model`) runs the mixer eagerly between its graphs: the
-    # pack's boundaries come to the host here (`segments_of`), and fla's kernels are their own
-    @torch.compiler.disable
     def forward(self, hidden_states: Tensor, attention_mask=None, inference_context=None, packed_seq_params=None,
                 **_):
         if inference_context is not None:
@@ -493,27 +490,14 @@ class GatedDeltaNet(MegatronModule):
         if packed_seq_params is not None:
             if batch != 1:
                 raise ValueError(f"packed rows have batch dimension 1, got {batch}")
-            rows, cu_seqlens = projected[:, 0], packed_seq_params.cu_seqlens_q
+            rows, cu_seqlens = projected.squeeze(1), packed_seq_params.cu_seqlens_q
         else:
             rows, cu_seqlens = projected.transpose(0, 1).reshape(length * batch, -1), None
-        segments = segments_of(cu_seqlens, rows.shape[0], length, rows.device)
         qkv, z, b, a = rows.split([sum(self.conv_split), *self.in_proj_split[3:]], dim=-1)
         total, dims = rows.shape[0], self.dims
-        fla = self._use_fla(rows)
-        if fla:
-            mixed = self._fla_conv(qkv, segments)
-        else:
-            mixed = torch_causal_conv1d(qkv, self.conv1d.weight[:, 0], segments)
-        q, k, v = mixed.split(self.conv_split, dim=-1)
-        q = q.reshape(total, self.local_key_heads, dims.key_head_dim)
-        k = k.reshape(total, self.local_key_heads, dims.key_head_dim)
-        v = v.reshape(total, self.local_value_heads, dims.value_head_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # fp32, as HF (A may be -inf in fp16)
-        if fla:
-            core = self._fla_rule(q, k, v, g, beta, segments)
-        else:
-            core = torch_gated_delta_rule(q, k, v, g, beta, segments)
+        core = self._mix(qkv, g, beta, cu_seqlens, None if cu_seqlens is not None else length)
         weight = self.out_norm.weight
         if self.tp > 1:  # each rank normalises its own heads: the weight's gradient is the sum over ranks
             weight = tensor_parallel.copy_to_tensor_model_parallel_region(weight, group=self.tp_group)
@@ -525,16 +509,39 @@ class GatedDeltaNet(MegatronModule):
             normed = normed.reshape(batch, length, -1).transpose(0, 1)
         return self.out_proj(normed)
 
+    # A compiled decoder layer (`compile_model`) runs the mixer alone eagerly, between graphs
+    # that hold the projections, the gated norm and the rest of the layer: the pack's
+    # boundaries come to the host here (`segments_of`), and fla's kernels are their own.
+    @torch.compiler.disable
+    def _mix(self, qkv: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor | None,
+             sequence_length: int | None) -> Tensor:
+        """The causal conv and the gated delta rule of rows [T, conv channels] within each
+        sample (a pack's `cu_seqlens`, or runs of `sequence_length` rows): [T, value heads, dim]."""
+        total, dims = qkv.shape[0], self.dims
+        segments = segments_of(cu_seqlens, total, sequence_length, qkv.device)
+        fla = self._use_fla(qkv)
+        if fla:
+            mixed = self._fla_conv(qkv, segments)
+        else:
+            mixed = torch_causal_conv1d(qkv, self.conv1d.weight.squeeze(1), segments)
+        q, k, v = mixed.split(self.conv_split, dim=-1)
+        q = q.reshape(total, self.local_key_heads, dims.key_head_dim)
+        k = k.reshape(total, self.local_key_heads, dims.key_head_dim)
+        v = v.reshape(total, self.local_value_heads, dims.value_head_dim)
+        if fla:
+            return self._fla_rule(q, k, v, g, beta, segments)
+        return torch_gated_delta_rule(q, k, v, g, beta, segments)
+
     def _fla_conv(self, x: Tensor, segments: Segments) -> Tensor:
         causal_conv1d, _ = fla_kernels()
         cu, cu_host = segments.cu_seqlens()
-        out, _ = causal_conv1d(x=x[None], weight=self.conv1d.weight[:, 0], activation="silu", cu_seqlens=cu,
+        out, _ = causal_conv1d(x=x[None], weight=self.conv1d.weight.squeeze(1), activation="silu", cu_seqlens=cu,
                                cu_seqlens_cpu=cu_host)
-        return out[0]
+        return out.squeeze(0)  # a view both ways: select's backward would zero-fill and copy
 
     def _fla_rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Segments) -> Tensor:
         _, chunk_gated_delta_rule = fla_kernels()
         cu, cu_host = segments.cu_seqlens()
         out, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None],
                                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_host)
-        return out[0]
+        return out.squeeze(0)

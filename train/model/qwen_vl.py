@@ -188,10 +188,14 @@ def vocab_parallel_token_loss(logits: Tensor, target: Tensor) -> Tensor:
 def token_loss(logits: Tensor, target: Tensor) -> Tensor:
     """Per-token CE [N] (fp32) from logits [N, 1, V] holding the whole vocabulary (TP = 1):
     logsumexp minus the target's logit. Plain torch: `compile_model` fuses the upcast,
-    max, exp-sum and gather into a few passes over the bf16 logits, and the backward into one
-    (eager, megatron's vocab-parallel CE makes a dozen fp32 passes over 4k x 151,936 values)."""
+    max, exp-sum and the target's pick into a few passes over the bf16 logits, and the backward
+    into one (eager, megatron's vocab-parallel CE makes a dozen fp32 passes over 4k x 151,936
+    values). The target's logit is picked by a mask, not `gather`: the mask's backward is
+    pointwise, where gather's scatters into a zeroed fp32 [N, V] buffer and reads it back."""
     logits = logits[:, 0].float()
-    return torch.logsumexp(logits, dim=-1) - logits.gather(-1, target[:, None])[:, 0]
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    picked = torch.where(vocab == target[:, None], logits, 0.0).sum(-1)
+    return torch.logsumexp(logits, dim=-1) - picked
 
 
 def chunked_cross_entropy(hidden: Tensor, labels: Tensor, output_layer, weight: Tensor | None,
@@ -230,8 +234,8 @@ def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "indu
     and the varlen attention op, and fewer tensors kept for backward), the language model's
     rotary and, with TP = 1, the cross-entropy over the vocabulary. `decoder`: also each dense
     decoder layer as one graph (norms, residual adds, casts, SwiGLU and the rotary around the
-    GEMMs and the attention op; in a Gated DeltaNet layer, around its mixer, which runs eagerly
-    between two graphs); Mixture-of-Experts layers stay eager (their token dispatch syncs with
+    GEMMs and the attention op; in a Gated DeltaNet layer, around its causal conv and delta rule,
+    which run eagerly between two graphs); Mixture-of-Experts layers stay eager (their token dispatch syncs with
     the host). Dynamic shapes: packs differ in length and patch count, and the
     vision blocks share one graph, as do the decoder layers (parameters are graph inputs), so
     each compiles once per process (once more for the grad-free forward of a recomputed layer).
