@@ -296,6 +296,8 @@ KERNEL_KINDS = (  # first match wins; FlashAttention kernel names mention cutlas
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "sm80_xmma", "wgmma")),
     ("norm", ("norm",)),
     ("softmax/cross-entropy", ("softmax", "log_softmax", "logsumexp", "nll", "cross_entropy")),
+    # Inductor's fused kernels name the ops they fuse: a "cat" or "_to_copy" among them is no copy
+    ("fused by Inductor", ("triton_poi_", "triton_red_", "triton_per_")),
     ("copy/cast", ("copy", "memcpy", "memset", "cat", "fill", "index")),
     ("reduce", ("reduce",)),
     ("elementwise", ("elementwise", "vectorized", "triton")),
