@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from shards_schema.errors import UserError
 from train.config import TrainConfig
 from train.model import attention as A
 
@@ -85,7 +86,7 @@ def test_auto_attention_is_fa4_where_it_runs(monkeypatch, gpu, capability, fa4_i
             (kernel, ["language model (head dim 256)"] if kernel == "fa4" else [])
         assert A._fa4_attention is (fake.fa4_varlen_attention if kernel == "fa4" else None)
         if why:
-            with pytest.raises(RuntimeError, match=f"--attention fa4 cannot run: {why}"):
+            with pytest.raises(UserError, match=f"--attention fa4 cannot run: {why}"):
                 A.select_attention_kernel("fa4")
     finally:
         A.select_attention_kernel("fa2")

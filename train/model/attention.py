@@ -22,6 +22,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
+from shards_schema.errors import UserError
 from train.model.rope import apply_rotary
 
 try:
@@ -78,7 +79,7 @@ def select_attention_kernel(kernel: str, head_dims: dict[str, int] | None = None
         return kernel, []
     why = fa4_unavailable()
     if why:
-        raise RuntimeError(f"--attention fa4 cannot run: {why}. Use --attention fa2 (or auto), or run on a Hopper "
+        raise UserError(f"--attention fa4 cannot run: {why}. Use --attention fa2 (or auto), or run on a Hopper "
                            f"or Blackwell GPU with pip install -e '.[fa4]' (with a CUDA 13 torch also "
                            f"'nvidia-cutlass-dsl[cu13]')")
     from train.model.flash_attn4 import fa4_varlen_attention
