@@ -80,8 +80,8 @@ def select_attention_kernel(kernel: str, head_dims: dict[str, int] | None = None
     why = fa4_unavailable()
     if why:
         raise UserError(f"--attention fa4 cannot run: {why}. Use --attention fa2 (or auto), or run on a Hopper "
-                           f"or Blackwell GPU with pip install -e '.[fa4]' (with a CUDA 13 torch also "
-                           f"'nvidia-cutlass-dsl[cu13]')")
+                        f"or Blackwell GPU with pip install -e '.[fa4]' (with a CUDA 13 torch also "
+                        f"'nvidia-cutlass-dsl[cu13]')")
     from train.model.flash_attn4 import fa4_varlen_attention
     _fa4_attention = fa4_varlen_attention
     return kernel, [f"{part} (head dim {dim})" for part, dim in (head_dims or {}).items() if dim not in FA4_HEAD_DIMS]
