@@ -64,6 +64,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -304,6 +305,12 @@ KERNEL_KINDS = (  # first match wins; FlashAttention kernel names mention cutlas
 )
 
 
+def kernel_kind(name: str) -> str:
+    """The KERNEL_KINDS kind of a kernel name (first match), or "other"."""
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(x in low for x in keys)), "other")
+
+
 def model_flops(arch, lengths: list[int], grids: np.ndarray) -> dict:
     """Training FLOPs (forward + backward = 3 x forward, no recompute) of one step's samples,
     by part: what the model must compute, so FLOPs / (time x peak) is the utilisation of ALL
@@ -381,7 +388,8 @@ def label_modules(model) -> set[str]:
 
 
 def save_trace(trace_file: Path, path: Path) -> dict:
-    """The trainer's chrome trace (`trace_file`) saved at `path` (gzip for .gz) and its `gpu_idle_summary`."""
+    """The trainer's chrome trace (`trace_file`) saved at `path` (gzip for .gz); its
+    `gpu_idle_summary`, with the `kernel_sources` of its kernel time under "kernel_sources"."""
     import gzip
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -391,7 +399,7 @@ def save_trace(trace_file: Path, path: Path) -> dict:
             shutil.copyfileobj(src, dst)
     else:
         shutil.copyfile(trace_file, path)
-    return gpu_idle_summary(trace)
+    return dict(gpu_idle_summary(trace), kernel_sources=kernel_sources(trace))
 
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -450,6 +458,102 @@ def gpu_idle_summary(trace: dict, big_gap_us: float = 20.0, top: int = 15) -> di
             "by_label": ranked(by["label"]), "by_host_op": ranked(by["op"]), "by_runtime_call": ranked(by["runtime"])}
 
 
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+
+def kernel_sources(trace: dict, top: int = 100) -> dict:
+    """Where a chrome trace's GPU time was launched from: each kernel (memcpy, memset) joined to
+    the host ranges open at its launch (the runtime call of the same correlation id), as
+    (kind, part, host op, phase). part: the innermost `label_modules` range, its index made
+    `*` ("lm.layer* (Gated DeltaNet)", by the kernels the layer runs); a backward kernel runs on
+    the autograd thread outside any range and takes the part of the forward op whose autograd
+    node it runs (the same sequence number). host op: the outermost aten op open at the launch,
+    the one model code called. phase: forward, "backward: <node>", or outside the model. The
+    `top` biggest rows of each table."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    ranges: dict = {}
+    launches = {}
+    kernels = []
+    for e in events:
+        cat = e.get("cat")
+        if cat in ("cpu_op", "user_annotation"):
+            ranges.setdefault(e["tid"], []).append(e)
+        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e
+        elif cat in GPU_CATS:
+            kernels.append(e)
+
+    def is_part(e) -> bool:
+        return e.get("cat") == "user_annotation" and re.match(r"(vision|lm)(\.|$)", e["name"]) is not None
+
+    open_at: dict = {}  # correlation id -> the host ranges open at its launch, outermost first
+    part_of_node: dict = {}  # autograd sequence number -> the part of the forward op that made the node
+    for tid, spans in ranges.items():
+        points = [(float(e["ts"]), 1, 0.0, c) for c, e in launches.items() if e["tid"] == tid]
+        items = sorted([(float(e["ts"]), 0, -float(e["dur"]), i) for i, e in enumerate(spans)] + points)
+        stack: list = []
+        for ts, is_launch, _, ref in items:
+            while stack and float(stack[-1]["ts"]) + float(stack[-1]["dur"]) <= ts:
+                stack.pop()
+            if is_launch:
+                open_at[ref] = tuple(stack)
+                continue
+            span = spans[ref]
+            stack.append(span)
+            seq = span.get("args", {}).get("Sequence number")
+            if seq is not None and seq not in part_of_node \
+                    and not any(e["name"].startswith(BACKWARD_NODE) for e in stack):
+                parts = [e["name"] for e in stack if is_part(e)]
+                part_of_node[seq] = parts[-1] if parts else None
+
+    rows = []
+    for k in kernels:
+        stack = open_at.get(k.get("args", {}).get("correlation"), ())
+        parts = [e["name"] for e in stack if is_part(e)]
+        nodes = [e for e in stack if e["name"].startswith(BACKWARD_NODE)]
+        ops = [e["name"] for e in stack if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")]
+        part = parts[-1] if parts else None
+        if nodes:
+            phase = "backward: " + nodes[-1]["name"][len(BACKWARD_NODE):].replace("torch::autograd::", "")
+            part = part or part_of_node.get(nodes[-1].get("args", {}).get("Sequence number"))
+        else:
+            phase = "forward" if part else "outside the model"
+        rows.append((kernel_kind(k["name"]), part or "(none)", ops[0] if ops else "(no aten op)", phase,
+                     float(k["dur"])))
+    layer_kind = {}
+    for kind, part, *_ in rows:
+        if part.startswith("lm.layer") and kind in ("linear attention", "attention"):
+            layer_kind[part] = "Gated DeltaNet" if kind == "linear attention" or layer_kind.get(part) == \
+                "Gated DeltaNet" else "attention"
+
+    def grouped(part: str) -> str:
+        base = re.sub(r"\d+$", "*", part)
+        return f"{base} ({layer_kind[part]})" if part in layer_kind else base
+
+    def ranked(keyed) -> list[dict]:
+        table: dict = {}
+        for key, us in keyed:
+            slot = table.setdefault(key, [0, 0.0])
+            slot[0] += 1
+            slot[1] += us
+        return [{"key": list(key), "kernels": n, "ms": round(us / 1e3, 3)}
+                for key, (n, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:top]]
+
+    rows = [(kind, grouped(part), op, phase, us) for kind, part, op, phase, us in rows]
+    return {"gpu_ms": sum(r[-1] for r in rows) / 1e3,
+            "by_kind_and_part": ranked(((kind, part), us) for kind, part, _, _, us in rows),
+            "by_source": ranked(((kind, part, op, phase), us) for kind, part, op, phase, us in rows)}
+
+
+def log_kernel_sources(sources: dict, top: int = 15) -> None:
+    """`kernel_sources`' biggest sources outside the GEMMs and the attention kernels: the time a
+    step spends beyond its floor."""
+    log(f"  kernel time by source (outside GEMMs and attention), of {sources['gpu_ms']:.1f} ms:")
+    floor = ("gemm", "attention", "linear attention")
+    for row in [r for r in sources["by_source"] if r["key"][0] not in floor][:top]:
+        log(f"    {row['ms']:8.1f} ms {row['kernels']:6d}x  {' | '.join(row['key'])}")
+
+
 def kernel_summary(prof, top: int = 60, skip: set[str] = frozenset()) -> dict:
     """GPU self time per kernel kind and the top kernels of one profiled step. `skip`: names of
     user ranges (`label_modules`), which the profiler also lists as device-side annotations
@@ -459,8 +563,7 @@ def kernel_summary(prof, top: int = 60, skip: set[str] = frozenset()) -> dict:
                and e.key not in skip]
     by_kind: dict[str, float] = {}
     for name, seconds, _ in kernels:
-        low = name.lower()
-        kind = next((k for k, keys in KERNEL_KINDS if any(x in low for x in keys)), "other")
+        kind = kernel_kind(name)
         by_kind[kind] = by_kind.get(kind, 0.0) + seconds
     kernels.sort(key=lambda k: -k[1])
     total = sum(by_kind.values())
@@ -664,6 +767,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
             f"({idle['big_gaps']['count']} gaps >= 20 us: {idle['big_gaps']['ms']:.1f} ms)")
         for kind in ("by_label", "by_host_op", "by_runtime_call"):
             log(f"  idle {kind}: " + "; ".join(f"{r['name']} {r['ms']:.1f} ms/{r['gaps']}" for r in idle[kind][:8]))
+        log_kernel_sources(idle["kernel_sources"])
     log("ours: model FLOPs per step " + ", ".join(f"{k} {v:.1f} TFLOP" for k, v in summary["model_tflop_per_step"].items())
         + f"; all-parts utilisation {fmt_pct(summary['model_flops_utilization'])}")
     log(f"ours: {tps:,.0f} tok/s, MFU {fmt_pct(summary['lm_mfu'])}, step {summary['step_s_mean']:.3f} s "
