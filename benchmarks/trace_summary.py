@@ -23,9 +23,12 @@ def main(argv=None) -> int:
     path = Path(args.trace)
     if not path.is_file():
         ap.error(f"{path}: no such trace file")
-    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
-        trace = json.load(f)
-    idle, sources = gpu_idle_summary(trace), kernel_sources(trace)
+    try:
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+            trace = json.load(f)
+        idle, sources = gpu_idle_summary(trace), kernel_sources(trace)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        ap.error(f"{path}: not a torch.profiler chrome trace ({type(exc).__name__}: {exc})")
     if idle:
         log(f"GPU busy {idle['gpu_busy_ms']:.1f} of {idle['span_ms']:.1f} ms, idle {idle['idle_ms']:.1f} ms")
     for row in sources["by_kind_and_part"][:args.top]:

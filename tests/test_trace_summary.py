@@ -101,6 +101,12 @@ def test_the_cli_summarises_a_saved_trace(tmp_path, capsys):
     assert saved["kernel_sources"] == json.loads(json.dumps(kernel_sources(trace)))
     assert saved["gpu_idle"] == json.loads(json.dumps(gpu_idle_summary(trace)))
     assert "aten::mul | backward: MulBackward0" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_info:
-        trace_summary.main([str(tmp_path / "missing.json.gz")])
-    assert exit_info.value.code == 2
+    bad = {"not json.json": "{", "not a trace.json": '{"traceEvents": 5}', "no events.json": "[]",
+           "not gzip.json.gz": "{}"}
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+    for name in ["missing.json.gz", *bad]:
+        with pytest.raises(SystemExit) as exit_info:
+            trace_summary.main([str(tmp_path / name)])
+        assert exit_info.value.code == 2, name
+        assert name in capsys.readouterr().err.splitlines()[-1], name
