@@ -500,7 +500,10 @@ def _check_data_text(text: str, data: list[tuple[int, int, str]], special_tokens
         first = bisect_right(starts, begin) - 1
         if first < 0 or data[first][1] <= begin:
             first += 1  # the match begins in markup; a data piece may still start inside it
-        touched = [piece for piece in data[max(first, 0) :] if piece[0] < end]
+        last = max(first, 0)  # the pieces the match overlaps: they start in order, up to the first past its end
+        while last < len(data) and data[last][0] < end:
+            last += 1
+        touched = data[max(first, 0) : last]
         if not touched:
             continue
         token, (piece_start, _, where) = match.group(), touched[0]

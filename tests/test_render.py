@@ -637,3 +637,26 @@ def test_vendored_templates_are_the_published_bytes():
         row = next(line for line in note.splitlines() if line.startswith(f"| `{path.name}`"))
         recorded = row.split("|")[4].strip().strip("`")
         assert hashlib.sha256(path.read_bytes()).hexdigest() == recorded, path.name
+
+
+def test_the_special_token_check_takes_time_linear_in_the_turns():
+    """Every turn's markup is a special-token match; each is compared with the data pieces it
+    overlaps only (pieces start in order), so a row of 40,000 turns is checked in well under a
+    second where comparing each match with every later piece took minutes. A token in the
+    last piece is still found."""
+    import time
+
+    from preprocess.render import _check_data_text
+
+    parts, data, pos = [], [], 0
+    for i in range(40000):
+        piece = "the end <|im_end|>" if i == 39999 else f"turn {i}"
+        parts += ["<|im_start|>user\n", piece, "<|im_end|>\n"]
+        data.append((pos + 17, pos + 17 + len(piece), f"messages[{i}].content"))
+        pos += 17 + len(piece) + 11
+    text = "".join(parts)
+    assert all(text[a:b] == parts[3 * i + 1] for i, (a, b, _) in enumerate(data))
+    started = time.perf_counter()
+    with pytest.raises(RejectError, match=r"messages\[39999\].content holds <\|im_end\|> at character 8"):
+        _check_data_text(text, data, frozenset({"<|im_start|>", "<|im_end|>"}))
+    assert time.perf_counter() - started < 3.0

@@ -243,3 +243,24 @@ def test_a_save_short_of_space_first_deletes_what_keep_last_would(shards, refere
     assert checkpoints(out) == ["step_00000003"]
     assert (out / "checkpoints" / "latest").read_text() == "step_00000003"
     assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("pointer,want", [(None, "step_00000003"), ("", "step_00000003"),
+                                          ("step_00000099", "step_00000003"), ("\x00\xff garbage", "step_00000003"),
+                                          ("step_00000002.tmp", "step_00000003"), (".", "step_00000003"),
+                                          ("step_00000001", "step_00000001"), ("step_00000001\n", "step_00000001")])
+def test_a_resume_without_a_usable_latest_pointer_takes_the_newest_complete_checkpoint(tmp_path, pointer, want):
+    """`latest` names the checkpoint a resume continues; missing, empty or naming no complete
+    checkpoint (a crash between a save's rename and the pointer's write, or a hand edit), the
+    newest complete one is taken, never a start from step 0 beside the saved ones."""
+    from train.checkpoint import latest_checkpoint
+
+    root = tmp_path / "checkpoints"
+    for name in ("step_00000001", "step_00000003", "step_00000002.tmp", "step_00000004.tmp"):
+        (root / name).mkdir(parents=True)
+    if pointer is not None:
+        (root / "latest").write_text(pointer, errors="surrogateescape")
+    assert latest_checkpoint(tmp_path) == root / want
+    for name in ("step_00000001", "step_00000003"):
+        (root / name).rmdir()
+    assert latest_checkpoint(tmp_path) is None

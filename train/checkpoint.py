@@ -30,6 +30,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import threading
@@ -593,11 +594,17 @@ def _weights_subdir(state: dict) -> str:
 
 
 def latest_checkpoint(out: Path) -> Path | None:
+    """The checkpoint `latest` names. Without a usable pointer (missing, empty, or naming no
+    complete checkpoint: a crash between a save's rename and the pointer's write, or a hand
+    edit), the newest complete checkpoint: a save renames its directory into place only once
+    it is whole."""
     pointer = Path(out) / CHECKPOINTS / LATEST
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    name = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
+    path = pointer.parent / name
+    if re.fullmatch(r"step_\d+", name) and path.is_dir():
+        return path
+    complete = complete_checkpoints(out)
+    return complete[-1] if complete else None
 
 
 # what a resume takes from its checkpoint, whatever the command line says: the learning-rate
