@@ -505,6 +505,8 @@ BAD_CONVERT_ARGUMENTS = [
      "--chat-template {t}/missing.jinja: no such file"),
     (["export-hf", "{m}", "--out", "{t}/o", "--chat-template", "{e}"], "--chat-template {e} is a directory"),
     (["export-hf", "{m}", "--out", "{t}/o", "--chat-template", "{f}"], "--chat-template {f} is not UTF-8 text"),
+    (["export-hf", "{m}", "--out", "{t}/o", "--chat-template", "{t}/fifo"],
+     "--chat-template {t}/fifo is not a regular file"),
     (["export-hf", "{m}", "--out", "{t}/o", "--lora-base"], "--lora-base: {m} is not a LoRA checkpoint"),
 ]
 
@@ -519,6 +521,7 @@ def test_cli_bad_arguments_exit_2_with_one_line_naming_them(hf_checkpoint, tmp_p
     capsys.readouterr()  # what making the checkpoints printed
     (tmp_path / "a_file").write_bytes(b"\xff\xfe x")  # not UTF-8
     (tmp_path / "empty").mkdir()
+    os.mkfifo(tmp_path / "fifo")  # reading it would block until a writer comes
     paths = {"hf": str(path), "m": str(model), "f": str(tmp_path / "a_file"), "e": str(tmp_path / "empty"),
              "t": str(tmp_path)}
     untouched = {p: _files(p) for p in (path, model)}

@@ -466,6 +466,10 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
     (["--master-weights", "bf16", "--distributed-optimizer", "false"],
      "--master-weights bf16 with --distributed-optimizer false: the bf16 update is built on the distributed optimizer"),
     (["--config", "missing.yaml"], "--config missing.yaml: cannot read it"),
+    (["--config", "{fifo}"], "fifo.yaml is not a regular file: pass a YAML or JSON file"),
+    (["--config", "{binary_yaml}"], "binary.yaml is not UTF-8 text: pass a YAML or JSON file"),
+    (["--attention", "fa4"], "--attention fa4 runs on a CUDA GPU (Hopper or Blackwell); a CPU run computes attention "
+                             "exactly"),
     (["--data", "{empty}"], "neither manifest.json nor index.json"),
     (["--out", "{file}"], "is a file, not a directory: pass a directory path"),
 ])
@@ -475,8 +479,11 @@ def test_bad_arguments_exit_2_with_one_line(shards, tmp_path, capsys, extra, mes
     (tmp_path / "steps.yaml").write_text("train_steps: 2.5\n")
     (tmp_path / "lr.yaml").write_text("lr: fast\n")
     (tmp_path / "section.yaml").write_text("optimizer:\n  lr: 1.0e-4\n")  # the keys are flat: no sections
+    (tmp_path / "binary.yaml").write_bytes(b"lr: \xff\xfe\n")
+    os.mkfifo(tmp_path / "fifo.yaml")  # reading it would block until a writer comes
     extra = [a.format(empty=tmp_path / "empty", file=tmp_path / "file", steps_yaml=tmp_path / "steps.yaml",
-                      lr_yaml=tmp_path / "lr.yaml", section_yaml=tmp_path / "section.yaml") for a in extra]
+                      lr_yaml=tmp_path / "lr.yaml", section_yaml=tmp_path / "section.yaml",
+                      fifo=tmp_path / "fifo.yaml", binary_yaml=tmp_path / "binary.yaml") for a in extra]
     code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(tmp_path / "out"), "--train-steps", "2",
                                    *extra], capsys)
     assert code == 2, err

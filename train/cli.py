@@ -292,6 +292,8 @@ class ExportHF:
 
 def _read_chat_template(path: str) -> str:
     """--chat-template FILE's text (UserError naming the file when it cannot be one)."""
+    if Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir():  # a FIFO would block the read
+        raise UserError(f"--chat-template {path} is not a regular file: pass a jinja chat template file")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -555,10 +555,14 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def load_config_file(path: str | Path) -> dict:
+    if Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir():  # a FIFO would block the read
+        raise ConfigError(f"--config {path} is not a regular file: pass a YAML or JSON file")
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"--config {path}: cannot read it ({exc.strerror}): pass an existing YAML or JSON file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path} is not UTF-8 text: pass a YAML or JSON file") from None
     if str(path).endswith((".yaml", ".yml")):
         import yaml
 

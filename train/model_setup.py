@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from shards_schema.errors import UserError
 from train import adapter_format
 from train import checkpoint_format as fmt
 from train import convert
@@ -173,6 +174,9 @@ def build_model_for_run(config, memory, arch: ModelArch, info, dtype: torch.dtyp
                                       recompute_layers=memory.recompute_layers,
                                       moe_aux_loss_coef=config.moe_aux_loss_coef,
                                       sequence_parallel=sequence_parallel, calculate_per_token_loss=True)
+    if not cuda and config.attention == "fa4":
+        raise UserError("--attention fa4 runs on a CUDA GPU (Hopper or Blackwell); a CPU run computes attention "
+                        "exactly with a masked kernel: drop --attention fa4 (or give auto)")
     if cuda:
         kernel, on_fa2 = select_attention_kernel(config.attention, {"language model": arch.lm.head_dim,
                                                                     "vision tower": arch.vision.head_dim})
