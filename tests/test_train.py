@@ -609,6 +609,40 @@ def test_loader_workers_outlive_a_stop_signal_to_the_whole_job(shards, sig):
     assert report["signal"] == f"SIG{sig}" and report["packs"] == report["epoch"] > 1
 
 
+# The same signal while the workers are still starting: each takes 2 s before its init.
+SIGNAL_WHILE_THE_WORKERS_START = """
+import json, os, subprocess, sys, threading, time
+import train.loader
+from train.pack_plan import PackSettings
+from train.preemption import StopRequest
+real_init = train.loader.ignore_stop_signals
+def slow_init(worker_id):
+    time.sleep(2)
+    real_init(worker_id)
+train.loader.ignore_stop_signals = slow_init
+loader = train.loader.PackedLoader([sys.argv[1]], PackSettings(seq_len=int(sys.argv[2]), global_batch_packs=2),
+                                   num_workers=2)
+kill = lambda: subprocess.run(["kill", "-s", sys.argv[3], "--", f"-{os.getpgid(0)}"])
+with StopRequest() as stop:
+    threading.Timer(0.5, kill).start()  # the workers are forked and asleep by then
+    packs = list(loader)
+print(json.dumps({"signal": stop.received.name, "packs": len(packs), "epoch": len(loader)}))
+"""
+
+
+@pytest.mark.parametrize("sig", ["TERM", "INT"])
+def test_loader_workers_outlive_a_stop_signal_that_comes_before_their_init(shards, sig):
+    """Workers start with the stop signals blocked, so one that reaches them before their
+    `worker_init_fn` has taken the signals over waits and is then ignored; the epoch
+    completes and the parent records the signal."""
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_THE_WORKERS_START, str(shards), str(SEQ_LEN), sig],
+                          cwd=ROOT, env=process_env(), capture_output=True, text=True, timeout=300,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["signal"] == f"SIG{sig}" and report["packs"] == report["epoch"] > 1
+
+
 def test_ctrl_c_finishes_the_step_saves_it_and_exits_130(shards, full_run, tmp_path):
     """SIGINT mid-step: the step is finished and saved, one line says so, exit 130; the resumed
     run goes on from the next step with the uninterrupted run's losses."""

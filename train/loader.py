@@ -42,7 +42,7 @@ from shards_schema.pixels import pixel_values_from_patches
 from .pack_plan import PackPlan, PackSettings, build_pack_plan, open_source, plan_request, source_fingerprint
 from .model.batch import PackedBatch
 from .packed_batch import DEFAULT_PAD_TOKEN_ID, PATCH_FIELDS, assemble_pack, patch_rows
-from .preemption import ignore_stop_signals
+from .preemption import ignore_stop_signals, stop_signals_blocked
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
@@ -242,7 +242,9 @@ class PackedLoader:
         loader = DataLoader(dataset, batch_size=None, sampler=range(self.position, len(dataset)), **self.loader_kwargs)
         threads = torch.get_num_threads()
         pin_thread = self.loader_kwargs["pin_memory"] and self.loader_kwargs["num_workers"] > 0
-        for n, batch in enumerate(loader):
+        with stop_signals_blocked():  # the workers start here, blocking them until their init takes them over
+            batches = iter(loader)
+        for n, batch in enumerate(batches):
             if n == 0 and pin_thread:
                 # The pin-memory thread sets torch's process-wide intra-op thread count to 1 when
                 # it starts (it has, by the first batch). Threads started after it take that

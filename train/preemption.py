@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import warnings
+from contextlib import contextmanager
 from typing import Callable
 
 from shards_schema.errors import signal_exit_code
@@ -74,6 +75,19 @@ class StopRequest:
     def interrupted(self) -> bool:
         """Ctrl-C rather than a scheduler's notice."""
         return self.received == INTERRUPT
+
+
+@contextmanager
+def stop_signals_blocked():
+    """The calling thread's stop signals blocked while the block runs. Processes it forks (the
+    DataLoader's workers) start with them blocked, so a job-wide signal that arrives before a
+    worker's `ignore_stop_signals` has run stays pending there, to be ignored (or judged by its
+    sender) once it has, instead of ending the worker; here it is delivered when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def ignore_stop_signals(worker_id: int) -> None:
