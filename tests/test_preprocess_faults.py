@@ -274,7 +274,7 @@ def test_sigterm_or_sigint_stops_the_job_and_its_workers_keeping_finished_units(
 def longer_data(tmp_path_factory) -> Path:
     """Enough units that a signal sent within 0.2 s of the first commit finds the job running,
     however loaded the machine is."""
-    rows = example_rows(48, seed=12, size_range=(32, 96))
+    rows = example_rows(400, seed=12, size_range=(32, 96))  # about 2 s of work on a fast machine
     return write_jsonl(tmp_path_factory.mktemp("longer") / "chats.jsonl", rows)
 
 
