@@ -36,20 +36,15 @@ fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequen
     (hv its hidden size; the visual share is the shards' visual tokens per token, read from
      the manifests of --data, else VISUAL_SHARE, that of the recorded mixes)
 Under pipeline parallelism a stage holds up to pp - stage micro-batches in flight (1F1B).
-Layers whose token mixer is not the fitted runs' plain softmax attention (Qwen3.5's) keep
-LAYER_KEPT x h x S plus the difference of what their mixer keeps in bf16 (`_mixer_kept`, split
-over the TP ranks with the heads), estimated from the tensors each saves for backward, not yet
-measured on a GPU:
-  softmax attention            2 x (4 q + 3 kv)  (q, k before and after their norms and rotary, v,
-                                                  the attention output; q, kv: their widths)
-  its output gate              2 x 2 q           (the gate and the ungated output)
-  a Gated DeltaNet             2 x (6 K + 7 V + 2 Hv) + 8 Hv  (in_proj's output, the conv's input
-                                                  and output, q, k, v for the chunked rule and its
-                                                  output, the gated norm's input, gate and output;
-                                                  fp32 decay and beta per value head; K, V: key and
-                                                  value widths, Hv value heads; flash-linear-
-                                                  attention recomputes the chunk states in backward)
-  a shared expert              2 x 3 S           (its [gate; up] output and the SwiGLU, width S)
+Qwen3.5's layers differ from the fitted runs' plain softmax attention; a layer keeps
+LAYER_KEPT x h x S plus the difference of what its mixer keeps in bf16 (`_mixer_kept`, split
+over the TP ranks with the heads):
+  a gated attention's output gate   2 x 2 q   (the gate and the ungated output; q its width)
+  a Gated DeltaNet                  0         (compiled around fla's conv and chunked rule, it
+                                               measured as a softmax-attention layer of its
+                                               hidden size: Qwen3.5-2B without recompute and
+                                               Qwen3.5-9B with 17 of 32 layers recomputed)
+  a shared expert                   2 x 3 S   (its [gate; up] output and the SwiGLU, width S)
 The constants were fitted on three H100 runs (Qwen3-VL-2B with every layer recomputed and with
 24 of its 28 layers kept, Qwen3-VL-8B at TP=2), the MoE recompute term on two H200 runs
 (30B-A3B with 3 and 48 layers, every layer recomputed) and VISION_KEPT on the 2B runs without
@@ -179,14 +174,9 @@ def _rows_split(arch: ModelArch, settings: Settings) -> bool:
 def _mixer_kept(lm, layer: int) -> float:
     """Bytes per token a decoder layer's token mixer keeps for backward beyond plain softmax
     attention of the model's head shape (the module docstring's table), and its shared expert's."""
-    q, kv = lm.num_heads * lm.head_dim, lm.num_kv_heads * lm.head_dim
-    softmax = 2.0 * (4 * q + 3 * kv)
-    if lm.layer_type(layer) == "linear_attention":
-        keys, values = lm.linear_num_key_heads * lm.linear_key_head_dim, lm.linear_num_value_heads * lm.linear_value_head_dim
-        mixer = 2.0 * (6 * keys + 7 * values + 2 * lm.linear_num_value_heads) + 8.0 * lm.linear_num_value_heads
-    else:
-        mixer = softmax + (4.0 * q if lm.attn_output_gate else 0.0)
-    return mixer - softmax + 6.0 * lm.shared_expert_intermediate_size
+    gate = 4.0 * lm.num_heads * lm.head_dim if lm.layer_type(layer) != "linear_attention" and lm.attn_output_gate \
+        else 0.0
+    return gate + 6.0 * lm.shared_expert_intermediate_size
 
 
 def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int) -> float:
