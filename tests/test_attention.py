@@ -50,7 +50,7 @@ def test_masked_path_equals_per_segment(seed, causal, hq, hkv):
 def test_attention_choice_is_checked():
     with pytest.raises(ValueError, match="--attention 'fa3'"):
         TrainConfig.from_flat({"data": ["d"], "arch": "tiny", "attention": "fa3"}).validate()
-    with pytest.raises(ValueError, match="choose auto, fa2 or fa4"):
+    with pytest.raises(ValueError, match="choose one of auto, fa2, fa4"):
         A.select_attention_kernel("flash")
     assert A.select_attention_kernel("fa2", {"vision tower": 80}) == ("fa2", [])
     assert A._fa4_attention is None

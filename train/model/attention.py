@@ -23,6 +23,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from shards_schema.errors import UserError
+from train.config import ATTENTION_KERNELS
 from train.model.rope import apply_rotary
 
 try:
@@ -58,8 +59,8 @@ def fa4_unavailable() -> str | None:
 def resolve_attention_kernel(kernel: str) -> str:
     """The kernel `kernel` names on this machine: fa2 and fa4 as they are; auto is fa4 where
     it runs (`fa4_unavailable`), else fa2."""
-    if kernel not in ("auto", "fa2", "fa4"):
-        raise ValueError(f"--attention {kernel!r}: choose auto, fa2 or fa4")
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"--attention {kernel!r}: choose one of {', '.join(ATTENTION_KERNELS)}")
     if kernel != "auto":
         return kernel
     return "fa2" if fa4_unavailable() else "fa4"
