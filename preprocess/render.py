@@ -268,8 +268,15 @@ def json_text(value, code: str, index: int | None, where: str) -> str:
 
 
 def _render_arguments(arguments, index: int, k: int) -> str:
-    """A string is rendered verbatim (OpenAI's JSON string), an object as the template's `tojson`."""
+    """A string is rendered verbatim (OpenAI's JSON string), an object as the template's `tojson`.
+    A string that parses only as Python's `json` reads it, holding NaN or an infinity (`NaN`,
+    `Infinity`, `1e999`), is rejected as an object holding them is: the target would not be JSON."""
     if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return arguments  # not JSON: the template writes it verbatim, and there is no number to check
+        json_text(parsed, "bad_tool_call", index, f"tool_calls[{k}].arguments")
         return arguments
     if isinstance(arguments, dict):
         return json_text(arguments, "bad_tool_call", index, f"tool_calls[{k}].arguments")
@@ -357,7 +364,9 @@ def _parse_tools(tools) -> list[dict]:
 
 def _parse_conversation(messages, tools, family, template: str = "instruct") -> tuple[list[Message], list[dict]]:
     if not isinstance(messages, list) or not messages:
-        raise reject("no_messages", None, "messages must be a non-empty list")
+        got = ("the row has none" if messages is None else "got []" if messages == []
+               else f"got {type(messages).__name__}")
+        raise reject("no_messages", None, f"`messages` must be a non-empty list of {{role, content}} objects; {got}")
     renders_reasoning = template in family.reasoning_templates
     parsed = [_parse_message(message, index, renders_reasoning) for index, message in enumerate(messages)]
     tools = _parse_tools(tools)

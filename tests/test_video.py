@@ -753,3 +753,54 @@ def test_an_image_parts_own_pixel_bounds_size_it_as_the_job_wide_bounds_would(fa
         assert got.image_grid_thw.tolist() == want.image_grid_thw.tolist() != default.image_grid_thw.tolist()
         assert np.array_equal(got.pixel_patches, want.pixel_patches)
         assert np.array_equal(got.input_ids, want.input_ids) and np.array_equal(got.position_ids, want.position_ids)
+
+
+def test_a_cut_off_video_file_is_a_damaged_video_naming_the_file(tmp_path, builtin_profiles):
+    """An MP4 with its index at the end (as PyAV and FFmpeg write it by default) cut in half or
+    cut inside that index, and a Matroska file cut inside its header, are `bad_video` naming the
+    file and where it is cut, not `not_a_video` / `no_video_stream`; whole files without a video
+    stream (audio-only MP4 and Matroska) stay `no_video_stream`, and text stays `not_a_video`."""
+    import av
+
+    from preprocess.pipeline import SampleOptions, process_row
+
+    nprng = np.random.default_rng(4)
+    whole = write_video(tmp_path / "whole.mp4", synthetic_video_frames(nprng, 8, 64, 48), 4.0).read_bytes()
+    moov = whole.find(b"moov") - 4
+    assert whole[:len(whole) // 2].find(b"moov") < 0  # the index is in the half cut off
+    mkv = write_video(tmp_path / "whole.mkv", synthetic_video_frames(nprng, 4, 32, 32), 4.0, codec="mpeg4")
+    (tmp_path / "half.mp4").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "in_index.mp4").write_bytes(whole[: moov + 40])
+    (tmp_path / "head.mkv").write_bytes(mkv.read_bytes()[:16])
+    (tmp_path / "text.mp4").write_text("not a video " * 40)
+    for name, kind, rate in (("audio.m4a", "aac", 8000), ("audio.mkv", "pcm_s16le", 8000)):
+        with av.open(str(tmp_path / name), "w", format="mp4" if name.endswith("m4a") else None) as container:
+            stream = container.add_stream(kind, rate=rate)
+            samples = np.zeros((1, 1024), np.float32 if kind == "aac" else np.int16)
+            frame = av.AudioFrame.from_ndarray(samples, format="fltp" if kind == "aac" else "s16", layout="mono")
+            frame.sample_rate = rate
+            for packet in [*stream.encode(frame), *stream.encode()]:
+                container.mux(packet)
+    cases = [
+        (tmp_path / "half.mp4", "bad_video", "is a truncated or damaged MP4 / QuickTime file: its `mdat` box at byte"),
+        (tmp_path / "in_index.mp4", "bad_video", f"its `moov` box at byte {moov:,} is"),
+        (whole[: len(whole) // 2], "bad_video", "video is a truncated or damaged MP4 / QuickTime file"),
+        (tmp_path / "head.mkv", "bad_video", "is a truncated or damaged Matroska / WebM file"),
+        (tmp_path / "audio.m4a", "no_video_stream", "holds no video stream (streams: audio)"),
+        (tmp_path / "audio.mkv", "no_video_stream", "holds no video stream (streams: audio)"),
+        (tmp_path / "text.mp4", "not_a_video", "cannot be opened as a video container"),
+    ]
+    for source, code, needle in cases:
+        with pytest.raises(RejectError) as err:
+            VideoReader(source)
+        assert err.value.code == code and needle in err.value.message, (source, err.value)
+        if not isinstance(source, bytes):
+            assert f"video file {str(source)!r}" in err.value.message
+    row = {"messages": [{"role": "user", "content": [{"type": "video", "video": "half.mp4"}]},
+                        {"role": "assistant", "content": "A cut-off clip."}]}
+    with pytest.raises(RejectError) as err:
+        process_row(row, sample_uid="x", source="x", profile=builtin_profiles["qwen3-vl"],
+                    options=SampleOptions(media_root=str(tmp_path)))
+    assert err.value.code == "bad_video"
+    assert err.value.message.startswith(f"video 0: video file {str((tmp_path / 'half.mp4').resolve())!r} is a truncated")
+    assert err.value.message.endswith("download or encode it again")

@@ -95,11 +95,14 @@ def _last_query_index(messages: list[Message]) -> int | None:
 
 
 def _argument_text(value, *, json_scalars: bool, index: int, where: str) -> str:
-    """One tool-call argument's value as the template writes it inside `<parameter=...>`."""
+    """One tool-call argument's value as the template writes it inside `<parameter=...>`. A
+    value JSON cannot hold (NaN, an infinity) is rejected under both templates, though Qwen3.5's
+    `|string` would write it (`nan`): the arguments are JSON, and a target must be too."""
     if isinstance(value, str):
         return value
+    text = json_text(value, "bad_tool_call", index, where)
     if isinstance(value, (dict, list, tuple)) or json_scalars:
-        return json_text(value, "bad_tool_call", index, where)
+        return text
     return str(value)  # Qwen3.5: jinja's `|string` (Python's str: True, None, 0.5)
 
 

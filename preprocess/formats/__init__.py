@@ -13,16 +13,21 @@
 `detect_row_format` names the layout of one row (the first of an input: every input has one
 layout, recorded in the job identity); `to_openai_row` converts a row, raising `RejectError`
 with a named code when it cannot (`placeholder_mismatch`, `unknown_role`, `bad_row`, ...).
+A row of another layout than the one named (`messages` read as ShareGPT, `conversations` as
+OpenAI) is rejected naming the --input-format that reads it. A conversation stored as the JSON
+text of its list (`messages` / `conversations` as a string column, as many exported Parquet
+datasets hold it) is read as that list, in every input format alike.
 """
 
 from __future__ import annotations
 
-from ..errors import RejectError
+from ..errors import RejectError, loads_or_reject
 from . import sharegpt, swift
 
 ROW_FORMATS = ("openai", "sharegpt", "swift")
 INPUT_FORMATS = ("auto", *ROW_FORMATS)
 MEDIA_KEYS = ("images", "videos", "image", "video")
+TURNS_KEY = {"openai": "messages", "sharegpt": "conversations", "swift": "messages"}  # where each keeps its turns
 
 
 def detect_row_format(row) -> str:
@@ -36,9 +41,15 @@ def detect_row_format(row) -> str:
 
 
 def to_openai_row(row, row_format: str) -> dict:
-    """`row` in the OpenAI layout (`id`, `messages`, `tools`); an OpenAI row is returned as is."""
+    """`row` in the OpenAI layout (`id`, `messages`, `tools`); an OpenAI row is returned as is
+    (but for a conversation given as JSON text, which is parsed)."""
     if not isinstance(row, dict):
         raise RejectError("bad_row", f"a row must be a JSON object, got {type(row).__name__}")
+    key = TURNS_KEY.get(row_format, "messages")
+    if row.get(key) is None:
+        _reject_other_layout(row, row_format)
+    elif isinstance(row[key], str):
+        row = {**row, key: _turns_from_json_text(row[key], key)}
     if row_format == "openai":
         return row
     if row_format == "sharegpt":
@@ -46,3 +57,45 @@ def to_openai_row(row, row_format: str) -> dict:
     if row_format == "swift":
         return swift.to_openai(row)
     raise ValueError(f"unknown row format {row_format!r}: choose one of {ROW_FORMATS}")
+
+
+def _reject_other_layout(row: dict, row_format: str) -> None:
+    """A RejectError naming the --input-format that reads `row` when it holds the turns of
+    another layout than `row_format`'s (a whole input named with the wrong flag rejects every
+    row, so each reject says the fix); nothing when it holds neither."""
+    if row_format == "sharegpt" and row.get("messages") is not None:
+        other = detect_row_format(row)
+        turns = " with `role` / `content`" if _first_turn_has(row["messages"], "role") else ""
+        raise RejectError("no_messages", f"the row has no `conversations` (the ShareGPT turns that --input-format "
+                          f"sharegpt reads) but has `messages`{turns}, the {_LAYOUT_NAMES[other]} layout: use "
+                          f"--input-format {other}, or auto to detect each input's layout")
+    if row_format != "sharegpt" and row.get("conversations") is not None:
+        turns = " with `from` / `value`" if _first_turn_has(row["conversations"], "from") else ""
+        raise RejectError("no_messages", f"the row has no `messages` (the turns that --input-format {row_format} "
+                          f"reads) but has `conversations`{turns}, the ShareGPT layout: use --input-format sharegpt, "
+                          "or auto to detect each input's layout")
+
+
+_LAYOUT_NAMES = {"openai": "OpenAI", "swift": "ms-swift (`messages` plus `images` / `videos` lists)"}
+
+
+def _first_turn_has(turns, field: str) -> bool:
+    if isinstance(turns, str):
+        try:
+            turns = _turns_from_json_text(turns, "")
+        except RejectError:
+            return False
+    return isinstance(turns, list) and bool(turns) and isinstance(turns[0], dict) and field in turns[0]
+
+
+def _turns_from_json_text(text: str, key: str) -> list:
+    """The list a string `messages` / `conversations` holds as JSON text. Turns are never a
+    string otherwise, so JSON text of a list is unambiguous; other text is rejected."""
+    if not text.lstrip().startswith("["):
+        raise RejectError("no_messages", f"`{key}` is a string ({len(text):,} characters, starting {text[:40]!r}), "
+                          f"not a list of turns: write `{key}` as a list of turn objects, or as the JSON text of one")
+    try:  # text starting with `[` that parses is a list
+        return loads_or_reject(text, "bad_json", f"`{key}`, a string read as the JSON text of its list of turns,")
+    except RejectError as exc:
+        raise RejectError(exc.code, f"{exc.message}; write `{key}` as a list of turn objects, or as valid JSON "
+                          "text of one") from None

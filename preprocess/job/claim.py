@@ -16,7 +16,7 @@ from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME
 from shards_schema.outdir import user_entries
 
 from ..errors import ConfigError
-from .identity import JobInput, printable_path, same_job
+from .identity import JobInput, describe_job_differences, printable_path, same_job
 from .records import INPUTS_SEEN_FILE, JOB_FILE, read_json, remove_torn_writes
 
 
@@ -124,7 +124,9 @@ def _check_same_job(out: Path, recorded: dict, identity: dict) -> None:
             raise ConfigError(f"input {now['path']} changed since {where} was started (its size, rows or content "
                               f"differ): {fix}")
     changed = sorted(k for k in identity if recorded.get(k) != identity[k])
-    raise ConfigError(f"{where} holds output of a different job (differs in: {', '.join(changed)}); {fix}")
+    raise ConfigError(f"{where} holds output of a different job (differs in: {', '.join(changed)}; "
+                      f"{describe_job_differences(recorded, identity, where, 'this run')}): re-run with the "
+                      f"settings it was started with to resume it, or {fix}")
 
 
 @contextmanager

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shards_schema import storage
+from shards_schema.flags import flag_name, flat_paths
 
 from ..inputs import InputFile, describe_input, hub_dataset_files, is_hub_dataset
 from ..pipeline import SampleOptions
@@ -173,3 +174,94 @@ def with_later_settings(recorded):
     defaults = json.loads(json.dumps(_sample_settings(SampleOptions())))
     return {**recorded, "settings": {**defaults, **recorded["settings"]}}
 
+
+# ---------------------------------------------------------------- what differs between two jobs
+
+def _flags_of_identity() -> dict[tuple, str]:
+    """The flag of each setting a job identity records, by its path in the identity."""
+    where = {("rows_per_shard",): ("settings", "rows_per_shard"), ("num_partitions",): ("num_partitions",)}
+    flags = {}
+    for dest, path in flat_paths(PreprocessConfig).items():
+        if path[0] == "sample":
+            flags[("settings", *path[1:])] = flag_name(dest)
+        elif path in where:
+            flags[where[path]] = flag_name(dest)
+    return flags
+
+
+def _leaves(value, path: tuple = ()):
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            yield from _leaves(inner, (*path, key))
+    else:
+        yield path, value
+
+
+def _shown(value) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _input_content(entry: dict) -> str:
+    digest = (entry.get("fingerprint") or {}).get("sha256", "")
+    return f"{entry.get('rows')} rows, {entry.get('bytes')} bytes" + (f", sha256 {digest[:12]}" if digest else "")
+
+
+_PROFILE_FLAGS = {("vision", "min_pixels"): "--min-pixels", ("vision", "max_pixels"): "--max-pixels"}
+
+
+def _profile_field(path: tuple) -> str:
+    """A field of the profile, with the flag that sets it (the others come from --profile or --model)."""
+    return f"the profile's {'.'.join(path)} ({_PROFILE_FLAGS.get(path, '--profile / --model')})"
+
+
+def job_differences(first, second) -> list[tuple[str, object, object]]:
+    """What differs between two recorded job identities, as (what, its value in `first`, in
+    `second`): a setting named by its flag, the profile by --profile (or by the fields that
+    differ when the name is the same: --model, --min-pixels, ...), inputs by their paths. Empty
+    when they are one job (`same_job`)."""
+    first, second = (with_later_settings(ident) if isinstance(ident, dict) else {} for ident in (first, second))
+    flags = _flags_of_identity()
+    found = []
+    settings = [dict(_leaves({k: ident.get(k) for k in ("settings", "num_partitions")})) for ident in (first, second)]
+    for path in sorted(set(settings[0]) | set(settings[1]), key=lambda p: (p not in flags, p)):
+        a, b = settings[0].get(path), settings[1].get(path)
+        if a != b:
+            found.append((flags.get(path, ".".join(path)), a, b))
+    profiles = [{k: v for k, v in (ident.get("profile") or {}).items() if k not in ("chat_template", "id", "name")}
+                for ident in (first, second)]
+    if profiles[0] != profiles[1]:
+        names = [(ident.get("profile") or {}).get("name") for ident in (first, second)]
+        if names[0] != names[1]:
+            found.append(("--profile", names[0], names[1]))
+        else:
+            leaves = [dict(_leaves(profile)) for profile in profiles]
+            found += [(_profile_field(path), leaves[0].get(path), leaves[1].get(path))
+                      for path in sorted(set(leaves[0]) | set(leaves[1])) if leaves[0].get(path) != leaves[1].get(path)]
+    inputs = [ident.get("inputs") or [] for ident in (first, second)]
+    paths = [[entry.get("path") for entry in given] for given in inputs]
+    if paths[0] != paths[1]:
+        found.append(("the inputs", ", ".join(map(str, paths[0])) or "none", ", ".join(map(str, paths[1])) or "none"))
+    else:
+        for a, b in zip(*inputs):
+            if a == b:
+                continue
+            modes = [(entry.get("fingerprint") or {}).get("mode") for entry in (a, b)]
+            if modes[0] != modes[1]:
+                found.append(("--input-hash", modes[0], modes[1]))
+            elif a.get("row_format", "openai") != b.get("row_format", "openai"):
+                found.append((f"the layout (--input-format) of input {a['path']}", a.get("row_format", "openai"),
+                              b.get("row_format", "openai")))
+            else:
+                found.append((f"input {a['path']}", _input_content(a), _input_content(b)))
+    return found
+
+
+def describe_job_differences(first, second, first_name: str, second_name: str, most: int = 6) -> str:
+    """`job_differences` as one line: "--max-seq-len: 16384 in A, 4096 in B; ..."."""
+    found = job_differences(first, second)
+    if not found:
+        return "their recorded job files differ"
+    text = "; ".join(f"{what}: {_shown(a)} in {first_name}, {_shown(b)} in {second_name}"
+                     for what, a, b in found[:most])
+    return text + (f"; and {len(found) - most} more" if len(found) > most else "")

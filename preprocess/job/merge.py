@@ -16,7 +16,7 @@ from shards_schema.outdir import exclusive_output_dir
 from ..errors import ConfigError
 from .publish import check_destination, default_stage_dir, empty_stage, publish, read_json_object, remove_stage
 from .claim import is_fresh, output_errors, refuse_foreign
-from .identity import printable_path, same_job
+from .identity import describe_job_differences, printable_path, same_job
 from .records import JOB_FILE, read_json, remove_torn_writes, shard_matches_record, unit_record_path, write_final_outputs
 from .signals import stop_if_asked, stop_on_signals
 
@@ -41,11 +41,21 @@ def partitions_identity(directories: list[str]) -> dict:
         if not job_file.is_file():
             raise ConfigError(f"{printable_path(str(d))}: no {PARTS_DIR}/{JOB_FILE}; not the output of `vlmpack preprocess`")
         identities.append(json.loads(job_file.read_text(encoding="utf-8")))
-    if any(not same_job(ident, identities[0]) for ident in identities):
-        raise ConfigError("the directories hold different jobs (inputs, settings or profile differ); cannot merge")
+    for d, ident in zip(directories[1:], identities[1:]):
+        if not same_job(ident, identities[0]):
+            first, other = _dir_name(directories[0]), _dir_name(d)
+            raise ConfigError(
+                f"{first} and {other} hold the output of different jobs, which merge cannot join: "
+                f"{describe_job_differences(identities[0], ident, first, other)}. Merge only the partitions of "
+                "one job (`vlmpack preprocess` with the same inputs, profile and settings, only --partition-index "
+                f"differing): re-run {other}'s partition with the settings of {first} into a new --out, or keep "
+                "both and give both directories to `vlmpack pack` (or `vlmpack train --data`) as sources")
     # a partition recorded before profiles held the chat template's text: another's has it
     return next((ident for ident in identities if "chat_template" in ident.get("profile", {})), identities[0])
 
+
+def _dir_name(directory: str) -> str:
+    return storage.redact(directory) if storage.is_url(directory) else printable_path(str(directory))
 
 
 def merge_partitions(directories: list[str], out: str, publish_to: str | None = None) -> dict:

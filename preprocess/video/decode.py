@@ -13,6 +13,11 @@ instead of every frame. At most one decoded frame and its RGB copy are held at a
 
 A stream whose packets carry no timestamps is decoded sequentially instead (no seeking).
 
+A file FFmpeg cannot open, or opens without a usable video stream, is told apart from one that
+is not a video by its first bytes: an MP4 / QuickTime file (whose top-level boxes are walked:
+one running past the end of the file, or no `moov` index, is a cut-off download), a Matroska /
+WebM or an AVI file is `bad_video` (damaged) rather than `not_a_video` or `no_video_stream`.
+
 Rotation metadata (the container's display matrix, as phones write it) is applied: frames
 come out upright, as players show them and as Hugging Face's default video decoder
 (torchcodec) returns them, and `info` reports the upright width and height. FFmpeg's reported
@@ -23,6 +28,7 @@ with `np.rot90`, a lossless permutation of its pixels.
 from __future__ import annotations
 
 import io
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,26 +76,48 @@ class VideoReader:
     def __init__(self, source: Path | bytes, *, what: str = "video", max_frame_pixels: int | None = None):
         av = _av()
         self._what = what
+        self._source = source
         self._max_frame_pixels = max_frame_pixels
         try:
             self._container = av.open(str(source) if isinstance(source, Path) else io.BytesIO(source), mode="r",
                                       metadata_errors="ignore")
         except av.error.FFmpegError as exc:
-            raise RejectError("not_a_video", f"{what} cannot be opened as a video container ({_reason(exc)})") from None
+            self._reject_if_damaged(f"FFmpeg cannot open it: {_reason(exc)}", opened=False)
+            raise RejectError("not_a_video", f"{self._named()} cannot be opened as a video container "
+                              f"({_reason(exc)})") from None
         try:
             self._open_stream(av)
         except BaseException:
             self._container.close()
             raise
 
+    def _named(self) -> str:
+        """`what`, with the file's path when it is a file (the row may name it relative to --media-root)."""
+        return f"{self._what} file {str(self._source)[:160]!r}" if isinstance(self._source, Path) else self._what
+
+    def _reject_if_damaged(self, symptom: str, opened: bool = True) -> None:
+        """A `bad_video` RejectError when the source's structure says it is a damaged video
+        container (`container_damage`), so the failure, `symptom`, is damage and not another
+        kind of file; nothing otherwise."""
+        try:
+            damage = container_damage(self._source, opened=opened)
+        except OSError:
+            return  # cannot be read again: the caller's own reject stands
+        if damage is not None:
+            raise RejectError("bad_video", f"{self._named()} is a truncated or damaged {damage} ({symptom}); "
+                              "download or encode it again")
+
     def _open_stream(self, av) -> None:
         streams = self._container.streams.video
         if not streams:
-            raise RejectError("no_video_stream", f"{self._what} holds no video stream "
-                              f"(streams: {', '.join(s.type for s in self._container.streams) or 'none'})")
+            kinds = ", ".join(s.type for s in self._container.streams) or "none"
+            self._reject_if_damaged(f"no video stream is readable; streams: {kinds}")
+            raise RejectError("no_video_stream", f"{self._named()} holds no video stream (streams: {kinds})")
         stream = self._stream = streams[0]
-        if stream.codec_context is None:
-            raise RejectError("unsupported_codec", f"{self._what}: no decoder for codec {stream.codec.name!r}")
+        if stream.codec_context is None:  # FFmpeg has no decoder for the codec, or could not read which it is
+            self._reject_if_damaged("its video stream names no codec FFmpeg decodes")
+            raise RejectError("unsupported_codec", f"{self._named()}: FFmpeg has no decoder for its video codec; "
+                              "re-encode it (e.g. to H.264)")
         container_format = self._container.format.name
         if container_format in _STILL_IMAGE_FORMATS or container_format.endswith("_pipe"):
             raise RejectError("not_a_video", f"{self._what} is a still image ({container_format}), not a video: give it "
@@ -230,3 +258,65 @@ class VideoReader:
 def _reason(exc: Exception) -> str:
     text = getattr(exc, "strerror", None) or str(exc)
     return str(text)[:160]
+
+
+# ---------------------------------------------------------------------------------------------
+# a video container's damage, from its bytes
+
+_MP4_FIRST_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot", b"styp")
+_MP4_MAX_BOXES = 100_000  # a walk longer than this (a long fragmented file) leaves the verdict to FFmpeg
+_EBML_MAGIC = b"\x1a\x45\xdf\xa3"
+
+
+def container_damage(source: Path | bytes, *, opened: bool) -> str | None:
+    """What a video file's own structure says is wrong with it, or None. An MP4 / QuickTime
+    file (ISO BMFF) whose top-level boxes run past the end of the file or hold no `moov` index
+    is damaged whatever FFmpeg made of it; a Matroska / WebM or AVI file is damaged when FFmpeg
+    could not open it (`opened` False), as its first bytes say it is a video container."""
+    with (open(source, "rb") if isinstance(source, Path) else io.BytesIO(source)) as fh:
+        size = fh.seek(0, io.SEEK_END)
+        fh.seek(0)
+        head = fh.read(12)
+        if len(head) >= 8 and head[4:8] in _MP4_FIRST_BOXES:
+            damage = _mp4_box_damage(fh, size)
+            return None if damage is None else f"MP4 / QuickTime file: {damage}"
+    if opened:
+        return None
+    if head.startswith(_EBML_MAGIC):
+        return "Matroska / WebM file"
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "AVI file"
+    return None
+
+
+def _mp4_box_damage(fh, size: int) -> str | None:
+    """Where an ISO BMFF file's top-level boxes stop adding up: a box that runs past the end
+    of the file (a cut-off download), a box of impossible size, or no `moov` box (the index
+    of every frame, which FFmpeg needs to read any); None when none of these."""
+    offset, seen = 0, set()
+    for _ in range(_MP4_MAX_BOXES):
+        if offset >= size:
+            break
+        fh.seek(offset)
+        header = fh.read(16)
+        if len(header) < 8:
+            return f"it ends {size - offset} bytes into a box header at byte {offset:,}"
+        box_size, kind = struct.unpack(">I", header[:4])[0], header[4:8].decode("latin-1")
+        if box_size == 1:  # a 64-bit size follows the type
+            if len(header) < 16:
+                return f"it ends inside the `{kind}` box header at byte {offset:,}"
+            box_size = struct.unpack(">Q", header[8:16])[0]
+        elif box_size == 0:  # the last box, up to the end of the file
+            box_size = size - offset
+        if box_size < 8:
+            return f"its `{kind}` box at byte {offset:,} has the impossible size {box_size}"
+        if offset + box_size > size:
+            return (f"its `{kind}` box at byte {offset:,} is {box_size:,} bytes long but the file ends "
+                    f"{size - offset:,} bytes into it")
+        seen.add(kind)
+        offset += box_size
+    else:
+        return None
+    if "moov" not in seen:
+        return "it holds no `moov` box, the index a player needs to find any frame"
+    return None
