@@ -32,6 +32,7 @@ from shards_schema.writer import file_sha256
 
 from .errors import ConfigError
 from .job import PreprocessConfig, check_config, run_preprocess
+from .job.config import partition_from_flags
 
 
 def _human_bytes(n: float) -> str:
@@ -91,6 +92,7 @@ class Preprocess:
 
     @staticmethod
     def run(args) -> int:
+        args.num_partitions, args.partition_index = partition_from_flags(args.num_partitions, args.partition_index)
         cfg = config_from_args(PreprocessConfig, args)
         result = run_preprocess(cfg)
         run = result.pop("_run")

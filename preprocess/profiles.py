@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -32,11 +33,11 @@ from shards_schema.builtin import (
     VisionConfig,
     builtin_chat_template,
     builtin_tokenizer_json,
-    read_hf_chat_template,
 )
 
 from .errors import ConfigError
-from .families import BUILTIN_PROFILES, FAMILIES, MODEL_TYPE_FAMILY, ModelFamily, family_named, official_template_kind
+from .families import BUILTIN_PROFILES, FAMILIES, MODEL_TYPE_FAMILY, ModelFamily, family_named
+from .media import MAX_OPTION_INTEGER
 from .render import DEFAULT_TEXT_SPECIAL_TOKENS, GROUNDING_TOKENS
 from .text_budget import TextBudget
 from .video import VideoDefaults
@@ -194,32 +195,171 @@ def builtin_profile(name: str) -> Profile:
     )
 
 
+# Bounds of the image-processor sizes a model directory may set. The published checkpoints use
+# patches of 14 or 16 pixels, merged 2x2, over 2 frames. Every image is resized to at least one
+# merge block, (patch_size * merge_size)^2 pixels: the caps keep that floor at 4096^2 pixels,
+# so a damaged file cannot blow every image up until a worker is killed for memory.
+MAX_PATCH_SIZE = 256
+MAX_MERGE_SIZE = 16
+MAX_TEMPORAL_PATCH_SIZE = 16
+MAX_PIXELS = MAX_OPTION_INTEGER  # the bound of --min-pixels / --max-pixels
+# Qwen2.5-VL's is 2: a video's temporal positions grow by it every second, and the shards store
+# positions as int32, so a damaged value must not reach billions within a video
+MAX_TOKENS_PER_SECOND = 1000
+MAX_VIDEO_FPS = 1000.0  # frames per second sampled from a video
+MAX_SHOWN = 60  # characters of a bad value a message quotes
+
+
+def _restore(path: Path) -> str:
+    return f"restore the checkpoint's own {path.name}"
+
+
+def _clip(text: str, limit: int = MAX_SHOWN) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _shown(value) -> str:
+    return _clip(repr(value))
+
+
+def _read_text(path: Path) -> str:
+    """A model file's text; ConfigError naming the file when it cannot be read as UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): {_restore(path)}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc}): {_restore(path)}, "
+                          "readable by this user") from None
+
+
+def _json_object(path: Path, text: str | None = None) -> dict:
+    """A model file's JSON object; ConfigError naming the file when it is not one."""
+    text = _read_text(path) if text is None else text
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply to read: {_restore(path)}") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer too long to convert
+        raise ConfigError(f"{path}: not valid JSON ({exc}): {_restore(path)}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: holds a JSON {_json_kind(value)}, not an object: {_restore(path)}")
+    return value
+
+
+def _json_kind(value) -> str:
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    return "number"
+
+
+def _integer(path: Path, field: str, value, low: int, high: int) -> int:
+    """`value` as an integer from `low` to `high`; ConfigError naming the file and field otherwise."""
+    whole = not isinstance(value, bool) and (
+        isinstance(value, int) or (isinstance(value, float) and value.is_integer()))
+    if not whole or not low <= value <= high:
+        raise ConfigError(f"{path}: {field} must be an integer from {low} to {high}, got {_shown(value)}: "
+                          f"{_restore(path)}")
+    return int(value)
+
+
+def _channel_values(path: Path, field: str, value, nonzero: bool) -> tuple[float, ...]:
+    """Per-channel normalisation (image_mean / image_std): 3 finite numbers; none 0 for a divisor."""
+    ok = (isinstance(value, (list, tuple)) and len(value) == 3
+          and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)
+          and not (nonzero and 0 in value))
+    if not ok:
+        raise ConfigError(f"{path}: {field} must be a list of 3 finite numbers (one per RGB channel"
+                          f"{', none 0' if nonzero else ''}), got {_shown(value)}: {_restore(path)}")
+    return tuple(float(x) for x in value)
+
+
+def _given(cfg: dict, key: str) -> bool:
+    return cfg.get(key) is not None  # HF processors read null as "not set"
+
+
+def _pixel_bounds(path: Path, cfg: dict, defaults, family: str) -> tuple[int, int]:
+    """(min_pixels, max_pixels) as HF reads them: `min_pixels` / `max_pixels`, else
+    `size.shortest_edge` / `size.longest_edge`, else the family's published values."""
+    size = cfg.get("size")
+    if size is None:
+        size = {}
+    elif not isinstance(size, dict):
+        raise ConfigError(f"{path}: size must be an object (shortest_edge, longest_edge), got {_shown(size)}: "
+                          f"{_restore(path)}")
+    bounds = []
+    for key, size_key in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if _given(cfg, key):
+            field, value = key, cfg[key]
+        elif _given(size, size_key):
+            field, value = f"size.{size_key}", size[size_key]
+        else:
+            bounds.append((f"the {family} default {key}", getattr(defaults, key)))
+            continue
+        bounds.append((field, _integer(path, field, value, 1, MAX_PIXELS)))
+    (low_field, low), (high_field, high) = bounds
+    if low > high:
+        raise ConfigError(f"{path}: {low_field} {low} is larger than {high_field} {high}: the image area bounds "
+                          f"need min_pixels <= max_pixels; {_restore(path)}")
+    return low, high
+
+
+def _official_template(sha256: str) -> tuple[str, str] | None:
+    """(family, template kind) of the official chat template with this sha256; None for any other."""
+    for family in FAMILIES.values():
+        for kind, official in family.official_template_sha256.items():
+            if official == sha256:
+                return family.name, kind
+    return None
+
+
+def _chat_template_file(model_dir: Path) -> tuple[Path, str]:
+    """(file, text) of the chat template as HF resolves it (the order of
+    `shards_schema.builtin.read_hf_chat_template`), each file's damage named."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        template = _read_text(jinja)
+        if not template.strip():
+            raise ConfigError(f"{jinja}: empty: {_restore(jinja)}")
+        return jinja, template
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            template = _json_object(path).get("chat_template")
+            if isinstance(template, str):
+                return path, template
+    raise ConfigError(
+        f"{model_dir} has no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json)"
+    )
+
+
 def read_chat_template(model_dir: Path) -> str:
     """The chat template as HF resolves it: chat_template.jinja, chat_template.json, tokenizer_config.json."""
-    template = read_hf_chat_template(model_dir)
-    if template is None:
-        raise ConfigError(
-            f"{model_dir} has no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json)"
-        )
-    return template
+    return _chat_template_file(Path(model_dir))[1]
 
 
 def _vision_from_preprocessor_config(path: Path, family: str) -> VisionConfig:
-    cfg = json.loads(path.read_text(encoding="utf-8"))
-    size = cfg.get("size") or {}
-    defaults = BUILTIN_VISION[family]
-    try:
-        return VisionConfig(
-            patch_size=int(cfg["patch_size"]),
-            merge_size=int(cfg["merge_size"]),
-            temporal_patch_size=int(cfg["temporal_patch_size"]),
-            image_mean=tuple(float(x) for x in cfg["image_mean"]),
-            image_std=tuple(float(x) for x in cfg["image_std"]),
-            min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or defaults.min_pixels),
-            max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or defaults.max_pixels),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{path}: missing or malformed image-processor field ({exc})") from exc
+    cfg = _json_object(path)
+    for key in ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std"):
+        if not _given(cfg, key):
+            raise ConfigError(f"{path}: missing image-processor field {key}: {_restore(path)}")
+    min_pixels, max_pixels = _pixel_bounds(path, cfg, BUILTIN_VISION[family], family)
+    return VisionConfig(
+        patch_size=_integer(path, "patch_size", cfg["patch_size"], 1, MAX_PATCH_SIZE),
+        merge_size=_integer(path, "merge_size", cfg["merge_size"], 1, MAX_MERGE_SIZE),
+        temporal_patch_size=_integer(path, "temporal_patch_size", cfg["temporal_patch_size"], 1,
+                                     MAX_TEMPORAL_PATCH_SIZE),
+        image_mean=_channel_values(path, "image_mean", cfg["image_mean"], nonzero=False),
+        image_std=_channel_values(path, "image_std", cfg["image_std"], nonzero=True),
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+    )
 
 
 def _video_from_config(path: Path, family: str) -> VideoDefaults:
@@ -227,57 +367,145 @@ def _video_from_config(path: Path, family: str) -> VideoDefaults:
     defaults = family_named(family).builtin_video
     if not path.is_file():
         return defaults
-    cfg = json.loads(path.read_text(encoding="utf-8"))
-    size = cfg.get("size") or {}
+    cfg = _json_object(path)
+
+    def value(key: str):
+        return cfg[key] if _given(cfg, key) else getattr(defaults, key)
+
+    fps = value("fps")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= MAX_VIDEO_FPS:
+        raise ConfigError(f"{path}: fps must be a number above 0 and at most {MAX_VIDEO_FPS:g}, got {_shown(fps)}: "
+                          f"{_restore(path)}")
+    min_frames = _integer(path, "min_frames", value("min_frames"), 1, MAX_OPTION_INTEGER)
+    min_pixels, max_pixels = _pixel_bounds(path, cfg, defaults, family)
+    return VideoDefaults(
+        fps=float(fps),
+        min_frames=min_frames,
+        max_frames=_integer(path, "max_frames", value("max_frames"), min_frames, MAX_OPTION_INTEGER),
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        image_mean=_channel_values(path, "image_mean", value("image_mean"), nonzero=False),
+        image_std=_channel_values(path, "image_std", value("image_std"), nonzero=True),
+        max_video_tokens=_integer(path, "max_video_tokens", value("max_video_tokens"), 1, MAX_OPTION_INTEGER),
+    )
+
+
+# config.json's vision_config key -> the preprocessor_config.json field the model expects it to equal
+VISION_CONFIG_KEYS = {"patch_size": "patch_size", "spatial_merge_size": "merge_size",
+                      "temporal_patch_size": "temporal_patch_size"}
+
+
+def _model_type_family(path: Path, config: dict) -> tuple[str, str]:
+    """(model_type, family) of config.json; ConfigError naming the file when it is none vlmpack knows."""
+    model_type = config.get("model_type")
+    supported = ", ".join(sorted(MODEL_TYPE_FAMILY))
+    if not isinstance(model_type, str):
+        got = "has no model_type" if model_type is None else f"model_type {_shown(model_type)} is not a string"
+        raise ConfigError(f"{path}: {got}: pass a Hugging Face Qwen-VL checkpoint directory (model_type one of "
+                          f"{supported})")
+    family = MODEL_TYPE_FAMILY.get(model_type)
+    if family is None:
+        raise ConfigError(f"{path}: model_type {_shown(model_type)} is not supported: pass a Hugging Face Qwen-VL "
+                          f"checkpoint directory (model_type one of {supported})")
+    return model_type, family
+
+
+def _vision_config(path: Path, config: dict) -> dict:
+    vision_config = config.get("vision_config")
+    if vision_config is None:
+        return {}
+    if not isinstance(vision_config, dict):
+        raise ConfigError(f"{path}: vision_config must be an object, got {_shown(vision_config)}: {_restore(path)}")
+    return vision_config
+
+
+def _check_vision_config_agrees(path: Path, vision_config: dict, vision: VisionConfig, preprocessor: Path) -> None:
+    """The model's vision tower (config.json) and the image processor must cut images alike."""
+    for key, field in VISION_CONFIG_KEYS.items():
+        if _given(vision_config, key) and vision_config[key] != getattr(vision, field):
+            raise ConfigError(f"{path}: vision_config.{key} {_shown(vision_config[key])} differs from {field} "
+                              f"{getattr(vision, field)} in {preprocessor.name}: the files are of different "
+                              "checkpoints; restore the checkpoint's own config.json and preprocessor_config.json")
+
+
+def _load_tokenizer(profile: Profile, path: Path) -> None:
+    """Load the profile's tokenizer now; ConfigError naming tokenizer.json when it is not one."""
     try:
-        return VideoDefaults(
-            fps=float(cfg.get("fps", defaults.fps)),
-            min_frames=int(cfg.get("min_frames", defaults.min_frames)),
-            max_frames=int(cfg.get("max_frames", defaults.max_frames)),
-            min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or defaults.min_pixels),
-            max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or defaults.max_pixels),
-            image_mean=tuple(float(x) for x in cfg.get("image_mean", defaults.image_mean)),
-            image_std=tuple(float(x) for x in cfg.get("image_std", defaults.image_std)),
-            max_video_tokens=int(cfg.get("max_video_tokens", defaults.max_video_tokens)),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{path}: malformed video-processor field ({exc})") from exc
+        _ = profile.tokenizer
+        return
+    except ImportError:
+        raise
+    except Exception as exc:
+        why = exc
+    except BaseException as exc:  # a panic inside the tokenizers library (pyo3's PanicException)
+        if type(exc).__name__ != "PanicException":
+            raise
+        why = exc
+    _json_object(path, profile.tokenizer_json)  # names plain JSON damage first
+    first_line = (str(why).strip().splitlines() or [type(why).__name__])[0]
+    raise ConfigError(f"{path}: the tokenizers library cannot load it ({_clip(first_line, 200)}): "
+                      f"{_restore(path)}") from None
 
 
 def profile_from_model_dir(model_dir: str | Path, check_template: bool = True) -> Profile:
+    """The profile a Hugging Face checkpoint directory describes, every file and value checked
+    first: ConfigError, naming the file (and field) and the fix, for a damaged or inconsistent one."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ConfigError(f"--model {model_dir}: not a directory")
     for required in ("config.json", "tokenizer.json", "preprocessor_config.json"):
         if not (model_dir / required).is_file():
             raise ConfigError(f"--model {model_dir}: missing {required}; pass a Hugging Face Qwen-VL checkpoint directory")
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    model_type = config.get("model_type")
-    family = MODEL_TYPE_FAMILY.get(model_type)
-    if family is None:
-        raise ConfigError(
-            f"--model {model_dir}: model_type {model_type!r} is not supported (supported: {sorted(MODEL_TYPE_FAMILY)})"
-        )
-    template = read_chat_template(model_dir)
+    config_path = model_dir / "config.json"
+    config = _json_object(config_path)
+    model_type, family = _model_type_family(config_path, config)
+    vision_config = _vision_config(config_path, config)
+    tokens_per_second = vision_config.get("tokens_per_second")
+    tokens_per_second = 2 if tokens_per_second is None else _integer(
+        config_path, "vision_config.tokens_per_second", tokens_per_second, 1, MAX_TOKENS_PER_SECOND)
+    template_path, template = _chat_template_file(model_dir)
     template_sha256 = hashlib.sha256(template.encode()).hexdigest()
+    official = _official_template(template_sha256)
+    if official is not None and official[0] != family:
+        raise ConfigError(
+            f"--model {model_dir}: config.json's model_type {model_type!r} is a {family} checkpoint, but "
+            f"{template_path.name} holds the official {official[0]} {official[1]} chat template: the directory mixes "
+            f"files of two checkpoints; restore the {family} checkpoint's own chat template (or config.json)")
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    if tokenizer_config.is_file() and template_path != tokenizer_config:
+        _json_object(tokenizer_config)  # the tokenizer's settings: damage here is damage to the checkpoint
+    preprocessor = model_dir / "preprocessor_config.json"
+    vision = _vision_from_preprocessor_config(preprocessor, family)
+    _check_vision_config_agrees(config_path, vision_config, vision, preprocessor)
+    tokenizer_path = model_dir / "tokenizer.json"
     profile = Profile(
         family=family,
-        vision=_vision_from_preprocessor_config(model_dir / "preprocessor_config.json", family),
-        tokenizer_json=(model_dir / "tokenizer.json").read_text(encoding="utf-8"),
+        vision=vision,
+        tokenizer_json=_read_text(tokenizer_path),
         template_sha256=template_sha256,
         source=str(model_dir.resolve()),
         chat_template=template,
         # an unofficial template that passes the check below renders as the family's first kind
-        template=official_template_kind(template_sha256) or family_named(family).templates[0],
+        template=official[1] if official is not None else family_named(family).templates[0],
         video=_video_from_config(model_dir / "video_preprocessor_config.json", family),
-        tokens_per_second=int((config.get("vision_config") or {}).get("tokens_per_second", 2)),
+        tokens_per_second=tokens_per_second,
     )
+    _load_tokenizer(profile, tokenizer_path)
     if check_template:
         from .render import check_template_matches
 
         check_template_matches(profile, template)  # the native renderer must reproduce this template
     _ = profile.special  # fail now if the tokenizer lacks the Qwen-VL specials
     return profile
+
+
+def both_profile_sources(name: str | None, model_dir: str | Path | None) -> str | None:
+    """The refusal when a job names its processing profile twice (--model DIR and --profile NAME),
+    else None: the directory's files and a built-in profile are two different profiles."""
+    if name is not None and model_dir is not None:
+        return (f"--model {model_dir} and --profile {name} both name the processing profile: give one (--model "
+                "reads it from the checkpoint directory, --profile is a built-in one)")
+    return None
 
 
 def resolve_profile(
@@ -287,6 +515,8 @@ def resolve_profile(
     max_pixels: int | None = None,
     check_template: bool = True,
 ) -> Profile:
-    """The profile a job runs with: --model DIR wins over --profile NAME (default qwen3-vl)."""
+    """The profile a job runs with: --model DIR or --profile NAME (default qwen3-vl), not both."""
+    if refusal := both_profile_sources(name, model_dir):
+        raise ConfigError(refusal)
     profile = profile_from_model_dir(model_dir, check_template) if model_dir else builtin_profile(name or "qwen3-vl")
     return profile.with_pixel_bounds(min_pixels, max_pixels)

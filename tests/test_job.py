@@ -815,8 +815,8 @@ NUMERIC_FLAGS = {
         ("--max-video-bytes", int, lambda v: v >= 1),
         ("--workers", int, lambda v: 1 <= v <= 4096),
         ("--rows-per-shard", int, lambda v: v >= 1),
-        ("--num-partitions", int, lambda v: v >= 1),
-        ("--partition-index", int, lambda v: v == 0),  # of --num-partitions 1
+        ("--num-partitions", int, lambda v: v == 1),  # more partitions need --partition-index too
+        ("--partition-index", int, lambda v: False),  # only with --num-partitions
         ("--ray-max-retries", int, lambda v: 0 <= v <= 1000),
     ]),
     "quickstart": (["quickstart", "--out", "{o}", "--rows", "2", "--videos", "0", "--workers", "1"], [

@@ -372,7 +372,7 @@ def test_a_store_prefix_holding_another_job_is_refused_before_the_first_row_nami
     for out, extra, says in (
             ("s3://data/taken", ["--max-seq-len", "999"], "holds another dataset (its manifest.json differs in: settings)"),
             ("s3://data/half", [], "holds the unfinished output of a different job (its _parts/job.json differs in: "),
-            ("s3://data/taken", ["--num-partitions", "2"], "holds a finished dataset (manifest.json): a partition")):
+            ("s3://data/taken", ["--num-partitions", "2", "--partition-index", "0"], "holds a finished dataset (manifest.json): a partition")):
         assert main(["preprocess", str(data), "--out", out, *common, *extra]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"vlmpack preprocess: error: --out {out} {says}"), err

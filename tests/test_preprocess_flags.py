@@ -46,8 +46,9 @@ FLAG_VALUES = [
     (["--max-video-bytes", "123456"], ("sample", "max_video_bytes"), 123456),
     (["--workers", "3"], ("workers",), 3),
     (["--rows-per-shard", "13"], ("rows_per_shard",), 13),
-    (["--num-partitions", "4"], ("num_partitions",), 4),
-    (["--partition-index", "2"], ("partition_index",), 2),
+    # the two partition flags come together (a lone one is refused); the other holds its default
+    (["--num-partitions", "4", "--partition-index", "0"], ("num_partitions",), 4),
+    (["--partition-index", "2", "--num-partitions", "1"], ("partition_index",), 2),
     (["--input-hash", "full"], ("input_hash",), "full"),
     (["--stage-dir", "stage"], ("stage_dir",), "stage"),
     (["--executor", "ray"], ("executor",), "ray"),
@@ -124,3 +125,23 @@ def test_flags_follow_fields_prefixes_and_the_command_lines_own_defaults():
     parsed = config_from_args(_Outer, parser.parse_args(["a", "b", "--inner-depth", "3", "--fetch-retries", "0"]))
     assert parsed == _Outer(names=["a", "b"], level=5, inner=_Inner(depth=3), fetch=FetchPolicy(retries=0))
     assert parsed.inner.kept == "kept" and parsed.fetch.backoff == FetchPolicy.backoff
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-partitions", "4"], "--num-partitions 4 needs --partition-index: give each machine its own "
+                                "--partition-index, 0 to 3"),
+    (["--partition-index", "0"], "--partition-index 0 needs --num-partitions"),
+    (["--num-partitions", "2", "--partition-index", "2"], "--partition-index must be in 0..1 (--num-partitions 2), "
+                                                          "got 2"),
+], ids=["count-alone", "index-alone", "index-out-of-range"])
+def test_a_partition_flag_without_its_partner_or_out_of_range_is_refused_before_any_work(tmp_path, capsys, argv,
+                                                                                        message):
+    out = tmp_path / "out"
+    assert main(["preprocess", str(tmp_path / "rows.jsonl"), "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists()
+
+
+def test_one_partition_needs_no_index(monkeypatch, capsys):
+    assert _parsed(monkeypatch, [*REQUIRED, "--num-partitions", "1"]) == _defaults()

@@ -87,6 +87,7 @@ FAMILY_NAMES = tuple(FAMILIES)
 # HF `config.json` model_type -> family name.
 MODEL_TYPE_FAMILY = {
     "qwen3_vl": "qwen3-vl",
+    "qwen3_vl_moe": "qwen3-vl",  # Qwen3-VL-30B-A3B / 235B-A22B: the dense models' processor and templates
     "qwen2_5_vl": "qwen2.5-vl",
     "qwen2_vl": "qwen2.5-vl",  # same template and processor rules as Qwen2.5-VL
     "qwen3_5": "qwen3.5",  # Qwen3.5 and Qwen3.6 (dense)

@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..formats import INPUT_FORMATS
 from ..media import MAX_OPTION_INTEGER
 from ..pipeline import SampleOptions
+from ..profiles import both_profile_sources
 
 DEFAULT_ROWS_PER_SHARD = 1024
 INPUT_HASH_MODES = ("sampled", "full")
@@ -46,7 +47,8 @@ class PreprocessConfig:
              "reasoning_content / <think> blocks), qwen2.5-vl, qwen3.5 or qwen3.6 (Qwen3.5 / Qwen3.6 "
              "checkpoints: thinking, XML tool calls)")
     model: str | None = setting(None, group="model profile",
-                                help="Hugging Face model directory (tokenizer, preprocessor config, chat template)")
+                                help="Hugging Face model directory (tokenizer, preprocessor config, chat template) "
+                                     "as the profile, instead of --profile")
     min_pixels: int | None = setting(None, group="model profile", type=int,
                                      help="override the profile's minimum image area")
     max_pixels: int | None = setting(None, group="model profile", type=int,
@@ -57,8 +59,13 @@ class PreprocessConfig:
                            help=f"worker processes, 1 to {MAX_WORKERS} (default: all cores, %(default)s)")
     rows_per_shard: int = setting(DEFAULT_ROWS_PER_SHARD, group="job", type=int,
                                   help="input rows per shard file / work unit (default %(default)s)")
-    num_partitions: int = setting(1, group="job", type=int, help="split the job across this many machines")
-    partition_index: int = setting(0, group="job", type=int, help="which partition this machine runs")
+    # the command line's default None tells a flag left out from one given (`partition_from_flags`)
+    num_partitions: int = setting(1, group="job", type=int, flag_default=None,
+                                  help="split the job across this many machines (K); each runs it with its own "
+                                       "--partition-index, then `vlmpack merge` joins their outputs")
+    partition_index: int = setting(0, group="job", type=int, flag_default=None,
+                                   help="which partition this machine runs, 0 to K-1; needed with --num-partitions "
+                                        "K > 1, and only with it")
     input_hash: str = setting(
         "sampled", group="job", choices=INPUT_HASH_MODES,
         help="how a resumed job checks that its inputs did not change: 'sampled' (default) compares "
@@ -98,6 +105,21 @@ def profile_args(cfg: PreprocessConfig) -> dict:
     return {"name": cfg.profile, "model_dir": cfg.model, "min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels}
 
 
+def partition_from_flags(num_partitions: int | None, partition_index: int | None) -> tuple[int, int]:
+    """(num_partitions, partition_index) of the command line, None where a flag was left out:
+    both or neither, since a partitioned job run without its index would silently run partition
+    0 on every machine. `--num-partitions 1` alone is the one partition there is."""
+    if partition_index is None:
+        if num_partitions is not None and num_partitions > 1:
+            raise ConfigError(f"--num-partitions {num_partitions} needs --partition-index: give each machine its own "
+                              f"--partition-index, 0 to {num_partitions - 1}")
+        return (1 if num_partitions is None else num_partitions), 0
+    if num_partitions is None:
+        raise ConfigError(f"--partition-index {partition_index} needs --num-partitions: give the number of partitions "
+                          "the job is split into, K, with --num-partitions K (the index runs from 0 to K-1)")
+    return num_partitions, partition_index
+
+
 def _at_least(flag: str, value, minimum: int) -> None:
     if value is not None and value < minimum:
         raise ConfigError(f"{flag} must be an integer >= {minimum}, got {value}")
@@ -116,6 +138,8 @@ def check_config(cfg: PreprocessConfig) -> None:
     if not 0 <= cfg.partition_index < cfg.num_partitions:
         raise ConfigError(f"--partition-index must be in 0..{cfg.num_partitions - 1} (--num-partitions "
                           f"{cfg.num_partitions}), got {cfg.partition_index}")
+    if refusal := both_profile_sources(cfg.profile, cfg.model):
+        raise ConfigError(refusal)
     _at_least("--max-seq-len", cfg.sample.max_seq_len, 1)
     _at_least("--max-image-pixels", cfg.sample.max_image_pixels, 1)
     _at_least("--max-row-bytes", cfg.sample.max_row_bytes, 1)
