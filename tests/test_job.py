@@ -26,6 +26,7 @@ from preprocess.pipeline import SampleOptions
 from shards_schema import open_shards
 from shards_schema.writer import file_sha256
 from tests.helpers.cli import vlmpack_exit_code
+from tests.helpers.model_dirs import qwen3_vl_model_dir
 
 ROWS = 30
 
@@ -426,26 +427,8 @@ def test_cli_reports_config_errors_with_exit_code_2(tmp_path):
     assert result.returncode == 2 and "does not exist" in result.stderr
 
 
-def _model_dir(tmp_path, official_template) -> Path:
-    """A Hugging Face Qwen3-VL checkpoint directory without weights: what --model reads."""
-    from preprocess.profiles import builtin_profile
-
-    profile = builtin_profile("qwen3-vl")
-    v = profile.vision
-    d = tmp_path / "Qwen3-VL-tiny"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
-    (d / "tokenizer.json").write_text(profile.tokenizer_json, encoding="utf-8")
-    (d / "chat_template.jinja").write_text(official_template["qwen3-vl"], encoding="utf-8")
-    (d / "preprocessor_config.json").write_text(json.dumps({
-        "patch_size": v.patch_size, "merge_size": v.merge_size, "temporal_patch_size": v.temporal_patch_size,
-        "image_mean": list(v.image_mean), "image_std": list(v.image_std),
-        "size": {"shortest_edge": v.min_pixels, "longest_edge": v.max_pixels}}))
-    return d
-
-
 def test_model_dir_profile_equals_builtin_and_pixel_bounds_override(example_jsonl, baseline, tmp_path, official_template):
-    model = _model_dir(tmp_path, official_template)
+    model = qwen3_vl_model_dir(tmp_path, official_template)
     manifest = _run([example_jsonl], tmp_path / "m", workers=2, model=str(model))
     assert manifest["profile"]["source"] == str(model.resolve())
     assert manifest["profile"]["id"] == baseline[1]["profile"]["id"]  # same files and constants: interchangeable

@@ -12,13 +12,13 @@ from preprocess.errors import ConfigError
 from preprocess.examples import write_jsonl
 from preprocess.profiles import profile_from_model_dir, resolve_profile
 from shards_schema.cli import main
-from tests.test_job import _model_dir
+from tests.helpers.model_dirs import qwen3_vl_model_dir
 
 
 @pytest.fixture
 def model(tmp_path, official_template) -> Path:
     """A valid Qwen3-VL checkpoint directory without weights (config, tokenizer, processor, template)."""
-    return _model_dir(tmp_path, official_template)
+    return qwen3_vl_model_dir(tmp_path, official_template)
 
 
 def _preprocess(capsys, tmp_path: Path, model: Path, *flags: str) -> tuple[int, str]:

@@ -1,12 +1,14 @@
 """`vlmpack train` under faults, on CPU: killed (kill -9) anywhere, a full disk before or while
-a checkpoint is written. A killed run resumes to the uninterrupted run's losses (bitwise), a
-full disk exits 4 with one line and leaves the previous checkpoint as it was, and no
-unfinished checkpoint (step_N.tmp) is ever taken for `latest`.
+a checkpoint is written, a damaged checkpoint file. A killed run resumes to the uninterrupted
+run's losses (bitwise), a full disk exits 4 with one line and leaves the previous checkpoint as
+it was, no unfinished checkpoint (step_N.tmp) is ever taken for `latest`, and a resume from a
+damaged checkpoint exits 2 with one line naming the file and the checkpoint to go on from.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from shards_schema.cli import main as vlmpack
+from tests.helpers.damage import damaged_copy, one_error_line
 from tests.helpers.shards import preprocess
 from tests.helpers.train import metrics, ok, run_train, start_run_from
 
@@ -264,3 +268,36 @@ def test_a_resume_without_a_usable_latest_pointer_takes_the_newest_complete_chec
     for name in ("step_00000001", "step_00000003"):
         (root / name).rmdir()
     assert latest_checkpoint(tmp_path) is None
+
+
+# a file of the checkpoint -> (its new bytes from the intact ones, what the one line says after the file's path)
+CHECKPOINT_DAMAGE = {
+    "trainer.json not JSON": ("trainer.json", lambda raw: raw[:len(raw) // 2], ": not valid JSON ("),
+    "trainer.json a list": ("trainer.json", lambda raw: b"[]", ": a JSON list, not an object: the checkpoint is damaged"),
+    "trainer.json without its step": ("trainer.json",
+                                      lambda raw: json.dumps({**json.loads(raw), "step": None}).encode(),
+                                      ": not a vlmpack checkpoint's record"),
+    "rank file random bytes": ("rank_00000.pt", lambda raw: os.urandom(4096), ": not a readable checkpoint file ("),
+    "rank file cut short": ("rank_00000.pt", lambda raw: raw[:len(raw) // 2], ": not a readable checkpoint file ("),
+    "model weights cut short": ("model/model_tp0_pp0.safetensors", lambda raw: raw[:len(raw) // 2],
+                                ": not a readable safetensors file ("),
+    "model metadata not JSON": ("model/vlmpack_model.json", lambda raw: raw[1:], ": not valid JSON ("),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_DAMAGE))
+def test_a_resume_from_a_damaged_checkpoint_exits_2_naming_the_file_and_how_to_go_on(shards, reference, tmp_path,
+                                                                                       capsys, case):
+    """One line naming the damaged file, and that --resume continues the checkpoint before it
+    once this one is moved out of the way."""
+    name, damage, says = CHECKPOINT_DAMAGE[case]
+    step = damaged_copy(reference / "checkpoints" / "step_00000005", tmp_path / "checkpoints" / "step_00000005", name,
+                        damage)
+    (tmp_path / "checkpoints" / "step_00000004").symlink_to(reference / "checkpoints" / "step_00000004")
+    (tmp_path / "checkpoints" / "latest").write_text(step.name)
+    capsys.readouterr()
+    code = vlmpack(["train", *BASE, *STEPS, "--data", str(shards), "--out", str(tmp_path), "--resume"])
+    line = one_error_line(capsys.readouterr().err, "train")
+    assert code == 2 and f"{step / name}{says}" in line, line
+    assert line.endswith(f": the checkpoint is damaged: move step_00000005 out of {tmp_path / 'checkpoints'} and "
+                         "--resume continues step_00000004"), line

@@ -27,14 +27,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import errno
-import json
 import os
+import pickle
 import random
 import re
 import shutil
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -49,11 +50,12 @@ from train import convert
 from shards_schema.flags import flag_name
 from train.config import ConfigError
 from train.metrics import METRICS_FILE
-from train.model.arch import ModelArch
+from train.model.arch import ModelArch, ModelFileError, read_json_object
 from train.model_setup import load_model_weights, read_model_arch, unwrap
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+TRAINER_META = "trainer.json"
 
 
 def _model_files(model_state: dict, arch: ModelArch, info) -> dict[str, dict]:
@@ -492,7 +494,7 @@ class CheckpointSaver:
                 if state["carried_from"] and Path(state["carried_from"]).is_dir():
                     convert.write_carried(subdir, state["carried_from"], arch)
                 fmt.write_profile(subdir, state["profile"])  # and the data's chat template and processor settings
-                write_json_atomic(tmp / "trainer.json", state["trainer"])
+                write_json_atomic(tmp / TRAINER_META, state["trainer"])
             _torch_save(state["rank"], tmp / f"rank_{info.rank:05d}.pt")
             if self.background:
                 self.host.pin()
@@ -655,7 +657,32 @@ def check_run_directory(config) -> None:
         return
     path = latest_checkpoint(out)
     if path is not None:
-        check_resume_settings(config, json.loads((path / "trainer.json").read_text()), path)
+        check_resume_settings(config, read_trainer_meta(path), path)
+
+
+def damaged_checkpoint_fix(path: Path) -> str:
+    """What to do about checkpoint `path` when a file of it is damaged: without it, a resume takes
+    the newest other complete checkpoint (`latest_checkpoint`)."""
+    others = [p for p in complete_checkpoints(path.parent.parent) if p.name != path.name]
+    then = f"--resume continues {others[-1].name}" if others else "--resume starts at step 0 (no other checkpoint)"
+    return f"the checkpoint is damaged: move {path.name} out of {path.parent} and {then}"
+
+
+def read_trainer_meta(path: Path) -> dict:
+    """Checkpoint `path`'s TRAINER_META, what a resume reads of it checked (ModelFileError naming
+    the file when it is damaged)."""
+    fix = damaged_checkpoint_fix(path)
+    file = path / TRAINER_META
+    if not file.is_file():
+        raise ModelFileError(f"{path} has no {TRAINER_META}", fix)
+    meta = read_json_object(file, fix)
+    layout = meta.get("layout")
+    sizes_ok = isinstance(layout, dict) and all(type(layout.get(k)) is int for k in ("tp", "pp", "world"))
+    if type(meta.get("step")) is not int or meta["step"] < 0 or not sizes_ok \
+            or not isinstance(meta.get("config"), dict) or not isinstance(meta.get("loader"), dict):
+        raise ModelFileError(f"{file}: not a vlmpack checkpoint's record (its step, layout, config and loader state)",
+                             fix)
+    return meta
 
 
 def check_resume_settings(config, meta: dict, path: Path) -> None:
@@ -719,14 +746,14 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
         if info.is_main:
             print(f"--resume: no checkpoint under {Path(out) / CHECKPOINTS}; starting from step 0", flush=True)
         return 0
-    meta = json.loads((path / "trainer.json").read_text())
+    meta = read_trainer_meta(path)
     layout = meta["layout"]
     if (layout["tp"], layout["pp"], layout.get("ep", 1), layout["world"]) != (info.tp, info.pp, info.ep, info.world):
         raise ConfigError(f"{path} was written with tp={layout['tp']} pp={layout['pp']} ep={layout.get('ep', 1)} on "
                           f"{layout['world']} ranks; "
                           f"resume with the same layout, or start a new run from its weights with --init {path / 'model'}")
     _load_run_weights(model, path, info, meta["config"])
-    rank_state = torch.load(path / f"rank_{info.rank:05d}.pt", map_location="cpu", weights_only=False)
+    rank_state = _load_rank_state(path, info.rank)
     optimizer.load_state_dict(rank_state["optimizer"])
     if _uses_distributed_optimizer(optimizer):
         _load_parameter_state(optimizer, str(path / parameter_state_file(info)))
@@ -743,6 +770,25 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
     return int(meta["step"])
 
 
+def _load_rank_state(path: Path, rank: int) -> dict:
+    """Rank `rank`'s file of checkpoint `path` (ModelFileError naming it when it is missing or damaged)."""
+    file = path / f"rank_{rank:05d}.pt"
+    if not file.is_file():
+        raise ModelFileError(f"{path} has no {file.name}", damaged_checkpoint_fix(path))
+    if not zipfile.is_zipfile(file):  # torch.save writes a zip archive; other bytes would go to pickle as they are
+        raise ModelFileError(f"{file}: not a readable checkpoint file (no zip archive: damaged or cut short)",
+                             damaged_checkpoint_fix(path))
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # torch's zip reader on damaged members
+        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelFileError(f"{file}: not a readable checkpoint file ({message})", damaged_checkpoint_fix(path)) \
+            from None
+    if not isinstance(state, dict):
+        raise ModelFileError(f"{file}: not a vlmpack checkpoint's rank state", damaged_checkpoint_fix(path))
+    return state
+
+
 def _load_run_weights(model, path: Path, info, saved_config: dict) -> None:
     """The trained weights of checkpoint `path` into `model`: the whole model, or a LoRA run's
     adapters (the base is the run's own, loaded already: it must be the one the adapters were
@@ -753,7 +799,10 @@ def _load_run_weights(model, path: Path, info, saved_config: dict) -> None:
         if adapter_dir.is_dir():
             raise ConfigError(f"{path} holds LoRA adapters, not a model: resume with its LoRA settings "
                               f"(--lora-rank {saved_config.get('lora_rank')} ...)")
-        load_model_weights(model, path / "model", read_model_arch(path / "model"), info)
+        try:
+            load_model_weights(model, path / "model", read_model_arch(path / "model"), info)
+        except ModelFileError as exc:  # a file of the checkpoint's model/: the checkpoint before it is the way on
+            raise ModelFileError(exc.problem, damaged_checkpoint_fix(path)) from None
         return
     if not adapter_dir.is_dir():
         raise ConfigError(f"{path} holds a full fine-tuning run's model, not LoRA adapters: resume it without "
@@ -765,7 +814,8 @@ def _load_run_weights(model, path: Path, info, saved_config: dict) -> None:
     if meta["base"] != adapters.base:
         raise ConfigError(f"{path}'s adapters were trained on {meta['base']}, this run's model is {adapters.base}: "
                           "resume with the same --hf-model / --init / --arch and --seed")
-    adapters.load_state_dict(fmt.load_tensors(adapter_dir / adapter_format.adapter_file(info.tp_rank, info.pp_rank)))
+    adapters.load_state_dict(fmt.load_tensors(adapter_dir / adapter_format.adapter_file(info.tp_rank, info.pp_rank),
+                                              damaged_checkpoint_fix(path)))
 
 
 def export_hf_from_run(out: Path, step: int, hf_out: str, info) -> None:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -53,7 +54,7 @@ from shards_schema.builtin import (
     read_hf_chat_template,
 )
 from train.model import families
-from train.model.arch import LMArch, ModelArch, arch_dict
+from train.model.arch import LMArch, ModelArch, ModelFileError, arch_dict, read_json_object
 from train.model.vision import VisionArch
 
 FORMAT_NAME = "vlmpack-megatron-model"
@@ -82,6 +83,13 @@ class CheckpointError(ValueError):
     """A model directory or a state dict does not match what the architecture implies."""
 
 
+# What to do about a damaged file of each kind of directory.
+MODEL_DIR_FIX = ("write the model directory again (`vlmpack import-hf`), or use another checkpoint's model/ "
+                 "directory")
+HF_DIR_FIX = "copy or download the Hugging Face checkpoint again"
+FILE_FIX = "replace it with an intact copy (run again the command that wrote it, or use another checkpoint)"
+
+
 def rank_file(tp_rank: int, pp_rank: int) -> str:
     """The file of one TP rank's stage model (without its experts when ep > 1)."""
     return f"model_tp{tp_rank}_pp{pp_rank}.safetensors"
@@ -108,20 +116,27 @@ def write_meta(directory: Path, arch: ModelArch, tp: int, pp: int, dtype: str, e
 
 
 def read_meta(directory: str | Path) -> dict:
+    """META_FILE of a model directory, its format, architecture and layout checked."""
     path = Path(directory) / META_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a vlmpack model directory (no {META_FILE}); "
                               "make one from a Hugging Face checkpoint with `vlmpack import-hf`")
-    meta = json.loads(path.read_text())
+    meta = read_json_object(path, MODEL_DIR_FIX)
     if meta.get("format") != FORMAT_NAME or meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}; "
                               f"this vlmpack reads {FORMAT_NAME!r} versions "
                               f"{', '.join(map(str, READABLE_VERSIONS))}")
+    for key in ("tp", "pp", "ep"):
+        value = meta.get(key, 1 if key == "ep" else None)
+        if type(value) is not int or value < 1:
+            raise ModelFileError(f"{path}: {key} {value!r} is not a parallel size (an integer >= 1)", MODEL_DIR_FIX)
+    if not isinstance(meta.get("arch"), dict):
+        raise ModelFileError(f"{path}: no architecture (arch)", MODEL_DIR_FIX)
     return meta
 
 
-def arch_from_dict(d: dict) -> ModelArch:
-    """Inverse of `arch_dict` (JSON turned the tuples into lists)."""
+def arch_from_dict(d: dict, source: str | Path = META_FILE) -> ModelArch:
+    """Inverse of `arch_dict` (JSON turned the tuples into lists); `source`: the file it was read from."""
     def fields(sub: dict) -> dict:
         return {k: tuple(v) if isinstance(v, list) else v for k, v in sub.items()}
     try:
@@ -129,12 +144,12 @@ def arch_from_dict(d: dict) -> ModelArch:
         return ModelArch(family=d["family"], lm=LMArch(**fields(d["lm"])), vision=VisionArch(**fields(d["vision"])),
                          image_token_id=d["image_token_id"],
                          **({"video_token_id": d["video_token_id"]} if "video_token_id" in d else {}))
-    except (KeyError, TypeError) as exc:
-        raise CheckpointError(f"{META_FILE}: the architecture does not match this vlmpack version ({exc})") from exc
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{source}: the architecture does not match this vlmpack version ({exc})") from exc
 
 
 def read_arch(directory: str | Path) -> ModelArch:
-    return arch_from_dict(read_meta(directory)["arch"])
+    return arch_from_dict(read_meta(directory)["arch"], Path(directory) / META_FILE)
 
 
 def arch_differences(a: ModelArch, b: ModelArch) -> list[str]:
@@ -193,10 +208,19 @@ def save_tensors(path: Path, state: dict[str, torch.Tensor]) -> None:
     save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path, fix: str = FILE_FIX) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file; `fix`: what to do when it is missing or damaged."""
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the model directory is incomplete")
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except SafetensorError as exc:
+        raise damaged_weights(path, exc, fix) from None
+
+
+def damaged_weights(path: Path, exc: SafetensorError, fix: str) -> ModelFileError:
+    """The error of a weight file safetensors cannot read (random bytes, cut short)."""
+    return ModelFileError(f"{path}: not a readable safetensors file ({exc}; damaged or cut short)", fix)
 
 
 def copy_hf_side_files(src: str | Path, dst: Path) -> list[str]:
@@ -216,7 +240,15 @@ def hf_weight_files(hf_dir: str | Path) -> list[Path]:
     hf_dir = Path(hf_dir)
     index = hf_dir / HF_INDEX_FILE
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index, HF_DIR_FIX).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelFileError(f"{index}: no weight_map of tensor names to file names", HF_DIR_FIX)
+        names = sorted(set(weight_map.values()))
+        missing = [name for name in names if not (hf_dir / name).is_file()]
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise ModelFileError(f"{index} names weight files that {hf_dir} lacks ({shown})",
+                                 f"copy them into it, or {HF_DIR_FIX}")
         return [hf_dir / name for name in names]
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
@@ -268,16 +300,23 @@ def lazy_hf_state(hf_dir: str | Path) -> dict[str, LazyTensor]:
     return state
 
 
-def lazy_file_tensors(path: Path) -> dict[str, LazyTensor]:
-    """Every tensor of one safetensors file, read on `load()`."""
+def lazy_file_tensors(path: Path, fix: str = HF_DIR_FIX) -> dict[str, LazyTensor]:
+    """Every tensor of one safetensors file, read on `load()`; `fix`: what to do when it is damaged."""
     from safetensors import safe_open
 
     state: dict[str, LazyTensor] = {}
-    with safe_open(str(path), framework="pt") as f:
+    try:
+        f = safe_open(str(path), framework="pt")
+    except SafetensorError as exc:
+        raise damaged_weights(path, exc, fix) from None
+    with f:
         for key in f.keys():
             info = f.get_slice(key)
-            state[key] = LazyTensor(info.get_shape(), _SAFETENSORS_DTYPES[info.get_dtype()],
-                                    lambda path=path, key=key: _read_one(path, key))
+            dtype = _SAFETENSORS_DTYPES.get(info.get_dtype())
+            if dtype is None:
+                raise ModelFileError(f"{path}: tensor {key} is {info.get_dtype()}, which vlmpack does not read",
+                                     f"save the checkpoint in one of {', '.join(_SAFETENSORS_DTYPES)}")
+            state[key] = LazyTensor(info.get_shape(), dtype, lambda path=path, key=key: _read_one(path, key))
     return state
 
 
@@ -312,12 +351,13 @@ def save_tensors_streaming(path: Path, entries: list[tuple[str, tuple[int, ...],
 
 def read_hf_state(hf_dir: str | Path, progress: bool = False) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
-    for path in tqdm(hf_weight_files(hf_dir), desc="reading weights", unit="file", disable=not progress):
-        part = load_tensors(path)
-        repeated = part.keys() & state.keys()
-        if repeated:
-            raise CheckpointError(f"{path}: tensor {min(repeated)} also appears in another weight file")
-        state.update(part)
+    with tqdm(hf_weight_files(hf_dir), desc="reading weights", unit="file", disable=not progress) as bar:
+        for path in bar:  # the bar is closed before an error's line
+            part = load_tensors(path, HF_DIR_FIX)
+            repeated = part.keys() & state.keys()
+            if repeated:
+                raise CheckpointError(f"{path}: tensor {min(repeated)} also appears in another weight file")
+            state.update(part)
     return state
 
 
@@ -361,12 +401,9 @@ def read_profile(directory: str | Path) -> dict | None:
     path = Path(directory) / PROFILE_FILE
     if not path.is_file():
         return None
-    try:
-        profile = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc}); delete it to export without the training data's "
-                              "chat template and processor settings") from exc
-    if not isinstance(profile, dict) or not isinstance(profile.get("vision"), dict):
+    profile = read_json_object(path, "delete it to export without the training data's chat template and processor "
+                                     "settings")
+    if not isinstance(profile.get("vision"), dict):
         raise CheckpointError(f"{path}: not a preprocessing profile (no vision settings); delete it to export "
                               "without the training data's chat template and processor settings")
     return profile
@@ -527,6 +564,9 @@ def write_side_files(out_dir: Path, family: str, kept: Path | None, chat_templat
     neither gives; `chat_template` (the template's text) over all."""
     hf_dir = kept / HF_SUBDIR if kept is not None else None
     copied = copy_hf_side_files(hf_dir, out_dir) if hf_dir is not None and hf_dir.is_dir() else []
+    for name in copied:  # read below and by transformers: a damaged one is named here, as the file kept
+        if name.endswith(".json"):
+            read_json_object(hf_dir / name, "copy it again from the Hugging Face checkpoint the model came from")
     profile = read_profile(kept) if kept is not None else None
     notes = []
     if not {"tokenizer.json", "vocab.json"} & set(copied):

@@ -292,22 +292,14 @@ class ExportHF:
 
 def _read_chat_template(path: str) -> str:
     """--chat-template FILE's text (UserError naming the file when it cannot be one)."""
-    if Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir():  # a FIFO would block the read
-        raise UserError(f"--chat-template {path} is not a regular file: pass a jinja chat template file")
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"--chat-template {path}: no such file: pass a chat template file "
-                        "(chat_template.jinja)") from None
-    except IsADirectoryError:
-        raise UserError(f"--chat-template {path} is a directory: pass the chat template file in it "
-                        "(chat_template.jinja)") from None
-    except UnicodeDecodeError:
-        raise UserError(f"--chat-template {path} is not UTF-8 text: pass a jinja chat template file") from None
-    except OSError as exc:
-        raise UserError(f"--chat-template {path}: cannot read it ({exc.strerror})") from None
+    from train.config import read_text_file
+
+    what = "a jinja chat template file (chat_template.jinja)"
+    if not Path(path).exists():
+        raise UserError(f"--chat-template {path}: no such file: pass {what}")
+    text = read_text_file(path, "--chat-template", what)
     if not text.strip():
-        raise UserError(f"--chat-template {path} is empty: pass a jinja chat template file")
+        raise UserError(f"--chat-template {path} is empty: pass {what}")
     return text
 
 

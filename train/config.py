@@ -22,11 +22,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shards_schema.errors import UserError
 from shards_schema.flags import add_flags, flag_name, flat_paths, from_flat, nested, parse_bool, setting, to_flat
-from train.model.settings import FP8_RECIPES, ConfigError
+from train.model.settings import ATTENTION_KERNELS, FP8_RECIPES, ConfigError
 
 FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains fully (train.model.lora)
-ATTENTION_KERNELS = ("auto", "fa2", "fa4")  # train.model.attention.select_attention_kernel
 STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
 RECOMPUTE = ("none", "selective", "full", "auto")
 DEVICES = ("cuda", "cpu")
@@ -554,23 +554,60 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, TrainConfig, GROUPS)
 
 
-def load_config_file(path: str | Path) -> dict:
-    if Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir():  # a FIFO would block the read
-        raise ConfigError(f"--config {path} is not a regular file: pass a YAML or JSON file")
+def read_text_file(path: str | Path, flag: str, what: str) -> str:
+    """The text of the file a user named with `flag` (`--config FILE`); UserError naming it and
+    `what` to pass instead when it is a directory, not a regular file (a FIFO or a device would
+    block the read, or never end), unreadable, or not UTF-8."""
+    if Path(path).is_dir():
+        raise UserError(f"{flag} {path} is a directory: pass {what}")
+    if Path(path).exists() and not Path(path).is_file():
+        raise UserError(f"{flag} {path} is not a regular file: pass {what}")
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror}): pass an existing YAML or JSON file") from None
+        return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"--config {path} is not UTF-8 text: pass a YAML or JSON file") from None
+        raise UserError(f"{flag} {path} is not UTF-8 text: pass {what}") from None
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot read it ({exc.strerror}): pass {what}") from None
+
+
+def _refuse_repeated(path, keys: list) -> None:
+    """ConfigError for a setting a --config file gives twice: the same key, or its two spellings
+    (`seq-len` and `seq_len`), of which the parsers would silently keep the last."""
+    seen: dict[str, object] = {}
+    for key in keys:
+        name = str(key).replace("-", "_")
+        if name in seen:
+            spellings = f"as {seen[name]!r} and {key!r}" if seen[name] != key else f"as {key!r} twice"
+            raise ConfigError(f"--config {path}: {name} is given {spellings}: keep one")
+        seen[name] = key
+
+
+def load_config_file(path: str | Path) -> dict:
+    """The settings of a --config file (YAML or JSON), keyed by their underscored names."""
+    text = read_text_file(path, "--config", "a YAML or JSON file")
     if str(path).endswith((".yaml", ".yml")):
         import yaml
 
-        kind, parse, bad_syntax = "YAML", lambda t: yaml.safe_load(t) or {}, yaml.YAMLError
+        class Loader(yaml.SafeLoader):
+            """safe_load, refusing a key given twice in a mapping."""
+
+        def mapping(loader, node):
+            own = [key for key, _ in node.value if key.tag != "tag:yaml.org,2002:merge"]  # `<<:` may be overridden
+            _refuse_repeated(path, [loader.construct_object(key, deep=True) for key in own])
+            return loader.construct_mapping(node, deep=True)
+
+        Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+        kind, parse, bad_syntax = "YAML", lambda t: yaml.load(t, Loader=Loader) or {}, yaml.YAMLError
     else:
-        kind, parse, bad_syntax = "JSON", json.loads, ValueError
+        def mapping(pairs: list) -> dict:
+            _refuse_repeated(path, [key for key, _ in pairs])
+            return dict(pairs)
+
+        kind, parse, bad_syntax = "JSON", lambda t: json.loads(t, object_pairs_hook=mapping), ValueError
     try:
         values = parse(text)
+    except ConfigError:
+        raise
     except bad_syntax as exc:
         raise ConfigError(f"--config {path}: not valid {kind} ({str(exc).splitlines()[0]}): fix the file") from None
     if not isinstance(values, dict):

@@ -45,6 +45,7 @@ from train.checkpoint_format import (
     HF_SIDE_FILES,
     HF_SUBDIR,
     META_FILE,
+    MODEL_DIR_FIX,
     CheckpointError,
     LazyTensor,
     SideFiles,
@@ -614,15 +615,15 @@ def _read_rank_states(directory: str | Path, meta: dict, keys: list[tuple[int, .
     """{key: stage state dict} of ranks `keys`, each file read once (under --ep the ranks of a
     stage share the tensors of their TP rank's file)."""
     names = sorted({name for key in keys for name in _rank_files(meta, key)})
-    files = {name: load_tensors(Path(directory) / name)
-             for name in tqdm(names, desc="reading shards", unit="file", disable=not progress)}
+    with tqdm(names, desc="reading shards", unit="file", disable=not progress) as bar:  # closed before an error's line
+        files = {name: load_tensors(Path(directory) / name, MODEL_DIR_FIX) for name in bar}
     return {key: {k: t for name in _rank_files(meta, key) for k, t in files[name].items()} for key in keys}
 
 
 def load_full_state(directory: str | Path, progress: bool = False) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     """The architecture and full Megatron state dict of a model directory."""
     meta = read_meta(directory)
-    arch, (tp, pp, ep) = arch_from_dict(meta["arch"]), _saved_layout(meta)
+    arch, (tp, pp, ep) = arch_from_dict(meta["arch"], Path(directory) / META_FILE), _saved_layout(meta)
     return arch, unshard(_read_rank_states(directory, meta, rank_keys(tp, pp, ep), progress), arch, tp, pp, ep)
 
 
@@ -632,7 +633,7 @@ def load_model_state(directory: str | Path, arch: ModelArch, tp: int = 1, tp_ran
     saved with another tp / pp / ep (that reads every rank file: the whole model passes through
     memory)."""
     meta = read_meta(directory)
-    differences = arch_differences(arch_from_dict(meta["arch"]), arch)
+    differences = arch_differences(arch_from_dict(meta["arch"], Path(directory) / META_FILE), arch)
     if differences:
         raise CheckpointError(f"{directory} holds another architecture (saved != requested): " + "; ".join(differences))
     _check_rank(tp, tp_rank, pp, pp_rank, ep, ep_rank)
@@ -768,7 +769,7 @@ def read_carried(source: str | Path, arch: ModelArch) -> dict[str, LazyTensor]:
     source = Path(source)
     if (source / META_FILE).is_file():
         path = source / CARRIED_FILE
-        return lazy_file_tensors(path) if path.is_file() else {}
+        return lazy_file_tensors(path, MODEL_DIR_FIX) if path.is_file() else {}
     if not families.of(arch).carried_prefixes or not (source / "config.json").is_file():
         return {}
     return carried_tensors(lazy_hf_state(source), arch)

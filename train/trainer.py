@@ -32,10 +32,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from shards_schema.errors import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_GPU_MEMORY, UserError
 from shards_schema.outdir import exclusive_output_dir
+from shards_schema.storage import is_url
 from train import adapter_format, checkpoint, convert, memory_plan, model_setup
 from train.config import (AdamWConfig, ConfigError, DataConfig, MemoryConfig, ParallelismConfig, ScheduleConfig,
                           TrainConfig)
-from train.data import TrainData
+from train.data import TrainData, check_profiles
 from train.lr_schedule import RunSchedule
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch
@@ -44,6 +45,7 @@ from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import gated_delta_net, lora
 from train.model.moe import load_balancing_loss
 from train.model_setup import resolve_arch
+from train.pack_plan import parse_source, source_manifest
 from train.parallel import ParallelInfo, destroy_parallel, finalize_grads, init_parallel
 from train.preemption import StopRequest
 from train.profiling import Profiling
@@ -228,6 +230,38 @@ def lock_output_dir(stack: ExitStack, out: Path, info: ParallelInfo) -> None:
         raise UserError(message[0])
 
 
+def check_device(config: ParallelismConfig) -> None:
+    """The parallelism section's --device exists on this machine."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available on this machine (torch.cuda.is_available() "
+                          "is false): run with --device cpu, or on a machine with a GPU")
+
+
+def check_data_manifests(config: DataConfig, arch: ModelArch) -> None:
+    """What a run refuses of the data section's local --data / --eval-data sources before it
+    builds anything, found from their manifests alone (`--dry-run`; object-store sources are
+    checked once fetched): a missing directory or one of no shards, shards of another model
+    (`check_profiles`, the run's own check), and a --seq-len that some sample certainly exceeds,
+    which the run refuses when it plans the packs. A manifest records each shard's tokens and
+    rows, not each sample's length: a shard whose samples average more than --seq-len tokens
+    holds one that fits no pack; a longer sample elsewhere is found by the run (or `vlmpack pack`)."""
+    directories = [d for d, _ in map(parse_source, (*config.data, *config.eval_data)) if not is_url(d)]
+    check_profiles(directories, arch)
+    for directory in directories:
+        manifest = source_manifest(directory)
+        for shard in manifest["shards"]:
+            rows, tokens = int(shard.get("rows", 0)), int(shard.get("tokens", 0))
+            mean = -(-tokens // rows) if rows else 0  # rounded up: the longest sample has at least as many
+            if mean > config.seq_len:
+                limit = manifest.get("settings", {}).get("max_seq_len")
+                longer = f"--seq-len >= {limit} (the --max-seq-len it was preprocessed with)" if limit else \
+                    "a longer --seq-len"
+                raise ConfigError(f"{directory}: shard {shard.get('file')} holds {rows} samples of {tokens} tokens, "
+                                  f"{mean} on average, so at least one is longer than --seq-len {config.seq_len} and "
+                                  f"fits no pack: use {longer}, or re-run `vlmpack preprocess` with --max-seq-len <= "
+                                  f"{config.seq_len}")
+
+
 def dry_run(config: TrainConfig) -> tuple[str, bool]:
     """`--dry-run`: the memory plan of this run (`train.memory_plan`) and the smallest layout
     that fits, and whether any layout fits (this run's or one of those searched); nothing is
@@ -236,6 +270,8 @@ def dry_run(config: TrainConfig) -> tuple[str, bool]:
     with inputs_checked():
         arch = resolve_arch(config.model)
     check_layout(arch, config)
+    with inputs_checked():
+        check_data_manifests(config.data, arch)
     share = data_visual_share(config.data, arch)
     resolved, chosen = resolve_recompute(config, arch, cuda=True, visual_share=share)  # the plan is of GPUs
     name = config.model.arch or arch.hf_architecture
@@ -429,6 +465,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig):
         config.validate()
+        check_device(config.parallelism)
         with inputs_checked():
             checkpoint.check_run_directory(config)  # a refused --out is left as it was found
         # Packs differ in length and patch count: expandable segments keep the CUDA caching allocator

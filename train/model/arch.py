@@ -17,6 +17,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from shards_schema.errors import UserError
 from train.model import families
 from train.model.vision import VisionArch
 
@@ -144,12 +145,14 @@ class ModelArch:
         return families.of(self).hf_architecture(self)
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> ModelArch:
+    def from_hf_config(cls, config: dict, source: str = "config.json") -> ModelArch:
+        """The architecture of a Hugging Face config (`source`: the file it was read from, for errors)."""
         model_type = config.get("model_type")
         family = families.by_model_type(model_type) if isinstance(model_type, str) else None
         if family is None:
-            raise ValueError(f"unsupported model_type {model_type!r} in config.json: expected one of "
-                             f"{families.model_types()}")
+            what = f"unsupported model_type {model_type!r} in" if "model_type" in config else "no model_type in"
+            raise ModelFileError(f"{what} {source}", f"vlmpack reads {families.model_types()}; pass a checkpoint of "
+                                 "one of them, with the config.json it was saved with")
         return family.arch_from_hf_config(config)
 
     @classmethod
@@ -157,10 +160,49 @@ class ModelArch:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: --hf-model must be a Hugging Face model directory")
-        return cls.from_hf_config(json.loads(path.read_text()))
+        config = read_json_object(path, HF_CONFIG_FIX)
+        try:
+            return cls.from_hf_config(config, str(path))
+        except KeyError as exc:
+            key = exc.args[0] if exc.args else None
+            sections = (config, config.get("text_config"), config.get("vision_config"))
+            if not isinstance(key, str) or any(isinstance(s, dict) and key in s for s in sections):
+                raise  # not a field the file lacks
+            raise ModelFileError(f"{path} has no {key!r}, which a {config['model_type']} config sets",
+                                 HF_CONFIG_FIX) from None
 
     def to_hf_config(self) -> dict:
         return families.of(self).to_hf_config(self)
+
+
+HF_CONFIG_FIX = "use the config.json the checkpoint was saved with (transformers' save_pretrained writes it)"
+
+
+class ModelFileError(UserError, ValueError):
+    """A file of a model, checkpoint or Hugging Face directory that cannot be read as what it
+    should be (damaged, cut short, of another format): `problem` names the file, `fix` says what
+    to do (a caller that knows the directory better may give another)."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"{problem}: {fix}")
+        self.problem, self.fix = problem, fix
+
+    def __reduce__(self):
+        return type(self), (self.problem, self.fix)
+
+
+def read_json_object(path: str | Path, fix: str) -> dict:
+    """The JSON object a metadata file of a model or checkpoint directory holds; ModelFileError
+    naming the file and `fix` when it is not UTF-8 JSON or holds no object."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of thousands of digits
+        raise ModelFileError(f"{path}: not valid JSON ({exc})", fix) from None
+    except RecursionError:
+        raise ModelFileError(f"{path}: not valid JSON (nested too deeply)", fix) from None
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{path}: a JSON {type(value).__name__}, not an object", fix)
+    return value
 
 
 def lm_from_hf_config(config: dict, moe: bool, *, mrope_section: tuple[int, int, int], rope_theta: float,

@@ -23,7 +23,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from shards_schema.errors import UserError
-from train.config import ATTENTION_KERNELS
+from train.model.settings import ATTENTION_KERNELS
 from train.model.rope import apply_rotary
 
 try:

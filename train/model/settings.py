@@ -7,6 +7,7 @@ from __future__ import annotations
 from shards_schema.errors import UserError
 
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's float8 recipes (train.model.fp8)
+ATTENTION_KERNELS = ("auto", "fa2", "fa4")  # train.model.attention.select_attention_kernel
 
 
 class ConfigError(UserError, ValueError):

@@ -1,0 +1,127 @@
+"""Damaged model files: `vlmpack import-hf`, `vlmpack export-hf` and `vlmpack train --hf-model DIR
+/ --init DIR` exit 2 with one line that names the damaged file and the fix, never a traceback.
+
+Each case is an intact directory (a tiny Hugging Face Qwen3-VL checkpoint, or its `import-hf`
+model directory) with one file replaced (`tests.helpers.damage`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from shards_schema.cli import main as vlmpack
+from tests.helpers.damage import damaged_copy, one_error_line
+from tests.helpers.models import tiny_qwen3_vl
+from tests.helpers.shards import preprocess
+from train import convert
+
+SEQ_LEN = 512
+TRAIN = ["--seq-len", str(SEQ_LEN), "--global-batch-packs", "1", "--num-workers", "0", "--tensorboard", "false",
+         "--train-steps", "1"]
+
+
+def _without(key: str):
+    return lambda raw: json.dumps({k: v for k, v in json.loads(raw).items() if k != key}).encode()
+
+
+def _with(**changes):
+    return lambda raw: json.dumps({**json.loads(raw), **changes}).encode()
+
+
+# case -> (the file replaced, its new bytes from the intact ones, what the one line says after the file's path)
+HF_DAMAGE = {
+    "config_not_json": ("config.json", lambda raw: raw[:40], ": not valid JSON ("),
+    "config_a_list": ("config.json", lambda raw: b"[1, 2]", ": a JSON list, not an object: use the config.json"),
+    "config_without_model_type": ("config.json", _without("model_type"), ": vlmpack reads ["),
+    "config_of_another_model": ("config.json", _with(model_type="llava"), ": vlmpack reads ["),
+    "config_without_vision_config": ("config.json", _without("vision_config"), " has no 'vision_config'"),
+    "weights_random_bytes": ("model.safetensors", lambda raw: os.urandom(4096), ": not a readable safetensors file"),
+    "weights_cut_short": ("model.safetensors", lambda raw: raw[:len(raw) // 2], ": not a readable safetensors file"),
+    "index_not_json": ("model.safetensors.index.json", lambda raw: b'{"weight_map": ', ": not valid JSON ("),
+    "index_names_a_missing_file": ("model.safetensors.index.json",
+                                   lambda raw: json.dumps({"weight_map": {"lm_head.weight": "model-2.safetensors"}}).encode(),
+                                   " names weight files that "),
+}
+MODEL_DAMAGE = {
+    "meta_not_json": ("vlmpack_model.json", lambda raw: raw[:-30], ": not valid JSON ("),
+    "meta_a_list": ("vlmpack_model.json", lambda raw: b"[]", ": a JSON list, not an object: write the model directory"),
+    "meta_without_layout": ("vlmpack_model.json", _without("tp"), ": tp None is not a parallel size"),
+    "meta_not_utf8": ("vlmpack_model.json", lambda raw: b"\xff\xfe" + raw, ": not valid JSON ("),
+    "weights_random_bytes": ("model_tp0_pp0.safetensors", lambda raw: os.urandom(4096),
+                             ": not a readable safetensors file"),
+    "weights_cut_short": ("model_tp0_pp0.safetensors", lambda raw: raw[:len(raw) - 100],
+                          ": not a readable safetensors file"),
+    "kept_hf_file_not_json": ("hf/generation_config.json", lambda raw: raw[:10], ": not valid JSON ("),
+    "profile_a_list": ("profile.json", lambda raw: b"[]", ": a JSON list, not an object: delete it"),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hf") / "qwen3-vl"
+    tiny_qwen3_vl(seed=1).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_checkpoint, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "model"
+    convert.import_hf(hf_checkpoint, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    return preprocess(tmp_path_factory.mktemp("data"), "shards", rows=8, seq_len=SEQ_LEN, size_range=(32, 48))
+
+
+@pytest.mark.parametrize("case", sorted(HF_DAMAGE))
+def test_import_hf_of_a_damaged_checkpoint_exits_2_naming_the_file(hf_checkpoint, tmp_path, capsys, case):
+    name, damage, says = HF_DAMAGE[case]
+    source = damaged_copy(hf_checkpoint, tmp_path / "hf", name, damage)
+    capsys.readouterr()
+    assert vlmpack(["import-hf", str(source), "--out", str(tmp_path / "out")]) == 2
+    line = one_error_line(capsys.readouterr().err, "import-hf")
+    assert f"{source / name}{says}" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_DAMAGE))
+def test_export_hf_of_a_damaged_model_directory_exits_2_naming_the_file(model_dir, tmp_path, capsys, case):
+    name, damage, says = MODEL_DAMAGE[case]
+    source = damaged_copy(model_dir, tmp_path / "model", name, damage)
+    capsys.readouterr()
+    assert vlmpack(["export-hf", str(source), "--out", str(tmp_path / "out")]) == 2
+    line = one_error_line(capsys.readouterr().err, "export-hf")
+    assert f"{source / name}{says}" in line, line
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
+# a config.json, an index or weights damaged (--hf-model), the metadata or the weights of a model directory (--init)
+TRAIN_CASES = [("--hf-model", case) for case in ("config_not_json", "config_a_list", "config_of_another_model",
+                                                 "weights_cut_short", "index_names_a_missing_file")] + \
+              [("--init", case) for case in ("meta_not_json", "meta_a_list", "weights_random_bytes")]
+
+
+@pytest.mark.parametrize("flag, case", TRAIN_CASES, ids=[f"{flag} {case}" for flag, case in TRAIN_CASES])
+def test_train_from_a_damaged_model_exits_2_naming_the_file(hf_checkpoint, model_dir, shards, tmp_path, capsys, flag,
+                                                            case):
+    intact, table = (hf_checkpoint, HF_DAMAGE) if flag == "--hf-model" else (model_dir, MODEL_DAMAGE)
+    name, damage, says = table[case]
+    source = damaged_copy(intact, tmp_path / "source", name, damage)
+    capsys.readouterr()
+    code = vlmpack(["train", *TRAIN, flag, str(source), "--data", str(shards), "--out", str(tmp_path / "run")])
+    line = one_error_line(capsys.readouterr().err, "train")
+    assert code == 2 and f"{source / name}{says}" in line, line
+
+
+def test_the_intact_files_linked_the_same_way_import_and_export(hf_checkpoint, tmp_path):
+    """The cases above differ from these only in the damaged file."""
+    source = damaged_copy(hf_checkpoint, tmp_path / "hf", "unrelated.json", lambda raw: raw)
+    assert vlmpack(["import-hf", str(source), "--out", str(tmp_path / "model")]) == 0
+    model = damaged_copy(tmp_path / "model", tmp_path / "linked", "unrelated.json", lambda raw: raw)
+    assert vlmpack(["export-hf", str(model), "--out", str(tmp_path / "exported")]) == 0

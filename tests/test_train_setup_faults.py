@@ -1,0 +1,120 @@
+"""`vlmpack train` refuses in one line (exit 2) before it builds anything: `--device cuda` where
+no CUDA device is, the data of a `--dry-run` that a run would refuse, a `--config` file that
+gives a setting twice. `--config` and `--chat-template` files are refused alike (one reader)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from shards_schema.cli import main as vlmpack
+from tests.helpers.damage import one_error_line
+from tests.helpers.shards import preprocess
+
+SEQ_LEN = 512
+RUN = ["--global-batch-packs", "1", "--num-workers", "0", "--tensorboard", "false", "--train-steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    return preprocess(tmp_path_factory.mktemp("data"), "shards", rows=8, seq_len=SEQ_LEN, size_range=(32, 48))
+
+
+def train(args: list[str], capsys) -> tuple[int, str]:
+    """`vlmpack train ARGS` in this process: its exit code and its stderr."""
+    capsys.readouterr()
+    code = vlmpack(["train", *args])
+    return code, capsys.readouterr().err
+
+
+def test_device_cuda_without_a_cuda_device_exits_2_saying_to_run_on_cpu(shards, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, err = train(["--arch", "tiny", "--seq-len", str(SEQ_LEN), *RUN, "--device", "cuda", "--data", str(shards),
+                       "--out", str(tmp_path / "run")], capsys)
+    line = one_error_line(err, "train")
+    assert code == 2 and "--device cuda: no CUDA device is available" in line and "run with --device cpu" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+# a --dry-run's data that a run refuses before it builds the model ({shards}: intact shards of
+# the tiny Qwen3-VL, {missing}: no such directory), and what the one line says
+DRY_RUN_DATA = {
+    "a missing directory": (["--arch", "tiny", "--data", "{missing}"], "{missing}: no such directory"),
+    "a missing eval directory": (["--arch", "tiny", "--data", "{shards}", "--eval-data", "{missing}", "--eval-every",
+                                  "1"], "{missing}: no such directory"),
+    "shards of another model family": (["--arch", "tiny-qwen2.5", "--data", "{shards}"],
+                                       "{shards}: shards were preprocessed for another model: family 'qwen3-vl' "
+                                       "(model: 'qwen2.5-vl')"),
+}
+
+
+@pytest.mark.parametrize("case", list(DRY_RUN_DATA))
+def test_dry_run_refuses_the_data_a_run_refuses_with_the_same_line(shards, tmp_path, capsys, case):
+    extra, says = DRY_RUN_DATA[case]
+    paths = {"shards": str(shards), "missing": str(tmp_path / "missing")}
+    extra = [arg.format(**paths) for arg in extra]
+    dry_code, dry_err = train(["--dry-run", "--seq-len", str(SEQ_LEN), *extra], capsys)
+    run_code, run_err = train(["--seq-len", str(SEQ_LEN), *RUN, *extra, "--out", str(tmp_path / "run")], capsys)
+    dry_line, run_line = one_error_line(dry_err, "train"), one_error_line(run_err, "train")
+    assert dry_code == run_code == 2 and dry_line == run_line, (dry_line, run_line)
+    assert says.format(**paths) in dry_line, dry_line
+
+
+def test_dry_run_refuses_a_seq_len_that_a_sample_of_the_data_certainly_exceeds(shards, capsys, tmp_path):
+    """A shard whose samples average more tokens than --seq-len holds one that fits no pack: the
+    run refuses it (when it plans the packs), and so does --dry-run, from the manifest alone."""
+    manifest = json.loads((shards / "manifest.json").read_text())
+    shard = max(manifest["shards"], key=lambda s: s["tokens"] / s["rows"])
+    short = math.ceil(shard["tokens"] / shard["rows"]) - 1
+    code, err = train(["--dry-run", "--arch", "tiny", "--seq-len", str(short), "--data", str(shards)], capsys)
+    line = one_error_line(err, "train")
+    assert code == 2 and (f"shard {shard['file']} holds {shard['rows']} samples of {shard['tokens']} tokens, "
+                          f"{short + 1} on average, so at least one is longer than --seq-len {short}") in line, line
+    assert f"use --seq-len >= {SEQ_LEN} (the --max-seq-len it was preprocessed with)" in line, line
+    code, err = train(["--arch", "tiny", "--seq-len", str(short), *RUN, "--data", str(shards), "--out",
+                       str(tmp_path / "run")], capsys)
+    assert code == 2 and f"longer than seq_len {short}" in one_error_line(err, "train")
+    # the data's own length, and no data at all, plan as before
+    assert train(["--dry-run", "--arch", "tiny", "--seq-len", str(SEQ_LEN), "--data", str(shards)], capsys)[0] == 0
+    assert train(["--dry-run", "--arch", "tiny", "--seq-len", str(short)], capsys)[0] == 0
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("run.yaml", "seq-len: 512\nlr: 1.0e-4\nseq_len: 1024\n", "seq_len is given as 'seq-len' and 'seq_len': keep one"),
+    ("run.json", '{"seq_len": 512, "seq-len": 1024}', "seq_len is given as 'seq_len' and 'seq-len': keep one"),
+    ("run.yaml", "lr: 1.0e-4\nlr: 2.0e-4\n", "lr is given as 'lr' twice: keep one"),
+    ("run.json", '{"lr": 1e-4, "lr": 2e-4}', "lr is given as 'lr' twice: keep one"),
+], ids=["YAML two spellings", "JSON two spellings", "YAML one key twice", "JSON one key twice"])
+def test_a_config_file_giving_a_setting_twice_exits_2_naming_both(shards, tmp_path, capsys, name, text, says):
+    (tmp_path / name).write_text(text)
+    code, err = train(["--config", str(tmp_path / name), "--arch", "tiny", *RUN, "--data", str(shards), "--out",
+                       str(tmp_path / "run")], capsys)
+    line = one_error_line(err, "train")
+    assert code == 2 and f"--config {tmp_path / name}: {says}" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_and_chat_template_files_are_refused_alike(tmp_path, capsys):
+    """A directory, a FIFO (reading it would block) and a file that is not UTF-8, named as a
+    --config or a --chat-template: the same line, but for the flag and what to pass instead."""
+    (tmp_path / "directory").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "binary").write_bytes(b"lr: \xff\xfe\n")
+    for name in ("directory", "fifo", "binary"):
+        path = tmp_path / name
+        config_code, config_err = train(["--config", str(path), "--arch", "tiny", "--data", "d"], capsys)
+        capsys.readouterr()
+        template_code = vlmpack(["export-hf", str(tmp_path / "model"), "--out", str(tmp_path / "out"),
+                                 "--chat-template", str(path)])
+        config_line = one_error_line(config_err, "train").removeprefix("vlmpack train: error: ")
+        template_line = one_error_line(capsys.readouterr().err, "export-hf").removeprefix("vlmpack export-hf: error: ")
+        assert config_code == template_code == 2
+        assert config_line.startswith(f"--config {path} ") and template_line.startswith(f"--chat-template {path} ")
+        assert config_line.split(": pass ")[0].removeprefix("--config") == \
+            template_line.split(": pass ")[0].removeprefix("--chat-template"), (config_line, template_line)
+        assert config_line.endswith(": pass a YAML or JSON file"), config_line
