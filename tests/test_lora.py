@@ -12,6 +12,7 @@ the uninterrupted one bitwise, the exported PEFT directory loads in `peft` with 
 from __future__ import annotations
 
 import json
+import shutil
 import os
 from pathlib import Path
 
@@ -435,10 +436,15 @@ def test_init_lora_starts_from_a_peft_adapter(shards, hf_base, tmp_path, capsys)
     (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
     (["--lora-rank", "4", "--lora-dora", "--lora-dropout", "0.1"], "--lora-dora with --lora-dropout 0.1"),
     (["--lora-rank", "4", "--init-lora", "{empty}"], "no adapter_config.json"),
+    (["--lora-rank", "4", "--init-lora", "{not_json}"], "not_json/adapter_config.json: not valid JSON"),
+    (["--lora-rank", "4", "--init-lora", "{a_list}"], "a_list/adapter_config.json: a JSON list, not an object"),
 ])
 def test_bad_lora_settings_exit_2_with_one_line(shards, tmp_path, capsys, extra, message):
     (tmp_path / "empty").mkdir()
-    extra = [a.format(empty=tmp_path / "empty") for a in extra]
+    for name, text in (("not_json", "{"), ("a_list", "[]")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(text)
+    extra = [a.format(**{name: tmp_path / name for name in ("empty", "not_json", "a_list")}) for a in extra]
     code = vlmpack(["train", *BASE, "--data", str(shards), "--out", str(tmp_path / "out"), "--train-steps", "2", *extra])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -451,6 +457,17 @@ def test_moe_gate_up_down_targets_are_refused_naming_the_experts(shards, tmp_pat
                     str(tmp_path / "out"), "--train-steps", "2", "--lora-rank", "4", "--lora-targets", "q_proj,gate_proj"])
     err = capsys.readouterr().err
     assert code == 2 and "Mixture-of-Experts" in err and "experts are stacked tensors" in err, err
+
+
+def test_export_of_a_lora_checkpoint_whose_lora_json_is_damaged_exits_2_naming_it(lora_run, tmp_path, capsys):
+    out, _ = lora_run
+    step = tmp_path / "step"
+    shutil.copytree(out / "checkpoints" / "step_00000004", step)
+    (step / "adapter" / "lora.json").write_text("{")
+    capsys.readouterr()
+    assert vlmpack(["export-hf", str(step), "--lora-format", "peft", "--out", str(tmp_path / "peft")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{step / 'adapter' / 'lora.json'}: not valid JSON" in err, err
 
 
 def test_export_flags_need_a_lora_checkpoint(lora_run, tmp_path, capsys):

@@ -26,7 +26,7 @@ import torch
 
 from train.checkpoint_format import CheckpointError, arch_from_dict, load_tensors, save_tensors
 from train.model import lora
-from train.model.arch import ModelArch, arch_dict
+from train.model.arch import ModelArch, arch_dict, read_json_object
 
 ADAPTER_SUBDIR = "adapter"
 LORA_META = "lora.json"
@@ -55,7 +55,8 @@ def find_adapter_dir(path: str | Path) -> Path | None:
 
 
 def read_lora_meta(directory: str | Path) -> tuple[dict, lora.LoraSpec, ModelArch]:
-    meta = json.loads((Path(directory) / LORA_META).read_text())
+    meta = read_json_object(Path(directory) / LORA_META, "the adapter directory is damaged: use another "
+                            "checkpoint's adapters")
     if meta.get("format") != LORA_FORMAT or meta.get("format_version") != LORA_FORMAT_VERSION:
         raise CheckpointError(f"{directory}/{LORA_META}: not a {LORA_FORMAT} v{LORA_FORMAT_VERSION} file")
     return meta, lora.LoraSpec.from_dict(meta["lora"]), arch_from_dict(meta["arch"])
@@ -123,7 +124,8 @@ def check_peft_config(directory: str | Path, spec: lora.LoraSpec) -> dict:
     if not config_path.is_file():
         raise CheckpointError(f"--init-lora {directory}: no {PEFT_CONFIG}; pass a directory written by PEFT's "
                               f"save_pretrained or `vlmpack export-hf --lora-format peft`")
-    config = json.loads(config_path.read_text())
+    config = read_json_object(config_path, "pass a directory written by PEFT's save_pretrained or `vlmpack "
+                                           "export-hf --lora-format peft`")
     if config.get("peft_type") != "LORA":
         raise CheckpointError(f"--init-lora {directory}: peft_type {config.get('peft_type')!r}, only LORA adapters load")
     for key, ours, flag in (("r", spec.rank, "--lora-rank"), ("lora_alpha", spec.alpha, "--lora-alpha")):
