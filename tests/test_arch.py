@@ -8,9 +8,12 @@ published size. Configs we cannot build are refused by name.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from shards_schema.errors import UserError
 from train import convert
 from train.model import families
 from train.model.arch import BUILTIN_ARCHS, ModelArch
@@ -74,3 +77,27 @@ def test_transformers_saved_moe_config_reads_num_local_experts():
     config = BUILTIN_ARCHS["tiny-moe"].to_hf_config()
     config["text_config"]["num_local_experts"] = config["text_config"].pop("num_experts")
     assert ModelArch.from_hf_config(config) == BUILTIN_ARCHS["tiny-moe"]
+
+
+def test_every_builtin_config_json_passes_the_field_checks(tmp_path):
+    for name, arch in BUILTIN_ARCHS.items():
+        (tmp_path / "config.json").write_text(json.dumps(arch.to_hf_config()))
+        assert ModelArch.from_hf_dir(tmp_path) == arch, name
+
+
+@pytest.mark.parametrize("section, key, value, says", [
+    ("text_config", "hidden_size", "64", "the language model's hidden_size must be an integer >= 1, got '64'"),
+    ("text_config", "num_hidden_layers", None, "the language model's num_hidden_layers must be an integer >= 1"),
+    ("text_config", "num_attention_heads", 0, "the language model's num_attention_heads must be an integer >= 1"),
+    ("text_config", "vocab_size", -5, "vocab_size must be an integer >= 1, got -5"),
+    ("text_config", "rms_norm_eps", float("nan"), "rms_norm_eps must be a finite number above 0, got nan"),
+    ("vision_config", "depth", 1.5, "the vision tower's depth must be an integer >= 1, got 1.5"),
+])
+def test_a_config_json_number_of_the_wrong_kind_is_refused_naming_the_file_and_field(tmp_path, section, key, value,
+                                                                                  says):
+    config = BUILTIN_ARCHS["tiny"].to_hf_config()
+    config[section][key] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as err:
+        ModelArch.from_hf_dir(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / 'config.json'}: ") and says in str(err.value), str(err.value)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,7 +163,7 @@ class ModelArch:
             raise FileNotFoundError(f"{path} not found: --hf-model must be a Hugging Face model directory")
         config = read_json_object(path, HF_CONFIG_FIX)
         try:
-            return cls.from_hf_config(config, str(path))
+            arch = cls.from_hf_config(config, str(path))
         except KeyError as exc:
             key = exc.args[0] if exc.args else None
             sections = (config, config.get("text_config"), config.get("vision_config"))
@@ -170,6 +171,8 @@ class ModelArch:
                 raise  # not a field the file lacks
             raise ModelFileError(f"{path} has no {key!r}, which a {config['model_type']} config sets",
                                  HF_CONFIG_FIX) from None
+        check_field_kinds(arch, path)
+        return arch
 
     def to_hf_config(self) -> dict:
         return families.of(self).to_hf_config(self)
@@ -203,6 +206,43 @@ def read_json_object(path: str | Path, fix: str) -> dict:
     if not isinstance(value, dict):
         raise ModelFileError(f"{path}: a JSON {type(value).__name__}, not an object", fix)
     return value
+
+
+# Fields a model needs at least one of; every other integer may be 0 (no experts, no Gated DeltaNet,
+# no dense MLP in a Mixture-of-Experts model)
+POSITIVE_FIELDS = frozenset({"vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                             "depth", "out_hidden_size", "patch_size", "temporal_patch_size",
+                             "in_channels", "spatial_merge_size", "rms_norm_eps", "rope_theta"})
+# the config.json names of the fields whose vlmpack names differ
+HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                  "num_kv_heads": "num_key_value_heads"}
+
+
+def check_field_kinds(arch: ModelArch, source: str | Path) -> None:
+    """Every number of `arch` read from `source` (a config.json) of the kind and sign its model
+    needs, so that a damaged value ("64", null, -1) is refused naming its field, not met as a
+    traceback where the model is built."""
+    for part, section in ((arch.lm, "the language model's"), (arch.vision, "the vision tower's")):
+        for field in dataclasses.fields(part):
+            value, kind = getattr(part, field.name), str(field.type)
+            name = HF_FIELD_NAMES.get(field.name, field.name) if part is arch.lm else field.name
+            low = 1 if field.name in POSITIVE_FIELDS else 0
+            if kind == "int":
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+                want = f"an integer >= {low}"
+            elif kind == "float":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+                    (value > 0 if low else value >= 0)
+                want = "a finite number " + ("above 0" if low else ">= 0")
+            elif kind.startswith("tuple[int"):
+                ok = isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                      for v in value)
+                want = "a list of integers >= 0"
+            else:
+                continue
+            if not ok:
+                shown = repr(list(value) if isinstance(value, tuple) else value)
+                raise ModelFileError(f"{source}: {section} {name} must be {want}, got {shown[:60]}", HF_CONFIG_FIX)
 
 
 def lm_from_hf_config(config: dict, moe: bool, *, mrope_section: tuple[int, int, int], rope_theta: float,
