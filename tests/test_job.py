@@ -529,7 +529,7 @@ def _quickstart_dir(d: Path) -> None:
 REFUSED_OUTPUT_DIRS = {
     "preprocess into other files": (_other_files, ["preprocess", "{data}", "--out", "{D}"], "holds no resumable job", False),
     "preprocess into another job's directory": (
-        _job_dir, ["preprocess", "{data}", "--out", "{D}", "--max-seq-len", "999"], "holds output of a different job (differs in: settings)", False),
+        _job_dir, ["preprocess", "{data}", "--out", "{D}", "--max-seq-len", "999"], "holds output of a different job (differs in: settings; --max-seq-len: ", False),
     "preprocess into a held directory": (
         _job_dir, ["preprocess", "{data}", "--out", "{D}", "--rows-per-shard", "8"], "is in use by another job", True),
     "preprocess with a bad count into a job's directory": (
