@@ -162,20 +162,51 @@ def partitions(data, tmp_path_factory) -> list[Path]:
     return dirs
 
 
+_MERGE_STOPPING_AFTER_UNITS = """
+import os, runpy, signal, sys
+import preprocess.job.merge as merge
+after, write = int(sys.argv.pop(1)), merge.write_json_atomic
+def write_then_stop(path, obj):
+    write(path, obj)
+    if path.name == "job.json" and after == 0 or path.name == f"unit-{after - 1:06d}.json":
+        os.kill(os.getpid(), signal.SIGSTOP)
+merge.write_json_atomic = write_then_stop
+runpy.run_module("shards_schema.cli", run_name="__main__")
+"""
+
+
+def _stopped(pid: int) -> bool:
+    state = Path(f"/proc/{pid}/stat").read_text()
+    return state[state.rindex(")") + 2] in "Tt"
+
+
 def test_merge_killed_at_random_moments_then_rerun_is_byte_identical(partitions, data, tmp_path):
+    """A merge of hard links runs faster than a poll can catch it, so the job stops itself
+    (SIGSTOP) right after its `after`-th unit commit; it is killed there, or let go on for a
+    random moment first (then it may tear a write, or finish)."""
     merge_partitions([str(p) for p in partitions], str(tmp_path / "uninterrupted"))
     expected = _outputs(tmp_path / "uninterrupted")
     _run_inprocess(data, tmp_path / "one_job", rows_per_shard=1)
     assert {k: v for k, v in expected.items() if not k.startswith("_parts/")} == {
         k: v for k, v in _outputs(tmp_path / "one_job").items() if not k.startswith("_parts/")}
+    units = sum(1 for name in expected if name.startswith("_parts/unit-"))
     interrupted = 0
-    for seed in range(4):
-        out = tmp_path / f"merged{seed}"
-        interrupted += _kill_at_a_random_moment(_cli_cmd("merge", *partitions, "--out", out), out, random.Random(seed),
-                                                units=10, jitter=0.002)
+    for seed in range(6):
+        rng, out = random.Random(seed), tmp_path / f"merged{seed}"
+        proc = subprocess.Popen([sys.executable, "-c", _MERGE_STOPPING_AFTER_UNITS, str(rng.randrange(units)), "merge",
+                                 *map(str, partitions), "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _wait_for(lambda: proc.poll() is not None or _stopped(proc.pid), what="the merge to stop itself")
+        assert proc.poll() is None, proc.stderr.read()
+        if seed % 2:
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(rng.uniform(0.0, 0.002))
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+        interrupted += not (out / "manifest.json").exists()
         merge_partitions([str(p) for p in partitions], str(out))
         assert _outputs(out) == expected, seed
-    assert interrupted >= 2, "the kills all came too late to interrupt anything"
+    assert interrupted >= 3, "a merge killed while stopped was not interrupted"
 
 
 # ---------------------------------------------------------------- two jobs, one directory
