@@ -79,7 +79,7 @@ from synthetic_shards import SyntheticSpec, write_synthetic_shards
 
 from shards_schema import open_shards, verify_shards
 from shards_schema.flags import parse_bool
-from train.config import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE, STATE_DTYPES
+from train.config import ATTENTION_KERNELS, FP8_RECIPES, LOSS_PATHS, RECOMPUTE, STATE_DTYPES
 from train.metrics import lm_flops_per_token, peak_tflops
 from train.model.arch import builtin_arch
 from train.model.attention import resolve_attention_kernel
@@ -116,6 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--attention", default="fa2", choices=ATTENTION_KERNELS,
                     help="CUDA attention kernel of both sides (the trainer's flag; auto: fa4 where it runs, else "
                          "fa2, resolved once and recorded; default fa2)")
+    ap.add_argument("--loss", default="chunked", choices=LOSS_PATHS, help="trainer's --loss path (default chunked)")
     ap.add_argument("--fp8", default=None, choices=FP8_RECIPES, help="trainer's --fp8 recipe (default: bf16 GEMMs)")
     ap.add_argument("--pad-packs", type=parse_bool, default=None,
                     help="trainer's --pad-packs: pad every pack to --seq-len rows (true/false; default: the "
@@ -617,7 +618,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         recompute_vision=args.recompute_vision, device=args.device, num_workers=args.num_workers, tensorboard=False,
         save_every=0, save_final=args.keep_checkpoint, seed=args.seed, log_every=1, attention=args.attention, grad_dtype=args.grad_dtype,
         adam_state_dtype=args.adam_state_dtype, master_weights=args.master_weights, lora_rank=args.lora_rank,
-        compile_decoder=args.compile_decoder,
+        compile_decoder=args.compile_decoder, loss=args.loss,
         fp8=args.fp8, pad_packs=args.pad_packs,
         # the last unmeasured step: profiling overhead stays out of the figures
         profile_start=args.warmup if args.profile and device.type == "cuda" else 0))

@@ -138,7 +138,7 @@ def test_mixture_of_experts_layers_stay_eager(info):
 def test_token_loss_is_cross_entropy_eager_and_compiled(seed):
     """`token_loss` (the TP = 1 loss `compile_model` compiles) is torch's cross-entropy of each
     row, value and gradient, on bf16 logits of random rows, vocabulary and targets."""
-    from train.model.qwen_vl import token_loss
+    from train.model.loss import token_loss
 
     g = torch.Generator().manual_seed(seed)
     rows, vocab = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(2, 3000, (1,), generator=g))

@@ -296,6 +296,17 @@ def test_tensor_parallel_matches_single_process(shards, full_run, tmp_path, sequ
                                    rtol=2e-5, err_msg=key)
 
 
+def test_fused_loss_trains_as_the_chunked_loss(shards, full_run, tmp_path):
+    """`--loss fused`: the output layer's gradients made in the forward, the weight's added
+    into megatron's gradient buffer there (the tiny model ties it to the embedding, whose own
+    gradient arrives in the backward): the losses and gradient norms of the chunked run."""
+    out = tmp_path / "fused"
+    ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3", "--loss", "fused"]))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([m[key] for m in metrics(out)], [m[key] for m in metrics(full_run)][:3],
+                                   rtol=2e-5, err_msg=key)
+
+
 @pytest.mark.parametrize("flags, padded", [([], False), (["--fp8", "rowwise"], True), (["--pad-packs"], True),
                                             (["--fp8", "rowwise", "--pad-packs", "false"], False)])
 def test_packs_are_padded_to_seq_len_with_fp8_or_pad_packs(shards, tmp_path, flags, padded):
@@ -346,6 +357,8 @@ def test_packs_split_over_tensor_parallel_ranks_get_a_padding_segment(shards):
     (["--recompute-layers", "4"], "--recompute-layers 4 needs --recompute full"),
     (["--adam-state-dtype", "fp16"], "--adam-state-dtype 'fp16': choose from ['fp32', 'bf16']"),
     (["--pp", "3", "--pad-packs", "false"], "--pad-packs false with --pp 3: the pipeline schedule sends packs"),
+    (["--loss", "fused", "--tp", "2"], "--loss fused makes the loss over the whole vocabulary on one GPU; with --tp 2"),
+    (["--loss", "liger"], "--loss 'liger': choose from ['chunked', 'fused']"),
 ])
 def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message):
     proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2", *extra])

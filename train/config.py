@@ -24,7 +24,7 @@ from pathlib import Path
 
 from shards_schema.errors import UserError
 from shards_schema.flags import add_flags, flag_name, flat_paths, from_flat, nested, parse_bool, setting, to_flat
-from train.model.settings import ATTENTION_KERNELS, FP8_RECIPES, ConfigError
+from train.model.settings import ATTENTION_KERNELS, FP8_RECIPES, LOSS_PATHS, ConfigError
 
 FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains fully (train.model.lora)
 STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
@@ -206,6 +206,9 @@ class ModelConfig:
     freeze: list[str] = _list("model", f"parts not trained: {', '.join(FREEZABLE)} (repeatable or comma-separated)")
     attention: str = _text("auto", "model", "CUDA attention kernel: fa2 (torch's own), fa4 (flash-attn-4, "
                                             "Hopper/Blackwell) or auto (default): fa4 where it runs, else fa2")
+    loss: str = _text("chunked", "model", "how the output layer's loss is made: chunked (default; each chunk of logits "
+                                          "made again in the backward) or fused (--tp 1: its gradients made in the "
+                                          "forward, no logits made twice)")
     moe_aux_loss_coef: float = _float(0.0, "model", "Mixture-of-Experts models: weight of the router's load-balancing "
                                                      "loss (HF's router_aux_loss_coef, e.g. 0.001; default 0, as HF "
                                                      "trains without output_router_logits)")
@@ -227,7 +230,8 @@ class ModelConfig:
                 raise ConfigError(f"unknown --arch {self.arch!r}: choose one of {builtin_arch_names()}")
         _check_numbers(self)
         _check_parts(self, "freeze")
-        _check_choices(self, {"attention": ATTENTION_KERNELS, **({"fp8": FP8_RECIPES} if self.fp8 is not None else {})})
+        _check_choices(self, {"attention": ATTENTION_KERNELS, "loss": LOSS_PATHS,
+                              **({"fp8": FP8_RECIPES} if self.fp8 is not None else {})})
 
 
 @dataclass

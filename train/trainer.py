@@ -65,6 +65,9 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
         raise ConfigError(f"DeepStack adds vision features after decoder layers 0..{arch.num_deepstack - 1}, which must "
                           f"all be on pipeline stage 0, but --pp {pp} puts only {lm.num_layers // pp} "
                           f"layers there; use --pp <= {lm.num_layers // arch.num_deepstack}")
+    if config.model.loss == "fused" and tp > 1:
+        raise ConfigError(f"--loss fused makes the loss over the whole vocabulary on one GPU; with --tp {tp} each "
+                          "rank holds a part of it: drop --loss fused (chunked is the default)")
     if ep > 1 and not lm.is_moe:
         raise ConfigError(f"--ep {ep}: expert parallelism needs a Mixture-of-Experts model; {arch.family} "
                           "here is dense")

@@ -3,7 +3,7 @@
     pixel_values -> VisionTower (first pipeline stage only) -> image embeddings
     input_ids -> GPTModel.embedding -> image embeddings scattered in at <|image_pad|> rows
              -> GPTModel.decoder (packed attention, per-token M-RoPE, DeepStack adds after
-                layers 0..n-1) -> final norm -> chunked vocab-parallel cross-entropy
+                layers 0..n-1) -> final norm -> per-token cross-entropy (train.model.loss)
 
 The language model is megatron-core's `GPTModel` (weights, TP sharding, pipeline stages,
 tied embeddings), with a local layer spec whose core attention is `PackedCoreAttention`.
@@ -31,19 +31,18 @@ from megatron.core.transformer.transformer_block import (TransformerBlock, Trans
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from train.model import families
 from train.model.arch import ModelArch
 from train.model.attention import PackedCoreAttention, PackedRows
 from train.model.batch import PackedBatch
 from train.model.linear import ColumnParallelLinear, RowParallelLinear
+from train.model.loss import (chunked_cross_entropy, fused_cross_entropy, token_loss, token_loss_and_grad,
+                               vocab_parallel_token_loss)
 from train.model.moe import moe_config, moe_layer_spec
 from train.model.rope import MRoPE, apply_rotary
 from train.model.vision import VisionTower
 
-IGNORE_INDEX = -100
-LOSS_CHUNK_TOKENS = 4096  # logits of this many rows exist at once (bf16 x vocab/TP), fp32 only inside CE
 
 
 class DecoderLayer(TransformerLayer):
@@ -180,53 +179,6 @@ def _linear_attention_config(lm) -> dict:
                 linear_conv_kernel_dim=lm.linear_conv_kernel_dim)
 
 
-def vocab_parallel_token_loss(logits: Tensor, target: Tensor) -> Tensor:
-    """Per-token CE [N] (fp32) from logits [N, 1, V/TP] whose vocabulary is split over the TP ranks."""
-    return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target[:, None])[:, 0]
-
-
-def token_loss(logits: Tensor, target: Tensor) -> Tensor:
-    """Per-token CE [N] (fp32) from logits [N, 1, V] holding the whole vocabulary (TP = 1):
-    logsumexp minus the target's logit. Plain torch: `compile_model` fuses the upcast,
-    max, exp-sum and the target's pick into a few passes over the bf16 logits, and the backward
-    into one (eager, megatron's vocab-parallel CE makes a dozen fp32 passes over 4k x 151,936
-    values). The target's logit is picked by a mask, not `gather`: the mask's backward is
-    pointwise, where gather's scatters into a zeroed fp32 [N, V] buffer and reads it back."""
-    logits = logits[:, 0].float()
-    vocab = torch.arange(logits.shape[-1], device=logits.device)
-    picked = torch.where(vocab == target[:, None], logits, 0.0).sum(-1)
-    return torch.logsumexp(logits, dim=-1) - picked
-
-
-def chunked_cross_entropy(hidden: Tensor, labels: Tensor, output_layer, weight: Tensor | None,
-                          loss_fn=vocab_parallel_token_loss, chunk: int = LOSS_CHUNK_TOKENS,
-                          rows: Tensor | None = None) -> Tensor:
-    """Per-token CE [T] (0 where labels == -100) from final hidden states [T, 1, H].
-
-    Logits are made `chunk` rows at a time in the model dtype, upcast to fp32 inside
-    `loss_fn`, and recomputed in backward (checkpoint), so at most one chunk of logits exists
-    at a time instead of T x 151,936 fp32 values. `rows` (the rows with a target, found on the
-    host): only those go through the output layer. In SFT data most rows are prompt, image or
-    padding rows, whose logits would be computed only to be multiplied by zero."""
-    def chunk_loss(h: Tensor, y: Tensor) -> Tensor:
-        logits, _ = output_layer(h, weight=weight)
-        loss = loss_fn(logits, y.clamp(min=0))
-        return torch.where(y >= 0, loss, torch.zeros_like(loss))
-
-    total = hidden.shape[0]
-    if rows is not None:
-        hidden, labels = hidden[rows], labels[rows]
-    pieces = []
-    for start in range(0, hidden.shape[0], chunk):
-        h, y = hidden[start:start + chunk], labels[start:start + chunk]
-        pieces.append(checkpoint(chunk_loss, h, y, use_reentrant=False) if torch.is_grad_enabled()
-                      else chunk_loss(h, y))
-    loss = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
-    if rows is None:
-        return loss
-    return loss.new_zeros(total).index_copy(0, rows, loss)
-
-
 def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "inductor",
                   static_rows: bool = False) -> None:
     """torch.compile where eager PyTorch spends the GPU on elementwise passes (CUDA runs):
@@ -245,6 +197,7 @@ def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "indu
     rotary = torch.compile(apply_rotary, dynamic=True, backend=backend)
     if model.token_loss is token_loss:
         model.token_loss = torch.compile(token_loss, dynamic=True, backend=backend)
+        model.token_loss_and_grad = torch.compile(token_loss_and_grad, dynamic=True, backend=backend)
     for module in model.modules():
         if isinstance(module, PackedCoreAttention):
             module.rotary = rotary
@@ -298,6 +251,8 @@ class QwenVLModel(MegatronModule):
         self.rope = MRoPE(arch.lm.rotary_dim, arch.lm.rope_theta, arch.lm.mrope_section, arch.lm.mrope_interleaved)
         self.share_embeddings_and_output_weights = arch.lm.tie_word_embeddings
         self.token_loss = token_loss if config.tensor_model_parallel_size == 1 else vocab_parallel_token_loss
+        self.token_loss_and_grad = token_loss_and_grad
+        self.fused_loss = False  # `--loss fused` (TP = 1): train.model.loss
         self.model_type = self.language_model.model_type  # megatron's schedules ask for it
 
     def shared_embedding_or_output_weight(self):
@@ -412,5 +367,8 @@ class QwenVLModel(MegatronModule):
         if return_logits:
             logits, _ = self.language_model.output_layer(hidden, weight=weight)
             return tensor_parallel.gather_from_tensor_model_parallel_region(logits)[:, 0].float()
+        if self.fused_loss and torch.is_grad_enabled():
+            weight = self.language_model.output_layer.weight if weight is None else weight
+            return fused_cross_entropy(hidden, batch.labels, weight, self.token_loss_and_grad, rows=batch.loss_rows)
         return chunked_cross_entropy(hidden, batch.labels, self.language_model.output_layer, weight, self.token_loss,
                                      rows=batch.loss_rows)

@@ -8,6 +8,7 @@ from shards_schema.errors import UserError
 
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's float8 recipes (train.model.fp8)
 ATTENTION_KERNELS = ("auto", "fa2", "fa4")  # train.model.attention.select_attention_kernel
+LOSS_PATHS = ("chunked", "fused")  # train.model.loss
 
 
 class ConfigError(UserError, ValueError):

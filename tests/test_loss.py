@@ -1,0 +1,116 @@
+"""The language model's loss paths (`train.model.loss`) against torch's own cross-entropy of
+the full logits: per-token values, input and weight gradients, on random shapes, targets and
+chunkings; the fused path's gradients with and without megatron's gradient buffer, and its
+check that the loss is summed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from train.model.loss import (IGNORE_INDEX, chunked_cross_entropy, fused_cross_entropy, token_loss,
+                              token_loss_and_grad)
+
+
+def _case(seed: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    rows, hidden = int(torch.randint(1, 60, (1,), generator=g)), int(torch.randint(2, 24, (1,), generator=g))
+    vocab, chunk = int(torch.randint(2, 400, (1,), generator=g)), int(torch.randint(1, 20, (1,), generator=g))
+    h = torch.randn(rows, 1, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    labels[torch.rand(rows, generator=g) < 0.4] = IGNORE_INDEX
+    return h, w, labels, chunk
+
+
+def _reference(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor):
+    """Per-token loss and summed-loss gradients from the full fp64 logits."""
+    h, w = h.double().requires_grad_(), w.double().requires_grad_()
+    loss = F.cross_entropy(h[:, 0] @ w.t(), labels, reduction="none", ignore_index=IGNORE_INDEX)
+    loss.sum().backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def _run(path: str, h, w, labels, chunk, rows, main_grad: torch.Tensor | None = None, grad_scale: float = 1.0):
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    if main_grad is not None:
+        w.main_grad = main_grad
+    if path == "fused":
+        loss = fused_cross_entropy(h, labels, w, chunk=chunk, rows=rows)
+    else:
+        loss = chunked_cross_entropy(h, labels, lambda x, weight: (x @ weight.t(), None), w, token_loss,
+                                     chunk=chunk, rows=rows)
+    (loss.sum() * grad_scale).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_fused_and_chunked_losses_are_cross_entropy_with_its_gradients(seed, with_rows):
+    h, w, labels, chunk = _case(seed, torch.float32)
+    rows = (labels >= 0).nonzero()[:, 0] if with_rows else None
+    want = _reference(h, w, labels)
+    for path in ("fused", "chunked"):
+        for got, expected, name in zip(_run(path, h, w, labels, chunk, rows), want, ("loss", "hidden grad", "weight grad")):
+            torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5, msg=f"{path}: {name}")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fused_weight_gradient_goes_into_the_grad_buffer_and_nowhere_else(seed):
+    h, w, labels, chunk = _case(seed, torch.float32)
+    before = torch.randn(w.shape, generator=torch.Generator().manual_seed(seed))
+    buffer = before.clone()
+    loss, grad_h, grad_w = _run("fused", h, w, labels, chunk, None, main_grad=buffer)
+    want_loss, want_h, want_w = _reference(h, w, labels)
+    assert grad_w is None
+    torch.testing.assert_close((buffer - before).double(), want_w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_h.double(), want_h, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fused_bf16_gradients_are_as_close_to_fp64_as_the_chunked_ones(seed):
+    """bf16 logits and gradients: the fused path rounds the weight gradient once (fp32
+    accumulation over the chunks), the chunked one once per chunk."""
+    h, w, labels, chunk = _case(seed, torch.bfloat16)
+    want = _reference(h, w, labels)
+    fused, chunked = (_run(path, h, w, labels, chunk, None) for path in ("fused", "chunked"))
+    torch.testing.assert_close(fused[0], chunked[0], rtol=0, atol=0)  # the same fp32 loss of the same bf16 logits
+    for i, name in ((1, "hidden grad"), (2, "weight grad")):
+        error = lambda got: float((got.double() - want[i]).abs().max())  # noqa: E731
+        assert error(fused[i]) <= error(chunked[i]) * 1.5 + 1e-3, name
+
+
+def test_fused_gradients_scale_with_a_uniform_loss_scale():
+    h, w, labels, chunk = _case(0, torch.float32)
+    _, want_h, want_w = _reference(h, w, labels)
+    _, grad_h, grad_w = _run("fused", h, w, labels, chunk, None, grad_scale=4.0)
+    torch.testing.assert_close(grad_h.double(), 4 * want_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_w.double(), 4 * want_w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("buffer", [False, True])
+def test_fused_loss_refuses_gradients_it_cannot_give(buffer):
+    """Its weight gradient is made for a summed loss: target rows weighted unequally, or a
+    loss scale other than 1 once the gradient is already in the buffer, stop the backward."""
+    h, w, labels, chunk = _case(1, torch.float32)
+    labels[:2] = 3
+    hw = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+    if buffer:
+        hw[1].main_grad = torch.zeros(w.shape)
+    with pytest.raises(RuntimeError, match="unequal gradients"):
+        loss = fused_cross_entropy(*hw[:1], labels, hw[1], chunk=chunk)
+        loss.backward(torch.arange(loss.shape[0], dtype=loss.dtype))
+    if buffer:
+        with pytest.raises(RuntimeError, match="another than 1"):
+            (fused_cross_entropy(*hw[:1], labels, hw[1], chunk=chunk).sum() * 2).backward()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_token_loss_and_grad_compiled_equals_eager(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(int(torch.randint(1, 30, (1,), generator=g)), 500, generator=g) * 4).bfloat16()
+    target = torch.randint(-1, 500, (logits.shape[0],), generator=g)
+    compiled = torch.compile(token_loss_and_grad, dynamic=True, backend="aot_eager")
+    for got, want in zip(compiled(logits, target), token_loss_and_grad(logits, target)):
+        assert torch.equal(got, want)
