@@ -34,6 +34,7 @@ from shards_schema.builtin import (
     builtin_chat_template,
     builtin_tokenizer_json,
 )
+from shards_schema.json_object import NotAJSONObject, parse_json_object
 
 from .errors import ConfigError
 from .families import BUILTIN_PROFILES, FAMILIES, MODEL_TYPE_FAMILY, ModelFamily, family_named
@@ -235,28 +236,10 @@ def _read_text(path: Path) -> str:
 
 def _json_object(path: Path, text: str | None = None) -> dict:
     """A model file's JSON object; ConfigError naming the file when it is not one."""
-    text = _read_text(path) if text is None else text
     try:
-        value = json.loads(text)
-    except RecursionError:
-        raise ConfigError(f"{path}: JSON nested too deeply to read: {_restore(path)}") from None
-    except ValueError as exc:  # JSONDecodeError, or an integer too long to convert
-        raise ConfigError(f"{path}: not valid JSON ({exc}): {_restore(path)}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: holds a JSON {_json_kind(value)}, not an object: {_restore(path)}")
-    return value
-
-
-def _json_kind(value) -> str:
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, bool):
-        return "boolean"
-    if value is None:
-        return "null"
-    return "number"
+        return parse_json_object(_read_text(path) if text is None else text, path)
+    except NotAJSONObject as exc:
+        raise ConfigError(f"{exc}: {_restore(path)}") from None
 
 
 def _integer(path: Path, field: str, value, low: int, high: int) -> int:

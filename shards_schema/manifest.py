@@ -7,11 +7,11 @@ bytes, per-shard stats and checksums, totals, and the input accounting
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from .errors import UserError
+from .json_object import NotAJSONObject, parse_json_object
 from .schema import FORMAT_NAME, READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION
 
 MANIFEST_NAME = "manifest.json"
@@ -247,13 +247,9 @@ def load_manifest(directory: str | Path) -> dict:
 def parse_manifest(text: str | bytes, path) -> dict:
     """A manifest's JSON text -> the manifest, checked for its format and schema version."""
     try:
-        manifest = json.loads(text)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of thousands of digits
-        raise ShardFormatError(f"{path}: not valid JSON ({exc})") from exc
-    except RecursionError:
-        raise ShardFormatError(f"{path}: not valid JSON (nested too deeply)") from None
-    if not isinstance(manifest, dict):
-        raise ShardFormatError(f"{path}: not a vlmpack manifest (a JSON {type(manifest).__name__}, not an object)")
+        manifest = parse_json_object(text, path)
+    except NotAJSONObject as exc:
+        raise ShardFormatError(str(exc)) from None
     if manifest.get("format") != FORMAT_NAME:
         raise ShardFormatError(f"{path}: not a vlmpack manifest (format {manifest.get('format')!r})")
     version = manifest.get("schema_version")

@@ -437,7 +437,7 @@ def test_init_lora_starts_from_a_peft_adapter(shards, hf_base, tmp_path, capsys)
     (["--lora-rank", "4", "--lora-dora", "--lora-dropout", "0.1"], "--lora-dora with --lora-dropout 0.1"),
     (["--lora-rank", "4", "--init-lora", "{empty}"], "no adapter_config.json"),
     (["--lora-rank", "4", "--init-lora", "{not_json}"], "not_json/adapter_config.json: not valid JSON"),
-    (["--lora-rank", "4", "--init-lora", "{a_list}"], "a_list/adapter_config.json: a JSON list, not an object"),
+    (["--lora-rank", "4", "--init-lora", "{a_list}"], "a_list/adapter_config.json: holds a JSON array, not an object"),
 ])
 def test_bad_lora_settings_exit_2_with_one_line(shards, tmp_path, capsys, extra, message):
     (tmp_path / "empty").mkdir()

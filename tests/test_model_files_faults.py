@@ -35,7 +35,7 @@ def _with(**changes):
 # case -> (the file replaced, its new bytes from the intact ones, what the one line says after the file's path)
 HF_DAMAGE = {
     "config_not_json": ("config.json", lambda raw: raw[:40], ": not valid JSON ("),
-    "config_a_list": ("config.json", lambda raw: b"[1, 2]", ": a JSON list, not an object: use the config.json"),
+    "config_a_list": ("config.json", lambda raw: b"[1, 2]", ": holds a JSON array, not an object: use the config.json"),
     "config_without_model_type": ("config.json", _without("model_type"), ": vlmpack reads ["),
     "config_of_another_model": ("config.json", _with(model_type="llava"), ": vlmpack reads ["),
     "config_without_vision_config": ("config.json", _without("vision_config"), " has no 'vision_config'"),
@@ -48,7 +48,7 @@ HF_DAMAGE = {
 }
 MODEL_DAMAGE = {
     "meta_not_json": ("vlmpack_model.json", lambda raw: raw[:-30], ": not valid JSON ("),
-    "meta_a_list": ("vlmpack_model.json", lambda raw: b"[]", ": a JSON list, not an object: write the model directory"),
+    "meta_a_list": ("vlmpack_model.json", lambda raw: b"[]", ": holds a JSON array, not an object: write the model directory"),
     "meta_without_layout": ("vlmpack_model.json", _without("tp"), ": tp None is not a parallel size"),
     "meta_not_utf8": ("vlmpack_model.json", lambda raw: b"\xff\xfe" + raw, ": not valid JSON ("),
     "weights_random_bytes": ("model_tp0_pp0.safetensors", lambda raw: os.urandom(4096),
@@ -56,7 +56,7 @@ MODEL_DAMAGE = {
     "weights_cut_short": ("model_tp0_pp0.safetensors", lambda raw: raw[:len(raw) - 100],
                           ": not a readable safetensors file"),
     "kept_hf_file_not_json": ("hf/generation_config.json", lambda raw: raw[:10], ": not valid JSON ("),
-    "profile_a_list": ("profile.json", lambda raw: b"[]", ": a JSON list, not an object: delete it"),
+    "profile_a_list": ("profile.json", lambda raw: b"[]", ": holds a JSON array, not an object: delete it"),
 }
 
 

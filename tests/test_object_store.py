@@ -369,13 +369,17 @@ def test_a_store_prefix_holding_another_job_is_refused_before_the_first_row_nami
     monkeypatch.setattr(job, "process_unit", lambda *a, **k: processed.append(1) or real_process_unit(*a, **k))
     other_job = {"profile": {}, "settings": {}, "inputs": [], "num_partitions": 1}  # an upload cut short
     client.put_object(Bucket="data", Key="half/_parts/job.json", Body=json.dumps(other_job).encode())
+    client.put_object(Bucket="data", Key="foreign/manifest.json", Body=b'["a list"]')
     for out, extra, says in (
+            ("s3://data/foreign", [], "s3://data/foreign/manifest.json: holds a JSON array, not an object: it is no "
+                                      "vlmpack file; choose another --out prefix"),
             ("s3://data/taken", ["--max-seq-len", "999"], "holds another dataset (its manifest.json differs in: settings)"),
             ("s3://data/half", [], "holds the unfinished output of a different job (its _parts/job.json differs in: "),
             ("s3://data/taken", ["--num-partitions", "2", "--partition-index", "0"], "holds a finished dataset (manifest.json): a partition")):
         assert main(["preprocess", str(data), "--out", out, *common, *extra]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith(f"vlmpack preprocess: error: --out {out} {says}"), err
+        assert err.count("\n") == 1 and (err.startswith(f"vlmpack preprocess: error: --out {out} {says}")
+                                         or err == f"vlmpack preprocess: error: {says}\n"), err
         assert "vlmpack-stage" not in err and str(tmp_path) not in err
     assert processed == [] and _stages(tmp_path / "tmp") == []
     assert main(["preprocess", str(data), "--out", "s3://data/taken", *common]) == 0

@@ -273,7 +273,7 @@ def test_a_resume_without_a_usable_latest_pointer_takes_the_newest_complete_chec
 # a file of the checkpoint -> (its new bytes from the intact ones, what the one line says after the file's path)
 CHECKPOINT_DAMAGE = {
     "trainer.json not JSON": ("trainer.json", lambda raw: raw[:len(raw) // 2], ": not valid JSON ("),
-    "trainer.json a list": ("trainer.json", lambda raw: b"[]", ": a JSON list, not an object: the checkpoint is damaged"),
+    "trainer.json a list": ("trainer.json", lambda raw: b"[]", ": holds a JSON array, not an object: the checkpoint is damaged"),
     "trainer.json without its step": ("trainer.json",
                                       lambda raw: json.dumps({**json.loads(raw), "step": None}).encode(),
                                       ": not a vlmpack checkpoint's record"),

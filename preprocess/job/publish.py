@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 from shards_schema import storage
+from shards_schema.json_object import NotAJSONObject, parse_json_object
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR
 from shards_schema.outdir import LOCK_NAME
 
@@ -53,12 +54,9 @@ def read_json_object(url: str) -> dict | None:
         return None
     with storage.open_binary(url) as fh:
         try:
-            found = json.loads(fh.read().decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            found = None
-    if not isinstance(found, dict):
-        raise ConfigError(f"{storage.redact(url)} is not a vlmpack file (not a JSON object): choose another --out prefix")
-    return found
+            return parse_json_object(fh.read(), storage.redact(url))
+        except NotAJSONObject as exc:
+            raise ConfigError(f"{exc}: it is no vlmpack file; choose another --out prefix") from None
 
 
 def _differs_in(before: dict, now: dict) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import refuse_leftover_tmp
+from ..json_object import NotAJSONObject, parse_json_object
 from ..manifest import REJECTS_NAME, check_manifest, require_directory
 from ..schema import FORMAT_NAME as SHARDS_FORMAT_NAME
 from ..schema import READABLE_SCHEMA_VERSIONS
@@ -42,10 +43,10 @@ def load_index(tardir: str | Path) -> dict:
         hint = " (an export that has not finished, or not a `vlmpack export` directory?)" if tardir.is_dir() else ""
         raise WebDatasetFormatError(f"{tardir}: no {INDEX_NAME}{hint}")
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise WebDatasetFormatError(f"{path}: not valid JSON ({exc})") from exc
-    found = index.get("format") if isinstance(index, dict) else None
+        index = parse_json_object(path.read_bytes(), path)
+    except NotAJSONObject as exc:
+        raise WebDatasetFormatError(str(exc)) from None
+    found = index.get("format")
     if found != FORMAT_NAME:
         raise WebDatasetFormatError(f"{path}: not a vlmpack WebDataset index (format {found!r})")
     if index.get("format_version") != FORMAT_VERSION:

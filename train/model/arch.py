@@ -12,13 +12,13 @@ that Qwen3-VL and Qwen2.5-VL share are here (`lm_from_hf_config`, `hf_config`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from shards_schema.errors import UserError
+from shards_schema.json_object import NotAJSONObject, parse_json_object
 from train.model import families
 from train.model.vision import VisionArch
 
@@ -198,14 +198,9 @@ def read_json_object(path: str | Path, fix: str) -> dict:
     """The JSON object a metadata file of a model or checkpoint directory holds; ModelFileError
     naming the file and `fix` when it is not UTF-8 JSON or holds no object."""
     try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of thousands of digits
-        raise ModelFileError(f"{path}: not valid JSON ({exc})", fix) from None
-    except RecursionError:
-        raise ModelFileError(f"{path}: not valid JSON (nested too deeply)", fix) from None
-    if not isinstance(value, dict):
-        raise ModelFileError(f"{path}: a JSON {type(value).__name__}, not an object", fix)
-    return value
+        return parse_json_object(Path(path).read_bytes(), path)
+    except NotAJSONObject as exc:
+        raise ModelFileError(str(exc), fix) from None
 
 
 # Fields a model needs at least one of; every other integer may be 0 (no experts, no Gated DeltaNet,
