@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from shards_schema.cli import main as vlmpack
 from tests.helpers.damage import damaged_copy, one_error_line
@@ -301,3 +302,95 @@ def test_a_resume_from_a_damaged_checkpoint_exits_2_naming_the_file_and_how_to_g
     assert code == 2 and f"{step / name}{says}" in line, line
     assert line.endswith(f": the checkpoint is damaged: move step_00000005 out of {tmp_path / 'checkpoints'} and "
                          "--resume continues step_00000004"), line
+
+
+# ---------------------------------------------------------------- the distributed optimizer's state file
+
+
+class DistributedOptimizer:
+    """Stands in for megatron's (matched by name, as `train.checkpoint` matches it): DP rank
+    `dp_rank` of its group; records what the scatter from DP rank 0 would get."""
+
+    def __init__(self, dp_rank: int):
+        self.data_parallel_group = type("Group", (), {"rank": lambda _: dp_rank})()
+        self.optimizer = type("Inner", (), {})()
+        self.optimizer.state = {"w": {"step": torch.tensor(7.0), "exp_avg": None}}
+        self.loaded = []
+
+    def load_parameter_state_from_dp_zero(self, state):
+        assert "step" not in self.optimizer.state["w"]  # megatron's load would copy a missing 'step' key
+        self.loaded.append(state)
+
+
+def _parameter_state_checkpoint(tmp_path: Path, content: bytes | None) -> tuple[Path, Path]:
+    checkpoint = tmp_path / "checkpoints" / "step_00000002"
+    checkpoint.mkdir(parents=True)
+    file = checkpoint / "optimizer_param_state_pp0_tp0.pt"
+    if content is not None:
+        file.write_bytes(content)
+    return checkpoint, file
+
+
+def _saved_state() -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({0: {torch.float32: {"param": torch.arange(6.0), "exp_avg": torch.ones(6)}}}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("case", ["intact", "missing", "cut short", "not a zip", "not my file to read"])
+def test_the_distributed_optimizers_state_file_is_read_or_refused_naming_it(tmp_path, case):
+    from train.checkpoint import _load_parameter_state
+    from train.model.arch import ModelFileError
+    saved = _saved_state()
+    content = {"intact": saved, "missing": None, "cut short": saved[:len(saved) // 2], "not a zip": b"\x80\x04garbage",
+               "not my file to read": None}[case]
+    checkpoint, file = _parameter_state_checkpoint(tmp_path, content)
+    optimizer = DistributedOptimizer(dp_rank=1 if case == "not my file to read" else 0)
+    if case in ("intact", "not my file to read"):
+        _load_parameter_state(optimizer, file, checkpoint)
+        if case == "intact":
+            assert torch.equal(optimizer.loaded[0][0][torch.float32]["param"], torch.arange(6.0))
+        else:
+            assert optimizer.loaded == [None]  # only DP rank 0 reads; the others get their part from it
+        assert optimizer.optimizer.state["w"]["step"] == 7.0
+        return
+    with pytest.raises(ModelFileError) as raised:
+        _load_parameter_state(optimizer, file, checkpoint)
+    assert str(file if case != "missing" else checkpoint) in raised.value.problem
+    assert "move step_00000002 out of" in raised.value.fix
+    assert optimizer.loaded == [] and optimizer.optimizer.state["w"]["step"] == 7.0
+
+
+def _load_on_rank(rank: int, init: str, file: str, results) -> None:
+    import torch.distributed as dist
+
+    from train.checkpoint import _load_parameter_state
+    from train.model.arch import ModelFileError
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        _load_parameter_state(DistributedOptimizer(dp_rank=rank), Path(file), Path(file).parent)
+        results.put((rank, "loaded"))
+    except ModelFileError as exc:
+        results.put((rank, exc.problem))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_damaged_state_file_stops_every_rank_not_only_its_reader(tmp_path):
+    """DP rank 0 cannot read the file: rank 1, which would wait for its part in megatron's
+    scatter, stops too, with the same file named."""
+    import multiprocessing
+
+    _, file = _parameter_state_checkpoint(tmp_path, _saved_state()[:100])
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=_load_on_rank, args=(r, f"file://{tmp_path / 'init'}", str(file), results))
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    assert set(got) == {0, 1} and all(str(file) in problem for problem in got.values()), got

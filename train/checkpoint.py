@@ -106,17 +106,42 @@ def parameter_state_file(info) -> str:
     return f"optimizer_param_state_pp{info.pp_rank}_tp{info.tp_rank}{ep}.pt"
 
 
-def _load_parameter_state(optimizer, filename: str) -> None:
-    """megatron-core 0.16.1 with torch's AdamW (no Apex / TE) has two bugs here, both fixed
-    around the call: `load_state_dict` puts ONE 'step' tensor into every parameter's state,
+def _load_parameter_state(optimizer, file: Path, checkpoint: Path) -> None:
+    """The distributed optimizer's parameter state from `file` of `checkpoint`, as megatron's
+    `load_parameter_state` loads it: DP rank 0 of each optimizer reads the file and scatters
+    it. Here the readers first read it, and every rank learns whether each could (one
+    collective) before the scatter: a damaged or missing file stops every rank with
+    ModelFileError naming it, never a rank left waiting in the scatter.
+
+    megatron-core 0.16.1 with torch's AdamW (no Apex / TE) has two bugs here, both fixed
+    around the load: `load_state_dict` puts ONE 'step' tensor into every parameter's state,
     so AdamW's foreach step would add 1 to it once per parameter (wrong bias correction from
-    the first step after a resume); and `load_parameter_state` copies every state key from the
-    file, which holds none for 'step' (KeyError). The steps are set aside for the copy and
-    put back, one tensor per parameter."""
+    the first step after a resume); and the load copies every state key from the file, which
+    holds none for 'step' (KeyError). The steps are set aside for the copy and put back, one
+    tensor per parameter."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    loading = [(i, o) for i, o in enumerate(chained)
+               if hasattr(o, "load_parameter_state_from_dp_zero") and not getattr(o, "is_stub_optimizer", False)]
+    states, problem = None, ""
+    if any(o.data_parallel_group.rank() == 0 for _, o in loading):
+        try:
+            states = _read_torch_file(file, checkpoint, weights_only=True)
+        except ModelFileError as exc:
+            problem = exc.problem
+    problems = [problem]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    found = [p for p in problems if p]
+    if found:
+        raise ModelFileError(problem or found[0], damaged_checkpoint_fix(checkpoint))
     inner = [o.optimizer for o in _distributed_optimizers(optimizer)]
     steps = [{p: s.pop("step") for p, s in opt.state.items() if "step" in s} for opt in inner]
     try:
-        optimizer.load_parameter_state(filename)
+        for index, o in loading:
+            state = None if states is None or o.data_parallel_group.rank() != 0 else (
+                states if len(chained) == 1 else states[index])
+            o.load_parameter_state_from_dp_zero(state)
     finally:
         for opt, saved in zip(inner, steps):
             for param, step in saved.items():
@@ -756,7 +781,7 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
     rank_state = _load_rank_state(path, info.rank)
     optimizer.load_state_dict(rank_state["optimizer"])
     if _uses_distributed_optimizer(optimizer):
-        _load_parameter_state(optimizer, str(path / parameter_state_file(info)))
+        _load_parameter_state(optimizer, path / parameter_state_file(info), path)
     scheduler.load_state_dict(rank_state["scheduler"])
     try:
         data.load_state_dict(meta["loader"])
@@ -772,21 +797,27 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
 
 def _load_rank_state(path: Path, rank: int) -> dict:
     """Rank `rank`'s file of checkpoint `path` (ModelFileError naming it when it is missing or damaged)."""
-    file = path / f"rank_{rank:05d}.pt"
+    state = _read_torch_file(path / f"rank_{rank:05d}.pt", path)
+    if not isinstance(state, dict):
+        raise ModelFileError(f"{path / f'rank_{rank:05d}.pt'}: not a vlmpack checkpoint's rank state",
+                             damaged_checkpoint_fix(path))
+    return state
+
+
+def _read_torch_file(file: Path, checkpoint: Path, weights_only: bool = False):
+    """What `torch.save` wrote to `file` of `checkpoint`; ModelFileError naming it when it is
+    missing or damaged."""
     if not file.is_file():
-        raise ModelFileError(f"{path} has no {file.name}", damaged_checkpoint_fix(path))
+        raise ModelFileError(f"{checkpoint} has no {file.name}", damaged_checkpoint_fix(checkpoint))
     if not zipfile.is_zipfile(file):  # torch.save writes a zip archive; other bytes would go to pickle as they are
         raise ModelFileError(f"{file}: not a readable checkpoint file (no zip archive: damaged or cut short)",
-                             damaged_checkpoint_fix(path))
+                             damaged_checkpoint_fix(checkpoint))
     try:
-        state = torch.load(file, map_location="cpu", weights_only=False)
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # torch's zip reader on damaged members
         message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ModelFileError(f"{file}: not a readable checkpoint file ({message})", damaged_checkpoint_fix(path)) \
-            from None
-    if not isinstance(state, dict):
-        raise ModelFileError(f"{file}: not a vlmpack checkpoint's rank state", damaged_checkpoint_fix(path))
-    return state
+        raise ModelFileError(f"{file}: not a readable checkpoint file ({message})",
+                             damaged_checkpoint_fix(checkpoint)) from None
 
 
 def _load_run_weights(model, path: Path, info, saved_config: dict) -> None:
