@@ -868,7 +868,7 @@ def _first_difference(a: str, b: str) -> int:
     return min(len(a), len(b))
 
 
-def _excerpt(text: str, at: int, radius: int = 60) -> str:
+def _excerpt(text: str, at: int, radius: int = 40) -> str:
     return repr(text[max(0, at - radius) : at + radius])
 
 
@@ -903,16 +903,16 @@ def check_template_matches(profile, template_text: str, **variables) -> None:
                 theirs = _render_with_hf(template_text, decoded, tools, **variables)
         except Exception as exc:  # jinja syntax or runtime errors from an arbitrary template
             raise ConfigError(
-                f"the chat template of {profile.source} fails on probe {name!r} ({type(exc).__name__}: {exc}); "
+                f"the chat template of {profile.source} fails on probe {name!r} ({type(exc).__name__}: "
+                f"{(str(exc).strip().splitlines() or [''])[0]}); "
                 f"it is not a template vlmpack renders natively ({family}, {profile.template})"
             ) from exc
         if theirs != ours:
             at = _first_difference(theirs, ours)
             raise ConfigError(
                 f"the chat template of {profile.source} is not one vlmpack renders natively: it differs from the "
-                f"official {family} {profile.template} template on probe {name!r}{_with(variables)} at character {at}\n"
-                f"  template: ...{_excerpt(theirs, at)}...\n"
-                f"  vlmpack:  ...{_excerpt(ours, at)}...\n"
+                f"official {family} {profile.template} template on probe {name!r}{_with(variables)} at character {at}: "
+                f"the template gives ...{_excerpt(theirs, at)}..., vlmpack gives ...{_excerpt(ours, at)}...; "
                 f"use the official chat template of the checkpoint (sha256 of the supported templates is in "
                 f"preprocess.profiles.OFFICIAL_TEMPLATE_SHA256)"
             )

@@ -548,7 +548,8 @@ def test_other_family_template_is_refused(family, builtin_profiles, official_tem
     other = next(f for f in official_template if f != family)
     with pytest.raises(ConfigError, match="not one vlmpack renders natively") as err:
         check_template_matches(builtin_profiles[family], official_template[other])
-    assert "template:" in str(err.value) and "vlmpack:" in str(err.value)
+    assert "the template gives ..." in str(err.value) and ", vlmpack gives ..." in str(err.value)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -623,6 +624,7 @@ def test_model_dir_template_is_checked_with_the_jobs_template_variables(tmp_path
     assert vlmpack([*common, "--out", str(tmp_path / "numbered"), "--add-vision-id"]) == 2
     err = capsys.readouterr().err
     assert "with add_vision_id" in err and "not one vlmpack renders natively" in err, err
+    assert err.count("\n") == 1 and err.startswith("vlmpack preprocess: error: "), err
     assert not (tmp_path / "numbered").exists()
 
 
