@@ -10,6 +10,7 @@ from pathlib import Path
 
 from shards_schema.errors import UserError
 
+from .config import read_text_file
 from .pack_plan import DEFAULT_BLOCK_SIZE, PackSettings, build_pack_plan, check_plan_out, parse_source
 
 
@@ -292,8 +293,6 @@ class ExportHF:
 
 def _read_chat_template(path: str) -> str:
     """--chat-template FILE's text (UserError naming the file when it cannot be one)."""
-    from train.config import read_text_file
-
     what = "a jinja chat template file (chat_template.jinja)"
     if not Path(path).exists():
         raise UserError(f"--chat-template {path}: no such file: pass {what}")
