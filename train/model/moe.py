@@ -3,7 +3,8 @@
 The layer is megatron-core's own `MoELayer`: its `TopKRouter` (top-k of the logits, softmax
 over those k: the same weights as HF's softmax over all experts, top-k, renormalised), its
 token dispatcher (all-to-all over the expert-parallel group; `HostMoELayer` runs it on CPU)
-and its load-balancing loss.
+and its load-balancing loss. With every expert on one rank, tokens reach the experts through
+`LocalTokenDispatcher` instead, which never waits for the GPU.
 The experts are megatron's `GroupedMLP` (its parameters, their grouped layout, EP/ETP
 sharding and initialisation) with the grouped GEMM done by torch (`grouped_mm`): megatron's
 own kernel comes from the separately built `grouped_gemm` package, and the TE variant needs
@@ -17,14 +18,15 @@ Transformer Engine.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe import grouped_gemm_util, moe_utils
 from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher, MoETokenDispatcher
+from megatron.core.utils import get_pg_size
 from torch import Tensor
 
 from train.model.linear import ColumnParallelLinear, RowParallelLinear
@@ -120,22 +122,128 @@ class HostAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return tokens_per_expert
 
 
-class HostMoELayer(MoELayer):
-    """megatron's `MoELayer` with `HostAlltoAllTokenDispatcher`: the same routing and
-    all-to-all exchange as on GPUs, over gloo. (megatron's all-gather dispatcher, which needs
-    no CUDA, requires every expert-parallel rank to hold the same number of tokens; packs differ.)"""
+class _PermuteToExperts(torch.autograd.Function):
+    """Token rows [T, H] -> one row per (token, chosen expert) [T*k, H], grouped by expert:
+    row r is token `token_of_row[r]`. The backward gathers each token's k row gradients
+    (`row_of_slot`: the row of slot t*k + j) and sums them: gathers only, no atomic adds."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, token_of_row: Tensor, row_of_slot: Tensor, topk: int):
+        ctx.save_for_backward(row_of_slot)
+        ctx.topk = topk
+        return hidden.index_select(0, token_of_row)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (row_of_slot,) = ctx.saved_tensors
+        return _sum_slots(grad, row_of_slot, ctx.topk), None, None, None
+
+
+class _UnpermuteFromExperts(torch.autograd.Function):
+    """`_PermuteToExperts`' inverse: each token's sum of its k expert rows [T*k, H] -> [T, H]."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, token_of_row: Tensor, row_of_slot: Tensor, topk: int):
+        ctx.save_for_backward(token_of_row)
+        return _sum_slots(rows, row_of_slot, topk)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (token_of_row,) = ctx.saved_tensors
+        return grad.index_select(0, token_of_row), None, None, None
+
+
+def _sum_slots(rows: Tensor, row_of_slot: Tensor, topk: int) -> Tensor:
+    """[T*k, H] rows -> [T, H]: token t's sum over its slots t*k .. t*k + k-1, each slot's row
+    `row_of_slot` (bf16 summed in fp32, rounded once)."""
+    return rows.index_select(0, row_of_slot).view(-1, topk, rows.shape[-1]).sum(1)
+
+
+def expert_order(routing_map: Tensor, probs: Tensor, topk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Where each token's rows go for the experts, from the router's `routing_map` [T, E]
+    (exactly `topk` experts per token: dropless routing) and `probs` [T, E]:
+    (token_of_row [T*k], row_of_slot [T*k], tokens_per_expert [E], probs of the rows [T*k]).
+    Rows are grouped by expert, tokens ascending within each: megatron's permutation order, so
+    each expert gets the rows megatron's dispatcher gives it. No value goes to the host."""
+    experts = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :topk]
+    slot_of_row = torch.sort(experts.reshape(-1), stable=True).indices  # slot t*k + j of each row
+    row_of_slot = torch.empty_like(slot_of_row).index_copy_(
+        0, slot_of_row, torch.arange(slot_of_row.numel(), device=slot_of_row.device))
+    row_probs = probs.gather(1, experts).reshape(-1).index_select(0, slot_of_row)
+    return slot_of_row // topk, row_of_slot, routing_map.sum(0), row_probs
+
+
+class LocalTokenDispatcher(MoETokenDispatcher):
+    """megatron's token-dispatcher interface for one expert-parallel and one expert-TP rank,
+    where every expert is local and nothing is exchanged. megatron's all-to-all dispatcher
+    there still copies the routing counts to the host (a sync per layer and pass), finds the
+    rows by `masked_select` (another) and sums the experts' outputs back with `scatter_add`
+    (atomic adds; bf16 ones in bf16 runs). Here the rows are found by two sorts on the device
+    (`expert_order`), the counts stay there for the grouped GEMM's offsets, and both directions
+    are gathers (`_PermuteToExperts`, `_UnpermuteFromExperts`)."""
+
+    def dispatch_preprocess(self, hidden_states: Tensor, routing_map: Tensor, probs: Tensor):
+        self.hidden_shape = hidden_states.shape
+        hidden = hidden_states.view(-1, hidden_states.shape[-1])
+        topk = self.config.moe_router_topk
+        self.token_of_row, self.row_of_slot, self.tokens_per_expert, row_probs = expert_order(routing_map, probs, topk)
+        return _PermuteToExperts.apply(hidden, self.token_of_row, self.row_of_slot, topk), row_probs
+
+    def token_dispatch(self, hidden_states: Tensor, probs: Tensor):
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states: Tensor, probs: Tensor):
+        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        return hidden_states, tokens_per_expert, probs
+
+    def combine_preprocess(self, hidden_states: Tensor) -> Tensor:
+        return hidden_states
+
+    def token_combine(self, hidden_states: Tensor) -> Tensor:
+        return hidden_states
+
+    def combine_postprocess(self, hidden_states: Tensor) -> Tensor:
+        output = _UnpermuteFromExperts.apply(hidden_states, self.token_of_row, self.row_of_slot,
+                                             self.config.moe_router_topk)
+        self.token_of_row = self.row_of_slot = None
+        return output.view(self.hidden_shape)
+
+
+def _one_expert_rank(pg_collection) -> bool:
+    return get_pg_size(pg_collection.ep) == 1 and get_pg_size(pg_collection.expt_tp) == 1
+
+
+class DecoderMoELayer(MoELayer):
+    """megatron's `MoELayer`. With one expert-parallel and one expert-TP rank its tokens reach
+    the experts through `LocalTokenDispatcher`; otherwise through megatron's all-to-all
+    dispatcher, on CPU runs (`host`) `HostAlltoAllTokenDispatcher` over gloo. (megatron's
+    all-gather dispatcher, which needs no CUDA, requires every expert-parallel rank to hold
+    the same number of tokens; packs differ.)"""
+
+    host = False
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
         pg_collection = pg_collection or moe_utils.get_default_pg_collection()
-        with _no_dtoh_stream():
+        local = _one_expert_rank(pg_collection)
+        with _no_dtoh_stream() if local or self.host else nullcontext():
             super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
-        self.token_dispatcher = HostAlltoAllTokenDispatcher(self.num_local_experts, self.local_expert_indices,
-                                                            config=config, pg_collection=pg_collection)
+        self.pg_collection = pg_collection
+        if local:
+            self.token_dispatcher = LocalTokenDispatcher(config=config, pg_collection=pg_collection)
+        elif self.host:
+            self.token_dispatcher = HostAlltoAllTokenDispatcher(self.num_local_experts, self.local_expert_indices,
+                                                                config=config, pg_collection=pg_collection)
+
+
+class HostMoELayer(DecoderMoELayer):
+    """`DecoderMoELayer` of a CPU run."""
+
+    host = True
 
 
 def moe_layer_spec(base_spec, cpu: bool):
     """`base_spec` (megatron's local layer spec built with num_experts) with its experts
-    replaced by `TorchGroupedMLP`, and for CPU runs its layer by `HostMoELayer`. A shared expert
+    replaced by `TorchGroupedMLP`, and its layer by `DecoderMoELayer` (CPU runs: `HostMoELayer`). A shared expert
     (built when the config sets `moe_shared_expert_intermediate_size`) is megatron's
     `SharedExpertMLP` on the decoder's linears (`train.model.linear`)."""
     experts = base_spec.submodules.mlp.submodules.experts
@@ -143,8 +251,7 @@ def moe_layer_spec(base_spec, cpu: bool):
     shared = base_spec.submodules.mlp.submodules.shared_experts
     if shared is not None:
         shared.submodules.linear_fc1, shared.submodules.linear_fc2 = ColumnParallelLinear, RowParallelLinear
-    if cpu:
-        base_spec.submodules.mlp.module = HostMoELayer
+    base_spec.submodules.mlp.module = HostMoELayer if cpu else DecoderMoELayer
     return base_spec
 
 
