@@ -187,8 +187,8 @@ def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "indu
     rotary and, with TP = 1, the cross-entropy over the vocabulary. `decoder`: also each dense
     decoder layer as one graph (norms, residual adds, casts, SwiGLU and the rotary around the
     GEMMs and the attention op; in a Gated DeltaNet layer, around its causal conv and delta rule,
-    which run eagerly between two graphs); Mixture-of-Experts layers stay eager (their token dispatch syncs with
-    the host). Dynamic shapes: packs differ in length and patch count, and the
+    which run eagerly between two graphs); Mixture-of-Experts layers stay eager (under --ep > 1 megatron's
+    all-to-all dispatch waits for the host). Dynamic shapes: packs differ in length and patch count, and the
     vision blocks share one graph, as do the decoder layers (parameters are graph inputs), so
     each compiles once per process (once more for the grad-free forward of a recomputed layer).
     `static_rows` (every pack padded to --seq-len): the decoder layers' graphs take the row
