@@ -28,7 +28,7 @@ def _json_kind(value) -> str:
 def parse_json_object(text: str | bytes, where) -> dict:
     """The object JSON `text` (bytes: UTF-8) holds; NotAJSONObject naming `where` otherwise."""
     try:
-        value = json.loads(text)
+        value = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
     except RecursionError:
         raise NotAJSONObject(f"{where}: not valid JSON (nested too deeply)") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of thousands of digits

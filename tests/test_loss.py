@@ -114,3 +114,14 @@ def test_token_loss_and_grad_compiled_equals_eager(seed):
     compiled = torch.compile(token_loss_and_grad, dynamic=True, backend="aot_eager")
     for got, want in zip(compiled(logits, target), token_loss_and_grad(logits, target)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", ["none picked", "all ignored"])
+@pytest.mark.parametrize("buffer", [False, True])
+def test_fused_loss_of_a_pack_without_targets_is_zero_with_zero_gradients(rows, buffer):
+    h, w, labels, chunk = _case(2, torch.float32)
+    labels[:] = IGNORE_INDEX
+    picked = torch.zeros(0, dtype=torch.long) if rows == "none picked" else None
+    loss, grad_h, grad_w = _run("fused", h, w, labels, chunk, picked, main_grad=torch.zeros(w.shape) if buffer else None)
+    assert torch.equal(loss, torch.zeros(h.shape[0])) and torch.equal(grad_h, torch.zeros_like(h))
+    assert grad_w is None if buffer else torch.equal(grad_w, torch.zeros_like(w))

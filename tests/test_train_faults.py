@@ -12,13 +12,16 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from shards_schema.cli import main as vlmpack
+from tests.helpers.cli import process_env
 from tests.helpers.damage import damaged_copy, one_error_line
 from tests.helpers.shards import preprocess
 from tests.helpers.train import metrics, ok, run_train, start_run_from
@@ -366,14 +369,14 @@ def test_the_distributed_optimizers_state_file_is_read_or_refused_naming_it(tmp_
 def _load_on_rank(rank: int, init: str, file: str, results) -> None:
     import torch.distributed as dist
 
+    from shards_schema.errors import UserError
     from train.checkpoint import _load_parameter_state
-    from train.model.arch import ModelFileError
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         _load_parameter_state(DistributedOptimizer(dp_rank=rank), Path(file), Path(file).parent)
         results.put((rank, "loaded"))
-    except ModelFileError as exc:
-        results.put((rank, exc.problem))
+    except UserError as exc:
+        results.put((rank, str(exc)))
     finally:
         dist.destroy_process_group()
 
@@ -394,3 +397,26 @@ def test_a_damaged_state_file_stops_every_rank_not_only_its_reader(tmp_path):
     for proc in procs:
         proc.join(timeout=30)
     assert set(got) == {0, 1} and all(str(file) in problem for problem in got.values()), got
+    assert got[1].endswith("(on another rank)"), got
+
+
+def test_a_resume_with_one_ranks_file_damaged_stops_every_rank_with_one_line(shards, tmp_path):
+    """DP=2, rank 1's file of the checkpoint damaged: rank 0, whose own files are intact, stops
+    too, before the first step's collectives, and both say which file."""
+    out = tmp_path / "dp2"
+    dp2 = [*BASE, "--global-batch-packs", "2", "--data", str(shards), "--out", str(out)]
+    ok(run_train([*dp2, "--train-steps", "2", "--save-every", "2"], nproc=2))
+    rank_file = out / "checkpoints" / "step_00000002" / "rank_00001.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:1000])
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "train.trainer", *dp2, "--train-steps", "2", "--resume"], cwd=Path(__file__).resolve().parents[1],
+                              env={**process_env(), "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                   "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    errors = [proc.communicate(timeout=300)[1] for proc in procs]
+    for rank, (proc, err) in enumerate(zip(procs, errors)):
+        line = one_error_line(err, "train")
+        assert proc.returncode == 2 and f"{rank_file}: not a readable checkpoint file (" in line, (rank, err)
+        assert line.endswith("(on another rank)") == (rank == 0), (rank, line)

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from shards_schema.atomic import TMP_SUFFIX, atomic_open, fsync_dir, write_json_atomic
-from shards_schema.errors import DiskFullError
+from shards_schema.errors import DiskFullError, UserError
 from train import adapter_format
 from train import checkpoint_format as fmt
 from train import convert
@@ -109,9 +109,8 @@ def parameter_state_file(info) -> str:
 def _load_parameter_state(optimizer, file: Path, checkpoint: Path) -> None:
     """The distributed optimizer's parameter state from `file` of `checkpoint`, as megatron's
     `load_parameter_state` loads it: DP rank 0 of each optimizer reads the file and scatters
-    it. Here the readers first read it, and every rank learns whether each could (one
-    collective) before the scatter: a damaged or missing file stops every rank with
-    ModelFileError naming it, never a rank left waiting in the scatter.
+    it. Here the readers read it first, and every rank learns whether each could
+    (`on_every_rank`) before the scatter, where a reader's failure would leave the others waiting.
 
     megatron-core 0.16.1 with torch's AdamW (no Apex / TE) has two bugs here, both fixed
     around the load: `load_state_dict` puts ONE 'step' tensor into every parameter's state,
@@ -122,20 +121,9 @@ def _load_parameter_state(optimizer, file: Path, checkpoint: Path) -> None:
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     loading = [(i, o) for i, o in enumerate(chained)
                if hasattr(o, "load_parameter_state_from_dp_zero") and not getattr(o, "is_stub_optimizer", False)]
-    states, problem = None, ""
-    if any(o.data_parallel_group.rank() == 0 for _, o in loading):
-        try:
-            states = _read_torch_file(file, checkpoint, weights_only=True)
-        except ModelFileError as exc:
-            problem = exc.problem
-    problems = [problem]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-    found = [p for p in problems if p]
-    if found:
-        raise ModelFileError(problem or found[0], damaged_checkpoint_fix(checkpoint))
-    inner = [o.optimizer for o in _distributed_optimizers(optimizer)]
+    reads = any(o.data_parallel_group.rank() == 0 for _, o in loading)
+    states = on_every_rank(lambda: _read_torch_file(file, checkpoint, weights_only=True) if reads else None, checkpoint)
+    inner = [o.optimizer for o in _distributed_optimizers(optimizer) if not getattr(o, "is_stub_optimizer", False)]
     steps = [{p: s.pop("step") for p, s in opt.state.items() if "step" in s} for opt in inner]
     try:
         for index, o in loading:
@@ -146,6 +134,31 @@ def _load_parameter_state(optimizer, file: Path, checkpoint: Path) -> None:
         for opt, saved in zip(inner, steps):
             for param, step in saved.items():
                 opt.state[param]["step"] = step.clone()
+
+
+def on_every_rank(read, checkpoint: Path):
+    """`read()`'s value. Where it fails on any rank (a damaged or unreadable file of
+    `checkpoint`), every rank stops with the first failing rank's message, a UserError, before
+    the collectives that follow could leave the others waiting for it."""
+    value, error = None, None
+    try:
+        value = read()
+    except UserError as exc:
+        error = exc
+    except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as exc:  # unreadable, or
+        # of unexpected content: the file's failure all the same
+        error = ModelFileError(f"{checkpoint}: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}",
+                               damaged_checkpoint_fix(checkpoint))
+    messages = [str(error) if error else ""]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, str(error) if error else "")
+    if error is not None:
+        raise error
+    failed = [m for m in messages if m]
+    if failed:
+        raise UserError(f"{failed[0]} (on another rank)")
+    return value
 
 
 def _gather_parameter_state(optimizer):
@@ -777,8 +790,8 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
         raise ConfigError(f"{path} was written with tp={layout['tp']} pp={layout['pp']} ep={layout.get('ep', 1)} on "
                           f"{layout['world']} ranks; "
                           f"resume with the same layout, or start a new run from its weights with --init {path / 'model'}")
-    _load_run_weights(model, path, info, meta["config"])
-    rank_state = _load_rank_state(path, info.rank)
+    rank_state = on_every_rank(lambda: _load_run_weights(model, path, info, meta["config"])
+                               or _load_rank_state(path, info.rank), path)
     optimizer.load_state_dict(rank_state["optimizer"])
     if _uses_distributed_optimizer(optimizer):
         _load_parameter_state(optimizer, path / parameter_state_file(info), path)

@@ -120,7 +120,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
         grad_hidden, grad_weight, target = ctx.saved_tensors
-        if grad_weight is not None or ctx.into_buffer:
+        if target.numel() and (grad_weight is not None or ctx.into_buffer):
             targets = target >= 0
             scale = grad_loss[targets.int().argmax()]  # the first target row's (any row's, if none)
             same = torch.where(targets, grad_loss == scale, True).all()
@@ -128,8 +128,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 same &= (scale == 1) | ~targets.any()
             torch._assert_async(same, "fused cross-entropy: the target rows' losses got unequal gradients, or "
                                       "another than 1 where their weight gradient went into its buffer")
-            if grad_weight is not None:
-                grad_weight = (grad_weight * scale).to(ctx.weight_dtype)
+            grad_weight = None if grad_weight is None else grad_weight * scale
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(ctx.weight_dtype)
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_loss[:, None].to(grad_hidden.dtype)
         return grad_hidden, grad_weight, None, None, None, None
@@ -141,6 +142,7 @@ def fused_cross_entropy(hidden: Tensor, labels: Tensor, weight: Tensor, loss_and
     (module docstring), for an output layer that holds the whole vocabulary (TP = 1):
     hidden [T, 1, H] through `weight` [V, H]. For training: without gradients to make, the
     chunked loss alone is cheaper."""
+    assert torch.is_grad_enabled(), "fused_cross_entropy makes gradients: use chunked_cross_entropy without them"
     total = hidden.shape[0]
     hidden = hidden[:, 0]
     if rows is not None:

@@ -228,7 +228,8 @@ class DecoderMoELayer(MoELayer):
         with _no_dtoh_stream() if local or self.host else nullcontext():
             super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
         self.pg_collection = pg_collection
-        if local:
+        if local:  # its rows assume every token routed to exactly top-k experts: no drops, no padding
+            assert config.moe_expert_capacity_factor is None and not config.moe_router_padding_for_quantization
             self.token_dispatcher = LocalTokenDispatcher(config=config, pg_collection=pg_collection)
         elif self.host:
             self.token_dispatcher = HostAlltoAllTokenDispatcher(self.num_local_experts, self.local_expert_indices,
