@@ -269,14 +269,19 @@ class Recipe:
     liger: bool = True
     gradient_checkpointing: bool = False
     lora_rank: int = 0
+    # fp32: AdamW steps fp32 copies of the bf16 parameters, which then take the result rounded,
+    # as vlmpack's default fp32 master weights do; bf16: it updates the bf16 parameters in place
+    master_weights: str = "bf16"
 
 
 class HFPackedTrainer:
     """The HF model from `init_dir` under the recipe above, stepping on vlmpack's packs."""
 
-    def __init__(self, arch, init_dir: Path, profile: dict, recipe: Recipe, device: torch.device):
+    def __init__(self, arch, init_dir: Path, profile: dict, recipe: Recipe, device: torch.device,
+                 dtype: torch.dtype | None = None):
+        """`dtype`: of the parameters and the compute; default bf16 on CUDA, else fp32."""
         self.device, self.cuda = device, device.type == "cuda"
-        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.dtype = dtype or (torch.bfloat16 if self.cuda else torch.float32)
         self.vision, self.video = profile["vision"], profile.get("video")
         model_class = hf_model_class(arch)
         self.model = model_class.from_pretrained(init_dir, dtype=self.dtype, attn_implementation="sdpa",
@@ -302,8 +307,11 @@ class HFPackedTrainer:
             else:
                 self.liger = LigerCoverage(None, reason="Liger's kernels are Triton kernels: CUDA only")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                                           fused=self.cuda)
+        self.masters = None
+        if recipe.master_weights == "fp32" and self.dtype != torch.float32:
+            self.masters = [p.detach().float() for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.masters or self.params, lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8,
+                                           weight_decay=0.0, fused=self.cuda)
         self.num_params = sum(p.numel() for p in self.params)
 
     def inputs(self, pack: dict) -> dict:
@@ -338,9 +346,15 @@ class HFPackedTrainer:
             weighted = loss * (pack["targets"] * scale / targets)
             weighted.backward()
             total += float(weighted.detach())
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        if self.masters is not None:  # the gradients in fp32 on the masters, the stepped masters back rounded
+            for param, master in zip(self.params, self.masters):
+                master.grad, param.grad = param.grad.float(), None
+        torch.nn.utils.clip_grad_norm_(self.masters or self.params, 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.masters)
         return total
 
 

@@ -152,6 +152,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--skip-hf", action="store_true", help="measure vlmpack only")
     ap.add_argument("--hf-liger", type=parse_bool, default=True,
                     help="HF side: apply every Liger kernel that supports the model (CUDA; default true)")
+    ap.add_argument("--hf-master-weights", default="bf16", choices=("bf16", "fp32"),
+                    help="HF side: AdamW on the bf16 parameters in place (bf16, default), or on fp32 copies of them, "
+                         "as vlmpack's default --master-weights fp32 (for loss curves that compare like with like)")
     ap.add_argument("--hf-gradient-checkpointing", default="auto", choices=("auto", "true", "false"),
                     help="HF side: transformers' per-layer recompute; auto: only when a step does not fit without "
                          "it (the run is retried with it and the result says so; default auto)")
@@ -853,7 +856,7 @@ def run_hf(args, arch, data_dir: Path, packs: list[list[int]], gradient_checkpoi
     n = args.global_batch_packs
     steps = [collated[k:k + n] for k in range(0, len(collated), n)][:args.warmup + args.steps]
     recipe = hf_baseline.Recipe(lr=args.lr, liger=args.hf_liger, gradient_checkpointing=gradient_checkpointing,
-                                lora_rank=args.lora_rank)
+                                lora_rank=args.lora_rank, master_weights=args.hf_master_weights)
     trainer = hf_baseline.HFPackedTrainer(arch, Path(args.init_dir), shards.manifest["profile"], recipe, device)
     log(f"HF: {arch.hf_architecture}, {trainer.num_params:,} trained parameters, attention "
         f"{hf_baseline.ATTENTION} ({args.attention if cuda else 'masked, CPU'}), gradient checkpointing "

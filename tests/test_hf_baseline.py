@@ -57,6 +57,37 @@ def test_packed_recipe_equals_hf_per_sample(tmp_path, arch_name):
     assert packed == pytest.approx(weighted / targets, abs=2e-5)
 
 
+def test_fp32_master_weights_step_fp32_copies_and_round_them_into_the_bf16_parameters(tmp_path):
+    """`--hf-master-weights fp32`: AdamW's state and steps live on fp32 copies; the bf16 model
+    takes them rounded after each step. At a learning rate below bf16's resolution of most
+    weights, updating the bf16 parameters in place leaves those weights as they were."""
+    arch = builtin_arch("tiny")
+    write_synthetic_shards(tmp_path / "data", SyntheticSpec(num_samples=3, seed=5, **SMALL_MIX),
+                           profile_name=arch.family, log=None)
+    shards = open_shards(tmp_path / "data")
+    pack = hf_baseline.collate_pack([shards[i] for i in range(len(shards))])
+    init = hf_baseline.write_init_checkpoint(arch, tmp_path / "init", seed=3, dtype=torch.float32,
+                                             device=torch.device("cpu"))
+    moved = {}
+    for master_weights in ("fp32", "bf16"):
+        trainer = hf_baseline.HFPackedTrainer(arch, init, shards.manifest["profile"],
+                                              hf_baseline.Recipe(lr=1e-6, liger=False, master_weights=master_weights),
+                                              torch.device("cpu"), dtype=torch.bfloat16)
+        before = [p.detach().float().clone() for p in trainer.params]
+        for _ in range(2):
+            trainer.step([pack])
+        if master_weights == "fp32":
+            assert all(m.dtype == torch.float32 and torch.equal(p, m.to(p.dtype))
+                       for p, m in zip(trainer.params, trainer.masters))
+            assert all(p.grad is None for p in trainer.params)
+            changed = sum(int((m != b).sum()) for m, b in zip(trainer.masters, before))
+        else:
+            assert trainer.masters is None
+            changed = sum(int((p.float() != b).sum()) for p, b in zip(trainer.params, before))
+        moved[master_weights] = changed / sum(b.numel() for b in before)
+    assert moved["fp32"] > 0.9 and moved["bf16"] < 0.5, moved
+
+
 def test_the_gated_delta_net_layers_call_the_conv_the_packed_recipe_replaces():
     """transformers' Qwen3.5 (dense and MoE) Gated DeltaNet layers call their module's
     `causal_conv1d_fn`, which the packed recipe replaces with the varlen conv; a layer holding
