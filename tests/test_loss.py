@@ -125,3 +125,14 @@ def test_fused_loss_of_a_pack_without_targets_is_zero_with_zero_gradients(rows, 
     loss, grad_h, grad_w = _run("fused", h, w, labels, chunk, picked, main_grad=torch.zeros(w.shape) if buffer else None)
     assert torch.equal(loss, torch.zeros(h.shape[0])) and torch.equal(grad_h, torch.zeros_like(h))
     assert grad_w is None if buffer else torch.equal(grad_w, torch.zeros_like(w))
+
+
+def test_fused_loss_under_a_frozen_output_layer_gives_the_input_gradient_alone():
+    """LoRA freezes the output layer: its buffer is left as it was, the input gradient is made."""
+    h, w, labels, chunk = _case(3, torch.float32)
+    _, want_h, _ = _reference(h, w, labels)
+    hidden, weight = h.clone().requires_grad_(), w.clone()
+    weight.main_grad = torch.zeros(w.shape)
+    fused_cross_entropy(hidden, labels, weight, chunk=chunk).sum().backward()
+    assert weight.grad is None and not weight.main_grad.any()
+    torch.testing.assert_close(hidden.grad.double(), want_h, rtol=1e-5, atol=1e-5)
