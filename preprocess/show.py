@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from shards_schema.inspect import patches_to_image, video_patches_to_frames
-from shards_schema.errors import EXIT_USER_ERROR, UserError
+from shards_schema.errors import EXIT_USER_ERROR, UserError, print_error
 from shards_schema.families import reading_rules
 from shards_schema.outdir import prepare_output_dir
 from shards_schema.reader import ShardSet, open_shards
@@ -295,7 +295,7 @@ class Show:
         try:
             return _show(args, out)
         except (UserError, IndexError, ValueError) as exc:
-            print(f"vlmpack show: error: {exc}", file=sys.stderr)
+            print_error("show", exc)
             return EXIT_USER_ERROR
 
 

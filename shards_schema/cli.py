@@ -16,7 +16,8 @@ import importlib
 import os
 import sys
 
-from .errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError, user_error_from_os_error
+from .errors import (EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError, print_error,
+                     user_error_from_os_error)
 
 # name -> ("module:object", one-line help)
 COMMANDS = {
@@ -76,7 +77,8 @@ def _dispatch(argv: list[str]) -> int:
         return 0
     name = argv[0]
     if name not in COMMANDS:
-        print(f"vlmpack: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"vlmpack: error: unknown command {name!r}: choose one of {', '.join(COMMANDS)} "
+              "(`vlmpack --help` describes them)", file=sys.stderr)
         return EXIT_USER_ERROR
     target, help_ = COMMANDS[name]
     module_name, attr = target.split(":")
@@ -108,7 +110,7 @@ def interrupted_before_start(name: str) -> int:
 
 def _fail(name: str, exc: UserError) -> int:
     """A user error: one line on stderr, the error's exit code, no traceback."""
-    print(f"vlmpack {name}: error: {exc}", file=sys.stderr)
+    print_error(name, exc)
     return exc.exit_code
 
 

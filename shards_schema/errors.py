@@ -47,6 +47,15 @@ class UserError(Exception):
     exit_code = EXIT_USER_ERROR
 
 
+def print_error(command: str, message) -> None:
+    """`vlmpack COMMAND: error: MESSAGE` as one line on stderr: a line break inside the message
+    (from a path or a value the user gave) is shown escaped."""
+    import sys
+
+    text = str(message).replace("\r", "\\r").replace("\n", "\\n")
+    print(f"vlmpack {command}: error: {text}", file=sys.stderr)
+
+
 class DiskFullError(UserError):
     """No space left where the command writes; what was complete stays complete."""
 

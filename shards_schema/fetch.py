@@ -117,7 +117,7 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
                             "fetch into a new or empty directory")
         return held
 
-    with exclusive_output_dir(dst, "fetch", check=held_manifest) as out:
+    with exclusive_output_dir(dst, "fetch", what="the destination", check=held_manifest) as out:
         existing = out / MANIFEST_NAME
         finished = held_manifest(out) is not None
         for stale in out.glob("*" + TMP_SUFFIX):

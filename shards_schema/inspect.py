@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import EXIT_USER_ERROR
+from .errors import EXIT_USER_ERROR, print_error
 from .manifest import REJECTS_NAME, ShardFormatError, profile_name
 from .outdir import prepare_output_dir
 from .reader import open_shards
@@ -559,7 +559,7 @@ class Inspect:
         try:
             report, arrays = _collect(args.dir)  # the manifest and each shard checked as they are opened
         except (ShardFormatError, OSError) as exc:
-            print(f"vlmpack inspect: error: {exc}", file=sys.stderr)
+            print_error("inspect", exc)
             return EXIT_USER_ERROR
         return Inspect._print(args, report, arrays)  # a closed pipe: the dispatcher ends quietly
 

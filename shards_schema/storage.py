@@ -99,6 +99,8 @@ def _filesystem(url: str, policy: FetchPolicy | None = None):
         scheme = url.split("://", 1)[0]
         raise StorageError("unreachable", f"{redact(url)}: no file system for {scheme}:// ({exc}); install its "
                            "fsspec package (s3fs for s3://, gcsfs for gs://)") from None
+    except OSError as exc:  # a file system that connects when it is made (ftp://, sftp://)
+        raise classify(exc, url) from None
 
 
 def _causes(exc: BaseException):

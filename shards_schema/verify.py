@@ -44,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 
 from .atomic import TMP_SUFFIX
-from .errors import EXIT_FAULT, EXIT_OK, EXIT_USER_ERROR, UserError
+from .errors import EXIT_FAULT, EXIT_OK, EXIT_USER_ERROR, UserError, print_error
 from .families import find_rules, reading_rules
 from .manifest import (MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, SHARD_STAT_KEYS, VIDEO_STAT_KEYS, ShardFormatError,
                        is_count, layout_problems, read_manifest, shard_entries, total_keys)
@@ -977,7 +977,7 @@ class Verify:
             if args.json:
                 print(json.dumps({"directory": str(args.directory), "ok": False, "error": str(exc)}, indent=2))
             else:
-                print(f"vlmpack verify: error: {exc}", file=sys.stderr)
+                print_error("verify", exc)
             return EXIT_USER_ERROR
         if args.json:
             print(json.dumps(report.to_json(), indent=2))

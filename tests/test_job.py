@@ -554,6 +554,8 @@ REFUSED_OUTPUT_DIRS = {
     "export into a held directory": (lambda d: _export(d), ["export", "{shards}", "--out", "{D}", "--overwrite"], "is in use", True),
     "import into other files": (_other_files, ["import", "{tars}", "--out", "{D}"], "did not write (example.jsonl", False),
     "fetch into other files": (_other_files, ["fetch", "{shards}", "{D}", "--no-progress"], "is not empty", False),
+    "fetch into a file": (lambda d: d.write_text("mine"), ["fetch", "{shards}", "{D}", "--no-progress"],
+                          "the destination {D} is a file, not a directory", False),
     "fetch into another dataset": (_job_dir, ["fetch", "{shards_other}", "{D}", "--no-progress"], "holds another dataset", False),
     "pack into other files": (_other_files, ["pack", "{shards}", "--seq-len", "16384", "--out", "{D}"], "is not a pack plan", False),
 }
@@ -587,7 +589,7 @@ def test_a_refused_output_directory_is_left_exactly_as_it_was(case, example_json
              "shards_other": tmp_path / "other"}
     if "{shards_other}" in argv:
         _run([example_jsonl], tmp_path / "other", workers=1, rows_per_shard=4)
-    argv = [a.format(**paths) for a in argv]
+    argv, message = [a.format(**paths) for a in argv], message.format(**paths)
     with contextlib.ExitStack() as stack:
         if held:
             stack.enter_context(exclusive_output_dir(d, "preprocess"))
@@ -753,6 +755,10 @@ BAD_ARGUMENTS = [
     ("preprocess-out-file", [], "--out {tmp}/afile is a file, not a directory"),
     ("merge", ["{tmp}/nowhere", "--out", "{tmp}/m"], "{tmp}/nowhere does not exist or is not a directory"),
     ("merge", ["{tmp}", "--out", "{tmp}/m"], "not the output of `vlmpack preprocess`"),
+    # a file system that connects as it is made: the failure is the store's, not a traceback
+    ("merge", ["ftp://no-such-host.invalid/x", "--out", "{tmp}/m"], "ftp://no-such-host.invalid/x/_parts/job.json: "
+                                                                    "cannot reach the store ("),
+    ("inspect", ["{tmp}/line\nbreak"], "{tmp}/line\\nbreak: no manifest.json"),
     ("quickstart", ["--rows", "0"], "--rows must be an integer from 1 to 1000, got 0"),
     ("quickstart", ["--videos", "-1"], "--videos must be an integer from 0 to 100, got -1"),
     ("quickstart", ["--workers", "0"], "--workers must be an integer from 1 to 4096, got 0"),
@@ -773,10 +779,17 @@ def test_bad_arguments_exit_2_with_one_line(command, argv, message, example_json
         argv = ["quickstart", "--out", tmp_path / "qs", *argv]
     else:
         argv = [command, *argv]
+    (tmp_path / "line\nbreak").mkdir(exist_ok=True)
     code, err = _cli(capsys, *argv)
     assert code == 2, err
     assert err.startswith(f"vlmpack {argv[0]}: error: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "o").exists() and not (tmp_path / "m").exists() and not (tmp_path / "qs").exists()
+
+
+def test_an_unknown_command_exits_2_with_one_line_naming_the_commands(capsys):
+    code, err = _cli(capsys, "frobnicate", "--out", "x")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("vlmpack: error: unknown command 'frobnicate': choose one of quickstart, preprocess, "), err
 
 
 # Numeric extremes in every numeric flag of these commands: each value either works (exit 0) or

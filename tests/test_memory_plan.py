@@ -367,6 +367,12 @@ def test_dry_run_where_no_layout_fits_exits_1_naming_what_to_change(capsys):
                   "--gpu-memory-gib", "2"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert rc == 1 and last.startswith("no layout fits") and "--recompute full" not in last
+    assert "--loss chunked" not in last
+    # --loss fused keeps TP out of the search: dropping it is named first
+    rc = vlmpack(["train", "--dry-run", "--arch", "qwen3-vl-2b", "--seq-len", "16384", "--recompute", "auto",
+                  "--gpu-memory-gib", "2", "--loss", "fused"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert rc == 1 and "to fit, try: --loss chunked (--loss fused keeps the whole vocabulary on each GPU" in last, last
     # the run's own layout fits, on more GPUs than the search tries: it exits 0
     rc = vlmpack(["train", "--dry-run", "--arch", "qwen3-vl-235b-a22b", "--gpus", "1024", "--tp", "4", "--pp", "2",
                   "--ep", "128", "--seq-len", "16384", "--recompute", "full", "--gpu-memory-gib", "24"])

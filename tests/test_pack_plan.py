@@ -357,6 +357,9 @@ BAD_PACK_ARGUMENTS = [
     (["{d}", "--seq-len", "2048", "--global-batch-packs", "-2"], "--global-batch-packs -2 must be a positive multiple"),
     (["{d}", "--seq-len", "2048", "--max-visual-tokens", "0"], "--max-visual-tokens must be an integer >= 1, got 0"),
     (["{d}", "--seq-len", "2048", "--pad-to-multiple", "0"], "--pad-to-multiple must be an integer >= 1, got 0"),
+    (["{d}", "--seq-len", "2048", "--pad-to-multiple", "4096"], "(rounded up to a multiple of 4096); the longest has "
+                                                                "4096. Use seq_len >= 4096, or a --pad-to-multiple "
+                                                                "that divides seq_len"),
     (["{d}", "--seq-len", "2048", "--epoch", "-1"], "--epoch must be an integer >= 0, got -1"),
     (["{d}", "--seq-len", "2048", "--seed", "-3"], "--seed must be an integer >= 0, got -3"),
     (["{t}/missing", "--seq-len", "2048"], "{t}/missing: no such directory"),

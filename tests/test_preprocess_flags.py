@@ -133,8 +133,10 @@ def test_flags_follow_fields_prefixes_and_the_command_lines_own_defaults():
     (["--partition-index", "0"], "--partition-index 0 needs --num-partitions"),
     (["--num-partitions", "2", "--partition-index", "2"], "--partition-index must be in 0..1 (--num-partitions 2), "
                                                           "got 2"),
-], ids=["count-alone", "index-alone", "index-out-of-range"])
-def test_a_partition_flag_without_its_partner_or_out_of_range_is_refused_before_any_work(tmp_path, capsys, argv,
+    (["--ray-address", "head:6379"], "--ray-address head:6379 joins a Ray cluster for --executor ray: add "
+                                     "--executor ray, or drop --ray-address"),
+], ids=["count-alone", "index-alone", "index-out-of-range", "ray-address-without-ray"])
+def test_a_flag_without_its_partner_or_out_of_range_is_refused_before_any_work(tmp_path, capsys, argv,
                                                                                         message):
     out = tmp_path / "out"
     assert main(["preprocess", str(tmp_path / "rows.jsonl"), "--out", str(out), *argv]) == 2

@@ -30,7 +30,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from shards_schema.errors import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_GPU_MEMORY, UserError
+from shards_schema.errors import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_GPU_MEMORY, UserError, print_error
 from shards_schema.outdir import exclusive_output_dir
 from shards_schema.storage import is_url
 from train import adapter_format, checkpoint, convert, memory_plan, model_setup
@@ -364,6 +364,8 @@ def nothing_fits_advice(config: TrainConfig) -> str:
         config = dataclasses.replace(config, memory=dataclasses.replace(config.memory, recompute="full"))
     resumable, new_run = memory_savings(config)
     changes = resumable + new_run
+    if config.model.loss == "fused":
+        changes.insert(0, "--loss chunked (--loss fused keeps the whole vocabulary on each GPU, so no --tp splits it)")
     if not config.parallelism.distributed_optimizer:
         changes.append("--distributed-optimizer true (the optimizer state sharded over the data-parallel ranks)")
     if not config.lora.lora_rank:
@@ -792,7 +794,7 @@ class Train:
         except RuntimeError as exc:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(exc):
                 raise
-            print(f"vlmpack train: error: {out_of_memory_advice(config, exc)}", file=sys.stderr)
+            print_error("train", out_of_memory_advice(config, exc))
             return EXIT_OUT_OF_GPU_MEMORY
         except KeyboardInterrupt:  # Ctrl-C outside the training loop (setup, export), where a step is not saved
             saved = checkpoint.latest_checkpoint(Path(config.checkpoints.out))

@@ -157,6 +157,9 @@ def check_config(cfg: PreprocessConfig) -> None:
     if cfg.executor not in EXECUTORS:
         raise ConfigError(f"--executor must be one of {', '.join(EXECUTORS)}, got {cfg.executor!r}")
     _in_range("--ray-max-retries", cfg.ray_max_retries, 0, MAX_RAY_RETRIES)
+    if cfg.ray_address is not None and cfg.executor != "ray":
+        raise ConfigError(f"--ray-address {cfg.ray_address} joins a Ray cluster for --executor ray: add --executor ray, "
+                          "or drop --ray-address to run on this machine")
     if cfg.input_format not in INPUT_FORMATS:
         raise ConfigError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {cfg.input_format!r}")
     if cfg.input_hash not in INPUT_HASH_MODES:

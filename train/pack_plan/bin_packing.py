@@ -31,7 +31,9 @@ def check_sizes(source: SourceStats, padded: np.ndarray, seq_len: int, pad_to_mu
         raise PackingError(
             f"{source.name}: {len(too_long)} sample(s) longer than seq_len {seq_len}; first: {who(i)} "
             f"has {int(source.num_tokens[i])} tokens{pad_note}; the longest has {longest}. "
-            f"Use seq_len >= {longest}, or re-run `vlmpack preprocess` with --max-seq-len <= {seq_len}"
+            + (f"Use seq_len >= {longest}, or a --pad-to-multiple that divides seq_len"
+               if int(source.num_tokens.max()) <= seq_len else
+               f"Use seq_len >= {longest}, or re-run `vlmpack preprocess` with --max-seq-len <= {seq_len}")
         )
     if max_visual_tokens is not None:
         too_many = np.flatnonzero(source.visual_tokens > max_visual_tokens)
