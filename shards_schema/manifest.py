@@ -229,6 +229,8 @@ def read_manifest(directory: str | Path) -> dict:
     path = directory / MANIFEST_NAME
     if not path.is_file():
         hint = " (a preprocessing job that has not finished, or a partition not yet merged?)" if directory.is_dir() else ""
+        if (directory / "index.json").is_file():  # the WebDataset index (shards_schema/webdataset/format.py)
+            hint = f" but an index.json: a `vlmpack export` directory? `vlmpack import {directory} --out DIR` makes shards of it"
         raise ShardFormatError(f"{directory}: no {MANIFEST_NAME}{hint}")
     try:
         data = path.read_bytes()

@@ -105,6 +105,18 @@ def test_index_and_tar_layout(exported, shard_dir, source):
     assert "." not in sample_key(12) and sample_key(12) == "s000000012"
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify", "export"])
+def test_a_shard_command_on_an_export_directory_points_to_import(exported, tmp_path, capsys, command):
+    from shards_schema.cli import main
+
+    exported = exported[0]
+    argv = [command, str(exported)] + (["--out", str(tmp_path / "again")] if command == "export" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{exported}: no manifest.json but an index.json: a `vlmpack export` directory? " \
+        f"`vlmpack import {exported} --out DIR` makes shards of it" in err, err
+
+
 def test_npy_members_are_numpy_save_bytes(exported, source):
     out, _ = exported
     with tarfile.open(out / "vlmpack-000000.tar") as archive:
