@@ -30,7 +30,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from shards_schema.errors import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_GPU_MEMORY, UserError, print_error
+from shards_schema.errors import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_GPU_MEMORY, UserError
 from shards_schema.outdir import exclusive_output_dir
 from shards_schema.storage import is_url
 from train import adapter_format, checkpoint, convert, memory_plan, model_setup
@@ -794,7 +794,8 @@ class Train:
         except RuntimeError as exc:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(exc):
                 raise
-            print_error("train", out_of_memory_advice(config, exc))
+            # exit 3, not a user error: its advice runs over several lines
+            print(f"vlmpack train: error: {out_of_memory_advice(config, exc)}", file=sys.stderr)
             return EXIT_OUT_OF_GPU_MEMORY
         except KeyboardInterrupt:  # Ctrl-C outside the training loop (setup, export), where a step is not saved
             saved = checkpoint.latest_checkpoint(Path(config.checkpoints.out))
