@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import signal
+import sys
 
 EXIT_OK = 0
 EXIT_FAULT = 1
@@ -50,8 +51,6 @@ class UserError(Exception):
 def print_error(command: str, message) -> None:
     """`vlmpack COMMAND: error: MESSAGE` as one line on stderr: a line break inside the message
     (from a path or a value the user gave) is shown escaped."""
-    import sys
-
     text = str(message).replace("\r", "\\r").replace("\n", "\\n")
     print(f"vlmpack {command}: error: {text}", file=sys.stderr)
 
