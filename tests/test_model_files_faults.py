@@ -79,26 +79,20 @@ def shards(tmp_path_factory) -> Path:
     return preprocess(tmp_path_factory.mktemp("data"), "shards", rows=8, seq_len=SEQ_LEN, size_range=(32, 48))
 
 
-@pytest.mark.parametrize("case", sorted(HF_DAMAGE))
-def test_import_hf_of_a_damaged_checkpoint_exits_2_naming_the_file(hf_checkpoint, tmp_path, capsys, case):
-    name, damage, says = HF_DAMAGE[case]
-    source = damaged_copy(hf_checkpoint, tmp_path / "hf", name, damage)
-    capsys.readouterr()
-    assert vlmpack(["import-hf", str(source), "--out", str(tmp_path / "out")]) == 2
-    line = one_error_line(capsys.readouterr().err, "import-hf")
-    assert f"{source / name}{says}" in line, line
-    assert not (tmp_path / "out").exists()
+# the command, the fixture it reads, its damage table, and the file whose absence shows it wrote nothing
+CONVERSIONS = {"import-hf": ("hf_checkpoint", HF_DAMAGE, "out"), "export-hf": ("model_dir", MODEL_DAMAGE, "out/config.json")}
 
 
-@pytest.mark.parametrize("case", sorted(MODEL_DAMAGE))
-def test_export_hf_of_a_damaged_model_directory_exits_2_naming_the_file(model_dir, tmp_path, capsys, case):
-    name, damage, says = MODEL_DAMAGE[case]
-    source = damaged_copy(model_dir, tmp_path / "model", name, damage)
+@pytest.mark.parametrize("command, case", [(c, case) for c, (_, damage, _) in CONVERSIONS.items() for case in sorted(damage)])
+def test_a_conversion_of_a_damaged_directory_exits_2_naming_the_file(request, tmp_path, capsys, command, case):
+    fixture, damage_table, not_written = CONVERSIONS[command]
+    name, damage, says = damage_table[case]
+    source = damaged_copy(request.getfixturevalue(fixture), tmp_path / "source", name, damage)
     capsys.readouterr()
-    assert vlmpack(["export-hf", str(source), "--out", str(tmp_path / "out")]) == 2
-    line = one_error_line(capsys.readouterr().err, "export-hf")
+    assert vlmpack([command, str(source), "--out", str(tmp_path / "out")]) == 2
+    line = one_error_line(capsys.readouterr().err, command)
     assert f"{source / name}{says}" in line, line
-    assert not (tmp_path / "out" / "config.json").exists()
+    assert not (tmp_path / not_written).exists()
 
 
 # a config.json, an index or weights damaged (--hf-model), the metadata or the weights of a model directory (--init)

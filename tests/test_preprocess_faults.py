@@ -97,12 +97,17 @@ def _children(pid: int) -> set[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """The process's state letter from /proc ("Z": a zombie, "T": stopped), "" when it is gone."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return state[state.rindex(")") + 2] != "Z"  # a zombie has ended; only its exit status is left
+        return ""
+    return stat[stat.rindex(")") + 2]
+
+
+def _alive(pid: int) -> bool:
+    return _state(pid) not in ("", "Z")  # a zombie has ended; only its exit status is left
 
 
 def _wait_gone(pids: set[int], seconds: float = PROCESS_GONE_SECONDS) -> set[int]:
@@ -175,11 +180,6 @@ runpy.run_module("shards_schema.cli", run_name="__main__")
 """
 
 
-def _stopped(pid: int) -> bool:
-    state = Path(f"/proc/{pid}/stat").read_text()
-    return state[state.rindex(")") + 2] in "Tt"
-
-
 def test_merge_killed_at_random_moments_then_rerun_is_byte_identical(partitions, data, tmp_path):
     """A merge of hard links runs faster than a poll can catch it, so the job stops itself
     (SIGSTOP) right after its `after`-th unit commit; it is killed there, or let go on for a
@@ -195,7 +195,7 @@ def test_merge_killed_at_random_moments_then_rerun_is_byte_identical(partitions,
         rng, out = random.Random(seed), tmp_path / f"merged{seed}"
         proc = subprocess.Popen([sys.executable, "-c", _MERGE_STOPPING_AFTER_UNITS, str(rng.randrange(units)), "merge",
                                  *map(str, partitions), "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _wait_for(lambda: proc.poll() is not None or _stopped(proc.pid), what="the merge to stop itself")
+        _wait_for(lambda: proc.poll() is not None or _state(proc.pid) in ("T", "t"), what="the merge to stop itself")
         assert proc.poll() is None, proc.stderr.read()
         if seed % 2:
             proc.send_signal(signal.SIGCONT)

@@ -12,7 +12,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from tests.helpers.cli import process_env
 from tests.helpers.damage import damaged_copy, one_error_line
 from tests.helpers.shards import preprocess
 from tests.helpers.train import metrics, ok, run_train, start_run_from
+from train.parallel import _free_port
 
 # short packs, one a step: the tiny model's 152k-token output layer is most of a step's time
 BASE = ["--arch", "tiny", "--seq-len", "512", "--global-batch-packs", "1", "--lr", "3e-3", "--warmup-steps", "1",
@@ -408,9 +408,7 @@ def test_a_resume_with_one_ranks_file_damaged_stops_every_rank_with_one_line(sha
     ok(run_train([*dp2, "--train-steps", "2", "--save-every", "2"], nproc=2))
     rank_file = out / "checkpoints" / "step_00000002" / "rank_00001.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:1000])
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "train.trainer", *dp2, "--train-steps", "2", "--resume"], cwd=Path(__file__).resolve().parents[1],
                               env={**process_env(), "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
                                    "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
