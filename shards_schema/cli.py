@@ -72,14 +72,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
-    name = argv[0]
-    if name not in COMMANDS:
-        print(f"vlmpack: error: unknown command {name!r}: choose one of {', '.join(COMMANDS)} "
+    if not argv or argv[0] not in COMMANDS:
+        given = f"unknown command {argv[0]!r}" if argv else "no command given"
+        print(f"vlmpack: error: {given}: choose one of {', '.join(COMMANDS)} "
               "(`vlmpack --help` describes them)", file=sys.stderr)
         return EXIT_USER_ERROR
+    name = argv[0]
     target, help_ = COMMANDS[name]
     module_name, attr = target.split(":")
     try:

@@ -792,6 +792,15 @@ def test_an_unknown_command_exits_2_with_one_line_naming_the_commands(capsys):
     assert err.startswith("vlmpack: error: unknown command 'frobnicate': choose one of quickstart, preprocess, "), err
 
 
+def test_no_command_exits_2_with_one_line_naming_the_commands_and_help_exits_0(capsys):
+    code, err = _cli(capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("vlmpack: error: no command given: choose one of quickstart, preprocess, "), err
+    from shards_schema.cli import main
+
+    assert main(["--help"]) == 0 and "`vlmpack <command> --help` describes" in capsys.readouterr().out
+
+
 # Numeric extremes in every numeric flag of these commands: each value either works (exit 0) or
 # exits 2 with one line naming the flag. command -> (its command line before the flag, [(flag,
 # the type it takes, which values it accepts)]); {data}: an input with an image and a video row,
