@@ -78,6 +78,12 @@ def _other_version(path: Path, key: str) -> None:
     path.write_text(json.dumps(record))
 
 
+def _edit_index(d: Path, edit) -> None:
+    index = json.loads((d / "index.json").read_text())
+    edit(index)
+    (d / "index.json").write_text(json.dumps(index))
+
+
 def _edit_manifest(d: Path, edit) -> None:
     manifest = json.loads((d / "manifest.json").read_text())
     edit(manifest)
@@ -135,6 +141,13 @@ TAR_DAMAGE = {
     "index_not_json": lambda d: (d / "index.json").write_text('{"format": "vlmpack-webdataset", '),
     "index_other_version": lambda d: _other_version(d / "index.json", "format_version"),
     "leftover_tmp": lambda d: (d / "vlmpack-000003.tar.tmp").write_bytes(b"torn"),
+    # index.json edited by hand: fields of the wrong kind are named, never a traceback
+    "index_version_a_string": lambda d: _edit_index(d, lambda i: i.update(format_version="1")),
+    "index_tars_null": lambda d: _edit_index(d, lambda i: i.update(tars=None)),
+    "index_manifest_a_string": lambda d: _edit_index(d, lambda i: i.update(manifest="shards/")),
+    "index_rejects_null": lambda d: _edit_index(d, lambda i: i.update(rejects=None)),
+    "index_offsets_not_counts": lambda d: _edit_index(d, lambda i: i["tars"][0].update(
+        sample_offsets=["x"] * i["tars"][0]["samples"])),
 }
 
 
@@ -411,6 +424,12 @@ TAR_EXPECTED = {
     "index_not_json": r"index\.json: not valid JSON",
     "index_other_version": r"index\.json: format version 99, this vlmpack reads 1",
     "leftover_tmp": r"leftover vlmpack-000003\.tar\.tmp from an interrupted write",
+    "index_version_a_string": r"index\.json: format_version '1' is not an integer: index\.json is damaged",
+    "index_tars_null": r"index\.json: `tars` must be a list, got NoneType: index\.json is damaged",
+    "index_manifest_a_string": r"index\.json: `manifest` must be an object, got str: index\.json is damaged",
+    "index_rejects_null": r"index\.json: `rejects` must be an object, got NoneType: index\.json is damaged",
+    "index_offsets_not_counts": r"index\.json: tar entry 0 \(vlmpack-000000\.tar\) has missing or invalid "
+                                r"sample_offsets \(not a list of integers\)",
 }
 
 

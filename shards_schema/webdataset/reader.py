@@ -13,7 +13,7 @@ import numpy as np
 
 from ..atomic import refuse_leftover_tmp
 from ..json_object import NotAJSONObject, parse_json_object
-from ..manifest import REJECTS_NAME, check_manifest, require_directory
+from ..manifest import REJECTS_NAME, check_manifest, is_count, require_directory
 from ..schema import FORMAT_NAME as SHARDS_FORMAT_NAME
 from ..schema import READABLE_SCHEMA_VERSIONS
 from ..writer import file_sha256
@@ -34,6 +34,11 @@ from .format import (
 )
 
 
+# the counts every `tars` entry of index.json carries
+_TAR_COUNTS = ("first_index", "samples", "bytes", "end_offset")
+_DAMAGED_INDEX = "index.json is damaged or was edited by hand; export the shard directory again"
+
+
 def load_index(tardir: str | Path) -> dict:
     """index.json of an export directory, checked for format, version and a consistent tar list."""
     tardir = Path(tardir)
@@ -49,11 +54,21 @@ def load_index(tardir: str | Path) -> dict:
     found = index.get("format")
     if found != FORMAT_NAME:
         raise WebDatasetFormatError(f"{path}: not a vlmpack WebDataset index (format {found!r})")
-    if index.get("format_version") != FORMAT_VERSION:
+    version = index.get("format_version")
+    if not is_count(version):
+        raise WebDatasetFormatError(f"{path}: format_version {version!r} is not an integer: {_DAMAGED_INDEX}")
+    if version != FORMAT_VERSION:
         raise WebDatasetFormatError(
-            f"{path}: format version {index.get('format_version')}, this vlmpack reads {FORMAT_VERSION}; re-export with this version"
+            f"{path}: format version {version}, this vlmpack reads {FORMAT_VERSION}; re-export with this version"
         )
-    manifest = index.get("manifest") or {}
+    for key, kind in (("manifest", dict), ("tars", list), ("rejects", dict)):
+        if not isinstance(index.get(key), kind):
+            raise WebDatasetFormatError(f"{path}: `{key}` must be {'an object' if kind is dict else 'a list'}, got "
+                                        f"{type(index.get(key)).__name__}: {_DAMAGED_INDEX}")
+    if not isinstance(index["rejects"].get("sha256"), str):
+        raise WebDatasetFormatError(f"{path}: rejects.sha256 {index['rejects'].get('sha256')!r} is not a string: "
+                                    f"{_DAMAGED_INDEX}")
+    manifest = index["manifest"]
     if manifest.get("format") != SHARDS_FORMAT_NAME or manifest.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         raise WebDatasetFormatError(
             f"{path}: exported from shard schema {manifest.get('format')!r} v{manifest.get('schema_version')}, "
@@ -61,18 +76,24 @@ def load_index(tardir: str | Path) -> dict:
         )
     check_manifest(manifest, f"{path} (the manifest of the exported directory)", str(tardir))
     expected_first = 0
-    for k, entry in enumerate(index.get("tars", [])):
-        try:
-            name = entry["file"]
-            consistent = entry["first_index"] == expected_first and len(entry["sample_offsets"]) == entry["samples"]
-            expected_first += int(entry["samples"])
-            _ = entry["bytes"], entry["sha256"], entry["end_offset"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WebDatasetFormatError(f"{path}: tar entry {k} is malformed ({type(exc).__name__}: {exc})") from exc
+    for k, entry in enumerate(index["tars"]):
+        if not isinstance(entry, dict):
+            raise WebDatasetFormatError(f"{path}: tar entry {k} is not an object: {_DAMAGED_INDEX}")
+        name = entry.get("file")
         if not isinstance(name, str) or Path(name).name != name or not name.endswith(".tar"):
             raise WebDatasetFormatError(f"{path}: tar entry {name!r} is not a plain .tar file name")
-        if not consistent:
+        bad = [f"{key} {entry.get(key)!r}" for key in _TAR_COUNTS if not is_count(entry.get(key))]
+        offsets = entry.get("sample_offsets")
+        if not isinstance(offsets, list) or not all(is_count(o) for o in offsets):
+            bad.append("sample_offsets (not a list of integers)")
+        if not isinstance(entry.get("sha256"), str):
+            bad.append(f"sha256 {entry.get('sha256')!r}")
+        if bad:
+            raise WebDatasetFormatError(f"{path}: tar entry {k} ({name}) has missing or invalid {', '.join(bad)} "
+                                        f"(counts are integers 0..2^53, sha256 a string): {_DAMAGED_INDEX}")
+        if entry["first_index"] != expected_first or len(offsets) != entry["samples"]:
             raise WebDatasetFormatError(f"{path}: entry for {name} is inconsistent (first_index, samples, sample_offsets)")
+        expected_first += entry["samples"]
     if expected_first != index.get("samples"):
         raise WebDatasetFormatError(f"{path}: tars hold {expected_first} samples, index says {index.get('samples')}")
     return index
