@@ -255,7 +255,10 @@ def parse_manifest(text: str | bytes, path) -> dict:
     if manifest.get("format") != FORMAT_NAME:
         raise ShardFormatError(f"{path}: not a vlmpack manifest (format {manifest.get('format')!r})")
     version = manifest.get("schema_version")
-    if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:
+    if not is_count(version):
+        raise ShardFormatError(f"{path}: schema_version {version!r} is not an integer: the manifest is damaged or was "
+                               "edited by hand; restore it or re-run the job that wrote it")
+    if version not in READABLE_SCHEMA_VERSIONS:
         raise ShardFormatError(
             f"{path}: schema version {version}, this vlmpack reads versions "
             f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}; "

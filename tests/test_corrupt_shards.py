@@ -121,6 +121,7 @@ SHARD_DAMAGE = {
     "missing": lambda d: (d / DAMAGED_SHARD).unlink(),
     "manifest_not_json": lambda d: (d / "manifest.json").write_text('{"format": "vlmpack-shards", '),
     "manifest_other_version": lambda d: _other_version(d / "manifest.json", "schema_version"),
+    "manifest_version_a_string": lambda d: _edit_manifest(d, lambda m: m.update(schema_version=str(m["schema_version"]))),
     "leftover_tmp": lambda d: (d / "shard-000002.arrow.tmp").write_bytes(b"torn"),
     # one byte of the schema's metadata in the footer (the copy readers use): a key no longer reads
     # `vlmpack.patch_row_width`
@@ -204,6 +205,8 @@ SHARD_EXPECTED = {
     ("manifest_shard_twice", "verify"): rf"{DAMAGED_SHARD}: \[manifest_field\] manifest\.json: {DAMAGED_SHARD} is listed twice",
     **{("manifest_not_json", c): r"manifest\.json: not valid JSON" for c in SHARD_COMMANDS},
     **{("manifest_other_version", c): r"manifest\.json: schema version 99, this vlmpack reads versions 1, 2" for c in SHARD_COMMANDS},
+    **{("manifest_version_a_string", c): r"manifest\.json: schema_version '2' is not an integer: the manifest is damaged"
+       for c in SHARD_COMMANDS},
     **{("leftover_tmp", c): r"leftover shard-000002\.arrow\.tmp from an interrupted write"
        for c in ("inspect", "show", "export", "pack", "train")},
     ("leftover_tmp", "verify"): r"shard-000002\.arrow\.tmp: \[leftover_tmp\]",
@@ -239,7 +242,8 @@ def test_a_damaged_shard_directory_stops_the_command(clean, tmp_path, damage, co
     done = _run(command, data, tmp_path)
     _assert_stopped(done, command, SHARD_EXPECTED[(damage, command)])
     if command == "verify":
-        assert done.returncode == (2 if damage in ("manifest_not_json", "manifest_other_version") else 1)
+        assert done.returncode == (2 if damage in ("manifest_not_json", "manifest_other_version",
+                                                   "manifest_version_a_string") else 1)
     if command == "export":
         assert not (tmp_path / "tars" / "index.json").exists() and not list((tmp_path / "tars").glob("*.tar"))
     if not damage.startswith("manifest_"):  # the shard is named, an intact manifest never blamed
