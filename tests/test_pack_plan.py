@@ -369,6 +369,10 @@ BAD_PACK_ARGUMENTS = [
     (["{d}", "--seq-len", "2048", "--out", "{f}"], "--out {f} is a file, not a directory"),
     (["{d}", "--seq-len", "2048", "--out", "{f}/plan"], "--out {f}/plan: {f} is a file, not a directory"),
     (["{d}", "--seq-len", "2048", "--out", "{d}"], "--out {d} holds files and is not a pack plan"),
+    # one directory named twice, however spelled, would draw its samples twice per epoch
+    (["{d}", "{d}", "--seq-len", "2048"], "source {d} is named twice: its samples would be drawn twice per epoch"),
+    (["{d}", "--data", "{d}/.:0.5", "--seq-len", "2048"], "source {d}/. is the same directory as {d}: its samples "
+                                                          "would be drawn twice"),
 ]
 
 

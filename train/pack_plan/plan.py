@@ -364,10 +364,17 @@ def plan_request(sources, packing: PackSettings) -> PlanRequest:
     specs = normalize_sources(sources)
     if not specs:
         raise PackingError("no sources to pack")
-    manifests = []
+    manifests, named = [], {}
     for directory, _ in specs:
         if not Path(directory).is_dir():
             raise ShardFormatError(f"{directory}: no such directory")
+        st = os.stat(directory)
+        first = named.setdefault((st.st_dev, st.st_ino), len(manifests))
+        if first != len(manifests):
+            first = specs[first][0]
+            same = "named twice" if directory == first else f"the same directory as {first}"
+            raise PackingError(f"source {directory} is {same}: its samples would be drawn twice per epoch; name each "
+                               "source once (a weight, DIR:WEIGHT, draws one source more often than another)")
         manifests.append(source_manifest(directory))
     profiles = {m["profile"]["id"] for m in manifests}
     if len(profiles) > 1:
