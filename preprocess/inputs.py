@@ -273,11 +273,31 @@ def _lines(fh, max_bytes: int) -> Iterator[tuple[bytes | None, int, int, bool]]:
         yield line, size, size, blank
 
 
+# Byte order marks of the Unicode encodings other than UTF-8 (UTF-32's first: it begins with UTF-16's)
+_OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+               (b"\xfe\xff", "UTF-16"))
+
+
+def _refuse_other_encoding(fh, path: str) -> None:
+    """A JSON or JSONL input is UTF-8: one that starts with a UTF-16 or UTF-32 byte order mark
+    is refused before it is split into rows (its line breaks are not b"\\n" bytes, so its rows
+    would be cut apart), naming the encoding and the fix. `fh` is left at the start."""
+    head = fh.read(4)
+    fh.seek(0)
+    for bom, encoding in _OTHER_BOMS:
+        if head.startswith(bom):
+            name = storage.redact(path)
+            raise ConfigError(f"input {name} is {encoding} text (it starts with a {encoding} byte order mark), but JSON "
+                              f"and JSONL inputs are read as UTF-8: convert it, e.g. `iconv -f {encoding} -t UTF-8 "
+                              f"{name} > rows-utf8{Path(urlsplit(name).path).suffix}`")
+
+
 def _scan_jsonl(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """Count lines, remember where every unit starts and how many of its lines are blank,
     reading the file once in blocks (no line is held)."""
     offsets, blanks, position, rows = [], [], 0, 0
     with storage.open_binary(path) as fh:
+        _refuse_other_encoding(fh, path)
         for _, size, _, blank in _lines(fh, max_bytes=0):
             if rows % rows_per_unit == 0:
                 offsets.append(position)
@@ -414,6 +434,7 @@ def _scan_json(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...]]:
     `]` (a second array, a truncated copy) stops the job: its rows would be lost unseen."""
     offsets, rows = [], 0
     with storage.open_binary(path) as fh:
+        _refuse_other_encoding(fh, path)
         first = _open_json_array(fh, path)
         fh.seek(first)
         splitter = _ArraySplitter(fh, first, max_bytes=0, first=True)
