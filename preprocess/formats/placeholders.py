@@ -24,11 +24,17 @@ class MediaQueue:
 
     @classmethod
     def from_row(cls, row: dict) -> "MediaQueue":
-        """The row's `images` / `videos` lists (LLaVA's single `image` / `video` as one-element lists)."""
-        def first(*keys):
-            return next((row[key] for key in keys if row.get(key) is not None), None)
-
-        return cls(first("images", "image"), first("videos", "video"))
+        """The row's `images` / `videos` lists (LLaVA's single `image` / `video` as one-element
+        lists). A row giving both spellings must name the same media in them: else one list
+        would be dropped unseen."""
+        queue = cls(None, None)
+        for kind in ("image", "video"):
+            given = [(key, _as_list(row[key], key)) for key in (f"{kind}s", kind) if row.get(key) is not None]
+            if len(given) == 2 and given[0][1] != given[1][1]:
+                raise RejectError("placeholder_mismatch", f"the row has both `{kind}s` and LLaVA's `{kind}`, naming "
+                                  f"different {kind}s: keep one of them")
+            queue.media[kind] = given[0][1] if given else []
+        return queue
 
     def take(self, kind: str):
         k = self.used[kind]
@@ -50,6 +56,10 @@ def _as_list(value, name: str) -> list:
     if isinstance(value, (str, bytes, dict)):
         return [value]  # LLaVA's single `image`, or one HF Image feature
     if isinstance(value, (list, tuple)):
+        for k, item in enumerate(value):
+            if item is None:
+                raise RejectError("empty_source", f"`{name}[{k}]` is null: give each entry of `{name}` a path, data "
+                                  "URI or base64, or drop the entry and its placeholder")
         return list(value)
     raise RejectError("bad_row", f"`{name}` must be a list of media references, got {type(value).__name__}")
 
