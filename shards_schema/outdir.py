@@ -8,7 +8,9 @@ names the first.
 
 A directory a command refuses is left exactly as it was found: its `check` (what the command
 would refuse: another job's output, files it did not write) runs before the lock file is
-created in a directory that exists, and again once the lock is held.
+created in a directory that exists, and again once the lock is held. A directory the job
+made and then failed in before writing any file (a refused input found under the lock) is
+removed again, so a refused run leaves no empty --out behind.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def exclusive_output_dir(path: str | Path, command: str, *, what: str = "--out",
     """
     if check is not None and Path(path).is_dir():
         check(Path(path))
+    made = not Path(path).exists()
     path = prepare_output_dir(path, what=what)
     lock_path = path / LOCK_NAME
     try:
@@ -80,8 +83,27 @@ def exclusive_output_dir(path: str | Path, command: str, *, what: str = "--out",
         if check is not None:
             check(path)
         yield path
+    except BaseException:
+        if made:
+            _remove_if_unwritten(path)  # still under the lock: no other job can be starting in it
+        raise
     finally:
         os.close(fd)  # closing the descriptor releases the flock
+
+
+def _remove_if_unwritten(path: Path) -> None:
+    """Remove `path` if it holds nothing but the lock file and empty directories."""
+    directories = []
+    for root, _, files in os.walk(path, topdown=False):
+        if any(name != LOCK_NAME or Path(root) != path for name in files):
+            return
+        directories.append(root)
+    try:
+        os.unlink(path / LOCK_NAME)
+        for directory in directories:  # deepest first: os.walk bottom-up
+            os.rmdir(directory)
+    except OSError:
+        pass  # best effort: what is left is empty and does not block a re-run
 
 
 def _holder(fd: int, wait_s: float = 2.0) -> str:

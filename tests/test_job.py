@@ -603,6 +603,31 @@ def test_a_refused_output_directory_is_left_exactly_as_it_was(case, example_json
     assert after == before
 
 
+@pytest.mark.parametrize("case", ["made, nothing written", "made, a file written", "made, a file in a subdirectory",
+                                  "there before"])
+def test_a_job_that_fails_in_a_directory_it_made_before_writing_leaves_none(tmp_path, case):
+    """A failed job removes the output directory it created only while that holds nothing but
+    its lock file and empty directories; a directory that existed before, or holds a written
+    file, stays."""
+    from shards_schema.outdir import exclusive_output_dir
+
+    d = tmp_path / "new" / "D"
+    if case == "there before":
+        d.mkdir(parents=True)
+    with pytest.raises(RuntimeError, match="refused"):
+        with exclusive_output_dir(d, "train") as path:
+            (path / "checkpoints" / "empty").mkdir(parents=True)
+            if case == "made, a file written":
+                (path / "metrics.jsonl").write_text("{}\n")
+            elif case == "made, a file in a subdirectory":
+                (path / "checkpoints" / "empty" / "x").write_text("x")
+            raise RuntimeError("refused")
+    if case == "made, nothing written":
+        assert not d.exists() and (tmp_path / "new").is_dir()
+    else:
+        assert (d / "checkpoints" / "empty").is_dir()
+
+
 def test_resume_refuses_an_input_edited_in_place(tmp_path):
     """Same size, same row count, other text: the old shards must not be kept as `already done`."""
     rows = example_rows(6, seed=5, size_range=(32, 64))

@@ -359,12 +359,16 @@ def test_packs_split_over_tensor_parallel_ranks_get_a_padding_segment(shards):
     (["--pp", "3", "--pad-packs", "false"], "--pad-packs false with --pp 3: the pipeline schedule sends packs"),
     (["--loss", "fused", "--tp", "2"], "--loss fused makes the loss over the whole vocabulary on one GPU; with --tp 2"),
     (["--loss", "liger"], "--loss 'liger': choose from ['chunked', 'fused']"),
+    (["--data", "{tmp}/nowhere"], "nowhere: no such directory"),
 ])
-def test_bad_configs_fail_with_a_clear_message(shards, tmp_path, extra, message):
+def test_bad_configs_fail_with_a_clear_message_and_make_no_out(shards, tmp_path, extra, message):
+    """A refused run, data included, leaves a new --out unmade."""
+    extra = [arg.replace("{tmp}", str(tmp_path)) for arg in extra]
     proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2", *extra])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "bad").exists()
 
 
 
