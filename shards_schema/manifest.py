@@ -64,6 +64,9 @@ def build_manifest(*, profile: dict, settings: dict, shards: list[dict], account
     }
 
 
+SHARD_DIRECTORY = "shard directory (the one holding manifest.json)"  # what a shard command's input is
+
+
 def require_directory(directory: Path, what: str) -> None:
     """A clear error when `directory` (the input of a command) is missing or is a file."""
     if not directory.exists():
@@ -225,7 +228,7 @@ def read_manifest(directory: str | Path) -> dict:
     """manifest.json of `directory`, checked for its format and schema version only (`vlmpack
     verify` reports every other field itself); readers use `load_manifest`."""
     directory = Path(directory)
-    require_directory(directory, "shard directory (the one holding manifest.json)")
+    require_directory(directory, SHARD_DIRECTORY)
     path = directory / MANIFEST_NAME
     if not path.is_file():
         hint = " (a preprocessing job that has not finished, or a partition not yet merged?)" if directory.is_dir() else ""

@@ -484,6 +484,8 @@ def test_output_directories_hold_only_their_own_command_output(hf_checkpoint, tm
 BAD_CONVERT_ARGUMENTS = [
     (["import-hf", "{t}/missing", "--out", "{t}/o"], "HF_DIR {t}/missing: no such directory"),
     (["import-hf", "{e}", "--out", "{t}/o"], "HF_DIR {e} has no config.json"),
+    (["import-hf", "{f}", "--out", "{t}/o"], "HF_DIR {f} is a file, not a directory"),
+    (["export-hf", "{f}", "--out", "{t}/o"], "MODEL_DIR {f} is a file, not a directory"),
     (["import-hf", "{hf}", "--out", "{t}/o", "--tp", "0"], "--tp must be an integer >= 1, got 0"),
     (["import-hf", "{hf}", "--out", "{t}/o", "--tp", "two"], "argument --tp: invalid int value: 'two'"),
     (["export-hf", "{m}", "--out", "{t}/o", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),

@@ -501,6 +501,8 @@ BAD_ARGUMENTS = [
     (["import", "{d}", "--out", "{t}/o"], "{d}: no index.json"),
     (["import", "{x}", "--out", "{f}"], "--out {f} is a file, not a directory"),
     (["import", "{x}", "--out", "{x}"], "--out {x} is the input directory"),
+    (["pack", "{t}/missing", "--seq-len", "4096"], "{t}/missing: no such directory: pass the shard directory"),
+    (["pack", "{f}", "--seq-len", "4096"], "{f} is a file, not a directory: pass the shard directory"),
 ]
 
 

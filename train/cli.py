@@ -161,8 +161,10 @@ def _convert_module():
 
 
 def _input_dir(path: str, metavar: str, needs: str, what: str) -> None:
-    if not Path(path).is_dir():
+    if not Path(path).exists():
         raise UserError(f"{metavar} {path}: no such directory: pass {what}")
+    if not Path(path).is_dir():
+        raise UserError(f"{metavar} {path} is a file, not a directory: pass {what}")
     if not (Path(path) / needs).is_file():
         raise UserError(f"{metavar} {path} has no {needs}: pass {what}")
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from shards_schema import ShardFormatError
 from shards_schema.errors import UserError
+from shards_schema.manifest import SHARD_DIRECTORY, require_directory
 
 from .bin_packing import assign_ranks, best_fit_decreasing, check_sizes
 from .errors import PackingError
@@ -366,8 +367,7 @@ def plan_request(sources, packing: PackSettings) -> PlanRequest:
         raise PackingError("no sources to pack")
     manifests, named = [], {}
     for directory, _ in specs:
-        if not Path(directory).is_dir():
-            raise ShardFormatError(f"{directory}: no such directory")
+        require_directory(Path(directory), SHARD_DIRECTORY)
         st = os.stat(directory)
         first = named.setdefault((st.st_dev, st.st_ino), len(manifests))
         if first != len(manifests):
