@@ -292,12 +292,25 @@ def _refuse_other_encoding(fh, path: str) -> None:
                               f"{name} > rows-utf8{Path(urlsplit(name).path).suffix}`")
 
 
+def _refuse_cr_line_breaks(fh, path: str, probe: int = 1 << 16) -> None:
+    """A JSONL input is split at LF: one whose first 64 KiB hold a CR not followed by LF (line
+    breaks of classic Mac OS; a JSON row holds no raw CR but as whitespace) is refused before
+    it is read as a single row. `fh` is left at the start."""
+    head = fh.read(probe)[:-1]  # the last byte's LF may lie beyond the probe
+    fh.seek(0)
+    if re.search(rb"\r(?!\n)", head):
+        name = storage.redact(path)
+        raise ConfigError(f"input {name} ends its lines in CR alone (classic Mac OS line breaks), but JSONL rows are "
+                          f"split at LF: convert it, e.g. `tr '\\r' '\\n' < {name} > rows-lf.jsonl`")
+
+
 def _scan_jsonl(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """Count lines, remember where every unit starts and how many of its lines are blank,
     reading the file once in blocks (no line is held)."""
     offsets, blanks, position, rows = [], [], 0, 0
     with storage.open_binary(path) as fh:
         _refuse_other_encoding(fh, path)
+        _refuse_cr_line_breaks(fh, path)
         for _, size, _, blank in _lines(fh, max_bytes=0):
             if rows % rows_per_unit == 0:
                 offsets.append(position)

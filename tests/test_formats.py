@@ -460,6 +460,9 @@ def _damaged_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
                         "UTF-8: convert it, e.g. `iconv -f UTF-16 -t UTF-8"),
         "utf32.jsonl": (json.dumps(_chat("a")).encode("utf-32"), "is UTF-32 text"),
         "utf16-be.json": (b"\xfe\xff" + ("[" + json.dumps(_chat("a")) + "]").encode("utf-16-be"), "is UTF-16 text"),
+        "cr-lines.jsonl": ("\r".join(json.dumps(_chat(w)) for w in "abc").encode(),
+                           "ends its lines in CR alone (classic Mac OS line breaks), but JSONL rows are split at LF: "
+                           "convert it, e.g. `tr '\\r' '\\n' <"),
         "parquet-truncated.parquet": (good[: len(good) // 2], "not a readable Parquet file"),
         "parquet-footer.parquet": (good[:-4] + b"XXXX", "not a readable Parquet file"),
         "parquet-empty.parquet": (b"", "not a readable Parquet file"),
@@ -484,7 +487,7 @@ def _damaged_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
 
 def test_an_input_that_cannot_be_opened_at_all_stops_the_job_with_one_line(tmp_path, capsys):
     """A JSON file that is not one array (an object, empty, two arrays), a JSON or JSONL file in
-    UTF-16 or UTF-32 (its byte order mark), a truncated or empty
+    UTF-16 or UTF-32 (its byte order mark), a JSONL file of CR line breaks, a truncated or empty
     Parquet file or one with a damaged footer, a `datasets` directory with its Arrow file missing
     or truncated or its state.json / dataset_info.json damaged: exit 2 before the job starts,
     one line naming the input, what is wrong and the fix; no output directory is made."""
