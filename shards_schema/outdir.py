@@ -47,6 +47,16 @@ def prepare_output_dir(path: str | Path, *, what: str = "--out") -> Path:
     return path
 
 
+def refuse_input_as_output(out: str | Path, source: str | Path) -> None:
+    """--out may be neither the command's input directory nor inside it (what it writes would
+    mix with what it reads)."""
+    resolved, input_dir = Path(out).resolve(), Path(source).resolve()
+    if resolved == input_dir:
+        raise UserError(f"--out {out} is the input directory: choose another directory")
+    if input_dir in resolved.parents:
+        raise UserError(f"--out {out} lies inside the input directory {source}: choose a directory outside it")
+
+
 def user_entries(path: Path) -> list[str]:
     """Names in `path` other than the lock file: what makes a directory non-empty to a job."""
     return sorted(name for name in os.listdir(path) if name != LOCK_NAME)

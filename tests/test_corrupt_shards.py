@@ -490,6 +490,7 @@ BAD_ARGUMENTS = [
     (["export", "{x}", "--out", "{t}/o"], "{x}: no manifest.json"),
     (["export", "{d}", "--out", "{f}"], "--out {f} is a file, not a directory"),
     (["export", "{d}", "--out", "{d}"], "--out {d} is the input directory"),
+    (["export", "{d}", "--out", "{d}/tars"], "--out {d}/tars lies inside the input directory {d}: choose a directory outside it"),
     (["export", "{d}", "--out", "{t}/o", "--format", "parquet"], "argument --format: invalid choice: 'parquet'"),
     (["export", "{d}", "--out", "{t}/o", "--samples-per-tar", "0"], "--samples-per-tar must be at least 1, got 0"),
     (["export", "{d}", "--out", "{t}/o", "--samples-per-tar", "few"], "argument --samples-per-tar: invalid int value: 'few'"),
@@ -501,6 +502,7 @@ BAD_ARGUMENTS = [
     (["import", "{d}", "--out", "{t}/o"], "{d}: no index.json"),
     (["import", "{x}", "--out", "{f}"], "--out {f} is a file, not a directory"),
     (["import", "{x}", "--out", "{x}"], "--out {x} is the input directory"),
+    (["import", "{x}", "--out", "{x}/shards"], "--out {x}/shards lies inside the input directory {x}"),
     (["pack", "{t}/missing", "--seq-len", "4096"], "{t}/missing: no such directory: pass the shard directory"),
     (["pack", "{f}", "--seq-len", "4096"], "{f} is a file, not a directory: pass the shard directory"),
 ]

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from shards_schema.atomic import TMP_SUFFIX, fsync_dir
 from shards_schema.errors import UserError
-from shards_schema.outdir import LOCK_NAME, exclusive_output_dir, user_entries
+from shards_schema.outdir import LOCK_NAME, exclusive_output_dir, refuse_input_as_output, user_entries
 from train.checkpoint_format import (
     CARRIED_FILE,
     HF_INDEX_FILE,
@@ -728,16 +728,11 @@ def staged_output_dir(out: str | Path, command: str, overwrite: bool):
             raise
 
 
-def _refuse_same_dir(out: str | Path, source: str | Path) -> None:
-    if Path(out).resolve() == Path(source).resolve():
-        raise UserError(f"--out {out} is the input directory: choose another directory")
-
-
 def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
               progress: bool = False, overwrite: bool = False, ep: int = 1) -> ModelArch:
     """HF model directory -> model directory sharded for tp / pp / ep (see `check_output_dir`
     for which `out` it writes)."""
-    _refuse_same_dir(out, hf_dir)
+    refuse_input_as_output(out, hf_dir)
     arch = ModelArch.from_hf_dir(hf_dir)
     check_output_dir(out, "import-hf", overwrite=overwrite)  # these three fail before gigabytes are read
     check_parallel(arch, tp, pp, ep)
@@ -799,7 +794,7 @@ def export_hf(model_dir: str | Path, out: str | Path, dtype: torch.dtype | None 
     """Model directory -> HF directory; returns the architecture and the side files written
     (see `check_output_dir` for which `out` it writes, `write_side_files` for the side files;
     `chat_template`: a template's text, over the one recorded with the model)."""
-    _refuse_same_dir(out, model_dir)
+    refuse_input_as_output(out, model_dir)
     check_output_dir(out, "export-hf", overwrite=overwrite)
     arch, full = load_full_state(model_dir, progress)
     hf = megatron_to_hf(full, arch) | {k: materialize(v) for k, v in read_carried(model_dir, arch).items()}

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..atomic import TMP_SUFFIX, atomic_open, fsync_dir, write_json_atomic, write_jsonl_atomic
 from ..errors import UserError
 from ..manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, build_manifest
-from ..outdir import exclusive_output_dir, user_entries
+from ..outdir import exclusive_output_dir, refuse_input_as_output, user_entries
 from ..reader import ShardFault, open_shards
 from ..schema import VIDEO_COLUMNS, Sample
 from ..writer import ShardWriter, file_sha256
@@ -118,11 +118,6 @@ def _check_out_dir(out: Path, *, overwrite: bool, completion_file: str, owned: r
         raise UserError(f"--out {out} holds the output of {state} `{what}`: pass --overwrite to replace it, or choose a new directory")
 
 
-def _refuse_same_dir(out: Path, source: Path) -> None:
-    if out.resolve() == source.resolve():
-        raise UserError(f"--out {out} is the input directory: choose another directory")
-
-
 def _remove_on_failure(paths: list[Path]) -> None:
     """What a failed run published goes, completion file first, so nothing partial stays behind."""
     for path in paths:
@@ -169,7 +164,7 @@ def export_webdataset(
     rejects_path = directory / REJECTS_NAME
     if not rejects_path.is_file():
         raise ShardFormatError(f"{directory}: no {REJECTS_NAME} beside {MANIFEST_NAME} (an incomplete directory?)")
-    _refuse_same_dir(out, directory)
+    refuse_input_as_output(out, directory)
     claim = {"overwrite": overwrite, "completion_file": INDEX_NAME, "owned": _EXPORT_OWNED, "what": "vlmpack export"}
     with exclusive_output_dir(out, "export", check=lambda d: _check_out_dir(d, **claim)) as out:
         _claim_out_dir(out, **claim)
@@ -233,7 +228,7 @@ def import_webdataset(tardir: str | Path, out: str | Path, *, overwrite: bool = 
     rejected = manifest["accounting"]["rows_rejected"]
     if len(rejects) != rejected:
         raise WebDatasetFormatError(f"{tardir / REJECTS_NAME}: {len(rejects)} rejects, the manifest accounts for {rejected}")
-    _refuse_same_dir(out, tardir)
+    refuse_input_as_output(out, tardir)
     claim = {"overwrite": overwrite, "completion_file": MANIFEST_NAME, "owned": _IMPORT_OWNED, "what": "vlmpack import"}
     with exclusive_output_dir(out, "import", check=lambda d: _check_out_dir(d, **claim)) as out:
         _claim_out_dir(out, **claim)

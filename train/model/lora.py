@@ -48,10 +48,9 @@ from torch import Tensor, nn
 
 from train.model.arch import ModelArch
 from train.model.vision import VisionTower
+from train.model.weight_names import HF_LM, HF_VISION
 
 PEFT_PREFIX = "base_model.model."
-HF_LM = "model.language_model."
-HF_VISION = "model.visual."
 LM_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 LM_MLP = ("gate_proj", "up_proj", "down_proj")
 LM_LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
