@@ -136,3 +136,22 @@ def test_fused_loss_under_a_frozen_output_layer_gives_the_input_gradient_alone()
     fused_cross_entropy(hidden, labels, weight, chunk=chunk).sum().backward()
     assert weight.grad is None and not weight.main_grad.any()
     torch.testing.assert_close(hidden.grad.double(), want_h, rtol=1e-5, atol=1e-5)
+
+
+def test_the_loss_benchmark_runs_each_path_on_cpu_and_they_agree(tmp_path):
+    """`benchmarks/loss_speed.py` on CPU (no timing): the chunked and the fused paths on the same
+    rows, several chunks and ignored rows, give the same loss and gradients."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import loss_speed
+
+    report = loss_speed.main(["--device", "cpu", "--rows", "9000", "--hidden", "8", "--vocab", "300", "--ignored",
+                              "0.3", "--warmup", "0", "--calls", "1", "--json-out", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text())["paths"].keys() == report["paths"].keys() == {"chunked", "fused"}
+    for name, row in report["paths"].items():
+        assert row["ms"] is None and row["loss"] > 0, name
+        for key in ("loss_difference", "grad_hidden_difference", "grad_weight_difference"):
+            assert row[key] < 1e-6, (name, key, row[key])
