@@ -61,6 +61,8 @@ class RayExecutor(UnitExecutor):
 
     def __init__(self, cfg: PreprocessConfig, profile: Profile):
         self.cfg, self.profile = cfg, profile
+        if cfg.ray_cluster_address:  # before the output directory is claimed
+            _check_address(cfg.ray_cluster_address)
 
     @property
     def parallelism_is_workers(self) -> bool:
@@ -72,6 +74,31 @@ class RayExecutor(UnitExecutor):
         except BaseException:
             remove_torn_writes(out)
             raise
+
+
+ADDRESS_FORM = "HOST:PORT (its GCS port, 6379 unless `ray start --head --port` set another), ray://HOST:PORT or auto"
+# How long the head node's port may take to accept a connection before the cluster counts as
+# unreachable: Ray itself waits minutes for a GCS that never answers.
+CONNECT_TIMEOUT = 10.0
+
+
+def _check_address(address: str) -> None:
+    """Refuse in one line an address Ray could not read, or one where nothing accepts a
+    connection (ray.init would wait for it for minutes)."""
+    import socket
+
+    if address in ("auto", "local"):
+        return
+    where = address.split("://", 1)[1] if address.startswith("ray://") else address
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--ray-address {address}: not a Ray address; give the head node's {ADDRESS_FORM}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"--ray-address {address}: nothing answers there ({reason}); start the cluster "
+                          "(`ray start --head`) or give its head node's address") from None
 
 
 def _run_units_on_ray(units, names: dict[str, str], cfg: PreprocessConfig, out: Path, profile: Profile,
@@ -89,8 +116,9 @@ def _run_units_on_ray(units, names: dict[str, str], cfg: PreprocessConfig, out: 
                 ray.init(address=address, log_to_driver=False, include_dashboard=False)
             else:
                 ray.init(num_cpus=cfg.workers, log_to_driver=False, include_dashboard=False)
-        except ConnectionError as exc:
-            raise ConfigError(f"--ray-address {address}: cannot join the Ray cluster ({exc})") from None
+        except (ConnectionError, ValueError) as exc:
+            raise ConfigError(f"--ray-address {address}: cannot join the Ray cluster ({exc}); give the head node's "
+                              f"{ADDRESS_FORM}") from None
     options = cfg.sample
     if options.media_root is not None:
         options = dataclasses.replace(options, media_root=os.path.abspath(options.media_root))

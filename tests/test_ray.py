@@ -108,3 +108,25 @@ def test_a_killed_driver_resumes_from_the_committed_units(data, local, tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"{committed} already done" in done.stdout
     assert _outputs(out) == _outputs(local)
+
+
+@pytest.mark.parametrize("address, says", [
+    ("closed", "nothing answers there"),
+    ("nonsense", "not a Ray address; give the head node's HOST:PORT"),
+    ("ray://closed", "nothing answers there")])
+def test_a_ray_address_that_cannot_be_joined_is_one_line_exit_2_within_seconds(address, says, data, tmp_path):
+    """Ray waits minutes for a head node that does not answer, and raises a ValueError with a
+    traceback for an address it cannot read: both are refused before the output is claimed."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{sock.getsockname()[1]}"
+    address = address.replace("closed", closed)
+    out = tmp_path / "out"
+    started = time.perf_counter()
+    done = subprocess.run([*_cli(data, out), "--ray-address", address], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"vlmpack preprocess: error: --ray-address {address}: {says}"), done.stderr
+    assert time.perf_counter() - started < 60 and not out.exists()
