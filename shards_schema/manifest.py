@@ -8,10 +8,12 @@ bytes, per-shard stats and checksums, totals, and the input accounting
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from .errors import UserError
 from .json_object import NotAJSONObject, parse_json_object
+from .storage import redact
 from .schema import FORMAT_NAME, READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION
 
 MANIFEST_NAME = "manifest.json"
@@ -67,8 +69,18 @@ def build_manifest(*, profile: dict, settings: dict, shards: list[dict], account
 SHARD_DIRECTORY = "shard directory (the one holding manifest.json)"  # what a shard command's input is
 
 
+# `s3://bucket/x` as Path() leaves it (`s3:/bucket/x`), or as given
+_FOLDED_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):/+(.+)$")
+
+
 def require_directory(directory: Path, what: str) -> None:
     """A clear error when `directory` (the input of a command) is missing or is a file."""
+    if not directory.exists() and (url := _FOLDED_URL.match(str(directory))):
+        # an object-store URL: Path() folded its `//`
+        where = redact(f"{url[1]}://{url[2]}")
+        fetch = f"`vlmpack fetch {where} DIR`" if what == SHARD_DIRECTORY else "a copy to local disk"
+        raise ShardFormatError(f"{where} is an object-store URL: this command reads a local {what.split(' (')[0]}; "
+                               f"bring it down first ({fetch}) and pass that directory")
     if not directory.exists():
         raise ShardFormatError(f"{directory}: no such directory: pass the {what}")
     if not directory.is_dir():

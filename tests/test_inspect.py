@@ -471,3 +471,16 @@ def test_output_into_a_closed_pipe_stops_quietly_with_exit_141(argv, data):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["inspect"], ["show"], ["pack", "--seq-len", "512"], ["export", "--out", "TMP/tars"]])
+def test_a_store_url_given_to_a_local_shard_command_says_to_fetch_it_first(argv, tmp_path, capsys):
+    """Path() folds `s3://b/x` into `s3:/b/x`: the command named that and said no such directory."""
+    from shards_schema.cli import main
+
+    argv = [a.replace("TMP", str(tmp_path)) for a in argv]
+    assert main([argv[0], "s3://bucket/shards", *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert ("error: s3://bucket/shards is an object-store URL: this command reads a local shard directory; bring it "
+            "down first (`vlmpack fetch s3://bucket/shards DIR`)") in err, err
