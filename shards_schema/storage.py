@@ -244,6 +244,27 @@ def remote_size(url: str) -> int | None:
         raise
 
 
+def require_prefix(url: str, what: str = "--out") -> None:
+    """Refuse, before any work, an output prefix that cannot be written: one naming no bucket,
+    one in a bucket that does not exist, or one that is an object (a file) itself."""
+    fs, path = _filesystem(url)
+    scheme = url.split("://", 1)[0]
+    where = redact(url) if redact(url).startswith(f"{scheme}://") else url  # `s3://` redacted is `s3:`
+    bucket = path.strip("/").split("/", 1)[0]
+    if not bucket:
+        raise StorageError("not_found", f"{what} {where} names no bucket: give {scheme}://BUCKET/PREFIX")
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        raise StorageError("not_found", f"{what} {where}: the bucket {bucket} does not exist: create it, or give a "
+                           "prefix in a bucket that does") from None
+    except Exception as exc:  # noqa: BLE001
+        raise classify(exc, f"{scheme}://{bucket}") from None
+    if path.strip("/") != bucket and remote_size(url) is not None:
+        raise StorageError("not_found", f"{what} {where} is an object, not a prefix: give a prefix (a directory) "
+                           "for the shards")
+
+
 def upload_file(local: Path, url: str) -> None:
     """Put one file: the object appears whole or not at all (S3 and GCS commit an upload only
     when it is complete), so a killed upload leaves no partial object behind."""

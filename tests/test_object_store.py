@@ -588,3 +588,31 @@ def test_media_from_a_store_that_never_answers_are_rejected_within_the_timeout(t
     assert "tried 2 times" in rejects[0]["reason"]
     assert open_shards(tmp_path / "o").manifest["accounting"]["rows_written"] == 2
     assert time.perf_counter() - started < 60
+
+
+@pytest.mark.parametrize("out, says", [
+    ("s3://no-such-bucket/shards", "--out s3://no-such-bucket/shards: the bucket no-such-bucket does not exist: create "
+                                   "it, or give a prefix in a bucket that does"),
+    ("s3://", "--out s3:// names no bucket: give s3://BUCKET/PREFIX"),
+    ("s3://data/an-object.jsonl", "--out s3://data/an-object.jsonl is an object, not a prefix: give a prefix")])
+def test_an_out_prefix_that_cannot_be_written_is_refused_before_the_first_row(out, says, s3, tmp_path, monkeypatch,
+                                                                             capsys):
+    """The job ran whole in its stage and then failed naming `.../_parts/inputs_seen.json` (a
+    missing bucket, `s3://`), or wrote its shards under an object's key."""
+    import preprocess.job.local as job
+    from shards_schema.cli import main
+
+    client, _ = s3
+    client.put_object(Bucket="data", Key="an-object.jsonl", Body=b"{}\n")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    processed = []
+    real_process_unit = job.process_unit
+    monkeypatch.setattr(job, "process_unit", lambda *a, **k: processed.append(1) or real_process_unit(*a, **k))
+    data = write_jsonl(tmp_path / "rows.jsonl", example_rows(2, seed=3, size_range=(32, 64)))
+    assert main(["preprocess", str(data), "--out", out, "--workers", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"vlmpack preprocess: error: {says}"), err
+    assert processed == [] and _stages(tmp_path / "tmp") == []
+    assert [o["Key"] for o in client.list_objects_v2(Bucket="data", Prefix="an-object.jsonl").get("Contents", [])] == [
+        "an-object.jsonl"]

@@ -71,6 +71,7 @@ def check_destination(url: str, identity: dict, partition: str | None = None) ->
     A manifest is this job's when it records the same profile, settings and inputs (input names
     included: they are written into every sample's `source`)."""
     where = storage.redact(url)
+    storage.require_prefix(url)
     manifest = read_json_object(storage.join(url, MANIFEST_NAME))
     if manifest is not None:
         if partition is not None:
