@@ -26,7 +26,7 @@ from .errors import EXIT_FAULT, UserError
 from .manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, check_manifest, parse_manifest
 from .outdir import exclusive_output_dir, user_entries
 from .reader import file_fault
-from .storage import StorageError, join, open_binary, redact
+from .storage import StorageError, is_url, join, open_binary, redact
 from .writer import file_sha256
 
 CHUNK = 8 << 20
@@ -98,6 +98,9 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
     shards of a finished copy that failed the check and were fetched again)."""
     from tqdm import tqdm
 
+    if is_url(str(dst)):  # Path() would fold it into a local directory `s3:/...`
+        raise UserError(f"{redact(str(dst))}: fetch copies a shard directory to local disk; give a local directory "
+                        "as DST (to copy between stores, use the store's own tools, e.g. `aws s3 sync`)")
     manifest = _read_manifest(src)
     shards = manifest["shards"]  # plain, unique file names with counts and a sha256 (check_manifest)
     wanted = {s["file"] for s in shards} | {REJECTS_NAME, MANIFEST_NAME}
