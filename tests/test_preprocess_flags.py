@@ -135,14 +135,16 @@ def test_flags_follow_fields_prefixes_and_the_command_lines_own_defaults():
                                                           "got 2"),
     (["--ray-address", "head:6379"], "--ray-address head:6379 joins a Ray cluster for --executor ray: add "
                                      "--executor ray, or drop --ray-address"),
-], ids=["count-alone", "index-alone", "index-out-of-range", "ray-address-without-ray"])
+    (["--stage-dir", "s3://data/stage"], "--stage-dir s3://data/stage is a URL: the job runs in a local directory "
+                                         "before its upload to --out; give a local path"),
+], ids=["count-alone", "index-alone", "index-out-of-range", "ray-address-without-ray", "stage-dir-a-url"])
 def test_a_flag_without_its_partner_or_out_of_range_is_refused_before_any_work(tmp_path, capsys, argv,
                                                                                         message):
     out = tmp_path / "out"
     assert main(["preprocess", str(tmp_path / "rows.jsonl"), "--out", str(out), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
-    assert not out.exists()
+    assert not out.exists() and not os.path.exists("s3:")
 
 
 def test_one_partition_needs_no_index(monkeypatch, capsys):

@@ -50,6 +50,9 @@ DRY_RUN_DATA = {
     "shards of another model family": (["--arch", "tiny-qwen2.5", "--data", "{shards}"],
                                        "{shards}: shards were preprocessed for another model: family 'qwen3-vl' "
                                        "(model: 'qwen2.5-vl')"),
+    # it made a local directory `s3:/bucket/cache` and fetched the store's sources into it
+    "a data cache on a store": (["--arch", "tiny", "--data", "{shards}", "--data-cache", "s3://bucket/cache"],
+                                "--data-cache s3://bucket/cache is a URL: the cache is a local directory"),
 }
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shards_schema.errors import UserError
+from shards_schema.storage import is_url, redact
 from shards_schema.flags import add_flags, flag_name, flat_paths, from_flat, nested, parse_bool, setting, to_flat
 from train.model.settings import ATTENTION_KERNELS, FP8_RECIPES, LOSS_PATHS, ConfigError
 
@@ -173,6 +174,9 @@ class DataConfig:
 
     def validate(self) -> None:
         _check_numbers(self)
+        if self.data_cache and is_url(self.data_cache):  # Path() would fold it into a local directory `s3:/...`
+            raise ConfigError(f"--data-cache {redact(self.data_cache)} is a URL: the cache is a local directory the "
+                              "store's sources are fetched into; give a local path (or drop it for OUT/data_cache)")
         if self.seq_len * self.micro_batch_packs > MAX_SEQ_LEN:
             raise ConfigError(f"--micro-batch-packs {self.micro_batch_packs} x --seq-len {self.seq_len} rows in one "
                               f"forward pass: at most {MAX_SEQ_LEN} fit any GPU; lower --micro-batch-packs")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shards_schema.flags import nested, setting
-from shards_schema.storage import MAX_FETCH_RETRIES
+from shards_schema.storage import MAX_FETCH_RETRIES, is_url, redact
 
 from ..errors import ConfigError
 from ..formats import INPUT_FORMATS
@@ -160,6 +160,9 @@ def check_config(cfg: PreprocessConfig) -> None:
     if cfg.ray_address is not None and cfg.executor != "ray":
         raise ConfigError(f"--ray-address {cfg.ray_address} joins a Ray cluster for --executor ray: add --executor ray, "
                           "or drop --ray-address to run on this machine")
+    if cfg.stage_dir and is_url(cfg.stage_dir):  # Path() would fold it into a local directory `s3:/...`
+        raise ConfigError(f"--stage-dir {redact(cfg.stage_dir)} is a URL: the job runs in a local directory before its "
+                          "upload to --out; give a local path (on storage every node mounts, with --executor ray)")
     if cfg.input_format not in INPUT_FORMATS:
         raise ConfigError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {cfg.input_format!r}")
     if cfg.input_hash not in INPUT_HASH_MODES:
