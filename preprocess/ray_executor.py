@@ -21,6 +21,8 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from shards_schema.errors import UserError
+
 from .errors import ConfigError
 from .job.config import PreprocessConfig, profile_args
 from .job.executor import Progress, UnitExecutor
@@ -136,6 +138,8 @@ def _run_units_on_ray(units, names: dict[str, str], cfg: PreprocessConfig, out: 
                 try:
                     record = ray.get(ref)
                 except ray.exceptions.RayTaskError as exc:
+                    if isinstance(exc.cause, (OSError, UserError)):  # the output's (a full disk) or the user's:
+                        raise exc.cause from None  # one line, as when a local worker raises it
                     raise RuntimeError(f"unit {unit.index} ({unit.input.path} rows {unit.start}-{unit.stop - 1}) "
                                        f"failed on Ray: {exc.cause!r}") from None
                 except ray.exceptions.WorkerCrashedError:

@@ -130,3 +130,27 @@ def test_a_ray_address_that_cannot_be_joined_is_one_line_exit_2_within_seconds(a
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith(f"vlmpack preprocess: error: --ray-address {address}: {says}"), done.stderr
     assert time.perf_counter() - started < 60 and not out.exists()
+
+
+def test_a_unit_failing_on_ray_with_a_full_disk_is_the_local_executors_one_line(data, tmp_path):
+    """A Ray task's OSError (here a full disk, raised in the worker) ends the job as a local
+    worker's does: exit 4 and one line naming the file, no driver traceback."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import preprocess.job.units as units\n"
+        "real = units.process_unit\n"
+        "def failing(unit, *a, **k):\n"
+        "    if unit.index == 1:\n"
+        "        raise OSError(28, 'No space left on device', '/full/shard-000001.arrow')\n"
+        "    return real(unit, *a, **k)\n"
+        "units.process_unit = failing\n")
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(inject), repo, os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "ray"
+    done = subprocess.run(_cli(data, out), capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 4, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("vlmpack preprocess: error: ")]
+    assert errors == ["vlmpack preprocess: error: no space left on the device writing /full/shard-000001.arrow: free "
+                      "space (or use another --out) and re-run the same command; finished work is kept"], done.stderr
+    assert "Traceback" not in done.stderr
