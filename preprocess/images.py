@@ -170,7 +170,8 @@ def open_image(
     except Image.DecompressionBombError as exc:
         raise RejectError("image_too_large", f"{exc}") from None
     except UnidentifiedImageError:
-        raise RejectError("not_an_image", f"bytes are not an image PIL can read (starts with {data[:8]!r})") from None
+        what = "the image is empty (0 bytes)" if not data else f"bytes are not an image PIL can read (starts with {data[:8]!r})"
+        raise RejectError("not_an_image", what) from None
     except _DECODE_ERRORS as exc:
         raise RejectError("bad_image", f"image header cannot be parsed ({exc})") from None
     _check_declared_type(declared, image.format)

@@ -445,6 +445,8 @@ def test_reject_undecodable_bytes(jpeg_bytes, png_bytes):
     assert reject_code(decode_image, png_bytes[: len(png_bytes) // 2]) == "bad_image"
     assert reject_code(decode_image, np.random.default_rng(0).bytes(5000)) == "not_an_image"
     assert reject_code(decode_image, b"") == "not_an_image"
+    with pytest.raises(RejectError, match=r"^not_an_image: the image is empty \(0 bytes\)$"):
+        decode_image(b"")
 
 
 def test_reject_too_large(jpeg_bytes):
