@@ -21,7 +21,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from shards_schema.errors import UserError
+from shards_schema.errors import EXIT_FAULT, UserError
 
 from .errors import ConfigError
 from .job.config import PreprocessConfig, profile_args
@@ -76,6 +76,13 @@ class RayExecutor(UnitExecutor):
         except BaseException:
             remove_torn_writes(out)
             raise
+
+
+class RayWorkerLost(UserError):
+    """A unit's Ray worker died more often than --ray-max-retries retries it: exit 1, as a local
+    job that lost a worker (`job.signals.WorkerLost`)."""
+
+    exit_code = EXIT_FAULT
 
 
 ADDRESS_FORM = "HOST:PORT (its GCS port, 6379 unless `ray start --head --port` set another), ray://HOST:PORT or auto"
@@ -143,8 +150,12 @@ def _run_units_on_ray(units, names: dict[str, str], cfg: PreprocessConfig, out: 
                     raise RuntimeError(f"unit {unit.index} ({unit.input.path} rows {unit.start}-{unit.stop - 1}) "
                                        f"failed on Ray: {exc.cause!r}") from None
                 except ray.exceptions.WorkerCrashedError:
-                    raise RuntimeError(f"unit {unit.index}: its Ray worker died {cfg.ray_max_retries + 1} times "
-                                       "(out of memory? see the Ray logs); re-run to resume") from None
+                    tries = cfg.ray_max_retries + 1
+                    died = "once" if tries == 1 else f"{tries} times"
+                    raise RayWorkerLost(f"unit {unit.index} ({unit.input.path} rows {unit.start}-{unit.stop - 1}): its "
+                                        f"Ray worker died {died} (killed by the system, e.g. "
+                                        "out of memory? see the Ray logs); finished shards are kept: re-run the same "
+                                        "command to resume") from None
                 show(record["rows_read"], record["rows_rejected"])
     except BaseException:
         for ref in pending:

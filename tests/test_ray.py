@@ -154,3 +154,29 @@ def test_a_unit_failing_on_ray_with_a_full_disk_is_the_local_executors_one_line(
     assert errors == ["vlmpack preprocess: error: no space left on the device writing /full/shard-000001.arrow: free "
                       "space (or use another --out) and re-run the same command; finished work is kept"], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_unit_whose_ray_worker_dies_past_its_retries_ends_the_job_in_one_line(data, tmp_path):
+    """A Ray worker that dies on a unit more often than --ray-max-retries retries it (here killed
+    by SIGKILL each time, as the out-of-memory killer does): exit 1 and one line naming the unit
+    and the way to resume, no driver traceback."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os, signal\n"
+        "import preprocess.job.units as units\n"
+        "real = units.process_unit\n"
+        "def dying(unit, *a, **k):\n"
+        "    if unit.index == 1:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return real(unit, *a, **k)\n"
+        "units.process_unit = dying\n")
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(inject), repo, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([*_cli(data, tmp_path / "ray"), "--ray-max-retries", "0"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 1, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("vlmpack preprocess: error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"vlmpack preprocess: error: unit 1 ({data} rows "), done.stderr
+    assert "its Ray worker died once (killed by the system" in errors[0] and "re-run the same command to resume" in errors[0]
+    assert "Traceback" not in done.stderr
