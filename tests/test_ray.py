@@ -132,23 +132,30 @@ def test_a_ray_address_that_cannot_be_joined_is_one_line_exit_2_within_seconds(a
     assert time.perf_counter() - started < 60 and not out.exists()
 
 
-def test_a_unit_failing_on_ray_with_a_full_disk_is_the_local_executors_one_line(data, tmp_path):
-    """A Ray task's OSError (here a full disk, raised in the worker) ends the job as a local
-    worker's does: exit 4 and one line naming the file, no driver traceback."""
+def _run_with_unit_1_replaced(data: Path, tmp_path: Path, action: str, *flags: str) -> subprocess.CompletedProcess:
+    """The Ray job with unit 1's work replaced in every worker by `action` (one Python statement),
+    through a sitecustomize module on the workers' path; the other units run as they are."""
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(
+        "import os, signal\n"
         "import preprocess.job.units as units\n"
         "real = units.process_unit\n"
-        "def failing(unit, *a, **k):\n"
+        "def replaced(unit, *a, **k):\n"
         "    if unit.index == 1:\n"
-        "        raise OSError(28, 'No space left on device', '/full/shard-000001.arrow')\n"
+        f"        {action}\n"
         "    return real(unit, *a, **k)\n"
-        "units.process_unit = failing\n")
+        "units.process_unit = replaced\n")
     repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(inject), repo, os.environ.get("PYTHONPATH", "")])}
-    out = tmp_path / "ray"
-    done = subprocess.run(_cli(data, out), capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([*_cli(data, tmp_path / "ray"), *flags], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_a_unit_failing_on_ray_with_a_full_disk_is_the_local_executors_one_line(data, tmp_path):
+    """A Ray task's OSError (here a full disk, raised in the worker) ends the job as a local
+    worker's does: exit 4 and one line naming the file, no driver traceback."""
+    done = _run_with_unit_1_replaced(data, tmp_path, "raise OSError(28, 'No space left on device', "
+                                                     "'/full/shard-000001.arrow')")
     assert done.returncode == 4, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("vlmpack preprocess: error: ")]
     assert errors == ["vlmpack preprocess: error: no space left on the device writing /full/shard-000001.arrow: free "
@@ -160,21 +167,7 @@ def test_a_unit_whose_ray_worker_dies_past_its_retries_ends_the_job_in_one_line(
     """A Ray worker that dies on a unit more often than --ray-max-retries retries it (here killed
     by SIGKILL each time, as the out-of-memory killer does): exit 1 and one line naming the unit
     and the way to resume, no driver traceback."""
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(
-        "import os, signal\n"
-        "import preprocess.job.units as units\n"
-        "real = units.process_unit\n"
-        "def dying(unit, *a, **k):\n"
-        "    if unit.index == 1:\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    return real(unit, *a, **k)\n"
-        "units.process_unit = dying\n")
-    repo = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(inject), repo, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([*_cli(data, tmp_path / "ray"), "--ray-max-retries", "0"], capture_output=True, text=True,
-                          timeout=300, env=env)
+    done = _run_with_unit_1_replaced(data, tmp_path, "os.kill(os.getpid(), signal.SIGKILL)", "--ray-max-retries", "0")
     assert done.returncode == 1, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("vlmpack preprocess: error: ")]
     assert len(errors) == 1 and errors[0].startswith(f"vlmpack preprocess: error: unit 1 ({data} rows "), done.stderr
