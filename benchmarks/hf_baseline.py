@@ -269,8 +269,9 @@ class Recipe:
     liger: bool = True
     gradient_checkpointing: bool = False
     lora_rank: int = 0
-    # fp32: AdamW steps fp32 copies of the bf16 parameters, which then take the result rounded,
-    # as vlmpack's default fp32 master weights do; bf16: it updates the bf16 parameters in place
+    # fp32: each pack's gradients summed into fp32 copies of the bf16 parameters, which AdamW
+    # steps and the parameters then take rounded, as vlmpack's default fp32 master weights and
+    # gradient buffers do; bf16: gradients summed and AdamW applied on the bf16 parameters
     master_weights: str = "bf16"
 
 
@@ -314,6 +315,18 @@ class HFPackedTrainer:
                                            weight_decay=0.0, fused=self.cuda)
         self.num_params = sum(p.numel() for p in self.params)
 
+    def _sum_into_masters(self) -> None:
+        """One pack's bf16 gradients added into the fp32 masters' (the sum of a step's packs kept
+        in fp32, not rounded to bf16 at each pack), the parameters' cleared for the next pack."""
+        for param, master in zip(self.params, self.masters):
+            if param.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = param.grad.float()
+            else:
+                master.grad.add_(param.grad)
+            param.grad = None
+
     def inputs(self, pack: dict) -> dict:
         """One collated pack (`collate_pack`) on the device, pixels normalised there."""
         dev = self.device
@@ -346,9 +359,8 @@ class HFPackedTrainer:
             weighted = loss * (pack["targets"] * scale / targets)
             weighted.backward()
             total += float(weighted.detach())
-        if self.masters is not None:  # the gradients in fp32 on the masters, the stepped masters back rounded
-            for param, master in zip(self.params, self.masters):
-                master.grad, param.grad = param.grad.float(), None
+            if self.masters is not None:
+                self._sum_into_masters()
         torch.nn.utils.clip_grad_norm_(self.masters or self.params, 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

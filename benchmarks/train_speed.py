@@ -153,8 +153,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-liger", type=parse_bool, default=True,
                     help="HF side: apply every Liger kernel that supports the model (CUDA; default true)")
     ap.add_argument("--hf-master-weights", default="bf16", choices=("bf16", "fp32"),
-                    help="HF side: AdamW on the bf16 parameters in place (bf16, default), or on fp32 copies of them, "
-                         "as vlmpack's default --master-weights fp32 (for loss curves that compare like with like)")
+                    help="HF side: gradients summed and AdamW applied on the bf16 parameters in place (bf16, default), "
+                         "or both on fp32 copies of them, as vlmpack's default fp32 master weights and gradient "
+                         "buffers (for loss curves that compare like with like)")
     ap.add_argument("--hf-gradient-checkpointing", default="auto", choices=("auto", "true", "false"),
                     help="HF side: transformers' per-layer recompute; auto: only when a step does not fit without "
                          "it (the run is retried with it and the result says so; default auto)")

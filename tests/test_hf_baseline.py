@@ -88,6 +88,36 @@ def test_fp32_master_weights_step_fp32_copies_and_round_them_into_the_bf16_param
     assert moved["fp32"] > 0.9 and moved["bf16"] < 0.5, moved
 
 
+def test_fp32_master_weights_sum_the_packs_gradients_in_fp32(tmp_path, monkeypatch):
+    """`--hf-master-weights fp32` sums a step's packs' gradients in fp32 (as vlmpack's fp32
+    gradient buffers do): AdamW sees each pack's bf16 gradients added in fp32, not their sum
+    rounded to bf16 at every pack."""
+    arch = builtin_arch("tiny")
+    write_synthetic_shards(tmp_path / "data", SyntheticSpec(num_samples=3, seed=5, **SMALL_MIX),
+                           profile_name=arch.family, log=None)
+    shards = open_shards(tmp_path / "data")
+    packs = [hf_baseline.collate_pack([shards[0], shards[1]]), hf_baseline.collate_pack([shards[2]])]
+    init = hf_baseline.write_init_checkpoint(arch, tmp_path / "init", seed=3, dtype=torch.float32,
+                                             device=torch.device("cpu"))
+    trainer = hf_baseline.HFPackedTrainer(arch, init, shards.manifest["profile"],
+                                          hf_baseline.Recipe(lr=1e-6, liger=False, master_weights="fp32"),
+                                          torch.device("cpu"), dtype=torch.bfloat16)
+    targets = sum(p["targets"] for p in packs)
+    per_pack = []
+    for pack in packs:  # each pack's bf16 gradients, as the step makes them
+        (trainer.model(**trainer.inputs(pack), use_cache=False).loss * (pack["targets"] / targets)).backward()
+        per_pack.append([p.grad.clone() for p in trainer.params])
+        trainer.model.zero_grad(set_to_none=True)
+    seen = {}
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, norm: None)
+    monkeypatch.setattr(trainer.optimizer, "step", lambda: seen.setdefault("grads", [m.grad.clone() for m in trainer.masters]))
+    trainer.step(packs)
+    in_fp32 = [a.float() + b.float() for a, b in zip(*per_pack)]
+    in_bf16 = [(a + b).float() for a, b in zip(*per_pack)]
+    assert all(torch.equal(g, want) for g, want in zip(seen["grads"], in_fp32))
+    assert sum(int((a != b).sum()) for a, b in zip(in_fp32, in_bf16)) > 0  # the two sums differ: the check can fail
+
+
 def test_the_gated_delta_net_layers_call_the_conv_the_packed_recipe_replaces():
     """transformers' Qwen3.5 (dense and MoE) Gated DeltaNet layers call their module's
     `causal_conv1d_fn`, which the packed recipe replaces with the varlen conv; a layer holding
