@@ -472,7 +472,9 @@ def kernel_sources(trace: dict, top: int = 100) -> dict:
     (kind, part, host op, phase). part: the innermost `label_modules` range, its index made
     `*` ("lm.layer* (Gated DeltaNet)", by the kernels the layer runs); a backward kernel runs on
     the autograd thread outside any range and takes the part of the forward op whose autograd
-    node it runs (the same sequence number). host op: the outermost aten op open at the launch,
+    node it runs: the same sequence number on the thread that made the node (each thread counts
+    its own, and a layer recomputed in backward makes its nodes on the autograd thread, so one
+    number can name two ops). host op: the outermost aten op open at the launch,
     the one model code called. phase: forward, "backward: <node>", or outside the model. The
     `top` biggest rows of each table."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
@@ -492,7 +494,7 @@ def kernel_sources(trace: dict, top: int = 100) -> dict:
         return e.get("cat") == "user_annotation" and re.match(r"(vision|lm)(\.|$)", e["name"]) is not None
 
     open_at: dict = {}  # correlation id -> the host ranges open at its launch, outermost first
-    part_of_node: dict = {}  # autograd sequence number -> the part of the forward op that made the node
+    part_of_node: dict = {}  # (thread, sequence number) -> the part of the forward op that made the node
     for tid, spans in ranges.items():
         points = [(float(e["ts"]), 1, 0.0, c) for c, e in launches.items() if e["tid"] == tid]
         items = sorted([(float(e["ts"]), 0, -float(e["dur"]), i) for i, e in enumerate(spans)] + points)
@@ -505,11 +507,14 @@ def kernel_sources(trace: dict, top: int = 100) -> dict:
                 continue
             span = spans[ref]
             stack.append(span)
-            seq = span.get("args", {}).get("Sequence number")
-            if seq is not None and seq not in part_of_node \
-                    and not any(e["name"].startswith(BACKWARD_NODE) for e in stack):
+            args = span.get("args", {})
+            # a forward op (a recomputed one too) has no forward thread; a node run in backward names its maker's
+            if args.get("Sequence number") is not None and not args.get("Fwd thread id") \
+                    and (tid, args["Sequence number"]) not in part_of_node:
                 parts = [e["name"] for e in stack if is_part(e)]
-                part_of_node[seq] = parts[-1] if parts else None
+                part_of_node[(tid, args["Sequence number"])] = parts[-1] if parts else None
+    node_part = _node_parts(part_of_node, [e for spans in ranges.values() for e in spans
+                                           if e["name"].startswith(BACKWARD_NODE)])
 
     rows = []
     for k in kernels:
@@ -520,7 +525,7 @@ def kernel_sources(trace: dict, top: int = 100) -> dict:
         part = parts[-1] if parts else None
         if nodes:
             phase = "backward: " + nodes[-1]["name"][len(BACKWARD_NODE):].replace("torch::autograd::", "")
-            part = part or part_of_node.get(nodes[-1].get("args", {}).get("Sequence number"))
+            part = part or node_part(nodes[-1])
         else:
             phase = "forward" if part else "outside the model"
         rows.append((kernel_kind(k["name"]), part or "(none)", ops[0] if ops else "(no aten op)", phase,
@@ -548,6 +553,34 @@ def kernel_sources(trace: dict, top: int = 100) -> dict:
     return {"gpu_ms": sum(r[-1] for r in rows) / 1e3,
             "by_kind_and_part": ranked(((kind, part), us) for kind, part, _, _, us in rows),
             "by_source": ranked(((kind, part, op, phase), us) for kind, part, op, phase, us in rows)}
+
+
+def _node_parts(part_of_node: dict, nodes: list[dict]):
+    """A function from a backward node's event to the part of the forward op that made it.
+    The node names its maker's thread by the profiler's own thread number, not the trace's:
+    each number is matched to the trace thread that holds the most of its nodes' sequence
+    numbers, which decides the numbers two threads share."""
+    threads_of: dict = {}
+    for tid, seq in part_of_node:
+        threads_of.setdefault(seq, []).append(tid)
+    votes: dict = {}
+    for node in nodes:
+        args = node.get("args", {})
+        for tid in threads_of.get(args.get("Sequence number"), ()):
+            key = (args.get("Fwd thread id"), tid)
+            votes[key] = votes.get(key, 0) + 1
+    thread = {}
+    for (number, tid), count in sorted(votes.items(), key=lambda kv: -kv[1]):
+        thread.setdefault(number, tid)
+
+    def part(node: dict) -> str | None:
+        args = node.get("args", {})
+        seq = args.get("Sequence number")
+        tids = threads_of.get(seq, [])
+        tid = tids[0] if len(tids) == 1 else thread.get(args.get("Fwd thread id"))
+        return part_of_node.get((tid, seq))
+
+    return part
 
 
 def log_kernel_sources(sources: dict, top: int = 15) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from train_speed import gpu_idle_summary, kernel_sources  # noqa: E402
+from train_speed import BACKWARD_NODE, gpu_idle_summary, kernel_sources  # noqa: E402
 
 
 class TraceBuilder:
@@ -74,6 +74,38 @@ def test_every_kernel_is_attributed_to_its_part_op_and_phase(seed):
         {key: [n, round(us / 1e3, 3)] for key, (n, us) in expected.items()}
     assert got["gpu_ms"] == pytest.approx(sum(w[-1] for w in want) / 1e3)
     assert [r["ms"] for r in got["by_source"]] == sorted((r["ms"] for r in got["by_source"]), reverse=True)
+
+
+def test_nodes_of_a_recomputed_layer_take_its_part_though_their_numbers_repeat_the_forwards():
+    """A layer recomputed in backward makes its autograd nodes on the autograd thread, whose own
+    sequence numbers repeat numbers of the forward thread: each node's kernels go to the part of
+    the op that made it, on the thread the node names (the profiler's thread number)."""
+    t, clock, gpu = TraceBuilder(), 0.0, 1000.0
+    for seq in range(6):  # the forward thread: six vision ops, then the checkpointed layer
+        t.span(1, "user_annotation", "vision.block00", clock, 50)
+        t.span(1, "cpu_op", "aten::mm", clock + 5, 20, **{"Sequence number": seq, "Fwd thread id": 0})
+        clock += 100
+    t.span(1, "user_annotation", "lm.layer00", clock, 50)
+    t.span(1, "cpu_op", "CheckpointFunction", clock + 5, 20, **{"Sequence number": 6, "Fwd thread id": 0})
+    clock += 100
+    # backward on thread 2 (profiler thread number 2; the forward thread's is 1)
+    t.span(2, "cpu_op", BACKWARD_NODE + "CheckpointFunctionBackward", clock, 400,
+           **{"Sequence number": 6, "Fwd thread id": 1})
+    t.span(2, "user_annotation", "lm.layer00", clock + 10, 300)
+    for seq in (5, 6, 7):  # the recomputed forward: thread 2's numbers, 5 and 6 also thread 1's
+        t.span(2, "cpu_op", "aten::_grouped_mm", clock + 20 + 20 * seq, 10, **{"Sequence number": seq, "Fwd thread id": 0})
+    clock += 500
+    for seq in (7, 6, 5):
+        t.span(2, "cpu_op", BACKWARD_NODE + "GroupedMmBackward0", clock, 50, **{"Sequence number": seq, "Fwd thread id": 2})
+        t.launch(2, clock + 10, "cutlass_grouped_gemm_kernel", gpu, 10)
+        clock, gpu = clock + 100, gpu + 100
+    for seq in reversed(range(6)):
+        t.span(2, "cpu_op", BACKWARD_NODE + "MmBackward0", clock, 50, **{"Sequence number": seq, "Fwd thread id": 1})
+        t.launch(2, clock + 10, "nvjet_gemm_kernel", gpu, 10)
+        clock, gpu = clock + 100, gpu + 100
+    rows = {tuple(r["key"]): r["kernels"] for r in kernel_sources({"traceEvents": t.events})["by_source"]}
+    assert rows == {("experts (grouped GEMM, dispatch)", "lm.layer*", "(no aten op)", "backward: GroupedMmBackward0"): 3,
+                    ("gemm", "vision.block*", "(no aten op)", "backward: MmBackward0"): 6}, rows
 
 
 def test_a_layer_is_named_by_the_attention_it_runs():
