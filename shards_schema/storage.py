@@ -289,6 +289,20 @@ def list_tree(url: str) -> dict[str, int]:
             if meta.get("type") != "directory" and name.startswith(root + "/")}
 
 
+def list_names(url: str) -> list[str]:
+    """The names directly under the prefix `url`, objects and sub-prefixes alike, sorted ([]
+    when there is none): one listing, however much lies deeper."""
+    fs, root = _filesystem(url)
+    root = root.rstrip("/")
+    try:
+        entries = fs.ls(root, detail=False, refresh=True)
+    except FileNotFoundError:
+        return []
+    except Exception as exc:  # noqa: BLE001
+        raise classify(exc, url) from None
+    return sorted({entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries} - {""})
+
+
 def download_tree(url: str, local: Path) -> int:
     """Copy every object under `url` into `local` (same relative paths), skipping files already
     there at the same size; each lands under a temporary name and is renamed when whole."""

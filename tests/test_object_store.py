@@ -351,7 +351,8 @@ def _stages(tmp: Path) -> list[str]:
 def test_a_store_prefix_holding_another_job_is_refused_before_the_first_row_naming_the_url(s3, tmp_path, monkeypatch,
                                                                                            capsys):
     """The destination is checked before any work: a prefix holding another dataset (or another
-    job's unfinished upload, or, for a partition, any finished dataset) is refused in one line
+    job's unfinished upload, objects that no job writes, or, for a partition, any finished
+    dataset) is refused in one line
     naming the URL, never a local staging directory; no row is processed, no stage is made.
     The same job again finds its dataset there and does nothing."""
     import preprocess.job.local as job  # where the local executor runs its units
@@ -370,7 +371,13 @@ def test_a_store_prefix_holding_another_job_is_refused_before_the_first_row_nami
     other_job = {"profile": {}, "settings": {}, "inputs": [], "num_partitions": 1}  # an upload cut short
     client.put_object(Bucket="data", Key="half/_parts/job.json", Body=json.dumps(other_job).encode())
     client.put_object(Bucket="data", Key="foreign/manifest.json", Body=b'["a list"]')
+    client.put_object(Bucket="data", Key="stray/notes.txt", Body=b"someone's notes")
+    client.put_object(Bucket="data", Key="stray/shard-000000.arrow", Body=b"a job's name, not a job's bytes")
+    client.put_object(Bucket="data", Key="strayparts/_parts/their.db", Body=b"x")
     for out, extra, says in (
+            ("s3://data/stray", [], "holds objects that no vlmpack job writes (notes.txt): choose a new or empty prefix"),
+            ("s3://data/strayparts", [], "holds objects that no vlmpack job writes (_parts/their.db): choose a new or "
+                                         "empty prefix"),
             ("s3://data/foreign", [], "s3://data/foreign/manifest.json: holds a JSON array, not an object: it is no "
                                       "vlmpack file; choose another --out prefix"),
             ("s3://data/taken", ["--max-seq-len", "999"], "holds another dataset (its manifest.json differs in: settings)"),

@@ -35,6 +35,15 @@ _PARTS_FILES = re.compile(rf"({re.escape(JOB_FILE)}|{re.escape(INPUTS_SEEN_FILE)
                           rf"({re.escape(TMP_SUFFIX)})?")
 
 
+def is_job_file(relative: str) -> bool:
+    """Whether `relative` (a path under an output directory, `/`-separated) is a file that a
+    preprocess or merge job writes."""
+    head, _, rest = relative.partition("/")
+    if rest:
+        return head == PARTS_DIR and "/" not in rest and _PARTS_FILES.fullmatch(rest) is not None
+    return _JOB_FILES.fullmatch(head) is not None
+
+
 def entries_not_of_a_job(out: Path) -> list[str]:
     """What `out` holds that no preprocess or merge job writes (its lock aside): before such a
     directory is removed as a job's own output, nothing else may be in it."""
@@ -43,8 +52,8 @@ def entries_not_of_a_job(out: Path) -> list[str]:
         path = out / name
         if name == PARTS_DIR and path.is_dir() and not path.is_symlink():
             foreign += [f"{PARTS_DIR}/{n}" for n in sorted(os.listdir(path))
-                        if not (_PARTS_FILES.fullmatch(n) and (path / n).is_file() and not (path / n).is_symlink())]
-        elif not (_JOB_FILES.fullmatch(name) and path.is_file() and not path.is_symlink()):
+                        if not (is_job_file(f"{PARTS_DIR}/{n}") and (path / n).is_file() and not (path / n).is_symlink())]
+        elif not (is_job_file(name) and path.is_file() and not path.is_symlink()):
             foreign.append(name)
     return foreign
 

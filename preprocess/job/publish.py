@@ -6,9 +6,9 @@ Partitions (`--num-partitions`) publish their directories the same way without a
 publishes the merged directory (`preprocess.job.merge.merge_staged`).
 
 The destination is checked before the job's first row (`check_destination`): a prefix holding
-another dataset's manifest, or another job's work state (`_parts/job.json`), is refused naming
-the URL; a prefix already holding this job's finished dataset (or partition) is the result,
-nothing is redone.
+another dataset's manifest, another job's work state (`_parts/job.json`) or any object that no
+job writes, is refused naming the URL; a prefix already holding this job's finished dataset (or
+partition) is the result, nothing is redone.
 
 The staging directory (`--stage-dir`, by default one under the system's temporary directory
 named after the destination and the job: its inputs' fingerprints, settings and profile) is an
@@ -38,6 +38,7 @@ from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR
 from shards_schema.outdir import LOCK_NAME
 
 from ..errors import ConfigError
+from .claim import is_job_file
 from .records import JOB_FILE
 
 
@@ -90,6 +91,16 @@ def check_destination(url: str, identity: dict, partition: str | None = None) ->
                           f"differs in: {_differs_in(recorded, identity)}): choose another prefix")
     if recorded is not None and partition is not None:
         return read_json_object(storage.join(url, f"{PARTS_DIR}/{partition}"))
+    if recorded is None:  # new, or an upload cut short: nothing but what a job writes may be there
+        names = storage.list_names(url)
+        foreign = [n for n in names if n != PARTS_DIR and not is_job_file(n)]
+        if PARTS_DIR in names:
+            foreign += [f"{PARTS_DIR}/{n}" for n in storage.list_names(storage.join(url, PARTS_DIR))
+                        if not is_job_file(f"{PARTS_DIR}/{n}")]
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise ConfigError(f"--out {where} holds objects that no vlmpack job writes ({shown}): choose a new or "
+                              "empty prefix")
     return None
 
 
