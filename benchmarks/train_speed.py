@@ -629,7 +629,7 @@ def _release(probe: TrainerProbe, device: torch.device) -> None:
 
 def resolve_auto_recompute(args, data_dir: Path, device: torch.device) -> None:
     """`--recompute auto` resolved as the trainer resolves it, into this process's args: the
-    recompute and layers it chose, and its line as `recompute_auto`."""
+    recompute, layers and vision recompute it chose, and its line as `recompute_auto`."""
     from train.config import TrainConfig
     from train.trainer import resolve_arch, resolve_recompute
 
@@ -639,7 +639,9 @@ def resolve_auto_recompute(args, data_dir: Path, device: torch.device) -> None:
         grad_dtype=args.grad_dtype, adam_state_dtype=args.adam_state_dtype, master_weights=args.master_weights,
         lora_rank=args.lora_rank))
     config, args.recompute_auto = resolve_recompute(config, resolve_arch(config.model), cuda=device.type == "cuda")
-    args.recompute, args.recompute_layers = config.memory.recompute, config.memory.recompute_layers
+    memory = config.memory
+    args.recompute, args.recompute_layers, args.recompute_vision = \
+        memory.recompute, memory.recompute_layers, memory.recompute_vision
     log(f"ours: {args.recompute_auto}")
 
 
@@ -1124,7 +1126,7 @@ def main(argv=None) -> int:
     for repeat in range(args.repeats):
         ours = isolated(run_ours, args, data_dir, out_dir / "ours")
         if ours["recompute_auto"]:  # the arguments record what auto chose (the line says it was auto)
-            for key in ("recompute", "recompute_layers"):
+            for key in ("recompute", "recompute_layers", "recompute_vision"):
                 setattr(args, key, ours["config"][key])
             args.recompute_auto = ours["recompute_auto"]
         args.profile = False  # the profile is of the first run only

@@ -234,9 +234,10 @@ def test_gpus_other_than_the_launch_is_refused_outside_a_dry_run(shards, tmp_pat
     ("qwen3-vl-8b", 8192, 2, 40.0), ("qwen3-vl-8b", 16384, 1, 30.0), ("qwen3-vl-30b-a3b", 8192, 1, 141.0),
 ])
 def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, pp, gpu_gib):
-    """--recompute auto: none where the plan fits, else full recompute of the fewest first
-    layers per stage whose plan fits in FIT_FRACTION of the GPU (one layer fewer does not),
-    else every layer; checked against the plan of every recompute depth."""
+    """--recompute auto: none where the plan fits, else the vision tower alone, else full
+    recompute of the fewest first layers per stage (with the tower) whose plan fits in
+    FIT_FRACTION of the GPU (one layer fewer does not), else every layer; checked against the
+    plan of every choice."""
     from train.config import TrainConfig
     from train.trainer import dry_run, resolve_arch, resolve_recompute
 
@@ -245,17 +246,39 @@ def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, p
     model = resolve_arch(config.model)
     chosen, line = resolve_recompute(config, model, cuda=True)
     layers = model.lm.num_layers // pp
-    depths = [("none", None)] + [("full", n) for n in range(1, layers)] + [("full", None)]
+    choices = [("none", None, None), ("none", None, True)] + [("full", n, None) for n in range(1, layers)] \
+        + [("full", None, None)]
 
-    def planned(recompute, recompute_layers):
-        run = TrainConfig.from_flat({**config.to_flat(), "recompute": recompute, "recompute_layers": recompute_layers})
+    def planned(recompute, recompute_layers, recompute_vision):
+        run = TrainConfig.from_flat({**config.to_flat(), "recompute": recompute, "recompute_layers": recompute_layers,
+                                     "recompute_vision": recompute_vision})
         return float(re.search(r"largest stage: ([\d.]+) GiB", dry_run(run)[0]).group(1))
 
     budget = memory_plan.FIT_FRACTION * gpu_gib
-    fits = [planned(*depth) <= budget + 0.05 for depth in depths]  # the report rounds to 0.1 GiB
-    index = depths.index((chosen.memory.recompute, chosen.memory.recompute_layers))
-    assert index == (fits.index(True) if any(fits) else len(depths) - 1), (line, fits)
+    fits = [planned(*choice) <= budget + 0.05 for choice in choices]  # the report rounds to 0.1 GiB
+    memory = chosen.memory
+    index = choices.index((memory.recompute, memory.recompute_layers, memory.recompute_vision))
+    assert index == (fits.index(True) if any(fits) else len(choices) - 1), (line, fits)
     assert line.startswith("--recompute auto: ") and ("does NOT fit" in line) == (not any(fits))
+    assert ("the vision tower's blocks recomputed, no decoder layer" in line) == (index == 1), line
+
+
+def test_recompute_auto_recomputes_the_vision_tower_alone_where_that_fits():
+    """Where the plan fits once the vision tower's activations go, auto recomputes the tower
+    and no decoder layer (the 2B model at 16k packs on a 77.9 GiB budget); a frozen tower keeps
+    none, so it is never the choice, and --recompute-vision false leaves it out."""
+    from train.config import TrainConfig
+    from train.trainer import resolve_arch, resolve_recompute
+
+    flat = dict(arch="qwen3-vl-2b", seq_len=16384, gpus=1, recompute="auto", gpu_memory_gib=82.0, dry_run=True)
+    config = TrainConfig.from_flat(flat)
+    chosen, line = resolve_recompute(config, resolve_arch(config.model), cuda=True)
+    memory = chosen.memory
+    assert (memory.recompute, memory.recompute_layers, memory.recompute_vision) == ("none", None, True), line
+    frozen = TrainConfig.from_flat({**flat, "freeze": ["vision"]})
+    assert resolve_recompute(frozen, resolve_arch(frozen.model), cuda=True)[0].memory.recompute_vision is not True
+    kept = TrainConfig.from_flat({**flat, "recompute_vision": False})
+    assert resolve_recompute(kept, resolve_arch(kept.model), cuda=True)[0].memory.recompute == "full"
 
 
 def test_recompute_auto_on_cpu_trains_without_recompute_and_says_so(shards, tmp_path, capsys):

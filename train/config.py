@@ -271,8 +271,8 @@ class MemoryConfig:
     bf16: bool = _bool(True, "memory", "bf16 weights and compute on GPU (CPU runs are fp32; default true)")
     recompute: str = _text("none", "memory", "activation recompute of the language model: none, selective, full, "
                                              "or auto: none if the memory plan fits the GPU (--gpu-memory-gib), "
-                                             "else full for the fewest first layers per stage that make it fit "
-                                             "(default none)")
+                                             "else the vision tower's blocks alone, else full for the fewest first "
+                                             "layers per stage that make it fit (default none)")
     recompute_layers: int | None = _int(None, "memory", "with --recompute full: recompute only the first N decoder "
                                                         "layers per pipeline stage")
     recompute_vision: bool | None = _bool(None, "memory", "recompute the vision blocks in backward "

@@ -379,11 +379,12 @@ def nothing_fits_advice(config: TrainConfig) -> str:
 
 def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
                       visual_share: float | None = None) -> tuple[TrainConfig, str | None]:
-    """`--recompute auto` made concrete from the memory plan: none if the plan fits
-    FIT_FRACTION of the GPU, else full recompute of the fewest first decoder layers per stage
-    that make it fit (all of them if nothing fits); none on CPU. Returns the config and a line
-    saying what was chosen (None for any other --recompute). `visual_share`: the data's, when
-    already read (`data_visual_share`)."""
+    """`--recompute auto` made concrete from the memory plan, the least recompute that fits
+    FIT_FRACTION of the GPU: none; else the vision tower alone (unless --recompute-vision is
+    set); else full recompute of the fewest first decoder layers per stage, with the vision
+    tower (all of them if nothing fits); none on CPU. Returns the config and a line saying what
+    was chosen (None for any other --recompute). `visual_share`: the data's, when already read
+    (`data_visual_share`)."""
     memory = config.memory
     if memory.recompute in ("selective", "full") and not cuda:
         raise ConfigError(f"--recompute {memory.recompute} needs CUDA (megatron-core's recompute saves and restores "
@@ -394,19 +395,27 @@ def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
         return dataclasses.replace(config, memory=dataclasses.replace(memory, recompute="none")), \
             "--recompute auto: no recompute (a CPU run)"
     layers = max(len(r) for r in convert.stage_layers(arch, config.parallelism.pp))
-    candidates = [("none", None)] + [("full", n) for n in range(1, layers)] + [("full", None)]
     settings, layout, gpu_gib = _plan_inputs(config, arch, visual_share)
+    vision = memory.recompute_vision
+    trained_tower = dataclasses.replace(settings, recompute="none", recompute_vision=False).vision_keeps_activations
+    # each candidate recomputes all that the one before it does and more (a frozen tower keeps nothing)
+    candidates = [("none", None, vision)] + ([("none", None, True)] if vision is None and trained_tower else []) \
+        + [("full", n, vision) for n in range(1, layers)] + [("full", None, vision)]
     budget = memory_plan.FIT_FRACTION * gpu_gib
-    for recompute, recompute_layers in candidates:
-        tried = dataclasses.replace(settings, recompute=recompute, recompute_layers=recompute_layers)
+    for recompute, recompute_layers, recompute_vision in candidates:
+        tried = dataclasses.replace(settings, recompute=recompute, recompute_layers=recompute_layers,
+                                    recompute_vision=recompute_vision)
         peak = memory_plan.peak_gib(arch, tried, layout)
         if peak <= budget:
             break
-    what = "no recompute" if recompute == "none" else \
-        f"--recompute full of {recompute_layers or layers} of {layers} decoder layers per stage"
+    if recompute == "full":
+        what = f"--recompute full of {recompute_layers or layers} of {layers} decoder layers per stage"
+    else:
+        what = "the vision tower's blocks recomputed, no decoder layer" if recompute_vision else "no recompute"
     verdict = "fits" if peak <= budget else "does NOT fit even so"
     chosen = f"--recompute auto: {what} (planned {peak:.1f} GiB, {verdict} in {budget:.1f} GiB)"
-    memory = dataclasses.replace(memory, recompute=recompute, recompute_layers=recompute_layers)
+    memory = dataclasses.replace(memory, recompute=recompute, recompute_layers=recompute_layers,
+                                 recompute_vision=recompute_vision)
     return dataclasses.replace(config, memory=memory), chosen
 
 
