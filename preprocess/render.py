@@ -702,6 +702,22 @@ TEMPLATE_PROBES: tuple[tuple[str, list, list | None], ...] = (
         None,
     ),
     (
+        "videos beside an image",
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video", "video": "clip.mp4"},
+                    {"type": "text", "text": "and"},
+                    {"type": "image", "image": "a.jpg"},
+                    {"type": "video", "video": ["f1.jpg", "f2.jpg"]},
+                ],
+            },
+            {"role": "assistant", "content": "Two clips and a photo."},
+        ],
+        None,
+    ),
+    (
         "whitespace and unicode",
         [
             {"role": "user", "content": "\n  你好 👋🏽 é שלום \n"},

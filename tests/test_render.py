@@ -120,11 +120,15 @@ def test_a_vision_label_merged_with_the_text_before_it_is_never_a_target(name):
     assert profile.tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == "Here it is done<|im_end|>"
 
 
-def image_sources_in_order(messages: list) -> list[str]:
+def media_sources_in_order(messages: list) -> list:
+    """Each image's source, and ("video", source) for each video, in order (`check_against_hf`)."""
     sources = []
     for message in messages:
         if isinstance(message["content"], list):
             for part in message["content"]:
+                if part.get("type") == "video":
+                    sources.append(("video", part["video"]))
+                    continue
                 source = part.get("image_url", part.get("image", part.get("url", part.get("path"))))
                 if source is not None:
                     sources.append(source["url"] if isinstance(source, dict) else source)
@@ -139,12 +143,12 @@ def test_probes_match_hf(family, builtin_profiles, hf_tokenizers, official_templ
             render_conversation(messages, family=family_named(family), tools=tools)
         except RejectError:
             continue  # content this family rejects (covered by the reject tests)
-        sources = image_sources_in_order(messages)
+        sources = media_sources_in_order(messages)
         check_against_hf(
             family, messages, tools, sources, builtin_profiles[family], hf_tokenizers[family], official_template[family]
         )
         checked += 1
-    assert checked == {"qwen3-vl": 12, "qwen2.5-vl": 8}[family]  # the rest carry content the family rejects
+    assert checked == {"qwen3-vl": 13, "qwen2.5-vl": 9}[family]  # the rest carry content the family rejects
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,6 +563,10 @@ def test_other_family_template_is_refused(family, builtin_profiles, official_tem
         ("qwen3-vl", "{{- '\\n\\n' }}", "{{- '\\n' }}", "tools with system and tool call"),
         ("qwen3-vl", "'\\n<tool_response>\\n'", "'<tool_response>\\n'", "tools with system and tool call"),
         ("qwen2.5-vl", "You are a helpful assistant.", "You are Qwen.", "no system, multi-turn"),
+        ("qwen3-vl", "<|vision_start|><|video_pad|><|vision_end|>", "<|vision_start|>CLIP<|video_pad|><|vision_end|>",
+         "videos beside an image"),
+        ("qwen2.5-vl", "<|vision_start|><|video_pad|><|vision_end|>", "<|vision_start|><|video_pad|> <|vision_end|>",
+         "videos beside an image"),
     ],
 )
 def test_modified_template_is_refused(builtin_profiles, official_template, family_name, old, new, probe):
