@@ -268,6 +268,15 @@ def count_flag(text: str) -> int:
     return value
 
 
+def frames_flag(text: str) -> int:
+    """argparse type of a flag giving the most frames a video part may sample: frames are cut in
+    pairs (temporal patches of 2), so fewer than 2 would reject every video."""
+    value = count_flag(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (a video's frames are cut in pairs), got {text}")
+    return value
+
+
 def fps_flag(text: str) -> float:
     """argparse type of a flag giving what a video part's fps may be."""
     try:

@@ -38,7 +38,7 @@ from shards_schema.json_object import NotAJSONObject, parse_json_object
 
 from .errors import ConfigError
 from .families import BUILTIN_PROFILES, FAMILIES, MODEL_TYPE_FAMILY, ModelFamily, family_named
-from .media import MAX_OPTION_INTEGER
+from .media import MAX_OPTION_INTEGER, MIN_FPS
 from .render import DEFAULT_TEXT_SPECIAL_TOKENS, GROUNDING_TOKENS
 from .text_budget import TextBudget
 from .video import VideoDefaults
@@ -202,7 +202,9 @@ def builtin_profile(name: str) -> Profile:
 # so a damaged file cannot blow every image up until a worker is killed for memory.
 MAX_PATCH_SIZE = 256
 MAX_MERGE_SIZE = 16
-MAX_TEMPORAL_PATCH_SIZE = 16
+# Every published Qwen-VL processor pairs frames (an image's one frame twice): a shard's patch
+# rows hold that pair's width, and its videos' frames are taken two at a time
+TEMPORAL_PATCH_SIZE = 2
 MAX_PIXELS = MAX_OPTION_INTEGER  # the bound of --min-pixels / --max-pixels
 # Qwen2.5-VL's is 2: a video's temporal positions grow by it every second, and the shards store
 # positions as int32, so a damaged value must not reach billions within a video
@@ -317,6 +319,12 @@ def _chat_template_file(model_dir: Path) -> tuple[Path, str]:
             template = _json_object(path).get("chat_template")
             if isinstance(template, str):
                 return path, template
+            if isinstance(template, list):  # HF's named templates ({"name": ..., "template": ...})
+                raise ConfigError(f"{path}: chat_template holds several named templates: vlmpack reads one; save the "
+                                  "one to train with as chat_template.jinja beside it")
+            if template is not None:
+                raise ConfigError(f"{path}: chat_template must be the template's text (a string), got "
+                                  f"{_shown(template)}: {_restore(path)}")
     raise ConfigError(
         f"{model_dir} has no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json)"
     )
@@ -336,8 +344,7 @@ def _vision_from_preprocessor_config(path: Path, family: str) -> VisionConfig:
     return VisionConfig(
         patch_size=_integer(path, "patch_size", cfg["patch_size"], 1, MAX_PATCH_SIZE),
         merge_size=_integer(path, "merge_size", cfg["merge_size"], 1, MAX_MERGE_SIZE),
-        temporal_patch_size=_integer(path, "temporal_patch_size", cfg["temporal_patch_size"], 1,
-                                     MAX_TEMPORAL_PATCH_SIZE),
+        temporal_patch_size=_temporal_patch_size(path, cfg["temporal_patch_size"]),
         image_mean=_channel_values(path, "image_mean", cfg["image_mean"], nonzero=False),
         image_std=_channel_values(path, "image_std", cfg["image_std"], nonzero=True),
         min_pixels=min_pixels,
@@ -345,9 +352,20 @@ def _vision_from_preprocessor_config(path: Path, family: str) -> VisionConfig:
     )
 
 
-def _video_from_config(path: Path, family: str) -> VideoDefaults:
-    """The directory's video_preprocessor_config.json over the family's defaults."""
+def _temporal_patch_size(path: Path, value) -> int:
+    if isinstance(value, bool) or value != TEMPORAL_PATCH_SIZE:
+        raise ConfigError(f"{path}: temporal_patch_size {_shown(value)} is not supported: vlmpack cuts frames in pairs "
+                          f"(temporal_patch_size {TEMPORAL_PATCH_SIZE}, as every published Qwen-VL processor does); "
+                          f"{_restore(path)}")
+    return TEMPORAL_PATCH_SIZE
+
+
+def _video_from_config(path: Path, family: str, vision: VisionConfig) -> VideoDefaults:
+    """The directory's video_preprocessor_config.json over the family's defaults; its patch
+    sizes must be the image processor's (`vision`), which vlmpack cuts video frames by too."""
     defaults = family_named(family).builtin_video
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{path}: not a file: {_restore(path)}")
     if not path.is_file():
         return defaults
     cfg = _json_object(path)
@@ -355,9 +373,14 @@ def _video_from_config(path: Path, family: str) -> VideoDefaults:
     def value(key: str):
         return cfg[key] if _given(cfg, key) else getattr(defaults, key)
 
+    for field in ("patch_size", "merge_size", "temporal_patch_size"):
+        if _given(cfg, field) and cfg[field] != getattr(vision, field):
+            raise ConfigError(f"{path}: {field} {_shown(cfg[field])} differs from {field} {getattr(vision, field)} in "
+                              f"preprocessor_config.json: vlmpack cuts video frames as the image processor cuts "
+                              f"images; {_restore(path)}")
     fps = value("fps")
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= MAX_VIDEO_FPS:
-        raise ConfigError(f"{path}: fps must be a number above 0 and at most {MAX_VIDEO_FPS:g}, got {_shown(fps)}: "
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not MIN_FPS <= fps <= MAX_VIDEO_FPS:
+        raise ConfigError(f"{path}: fps must be a number from {MIN_FPS:g} to {MAX_VIDEO_FPS:g}, got {_shown(fps)}: "
                           f"{_restore(path)}")
     min_frames = _integer(path, "min_frames", value("min_frames"), 1, MAX_OPTION_INTEGER)
     min_pixels, max_pixels = _pixel_bounds(path, cfg, defaults, family)
@@ -435,10 +458,13 @@ def profile_from_model_dir(model_dir: str | Path, check_template: bool = True) -
     first: ConfigError, naming the file (and field) and the fix, for a damaged or inconsistent one."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise ConfigError(f"--model {model_dir}: not a directory")
+        what = "not a directory" if model_dir.exists() else "no such directory"
+        raise ConfigError(f"--model {model_dir}: {what}; pass a Hugging Face Qwen-VL checkpoint directory")
     for required in ("config.json", "tokenizer.json", "preprocessor_config.json"):
-        if not (model_dir / required).is_file():
-            raise ConfigError(f"--model {model_dir}: missing {required}; pass a Hugging Face Qwen-VL checkpoint directory")
+        path = model_dir / required
+        if not path.is_file():
+            what = f"{required} is not a file" if path.exists() or path.is_symlink() else f"missing {required}"
+            raise ConfigError(f"--model {model_dir}: {what}; pass a Hugging Face Qwen-VL checkpoint directory")
     config_path = model_dir / "config.json"
     config = _json_object(config_path)
     model_type, family = _model_type_family(config_path, config)
@@ -470,7 +496,7 @@ def profile_from_model_dir(model_dir: str | Path, check_template: bool = True) -
         chat_template=template,
         # an unofficial template that passes the check below renders as the family's first kind
         template=official[1] if official is not None else family_named(family).templates[0],
-        video=_video_from_config(model_dir / "video_preprocessor_config.json", family),
+        video=_video_from_config(model_dir / "video_preprocessor_config.json", family, vision),
         tokens_per_second=tokens_per_second,
     )
     _load_tokenizer(profile, tokenizer_path)

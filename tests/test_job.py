@@ -839,7 +839,7 @@ NUMERIC_FLAGS = {
         ("--max-image-pixels", int, lambda v: v >= 1),
         ("--max-media-bytes", int, lambda v: v >= 1),
         ("--video-fps", float, lambda v: v >= 0.001),
-        ("--video-max-frames", int, lambda v: 1 <= v <= 2**53),
+        ("--video-max-frames", int, lambda v: 2 <= v <= 2**53),
         ("--video-max-pixels", int, lambda v: 1 <= v <= 2**53),
         ("--video-total-pixels", int, lambda v: 1 <= v <= 2**53),
         ("--max-video-bytes", int, lambda v: v >= 1),

@@ -84,6 +84,36 @@ def test_a_model_text_file_that_is_not_utf8_is_refused_naming_the_file(capsys, t
     assert f"{model / name}: not UTF-8 text (byte 0)" in err, err
 
 
+def test_a_missing_model_dir_or_a_model_file_that_is_a_directory_is_named_as_such(capsys, tmp_path, model):
+    err = _refused(capsys, tmp_path, tmp_path / "nowhere")
+    assert f"--model {tmp_path / 'nowhere'}: no such directory; pass a Hugging Face Qwen-VL checkpoint" in err, err
+    tokenizer = (model / "tokenizer.json").read_bytes()
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").mkdir()
+    err = _refused(capsys, tmp_path, model)
+    assert f"--model {model}: tokenizer.json is not a file" in err, err
+    (model / "tokenizer.json").rmdir()
+    (model / "tokenizer.json").write_bytes(tokenizer)
+    (model / "video_preprocessor_config.json").mkdir()
+    err = _refused(capsys, tmp_path, model)
+    assert f"{model / 'video_preprocessor_config.json'}: not a file" in err, err
+
+
+@pytest.mark.parametrize("value, problem", [
+    (42, "chat_template must be the template's text (a string), got 42"),
+    ([{"name": "default", "template": "{{ x }}"}], "chat_template holds several named templates: vlmpack reads one; "
+                                                   "save the one to train with as chat_template.jinja beside it"),
+], ids=["number", "named-templates"])
+def test_a_tokenizer_config_chat_template_that_is_no_text_is_named(capsys, tmp_path, model, value, problem):
+    (model / "chat_template.jinja").unlink()
+    config = model / "tokenizer_config.json"
+    if not config.exists():
+        config.write_text("{}")
+    _update(config, chat_template=value)
+    err = _refused(capsys, tmp_path, model)
+    assert f"{config}: {problem}" in err, err
+
+
 def test_an_empty_chat_template_is_refused_naming_the_file(capsys, tmp_path, model):
     (model / "chat_template.jinja").write_text("\n")
     assert f"{model / 'chat_template.jinja'}: empty" in _refused(capsys, tmp_path, model)
@@ -97,7 +127,9 @@ PROCESSOR_FAULTS = [
     ("preprocessor_config.json", {"merge_size": 0}, "merge_size must be an integer from 1 to 16, got 0"),
     ("preprocessor_config.json", {"merge_size": True}, "merge_size must be an integer from 1 to 16, got True"),
     ("preprocessor_config.json", {"temporal_patch_size": -1},
-     "temporal_patch_size must be an integer from 1 to 16, got -1"),
+     "temporal_patch_size -1 is not supported: vlmpack cuts frames in pairs (temporal_patch_size 2"),
+    ("preprocessor_config.json", {"temporal_patch_size": 1}, "temporal_patch_size 1 is not supported"),
+    ("preprocessor_config.json", {"temporal_patch_size": 3}, "temporal_patch_size 3 is not supported"),
     ("preprocessor_config.json", {"image_std": [0.5, 0, 0.5]},
      "image_std must be a list of 3 finite numbers (one per RGB channel, none 0), got [0.5, 0, 0.5]"),
     ("preprocessor_config.json", {"image_std": [0.5, 0.5]}, "image_std must be a list of 3 finite numbers"),
@@ -109,7 +141,13 @@ PROCESSOR_FAULTS = [
      "max_pixels"),
     ("preprocessor_config.json", {"min_pixels": 0}, "min_pixels must be an integer from 1 to 9007199254740992, got 0"),
     ("preprocessor_config.json", {"size": [1, 2]}, "size must be an object (shortest_edge, longest_edge)"),
-    ("video_preprocessor_config.json", {"fps": 0}, "fps must be a number above 0 and at most 1000, got 0"),
+    ("video_preprocessor_config.json", {"fps": 0}, "fps must be a number from 0.001 to 1000, got 0"),
+    ("video_preprocessor_config.json", {"fps": 1e-9}, "fps must be a number from 0.001 to 1000, got 1e-09"),
+    ("video_preprocessor_config.json", {"patch_size": 14},
+     "patch_size 14 differs from patch_size 16 in preprocessor_config.json: vlmpack cuts video frames as the image "
+     "processor cuts images"),
+    ("video_preprocessor_config.json", {"merge_size": 4}, "merge_size 4 differs from merge_size 2"),
+    ("video_preprocessor_config.json", {"temporal_patch_size": 16}, "temporal_patch_size 16 differs from "),
     ("video_preprocessor_config.json", {"min_frames": 8, "max_frames": 4},
      "max_frames must be an integer from 8 to 9007199254740992, got 4"),
     ("video_preprocessor_config.json", {"image_std": [0.5, 0.5, 0]}, "image_std must be a list of 3 finite numbers"),

@@ -147,5 +147,16 @@ def test_a_flag_without_its_partner_or_out_of_range_is_refused_before_any_work(t
     assert not out.exists() and not os.path.exists("s3:")
 
 
+def test_a_video_max_frames_under_two_is_refused_naming_the_flag(tmp_path, capsys):
+    """Frames are cut in pairs: --video-max-frames 1 would reject every video row."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["preprocess", str(tmp_path / "rows.jsonl"), "--out", str(out), "--video-max-frames", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "argument --video-max-frames: must be at least 2 (a video's frames are cut in pairs), got 1" in err
+    assert not out.exists()
+
+
 def test_one_partition_needs_no_index(monkeypatch, capsys):
     assert _parsed(monkeypatch, [*REQUIRED, "--num-partitions", "1"]) == _defaults()

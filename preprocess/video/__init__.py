@@ -22,7 +22,8 @@ from shards_schema.flags import setting
 from shards_schema.storage import FetchPolicy
 
 from ..errors import RejectError
-from ..media import MIN_FPS, check_bounds, check_unsupported_size_options, count_flag, fps_flag, part_number
+from ..media import (MIN_FPS, check_bounds, check_unsupported_size_options, count_flag, fps_flag, frames_flag,
+                     part_number)
 from .decode import VideoInfo, VideoReader
 from .sampling import (
     QVU_VIDEO_MIN_TOKEN_NUM,
@@ -61,7 +62,7 @@ class VideoOptions:
                                 help="frames sampled per second where a video part gives neither fps nor nframes "
                                      "(default: the profile's, 2)")
     max_frames: int | None = setting(
-        None, group="videos", type=count_flag,
+        None, group="videos", type=frames_flag,
         help="most frames sampled from a video part that gives no max_frames (default: the profile's, 768)")
     max_pixels: int | None = setting(
         None, group="videos", type=count_flag,
