@@ -227,7 +227,7 @@ def media_file(path_text: str, media_root: Path | None, max_bytes: int, kind: st
         root = Path(media_root).resolve()
         path = Path(path_text)
         resolved = (path if path.is_absolute() else root / path).resolve()
-    except (OSError, ValueError) as exc:  # embedded NUL, symlink loop, ...
+    except (OSError, ValueError, RuntimeError) as exc:  # embedded NUL, symlink loop (RuntimeError before 3.13)
         raise RejectError("bad_path", f"{kind} path {path_text[:120]!r} cannot be resolved ({exc})") from None
     if not resolved.is_relative_to(root):
         raise RejectError(

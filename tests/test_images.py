@@ -40,6 +40,7 @@ from preprocess.images import (
     smart_resize,
     to_rgb,
 )
+from preprocess.media import media_file
 from shards_schema.builtin import QWEN2_5_VL_VISION, QWEN3_VL_VISION, VisionConfig
 from shards_schema.pixels import normalization_lut, pixel_values_from_patches
 from tests.helpers.images import png_header_only
@@ -606,3 +607,8 @@ def test_every_reject_code_is_exercised(tmp_path, monkeypatch):
         with pytest.raises(RejectError) as err:
             call()
         assert err.value.code == code, (code, err.value)
+    (root / "loop.png").symlink_to(root / "loop.png")  # a symlink loop is a bad path, for images and videos
+    for kind in ("image", "video"):
+        with pytest.raises(RejectError) as err:
+            media_file("loop.png", root, 10**6, kind)
+        assert err.value.code == "bad_path" and "cannot be resolved" in str(err.value), err.value
