@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import threading
 from bisect import bisect_right
 from collections.abc import Collection
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
@@ -853,6 +856,36 @@ def _with(variables: dict) -> str:
     return "".join(f" with {k}" for k in variables)
 
 
+# Seconds the probes of a --model template may take together: the official templates render them
+# in milliseconds, and a template that loops without end must not hang the job's start
+TEMPLATE_CHECK_SECONDS = 60.0
+
+
+class _TemplateTimeout(BaseException):
+    """Raised into the template's rendering when its time is up (not an Exception: the checks
+    below turn a template's own errors into ConfigError, this one into its own)."""
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    """Raise _TemplateTimeout into the code run under it after `seconds` (SIGALRM: the main
+    thread of a process only; elsewhere no limit)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise _TemplateTimeout
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _render_with_hf(template_text: str, messages: list, tools: list | None, **variables) -> str:
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -900,35 +933,47 @@ def check_template_matches(profile, template_text: str, **variables) -> None:
         raise ConfigError(
             "checking a model directory's chat template needs transformers: pip install transformers"
         ) from exc
+    probe = TEMPLATE_PROBES[0][0]
+    try:
+        with _time_limit(TEMPLATE_CHECK_SECONDS):
+            for probe, messages, tools in TEMPLATE_PROBES:
+                _check_probe(profile, template_text, probe, messages, tools, variables)
+    except _TemplateTimeout:
+        raise ConfigError(f"the chat template of {profile.source} takes longer than {TEMPLATE_CHECK_SECONDS:g} s to "
+                          f"render the probes (it was at probe {probe!r}): it is not a template vlmpack renders "
+                          f"natively; use the official chat template of the checkpoint") from None
+
+
+def _check_probe(profile, template_text: str, name: str, messages: list, tools: list | None, variables: dict) -> None:
+    """One probe of `check_template_matches`: ConfigError unless the template renders it as vlmpack does."""
     family = profile.family
-    for name, messages, tools in TEMPLATE_PROBES:
+    try:
+        ours = render_conversation(messages, family=profile.family_rules, tools=tools, template=profile.template,
+                                   **variables).text
+    except RejectError:
+        return  # content this family cannot render without loss; not a template property
+    try:
         try:
-            ours = render_conversation(messages, family=profile.family_rules, tools=tools, template=profile.template,
-                                       **variables).text
-        except RejectError:
-            continue  # content this family cannot render without loss; not a template property
-        try:
-            try:
-                theirs = _render_with_hf(template_text, messages, tools, **variables)
-            except Exception:
-                # a template that iterates the arguments (Qwen3.5's XML tool calls) takes no JSON
-                # string: vlmpack renders such a string as its object, so compare on the object
-                decoded = _with_object_arguments(messages)
-                if decoded is messages:
-                    raise
-                theirs = _render_with_hf(template_text, decoded, tools, **variables)
-        except Exception as exc:  # jinja syntax or runtime errors from an arbitrary template
-            raise ConfigError(
-                f"the chat template of {profile.source} fails on probe {name!r} ({type(exc).__name__}: "
-                f"{(str(exc).strip().splitlines() or [''])[0]}); "
-                f"it is not a template vlmpack renders natively ({family}, {profile.template})"
-            ) from exc
-        if theirs != ours:
-            at = _first_difference(theirs, ours)
-            raise ConfigError(
-                f"the chat template of {profile.source} is not one vlmpack renders natively: it differs from the "
-                f"official {family} {profile.template} template on probe {name!r}{_with(variables)} at character {at}: "
-                f"the template gives ...{_excerpt(theirs, at)}..., vlmpack gives ...{_excerpt(ours, at)}...; "
-                f"use the official chat template of the checkpoint (sha256 of the supported templates is in "
-                f"preprocess.profiles.OFFICIAL_TEMPLATE_SHA256)"
-            )
+            theirs = _render_with_hf(template_text, messages, tools, **variables)
+        except Exception:
+            # a template that iterates the arguments (Qwen3.5's XML tool calls) takes no JSON
+            # string: vlmpack renders such a string as its object, so compare on the object
+            decoded = _with_object_arguments(messages)
+            if decoded is messages:
+                raise
+            theirs = _render_with_hf(template_text, decoded, tools, **variables)
+    except Exception as exc:  # jinja syntax or runtime errors from an arbitrary template
+        raise ConfigError(
+            f"the chat template of {profile.source} fails on probe {name!r} ({type(exc).__name__}: "
+            f"{(str(exc).strip().splitlines() or [''])[0]}); "
+            f"it is not a template vlmpack renders natively ({family}, {profile.template})"
+        ) from exc
+    if theirs != ours:
+        at = _first_difference(theirs, ours)
+        raise ConfigError(
+            f"the chat template of {profile.source} is not one vlmpack renders natively: it differs from the "
+            f"official {family} {profile.template} template on probe {name!r}{_with(variables)} at character {at}: "
+            f"the template gives ...{_excerpt(theirs, at)}..., vlmpack gives ...{_excerpt(ours, at)}...; "
+            f"use the official chat template of the checkpoint (sha256 of the supported templates is in "
+            f"preprocess.profiles.OFFICIAL_TEMPLATE_SHA256)"
+        )

@@ -583,6 +583,24 @@ def test_broken_template_is_a_config_error(builtin_profiles):
         check_template_matches(builtin_profiles["qwen3-vl"], "{% for m in messages %}{{ m.content | nosuchfilter }}")
 
 
+def test_a_template_that_renders_without_end_is_refused_in_time(builtin_profiles, official_template, monkeypatch):
+    """A template looping for hours is a ConfigError once the check's time is up, not a hang;
+    the timer is gone afterwards (the next check runs to its end)."""
+    import signal
+    import time
+
+    import preprocess.render as render
+
+    monkeypatch.setattr(render, "TEMPLATE_CHECK_SECONDS", 1.0)
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="takes longer than 1 s to render the probes") as err:
+        check_template_matches(builtin_profiles["qwen3-vl"], endless)
+    assert time.monotonic() - started < 30 and "probe 'system string'" in str(err.value)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    check_template_matches(builtin_profiles["qwen3-vl"], official_template["qwen3-vl"])
+
+
 def test_model_dir_with_modified_template_is_refused(tmp_path, builtin_profiles, official_template):
     """The `--model DIR` path calls the check (profiles.profile_from_model_dir)."""
     from preprocess.profiles import profile_from_model_dir
