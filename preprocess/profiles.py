@@ -115,7 +115,8 @@ class Profile:
         for name, text in SPECIAL_TOKEN_TEXT.items():
             token_id = self.tokenizer.token_to_id(text)
             if token_id is None:
-                raise ConfigError(f"tokenizer of {self.source} has no {text} token: not a Qwen-VL tokenizer")
+                raise ConfigError(f"tokenizer of {self.source} has no {text} token: not a Qwen-VL tokenizer; pass a "
+                                  "Qwen-VL checkpoint's own tokenizer.json")
             ids[name] = token_id
         return SpecialTokens(**ids)
 

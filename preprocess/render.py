@@ -630,7 +630,8 @@ def _check_image_pads(input_ids: np.ndarray, loss_mask: np.ndarray, rendered: Re
     for token, count in (("<|image_pad|>", len(rendered.image_sources)), ("<|video_pad|>", len(rendered.videos))):
         pad = tokenizer.token_to_id(token)
         if pad is None:
-            raise ConfigError(f"the tokenizer has no {token} token: not a Qwen-VL tokenizer")
+            raise ConfigError(f"the tokenizer has no {token} token: not a Qwen-VL tokenizer; use the checkpoint's own "
+                              "tokenizer.json")
         is_pad = input_ids == pad
         if int(is_pad.sum()) != count or loss_mask[is_pad].any():
             raise AssertionError(f"{token} must be one per {token[3:8]} and never a target; renderer invariant broken")
