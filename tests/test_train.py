@@ -160,6 +160,20 @@ def test_resume_refuses_settings_its_checkpoint_would_override(shards, full_run,
     assert directory_state(out) == before
 
 
+def test_resume_with_another_model_is_refused_before_it_is_built(shards, full_run, tmp_path, capsys):
+    """A full fine-tuning checkpoint resumed with another --arch: one line naming the fields
+    that differ and the fix, the run directory as it was (no mismatch found mid-load)."""
+    out = copy_of_run(full_run, 3, tmp_path / "run")
+    before = directory_state(out)
+    argv = [*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "6", "--resume"]
+    code, err = _train_in_process([*argv[:argv.index("--arch")], "--arch", "tiny-moe", *argv[argv.index("--arch") + 2:]],
+                                  capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--resume from checkpoint step_00000003: its model is not the one --arch tiny-moe builds (lm." in err, err
+    assert "resume with the --arch, --hf-model or --init the run was started with" in err
+    assert directory_state(out) == before
+
+
 def test_resume_on_other_data_names_both(full_run, tmp_path):
     other = preprocess(tmp_path, "other", seed=6)
     out = copy_of_run(full_run, 3, tmp_path / "run")

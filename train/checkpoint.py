@@ -698,6 +698,38 @@ def check_run_directory(config) -> None:
         check_resume_settings(config, read_trainer_meta(path), path)
 
 
+def _arch_differences(saved, built, prefix: str = "") -> list[str]:
+    """The dotted fields where two architectures (dataclasses, as dicts) differ: 'name a != b'."""
+    if isinstance(saved, dict) and isinstance(built, dict):
+        return [d for key in sorted(set(saved) | set(built))
+                for d in _arch_differences(saved.get(key), built.get(key), f"{prefix}{key}.")]
+    return [] if saved == built else [f"{prefix.rstrip('.')} {_shown(saved)} against {_shown(built)}"]
+
+
+def check_resume_arch(config, arch: ModelArch) -> None:
+    """A full fine-tuning resume builds the architecture its newest checkpoint holds: another
+    (another --arch, --hf-model or --init) is refused before the model is built, naming the
+    fields that differ. A LoRA checkpoint's base is checked where its adapters load; a damaged
+    checkpoint is reported where the resume reads it."""
+    path = latest_checkpoint(Path(config.checkpoints.out))
+    if path is None or not (path / "model").is_dir():
+        return
+    try:
+        saved = read_model_arch(path / "model")
+    except ModelFileError:
+        return
+    if saved == arch:
+        return
+    model = config.model
+    source = f"--arch {model.arch}" if model.arch else f"--hf-model {model.hf_model}" if model.hf_model \
+        else f"--init {model.init}"
+    differ = _arch_differences(dataclasses.asdict(saved), dataclasses.asdict(arch))
+    shown = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
+    raise ConfigError(f"--resume from checkpoint {path.name}: its model is not the one {source} builds ({shown}, "
+                      f"the checkpoint's first): resume with the --arch, --hf-model or --init the run was started "
+                      f"with, or start a new run from its weights with --init {path / 'model'}")
+
+
 def damaged_checkpoint_fix(path: Path) -> str:
     """What to do about checkpoint `path` when a file of it is damaged: without it, a resume takes
     the newest other complete checkpoint (`latest_checkpoint`)."""

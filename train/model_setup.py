@@ -38,8 +38,8 @@ def read_model_arch(model_dir: str | Path) -> ModelArch:
 
 
 def resolve_arch(config) -> ModelArch:
-    """The architecture of the model section `config`'s source (`train.config.ModelConfig`)."""
-    """The architecture of the run's model source (--arch, --hf-model or --init)."""
+    """The architecture of the model section `config`'s source (`train.config.ModelConfig`):
+    --arch, --hf-model or --init."""
     if config.arch:
         return builtin_arch(config.arch)
     if config.hf_model:

@@ -488,6 +488,8 @@ class Trainer:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         with inputs_checked():
             self.arch = resolve_arch(config.model)
+            if config.checkpoints.resume:
+                checkpoint.check_resume_arch(config, self.arch)  # before a model of the wrong shape is built
         check_layout(self.arch, config)  # before any process group exists: a bad layout fails on every rank alike
         parallelism = config.parallelism
         self.info = init_parallel(parallelism.tp, parallelism.pp, ep=parallelism.ep, device=parallelism.device,
