@@ -160,6 +160,34 @@ def test_resume_refuses_settings_its_checkpoint_would_override(shards, full_run,
     assert directory_state(out) == before
 
 
+@pytest.mark.parametrize("case, message", [
+    ("file", "--export-hf {x} is a file, not a directory: give a new or empty directory for the export"),
+    ("not-empty", "--export-hf {x} is not empty (notes.txt): give a new or empty directory for the export"),
+    ("the-out", "--export-hf {x} is --out {out}, holds it or lies in its checkpoints/: give the export a directory"),
+    ("checkpoints-a-file", "--out {out} holds a file named checkpoints, where a run keeps its checkpoints: move it"),
+])
+def test_an_export_target_or_checkpoints_path_that_cannot_be_written_is_refused_before_the_first_step(
+        shards, tmp_path, capsys, case, message):
+    """--export-hf is written when the run ends: a target it cannot take is refused before any
+    step, naming the flag; --out/checkpoints that is a file is refused too (not a traceback)."""
+    out, target = tmp_path / "run", tmp_path / "hf"
+    if case == "file":
+        target.write_text("x")
+    elif case == "not-empty":
+        target.mkdir()
+        (target / "notes.txt").write_text("x")
+    elif case == "the-out":
+        target = out
+    else:
+        out.mkdir()
+        (out / "checkpoints").write_text("x")
+    code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "2",
+                                   "--export-hf", str(target)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert message.format(x=target, out=out) in err, err
+    assert not (out / "metrics.jsonl").exists()
+
+
 def test_resume_with_another_model_is_refused_before_it_is_built(shards, full_run, tmp_path, capsys):
     """A full fine-tuning checkpoint resumed with another --arch: one line naming the fields
     that differ and the fix, the run directory as it was (no mismatch found mid-load)."""

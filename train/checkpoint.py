@@ -48,6 +48,7 @@ from train import adapter_format
 from train import checkpoint_format as fmt
 from train import convert
 from shards_schema.flags import flag_name
+from shards_schema.outdir import user_entries
 from train.config import ConfigError
 from train.metrics import METRICS_FILE
 from train.model.arch import ModelArch, ModelFileError, read_json_object
@@ -681,6 +682,10 @@ def check_run_directory(config) -> None:
     and a resume refuses settings its checkpoint would silently override or break. `config`:
     the whole `TrainConfig`, as a resume compares every section with the checkpoint's."""
     out = Path(config.checkpoints.out)
+    if (out / CHECKPOINTS).exists() and not (out / CHECKPOINTS).is_dir():
+        raise ConfigError(f"--out {out} holds a file named {CHECKPOINTS}, where a run keeps its checkpoints: move it "
+                          "out of --out, or give another --out")
+    check_export_target(config.checkpoints.export_hf, out)
     if not config.checkpoints.resume:
         saved = complete_checkpoints(out)
         if saved:
@@ -696,6 +701,26 @@ def check_run_directory(config) -> None:
     path = latest_checkpoint(out)
     if path is not None:
         check_resume_settings(config, read_trainer_meta(path), path)
+
+
+def check_export_target(target: str | None, out: Path) -> None:
+    """--export-hf names where the run exports when it ends: refused now, not after the run, when
+    it is a file, a directory holding anything, --out itself, a directory holding --out, or one
+    in its checkpoints (a directory of its own inside --out is fine)."""
+    if not target:
+        return
+    path = Path(target)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--export-hf {target} is a file, not a directory: give a new or empty directory for the "
+                          "export")
+    export, run, checkpoints = path.resolve(), out.resolve(), (out / CHECKPOINTS).resolve()
+    if export == run or export in run.parents or export == checkpoints or checkpoints in export.parents:
+        raise ConfigError(f"--export-hf {target} is --out {out}, holds it or lies in its {CHECKPOINTS}/: give the "
+                          "export a directory of its own")
+    if path.is_dir() and user_entries(path):
+        shown = ", ".join(user_entries(path)[:3])
+        raise ConfigError(f"--export-hf {target} is not empty ({shown}): give a new or empty directory for the "
+                          "export (the run writes it when it ends)")
 
 
 def _arch_differences(saved, built, prefix: str = "") -> list[str]:
