@@ -57,6 +57,15 @@ def refuse_input_as_output(out: str | Path, source: str | Path) -> None:
         raise UserError(f"--out {out} lies inside the input directory {source}: choose a directory outside it")
 
 
+def recorded_command(path: Path) -> str | None:
+    """The command recorded in `path`'s lock file by the last job that held it (None: no lock
+    file, or not one of ours)."""
+    try:
+        return json.loads((Path(path) / LOCK_NAME).read_text(encoding="utf-8")).get("command")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def user_entries(path: Path) -> list[str]:
     """Names in `path` other than the lock file: what makes a directory non-empty to a job."""
     return sorted(name for name in os.listdir(path) if name != LOCK_NAME)

@@ -165,6 +165,9 @@ def test_resume_refuses_settings_its_checkpoint_would_override(shards, full_run,
     ("not-empty", "--export-hf {x} is not empty (notes.txt): give a new or empty directory for the export"),
     ("the-out", "--export-hf {x} is --out {out}, holds it or lies in its checkpoints/: give the export a directory"),
     ("checkpoints-a-file", "--out {out} holds a file named checkpoints, where a run keeps its checkpoints: move it"),
+    ("shard-dir", "--out {out} holds the output of `vlmpack preprocess`: give the run a new or empty --out"),
+    ("shard-copy", "--out {out} is a shard directory (manifest.json): give the run a new or empty --out"),
+    ("import-hf-output", "--out {out} holds the output of `vlmpack import-hf`: give the run a new or empty --out"),
 ])
 def test_an_export_target_or_checkpoints_path_that_cannot_be_written_is_refused_before_the_first_step(
         shards, tmp_path, capsys, case, message):
@@ -178,6 +181,14 @@ def test_an_export_target_or_checkpoints_path_that_cannot_be_written_is_refused_
         (target / "notes.txt").write_text("x")
     elif case == "the-out":
         target = out
+    elif case == "shard-dir":
+        out = shards
+    elif case == "shard-copy":  # copied without its lock file
+        out.mkdir()
+        shutil.copy(shards / "manifest.json", out / "manifest.json")
+    elif case == "import-hf-output":
+        out.mkdir()
+        (out / ".vlmpack.lock").write_text(json.dumps({"command": "import-hf"}))
     else:
         out.mkdir()
         (out / "checkpoints").write_text("x")
@@ -185,7 +196,7 @@ def test_an_export_target_or_checkpoints_path_that_cannot_be_written_is_refused_
                                    "--export-hf", str(target)], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert message.format(x=target, out=out) in err, err
-    assert not (out / "metrics.jsonl").exists()
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").is_dir()
 
 
 def test_resume_with_another_model_is_refused_before_it_is_built(shards, full_run, tmp_path, capsys):

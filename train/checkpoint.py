@@ -48,7 +48,8 @@ from train import adapter_format
 from train import checkpoint_format as fmt
 from train import convert
 from shards_schema.flags import flag_name
-from shards_schema.outdir import user_entries
+from shards_schema.manifest import MANIFEST_NAME
+from shards_schema.outdir import recorded_command, user_entries
 from train.config import ConfigError
 from train.metrics import METRICS_FILE
 from train.model.arch import ModelArch, ModelFileError, read_json_object
@@ -682,6 +683,12 @@ def check_run_directory(config) -> None:
     and a resume refuses settings its checkpoint would silently override or break. `config`:
     the whole `TrainConfig`, as a resume compares every section with the checkpoint's."""
     out = Path(config.checkpoints.out)
+    writer = recorded_command(out) if out.is_dir() else None
+    if writer not in (None, "train"):
+        raise ConfigError(f"--out {out} holds the output of `vlmpack {writer}`: give the run a new or empty --out")
+    for name, what in ((MANIFEST_NAME, "a shard directory"), (fmt.META_FILE, "a model directory")):
+        if (out / name).is_file():
+            raise ConfigError(f"--out {out} is {what} ({name}): give the run a new or empty --out")
     if (out / CHECKPOINTS).exists() and not (out / CHECKPOINTS).is_dir():
         raise ConfigError(f"--out {out} holds a file named {CHECKPOINTS}, where a run keeps its checkpoints: move it "
                           "out of --out, or give another --out")

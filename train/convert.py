@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from shards_schema.atomic import TMP_SUFFIX, fsync_dir
 from shards_schema.errors import UserError
-from shards_schema.outdir import LOCK_NAME, exclusive_output_dir, refuse_input_as_output, user_entries
+from shards_schema.outdir import exclusive_output_dir, recorded_command, refuse_input_as_output, user_entries
 from train.checkpoint_format import (
     CARRIED_FILE,
     HF_INDEX_FILE,
@@ -662,14 +662,6 @@ _OUTPUTS = {
 }
 
 
-def _last_writer(out: Path) -> str | None:
-    """The command recorded in `out`'s lock file by the last job that held it."""
-    try:
-        return json.loads((out / LOCK_NAME).read_text(encoding="utf-8")).get("command")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def check_output_dir(out: str | Path, command: str, *, overwrite: bool = False, last_writer: str | None = None) -> None:
     """UserError unless `command` ("import-hf" / "export-hf") may write `out`: new or empty, or
     holding only a previous output of the same command (an unfinished one is replaced; a
@@ -685,7 +677,7 @@ def check_output_dir(out: str | Path, command: str, *, overwrite: bool = False, 
     if not entries:
         return
     owned, completion = _OUTPUTS[command]
-    writer = _last_writer(out) if last_writer is None else last_writer
+    writer = recorded_command(out) if last_writer is None else last_writer
     foreign = [name for name in entries if not owned.fullmatch(name)]
     if foreign or writer != command:
         names = foreign or entries
@@ -703,7 +695,7 @@ def staged_output_dir(out: str | Path, command: str, overwrite: bool):
     inside it; when the block succeeds, the previous output (if any) goes, completion file
     first, and the staged files move into `out`, completion file last. So `out` holds a whole
     output or one without its completion file (which a re-run replaces), never a mix."""
-    last_writer = _last_writer(Path(out))
+    last_writer = recorded_command(Path(out))
     with exclusive_output_dir(out, command) as path:
         check_output_dir(path, command, overwrite=overwrite, last_writer=last_writer)
         staging = path / f".{command}{TMP_SUFFIX}"
