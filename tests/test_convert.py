@@ -385,6 +385,11 @@ def test_errors_name_the_tensor(hf_checkpoint):
         C.hf_to_megatron({**hf, name: torch.zeros(64, 64)}, arch)
     with pytest.raises(CheckpointError, match="unexpected tensor model.language_model.layers.9.mlp.up_proj.weight"):
         C.hf_to_megatron({**hf, name.replace(".3.", ".9."): hf[name]}, arch)
+    layer = [k for k in hf if ".layers.3." in k]  # several problems: the first three, on one line
+    with pytest.raises(CheckpointError) as err:
+        C.hf_to_megatron({k: v for k, v in hf.items() if k not in layer}, arch)
+    assert "\n" not in str(err.value) and str(err.value).startswith(f"{len(layer)} problems: missing tensor ")
+    assert str(err.value).count("missing tensor") == 3 and str(err.value).endswith(f"; and {len(layer) - 3} more")
     with pytest.raises(CheckpointError, match="lm_head.weight differs from .*embed_tokens"):
         C.hf_to_megatron({**hf, "lm_head.weight": torch.zeros_like(hf[C.HF_LM + "embed_tokens.weight"])}, arch)
     full = C.hf_to_megatron({**hf, "lm_head.weight": hf[C.HF_LM + "embed_tokens.weight"]}, arch)  # a tied copy is fine

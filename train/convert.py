@@ -222,15 +222,16 @@ def shard_shapes(arch: ModelArch, tp: int, tp_rank: int, pp: int, pp_rank: int, 
 
 
 def check_state(state: dict, expected: dict[str, tuple[int, ...]], source: str) -> None:
-    """Raise naming every missing, unexpected or wrongly shaped tensor (the first few)."""
+    """Raise naming the missing, unexpected or wrongly shaped tensors (the first three, on one
+    line: errors reach the user as one line)."""
     problems = [f"missing tensor {k} (shape {s} expected from {source})" for k, s in expected.items() if k not in state]
     problems += [f"unexpected tensor {k}: {source} has no such tensor" for k in state if k not in expected]
     problems += [f"{k}: shape {tuple(t.shape)} expected {expected[k]} from {source}"
                  for k, t in state.items() if k in expected and tuple(t.shape) != expected[k]]
     if problems:
-        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         raise CheckpointError(problems[0] if len(problems) == 1 else
-                              f"{len(problems)} problems:\n  " + "\n  ".join(problems[:8]) + more)
+                              f"{len(problems)} problems: " + "; ".join(problems[:3]) + more)
 
 
 # --- HF <-> full Megatron -------------------------------------------------------------------
