@@ -7,6 +7,7 @@ damaged checkpoint exits 2 with one line naming the file and the checkpoint to g
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -274,6 +275,18 @@ def test_a_resume_without_a_usable_latest_pointer_takes_the_newest_complete_chec
     assert latest_checkpoint(tmp_path) is None
 
 
+def _edited(raw: bytes, section: str, **values) -> bytes:
+    """trainer.json's bytes with `values` set in its `section` (config, loader)."""
+    meta = json.loads(raw)
+    return json.dumps({**meta, section: {**meta[section], **values}}).encode()
+
+
+def _saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
 # a file of the checkpoint -> (its new bytes from the intact ones, what the one line says after the file's path)
 CHECKPOINT_DAMAGE = {
     "trainer.json not JSON": ("trainer.json", lambda raw: raw[:len(raw) // 2], ": not valid JSON ("),
@@ -281,6 +294,15 @@ CHECKPOINT_DAMAGE = {
     "trainer.json without its step": ("trainer.json",
                                       lambda raw: json.dumps({**json.loads(raw), "step": None}).encode(),
                                       ": not a vlmpack checkpoint's record"),
+    "trainer.json a null train_steps": ("trainer.json", lambda raw: _edited(raw, "config", train_steps=None),
+                                        ": its loader state or settings are not of a vlmpack checkpoint"),
+    "trainer.json a negative position": ("trainer.json", lambda raw: _edited(raw, "loader", packs_consumed=-5),
+                                         ": its loader state or settings are not of a vlmpack checkpoint"),
+    "trainer.json a position as text": ("trainer.json", lambda raw: _edited(raw, "loader", packs_consumed="x"),
+                                        ": its loader state or settings are not of a vlmpack checkpoint"),
+    "trainer.json of another step": ("trainer.json", lambda raw: json.dumps({**json.loads(raw), "step": 50}).encode(),
+                                     ": records step 50 in the directory of step 5"),
+    "rank file of no run": ("rank_00000.pt", lambda raw: _saved({}), ": not a vlmpack checkpoint's rank state"),
     "rank file random bytes": ("rank_00000.pt", lambda raw: os.urandom(4096), ": not a readable checkpoint file ("),
     "rank file cut short": ("rank_00000.pt", lambda raw: raw[:len(raw) // 2], ": not a readable checkpoint file ("),
     "model weights cut short": ("model/model_tp0_pp0.safetensors", lambda raw: raw[:len(raw) // 2],

@@ -148,8 +148,9 @@ def on_every_rank(read, checkpoint: Path):
     except UserError as exc:
         error = exc
     except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as exc:  # unreadable, or
-        # of unexpected content: the file's failure all the same
-        error = ModelFileError(f"{checkpoint}: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}",
+        # of unexpected content: the file's failure all the same (our own CheckpointError says what, unnamed)
+        what = "" if isinstance(exc, fmt.CheckpointError) else f"{type(exc).__name__}: "
+        error = ModelFileError(f"{checkpoint}: {what}{(str(exc).strip().splitlines() or [''])[0]}",
                                damaged_checkpoint_fix(checkpoint))
     messages = [str(error) if error else ""]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -778,12 +779,22 @@ def read_trainer_meta(path: Path) -> dict:
     if not file.is_file():
         raise ModelFileError(f"{path} has no {TRAINER_META}", fix)
     meta = read_json_object(file, fix)
-    layout = meta.get("layout")
+    layout, config, loader = meta.get("layout"), meta.get("config"), meta.get("loader")
     sizes_ok = isinstance(layout, dict) and all(type(layout.get(k)) is int for k in ("tp", "pp", "world"))
     if type(meta.get("step")) is not int or meta["step"] < 0 or not sizes_ok \
-            or not isinstance(meta.get("config"), dict) or not isinstance(meta.get("loader"), dict):
+            or not isinstance(config, dict) or not isinstance(loader, dict):
         raise ModelFileError(f"{file}: not a vlmpack checkpoint's record (its step, layout, config and loader state)",
                              fix)
+    counts = {"seed": loader.get("seed"), "epoch": loader.get("epoch"), "packs_consumed": loader.get("packs_consumed"),
+              "dp_size": loader.get("dp_size", 1) - 1}  # each a whole number >= 0
+    numbers = [config[k] for k in (*SCHEDULE_SETTINGS, *OPTIMIZER_SETTINGS, "seq_len", "seed") if k in config]
+    if not isinstance(loader.get("fingerprint"), str) or any(type(v) is not int or v < 0 for v in counts.values()) \
+            or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in numbers) \
+            or type(config.get("train_steps", 1)) is not int:
+        raise ModelFileError(f"{file}: its loader state or settings are not of a vlmpack checkpoint (whole numbers "
+                             "where positions and steps are, numbers where rates are)", fix)
+    if path.name.startswith("step_") and path.name[5:].isdigit() and int(path.name[5:]) != meta["step"]:
+        raise ModelFileError(f"{file}: records step {meta['step']} in the directory of step {int(path.name[5:])}", fix)
     return meta
 
 
@@ -856,10 +867,11 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
                           f"resume with the same layout, or start a new run from its weights with --init {path / 'model'}")
     rank_state = on_every_rank(lambda: _load_run_weights(model, path, info, meta["config"])
                                or _load_rank_state(path, info.rank), path)
-    optimizer.load_state_dict(rank_state["optimizer"])
+    # a state of other parameter groups (a rank file of another run) is this checkpoint's fault too
+    on_every_rank(lambda: optimizer.load_state_dict(rank_state["optimizer"]), path)
     if _uses_distributed_optimizer(optimizer):
         _load_parameter_state(optimizer, path / parameter_state_file(info), path)
-    scheduler.load_state_dict(rank_state["scheduler"])
+    on_every_rank(lambda: scheduler.load_state_dict(rank_state["scheduler"]), path)
     try:
         data.load_state_dict(meta["loader"])
     except ValueError as exc:  # other shards, weights or packing settings than the checkpoint's
@@ -875,7 +887,7 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
 def _load_rank_state(path: Path, rank: int) -> dict:
     """Rank `rank`'s file of checkpoint `path` (ModelFileError naming it when it is missing or damaged)."""
     state = _read_torch_file(path / f"rank_{rank:05d}.pt", path)
-    if not isinstance(state, dict):
+    if not isinstance(state, dict) or not {"optimizer", "scheduler", "rng"} <= set(state):
         raise ModelFileError(f"{path / f'rank_{rank:05d}.pt'}: not a vlmpack checkpoint's rank state",
                              damaged_checkpoint_fix(path))
     return state
