@@ -281,6 +281,13 @@ def _edited(raw: bytes, section: str, **values) -> bytes:
     return json.dumps({**meta, section: {**meta[section], **values}}).encode()
 
 
+def _arch_edited(raw: bytes, **lm) -> bytes:
+    """vlmpack_model.json's bytes with `lm` set in its architecture's language model."""
+    meta = json.loads(raw)
+    meta["arch"]["lm"].update(lm)
+    return json.dumps(meta).encode()
+
+
 def _saved(obj) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -308,6 +315,8 @@ CHECKPOINT_DAMAGE = {
     "model weights cut short": ("model/model_tp0_pp0.safetensors", lambda raw: raw[:len(raw) // 2],
                                 ": not a readable safetensors file ("),
     "model metadata not JSON": ("model/vlmpack_model.json", lambda raw: raw[1:], ": not valid JSON ("),
+    "model metadata a size as text": ("model/vlmpack_model.json", lambda raw: _arch_edited(raw, hidden_size="64"),
+                                      ": the language model's hidden_size must be an integer >= 1, got '64'"),
 }
 
 

@@ -731,14 +731,6 @@ def check_export_target(target: str | None, out: Path) -> None:
                           "export (the run writes it when it ends)")
 
 
-def _arch_differences(saved, built, prefix: str = "") -> list[str]:
-    """The dotted fields where two architectures (dataclasses, as dicts) differ: 'name a != b'."""
-    if isinstance(saved, dict) and isinstance(built, dict):
-        return [d for key in sorted(set(saved) | set(built))
-                for d in _arch_differences(saved.get(key), built.get(key), f"{prefix}{key}.")]
-    return [] if saved == built else [f"{prefix.rstrip('.')} {_shown(saved)} against {_shown(built)}"]
-
-
 def check_resume_arch(config, arch: ModelArch) -> None:
     """A full fine-tuning resume builds the architecture its newest checkpoint holds: another
     (another --arch, --hf-model or --init) is refused before the model is built, naming the
@@ -756,7 +748,7 @@ def check_resume_arch(config, arch: ModelArch) -> None:
     model = config.model
     source = f"--arch {model.arch}" if model.arch else f"--hf-model {model.hf_model}" if model.hf_model \
         else f"--init {model.init}"
-    differ = _arch_differences(dataclasses.asdict(saved), dataclasses.asdict(arch))
+    differ = fmt.arch_differences(saved, arch)
     shown = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
     raise ConfigError(f"--resume from checkpoint {path.name}: its model is not the one {source} builds ({shown}, "
                       f"the checkpoint's first): resume with the --arch, --hf-model or --init the run was started "

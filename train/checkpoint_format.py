@@ -54,7 +54,7 @@ from shards_schema.builtin import (
     read_hf_chat_template,
 )
 from train.model import families
-from train.model.arch import LMArch, ModelArch, ModelFileError, arch_dict, read_json_object
+from train.model.arch import LMArch, ModelArch, ModelFileError, arch_dict, check_field_kinds, read_json_object
 from train.model.vision import VisionArch
 
 FORMAT_NAME = "vlmpack-megatron-model"
@@ -149,7 +149,10 @@ def arch_from_dict(d: dict, source: str | Path = META_FILE) -> ModelArch:
 
 
 def read_arch(directory: str | Path) -> ModelArch:
-    return arch_from_dict(read_meta(directory)["arch"], Path(directory) / META_FILE)
+    """The architecture a model directory's metadata records, each number of the kind it must be."""
+    arch = arch_from_dict(read_meta(directory)["arch"], Path(directory) / META_FILE)
+    check_field_kinds(arch, Path(directory) / META_FILE, MODEL_DIR_FIX, hf_names=False)
+    return arch
 
 
 def arch_differences(a: ModelArch, b: ModelArch) -> list[str]:

@@ -213,14 +213,15 @@ HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention
                   "num_kv_heads": "num_key_value_heads"}
 
 
-def check_field_kinds(arch: ModelArch, source: str | Path) -> None:
-    """Every number of `arch` read from `source` (a config.json) of the kind and sign its model
-    needs, so that a damaged value ("64", null, -1) is refused naming its field, not met as a
-    traceback where the model is built."""
+def check_field_kinds(arch: ModelArch, source: str | Path, fix: str = HF_CONFIG_FIX, hf_names: bool = True) -> None:
+    """Every number of `arch` read from `source` (a config.json, or with `hf_names` false a
+    model directory's metadata, which names the fields as vlmpack does) of the kind and sign its
+    model needs, so that a damaged value ("64", null, -1) is refused naming its field, not met
+    as a traceback where the model is built."""
     for part, section in ((arch.lm, "the language model's"), (arch.vision, "the vision tower's")):
         for field in dataclasses.fields(part):
             value, kind = getattr(part, field.name), str(field.type)
-            name = HF_FIELD_NAMES.get(field.name, field.name) if part is arch.lm else field.name
+            name = HF_FIELD_NAMES.get(field.name, field.name) if part is arch.lm and hf_names else field.name
             low = 1 if field.name in POSITIVE_FIELDS else 0
             if kind == "int":
                 ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
@@ -237,7 +238,7 @@ def check_field_kinds(arch: ModelArch, source: str | Path) -> None:
                 continue
             if not ok:
                 shown = repr(list(value) if isinstance(value, tuple) else value)
-                raise ModelFileError(f"{source}: {section} {name} must be {want}, got {shown[:60]}", HF_CONFIG_FIX)
+                raise ModelFileError(f"{source}: {section} {name} must be {want}, got {shown[:60]}", fix)
 
 
 def lm_from_hf_config(config: dict, moe: bool, *, mrope_section: tuple[int, int, int], rope_theta: float,
