@@ -385,6 +385,8 @@ def test_errors_name_the_tensor(hf_checkpoint):
         C.hf_to_megatron({**hf, name: torch.zeros(64, 64)}, arch)
     with pytest.raises(CheckpointError, match="unexpected tensor model.language_model.layers.9.mlp.up_proj.weight"):
         C.hf_to_megatron({**hf, name.replace(".3.", ".9."): hf[name]}, arch)
+    with pytest.raises(CheckpointError, match=rf"^{name}: dtype int32, where every weight is a floating-point tensor$"):
+        C.hf_to_megatron({**hf, name: hf[name].to(torch.int32)}, arch)
     layer = [k for k in hf if ".layers.3." in k]  # several problems: the first three, on one line
     with pytest.raises(CheckpointError) as err:
         C.hf_to_megatron({k: v for k, v in hf.items() if k not in layer}, arch)

@@ -228,6 +228,8 @@ def check_state(state: dict, expected: dict[str, tuple[int, ...]], source: str) 
     problems += [f"unexpected tensor {k}: {source} has no such tensor" for k in state if k not in expected]
     problems += [f"{k}: shape {tuple(t.shape)} expected {expected[k]} from {source}"
                  for k, t in state.items() if k in expected and tuple(t.shape) != expected[k]]
+    problems += [f"{k}: dtype {str(t.dtype).removeprefix('torch.')}, where every weight is a floating-point tensor"
+                 for k, t in state.items() if k in expected and not t.dtype.is_floating_point]
     if problems:
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         raise CheckpointError(problems[0] if len(problems) == 1 else
