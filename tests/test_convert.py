@@ -519,6 +519,8 @@ BAD_CONVERT_ARGUMENTS = [
     (["export-hf", "{m}", "--out", "{t}/o", "--chat-template", "{t}/fifo"],
      "--chat-template {t}/fifo is not a regular file"),
     (["export-hf", "{m}", "--out", "{t}/o", "--lora-base"], "--lora-base: {m} is not a LoRA checkpoint"),
+    (["export-hf", "{m}", "--out", "{t}/o", "--chat-template", "{t}/unclosed.jinja"],
+     "--chat-template {t}/unclosed.jinja: not a Jinja template (line 1: Unexpected end of template."),
 ]
 
 
@@ -533,6 +535,7 @@ def test_cli_bad_arguments_exit_2_with_one_line_naming_them(hf_checkpoint, tmp_p
     (tmp_path / "a_file").write_bytes(b"\xff\xfe x")  # not UTF-8
     (tmp_path / "empty").mkdir()
     os.mkfifo(tmp_path / "fifo")  # reading it would block until a writer comes
+    (tmp_path / "unclosed.jinja").write_text("{% for m in messages %}{{ m.content }}")
     paths = {"hf": str(path), "m": str(model), "f": str(tmp_path / "a_file"), "e": str(tmp_path / "empty"),
              "t": str(tmp_path)}
     untouched = {p: _files(p) for p in (path, model)}
