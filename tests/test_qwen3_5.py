@@ -368,7 +368,9 @@ def test_export_loads_in_transformers_with_the_same_logits(hf_checkpoint, tmp_pa
     loaded = getattr(transformers, ModelArch.from_hf_dir(path).hf_architecture).from_pretrained(tmp_path / "hf").eval()
     _assert_same(loaded.state_dict(), hf.state_dict())
     sample = samples_of(hf)[2]
-    torch.testing.assert_close(hf_alone(loaded, sample), hf_alone(hf, sample), rtol=0, atol=0)
+    # bitwise the same weights (above); transformers may run a model loaded from disk through
+    # another experts kernel than one built in memory, whose fp32 sums round differently on some CPUs
+    torch.testing.assert_close(hf_alone(loaded, sample), hf_alone(hf, sample), rtol=0, atol=1e-5)
 
 
 def test_linear_attention_shards_are_the_gated_delta_net_tables(hf_checkpoint):
