@@ -307,6 +307,8 @@ CHECKPOINT_DAMAGE = {
                                          ": its loader state or settings are not of a vlmpack checkpoint"),
     "trainer.json a position as text": ("trainer.json", lambda raw: _edited(raw, "loader", packs_consumed="x"),
                                         ": its loader state or settings are not of a vlmpack checkpoint"),
+    "trainer.json a data-parallel size as text": ("trainer.json", lambda raw: _edited(raw, "loader", dp_size="2"),
+                                                  ": its loader state or settings are not of a vlmpack checkpoint"),
     "trainer.json of another step": ("trainer.json", lambda raw: json.dumps({**json.loads(raw), "step": 50}).encode(),
                                      ": records step 50 in the directory of step 5"),
     "rank file of no run": ("rank_00000.pt", lambda raw: _saved({}), ": not a vlmpack checkpoint's rank state"),

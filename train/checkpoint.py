@@ -777,10 +777,11 @@ def read_trainer_meta(path: Path) -> dict:
             or not isinstance(config, dict) or not isinstance(loader, dict):
         raise ModelFileError(f"{file}: not a vlmpack checkpoint's record (its step, layout, config and loader state)",
                              fix)
-    counts = {"seed": loader.get("seed"), "epoch": loader.get("epoch"), "packs_consumed": loader.get("packs_consumed"),
-              "dp_size": loader.get("dp_size", 1) - 1}  # each a whole number >= 0
+    counts = [loader.get(k) for k in ("seed", "epoch", "packs_consumed")]  # each a whole number >= 0
+    dp_size = loader.get("dp_size", 1)
     numbers = [config[k] for k in (*SCHEDULE_SETTINGS, *OPTIMIZER_SETTINGS, "seq_len", "seed") if k in config]
-    if not isinstance(loader.get("fingerprint"), str) or any(type(v) is not int or v < 0 for v in counts.values()) \
+    if not isinstance(loader.get("fingerprint"), str) or any(type(v) is not int or v < 0 for v in counts) \
+            or type(dp_size) is not int or dp_size < 1 \
             or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in numbers) \
             or type(config.get("train_steps", 1)) is not int:
         raise ModelFileError(f"{file}: its loader state or settings are not of a vlmpack checkpoint (whole numbers "
