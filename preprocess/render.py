@@ -31,6 +31,7 @@ import json
 import re
 import signal
 import threading
+import time
 from bisect import bisect_right
 from collections.abc import Collection
 from contextlib import contextmanager
@@ -879,12 +880,15 @@ def _time_limit(seconds: float):
         raise _TemplateTimeout
 
     previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
+    delay, interval = signal.setitimer(signal.ITIMER_REAL, seconds)  # a caller's own timer, given back after
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if delay:
+            signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - started), 1e-3), interval)
 
 
 def _render_with_hf(template_text: str, messages: list, tools: list | None, **variables) -> str:
