@@ -725,8 +725,9 @@ def check_export_target(target: str | None, out: Path) -> None:
     if export == run or export in run.parents or export == checkpoints or checkpoints in export.parents:
         raise ConfigError(f"--export-hf {target} is --out {out}, holds it or lies in its {CHECKPOINTS}/: give the "
                           "export a directory of its own")
-    if path.is_dir() and user_entries(path):
-        shown = ", ".join(user_entries(path)[:3])
+    entries = user_entries(path) if path.is_dir() else []
+    if entries:
+        shown = ", ".join(entries[:3])
         raise ConfigError(f"--export-hf {target} is not empty ({shown}): give a new or empty directory for the "
                           "export (the run writes it when it ends)")
 

@@ -111,11 +111,14 @@ class Settings:
     sequence_parallel: bool | None = None  # rows split over the TP ranks; None: the trainer's default (MoE at TP > 1)
 
     @property
-    def vision_keeps_activations(self) -> bool:
-        trained = ("vision" in self.lora.parts or "vision" in self.lora.modules_to_save) if self.lora else \
+    def vision_trained(self) -> bool:
+        return ("vision" in self.lora.parts or "vision" in self.lora.modules_to_save) if self.lora else \
             "vision" not in self.freeze
+
+    @property
+    def vision_keeps_activations(self) -> bool:
         recomputed = self.recompute == "full" if self.recompute_vision is None else self.recompute_vision
-        return trained and not recomputed
+        return self.vision_trained and not recomputed
 
     def micro_batches(self, dp: int) -> int:
         """Micro-batches per data-parallel rank per step: they bound what 1F1B keeps in flight."""

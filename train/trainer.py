@@ -397,9 +397,9 @@ def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
     layers = max(len(r) for r in convert.stage_layers(arch, config.parallelism.pp))
     settings, layout, gpu_gib = _plan_inputs(config, arch, visual_share)
     vision = memory.recompute_vision
-    trained_tower = dataclasses.replace(settings, recompute="none", recompute_vision=False).vision_keeps_activations
     # each candidate recomputes all that the one before it does and more (a frozen tower keeps nothing)
-    candidates = [("none", None, vision)] + ([("none", None, True)] if vision is None and trained_tower else []) \
+    candidates = [("none", None, vision)] + ([("none", None, True)] if vision is None and settings.vision_trained
+                                             else []) \
         + [("full", n, vision) for n in range(1, layers)] + [("full", None, vision)]
     budget = memory_plan.FIT_FRACTION * gpu_gib
     for recompute, recompute_layers, recompute_vision in candidates:
