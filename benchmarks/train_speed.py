@@ -46,6 +46,10 @@ the mean of HF's; its spread is the least and largest ratio of any vlmpack run t
 
 Printed last: a table with the runs and the ratio. --json-out: everything, with command and machine.
 
+--combine R1.json R2.json ... joins results of separate invocations (each `--repeats 1` where one
+call cannot hold all runs) into one comparison: ratios and loss curves over all their runs. The
+results must be of the same command on the same packs, or they are refused.
+
     # one H200, Qwen3-VL-2B architecture, 16k packs
     python benchmarks/train_speed.py --arch qwen3-vl-2b --seq-len 16384 --samples 400 --recompute auto \\
         --json-out benchmarks/results/train_speed_2b_h200_<yyyymmdd>.json
@@ -53,6 +57,10 @@ Printed last: a table with the runs and the ratio. --json-out: everything, with 
     python benchmarks/train_speed.py --arch qwen3-vl-8b --seq-len 16384 --lora-rank 64 --recompute auto
     # CPU smoke (fp32: the loss check is tight)
     python benchmarks/train_speed.py --arch tiny --seq-len 2048 --samples 24 --device cpu
+    # two invocations joined: the second reuses the first's shards
+    python benchmarks/train_speed.py ... --repeats 1 --out-dir A --json-out r1.json
+    python benchmarks/train_speed.py ... --repeats 1 --data-dir A/data --out-dir B --json-out r2.json
+    python benchmarks/train_speed.py --combine r1.json r2.json --json-out both.json
 """
 
 from __future__ import annotations
@@ -161,7 +169,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "it (the run is retried with it and the result says so; default auto)")
     ap.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "vlmpack_train_speed"),
                     help="data and training output (default: under the temp dir)")
+    ap.add_argument("--combine", nargs="+", default=None, metavar="RESULT.json",
+                    help="run nothing: join these results of the same command on the same packs into one "
+                         "comparison (ratios and loss curves over all their runs), written to --json-out")
     args = ap.parse_args(argv)
+    if args.combine:
+        return args
     args.base_arch = args.arch
     if args.layers:
         args.arch = register_fewer_layers(args.arch, args.layers)
@@ -1081,8 +1094,38 @@ def isolated(fn, *args):
     return value
 
 
+# what may differ between invocations that are joined: where they wrote, and how many runs each made
+COMBINE_FREE_ARGS = {"json_out", "out_dir", "data_dir", "repeats", "init_dir", "combine"}
+
+
+def combine(paths: list[str]) -> dict:
+    """Results of separate invocations as one comparison. Refused unless every result ran the
+    same command (up to COMBINE_FREE_ARGS) on the same packs in the same order."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    first = results[0]
+    for path, res in zip(paths[1:], results[1:]):
+        differ = sorted(k for k in set(first["args"]) | set(res["args"])
+                        if k not in COMBINE_FREE_ARGS and first["args"].get(k) != res["args"].get(k))
+        if differ:
+            raise SystemExit(f"error: {path} ran another command than {paths[0]} (differs in: {', '.join(differ)})")
+        packs = [r["ours"]["packs"] for r in first["repeats"] + res["repeats"]]
+        if any(p != packs[0] for p in packs):
+            raise SystemExit(f"error: {path} trained on other packs than {paths[0]}: pass the first run's "
+                             "shards with --data-dir")
+    repeats = [r for res in results for r in res["repeats"]]
+    return {"runs": results, "ratios": compare(repeats), "curves": curve_check(repeats)}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.combine:
+        res = combine(args.combine)
+        json_out = Path(args.json_out or "train_speed_combined.json")
+        write_json(json_out, res)
+        log(f"wrote {json_out}")
+        print_table({**res["runs"][0], "repeats": [r for run in res["runs"] for r in run["repeats"]],
+                     "ratios": res["ratios"], "curves": res["curves"]})
+        return 0
     # what `train()` sets for itself; here the child touches CUDA before calling it
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = torch.device(args.device)

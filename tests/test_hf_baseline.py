@@ -202,3 +202,33 @@ def test_gpu_qwen3_5_packed_recipe_resets_the_linear_attention_state():
         head = slice(int(starts[k]), int(starts[k]) + 3)  # the tokens the conv window reaches back from
         first = (packed[head] - alone[k][:3]).abs().max().item()
         assert first <= 0.02 * scale, (k, first, scale)
+
+
+def test_train_speed_combine_joins_runs_of_one_command_and_refuses_others(tmp_path):
+    """Two invocations of one command (the second on the first's shards) join into one
+    comparison over both runs; a result of another command, or of other packs, is refused."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    base = ["--arch", "tiny", "--device", "cpu", "--seq-len", "1024", "--samples", "8", "--warmup", "1",
+            "--steps", "1", "--text-tokens", "40", "200", "--image-tokens", "8", "32", "--num-workers", "0",
+            "--vision-reps", "0", "--repeats", "1"]
+    assert train_speed.main(base + ["--out-dir", str(first)]) == 0
+    assert train_speed.main(base + ["--out-dir", str(second), "--data-dir", str(first / "data")]) == 0
+    joined = tmp_path / "joined.json"
+    assert train_speed.main(["--combine", str(first / "train_speed.json"), str(second / "train_speed.json"),
+                             "--json-out", str(joined)]) == 0
+    result = json.loads(joined.read_text())
+    assert len(result["runs"]) == 2
+    assert len(result["ratios"]["tokens_per_s"]["vlmpack"]["runs"]) == 2
+    curves = result["curves"]
+    assert curves["steps"] == 2 and len(curves["hf_vs_hf"]["per_step"]) == 2
+
+    other = json.loads((second / "train_speed.json").read_text())
+    other["args"]["lr"] = 1e-3
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="differs in: lr"):
+        train_speed.main(["--combine", str(first / "train_speed.json"), str(tmp_path / "other.json")])
+    other = json.loads((second / "train_speed.json").read_text())
+    other["repeats"][0]["ours"]["packs"] = other["repeats"][0]["ours"]["packs"][::-1]
+    (tmp_path / "packs.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="other packs"):
+        train_speed.main(["--combine", str(first / "train_speed.json"), str(tmp_path / "packs.json")])
