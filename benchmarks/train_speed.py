@@ -108,6 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="trainer activation recompute (language model; auto: the trainer's choice from its "
                          "memory plan, recorded as the choice); on out-of-memory the run is retried once with "
                          "full unless --no-recompute-fallback")
+    ap.add_argument("--gpu-memory-gib", type=float, default=None,
+                    help="with --recompute auto: the GPU memory the plan fits the run in (95 %% of it; default: "
+                         "this GPU's); HF's peak / 0.95 keeps vlmpack's planned peak at or under HF's")
     ap.add_argument("--no-recompute-fallback", action="store_true",
                     help="on out-of-memory, fail instead of retrying with --recompute full")
     ap.add_argument("--recompute-layers", type=int, default=None,
@@ -650,7 +653,7 @@ def resolve_auto_recompute(args, data_dir: Path, device: torch.device) -> None:
         data=[str(data_dir)], arch=args.arch, seq_len=args.seq_len, dry_run=True,
         global_batch_packs=args.global_batch_packs, recompute="auto", recompute_vision=args.recompute_vision,
         grad_dtype=args.grad_dtype, adam_state_dtype=args.adam_state_dtype, master_weights=args.master_weights,
-        lora_rank=args.lora_rank))
+        lora_rank=args.lora_rank, gpu_memory_gib=args.gpu_memory_gib))
     config, args.recompute_auto = resolve_recompute(config, resolve_arch(config.model), cuda=device.type == "cuda")
     memory = config.memory
     args.recompute, args.recompute_layers, args.recompute_vision = \

@@ -281,8 +281,9 @@ class MemoryConfig:
                                            "fits with the flags that launch it, then exit (exit code 1 when no "
                                            "layout fits)")
     gpus: int | None = _int(None, "memory", "with --dry-run: plan for this many GPUs (default: the launch's)")
-    gpu_memory_gib: float | None = _float(None, "memory", "with --dry-run and --recompute auto: memory of one GPU "
-                                                          "(default: this GPU's, else 80)")
+    gpu_memory_gib: float | None = _float(None, "memory", "memory of one GPU that --dry-run and --recompute auto plan "
+                                                          "for (default: this GPU's, else 80); a smaller figure than "
+                                                          "the GPU's makes auto recompute more and leave the rest free")
     grad_dtype: str = _text("fp32", "memory", "gradient buffers: fp32 or bf16 (half the memory, bf16 runs; default fp32)")
     adam_state_dtype: str = _text("fp32", "memory", "Adam moments: fp32 or bf16 (stochastically rounded; default fp32)")
     master_weights: str = _text("fp32", "memory", "weights the optimizer updates: fp32 (an fp32 copy of every bf16 "
