@@ -78,6 +78,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from queue import Empty
 
 import numpy as np
 import torch
@@ -117,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --recompute full: recompute only the first N decoder layers (trainer's flag)")
     ap.add_argument("--recompute-vision", type=parse_bool, default=None,
                     help="redo the vision blocks in backward (trainer's flag; default: with full)")
+    ap.add_argument("--recompute-vision-blocks", type=int, default=None,
+                    help="with the vision blocks recomputed: only the first N (default all; auto picks it)")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler over the last warmup step (the trainer's --profile-start): GPU time by "
                          "kernel kind and the top kernels")
@@ -656,8 +659,8 @@ def resolve_auto_recompute(args, data_dir: Path, device: torch.device) -> None:
         lora_rank=args.lora_rank, gpu_memory_gib=args.gpu_memory_gib))
     config, args.recompute_auto = resolve_recompute(config, resolve_arch(config.model), cuda=device.type == "cuda")
     memory = config.memory
-    args.recompute, args.recompute_layers, args.recompute_vision = \
-        memory.recompute, memory.recompute_layers, memory.recompute_vision
+    args.recompute, args.recompute_layers, args.recompute_vision, args.recompute_vision_blocks = \
+        memory.recompute, memory.recompute_layers, memory.recompute_vision, memory.recompute_vision_blocks
     log(f"ours: {args.recompute_auto}")
 
 
@@ -670,7 +673,8 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         data=[str(data_dir)], out=str(run_dir), hf_model=str(args.init_dir), seq_len=args.seq_len,
         global_batch_packs=args.global_batch_packs, train_steps=args.warmup + args.steps, lr=args.lr,
         recompute=recompute, recompute_layers=args.recompute_layers if recompute == "full" else None,
-        recompute_vision=args.recompute_vision, device=args.device, num_workers=args.num_workers, tensorboard=False,
+        recompute_vision=args.recompute_vision, recompute_vision_blocks=args.recompute_vision_blocks,
+        device=args.device, num_workers=args.num_workers, tensorboard=False,
         save_every=0, save_final=args.keep_checkpoint, seed=args.seed, log_every=1, attention=args.attention, grad_dtype=args.grad_dtype,
         adam_state_dtype=args.adam_state_dtype, master_weights=args.master_weights, lora_rank=args.lora_rank,
         compile_decoder=args.compile_decoder, loss=args.loss,
@@ -684,7 +688,7 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         probe.trace_path = Path(args.trace) if args.trace else None
     log(f"ours: train({args.arch}, seq_len {args.seq_len}, {args.global_batch_packs} packs/step, "
         f"{args.warmup}+{args.steps} steps, recompute {recompute}, layers {memory.recompute_layers}, "
-        f"vision {memory.recompute_vision}, attention {model.attention}, "
+        f"vision {memory.recompute_vision} (blocks {memory.recompute_vision_blocks or 'all'}), attention {model.attention}, "
         f"compiled decoder {model.compile_decoder}, fp8 {model.fp8 or 'off'}, "
         f"packs padded {config.packs_padded()}, grads {memory.grad_dtype}, "
         f"Adam state {memory.adam_state_dtype}, master weights {memory.master_weights}, "
@@ -727,7 +731,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
         log(f"ours: out of memory with recompute {recompute} ({oom[:120]})")
         if recompute == "full" or args.no_recompute_fallback:
             raise SystemExit("ours ran out of memory; try --recompute full or a smaller --seq-len")
-        recompute = "full"
+        recompute, args.recompute_vision_blocks = "full", None  # every layer and vision block
     timings = probe.step_timings()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -804,6 +808,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
         "packs_consumed": len(pack_samples),
         "recompute_layers": config.memory.recompute_layers,
         "recompute_vision": config.memory.recompute_vision,
+        "recompute_vision_blocks": config.memory.recompute_vision_blocks,
         "attention": config.model.attention,
         "grad_dtype": config.memory.grad_dtype,
         "adam_state_dtype": config.memory.adam_state_dtype,
@@ -1090,7 +1095,16 @@ def isolated(fn, *args):
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(queue, fn, args))
     proc.start()
-    status, value = queue.get()
+    while True:  # a child killed outright (the host's out-of-memory killer) sends nothing: never wait on it
+        try:
+            status, value = queue.get(timeout=5)
+            break
+        except Empty:
+            if not proc.is_alive():
+                code = proc.exitcode
+                why = f"killed by signal {-code}" + (" (SIGKILL: out of host memory?)" if code == -9 else "") \
+                    if code < 0 else f"exit code {code}"
+                raise SystemExit(f"{fn.__name__} failed: its process ended without a result ({why})") from None
     proc.join()
     if status != "ok":
         raise SystemExit(f"{fn.__name__} failed: {value}")
@@ -1172,7 +1186,7 @@ def main(argv=None) -> int:
     for repeat in range(args.repeats):
         ours = isolated(run_ours, args, data_dir, out_dir / "ours")
         if ours["recompute_auto"]:  # the arguments record what auto chose (the line says it was auto)
-            for key in ("recompute", "recompute_layers", "recompute_vision"):
+            for key in ("recompute", "recompute_layers", "recompute_vision", "recompute_vision_blocks"):
                 setattr(args, key, ours["config"][key])
             args.recompute_auto = ours["recompute_auto"]
         args.profile = False  # the profile is of the first run only

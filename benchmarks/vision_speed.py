@@ -55,7 +55,7 @@ def build_tower(arch, mode: str, device, seed: int, recompute: bool) -> VisionTo
     tower = VisionTower(arch.vision, params_dtype=torch.bfloat16, device=device)
     for p in tower.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    tower.recompute = recompute
+    tower.recompute_blocks = len(tower.blocks) if recompute else 0
     if mode == "blocks":
         for block in tower.blocks:
             block.compile(dynamic=True)

@@ -8,6 +8,8 @@ own step-1 check (both sides from the same weights, on the same packs) holds in 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -232,3 +234,15 @@ def test_train_speed_combine_joins_runs_of_one_command_and_refuses_others(tmp_pa
     (tmp_path / "packs.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="other packs"):
         train_speed.main(["--combine", str(first / "train_speed.json"), str(tmp_path / "packs.json")])
+
+
+def _killed_outright() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_train_speed_child_killed_outright_fails_the_run_instead_of_hanging():
+    """A run's process killed by a signal (the host's out-of-memory killer) sends no result;
+    the benchmark stops naming the signal rather than waiting for ever."""
+    with pytest.raises(SystemExit, match="_killed_outright failed: its process ended without a result "
+                                         r"\(killed by signal 9 \(SIGKILL: out of host memory\?\)\)"):
+        train_speed.isolated(_killed_outright)

@@ -220,6 +220,34 @@ def test_dry_run_settings_that_cannot_run_exit_2_with_one_line(capsys):
     assert rc == 2 and len(err.splitlines()) == 1 and "--gpus 3" in err
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--recompute-vision-blocks", "4"], "add --recompute-vision true"),
+    (["--recompute", "none", "--recompute-vision", "false", "--recompute-vision-blocks", "4"], "add --recompute-vision true"),
+    (["--recompute", "auto", "--recompute-vision-blocks", "4"], "auto picks the vision blocks itself"),
+    (["--recompute-vision", "true", "--recompute-vision-blocks", "25"], "vision tower has 24 blocks"),
+    (["--recompute-vision", "true", "--recompute-vision-blocks", "0"], "--recompute-vision-blocks"),
+])
+def test_vision_blocks_recomputed_without_a_recomputed_tower_or_beyond_its_depth_exit_2(flags, named, capsys):
+    rc = vlmpack(["train", "--dry-run", "--arch", "qwen3-vl-2b", "--gpus", "1", *flags])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and named in err, err
+
+
+def test_vision_blocks_recomputed_are_planned_and_said(capsys):
+    """--recompute-vision true --recompute-vision-blocks N: the dry run plans the other blocks'
+    activations and says how many keep them."""
+    def dry_run(*flags):
+        assert vlmpack(["train", "--dry-run", "--arch", "qwen3-vl-2b", "--gpus", "1", "--seq-len", "16384",
+                        "--gpu-memory-gib", "141", *flags]) == 0
+        out = capsys.readouterr().out
+        return float(re.search(r"largest stage: ([\d.]+) GiB", out).group(1)), out
+
+    kept, _ = dry_run()
+    part, out = dry_run("--recompute-vision", "true", "--recompute-vision-blocks", "6")
+    whole, _ = dry_run("--recompute-vision", "true")
+    assert kept > part > whole and "18 of the vision tower's 24 blocks keep their activations" in out
+
+
 def test_gpus_other_than_the_launch_is_refused_outside_a_dry_run(shards, tmp_path, capsys, monkeypatch):
     """--gpus plans a --dry-run; a run plans (--recompute auto) for the GPUs it is launched on."""
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -234,10 +262,10 @@ def test_gpus_other_than_the_launch_is_refused_outside_a_dry_run(shards, tmp_pat
     ("qwen3-vl-8b", 8192, 2, 40.0), ("qwen3-vl-8b", 16384, 1, 30.0), ("qwen3-vl-30b-a3b", 8192, 1, 141.0),
 ])
 def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, pp, gpu_gib):
-    """--recompute auto: none where the plan fits, else the vision tower alone, else full
-    recompute of the fewest first layers per stage (with the tower) whose plan fits in
-    FIT_FRACTION of the GPU (one layer fewer does not), else every layer; checked against the
-    plan of every choice."""
+    """--recompute auto: none where the plan fits, else the fewest first vision blocks, else the
+    whole vision tower alone, else full recompute of the fewest first layers per stage (with
+    the tower) whose plan fits in FIT_FRACTION of the GPU (the choice before it does not), else
+    every layer; checked against the dry-run plan of every choice."""
     from train.config import TrainConfig
     from train.trainer import dry_run, resolve_arch, resolve_recompute
 
@@ -245,36 +273,49 @@ def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, p
                                         gpu_memory_gib=gpu_gib, grad_dtype="bf16", adam_state_dtype="bf16", dry_run=True))
     model = resolve_arch(config.model)
     chosen, line = resolve_recompute(config, model, cuda=True)
-    layers = model.lm.num_layers // pp
-    choices = [("none", None, None), ("none", None, True)] + [("full", n, None) for n in range(1, layers)] \
-        + [("full", None, None)]
+    layers, depth = model.lm.num_layers // pp, model.vision.depth
+    choices = [("none", None, None, None)] + [("none", None, True, n) for n in range(1, depth)] \
+        + [("none", None, True, None)] + [("full", n, None, None) for n in range(1, layers)] + [("full", None, None, None)]
 
-    def planned(recompute, recompute_layers, recompute_vision):
+    def planned(recompute, recompute_layers, recompute_vision, vision_blocks):
         run = TrainConfig.from_flat({**config.to_flat(), "recompute": recompute, "recompute_layers": recompute_layers,
-                                     "recompute_vision": recompute_vision})
+                                     "recompute_vision": recompute_vision, "recompute_vision_blocks": vision_blocks})
         return float(re.search(r"largest stage: ([\d.]+) GiB", dry_run(run)[0]).group(1))
 
     budget = memory_plan.FIT_FRACTION * gpu_gib
-    fits = [planned(*choice) <= budget + 0.05 for choice in choices]  # the report rounds to 0.1 GiB
     memory = chosen.memory
-    index = choices.index((memory.recompute, memory.recompute_layers, memory.recompute_vision))
-    assert index == (fits.index(True) if any(fits) else len(choices) - 1), (line, fits)
-    assert line.startswith("--recompute auto: ") and ("does NOT fit" in line) == (not any(fits))
-    assert ("the vision tower's blocks recomputed, no decoder layer" in line) == (index == 1), line
+    index = choices.index((memory.recompute, memory.recompute_layers, memory.recompute_vision,
+                           memory.recompute_vision_blocks))
+    fits_before = index > 0 and planned(*choices[index - 1]) <= budget - 0.05  # the report rounds to 0.1 GiB
+    fits = planned(*choices[index]) <= budget + 0.05
+    assert not fits_before, (line, choices[index - 1])
+    assert fits or index == len(choices) - 1, line
+    assert line.startswith("--recompute auto: ") and ("does NOT fit" in line) == (not fits), line
+    vision_only = 0 < index <= depth
+    assert ("recomputed, no decoder layer" in line) == vision_only, line
 
 
 def test_recompute_auto_recomputes_the_vision_tower_alone_where_that_fits():
-    """Where the plan fits once the vision tower's activations go, auto recomputes the tower
-    and no decoder layer (the 2B model at 16k packs on a 77.9 GiB budget); a frozen tower keeps
-    none, so it is never the choice, and --recompute-vision false leaves it out."""
+    """Where the plan fits once some of the vision tower's activations go, auto recomputes its
+    first blocks, as few as fit, and no decoder layer (the 2B model at 16k packs on a 100 GiB GPU
+    budget); each block recomputed lowers the plan; a frozen tower keeps none, so it is never
+    the choice, and --recompute-vision false leaves it out."""
     from train.config import TrainConfig
     from train.trainer import resolve_arch, resolve_recompute
 
-    flat = dict(arch="qwen3-vl-2b", seq_len=16384, gpus=1, recompute="auto", gpu_memory_gib=82.0, dry_run=True)
+    flat = dict(arch="qwen3-vl-2b", seq_len=16384, gpus=1, recompute="auto", gpu_memory_gib=100.0, dry_run=True)
     config = TrainConfig.from_flat(flat)
-    chosen, line = resolve_recompute(config, resolve_arch(config.model), cuda=True)
+    arch = resolve_arch(config.model)
+    chosen, line = resolve_recompute(config, arch, cuda=True)
     memory = chosen.memory
     assert (memory.recompute, memory.recompute_layers, memory.recompute_vision) == ("none", None, True), line
+    assert 1 <= memory.recompute_vision_blocks < arch.vision.depth, line
+    assert f"the first {memory.recompute_vision_blocks} of the vision tower's {arch.vision.depth} blocks" in line
+    settings = memory_plan.Settings(seq_len=16384, global_packs=1, recompute_vision=True)
+    peaks = [memory_plan.peak_gib(arch, dataclasses.replace(settings, recompute_vision_blocks=n), memory_plan.Layout())
+             for n in range(1, arch.vision.depth + 1)]
+    assert all(a > b for a, b in zip(peaks, peaks[1:]))
+    assert peaks[-1] == memory_plan.peak_gib(arch, settings, memory_plan.Layout())  # N = depth: the whole tower
     frozen = TrainConfig.from_flat({**flat, "freeze": ["vision"]})
     assert resolve_recompute(frozen, resolve_arch(frozen.model), cuda=True)[0].memory.recompute_vision is not True
     kept = TrainConfig.from_flat({**flat, "recompute_vision": False})

@@ -133,6 +133,29 @@ def test_gradients_equal_hf(pair):
         assert _max_diff(p.grad, theirs[name].grad) < TOL * max(1.0, theirs[name].grad.abs().max().item()), name
 
 
+@pytest.mark.parametrize("blocks", [1, 3, 4])
+def test_recomputing_the_first_blocks_gives_the_same_gradients(pair, blocks, monkeypatch):
+    """`recompute_blocks` N (`--recompute-vision-blocks`): exactly the first N blocks run under
+    activation checkpointing, and every gradient equals the run that keeps all activations."""
+    _, ours = pair
+    pixels, grid = _inputs(BATCHES[2], seed=2)
+    checkpointed = []
+    checkpoint = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda fn, *a, **k: checkpointed.append(fn) or checkpoint(fn, *a, **k))
+    grads = []
+    for recompute_blocks in (0, blocks):
+        ours.recompute_blocks = recompute_blocks
+        ours.zero_grad()
+        embeds, deepstack = ours(pixels, grid)
+        sum(f.square().mean() for f in [embeds, *deepstack]).backward()
+        grads.append({name: p.grad.clone() for name, p in ours.named_parameters()})
+    ours.recompute_blocks = 0
+    assert checkpointed == list(ours.blocks[:blocks])
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
+
+
 def test_grid_order_matters(pair):
     """Negative control: the same pixels with the images' grids listed in another order."""
     _, ours = pair

@@ -42,6 +42,7 @@ INT_RANGES = {
     "seq_len": (1, MAX_SEQ_LEN), "micro_batch_packs": (1, MAX_SEQ_LEN), "global_batch_packs": (1, INT64_MAX),
     "global_batch_tokens": (1, INT64_MAX), "max_visual_tokens": (1, INT64_MAX), "seed": (0, INT64_MAX),
     "tp": (1, INT64_MAX), "pp": (1, INT64_MAX), "ep": (1, INT64_MAX), "recompute_layers": (1, INT64_MAX),
+    "recompute_vision_blocks": (1, INT64_MAX),
     "gpus": (1, INT64_MAX), "train_steps": (1, INT64_MAX), "warmup_steps": (0, INT64_MAX),
     "exit_interval": (0, INT64_MAX), "eval_every": (0, INT64_MAX), "eval_batches": (1, INT64_MAX),
     "lora_rank": (0, INT64_MAX), "save_every": (0, INT64_MAX), "keep_last": (1, INT64_MAX),
@@ -271,12 +272,14 @@ class MemoryConfig:
     bf16: bool = _bool(True, "memory", "bf16 weights and compute on GPU (CPU runs are fp32; default true)")
     recompute: str = _text("none", "memory", "activation recompute of the language model: none, selective, full, "
                                              "or auto: none if the memory plan fits the GPU (--gpu-memory-gib), "
-                                             "else the vision tower's blocks alone, else full for the fewest first "
-                                             "layers per stage that make it fit (default none)")
+                                             "else the fewest first vision blocks, up to the whole tower, else full "
+                                             "for the fewest first layers per stage that make it fit (default none)")
     recompute_layers: int | None = _int(None, "memory", "with --recompute full: recompute only the first N decoder "
                                                         "layers per pipeline stage")
     recompute_vision: bool | None = _bool(None, "memory", "recompute the vision blocks in backward "
                                                           "(default: with --recompute full)")
+    recompute_vision_blocks: int | None = _int(None, "memory", "where the vision blocks are recomputed: only the "
+                                                               "first N of them (default: all)")
     dry_run: bool = _bool(False, "memory", "print the predicted memory per GPU and the smallest layout that "
                                            "fits with the flags that launch it, then exit (exit code 1 when no "
                                            "layout fits)")
@@ -299,6 +302,13 @@ class MemoryConfig:
         if self.recompute_layers is not None and self.recompute != "full":
             raise ConfigError(f"--recompute-layers {self.recompute_layers} needs --recompute full and a value >= 1 "
                               f"(the decoder layers per pipeline stage whose activations are recomputed)")
+        if self.recompute_vision_blocks is not None:
+            if self.recompute == "auto":
+                raise ConfigError(f"--recompute-vision-blocks {self.recompute_vision_blocks} with --recompute auto: "
+                                  "auto picks the vision blocks itself; drop --recompute-vision-blocks")
+            if not (self.recompute_vision or (self.recompute_vision is None and self.recompute == "full")):
+                raise ConfigError(f"--recompute-vision-blocks {self.recompute_vision_blocks} needs the vision blocks "
+                                  "recomputed: add --recompute-vision true (or --recompute full)")
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if self.gpus is not None and not self.dry_run and self.gpus != launched:
             # --recompute auto would plan for the wrong data-parallel size

@@ -32,6 +32,7 @@ fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequen
      none, so LoRA runs come out up to 15 % high)
   a vision tower that keeps its activations (trained, not recomputed), on stage 0, for the
   P = S x visual share x merge^2 patches of a micro-batch    VISION_KEPT x P x depth x hv
+    (with --recompute-vision-blocks N, only its depth - N other blocks keep theirs)
     (not divided by tp: every TP rank runs the whole tower)
     (hv its hidden size; the visual share is the shards' visual tokens per token, read from
      the manifests of --data, else VISUAL_SHARE, that of the recorded mixes)
@@ -107,6 +108,7 @@ class Settings:
     freeze: tuple[str, ...] = ()
     lora: lora.LoraSpec | None = None
     recompute_vision: bool | None = None  # default: with --recompute full
+    recompute_vision_blocks: int | None = None  # where the tower is recomputed: its first N blocks (None: all)
     visual_share: float = VISUAL_SHARE  # visual tokens per pack token
     sequence_parallel: bool | None = None  # rows split over the TP ranks; None: the trainer's default (MoE at TP > 1)
 
@@ -115,10 +117,12 @@ class Settings:
         return ("vision" in self.lora.parts or "vision" in self.lora.modules_to_save) if self.lora else \
             "vision" not in self.freeze
 
-    @property
-    def vision_keeps_activations(self) -> bool:
+    def vision_kept_blocks(self, depth: int) -> int:
+        """The vision blocks that keep their activations for backward."""
+        if not self.vision_trained:
+            return 0
         recomputed = self.recompute == "full" if self.recompute_vision is None else self.recompute_vision
-        return self.vision_trained and not recomputed
+        return depth - min(depth, self.recompute_vision_blocks or depth) if recomputed else depth
 
     def micro_batches(self, dp: int) -> int:
         """Micro-batches per data-parallel rank per step: they bound what 1F1B keeps in flight."""
@@ -205,10 +209,11 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
     working = tokens * working_per_token * largest / (LAYER_KEPT * lm.hidden_size) if recomputed else 0.0
     logits = tokens * LOGITS * lm.vocab_size / layout.tp if stage == layout.pp - 1 else 0.0
     vision = 0.0
-    if stage == 0 and settings.vision_keeps_activations:
-        v = arch.vision
+    v = arch.vision
+    if stage == 0 and settings.vision_kept_blocks(v.depth):
         patches = tokens * settings.visual_share * v.spatial_merge_size ** 2
-        vision = VISION_KEPT * patches * v.depth * v.hidden_size  # every TP rank runs the whole tower
+        # every TP rank runs the whole tower
+        vision = VISION_KEPT * patches * settings.vision_kept_blocks(v.depth) * v.hidden_size
     return in_flight * (per_micro_batch + vision) + working + logits
 
 
@@ -296,9 +301,11 @@ def report(name: str, arch: ModelArch, settings: Settings, layout: Layout, gpu_g
     peak = max(s.total for s in stages) / GIB
     verdict = "fits" if peak <= FIT_FRACTION * gpu_gib else "does NOT fit"
     lines.append(f"largest stage: {peak:.1f} GiB, {verdict} in {FIT_FRACTION:.0%} of {gpu_gib:.1f} GiB per GPU")
-    if settings.vision_keeps_activations:
-        lines.append(f"note: the vision tower keeps its activations (no --recompute full), planned for "
-                     f"{settings.visual_share:.0%} of each pack's tokens visual")
+    kept, depth = settings.vision_kept_blocks(arch.vision.depth), arch.vision.depth
+    if kept:
+        which = "the vision tower keeps its activations" if kept == depth else \
+            f"{kept} of the vision tower's {depth} blocks keep their activations"
+        lines.append(f"note: {which}, planned for {settings.visual_share:.0%} of each pack's tokens visual")
     if settings.lora:
         lines.append("note: LoRA's frozen vision tower keeps no activations: the estimate is up to 15 % high")
     return "\n".join(lines)

@@ -149,8 +149,9 @@ def finalize_grads(model_chunks: list, num_tokens: torch.Tensor | None = None, p
             chunk.scale_gradients(1.0 / count)
 
 
-def build_model(arch, config, info: ParallelInfo, recompute_vision: bool | None = None, compile: bool = False,
-                compile_decoder: bool = True, static_rows: bool = False):
+def build_model(arch, config, info: ParallelInfo, recompute_vision: bool | None = None,
+                recompute_vision_blocks: int | None = None, compile: bool = False, compile_decoder: bool = True,
+                static_rows: bool = False):
     """This rank's pipeline stage of the model, on its device; `compile`: torch.compile its
     elementwise-heavy parts (CUDA only: CPU runs are tests and stay eager), with
     `compile_decoder` its dense decoder layers too, for one row count with `static_rows`
@@ -158,7 +159,7 @@ def build_model(arch, config, info: ParallelInfo, recompute_vision: bool | None 
     from train.model.qwen_vl import QwenVLModel, compile_model
 
     model = QwenVLModel(arch, config, pre_process=info.first_stage, post_process=info.last_stage,
-                        recompute_vision=recompute_vision).to(info.device)
+                        recompute_vision=recompute_vision, recompute_vision_blocks=recompute_vision_blocks).to(info.device)
     if compile and info.device.type == "cuda":
         compile_model(model, decoder=compile_decoder, static_rows=static_rows)
     return model

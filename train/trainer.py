@@ -81,6 +81,11 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
     if recompute_layers is not None and recompute_layers > per_stage:
         raise ConfigError(f"--recompute-layers {recompute_layers}: each pipeline stage has {per_stage} decoder "
                           f"layers; give at most {per_stage}, or drop the flag to recompute all of them")
+    vision_blocks = config.memory.recompute_vision_blocks
+    if vision_blocks is not None and vision_blocks > arch.vision.depth:
+        raise ConfigError(f"--recompute-vision-blocks {vision_blocks}: {arch.family}'s vision tower has "
+                          f"{arch.vision.depth} blocks; give at most {arch.vision.depth}, or drop the flag to recompute "
+                          "all of them")
     spec = config.lora.spec()
     if spec is not None:
         try:
@@ -380,8 +385,8 @@ def nothing_fits_advice(config: TrainConfig) -> str:
 def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
                       visual_share: float | None = None) -> tuple[TrainConfig, str | None]:
     """`--recompute auto` made concrete from the memory plan, the least recompute that fits
-    FIT_FRACTION of the GPU: none; else the vision tower alone (unless --recompute-vision is
-    set); else full recompute of the fewest first decoder layers per stage, with the vision
+    FIT_FRACTION of the GPU: none; else the fewest first vision blocks, up to the whole tower
+    (unless --recompute-vision is set); else full recompute of the fewest first decoder layers per stage, with the vision
     tower (all of them if nothing fits); none on CPU. Returns the config and a line saying what
     was chosen (None for any other --recompute). `visual_share`: the data's, when already read
     (`data_visual_share`)."""
@@ -396,26 +401,32 @@ def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
             "--recompute auto: no recompute (a CPU run)"
     layers = max(len(r) for r in convert.stage_layers(arch, config.parallelism.pp))
     settings, layout, gpu_gib = _plan_inputs(config, arch, visual_share)
-    vision = memory.recompute_vision
-    # each candidate recomputes all that the one before it does and more (a frozen tower keeps nothing)
-    candidates = [("none", None, vision)] + ([("none", None, True)] if vision is None and settings.vision_trained
-                                             else []) \
-        + [("full", n, vision) for n in range(1, layers)] + [("full", None, vision)]
+    vision, depth = memory.recompute_vision, arch.vision.depth
+    # each candidate recomputes all that the one before it does and more (a frozen tower keeps
+    # nothing): the vision tower first, block by block, as its activations cost the least
+    # recompute per byte; then decoder layers, with the whole tower
+    tower = [("none", None, True, n) for n in range(1, depth)] + [("none", None, True, None)] \
+        if vision is None and settings.vision_trained else []
+    candidates = [("none", None, vision, None)] + tower \
+        + [("full", n, vision, None) for n in range(1, layers)] + [("full", None, vision, None)]
     budget = memory_plan.FIT_FRACTION * gpu_gib
-    for recompute, recompute_layers, recompute_vision in candidates:
+    for recompute, recompute_layers, recompute_vision, vision_blocks in candidates:
         tried = dataclasses.replace(settings, recompute=recompute, recompute_layers=recompute_layers,
-                                    recompute_vision=recompute_vision)
+                                    recompute_vision=recompute_vision, recompute_vision_blocks=vision_blocks)
         peak = memory_plan.peak_gib(arch, tried, layout)
         if peak <= budget:
             break
     if recompute == "full":
         what = f"--recompute full of {recompute_layers or layers} of {layers} decoder layers per stage"
+    elif recompute_vision:
+        what = (f"--recompute-vision true, the first {vision_blocks} of the vision tower's {depth} blocks"
+                if vision_blocks else "--recompute-vision true, the vision tower's blocks") + " recomputed, no decoder layer"
     else:
-        what = "the vision tower's blocks recomputed, no decoder layer" if recompute_vision else "no recompute"
+        what = "no recompute"
     verdict = "fits" if peak <= budget else "does NOT fit even so"
     chosen = f"--recompute auto: {what} (planned {peak:.1f} GiB, {verdict} in {budget:.1f} GiB)"
     memory = dataclasses.replace(memory, recompute=recompute, recompute_layers=recompute_layers,
-                                 recompute_vision=recompute_vision)
+                                 recompute_vision=recompute_vision, recompute_vision_blocks=vision_blocks)
     return dataclasses.replace(config, memory=memory), chosen
 
 
@@ -434,6 +445,7 @@ def _plan_inputs(config: TrainConfig, arch: ModelArch, visual_share: float | Non
         adam_state_dtype=memory.adam_state_dtype, master_weights=memory.master_weights,
         distributed_optimizer=parallelism.distributed_optimizer,
         freeze=tuple(config.model.freeze), lora=config.lora.spec(), recompute_vision=memory.recompute_vision,
+        recompute_vision_blocks=memory.recompute_vision_blocks,
         visual_share=data_visual_share(data, arch) if visual_share is None else visual_share,
         sequence_parallel=sequence_parallel(arch, parallelism))
     gpu_gib = memory.gpu_memory_gib or (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -759,6 +771,9 @@ def memory_savings(config: TrainConfig) -> tuple[list[str], list[str]]:
         resumable.append(f"more --recompute-layers than {memory.recompute_layers}, or drop the flag (every layer recomputed)")
     if memory.recompute_vision is False:
         resumable.append("--recompute-vision true")
+    elif memory.recompute_vision_blocks is not None:
+        resumable.append(f"more --recompute-vision-blocks than {memory.recompute_vision_blocks}, or drop the flag "
+                         "(every vision block recomputed)")
     if data.micro_batch_packs > 1:
         if data.global_batch_packs or data.global_batch_tokens:
             resumable.append("--micro-batch-packs 1 (more micro-batches, the same global batch)")

@@ -216,9 +216,10 @@ class QwenVLModel(MegatronModule):
     the last the final norm and output layer (tied to the embeddings when the arch says so)."""
 
     def __init__(self, arch: ModelArch, config: TransformerConfig, *, pre_process: bool = True,
-                 post_process: bool = True, recompute_vision: bool | None = None, pg_collection=None,
-                 vp_stage=None):
-        """`recompute_vision`: redo the vision blocks in backward (default: with full recompute)."""
+                 post_process: bool = True, recompute_vision: bool | None = None,
+                 recompute_vision_blocks: int | None = None, pg_collection=None, vp_stage=None):
+        """`recompute_vision`: redo the vision blocks in backward (default: with full recompute);
+        `recompute_vision_blocks` N: only the first N of them (default all)."""
         super().__init__(config=config)
         self.arch = arch
         self.pre_process, self.post_process = pre_process, post_process
@@ -226,8 +227,9 @@ class QwenVLModel(MegatronModule):
         if pre_process:
             device = None if config.use_cpu_initialization else torch.cuda.current_device()
             self.vision = VisionTower(arch.vision, params_dtype=config.params_dtype, device=device)
-            self.vision.recompute = (config.recompute_granularity == "full" if recompute_vision is None
-                                     else recompute_vision)
+            recomputed = config.recompute_granularity == "full" if recompute_vision is None else recompute_vision
+            depth = len(self.vision.blocks)
+            self.vision.recompute_blocks = min(depth, recompute_vision_blocks or depth) if recomputed else 0
         self.language_model = GPTModel(
             config=config, transformer_layer_spec=block_spec(arch, config, vp_stage), vocab_size=arch.lm.vocab_size,
             max_sequence_length=1 << 20, pre_process=pre_process, post_process=post_process,

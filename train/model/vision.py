@@ -315,7 +315,7 @@ class VisionTower(nn.Module):
         # inv_freq is not a buffer: Float16Module-style `.bfloat16()` would round it. HF builds it
         # in fp32 on the CPU; so do we (pow on the GPU may differ by an ulp).
         spatial = arch.head_dim // 2
-        self.recompute = False  # activation recompute per block (set by the model for --recompute full)
+        self.recompute_blocks = 0  # the first blocks whose activations are recomputed in backward (set by the model)
         self._inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
 
     def _rotary(self, row: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
@@ -359,7 +359,7 @@ class VisionTower(nn.Module):
         for layer, block in enumerate(self.blocks):
             cu_seqlens, max_seqlen = ((cu_full, max_full) if layer in arch.fullatt_block_indexes
                                       else (cu_windowed, max_windowed))
-            if self.recompute and torch.is_grad_enabled():  # keep only block inputs; redo blocks in backward
+            if layer < self.recompute_blocks and torch.is_grad_enabled():  # keep the block's input; redo it in backward
                 x = torch.utils.checkpoint.checkpoint(block, x, cu_seqlens, max_seqlen, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cu_seqlens, max_seqlen, cos, sin)
