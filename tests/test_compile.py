@@ -157,3 +157,16 @@ def test_token_loss_is_cross_entropy_eager_and_compiled(seed):
     assert torch.equal(compiled_loss, loss) and torch.equal(compiled_grad, grad)
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad.float(), want_grad.float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("recompute_vision, blocks, expected", [(None, None, 0), (False, None, 0), (True, None, 3),
+                                                                (True, 1, 1), (True, 2, 2)])
+def test_the_model_recomputes_the_vision_blocks_it_is_given(info, recompute_vision, blocks, expected):
+    """`--recompute-vision` and `--recompute-vision-blocks` reach the tower: the first N of its
+    3 blocks (all of them without N; none without vision recompute)."""
+    from tests.helpers.models import tiny_qwen3_vl
+
+    arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
+    model = build_model(arch, transformer_config(arch, cpu=True), info, recompute_vision=recompute_vision,
+                        recompute_vision_blocks=blocks)
+    assert len(model.vision.blocks) == 3 and model.vision.recompute_blocks == expected
