@@ -121,3 +121,39 @@ def test_config_and_chat_template_files_are_refused_alike(tmp_path, capsys):
         assert config_line.split(": pass ")[0].removeprefix("--config") == \
             template_line.split(": pass ")[0].removeprefix("--chat-template"), (config_line, template_line)
         assert config_line.endswith(": pass a YAML or JSON file"), config_line
+
+
+def _step_dir(root: Path) -> Path:
+    """A run's output with one checkpoint step whose model directory holds vlmpack_model.json."""
+    model = root / "checkpoints" / "step_00000002" / "model"
+    model.mkdir(parents=True)
+    (model / "vlmpack_model.json").write_text("{}")
+    return model
+
+
+@pytest.mark.parametrize("given", ["run", "step"])
+def test_init_or_export_of_a_runs_output_or_step_names_the_model_directory_inside(tmp_path, capsys, given):
+    model = _step_dir(tmp_path / "run")
+    path = tmp_path / "run" if given == "run" else model.parent
+    for command in (["train", "--dry-run", "--gpus", "1", "--init", str(path)],
+                    ["export-hf", str(path), "--out", str(tmp_path / "export")]):
+        code = vlmpack(command)
+        err = capsys.readouterr().err
+        assert code == 2 and f"the model directory inside it is {model}: give that" in one_error_line(err, command[0])
+
+
+def test_a_hugging_face_checkpoint_given_as_a_model_directory_and_the_reverse_name_the_right_flag(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    for command in (["train", "--dry-run", "--gpus", "1", "--init", str(hf)],
+                    ["export-hf", str(hf), "--out", str(tmp_path / "export")]):
+        code = vlmpack(command)
+        err = capsys.readouterr().err
+        assert code == 2 and "it holds a Hugging Face checkpoint (config.json): `vlmpack train` takes that as " \
+            "--hf-model" in one_error_line(err, command[0])
+    model = _step_dir(tmp_path / "run")
+    code = vlmpack(["train", "--dry-run", "--gpus", "1", "--hf-model", str(model)])
+    err = capsys.readouterr().err
+    assert code == 2 and "it is a vlmpack model directory (vlmpack_model.json), which --init takes" \
+        in one_error_line(err, "train")

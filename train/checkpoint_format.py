@@ -119,8 +119,7 @@ def read_meta(directory: str | Path) -> dict:
     """META_FILE of a model directory, its format, architecture and layout checked."""
     path = Path(directory) / META_FILE
     if not path.is_file():
-        raise CheckpointError(f"{directory} is not a vlmpack model directory (no {META_FILE}); "
-                              "make one from a Hugging Face checkpoint with `vlmpack import-hf`")
+        raise CheckpointError(f"{directory} is not a vlmpack model directory (no {META_FILE}); {model_dir_hint(directory)}")
     meta = read_json_object(path, MODEL_DIR_FIX)
     if meta.get("format") != FORMAT_NAME or meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}; "
@@ -133,6 +132,20 @@ def read_meta(directory: str | Path) -> dict:
     if not isinstance(meta.get("arch"), dict):
         raise ModelFileError(f"{path}: no architecture (arch)", MODEL_DIR_FIX)
     return meta
+
+
+def model_dir_hint(directory: str | Path) -> str:
+    """What to give instead of `directory`, which holds no META_FILE: the model directory inside
+    a training checkpoint or a run's output, or a Hugging Face checkpoint's own flag."""
+    directory = Path(directory)
+    inside = [directory / "model", *sorted((directory / "checkpoints").glob("step_*/model"))[-1:]]
+    found = next((d for d in inside if (d / META_FILE).is_file()), None)
+    if found is not None:
+        return f"the model directory inside it is {found}: give that"
+    if (directory / "config.json").is_file():
+        return ("it holds a Hugging Face checkpoint (config.json): `vlmpack train` takes that as --hf-model, "
+                "and `vlmpack import-hf` converts it")
+    return "make one from a Hugging Face checkpoint with `vlmpack import-hf`"
 
 
 def arch_from_dict(d: dict, source: str | Path = META_FILE) -> ModelArch:

@@ -160,13 +160,14 @@ def _convert_module():
     return convert
 
 
-def _input_dir(path: str, metavar: str, needs: str, what: str) -> None:
+def _input_dir(path: str, metavar: str, needs: str, what: str, hint=None) -> None:
+    """`hint(path)`: what to give instead, where the directory lacks `needs`."""
     if not Path(path).exists():
         raise UserError(f"{metavar} {path}: no such directory: pass {what}")
     if not Path(path).is_dir():
         raise UserError(f"{metavar} {path} is a file, not a directory: pass {what}")
     if not (Path(path) / needs).is_file():
-        raise UserError(f"{metavar} {path} has no {needs}: pass {what}")
+        raise UserError(f"{metavar} {path} has no {needs}: " + (hint(path) if hint else f"pass {what}"))
 
 
 class ImportHF:
@@ -242,6 +243,7 @@ class ExportHF:
     @staticmethod
     def run(args) -> int:
         convert = _convert_module()
+        from train import checkpoint_format
         from train.adapter_format import find_adapter_dir
 
         chat_template = _read_chat_template(args.chat_template) if args.chat_template else None
@@ -252,7 +254,8 @@ class ExportHF:
                             ("--lora-base", args.lora_base), ("--base", args.base)):
             if given:
                 raise UserError(f"{flag}: {args.model_dir} is not a LoRA checkpoint (no adapter/lora.json); drop {flag}")
-        _input_dir(args.model_dir, "MODEL_DIR", convert.META_FILE, "a model directory written by `vlmpack import-hf` or training")
+        _input_dir(args.model_dir, "MODEL_DIR", convert.META_FILE, "a model directory written by `vlmpack import-hf` or "
+                   "training", hint=checkpoint_format.model_dir_hint)
         t0 = time.perf_counter()
         try:
             arch, side_files = convert.export_hf(args.model_dir, args.out, dtype=_dtype(args.dtype), progress=True,
