@@ -273,6 +273,11 @@ class Recipe:
     # steps and the parameters then take rounded, as vlmpack's default fp32 master weights and
     # gradient buffers do; bf16: gradients summed and AdamW applied on the bf16 parameters
     master_weights: str = "bf16"
+    # the learning rate of vlmpack's runs (megatron's linear warm-up, then cosine to min_lr at
+    # train_steps), through transformers' own scheduler; train_steps None: lr throughout
+    train_steps: int | None = None
+    warmup_steps: int = 0
+    min_lr: float = 0.0
 
 
 class HFPackedTrainer:
@@ -313,6 +318,7 @@ class HFPackedTrainer:
             self.masters = [p.detach().float() for p in self.params]
         self.optimizer = torch.optim.AdamW(self.masters or self.params, lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8,
                                            weight_decay=0.0, fused=self.cuda)
+        self.scheduler = lr_schedule(self.optimizer, recipe)
         self.num_params = sum(p.numel() for p in self.params)
 
     def _sum_into_masters(self) -> None:
@@ -363,11 +369,25 @@ class HFPackedTrainer:
                 self._sum_into_masters()
         torch.nn.utils.clip_grad_norm_(self.masters or self.params, 1.0)
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.masters is not None:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.masters)
         return total
+
+
+def lr_schedule(optimizer, recipe: Recipe):
+    """transformers' cosine schedule with warm-up as vlmpack's runs have it (megatron's: linear
+    from 0 over warmup_steps, then cosine from lr to min_lr at train_steps); None without
+    train_steps (lr throughout)."""
+    if not recipe.train_steps:
+        return None
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, recipe.warmup_steps, recipe.train_steps,
+                                                       min_lr=recipe.min_lr)
 
 
 def collate_pack(samples: list[dict]) -> dict:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import parser, register_fewer_layers
-from hf_baseline import HFPackedTrainer, Recipe, collate_pack, write_init_checkpoint
+from hf_baseline import HFPackedTrainer, Recipe, collate_pack, lr_schedule, write_init_checkpoint
 
 from shards_schema import open_shards
 from shards_schema.flags import parse_bool
@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, required=True, help="training steps")
     ap.add_argument("--seed", type=int, default=0, help="init and pack-plan seed (the trainer's --seed)")
     ap.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
+    ap.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps (the trainer's)")
+    ap.add_argument("--train-steps", type=int, default=None,
+                    help="steps of the cosine decay to 0, as the trainer's --train-steps (default --steps)")
     ap.add_argument("--liger", type=parse_bool, default=True, help="apply Liger's kernels (default true)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="transformers' per-layer recompute")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: gloo, fp32 (smoke runs)")
@@ -113,12 +116,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"{len(mine)} packs for rank {rank}, {args.steps} steps need {args.steps * per_rank}: "
                          "more samples or fewer --steps")
 
-    hf = HFPackedTrainer(arch, init_dir, shards.manifest["profile"],
-                         Recipe(lr=args.lr, liger=args.liger, gradient_checkpointing=args.gradient_checkpointing),
-                         device)
+    recipe = Recipe(lr=args.lr, liger=args.liger, gradient_checkpointing=args.gradient_checkpointing,
+                    train_steps=args.train_steps or args.steps, warmup_steps=args.warmup_steps)
+    hf = HFPackedTrainer(arch, init_dir, shards.manifest["profile"], recipe, device)
     shard_model(hf.model, mesh)
     hf.params = [p for p in hf.model.parameters() if p.requires_grad]
     hf.optimizer = torch.optim.AdamW(hf.params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    hf.scheduler = lr_schedule(hf.optimizer, recipe)
 
     metrics = out / "metrics.jsonl"
     n_lm, peak = lm_flops_per_token(arch), peak_tflops(device) * 1e12

@@ -157,7 +157,8 @@ def hf_command(args, checkpointing: bool, data_dir: Path, out: Path) -> list[str
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.hf_fsdp),
            "benchmarks/hf_fsdp_worker.py", "--data", str(data_dir), "--out", str(out), "--arch", args.arch,
            "--seq-len", str(args.seq_len), "--global-batch-packs", str(args.global_batch_packs),
-           "--steps", str(args.hf_steps or args.steps), "--seed", str(args.seed), "--lr", str(args.lr),
+           "--steps", str(args.hf_steps or args.steps), "--train-steps", str(args.steps),
+           "--warmup-steps", str(args.warmup_steps), "--seed", str(args.seed), "--lr", str(args.lr),
            "--device", args.device]
     if args.layers:
         cmd += ["--layers", str(args.layers)]

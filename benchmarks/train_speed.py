@@ -913,7 +913,8 @@ def run_hf(args, arch, data_dir: Path, packs: list[list[int]], gradient_checkpoi
     n = args.global_batch_packs
     steps = [collated[k:k + n] for k in range(0, len(collated), n)][:args.warmup + args.steps]
     recipe = hf_baseline.Recipe(lr=args.lr, liger=args.hf_liger, gradient_checkpointing=gradient_checkpointing,
-                                lora_rank=args.lora_rank, master_weights=args.hf_master_weights)
+                                lora_rank=args.lora_rank, master_weights=args.hf_master_weights,
+                                train_steps=args.warmup + args.steps)  # vlmpack's schedule: cosine to 0, no warm-up
     trainer = hf_baseline.HFPackedTrainer(arch, Path(args.init_dir), shards.manifest["profile"], recipe, device)
     log(f"HF: {arch.hf_architecture}, {trainer.num_params:,} trained parameters, attention "
         f"{hf_baseline.ATTENTION} ({args.attention if cuda else 'masked, CPU'}), gradient checkpointing "

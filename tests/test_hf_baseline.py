@@ -246,3 +246,27 @@ def test_train_speed_child_killed_outright_fails_the_run_instead_of_hanging():
     with pytest.raises(SystemExit, match="_killed_outright failed: its process ended without a result "
                                          r"\(killed by signal 9 \(SIGKILL: out of host memory\?\)\)"):
         train_speed.isolated(_killed_outright)
+
+
+@pytest.mark.parametrize("lr, min_lr, warmup, steps", [(1e-5, 0.0, 0, 20), (3e-4, 1e-5, 3, 17), (1e-3, 0.0, 2, 5)])
+def test_the_hf_recipe_steps_with_vlmpacks_learning_rate_schedule(lr, min_lr, warmup, steps):
+    """The HF side's learning rate at every step is the trainer's (megatron's warm-up and cosine
+    schedule, `build_scheduler`), so loss curves compare like with like: transformers' own
+    cosine scheduler with warm-up and a floor, stepped after each optimizer step."""
+    from train.config import AdamWConfig, ScheduleConfig
+    from train.trainer import build_scheduler
+
+    def lrs(optimizer, scheduler_step) -> list[float]:
+        seen = []
+        for _ in range(steps + 1):  # each step's, and where the run ends: the floor
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler_step()
+        return seen
+
+    ours = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    schedule = build_scheduler(ours, AdamWConfig(lr=lr, min_lr=min_lr), ScheduleConfig(train_steps=steps, warmup_steps=warmup))
+    theirs = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    hf = hf_baseline.lr_schedule(theirs, hf_baseline.Recipe(lr=lr, train_steps=steps, warmup_steps=warmup, min_lr=min_lr))
+    np.testing.assert_allclose(lrs(theirs, hf.step), lrs(ours, lambda: schedule.step(increment=1)), rtol=1e-12, atol=1e-15)
+    assert hf_baseline.lr_schedule(theirs, hf_baseline.Recipe(lr=lr)) is None  # no train_steps: lr throughout
