@@ -18,7 +18,8 @@ transformers' own model classes:
   transformers' conv, which takes no boundaries), so each sample starts fresh as it would alone;
 - Liger kernels (`liger-kernel`) where they support the model (`apply_liger_kernel_to_<model>`):
   which parts they cover is recorded (`LigerCoverage`);
-- bf16 parameters, fused AdamW (bf16 moments), gradient clipping at 1.0; PEFT adapters for LoRA;
+- bf16 parameters, fused AdamW (bf16 moments), gradient clipping at 1.0, the trainer's learning-rate
+  schedule (`Recipe.train_steps`: transformers' cosine with warm-up); PEFT adapters for LoRA;
   transformers' default experts implementation for Mixture-of-Experts models;
 - gradient checkpointing only where a step does not fit without it (the caller retries).
 
