@@ -386,10 +386,10 @@ def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
                       visual_share: float | None = None) -> tuple[TrainConfig, str | None]:
     """`--recompute auto` made concrete from the memory plan, the least recompute that fits
     FIT_FRACTION of the GPU: none; else the fewest first vision blocks, up to the whole tower
-    (unless --recompute-vision is set); else full recompute of the fewest first decoder layers per stage, with the vision
-    tower (all of them if nothing fits); none on CPU. Returns the config and a line saying what
-    was chosen (None for any other --recompute). `visual_share`: the data's, when already read
-    (`data_visual_share`)."""
+    (unless --recompute-vision is set); else full recompute of the fewest first decoder layers
+    per stage, with the vision tower (all of them if nothing fits); none on CPU. Returns the
+    config and a line saying what was chosen (None for any other --recompute). `visual_share`:
+    the data's, when already read (`data_visual_share`)."""
     memory = config.memory
     if memory.recompute in ("selective", "full") and not cuda:
         raise ConfigError(f"--recompute {memory.recompute} needs CUDA (megatron-core's recompute saves and restores "
