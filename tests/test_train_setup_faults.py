@@ -155,5 +155,5 @@ def test_a_hugging_face_checkpoint_given_as_a_model_directory_and_the_reverse_na
     model = _step_dir(tmp_path / "run")
     code = vlmpack(["train", "--dry-run", "--gpus", "1", "--hf-model", str(model)])
     err = capsys.readouterr().err
-    assert code == 2 and "it is a vlmpack model directory (vlmpack_model.json), which --init takes" \
-        in one_error_line(err, "train")
+    assert code == 2 and f"--hf-model {model} is a vlmpack model directory (vlmpack_model.json), not a Hugging " \
+        "Face one: --init takes it" in one_error_line(err, "train")

@@ -43,6 +43,10 @@ def resolve_arch(config) -> ModelArch:
     if config.arch:
         return builtin_arch(config.arch)
     if config.hf_model:
+        given = Path(config.hf_model)
+        if not (given / "config.json").is_file() and (given / fmt.META_FILE).is_file():
+            raise UserError(f"--hf-model {given} is a vlmpack model directory ({fmt.META_FILE}), not a Hugging Face "
+                            "one: --init takes it")
         return ModelArch.from_hf_dir(config.hf_model)
     return read_model_arch(config.init)
 

@@ -160,11 +160,7 @@ class ModelArch:
     def from_hf_dir(cls, model_dir: str | Path) -> ModelArch:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            from train.checkpoint_format import META_FILE
-
-            hint = (f": it is a vlmpack model directory ({META_FILE}), which --init takes"
-                    if (Path(model_dir) / META_FILE).is_file() else "")
-            raise FileNotFoundError(f"{path} not found: --hf-model must be a Hugging Face model directory{hint}")
+            raise FileNotFoundError(f"{path} not found: --hf-model must be a Hugging Face model directory")
         config = read_json_object(path, HF_CONFIG_FIX)
         try:
             arch = cls.from_hf_config(config, str(path))
