@@ -646,6 +646,10 @@ def _release(probe: TrainerProbe, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+# the trainer's recompute settings, which --recompute auto resolves and the arguments then record
+RECOMPUTE_KEYS = ("recompute", "recompute_layers", "recompute_vision", "recompute_vision_blocks")
+
+
 def resolve_auto_recompute(args, data_dir: Path, device: torch.device) -> None:
     """`--recompute auto` resolved as the trainer resolves it, into this process's args: the
     recompute, layers and vision recompute it chose, and its line as `recompute_auto`."""
@@ -659,8 +663,8 @@ def resolve_auto_recompute(args, data_dir: Path, device: torch.device) -> None:
         lora_rank=args.lora_rank, gpu_memory_gib=args.gpu_memory_gib))
     config, args.recompute_auto = resolve_recompute(config, resolve_arch(config.model), cuda=device.type == "cuda")
     memory = config.memory
-    args.recompute, args.recompute_layers, args.recompute_vision, args.recompute_vision_blocks = \
-        memory.recompute, memory.recompute_layers, memory.recompute_vision, memory.recompute_vision_blocks
+    for key in RECOMPUTE_KEYS:
+        setattr(args, key, getattr(memory, key))
     log(f"ours: {args.recompute_auto}")
 
 
@@ -1187,7 +1191,7 @@ def main(argv=None) -> int:
     for repeat in range(args.repeats):
         ours = isolated(run_ours, args, data_dir, out_dir / "ours")
         if ours["recompute_auto"]:  # the arguments record what auto chose (the line says it was auto)
-            for key in ("recompute", "recompute_layers", "recompute_vision", "recompute_vision_blocks"):
+            for key in RECOMPUTE_KEYS:
                 setattr(args, key, ours["config"][key])
             args.recompute_auto = ours["recompute_auto"]
         args.profile = False  # the profile is of the first run only
