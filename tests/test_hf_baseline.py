@@ -241,6 +241,28 @@ def test_train_speed_combine_joins_runs_of_one_command_and_refuses_others(tmp_pa
         train_speed.main(["--combine", str(first / "train_speed.json"), str(tmp_path / "packs.json")])
 
 
+def _runs(curves_ours, curves_hf) -> list[dict]:
+    return [{"ours": {"steps": [{"loss": x} for x in a]}, "hf": {"steps": [{"loss": x} for x in b]}}
+            for a, b in zip(curves_ours, curves_hf)]
+
+
+def test_curve_check_judges_runs_of_one_distribution_alike_whatever_the_pair_counts():
+    """Two runs per side give four vlmpack-HF pairs against one HF-HF pair. Curves drawn from one
+    distribution must come out alike (a per-step largest over pairs calls them 1.5x apart);
+    a curve offset by a few times the noise must not."""
+    rng = np.random.default_rng(0)
+    base = np.linspace(12.0, 9.0, 4000)
+    draw = lambda: (base + rng.normal(0, 4e-4, base.size)).tolist()  # noqa: E731
+    same = train_speed.curve_check(_runs([draw(), draw()], [draw(), draw()]))
+    assert same["vlmpack_vs_hf"]["pairs"] == 4 and same["hf_vs_hf"]["pairs"] == 1
+    assert same["vlmpack_vs_hf"]["median"] == pytest.approx(same["hf_vs_hf"]["median"], rel=0.05)
+    assert len(same["vlmpack_vs_hf"]["per_step"]) == base.size
+    offset = [(np.array(draw()) + 2e-3).tolist() for _ in range(2)]
+    apart = train_speed.curve_check(_runs(offset, [draw(), draw()]))
+    assert not apart["within_hf_spread"]
+    assert apart["vlmpack_vs_hf"]["median"] > 3 * apart["hf_vs_hf"]["median"]
+
+
 def _killed_outright() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
