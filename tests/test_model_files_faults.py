@@ -45,6 +45,9 @@ HF_DAMAGE = {
     "index_names_a_missing_file": ("model.safetensors.index.json",
                                    lambda raw: json.dumps({"weight_map": {"lm_head.weight": "model-2.safetensors"}}).encode(),
                                    " names weight files that "),
+    "index_names_a_missing_tensor": ("model.safetensors.index.json",
+                                     lambda raw: json.dumps({"weight_map": {"model.extra.weight": "model.safetensors"}}).encode(),
+                                     " names tensors its weight files lack: model.extra.weight (in model.safetensors)"),
 }
 MODEL_DAMAGE = {
     "meta_not_json": ("vlmpack_model.json", lambda raw: raw[:-30], ": not valid JSON ("),
@@ -97,7 +100,8 @@ def test_a_conversion_of_a_damaged_directory_exits_2_naming_the_file(request, tm
 
 # a config.json, an index or weights damaged (--hf-model), the metadata or the weights of a model directory (--init)
 TRAIN_CASES = [("--hf-model", case) for case in ("config_not_json", "config_a_list", "config_of_another_model",
-                                                 "weights_cut_short", "index_names_a_missing_file")] + \
+                                                 "weights_cut_short", "index_names_a_missing_file",
+                                                 "index_names_a_missing_tensor")] + \
               [("--init", case) for case in ("meta_not_json", "meta_a_list", "weights_random_bytes")]
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -273,6 +274,24 @@ def test_a_resume_without_a_usable_latest_pointer_takes_the_newest_complete_chec
     for name in ("step_00000001", "step_00000003"):
         (root / name).rmdir()
     assert latest_checkpoint(tmp_path) is None
+
+
+def test_a_resume_past_an_unusable_latest_pointer_says_which_checkpoint_it_took(reference, shards, tmp_path):
+    """A `latest` naming no complete checkpoint is not followed silently: the resume line names
+    the pointer's fault and the checkpoint taken instead."""
+    from train.checkpoint import latest_pointer_problem
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    assert latest_pointer_problem(out) is None
+    (out / "checkpoints" / "latest").write_text("step_00000099")
+    proc = ok(run_train([*BASE, *STEPS, "--data", str(shards), "--out", str(out), "--resume"]))
+    assert (f"resumed from {out / 'checkpoints' / 'step_00000005'} (step 5) ({out / 'checkpoints' / 'latest'} "
+            "names 'step_00000099', which is no complete checkpoint: the newest complete checkpoint taken)"
+            in proc.stdout), proc.stdout[-2000:]
+    (out / "checkpoints" / "latest").unlink()
+    (out / "checkpoints" / "latest").mkdir()
+    assert latest_pointer_problem(out).endswith("latest is not a file")
 
 
 def _edited(raw: bytes, section: str, **values) -> bytes:

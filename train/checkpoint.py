@@ -641,13 +641,31 @@ def latest_checkpoint(out: Path) -> Path | None:
     complete checkpoint: a crash between a save's rename and the pointer's write, or a hand
     edit), the newest complete checkpoint: a save renames its directory into place only once
     it is whole."""
+    named = _named_checkpoint(out)
+    if not isinstance(named, str):
+        return named
+    complete = complete_checkpoints(out)
+    return complete[-1] if complete else None
+
+
+def latest_pointer_problem(out: Path) -> str | None:
+    """Why `latest` names no complete checkpoint (None when it does, or when none is saved)."""
+    named = _named_checkpoint(out)
+    return named if isinstance(named, str) and complete_checkpoints(out) else None
+
+
+def _named_checkpoint(out: Path) -> Path | str:
+    """The complete checkpoint `latest` names, or what is wrong with the pointer."""
     pointer = Path(out) / CHECKPOINTS / LATEST
-    name = pointer.read_text(errors="replace").strip() if pointer.is_file() else ""
+    if not pointer.exists():
+        return f"{pointer} is missing"
+    if not pointer.is_file():
+        return f"{pointer} is not a file"
+    name = pointer.read_text(errors="replace").strip()
     path = pointer.parent / name
     if re.fullmatch(r"step_\d+", name) and path.is_dir():
         return path
-    complete = complete_checkpoints(out)
-    return complete[-1] if complete else None
+    return f"{pointer} names {name[:60]!r}, which is no complete checkpoint"
 
 
 # what a resume takes from its checkpoint, whatever the command line says: the learning-rate
@@ -874,7 +892,9 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
             from None
     _set_rng_state(rank_state["rng"], info.device)
     if info.is_main:
-        print(f"resumed from {path} (step {meta['step']})", flush=True)
+        problem = latest_pointer_problem(out)
+        taken = f" ({problem}: the newest complete checkpoint taken)" if problem else ""
+        print(f"resumed from {path} (step {meta['step']}){taken}", flush=True)
     return int(meta["step"])
 
 

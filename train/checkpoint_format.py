@@ -251,26 +251,48 @@ def copy_hf_side_files(src: str | Path, dst: Path) -> list[str]:
 # --- Hugging Face weights -------------------------------------------------------------------
 
 
+def hf_weight_map(hf_dir: str | Path) -> dict[str, str] | None:
+    """The index's tensor name -> file name map of a sharded HF model directory (None unsharded)."""
+    index = Path(hf_dir) / HF_INDEX_FILE
+    if not index.is_file():
+        return None
+    weight_map = read_json_object(index, HF_DIR_FIX).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelFileError(f"{index}: no weight_map of tensor names to file names", HF_DIR_FIX)
+    return weight_map
+
+
 def hf_weight_files(hf_dir: str | Path) -> list[Path]:
     """The safetensors files of a HF model directory (the index's when it is sharded)."""
     hf_dir = Path(hf_dir)
-    index = hf_dir / HF_INDEX_FILE
-    if index.is_file():
-        weight_map = read_json_object(index, HF_DIR_FIX).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ModelFileError(f"{index}: no weight_map of tensor names to file names", HF_DIR_FIX)
+    weight_map = hf_weight_map(hf_dir)
+    if weight_map is not None:
         names = sorted(set(weight_map.values()))
         missing = [name for name in names if not (hf_dir / name).is_file()]
         if missing:
-            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-            raise ModelFileError(f"{index} names weight files that {hf_dir} lacks ({shown})",
-                                 f"copy them into it, or {HF_DIR_FIX}")
+            raise ModelFileError(f"{hf_dir / HF_INDEX_FILE} names weight files that {hf_dir} lacks "
+                                 f"({_first_few(missing)})", f"copy them into it, or {HF_DIR_FIX}")
         return [hf_dir / name for name in names]
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{hf_dir} has no *.safetensors weights (pytorch_model.bin checkpoints are not read: "
                               "re-save the model with `save_pretrained(..., safe_serialization=True)`)")
     return files
+
+
+def check_index_tensors(hf_dir: str | Path, read: set[str] | dict) -> None:
+    """Every tensor the index names was read from its weight files: an index naming one they lack
+    is a checkpoint cut short or mixed from two saves, and its tensor would be silently missing."""
+    weight_map = hf_weight_map(hf_dir)
+    missing = sorted(set(weight_map or ()) - set(read))
+    if missing:
+        shown = _first_few([f"{name} (in {weight_map[name]})" for name in missing])
+        raise ModelFileError(f"{Path(hf_dir) / HF_INDEX_FILE} names tensors its weight files lack: {shown}",
+                             f"copy the complete weight files into {hf_dir}, or {HF_DIR_FIX}")
+
+
+def _first_few(items: list[str]) -> str:
+    return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
 
 
 class LazyTensor:
@@ -313,6 +335,7 @@ def lazy_hf_state(hf_dir: str | Path) -> dict[str, LazyTensor]:
         if repeated:
             raise CheckpointError(f"{path}: tensor {min(repeated)} also appears in another weight file")
         state.update(tensors)
+    check_index_tensors(hf_dir, state)
     return state
 
 
@@ -374,6 +397,7 @@ def read_hf_state(hf_dir: str | Path, progress: bool = False) -> dict[str, torch
             if repeated:
                 raise CheckpointError(f"{path}: tensor {min(repeated)} also appears in another weight file")
             state.update(part)
+    check_index_tensors(hf_dir, state)
     return state
 
 
