@@ -207,6 +207,31 @@ def test_frames_equal_the_reference_decoder_wherever_reading_seeks(tmp_path):
                     assert np.array_equal(frame, frames[i]), (container, i)
 
 
+def test_a_stream_whose_frames_share_one_timestamp_is_read_as_hfs_decoder_reads_it(tmp_path):
+    """Packets that all carry timestamp 0 (as some muxers write them) cannot be told apart by
+    seeking: the stream is decoded from the start, frame i the decoder's i-th, as HF's reader does."""
+    import av
+
+    path = tmp_path / "zero.mkv"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 48, 32, "yuv420p"
+        frames = synthetic_video_frames(np.random.default_rng(3), 7, 48, 32)
+        for i, rgb in enumerate([*frames, None]):
+            if rgb is not None:
+                frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+                frame.pts = i
+            for packet in stream.encode(frame if rgb is not None else None):
+                packet.pts = packet.dts = 0
+                container.mux(packet)
+    reference, meta = reference_frames(path)
+    with VideoReader(path) as reader:
+        assert reader.info.total_frames == meta.total_num_frames == len(reference) == 7
+        got = list(reader.frames([0, 2, 2, 6]))
+    assert [i for i, _ in got] == [0, 2, 2, 6]
+    assert all(np.array_equal(frame, reference[i]) for i, frame in got)
+
+
 def _hf_videos(family, path, processor, **call_kwargs):
     frames, meta = reference_frames(path)
     out = processor(videos=[frames], video_metadata=[meta], return_metadata=True, return_tensors="pt", **call_kwargs)

@@ -11,7 +11,8 @@ last keyframe at or before each wanted frame and decodes forward from there, mat
 by presentation time: a 10-minute video sampled at 2 fps decodes a few frames per sample
 instead of every frame. At most one decoded frame and its RGB copy are held at a time.
 
-A stream whose packets carry no timestamps is decoded sequentially instead (no seeking).
+A stream whose packets carry no timestamps, or repeat one (a muxer that wrote 0 for every frame),
+is decoded sequentially instead (no seeking).
 
 A file FFmpeg cannot open, or opens without a usable video stream, is told apart from one that
 is not a video by its first bytes: an MP4 / QuickTime file (whose top-level boxes are walked:
@@ -146,8 +147,8 @@ class VideoReader:
             # index, on which FFmpeg's seeking can take minutes
             raise RejectError("bad_video", f"{self._what}: its header promises {stream.frames} frames but it holds "
                               f"{len(pts) + empty} (a truncated or damaged container)")
-        if any(p is None for p in pts):
-            self._pts = None  # no timestamps to seek by: decode from the start
+        if any(p is None for p in pts) or len(set(pts)) < len(pts):
+            self._pts = None  # no timestamps that tell the frames apart to seek by: decode from the start
         else:
             order = np.argsort(np.asarray(pts, dtype=np.int64), kind="stable")
             self._pts = np.asarray(pts, dtype=np.int64)[order]
