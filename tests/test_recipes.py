@@ -37,6 +37,10 @@ def test_recipe_fits_its_gpus_in_its_own_layout(path, capsys):
     dp = int(gpus) // (tp * pp)
     assert f"on {gpus} GPU(s) as tp {tp} x pp {pp} x dp {dp}" in out
     assert f", fits in 95% of {float(gib):.1f} GiB per GPU" in out
+    # the docs' table gives this plan's figure
+    largest = re.search(r"largest stage: ([\d.]+) GiB", out).group(1)
+    row = next(line for line in DOCS.read_text().splitlines() if line.startswith(f"| [`train/recipes/{path.name}`"))
+    assert f"| {largest} GiB" in row, (largest, row)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])

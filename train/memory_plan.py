@@ -37,9 +37,12 @@ fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequen
     (hv its hidden size; the visual share is the shards' visual tokens per token, read from
      the manifests of --data, else VISUAL_SHARE, that of the recorded mixes)
 Under pipeline parallelism a stage holds up to pp - stage micro-batches in flight (1F1B).
-Qwen3.5's layers differ from the fitted runs' plain softmax attention; a layer keeps
-LAYER_KEPT x h x S plus the difference of what its mixer keeps in bf16 (`_mixer_kept`, split
-over the TP ranks with the heads):
+A layer unlike the fitted runs' (plain softmax attention, a dense MLP of width 3 h) keeps
+LAYER_KEPT x h x S plus the difference of what it keeps in bf16 (`_kept_beyond_fit`, split
+over the TP ranks with the heads and the MLP's width):
+  a dense MLP of width I            MLP_KEPT x (I - 3 h)   (Qwen2.5-VL-3B's, I = 5.4 h: its
+                                               16k-pack runs on an H200, with the vision tower
+                                               kept and with it recomputed)
   a gated attention's output gate   2 x 2 q   (the gate and the ungated output; q its width)
   a Gated DeltaNet                  0         (compiled around fla's conv and chunked rule, it
                                                measured as a softmax-attention layer of its
@@ -71,6 +74,7 @@ LAYER_INPUT = 2.0
 LAYER_KEPT = 39.8
 LAYER_KEPT_WHOLE = 5.0  # of LAYER_KEPT: what TP does not split (outside the attention and MLP GEMMs)
 RECOMPUTE_WORKING = 37.0
+MLP_KEPT = 3.5  # per unit of a dense MLP's width beyond the fitted runs' 3 h
 LOGITS = 3.0
 VISION_KEPT = 58.0
 VISUAL_SHARE = 0.34
@@ -179,12 +183,14 @@ def _rows_split(arch: ModelArch, settings: Settings) -> bool:
     return arch.lm.is_moe if settings.sequence_parallel is None else settings.sequence_parallel
 
 
-def _mixer_kept(lm, layer: int) -> float:
-    """Bytes per token a decoder layer's token mixer keeps for backward beyond plain softmax
-    attention of the model's head shape (the module docstring's table), and its shared expert's."""
+def _kept_beyond_fit(lm, layer: int) -> float:
+    """Bytes per token a decoder layer keeps for backward beyond the fitted runs' layer of its
+    hidden size (the module docstring's table): an output gate, a shared expert, a dense MLP of
+    another width than 3 h."""
     gate = 4.0 * lm.num_heads * lm.head_dim if lm.layer_type(layer) != "linear_attention" and lm.attn_output_gate \
         else 0.0
-    return gate + 6.0 * lm.shared_expert_intermediate_size
+    mlp = 0.0 if lm.is_moe else MLP_KEPT * (lm.intermediate_size - 3 * lm.hidden_size)
+    return gate + 6.0 * lm.shared_expert_intermediate_size + mlp
 
 
 def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int) -> float:
@@ -199,7 +205,7 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
     rows = layout.tp if _rows_split(arch, settings) else 1  # sequence parallelism: each TP rank holds a TP-th of the rows
     plain_layer = (LAYER_KEPT_WHOLE / rows + (LAYER_KEPT - LAYER_KEPT_WHOLE) / layout.tp) * lm.hidden_size
     # megatron's block recompute redoes the stage's first layers and keeps the others'
-    kept_by_layer = [plain_layer + _mixer_kept(lm, i) / layout.tp for i in stage_layers]
+    kept_by_layer = [plain_layer + _kept_beyond_fit(lm, i) / layout.tp for i in stage_layers]
     per_micro_batch = tokens * (recomputed * LAYER_INPUT * lm.hidden_size / rows + sum(kept_by_layer[recomputed:]))
     in_flight = min(layout.pp - stage, settings.micro_batches(layout.dp))
     working_per_token = RECOMPUTE_WORKING * lm.hidden_size
