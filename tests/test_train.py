@@ -578,6 +578,28 @@ def test_config_file_numbers_are_read_as_their_flags_read_them(tmp_path):
 
 
 
+def test_config_file_nulls_leave_their_settings_at_the_default(tmp_path, capsys):
+    """`key: null` (or an empty `key:`) in a --config file leaves that setting as a flag not given
+    leaves it: every setting, the ones with a default (keep_last 2, lr, freeze []) included. A
+    key that is not a name is refused by the line for an unknown setting."""
+    from train.config import TrainConfig, add_train_flags, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_flags(parser)
+    names = [a.dest for a in parser._actions if a.dest not in ("help", "config")]
+    nulls = "".join(f"{name}: null\n" for name in names if name not in ("data", "keep_last"))
+    (tmp_path / "nulls.yaml").write_text(nulls + "keep_last:\n")
+    config = config_from_args(parser.parse_args(["--config", str(tmp_path / "nulls.yaml"), "--arch", "tiny", "--data",
+                                                 "shards"]))
+    default = config_from_args(parser.parse_args(["--arch", "tiny", "--data", "shards"]))
+    assert config == default and config.checkpoints.keep_last == TrainConfig().checkpoints.keep_last
+    for text, shown in (("~: 1\n", "[None]"), ("5: 3\n", "[5]")):
+        (tmp_path / "keys.yaml").write_text(text)
+        code, err = _train_in_process(["--config", str(tmp_path / "keys.yaml"), "--arch", "tiny", "--data", "d",
+                                       "--dry-run"], capsys)
+        assert code == 2 and err.count("\n") == 1 and f"unknown settings {shown}" in err, err
+
+
 def test_the_saved_config_is_flat_and_reads_back_as_a_config_file(tmp_path):
     """The resolved config a checkpoint saves (trainer.json's `config`, `TrainConfig.to_flat`) is
     flat, keyed by the flags' names in --help's order, whatever section a setting is in; as a

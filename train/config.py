@@ -631,6 +631,9 @@ def load_config_file(path: str | Path) -> dict:
         raise ConfigError(f"--config {path}: not valid {kind} ({str(exc).splitlines()[0]}): fix the file") from None
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(values).__name__}")
+    named = [k for k in values if not isinstance(k, str)]
+    if named:
+        raise ConfigError(f"--config {path}: unknown settings {named!r}: use the names of `vlmpack train` flags")
     return {k.replace("-", "_"): v for k, v in values.items()}
 
 
@@ -639,8 +642,6 @@ def _file_value(path, name: str, value):
     string and `1.0e3` as a float, so numbers written either way are taken; anything else
     that is not of the setting's type is refused by name."""
     kind = {f.name: str(f.type) for section in TrainConfig().sections() for f in dataclasses.fields(section)}[name]
-    if value is None:
-        return None
     try:
         if kind.startswith("list"):
             items = value if isinstance(value, list) else [value]
@@ -674,7 +675,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     unknown = sorted(set(values) - names)
     if unknown:
         raise ConfigError(f"--config {args.config}: unknown settings {unknown}: use the names of `vlmpack train` flags")
-    values = {k: _file_value(args.config, k, v) for k, v in values.items()}
+    # a setting given as null is left at its default, as a flag not given is
+    values = {k: _file_value(args.config, k, v) for k, v in values.items() if v is not None}
     values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     for key in ("data", "eval_data", *COMMA_LISTS):  # "a,b" and repeated flags both work
         if isinstance(values.get(key), str):
