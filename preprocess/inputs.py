@@ -24,6 +24,7 @@ an input named twice, stop the job before it starts with one line naming them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -590,28 +591,37 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
                      row_format=row_format)
 
 
+# rows read for an input's layout: its first row that is a JSON object among these many
+LAYOUT_ROWS_LOOKED_AT = 1000
+
+
 def _first_row(path_str: str, fmt: str, offsets: tuple[int, ...], max_row_bytes: int):
-    """The first row (JSONL, JSON) or the column names (Parquet, datasets) that name an input's
-    layout; None when there is none to look at (an empty input, a first row that is not JSON or
+    """The first row that is a JSON object (JSONL, JSON: rows that are not are rejected one by
+    one where they are read, and must not decide the layout of the others) or the column names
+    (Parquet, datasets) that name an input's layout; None when there is none to look at in its
+    first LAYOUT_ROWS_LOOKED_AT rows (an empty input, rows that are not JSON objects or are
     over `max_row_bytes`)."""
     if fmt == "hf_hub":
         return load_hub_dataset(path_str).column_names
     if fmt == "jsonl":
         with storage.open_binary(path_str) as fh:
-            for data, _, _, blank in _lines(fh, max_row_bytes):
-                if not blank:
-                    row = None if data is None else parse_json_row(data)
-                    return None if isinstance(row, RejectError) else row
-        return None
+            rows = (parse_json_row(data) if data is not None else None
+                    for data, _, _, blank in _lines(fh, max_row_bytes) if not blank)
+            return _first_object(rows)
     if fmt == "json":
-        for element in _json_elements(path_str, offsets[0], max_row_bytes, first=True) if offsets else ():
-            row = _json_row(element, max_row_bytes)
-            return None if isinstance(row, RejectError) else row
-        return None
+        elements = _json_elements(path_str, offsets[0], max_row_bytes, first=True) if offsets else ()
+        return _first_object(_json_row(element, max_row_bytes) for element in elements)
     if fmt == "parquet":
         with storage.open_binary(path_str) as fh:
             return _parquet_file(path_str, fh).schema_arrow.names
     return _load_dataset(Path(path_str)).column_names
+
+
+def _first_object(rows: Iterator) -> dict | None:
+    for row in itertools.islice(rows, LAYOUT_ROWS_LOOKED_AT):
+        if isinstance(row, dict):
+            return row
+    return None
 
 
 def plan_units(inputs: list[InputFile], rows_per_unit: int) -> list[WorkUnit]:

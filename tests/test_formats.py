@@ -242,6 +242,23 @@ def test_each_input_is_detected_or_named_and_a_job_keeps_going(tmp_path):
     assert named["accounting"]["rejects_by_reason"] == {"no_messages": 3}
 
 
+@pytest.mark.parametrize("first", [[{"role": "user", "content": "hi"}], ["conversations"], "conversations", 7, None])
+@pytest.mark.parametrize("container", ["jsonl", "json"])
+def test_a_first_row_that_is_no_object_is_rejected_alone_and_decides_no_layout(tmp_path, first, container):
+    """The layout is read from an input's first row that is a JSON object: a first row of another
+    kind (a list of turns, a list of names, a string) is one `bad_row` reject, and the rows after
+    it are read in their own layout and written."""
+    turns = [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]
+    rows = [first, {"id": "a", "conversations": turns}, {"id": "b", "conversations": turns}]
+    path = tmp_path / f"rows.{container}"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) if container == "jsonl" else json.dumps(rows))
+    manifest = run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / "out"), workers=1,
+                                               progress=False))
+    acc = manifest["accounting"]
+    assert acc["inputs"][0]["row_format"] == "sharegpt"
+    assert (acc["rows_read"], acc["rows_written"], acc["rejects_by_reason"]) == (3, 2, {"bad_row": 1})
+
+
 def test_hub_dataset_by_name_with_split_config_and_image_features(tmp_path, monkeypatch, capsys):
     """`hf://datasets/ORG/NAME?config=...&split=...` goes through `datasets.load_dataset`, the
     same path as a Hub repository; here the repository (Parquet data files per config and

@@ -32,7 +32,8 @@ TURNS_KEY = {"openai": "messages", "sharegpt": "conversations", "swift": "messag
 
 def detect_row_format(row) -> str:
     """The layout of `row` (a dict, or the column names of a table input)."""
-    keys = set(row) if isinstance(row, (dict, list, tuple, set)) else set()
+    keys = set(row) if isinstance(row, dict) else \
+        {k for k in row if isinstance(k, str)} if isinstance(row, (list, tuple, set)) else set()
     if "conversations" in keys:
         return "sharegpt"
     if "messages" in keys and any(k in keys and (not isinstance(row, dict) or row[k] is not None) for k in MEDIA_KEYS):
