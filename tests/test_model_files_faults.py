@@ -32,6 +32,13 @@ def _with(**changes):
     return lambda raw: json.dumps({**json.loads(raw), **changes}).encode()
 
 
+def _without_in(section: str, key: str):
+    def damage(raw: bytes) -> bytes:
+        config = json.loads(raw)
+        return json.dumps({**config, section: {k: v for k, v in config[section].items() if k != key}}).encode()
+    return damage
+
+
 # case -> (the file replaced, its new bytes from the intact ones, what the one line says after the file's path)
 HF_DAMAGE = {
     "config_not_json": ("config.json", lambda raw: raw[:40], ": not valid JSON ("),
@@ -39,6 +46,11 @@ HF_DAMAGE = {
     "config_without_model_type": ("config.json", _without("model_type"), ": vlmpack reads ["),
     "config_of_another_model": ("config.json", _with(model_type="llava"), ": vlmpack reads ["),
     "config_without_vision_config": ("config.json", _without("vision_config"), " has no 'vision_config'"),
+    "text_config_null": ("config.json", _with(text_config=None), ": text_config is null, not a JSON object of settings"),
+    "text_config_without_hidden_size": ("config.json", _without_in("text_config", "hidden_size"),
+                                        " has no 'hidden_size' in its text_config"),
+    "vision_config_without_depth": ("config.json", _without_in("vision_config", "depth"),
+                                    " has no 'depth' in its vision_config"),
     "weights_random_bytes": ("model.safetensors", lambda raw: os.urandom(4096), ": not a readable safetensors file"),
     "weights_cut_short": ("model.safetensors", lambda raw: raw[:len(raw) // 2], ": not a readable safetensors file"),
     "index_not_json": ("model.safetensors.index.json", lambda raw: b'{"weight_map": ', ": not valid JSON ("),

@@ -20,6 +20,7 @@ from pathlib import Path
 from shards_schema.errors import UserError
 from shards_schema.json_object import NotAJSONObject, parse_json_object
 from train.model import families
+from train.model.hf_config import MissingConfigField, json_kind, text_section
 from train.model.vision import VisionArch
 
 SPECIAL_TOKEN_IDS = dict(image_token_id=151655, video_token_id=151656,
@@ -148,6 +149,10 @@ class ModelArch:
     @classmethod
     def from_hf_config(cls, config: dict, source: str = "config.json") -> ModelArch:
         """The architecture of a Hugging Face config (`source`: the file it was read from, for errors)."""
+        for key in ("text_config", "vision_config"):
+            if key in config and not isinstance(config[key], dict):
+                raise ModelFileError(f"{source}: {key} is {json_kind(config[key])}, not a JSON object of settings",
+                                     HF_CONFIG_FIX)
         model_type = config.get("model_type")
         family = families.by_model_type(model_type) if isinstance(model_type, str) else None
         if family is None:
@@ -164,6 +169,9 @@ class ModelArch:
         config = read_json_object(path, HF_CONFIG_FIX)
         try:
             arch = cls.from_hf_config(config, str(path))
+        except MissingConfigField as exc:
+            raise ModelFileError(f"{path} has no {exc.key!r} in its {exc.section}, which a {config['model_type']} "
+                                 "config sets", HF_CONFIG_FIX) from None
         except KeyError as exc:
             key = exc.args[0] if exc.args else None
             sections = (config, config.get("text_config"), config.get("vision_config"))
@@ -246,7 +254,7 @@ def lm_from_hf_config(config: dict, moe: bool, *, mrope_section: tuple[int, int,
     """The language model of a Qwen3-VL or Qwen2.5-VL config.json (the nested `text_config`
     layout of transformers 5.x, or the flat Qwen2.5-VL layout with `rope_scaling`); the family
     gives the M-RoPE sections and theta its configs may leave out and its fixed features."""
-    text = config.get("text_config") or config
+    text = text_section(config)
     _check_representable(text, moe)
     rope = text.get("rope_parameters") or text.get("rope_scaling") or config.get("rope_scaling") or {}
     theta = rope.get("rope_theta", text.get("rope_theta"))

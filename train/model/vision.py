@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from train.model import families
 from train.model.attention import packed_attention
+from train.model.hf_config import ConfigSection
 from train.model.rope import apply_rotary
 
 ACTIVATIONS = {
@@ -87,7 +88,7 @@ class VisionArch:
         checkpoint of model family `family`, whose tower kind its family module names."""
         kind = families.by_name(family).vision_family
         variant = families.vision_tower(kind)
-        vc = vision_config
+        vc = ConfigSection(vision_config, "vision_config")
         rope = vc.get("rope_parameters") or {}
         kw = {
             "family": kind, "depth": vc["depth"], "hidden_size": vc["hidden_size"],

@@ -50,6 +50,7 @@ from torch import Tensor
 from train.model import families
 from train.model import gated_delta_net as gdn
 from train.model.arch import LMArch, ModelArch
+from train.model.hf_config import text_section
 from train.model.qwen_vl import RMSNorm, layer_spec as base_layer_spec
 from train.model.vision import VisionArch
 
@@ -125,7 +126,7 @@ def arch_from_hf_config(config: dict) -> ModelArch:
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}: expected one of {sorted(MODEL_TYPES)}")
     moe = MODEL_TYPES[model_type]
-    text = config.get("text_config") or config
+    text = text_section(config)
     _check_representable(text, moe)
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     head_dim = text.get("head_dim", 256)
