@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint_format import CheckpointError, arch_from_dict, load_tensors, save_tensors
+from train.checkpoint_format import CheckpointError, load_tensors, meta_arch, save_tensors
 from train.model import lora
 from train.model.arch import ModelArch, arch_dict, read_json_object
 
@@ -59,7 +59,7 @@ def read_lora_meta(directory: str | Path) -> tuple[dict, lora.LoraSpec, ModelArc
                             "checkpoint's adapters")
     if meta.get("format") != LORA_FORMAT or meta.get("format_version") != LORA_FORMAT_VERSION:
         raise CheckpointError(f"{directory}/{LORA_META}: not a {LORA_FORMAT} v{LORA_FORMAT_VERSION} file")
-    return meta, lora.LoraSpec.from_dict(meta["lora"]), arch_from_dict(meta["arch"])
+    return meta, lora.LoraSpec.from_dict(meta["lora"]), meta_arch(meta, directory, LORA_META)
 
 
 def read_adapter_dir(directory: str | Path) -> tuple[dict, lora.LoraSpec, ModelArch, dict[str, torch.Tensor]]:

@@ -163,8 +163,15 @@ def arch_from_dict(d: dict, source: str | Path = META_FILE) -> ModelArch:
 
 def read_arch(directory: str | Path) -> ModelArch:
     """The architecture a model directory's metadata records, each number of the kind it must be."""
-    arch = arch_from_dict(read_meta(directory)["arch"], Path(directory) / META_FILE)
-    check_field_kinds(arch, Path(directory) / META_FILE, MODEL_DIR_FIX, hf_names=False)
+    return meta_arch(read_meta(directory), directory)
+
+
+def meta_arch(meta: dict, directory: str | Path, file: str = META_FILE) -> ModelArch:
+    """The architecture of a model (or adapter) directory's metadata `meta`, read from its `file`:
+    each number of the kind it must be, so that a damaged value is refused naming its field
+    before any tensor is read."""
+    arch = arch_from_dict(meta["arch"], Path(directory) / file)
+    check_field_kinds(arch, Path(directory) / file, MODEL_DIR_FIX, hf_names=False)
     return arch
 
 

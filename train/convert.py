@@ -50,7 +50,7 @@ from train.checkpoint_format import (
     LazyTensor,
     SideFiles,
     arch_differences,
-    arch_from_dict,
+    meta_arch,
     atomic_dir,
     copy_hf_side_files,
     dtype_name,
@@ -626,7 +626,7 @@ def _read_rank_states(directory: str | Path, meta: dict, keys: list[tuple[int, .
 def load_full_state(directory: str | Path, progress: bool = False) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     """The architecture and full Megatron state dict of a model directory."""
     meta = read_meta(directory)
-    arch, (tp, pp, ep) = arch_from_dict(meta["arch"], Path(directory) / META_FILE), _saved_layout(meta)
+    arch, (tp, pp, ep) = meta_arch(meta, directory), _saved_layout(meta)
     return arch, unshard(_read_rank_states(directory, meta, rank_keys(tp, pp, ep), progress), arch, tp, pp, ep)
 
 
@@ -636,7 +636,7 @@ def load_model_state(directory: str | Path, arch: ModelArch, tp: int = 1, tp_ran
     saved with another tp / pp / ep (that reads every rank file: the whole model passes through
     memory)."""
     meta = read_meta(directory)
-    differences = arch_differences(arch_from_dict(meta["arch"], Path(directory) / META_FILE), arch)
+    differences = arch_differences(meta_arch(meta, directory), arch)
     if differences:
         raise CheckpointError(f"{directory} holds another architecture (saved != requested): " + "; ".join(differences))
     _check_rank(tp, tp_rank, pp, pp_rank, ep, ep_rank)
