@@ -323,6 +323,13 @@ def _show(args, out) -> int:
     merge_size = int(manifest["profile"]["vision"]["merge_size"])
     image_pad = int(manifest["profile"]["special_tokens"]["image_pad"])
     tokenizer = load_tokenizer(manifest, Path(args.dir), args.model)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    outside = np.flatnonzero((sample["input_ids"] < 0) | (sample["input_ids"] >= vocab))
+    if outside.size:
+        at = int(outside[0])
+        raise ShowError(f"sample {index} of {args.dir}: token {at} has id {int(sample['input_ids'][at])}, outside the "
+                        f"tokenizer's 0..{vocab - 1} ({outside.size} such): the shard is damaged; `vlmpack verify "
+                        f"{args.dir}` lists every such row")
     color = _use_color(args, out)
 
     lines = header_lines(sample, index, shards, merge_size, color)

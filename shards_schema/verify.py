@@ -609,6 +609,9 @@ def _check_batch(s: _RowSlice) -> None:
     if s.special is None or not m:
         structure_ok[:] = False
 
+    # --- token ids
+    _check_token_ids(s)
+
     # --- loss mask
     if bad_lm_len.size == 0:
         _check_loss_mask(s)
@@ -692,6 +695,24 @@ def _check_vision_tokens(s: _RowSlice, grids: np.ndarray, img_row: np.ndarray, b
             f"image {first_img[r] - cum_k[r]}: pad run of {wrong_len[first_img[r]]} tokens, its grid "
             f"{grids[first_img[r]].tolist()} needs {tokens_img[first_img[r]]} (sample {uid(r)})"))
         structure_ok[wrong_rows] = False
+
+
+def _check_token_ids(s: _RowSlice) -> None:
+    """Every token id is one the tokenizer has: >= 0, and within the bundled tokenizer's
+    vocabulary where the manifest's tokenizer is the bundled one (a model's embedding table
+    would index past its end, and `show` could not decode the row)."""
+    ids, ioff, uid = s.ids, s.ioff, s.uid
+    vocab = _bundled_tokenizer(s.ctx.family).get_vocab_size(with_added_tokens=True) \
+        if s.ctx.decode_timestamps and s.ctx.family else None
+    bad = (ids < 0) if vocab is None else (ids < 0) | (ids >= vocab)
+    if not bad.any():
+        return
+    rows, first, counts = _first_per_row(np.flatnonzero(bad), ioff)
+    info = {r: (f, c) for r, f, c in zip(rows.tolist(), first.tolist(), counts.tolist())}
+    want = "ids are >= 0" if vocab is None else f"ids lie in 0..{vocab - 1}, the tokenizer's vocabulary"
+    s.add_rows("token_id", rows, lambda r: (
+        f"{info[r][1]} token id(s) out of range, first at token {info[r][0]} (id {int(ids[ioff[r] + info[r][0]])}); "
+        f"{want} (sample {uid(r)})"))
 
 
 def _check_loss_mask(s: _RowSlice) -> None:

@@ -305,6 +305,19 @@ def _no_targets(samples, sp):
     return j
 
 
+def _token_id_set(samples, value: int) -> int:
+    """Row j's first text token of a user turn (no target, no marker) given id `value`."""
+    j = first_row(samples, with_images=False)
+    ids = samples[j].input_ids
+    k = int(np.flatnonzero(samples[j].loss_mask == 0)[1])  # past <|im_start|>: the role's own token
+    samples[j].input_ids = np.asarray([*ids[:k], value, *ids[k + 1:]], dtype=ids.dtype)
+    return j
+
+
+def _token_id_negative(samples, sp):
+    return _token_id_set(samples, -5)
+
+
 def _video_patch_dropped(samples, sp):
     j = video_row(samples)
     samples[j].video_patches = np.ascontiguousarray(samples[j].video_patches[:-1])
@@ -368,6 +381,7 @@ ROW_FAULTS = {
     "image_pad_count": _image_pad_removed,
     "vision_markers": _vision_end_replaced,
     "no_targets": _no_targets,
+    "token_id": _token_id_negative,
     "duplicate_source": _duplicate_source,
     "video_patches_length": _video_patch_dropped,
     "video_pad_count": _video_pad_removed,
@@ -395,6 +409,21 @@ def test_row_fault_only_full_mode_catches(shards, kind, capsys):
         fault = report.faults[0]
         assert (fault.shard, fault.row) == (file, holder["row"])
         assert f"FAULT {file} row {holder['row']}: [{kind}]" in out
+
+
+def test_a_token_id_past_the_vocabulary_is_a_fault_and_show_names_it(shards, capsys):
+    """An id the tokenizer does not have (past its vocabulary, or negative) is a `token_id`
+    fault; `show` of that sample exits 2 naming the token, where decoding it crashed."""
+    holder = {}
+    file = rewrite_shard(shards, 1, lambda samples: holder.update(row=_token_id_set(samples, 10**9)))
+    report = verify_shards(shards)
+    assert kinds(report) == {"token_id"} and "id 1000000000" in report.faults[0].message, report.format_text()
+    index = sum(entry["rows"] for entry in manifest_of(shards)["shards"][:1]) + holder["row"]
+    capsys.readouterr()
+    assert cli_main(["show", str(shards), "--index", str(index)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"sample {index} of {shards}: token " in err and "has id 1000000000" in err, err
+    assert file
 
 
 @pytest.mark.parametrize("kind", sorted(VIDEO_ROW_FAULTS))
