@@ -53,13 +53,18 @@ DRY_RUN_DATA = {
     # it made a local directory `s3:/bucket/cache` and fetched the store's sources into it
     "a data cache on a store": (["--arch", "tiny", "--data", "{shards}", "--data-cache", "s3://bucket/cache"],
                                 "--data-cache s3://bucket/cache is a URL: the cache is a local directory"),
+    "mixing weights all 0": (["--arch", "tiny", "--data", "{shards}:0"],
+                             "mixing weights must be finite, >= 0 and not all 0, got [0.0]"),
+    "an export target that is a file": (["--arch", "tiny", "--data", "{shards}", "--export-hf", "{file}"],
+                                        "--export-hf {file} is a file, not a directory"),
 }
 
 
 @pytest.mark.parametrize("case", list(DRY_RUN_DATA))
 def test_dry_run_refuses_the_data_a_run_refuses_with_the_same_line(shards, tmp_path, capsys, case):
     extra, says = DRY_RUN_DATA[case]
-    paths = {"shards": str(shards), "missing": str(tmp_path / "missing")}
+    paths = {"shards": str(shards), "missing": str(tmp_path / "missing"), "file": str(tmp_path / "file")}
+    (tmp_path / "file").write_text("a file")
     extra = [arg.format(**paths) for arg in extra]
     dry_code, dry_err = train(["--dry-run", "--seq-len", str(SEQ_LEN), *extra], capsys)
     run_code, run_err = train(["--seq-len", str(SEQ_LEN), *RUN, *extra, "--out", str(tmp_path / "run")], capsys)

@@ -45,7 +45,7 @@ from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import gated_delta_net, lora
 from train.model.moe import load_balancing_loss
 from train.model_setup import resolve_arch
-from train.pack_plan import parse_source, source_manifest
+from train.pack_plan import parse_source, resolve_weights, source_manifest
 from train.parallel import ParallelInfo, destroy_parallel, finalize_grads, init_parallel
 from train.preemption import StopRequest
 from train.profiling import Profiling
@@ -253,6 +253,8 @@ def check_data_manifests(config: DataConfig, arch: ModelArch) -> None:
     which the run refuses when it plans the packs. A manifest records each shard's tokens and
     rows, not each sample's length: a shard whose samples average more than --seq-len tokens
     holds one that fits no pack; a longer sample elsewhere is found by the run (or `vlmpack pack`)."""
+    if config.data:  # the mixing weights, as the loader takes them
+        resolve_weights([0] * len(config.data), [weight for _, weight in map(parse_source, config.data)])
     directories = [d for d, _ in map(parse_source, (*config.data, *config.eval_data)) if not is_url(d)]
     check_profiles(directories, arch)
     for directory in directories:
@@ -275,6 +277,7 @@ def dry_run(config: TrainConfig) -> tuple[str, bool]:
     that fits, and whether any layout fits (this run's or one of those searched); nothing is
     built."""
     config.validate()
+    checkpoint.check_export_target(config.checkpoints.export_hf, Path(config.checkpoints.out))
     with inputs_checked():
         arch = resolve_arch(config.model)
     check_layout(arch, config)
