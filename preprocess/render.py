@@ -546,6 +546,18 @@ def preserve_thinking_refusal(family, template: str) -> str | None:
                f"--model a checkpoint that has it)" if able else ""))
 
 
+def reasoning_loss_refusal(family, template: str, reasoning_loss: str) -> str | None:
+    """Why `reasoning_loss` other than the default has nothing to act on in `template` (a
+    template that renders no reasoning); None where it acts."""
+    if reasoning_loss == "train" or template in family.reasoning_templates:
+        return None
+    able = ", ".join(family.reasoning_templates)
+    return (f"--reasoning-loss {reasoning_loss}: the {template} template renders no reasoning "
+            f"({'only ' + able + ' does' if able else 'no ' + family.name + ' template does'}); drop the flag"
+            + (" or preprocess with a Thinking template (its --profile, or --model a Thinking checkpoint)"
+               if able else ""))
+
+
 def render_conversation(
     messages: list,
     *,

@@ -137,7 +137,10 @@ def test_flags_follow_fields_prefixes_and_the_command_lines_own_defaults():
                                      "--executor ray, or drop --ray-address"),
     (["--stage-dir", "s3://data/stage"], "--stage-dir s3://data/stage is a URL: the job runs in a local directory "
                                          "before its upload to --out; give a local path"),
-], ids=["count-alone", "index-alone", "index-out-of-range", "ray-address-without-ray", "stage-dir-a-url"])
+    (["--stage-dir", "stage"], "--stage-dir stage is where a job whose --out is on an object store runs before its "
+                               "upload; --out "),
+], ids=["count-alone", "index-alone", "index-out-of-range", "ray-address-without-ray", "stage-dir-a-url",
+        "stage-dir-with-a-local-out"])
 def test_a_flag_without_its_partner_or_out_of_range_is_refused_before_any_work(tmp_path, capsys, argv,
                                                                                         message):
     out = tmp_path / "out"
@@ -145,6 +148,24 @@ def test_a_flag_without_its_partner_or_out_of_range_is_refused_before_any_work(t
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not out.exists() and not os.path.exists("s3:")
+
+
+@pytest.mark.parametrize("profile, refused", [("qwen3-vl", True), ("qwen2.5-vl", True), ("qwen3-vl-thinking", False)])
+def test_reasoning_loss_mask_with_a_template_that_renders_no_reasoning_is_refused(tmp_path, capsys, profile, refused):
+    """--reasoning-loss acts on Thinking templates only: where the template renders no reasoning
+    it would be silently ignored, so it is refused before any work."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]}\n')
+    out = tmp_path / "out"
+    code = main(["preprocess", str(rows), "--out", str(out), "--profile", profile, "--reasoning-loss", "mask",
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    if refused:
+        assert code == 2 and err.count("\n") == 1, err
+        assert "--reasoning-loss mask: the instruct template renders no reasoning" in err, err
+        assert not out.exists()
+    else:
+        assert code == 0, err
 
 
 def test_a_video_max_frames_under_two_is_refused_naming_the_flag(tmp_path, capsys):

@@ -163,6 +163,9 @@ def check_config(cfg: PreprocessConfig) -> None:
     if cfg.stage_dir and is_url(cfg.stage_dir):  # Path() would fold it into a local directory `s3:/...`
         raise ConfigError(f"--stage-dir {redact(cfg.stage_dir)} is a URL: the job runs in a local directory before its "
                           "upload to --out; give a local path (on storage every node mounts, with --executor ray)")
+    if cfg.stage_dir and not is_url(cfg.out):
+        raise ConfigError(f"--stage-dir {cfg.stage_dir} is where a job whose --out is on an object store runs before "
+                          f"its upload; --out {cfg.out} is local, so the job runs there: drop --stage-dir")
     if cfg.input_format not in INPUT_FORMATS:
         raise ConfigError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {cfg.input_format!r}")
     if cfg.input_hash not in INPUT_HASH_MODES:

@@ -23,7 +23,7 @@ from shards_schema.outdir import exclusive_output_dir
 from ..errors import ConfigError
 from ..inputs import WorkUnit, check_inputs, plan_units
 from ..profiles import OFFICIAL_TEMPLATE_SHA256, Profile, resolve_profile
-from ..render import check_template_matches, preserve_thinking_refusal
+from ..render import check_template_matches, preserve_thinking_refusal, reasoning_loss_refusal
 from .publish import check_destination, default_stage_dir, empty_stage, publish, remove_stage
 from .claim import claim_out_dir, identity_to_resume, output_errors
 from .config import PreprocessConfig, check_config, profile_args
@@ -75,6 +75,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict:
     profile = resolve_profile(**profile_args(cfg))
     _ = profile.special  # fail now, not in a worker
     if cfg.sample.preserve_thinking and (refusal := preserve_thinking_refusal(profile.family_rules, profile.template)):
+        raise ConfigError(refusal)
+    if refusal := reasoning_loss_refusal(profile.family_rules, profile.template, cfg.sample.reasoning_loss):
         raise ConfigError(refusal)
     variables = cfg.sample.template_variables
     if variables and profile.template_sha256 not in OFFICIAL_TEMPLATE_SHA256.values():
