@@ -137,3 +137,18 @@ def test_the_intact_files_linked_the_same_way_import_and_export(hf_checkpoint, t
     assert vlmpack(["import-hf", str(source), "--out", str(tmp_path / "model")]) == 0
     model = damaged_copy(tmp_path / "model", tmp_path / "linked", "unrelated.json", lambda raw: raw)
     assert vlmpack(["export-hf", str(model), "--out", str(tmp_path / "exported")]) == 0
+
+
+def test_export_names_a_damaged_kept_file_before_reading_any_weight(model_dir, tmp_path, capsys, monkeypatch):
+    """A damaged side file is found before the weights are read and written (on a large model
+    that is the whole export's time), not after."""
+    name, damage, says = MODEL_DAMAGE["kept_hf_file_not_json"]
+    source = damaged_copy(model_dir, tmp_path / "source", name, damage)
+
+    def weights_read(*args, **kwargs):
+        raise AssertionError("the weights were read before the side files were checked")
+
+    monkeypatch.setattr(convert, "load_full_state", weights_read)
+    capsys.readouterr()
+    assert vlmpack(["export-hf", str(source), "--out", str(tmp_path / "out")]) == 2
+    assert f"{source / name}{says}" in one_error_line(capsys.readouterr().err, "export-hf")

@@ -603,6 +603,17 @@ def _write_chat_template(out_dir: Path, profile: dict | None, chat_template: str
     return []
 
 
+def check_kept_side_files(kept: Path) -> dict | None:
+    """The side files a model or adapter directory `kept` holds, read as an export reads them:
+    the JSON files kept of its source checkpoint (read by transformers too) and its PROFILE_FILE
+    (returned). A damaged one is named before any weight is read or written."""
+    hf_dir = Path(kept) / HF_SUBDIR
+    for name in HF_SIDE_FILES:
+        if name.endswith(".json") and (hf_dir / name).is_file():
+            read_json_object(hf_dir / name, "copy it again from the Hugging Face checkpoint the model came from")
+    return read_profile(kept)
+
+
 def write_side_files(out_dir: Path, family: str, kept: Path | None, chat_template: str | None = None) -> SideFiles:
     """Everything of a HF model directory but its weights and config.json, from `kept` (a model
     or adapter directory): the files it kept of its source checkpoint (hf/); over them, what its
@@ -610,11 +621,8 @@ def write_side_files(out_dir: Path, family: str, kept: Path | None, chat_templat
     template); the built-in family's tokenizer, image-processor and generation files for what
     neither gives; `chat_template` (the template's text) over all."""
     hf_dir = kept / HF_SUBDIR if kept is not None else None
+    profile = check_kept_side_files(kept) if kept is not None else None
     copied = copy_hf_side_files(hf_dir, out_dir) if hf_dir is not None and hf_dir.is_dir() else []
-    for name in copied:  # read below and by transformers: a damaged one is named here, as the file kept
-        if name.endswith(".json"):
-            read_json_object(hf_dir / name, "copy it again from the Hugging Face checkpoint the model came from")
-    profile = read_profile(kept) if kept is not None else None
     notes = []
     if not {"tokenizer.json", "vocab.json"} & set(copied):
         notes += _write_tokenizer(out_dir, family, profile)

@@ -147,6 +147,12 @@ def _add_output_arguments(parser: argparse.ArgumentParser, out_metavar: str, out
                         help="keep (default), bfloat16, float16 or float32")
 
 
+def _bars() -> bool:
+    """Progress bars on a terminal only: in a log they are lines of carriage returns, and an
+    error's one line would come after them."""
+    return sys.stderr.isatty()
+
+
 def _dtype(name: str):
     import torch
 
@@ -198,7 +204,7 @@ class ImportHF:
         t0 = time.perf_counter()
         try:
             arch = convert.import_hf(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=_dtype(args.dtype),
-                                     progress=True, overwrite=args.overwrite, ep=args.ep)
+                                     progress=_bars(), overwrite=args.overwrite, ep=args.ep)
         except ValueError as exc:  # a checkpoint that does not match its config.json, or tp/pp that do not fit it
             raise UserError(str(exc)) from None
         print(f"{args.out}: {arch.family}, {arch.lm.num_layers} layers, "
@@ -258,7 +264,7 @@ class ExportHF:
                    "training", hint=checkpoint_format.model_dir_hint)
         t0 = time.perf_counter()
         try:
-            arch, side_files = convert.export_hf(args.model_dir, args.out, dtype=_dtype(args.dtype), progress=True,
+            arch, side_files = convert.export_hf(args.model_dir, args.out, dtype=_dtype(args.dtype), progress=_bars(),
                                                  overwrite=args.overwrite, chat_template=chat_template)
         except ValueError as exc:  # a model directory whose files do not match its architecture
             raise UserError(str(exc)) from None
@@ -283,7 +289,7 @@ class ExportHF:
         try:
             if args.merge or args.lora_base:
                 export = lora_export.export_merged if args.merge else lora_export.export_base
-                arch, side_files = export(adapter_dir, args.out, args.base, dtype=_dtype(args.dtype), progress=True,
+                arch, side_files = export(adapter_dir, args.out, args.base, dtype=_dtype(args.dtype), progress=_bars(),
                                           overwrite=args.overwrite, chat_template=chat_template)
                 _report_export(args.out, arch, side_files, time.perf_counter() - t0,
                                "adapters merged" if args.merge else "the adapters' base model")

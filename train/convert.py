@@ -52,6 +52,7 @@ from train.checkpoint_format import (
     arch_differences,
     meta_arch,
     atomic_dir,
+    check_kept_side_files,
     copy_hf_side_files,
     dtype_name,
     expert_file,
@@ -791,6 +792,7 @@ def export_hf(model_dir: str | Path, out: str | Path, dtype: torch.dtype | None 
     `chat_template`: a template's text, over the one recorded with the model)."""
     refuse_input_as_output(out, model_dir)
     check_output_dir(out, "export-hf", overwrite=overwrite)
+    check_kept_side_files(Path(model_dir))  # a damaged one is named now, not after the weights are written
     arch, full = load_full_state(model_dir, progress)
     hf = megatron_to_hf(full, arch) | {k: materialize(v) for k, v in read_carried(model_dir, arch).items()}
     return arch, write_hf_dir(out, hf, arch, Path(model_dir), dtype, progress, overwrite, chat_template)
