@@ -65,6 +65,8 @@ MODEL_DAMAGE = {
     "meta_not_json": ("vlmpack_model.json", lambda raw: raw[:-30], ": not valid JSON ("),
     "meta_a_list": ("vlmpack_model.json", lambda raw: b"[]", ": holds a JSON array, not an object: write the model directory"),
     "meta_without_layout": ("vlmpack_model.json", _without("tp"), ": tp None is not a parallel size"),
+    "meta_lm_a_string": ("vlmpack_model.json", lambda raw: json.dumps({**json.loads(raw), "arch": {
+        **json.loads(raw)["arch"], "lm": "x"}}).encode(), ": arch.lm is a string, not a JSON object of settings"),
     "meta_layers_a_string": ("vlmpack_model.json", lambda raw: raw.replace(b'"num_layers": 3', b'"num_layers": "3"'),
                              ": the language model's num_layers must be an integer >= 1, got '3'"),
     "meta_not_utf8": ("vlmpack_model.json", lambda raw: b"\xff\xfe" + raw, ": not valid JSON ("),

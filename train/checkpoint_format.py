@@ -55,6 +55,7 @@ from shards_schema.builtin import (
 )
 from train.model import families
 from train.model.arch import LMArch, ModelArch, ModelFileError, arch_dict, check_field_kinds, read_json_object
+from train.model.hf_config import json_kind
 from train.model.vision import VisionArch
 
 FORMAT_NAME = "vlmpack-megatron-model"
@@ -152,6 +153,10 @@ def arch_from_dict(d: dict, source: str | Path = META_FILE) -> ModelArch:
     """Inverse of `arch_dict` (JSON turned the tuples into lists); `source`: the file it was read from."""
     def fields(sub: dict) -> dict:
         return {k: tuple(v) if isinstance(v, list) else v for k, v in sub.items()}
+    for part in ("lm", "vision"):
+        if part in d and not isinstance(d[part], dict):
+            raise ModelFileError(f"{source}: arch.{part} is {json_kind(d[part])}, not a JSON object of settings",
+                                 MODEL_DIR_FIX)
     try:
         # (files of an earlier vlmpack hold no video_token_id: theirs was the default)
         return ModelArch(family=d["family"], lm=LMArch(**fields(d["lm"])), vision=VisionArch(**fields(d["vision"])),
