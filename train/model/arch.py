@@ -20,7 +20,7 @@ from pathlib import Path
 from shards_schema.errors import UserError
 from shards_schema.json_object import NotAJSONObject, parse_json_object
 from train.model import families
-from train.model.hf_config import MissingConfigField, json_kind, text_section
+from train.model.hf_config import TOP_LEVEL, ConfigSection, MissingConfigField, json_kind, text_section
 from train.model.vision import VisionArch
 
 SPECIAL_TOKEN_IDS = dict(image_token_id=151655, video_token_id=151656,
@@ -168,16 +168,10 @@ class ModelArch:
             raise FileNotFoundError(f"{path} not found: --hf-model must be a Hugging Face model directory")
         config = read_json_object(path, HF_CONFIG_FIX)
         try:
-            arch = cls.from_hf_config(config, str(path))
+            arch = cls.from_hf_config(ConfigSection(config, TOP_LEVEL), str(path))
         except MissingConfigField as exc:
-            raise ModelFileError(f"{path} has no {exc.key!r} in its {exc.section}, which a {config['model_type']} "
-                                 "config sets", HF_CONFIG_FIX) from None
-        except KeyError as exc:
-            key = exc.args[0] if exc.args else None
-            sections = (config, config.get("text_config"), config.get("vision_config"))
-            if not isinstance(key, str) or any(isinstance(s, dict) and key in s for s in sections):
-                raise  # not a field the file lacks
-            raise ModelFileError(f"{path} has no {key!r}, which a {config['model_type']} config sets",
+            where = "" if exc.section == TOP_LEVEL else f" in its {exc.section}"
+            raise ModelFileError(f"{path} has no {exc.key!r}{where}, which a {config['model_type']} config sets",
                                  HF_CONFIG_FIX) from None
         check_field_kinds(arch, path)
         return arch

@@ -4,6 +4,8 @@ KeyError that says not which one lacks it."""
 
 from __future__ import annotations
 
+TOP_LEVEL = "top level"  # a flat config's own settings, outside text_config / vision_config
+
 
 class MissingConfigField(KeyError):
     """A setting a config.json section lacks, with the section's name."""
@@ -28,7 +30,7 @@ def text_section(config: dict) -> ConfigSection:
     """The language model's settings: `text_config`, or the top level of a flat config."""
     if isinstance(config.get("text_config"), dict):
         return ConfigSection(config["text_config"], "text_config")
-    return ConfigSection(config, "top level")
+    return ConfigSection(config, TOP_LEVEL)
 
 
 def json_kind(value) -> str:
