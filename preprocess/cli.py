@@ -32,7 +32,7 @@ from shards_schema.writer import file_sha256
 
 from .errors import ConfigError
 from .job import PreprocessConfig, check_config, run_preprocess
-from .job.config import partition_from_flags
+from .job.config import flags_acting_only_with, partition_from_flags, refuse_empty
 
 
 def _human_bytes(n: float) -> str:
@@ -93,6 +93,7 @@ class Preprocess:
     @staticmethod
     def run(args) -> int:
         args.num_partitions, args.partition_index = partition_from_flags(args.num_partitions, args.partition_index)
+        flags_acting_only_with(args)
         cfg = config_from_args(PreprocessConfig, args)
         result = run_preprocess(cfg)
         run = result.pop("_run")
@@ -123,6 +124,10 @@ class Merge:
     @staticmethod
     def run(args) -> int:
         from .job import merge_staged
+
+        for directory in args.dirs:
+            refuse_empty("a partition directory", directory, "give its path")
+        refuse_empty("--out", args.out)
 
         manifest = merge_staged(args.dirs, args.out)
         where = storage.redact(args.out) if storage.is_url(args.out) else Path(args.out)
@@ -195,6 +200,7 @@ class Quickstart:
         from .examples import example_rows, jsonl_bytes, video_example_rows
         from .profiles import builtin_profile
 
+        refuse_empty("--out", args.out)
         if not 1 <= args.rows <= QUICKSTART_MAX_ROWS:
             raise ConfigError(f"--rows must be an integer from 1 to {QUICKSTART_MAX_ROWS}, got {args.rows}")
         if not 0 <= args.videos <= QUICKSTART_MAX_VIDEOS:

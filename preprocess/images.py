@@ -33,11 +33,11 @@ An RGB image that needs none of this is used as is (no copy).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
 import struct
-import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +53,8 @@ from .media import (DEFAULT_MAX_MEDIA_BYTES, check_bounds, check_unsupported_siz
                     read_media_file, resolve_media)
 from .patchify import planes_to_rows
 
-# PIL's own hard limit (2 * Image.MAX_IMAGE_PIXELS): above it Image.open raises anyway.
+# PIL's own decompression-bomb threshold (Image.MAX_IMAGE_PIXELS). PIL's check is off while an
+# image is opened and loaded (`_own_pixel_limit`): --max-image-pixels replaces it, above it too.
 DEFAULT_MAX_IMAGE_PIXELS = 178_956_970
 # A decoded raster may take at most this many bytes per allowed pixel (--max-image-pixels): an
 # 8-bit RGB image at the pixel limit; wider pixels (alpha, CMYK, 32-bit) allow fewer of them.
@@ -162,13 +163,9 @@ def open_image(
     bombs); a decoded raster of at most DECODE_BYTES_PER_PIXEL * `max_image_pixels` bytes.
     """
     try:
-        with warnings.catch_warnings():
-            # our own limit below replaces PIL's warning; PIL's hard error still applies
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with _own_pixel_limit():
             image = Image.open(io.BytesIO(data))
             frames = getattr(image, "n_frames", 1) if image.format in _ANIMATED_FORMATS else 1
-    except Image.DecompressionBombError as exc:
-        raise RejectError("image_too_large", f"{exc}") from None
     except UnidentifiedImageError:
         what = "the image is empty (0 bytes)" if not data else f"bytes are not an image PIL can read (starts with {data[:8]!r})"
         raise RejectError("not_an_image", what) from None
@@ -192,6 +189,19 @@ def open_image(
             f"({DECODE_BYTES_PER_PIXEL} per allowed pixel); shrink the image or raise --max-image-pixels",
         )
     return image
+
+
+@contextlib.contextmanager
+def _own_pixel_limit():
+    """PIL's decompression-bomb check (a warning above Image.MAX_IMAGE_PIXELS, an error above
+    twice that) turned off: `open_image` checks the header against --max-image-pixels itself,
+    and a limit raised above PIL's must let such an image through."""
+    previous = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = previous
 
 
 def _check_declared_type(declared: str | None, image_format: str | None) -> None:
@@ -235,9 +245,8 @@ def _load_strict(image: Image.Image) -> None:
     previous = ImageFile.LOAD_TRUNCATED_IMAGES
     ImageFile.LOAD_TRUNCATED_IMAGES = False
     try:
-        image.load()
-    except Image.DecompressionBombError as exc:
-        raise RejectError("image_too_large", f"{exc}") from None
+        with _own_pixel_limit():
+            image.load()
     except _DECODE_ERRORS as exc:
         raise RejectError("bad_image", f"{image.format or 'image'} does not decode: {exc}") from None
     finally:

@@ -87,14 +87,17 @@ class SampleOptions:
     # how long a fetch waits and how often it is retried: decides no sample's bytes, so it is left
     # out of the job's identity (a job resumed with more patience is the same job)
     remote_fetch: FetchPolicy = nested(FetchPolicy(), prefix="remote_", flags={
-        "timeout": Flag(group="samples", argparse={"type": positive_seconds, "metavar": "SECONDS"},
-                        help="with --allow-remote-media: seconds a fetch waits to connect, and for each piece of "
-                             "data, before it gives up (default %(default)s; http(s):// and s3://); a row whose "
-                             "media never comes is rejected as remote_unreachable and the job goes on"),
-        "retries": Flag(group="samples", argparse={"type": integer_from(0, MAX_FETCH_RETRIES), "metavar": "N"},
+        # the command line's default None tells a flag left out from one given: given without
+        # --allow-remote-media it would act on nothing, and is refused (`flags_acting_only_with`)
+        "timeout": Flag(group="samples", argparse={"type": positive_seconds, "metavar": "SECONDS", "default": None},
+                        help=f"with --allow-remote-media: seconds a fetch waits to connect, and for each piece of "
+                             f"data, before it gives up (default {FetchPolicy.timeout}; http(s):// and s3://); a row "
+                             f"whose media never comes is rejected as remote_unreachable and the job goes on"),
+        "retries": Flag(group="samples", argparse={"type": integer_from(0, MAX_FETCH_RETRIES), "metavar": "N",
+                                                   "default": None},
                         help=f"with --allow-remote-media: further attempts after a fetch times out, is refused or "
                              f"gets a server error, {FetchPolicy.backoff:g} s after the first failure and twice as "
-                             f"long after each further one (default %(default)s, at most {MAX_FETCH_RETRIES})"),
+                             f"long after each further one (default {FetchPolicy.retries}, at most {MAX_FETCH_RETRIES})"),
     })
     video: VideoOptions = nested(VideoOptions(), prefix="video_")
     # a video too long for max_seq_len alone is sampled with fewer frames

@@ -469,6 +469,21 @@ def test_decoded_bytes_are_bounded():
     assert open_image(png_header_only(1000, 1000, 8, 0), max_image_pixels=1_200_000).size == (1000, 1000)
 
 
+@pytest.mark.parametrize("side", [14_000, 20_000, 100_000])
+def test_max_image_pixels_is_the_only_pixel_limit(side):
+    """--max-image-pixels decides alone, above PIL's own decompression-bomb limit too (2 *
+    Image.MAX_IMAGE_PIXELS): a raised limit lets a larger header through, and a refusal names the
+    flag's limit, not PIL's. PIL's setting is left as it was."""
+    pil_limit = Image.MAX_IMAGE_PIXELS
+    header = png_header_only(side, side)  # 1-bit greyscale: 1 byte a pixel decoded
+    assert open_image(header, max_image_pixels=side * side).size == (side, side)
+    with pytest.raises(RejectError) as err:
+        open_image(header, max_image_pixels=side * side - 1)
+    assert err.value.code == "image_too_large"
+    assert f"--max-image-pixels {side * side - 1}" in err.value.message
+    assert Image.MAX_IMAGE_PIXELS == pil_limit
+
+
 def test_header_grid_is_the_decoded_grid(vision, jpeg_bytes):
     image = open_image(jpeg_bytes)
     assert header_grid(image, vision) == image_to_patches(decode_opened(image), vision)[1]

@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -659,6 +660,25 @@ def test_resume_refuses_an_input_edited_in_place(tmp_path):
         _run([data], out, workers=1, rows_per_shard=3)
 
 
+@pytest.mark.parametrize("started, resumed", [("auto", "openai"), ("auto", "swift"), ("openai", "auto"),
+                                               ("sharegpt", "swift")])
+def test_resume_with_another_input_format_names_the_flag_not_the_input(tmp_path, started, resumed):
+    """The input is untouched; only --input-format reads it in another layout. The refusal says
+    so and names the layout to resume with, instead of claiming the input changed."""
+    row = {"id": "g", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}]}
+    data = write_jsonl(tmp_path / "rows.jsonl", [row])
+    out = tmp_path / "out"
+    _run([data], out, workers=1, input_format=started)
+    recorded = "sharegpt" if started == "auto" else started
+    now = "sharegpt" if resumed == "auto" else resumed
+    with pytest.raises(ConfigError) as err:
+        _run([data], out, workers=1, input_format=resumed)
+    assert "changed since" not in str(err.value)
+    assert (f"was started reading input {data} as {recorded} rows, this run reads them as {now} (--input-format): "
+            f"re-run with --input-format {recorded}") in str(err.value)
+    _run([data], out, workers=1, input_format=recorded)  # the recorded layout resumes it
+
+
 def test_full_input_hash_sees_an_edit_that_sampled_blocks_miss(tmp_path):
     """A 2 MiB input edited between sampled blocks, timestamp restored: only --input-hash full sees it."""
     good = json.dumps(_chat(text="What is this?"))
@@ -811,6 +831,39 @@ def test_bad_arguments_exit_2_with_one_line(command, argv, message, example_json
     assert not (tmp_path / "o").exists() and not (tmp_path / "m").exists() and not (tmp_path / "qs").exists()
 
 
+EMPTY_VALUES = [
+    ("preprocess", ["{data}", "--out", "{e}"], "--out"),
+    *[("preprocess", ["{data}", "--out", "{o}", flag, "{e}"], flag)
+      for flag in ("--model", "--profile", "--media-root", "--stage-dir", "--ray-address")],
+    ("merge", ["{shards}", "--out", "{e}"], "--out"),
+    ("merge", ["{e}", "--out", "{o}"], "a partition directory"),
+    ("quickstart", ["--out", "{e}"], "--out"),
+    ("export", ["{shards}", "--out", "{e}"], "--out"),
+    ("export", ["{e}", "--out", "{o}"], "the shard directory"),
+    ("import", ["{o}", "--out", "{e}"], "--out"),
+    ("import", ["{e}", "--out", "{o}"], "the export directory"),
+]
+
+
+@pytest.mark.parametrize("command, argv, flag", EMPTY_VALUES, ids=[f"{c} {f}" for c, _, f in EMPTY_VALUES])
+def test_an_empty_path_or_name_is_refused_not_read_as_the_current_directory(command, argv, flag, example_jsonl,
+                                                                             baseline, tmp_path, capsys, monkeypatch):
+    """`--out "$OUT"` with OUT unset: an empty string would be the current directory (written
+    into), or for --model / --profile / --stage-dir no value at all (the default profile, used
+    without a word). Refused in one line, nothing written anywhere."""
+    empty = random.Random(f"{command} {flag}").choice(["", " ", "\t"])
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    paths = {"data": example_jsonl, "shards": baseline[0], "o": tmp_path / "o", "e": empty}
+    extra = ["--no-progress"] if command == "preprocess" else []
+    code, err = _cli(capsys, command, *[a.format(**paths) for a in argv], *extra)
+    assert code == 2, err
+    assert err.startswith(f"vlmpack {command}: error: {flag} is given as an empty string ({empty!r}): "), err
+    assert err.count("\n") == 1, err
+    assert not list(cwd.iterdir()) and not (tmp_path / "o").exists()
+
+
 def test_an_unknown_command_exits_2_with_one_line_naming_the_commands(capsys):
     code, err = _cli(capsys, "frobnicate", "--out", "x")
     assert code == 2 and err.count("\n") == 1, err
@@ -847,7 +900,7 @@ NUMERIC_FLAGS = {
         ("--rows-per-shard", int, lambda v: v >= 1),
         ("--num-partitions", int, lambda v: v == 1),  # more partitions need --partition-index too
         ("--partition-index", int, lambda v: False),  # only with --num-partitions
-        ("--ray-max-retries", int, lambda v: 0 <= v <= 1000),
+        ("--ray-max-retries", int, lambda v: False),  # only with --executor ray
     ]),
     "quickstart": (["quickstart", "--out", "{o}", "--rows", "2", "--videos", "0", "--workers", "1"], [
         ("--rows", int, lambda v: 1 <= v <= 1000),

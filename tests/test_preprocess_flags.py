@@ -34,8 +34,9 @@ FLAG_VALUES = [
     (["--max-image-pixels", "1000"], ("sample", "max_image_pixels"), 1000),
     (["--max-media-bytes", "4096"], ("sample", "max_media_bytes"), 4096),
     (["--max-row-bytes", "8192"], ("sample", "max_row_bytes"), 8192),
-    (["--remote-timeout", "2.5"], ("sample", "remote_fetch", "timeout"), 2.5),
-    (["--remote-retries", "5"], ("sample", "remote_fetch", "retries"), 5),
+    # the remote flags act only with --allow-remote-media (alone they are refused), which `PARTNERS` sets too
+    (["--remote-timeout", "2.5", "--allow-remote-media"], ("sample", "remote_fetch", "timeout"), 2.5),
+    (["--remote-retries", "5", "--allow-remote-media"], ("sample", "remote_fetch", "retries"), 5),
     (["--video-sampling", "qwen-vl-utils"], ("sample", "video", "sampling"), "qwen-vl-utils"),
     (["--video-pixel-cap"], ("sample", "video", "cap_pixels_per_frame"), True),
     (["--video-fps", "1.5"], ("sample", "video", "fps"), 1.5),
@@ -53,10 +54,16 @@ FLAG_VALUES = [
     (["--stage-dir", "stage"], ("stage_dir",), "stage"),
     (["--executor", "ray"], ("executor",), "ray"),
     (["--ray-address", "head:6379"], ("ray_address",), "head:6379"),
-    (["--ray-max-retries", "7"], ("ray_max_retries",), 7),
+    (["--ray-max-retries", "7", "--executor", "ray"], ("ray_max_retries",), 7),
     (["--no-progress"], ("progress",), False),
 ]
 REQUIRED = ["rows.jsonl", "more.jsonl", "--out", "shards"]
+# flags given with the one they act only with: that one's field and value
+PARTNERS = {
+    "--remote-timeout": (("sample", "allow_remote_media"), True),
+    "--remote-retries": (("sample", "allow_remote_media"), True),
+    "--ray-max-retries": (("executor",), "ray"),
+}
 
 
 def _defaults() -> PreprocessConfig:
@@ -91,7 +98,10 @@ def test_without_flags_the_config_holds_the_defaults(monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv, path, value", FLAG_VALUES, ids=[argv[0] for argv, _, _ in FLAG_VALUES])
 def test_each_flag_sets_its_own_field_and_nothing_else(monkeypatch, capsys, argv, path, value):
-    assert _parsed(monkeypatch, [*REQUIRED, *argv]) == _with(_defaults(), path, value)
+    expected = _with(_defaults(), path, value)
+    if argv[0] in PARTNERS:
+        expected = _with(expected, *PARTNERS[argv[0]])
+    assert _parsed(monkeypatch, [*REQUIRED, *argv]) == expected
 
 
 def test_every_flag_of_the_command_is_in_the_table():
@@ -135,11 +145,18 @@ def test_flags_follow_fields_prefixes_and_the_command_lines_own_defaults():
                                                           "got 2"),
     (["--ray-address", "head:6379"], "--ray-address head:6379 joins a Ray cluster for --executor ray: add "
                                      "--executor ray, or drop --ray-address"),
+    (["--ray-max-retries", "5", "--executor", "local"], "--ray-max-retries 5 sets how often Ray re-runs a task of "
+                                                        "--executor ray: add --executor ray, or drop --ray-max-retries"),
+    (["--remote-timeout", "3"], "--remote-timeout 3.0 times fetches of media URLs, which only --allow-remote-media "
+                                "makes: add --allow-remote-media, or drop --remote-timeout"),
+    (["--remote-retries", "0"], "--remote-retries 0 retries fetches of media URLs, which only --allow-remote-media "
+                                "makes: add --allow-remote-media, or drop --remote-retries"),
     (["--stage-dir", "s3://data/stage"], "--stage-dir s3://data/stage is a URL: the job runs in a local directory "
                                          "before its upload to --out; give a local path"),
     (["--stage-dir", "stage"], "--stage-dir stage is where a job whose --out is on an object store runs before its "
                                "upload; --out "),
-], ids=["count-alone", "index-alone", "index-out-of-range", "ray-address-without-ray", "stage-dir-a-url",
+], ids=["count-alone", "index-alone", "index-out-of-range", "ray-address-without-ray", "ray-retries-without-ray",
+        "remote-timeout-without-remote-media", "remote-retries-without-remote-media", "stage-dir-a-url",
         "stage-dir-with-a-local-out"])
 def test_a_flag_without_its_partner_or_out_of_range_is_refused_before_any_work(tmp_path, capsys, argv,
                                                                                         message):

@@ -253,6 +253,36 @@ def _rewrite_tar(tardir: Path, k: int, transform) -> None:
     (tardir / INDEX_NAME).write_text(json.dumps(index))
 
 
+OFFSET_EDITS = {
+    "out_of_order": lambda e, rng: e["sample_offsets"].__setitem__(3, e["sample_offsets"][1]),
+    "small": lambda e, rng: e["sample_offsets"].__setitem__(rng.randrange(1, e["samples"]), 512 * rng.randrange(0, 3)),
+    "not_a_block": lambda e, rng: e["sample_offsets"].__setitem__(rng.randrange(1, e["samples"]),
+                                                                 e["sample_offsets"][-1] + rng.randrange(1, 512)),
+    "first_not_0": lambda e, rng: e["sample_offsets"].__setitem__(0, 512),
+    "end_before_last": lambda e, rng: e.__setitem__("end_offset", e["sample_offsets"][-1]),
+    "end_past_the_tar": lambda e, rng: e.__setitem__("end_offset", e["bytes"] + 512 * rng.randrange(1, 4)),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(OFFSET_EDITS))
+def test_index_offsets_that_do_not_frame_the_tar_are_refused_on_open(exported, tmp_path, edit):
+    """Random access reads a sample from its offset to the next one's: an index.json whose
+    offsets go backwards, off a block boundary or past the tar is refused when the export is
+    opened (import, training), naming the tar, never an OSError from a negative read."""
+    rng = random.Random(edit)
+    tardir = _copy(exported, tmp_path)
+    index = json.loads((tardir / INDEX_NAME).read_text())
+    entry = rng.choice([t for t in index["tars"] if t["samples"] >= 4])
+    OFFSET_EDITS[edit](entry, rng)
+    (tardir / INDEX_NAME).write_text(json.dumps(index))
+    message = rf"{INDEX_NAME}: entry for {entry['file']}: sample_offsets and end_offset are not increasing"
+    with pytest.raises(WebDatasetFormatError, match=message):
+        WebDatasetShards(tardir)
+    with pytest.raises(WebDatasetFormatError, match=message):
+        import_webdataset(tardir, tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
+
+
 def test_truncated_tar_is_refused_by_name(exported, tmp_path):
     tardir = _copy(exported, tmp_path)
     tar = tardir / "vlmpack-000001.tar"

@@ -130,6 +130,12 @@ def _check_same_job(out: Path, recorded: dict, identity: dict) -> None:
             if mode_before != now["fingerprint"]["mode"]:
                 raise ConfigError(f"{where} was started with --input-hash {mode_before}, this run uses "
                                   f"--input-hash {now['fingerprint']['mode']}: re-run with --input-hash {mode_before}")
+            layout_before, layout_now = before.get("row_format", "openai"), now.get("row_format", "openai")
+            if layout_before != layout_now and {**before, "row_format": None} == {**now, "row_format": None}:
+                # the same bytes read in another layout: --input-format differs, the input does not
+                raise ConfigError(f"{where} was started reading input {now['path']} as {layout_before} rows, this run "
+                                  f"reads them as {layout_now} (--input-format): re-run with --input-format "
+                                  f"{layout_before} to resume it, or {fix}")
             raise ConfigError(f"input {now['path']} changed since {where} was started (its size, rows or content "
                               f"differ): {fix}")
     changed = sorted(k for k in identity if recorded.get(k) != identity[k])

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shards_schema.flags import nested, setting
-from shards_schema.storage import MAX_FETCH_RETRIES, is_url, redact
+from shards_schema.storage import MAX_FETCH_RETRIES, FetchPolicy, is_url, redact
 
 from ..errors import ConfigError
 from ..formats import INPUT_FORMATS
@@ -21,6 +21,7 @@ INPUT_HASH_MODES = ("sampled", "full")
 EXECUTORS = ("local", "ray")
 MAX_WORKERS = 4096  # processes on one machine; a larger number is a typo (and overflows the pool's C ints)
 MAX_RAY_RETRIES = 1000
+DEFAULT_RAY_RETRIES = 3
 
 
 @dataclass(kw_only=True)
@@ -87,10 +88,11 @@ class PreprocessConfig:
         None, group="job", metavar="ADDR",
         help="with --executor ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray "
              "instance with --workers CPUs)")
-    # times Ray re-runs a unit whose worker died
-    ray_max_retries: int = setting(3, group="job", type=int,
+    # times Ray re-runs a unit whose worker died; the command line's default None tells a flag left
+    # out from one given (`flags_acting_only_with`)
+    ray_max_retries: int = setting(DEFAULT_RAY_RETRIES, group="job", type=int, flag_default=None,
                                    help=f"with --executor ray: times a unit whose worker died is re-run, 0 to "
-                                        f"{MAX_RAY_RETRIES} (default %(default)s)")
+                                        f"{MAX_RAY_RETRIES} (default {DEFAULT_RAY_RETRIES})")
     progress: bool = setting(True, group="job", name="--no-progress", action="store_false", dest="progress",
                              help="no progress bar")
 
@@ -120,6 +122,38 @@ def partition_from_flags(num_partitions: int | None, partition_index: int | None
     return num_partitions, partition_index
 
 
+# flags that act only with another setting: (the flag's destination, the flag, the setting's
+# destination, the value it needs, how to give it, the flag's default, what the flag does)
+_ACTING_ONLY_WITH = (
+    ("remote_timeout", "--remote-timeout", "allow_remote_media", True, "--allow-remote-media", FetchPolicy.timeout,
+     "times fetches of media URLs, which only --allow-remote-media makes"),
+    ("remote_retries", "--remote-retries", "allow_remote_media", True, "--allow-remote-media", FetchPolicy.retries,
+     "retries fetches of media URLs, which only --allow-remote-media makes"),
+    ("ray_max_retries", "--ray-max-retries", "executor", "ray", "--executor ray", DEFAULT_RAY_RETRIES,
+     "sets how often Ray re-runs a task of --executor ray"),
+)
+
+
+def flags_acting_only_with(args) -> None:
+    """Fill in, on the parsed command line `args`, the flags that act only with another setting
+    (None where left out: their defaults). One given without that setting would be silently
+    ignored, so it is refused, as --ray-address is without --executor ray."""
+    for dest, flag, needs, needed, fix, default, what in _ACTING_ONLY_WITH:
+        value = getattr(args, dest)
+        if value is None:
+            setattr(args, dest, default)
+        elif getattr(args, needs) != needed:
+            raise ConfigError(f"{flag} {value} {what}: add {fix}, or drop {flag}")
+
+
+def refuse_empty(flag: str, value, fix: str = "give its value, or leave the flag out") -> None:
+    """ConfigError for a flag given an empty value (an unset shell variable: `--model "$MODEL"`),
+    which would otherwise mean the current directory (--out, --media-root) or nothing at all
+    (--model, --profile, --stage-dir: the default profile, no staging), without a word."""
+    if isinstance(value, str) and not value.strip():
+        raise ConfigError(f"{flag} is given as an empty string ({value!r}): {fix}")
+
+
 def _at_least(flag: str, value, minimum: int) -> None:
     if value is not None and value < minimum:
         raise ConfigError(f"{flag} must be an integer >= {minimum}, got {value}")
@@ -132,6 +166,10 @@ def _in_range(flag: str, value: int, low: int, high: int) -> None:
 
 def check_config(cfg: PreprocessConfig) -> None:
     """Every setting checked before any work: one message naming the flag and its valid range."""
+    for flag, value in (("--out", cfg.out), ("--profile", cfg.profile), ("--model", cfg.model),
+                        ("--media-root", cfg.sample.media_root), ("--stage-dir", cfg.stage_dir),
+                        ("--ray-address", cfg.ray_address)):
+        refuse_empty(flag, value)
     _in_range("--workers", cfg.workers, 1, MAX_WORKERS)
     _at_least("--rows-per-shard", cfg.rows_per_shard, 1)
     _at_least("--num-partitions", cfg.num_partitions, 1)

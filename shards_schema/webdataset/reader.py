@@ -93,6 +93,14 @@ def load_index(tardir: str | Path) -> dict:
                                         f"(counts are integers 0..2^53, sha256 a string): {_DAMAGED_INDEX}")
         if entry["first_index"] != expected_first or len(offsets) != entry["samples"]:
             raise WebDatasetFormatError(f"{path}: entry for {name} is inconsistent (first_index, samples, sample_offsets)")
+        # random access reads each sample from its offset to the next one's (the last: to
+        # end_offset), so they must be blocks in order inside the tar, the first at its start
+        bounds = np.asarray([*offsets, entry["end_offset"]], dtype=np.int64)
+        if ((offsets and offsets[0] != 0) or (bounds % BLOCK).any() or (np.diff(bounds) <= 0).any()
+                or entry["end_offset"] > entry["bytes"]):
+            raise WebDatasetFormatError(
+                f"{path}: entry for {name}: sample_offsets and end_offset are not increasing {BLOCK}-byte block "
+                f"boundaries from 0 within its {entry['bytes']} bytes: {_DAMAGED_INDEX}")
         expected_first += entry["samples"]
     if expected_first != index.get("samples"):
         raise WebDatasetFormatError(f"{path}: tars hold {expected_first} samples, index says {index.get('samples')}")
