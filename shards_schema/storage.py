@@ -128,12 +128,20 @@ def _transport_failure(exc: BaseException) -> str | None:
     return None
 
 
+# the clients' own "found no credentials" errors (botocore, google-auth): the store was never
+# asked, so neither the network nor the endpoint is to blame
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}
+
+
 def classify(exc: BaseException, url: str) -> StorageError:
     """A store's exception -> StorageError naming what went wrong and what to check."""
     where = redact(url)
     text = redact_text(f"{type(exc).__name__}: {exc}")[:300]
     if isinstance(exc, StorageError):
         return exc
+    if any(type(cause).__name__ in _NO_CREDENTIALS for cause in _causes(exc)):
+        return StorageError("denied", f"{where}: no credentials for the store ({_reason(exc)}); give them (e.g. "
+                            "AWS_PROFILE, AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS)")
     kind = _transport_failure(exc)
     if kind == "not_found":
         return StorageError("not_found", f"{where} does not exist ({_reason(exc)})")

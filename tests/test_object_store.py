@@ -561,6 +561,21 @@ def test_an_unreachable_endpoint_whose_port_holds_403_is_not_access_denied(port)
     assert classify(RuntimeError("An error occurred (403) when calling HeadObject: Forbidden"), "s3://data/rows.jsonl").kind == "denied"
 
 
+def test_missing_credentials_are_named_not_taken_for_the_network():
+    from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+    for cause in (NoCredentialsError(), PartialCredentialsError(provider="env", cred_var="AWS_SECRET_ACCESS_KEY")):
+        try:  # s3fs raises its own error from the client's
+            try:
+                raise cause
+            except Exception as inner:
+                raise OSError("could not open s3://data/rows.jsonl") from inner
+        except OSError as exc:
+            error = classify(exc, "s3://data/rows.jsonl")
+        assert error.kind == "denied", error
+        assert "no credentials" in str(error) and "AWS_ACCESS_KEY_ID" in str(error) and "network" not in str(error)
+
+
 def test_media_from_a_store_that_never_answers_are_rejected_within_the_timeout(tmp_path):
     """An S3 endpoint that accepts connections and never answers: with --remote-timeout 0.5 and
     --remote-retries 1 the media row is `remote_unreachable` within seconds (botocore's and
