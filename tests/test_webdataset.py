@@ -174,6 +174,19 @@ def test_round_trip_is_byte_identical(exported, shard_dir, source, tmp_path):
         assert_same_sample(shards[i], want, f"round-trip sample {i}")
 
 
+def test_a_tar_the_index_does_not_list_is_named_on_import(exported, tmp_path, capsys):
+    tardir, _ = exported
+    copy = tmp_path / "tars"
+    shutil.copytree(tardir, copy)
+    first = sorted(copy.glob("*.tar"))[0]
+    shutil.copy(first, copy / "vlmpack-000099.tar")
+    import_webdataset(copy, tmp_path / "back")
+    err = capsys.readouterr().err
+    assert "1 tar file(s)" in err and "vlmpack-000099.tar" in err and "not imported" in err, err
+    import_webdataset(tardir, tmp_path / "back2")
+    assert "tar file(s)" not in capsys.readouterr().err
+
+
 def test_export_is_deterministic(exported, shard_dir, tmp_path):
     out, _ = exported
     again = tmp_path / "again"

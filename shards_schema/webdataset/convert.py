@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 from pathlib import Path
 
 from ..atomic import TMP_SUFFIX, atomic_open, fsync_dir, write_json_atomic, write_jsonl_atomic
@@ -229,6 +230,11 @@ def import_webdataset(tardir: str | Path, out: str | Path, *, overwrite: bool = 
     if len(rejects) != rejected:
         raise WebDatasetFormatError(f"{tardir / REJECTS_NAME}: {len(rejects)} rejects, the manifest accounts for {rejected}")
     refuse_input_as_output(out, tardir)
+    listed = {entry["file"] for entry in dataset.tars}
+    stray = sorted(p.name for p in tardir.glob("*.tar") if p.name not in listed)
+    if stray:  # samples the index does not list are not imported: say so rather than drop them unseen
+        print(f"warning: {tardir} holds {len(stray)} tar file(s) that {INDEX_NAME} does not list, not imported: "
+              f"{', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''}", file=sys.stderr)
     claim = {"overwrite": overwrite, "completion_file": MANIFEST_NAME, "owned": _IMPORT_OWNED, "what": "vlmpack import"}
     with exclusive_output_dir(out, "import", check=lambda d: _check_out_dir(d, **claim)) as out:
         _claim_out_dir(out, **claim)
