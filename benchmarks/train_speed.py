@@ -20,6 +20,9 @@ an empty GPU. Each run: --warmup unmeasured steps, then --steps measured ones; a
 is its median step (real tokens of the step / its wall time). Peak memory is
 `torch.cuda.max_memory_allocated` over the run. The ratio is the mean of vlmpack's runs over
 the mean of HF's; its spread is the least and largest ratio of any vlmpack run to any HF run.
+Step by step (`per_step_ratios`): both sides train the same packs in the same order, so the
+median over measured steps of HF's step time over vlmpack's is a second figure, one that a
+stall of one side alone in a measured step (a Triton autotune, a recompile) cannot move.
 
 (a) vlmpack: `train.trainer.train(TrainConfig.from_flat({hf_model: INIT, seq_len: ..., ...}))`,
     bf16 on GPUs (fp32 on CPU, as the trainer does). tokens/s, MFU and peak memory come from the
@@ -1045,7 +1048,36 @@ def compare(repeats: list[dict]) -> dict:
         if a["mean"] and b["mean"]:
             out[key] = {"vlmpack": a, "hf": b, "ratio": a["mean"] / b["mean"],
                         "ratio_spread": [a["min"] / b["max"], a["max"] / b["min"]]}
+    step_by_step = per_step_ratios(repeats)
+    if step_by_step:
+        out["per_step"] = step_by_step
     return out
+
+
+def per_step_ratios(repeats: list[dict]) -> dict | None:
+    """vlmpack against HF step by step. Both sides train the same packs in the same order, so a
+    measured step's HF time over vlmpack's compares like with like; the median over every
+    step of every pair of runs stands up to steps where one side alone stalls (a Triton
+    autotune or a recompile inside a measured step: with two such steps of six, the median
+    step of a run is itself a stalled one's neighbour). `pair_medians`: each pair's median."""
+    ours = [r["ours"]["steps"] for r in repeats]
+    hf = [r["hf"]["steps"] for r in repeats if "hf" in r and "error" not in r["hf"]]
+    if not hf:
+        return None
+    pairs = []
+    for a in ours:
+        mine = {s["step"]: s["step_seconds"] for s in a}
+        for b in hf:
+            ratios = [s["step_seconds"] / mine[s["step"]] for s in b if not s.get("warmup") and mine.get(s["step"])]
+            if ratios:
+                pairs.append(ratios)
+    if not pairs:
+        return None
+    return {"median": float(np.median(np.concatenate(pairs))), "pairs": len(pairs), "steps": len(pairs[0]),
+            "pair_medians": [float(np.median(r)) for r in pairs],
+            "largest_step_ratio": float(max(max(r) for r in pairs)),
+            "method": "HF's step time / vlmpack's on the same packs, every measured step of every pair of runs; "
+                      "the median of them all"}
 
 
 def print_table(res: dict) -> None:
@@ -1079,6 +1111,11 @@ def print_table(res: dict) -> None:
         if key in ratios:
             r = ratios[key]
             print(f"vlmpack / HF {label}: {r['ratio']:.2f}x ({r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f}x)")
+    if "per_step" in ratios:
+        r = ratios["per_step"]
+        print(f"vlmpack / HF step by step on the same packs: median {r['median']:.2f}x over {r['steps']} steps x "
+              f"{r['pairs']} pairs (pairs {min(r['pair_medians']):.2f}-{max(r['pair_medians']):.2f}x, largest step "
+              f"{r['largest_step_ratio']:.2f}x)")
     if res.get("curves"):
         c = res["curves"]
         print(f"loss curves over {c['steps']} steps, median (largest) |difference| over steps and pairs: vlmpack vs HF "

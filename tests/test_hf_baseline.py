@@ -263,6 +263,32 @@ def test_curve_check_judges_runs_of_one_distribution_alike_whatever_the_pair_cou
     assert apart["vlmpack_vs_hf"]["median"] > 3 * apart["hf_vs_hf"]["median"]
 
 
+def _timed(seconds_ours, seconds_hf, warmup):
+    ours = [{"step": i + 1, "step_seconds": t} for i, t in enumerate(seconds_ours)]
+    hf = [{"step": i + 1, "step_seconds": t, "warmup": i < warmup} for i, t in enumerate(seconds_hf)]
+    return {"ours": {"steps": ours}, "hf": {"steps": hf}}
+
+
+def test_step_by_step_ratio_is_not_moved_by_one_sides_stalled_steps():
+    """Both sides run the same packs: HF 1.15x slower on every step, but for two measured steps
+    where it stalls (an autotune). The step-by-step median stays at 1.15x, while the run's median
+    step moves; warm-up steps are left out, and a step missing on one side is not paired."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        warmup = 3
+        steps = warmup + int(rng.integers(6, 10))  # the protocol measures 6 steps or more
+        ours = rng.uniform(0.6, 1.3, steps)
+        hf = ours * 1.15
+        hf[:warmup] += 200.0  # the first steps compile
+        stalled = rng.choice(np.arange(warmup, steps), size=2, replace=False)
+        hf[stalled] += rng.uniform(2.0, 4.0, 2)
+        got = train_speed.per_step_ratios([_timed(ours, hf, warmup), _timed(ours * 1.01, hf, warmup)])
+        assert got["pairs"] == 4 and got["steps"] == steps - warmup
+        assert got["median"] == pytest.approx(1.15, rel=0.02)
+        assert got["largest_step_ratio"] > 2
+    assert train_speed.per_step_ratios([{"ours": {"steps": []}, "hf": {"error": "out of memory"}}]) is None
+
+
 def _killed_outright() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
