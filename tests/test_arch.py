@@ -101,3 +101,56 @@ def test_a_config_json_number_of_the_wrong_kind_is_refused_naming_the_file_and_f
     with pytest.raises(UserError) as err:
         ModelArch.from_hf_dir(tmp_path)
     assert str(err.value).startswith(f"{tmp_path / 'config.json'}: ") and says in str(err.value), str(err.value)
+
+
+def _set_text(key, value, drop=()):
+    def change(text):
+        for name in drop:
+            text.pop(name, None)
+        *inner, last = key.split(".")
+        section = text
+        for name in inner:
+            section = section[name]
+        section[last] = value
+    return change
+
+
+# settings a config.json reader computes with (divides by, sums, counts), of the wrong kind or
+# value: (architecture, change of its text_config, what the one line says)
+COMPUTED_WITH = {
+    "head_dim a string": ("tiny", _set_text("head_dim", "16"), "the language model's head_dim must be an integer >= 1, "
+                                                                "got '16'"),
+    "mrope_section a number": ("tiny", _set_text("rope_parameters.mrope_section", 5),
+                               "the language model's rope_parameters.mrope_section must be a list of integers >= 0, "
+                               "got 5"),
+    "mrope_section of strings": ("tiny", _set_text("rope_parameters.mrope_section", ["4", 2, 2]),
+                                 "mrope_section must be a list of integers >= 0, got ['4', 2, 2]"),
+    "rope_theta a word": ("tiny", _set_text("rope_parameters.rope_theta", "x"),
+                          "rope_parameters.rope_theta must be a finite number above 0, got 'x'"),
+    "rope_parameters a string": ("tiny", _set_text("rope_parameters", "x"),
+                                 "the language model's rope_parameters is a string, not a JSON object of settings"),
+    "no linear key heads": ("tiny-qwen3.5", _set_text("linear_num_key_heads", 0),
+                            "text_config.linear_num_key_heads must be an integer >= 1, got 0"),
+    "linear value heads null": ("tiny-qwen3.5", _set_text("linear_num_value_heads", None),
+                                "text_config.linear_num_value_heads must be an integer >= 1, got None"),
+    "layer_types a string": ("tiny-qwen3.5", _set_text("layer_types", "linear_attention"),
+                             "text_config.layer_types must be a list of one type per layer, got 'linear_attention'"),
+    "full attention every 0 layers": ("tiny-qwen3.5", _set_text("full_attention_interval", 0, drop=["layer_types"]),
+                                      "text_config.full_attention_interval must be an integer >= 1, got 0"),
+    "layers a string": ("tiny-qwen3.5", _set_text("num_hidden_layers", "4", drop=["layer_types"]),
+                        "the language model's num_hidden_layers must be an integer >= 1, got '4'"),
+    "layers null": ("tiny-qwen3.5", _set_text("num_hidden_layers", None, drop=["layer_types"]),
+                    "text_config.num_hidden_layers must be an integer >= 1, got None"),
+    "qwen3.5 head_dim null": ("tiny-qwen3.5", _set_text("head_dim", None), "text_config.head_dim is null"),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPUTED_WITH))
+def test_a_config_json_setting_computed_with_is_refused_by_name_not_as_a_traceback(tmp_path, case):
+    name, change, says = COMPUTED_WITH[case]
+    config = BUILTIN_ARCHS[name].to_hf_config()
+    change(config["text_config"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as err:  # the commands report it in one line (a ModelFileError is one)
+        ModelArch.from_hf_dir(tmp_path)
+    assert says in str(err.value) and "config.json" in str(err.value), str(err.value)

@@ -154,3 +154,26 @@ def test_export_names_a_damaged_kept_file_before_reading_any_weight(model_dir, t
     capsys.readouterr()
     assert vlmpack(["export-hf", str(source), "--out", str(tmp_path / "out")]) == 2
     assert f"{source / name}{says}" in one_error_line(capsys.readouterr().err, "export-hf")
+
+
+def test_import_of_a_checkpoint_whose_fused_tensors_mix_dtypes_writes_their_common_dtype(hf_checkpoint, tmp_path):
+    """q_proj saved in float16 beside float32 k/v_proj: megatron's fused qkv is made in float32, as
+    torch.cat makes it, and the export gives q_proj back at its saved values."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    name = "model.language_model.layers.0.self_attn.q_proj.weight"
+
+    def half_q(raw: bytes) -> bytes:
+        (tmp_path / "intact.safetensors").write_bytes(raw)
+        state = load_file(tmp_path / "intact.safetensors")
+        state[name] = state[name].to(torch.float16)
+        save_file(state, tmp_path / "mixed.safetensors", metadata={"format": "pt"})
+        return (tmp_path / "mixed.safetensors").read_bytes()
+
+    source = damaged_copy(hf_checkpoint, tmp_path / "source", "model.safetensors", half_q)
+    assert vlmpack(["import-hf", str(source), "--out", str(tmp_path / "model")]) == 0
+    assert vlmpack(["export-hf", str(tmp_path / "model"), "--out", str(tmp_path / "out")]) == 0
+    exported = load_file(tmp_path / "out" / "model.safetensors")[name]
+    assert exported.dtype == torch.float32
+    assert torch.equal(exported, load_file(tmp_path / "mixed.safetensors")[name].float())

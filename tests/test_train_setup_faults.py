@@ -57,6 +57,8 @@ DRY_RUN_DATA = {
                              "mixing weights must be finite, >= 0 and not all 0, got [0.0]"),
     "an export target that is a file": (["--arch", "tiny", "--data", "{shards}", "--export-hf", "{file}"],
                                         "--export-hf {file} is a file, not a directory"),
+    "every part frozen": (["--arch", "tiny", "--data", "{shards}", "--freeze", "vision,merger", "--freeze", "llm"],
+                          "--freeze vision,merger,llm freezes every part of the model: nothing would be trained"),
 }
 
 
@@ -71,6 +73,30 @@ def test_dry_run_refuses_the_data_a_run_refuses_with_the_same_line(shards, tmp_p
     dry_line, run_line = one_error_line(dry_err, "train"), one_error_line(run_err, "train")
     assert dry_code == run_code == 2 and dry_line == run_line, (dry_line, run_line)
     assert says.format(**paths) in dry_line, dry_line
+
+
+def test_dry_run_refuses_the_out_and_the_resume_a_run_refuses_with_the_same_line(shards, tmp_path, capsys):
+    """--out and the checkpoint a --resume continues are checked by a --dry-run as by the run: a
+    file, a run's directory without --resume, a checkpoint of another architecture or kind."""
+    run, file = tmp_path / "run", tmp_path / "file"
+    file.write_text("a file")
+    assert train(["--arch", "tiny", "--seq-len", str(SEQ_LEN), *RUN, "--data", str(shards), "--out", str(run)],
+                 capsys)[0] == 0
+    cases = [
+        (["--arch", "tiny", "--out", str(file)], f"--out {file} is a file, not a directory"),
+        (["--arch", "tiny", "--out", str(file / "run")], f"--out {file / 'run'}: a file stands in the path"),
+        (["--arch", "tiny", "--out", str(run)], f"--out {run} holds the checkpoints of an earlier run"),
+        (["--arch", "tiny-moe", "--out", str(run), "--resume"], "its model is not the one --arch tiny-moe builds"),
+        (["--arch", "tiny", "--out", str(run), "--resume", "--lora-rank", "4"],
+         "holds a full fine-tuning run's model, not LoRA adapters: resume it without --lora-rank"),
+    ]
+    for extra, says in cases:
+        dry_code, dry_err = train(["--dry-run", "--seq-len", str(SEQ_LEN), *RUN, "--data", str(shards), *extra],
+                                  capsys)
+        run_code, run_err = train(["--seq-len", str(SEQ_LEN), *RUN, "--data", str(shards), *extra], capsys)
+        dry_line, run_line = one_error_line(dry_err, "train"), one_error_line(run_err, "train")
+        assert dry_code == run_code == 2 and dry_line == run_line, (dry_line, run_line)
+        assert says in dry_line, dry_line
 
 
 def test_dry_run_refuses_a_seq_len_that_a_sample_of_the_data_certainly_exceeds(shards, capsys, tmp_path):

@@ -702,6 +702,11 @@ def check_run_directory(config) -> None:
     and a resume refuses settings its checkpoint would silently override or break. `config`:
     the whole `TrainConfig`, as a resume compares every section with the checkpoint's."""
     out = Path(config.checkpoints.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory: pass a directory path")
+    blocking = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"--out {out}: a file stands in the path ({blocking}): pass a directory path")
     writer = recorded_command(out) if out.is_dir() else None
     if writer not in (None, "train"):
         raise ConfigError(f"--out {out} holds the output of `vlmpack {writer}`: give the run a new or empty --out")
@@ -751,12 +756,16 @@ def check_export_target(target: str | None, out: Path) -> None:
 
 
 def check_resume_arch(config, arch: ModelArch) -> None:
-    """A full fine-tuning resume builds the architecture its newest checkpoint holds: another
-    (another --arch, --hf-model or --init) is refused before the model is built, naming the
-    fields that differ. A LoRA checkpoint's base is checked where its adapters load; a damaged
-    checkpoint is reported where the resume reads it."""
+    """A resume continues its newest checkpoint's kind of run (LoRA adapters or a whole model,
+    `check_resume_kind`), and a full fine-tuning resume builds the architecture that checkpoint
+    holds: another (another --arch, --hf-model or --init) is refused before the model is built,
+    naming the fields that differ. A LoRA checkpoint's base is checked where its adapters load; a
+    damaged checkpoint is reported where the resume reads it."""
     path = latest_checkpoint(Path(config.checkpoints.out))
-    if path is None or not (path / "model").is_dir():
+    if path is None:
+        return
+    check_resume_kind(path, bool(config.lora.lora_rank), read_trainer_meta(path)["config"].get("lora_rank"))
+    if not (path / "model").is_dir():
         return
     try:
         saved = read_model_arch(path / "model")
@@ -772,6 +781,18 @@ def check_resume_arch(config, arch: ModelArch) -> None:
     raise ConfigError(f"--resume from checkpoint {path.name}: its model is not the one {source} builds ({shown}, "
                       f"the checkpoint's first): resume with the --arch, --hf-model or --init the run was started "
                       f"with, or start a new run from its weights with --init {path / 'model'}")
+
+
+def check_resume_kind(path: Path, lora_run: bool, saved_rank=None) -> None:
+    """A LoRA run resumes a checkpoint of LoRA adapters, a full fine-tuning run one of a whole
+    model: the other kind is refused (`saved_rank`: the checkpoint's --lora-rank, for the fix)."""
+    adapters = (path / adapter_format.ADAPTER_SUBDIR).is_dir()
+    if adapters and not lora_run:
+        raise ConfigError(f"{path} holds LoRA adapters, not a model: resume with its LoRA settings "
+                          f"(--lora-rank {saved_rank} ...)")
+    if lora_run and not adapters:
+        raise ConfigError(f"{path} holds a full fine-tuning run's model, not LoRA adapters: resume it without "
+                          f"--lora-rank, or start a LoRA run from its weights with --init {path / 'model'}")
 
 
 def damaged_checkpoint_fix(path: Path) -> str:
@@ -929,18 +950,13 @@ def _load_run_weights(model, path: Path, info, saved_config: dict) -> None:
     trained on)."""
     adapters = getattr(unwrap(model), "adapters", None)
     adapter_dir = path / adapter_format.ADAPTER_SUBDIR
+    check_resume_kind(path, adapters is not None, saved_config.get("lora_rank"))
     if adapters is None:
-        if adapter_dir.is_dir():
-            raise ConfigError(f"{path} holds LoRA adapters, not a model: resume with its LoRA settings "
-                              f"(--lora-rank {saved_config.get('lora_rank')} ...)")
         try:
             load_model_weights(model, path / "model", read_model_arch(path / "model"), info)
         except ModelFileError as exc:  # a file of the checkpoint's model/: the checkpoint before it is the way on
             raise ModelFileError(exc.problem, damaged_checkpoint_fix(path)) from None
         return
-    if not adapter_dir.is_dir():
-        raise ConfigError(f"{path} holds a full fine-tuning run's model, not LoRA adapters: resume it without "
-                          f"--lora-rank, or start a LoRA run from its weights with --init {path / 'model'}")
     meta, spec, _ = adapter_format.read_lora_meta(adapter_dir)
     if spec != adapters.spec:
         raise ConfigError(f"{path} was trained with LoRA {spec.to_dict()}, this run asks for {adapters.spec.to_dict()}: "

@@ -519,6 +519,9 @@ class TrainConfig:
         if self.schedule.extend_schedule and not self.checkpoints.resume:
             raise ConfigError("--extend-schedule continues a checkpoint's learning-rate schedule: it needs --resume")
         self.lora.validate()
+        if not self.lora.lora_rank and set(FREEZABLE) <= set(self.model.freeze):
+            raise ConfigError(f"--freeze {','.join(FREEZABLE)} freezes every part of the model: nothing would be "
+                              "trained; drop one of them (or train adapters with --lora-rank R)")
         if self.lora.lora_rank:
             trained = set(self.lora.trained_parts()) | set(self.lora.lora_modules_to_save)
             frozen = sorted(set(self.model.freeze) & trained)

@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import lru_cache, reduce
 from itertools import product
 from pathlib import Path
 
@@ -278,7 +278,9 @@ def hf_to_megatron(hf_state: dict, arch: ModelArch) -> dict:
         sources = [hf[n] for n in names]
         if not any(isinstance(t, LazyTensor) for t in sources):
             return transforms[m.transform][0](sources, arch.lm)
-        return LazyTensor(megatron_shapes(arch)[megatron], sources[0].dtype,
+        # a fused tensor of sources saved in different dtypes is made in their common one, as torch.cat makes it
+        dtype = reduce(torch.promote_types, (t.dtype for t in sources))
+        return LazyTensor(megatron_shapes(arch)[megatron], dtype,
                           lambda: transforms[m.transform][0]([materialize(t) for t in sources], arch.lm))
 
     return {megatron: convert(m, names, megatron) for m, names, megatron in _name_pairs(arch, hf)}

@@ -277,9 +277,11 @@ def dry_run(config: TrainConfig) -> tuple[str, bool]:
     that fits, and whether any layout fits (this run's or one of those searched); nothing is
     built."""
     config.validate()
-    checkpoint.check_export_target(config.checkpoints.export_hf, Path(config.checkpoints.out))
     with inputs_checked():
+        checkpoint.check_run_directory(config)  # --out and --export-hf as the run takes them
         arch = resolve_arch(config.model)
+        if config.checkpoints.resume:
+            checkpoint.check_resume_arch(config, arch)
     check_layout(arch, config)
     with inputs_checked():
         check_data_manifests(config.data, arch)

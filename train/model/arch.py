@@ -167,6 +167,7 @@ class ModelArch:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: --hf-model must be a Hugging Face model directory")
         config = read_json_object(path, HF_CONFIG_FIX)
+        check_hf_value_kinds(config, path)
         try:
             arch = cls.from_hf_config(ConfigSection(config, TOP_LEVEL), str(path))
         except MissingConfigField as exc:
@@ -213,6 +214,58 @@ POSITIVE_FIELDS = frozenset({"vocab_size", "hidden_size", "num_layers", "num_hea
 # the config.json names of the fields whose vlmpack names differ
 HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
                   "num_kv_heads": "num_key_value_heads"}
+
+
+# config.json settings the families compute with while they read a config (a head count divides,
+# a list is summed), before `check_field_kinds` sees the result: each, where given and not null,
+# of its kind, so that "16" or 5 for a list is refused naming its field, not met as a traceback
+HF_INTEGERS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts", "num_local_experts",
+               "num_experts_per_tok", "decoder_sparse_step", "shared_expert_intermediate_size",
+               "full_attention_interval", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+               "linear_value_head_dim", "linear_conv_kernel_dim", "mtp_num_hidden_layers", "depth", "num_heads",
+               "patch_size", "spatial_merge_size", "temporal_patch_size", "in_channels", "out_hidden_size",
+               "num_position_embeddings", "window_size", "image_token_id", "video_token_id")
+HF_NUMBERS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "router_aux_loss_coef", "tokens_per_second")
+HF_INTEGER_LISTS = ("mrope_section", "deepstack_visual_indexes", "fullatt_block_indexes", "mlp_only_layers")
+
+
+def check_hf_value_kinds(config: dict, source: str | Path) -> None:
+    """The settings of config.json `config` (read from `source`) that `HF_INTEGERS`, `HF_NUMBERS`
+    and `HF_INTEGER_LISTS` name, of those kinds in every section that holds them; ModelFileError
+    naming the first that is not, as `check_field_kinds` names a field."""
+    text_nested = isinstance(config.get("text_config"), dict)
+    sections = [("the language model's " if not text_nested else "", "", config),
+                ("the language model's ", "", config["text_config"] if text_nested else {}),
+                ("the vision tower's ", "", config["vision_config"] if isinstance(config.get("vision_config"), dict)
+                 else {})]
+    for part, where, section in list(sections):
+        for key in ("rope_parameters", "rope_scaling"):
+            value = section.get(key)
+            if value is not None and not isinstance(value, dict):
+                raise ModelFileError(f"{source}: {part}{key} is {json_kind(value)}, not a JSON object of settings",
+                                     HF_CONFIG_FIX)
+            if value:
+                sections.append((part, f"{key}.", value))
+    vlmpack_names = {hf: name for name, hf in HF_FIELD_NAMES.items()}
+
+    def integer(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for part, where, section in sections:
+        for key, value in section.items():
+            low = 1 if vlmpack_names.get(key, key) in POSITIVE_FIELDS else 0
+            if value is None:
+                continue
+            if key in HF_INTEGERS and not integer(value):
+                want = f"an integer >= {low}"
+            elif key in HF_NUMBERS and not (integer(value) or isinstance(value, float)):
+                want = "a finite number " + ("above 0" if low else ">= 0")
+            elif key in HF_INTEGER_LISTS and not (isinstance(value, list) and all(map(integer, value))):
+                want = "a list of integers >= 0"
+            else:
+                continue
+            raise ModelFileError(f"{source}: {part}{where}{key} must be {want}, got {repr(value)[:60]}", HF_CONFIG_FIX)
 
 
 def check_field_kinds(arch: ModelArch, source: str | Path, fix: str = HF_CONFIG_FIX, hf_names: bool = True) -> None:

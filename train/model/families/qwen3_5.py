@@ -66,6 +66,8 @@ DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
 DEFAULT_MROPE_SECTION = (11, 11, 10)
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
+LINEAR_ATTENTION_DEFAULTS = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                                 linear_value_head_dim=128, linear_conv_kernel_dim=4)
 MTP_PREFIX = "mtp."
 
 
@@ -80,11 +82,20 @@ def _required(section: dict, key: str, where: str):
 
 def _layer_types(text: dict) -> tuple[str, ...]:
     layers = _required(text, "num_hidden_layers", "text_config.")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"config.json text_config.num_hidden_layers must be an integer >= 1, got {layers!r}: use the "
+                         "config.json the checkpoint was saved with")
     types = text.get("layer_types")
     if types is None:  # transformers derives them so
         interval = text.get("full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"config.json text_config.full_attention_interval must be an integer >= 1, got "
+                             f"{interval!r}: use the config.json the checkpoint was saved with")
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if not isinstance(types, list):
+        raise ValueError(f"config.json text_config.layer_types must be a list of one type per layer, got "
+                         f"{str(types)[:60]!r}: use the config.json the checkpoint was saved with")
+    unknown = sorted({str(t) for t in types} - set(LAYER_TYPES))
     if unknown:
         raise ValueError(f"config.json text_config.layer_types has {unknown}: this model builds {list(LAYER_TYPES)} "
                          "layers only")
@@ -111,6 +122,11 @@ def _check_representable(text: dict, moe: bool) -> None:
     if gate != "swish":
         raise ValueError(f"config.json text_config.output_gate_type {gate!r}: this model gates the Gated DeltaNet "
                          "output norm with swish (silu) only")
+    for key, default in LINEAR_ATTENTION_DEFAULTS.items():  # each divides or sizes a Gated DeltaNet tensor
+        value = text.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.json text_config.{key} must be an integer >= 1, got {value!r}: use the "
+                             "config.json the checkpoint was saved with")
     keys, values = text.get("linear_num_key_heads", 16), text.get("linear_num_value_heads", 32)
     if values % keys:
         raise ValueError(f"config.json text_config.linear_num_value_heads {values} must be a multiple of "
@@ -130,7 +146,12 @@ def arch_from_hf_config(config: dict) -> ModelArch:
     _check_representable(text, moe)
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     head_dim = text.get("head_dim", 256)
-    partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR)))
+    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR))
+    for key, value in (("head_dim", head_dim), ("partial_rotary_factor", partial)):
+        if value is None:  # transformers' Qwen3.5 model computes its rotary dims from both
+            raise ValueError(f"config.json text_config.{key} is null: a Qwen3.5 config sets it; use the config.json "
+                             "the checkpoint was saved with")
+    partial = float(partial)
     section = tuple(rope.get("mrope_section") or DEFAULT_MROPE_SECTION)
     rotary = int(head_dim * partial)
     if sum(section) != rotary // 2:
@@ -155,11 +176,7 @@ def arch_from_hf_config(config: dict) -> ModelArch:
         rope_theta=float(rope.get("rope_theta", text.get("rope_theta", DEFAULT_ROPE_THETA))),
         mrope_section=section, mrope_interleaved=True, qkv_bias=False, qk_norm=True, tie_word_embeddings=bool(tie),
         layer_types=_layer_types(text),
-        linear_num_key_heads=text.get("linear_num_key_heads", 16),
-        linear_num_value_heads=text.get("linear_num_value_heads", 32),
-        linear_key_head_dim=text.get("linear_key_head_dim", 128),
-        linear_value_head_dim=text.get("linear_value_head_dim", 128),
-        linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+        **{key: text.get(key, default) for key, default in LINEAR_ATTENTION_DEFAULTS.items()},
         partial_rotary_factor=partial, attn_output_gate=True, zero_centered_norms=True,
         mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
         mtp_use_dedicated_embeddings=bool(text.get("mtp_use_dedicated_embeddings", False)),
