@@ -66,6 +66,15 @@ def recorded_command(path: Path) -> str | None:
         return None
 
 
+# a job's record name where it is no command of its own: what a user typed to make that output
+COMMAND_SHOWN = {"export-peft": "export-hf (of LoRA adapters, in PEFT's format)"}
+
+
+def shown_command(record: str | None) -> str:
+    """The `vlmpack` command a lock file's record names, as a user runs it."""
+    return COMMAND_SHOWN.get(record, record)
+
+
 def user_entries(path: Path) -> list[str]:
     """Names in `path` other than the lock file: what makes a directory non-empty to a job."""
     return sorted(name for name in os.listdir(path) if name != LOCK_NAME)

@@ -471,6 +471,9 @@ def test_output_directories_hold_only_their_own_command_output(hf_checkpoint, tm
         with pytest.raises(UserError, match=r"\(notes.txt\) and is not the output of"):
             run()
     assert _files(other) == {"notes.txt"}
+    # LoRA adapters are exported by `vlmpack export-hf`: the message names that command
+    with pytest.raises(UserError, match=r"not the output of `vlmpack export-hf \(of LoRA adapters, in PEFT's format\)`"):
+        C.check_output_dir(other, "export-peft")
     # a job holding --out keeps every other job out of it
     with exclusive_output_dir(tmp_path / "busy", "export-hf"):
         with pytest.raises(UserError, match="is in use by another job"):

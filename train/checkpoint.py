@@ -49,7 +49,7 @@ from train import checkpoint_format as fmt
 from train import convert
 from shards_schema.flags import flag_name
 from shards_schema.manifest import MANIFEST_NAME
-from shards_schema.outdir import recorded_command, user_entries
+from shards_schema.outdir import recorded_command, shown_command, user_entries
 from train.config import ConfigError
 from train.metrics import METRICS_FILE
 from train.model.arch import ModelArch, ModelFileError, read_json_object
@@ -709,7 +709,8 @@ def check_run_directory(config) -> None:
         raise ConfigError(f"--out {out}: a file stands in the path ({blocking}): pass a directory path")
     writer = recorded_command(out) if out.is_dir() else None
     if writer not in (None, "train"):
-        raise ConfigError(f"--out {out} holds the output of `vlmpack {writer}`: give the run a new or empty --out")
+        raise ConfigError(f"--out {out} holds the output of `vlmpack {shown_command(writer)}`: give the run a new "
+                          "or empty --out")
     for name, what in ((MANIFEST_NAME, "a shard directory"), (fmt.META_FILE, "a model directory")):
         if (out / name).is_file():
             raise ConfigError(f"--out {out} is {what} ({name}): give the run a new or empty --out")

@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 from shards_schema.atomic import TMP_SUFFIX, fsync_dir
 from shards_schema.errors import UserError
-from shards_schema.outdir import exclusive_output_dir, recorded_command, refuse_input_as_output, user_entries
+from shards_schema.outdir import (exclusive_output_dir, recorded_command, refuse_input_as_output, shown_command,
+                                   user_entries)
 from train.checkpoint_format import (
     CARRIED_FILE,
     HF_INDEX_FILE,
@@ -688,11 +689,11 @@ def check_output_dir(out: str | Path, command: str, *, overwrite: bool = False, 
     if foreign or writer != command:
         names = foreign or entries
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise UserError(f"--out {out} is not empty ({shown}) and is not the output of `vlmpack {command}`: "
-                        "choose an empty or new directory")
+        raise UserError(f"--out {out} is not empty ({shown}) and is not the output of "
+                        f"`vlmpack {shown_command(command)}`: choose an empty or new directory")
     if completion in entries and not overwrite:
-        raise UserError(f"--out {out} holds a finished `vlmpack {command}` output: pass --overwrite to replace it, "
-                        "or choose a new directory")
+        raise UserError(f"--out {out} holds a finished `vlmpack {shown_command(command)}` output: pass --overwrite to "
+                        "replace it, or choose a new directory")
 
 
 @contextmanager
