@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,14 +60,21 @@ DRY_RUN_DATA = {
                                         "--export-hf {file} is a file, not a directory"),
     "every part frozen": (["--arch", "tiny", "--data", "{shards}", "--freeze", "vision,merger", "--freeze", "llm"],
                           "--freeze vision,merger,llm freezes every part of the model: nothing would be trained"),
+    "a shard file cut short": (["--arch", "tiny", "--data", "{truncated}"],
+                               "bytes on disk, the manifest says"),
 }
 
 
 @pytest.mark.parametrize("case", list(DRY_RUN_DATA))
 def test_dry_run_refuses_the_data_a_run_refuses_with_the_same_line(shards, tmp_path, capsys, case):
     extra, says = DRY_RUN_DATA[case]
-    paths = {"shards": str(shards), "missing": str(tmp_path / "missing"), "file": str(tmp_path / "file")}
+    paths = {"shards": str(shards), "missing": str(tmp_path / "missing"), "file": str(tmp_path / "file"),
+             "truncated": str(tmp_path / "truncated")}
     (tmp_path / "file").write_text("a file")
+    if "{truncated}" in extra:
+        shutil.copytree(shards, tmp_path / "truncated")
+        shard = sorted((tmp_path / "truncated").glob("*.arrow"))[-1]
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     extra = [arg.format(**paths) for arg in extra]
     dry_code, dry_err = train(["--dry-run", "--seq-len", str(SEQ_LEN), *extra], capsys)
     run_code, run_err = train(["--seq-len", str(SEQ_LEN), *RUN, *extra, "--out", str(tmp_path / "run")], capsys)

@@ -32,6 +32,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from shards_schema.errors import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_GPU_MEMORY, UserError
 from shards_schema.outdir import exclusive_output_dir
+from shards_schema.reader import ShardFault, file_fault
 from shards_schema.storage import is_url
 from train import adapter_format, checkpoint, convert, memory_plan, model_setup
 from train.config import (AdamWConfig, ConfigError, DataConfig, MemoryConfig, ParallelismConfig, ScheduleConfig,
@@ -247,8 +248,9 @@ def check_device(config: ParallelismConfig) -> None:
 
 def check_data_manifests(config: DataConfig, arch: ModelArch) -> None:
     """What a run refuses of the data section's local --data / --eval-data sources before it
-    builds anything, found from their manifests alone (`--dry-run`; object-store sources are
-    checked once fetched): a missing directory or one of no shards, shards of another model
+    builds anything, found from their manifests and a stat of each shard file (`--dry-run`;
+    object-store sources are checked once fetched): a missing directory or one of no shards, a
+    shard file missing or of another size than its manifest says, shards of another model
     (`check_profiles`, the run's own check), and a --seq-len that some sample certainly exceeds,
     which the run refuses when it plans the packs. A manifest records each shard's tokens and
     rows, not each sample's length: a shard whose samples average more than --seq-len tokens
@@ -260,6 +262,10 @@ def check_data_manifests(config: DataConfig, arch: ModelArch) -> None:
     for directory in directories:
         manifest = source_manifest(directory)
         for shard in manifest["shards"]:
+            path = Path(directory) / shard["file"]
+            fault = file_fault(path, shard.get("bytes"))  # a stat, as the run's first read of the shard does
+            if fault is not None:
+                raise ShardFault(path, *fault)
             rows, tokens = int(shard.get("rows", 0)), int(shard.get("tokens", 0))
             mean = -(-tokens // rows) if rows else 0  # rounded up: the longest sample has at least as many
             if mean > config.seq_len:
