@@ -62,6 +62,8 @@ DRY_RUN_DATA = {
                           "--freeze vision,merger,llm freezes every part of the model: nothing would be trained"),
     "a shard file cut short": (["--arch", "tiny", "--data", "{truncated}"],
                                "bytes on disk, the manifest says"),
+    "FA4 on CPU": (["--arch", "tiny", "--data", "{shards}", "--attention", "fa4", "--device", "cpu"],
+                   "--attention fa4 runs on a CUDA GPU"),
 }
 
 

@@ -263,6 +263,11 @@ class ParallelismConfig:
             _check_choices(self, {"device": DEVICES})
 
 
+# one line for --attention fa4 on a CPU run, whether the config names the device or the machine has no GPU
+FA4_ON_CPU = ("--attention fa4 runs on a CUDA GPU (Hopper or Blackwell); a CPU run computes attention exactly with a "
+              "masked kernel: drop --attention fa4 (or give auto)")
+
+
 @dataclass
 class MemoryConfig:
     """Precision and the memory / speed trade-offs."""
@@ -519,6 +524,8 @@ class TrainConfig:
         if self.schedule.extend_schedule and not self.checkpoints.resume:
             raise ConfigError("--extend-schedule continues a checkpoint's learning-rate schedule: it needs --resume")
         self.lora.validate()
+        if self.parallelism.device == "cpu" and self.model.attention == "fa4":
+            raise ConfigError(FA4_ON_CPU)
         if not self.lora.lora_rank and set(FREEZABLE) <= set(self.model.freeze):
             raise ConfigError(f"--freeze {','.join(FREEZABLE)} freezes every part of the model: nothing would be "
                               "trained; drop one of them (or train adapters with --lora-rank R)")

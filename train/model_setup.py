@@ -25,6 +25,7 @@ from train import adapter_format
 from train import checkpoint_format as fmt
 from train import convert
 from train.model import families, lora
+from train.config import FA4_ON_CPU
 from train.model.arch import ModelArch, builtin_arch
 
 
@@ -179,8 +180,7 @@ def build_model_for_run(config, memory, arch: ModelArch, info, dtype: torch.dtyp
                                       moe_aux_loss_coef=config.moe_aux_loss_coef,
                                       sequence_parallel=sequence_parallel, calculate_per_token_loss=True)
     if not cuda and config.attention == "fa4":
-        raise UserError("--attention fa4 runs on a CUDA GPU (Hopper or Blackwell); a CPU run computes attention "
-                        "exactly with a masked kernel: drop --attention fa4 (or give auto)")
+        raise UserError(FA4_ON_CPU)
     if cuda:
         kernel, on_fa2 = select_attention_kernel(config.attention, {"language model": arch.lm.head_dim,
                                                                     "vision tower": arch.vision.head_dim})
