@@ -177,3 +177,33 @@ def test_import_of_a_checkpoint_whose_fused_tensors_mix_dtypes_writes_their_comm
     exported = load_file(tmp_path / "out" / "model.safetensors")[name]
     assert exported.dtype == torch.float32
     assert torch.equal(exported, load_file(tmp_path / "mixed.safetensors")[name].float())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_import_refuses_a_weight_that_holds_nan_or_inf_naming_it(hf_checkpoint, tmp_path, capsys, seed):
+    """A NaN or an infinity anywhere in a random weight, or a finite value that --dtype float16
+    makes infinite, is refused with one line naming the weight; nothing is left in --out."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    rng = np.random.default_rng(seed)
+    state = load_file(hf_checkpoint / "model.safetensors")
+    name = sorted(k for k, t in state.items() if t.is_floating_point() and t.numel() > 1)[
+        int(rng.integers(0, len(state) - 1))]
+    for bad, dtype in ((float("nan"), None), (float("-inf"), None), (1e6, "float16")):
+        def poison(raw: bytes, bad=bad) -> bytes:
+            (tmp_path / "intact.safetensors").write_bytes(raw)
+            tensors = load_file(tmp_path / "intact.safetensors")
+            tensors[name].view(-1)[int(rng.integers(0, tensors[name].numel()))] = bad
+            save_file(tensors, tmp_path / "poisoned.safetensors", metadata={"format": "pt"})
+            return (tmp_path / "poisoned.safetensors").read_bytes()
+
+        source = damaged_copy(hf_checkpoint, tmp_path / f"source{bad}", "model.safetensors", poison)
+        out = tmp_path / f"model{bad}"
+        code = vlmpack(["import-hf", str(source), "--out", str(out), *(["--dtype", dtype] if dtype else [])])
+        line = one_error_line(capsys.readouterr().err, "import-hf")
+        assert code == 2 and "holds NaN or infinite values" in line and str(source) in line, line
+        assert ("once cast to float16" in line) == (dtype == "float16"), line
+        assert not out.exists() or not any(p.suffix == ".safetensors" for p in out.rglob("*")), list(out.rglob("*"))
+    assert torch.isfinite(state[name]).all()

@@ -72,7 +72,7 @@ from train.checkpoint_format import (
     write_side_files,
 )
 from train.model import families
-from train.model.arch import LMArch, ModelArch
+from train.model.arch import LMArch, ModelArch, ModelFileError
 
 from train.model.weight_names import (  # noqa: F401 (the name table is also the converter's)
     EMBED, HF_LM, HF_LM_HEAD, HF_VISION, LINEAR_ATTENTION_SPLIT, LM, OUTPUT,
@@ -740,7 +740,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dty
     with staged_output_dir(out, "import-hf", overwrite) as staging:
         for name, key, experts in tqdm(model_files(tp, pp, ep), desc="writing shards", unit="file",
                                        disable=not progress):
-            _write_file_streaming(staging / name, full, arch, tp, pp, ep, key, experts, dtype)
+            _write_file_streaming(staging / name, full, arch, tp, pp, ep, key, experts, dtype, hf_dir)
         write_meta(staging, arch, tp, pp, dtype_name(_cast_lazy(t, dtype) for t in full.values()), ep)
         copy_hf_side_files(hf_dir, staging / HF_SUBDIR)
         write_carried(staging, hf_dir, arch, dtype)
@@ -776,15 +776,28 @@ def _cast_lazy(tensor: LazyTensor, dtype: torch.dtype | None) -> LazyTensor:
 
 
 def _write_file_streaming(path: Path, full: dict[str, LazyTensor], arch: ModelArch, tp: int, pp: int, ep: int,
-                          key: tuple[int, ...], experts: bool | None, dtype: torch.dtype | None) -> None:
+                          key: tuple[int, ...], experts: bool | None, dtype: torch.dtype | None,
+                          source: str | Path) -> None:
     """One model file (`model_files`), made and written one tensor at a time (peak memory:
-    about one full-model tensor, whatever the model's size)."""
+    about one full-model tensor, whatever the model's size); each checked finite (`_finite`)
+    as it is written."""
     ep_rank = key[2] if ep > 1 else 0
     plan = [entry for entry in _rank_plan(full, arch, tp, key[0], pp, key[1], ep, ep_rank)
             if experts is None or (_ep_dim(entry[1], arch) is not None) == experts]
     shapes = shard_shapes(arch, tp, key[0], pp, key[1], ep, ep_rank)
     entries = [(local, shapes[local], _cast_lazy(full[name], dtype).dtype) for local, name, _ in plan]
-    save_tensors_streaming(path, entries, (part(_cast_lazy(full[name], dtype).load()) for _, name, part in plan))
+    save_tensors_streaming(path, entries, (_finite(part(_cast_lazy(full[name], dtype).load()), name, source, dtype)
+                                           for _, name, part in plan))
+
+
+def _finite(tensor: torch.Tensor, name: str, source: str | Path, dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` (weight `name` of the checkpoint `source`), refused where it holds a NaN or an
+    infinity: such a weight makes every loss NaN from the first step, long after the import."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        cast = f" once cast to {dtype_name([tensor])}" if dtype is not None else ""
+        raise ModelFileError(f"{source}: weight {name} holds NaN or infinite values{cast}",
+                             "import a checkpoint whose weights are finite" + (" (or keep its dtype)" if cast else ""))
+    return tensor
 
 
 def export_hf(model_dir: str | Path, out: str | Path, dtype: torch.dtype | None = None,
