@@ -64,6 +64,12 @@ DRY_RUN_DATA = {
                                "bytes on disk, the manifest says"),
     "FA4 on CPU": (["--arch", "tiny", "--data", "{shards}", "--attention", "fa4", "--device", "cpu"],
                    "--attention fa4 runs on a CUDA GPU"),
+    "a frozen vision tower recomputed": (["--arch", "tiny", "--data", "{shards}", "--freeze", "vision", "--recompute",
+                                          "full", "--recompute-vision-blocks", "2"],
+                                         "--freeze vision gives them none: drop --recompute-vision-blocks"),
+    "a frozen vision tower recomputed, all blocks": (["--arch", "tiny", "--data", "{shards}", "--freeze", "vision",
+                                                      "--recompute-vision", "true"],
+                                                     "--freeze vision gives them none: drop --recompute-vision"),
 }
 
 

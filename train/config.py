@@ -526,6 +526,13 @@ class TrainConfig:
         self.lora.validate()
         if self.parallelism.device == "cpu" and self.model.attention == "fa4":
             raise ConfigError(FA4_ON_CPU)
+        if "vision" in self.model.freeze and (self.memory.recompute_vision or
+                                              self.memory.recompute_vision_blocks is not None):
+            # a frozen tower keeps no activations for a backward: there is nothing to recompute
+            given = ("--recompute-vision true" if self.memory.recompute_vision else
+                     f"--recompute-vision-blocks {self.memory.recompute_vision_blocks}")
+            raise ConfigError(f"{given} recomputes the vision blocks in backward, and --freeze vision gives them none: "
+                              f"drop {given.split()[0]}")
         if not self.lora.lora_rank and set(FREEZABLE) <= set(self.model.freeze):
             raise ConfigError(f"--freeze {','.join(FREEZABLE)} freezes every part of the model: nothing would be "
                               "trained; drop one of them (or train adapters with --lora-rank R)")
