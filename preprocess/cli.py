@@ -31,7 +31,7 @@ from shards_schema.outdir import exclusive_output_dir, user_entries
 from shards_schema.writer import file_sha256
 
 from .errors import ConfigError
-from .job import PreprocessConfig, check_config, run_preprocess
+from .job import MAX_WORKERS, PreprocessConfig, check_config, run_preprocess
 from .job.config import flags_acting_only_with, partition_from_flags, refuse_empty
 
 
@@ -205,6 +205,8 @@ class Quickstart:
             raise ConfigError(f"--rows must be an integer from 1 to {QUICKSTART_MAX_ROWS}, got {args.rows}")
         if not 0 <= args.videos <= QUICKSTART_MAX_VIDEOS:
             raise ConfigError(f"--videos must be an integer from 0 to {QUICKSTART_MAX_VIDEOS}, got {args.videos}")
+        if not 1 <= args.workers <= MAX_WORKERS:  # checked as given: fewer than asked may run (two units)
+            raise ConfigError(f"--workers must be an integer from 1 to {MAX_WORKERS}, got {args.workers}")
         builtin_profile(args.profile)  # an unknown name stops here, before anything is written
         videos = args.videos
         if videos and not all(importlib.util.find_spec(m) for m in ("av", "torch")):

@@ -5,7 +5,8 @@ Training memory-maps its shards, so they must be on a local or shared file syste
 how a directory written to s3:// / gs:// / hf:// gets there. Each shard is streamed into
 `DST/<file>.tmp` while hashed and renamed into place only when it matches the manifest; the
 manifest is written last, so DST holds a manifest only once everything it lists is there and
-checked. A shard that does not match its manifest stops the fetch (exit 1) and is not kept.
+checked. A shard that does not match its manifest, or is missing, stops the fetch (exit 1) and
+is not kept.
 
 A re-run checks what DST already holds, a finished copy included: each shard's size (a stat),
 then its sha256 (one streaming read, several shards at a time). Shards that match are kept;
@@ -146,7 +147,15 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
         total = sum(s["bytes"] for s in todo)
         with tqdm(total=total, unit="B", unit_scale=True, desc="fetch", disable=not progress) as bar:
             for shard in todo:
-                _copy(join(src, shard["file"]), out / shard["file"], shard["bytes"], shard["sha256"], bar)
+                src_file = join(src, shard["file"])
+                try:
+                    _copy(src_file, out / shard["file"], shard["bytes"], shard["sha256"], bar)
+                except (FileNotFoundError, StorageError) as exc:
+                    if isinstance(exc, StorageError) and exc.kind != "not_found":
+                        raise
+                    raise FetchMismatch(f"{redact(src_file)} is missing, and the source's {MANIFEST_NAME} lists it: the "
+                                        "source is damaged or incomplete; restore the shard there (or re-run the job "
+                                        "that wrote it), then fetch again") from None
         try:
             _copy(join(src, REJECTS_NAME), out / REJECTS_NAME, None, None, tqdm(disable=True))
         except StorageError as exc:

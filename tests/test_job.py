@@ -807,6 +807,7 @@ BAD_ARGUMENTS = [
     ("quickstart", ["--rows", "0"], "--rows must be an integer from 1 to 1000, got 0"),
     ("quickstart", ["--videos", "-1"], "--videos must be an integer from 0 to 100, got -1"),
     ("quickstart", ["--workers", "0"], "--workers must be an integer from 1 to 4096, got 0"),
+    ("quickstart", ["--workers", "4097"], "--workers must be an integer from 1 to 4096, got 4097"),
     ("quickstart", ["--out", "{tmp}/afile"], "--out {tmp}/afile is a file, not a directory"),
 ]
 

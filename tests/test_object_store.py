@@ -492,6 +492,28 @@ def test_fetch_bad_arguments_are_one_line_exit_2(case, small_manifest, tmp_path,
         assert (dst / "notes.txt").read_text() == "mine"
 
 
+def test_fetch_of_a_source_missing_a_listed_shard_is_one_line_exit_1(tmp_path, capsys):
+    """A shard the source's manifest lists but the source lacks is a damaged source, as a shard
+    that does not match is: exit 1, one line naming it, no manifest written."""
+    import shutil
+
+    from shards_schema.cli import main
+
+    src = tmp_path / "src"
+    run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(tmp_path / "rows.jsonl", example_rows(4, seed=2)))],
+                                    out=str(src), workers=1, rows_per_shard=2, progress=False))
+    names = sorted(p.name for p in src.glob("shard-*.arrow"))
+    assert len(names) == 2
+    (src / names[1]).unlink()
+    assert main(["fetch", str(src), str(tmp_path / "dst"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{src / names[1]} is missing, and the source's manifest.json lists it" in err, err
+    assert not (tmp_path / "dst" / "manifest.json").exists()
+    shutil.copy(tmp_path / "src" / names[0], tmp_path / "src" / names[1])  # a wrong file there is still exit 1
+    assert main(["fetch", str(src), str(tmp_path / "dst"), "--no-progress"]) == 1
+    assert "does not match the manifest" in capsys.readouterr().err
+
+
 def test_train_on_shards_in_the_store_fetches_a_checked_copy_once_and_trains_as_on_disk(s3, tmp_path):
     """`vlmpack train --data s3://...`: the shards come down into --data-cache with fetch's
     checks, a second run finds them there, and the losses equal a run on the local directory;

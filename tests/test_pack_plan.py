@@ -101,7 +101,7 @@ def test_deterministic_per_seed_and_epoch():
 def test_fill_efficiency_on_realistic_mix(seq_len):
     plan = plan_from_stats([synthetic_source(100_000, 11)], PackSettings(seq_len=seq_len, global_batch_packs=32))
     print(f"seq_len {seq_len}: fill {plan.stats['fill_efficiency']:.4f}, {plan.stats['samples_per_pack_mean']:.1f} "
-          f"samples/pack, {plan.stats['plan_seconds']:.2f} s for 100k samples")
+          f"samples/pack, {plan.timings['plan_seconds']:.2f} s for 100k samples")
     assert plan.stats["fill_efficiency"] >= 0.95
 
 
@@ -160,6 +160,16 @@ def test_mixing_weights_give_the_right_counts():
         huge = resolve_weights([10, 30], [1e308, 1e308])
         assert mix_counts([10, 30], huge).tolist() == [20, 20]
         assert mix_counts([10, 30], resolve_weights([10, 30], [1.5e308, 5e307])).tolist() == [30, 10]
+
+
+def test_an_empty_source_with_a_weight_is_refused_naming_it():
+    empty = SourceStats("empty-dir", np.zeros(0, np.int64), np.zeros(0, np.int64), {"synthetic": "empty"})
+    with pytest.raises(PackingError, match=r"^empty-dir holds no samples, but its mixing weight draws 100 from it per "
+                                           r"epoch: drop the source, or give it weight 0$"):
+        plan_from_stats([empty, synthetic_source(200)], PackSettings(seq_len=8192), [1.0, 1.0])
+    # without weights (or with weight 0) it adds nothing and is no fault
+    assert plan_from_stats([empty, synthetic_source(200)], PackSettings(seq_len=8192)).num_samples == 200
+    assert plan_from_stats([empty, synthetic_source(200)], PackSettings(seq_len=8192), [0.0, 1.0]).num_samples == 200
 
 
 def test_global_batches_and_dp_balance():
@@ -419,6 +429,19 @@ def test_cli_out_may_be_an_empty_directory_or_a_plan_it_replaces(shard_dirs, tmp
     result = _vlmpack_pack(shard_dirs[0], "--seq-len", 2048, "--seed", 1, "--out", out)
     assert result.returncode == 0, result.stderr
     assert PackPlan.load(out).key != first
+
+
+def test_cli_saves_the_same_plan_byte_for_byte_every_run(shard_dirs, tmp_path):
+    """The same sources and settings write the same files: nothing that varies run to run (the
+    planning time) is saved; the report still shows it."""
+    files = []
+    for name in ("one", "two"):
+        result = _vlmpack_pack(shard_dirs[0], "--data", f"{shard_dirs[1]}:0.5", "--seq-len", 2048,
+                               "--global-batch-packs", 2, "--out", tmp_path / name, "--json")
+        assert result.returncode == 0, result.stderr
+        assert "plan_seconds" in json.loads(result.stdout)["stats"]
+        files.append({p.name: p.read_bytes() for p in sorted((tmp_path / name).iterdir())})
+    assert files[0] == files[1] and "plan.json" in files[0]
 
 
 # --------------------------------------------------------------------------- too little data for one global batch

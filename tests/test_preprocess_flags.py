@@ -155,9 +155,12 @@ def test_flags_follow_fields_prefixes_and_the_command_lines_own_defaults():
                                          "before its upload to --out; give a local path"),
     (["--stage-dir", "stage"], "--stage-dir stage is where a job whose --out is on an object store runs before its "
                                "upload; --out "),
+    (["--video-sampling", "qwen-vl-utils", "--video-pixel-cap"],
+     "--video-pixel-cap caps frames of --video-sampling hf; qwen-vl-utils sampling always caps each frame's pixels "
+     "itself, so the flag would change nothing: drop --video-pixel-cap"),
 ], ids=["count-alone", "index-alone", "index-out-of-range", "ray-address-without-ray", "ray-retries-without-ray",
         "remote-timeout-without-remote-media", "remote-retries-without-remote-media", "stage-dir-a-url",
-        "stage-dir-with-a-local-out"])
+        "stage-dir-with-a-local-out", "pixel-cap-with-qwen-vl-utils-sampling"])
 def test_a_flag_without_its_partner_or_out_of_range_is_refused_before_any_work(tmp_path, capsys, argv,
                                                                                         message):
     out = tmp_path / "out"

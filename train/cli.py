@@ -64,7 +64,7 @@ class Pack:
         seconds = time.perf_counter() - t0
         balance = plan.balance(args.dp_size) if args.dp_size > 1 else None
         saved = str(plan.save(args.out)) if args.out else None
-        report = {"settings": plan.settings, "sources": plan.meta["sources"], "stats": plan.stats,
+        report = {"settings": plan.settings, "sources": plan.meta["sources"], "stats": {**plan.stats, **plan.timings},
                   "balance": balance, "seconds": round(seconds, 3), "saved": saved, "key": plan.key}
         if args.json:
             print(json.dumps(report, indent=2))
@@ -128,7 +128,7 @@ def format_pack_report(report: dict) -> str:
             f"{b['tokens_max_over_mean']:.3f} mean, {b['tokens_max_over_mean_worst']:.3f} worst"
         )
     lines.append(f"time           {report['seconds']:.2f} s (reading sizes {st.get('read_stats_seconds', 0):.2f} s, "
-                 f"planning {st['plan_seconds']:.2f} s)")
+                 f"planning {st.get('plan_seconds', 0):.2f} s)")
     lines.append(f"saved          {report['saved']}" if report["saved"] else "saved          no (pass --out PLAN_DIR to write the plan)")
     return "\n".join(lines)
 

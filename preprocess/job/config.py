@@ -198,6 +198,10 @@ def check_config(cfg: PreprocessConfig) -> None:
     if cfg.ray_address is not None and cfg.executor != "ray":
         raise ConfigError(f"--ray-address {cfg.ray_address} joins a Ray cluster for --executor ray: add --executor ray, "
                           "or drop --ray-address to run on this machine")
+    video = cfg.sample.video
+    if video.cap_pixels_per_frame and video.sampling == "qwen-vl-utils":
+        raise ConfigError("--video-pixel-cap caps frames of --video-sampling hf; qwen-vl-utils sampling always caps "
+                          "each frame's pixels itself, so the flag would change nothing: drop --video-pixel-cap")
     if cfg.stage_dir and is_url(cfg.stage_dir):  # Path() would fold it into a local directory `s3:/...`
         raise ConfigError(f"--stage-dir {redact(cfg.stage_dir)} is a URL: the job runs in a local directory before its "
                           "upload to --out; give a local path (on storage every node mounts, with --executor ray)")

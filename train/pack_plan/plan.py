@@ -61,6 +61,9 @@ class PackPlan:
         self.meta = meta
         self.path = path
         self._ranks: dict[int, np.ndarray] = {}
+        # seconds spent reading sizes and planning: reported, never saved (they vary run to run,
+        # and a plan's files are the same for the same sources and settings)
+        self.timings: dict[str, float] = {}
 
     def __getattr__(self, name):
         arrays = self.__dict__.get("arrays")
@@ -261,6 +264,10 @@ def plan_from_stats(sources: list[SourceStats], packing: PackSettings,
         padded_per_source.append(padded)
     resolved = resolve_weights(sizes, weights)
     counts = mix_counts(sizes, resolved)
+    for source, size, count in zip(sources, sizes, counts):
+        if size == 0 and count:
+            raise PackingError(f"{source.name} holds no samples, but its mixing weight draws {int(count)} from it per "
+                               "epoch: drop the source, or give it weight 0")
 
     rng = np.random.default_rng(np.random.SeedSequence([settings["seed"], settings["epoch"]]))
     src, idx = draw_samples(sizes, counts, rng)
@@ -331,7 +338,6 @@ def plan_from_stats(sources: list[SourceStats], packing: PackSettings,
         "visual_tokens": int(arrays["pack_visual_tokens"].sum(dtype=np.int64)),
         "visual_tokens_per_pack_mean": float(arrays["pack_visual_tokens"].mean()),
         "visual_tokens_per_pack_max": int(arrays["pack_visual_tokens"].max()),
-        "plan_seconds": 0.0,
     }
     meta = {
         "planner_version": PLANNER_VERSION,
@@ -345,8 +351,9 @@ def plan_from_stats(sources: list[SourceStats], packing: PackSettings,
         ],
         "stats": stats,
     }
-    stats["plan_seconds"] = round(time.perf_counter() - t0, 4)
-    return PackPlan(arrays, meta)
+    plan = PackPlan(arrays, meta)
+    plan.timings["plan_seconds"] = round(time.perf_counter() - t0, 4)
+    return plan
 
 
 @dataclass
@@ -409,7 +416,7 @@ def build_pack_plan(sources, packing: PackSettings, *, cache_dir: str | Path | N
     stats = [load_source_stats(d) for d, _ in request.specs]
     read_seconds = time.perf_counter() - t0
     plan = plan_from_stats(stats, packing, [w for _, w in request.specs])
-    plan.stats["read_stats_seconds"] = round(read_seconds, 4)
+    plan.timings["read_stats_seconds"] = round(read_seconds, 4)
     if cached is not None:
         _save_to_cache(plan, cached)
     return plan
