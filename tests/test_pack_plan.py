@@ -210,6 +210,8 @@ def test_parse_source(tmp_path):
     assert parse_source("/d/x:0.7") == ("/d/x", 0.7)
     assert parse_source("/d/x") == ("/d/x", None)
     assert parse_source(("/d/x", 2)) == ("/d/x", 2.0)
+    for weight in ("1", "0.5", ".5", "5.", "1e-3", "2E+2", "+3"):
+        assert parse_source(f"/d/x:{weight}") == ("/d/x", float(weight))
     odd = tmp_path / "a:b"
     odd.mkdir()
     assert parse_source(str(odd)) == (str(odd), None)  # an existing dir with ':' is a dir
@@ -374,6 +376,8 @@ BAD_PACK_ARGUMENTS = [
     (["{d}", "--seq-len", "2048", "--seed", "-3"], "--seed must be an integer >= 0, got -3"),
     (["{t}/missing", "--seq-len", "2048"], "{t}/missing: no such directory"),
     (["--data", "{d}:abc", "--seq-len", "2048"], "{d}:abc: the weight 'abc' is not a number: write DIR:WEIGHT"),
+    (["--data", "{d}:1_0", "--seq-len", "2048"], "{d}:1_0: the weight '1_0' is not a number: write DIR:WEIGHT"),
+    (["--data", "{d}: 1", "--seq-len", "2048"], "{d}: 1: the weight ' 1' is not a number: write DIR:WEIGHT"),
     (["--data", "{d}:-1", "--seq-len", "2048"], "must be a finite number >= 0, got -1"),
     (["{d}:inf", "--seq-len", "2048"], "must be a finite number >= 0, got inf"),
     (["{d}", "--seq-len", "2048", "--out", "{f}"], "--out {f} is a file, not a directory"),

@@ -10,6 +10,7 @@ list offsets or tar headers; never a token or pixel value is read.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -102,13 +103,24 @@ def parse_source(spec) -> tuple[str, float | None]:
     if ":" in text and not Path(text).exists():
         head, tail = text.rsplit(":", 1)
         try:
-            float(tail)
+            _decimal(tail)
         except ValueError:
             if Path(head).is_dir():
                 raise PackingError(f"{text}: the weight {tail!r} is not a number: write DIR:WEIGHT, e.g. {head}:0.5") from None
             return text, None
         return head, _weight(head, tail, text)
     return text, None
+
+
+# a weight as written in decimal: Python's float() also takes '1_0' (10) and ' 1 ', which a
+# mistyped weight should not pass as
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|infinity|nan)", re.IGNORECASE)
+
+
+def _decimal(text: str) -> float:
+    if not _DECIMAL.fullmatch(text):
+        raise ValueError(f"not a decimal number: {text!r}")
+    return float(text)
 
 
 def _weight(directory: str, weight, spec) -> float:
