@@ -195,7 +195,8 @@ def _video_totals(shards, counted: dict, merge_area: int, temporal_patch_size: i
     seconds = np.concatenate([shards.shard(k).list_values("second_per_grid_ts") for k in range(len(shards.shard_files))]
                              or [np.zeros(0, np.float32)]).astype(np.float64)
     return {"video_frames": int(grids[:, 0].sum()) * temporal_patch_size,
-            "video_seconds": float((grids[:, 0] * seconds).sum()) if len(seconds) == len(grids) else None,
+            # seconds per grid are stored as float32: rounded, a 3.5 s video reads 3.5, not 3.4999998807907104
+            "video_seconds": round(float((grids[:, 0] * seconds).sum()), 6) if len(seconds) == len(grids) else None,
             "video_tokens": counted["video_patches"] // merge_area}
 
 

@@ -484,3 +484,23 @@ def test_a_store_url_given_to_a_local_shard_command_says_to_fetch_it_first(argv,
     assert err.count("\n") == 1, err
     assert ("error: s3://bucket/shards is an object-store URL: this command reads a local shard directory; bring it "
             "down first (`vlmpack fetch s3://bucket/shards DIR`)") in err, err
+
+
+def test_video_seconds_are_reported_without_float32_digits():
+    """Seconds per temporal patch are stored as float32 (0.7 is 0.699999988...): the total reads
+    3.5 s, not 3.4999998807907104."""
+    from shards_schema.inspect import _video_totals
+
+    class Shard:
+        def list_values(self, column):
+            return {"video_grid_thw": np.array([5, 2, 2], np.int32),
+                    "second_per_grid_ts": np.array([0.7], np.float32)}[column]
+
+    class Shards:
+        shard_files = ["shard-000000.arrow"]
+
+        def shard(self, k):
+            return Shard()
+
+    totals = _video_totals(Shards(), {"videos": 1, "video_patches": 20}, merge_area=4, temporal_patch_size=2)
+    assert totals["video_seconds"] == 3.5 and totals["video_frames"] == 10 and totals["video_tokens"] == 5
