@@ -906,7 +906,7 @@ NUMERIC_FLAGS = {
     "quickstart": (["quickstart", "--out", "{o}", "--rows", "2", "--videos", "0", "--workers", "1"], [
         ("--rows", int, lambda v: 1 <= v <= 1000),
         ("--videos", int, lambda v: 0 <= v <= 100),
-        ("--workers", int, lambda v: v >= 1),  # no more than its 2 shards' worth run
+        ("--workers", int, lambda v: 1 <= v <= 4096),  # checked as given, as preprocess checks it
     ]),
     "show": (["show", "{shards}"], [("--index", int, lambda v: -(ROWS + 2 - 2) <= v < ROWS)]),
     "verify": (["verify", "{shards}"], [("--max-faults", int, lambda v: v >= 0), ("--workers", int, lambda v: v >= 1)]),
