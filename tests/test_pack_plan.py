@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections import Counter
@@ -423,6 +424,18 @@ def test_help_has_one_line_per_option_in_named_groups(command):
     options = parser.format_help().split("\n\n", 1)[1]  # below the usage block
     wrapped = [line for line in options.splitlines() if line.startswith(" " * 8)]
     assert not wrapped, wrapped  # a help text wrapped, or pushed below a long option name
+
+
+def test_a_plan_out_that_cannot_be_written_is_named_not_its_temporary_sibling(monkeypatch, tmp_path):
+    plan = plan_from_stats([synthetic_source(50, 3, name="/data/a")], PackSettings(seq_len=16384))
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    with pytest.raises(PackingError, match=rf"^{re.escape(str(tmp_path / 'plan'))}: cannot write the plan there "
+                                           r"\(Permission denied\): choose a directory"):
+        plan.save(tmp_path / "plan")
 
 
 def test_cli_out_may_be_an_empty_directory_or_a_plan_it_replaces(shard_dirs, tmp_path):

@@ -171,8 +171,12 @@ class PackPlan:
         is replaced (`check_plan_out`)."""
         path = Path(path)
         check_plan_out(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        except OSError as exc:  # named by the plan's path, not by the temporary sibling it is written as first
+            raise PackingError(f"{path}: cannot write the plan there ({exc.strerror or exc}): choose a directory "
+                               "this user can write") from None
         try:
             self._write(tmp)
             if (path / PLAN_META).is_file():
