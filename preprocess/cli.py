@@ -24,7 +24,7 @@ from pathlib import Path
 from shards_schema import storage
 from shards_schema.atomic import atomic_open, write_json_atomic
 from shards_schema.errors import EXIT_FAULT
-from shards_schema.flags import add_flags, config_from_args
+from shards_schema.flags import add_flags, config_from_args, refuse_empty
 from shards_schema.inspect import format_storage_per_visual_token, storage_per_visual_token
 from shards_schema.manifest import profile_name
 from shards_schema.outdir import exclusive_output_dir, user_entries
@@ -32,7 +32,7 @@ from shards_schema.writer import file_sha256
 
 from .errors import ConfigError
 from .job import MAX_WORKERS, PreprocessConfig, check_config, run_preprocess
-from .job.config import flags_acting_only_with, partition_from_flags, refuse_empty
+from .job.config import flags_acting_only_with, partition_from_flags
 
 
 def _human_bytes(n: float) -> str:

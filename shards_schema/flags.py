@@ -20,6 +20,8 @@ import dataclasses
 import math
 from dataclasses import MISSING, dataclass, field
 
+from .errors import UserError
+
 FLAG_KEY = "flag"  # metadata key of a setting's Flag
 NESTED_KEY = "nested"  # metadata key of a nested config's Nested
 
@@ -198,3 +200,11 @@ def integer_from(low: int, high: int):
         return value
 
     return integer
+
+
+def refuse_empty(flag: str, value, fix: str = "give its value, or leave the flag out") -> None:
+    """UserError for a flag or argument given an empty value (an unset shell variable: `--out
+    "$OUT"`), which would otherwise mean the current directory (--out, --media-root, a directory
+    argument) or nothing at all (--model, --profile: the default), without a word."""
+    if isinstance(value, str) and not value.strip():
+        raise UserError(f"{flag} is given as an empty string ({value!r}): {fix}")

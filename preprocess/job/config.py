@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shards_schema.flags import nested, setting
+from shards_schema.flags import nested, refuse_empty, setting
 from shards_schema.storage import MAX_FETCH_RETRIES, FetchPolicy, is_url, redact
 
 from ..errors import ConfigError
@@ -144,14 +144,6 @@ def flags_acting_only_with(args) -> None:
             setattr(args, dest, default)
         elif getattr(args, needs) != needed:
             raise ConfigError(f"{flag} {value} {what}: add {fix}, or drop {flag}")
-
-
-def refuse_empty(flag: str, value, fix: str = "give its value, or leave the flag out") -> None:
-    """ConfigError for a flag given an empty value (an unset shell variable: `--model "$MODEL"`),
-    which would otherwise mean the current directory (--out, --media-root) or nothing at all
-    (--model, --profile, --stage-dir: the default profile, no staging), without a word."""
-    if isinstance(value, str) and not value.strip():
-        raise ConfigError(f"{flag} is given as an empty string ({value!r}): {fix}")
 
 
 def _at_least(flag: str, value, minimum: int) -> None:

@@ -6,7 +6,7 @@ import argparse
 import re
 from pathlib import Path
 
-from ..errors import UserError
+from ..flags import refuse_empty
 from .convert import export_webdataset, import_webdataset
 from .format import DEFAULT_MAX_TAR_BYTES
 
@@ -18,12 +18,6 @@ def _parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1073741824, 512M, 1G)")
     scale = 1 << (10 * " KMGT".index(match.group(2).upper() or " "))
     return int(float(match.group(1)) * scale)
-
-
-def _refuse_empty(flag: str, value: str) -> None:
-    """An empty path (an unset shell variable) would mean the current directory, without a word."""
-    if not value.strip():
-        raise UserError(f"{flag} is given as an empty string ({value!r}): give a directory's path")
 
 
 class Export:
@@ -45,8 +39,8 @@ class Export:
 
     @staticmethod
     def run(args) -> int:
-        _refuse_empty("the shard directory", args.directory)
-        _refuse_empty("--out", args.out)
+        refuse_empty("the shard directory", args.directory, "give a directory's path")
+        refuse_empty("--out", args.out, "give a directory's path")
         index = export_webdataset(
             args.directory,
             args.out,
@@ -71,8 +65,8 @@ class Import:
 
     @staticmethod
     def run(args) -> int:
-        _refuse_empty("the export directory", args.tardir)
-        _refuse_empty("--out", args.out)
+        refuse_empty("the export directory", args.tardir, "give a directory's path")
+        refuse_empty("--out", args.out, "give a directory's path")
         manifest = import_webdataset(args.tardir, args.out, overwrite=args.overwrite)
         totals = manifest["totals"]
         print(f"imported {totals['rows']} samples into {totals['shards']} shards ({totals['bytes'] / 1e6:.1f} MB) -> {args.out}")
