@@ -323,3 +323,24 @@ def test_the_hf_recipe_steps_with_vlmpacks_learning_rate_schedule(lr, min_lr, wa
     hf = hf_baseline.lr_schedule(theirs, hf_baseline.Recipe(lr=lr, train_steps=steps, warmup_steps=warmup, min_lr=min_lr))
     np.testing.assert_allclose(lrs(theirs, hf.step), lrs(ours, lambda: schedule.step(increment=1)), rtol=1e-12, atol=1e-15)
     assert hf_baseline.lr_schedule(theirs, hf_baseline.Recipe(lr=lr)) is None  # no train_steps: lr throughout
+
+
+def test_packed_hf_attention_hands_the_kernel_token_major_contiguous_rows(monkeypatch):
+    """transformers' own flash path makes q/k/v contiguous [T, H, D]; a head-major view would
+    give the kernel a stride that changes with every pack's length."""
+    seen = []
+
+    def record(q, k, v, cu, longest, *, causal, scale):
+        seen.extend((q, k, v))
+        return q
+
+    monkeypatch.setattr(hf_baseline, "packed_attention", record)
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.randn(1, 4, 10, 8)  # [1, H, T, D], as transformers hands it over
+    kv = torch.randn(1, 2, 10, 8)
+    cu = torch.tensor([0, 6, 10], dtype=torch.int32)
+    out, _ = hf_baseline.packed_hf_attention(module, q, kv, kv, None, cu_seq_lens_q=cu, max_length_q=6)
+    assert [t.shape for t in seen] == [(10, 4, 8), (10, 2, 8), (10, 2, 8)]
+    assert all(t.is_contiguous() for t in seen)
+    assert torch.equal(seen[0], q[0].transpose(0, 1)) and out.shape == (1, 10, 4, 8)
