@@ -121,7 +121,7 @@ def test_plan_is_within_10_percent_of_the_recorded_gpu_peak(label, name, layers,
     if abs(predicted - measured) <= SMALL_RUN_GIB and measured < 12:
         return
     elif settings.lora:  # a frozen vision tower keeps no activations: the plan is high, or right
-        assert -0.02 <= error <= 0.15, message
+        assert -0.02 <= error <= 0.18, message
     elif label in FP8_RUNS:  # the plan counts bf16 activations where FP8 may keep smaller ones: it may be higher
         assert -0.10 <= error <= 0.15, message
     else:

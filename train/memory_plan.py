@@ -29,7 +29,7 @@ fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequen
     a Mixture-of-Experts layer adds                      MOE_RECOMPUTE_WORKING x k x h x S
   the last stage's logits and loss                       LOGITS x S x vocab / tp
     (the constant also covers a recomputed vision tower's working set; a frozen tower keeps
-     none, so LoRA runs come out up to 15 % high)
+     none, so LoRA runs come out up to 18 % high)
   a vision tower that keeps its activations (trained, not recomputed), on stage 0, for the
   P = S x visual share x merge^2 patches of a micro-batch    VISION_KEPT x P x depth x hv
     (with --recompute-vision-blocks N, only its depth - N other blocks keep theirs)
@@ -314,5 +314,5 @@ def report(name: str, arch: ModelArch, settings: Settings, layout: Layout, gpu_g
             f"{kept} of the vision tower's {depth} blocks keep their activations"
         lines.append(f"note: {which}, planned for {settings.visual_share:.0%} of each pack's tokens visual")
     if settings.lora:
-        lines.append("note: LoRA's frozen vision tower keeps no activations: the estimate is up to 15 % high")
+        lines.append("note: LoRA's frozen vision tower keeps no activations: the estimate is up to 18 % high")
     return "\n".join(lines)
