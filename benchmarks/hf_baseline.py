@@ -91,8 +91,7 @@ def packed_hf_attention(module, query, key, value, attention_mask, dropout: floa
     else:
         raise ValueError("packed attention needs the sample boundaries: cu_seq_lens_q or text position_ids")
     causal = module.is_causal if is_causal is None else is_causal
-    # Token-major and contiguous, as transformers' own flash path lays them out: a head-major
-    # view has a stride that changes with every pack's length.
+    # token-major and contiguous, as transformers' own flash path hands them to its kernels
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
     out = packed_attention(q, k, v, cu, int(longest), causal=bool(causal), scale=scaling)
     return out.unsqueeze(0), None

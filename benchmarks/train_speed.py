@@ -1091,7 +1091,8 @@ def print_table(res: dict) -> None:
         print(f"HF recipe: packed (padding-free), varlen attention, gradient checkpointing "
               f"{first_hf['gradient_checkpointing']}, Liger {liger['function'] or '-'} "
               f"({', '.join(f'{k} x{v}' for k, v in liger['modules'].items()) or liger['reason']}; "
-              f"{', '.join(liger['functions'])})")
+              f"{', '.join(liger['functions'])}"
+              f"{'; ' + liger['implementation'] + ' kernels' if liger.get('implementation') else ''})")
     widths = [10, 16, 12, 12, 12]
     print("".join(h.ljust(w) for h, w in zip(("run", "side", "tokens/s", "peak GiB", "step 1 loss"), widths)))
     for i, rep in enumerate(res["repeats"], 1):

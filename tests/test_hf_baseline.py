@@ -326,8 +326,7 @@ def test_the_hf_recipe_steps_with_vlmpacks_learning_rate_schedule(lr, min_lr, wa
 
 
 def test_packed_hf_attention_hands_the_kernel_token_major_contiguous_rows(monkeypatch):
-    """transformers' own flash path makes q/k/v contiguous [T, H, D]; a head-major view would
-    give the kernel a stride that changes with every pack's length."""
+    """transformers' own flash path hands its kernels contiguous token-major q/k/v [T, H, D]."""
     seen = []
 
     def record(q, k, v, cu, longest, *, causal, scale):
@@ -344,3 +343,38 @@ def test_packed_hf_attention_hands_the_kernel_token_major_contiguous_rows(monkey
     assert [t.shape for t in seen] == [(10, 4, 8), (10, 2, 8), (10, 2, 8)]
     assert all(t.is_contiguous() for t in seen)
     assert torch.equal(seen[0], q[0].transpose(0, 1)) and out.shape == (1, 10, 4, 8)
+
+
+class _LigerTarget(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+def test_liger_is_applied_on_its_triton_kernels(monkeypatch):
+    """Liger's dispatcher reads LIGER_KERNEL_IMPL_<OP> at each call: the recipe pins every op its
+    patches use to the Triton kernels before applying them (with nvidia-cutlass-dsl importable
+    Liger would pick CuTe DSL kernels), and records which set ran."""
+    import importlib.metadata
+    import types
+
+    seen = {}
+
+    def apply_liger_kernel_to_qwen3_vl(model=None, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                       fused_linear_cross_entropy=True):
+        seen["arguments"] = dict(rope=rope, rms_norm=rms_norm, swiglu=swiglu, cross_entropy=cross_entropy,
+                                 fused_linear_cross_entropy=fused_linear_cross_entropy)
+        seen["env"] = {op: os.environ.get(f"LIGER_KERNEL_IMPL_{op.upper()}") for op in hf_baseline.LIGER_TRITON_OPS}
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.apply_liger_kernel_to_qwen3_vl = apply_liger_kernel_to_qwen3_vl
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.8.5")
+    for op in hf_baseline.LIGER_TRITON_OPS:
+        monkeypatch.setenv(f"LIGER_KERNEL_IMPL_{op.upper()}", "nvidia-cutedsl")  # undone after the test
+    coverage = hf_baseline.apply_liger(_LigerTarget(), "Qwen3VLForConditionalGeneration")
+    assert set(hf_baseline.LIGER_TRITON_OPS) >= {"rope", "rms_norm", "swiglu", "fused_linear_cross_entropy"}
+    assert seen["env"] == {op: "nvidia-triton" for op in hf_baseline.LIGER_TRITON_OPS}
+    assert seen["arguments"] == dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                     fused_linear_cross_entropy=True)
+    assert coverage.implementation == "nvidia-triton" and coverage.function == "apply_liger_kernel_to_qwen3_vl"
