@@ -294,12 +294,13 @@ def _refuse_other_encoding(fh, path: str) -> None:
 
 
 def _refuse_cr_line_breaks(fh, path: str, probe: int = 1 << 16) -> None:
-    """A JSONL input is split at LF: one whose first 64 KiB hold a CR not followed by LF (line
-    breaks of classic Mac OS; a JSON row holds no raw CR but as whitespace) is refused before
-    it is read as a single row. `fh` is left at the start."""
-    head = fh.read(probe)[:-1]  # the last byte's LF may lie beyond the probe
+    """A JSONL input is split at LF: one whose first 64 KiB hold a CR but no LF (line breaks of
+    classic Mac OS) is refused before it is read as a single row. Windows' CRLF is split at its
+    LF; a raw CR inside one row's string makes that row bad JSON, not the input. `fh` is left at
+    the start."""
+    head = fh.read(probe)
     fh.seek(0)
-    if re.search(rb"\r(?!\n)", head):
+    if b"\r" in head and b"\n" not in head:
         name = storage.redact(path)
         raise ConfigError(f"input {name} ends its lines in CR alone (classic Mac OS line breaks), but JSONL rows are "
                           f"split at LF: convert it, e.g. `tr '\\r' '\\n' < {name} > rows-lf.jsonl`")

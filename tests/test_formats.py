@@ -184,7 +184,26 @@ BAD_ROWS = [
     ("swift", {"messages": [{"role": "bot", "content": "x"}], "images": []}, "unknown_role", "'bot' is not one of"),
     ("swift", {"messages": [{"role": "user", "content": "x"}], "images": [], "objects": {"bbox": [[1, 2, 3, 4]]}},
      "unsupported_field", "objects"),
+    ("swift", {"messages": [{"role": "user", "content": "<audio>x"}, {"role": "assistant", "content": "y"}],
+               "audios": ["a.wav"]}, "unsupported_field", "`audios`: Qwen vision-language models take no audio"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "<audio>x"}, {"from": "gpt", "value": "y"}],
+                  "audio": "a.wav"}, "unsupported_field", "`audio`: Qwen vision-language models take no audio"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "x", "loss": True}, {"from": "gpt", "value": "y"}]},
+     "bad_message", "conversations[0]: loss true on a turn that is not the assistant's"),
+    # ms-swift rows read as OpenAI (an input whose first row holds no media is detected as OpenAI)
+    ("openai", {"messages": [{"role": "user", "content": "<image>x"}, {"role": "assistant", "content": "y"}],
+                "images": ["a.png"]}, "unsupported_field", "`images` beside `messages` is the ms-swift layout"),
+    ("openai", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "loss": False}]},
+     "unsupported_field", "messages[1].loss is ms-swift's key, which --input-format openai does not read"),
 ]
+
+
+def test_a_sharegpt_turns_loss_is_its_train_flag():
+    row = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "loss": False},
+                             {"from": "human", "value": "q"}, {"from": "gpt", "value": "b", "loss": None},
+                             {"from": "function_call", "value": '{"name": "f"}', "loss": True}]}
+    messages = to_openai_row(row, "sharegpt")["messages"]
+    assert [m.get("train") for m in messages] == [None, False, None, None, True]
 
 
 @pytest.mark.parametrize("layout, row, code, detail", BAD_ROWS, ids=[f"{b[0]}-{b[2]}-{k}" for k, b in enumerate(BAD_ROWS)])
@@ -460,6 +479,20 @@ def test_damaged_rows_of_every_input_format_are_rejected_by_code_and_the_other_r
     assert sorted(shards[i]["source"].split(":")[-1] for i in range(len(shards))
                   if shards[i]["source"].startswith(str(tmp_path / "table.parquet"))) == sorted(
         str(k) for k in [*range(10), *range(20, 25), *range(26, 30)])
+
+
+@pytest.mark.parametrize("lines", [3, 520])  # 520 lines of 126 bytes + CRLF: a CRLF straddles the 64 KiB probe
+def test_crlf_jsonl_is_read_at_its_lf_and_a_raw_cr_rejects_only_its_row(tmp_path, lines):
+    """Windows line breaks split as LF ones; a raw CR inside one row's string (JSON refuses it
+    there) makes that row bad JSON and keeps the input and its other rows."""
+    rows = [json.dumps(_chat(f"Hi {k}".ljust(60, "x"))).encode().ljust(126) for k in range(lines)]
+    (tmp_path / "crlf.jsonl").write_bytes(b"".join(row + b"\r\n" for row in rows))
+    (tmp_path / "raw-cr.jsonl").write_bytes(b'\n'.join([rows[0], b'{"messages": "a\rb"}', rows[1]]) + b"\n")
+    manifest = run_preprocess(PreprocessConfig(inputs=[str(tmp_path / "crlf.jsonl"), str(tmp_path / "raw-cr.jsonl")],
+                                               out=str(tmp_path / "out"), workers=1, progress=False))
+    acc = manifest["accounting"]
+    assert (acc["rows_read"], acc["rows_written"]) == (lines + 3, lines + 2)
+    assert acc["rejects_by_reason"] == {"bad_json": 1}
 
 
 def _damaged_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:

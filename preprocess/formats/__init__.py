@@ -14,7 +14,8 @@
 layout, recorded in the job identity); `to_openai_row` converts a row, raising `RejectError`
 with a named code when it cannot (`placeholder_mismatch`, `unknown_role`, `bad_row`, ...).
 A row of another layout than the one named (`messages` read as ShareGPT, `conversations` as
-OpenAI) is rejected naming the --input-format that reads it. A conversation stored as the JSON
+OpenAI, ms-swift's media lists or `loss` read as OpenAI) is rejected naming the --input-format
+that reads it. A conversation stored as the JSON
 text of its list (`messages` / `conversations` as a string column, as many exported Parquet
 datasets hold it) is read as that list, in every input format alike.
 """
@@ -52,6 +53,7 @@ def to_openai_row(row, row_format: str) -> dict:
     elif isinstance(row[key], str):
         row = {**row, key: _turns_from_json_text(row[key], key)}
     if row_format == "openai":
+        _reject_swift_fields(row)
         return row
     if row_format == "sharegpt":
         return sharegpt.to_openai(row)
@@ -75,6 +77,22 @@ def _reject_other_layout(row: dict, row_format: str) -> None:
         raise RejectError("no_messages", f"the row has no `messages` (the turns that --input-format {row_format} "
                           f"reads) but has `conversations`{turns}, the ShareGPT layout: use --input-format sharegpt, "
                           "or auto to detect each input's layout")
+
+
+def _reject_swift_fields(row: dict) -> None:
+    """An OpenAI row carries its media in its parts. Media lists beside `messages`, or a
+    message's `loss`, are ms-swift's: read as OpenAI they would be dropped unseen (auto takes an
+    input's layout from its first row, which may hold no media)."""
+    for key in (*MEDIA_KEYS, "audios", "audio"):
+        if row.get(key) not in (None, "", []):
+            raise RejectError("unsupported_field", f"`{key}` beside `messages` is the ms-swift layout, which "
+                              "--input-format openai does not read (auto takes an input's layout from its first "
+                              "row): use --input-format swift")
+    messages = row.get("messages")
+    for k, message in enumerate(messages if isinstance(messages, list) else ()):
+        if isinstance(message, dict) and message.get("loss") is not None:
+            raise RejectError("unsupported_field", f"messages[{k}].loss is ms-swift's key, which --input-format "
+                              "openai does not read: use --input-format swift, or the OpenAI layout's `train` flag")
 
 
 _LAYOUT_NAMES = {"openai": "OpenAI", "swift": "ms-swift (`messages` plus `images` / `videos` lists)"}

@@ -28,6 +28,10 @@ class MediaQueue:
         lists). A row giving both spellings must name the same media in them: else one list
         would be dropped unseen."""
         queue = cls(None, None)
+        for key in ("audios", "audio"):
+            if row.get(key) not in (None, "", []):
+                raise RejectError("unsupported_field", f"`{key}`: Qwen vision-language models take no audio; drop "
+                                  "the audio (and its <audio> tags) from the row")
         for kind in ("image", "video"):
             given = [(key, _as_list(row[key], key)) for key in (f"{kind}s", kind) if row.get(key) is not None]
             if len(given) == 2 and given[0][1] != given[1][1]:

@@ -7,7 +7,9 @@
 
 Roles as LLaMA-Factory names them: `human` / `user`, `gpt` / `assistant`, `system`,
 `function_call` (an assistant turn that calls tools: its value is the JSON of one call
-`{"name", "arguments"}` or a list of them) and `observation` (a tool's output). LLaVA's single
+`{"name", "arguments"}` or a list of them) and `observation` (a tool's output). A turn's `loss`
+(true / false; null: the loss policy decides), as ms-swift writes it, is an assistant turn's
+`train` flag. LLaVA's single
 `image` / `video` key is read like a one-element list. `tools` is a JSON string or a list of
 function schemas (wrapped as `{"type": "function", "function": schema}` as the chat template
 expects).
@@ -42,12 +44,29 @@ def to_openai(row: dict) -> dict:
             raise RejectError("unknown_role", f"conversations[{k}].from {speaker!r} is not one of {', '.join(ROLES)}")
         if not isinstance(value, str):
             raise RejectError("bad_content", f"conversations[{k}].value must be a string, got {type(value).__name__}")
+        train = loss_flag(turn, role == "assistant", f"conversations[{k}]")
         if speaker == "function_call":
-            messages.append({"role": "assistant", "content": "", "tool_calls": tool_calls(value, f"conversations[{k}]")})
+            message = {"role": "assistant", "content": "", "tool_calls": tool_calls(value, f"conversations[{k}]")}
         else:
-            messages.append({"role": role, "content": split_text(value, queue)})
+            message = {"role": role, "content": split_text(value, queue)}
+        messages.append(message if train is None else {**message, "train": train})
     queue.check_all_used()
     return {"id": row.get("id"), "messages": messages, "tools": tool_schemas(row.get("tools"))}
+
+
+def loss_flag(turn: dict, trained_role: bool, where: str) -> bool | None:
+    """A turn's `loss` (true, false, or null for the loss policy's choice; ms-swift's key) as the
+    OpenAI row's `train` flag of an assistant turn; only assistant turns are trained."""
+    loss = turn.get("loss")
+    if loss is None:
+        return None
+    if not isinstance(loss, bool):
+        raise RejectError("bad_message", f"{where}.loss must be true, false or null, got {type(loss).__name__} "
+                          f"{ascii(loss):.80}")
+    if loss and not trained_role:
+        raise RejectError("bad_message", f"{where}: loss true on a turn that is not the assistant's (only assistant "
+                          "turns are trained)")
+    return loss if trained_role else None
 
 
 def tool_calls(value: str, where: str) -> list[dict]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..errors import RejectError
 from .placeholders import MediaQueue, split_text
-from .sharegpt import tool_calls, tool_schemas
+from .sharegpt import loss_flag, tool_calls, tool_schemas
 
 ROLES = ("system", "user", "assistant", "tool", "tool_response", "tool_call")
 
@@ -38,7 +38,7 @@ def to_openai(row: dict) -> dict:
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise RejectError("unknown_role", f"messages[{k}].role {role!r} is not one of {', '.join(ROLES)}")
-        train = _loss_flag(message, role, k)
+        train = loss_flag(message, role in ("assistant", "tool_call"), f"messages[{k}]")
         if role == "tool_call":
             if not isinstance(content, str):
                 raise RejectError("bad_tool_call", f"messages[{k}]: a tool_call's content must be the JSON of the call")
@@ -62,21 +62,6 @@ def to_openai(row: dict) -> dict:
         messages.append(converted)
     queue.check_all_used()
     return {"id": row.get("id"), "messages": messages, "tools": tool_schemas(row.get("tools"))}
-
-
-def _loss_flag(message: dict, role: str, k: int) -> bool | None:
-    """ms-swift's per-message `loss` (true, false, or null for the loss policy's choice) as the
-    OpenAI row's `train` flag of an assistant turn; only assistant turns are trained."""
-    loss = message.get("loss")
-    if loss is None:
-        return None
-    if not isinstance(loss, bool):
-        raise RejectError("bad_message", f"messages[{k}].loss must be true, false or null, got {type(loss).__name__} "
-                          f"{ascii(loss):.80}")
-    if loss and role not in ("assistant", "tool_call"):
-        raise RejectError("bad_message", f"messages[{k}]: loss true on a {role} message (only assistant turns are "
-                          "trained)")
-    return loss if role in ("assistant", "tool_call") else None
 
 
 def _content(content, queue: MediaQueue, k: int):
