@@ -24,6 +24,7 @@ an input named twice, stop the job before it starts with one line naming them.
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import os
@@ -167,6 +168,9 @@ def _stat(path: str, what: str) -> os.stat_result:
         if os.path.islink(path):
             raise ConfigError(f"{what} {path} is a broken symbolic link (to {os.readlink(path)}): fix the link or "
                               "give the file itself") from None
+        if glob.has_magic(path):
+            raise ConfigError(f"{what} {path} matches no file: the pattern reached vlmpack unexpanded, so nothing "
+                              "matches it; check the directory and the pattern") from None
         raise ConfigError(f"{what} {path} does not exist") from None
     except OSError as exc:
         raise ConfigError(f"{what} {path} cannot be read ({exc.strerror or exc}): check the path and its "

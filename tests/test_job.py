@@ -781,7 +781,8 @@ def test_undecodable_file_names_and_surrogates_never_stop_the_job(tmp_path, monk
 BAD_ARGUMENTS = [
     ("preprocess", ["--workers", "0"], "--workers must be an integer from 1 to 4096, got 0"),
     ("preprocess", ["--workers", "-3"], "--workers must be an integer from 1 to 4096, got -3"),
-    ("preprocess", ["--max-seq-len", "0"], "--max-seq-len must be an integer >= 1, got 0"),
+    ("preprocess", ["--max-seq-len", "0"], "--max-seq-len must be an integer from 1 to 2147483647, got 0"),
+    ("preprocess", ["--max-seq-len", str(10**20)], f"--max-seq-len must be an integer from 1 to 2147483647, got {10**20}"),
     ("preprocess", ["--rows-per-shard", "0"], "--rows-per-shard must be an integer >= 1, got 0"),
     ("preprocess", ["--num-partitions", "0"], "--num-partitions must be an integer >= 1, got 0"),
     ("preprocess", ["--num-partitions", "2", "--partition-index", "2"], "--partition-index must be in 0..1"),
@@ -797,6 +798,8 @@ BAD_ARGUMENTS = [
     ("preprocess", ["--video-total-pixels", str(10**20)], "--video-total-pixels: must be a positive integer, at most 2**53"),
     ("preprocess", ["--min-pixels", str(2**53 + 1)], f"--min-pixels must be at most 2**53 ({2**53}), got {2**53 + 1}"),
     ("preprocess-missing", [], "input {tmp}/missing.jsonl does not exist"),
+    ("preprocess-glob", [], "input {tmp}/nomatch/*.jsonl matches no file: the pattern reached vlmpack unexpanded"),
+    ("preprocess-empty", [], "an input is given as an empty string (''): give its path"),
     ("preprocess-out-file", [], "--out {tmp}/afile is a file, not a directory"),
     ("merge", ["{tmp}/nowhere", "--out", "{tmp}/m"], "{tmp}/nowhere does not exist or is not a directory"),
     ("merge", ["{tmp}", "--out", "{tmp}/m"], "not the output of `vlmpack preprocess`"),
@@ -818,7 +821,8 @@ def test_bad_arguments_exit_2_with_one_line(command, argv, message, example_json
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     message = message.replace("{tmp}", str(tmp_path))
     if command.startswith("preprocess"):
-        data = tmp_path / "missing.jsonl" if command == "preprocess-missing" else example_jsonl
+        data = {"preprocess-missing": tmp_path / "missing.jsonl", "preprocess-glob": f"{tmp_path}/nomatch/*.jsonl",
+                "preprocess-empty": ""}.get(command, example_jsonl)
         out = tmp_path / "afile" if command == "preprocess-out-file" else tmp_path / "o"
         argv = ["preprocess", data, "--out", out, "--no-progress", *argv]
     elif command == "quickstart" and "--out" not in argv:

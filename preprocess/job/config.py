@@ -146,6 +146,9 @@ def flags_acting_only_with(args) -> None:
             raise ConfigError(f"{flag} {value} {what}: add {fix}, or drop {flag}")
 
 
+MAX_SEQ_LEN = 2**31 - 1  # a sample's token positions are int32
+
+
 def _at_least(flag: str, value, minimum: int) -> None:
     if value is not None and value < minimum:
         raise ConfigError(f"{flag} must be an integer >= {minimum}, got {value}")
@@ -162,6 +165,8 @@ def check_config(cfg: PreprocessConfig) -> None:
                         ("--media-root", cfg.sample.media_root), ("--stage-dir", cfg.stage_dir),
                         ("--ray-address", cfg.ray_address)):
         refuse_empty(flag, value)
+    for path in cfg.inputs:
+        refuse_empty("an input", path, "give its path")
     _in_range("--workers", cfg.workers, 1, MAX_WORKERS)
     _at_least("--rows-per-shard", cfg.rows_per_shard, 1)
     _at_least("--num-partitions", cfg.num_partitions, 1)
@@ -170,7 +175,7 @@ def check_config(cfg: PreprocessConfig) -> None:
                           f"{cfg.num_partitions}), got {cfg.partition_index}")
     if refusal := both_profile_sources(cfg.profile, cfg.model):
         raise ConfigError(refusal)
-    _at_least("--max-seq-len", cfg.sample.max_seq_len, 1)
+    _in_range("--max-seq-len", cfg.sample.max_seq_len, 1, MAX_SEQ_LEN)
     _at_least("--max-image-pixels", cfg.sample.max_image_pixels, 1)
     _at_least("--max-row-bytes", cfg.sample.max_row_bytes, 1)
     _at_least("--min-pixels", cfg.min_pixels, 1)
