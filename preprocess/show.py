@@ -302,7 +302,9 @@ class Show:
 def _show(args, out) -> int:
     if args.save_images:
         prepare_output_dir(args.save_images, what="--save-images")
-    shards = open_shards(args.dir)
+    # every shard's row count checked against its manifest entry first: an index reaches its
+    # row through the entries before it, so one wrong count would show another sample
+    shards = open_shards(args.dir).open_all()
     if len(shards) == 0:
         raise ShowError(f"{args.dir}: holds no samples")
     if args.uid is not None:

@@ -320,6 +320,20 @@ def test_show_uid_equals_index_and_errors(data, capsys):
     assert _cli(capsys, "show", str(data[0]), "--index", "-1")[0] == 0
 
 
+def test_show_refuses_a_manifest_whose_earlier_shard_count_is_wrong(data, tmp_path, capsys):
+    """An index in the last shard goes through the counts of the shards before it: one wrong
+    count there is refused, not answered with the neighbouring sample."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(data[0], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["shards"][0]["rows"] += 1
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    code, out, err = _cli(capsys, "show", str(copy), "--index", "-1")
+    assert code == 2 and out == "" and "row_count" in err and "the manifest says" in err, err
+
+
 def test_show_tokens_table(data, capsys):
     index, sample, _ = _pick_sample(data)
     code, text, _ = _cli(capsys, "show", str(data[0]), "--index", str(index), "--tokens")
