@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,6 +152,17 @@ def test_partitions_then_merge_equal_one_job(example_jsonl, baseline, tmp_path):
     merged = merge_partitions([str(d) for d in dirs], str(tmp_path / "merged"))
     assert _shard_bytes(tmp_path / "merged") == _shard_bytes(out1)
     assert merged == _without_run(manifest1)
+    # a partition given twice, one copy damaged: the intact copy is used, in either order
+    shutil.copytree(dirs[0], tmp_path / "copy0")
+    shard = sorted((tmp_path / "copy0").glob("*.arrow"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for k, order in enumerate(([tmp_path / "copy0", *dirs], [*dirs, tmp_path / "copy0"])):
+        assert merge_partitions([str(d) for d in order], str(tmp_path / f"overlap{k}")) == _without_run(manifest1)
+        assert _shard_bytes(tmp_path / f"overlap{k}") == _shard_bytes(out1)
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'copy0'}: the shard of unit 0 is missing or damaged"):
+        merge_partitions([str(tmp_path / "copy0"), str(dirs[1]), str(dirs[2])], str(tmp_path / "damaged"))
 
 
 def test_partitions_sharing_one_directory(example_jsonl, baseline, tmp_path):

@@ -67,10 +67,10 @@ def merge_partitions(directories: list[str], out: str, publish_to: str | None = 
     identity = partitions_identity(directories)
     rows_per_unit = identity["settings"]["rows_per_shard"]
     total_units = sum(-(-inp["rows"] // rows_per_unit) for inp in identity["inputs"])  # same cut as plan_units
-    found: dict[int, Path] = {}
-    for d in dirs:
+    found: dict[int, list[Path]] = {}  # unit -> the directories holding it, in the order given
+    for d in dict.fromkeys(dirs):
         for path in sorted((d / PARTS_DIR).glob("unit-*.json")):
-            found.setdefault(int(path.stem.split("-")[1]), d)
+            found.setdefault(int(path.stem.split("-")[1]), []).append(d)
     missing = sorted(set(range(total_units)) - set(found))
     if missing:
         raise ConfigError(
@@ -95,11 +95,7 @@ def merge_partitions(directories: list[str], out: str, publish_to: str | None = 
         records = []
         for index in range(total_units):
             stop_if_asked()
-            src = found[index]
-            record = json.loads(unit_record_path(src, index).read_text(encoding="utf-8"))
-            if not shard_matches_record(src, record):
-                raise ConfigError(f"{printable_path(str(src))}: the shard of unit {index} is missing or damaged: re-run "
-                                  "that partition's `vlmpack preprocess` command (it redoes the unit), then merge again")
+            src, record = _intact_copy(found[index], index)
             if src.resolve() != out_dir.resolve():
                 if record["shard"]:
                     _link_or_copy(src / record["shard"]["file"], out_dir / record["shard"]["file"], record)
@@ -111,6 +107,19 @@ def merge_partitions(directories: list[str], out: str, publish_to: str | None = 
             empty_stage(out_dir)
             manifest = {**manifest, "_upload": upload}
         return manifest
+
+
+def _intact_copy(holders: list[Path], index: int) -> tuple[Path, dict]:
+    """The first directory whose shard of unit `index` is as its record says, and that record:
+    directories that overlap (a partition given twice, or re-run elsewhere) hold the same
+    unit, so the merge does not depend on their order while one copy is intact."""
+    for src in holders:
+        record = json.loads(unit_record_path(src, index).read_text(encoding="utf-8"))
+        if shard_matches_record(src, record):
+            return src, record
+    where = " and ".join(printable_path(str(src)) for src in holders)
+    raise ConfigError(f"{where}: the shard of unit {index} is missing or damaged: re-run that partition's "
+                      "`vlmpack preprocess` command (it redoes the unit), then merge again")
 
 
 def _patch_row_width(identity: dict) -> int:
