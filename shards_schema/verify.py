@@ -972,7 +972,7 @@ class Verify:
 
     @staticmethod
     def add_arguments(parser) -> None:
-        parser.add_argument("directory", metavar="DIR", help="shard directory (holds manifest.json), or its s3:// / gs:// URL (fetched to a temporary directory, each shard checked against the manifest, then verified)")
+        parser.add_argument("directory", metavar="DIR", help="shard directory (holds manifest.json), or its s3:// / gs:// URL (every object under it copied to a temporary directory as it is, then verified there)")
         parser.add_argument("--quick", action="store_true",
                             help="manifest, file sizes, Arrow footers and schemas, row counts and per-shard sums from list "
                                  "offsets; no hashing, no row checks (seconds on terabytes)")
@@ -989,38 +989,33 @@ class Verify:
         if args.max_faults < 0:
             raise UserError(f"--max-faults must be 0 or more, got {args.max_faults}")
         progress = bool(args.progress or sys.stderr.isatty())
-        if is_url(str(args.directory)):
-            return _verify_remote(args, progress)
-        try:
-            report = verify_shards(args.directory, quick=args.quick, progress=progress, workers=args.workers,
-                                   keep_per_kind=max(DEFAULT_KEEP_PER_KIND, args.max_faults))
-        except ShardFormatError as exc:
-            if args.json:
-                print(json.dumps({"directory": str(args.directory), "ok": False, "error": str(exc)}, indent=2))
-            else:
-                print_error("verify", exc)
-            return EXIT_USER_ERROR
-        if args.json:
-            print(json.dumps(report.to_json(), indent=2))
-        else:
-            print(report.format_text(args.max_faults))
-        return EXIT_OK if report.ok else EXIT_FAULT
+        if not is_url(str(args.directory)):
+            return _verify_and_report(args, args.directory, progress)
+        import tempfile
+
+        from .storage import download_tree
+
+        # every object under the prefix as it is (no check on the way, unlike `fetch`): verify
+        # then judges them all and lists every fault, under the URL's name
+        with tempfile.TemporaryDirectory(prefix="vlmpack-verify-") as tmp:
+            download_tree(str(args.directory), Path(tmp))
+            return _verify_and_report(args, tmp, progress, shown=redact(str(args.directory)).rstrip("/"))
 
 
-def _verify_remote(args, progress: bool) -> int:
-    """A directory in an object store: fetched to a temporary directory (which checks every
-    shard's size and sha256 against the manifest on the way), then verified there in full."""
-    import tempfile
+def _verify_and_report(args, directory, progress: bool, shown: str | None = None) -> int:
+    """Verify `directory` and print the report (text or --json); `shown` names it in every line
+    instead (a temporary copy of a store prefix)."""
+    def named(text: str) -> str:
+        return text if shown is None else text.replace(str(directory), shown)
 
-    from .fetch import fetch
-
-    with tempfile.TemporaryDirectory(prefix="vlmpack-verify-") as tmp:
-        fetch(str(args.directory), tmp, progress=progress)
-        report = verify_shards(tmp, quick=args.quick, progress=progress, workers=args.workers,
+    try:
+        report = verify_shards(directory, quick=args.quick, progress=progress, workers=args.workers,
                                keep_per_kind=max(DEFAULT_KEEP_PER_KIND, args.max_faults))
-        text = report.format_text(args.max_faults).replace(tmp, redact(str(args.directory)).rstrip("/"))
-    if args.json:
-        print(json.dumps({**report.to_json(), "directory": redact(str(args.directory))}, indent=2))
-    else:
-        print(text)
+    except ShardFormatError as exc:
+        if args.json:
+            print(named(json.dumps({"directory": str(directory), "ok": False, "error": str(exc)}, indent=2)))
+        else:
+            print_error("verify", named(str(exc)))
+        return EXIT_USER_ERROR
+    print(named(json.dumps(report.to_json(), indent=2) if args.json else report.format_text(args.max_faults)))
     return EXIT_OK if report.ok else EXIT_FAULT

@@ -307,7 +307,8 @@ def test_denied_credentials_are_named_for_inputs_and_rejected_per_row_for_media(
     assert ENV["AWS_SECRET_ACCESS_KEY"] not in (tmp_path / "m" / "rejects.jsonl").read_text()
 
 
-def test_preprocess_into_the_store_publishes_last_resumes_a_cut_upload_and_verifies_remotely(s3, tmp_path, monkeypatch):
+def test_preprocess_into_the_store_publishes_last_resumes_a_cut_upload_and_verifies_remotely(s3, tmp_path, monkeypatch,
+                                                                                             capsys):
     """--out s3://...: the job runs in a staging directory, then every file is uploaded and
     the manifest last. An upload cut after two objects leaves no manifest; the same command
     again resumes (all units already committed) and uploads the rest; an object of the wrong
@@ -342,6 +343,16 @@ def test_preprocess_into_the_store_publishes_last_resumes_a_cut_upload_and_verif
     again = run_preprocess(PreprocessConfig(inputs=[str(data)], out="s3://data/pub", stage_dir=str(tmp_path / "stage"),
                                             workers=1, rows_per_shard=4, progress=False))
     assert again["_run"]["upload"]["uploaded"] == 0
+    # damaged in the store: `verify` of the prefix lists every fault, as of a local directory
+    client.delete_object(Bucket="data", Key=f"pub/{names[0]}")
+    client.put_object(Bucket="data", Key=f"pub/{names[1]}", Body=b"junk")
+    client.put_object(Bucket="data", Key="pub/shard-999999.arrow", Body=b"stray")
+    capsys.readouterr()
+    assert main(["verify", "s3://data/pub", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    kinds = {fault["kind"] for fault in report["faults"]}
+    assert {"missing_shard", "unlisted_shard"} <= kinds and len(kinds) >= 3, report
+    assert "vlmpack-verify-" not in json.dumps(report) and "s3://data/pub" in json.dumps(report)
 
 
 def _stages(tmp: Path) -> list[str]:
