@@ -450,7 +450,7 @@ def assert_same_packs(a, b) -> None:
                 assert one == other, field.name
 
 
-def test_webdataset_export_packs_exactly_like_its_directory(shard_dir, shards, webdataset_dir):
+def test_webdataset_export_packs_exactly_like_its_directory(shard_dir, shards, webdataset_dir, video_shard_dir):
     wds = open_source(webdataset_dir)
     assert isinstance(wds, WebDatasetShards) and len(wds.tars) > 2
     stats = shards.sample_stats()
@@ -463,10 +463,13 @@ def test_webdataset_export_packs_exactly_like_its_directory(shard_dir, shards, w
             assert np.array_equal(arrow.arrays[name], tars.arrays[name]), name
         assert_same_packs(PackedDataset(arrow), PackedDataset(tars))
         assert_same_packs(PackedDataset(arrow, pad_to_seq_len=True), PackedDataset(tars, pad_to_seq_len=True))
-    # an export mixes with directories; same fingerprint, so the packs are those of [dir, dir]
-    mixed = build_pack_plan([shard_dir, webdataset_dir], PackSettings(seq_len=SEQ_LEN))
-    assert_same_packs(PackedDataset(mixed), PackedDataset(mixed, [shard_dir, shard_dir]))
+    # an export mixes with other sources as its directory does; beside its own directory it is
+    # refused (the same samples twice per epoch)
+    mixed = build_pack_plan([webdataset_dir, video_shard_dir], PackSettings(seq_len=SEQ_LEN))
+    assert_same_packs(PackedDataset(mixed), PackedDataset(mixed, [shard_dir, video_shard_dir]))
     assert set(np.unique(mixed.sample_source).tolist()) == {0, 1}
+    with pytest.raises(PackingError, match="holds the same shards as"):
+        build_pack_plan([shard_dir, webdataset_dir], PackSettings(seq_len=SEQ_LEN))
 
 
 def test_webdataset_loader_with_workers_and_resume_across_formats(shard_dir, webdataset_dir, tmp_path):

@@ -406,6 +406,18 @@ def test_cli_bad_arguments_exit_2_with_one_line_naming_them(shard_dirs, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
 
 
+def test_a_copy_or_an_export_of_a_source_is_refused_as_its_samples_twice(shard_dirs, tmp_path, capsys):
+    import shutil
+
+    d = shard_dirs[0]
+    shutil.copytree(d, tmp_path / "copy")
+    assert vlmpack_exit_code(["export", str(d), "--out", str(tmp_path / "export")]) == 0
+    for other in ("copy", "export"):
+        capsys.readouterr()
+        assert vlmpack_exit_code(["pack", str(d), str(tmp_path / other), "--seq-len", "2048"]) == 2
+        assert f"source {tmp_path / other} holds the same shards as {d}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["pack", "import-hf", "export-hf"])
 def test_help_has_one_line_per_option_in_named_groups(command):
     import argparse

@@ -387,12 +387,19 @@ def plan_request(sources, packing: PackSettings) -> PlanRequest:
             raise PackingError(f"source {directory} is {same}: its samples would be drawn twice per epoch; name each "
                                "source once (a weight, DIR:WEIGHT, draws one source more often than another)")
         manifests.append(source_manifest(directory))
+    fingerprints = [source_fingerprint(m) for m in manifests]
+    for k, fingerprint in enumerate(fingerprints):
+        first = fingerprints.index(fingerprint)
+        if first != k and fingerprint["shards_sha256"]:
+            raise PackingError(f"source {specs[k][0]} holds the same shards as {specs[first][0]} (a copy, or a "
+                               "WebDataset export of it): its samples would be drawn twice per epoch; name it once (a "
+                               "weight, DIR:WEIGHT, draws one source more often than another)")
     profiles = {m["profile"]["id"] for m in manifests}
     if len(profiles) > 1:
         listing = ", ".join(f"{d} -> {m['profile']['id']} ({m['profile'].get('family')})" for (d, _), m in zip(specs, manifests))
         raise PackingError(f"sources were preprocessed with different profiles and cannot share packs: {listing}")
     settings = packing.recorded()
-    data_fingerprint, key = plan_keys([source_fingerprint(m) for m in manifests], [w for _, w in specs], settings)
+    data_fingerprint, key = plan_keys(fingerprints, [w for _, w in specs], settings)
     return PlanRequest(specs, manifests, settings, data_fingerprint, key)
 
 
