@@ -162,6 +162,11 @@ BAD_ROWS = [
     # a null entry is named as such, not as a placeholder without an image in a list that holds one
     ("sharegpt", {"conversations": [{"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "y"}], "images": [None]},
      "empty_source", "`images[0]` is null"),
+    ("swift", {"messages": [{"role": "user", "content": "<image>x"}, {"role": "assistant", "content": "y"}],
+               "images": [""]}, "empty_source", "`images[0]` is an empty string"),
+    # an empty cell is no image: the placeholder is the one without it
+    ("sharegpt", {"conversations": [{"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "y"}], "image": ""},
+     "placeholder_mismatch", "<image> placeholder number 1 has no image"),
     # both spellings naming different images: neither is dropped unseen
     ("sharegpt", {"conversations": [{"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "y"}],
                   "images": ["a.png"], "image": "b.png"},
@@ -196,6 +201,11 @@ BAD_ROWS = [
     ("openai", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "loss": False}]},
      "unsupported_field", "messages[1].loss is ms-swift's key, which --input-format openai does not read"),
 ]
+
+
+def test_an_empty_media_cell_is_a_row_without_media():
+    row = {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}], "image": "", "video": ""}
+    assert to_openai_row(row, "sharegpt")["messages"][0] == {"role": "user", "content": "x"}
 
 
 def test_a_sharegpt_turns_loss_is_its_train_flag():

@@ -55,15 +55,16 @@ class MediaQueue:
 
 
 def _as_list(value, name: str) -> list:
-    if value is None:
+    if value is None or value == "":  # a table's empty cell: the row has none
         return []
     if isinstance(value, (str, bytes, dict)):
         return [value]  # LLaVA's single `image`, or one HF Image feature
     if isinstance(value, (list, tuple)):
         for k, item in enumerate(value):
-            if item is None:
-                raise RejectError("empty_source", f"`{name}[{k}]` is null: give each entry of `{name}` a path, data "
-                                  "URI or base64, or drop the entry and its placeholder")
+            if item is None or item == "":
+                what = "null" if item is None else "an empty string"
+                raise RejectError("empty_source", f"`{name}[{k}]` is {what}: give each entry of `{name}` a path, "
+                                  "data URI or base64, or drop the entry and its placeholder")
         return list(value)
     raise RejectError("bad_row", f"`{name}` must be a list of media references, got {type(value).__name__}")
 
