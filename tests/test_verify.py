@@ -155,6 +155,15 @@ def test_edited_manifest_rows_tokens_accounting(shards):
         assert "totals.rows" in by_kind["totals_mismatch"].message
 
 
+@pytest.mark.parametrize("field, value", [("rows", -5), ("rows", "21"), ("bytes", -1)])
+def test_a_faulty_entry_names_its_field_and_its_file_is_not_called_unlisted(shards, field, value):
+    manifest = manifest_of(shards)
+    manifest["shards"][0][field] = value
+    write_manifest(shards, manifest)
+    found = kinds(verify_shards(shards, quick=True))
+    assert "unlisted_shard" not in found and found, found
+
+
 def test_schema_version_change_is_exit_2(shards, capsys):
     manifest = manifest_of(shards)
     manifest["schema_version"] = 99
