@@ -70,6 +70,9 @@ DRY_RUN_DATA = {
     "a frozen vision tower recomputed, all blocks": (["--arch", "tiny", "--data", "{shards}", "--freeze", "vision",
                                                       "--recompute-vision", "true"],
                                                      "--freeze vision gives them none: drop --recompute-vision"),
+    "sequence parallelism without TP": (["--arch", "tiny", "--data", "{shards}", "--sequence-parallel", "true"],
+                                        "--sequence-parallel true splits the rows over the ranks of a TP group: with "
+                                        "--tp 1 there is none"),
 }
 
 
@@ -89,6 +92,19 @@ def test_dry_run_refuses_the_data_a_run_refuses_with_the_same_line(shards, tmp_p
     dry_line, run_line = one_error_line(dry_err, "train"), one_error_line(run_err, "train")
     assert dry_code == run_code == 2 and dry_line == run_line, (dry_line, run_line)
     assert says.format(**paths) in dry_line, dry_line
+
+
+def test_an_empty_out_or_config_file_is_refused_before_anything_is_written(shards, tmp_path, capsys, monkeypatch):
+    """An unset shell variable (`--out "$OUT"`) would train into the current directory; an empty
+    --config file would run on the defaults it meant to replace."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    for extra, says in ((["--out", ""], "--out is given as an empty string (''): give the run directory"),
+                        (["--out", "run", "--export-hf", " "], "--export-hf is given as an empty string"),
+                        (["--out", "run", "--config", "empty.yaml"], "--config empty.yaml holds no settings")):
+        code, err = train(["--arch", "tiny", "--seq-len", str(SEQ_LEN), *RUN, "--data", str(shards), *extra], capsys)
+        assert code == 2 and says in one_error_line(err, "train"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.yaml"]
 
 
 def test_dry_run_refuses_the_out_and_the_resume_a_run_refuses_with_the_same_line(shards, tmp_path, capsys):

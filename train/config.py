@@ -24,7 +24,8 @@ from pathlib import Path
 
 from shards_schema.errors import UserError
 from shards_schema.storage import is_url, redact
-from shards_schema.flags import add_flags, flag_name, flat_paths, from_flat, nested, parse_bool, setting, to_flat
+from shards_schema.flags import (add_flags, flag_name, flat_paths, from_flat, nested, parse_bool, refuse_empty, setting,
+                                 to_flat)
 from train.model.settings import ATTENTION_KERNELS, FP8_RECIPES, LOSS_PATHS, ConfigError
 
 FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains fully (train.model.lora)
@@ -442,6 +443,8 @@ class CheckpointsConfig:
                                                        "directory (a LoRA run: its adapters, in PEFT's format)")
 
     def validate(self) -> None:
+        refuse_empty("--out", self.out, "give the run directory")
+        refuse_empty("--export-hf", self.export_hf, "give the export directory, or leave the flag out")
         _check_numbers(self)
 
 
@@ -526,6 +529,9 @@ class TrainConfig:
         self.lora.validate()
         if self.parallelism.device == "cpu" and self.model.attention == "fa4":
             raise ConfigError(FA4_ON_CPU)
+        if self.parallelism.sequence_parallel and self.parallelism.tp == 1:
+            raise ConfigError("--sequence-parallel true splits the rows over the ranks of a TP group: with --tp 1 "
+                              "there is none; drop it, or give --tp N")
         if "vision" in self.model.freeze and (self.memory.recompute_vision or
                                               self.memory.recompute_vision_blocks is not None):
             # a frozen tower keeps no activations for a backward: there is nothing to recompute
@@ -633,7 +639,7 @@ def load_config_file(path: str | Path) -> dict:
             return loader.construct_mapping(node, deep=True)
 
         Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-        kind, parse, bad_syntax = "YAML", lambda t: yaml.load(t, Loader=Loader) or {}, yaml.YAMLError
+        kind, parse, bad_syntax = "YAML", lambda t: yaml.load(t, Loader=Loader), yaml.YAMLError
     else:
         def mapping(pairs: list) -> dict:
             _refuse_repeated(path, [key for key, _ in pairs])
@@ -646,6 +652,9 @@ def load_config_file(path: str | Path) -> dict:
         raise
     except bad_syntax as exc:
         raise ConfigError(f"--config {path}: not valid {kind} ({str(exc).splitlines()[0]}): fix the file") from None
+    if values is None or values == {}:  # an empty file, or one of comments only
+        raise ConfigError(f"--config {path} holds no settings: write them as `name: value` lines (the flags' names), "
+                          "or drop --config")
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(values).__name__}")
     named = [k for k in values if not isinstance(k, str)]
