@@ -207,3 +207,20 @@ def test_import_refuses_a_weight_that_holds_nan_or_inf_naming_it(hf_checkpoint, 
         assert ("once cast to float16" in line) == (dtype == "float16"), line
         assert not out.exists() or not any(p.suffix == ".safetensors" for p in out.rglob("*")), list(out.rglob("*"))
     assert torch.isfinite(state[name]).all()
+
+
+def test_a_weight_file_that_is_a_broken_link_exits_2_naming_it(hf_checkpoint, shards, tmp_path, capsys):
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(hf_checkpoint, source)
+    (source / "model.safetensors").unlink()
+    (source / "model.safetensors").symlink_to(tmp_path / "nowhere" / "model.safetensors")
+    for argv, command in ((["import-hf", str(source), "--out", str(tmp_path / "out")], "import-hf"),
+                          (["train", *TRAIN, "--hf-model", str(source), "--data", str(shards), "--out",
+                            str(tmp_path / "run")], "train")):
+        capsys.readouterr()
+        assert vlmpack(argv) == 2
+        line = one_error_line(capsys.readouterr().err, command)
+        assert f"{source} holds model.safetensors, which is no readable file (a broken symbolic link" in line, line
+    assert not (tmp_path / "out").exists()

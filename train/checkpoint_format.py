@@ -289,6 +289,10 @@ def hf_weight_files(hf_dir: str | Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"{hf_dir} has no *.safetensors weights (pytorch_model.bin checkpoints are not read: "
                               "re-save the model with `save_pretrained(..., safe_serialization=True)`)")
+    unreadable = [path.name for path in files if not path.is_file()]  # a broken link, a directory
+    if unreadable:
+        raise ModelFileError(f"{hf_dir} holds {_first_few(unreadable)}, which is no readable file (a broken symbolic "
+                             "link, or a directory)", f"fix or remove it, or {HF_DIR_FIX}")
     return files
 
 
