@@ -22,6 +22,7 @@ from tests.helpers.cli import vlmpack_exit_code
 from tests.helpers.models import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config, tiny_qwen3_vl_moe_config
 from train import convert as C
 from train.checkpoint_format import (
+    FILE_MODE,
     META_FILE,
     CheckpointError,
     rank_file,
@@ -337,6 +338,10 @@ def test_export_loads_in_transformers(hf_checkpoint, tmp_path, family, tied):
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == \
         json.loads((path / "generation_config.json").read_text())
     assert len(side_files.notes) == 1 and "no chat template" in side_files.notes[0]
+    # weight files as readable as the rest (safetensors alone writes them owner-only)
+    for directory in (tmp_path / "m", tmp_path / "hf"):
+        modes = {p.name: oct(p.stat().st_mode & 0o777) for p in directory.rglob("*") if p.is_file()}
+        assert set(modes.values()) == {oct(FILE_MODE)}, modes
     loaded = getattr(transformers, HF_CLASSES[family]).from_pretrained(tmp_path / "hf").eval()
     assert loaded.config.tie_word_embeddings is tied
     _assert_same(loaded.state_dict(), hf_model.state_dict())

@@ -231,9 +231,23 @@ def atomic_dir(target: str | Path):
         raise
 
 
+def _file_mode() -> int:
+    """What `open()` gives a new file: 0o666 less the umask (read once, at import: setting it to
+    read it is process-wide, and saves run on a background thread)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+FILE_MODE = _file_mode()
+
+
 def save_tensors(path: Path, state: dict[str, torch.Tensor]) -> None:
     # safetensors wants contiguous CPU tensors; the "pt" tag is what transformers checks for.
     save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+    # safetensors writes its files owner-only (0600); a model's readers (a serving account, a
+    # teammate) get what every other file of the directory gives them
+    os.chmod(path, FILE_MODE)
 
 
 def load_tensors(path: Path, fix: str = FILE_FIX) -> dict[str, torch.Tensor]:
