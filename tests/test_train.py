@@ -138,6 +138,7 @@ def test_a_new_run_into_an_out_of_an_earlier_run_is_refused_and_left_as_it_was(s
     (["--seed", "1"], "--seed 1 (the checkpoint's: 0)"),
     (["--max-visual-tokens", "500"], "--max-visual-tokens 500 (the checkpoint's: None)"),
     (["--global-batch-packs", "4"], "the global batch 4 packs (the checkpoint's: 2 packs)"),
+    (["--freeze", "vision"], "--freeze ['vision'] (the checkpoint's: [])"),
     (["--train-steps", "3", "--extend-schedule"], "--extend-schedule --train-steps 3 must be past the checkpoint's "
                                                   "step 3"),
     (["--train-steps", "8", "--from-step-6"],

@@ -848,6 +848,8 @@ def check_resume_settings(config, meta: dict, path: Path) -> None:
     differ = [(flag_name(k), saved[k], given[k])
               for k in (*SCHEDULE_SETTINGS[1:], *OPTIMIZER_SETTINGS, *DATA_ORDER_SETTINGS)
               if k in saved and saved[k] != given[k]]
+    if isinstance(saved.get("freeze"), list) and sorted(saved["freeze"]) != sorted(given["freeze"]):
+        differ.append((flag_name("freeze"), saved["freeze"], given["freeze"]))  # the optimizer state's parameters
     dp = meta.get("layout", {}).get("dp")
     if dp:
         sizing = ("seq_len", "global_batch_packs", "global_batch_tokens", "micro_batch_packs")
