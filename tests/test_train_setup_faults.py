@@ -70,6 +70,9 @@ DRY_RUN_DATA = {
     "a frozen vision tower recomputed, all blocks": (["--arch", "tiny", "--data", "{shards}", "--freeze", "vision",
                                                       "--recompute-vision", "true"],
                                                      "--freeze vision gives them none: drop --recompute-vision"),
+    "a router loss for a dense model": (["--arch", "tiny", "--data", "{shards}", "--moe-aux-loss-coef", "0.01"],
+                                        "--moe-aux-loss-coef 0.01 weighs a Mixture-of-Experts router's load-balancing "
+                                        "loss; qwen3-vl here is dense"),
     "sequence parallelism without TP": (["--arch", "tiny", "--data", "{shards}", "--sequence-parallel", "true"],
                                         "--sequence-parallel true splits the rows over the ranks of a TP group: with "
                                         "--tp 1 there is none"),

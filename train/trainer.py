@@ -72,6 +72,9 @@ def check_layout(arch: ModelArch, config: TrainConfig) -> None:
     if ep > 1 and not lm.is_moe:
         raise ConfigError(f"--ep {ep}: expert parallelism needs a Mixture-of-Experts model; {arch.family} "
                           "here is dense")
+    if config.model.moe_aux_loss_coef and not lm.is_moe:
+        raise ConfigError(f"--moe-aux-loss-coef {config.model.moe_aux_loss_coef:g} weighs a Mixture-of-Experts router's "
+                          f"load-balancing loss; {arch.family} here is dense and has no router: drop the flag")
     if ep > 1 and lm.num_experts % ep:
         raise ConfigError(f"--ep {ep} must divide the {lm.num_experts} experts")
     try:  # the widths every TP rank holds an equal part of (`convert.shard`)
