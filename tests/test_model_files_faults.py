@@ -204,6 +204,7 @@ def test_import_refuses_a_weight_that_holds_nan_or_inf_naming_it(hf_checkpoint, 
         code = vlmpack(["import-hf", str(source), "--out", str(out), *(["--dtype", dtype] if dtype else [])])
         line = one_error_line(capsys.readouterr().err, "import-hf")
         assert code == 2 and "holds NaN or infinite values" in line and str(source) in line, line
+        assert f"weight {name} holds" in line or f"{name} + " in line or f" + {name} holds" in line, line  # the file's name
         assert ("once cast to float16" in line) == (dtype == "float16"), line
         assert not out.exists() or not any(p.suffix == ".safetensors" for p in out.rglob("*")), list(out.rglob("*"))
     assert torch.isfinite(state[name]).all()

@@ -329,8 +329,9 @@ class LazyTensor:
     """A tensor read (and transformed) only when `load()` is called: what a conversion needs
     to know of a whole checkpoint (names, shapes, dtypes) without holding it in memory."""
 
-    def __init__(self, shape, dtype: torch.dtype, load):
+    def __init__(self, shape, dtype: torch.dtype, load, origin: tuple[str, ...] = ()):
         self.shape, self.dtype, self._load = tuple(shape), dtype, load
+        self.origin = tuple(origin)  # the checkpoint tensors it is made from, to name them in errors
 
     def load(self) -> torch.Tensor:
         return self._load()
@@ -341,10 +342,10 @@ class LazyTensor:
     def transpose(self, a: int, b: int) -> LazyTensor:
         shape = list(self.shape)
         shape[a], shape[b] = shape[b], shape[a]
-        return LazyTensor(shape, self.dtype, lambda: self.load().transpose(a, b))
+        return LazyTensor(shape, self.dtype, lambda: self.load().transpose(a, b), self.origin)
 
     def contiguous(self) -> LazyTensor:
-        return LazyTensor(self.shape, self.dtype, lambda: self.load().contiguous())
+        return LazyTensor(self.shape, self.dtype, lambda: self.load().contiguous(), self.origin)
 
 
 def materialize(tensor) -> torch.Tensor:

@@ -282,7 +282,7 @@ def hf_to_megatron(hf_state: dict, arch: ModelArch) -> dict:
         # a fused tensor of sources saved in different dtypes is made in their common one, as torch.cat makes it
         dtype = reduce(torch.promote_types, (t.dtype for t in sources))
         return LazyTensor(megatron_shapes(arch)[megatron], dtype,
-                          lambda: transforms[m.transform][0]([materialize(t) for t in sources], arch.lm))
+                          lambda: transforms[m.transform][0]([materialize(t) for t in sources], arch.lm), names)
 
     return {megatron: convert(m, names, megatron) for m, names, megatron in _name_pairs(arch, hf)}
 
@@ -772,7 +772,7 @@ def read_carried(source: str | Path, arch: ModelArch) -> dict[str, LazyTensor]:
 def _cast_lazy(tensor: LazyTensor, dtype: torch.dtype | None) -> LazyTensor:
     if dtype is None or not tensor.is_floating_point():
         return tensor
-    return LazyTensor(tensor.shape, dtype, lambda: tensor.load().to(dtype))
+    return LazyTensor(tensor.shape, dtype, lambda: tensor.load().to(dtype), tensor.origin)
 
 
 def _write_file_streaming(path: Path, full: dict[str, LazyTensor], arch: ModelArch, tp: int, pp: int, ep: int,
@@ -786,7 +786,8 @@ def _write_file_streaming(path: Path, full: dict[str, LazyTensor], arch: ModelAr
             if experts is None or (_ep_dim(entry[1], arch) is not None) == experts]
     shapes = shard_shapes(arch, tp, key[0], pp, key[1], ep, ep_rank)
     entries = [(local, shapes[local], _cast_lazy(full[name], dtype).dtype) for local, name, _ in plan]
-    save_tensors_streaming(path, entries, (_finite(part(_cast_lazy(full[name], dtype).load()), name, source, dtype)
+    save_tensors_streaming(path, entries, (_finite(part(_cast_lazy(full[name], dtype).load()),
+                                                   " + ".join(full[name].origin) or name, source, dtype)
                                            for _, name, part in plan))
 
 
