@@ -110,6 +110,17 @@ def test_an_empty_out_or_config_file_is_refused_before_anything_is_written(shard
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.yaml"]
 
 
+def test_a_gpu_size_without_a_plan_is_refused(shards, tmp_path, capsys):
+    """--gpu-memory-gib sizes the plan of --dry-run and --recompute auto; a run with neither is
+    refused rather than run as if it were not given."""
+    base = ["--arch", "tiny", "--seq-len", str(SEQ_LEN), *RUN, "--data", str(shards), "--gpu-memory-gib", "40"]
+    code, err = train([*base, "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and "--gpu-memory-gib 40 sizes the memory plan of --dry-run and --recompute auto; this run has " \
+        "neither" in one_error_line(err, "train"), err
+    assert train([*base, "--dry-run"], capsys)[0] == 0
+    assert train([*base, "--recompute", "auto", "--out", str(tmp_path / "auto")], capsys)[0] == 0
+
+
 def test_dry_run_refuses_the_out_and_the_resume_a_run_refuses_with_the_same_line(shards, tmp_path, capsys):
     """--out and the checkpoint a --resume continues are checked by a --dry-run as by the run: a
     file, a run's directory without --resume, a checkpoint of another architecture or kind."""

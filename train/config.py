@@ -529,6 +529,11 @@ class TrainConfig:
         self.lora.validate()
         if self.parallelism.device == "cpu" and self.model.attention == "fa4":
             raise ConfigError(FA4_ON_CPU)
+        memory = self.memory
+        if memory.gpu_memory_gib is not None and not memory.dry_run and memory.recompute != "auto":
+            raise ConfigError(f"--gpu-memory-gib {memory.gpu_memory_gib:g} sizes the memory plan of --dry-run and "
+                              "--recompute auto; this run has neither, so it would change nothing: add --recompute "
+                              "auto, or drop --gpu-memory-gib")
         if self.parallelism.sequence_parallel and self.parallelism.tp == 1:
             raise ConfigError("--sequence-parallel true splits the rows over the ranks of a TP group: with --tp 1 "
                               "there is none; drop it, or give --tp N")
