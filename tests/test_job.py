@@ -905,7 +905,7 @@ NUMERIC_FLAGS = {
     "preprocess": (["preprocess", "{data}", "--out", "{o}", "--workers", "1", "--no-progress"], [
         ("--min-pixels", int, lambda v: 1 <= v <= 16777216),  # at most the profile's max_pixels
         ("--max-pixels", int, lambda v: 65536 <= v <= 2**53),  # at least the profile's min_pixels
-        ("--max-seq-len", int, lambda v: v >= 1),
+        ("--max-seq-len", int, lambda v: 1 <= v <= 2**31 - 1),  # token positions are int32
         ("--max-image-pixels", int, lambda v: v >= 1),
         ("--max-media-bytes", int, lambda v: v >= 1),
         ("--video-fps", float, lambda v: v >= 0.001),
