@@ -195,6 +195,8 @@ BAD_ROWS = [
                   "audio": "a.wav"}, "unsupported_field", "`audio`: Qwen vision-language models take no audio"),
     ("sharegpt", {"conversations": [{"from": "human", "value": "x", "loss": True}, {"from": "gpt", "value": "y"}]},
      "bad_message", "conversations[0]: loss true on a turn that is not the assistant's"),
+    ("openai", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                "audios": ["a.wav"]}, "unsupported_field", "`audios`: Qwen vision-language models take no audio"),
     # ms-swift rows read as OpenAI (an input whose first row holds no media is detected as OpenAI)
     ("openai", {"messages": [{"role": "user", "content": "<image>x"}, {"role": "assistant", "content": "y"}],
                 "images": ["a.png"]}, "unsupported_field", "`images` beside `messages` is the ms-swift layout"),

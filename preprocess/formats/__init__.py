@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from ..errors import RejectError, loads_or_reject
 from . import sharegpt, swift
+from .placeholders import refuse_audio
 
 ROW_FORMATS = ("openai", "sharegpt", "swift")
 INPUT_FORMATS = ("auto", *ROW_FORMATS)
@@ -83,7 +84,8 @@ def _reject_swift_fields(row: dict) -> None:
     """An OpenAI row carries its media in its parts. Media lists beside `messages`, or a
     message's `loss`, are ms-swift's: read as OpenAI they would be dropped unseen (auto takes an
     input's layout from its first row, which may hold no media)."""
-    for key in (*MEDIA_KEYS, "audios", "audio"):
+    refuse_audio(row)
+    for key in MEDIA_KEYS:
         if row.get(key) not in (None, "", []):
             raise RejectError("unsupported_field", f"`{key}` beside `messages` is the ms-swift layout, which "
                               "--input-format openai does not read (auto takes an input's layout from its first "

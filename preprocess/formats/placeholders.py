@@ -28,10 +28,7 @@ class MediaQueue:
         lists). A row giving both spellings must name the same media in them: else one list
         would be dropped unseen."""
         queue = cls(None, None)
-        for key in ("audios", "audio"):
-            if row.get(key) not in (None, "", []):
-                raise RejectError("unsupported_field", f"`{key}`: Qwen vision-language models take no audio; drop "
-                                  "the audio (and its <audio> tags) from the row")
+        refuse_audio(row)
         for kind in ("image", "video"):
             given = [(key, _as_list(row[key], key)) for key in (f"{kind}s", kind) if row.get(key) is not None]
             if len(given) == 2 and given[0][1] != given[1][1]:
@@ -52,6 +49,14 @@ class MediaQueue:
             if used != given:
                 raise RejectError("placeholder_mismatch", f"the row has {used} <{kind}> placeholder(s) but {given} "
                                   f"{kind}(s) in its {kind}s list: each {kind} needs one <{kind}> in the text, in order")
+
+
+def refuse_audio(row: dict) -> None:
+    """ms-swift's and ShareGPT's audio lists: rejected, never dropped unseen."""
+    for key in ("audios", "audio"):
+        if row.get(key) not in (None, "", []):
+            raise RejectError("unsupported_field", f"`{key}`: Qwen vision-language models take no audio; drop the "
+                              "audio (and its <audio> tags) from the row")
 
 
 def _as_list(value, name: str) -> list:
