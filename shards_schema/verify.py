@@ -915,7 +915,7 @@ def verify_shards(
     # a file its entry names is listed, even where the entry's other fields are faulty (reported above)
     given = manifest.get("shards") if isinstance(manifest.get("shards"), list) else []
     named = {e["file"] for e in given if isinstance(e, dict) and isinstance(e.get("file"), str)}
-    _check_directory_listing(directory, named | {e["file"] for e in entries}, log)
+    _check_directory_listing(directory, named, log)
     ctx = _context(directory, manifest, quick, keep_per_kind, log)
 
     columns: dict[str, list[tuple[str, pa.Array]]] = {column: [] for column in UNIQUE_COLUMNS}
