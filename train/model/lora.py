@@ -338,11 +338,13 @@ class LinearAdapter(nn.Module):
         self.branch, self.scaling, self.dropout = branch, scaling, dropout
 
     def forward(self, x: Tensor) -> Tensor:
+        """The adapter's output for `x` [..., in] as rows [tokens, out] (see `MegatronLinearAdapter`)."""
+        x = x.reshape(-1, x.shape[-1])
         x = F.dropout(x, self.dropout, self.training) if self.dropout else x
         return F.linear(F.linear(x, self.branch.lora_A), self.branch.lora_B * self.scaling)
 
     def apply_to(self, host: nn.Linear, x: Tensor, y: Tensor) -> Tensor:
-        lora_out = self(x).to(y.dtype)
+        lora_out = self(x).to(y.dtype).view(y.shape)
         if self.branch.magnitude is None:
             return y + lora_out
         scale = self.branch.magnitude / self.branch.row_norms(host.weight, self.scaling)
@@ -388,6 +390,11 @@ class MegatronLinearAdapter(nn.Module):
                         param.sequence_parallel = True
 
     def forward(self, x: Tensor) -> Tensor:
+        """The adapters' output for `x` [..., in], as rows [tokens, out] of the host's layout
+        (`apply_to` gives it the host output's shape)."""
+        # rows, not [s, b, in]: a grad-free graph (a recomputed layer's first forward) would
+        # otherwise run the rank-r GEMMs as batched GEMMs, which cuBLAS gives a 25x slower kernel
+        x = x.reshape(-1, x.shape[-1])
         x = F.dropout(x, self.dropout, self.training) if self.dropout else x
         # the group named: megatron's mappings warn at every call without one, which would
         # split a compiled decoder layer (`compile_model`) into several graphs
@@ -410,7 +417,7 @@ class MegatronLinearAdapter(nn.Module):
         return self._layout(outs)
 
     def apply_to(self, host: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        lora_out = self(x).to(y.dtype)
+        lora_out = self(x).to(y.dtype).view(y.shape)
         if next(iter(self.slots.values())).magnitude is None:
             return y + lora_out
         return _dora_output(host, y, lora_out, self._dora_scale(host))
