@@ -142,6 +142,28 @@ COMPUTED_WITH = {
     "layers null": ("tiny-qwen3.5", _set_text("num_hidden_layers", None, drop=["layer_types"]),
                     "text_config.num_hidden_layers must be an integer >= 1, got None"),
     "qwen3.5 head_dim null": ("tiny-qwen3.5", _set_text("head_dim", None), "text_config.head_dim is null"),
+    # numbers of the right kind that the model cannot be built from together
+    "heads in broken groups": ("tiny", _set_text("num_key_value_heads", 3),
+                               "num_attention_heads 4 must be a multiple of num_key_value_heads 3"),
+    "qwen3.5 heads in broken groups": ("tiny-qwen3.5-moe", _set_text("num_key_value_heads", 3),
+                                       "num_attention_heads 4 must be a multiple of num_key_value_heads 3"),
+    "two M-RoPE sections": ("tiny-qwen3.5", _set_text("rope_parameters.mrope_section", [2, 2]),
+                            "mrope_section [2, 2] must list 3 sections (temporal, height, width), got 2"),
+    "more than the whole head rotated": ("tiny-qwen3.5", lambda text: text["rope_parameters"].update(
+                                             partial_rotary_factor=1.5, mrope_section=[8, 8, 8]),
+                                         "partial_rotary_factor 1.5 must be in (0, 1]"),
+    "an odd number of dims rotated": ("tiny-qwen3.5", lambda text: text["rope_parameters"].update(
+                                          partial_rotary_factor=0.03125, mrope_section=[0, 0, 0]),
+                                      "rotate an even number of each head's 32 dims (it rotates 1)"),
+    "a MoE model type without experts": ("tiny-qwen3.5-moe", _set_text("num_experts", 0),
+                                         "text_config.num_experts must be an integer >= 1 for a Mixture-of-Experts"),
+    "a Qwen3-VL MoE model type without experts": ("tiny-moe", _set_text("num_experts", 0),
+                                                  "text_config.num_experts must be an integer >= 1 for a "
+                                                  "Mixture-of-Experts"),
+    "more experts per token than experts": ("tiny-qwen3.5-moe", _set_text("num_experts_per_tok", 9),
+                                            "num_experts_per_tok 9 must be between 1 and num_experts 8"),
+    "no expert per token": ("tiny-moe", _set_text("num_experts_per_tok", 0),
+                            "num_experts_per_tok 0 must be between 1 and num_experts 8"),
 }
 
 

@@ -601,3 +601,16 @@ def test_streaming_safetensors_writer(tmp_path):
     _assert_same(load_file(str(tmp_path / "x.safetensors")), {k: v.contiguous() for k, v in tensors.items()})
     with pytest.raises(CheckpointError, match="b is"):
         save_tensors_streaming(tmp_path / "y.safetensors", entries, iter([tensors["a"], tensors["a"], tensors["c"]]))
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(num_kv_heads=3), "num_heads 4 must be a multiple of num_kv_heads 3"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok 9 must be between 1 and num_experts 8"),
+    (dict(mrope_section=[4, 4]), "mrope_section [4, 4] must list 3 sections"),
+])
+def test_a_model_directory_whose_architecture_cannot_be_built_is_refused_by_field(tmp_path, change, says):
+    arch = builtin_arch("tiny-moe")
+    write_meta(tmp_path, dataclasses.replace(arch, lm=dataclasses.replace(arch.lm, **change)), 1, 1, "bf16")
+    with pytest.raises(ValueError) as err:
+        read_arch(tmp_path)
+    assert says in str(err.value) and META_FILE in str(err.value), str(err.value)

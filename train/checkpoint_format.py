@@ -54,7 +54,8 @@ from shards_schema.builtin import (
     read_hf_chat_template,
 )
 from train.model import families
-from train.model.arch import LMArch, ModelArch, ModelFileError, arch_dict, check_field_kinds, read_json_object
+from train.model.arch import (LMArch, ModelArch, ModelFileError, arch_dict, check_buildable, check_field_kinds,
+                              read_json_object)
 from train.model.hf_config import json_kind
 from train.model.vision import VisionArch
 
@@ -177,6 +178,7 @@ def meta_arch(meta: dict, directory: str | Path, file: str = META_FILE) -> Model
     before any tensor is read."""
     arch = arch_from_dict(meta["arch"], Path(directory) / file)
     check_field_kinds(arch, Path(directory) / file, MODEL_DIR_FIX, hf_names=False)
+    check_buildable(arch, Path(directory) / file, MODEL_DIR_FIX, hf_names=False)
     return arch
 
 

@@ -175,6 +175,7 @@ class ModelArch:
             raise ModelFileError(f"{path} has no {exc.key!r}{where}, which a {config['model_type']} config sets",
                                  HF_CONFIG_FIX) from None
         check_field_kinds(arch, path)
+        check_buildable(arch, path)
         return arch
 
     def to_hf_config(self) -> dict:
@@ -296,6 +297,33 @@ def check_field_kinds(arch: ModelArch, source: str | Path, fix: str = HF_CONFIG_
                 raise ModelFileError(f"{source}: {section} {name} must be {want}, got {shown[:60]}", fix)
 
 
+def check_buildable(arch: ModelArch, source: str | Path, fix: str = HF_CONFIG_FIX, hf_names: bool = True) -> None:
+    """The relations between `arch`'s numbers (read from `source`) that a model needs to be built:
+    heads in whole query groups, three M-RoPE sections, a rotated part of each head, no more
+    experts per token than experts. ModelFileError naming the fields, so that such a config is
+    refused where it is read, not met as a traceback in a dry run's shapes or a training step."""
+    lm = arch.lm
+
+    def name(field: str) -> str:
+        return HF_FIELD_NAMES.get(field, field) if hf_names else field
+
+    problem = None
+    if lm.num_heads % lm.num_kv_heads:
+        problem = (f"{name('num_heads')} {lm.num_heads} must be a multiple of {name('num_kv_heads')} "
+                   f"{lm.num_kv_heads} (each key/value head serves a whole group of query heads)")
+    elif len(lm.mrope_section) != 3:
+        problem = (f"mrope_section {list(lm.mrope_section)} must list 3 sections (temporal, height, width), "
+                   f"got {len(lm.mrope_section)}")
+    elif not 0 < lm.partial_rotary_factor <= 1 or lm.rotary_dim < 2 or lm.rotary_dim % 2:
+        problem = (f"partial_rotary_factor {lm.partial_rotary_factor} must be in (0, 1] and rotate an even number "
+                   f"of each head's {lm.head_dim} dims (it rotates {lm.rotary_dim})")
+    elif lm.is_moe and not 1 <= lm.num_experts_per_tok <= lm.num_experts:
+        problem = (f"num_experts_per_tok {lm.num_experts_per_tok} must be between 1 and num_experts "
+                   f"{lm.num_experts}")
+    if problem:
+        raise ModelFileError(f"{source}: the language model's {problem}", fix)
+
+
 def lm_from_hf_config(config: dict, moe: bool, *, mrope_section: tuple[int, int, int], rope_theta: float,
                       mrope_interleaved: bool, qkv_bias: bool, qk_norm: bool) -> LMArch:
     """The language model of a Qwen3-VL or Qwen2.5-VL config.json (the nested `text_config`
@@ -303,6 +331,8 @@ def lm_from_hf_config(config: dict, moe: bool, *, mrope_section: tuple[int, int,
     gives the M-RoPE sections and theta its configs may leave out and its fixed features."""
     text = text_section(config)
     _check_representable(text, moe)
+    if moe:
+        check_expert_count(text.get("num_experts", text.get("num_local_experts")), "text_config.")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or config.get("rope_scaling") or {}
     theta = rope.get("rope_theta", text.get("rope_theta"))
     section = tuple(rope.get("mrope_section") or mrope_section)
@@ -322,6 +352,14 @@ def lm_from_hf_config(config: dict, moe: bool, *, mrope_section: tuple[int, int,
         **(dict(num_experts=text.get("num_experts", text.get("num_local_experts")), num_experts_per_tok=text["num_experts_per_tok"],
                 moe_intermediate_size=text["moe_intermediate_size"],
                 router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001))) if moe else {}))
+
+
+def check_expert_count(value, where: str) -> None:
+    """A Mixture-of-Experts config's expert count (at `where` in config.json): its model type
+    builds every decoder layer's MLP from experts, so 0 would be a dense model of another type."""
+    if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+        raise ValueError(f"config.json {where}num_experts must be an integer >= 1 for a Mixture-of-Experts model "
+                         f"type, got {value}: use the config.json the checkpoint was saved with")
 
 
 def token_ids(config: dict) -> dict:

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from train.model import families
 from train.model import gated_delta_net as gdn
-from train.model.arch import LMArch, ModelArch
+from train.model.arch import LMArch, ModelArch, check_expert_count
 from train.model.hf_config import text_section
 from train.model.qwen_vl import RMSNorm, layer_spec as base_layer_spec
 from train.model.vision import VisionArch
@@ -160,6 +160,7 @@ def arch_from_hf_config(config: dict) -> ModelArch:
     tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     experts = {}
     if moe:
+        check_expert_count(_required(text, "num_experts", "text_config."), "text_config.")
         experts = dict(num_experts=_required(text, "num_experts", "text_config."),
                        num_experts_per_tok=_required(text, "num_experts_per_tok", "text_config."),
                        moe_intermediate_size=_required(text, "moe_intermediate_size", "text_config."),
