@@ -218,6 +218,37 @@ def test_a_sharegpt_turns_loss_is_its_train_flag():
     assert [m.get("train") for m in messages] == [None, False, None, None, True]
 
 
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3-vl-thinking", "qwen3-vl"])
+def test_a_sharegpt_turns_reasoning_is_trained_where_the_template_renders_it(name):
+    """A gpt turn's reasoning_content gives the OpenAI row's sample on a Thinking template and is
+    rejected as dropped on an Instruct one; `thinking` / `reasoning`, which no template renders,
+    reject the row rather than vanish."""
+    from preprocess.profiles import builtin_profile
+
+    profile, options = builtin_profile(name), SampleOptions(max_seq_len=1 << 20)
+    openai = {"messages": [{"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "reasoning_content": "add two", "content": "4"}]}
+    sharegpt = {"conversations": [{"from": "human", "value": "2+2?"},
+                                  {"from": "gpt", "value": "4", "reasoning_content": "add two"}]}
+    if name == "qwen3-vl":
+        for row in (openai, to_openai_row(sharegpt, "sharegpt")):
+            with pytest.raises(RejectError) as err:
+                process_row(row, sample_uid="x", source="x", profile=profile, options=options)
+            assert err.value.code == "dropped_by_template", err.value
+        return
+    want = process_row(openai, sample_uid="x", source="x", profile=profile, options=options)
+    got = process_row(to_openai_row(sharegpt, "sharegpt"), sample_uid="x", source="x", profile=profile, options=options)
+    assert got.input_ids.tolist() == want.input_ids.tolist()
+    assert got.loss_mask.tolist() == want.loss_mask.tolist()
+    assert "add two" in profile.tokenizer.decode(got.input_ids[got.loss_mask.astype(bool)].tolist())
+    for key in ("thinking", "reasoning"):
+        turns = [sharegpt["conversations"][0], {"from": "gpt", "value": "4", key: "add two"}]
+        with pytest.raises(RejectError) as err:
+            process_row(to_openai_row({"conversations": turns}, "sharegpt"), sample_uid="x", source="x",
+                        profile=profile, options=options)
+        assert err.value.code == "dropped_by_template", err.value
+
+
 @pytest.mark.parametrize("layout, row, code, detail", BAD_ROWS, ids=[f"{b[0]}-{b[2]}-{k}" for k, b in enumerate(BAD_ROWS)])
 def test_bad_rows_are_rejected_with_a_named_code(layout, row, code, detail):
     with pytest.raises(RejectError) as err:

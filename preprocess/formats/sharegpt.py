@@ -9,7 +9,8 @@ Roles as LLaMA-Factory names them: `human` / `user`, `gpt` / `assistant`, `syste
 `function_call` (an assistant turn that calls tools: its value is the JSON of one call
 `{"name", "arguments"}` or a list of them) and `observation` (a tool's output). A turn's `loss`
 (true / false; null: the loss policy decides), as ms-swift writes it, is an assistant turn's
-`train` flag. LLaVA's single
+`train` flag, and its `reasoning_content` (or `thinking` / `reasoning`) is the message's own,
+trained where the profile's template renders it (a Thinking template's assistant turns). LLaVA's single
 `image` / `video` key is read like a one-element list. `tools` is a JSON string or a list of
 function schemas (wrapped as `{"type": "function", "function": schema}` as the chat template
 expects).
@@ -18,6 +19,7 @@ expects).
 from __future__ import annotations
 
 from ..errors import RejectError, loads_or_reject
+from ..render import REASONING_FIELDS
 from .placeholders import MediaQueue, split_text
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -49,6 +51,9 @@ def to_openai(row: dict) -> dict:
             message = {"role": "assistant", "content": "", "tool_calls": tool_calls(value, f"conversations[{k}]")}
         else:
             message = {"role": role, "content": split_text(value, queue)}
+        # a turn's reasoning goes on as it came: the renderer trains it where the template renders
+        # it and rejects the row where the template would drop it
+        message |= {name: turn[name] for name in REASONING_FIELDS if name in turn}
         messages.append(message if train is None else {**message, "train": train})
     queue.check_all_used()
     return {"id": row.get("id"), "messages": messages, "tools": tool_schemas(row.get("tools"))}
