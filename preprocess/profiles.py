@@ -336,8 +336,27 @@ def read_chat_template(model_dir: Path) -> str:
     return _chat_template_file(Path(model_dir))[1]
 
 
+# the steps every published Qwen-VL processor takes, which vlmpack's pixels always take too: a
+# processor file that switches one off (or rescales by another factor) makes other pixels
+PIXEL_STEPS = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
+RESCALE_FACTOR = 1 / 255
+
+
+def _check_pixel_steps(path: Path, cfg: dict) -> None:
+    for key in PIXEL_STEPS:
+        if _given(cfg, key) and cfg[key] is not True:
+            raise ConfigError(f"{path}: {key} {_clip(json.dumps(cfg[key]))} is not supported: vlmpack resizes, rescales, "
+                              f"normalizes and converts to RGB as the published processors do; {_restore(path)}")
+    factor = cfg.get("rescale_factor")
+    if _given(cfg, "rescale_factor") and not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
+                                              and math.isclose(factor, RESCALE_FACTOR, rel_tol=1e-9)):
+        raise ConfigError(f"{path}: rescale_factor {_shown(factor)} is not supported: vlmpack scales pixels by "
+                          f"1/255 as the published processors do; {_restore(path)}")
+
+
 def _vision_from_preprocessor_config(path: Path, family: str) -> VisionConfig:
     cfg = _json_object(path)
+    _check_pixel_steps(path, cfg)
     for key in ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std"):
         if not _given(cfg, key):
             raise ConfigError(f"{path}: missing image-processor field {key}: {_restore(path)}")
@@ -370,6 +389,7 @@ def _video_from_config(path: Path, family: str, vision: VisionConfig) -> VideoDe
     if not path.is_file():
         return defaults
     cfg = _json_object(path)
+    _check_pixel_steps(path, cfg)
 
     def value(key: str):
         return cfg[key] if _given(cfg, key) else getattr(defaults, key)
@@ -388,7 +408,9 @@ def _video_from_config(path: Path, family: str, vision: VisionConfig) -> VideoDe
     return VideoDefaults(
         fps=float(fps),
         min_frames=min_frames,
-        max_frames=_integer(path, "max_frames", value("max_frames"), min_frames, MAX_OPTION_INTEGER),
+        # frames are cut in pairs: fewer than a pair would reject every video, as --video-max-frames says
+        max_frames=_integer(path, "max_frames", value("max_frames"), max(min_frames, TEMPORAL_PATCH_SIZE),
+                            MAX_OPTION_INTEGER),
         min_pixels=min_pixels,
         max_pixels=max_pixels,
         image_mean=_channel_values(path, "image_mean", value("image_mean"), nonzero=False),

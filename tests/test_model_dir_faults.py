@@ -151,6 +151,15 @@ PROCESSOR_FAULTS = [
     ("video_preprocessor_config.json", {"min_frames": 8, "max_frames": 4},
      "max_frames must be an integer from 8 to 9007199254740992, got 4"),
     ("video_preprocessor_config.json", {"image_std": [0.5, 0.5, 0]}, "image_std must be a list of 3 finite numbers"),
+    # fewer frames than a temporal patch would reject every video (as --video-max-frames 1 is refused)
+    ("video_preprocessor_config.json", {"min_frames": 1, "max_frames": 1},
+     "max_frames must be an integer from 2 to 9007199254740992, got 1"),
+    # a processing step switched off, or another rescale, would make other pixels than vlmpack's
+    ("preprocessor_config.json", {"do_resize": False}, "do_resize false is not supported"),
+    ("preprocessor_config.json", {"do_normalize": False}, "do_normalize false is not supported"),
+    ("preprocessor_config.json", {"do_convert_rgb": False}, "do_convert_rgb false is not supported"),
+    ("preprocessor_config.json", {"rescale_factor": 0.5}, "rescale_factor 0.5 is not supported"),
+    ("video_preprocessor_config.json", {"do_rescale": False}, "do_rescale false is not supported"),
     ("video_preprocessor_config.json", {"max_video_tokens": 0}, "max_video_tokens must be an integer from 1"),
     ("config.json", {"vision_config": {"tokens_per_second": 0}},
      "vision_config.tokens_per_second must be an integer from 1 to 1000, got 0"),
