@@ -39,7 +39,7 @@ from shards_schema.json_object import NotAJSONObject, parse_json_object
 from .errors import ConfigError
 from .families import BUILTIN_PROFILES, FAMILIES, MODEL_TYPE_FAMILY, ModelFamily, family_named
 from .media import MAX_OPTION_INTEGER, MIN_FPS
-from .render import DEFAULT_TEXT_SPECIAL_TOKENS, GROUNDING_TOKENS
+from .render import DEFAULT_TEXT_SPECIAL_TOKENS, GROUNDING_TOKENS, template_label
 from .text_budget import TextBudget
 from .video import VideoDefaults
 
@@ -501,7 +501,7 @@ def profile_from_model_dir(model_dir: str | Path, check_template: bool = True) -
     if official is not None and official[0] != family:
         raise ConfigError(
             f"--model {model_dir}: config.json's model_type {model_type!r} is a {family} checkpoint, but "
-            f"{template_path.name} holds the official {official[0]} {official[1]} chat template: the directory mixes "
+            f"{template_path.name} holds the official {template_label(*official)} chat template: the directory mixes "
             f"files of two checkpoints; restore the {family} checkpoint's own chat template (or config.json)")
     tokenizer_config = model_dir / "tokenizer_config.json"
     if tokenizer_config.is_file() and template_path != tokenizer_config:

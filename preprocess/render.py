@@ -927,6 +927,12 @@ def _with_object_arguments(messages: list) -> list:
             for m in messages]
 
 
+def template_label(family: str, template: str) -> str:
+    """An official template's name in messages: the family, and the variant where the family has
+    several (qwen3-vl thinking); Qwen3.5's one template is its family's name."""
+    return family if template == family else f"{family} {template}"
+
+
 def _first_difference(a: str, b: str) -> int:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -983,13 +989,14 @@ def _check_probe(profile, template_text: str, name: str, messages: list, tools: 
         raise ConfigError(
             f"the chat template of {profile.source} fails on probe {name!r} ({type(exc).__name__}: "
             f"{(str(exc).strip().splitlines() or [''])[0]}); "
-            f"it is not a template vlmpack renders natively ({family}, {profile.template})"
+            f"it is not a template vlmpack renders natively (the official {template_label(family, profile.template)} "
+            f"template)"
         ) from exc
     if theirs != ours:
         at = _first_difference(theirs, ours)
         raise ConfigError(
             f"the chat template of {profile.source} is not one vlmpack renders natively: it differs from the "
-            f"official {family} {profile.template} template on probe {name!r}{_with(variables)} at character {at}: "
+            f"official {template_label(family, profile.template)} template on probe {name!r}{_with(variables)} at character {at}: "
             f"the template gives ...{_excerpt(theirs, at)}..., vlmpack gives ...{_excerpt(ours, at)}...; "
             f"use the official chat template of the checkpoint (sha256 of the supported templates is in "
             f"preprocess.profiles.OFFICIAL_TEMPLATE_SHA256)"

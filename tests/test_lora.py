@@ -429,10 +429,10 @@ def test_init_lora_starts_from_a_peft_adapter(shards, hf_base, tmp_path, capsys)
 @pytest.mark.parametrize("extra, message", [
     (["--lora-alpha", "8"], "--lora-alpha configure LoRA: also give --lora-rank R"),
     (["--lora-rank", "4", "--lora-targets", "q_proj,w_proj"], "--lora-targets w_proj: no such linear module"),
-    (["--lora-rank", "4", "--lora-parts", "lm"], "--lora-parts ['lm']: choose from"),
-    (["--lora-rank", "4", "--lora-modules-to-save", "llm"], "--lora-modules-to-save ['llm']: choose from"),
+    (["--lora-rank", "4", "--lora-parts", "lm"], "--lora-parts lm: choose from"),
+    (["--lora-rank", "4", "--lora-modules-to-save", "llm"], "--lora-modules-to-save llm: choose from vision,merger"),
     (["--lora-rank", "4", "--lora-parts", "llm,merger", "--lora-modules-to-save", "merger"], "not both"),
-    (["--lora-rank", "4", "--freeze", "llm"], "--freeze ['llm']: those parts are trained"),
+    (["--lora-rank", "4", "--freeze", "llm"], "--freeze llm: those parts are trained"),
     (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
     (["--lora-rank", "4", "--lora-dora", "--lora-dropout", "0.1"], "--lora-dora with --lora-dropout 0.1"),
     (["--lora-rank", "4", "--init-lora", "{empty}"], "no adapter_config.json"),

@@ -688,3 +688,15 @@ def test_the_special_token_check_takes_time_linear_in_the_turns():
     with pytest.raises(RejectError, match=r"messages\[39999\].content holds <\|im_end\|> at character 8"):
         _check_data_text(text, data, frozenset({"<|im_start|>", "<|im_end|>"}))
     assert time.perf_counter() - started < 3.0
+
+
+def test_a_modified_qwen3_5_template_is_named_once_as_the_official_one():
+    from preprocess.profiles import builtin_profile
+
+    profile = builtin_profile("qwen3.5")
+    template = profile.chat_template
+    assert "<|im_start|>" in template
+    with pytest.raises(ConfigError) as err:
+        check_template_matches(profile, template.replace("<|im_start|>", "<|im_start|> ", 1))
+    message = str(err.value)
+    assert "the official qwen3.5 template" in message and "qwen3.5 qwen3.5" not in message, message

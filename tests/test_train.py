@@ -406,7 +406,7 @@ def test_packs_split_over_tensor_parallel_ranks_get_a_padding_segment(shards):
     (["--seq-len", "64"], "longer than seq_len 64"),
     (["--tp", "3"], "must divide the attention heads"),
     (["--arch", "tiny-qwen2.5"], "preprocessed for another model"),
-    (["--freeze", "eyes"], "--freeze ['eyes']"),
+    (["--freeze", "eyes"], "--freeze eyes: choose from "),
     (["--warmup-steps", "2"], "--warmup-steps 2 must be smaller than --train-steps 2"),
     (["--recompute-layers", "4"], "--recompute-layers 4 needs --recompute full"),
     (["--adam-state-dtype", "fp16"], "--adam-state-dtype 'fp16': choose from ['fp32', 'bf16']"),

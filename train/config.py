@@ -146,7 +146,7 @@ def _check_choices(section, choices: dict) -> None:
 def _check_parts(section, name: str) -> None:
     bad = sorted(set(getattr(section, name)) - set(FREEZABLE))
     if bad:
-        raise ConfigError(f"{flag_name(name)} {bad}: choose from {list(FREEZABLE)}")
+        raise ConfigError(f"{flag_name(name)} {','.join(bad)}: choose from {','.join(FREEZABLE)}")
 
 
 @dataclass
@@ -403,7 +403,7 @@ class LoraConfig:
                               "(it would need a second pass of the base layer); drop one of them")
         bad = sorted(set(self.lora_modules_to_save) - {"vision", "merger"})
         if bad:
-            raise ConfigError(f"--lora-modules-to-save {bad}: choose from ['vision', 'merger']")
+            raise ConfigError(f"--lora-modules-to-save {','.join(bad)}: choose from vision,merger")
         both = sorted(set(self.trained_parts()) & set(self.lora_modules_to_save))
         if both:
             raise ConfigError(f"{both} given to both --lora-parts and --lora-modules-to-save: a part gets adapters or "
@@ -551,7 +551,7 @@ class TrainConfig:
             trained = set(self.lora.trained_parts()) | set(self.lora.lora_modules_to_save)
             frozen = sorted(set(self.model.freeze) & trained)
             if frozen:
-                raise ConfigError(f"--freeze {frozen}: those parts are trained (--lora-parts / --lora-modules-to-save); "
+                raise ConfigError(f"--freeze {','.join(frozen)}: those parts are trained (--lora-parts / --lora-modules-to-save); "
                                   "with LoRA every other part is frozen already")
         if self.memory.master_weights == "bf16":
             self._validate_bf16_master_weights()
