@@ -534,6 +534,11 @@ class TrainConfig:
             raise ConfigError(f"--gpu-memory-gib {memory.gpu_memory_gib:g} sizes the memory plan of --dry-run and "
                               "--recompute auto; this run has neither, so it would change nothing: add --recompute "
                               "auto, or drop --gpu-memory-gib")
+        if not memory.bf16 and (memory.dry_run or memory.recompute == "auto"):
+            # the plan counts 2 bytes a weight and is fitted to bf16 peaks: an fp32 run's would be half its size
+            raise ConfigError(f"--bf16 false with {'--dry-run' if memory.dry_run else '--recompute auto'}: the memory "
+                              "plan sizes bf16 runs only (fp32 weights and activations take about twice its figures); "
+                              "drop --bf16 false, or choose --recompute none|full yourself")
         if self.parallelism.sequence_parallel and self.parallelism.tp == 1:
             raise ConfigError("--sequence-parallel true splits the rows over the ranks of a TP group: with --tp 1 "
                               "there is none; drop it, or give --tp N")
