@@ -49,8 +49,7 @@ FLOOR = IMPORTS + "print(json.dumps({'peak_kib': resource.getrusage(resource.RUS
 
 HF_PATH = IMPORTS + textwrap.dedent("""
     from transformers.video_utils import load_video
-    from preprocess.families.qwen3_vl import QWEN3_VL_VIDEO
-    from shards_schema.builtin import BUILTIN_VISION
+    from shards_schema.builtin import BUILTIN_VISION, QWEN3_VL_VIDEO
     from transformers import Qwen3VLVideoProcessor
     vision, video = BUILTIN_VISION["qwen3-vl"], QWEN3_VL_VIDEO
     processor = Qwen3VLVideoProcessor(size={{"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels}},

@@ -1,4 +1,4 @@
-"""The built-in model families: the published checkpoints' image-processor constants, the
+"""The built-in model families: the published checkpoints' image- and video-processor constants, the
 bundled Qwen tokenizer files and the official chat templates.
 
 Both sides read them: preprocessing builds its built-in profiles from them
@@ -72,6 +72,45 @@ QWEN2_5_VL_VISION = VisionConfig(
 QWEN3_5_VISION = QWEN3_VL_VISION
 
 BUILTIN_VISION = {"qwen3-vl": QWEN3_VL_VISION, "qwen2.5-vl": QWEN2_5_VL_VISION, "qwen3.5": QWEN3_5_VISION}
+
+
+@dataclass(frozen=True)
+class VideoDefaults:
+    """A family's published video-processor settings (`video_preprocessor_config.json`, or the
+    processor class defaults where the checkpoint ships none)."""
+
+    fps: float
+    min_frames: int
+    max_frames: int
+    min_pixels: int  # size["shortest_edge"]
+    max_pixels: int  # size["longest_edge"]
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    max_video_tokens: int  # the processor's `max_video_tokens` (used by the per-frame cap)
+
+
+QWEN3_VL_VIDEO = VideoDefaults(
+    fps=2.0, min_frames=4, max_frames=768, min_pixels=4096, max_pixels=25165824,
+    image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), max_video_tokens=768,
+)
+
+# Qwen2.5-VL checkpoints ship no video_preprocessor_config.json: `Qwen2VLVideoProcessor`'s
+# class defaults (the CLIP mean/std of the image processor).
+QWEN2_5_VL_VIDEO = VideoDefaults(
+    fps=2.0, min_frames=4, max_frames=768, min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 768,
+    image_mean=(0.48145466, 0.4578275, 0.40821073), image_std=(0.26862954, 0.26130258, 0.27577711),
+    max_video_tokens=128000,
+)
+
+# Qwen3.5 / Qwen3.6 video_preprocessor_config.json's size and mean/std over
+# `Qwen3VLVideoProcessor`'s class defaults (provenance and the check against the published file:
+# preprocess/families/qwen3_5_constants.py) are Qwen3-VL's values.
+QWEN3_5_VIDEO = QWEN3_VL_VIDEO
+
+BUILTIN_VIDEO = {"qwen3-vl": QWEN3_VL_VIDEO, "qwen2.5-vl": QWEN2_5_VL_VIDEO, "qwen3.5": QWEN3_5_VIDEO}
+# the families whose published checkpoints ship a video_preprocessor_config.json (Qwen2.5-VL's
+# leave the video processor to its class defaults)
+SHIPS_VIDEO_PROCESSOR_CONFIG = ("qwen3-vl", "qwen3.5")
 
 
 def bundled_tokenizer_dir() -> Path:

@@ -218,8 +218,14 @@ def test_a_model_without_profile_or_template_exports_with_a_note_naming_the_opti
     assert vlmpack(["export-hf", str(random_init_model), "--out", str(tmp_path / "hf"), "--overwrite",
                     "--chat-template", str(template)]) == 0
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    ids = AutoProcessor.from_pretrained(tmp_path / "hf").apply_chat_template(messages, tokenize=True)
+    processor = AutoProcessor.from_pretrained(tmp_path / "hf")
+    ids = processor.apply_chat_template(messages, tokenize=True)
     assert ids[0][:3] == [151644, 872, 198]  # <|im_start|>user\n
+    # without a profile the family's published video processor is written too: transformers would
+    # otherwise fall back to another class, with the image processor's size bounds
+    video = processor.video_processor
+    assert type(video).__name__ == "Qwen3VLVideoProcessor", type(video)
+    assert (video.size["shortest_edge"], video.size["longest_edge"]) == (4096, 25165824), video.size
 
 
 def test_the_shards_own_tokenizer_comes_from_their_model_dir_or_is_named(random_init_model, tmp_path, capsys):

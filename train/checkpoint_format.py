@@ -48,7 +48,9 @@ from tqdm import tqdm
 
 from shards_schema.atomic import TMP_SUFFIX, fsync_dir
 from shards_schema.builtin import (
+    BUILTIN_VIDEO,
     BUILTIN_VISION,
+    SHIPS_VIDEO_PROCESSOR_CONFIG,
     builtin_chat_template_by_sha256,
     builtin_tokenizer_json,
     read_hf_chat_template,
@@ -644,7 +646,7 @@ def write_side_files(out_dir: Path, family: str, kept: Path | None, chat_templat
     """Everything of a HF model directory but its weights and config.json, from `kept` (a model
     or adapter directory): the files it kept of its source checkpoint (hf/); over them, what its
     PROFILE_FILE records of the training data (the image and video processor settings, the chat
-    template); the built-in family's tokenizer, image-processor and generation files for what
+    template); the built-in family's tokenizer, image- and video-processor and generation files for what
     neither gives; `chat_template` (the template's text) over all."""
     hf_dir = kept / HF_SUBDIR if kept is not None else None
     profile = check_kept_side_files(kept) if kept is not None else None
@@ -659,9 +661,14 @@ def write_side_files(out_dir: Path, family: str, kept: Path | None, chat_templat
             _write_json(out_dir / "video_preprocessor_config.json", configs["video_processor"])
         _write_json(out_dir / "preprocessor_config.json", configs["image_processor"])
         _update_json(out_dir / "processor_config.json", configs)  # its nested copies would be read first
-    elif "preprocessor_config.json" not in copied:
-        vision = BUILTIN_VISION[families.by_name(family).processor_defaults_family]
-        _write_json(out_dir / "preprocessor_config.json", image_processor_config(family, dataclasses.asdict(vision)))
+    else:  # the built-in family's published processors, for those the source checkpoint did not give
+        defaults = families.by_name(family).processor_defaults_family
+        vision = dataclasses.asdict(BUILTIN_VISION[defaults])
+        if "preprocessor_config.json" not in copied:
+            _write_json(out_dir / "preprocessor_config.json", image_processor_config(family, vision))
+        if "video_preprocessor_config.json" not in copied and defaults in SHIPS_VIDEO_PROCESSOR_CONFIG:
+            _write_json(out_dir / "video_preprocessor_config.json",
+                        video_processor_config(family, vision, dataclasses.asdict(BUILTIN_VIDEO[defaults])))
     if "generation_config.json" not in copied:
         _write_json(out_dir / "generation_config.json", QWEN_GENERATION_CONFIG)
     notes += _write_chat_template(out_dir, profile, chat_template)

@@ -24,10 +24,11 @@ from typing import Protocol
 
 import numpy as np
 
+from shards_schema.builtin import VideoDefaults
 from shards_schema.families import FamilyRules
 
 from ..render import Message, TextBuilder
-from ..video.sampling import VideoDefaults, VideoRequest
+from ..video.sampling import VideoRequest
 from . import qwen2_5_vl, qwen3_5, qwen3_vl
 
 __all__ = ["BUILTIN_PROFILES", "FAMILIES", "FAMILY_NAMES", "MODEL_TYPE_FAMILY", "ModelFamily", "family_named",

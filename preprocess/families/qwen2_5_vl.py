@@ -17,21 +17,15 @@ import math
 
 import numpy as np
 
+from shards_schema.builtin import QWEN2_5_VL_VIDEO
 from shards_schema.families import qwen2_5_vl as shard_qwen2_5_vl
 
 from ..images import smart_resize as image_smart_resize
 from ..render import IM_END, IM_START, Message, TextBuilder, reject, render_assistant
-from ..video.sampling import VideoDefaults, VideoRequest, sampling_error
+from ..video.sampling import VideoRequest, sampling_error
 
 QWEN2_5_DEFAULT_SYSTEM = "You are a helpful assistant."
 
-# Qwen2.5-VL checkpoints ship no video_preprocessor_config.json: `Qwen2VLVideoProcessor`'s
-# class defaults (the CLIP mean/std of the image processor).
-QWEN2_5_VL_VIDEO = VideoDefaults(
-    fps=2.0, min_frames=4, max_frames=768, min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 768,
-    image_mean=(0.48145466, 0.4578275, 0.40821073), image_std=(0.26862954, 0.26130258, 0.27577711),
-    max_video_tokens=128000,
-)
 
 
 def _render_instruct(out: TextBuilder, messages: list[Message], targets: list[bool]) -> None:

@@ -30,11 +30,9 @@ rotary layout covers 64 of 256 head dimensions (Qwen3-VL: 128 of 128, sections 2
 
 from __future__ import annotations
 
-from shards_schema.builtin import QWEN3_5_VISION
+from shards_schema.builtin import QWEN3_5_VIDEO, QWEN3_5_VISION
 
-from ..video.sampling import VideoDefaults
-
-__all__ = ["QWEN3_5_VISION", "QWEN3_5_VIDEO"]  # QWEN3_5_VISION: the image constants, kept in shards_schema.builtin
+__all__ = ["QWEN3_5_VISION", "QWEN3_5_VIDEO"]  # the image and video constants, kept in shards_schema.builtin
 
 # The two processor files as published (key order kept), for profiles and for tests.
 PREPROCESSOR_CONFIG = {
@@ -60,17 +58,6 @@ VIDEO_PREPROCESSOR_CONFIG = {
 # The -Base checkpoints' video_preprocessor_config.json differs only here.
 BASE_VIDEO_MAX_PIXELS = 234881024
 
-# The video file's size and mean/std over `Qwen3VLVideoProcessor`'s class defaults.
-QWEN3_5_VIDEO = VideoDefaults(
-    fps=2.0,
-    min_frames=4,
-    max_frames=768,
-    min_pixels=VIDEO_PREPROCESSOR_CONFIG["size"]["shortest_edge"],
-    max_pixels=VIDEO_PREPROCESSOR_CONFIG["size"]["longest_edge"],
-    image_mean=(0.5, 0.5, 0.5),
-    image_std=(0.5, 0.5, 0.5),
-    max_video_tokens=768,
-)
 
 # Token ids (config.json and the tokenizer's added tokens).
 TOKEN_IDS = {

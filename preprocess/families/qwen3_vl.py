@@ -18,13 +18,14 @@ import math
 
 import numpy as np
 
+from shards_schema.builtin import QWEN3_VL_VIDEO
 from shards_schema.families import qwen3_vl as shard_qwen3_vl
 
 from ..errors import RejectError
 from ..images import MAX_ASPECT_RATIO
 from ..render import (IM_END, IM_START, IMAGE, IMAGE_PLACEHOLDER, TEXT, VIDEO, VIDEO_PLACEHOLDER, Message, TextBuilder,
                       json_text, reject, render_assistant, render_tool_calls)
-from ..video.sampling import VideoDefaults, VideoRequest, check_option_bounds, sampling_error
+from ..video.sampling import VideoRequest, check_option_bounds, sampling_error
 
 QWEN3_TOOLS_INTRO = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -38,10 +39,6 @@ QWEN3_TOOLS_OUTRO = (
 
 # Qwen3-VL-*-Instruct video_preprocessor_config.json (size, mean/std) over the class defaults
 # (fps 2, min_frames 4, max_frames 768, max_video_tokens 768).
-QWEN3_VL_VIDEO = VideoDefaults(
-    fps=2.0, min_frames=4, max_frames=768, min_pixels=4096, max_pixels=25165824,
-    image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), max_video_tokens=768,
-)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from shards_schema.builtin import VideoDefaults
 from shards_schema.flags import setting
 from shards_schema.storage import FetchPolicy
 
@@ -28,7 +29,6 @@ from .decode import VideoInfo, VideoReader
 from .sampling import (
     QVU_VIDEO_MIN_TOKEN_NUM,
     SAMPLING_MODES,
-    VideoDefaults,
     VideoRequest,
     check_option_bounds,
     qvu_indices,

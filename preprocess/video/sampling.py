@@ -39,21 +39,6 @@ QVU_MODEL_SEQ_LEN = 128000
 
 
 @dataclass(frozen=True)
-class VideoDefaults:
-    """A family's published video-processor settings (`video_preprocessor_config.json`, or the
-    processor class defaults where the checkpoint ships none)."""
-
-    fps: float
-    min_frames: int
-    max_frames: int
-    min_pixels: int  # size["shortest_edge"]
-    max_pixels: int  # size["longest_edge"]
-    image_mean: tuple[float, float, float]
-    image_std: tuple[float, float, float]
-    max_video_tokens: int  # the processor's `max_video_tokens` (used by the per-frame cap)
-
-
-@dataclass(frozen=True)
 class VideoRequest:
     """A video part's sampling options (qwen-vl-utils / HF names); None means the default."""
 
