@@ -149,6 +149,21 @@ BUILTIN_CHAT_TEMPLATES = {
 }
 
 
+# the model family each official template belongs to (a Thinking variant, or Qwen3.6's, is its family's)
+BUILTIN_TEMPLATE_FAMILY = {"qwen3-vl": "qwen3-vl", "qwen2.5-vl": "qwen2.5-vl", "qwen3-vl-thinking": "qwen3-vl",
+                           "qwen3.5": "qwen3.5", "qwen3.6": "qwen3.5"}
+
+
+def builtin_template_name(text: str) -> str | None:
+    """The built-in profile whose official chat template `text` is, byte for byte, or None."""
+    return _template_name_by_sha256(hashlib.sha256(text.encode()).hexdigest())
+
+
+def _template_name_by_sha256(sha256: str | None) -> str | None:
+    return next((name for name in BUILTIN_CHAT_TEMPLATES
+                 if hashlib.sha256(builtin_chat_template(name).encode()).hexdigest() == sha256), None)
+
+
 def builtin_chat_template(name: str) -> str:
     """The official chat template of built-in profile `name`."""
     if name not in BUILTIN_CHAT_TEMPLATES:
@@ -158,11 +173,8 @@ def builtin_chat_template(name: str) -> str:
 
 def builtin_chat_template_by_sha256(sha256: str | None) -> str | None:
     """The official chat template whose text has this sha256, or None."""
-    for name in BUILTIN_CHAT_TEMPLATES:
-        text = builtin_chat_template(name)
-        if hashlib.sha256(text.encode()).hexdigest() == sha256:
-            return text
-    return None
+    name = _template_name_by_sha256(sha256)
+    return None if name is None else builtin_chat_template(name)
 
 
 def read_hf_chat_template(model_dir: str | Path) -> str | None:

@@ -306,3 +306,18 @@ def test_lora_run_on_a_random_init_exports_its_base_and_peft_loads_the_adapters_
     assert (ours[rows] - theirs[rows]).abs().max() < TOLERANCE
     assert (plain[rows] - theirs[rows]).abs().max() > 1e2 * TOLERANCE  # the trained adapters change the model
 
+
+
+def test_another_familys_official_template_is_refused_and_a_template_of_ones_own_is_taken(random_init_model,
+                                                                                         tmp_path, capsys):
+    other = tmp_path / "qwen3_5.jinja"
+    other.write_text(builtin_chat_template("qwen3.5"))
+    out = tmp_path / "hf"
+    assert vlmpack(["export-hf", str(random_init_model), "--out", str(out), "--chat-template", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"--chat-template {other} is the official qwen3.5 chat template, and the model is a qwen3-vl model" in err
+    assert not out.exists()
+    own = tmp_path / "own.jinja"
+    own.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert vlmpack(["export-hf", str(random_init_model), "--out", str(out), "--chat-template", str(own)]) == 0
+    assert (out / "chat_template.jinja").read_text() == own.read_text()

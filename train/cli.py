@@ -262,6 +262,8 @@ class ExportHF:
                 raise UserError(f"{flag}: {args.model_dir} is not a LoRA checkpoint (no adapter/lora.json); drop {flag}")
         _input_dir(args.model_dir, "MODEL_DIR", convert.META_FILE, "a model directory written by `vlmpack import-hf` or "
                    "training", hint=checkpoint_format.model_dir_hint)
+        if chat_template is not None:
+            _check_template_family(args.chat_template, chat_template, checkpoint_format.read_arch(args.model_dir).family)
         t0 = time.perf_counter()
         try:
             arch, side_files = convert.export_hf(args.model_dir, args.out, dtype=_dtype(args.dtype), progress=_bars(),
@@ -300,6 +302,17 @@ class ExportHF:
             raise UserError(str(exc)) from None
         print(f"{args.out}: {arch.family}, PEFT adapter, {count} tensors, {time.perf_counter() - t0:.1f} s")
         return 0
+
+
+def _check_template_family(path: str, text: str, family: str) -> None:
+    """--chat-template FILE may be any template of the user's, but not another family's official
+    one: its tokens and turns are not this model's."""
+    from shards_schema.builtin import BUILTIN_TEMPLATE_FAMILY, builtin_template_name
+
+    name = builtin_template_name(text)
+    if name is not None and BUILTIN_TEMPLATE_FAMILY[name] != family:
+        raise UserError(f"--chat-template {path} is the official {name} chat template, and the model is a {family} "
+                        f"model: pass its own family's template (or one of your own)")
 
 
 def _read_chat_template(path: str) -> str:
