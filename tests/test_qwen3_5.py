@@ -129,6 +129,16 @@ def test_configs_the_model_cannot_build_are_refused_by_name(change, message):
         ModelArch.from_hf_config(config)
 
 
+def test_a_config_without_its_text_config_is_named_so():
+    config = builtin_arch("tiny-qwen3.5").to_hf_config()
+    text = config.pop("text_config")
+    with pytest.raises(ValueError, match="config.json text_config is missing: a Qwen3.5 config needs it"):
+        ModelArch.from_hf_config(config)
+    text.pop("model_type")  # its fields at the top level, as a flat (Qwen2.5-VL style) config has them
+    with pytest.raises(ValueError, match="config.json text_config is missing"):
+        ModelArch.from_hf_config({**text, **config})
+
+
 # --- samples ------------------------------------------------------------------------------------
 
 

@@ -142,6 +142,7 @@ def arch_from_hf_config(config: dict) -> ModelArch:
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}: expected one of {sorted(MODEL_TYPES)}")
     moe = MODEL_TYPES[model_type]
+    _required(config, "text_config", "")  # a Qwen3.5 config nests its language model's settings there
     text = text_section(config)
     _check_representable(text, moe)
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
