@@ -332,9 +332,12 @@ def test_export_loads_in_transformers(hf_checkpoint, tmp_path, family, tied):
     hf_model, path = hf_checkpoint(family, tied)
     C.import_hf(path, tmp_path / "m", tp=2, pp=2)
     _, side_files = C.export_hf(tmp_path / "m", tmp_path / "hf")
-    # the checkpoint's own generation_config.json; the built-in tokenizer and processor for what it lacks
+    # the checkpoint's own generation_config.json; the built-in tokenizer and processors for what it lacks
+    # (a video processor file where the family's published checkpoints ship one: not Qwen2.5-VL's)
+    video = [] if family == "qwen2.5-vl" else ["video_preprocessor_config.json"]
     assert user_entries(tmp_path / "hf") == ["config.json", "generation_config.json", "model.safetensors",
-                                             "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"]
+                                             "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json",
+                                             *video]
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == \
         json.loads((path / "generation_config.json").read_text())
     assert len(side_files.notes) == 1 and "no chat template" in side_files.notes[0]
@@ -359,7 +362,7 @@ def test_export_random_init_gets_builtin_tokenizer_and_processor(tmp_path):
     C.save_model_dir(tmp_path / "m", {(0, 0): C.shard(full, arch, 1, 0, 1, 0)}, arch, 1, 1)
     _, files = C.export_hf(tmp_path / "m", tmp_path / "hf")
     assert files.written == ["tokenizer.json", "tokenizer_config.json", "preprocessor_config.json",
-                             "generation_config.json"]
+                             "video_preprocessor_config.json", "generation_config.json"]
     assert type(AutoConfig.from_pretrained(tmp_path / "hf")).__name__ == "Qwen3VLConfig"
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tokenizer("<|im_start|>user<|image_pad|><|im_end|>").input_ids == [151644, 872, 151655, 151645]
