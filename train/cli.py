@@ -183,7 +183,7 @@ class ImportHF:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         _one_line_help(parser)
         source = parser.add_argument_group("input")
-        source.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model directory of a Qwen3.5 / Qwen3.6, Qwen3-VL or Qwen2.5-VL checkpoint")
+        source.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face Qwen3.5 / 3.6, Qwen3-VL or Qwen2.5-VL model directory")
         parallel = parser.add_argument_group("parallelism")
         parallel.add_argument("--tp", type=int, metavar="N", default=1, help="tensor-parallel size to shard for (default 1)")
         parallel.add_argument("--pp", type=int, metavar="N", default=1, help="pipeline-parallel size to shard for (default 1)")
