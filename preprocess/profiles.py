@@ -314,6 +314,10 @@ def _chat_template_file(model_dir: Path) -> tuple[Path, str]:
         if not template.strip():
             raise ConfigError(f"{jinja}: empty: {_restore(jinja)}")
         return jinja, template
+    for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if path.exists() and not path.is_file():  # a FIFO or a device would block the read: named, not skipped
+            raise ConfigError(f"{path}: not a regular file: {_restore(path)}")
     for name in ("chat_template.json", "tokenizer_config.json"):
         path = model_dir / name
         if path.is_file():

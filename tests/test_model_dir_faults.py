@@ -225,3 +225,16 @@ def test_a_qwen3_vl_moe_checkpoint_is_read_as_a_qwen3_vl_profile(model):
     _update(model / "config.json", model_type="qwen3_vl_moe")
     moe = profile_from_model_dir(model)
     assert moe.family == dense.family == "qwen3-vl" and moe.fingerprint == dense.fingerprint
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer_config.json"])
+def test_a_template_file_that_is_no_regular_file_is_named_not_skipped(capsys, tmp_path, model, name):
+    """A FIFO where the chat template is looked for would block a read, and skipping it would
+    report the directory as having no template at all."""
+    import os
+
+    for candidate in ("chat_template.jinja", "chat_template.json", name):
+        (model / candidate).unlink(missing_ok=True)
+    os.mkfifo(model / name)
+    err = _refused(capsys, tmp_path, model)
+    assert f"{model / name}: not a regular file: restore the checkpoint's own {name}" in err, err
