@@ -149,9 +149,9 @@ BUILTIN_CHAT_TEMPLATES = {
 }
 
 
-# the model family each official template belongs to (a Thinking variant, or Qwen3.6's, is its family's)
-BUILTIN_TEMPLATE_FAMILY = {"qwen3-vl": "qwen3-vl", "qwen2.5-vl": "qwen2.5-vl", "qwen3-vl-thinking": "qwen3-vl",
-                           "qwen3.5": "qwen3.5", "qwen3.6": "qwen3.5"}
+# built-in profile -> its model family (a Thinking variant, or Qwen3.6, shares its family's model)
+BUILTIN_PROFILE_FAMILY = {"qwen3-vl": "qwen3-vl", "qwen2.5-vl": "qwen2.5-vl", "qwen3-vl-thinking": "qwen3-vl",
+                          "qwen3.5": "qwen3.5", "qwen3.6": "qwen3.5"}
 
 
 def builtin_template_name(text: str) -> str | None:

@@ -307,10 +307,10 @@ class ExportHF:
 def _check_template_family(path: str, text: str, family: str) -> None:
     """--chat-template FILE may be any template of the user's, but not another family's official
     one: its tokens and turns are not this model's."""
-    from shards_schema.builtin import BUILTIN_TEMPLATE_FAMILY, builtin_template_name
+    from shards_schema.builtin import BUILTIN_PROFILE_FAMILY, builtin_template_name
 
     name = builtin_template_name(text)
-    if name is not None and BUILTIN_TEMPLATE_FAMILY[name] != family:
+    if name is not None and BUILTIN_PROFILE_FAMILY[name] != family:
         raise UserError(f"--chat-template {path} is the official {name} chat template, and the model is a {family} "
                         f"model: pass its own family's template (or one of your own)")
 

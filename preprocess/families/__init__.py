@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shards_schema.builtin import VideoDefaults
+from shards_schema.builtin import BUILTIN_PROFILE_FAMILY, VideoDefaults
 from shards_schema.families import FamilyRules
 
 from ..render import Message, TextBuilder
@@ -96,14 +96,11 @@ MODEL_TYPE_FAMILY = {
 }
 
 # built-in profile -> (family name, chat template): the Thinking checkpoints share the Instruct
-# ones' tokenizer, vision and video settings, and differ in their template.
-BUILTIN_PROFILES = {
-    "qwen3-vl": ("qwen3-vl", "instruct"),
-    "qwen2.5-vl": ("qwen2.5-vl", "instruct"),
-    "qwen3-vl-thinking": ("qwen3-vl", "thinking"),
-    "qwen3.5": ("qwen3.5", "qwen3.5"),
-    "qwen3.6": ("qwen3.5", "qwen3.6"),  # Qwen3.6: the same model family, its own chat template
-}
+# ones' tokenizer, vision and video settings, and differ in their template; Qwen3.6 is Qwen3.5's
+# model family with its own chat template (the families: shards_schema.builtin, which export reads too).
+_PROFILE_TEMPLATES = {"qwen3-vl": "instruct", "qwen2.5-vl": "instruct", "qwen3-vl-thinking": "thinking",
+                      "qwen3.5": "qwen3.5", "qwen3.6": "qwen3.6"}
+BUILTIN_PROFILES = {name: (BUILTIN_PROFILE_FAMILY[name], template) for name, template in _PROFILE_TEMPLATES.items()}
 
 
 def family_named(name: str) -> ModelFamily:

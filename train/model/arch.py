@@ -331,8 +331,10 @@ def lm_from_hf_config(config: dict, moe: bool, *, mrope_section: tuple[int, int,
     gives the M-RoPE sections and theta its configs may leave out and its fixed features."""
     text = text_section(config)
     _check_representable(text, moe)
+    # transformers >= 5.2x saves num_experts as num_local_experts
+    experts = text.get("num_experts", text.get("num_local_experts"))
     if moe:
-        check_expert_count(text.get("num_experts", text.get("num_local_experts")), "text_config.")
+        check_expert_count(experts, "text_config.")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or config.get("rope_scaling") or {}
     theta = rope.get("rope_theta", text.get("rope_theta"))
     section = tuple(rope.get("mrope_section") or mrope_section)
@@ -348,8 +350,7 @@ def lm_from_hf_config(config: dict, moe: bool, *, mrope_section: tuple[int, int,
         rope_theta=float(theta if theta is not None else rope_theta),
         mrope_section=section, mrope_interleaved=mrope_interleaved, qkv_bias=qkv_bias, qk_norm=qk_norm,
         tie_word_embeddings=bool(tie),
-        # transformers >= 5.2x saves num_experts as num_local_experts
-        **(dict(num_experts=text.get("num_experts", text.get("num_local_experts")), num_experts_per_tok=text["num_experts_per_tok"],
+        **(dict(num_experts=experts, num_experts_per_tok=text["num_experts_per_tok"],
                 moe_intermediate_size=text["moe_intermediate_size"],
                 router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001))) if moe else {}))
 

@@ -161,8 +161,9 @@ def arch_from_hf_config(config: dict) -> ModelArch:
     tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     experts = {}
     if moe:
-        check_expert_count(_required(text, "num_experts", "text_config."), "text_config.")
-        experts = dict(num_experts=_required(text, "num_experts", "text_config."),
+        count = _required(text, "num_experts", "text_config.")
+        check_expert_count(count, "text_config.")
+        experts = dict(num_experts=count,
                        num_experts_per_tok=_required(text, "num_experts_per_tok", "text_config."),
                        moe_intermediate_size=_required(text, "moe_intermediate_size", "text_config."),
                        shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
