@@ -86,6 +86,53 @@ def test_a_grad_free_decoder_layer_runs_its_adapters_as_plain_gemms(info, kind, 
     assert "aten.bmm.default" not in ops, sorted(ops)
 
 
+VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.t.default",
+         "aten.transpose.int", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.expand.default"}
+
+
+def saved_for_backward(module, *inputs) -> list[str]:
+    """What a compiled module's forward graphs keep for their backward: the op that made each saved
+    tensor, looking through views (fw_compiler sees the partitioned graphs)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=lambda graph, _: graphs.append(graph) or graph)
+
+    torch._dynamo.reset()
+    out = torch.compile(module, dynamic=True, backend=capture)(*inputs)
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    makers = []
+    for node in (node for graph in graphs for node in graph.graph.output_node().args[0]):
+        while isinstance(node, torch.fx.Node) and str(node.target) in VIEWS:
+            node = node.args[0]
+        if isinstance(node, torch.fx.Node) and node.op == "call_function":
+            gated = node.target == torch.ops.aten.mul.Tensor and any(
+                isinstance(a, torch.fx.Node) and a.target == torch.ops.aten.silu.default for a in node.args)
+            makers.append("silu * up" if gated else str(node.target))
+    return makers
+
+
+@pytest.mark.parametrize("kind", ["qwen3-vl", "qwen2.5-vl", "qwen3.5"])
+def test_compiled_mlps_keep_their_input_not_the_activations_output(info, kind):
+    """A compiled dense decoder layer keeps fc1's output for backward and recomputes the SwiGLU
+    from it; a compiled vision block keeps its MLP's pre-activation (GELU, or Qwen2.5-VL's gate and
+    up) and recomputes the activation. Kept, the activation's output costs 2 bytes per unit of
+    the MLP's width per token and layer."""
+    arch, (_, model) = models(info, kind, "plain")
+    layer = next(layer for layer in model.language_model.decoder.layers  # (a Gated DeltaNet gates with silu too)
+                 if type(layer.self_attention).__name__ != "GatedDeltaNet")
+    hidden = torch.randn(48, 1, arch.lm.hidden_size, requires_grad=True)
+    kept = saved_for_backward(lambda h: TransformerLayer.forward(layer, hidden_states=h, attention_mask=None,
+                                                                 packed_seq_params=layer_rows(model, 48)), hidden)
+    assert "silu * up" not in kept and "aten.mm.default" in kept, kept
+    block, width = model.vision.blocks[0], arch.vision.hidden_size
+    patches = torch.randn(32, width, requires_grad=True)
+    cos, sin = model.vision._rotary(torch.arange(32) % 4, torch.arange(32) // 4)
+    kept = saved_for_backward(lambda x: block(x, torch.tensor([0, 12, 32], dtype=torch.int32), 20, cos, sin), patches)
+    assert not {"silu * up", "aten.gelu.default", "aten.silu.default"} & set(kept), kept
+    assert "aten.addmm.default" in kept, kept
+
+
 def test_gated_delta_net_layers_compile_around_their_eager_mixer(info):
     """Qwen3.5's Gated DeltaNet layers are compiled too, their conv and delta rule run eagerly
     between the graphs (the sample boundaries come to the host): the layer breaks only there,

@@ -22,8 +22,6 @@ fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequen
   a layer that keeps its activations for backward        LAYER_KEPT x h x S
     (under TP, all but LAYER_KEPT_WHOLE x h x S of it is split over the TP ranks; under
      sequence parallelism all of it, and the recomputed layers' inputs too)
-    (a Mixture-of-Experts layer measured no more: 30B-A3B's, with 8 experts of width 768 a
-     token, matches a dense layer of its hidden size)
   one layer being recomputed, when any is                RECOMPUTE_WORKING x h x S
     (split over the TP ranks as a kept layer's activations are)
     a Mixture-of-Experts layer adds                      MOE_RECOMPUTE_WORKING x k x h x S
@@ -37,6 +35,11 @@ fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequen
     (hv its hidden size; the visual share is the shards' visual tokens per token, read from
      the manifests of --data, else VISUAL_SHARE, that of the recorded mixes)
 Under pipeline parallelism a stage holds up to pp - stage micro-batches in flight (1F1B).
+Compiled layers recompute each MLP activation's output in backward (`train.model.activation`);
+eager ones keep it, ACTIVATION_OUTPUT x its width per token (or patch) and layer: the
+Mixture-of-Experts layers always (measured: 30B-A3B's, with 8 experts of width 768 a token,
+keeps what an eager dense layer of its hidden size keeps, so its width counts as 3 h), the dense
+layers and the vision blocks under --compile false or --compile-decoder false.
 A layer unlike the fitted runs' (plain softmax attention, a dense MLP of width 3 h) keeps
 LAYER_KEPT x h x S plus the difference of what it keeps in bf16 (`_kept_beyond_fit`, split
 over the TP ranks with the heads and the MLP's width):
@@ -54,8 +57,10 @@ The constants were fitted on three H100 runs (Qwen3-VL-2B with every layer recom
 (30B-A3B with 3 and 48 layers, every layer recomputed), VISION_KEPT on the Qwen3-VL-2B runs of
 16k packs with compiled decoder layers and no decoder layer recomputed (H200: the whole tower
 kept, images alone and a 30 % video mix, and part of it recomputed), LAYER_KEPT_WHOLE on the
-TP=2 runs without recompute (2B dense, and the 30B-A3B cut to 3 layers with sequence parallelism);
-tests/test_memory_plan.py checks the plan against every recorded peak in benchmarks/results.
+TP=2 runs without recompute (2B dense, and the 30B-A3B cut to 3 layers with sequence parallelism),
+all of them with the activations' outputs kept; the recomputed outputs on H200 runs of
+Qwen3-VL-2B without recompute (tests/fixtures/measured_peaks.json: `activation_outputs_kept`
+false). tests/test_memory_plan.py checks the plan against every recorded peak in benchmarks/results.
 """
 
 from __future__ import annotations
@@ -71,12 +76,13 @@ from train.model.arch import ModelArch
 
 GIB = 2**30
 LAYER_INPUT = 2.0
-LAYER_KEPT = 39.8
+LAYER_KEPT = 33.8
 LAYER_KEPT_WHOLE = 5.0  # of LAYER_KEPT: what TP does not split (outside the attention and MLP GEMMs)
-RECOMPUTE_WORKING = 37.0
-MLP_KEPT = 3.5  # per unit of a dense MLP's width beyond the fitted runs' 3 h
+RECOMPUTE_WORKING = 31.4
+MLP_KEPT = 1.5  # per unit of a dense MLP's width beyond the fitted runs' 3 h
+ACTIVATION_OUTPUT = 2.0  # per unit of an MLP's width, where the layer keeps its activation's output
 LOGITS = 3.0
-VISION_KEPT = 58.0
+VISION_KEPT = 50.0
 VISUAL_SHARE = 0.34
 MOE_RECOMPUTE_WORKING = 23.0
 FIT_FRACTION = 0.95  # of a GPU's memory: the rest is the CUDA context and the allocator's fragments
@@ -116,6 +122,7 @@ class Settings:
     recompute_vision_blocks: int | None = None  # where the tower is recomputed: its first N blocks (None: all)
     visual_share: float = VISUAL_SHARE  # visual tokens per pack token
     sequence_parallel: bool | None = None  # rows split over the TP ranks; None: the trainer's default (MoE at TP > 1)
+    activation_outputs_kept: bool = False  # the MLPs keep their activations' outputs (eager layers)
 
     @property
     def vision_trained(self) -> bool:
@@ -183,14 +190,16 @@ def _rows_split(arch: ModelArch, settings: Settings) -> bool:
     return arch.lm.is_moe if settings.sequence_parallel is None else settings.sequence_parallel
 
 
-def _kept_beyond_fit(lm, layer: int) -> float:
-    """Bytes per token a decoder layer keeps for backward beyond the fitted runs' layer of its
-    hidden size (the module docstring's table): an output gate, a shared expert, a dense MLP of
-    another width than 3 h."""
+def _kept_beyond_fit(lm, layer: int, outputs_kept: bool) -> float:
+    """Bytes per token a decoder layer keeps for backward beyond the fitted runs' compiled layer
+    of its hidden size (the module docstring's table): an output gate, a shared expert, a dense
+    MLP of another width than 3 h, an activation's output kept."""
     gate = 4.0 * lm.num_heads * lm.head_dim if lm.layer_type(layer) != "linear_attention" and lm.attn_output_gate \
         else 0.0
     mlp = 0.0 if lm.is_moe else MLP_KEPT * (lm.intermediate_size - 3 * lm.hidden_size)
-    return gate + 6.0 * lm.shared_expert_intermediate_size + mlp
+    output = ACTIVATION_OUTPUT * (3 * lm.hidden_size if lm.is_moe else lm.intermediate_size) \
+        if lm.is_moe or outputs_kept else 0.0
+    return gate + 6.0 * lm.shared_expert_intermediate_size + mlp + output
 
 
 def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int) -> float:
@@ -205,7 +214,8 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
     rows = layout.tp if _rows_split(arch, settings) else 1  # sequence parallelism: each TP rank holds a TP-th of the rows
     plain_layer = (LAYER_KEPT_WHOLE / rows + (LAYER_KEPT - LAYER_KEPT_WHOLE) / layout.tp) * lm.hidden_size
     # megatron's block recompute redoes the stage's first layers and keeps the others'
-    kept_by_layer = [plain_layer + _kept_beyond_fit(lm, i) / layout.tp for i in stage_layers]
+    kept_by_layer = [plain_layer + _kept_beyond_fit(lm, i, settings.activation_outputs_kept) / layout.tp
+                     for i in stage_layers]
     per_micro_batch = tokens * (recomputed * LAYER_INPUT * lm.hidden_size / rows + sum(kept_by_layer[recomputed:]))
     in_flight = min(layout.pp - stage, settings.micro_batches(layout.dp))
     working_per_token = RECOMPUTE_WORKING * lm.hidden_size
@@ -220,7 +230,9 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
     if stage == 0 and settings.vision_kept_blocks(v.depth):
         patches = tokens * settings.visual_share * v.spatial_merge_size ** 2
         # every TP rank runs the whole tower
-        vision = VISION_KEPT * patches * settings.vision_kept_blocks(v.depth) * v.hidden_size
+        per_patch = VISION_KEPT * v.hidden_size + (ACTIVATION_OUTPUT * v.intermediate_size
+                                                   if settings.activation_outputs_kept else 0.0)
+        vision = per_patch * patches * settings.vision_kept_blocks(v.depth)
     return in_flight * (per_micro_batch + vision) + working + logits
 
 

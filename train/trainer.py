@@ -461,7 +461,8 @@ def _plan_inputs(config: TrainConfig, arch: ModelArch, visual_share: float | Non
         freeze=tuple(config.model.freeze), lora=config.lora.spec(), recompute_vision=memory.recompute_vision,
         recompute_vision_blocks=memory.recompute_vision_blocks,
         visual_share=data_visual_share(data, arch) if visual_share is None else visual_share,
-        sequence_parallel=sequence_parallel(arch, parallelism))
+        sequence_parallel=sequence_parallel(arch, parallelism),
+        activation_outputs_kept=not (config.model.compile and config.model.compile_decoder))
     gpu_gib = memory.gpu_memory_gib or (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
                                         / memory_plan.GIB if torch.cuda.is_available() else 80.0)
     return settings, memory_plan.Layout(tp=tp, pp=pp, dp=dp, ep=ep), gpu_gib

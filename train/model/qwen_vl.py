@@ -23,6 +23,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -33,6 +34,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from train.model import families
+from train.model.activation import recomputed_in_backward, swiglu
 from train.model.arch import ModelArch
 from train.model.attention import PackedCoreAttention, PackedRows
 from train.model.batch import PackedBatch
@@ -84,6 +86,20 @@ def mark_rows_static(hidden: Tensor, packed: PackedRows | None) -> None:
             torch._dynamo.mark_static(table, 0)
 
 
+class SwiGLUMLP(MLP):
+    """megatron's dense MLP. Inside a compiled layer with gradients its SwiGLU output is
+    recomputed in backward rather than kept (`train.model.activation`); elsewhere it is megatron's
+    own forward (its fused SwiGLU on CUDA)."""
+
+    def forward(self, hidden_states: Tensor, per_token_scale=None, **kwargs):
+        if per_token_scale is not None or not (torch.compiler.is_compiling() and torch.is_grad_enabled()):
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        fc1, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            fc1 = fc1 + bias
+        return self.linear_fc2(recomputed_in_backward(swiglu, fc1))
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """megatron's norm interface (config, hidden_size, eps) on torch's RMSNorm, for every norm
     of the language model. Unlike megatron's `WrappedTorchNorm` it runs under sequence
@@ -105,6 +121,7 @@ def layer_spec(arch: ModelArch, cpu: bool = False):
     attention.core_attention = PackedCoreAttention
     attention.linear_qkv, attention.linear_proj = ColumnParallelLinear, RowParallelLinear
     if not moe:
+        layer.mlp.module = SwiGLUMLP
         layer.mlp.submodules.linear_fc1, layer.mlp.submodules.linear_fc2 = ColumnParallelLinear, RowParallelLinear
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
     if arch.lm.qk_norm:
