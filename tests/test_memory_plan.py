@@ -162,6 +162,29 @@ def test_dry_run_prints_the_split_and_the_smallest_layout_that_fits(capsys):
     assert rc == 0 and "does NOT fit" in out and "step's fp32 gradient copy" in out
 
 
+@pytest.mark.parametrize("flags", [["--recompute-mlp-activations", "false"], ["--compile-decoder", "false"],
+                                   ["--compile", "false"]])
+def test_mlp_activation_outputs_kept_are_planned_per_kept_layer_and_block(flags, capsys):
+    """Where the MLPs keep their activations' outputs (--recompute-mlp-activations false, or eager
+    layers), the plan adds ACTIVATION_OUTPUT bytes per unit of MLP width for every token of each
+    layer that keeps its activations and every patch of each vision block that does, and to the
+    working set of the layer being recomputed as much as to a kept layer's; none for the
+    recomputed layers' inputs."""
+    arch = builtin_arch("qwen3-vl-2b")
+    common = ["train", "--dry-run", "--arch", "qwen3-vl-2b", "--seq-len", "8192", "--gpus", "1", "--gpu-memory-gib", "141",
+              "--recompute", "full", "--recompute-layers", "20", "--recompute-vision-blocks", "10"]
+
+    def activations(*extra):
+        assert vlmpack([*common, *extra]) == 0
+        return float(re.search(r"^activations \(estimate\)\s+([\d.]+)", capsys.readouterr().out, re.M).group(1))
+
+    kept_layers, kept_blocks, patches = arch.lm.num_layers - 20, arch.vision.depth - 10, 8192 * memory_plan.VISUAL_SHARE * 4
+    working = memory_plan.RECOMPUTE_WORKING / memory_plan.LAYER_KEPT  # of a kept layer's bytes
+    extra = memory_plan.ACTIVATION_OUTPUT * (8192 * (kept_layers + working) * arch.lm.intermediate_size
+                                             + patches * kept_blocks * arch.vision.intermediate_size)
+    assert activations(*flags) - activations() == pytest.approx(extra / memory_plan.GIB, abs=0.1)
+
+
 @pytest.mark.parametrize("grad_dtype, adam_state_dtype", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")])
 def test_bf16_master_weights_drop_4_bytes_a_trained_parameter_from_the_optimizer(grad_dtype, adam_state_dtype, capsys):
     """--master-weights bf16: the optimizer holds no fp32 copy of the weights (4 bytes a trained
@@ -258,14 +281,15 @@ def test_gpus_other_than_the_launch_is_refused_outside_a_dry_run(shards, tmp_pat
 
 
 @pytest.mark.parametrize("arch, seq_len, pp, gpu_gib", [
-    ("qwen3-vl-2b", 16384, 1, 200.0), ("qwen3-vl-2b", 16384, 1, 79.2), ("qwen3-vl-2b", 16384, 1, 60.0),
+    ("qwen3-vl-2b", 16384, 1, 200.0), ("qwen3-vl-2b", 16384, 1, 92.0), ("qwen3-vl-2b", 16384, 1, 79.2), ("qwen3-vl-2b", 16384, 1, 60.0),
     ("qwen3-vl-8b", 8192, 2, 40.0), ("qwen3-vl-8b", 16384, 1, 30.0), ("qwen3-vl-30b-a3b", 8192, 1, 141.0),
 ])
 def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, pp, gpu_gib):
-    """--recompute auto: none where the plan fits, else the fewest first vision blocks, else the
-    whole vision tower alone, else full recompute of the fewest first layers per stage (with
-    the tower) whose plan fits in FIT_FRACTION of the GPU (the choice before it does not), else
-    every layer; checked against the dry-run plan of every choice."""
+    """--recompute auto: none, the MLP activations' outputs kept, where the plan fits; else none
+    with them recomputed; else the fewest first vision blocks, else the whole vision tower alone,
+    else full recompute of the fewest first layers per stage (with the tower) whose plan fits in
+    FIT_FRACTION of the GPU (the choice before it does not), else every layer; checked against
+    the dry-run plan of every choice."""
     from train.config import TrainConfig
     from train.trainer import dry_run, resolve_arch, resolve_recompute
 
@@ -274,25 +298,28 @@ def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, p
     model = resolve_arch(config.model)
     chosen, line = resolve_recompute(config, model, cuda=True)
     layers, depth = model.lm.num_layers // pp, model.vision.depth
-    choices = [("none", None, None, None)] + [("none", None, True, n) for n in range(1, depth)] \
-        + [("none", None, True, None)] + [("full", n, None, None) for n in range(1, layers)] + [("full", None, None, None)]
+    choices = [("none", None, None, None, False), ("none", None, None, None, True)] \
+        + [("none", None, True, n, True) for n in range(1, depth)] + [("none", None, True, None, True)] \
+        + [("full", n, None, None, True) for n in range(1, layers)] + [("full", None, None, None, True)]
 
-    def planned(recompute, recompute_layers, recompute_vision, vision_blocks):
+    def planned(recompute, recompute_layers, recompute_vision, vision_blocks, recompute_mlp_activations):
         run = TrainConfig.from_flat({**config.to_flat(), "recompute": recompute, "recompute_layers": recompute_layers,
-                                     "recompute_vision": recompute_vision, "recompute_vision_blocks": vision_blocks})
+                                     "recompute_vision": recompute_vision, "recompute_vision_blocks": vision_blocks,
+                                     "recompute_mlp_activations": recompute_mlp_activations})
         return float(re.search(r"largest stage: ([\d.]+) GiB", dry_run(run)[0]).group(1))
 
     budget = memory_plan.FIT_FRACTION * gpu_gib
     memory = chosen.memory
     index = choices.index((memory.recompute, memory.recompute_layers, memory.recompute_vision,
-                           memory.recompute_vision_blocks))
+                           memory.recompute_vision_blocks, memory.recompute_mlp_activations))
     fits_before = index > 0 and planned(*choices[index - 1]) <= budget - 0.05  # the report rounds to 0.1 GiB
     fits = planned(*choices[index]) <= budget + 0.05
     assert not fits_before, (line, choices[index - 1])
     assert fits or index == len(choices) - 1, line
     assert line.startswith("--recompute auto: ") and ("does NOT fit" in line) == (not fits), line
-    vision_only = 0 < index <= depth
+    vision_only = 1 < index <= depth + 1
     assert ("recomputed, no decoder layer" in line) == vision_only, line
+    assert ("outputs kept" in line) == (index == 0), line
 
 
 def test_recompute_auto_recomputes_the_vision_tower_alone_where_that_fits():

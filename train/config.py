@@ -286,6 +286,10 @@ class MemoryConfig:
                                                           "(default: with --recompute full)")
     recompute_vision_blocks: int | None = _int(None, "memory", "where the vision blocks are recomputed: only the "
                                                                "first N of them (default: all)")
+    recompute_mlp_activations: bool | None = _bool(
+        None, "memory", "recompute each compiled MLP activation's output (SwiGLU, GELU) in backward instead of keeping "
+                        "it: 2-2.5 bytes per unit of MLP width per token and layer saved for one pointwise pass "
+                        "(default true; --recompute auto keeps them where the whole run then fits without recompute)")
     dry_run: bool = _bool(False, "memory", "print the predicted memory per GPU and the smallest layout that "
                                            "fits with the flags that launch it, then exit (exit code 1 when no "
                                            "layout fits)")

@@ -192,7 +192,8 @@ def build_model_for_run(config, memory, arch: ModelArch, info, dtype: torch.dtyp
                   f"(FA4 runs head dims {', '.join(map(str, FA4_HEAD_DIMS))})", file=sys.stderr)
     model = build_model(arch, model_config, info, recompute_vision=memory.recompute_vision,
                         recompute_vision_blocks=memory.recompute_vision_blocks, compile=config.compile,
-                        compile_decoder=config.compile_decoder, static_rows=static_rows)
+                        compile_decoder=config.compile_decoder, static_rows=static_rows,
+                        recompute_mlp_activations=memory.recompute_mlp_activations is not False)
     model.fused_loss = config.loss == "fused" and model.post_process
     return model_config, model
 

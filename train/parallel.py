@@ -151,15 +151,16 @@ def finalize_grads(model_chunks: list, num_tokens: torch.Tensor | None = None, p
 
 def build_model(arch, config, info: ParallelInfo, recompute_vision: bool | None = None,
                 recompute_vision_blocks: int | None = None, compile: bool = False, compile_decoder: bool = True,
-                static_rows: bool = False):
+                static_rows: bool = False, recompute_mlp_activations: bool = True):
     """This rank's pipeline stage of the model, on its device; `compile`: torch.compile its
     elementwise-heavy parts (CUDA only: CPU runs are tests and stay eager), with
     `compile_decoder` its dense decoder layers too, for one row count with `static_rows`
-    (`compile_model`)."""
+    (`compile_model`; `recompute_mlp_activations` its MLPs' activations in backward)."""
     from train.model.qwen_vl import QwenVLModel, compile_model
 
     model = QwenVLModel(arch, config, pre_process=info.first_stage, post_process=info.last_stage,
                         recompute_vision=recompute_vision, recompute_vision_blocks=recompute_vision_blocks).to(info.device)
     if compile and info.device.type == "cuda":
-        compile_model(model, decoder=compile_decoder, static_rows=static_rows)
+        compile_model(model, decoder=compile_decoder, static_rows=static_rows,
+                      recompute_mlp_activations=recompute_mlp_activations)
     return model

@@ -399,9 +399,11 @@ def nothing_fits_advice(config: TrainConfig) -> str:
 def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
                       visual_share: float | None = None) -> tuple[TrainConfig, str | None]:
     """`--recompute auto` made concrete from the memory plan, the least recompute that fits
-    FIT_FRACTION of the GPU: none; else the fewest first vision blocks, up to the whole tower
-    (unless --recompute-vision is set); else full recompute of the fewest first decoder layers
-    per stage, with the vision tower (all of them if nothing fits); none on CPU. Returns the
+    FIT_FRACTION of the GPU: none, the MLP activations' outputs kept (unless
+    --recompute-mlp-activations is set); else none with them recomputed; else the fewest first
+    vision blocks, up to the whole tower (unless --recompute-vision is set); else full recompute
+    of the fewest first decoder layers per stage, with the vision tower (all of them if nothing
+    fits); none on CPU. Returns the
     config and a line saying what was chosen (None for any other --recompute). `visual_share`:
     the data's, when already read (`data_visual_share`)."""
     memory = config.memory
@@ -423,10 +425,15 @@ def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
         if vision is None and settings.vision_trained else []
     candidates = [("none", None, vision, None)] + tower \
         + [("full", n, vision, None) for n in range(1, layers)] + [("full", None, vision, None)]
+    kept = settings.activation_outputs_kept  # the MLP activations' outputs: recomputed unless told or eager
+    candidates = [(*c, kept) for c in candidates]
+    if memory.recompute_mlp_activations is None and not kept:
+        candidates.insert(0, ("none", None, vision, None, True))  # the fastest step: nothing recomputed
     budget = memory_plan.FIT_FRACTION * gpu_gib
-    for recompute, recompute_layers, recompute_vision, vision_blocks in candidates:
+    for recompute, recompute_layers, recompute_vision, vision_blocks, outputs_kept in candidates:
         tried = dataclasses.replace(settings, recompute=recompute, recompute_layers=recompute_layers,
-                                    recompute_vision=recompute_vision, recompute_vision_blocks=vision_blocks)
+                                    recompute_vision=recompute_vision, recompute_vision_blocks=vision_blocks,
+                                    activation_outputs_kept=outputs_kept)
         peak = memory_plan.peak_gib(arch, tried, layout)
         if peak <= budget:
             break
@@ -435,12 +442,16 @@ def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
     elif recompute_vision:
         what = (f"--recompute-vision true, the first {vision_blocks} of the vision tower's {depth} blocks"
                 if vision_blocks else "--recompute-vision true, the vision tower's blocks") + " recomputed, no decoder layer"
+    elif outputs_kept and not kept:
+        what = "no recompute, the MLP activations' outputs kept"
     else:
         what = "no recompute"
     verdict = "fits" if peak <= budget else "does NOT fit even so"
     chosen = f"--recompute auto: {what} (planned {peak:.1f} GiB, {verdict} in {budget:.1f} GiB)"
     memory = dataclasses.replace(memory, recompute=recompute, recompute_layers=recompute_layers,
-                                 recompute_vision=recompute_vision, recompute_vision_blocks=vision_blocks)
+                                 recompute_vision=recompute_vision, recompute_vision_blocks=vision_blocks,
+                                 recompute_mlp_activations=memory.recompute_mlp_activations
+                                 if memory.recompute_mlp_activations is not None else not outputs_kept)
     return dataclasses.replace(config, memory=memory), chosen
 
 
@@ -462,7 +473,8 @@ def _plan_inputs(config: TrainConfig, arch: ModelArch, visual_share: float | Non
         recompute_vision_blocks=memory.recompute_vision_blocks,
         visual_share=data_visual_share(data, arch) if visual_share is None else visual_share,
         sequence_parallel=sequence_parallel(arch, parallelism),
-        activation_outputs_kept=not (config.model.compile and config.model.compile_decoder))
+        activation_outputs_kept=memory.recompute_mlp_activations is False
+        or not (config.model.compile and config.model.compile_decoder))
     gpu_gib = memory.gpu_memory_gib or (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
                                         / memory_plan.GIB if torch.cuda.is_available() else 80.0)
     return settings, memory_plan.Layout(tp=tp, pp=pp, dp=dp, ep=ep), gpu_gib

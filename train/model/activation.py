@@ -3,11 +3,12 @@
 An MLP's backward needs fc1's output (for the activation's gradient) and the activation's
 output (for fc2's weight gradient). torch.compile's partitioner keeps both: it never recomputes a
 value that the backward must materialise anyway, since that costs a write. Recomputing the
-activation's output from fc1's saves 2 bytes per unit of the MLP's width per token and layer
-(Qwen3-VL-2B: 5.25 GiB in the language model per 16k-token pack, about 4 GiB in a trained vision
-tower) for one pointwise pass in backward, fused into the kernels that read it there.
+activation's output from fc1's saves at least 2 bytes per unit of the MLP's width per token and
+layer for one pointwise pass in backward. Measured on Qwen3-VL-2B, one H200, 2 x 16k packs, no
+recompute: the peak 103.4 against 91.8 GiB, tokens/s 1.6 % lower (docs/performance.md).
 
-Eager layers (no torch.compile, CPU runs) compute the activation as before and keep both.
+Eager layers (no torch.compile, CPU runs) compute the activation as before and keep both, as do
+compiled ones under `--recompute-mlp-activations false`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ def swiglu(x: Tensor) -> Tensor:
     """silu(gate) * up for fc1's output [..., 2F] holding [gate; up] (megatron's layout, also per TP rank)."""
     gate, up = torch.chunk(x, 2, dim=-1)
     return F.silu(gate) * up
+
+
+class RecomputedActivation:
+    """An MLP whose activation's output compiled graphs recompute in backward, unless
+    `recompute_output` is set false (`--recompute-mlp-activations false`; `compile_model` sets it)."""
+
+    recompute_output = True
+
+    def activation(self, fn: Callable[..., Tensor], *inputs: Tensor) -> Tensor:
+        return recomputed_in_backward(fn, *inputs) if self.recompute_output else fn(*inputs)
 
 
 def recomputed_in_backward(fn: Callable[..., Tensor], *inputs: Tensor) -> Tensor:

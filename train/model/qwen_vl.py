@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from train.model import families
-from train.model.activation import recomputed_in_backward, swiglu
+from train.model.activation import RecomputedActivation, swiglu
 from train.model.arch import ModelArch
 from train.model.attention import PackedCoreAttention, PackedRows
 from train.model.batch import PackedBatch
@@ -86,18 +86,19 @@ def mark_rows_static(hidden: Tensor, packed: PackedRows | None) -> None:
             torch._dynamo.mark_static(table, 0)
 
 
-class SwiGLUMLP(MLP):
+class SwiGLUMLP(RecomputedActivation, MLP):
     """megatron's dense MLP. Inside a compiled layer with gradients its SwiGLU output is
     recomputed in backward rather than kept (`train.model.activation`); elsewhere it is megatron's
     own forward (its fused SwiGLU on CUDA)."""
 
     def forward(self, hidden_states: Tensor, per_token_scale=None, **kwargs):
-        if per_token_scale is not None or not (torch.compiler.is_compiling() and torch.is_grad_enabled()):
+        if per_token_scale is not None or not self.recompute_output \
+                or not (torch.compiler.is_compiling() and torch.is_grad_enabled()):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         fc1, bias = self.linear_fc1(hidden_states)
         if bias is not None:
             fc1 = fc1 + bias
-        return self.linear_fc2(recomputed_in_backward(swiglu, fc1))
+        return self.linear_fc2(self.activation(swiglu, fc1))
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -197,7 +198,7 @@ def _linear_attention_config(lm) -> dict:
 
 
 def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "inductor",
-                  static_rows: bool = False) -> None:
+                  static_rows: bool = False, recompute_mlp_activations: bool = True) -> None:
     """torch.compile where eager PyTorch spends the GPU on elementwise passes (CUDA runs):
     each vision block (norms, fp32 rotary, GELU, bias and residual adds fused around the GEMMs
     and the varlen attention op, and fewer tensors kept for backward), the language model's
@@ -210,7 +211,8 @@ def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "indu
     each compiles once per process (once more for the grad-free forward of a recomputed layer).
     `static_rows` (every pack padded to --seq-len): the decoder layers' graphs take the row
     count as fixed, which spares FP8's casts and scale reductions the symbolic indexing that
-    slows them (docs/benchmarks.md)."""
+    slows them (docs/benchmarks.md). `recompute_mlp_activations`: the compiled MLPs recompute their
+    activation's output in backward (`train.model.activation`), else keep it."""
     rotary = torch.compile(apply_rotary, dynamic=True, backend=backend)
     if model.token_loss is token_loss:
         model.token_loss = torch.compile(token_loss, dynamic=True, backend=backend)
@@ -218,6 +220,8 @@ def compile_model(model: QwenVLModel, decoder: bool = True, backend: str = "indu
     for module in model.modules():
         if isinstance(module, PackedCoreAttention):
             module.rotary = rotary
+        if isinstance(module, RecomputedActivation):
+            module.recompute_output = recompute_mlp_activations
     if model.vision is not None:
         for block in model.vision.blocks:
             block.compile(dynamic=True, backend=backend)

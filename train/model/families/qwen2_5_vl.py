@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from train.model import families, weight_names
-from train.model.activation import recomputed_in_backward
+from train.model.activation import RecomputedActivation
 from train.model.arch import LMArch, ModelArch, hf_config, lm_from_hf_config, token_ids
 from train.model.families import qwen3_vl
 from train.model.vision import ACTIVATIONS, TowerVariant, VisionArch, VisionTower, host_to, max_len, patch_coords, \
@@ -59,7 +59,7 @@ class VisionRMSNorm(nn.Module):
         return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-class VisionSwiGLU(nn.Module):
+class VisionSwiGLU(RecomputedActivation, nn.Module):
     """A block's MLP: down(act(gate(x)) * up(x)), with biases; the product recomputed in backward when compiled."""
 
     def __init__(self, arch: VisionArch, **dd):
@@ -70,7 +70,7 @@ class VisionSwiGLU(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=True, **dd)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(recomputed_in_backward(self._gated, self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.activation(self._gated, self.gate_proj(x), self.up_proj(x)))
 
     def _gated(self, gate: Tensor, up: Tensor) -> Tensor:
         return self.act(gate) * up

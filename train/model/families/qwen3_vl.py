@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from train.model import families
-from train.model.activation import recomputed_in_backward
+from train.model.activation import RecomputedActivation
 from train.model.arch import LMArch, ModelArch, hf_config, lm_from_hf_config, token_ids
 from train.model.vision import (ACTIVATIONS, TowerVariant, VisionArch, VisionTower, host_to, patch_coords,
                                 pos_embed_taps)
@@ -51,7 +51,7 @@ def arch_from_hf_config(config: dict) -> ModelArch:
 # --- the vision tower ---------------------------------------------------------------------------
 
 
-class VisionMLP(nn.Module):
+class VisionMLP(RecomputedActivation, nn.Module):
     """A block's MLP: fc1 -> act -> fc2, the activation's output recomputed in backward when compiled."""
 
     def __init__(self, arch: VisionArch, **dd):
@@ -61,7 +61,7 @@ class VisionMLP(nn.Module):
         self.linear_fc2 = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=True, **dd)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear_fc2(recomputed_in_backward(self.act, self.linear_fc1(x)))
+        return self.linear_fc2(self.activation(self.act, self.linear_fc1(x)))
 
 
 class PatchMerger(nn.Module):
