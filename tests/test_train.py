@@ -416,6 +416,8 @@ def test_packs_split_over_tensor_parallel_ranks_get_a_padding_segment(shards):
     (["--data", "{tmp}/nowhere"], "nowhere: no such directory"),
     (["--bf16", "false", "--recompute", "auto"], "--bf16 false with --recompute auto: the memory plan sizes bf16 runs"),
     (["--bf16", "false", "--dry-run"], "--bf16 false with --dry-run: the memory plan sizes bf16 runs only"),
+    (["--recompute-mlp-activations", "true", "--compile", "false"],
+     "--recompute-mlp-activations true acts in compiled layers, and --compile false compiles none"),
 ])
 def test_bad_configs_fail_with_a_clear_message_and_make_no_out(shards, tmp_path, extra, message):
     """A refused run, data included, leaves a new --out unmade."""

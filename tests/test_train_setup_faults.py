@@ -54,6 +54,9 @@ DRY_RUN_DATA = {
     # it made a local directory `s3:/bucket/cache` and fetched the store's sources into it
     "a data cache on a store": (["--arch", "tiny", "--data", "{shards}", "--data-cache", "s3://bucket/cache"],
                                 "--data-cache s3://bucket/cache is a URL: the cache is a local directory"),
+    "a data cache for local sources only": (["--arch", "tiny", "--data", "{shards}", "--data-cache", "{missing}"],
+                                            "--data-cache {missing} holds copies of object-store sources (s3://, "
+                                            "gs://, hf://), and every --data / --eval-data here is local"),
     "mixing weights all 0": (["--arch", "tiny", "--data", "{shards}:0"],
                              "mixing weights must be finite, >= 0 and not all 0, got [0.0]"),
     "an export target that is a file": (["--arch", "tiny", "--data", "{shards}", "--export-hf", "{file}"],

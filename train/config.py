@@ -179,6 +179,10 @@ class DataConfig:
         if self.data_cache and is_url(self.data_cache):  # Path() would fold it into a local directory `s3:/...`
             raise ConfigError(f"--data-cache {redact(self.data_cache)} is a URL: the cache is a local directory the "
                               "store's sources are fetched into; give a local path (or drop it for OUT/data_cache)")
+        if self.data_cache and self.data and not any(is_url(s) for s in self.data + self.eval_data):
+            raise ConfigError(f"--data-cache {self.data_cache} holds copies of object-store sources (s3://, gs://, "
+                              "hf://), and every --data / --eval-data here is local, so it would change nothing: "
+                              "drop it")
         if self.seq_len * self.micro_batch_packs > MAX_SEQ_LEN:
             raise ConfigError(f"--micro-batch-packs {self.micro_batch_packs} x --seq-len {self.seq_len} rows in one "
                               f"forward pass: at most {MAX_SEQ_LEN} fit any GPU; lower --micro-batch-packs")
@@ -543,6 +547,9 @@ class TrainConfig:
             raise ConfigError(f"--bf16 false with {'--dry-run' if memory.dry_run else '--recompute auto'}: the memory "
                               "plan sizes bf16 runs only (fp32 weights and activations take about twice its figures); "
                               "drop --bf16 false, or choose --recompute none|full yourself")
+        if memory.recompute_mlp_activations and not self.model.compile:
+            raise ConfigError("--recompute-mlp-activations true acts in compiled layers, and --compile false compiles "
+                              "none (eager layers keep the activations' outputs): drop one of them")
         if self.parallelism.sequence_parallel and self.parallelism.tp == 1:
             raise ConfigError("--sequence-parallel true splits the rows over the ranks of a TP group: with --tp 1 "
                               "there is none; drop it, or give --tp N")
