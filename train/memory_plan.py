@@ -39,8 +39,8 @@ Compiled layers recompute each MLP activation's output in backward (`train.model
 eager ones keep it, ACTIVATION_OUTPUT x its width per token (or patch) and layer: the
 Mixture-of-Experts layers always (measured: 30B-A3B's, with 8 experts of width 768 a token,
 keeps what an eager dense layer of its hidden size keeps, so its width counts as 3 h), the dense
-layers and the vision blocks under --compile false, --compile-decoder false or
---recompute-mlp-activations false.
+layers and the vision blocks under --compile false or --recompute-mlp-activations false (and
+under --compile-decoder false, where the still compiled vision blocks are planned a little high).
 A layer unlike the fitted runs' (plain softmax attention, a dense MLP of width 3 h) keeps
 LAYER_KEPT x h x S plus the difference of what it keeps in bf16 (`_kept_beyond_fit`, split
 over the TP ranks with the heads and the MLP's width):
