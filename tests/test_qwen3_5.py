@@ -664,8 +664,8 @@ def test_dry_run_plans_the_published_models(capsys):
 
     arch = builtin_arch("qwen3.5-27b")
     lm = arch.lm
-    linear = memory_plan._kept_beyond_fit(lm, 0)
-    full = memory_plan._kept_beyond_fit(lm, 3)
+    linear = memory_plan._kept_beyond_fit(lm, 0, outputs_kept=False)
+    full = memory_plan._kept_beyond_fit(lm, 3, outputs_kept=False)
     assert lm.layer_type(0) == "linear_attention" and lm.layer_type(3) == "full_attention"
     assert full - linear == 4 * lm.num_heads * lm.head_dim  # the output gate and the ungated output, bf16
     rc = vlmpack(["train", "--dry-run", "--arch", "qwen3.5-397b-a17b", "--gpus", "64", "--tp", "2", "--ep", "16",
