@@ -403,9 +403,8 @@ def resolve_recompute(config: TrainConfig, arch: ModelArch, cuda: bool,
     --recompute-mlp-activations is set); else none with them recomputed; else the fewest first
     vision blocks, up to the whole tower (unless --recompute-vision is set); else full recompute
     of the fewest first decoder layers per stage, with the vision tower (all of them if nothing
-    fits); none on CPU. Returns the
-    config and a line saying what was chosen (None for any other --recompute). `visual_share`:
-    the data's, when already read (`data_visual_share`)."""
+    fits); none on CPU. Returns the config and a line saying what was chosen (None for any other
+    --recompute). `visual_share`: the data's, when already read (`data_visual_share`)."""
     memory = config.memory
     if memory.recompute in ("selective", "full") and not cuda:
         raise ConfigError(f"--recompute {memory.recompute} needs CUDA (megatron-core's recompute saves and restores "
