@@ -33,13 +33,14 @@ class RecomputedActivation:
 
     recompute_output = True
 
+    @property
+    def recomputes_output(self) -> bool:
+        """Whether this call's activation is recomputed: a compiled graph that builds a backward."""
+        return self.recompute_output and torch.compiler.is_compiling() and torch.is_grad_enabled()
+
     def activation(self, fn: Callable[..., Tensor], *inputs: Tensor) -> Tensor:
-        return recomputed_in_backward(fn, *inputs) if self.recompute_output else fn(*inputs)
-
-
-def recomputed_in_backward(fn: Callable[..., Tensor], *inputs: Tensor) -> Tensor:
-    """fn(*inputs), marked inside a compiled graph for its backward to recompute rather than keep
-    (a selective-checkpoint region: only `inputs` are saved). Elsewhere fn(*inputs) as it is."""
-    if torch.compiler.is_compiling() and torch.is_grad_enabled():
-        return torch.utils.checkpoint.checkpoint(fn, *inputs, use_reentrant=False)
-    return fn(*inputs)
+        """fn(*inputs); where `recomputes_output`, a selective-checkpoint region, so that only
+        `inputs` are saved and the backward recomputes the rest."""
+        if self.recomputes_output:
+            return torch.utils.checkpoint.checkpoint(fn, *inputs, use_reentrant=False)
+        return fn(*inputs)

@@ -92,8 +92,7 @@ class SwiGLUMLP(RecomputedActivation, MLP):
     own forward (its fused SwiGLU on CUDA)."""
 
     def forward(self, hidden_states: Tensor, per_token_scale=None, **kwargs):
-        if per_token_scale is not None or not self.recompute_output \
-                or not (torch.compiler.is_compiling() and torch.is_grad_enabled()):
+        if per_token_scale is not None or not self.recomputes_output:
             return super().forward(hidden_states, per_token_scale, **kwargs)
         fc1, bias = self.linear_fc1(hidden_states)
         if bias is not None:
