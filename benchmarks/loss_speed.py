@@ -1,12 +1,13 @@
 """The output layer and its cross-entropy, forward + backward, side by side in one process on
 one micro-batch's target rows:
 
-- `chunked`: vlmpack's default loss (`train.model.loss.chunked_cross_entropy`: 4k-row logit
-  chunks, recomputed in the backward);
+- `chunked`: vlmpack's default loss (`train.model.loss.chunked_cross_entropy`: logit chunks
+  of `loss_chunk_rows` rows for the vocabulary, recomputed in the backward);
 - `fused`: `--loss fused` (`fused_cross_entropy`: each chunk's gradients made in the forward,
   the weight gradient added into an fp32 buffer as megatron's `main_grad`);
 - `liger`: Liger's fused linear cross-entropy (`liger_fused_linear_cross_entropy`, sum
-  reduction, fp32 weight-gradient accumulation), where liger-kernel is installed.
+  reduction, fp32 weight-gradient accumulation), where liger-kernel is installed;
+- `chunked@N`, `fused@N`: the same with chunks of N rows, for each N of `--chunk-rows`.
 
 The loss functions are compiled as the trainer compiles them (CUDA). Reported per path: the
 median milliseconds of a call, the peak memory a call adds to what the inputs hold, and the
@@ -35,7 +36,7 @@ def _liger():
     return liger_fused_linear_cross_entropy
 
 
-def loss_paths(device: torch.device) -> dict:
+def loss_paths(device: torch.device, chunk_rows: tuple[int, ...] = ()) -> dict:
     """name -> fn(hidden [T, H], weight [V, H], labels [T]) -> the summed loss (a scalar to
     backward through); the weight gradient lands in `weight.grad` or `weight.main_grad`."""
     compile_ = (lambda fn: torch.compile(fn, dynamic=True)) if device.type == "cuda" else (lambda fn: fn)
@@ -48,6 +49,11 @@ def loss_paths(device: torch.device) -> dict:
         "chunked": lambda h, w, y: chunked_cross_entropy(h[:, None], y, output_layer, w, row_loss).sum(),
         "fused": lambda h, w, y: fused_cross_entropy(h[:, None], y, w, row_loss_and_grad).sum(),
     }
+    for rows in chunk_rows:
+        paths[f"chunked@{rows}"] = lambda h, w, y, rows=rows: chunked_cross_entropy(
+            h[:, None], y, output_layer, w, row_loss, chunk=rows).sum()
+        paths[f"fused@{rows}"] = lambda h, w, y, rows=rows: fused_cross_entropy(
+            h[:, None], y, w, row_loss_and_grad, chunk=rows).sum()
     liger = _liger() if device.type == "cuda" else None
     if liger is not None:
         paths["liger"] = lambda h, w, y: liger(h, w, y, reduction="sum", accum_dtype=torch.float32)
@@ -96,7 +102,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3; compiles)")
     ap.add_argument("--calls", type=int, default=10, help="timed calls per path (default 10)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    ap.add_argument("--chunk-rows", type=int, nargs="*", default=[], metavar="N",
+                    help="also run the chunked and fused losses with chunks of N rows (default: only the "
+                         "trainer's chunk for the vocabulary)")
     args = ap.parse_args(argv)
+    if any(n < 1 for n in args.chunk_rows):
+        ap.error(f"--chunk-rows: every N must be at least 1, got {args.chunk_rows}")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(args.seed)
@@ -108,8 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     labels = labels.to(device)
 
     results = {}
-    for name, fn in loss_paths(device).items():
-        results[name] = run_path(fn, hidden, weight, labels, buffered=name == "fused", warmup=args.warmup,
+    for name, fn in loss_paths(device, tuple(args.chunk_rows)).items():
+        results[name] = run_path(fn, hidden, weight, labels, buffered=name.startswith("fused"), warmup=args.warmup,
                                  calls=args.calls)
     base = results["chunked"]
     report = {"machine": machine_info(device), "args": vars(args), "paths": {}}
@@ -122,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
             row["chunked_ms_over_this"] = base["ms"] / r["ms"]
         report["paths"][name] = row
         timing = f"{r['ms']:.2f} ms, {r['peak_gib']:.2f} GiB, " if r["ms"] is not None else ""
-        print(f"{name:>8}: {timing}loss {row['loss']:.6g}, differences from chunked: loss "
+        print(f"{name:>12}: {timing}loss {row['loss']:.6g}, differences from chunked: loss "
               f"{row['loss_difference']:.1e}, input grad {row['grad_hidden_difference']:.1e}, weight grad "
               f"{row['grad_weight_difference']:.1e}", flush=True)
     if args.json_out:

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.model.loss import (IGNORE_INDEX, chunked_cross_entropy, fused_cross_entropy, token_loss,
-                              token_loss_and_grad)
+from train.model import loss as loss_module
+from train.model.loss import (IGNORE_INDEX, LOSS_CHUNK_LOGITS, chunked_cross_entropy, fused_cross_entropy,
+                              loss_chunk_rows, token_loss, token_loss_and_grad)
 
 
 def _case(seed: int, dtype: torch.dtype):
@@ -155,3 +156,44 @@ def test_the_loss_benchmark_runs_each_path_on_cpu_and_they_agree(tmp_path):
         assert row["ms"] is None and row["loss"] > 0, name
         for key in ("loss_difference", "grad_hidden_difference", "grad_weight_difference"):
             assert row[key] < 1e-6, (name, key, row[key])
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 1000, 65_536, 75_968, 151_936, 248_320, 1_048_576, 10_000_000])
+def test_loss_chunks_hold_as_many_rows_as_fit_their_bound(vocab):
+    """A chunk's rows: a multiple of 256 from 256 to 4096, the most whose logits stay within
+    LOSS_CHUNK_LOGITS values (all 4096 for small vocabularies, 256 for huge ones)."""
+    rows = loss_chunk_rows(vocab)
+    assert rows % 256 == 0 and 256 <= rows <= 4096
+    assert rows == 256 or rows * vocab <= LOSS_CHUNK_LOGITS
+    assert rows == 4096 or (rows + 256) * vocab > LOSS_CHUNK_LOGITS
+
+
+def test_loss_chunks_of_the_published_vocabularies():
+    assert loss_chunk_rows(151_936) == 1536  # Qwen3-VL, Qwen2.5-VL
+    assert loss_chunk_rows(248_320) == 1024  # Qwen3.5, Qwen3.6
+    assert loss_chunk_rows(248_320 // 2) == 2048  # its shard at TP = 2
+
+
+@pytest.mark.parametrize("path", ["fused", "chunked"])
+def test_loss_chunks_default_to_the_rows_of_the_output_layers_vocabulary(path, monkeypatch):
+    """Without `chunk`, both paths make the logits `loss_chunk_rows(vocabulary)` rows at a time
+    (a bound of 256 x 7 logits over a vocabulary of 7: chunks of 256 rows), with the same loss."""
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_LOGITS", 256 * 7)
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(700, 1, 5, generator=g), torch.randn(7, 5, generator=g)
+    labels = torch.randint(0, 7, (700,), generator=g)
+    made = []
+    if path == "fused":
+        def loss_and_grad(logits, target):
+            made.append(logits.shape[0])
+            return token_loss_and_grad(logits, target)
+        loss = fused_cross_entropy(h.requires_grad_(), labels, w.requires_grad_(), loss_and_grad)
+    else:
+        def output_layer(x, weight):
+            made.append(x.shape[0])
+            return x @ w.t(), None
+        output_layer.weight = w
+        loss = chunked_cross_entropy(h, labels, output_layer, None, token_loss)
+    assert made == [256, 256, 188]
+    want = F.cross_entropy(h[:, 0].detach() @ w.detach().t(), labels, reduction="none")
+    torch.testing.assert_close(loss.detach(), want)

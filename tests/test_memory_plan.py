@@ -324,13 +324,13 @@ def test_recompute_auto_takes_the_least_recompute_the_plan_fits(arch, seq_len, p
 
 def test_recompute_auto_recomputes_the_vision_tower_alone_where_that_fits():
     """Where the plan fits once some of the vision tower's activations go, auto recomputes its
-    first blocks, as few as fit, and no decoder layer (the 2B model at 16k packs on a 100 GiB GPU
+    first blocks, as few as fit, and no decoder layer (the 2B model at 16k packs on a 96 GiB GPU
     budget); each block recomputed lowers the plan; a frozen tower keeps none, so it is never
     the choice, and --recompute-vision false leaves it out."""
     from train.config import TrainConfig
     from train.trainer import resolve_arch, resolve_recompute
 
-    flat = dict(arch="qwen3-vl-2b", seq_len=16384, gpus=1, recompute="auto", gpu_memory_gib=100.0, dry_run=True)
+    flat = dict(arch="qwen3-vl-2b", seq_len=16384, gpus=1, recompute="auto", gpu_memory_gib=96.0, dry_run=True)
     config = TrainConfig.from_flat(flat)
     arch = resolve_arch(config.model)
     chosen, line = resolve_recompute(config, arch, cuda=True)
@@ -470,3 +470,23 @@ def test_dry_run_where_no_layout_fits_exits_1_naming_what_to_change(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "fits in 95% of 24.0 GiB per GPU" in out
     assert out.strip().splitlines()[-1] == "no other layout fits (of those searched: powers of two up to 512 GPUs, TP within 8)"
+
+
+@pytest.mark.parametrize("arch_name, tp", [("qwen3.5-9b", 1), ("qwen3-vl-2b", 1), ("qwen3-vl-8b", 2)])
+def test_smaller_loss_chunks_plan_less_by_the_logits_and_gradient_a_chunk_holds(arch_name, tp):
+    """The plan's logits term was fitted on 4096-row loss chunks; the trainer's chunk for the
+    vocabulary (`loss_chunk_rows`) plans LOSS_CHUNK_HELD bytes less per logit it no longer
+    holds, on the last stage only."""
+    from train.model.loss import loss_chunk_rows
+    arch = builtin_arch(arch_name)
+    layout = memory_plan.Layout(tp=tp, pp=2)
+    settings = memory_plan.Settings(seq_len=16384, recompute="full")
+    fitted = dataclasses.replace(settings, loss_chunk_rows=4096)
+    vocab = arch.lm.vocab_size / tp
+    rows = loss_chunk_rows(int(vocab))
+    assert rows < 4096
+    first, last = (memory_plan.plan_stage(arch, settings, layout, stage) for stage in (0, 1))
+    first_fitted, last_fitted = (memory_plan.plan_stage(arch, fitted, layout, stage) for stage in (0, 1))
+    assert first.activations == first_fitted.activations
+    held = memory_plan.LOSS_CHUNK_HELD * (4096 - rows) * vocab
+    assert last_fitted.activations - last.activations == pytest.approx(held, rel=1e-9)

@@ -28,6 +28,8 @@ fitted to peaks measured on H100s and H200s (bf16, FlashAttention, packed sequen
   the last stage's logits and loss                       LOGITS x S x vocab / tp
     (the constant also covers a recomputed vision tower's working set; a frozen tower keeps
      none, so LoRA runs come out up to 18 % high)
+    (fitted on loss chunks of 4096 rows: a chunk of R rows holds LOSS_CHUNK_HELD x
+     (4096 - R) x vocab / tp less, its bf16 logits and their gradient in its backward)
   a vision tower that keeps its activations (trained, not recomputed), on stage 0, for the
   P = S x visual share x merge^2 patches of a micro-batch    VISION_KEPT x P x depth x hv
     (with --recompute-vision-blocks N, only its depth - N other blocks keep theirs)
@@ -59,7 +61,8 @@ The constants were fitted on three H100 runs (Qwen3-VL-2B with every layer recom
 16k packs with compiled decoder layers and no decoder layer recomputed (H200: the whole tower
 kept, images alone and a 30 % video mix, and part of it recomputed), LAYER_KEPT_WHOLE on the
 TP=2 runs without recompute (2B dense, and the 30B-A3B cut to 3 layers with sequence parallelism),
-all of them with the activations' outputs kept; ACTIVATION_OUTPUT on an H200 A/B of Qwen3-VL-2B
+all of them with the activations' outputs kept and loss chunks of 4096 rows (`loss_chunk_rows`
+in the records); ACTIVATION_OUTPUT on an H200 A/B of Qwen3-VL-2B
 without recompute, outputs kept against recomputed (103.4 against 91.8 GiB: 2.5 bytes per unit
 of width where the bf16 output alone is 2; tests/fixtures/measured_peaks.json marks the runs that
 kept them, `activation_outputs_kept`). tests/test_memory_plan.py checks the plan against every
@@ -76,6 +79,7 @@ import torch
 from train import convert
 from train.model import lora
 from train.model.arch import ModelArch
+from train.model.loss import loss_chunk_rows
 
 GIB = 2**30
 LAYER_INPUT = 2.0
@@ -85,6 +89,8 @@ RECOMPUTE_WORKING = 30.0
 MLP_KEPT = 1.0  # per unit of a dense MLP's width beyond the fitted runs' 3 h
 ACTIVATION_OUTPUT = 2.5  # per unit of an MLP's width where the layer keeps its activation's output (fitted; bf16 alone is 2)
 LOGITS = 3.0
+LOSS_CHUNK_HELD = 4.0  # bytes per logit of the loss chunk in its backward: bf16 logits and bf16 gradient
+FITTED_LOSS_CHUNK_ROWS = 4096  # the loss chunk of the runs LOGITS was fitted on
 VISION_KEPT = 48.0
 VISUAL_SHARE = 0.34
 MOE_RECOMPUTE_WORKING = 23.0
@@ -126,6 +132,7 @@ class Settings:
     visual_share: float = VISUAL_SHARE  # visual tokens per pack token
     sequence_parallel: bool | None = None  # rows split over the TP ranks; None: the trainer's default (MoE at TP > 1)
     activation_outputs_kept: bool = False  # the MLPs keep their activations' outputs (eager layers)
+    loss_chunk_rows: int | None = None  # rows of the loss's logit chunks; None: the trainer's (`loss_chunk_rows`)
 
     @property
     def vision_trained(self) -> bool:
@@ -205,6 +212,13 @@ def _kept_beyond_fit(lm, layer: int, outputs_kept: bool) -> float:
     return gate + 6.0 * lm.shared_expert_intermediate_size + mlp + output
 
 
+def _logits(vocab: float, tokens: int, settings: Settings) -> float:
+    """Bytes of the last stage's logits and loss, over a vocabulary (shard) of `vocab` entries."""
+    rows = settings.loss_chunk_rows or loss_chunk_rows(int(vocab))
+    smaller = min(FITTED_LOSS_CHUNK_ROWS, tokens) - min(rows, tokens)
+    return max(0.0, tokens * LOGITS * vocab - LOSS_CHUNK_HELD * smaller * vocab)
+
+
 def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int) -> float:
     lm = arch.lm
     tokens = settings.seq_len * settings.micro_batch_packs
@@ -227,7 +241,7 @@ def _activations(arch: ModelArch, settings: Settings, layout: Layout, stage: int
     # the layer being recomputed holds what a kept layer does: split over TP alike
     largest = max(kept_by_layer[:recomputed], default=plain_layer)
     working = tokens * working_per_token * largest / (LAYER_KEPT * lm.hidden_size) if recomputed else 0.0
-    logits = tokens * LOGITS * lm.vocab_size / layout.tp if stage == layout.pp - 1 else 0.0
+    logits = _logits(lm.vocab_size / layout.tp, tokens, settings) if stage == layout.pp - 1 else 0.0
     vision = 0.0
     v = arch.vision
     if stage == 0 and settings.vision_kept_blocks(v.depth):

@@ -3,7 +3,7 @@ layer, never a full fp32 logit matrix.
 
 Two ways through the output layer (`--loss`):
 
-- `chunked` (`chunked_cross_entropy`, every layout): logits `LOSS_CHUNK_TOKENS` rows at a
+- `chunked` (`chunked_cross_entropy`, every layout): logits `loss_chunk_rows` rows at a
   time, each chunk checkpointed, so its backward recomputes the logits GEMM and the softmax.
 - `fused` (`fused_cross_entropy`, TP = 1): each chunk's loss and its gradient with respect to
   the logits in one pass of the forward, then the input and weight gradients at once, as
@@ -24,7 +24,19 @@ from torch.utils.checkpoint import checkpoint
 from train.model.grad_buffer import accumulate_weight_grad
 
 IGNORE_INDEX = -100
-LOSS_CHUNK_TOKENS = 4096  # logits of this many rows exist at once (bf16 x vocab/TP), fp32 only inside CE
+LOSS_CHUNK_LOGITS = 2**28  # logit values of one chunk (rows x vocabulary / TP), bf16; fp32 only inside CE
+LOSS_CHUNK_MAX_ROWS = 4096
+LOSS_CHUNK_ROW_MULTIPLE = 256
+
+
+def loss_chunk_rows(vocab: int) -> int:
+    """Rows of logits made at once over a vocabulary (or its TP shard) of `vocab` entries: as
+    many as keep a chunk within LOSS_CHUNK_LOGITS values, a multiple of 256, at most 4096. A
+    chunk's backward holds its logits and their gradient, both bf16: 1 GiB at the bound, where
+    4096 rows of Qwen3.5's 248,320 entries would hold 3.8 GiB. Qwen3-VL's 151,936 take 1,536
+    rows, Qwen3.5's 1,024; rows of 1,024 x 248,320 logits still make GEMMs of 0.5-2 TFLOP."""
+    rows = LOSS_CHUNK_LOGITS // max(vocab, 1) // LOSS_CHUNK_ROW_MULTIPLE * LOSS_CHUNK_ROW_MULTIPLE
+    return max(LOSS_CHUNK_ROW_MULTIPLE, min(LOSS_CHUNK_MAX_ROWS, rows))
 
 
 def vocab_parallel_token_loss(logits: Tensor, target: Tensor) -> Tensor:
@@ -59,13 +71,14 @@ def token_loss_and_grad(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]
 
 
 def chunked_cross_entropy(hidden: Tensor, labels: Tensor, output_layer, weight: Tensor | None,
-                          loss_fn=vocab_parallel_token_loss, chunk: int = LOSS_CHUNK_TOKENS,
+                          loss_fn=vocab_parallel_token_loss, chunk: int | None = None,
                           rows: Tensor | None = None) -> Tensor:
     """Per-token CE [T] (0 where labels == -100) from final hidden states [T, 1, H].
 
-    Logits are made `chunk` rows at a time in the model dtype, upcast to fp32 inside
-    `loss_fn`, and recomputed in backward (checkpoint), so at most one chunk of logits exists
-    at a time instead of T x 151,936 fp32 values. `rows` (the rows with a target, found on the
+    Logits are made `chunk` rows at a time (default `loss_chunk_rows` of the output layer's
+    vocabulary) in the model dtype, upcast to fp32 inside `loss_fn`, and recomputed in
+    backward (checkpoint), so at most one chunk of logits exists at a time instead of
+    T x vocabulary fp32 values. `rows` (the rows with a target, found on the
     host): only those go through the output layer. In SFT data most rows are prompt, image or
     padding rows, whose logits would be computed only to be multiplied by zero."""
     def chunk_loss(h: Tensor, y: Tensor) -> Tensor:
@@ -76,6 +89,7 @@ def chunked_cross_entropy(hidden: Tensor, labels: Tensor, output_layer, weight: 
     total = hidden.shape[0]
     if rows is not None:
         hidden, labels = hidden[rows], labels[rows]
+    chunk = chunk or loss_chunk_rows((output_layer.weight if weight is None else weight).shape[0])
     pieces = []
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
@@ -137,7 +151,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 def fused_cross_entropy(hidden: Tensor, labels: Tensor, weight: Tensor, loss_and_grad=token_loss_and_grad,
-                        chunk: int = LOSS_CHUNK_TOKENS, rows: Tensor | None = None) -> Tensor:
+                        chunk: int | None = None, rows: Tensor | None = None) -> Tensor:
     """`chunked_cross_entropy`'s per-token CE [T] with its gradients made in the forward
     (module docstring), for an output layer that holds the whole vocabulary (TP = 1):
     hidden [T, 1, H] through `weight` [V, H]. For training: without gradients to make, the
@@ -147,6 +161,7 @@ def fused_cross_entropy(hidden: Tensor, labels: Tensor, weight: Tensor, loss_and
     hidden = hidden[:, 0]
     if rows is not None:
         hidden, labels = hidden[rows], labels[rows]
+    chunk = chunk or loss_chunk_rows(weight.shape[0])
     grad_buffer = getattr(weight, "main_grad", None) if weight.requires_grad else None
     return _scattered(_FusedLinearCrossEntropy.apply(hidden, weight, labels, grad_buffer, loss_and_grad, chunk),
                       total, rows)
