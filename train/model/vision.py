@@ -189,9 +189,15 @@ def patch_coords(grid: Tensor, merge: int, total: int | None = None) -> tuple[Te
 
 
 def frame_cu_seqlens(grid: Tensor) -> Tensor:
-    """Full-attention segments: one per frame (HF's `get_vision_cu_seqlens`), int32."""
-    lengths = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
-    return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    """Full-attention segments: one per frame (HF's `get_vision_cu_seqlens`), int32, on the
+    CPU. Summed in Python from the grid's few values: as a CPU `repeat_interleave` it opened a
+    thread-pool region that stalled the host for up to 10 ms at a micro-batch's start while the
+    loader's workers ran (a traced Qwen3.5-2B step, docs/performance.md)."""
+    bounds = [0]
+    for frames, height, width in grid.tolist():
+        for _ in range(frames):
+            bounds.append(bounds[-1] + height * width)
+    return torch.tensor(bounds, dtype=torch.int32)
 
 
 def _bilinear_axis(index: Tensor, size: Tensor, side: int) -> tuple[Tensor, Tensor]:
