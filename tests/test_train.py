@@ -538,6 +538,8 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
                                                       "the adapters"),
     (["--master-weights", "bf16", "--bf16", "false"], "--master-weights bf16 with --bf16 false: fp32 weights have no "
                                                       "fp32 copy to drop"),
+    (["--grad-dtype", "bf16", "--bf16", "false"], "--grad-dtype bf16 with --bf16 false: the gradients take the "
+                                                  "weights' dtype, fp32 here"),
     (["--master-weights", "bf16", "--distributed-optimizer", "false"],
      "--master-weights bf16 with --distributed-optimizer false: the bf16 update is built on the distributed optimizer"),
     (["--config", "missing.yaml"], "--config missing.yaml: cannot read it"),
@@ -1195,16 +1197,18 @@ def test_each_step_reports_its_time_split_and_wandb_logs_the_same_scalars(shards
 def test_profile_options_write_a_trace_of_each_profiled_step(shards, tmp_path):
     """--profile-start N --profile-steps K: steps N..N+K-1 each run under torch.profiler and
     leave a Chrome trace in --out/profile; the other steps none. --memory-snapshot records CUDA
-    allocations: a CPU run says it writes none, and trains on."""
+    allocations and --grad-dtype bf16 halves bf16 gradients: a CPU run (fp32) says it does
+    neither, and trains on."""
     out = tmp_path / "profiled"
     proc = ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3",
-                         "--profile-start", "2", "--profile-steps", "2", "--memory-snapshot"]))
+                         "--profile-start", "2", "--profile-steps", "2", "--memory-snapshot", "--grad-dtype", "bf16"]))
     assert sorted(p.name for p in (out / "profile").iterdir()) == ["step_00000002_rank_00000.json",
                                                                   "step_00000003_rank_00000.json"]
     for trace in (out / "profile").iterdir():
         events = json.loads(trace.read_text())["traceEvents"]
         assert any(e.get("name", "").startswith("aten::") for e in events), trace.name
     assert "--memory-snapshot records CUDA allocations; this CPU run writes none" in proc.stderr
+    assert "--grad-dtype bf16 on a CPU run: its weights are fp32, and its gradients take their dtype" in proc.stderr
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
 
 

@@ -571,6 +571,10 @@ class TrainConfig:
                                   "with LoRA every other part is frozen already")
         if self.memory.master_weights == "bf16":
             self._validate_bf16_master_weights()
+        if self.memory.grad_dtype == "bf16" and not self.memory.bf16:
+            # megatron's gradient buffers take the weights' dtype unless they reduce in fp32
+            raise ConfigError("--grad-dtype bf16 with --bf16 false: the gradients take the weights' dtype, fp32 here; "
+                              "drop --grad-dtype bf16 or --bf16 false")
         if self.data.pad_packs is False and self.parallelism.pp > 1:
             raise ConfigError(f"--pad-packs false with --pp {self.parallelism.pp}: the pipeline schedule sends packs of "
                               "one shape, so they are padded to --seq-len; drop --pad-packs false or use --pp 1")

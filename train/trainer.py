@@ -542,6 +542,9 @@ class Trainer:
         self.out = Path(config.checkpoints.out)
         self.bf16 = config.memory.bf16 and self.cuda  # CPU runs (tests, smoke runs) are fp32 and bitwise reproducible
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
+        if config.memory.grad_dtype == "bf16" and not self.bf16 and self.info.is_main:
+            print("vlmpack train: --grad-dtype bf16 on a CPU run: its weights are fp32, and its gradients take their "
+                  "dtype", file=sys.stderr, flush=True)
         # megatron's DistributedOptimizer is CUDA-only
         self.use_distributed = parallelism.distributed_optimizer and self.cuda
         self._resources = ExitStack()
