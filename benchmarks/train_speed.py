@@ -75,6 +75,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -87,6 +88,7 @@ import numpy as np
 import torch
 from common import T0, log, machine_info, parser, register_fewer_layers, write_json
 import hf_baseline
+from memory_peak import peak_report
 from synthetic_shards import SyntheticSpec, write_synthetic_shards
 
 from shards_schema import open_shards, verify_shards
@@ -129,6 +131,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trace", default=None, metavar="FILE.json.gz",
                     help="with --profile: label the model's parts, save the step's chrome trace here and "
                          "report where the GPU waits for the host (gaps between kernels, by what the host was doing)")
+    ap.add_argument("--memory-snapshot", default=None, metavar="FILE.pickle",
+                    help="record vlmpack's CUDA allocations through its run (host time per allocation: "
+                         "not a speed run) and save the snapshot here; the peak and what held it are "
+                         "logged and kept under ours.memory_peak (benchmarks/memory_peak.py)")
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
     ap.add_argument("--attention", default="fa2", choices=ATTENTION_KERNELS,
                     help="CUDA attention kernel of both sides (the trainer's flag; auto: fa4 where it runs, else "
@@ -650,6 +656,8 @@ def _release(probe: TrainerProbe, device: torch.device) -> None:
 
 
 # the trainer's recompute settings, which --recompute auto resolves and the arguments then record
+# allocations a --memory-snapshot keeps, newest last: more than one step of the largest models makes
+MEMORY_SNAPSHOT_ENTRIES = 400_000
 RECOMPUTE_KEYS = ("recompute", "recompute_layers", "recompute_vision", "recompute_vision_blocks")
 
 
@@ -702,6 +710,9 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         f"LoRA rank {config.lora.lora_rank}) -> {run_dir}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    recording = bool(args.memory_snapshot) and device.type == "cuda"
+    if recording:  # the newest allocations: the last steps' at least (a step makes tens of thousands)
+        torch.cuda.memory._record_memory_history(max_entries=MEMORY_SNAPSHOT_ENTRIES)
     started = time.perf_counter()
     try:
         result = probe.train(config)
@@ -709,7 +720,17 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
         probe.active = False
         _release(probe, device)
         raise
+    finally:
+        if recording:
+            torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
     return probe, config, result, time.perf_counter() - started
+
+
+def memory_peak(snapshot_path: str) -> dict:
+    """The recorded run's allocation peak and what held it (benchmarks/memory_peak.py)."""
+    with open(snapshot_path, "rb") as f:
+        return peak_report(pickle.load(f))
 
 
 def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
@@ -822,6 +843,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
         "master_weights": config.memory.master_weights,
         "kernels": probe.kernels,
         "gpu_idle": probe.idle,
+        "memory_peak": memory_peak(args.memory_snapshot) if args.memory_snapshot and device.type == "cuda" else None,
     }
     if probe.kernels:
         k = probe.kernels
@@ -836,6 +858,11 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
         for kind in ("by_label", "by_host_op", "by_runtime_call"):
             log(f"  idle {kind}: " + "; ".join(f"{r['name']} {r['ms']:.1f} ms/{r['gaps']}" for r in idle[kind][:8]))
         log_kernel_sources(idle["kernel_sources"])
+    if summary["memory_peak"]:
+        held = summary["memory_peak"]
+        log(f"ours: recorded allocation peak {held['peak_gib']:.2f} GiB; held by:")
+        for row in held["rows"][:25]:
+            log(f"    {row['gib']:8.3f} GiB  {row['site']}")
     log("ours: model FLOPs per step " + ", ".join(f"{k} {v:.1f} TFLOP" for k, v in summary["model_tflop_per_step"].items())
         + f"; all-parts utilisation {fmt_pct(summary['model_flops_utilization'])}")
     log(f"ours: {tps:,.0f} tok/s, MFU {fmt_pct(summary['lm_mfu'])}, step {summary['step_s_mean']:.3f} s "
