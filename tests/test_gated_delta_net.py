@@ -265,6 +265,37 @@ def test_bad_shapes_and_boundaries_are_refused(one_process):
         layer(x, packed_seq_params=packed([10]))
 
 
+def test_warm_up_runs_the_kernels_forward_and_backward_on_both_kinds_of_row_count(one_process, monkeypatch):
+    """The warm-up before the first step hands fla's conv and chunked rule a pack whose row
+    count is a multiple of 16 and one whose is not (Triton compiles a kernel once per kind),
+    forward and backward, on random values: no parameter of the model gets a gradient, and a
+    layer that runs the PyTorch path does nothing. fla is stood in for by the PyTorch path."""
+    calls, backward = [], []
+
+    def conv(x, weight, activation, cu_seqlens, cu_seqlens_cpu):
+        calls.append(("conv", x.shape[1], weight.requires_grad))
+        x.register_hook(lambda grad: backward.append(grad.shape[1]))
+        return G.torch_causal_conv1d(x[0], weight, G.Segments(cu_seqlens_cpu.tolist(), x.device))[None], None
+
+    def rule(q, k, v, g, beta, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu):
+        calls.append(("rule", q.shape[1], q.requires_grad))
+        out = G.torch_gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], G.Segments(cu_seqlens_cpu.tolist(), q.device))
+        return out[None], None
+
+    first, second = (our_layer(hf_state(hf_layer())) for _ in range(2))
+    model = torch.nn.ModuleList([first, torch.nn.ModuleList([second])])
+    G.warm_up_linear_attention(model)
+    assert calls == []  # the PyTorch path compiles nothing
+    monkeypatch.setattr(G, "fla_kernels", lambda: (conv, rule))
+    monkeypatch.setattr(G.GatedDeltaNet, "_use_fla", lambda self, x: True)
+    G.warm_up_linear_attention(model)  # two layers of one shape: warmed once
+    assert [rows % 16 == 0 for _, rows, _ in calls[::2]] == [True, False], calls
+    assert [name for name, _, _ in calls] == ["conv", "rule"] * len(G.WARM_UP_ROWS)
+    assert all(needs_grad for _, _, needs_grad in calls)
+    assert backward == list(G.WARM_UP_ROWS)  # the backward kernels ran too
+    assert all(p.grad is None for p in model.parameters())
+
+
 def _fla_available() -> bool:
     return torch.cuda.is_available() and G.fla_kernels() is not None
 

@@ -598,6 +598,8 @@ class Trainer:
         with inputs_checked():
             model_setup.load_weights(model, config.model, config.lora, config.data.seed, arch, info)
         model_setup.freeze(model, config.model.freeze)
+        if self.cuda:  # fla's kernels compiled for every kind of pack length now, not at a pack mid-run
+            gated_delta_net.warm_up_linear_attention(model)
         if config.model.fp8:
             use_fp8(model, config.model.fp8, emulate=not self.cuda,
                     rows=config.data.seq_len * config.data.micro_batch_packs if config.packs_padded() else None)

@@ -514,16 +514,18 @@ class GatedDeltaNet(MegatronModule):
     # boundaries come to the host here (`segments_of`), and fla's kernels are their own.
     @torch.compiler.disable
     def _mix(self, qkv: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor | None,
-             sequence_length: int | None) -> Tensor:
+             sequence_length: int | None, conv_weight: Tensor | None = None) -> Tensor:
         """The causal conv and the gated delta rule of rows [T, conv channels] within each
-        sample (a pack's `cu_seqlens`, or runs of `sequence_length` rows): [T, value heads, dim]."""
+        sample (a pack's `cu_seqlens`, or runs of `sequence_length` rows): [T, value heads, dim].
+        `conv_weight` [channels, kernel]: another conv weight than the layer's."""
         total, dims = qkv.shape[0], self.dims
         segments = segments_of(cu_seqlens, total, sequence_length, qkv.device)
+        weight = self.conv1d.weight.squeeze(1) if conv_weight is None else conv_weight
         fla = self._use_fla(qkv)
         if fla:
-            mixed = self._fla_conv(qkv, segments)
+            mixed = self._fla_conv(qkv, weight, segments)
         else:
-            mixed = torch_causal_conv1d(qkv, self.conv1d.weight.squeeze(1), segments)
+            mixed = torch_causal_conv1d(qkv, weight, segments)
         q, k, v = mixed.split(self.conv_split, dim=-1)
         q = q.reshape(total, self.local_key_heads, dims.key_head_dim)
         k = k.reshape(total, self.local_key_heads, dims.key_head_dim)
@@ -532,11 +534,10 @@ class GatedDeltaNet(MegatronModule):
             return self._fla_rule(q, k, v, g, beta, segments)
         return torch_gated_delta_rule(q, k, v, g, beta, segments)
 
-    def _fla_conv(self, x: Tensor, segments: Segments) -> Tensor:
+    def _fla_conv(self, x: Tensor, weight: Tensor, segments: Segments) -> Tensor:
         causal_conv1d, _ = fla_kernels()
         cu, cu_host = segments.cu_seqlens()
-        out, _ = causal_conv1d(x=x[None], weight=self.conv1d.weight.squeeze(1), activation="silu", cu_seqlens=cu,
-                               cu_seqlens_cpu=cu_host)
+        out, _ = causal_conv1d(x=x[None], weight=weight, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_host)
         return out.squeeze(0)  # a view both ways: select's backward would zero-fill and copy
 
     def _fla_rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Segments) -> Tensor:
@@ -545,3 +546,39 @@ class GatedDeltaNet(MegatronModule):
         out, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None],
                                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_host)
         return out.squeeze(0)
+
+    def warm_up_kernels(self) -> None:
+        """Compile, before the first step, every variant of fla's kernels that the packs' row
+        counts select. Triton compiles a kernel once per kind of integer argument (a multiple of
+        16 or not) and fla's causal conv passes the pack's row count unmarked, so the first pack
+        of the other kind (say one of exactly 16,384 rows) stalled its step to compile them
+        (docs/performance.md, Qwen3.5-2B at HF's memory). Runs the conv and the rule forward and
+        backward on small random packs of both kinds; no parameter is touched. Only where fla runs."""
+        weight = self.conv1d.weight
+        if not self._use_fla(weight):
+            return
+        channels = sum(self.conv_split)
+        with torch.enable_grad():
+            for rows in WARM_UP_ROWS:
+                qkv = torch.randn(rows, channels, device=weight.device, dtype=weight.dtype, requires_grad=True)
+                conv = torch.randn(channels, self.dims.conv_kernel, device=weight.device, dtype=weight.dtype,
+                                   requires_grad=True)
+                g = -F.softplus(torch.randn(rows, self.local_value_heads, device=weight.device))
+                beta = torch.rand(rows, self.local_value_heads, device=weight.device, dtype=weight.dtype)
+                cu_seqlens = torch.tensor([0, rows // 2, rows], dtype=torch.int32, device=weight.device)
+                self._mix(qkv, g, beta, cu_seqlens, None, conv_weight=conv).float().sum().backward()
+
+
+# row counts of the warm-up packs: one a multiple of 16, one not (`GatedDeltaNet.warm_up_kernels`)
+WARM_UP_ROWS = (128, 131)
+
+
+def warm_up_linear_attention(model: torch.nn.Module) -> None:
+    """`GatedDeltaNet.warm_up_kernels` once per layer shape of `model`."""
+    seen = set()
+    for module in model.modules():
+        if isinstance(module, GatedDeltaNet):
+            shape = (tuple(module.conv_split), module.local_value_heads, module.conv1d.weight.dtype)
+            if shape not in seen:
+                seen.add(shape)
+                module.warm_up_kernels()
