@@ -490,3 +490,16 @@ def test_smaller_loss_chunks_plan_less_by_the_logits_and_gradient_a_chunk_holds(
     assert first.activations == first_fitted.activations
     held = memory_plan.LOSS_CHUNK_HELD * (4096 - rows) * vocab
     assert last_fitted.activations - last.activations == pytest.approx(held, rel=1e-9)
+
+
+def test_compile_decoder_without_compile_is_named_on_the_command_line_only(tmp_path, capsys):
+    """`--compile false --compile-decoder true` compiles nothing: said in one stderr line. A
+    saved config holds both settings resolved, so `--config` with it says nothing."""
+    flags = ["train", "--dry-run", "--arch", "qwen3-vl-2b", "--seq-len", "4096"]
+    vlmpack([*flags, "--compile", "false", "--compile-decoder", "true"])
+    assert "--compile-decoder true does nothing with --compile false" in capsys.readouterr().err
+    saved = tmp_path / "config.yaml"
+    saved.write_text("compile: false\ncompile_decoder: true\n")
+    for extra in (["--compile", "false"], ["--config", str(saved)]):
+        vlmpack([*flags, *extra])
+        assert "does nothing" not in capsys.readouterr().err, extra

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -736,4 +737,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             values[key] = [p for item in values[key] for p in str(item).split(",") if p]
     config = TrainConfig.from_flat(values)
     config.validate()
+    # flags only: a saved config (`--config OUT/config.yaml`) holds both resolved, as a run without
+    # --compile wrote them
+    if args.compile is False and args.compile_decoder:
+        print("vlmpack train: --compile-decoder true does nothing with --compile false: nothing is compiled",
+              file=sys.stderr, flush=True)
     return config
