@@ -655,9 +655,9 @@ def _release(probe: TrainerProbe, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-# the trainer's recompute settings, which --recompute auto resolves and the arguments then record
 # allocations a --memory-snapshot keeps, newest last: more than one step of the largest models makes
 MEMORY_SNAPSHOT_ENTRIES = 400_000
+# the trainer's recompute settings, which --recompute auto resolves and the arguments then record
 RECOMPUTE_KEYS = ("recompute", "recompute_layers", "recompute_vision", "recompute_vision_blocks")
 
 
