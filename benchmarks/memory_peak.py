@@ -75,6 +75,12 @@ def live_at(events: list[dict], until: int) -> tuple[dict[int, dict], int]:
     return live, freed_before
 
 
+def read_snapshot(path: str | Path) -> dict:
+    """A snapshot pickle as torch.cuda.memory._dump_snapshot writes it."""
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
 def peak_report(snapshot: dict, device: int = 0, skip: tuple[str, ...] = DEFAULT_SKIP) -> dict:
     """The peak of `device`'s allocated bytes within the recorded trace and what held it."""
     traces = snapshot.get("device_traces", [])
@@ -120,9 +126,7 @@ def main(argv=None) -> int:
     if not path.is_file():
         ap.error(f"{path}: no such snapshot file")
     try:
-        with open(path, "rb") as f:
-            snapshot = pickle.load(f)
-        report = peak_report(snapshot, args.device, tuple(args.skip))
+        report = peak_report(read_snapshot(path), args.device, tuple(args.skip))
     except (OSError, pickle.UnpicklingError, EOFError, KeyError, TypeError, AttributeError) as exc:
         ap.error(f"{path}: not a torch memory snapshot ({type(exc).__name__}: {exc})")
     except ValueError as exc:

@@ -75,7 +75,6 @@ import itertools
 import json
 import multiprocessing as mp
 import os
-import pickle
 import re
 import shutil
 import sys
@@ -88,7 +87,7 @@ import numpy as np
 import torch
 from common import T0, log, machine_info, parser, register_fewer_layers, write_json
 import hf_baseline
-from memory_peak import peak_report
+from memory_peak import peak_report, read_snapshot
 from synthetic_shards import SyntheticSpec, write_synthetic_shards
 
 from shards_schema import open_shards, verify_shards
@@ -729,12 +728,6 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
     return probe, config, result, time.perf_counter() - started
 
 
-def memory_peak(snapshot_path: str) -> dict:
-    """The recorded run's allocation peak and what held it (benchmarks/memory_peak.py)."""
-    with open(snapshot_path, "rb") as f:
-        return peak_report(pickle.load(f))
-
-
 def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
     from train.trainer import is_out_of_memory
 
@@ -845,7 +838,7 @@ def run_ours(args, data_dir: Path, run_dir: Path) -> dict:
         "master_weights": config.memory.master_weights,
         "kernels": probe.kernels,
         "gpu_idle": probe.idle,
-        "memory_peak": memory_peak(args.memory_snapshot) if args.memory_snapshot and device.type == "cuda" else None,
+        "memory_peak": peak_report(read_snapshot(args.memory_snapshot)) if args.memory_snapshot and device.type == "cuda" else None,
     }
     if probe.kernels:
         k = probe.kernels
