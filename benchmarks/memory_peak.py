@@ -5,7 +5,8 @@ A snapshot comes from `vlmpack train --memory-snapshot` or `train_speed.py --mem
 (torch.cuda.memory._dump_snapshot). The allocated bytes are those `max_memory_allocated`
 counts: an allocation adds its block, a completed free takes it back. Blocks allocated before
 the recording began are one row, "before the recording", sized from the snapshot's own end
-state (its live blocks less the trace's net allocations).
+state (its live blocks less the trace's net allocations). A trace recorded without stacks has
+its blocks summed by size.
 
     python benchmarks/memory_peak.py SNAPSHOT.pickle [--top N] [--skip PATH ...] [--json-out FILE]
 """
@@ -24,6 +25,9 @@ GIB = 2**30
 DEFAULT_SKIP = ("/torch/", "/triton/", "<frozen", "<string>")
 LIVE_BLOCK_STATES = ("active_allocated", "active_pending_free")
 BEFORE_RECORDING = "(allocated before the recording began)"
+# a trace recorded without stacks (`_record_memory_history(context=None)`) names no line: its
+# blocks are summed by size instead, which still tells a layer's saved input from a logit chunk
+NO_STACK = "(no stack recorded) blocks of {mib:.1f} MiB"
 
 
 def allocated_at_end(snapshot: dict, device: int) -> int:
@@ -95,7 +99,8 @@ def peak_report(snapshot: dict, device: int = 0, skip: tuple[str, ...] = DEFAULT
     live, freed_before = live_at(events, index)
     sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for event in live.values():
-        site = sites[allocation_site(event.get("frames", []), skip)]
+        frames = event.get("frames")
+        site = sites[allocation_site(frames, skip) if frames else NO_STACK.format(mib=event["size"] / 2**20)]
         site[0] += event["size"]
         site[1] += 1
     rows = [{"site": BEFORE_RECORDING, "gib": (baseline - freed_before) / GIB, "blocks": None}]
@@ -108,7 +113,7 @@ def peak_report(snapshot: dict, device: int = 0, skip: tuple[str, ...] = DEFAULT
         "events": len(events),
         "peak_event": index,
         "peak_reached_by": None if reached_by is None else {
-            "gib": reached_by["size"] / GIB, "site": allocation_site(reached_by.get("frames", []), skip)},
+            "gib": reached_by["size"] / GIB, "site": allocation_site(reached_by.get("frames") or [], skip)},
         "rows": rows,
     }
 

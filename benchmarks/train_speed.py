@@ -134,6 +134,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="record vlmpack's CUDA allocations through its run (host time per allocation: "
                          "not a speed run) and save the snapshot here; the peak and what held it are "
                          "logged and kept under ours.memory_peak (benchmarks/memory_peak.py)")
+    ap.add_argument("--memory-snapshot-stacks", default="python", choices=("python", "none"),
+                    help="with --memory-snapshot: record each allocation's Python stack (python: the peak's "
+                         "holders named by line), or only its size and order (none: blocks summed by size; "
+                         "with torch 2.11, recording stacks fails when compiled layers are recomputed). "
+                         "Default python")
     ap.add_argument("--num-workers", type=int, default=2, help="trainer loader workers")
     ap.add_argument("--attention", default="fa2", choices=ATTENTION_KERNELS,
                     help="CUDA attention kernel of both sides (the trainer's flag; auto: fa4 where it runs, else "
@@ -713,7 +718,9 @@ def _train_once(args, data_dir: Path, run_dir: Path, recompute: str, device: tor
     # the newest allocations: the last steps' at least (a step makes tens of thousands). Python
     # frames only: they name the allocating line, at less host time per allocation than C++ stacks.
     if recording:
-        torch.cuda.memory._record_memory_history(stacks="python", max_entries=MEMORY_SNAPSHOT_ENTRIES)
+        torch.cuda.memory._record_memory_history(
+            context="all" if args.memory_snapshot_stacks == "python" else None, stacks="python",
+            max_entries=MEMORY_SNAPSHOT_ENTRIES)
     started = time.perf_counter()
     try:
         result = probe.train(config)

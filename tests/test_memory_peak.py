@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from memory_peak import BEFORE_RECORDING, GIB, allocation_site, peak_report  # noqa: E402
+from memory_peak import BEFORE_RECORDING, GIB, NO_STACK, allocation_site, peak_report  # noqa: E402
 
 SITES = [
     [{"filename": "/site/torch/nn/functional.py", "line": 10, "name": "linear"},
@@ -74,6 +74,22 @@ def test_site_is_the_innermost_python_frame_outside_the_skipped_packages():
     # every Python frame skipped: the innermost one still names the site
     assert allocation_site(SITES[0][:1], ("/torch/",)) == "torch/nn/functional.py:10 linear"
     assert allocation_site([{"filename": "??", "line": 0, "name": "x"}], ()) == "(no Python frame)"
+
+
+def test_a_trace_without_stacks_is_summed_by_block_size():
+    mib = 2**20
+    sizes = [128 * mib, 128 * mib, 485 * mib, 128 * mib, 2 * mib]
+    events = [{"action": "alloc", "addr": 0x1000 * (i + 1), "size": size, "frames": []} for i, size in enumerate(sizes)]
+    events += [{"action": "free_requested", "addr": 0x3000, "size": 485 * mib, "frames": []},
+               {"action": "free_completed", "addr": 0x3000, "size": 485 * mib, "frames": []}]
+    blocks = [{"size": s, "state": "active_allocated"} for i, s in enumerate(sizes) if i != 2]
+    report = peak_report({"segments": [{"device": 0, "blocks": blocks}], "device_traces": [events]})
+    rows = {row["site"]: (row["gib"] * GIB, row["blocks"]) for row in report["rows"]}
+    assert report["peak_gib"] * GIB == sum(sizes)
+    assert rows[NO_STACK.format(mib=128.0)] == (3 * 128 * mib, 3)
+    assert rows[NO_STACK.format(mib=485.0)] == (485 * mib, 1)
+    assert rows[NO_STACK.format(mib=2.0)] == (2 * mib, 1)
+    assert report["peak_reached_by"]["site"] == "(no Python frame)"
 
 
 def test_cli_reports_the_peak_and_refuses_a_file_that_is_no_snapshot(tmp_path):
