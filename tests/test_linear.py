@@ -13,13 +13,17 @@ from tests.helpers.models import tiny_qwen3_vl
 from train.model.arch import ModelArch
 from train.model.batch import PackedBatch
 from train.model.grad_buffer import accumulate_float8_weight_grad, accumulate_weight_grad, zeros_flag
-from train.model.linear import DecoderLinear, grad_buffers_zeroed, use_fp8, use_grad_buffers
+from train.model.linear import (DecoderLinear, GradBufferLinear, OutputLinear, grad_buffers_zeroed, use_fp8,
+                                use_grad_buffers)
 from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model
 
 
-def tiny_model(info):
-    arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
+def tiny_model(info, tied: bool | None = None):
+    config = tiny_qwen3_vl().config.to_dict()
+    if tied is not None:
+        config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = tied
+    arch = ModelArch.from_hf_config(config)
     torch.manual_seed(0)
     return arch, build_model(arch, transformer_config(arch, cpu=True), info)
 
@@ -76,12 +80,46 @@ def test_frozen_decoder_linears_leave_the_buffer_alone(info):
     layer = next(m for m in model.modules() if isinstance(m, DecoderLinear))
     layer.weight.requires_grad_(False)
     layer.weight.main_grad = torch.zeros(layer.weight.shape)
-    assert use_grad_buffers(model) == 4 * arch.lm.num_layers - 1
+    assert use_grad_buffers(model) == 4 * arch.lm.num_layers  # and the output layer
     layer.grad_buffer = layer.weight.main_grad  # even handed one, a frozen layer leaves it alone
     x = torch.randn(7, 1, layer.weight.shape[1], requires_grad=True)
     layer(x)[0].sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
     assert layer.weight.grad is None and not layer.weight.main_grad.any()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "own-weight"])
+def test_output_layer_adds_every_loss_chunks_weight_gradient_into_the_buffer(info, tied, monkeypatch):
+    """The chunked loss over chunks of a few rows (many chunks a pack) under megatron's DDP,
+    the output weight tied to the embedding or its own: after two micro-batches its buffer
+    equals the plain model's gradient up to the order of the fp32 sums (tied: the embedding's
+    gradient too, added by DDP's hook), and autograd never holds a gradient for it, so no [vocabulary,
+    hidden] gradient waits beside the next chunk's."""
+    from tests.helpers.model_pairs import random_pack
+
+    arch, plain = tiny_model(info, tied)
+    _, wrapped = tiny_model(info, tied)
+    wrapped.load_state_dict(plain.state_dict())
+    output = wrapped.language_model.output_layer
+    assert isinstance(output, OutputLinear) and (output.weight is None) == tied
+    weight = output.trained_weight()
+    assert (weight is wrapped.language_model.embedding.word_embeddings.weight) == tied
+    monkeypatch.setattr("train.model.loss.loss_chunk_rows", lambda vocab: 5)
+    ddp = DistributedDataParallel(transformer_config(arch, cpu=True),
+                                  DistributedDataParallelConfig(grad_reduce_in_fp32=True), wrapped)
+    assert use_grad_buffers(ddp) == 4 * arch.lm.num_layers + 1
+    seen = []
+    weight.register_hook(lambda grad: seen.append(grad is not None))
+    for model in (plain, ddp):
+        for ids, positions, cu, _, labels in [random_pack(seed) for seed in (6, 7)]:
+            model(PackedBatch.from_segments(ids, positions, cu, labels)).sum().backward()
+    reference = dict(plain.named_parameters())
+    name = next(n for n, p in wrapped.named_parameters() if p is weight)
+    # autograd sums a micro-batch's chunk gradients before adding them; the buffer takes them one by one
+    want = reference[name].grad
+    torch.testing.assert_close(weight.main_grad, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    assert weight.grad is None
+    assert sum(seen) == (2 if tied else 0)  # tied: the embedding's own gradient alone, once a micro-batch
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -110,7 +148,7 @@ def test_gradient_buffers_under_megatrons_ddp_hold_the_models_gradients(info, co
         compile_model(wrapped, backend="aot_eager")
     ddp = DistributedDataParallel(transformer_config(arch, cpu=True),
                                   DistributedDataParallelConfig(grad_reduce_in_fp32=True), wrapped)
-    assert use_grad_buffers(ddp) == 4 * arch.lm.num_layers
+    assert use_grad_buffers(ddp) == 4 * arch.lm.num_layers + 1  # and the output layer
     if zeroed:
         for layer in wrapped.modules():
             if isinstance(layer, DecoderLinear):
@@ -120,11 +158,17 @@ def test_gradient_buffers_under_megatrons_ddp_hold_the_models_gradients(info, co
     for model in (plain, ddp):
         for ids, positions, cu, _, labels in packs:
             model(PackedBatch.from_segments(ids, positions, cu, labels)).sum().backward()
-    fused = [m.weight for m in wrapped.modules() if isinstance(m, DecoderLinear)]
+    fused = [m.trained_weight() for m in wrapped.modules() if isinstance(m, GradBufferLinear)]
     assert fused and all(w.grad is None for w in fused)
     names = dict(wrapped.named_parameters())
+    output_weight = wrapped.language_model.output_layer.trained_weight()
     for name, param in plain.named_parameters():
-        if param.grad is not None:
+        if param.grad is None:
+            continue
+        if names[name] is output_weight:  # its chunks' gradients summed in another order (test above)
+            torch.testing.assert_close(output_weight.main_grad, param.grad, rtol=1e-5,
+                                       atol=1e-6 * float(param.grad.abs().max()))
+        else:
             assert torch.equal(names[name].main_grad, param.grad), (name, (names[name].main_grad - param.grad).abs().max())
 
 

@@ -49,7 +49,7 @@ def models(info, kind: str, variant: str, fp8_rows: int | None = None):
         if variant == "main-grad":
             for param in model.parameters():
                 param.main_grad = torch.zeros_like(param)
-            assert use_grad_buffers(model) == 4 * arch.lm.num_layers
+            assert use_grad_buffers(model) == 4 * arch.lm.num_layers + 1  # and the output layer
     return arch, pair
 
 

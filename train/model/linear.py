@@ -1,5 +1,6 @@
 """The language model's decoder linears (qkv and attention output; fc1 and fc2 in dense
-layers): megatron's column- and row-parallel layers, with their GEMMs chosen here.
+layers) and its output layer: megatron's column- and row-parallel layers, with their GEMMs
+chosen here.
 
 - `--fp8`: forward, input-gradient and weight-gradient GEMMs in float8 (`train.model.fp8`).
 - bf16: megatron's GEMMs, computed here.
@@ -57,7 +58,7 @@ class _MatmulIntoGradBuffer(torch.autograd.Function):
         return grad_input, None, None
 
 
-class DecoderLinear:
+class GradBufferLinear:
     """Mixin for megatron's column- and row-parallel linears: runs the GEMMs as the module
     docstring says, and hands megatron's own path the layer's TP group (megatron's
     row-parallel layer passes none and warns at every call, which would split a compiled
@@ -67,6 +68,10 @@ class DecoderLinear:
     grad_buffer: Tensor | None = None  # the weight's gradient buffer, set by `use_grad_buffers`
     grad_buffer_holds_zeros: Tensor | None = None  # its flag under tensorwise FP8 (`train.model.grad_buffer`)
     fp8_weight_scale: Tensor | None = None  # set inside `fp8_weight_scales_once`
+
+    def trained_weight(self) -> Tensor | None:
+        """The weight whose gradient the layer makes."""
+        return self.weight
 
     def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, sequence_parallel=False, **kwargs):
         if not weight.requires_grad or (self.fp8 is None and self.grad_buffer is None):
@@ -86,12 +91,32 @@ class DecoderLinear:
         return output if bias is None else output + bias
 
 
+class DecoderLinear(GradBufferLinear):
+    """The decoder's linears: those `--fp8` runs in float8."""
+
+
 class ColumnParallelLinear(DecoderLinear, tensor_parallel.ColumnParallelLinear):
     """megatron's column-parallel linear (qkv, fc1) with `DecoderLinear`'s GEMMs."""
 
 
 class RowParallelLinear(DecoderLinear, tensor_parallel.RowParallelLinear):
     """megatron's row-parallel linear (attention output, fc2) with `DecoderLinear`'s GEMMs."""
+
+
+class OutputLinear(GradBufferLinear, tensor_parallel.ColumnParallelLinear):
+    """The language model's output layer with `GradBufferLinear`'s bf16 GEMMs (never FP8: it is
+    no `DecoderLinear`). megatron's GPTModel builds a plain column-parallel linear;
+    `QwenVLModel` gives it this class. Through megatron's path, each chunk of the chunked loss
+    hands autograd a [vocabulary, hidden] weight gradient, and autograd holds the first beside
+    the next until the DDP hook adds them: 3.8 GiB at once for Qwen3.5-9B's 248,320 x 4,096,
+    at the start of the backward, where the step's memory peaks. Added into the buffer inside
+    the GEMM, they never exist. `shared_weight`: where the weight is the embedding's (tied),
+    the callable that gives it, since the layer then holds none."""
+
+    shared_weight = None
+
+    def trained_weight(self) -> Tensor | None:
+        return self.weight if self.shared_weight is None else self.shared_weight()
 
 
 def use_fp8(model: torch.nn.Module, recipe: str, emulate: bool = False, rows: int | None = None) -> int:
@@ -133,9 +158,9 @@ def fp8_weight_scales_once(model: torch.nn.Module):
 
 
 def use_grad_buffers(model: torch.nn.Module) -> int:
-    """Let every trained `DecoderLinear` add its weight gradient into the buffer megatron's DDP
-    gave the weight (`main_grad`); call once, after wrapping the model in DDP, and after
-    `use_fp8`. Returns how many.
+    """Let every trained `GradBufferLinear` (the decoder linears and the output layer) add its
+    weight gradient into the buffer megatron's DDP gave the weight (`main_grad`); call once,
+    after wrapping the model in DDP, and after `use_fp8`. Returns how many.
 
     The layer gets the buffer as a tensor of its own over the same memory, not DDP's view:
     every view of DDP's flat buffer shares one version counter, which each other parameter's
@@ -145,10 +170,10 @@ def use_grad_buffers(model: torch.nn.Module) -> int:
     of one pipeline stage (megatron's schedule without pipelining runs each micro-batch's
     forward, then its backward), not of pipeline schedules, which keep several micro-batches'
     forwards in flight; the trainer calls this only without pipeline parallelism."""
-    layers = [m for m in model.modules()
-              if isinstance(m, DecoderLinear) and m.weight.requires_grad and hasattr(m.weight, "main_grad")]
+    layers = [m for m in model.modules() if isinstance(m, GradBufferLinear) and m.trained_weight() is not None
+              and m.trained_weight().requires_grad and hasattr(m.trained_weight(), "main_grad")]
     for layer in layers:
-        view = layer.weight.main_grad
+        view = layer.trained_weight().main_grad
         layer.grad_buffer = torch.empty(0, dtype=view.dtype, device=view.device).set_(
             view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
         if layer.fp8 is not None and layer.fp8.transposes_by_tile:

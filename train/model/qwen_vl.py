@@ -38,7 +38,7 @@ from train.model.activation import RecomputedActivation, swiglu
 from train.model.arch import ModelArch
 from train.model.attention import PackedCoreAttention, PackedRows
 from train.model.batch import PackedBatch
-from train.model.linear import ColumnParallelLinear, RowParallelLinear
+from train.model.linear import ColumnParallelLinear, OutputLinear, RowParallelLinear
 from train.model.loss import (chunked_cross_entropy, fused_cross_entropy, token_loss, token_loss_and_grad,
                                vocab_parallel_token_loss)
 from train.model.moe import moe_config, moe_layer_spec
@@ -256,6 +256,11 @@ class QwenVLModel(MegatronModule):
             parallel_output=True, share_embeddings_and_output_weights=arch.lm.tie_word_embeddings,
             position_embedding_type="none", pg_collection=pg_collection, vp_stage=vp_stage,
             scatter_embedding_sequence_parallel=False)  # visual embeddings go in first: `_decoder_input`
+        if post_process:  # its weight gradient into the buffer, as the decoder linears' (`OutputLinear`)
+            output_layer = self.language_model.output_layer
+            output_layer.__class__ = OutputLinear
+            if self.language_model.share_embeddings_and_output_weights:
+                output_layer.shared_weight = self.language_model.shared_embedding_or_output_weight
         self.sequence_parallel = config.sequence_parallel
         if self.sequence_parallel and post_process:
             # The last hidden states are gathered once, before the chunked loss picks its rows
