@@ -1195,12 +1195,15 @@ COMBINE_FREE_ARGS = {"json_out", "out_dir", "data_dir", "repeats", "init_dir", "
 
 def combine(paths: list[str]) -> dict:
     """Results of separate invocations as one comparison. Refused unless every result ran the
-    same command (up to COMBINE_FREE_ARGS) on the same packs in the same order."""
+    same command (up to COMBINE_FREE_ARGS) on the same packs in the same order. An option that
+    a result's version did not have yet counts as its default there."""
     results = [json.loads(Path(p).read_text()) for p in paths]
     first = results[0]
+    defaults = vars(parse_args([]))
     for path, res in zip(paths[1:], results[1:]):
         differ = sorted(k for k in set(first["args"]) | set(res["args"])
-                        if k not in COMBINE_FREE_ARGS and first["args"].get(k) != res["args"].get(k))
+                        if k not in COMBINE_FREE_ARGS
+                        and first["args"].get(k, defaults.get(k)) != res["args"].get(k, defaults.get(k)))
         if differ:
             raise SystemExit(f"error: {path} ran another command than {paths[0]} (differs in: {', '.join(differ)})")
         packs = [r["ours"]["packs"] for r in first["repeats"] + res["repeats"]]

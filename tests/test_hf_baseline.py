@@ -213,7 +213,8 @@ def test_gpu_qwen3_5_packed_recipe_resets_the_linear_attention_state():
 
 def test_train_speed_combine_joins_runs_of_one_command_and_refuses_others(tmp_path):
     """Two invocations of one command (the second on the first's shards) join into one
-    comparison over both runs; a result of another command, or of other packs, is refused."""
+    comparison over both runs; a result of another command, or of other packs, is refused, and
+    an option a result's version lacked counts as its default."""
     first, second = tmp_path / "a", tmp_path / "b"
     base = ["--arch", "tiny", "--device", "cpu", "--seq-len", "1024", "--samples", "8", "--warmup", "1",
             "--steps", "1", "--text-tokens", "40", "200", "--image-tokens", "8", "32", "--num-workers", "0",
@@ -228,6 +229,18 @@ def test_train_speed_combine_joins_runs_of_one_command_and_refuses_others(tmp_pa
     assert len(result["ratios"]["tokens_per_s"]["vlmpack"]["runs"]) == 2
     curves = result["curves"]
     assert curves["steps"] == 2 and len(curves["hf_vs_hf"]["per_step"]) == 2
+
+    # a result from before an option existed joins one that ran it at its default, not another value
+    older = json.loads((second / "train_speed.json").read_text())
+    del older["args"]["memory_snapshot_stacks"]
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert train_speed.main(["--combine", str(first / "train_speed.json"), str(tmp_path / "older.json"),
+                             "--json-out", str(tmp_path / "older_joined.json")]) == 0
+    newer = json.loads((first / "train_speed.json").read_text())
+    newer["args"]["memory_snapshot_stacks"] = "none"
+    (tmp_path / "newer.json").write_text(json.dumps(newer))
+    with pytest.raises(SystemExit, match="differs in: memory_snapshot_stacks"):
+        train_speed.main(["--combine", str(tmp_path / "newer.json"), str(tmp_path / "older.json")])
 
     other = json.loads((second / "train_speed.json").read_text())
     other["args"]["lr"] = 1e-3
