@@ -174,6 +174,47 @@ def test_gradient_buffers_under_megatrons_ddp_hold_the_models_gradients(info, co
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_chunked_loss_backward_holds_no_vocabulary_sized_weight_gradient():
+    """bf16 on CUDA, three loss chunks through the output layer: through megatron's path
+    autograd keeps the first chunk's [vocabulary, hidden] weight gradient while the next chunk's
+    logits and their gradient are made; added into the buffer inside the GEMM, it never exists.
+    The backward's peak must be lower by at least nine tenths of one such gradient."""
+    from train.model.loss import chunked_cross_entropy, token_loss
+    from train.parallel import destroy_parallel, init_parallel
+
+    init_parallel(1, 1, device="cuda")
+    try:
+        arch = ModelArch.from_hf_config(tiny_qwen3_vl().config.to_dict())
+        config = transformer_config(arch, params_dtype=torch.bfloat16, bf16=True)
+        vocab, hidden, chunk = 65536, 2048, 1024
+        layer = OutputLinear(hidden, vocab, config=config, init_method=config.init_method, bias=False,
+                             gather_output=False).cuda()
+        layer.weight.main_grad = torch.zeros_like(layer.weight)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(3 * chunk, 1, hidden, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        labels = torch.randint(0, vocab, (3 * chunk,), device="cuda", generator=g)
+        peaks, grads = {}, {}
+        for path in ("megatron", "buffer"):
+            layer.grad_buffer = None if path == "megatron" else layer.weight.main_grad
+            layer.weight.grad = x.grad = None
+            layer.weight.main_grad.zero_()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            chunked_cross_entropy(x, labels, layer, None, token_loss, chunk=chunk).sum().backward()
+            torch.cuda.synchronize()
+            peaks[path] = torch.cuda.max_memory_allocated() - start
+            grads[path] = (layer.weight.grad if path == "megatron" else layer.weight.main_grad).float()
+        assert layer.weight.grad is None
+        assert peaks["megatron"] - peaks["buffer"] >= 0.9 * vocab * hidden * 2, peaks
+        error = (grads["buffer"] - grads["megatron"]).norm() / grads["megatron"].norm()
+        assert error < 1e-2, error  # bf16 buffer: one rounding a chunk, where autograd sums bf16 products
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16])
 def test_gpu_weight_grad_accumulation_is_as_close_to_exact_as_megatrons_hook(buffer_dtype):
     """On CUDA the accumulation is one GEMM with beta = 1 on the buffer. Against the exact sum
