@@ -33,6 +33,7 @@ FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains 
 STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
 RECOMPUTE = ("none", "selective", "full", "auto")
 DEVICES = ("cuda", "cpu")
+MEMORY_SNAPSHOT_STACKS = ("all", "python", "none")  # torch's `_record_memory_history` names (none: context=None)
 COMMA_LISTS = ("freeze", "lora_targets", "lora_parts", "lora_modules_to_save")  # list settings also given as "a,b"
 # A pack (x --micro-batch-packs) longer than this fits no GPU: even with every layer recomputed
 # the 2B model keeps 2 x hidden x layers = 112 KiB a token (1.8 TiB here), and the host arrays
@@ -490,9 +491,18 @@ class ProfilingConfig:
                                                       "the snapshot to --out/profile/ after the last profiled step "
                                                       "(step 1 without --profile-start), for pytorch.org/memory_viz "
                                                       "(default false)")
+    memory_snapshot_stacks: str = _text("all", "profiling", "with --memory-snapshot: the stack recorded with each "
+                                                            "allocation, as torch names it: all (Python and C++), "
+                                                            "python, or none (each block's size and order only; "
+                                                            "torch 2.11 fails to record stacks while compiled layers "
+                                                            "are recomputed) (default all)")
 
     def validate(self) -> None:
         _check_numbers(self)
+        _check_choices(self, {"memory_snapshot_stacks": MEMORY_SNAPSHOT_STACKS})
+        if self.memory_snapshot_stacks != "all" and not self.memory_snapshot:
+            raise ConfigError(f"--memory-snapshot-stacks {self.memory_snapshot_stacks} says what --memory-snapshot "
+                              "records: add --memory-snapshot, or drop --memory-snapshot-stacks")
         if self.profile_steps is not None and not self.profile_start:
             raise ConfigError(f"--profile-steps {self.profile_steps} counts the steps profiled from --profile-start N: "
                               "add it, or drop --profile-steps")

@@ -9,7 +9,8 @@ snapshot, written under OUT/profile/ (docs/training.md, "Profiling a run").
                                            snapshot written after the last profiled step (step 1
                                            without --profile-start) as
                                            OUT/profile/memory_snapshot_step_..._rank_....pickle
-                                           (pytorch.org/memory_viz)
+                                           (pytorch.org/memory_viz); --memory-snapshot-stacks
+                                           all|python|none: the stack kept with each allocation
 
 The per-step timings (data wait, forward+backward, optimizer, the whole step after a CUDA
 synchronize) are in every metrics.jsonl record, profiled or not.
@@ -44,7 +45,10 @@ class Profiling:
                       file=sys.stderr, flush=True)
         elif settings.memory_snapshot:
             self.snapshot_step = self.start + self.count - 1 if self.start else 1
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            stacks = settings.memory_snapshot_stacks
+            torch.cuda.memory._record_memory_history(context=None if stacks == "none" else "all",
+                                                     stacks="all" if stacks == "none" else stacks,
+                                                     max_entries=MEMORY_HISTORY_ENTRIES)
 
     def profiled(self, number: int) -> bool:
         return bool(self.start) and self.start <= number < self.start + self.count
