@@ -165,6 +165,62 @@ def test_partitions_then_merge_equal_one_job(example_jsonl, baseline, tmp_path):
         merge_partitions([str(tmp_path / "copy0"), str(dirs[1]), str(dirs[2])], str(tmp_path / "damaged"))
 
 
+DAMAGED_RECORDS = {  # a `_parts` file of a finished job, and what it is made to hold
+    "job.json a list": ("job.json", [1, 2]),
+    "job.json a string": ("job.json", "str"),
+    "job.json inputs a number": ("job.json", {"inputs": 5}),
+    "job.json inputs of numbers": ("job.json", {"inputs": [5]}),
+    "job.json without settings": ("job.json", "{inputs only}"),
+    "job.json not JSON": ("job.json", None),
+    "unit record a list": ("unit-000000.json", [1]),
+    "unit record not JSON": ("unit-000000.json", None),
+    "unit record with rows as text": ("unit-000000.json", {"rows": "x"}),
+    "inputs_seen.json a list of numbers": ("inputs_seen.json", [1]),
+}
+
+
+def _damage(out: Path, name: str, value) -> None:
+    path = out / "_parts" / name
+    if value == "{inputs only}":
+        value = {"inputs": json.loads(path.read_text())["inputs"]}
+    path.write_text("{bad" if value is None else json.dumps(value))
+
+
+@pytest.mark.parametrize("case", list(DAMAGED_RECORDS))
+def test_a_damaged_work_record_is_redone_or_refused_in_one_line(case, example_jsonl, baseline, tmp_path, capsys):
+    """A `_parts` file damaged or edited by hand: resuming the job redoes a unit whose record is
+    damaged, reads a damaged inputs_seen.json as absent, and refuses a damaged job.json in one
+    line (exit 2); `vlmpack merge` refuses either damaged file in one line, naming it."""
+    name, value = DAMAGED_RECORDS[case]
+    out, merged = tmp_path / "out", tmp_path / "merged"
+    shutil.copytree(baseline[0], out)
+    (out / "manifest.json").unlink()  # a job stopped before its end: resumable
+    _damage(out, name, value)
+    capsys.readouterr()
+    code = vlmpack_exit_code(["preprocess", str(example_jsonl), "--out", str(out), "--workers", "1", "--rows-per-shard",
+                              "8", "--no-progress"])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    if name == "job.json" and value is not None:
+        assert code == 2 and err.count("\n") == 1 and "job.json is damaged (" in err and "--out" in err, err
+    elif name == "job.json":  # not JSON: the directory holds no job it can resume
+        assert code == 2 and err.count("\n") == 1 and "holds no resumable job" in err, err
+    else:
+        assert code == 0, err
+        assert _shard_bytes(out) == _shard_bytes(baseline[0])
+        assert _without_run(json.loads((out / "manifest.json").read_text())) == _without_run(baseline[1])
+    if name == "inputs_seen.json":
+        return
+    shutil.rmtree(out)
+    shutil.copytree(baseline[0], out)
+    _damage(out, name, value)
+    capsys.readouterr()
+    code = vlmpack_exit_code(["merge", str(out), "--out", str(merged)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert ("job.json is damaged (" if name == "job.json" else "the shard of unit 0 is missing or damaged") in err, err
+
+
 def test_partitions_sharing_one_directory(example_jsonl, baseline, tmp_path):
     for i in range(2):
         _run([example_jsonl], tmp_path, workers=1, num_partitions=2, partition_index=i)

@@ -65,6 +65,8 @@ DRY_RUN_DATA = {
                           "--freeze vision,merger,llm freezes every part of the model: nothing would be trained"),
     "a shard file cut short": (["--arch", "tiny", "--data", "{truncated}"],
                                "bytes on disk, the manifest says"),
+    "a source whose rows were all rejected": (["--arch", "tiny", "--data", "{shards}", "--data", "{no_samples}"],
+                                              "{no_samples}: holds no samples (its preprocessing wrote none"),
     "FA4 on CPU": (["--arch", "tiny", "--data", "{shards}", "--attention", "fa4", "--device", "cpu"],
                    "--attention fa4 runs on a CUDA GPU"),
     "a frozen vision tower recomputed": (["--arch", "tiny", "--data", "{shards}", "--freeze", "vision", "--recompute",
@@ -86,8 +88,12 @@ DRY_RUN_DATA = {
 def test_dry_run_refuses_the_data_a_run_refuses_with_the_same_line(shards, tmp_path, capsys, case):
     extra, says = DRY_RUN_DATA[case]
     paths = {"shards": str(shards), "missing": str(tmp_path / "missing"), "file": str(tmp_path / "file"),
-             "truncated": str(tmp_path / "truncated")}
+             "truncated": str(tmp_path / "truncated"), "no_samples": str(tmp_path / "no_samples")}
     (tmp_path / "file").write_text("a file")
+    if "{no_samples}" in extra:  # preprocessed from rows that are all rejected: a manifest, no shard
+        (tmp_path / "bad.jsonl").write_text('{"messages": 5}\n' * 3)
+        assert vlmpack(["preprocess", str(tmp_path / "bad.jsonl"), "--out", paths["no_samples"], "--profile",
+                        "qwen3-vl", "--workers", "1", "--no-progress"]) == 1
     if "{truncated}" in extra:
         shutil.copytree(shards, tmp_path / "truncated")
         shard = sorted((tmp_path / "truncated").glob("*.arrow"))[-1]
@@ -98,6 +104,23 @@ def test_dry_run_refuses_the_data_a_run_refuses_with_the_same_line(shards, tmp_p
     dry_line, run_line = one_error_line(dry_err, "train"), one_error_line(run_err, "train")
     assert dry_code == run_code == 2 and dry_line == run_line, (dry_line, run_line)
     assert says.format(**paths) in dry_line, dry_line
+
+
+def test_dry_run_plans_on_a_webdataset_export_and_refuses_one_missing_a_tar(shards, tmp_path, capsys):
+    """An export (tars and index.json, no manifest.json or shard files) is a training source:
+    --dry-run stats its tars as index.json lists them, not the exported directory's shards."""
+    tars = tmp_path / "tars"
+    assert vlmpack(["export", str(shards), "--out", str(tars), "--samples-per-tar", "3"]) == 0
+    code, err = train(["--dry-run", "--seq-len", str(SEQ_LEN), "--arch", "tiny", "--data", str(tars)], capsys)
+    assert code == 0, err
+    last = sorted(tars.glob("*.tar"))[-1]
+    last.write_bytes(last.read_bytes()[:512])
+    code, err = train(["--dry-run", "--seq-len", str(SEQ_LEN), "--arch", "tiny", "--data", str(tars)], capsys)
+    line = one_error_line(err, "train")
+    assert code == 2 and f"{last}: 512 bytes, index.json says" in line and "export the shard directory again" in line
+    last.unlink()
+    code, err = train(["--dry-run", "--seq-len", str(SEQ_LEN), "--arch", "tiny", "--data", str(tars)], capsys)
+    assert code == 2 and f"{last}: listed in index.json but missing" in one_error_line(err, "train")
 
 
 def test_an_empty_out_or_config_file_is_refused_before_anything_is_written(shards, tmp_path, capsys, monkeypatch):

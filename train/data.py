@@ -26,12 +26,16 @@ from train.pack_plan import PackSettings, parse_source, source_manifest
 from shards_schema.pixels import video_pixel_values_from_patches
 
 
-def check_profiles(dirs: list[str], arch) -> tuple[dict, dict | None]:
+def check_sources(dirs: list[str], arch) -> tuple[dict, dict | None]:
     """The sources' common vision profile and video normalisation (None where no source holds
-    videos); ValueError naming the directory and the mismatch."""
+    videos); ValueError naming the directory and what is wrong: no samples, another model's
+    profile, or normalisations that differ."""
     vision = video = None
     for directory in dirs:
         manifest = source_manifest(directory)
+        if not sum(int(shard.get("rows", 0)) for shard in manifest["shards"]):
+            raise ValueError(f"{directory}: holds no samples (its preprocessing wrote none; its rejects.jsonl says "
+                             "why): drop it from --data / --eval-data, or preprocess its inputs again")
         profile = manifest["profile"]
         if int(manifest["totals"].get("videos", 0)):
             v = profile["video"]
@@ -77,7 +81,7 @@ class TrainData:
         self.config, self.info, self.eval_global_batches = config, info, eval_batches
         self.image_token_id, self.video_token_id = arch.image_token_id, arch.video_token_id
         specs = [parse_source(s) for s in config.data]
-        self.vision, self.video = check_profiles([d for d, _ in specs] + [parse_source(s)[0] for s in config.eval_data],
+        self.vision, self.video = check_sources([d for d, _ in specs] + [parse_source(s)[0] for s in config.eval_data],
                                                  arch)
         self.profile = export_profile([d for d, _ in specs])
         self.global_packs = config.global_packs(info.dp)

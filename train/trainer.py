@@ -34,10 +34,11 @@ from shards_schema.errors import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT
 from shards_schema.outdir import exclusive_output_dir
 from shards_schema.reader import ShardFault, file_fault
 from shards_schema.storage import is_url
+from shards_schema.webdataset.reader import WebDatasetShards
 from train import adapter_format, checkpoint, convert, memory_plan, model_setup
 from train.config import (AdamWConfig, ConfigError, DataConfig, MemoryConfig, ParallelismConfig, ScheduleConfig,
                           TrainConfig)
-from train.data import TrainData, check_profiles
+from train.data import TrainData, check_sources
 from train.lr_schedule import RunSchedule
 from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch
@@ -46,7 +47,7 @@ from train.optim import build_optimizer as make_optimizer, use_fused_adamw
 from train.model import gated_delta_net, lora
 from train.model.moe import load_balancing_loss
 from train.model_setup import resolve_arch
-from train.pack_plan import parse_source, resolve_weights, source_manifest
+from train.pack_plan import is_webdataset_export, parse_source, resolve_weights, source_manifest
 from train.parallel import ParallelInfo, destroy_parallel, finalize_grads, init_parallel
 from train.preemption import StopRequest
 from train.profiling import Profiling
@@ -252,23 +253,28 @@ def check_device(config: ParallelismConfig) -> None:
 def check_data_manifests(config: DataConfig, arch: ModelArch) -> None:
     """What a run refuses of the data section's local --data / --eval-data sources before it
     builds anything, found from their manifests and a stat of each shard file (`--dry-run`;
-    object-store sources are checked once fetched): a missing directory or one of no shards, a
-    shard file missing or of another size than its manifest says, shards of another model
-    (`check_profiles`, the run's own check), and a --seq-len that some sample certainly exceeds,
-    which the run refuses when it plans the packs. A manifest records each shard's tokens and
-    rows, not each sample's length: a shard whose samples average more than --seq-len tokens
-    holds one that fits no pack; a longer sample elsewhere is found by the run (or `vlmpack pack`)."""
+    object-store sources are checked once fetched): a missing directory, a shard file (an
+    export's tar) missing or of another size than its manifest (index.json) says, a source of
+    no samples or of another model (`check_sources`, the run's own check), and a --seq-len that
+    some sample certainly exceeds, which the run refuses when it plans the packs. A manifest
+    records each shard's tokens and rows, not each sample's length: a shard whose samples
+    average more than --seq-len tokens holds one that fits no pack; a longer sample elsewhere is
+    found by the run (or `vlmpack pack`)."""
     if config.data:  # the mixing weights, as the loader takes them
         resolve_weights([0] * len(config.data), [weight for _, weight in map(parse_source, config.data)])
     directories = [d for d, _ in map(parse_source, (*config.data, *config.eval_data)) if not is_url(d)]
-    check_profiles(directories, arch)
+    check_sources(directories, arch)
     for directory in directories:
         manifest = source_manifest(directory)
+        if is_webdataset_export(directory):
+            WebDatasetShards(directory).check_files()  # its tars, as index.json lists them
+        else:
+            for shard in manifest["shards"]:
+                path = Path(directory) / shard["file"]
+                fault = file_fault(path, shard.get("bytes"))  # a stat, as the run's first read of the shard does
+                if fault is not None:
+                    raise ShardFault(path, *fault)
         for shard in manifest["shards"]:
-            path = Path(directory) / shard["file"]
-            fault = file_fault(path, shard.get("bytes"))  # a stat, as the run's first read of the shard does
-            if fault is not None:
-                raise ShardFault(path, *fault)
             rows, tokens = int(shard.get("rows", 0)), int(shard.get("tokens", 0))
             mean = -(-tokens // rows) if rows else 0  # rounded up: the longest sample has at least as many
             if mean > config.seq_len:

@@ -17,7 +17,7 @@ from shards_schema.outdir import user_entries
 
 from ..errors import ConfigError
 from .identity import JobInput, describe_job_differences, printable_path, same_job
-from .records import INPUTS_SEEN_FILE, JOB_FILE, read_json, remove_torn_writes
+from .records import INPUTS_SEEN_FILE, JOB_FILE, job_identity_problem, read_json, remove_torn_writes
 
 
 def is_fresh(out: Path) -> bool:
@@ -76,7 +76,7 @@ def claim_out_dir(out: Path, identity: dict, inputs: list[JobInput], hash_mode: 
         write_json_atomic(job_file, identity)  # the claim's commit point
         return identity
     seen = read_json(seen_file)
-    if not (isinstance(seen, list) and len(seen) == len(inputs)):
+    if not (isinstance(seen, list) and len(seen) == len(inputs) and all(isinstance(before, dict) for before in seen)):
         # a merged directory records no input locations: from now on this job's are checked
         write_json_atomic(seen_file, [inp.seen() for inp in inputs])
     remove_torn_writes(out)
@@ -96,9 +96,15 @@ def identity_to_resume(out: Path, identity: dict, inputs: list[JobInput], hash_m
         if not is_fresh(out):
             refuse_foreign(out, "preprocess")
         return None
+    problem = job_identity_problem(recorded)
+    if problem is not None:
+        raise ConfigError(f"{printable_path(str(parts / JOB_FILE))} is damaged ({problem}), so the job in "
+                          f"{printable_path(str(out))} cannot be resumed: use a new --out directory, or delete this "
+                          "one to start over")
     identity = json.loads(json.dumps(identity))
     seen = read_json(parts / INPUTS_SEEN_FILE)
-    seen_recorded = isinstance(seen, list) and len(seen) == len(inputs)
+    seen_recorded = (isinstance(seen, list) and len(seen) == len(inputs)
+                     and all(isinstance(before, dict) for before in seen))
     if seen_recorded:
         for i, (inp, before) in enumerate(zip(inputs, seen)):
             if before.get("location") == inp.location:

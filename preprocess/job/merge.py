@@ -3,7 +3,6 @@ object store) joined into one shard directory, which may itself be published to 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -17,7 +16,8 @@ from ..errors import ConfigError
 from .publish import check_destination, default_stage_dir, empty_stage, publish, read_json_object, remove_stage
 from .claim import is_fresh, output_errors, refuse_foreign
 from .identity import describe_job_differences, printable_path, same_job
-from .records import JOB_FILE, read_json, remove_torn_writes, shard_matches_record, unit_record_path, write_final_outputs
+from .records import (JOB_FILE, job_identity_problem, read_json, remove_torn_writes, shard_matches_record, unit_record,
+                      unit_record_path, write_final_outputs)
 from .signals import stop_if_asked, stop_on_signals
 
 
@@ -32,15 +32,20 @@ def partitions_identity(directories: list[str]) -> dict:
                 if not storage.list_tree(d):
                     raise ConfigError(f"{storage.redact(d)} holds nothing: name the --out prefixes of the partitions")
                 raise ConfigError(f"{storage.redact(d)}: no {PARTS_DIR}/{JOB_FILE}; not the output of `vlmpack preprocess`")
-            identities.append(identity)
-            continue
-        job_file = Path(d) / PARTS_DIR / JOB_FILE
-        if not Path(d).is_dir():
-            raise ConfigError(f"{printable_path(str(d))} does not exist or is not a directory: "
-                              "name the --out directories of the partitions")
-        if not job_file.is_file():
-            raise ConfigError(f"{printable_path(str(d))}: no {PARTS_DIR}/{JOB_FILE}; not the output of `vlmpack preprocess`")
-        identities.append(json.loads(job_file.read_text(encoding="utf-8")))
+        else:
+            job_file = Path(d) / PARTS_DIR / JOB_FILE
+            if not Path(d).is_dir():
+                raise ConfigError(f"{printable_path(str(d))} does not exist or is not a directory: "
+                                  "name the --out directories of the partitions")
+            if not job_file.is_file():
+                raise ConfigError(f"{printable_path(str(d))}: no {PARTS_DIR}/{JOB_FILE}; not the output of "
+                                  "`vlmpack preprocess`")
+            identity = read_json(job_file)
+        problem = "not JSON" if identity is None else job_identity_problem(identity)
+        if problem is not None:
+            raise ConfigError(f"{_dir_name(d)}: its {PARTS_DIR}/{JOB_FILE} is damaged ({problem}): re-run that "
+                              "partition's `vlmpack preprocess` command into a new --out, then merge again")
+        identities.append(identity)
     for d, ident in zip(directories[1:], identities[1:]):
         if not same_job(ident, identities[0]):
             first, other = _dir_name(directories[0]), _dir_name(d)
@@ -114,8 +119,8 @@ def _intact_copy(holders: list[Path], index: int) -> tuple[Path, dict]:
     directories that overlap (a partition given twice, or re-run elsewhere) hold the same
     unit, so the merge does not depend on their order while one copy is intact."""
     for src in holders:
-        record = json.loads(unit_record_path(src, index).read_text(encoding="utf-8"))
-        if shard_matches_record(src, record):
+        record = unit_record(unit_record_path(src, index), index)
+        if record is not None and shard_matches_record(src, record):
             return src, record
     where = " and ".join(printable_path(str(src)) for src in holders)
     raise ConfigError(f"{where}: the shard of unit {index} is missing or damaged: re-run that partition's "

@@ -38,6 +38,44 @@ def read_json(path: Path):
         return None
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def job_identity_problem(identity) -> str | None:
+    """What makes a recorded job identity (`_parts/job.json`) other than one vlmpack wrote, as
+    far as resuming and merging read it; None when it reads as one."""
+    if not isinstance(identity, dict):
+        return f"a JSON {type(identity).__name__}, not an object"
+    inputs = identity.get("inputs")
+    if not isinstance(inputs, list) or not all(isinstance(inp, dict) and isinstance(inp.get("path"), str)
+                                               and _is_count(inp.get("rows")) for inp in inputs):
+        return "its inputs are not a list of {path, rows, ...} objects"
+    settings, profile = identity.get("settings"), identity.get("profile")
+    if not isinstance(settings, dict) or not _is_count(settings.get("rows_per_shard")) \
+            or not settings["rows_per_shard"]:
+        return "its settings hold no rows_per_shard count"
+    if not isinstance(profile, dict) or not isinstance(profile.get("vision"), dict):
+        return "it holds no profile with a vision section"
+    return None
+
+
+def unit_record(path: Path, unit_index: int) -> dict | None:
+    """Unit `unit_index`'s record, or None when it is absent or damaged: not JSON, or not the
+    record vlmpack writes (its counts, rejects and shard entry, if any, in their types)."""
+    record = read_json(path)
+    if not isinstance(record, dict) or record.get("unit") != unit_index or not isinstance(record.get("rejects"), list):
+        return None
+    if not all(_is_count(record.get(k)) for k in ("rows_read", "rows_rejected", "rows_written")):
+        return None
+    shard = record.get("shard")
+    if shard and not (isinstance(shard, dict) and isinstance(shard.get("file"), str)
+                      and isinstance(shard.get("sha256"), str) and _is_count(shard.get("bytes"))
+                      and _is_count(shard.get("rows")) and _is_count(shard.get("tokens"))):
+        return None
+    return record
+
+
 def remove_torn_writes(out: Path) -> None:
     """Remove the temporary files of writes a stopped or failed job left unfinished."""
     for stale in list(out.glob("*" + TMP_SUFFIX)) + list((out / PARTS_DIR).glob("*" + TMP_SUFFIX)):
@@ -70,8 +108,8 @@ def committed_units(out: Path, units: list[WorkUnit], progress: bool) -> tuple[s
     for unit in tqdm(recorded, unit="shard", desc="check finished shards", disable=not progress or not recorded):
         stop_if_asked()
         path = unit_record_path(out, unit.index)
-        record = read_json(path)
-        if record is not None and record.get("unit") == unit.index and shard_matches_record(out, record):
+        record = unit_record(path, unit.index)
+        if record is not None and shard_matches_record(out, record):
             done.add(unit.index)
         else:
             damaged.append(unit.index)

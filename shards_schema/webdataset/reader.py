@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,13 +158,28 @@ class WebDatasetShards:
             raise WebDatasetFormatError(f"{path}: listed in {INDEX_NAME} but missing")
         return path
 
+    def check_files(self) -> None:
+        """Every tar present as a regular file of the recorded size: a stat each, nothing opened
+        (so a FIFO cannot block)."""
+        for entry in self.tars:
+            path = self.tardir / entry["file"]
+            try:
+                found = os.stat(path)
+            except OSError:
+                raise WebDatasetFormatError(f"{path}: listed in {INDEX_NAME} but missing; export the shard directory "
+                                            "again") from None
+            if not stat.S_ISREG(found.st_mode):
+                raise WebDatasetFormatError(f"{path}: not a regular file, where {INDEX_NAME} lists a tar; export the "
+                                            "shard directory again")
+            if found.st_size != entry["bytes"]:
+                raise WebDatasetFormatError(f"{path}: {found.st_size} bytes, {INDEX_NAME} says {entry['bytes']} "
+                                            "(truncated or replaced?); export the shard directory again")
+
     def verify(self) -> None:
         """Every tar present with the recorded size and sha256, and rejects.jsonl intact."""
-        for k, entry in enumerate(self.tars):
-            path = self._tar_path(k)
-            size = path.stat().st_size
-            if size != entry["bytes"]:
-                raise WebDatasetFormatError(f"{path}: {size} bytes, {INDEX_NAME} says {entry['bytes']} (truncated or replaced?)")
+        self.check_files()
+        for entry in self.tars:
+            path = self.tardir / entry["file"]
             digest = file_sha256(path)
             if digest != entry["sha256"]:
                 raise WebDatasetFormatError(
