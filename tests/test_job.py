@@ -175,6 +175,7 @@ DAMAGED_RECORDS = {  # a `_parts` file of a finished job, and what it is made to
     "unit record a list": ("unit-000000.json", [1]),
     "unit record not JSON": ("unit-000000.json", None),
     "unit record with rows as text": ("unit-000000.json", {"rows": "x"}),
+    "unit record whose rows do not add up": ("unit-000000.json", "{one more row read}"),
     "inputs_seen.json a list of numbers": ("inputs_seen.json", [1]),
 }
 
@@ -183,6 +184,9 @@ def _damage(out: Path, name: str, value) -> None:
     path = out / "_parts" / name
     if value == "{inputs only}":
         value = {"inputs": json.loads(path.read_text())["inputs"]}
+    if value == "{one more row read}":  # well-formed, but no manifest's accounting adds up from it
+        record = json.loads(path.read_text())
+        value = {**record, "rows_read": record["rows_read"] + 1}
     path.write_text("{bad" if value is None else json.dumps(value))
 
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from shards_schema.atomic import TMP_SUFFIX, write_json_atomic, write_jsonl_atomic
-from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, build_manifest
+from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, TOTAL_KEYS, build_manifest
 from shards_schema.writer import file_sha256
 
 from ..inputs import WorkUnit
@@ -61,19 +61,24 @@ def job_identity_problem(identity) -> str | None:
 
 
 def unit_record(path: Path, unit_index: int) -> dict | None:
-    """Unit `unit_index`'s record, or None when it is absent or damaged: not JSON, or not the
-    record vlmpack writes (its counts, rejects and shard entry, if any, in their types)."""
+    """Unit `unit_index`'s record, or None when it is absent or damaged: not JSON, or not what
+    vlmpack writes, as far as the manifest is built from it (its row counts adding up, its
+    rejects with their codes, its shard entry, if any, with the shard's counts)."""
     record = read_json(path)
-    if not isinstance(record, dict) or record.get("unit") != unit_index or not isinstance(record.get("rejects"), list):
+    if not isinstance(record, dict) or record.get("unit") != unit_index:
         return None
-    if not all(_is_count(record.get(k)) for k in ("rows_read", "rows_rejected", "rows_written")):
+    rejects, shard = record.get("rejects"), record.get("shard")
+    read, written = record.get("rows_read"), record.get("rows_written")
+    if not isinstance(rejects, list) or not all(isinstance(r, dict) and isinstance(r.get("code"), str) for r in rejects):
         return None
-    shard = record.get("shard")
-    if shard and not (isinstance(shard, dict) and isinstance(shard.get("file"), str)
-                      and isinstance(shard.get("sha256"), str) and _is_count(shard.get("bytes"))
-                      and _is_count(shard.get("rows")) and _is_count(shard.get("tokens"))):
+    if not (_is_count(read) and _is_count(written)) or read != written + len(rejects):
         return None
-    return record
+    if not shard:
+        return record if not written else None
+    if not (isinstance(shard, dict) and isinstance(shard.get("file"), str) and isinstance(shard.get("sha256"), str)
+            and all(_is_count(shard.get(key)) for key in TOTAL_KEYS)):
+        return None
+    return record if shard["rows"] == written else None
 
 
 def remove_torn_writes(out: Path) -> None:
