@@ -75,8 +75,7 @@ def claim_out_dir(out: Path, identity: dict, inputs: list[JobInput], hash_mode: 
         write_json_atomic(seen_file, [inp.seen() for inp in inputs])
         write_json_atomic(job_file, identity)  # the claim's commit point
         return identity
-    seen = read_json(seen_file)
-    if not (isinstance(seen, list) and len(seen) == len(inputs) and all(isinstance(before, dict) for before in seen)):
+    if not _seen_recorded(read_json(seen_file), inputs):
         # a merged directory records no input locations: from now on this job's are checked
         write_json_atomic(seen_file, [inp.seen() for inp in inputs])
     remove_torn_writes(out)
@@ -103,8 +102,7 @@ def identity_to_resume(out: Path, identity: dict, inputs: list[JobInput], hash_m
                           "one to start over")
     identity = json.loads(json.dumps(identity))
     seen = read_json(parts / INPUTS_SEEN_FILE)
-    seen_recorded = (isinstance(seen, list) and len(seen) == len(inputs)
-                     and all(isinstance(before, dict) for before in seen))
+    seen_recorded = _seen_recorded(seen, inputs)
     if seen_recorded:
         for i, (inp, before) in enumerate(zip(inputs, seen)):
             if before.get("location") == inp.location:
@@ -117,6 +115,12 @@ def identity_to_resume(out: Path, identity: dict, inputs: list[JobInput], hash_m
                     f"input {before['name']} was modified since {printable_path(str(out))} was started (its "
                     "modification time changed): use a new --out directory, or delete this one to start over")
     return identity
+
+
+def _seen_recorded(seen, inputs: list[JobInput]) -> bool:
+    """Whether `inputs_seen.json`'s content records where each of `inputs` was found (one
+    object per input); a merged directory records none, a damaged file reads as none."""
+    return isinstance(seen, list) and len(seen) == len(inputs) and all(isinstance(before, dict) for before in seen)
 
 
 def _check_same_job(out: Path, recorded: dict, identity: dict) -> None:

@@ -170,10 +170,11 @@ def use_grad_buffers(model: torch.nn.Module) -> int:
     of one pipeline stage (megatron's schedule without pipelining runs each micro-batch's
     forward, then its backward), not of pipeline schedules, which keep several micro-batches'
     forwards in flight; the trainer calls this only without pipeline parallelism."""
-    layers = [m for m in model.modules() if isinstance(m, GradBufferLinear) and m.trained_weight() is not None
-              and m.trained_weight().requires_grad and hasattr(m.trained_weight(), "main_grad")]
+    weights = {m: m.trained_weight() for m in model.modules() if isinstance(m, GradBufferLinear)}
+    layers = [m for m, weight in weights.items()
+              if weight is not None and weight.requires_grad and hasattr(weight, "main_grad")]
     for layer in layers:
-        view = layer.trained_weight().main_grad
+        view = weights[layer].main_grad
         layer.grad_buffer = torch.empty(0, dtype=view.dtype, device=view.device).set_(
             view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
         if layer.fp8 is not None and layer.fp8.transposes_by_tile:
