@@ -24,7 +24,7 @@ from pathlib import Path
 from shards_schema import storage
 from shards_schema.atomic import atomic_open, write_json_atomic
 from shards_schema.errors import EXIT_FAULT
-from shards_schema.flags import add_flags, config_from_args, refuse_empty
+from shards_schema.flags import add_flags, config_from_args, refuse_bad_location
 from shards_schema.inspect import format_storage_per_visual_token, storage_per_visual_token
 from shards_schema.manifest import profile_name
 from shards_schema.outdir import exclusive_output_dir, user_entries
@@ -126,8 +126,8 @@ class Merge:
         from .job import merge_staged
 
         for directory in args.dirs:
-            refuse_empty("a partition directory", directory, "give its path")
-        refuse_empty("--out", args.out)
+            refuse_bad_location("a partition directory", directory, "give its path")
+        refuse_bad_location("--out", args.out)
 
         manifest = merge_staged(args.dirs, args.out)
         where = storage.redact(args.out) if storage.is_url(args.out) else Path(args.out)
@@ -200,7 +200,7 @@ class Quickstart:
         from .examples import example_rows, jsonl_bytes, video_example_rows
         from .profiles import builtin_profile
 
-        refuse_empty("--out", args.out)
+        refuse_bad_location("--out", args.out)
         if not 1 <= args.rows <= QUICKSTART_MAX_ROWS:
             raise ConfigError(f"--rows must be an integer from 1 to {QUICKSTART_MAX_ROWS}, got {args.rows}")
         if not 0 <= args.videos <= QUICKSTART_MAX_VIDEOS:

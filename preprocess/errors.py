@@ -103,6 +103,12 @@ def loads_or_reject(text: str | bytes, code: str, what: str):
     """The JSON value of `text`, or a RejectError with `code` saying why there is none: not JSON
     or not UTF-8, nested deeper than the parser allows, or an integer too long to convert (the
     parser's own errors for those two are not JSON errors, and would end the job)."""
+    if isinstance(text, (bytes, bytearray)):  # json.loads would guess UTF-16 or UTF-32 for bytes that are not UTF-8
+        try:
+            text = bytes(text).decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise RejectError(code, f"{what} is not UTF-8 text: byte {exc.start} (0x{exc.object[exc.start]:02x}), "
+                                    f"{exc.reason}; JSON rows are UTF-8") from None
     try:
         return json.loads(text)
     except RecursionError:

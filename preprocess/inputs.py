@@ -596,16 +596,17 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
                      row_format=row_format)
 
 
-# rows read for an input's layout: its first row that is a JSON object among these many
+# rows read for an input's layout: its first row that holds turns among these many
 LAYOUT_ROWS_LOOKED_AT = 1000
+TURNS_KEYS = ("conversations", "messages")  # where the ShareGPT and the OpenAI / ms-swift layouts hold a chat
 
 
 def _first_row(path_str: str, fmt: str, offsets: tuple[int, ...], max_row_bytes: int):
-    """The first row that is a JSON object (JSONL, JSON: rows that are not are rejected one by
-    one where they are read, and must not decide the layout of the others) or the column names
-    (Parquet, datasets) that name an input's layout; None when there is none to look at in its
-    first LAYOUT_ROWS_LOOKED_AT rows (an empty input, rows that are not JSON objects or are
-    over `max_row_bytes`)."""
+    """The first row that is a JSON object holding turns (JSONL, JSON: rows that are not are
+    rejected one by one where they are read, and must not decide the layout of the others), else
+    its first JSON object, or the column names (Parquet, datasets) that name an input's layout;
+    None when there is none to look at in its first LAYOUT_ROWS_LOOKED_AT rows (an empty input,
+    rows that are not JSON objects or are over `max_row_bytes`)."""
     if fmt == "hf_hub":
         return load_hub_dataset(path_str).column_names
     if fmt == "jsonl":
@@ -623,10 +624,13 @@ def _first_row(path_str: str, fmt: str, offsets: tuple[int, ...], max_row_bytes:
 
 
 def _first_object(rows: Iterator) -> dict | None:
+    first = None
     for row in itertools.islice(rows, LAYOUT_ROWS_LOOKED_AT):
         if isinstance(row, dict):
-            return row
-    return None
+            if any(isinstance(row.get(key), (list, str)) and row[key] for key in TURNS_KEYS):
+                return row
+            first = first if first is not None else row
+    return first
 
 
 def plan_units(inputs: list[InputFile], rows_per_unit: int) -> list[WorkUnit]:

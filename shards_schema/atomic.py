@@ -11,6 +11,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from .errors import first_few
 from .manifest import ShardFormatError
 
 TMP_SUFFIX = ".tmp"
@@ -21,9 +22,8 @@ def refuse_leftover_tmp(directory: Path, what: str) -> None:
     while writing it, or one is writing it now, so its complete-looking files cannot be trusted."""
     leftover = sorted(name for name in os.listdir(directory) if name.endswith(TMP_SUFFIX))
     if leftover:
-        shown = ", ".join(leftover[:3]) + (f" and {len(leftover) - 3} more" if len(leftover) > 3 else "")
         raise ShardFormatError(
-            f"{directory}: leftover {shown} from an interrupted write (or a job still writing {what}): "
+            f"{directory}: leftover {first_few(leftover)} from an interrupted write (or a job still writing {what}): "
             "wait for that job, or delete the .tmp files and re-run the job that wrote them"
         )
 

@@ -48,6 +48,11 @@ class UserError(Exception):
     exit_code = EXIT_USER_ERROR
 
 
+def first_few(names: list[str]) -> str:
+    """The first three of `names` and how many more: a listing that stays one line."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def print_error(command: str, message) -> None:
     """`vlmpack COMMAND: error: MESSAGE` as one line on stderr: a line break inside the message
     (from a path or a value the user gave) is shown escaped."""
@@ -68,7 +73,8 @@ def user_error_from_os_error(exc: OSError) -> UserError | None:
         return DiskFullError(f"no space left on the device writing {where}: free space (or use another --out) and "
                              "re-run the same command; finished work is kept")
     if exc.errno in (errno.EACCES, errno.EPERM):
-        return UserError(f"permission denied: {where}: choose a directory you can write, or fix its permissions")
+        return UserError(f"permission denied: {where}: this user may not open it; fix its permissions, or choose "
+                         "a path this user can read and write")
     if exc.errno == errno.EROFS:
         return UserError(f"read-only file system: {where}: choose a writable --out")
     if exc.errno == errno.ENOTDIR:

@@ -23,11 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .atomic import TMP_SUFFIX, write_json_atomic
-from .errors import EXIT_FAULT, UserError
+from .errors import EXIT_FAULT, UserError, first_few
 from .manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, check_manifest, parse_manifest
 from .outdir import exclusive_output_dir, user_entries
 from .reader import file_fault
-from .storage import StorageError, is_url, join, open_binary, redact
+from .storage import StorageError, is_url, join, open_binary, redact, refuse_malformed_url
 from .writer import file_sha256
 
 CHUNK = 8 << 20
@@ -99,6 +99,8 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
     shards of a finished copy that failed the check and were fetched again)."""
     from tqdm import tqdm
 
+    refuse_malformed_url("the source", src)
+    refuse_malformed_url("the destination", str(dst))
     if is_url(str(dst)):  # Path() would fold it into a local directory `s3:/...`
         raise UserError(f"{redact(str(dst))}: fetch copies a shard directory to local disk; give a local directory "
                         "as DST (to copy between stores, use the store's own tools, e.g. `aws s3 sync`)")
@@ -191,7 +193,6 @@ def describe(done: dict) -> str:
         return f"already there, every shard checked against the manifest's sha256 ({done['shards']} shards)"
     damaged = ""
     if done["refetched"]:
-        names = ", ".join(done["refetched"][:3]) + (f" and {len(done['refetched']) - 3} more" if len(done["refetched"]) > 3 else "")
-        damaged = f" ({names} failed the check and came down again)"
+        damaged = f" ({first_few(done['refetched'])} failed the check and came down again)"
     return (f"fetched {done['fetched']} shards ({done['bytes'] / 2**20:,.1f} MiB){damaged}, kept {done['kept']} already "
             "there; every shard checked against the manifest's sha256")

@@ -21,6 +21,7 @@ import math
 from dataclasses import MISSING, dataclass, field
 
 from .errors import UserError
+from .storage import refuse_malformed_url
 
 FLAG_KEY = "flag"  # metadata key of a setting's Flag
 NESTED_KEY = "nested"  # metadata key of a nested config's Nested
@@ -208,3 +209,10 @@ def refuse_empty(flag: str, value, fix: str = "give its value, or leave the flag
     argument) or nothing at all (--model, --profile: the default), without a word."""
     if isinstance(value, str) and not value.strip():
         raise UserError(f"{flag} is given as an empty string ({value!r}): {fix}")
+
+
+def refuse_bad_location(flag: str, value, fix: str = "give its value, or leave the flag out") -> None:
+    """A directory or file flag: refuse_empty, and a store's URL without the `//` after its
+    scheme (`s3:/bucket`), which would otherwise be a local directory named `s3:`."""
+    refuse_empty(flag, value, fix)
+    refuse_malformed_url(flag, value)

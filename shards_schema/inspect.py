@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import EXIT_USER_ERROR, print_error
+from .errors import EXIT_USER_ERROR, UserError, print_error, user_error_from_os_error
 from .manifest import REJECTS_NAME, ShardFormatError, profile_name
 from .outdir import prepare_output_dir
 from .reader import open_shards
@@ -556,11 +556,17 @@ class Inspect:
     @staticmethod
     def run(args) -> int:
         if args.plots:
+            if Path(args.plots).resolve() == Path(args.dir).resolve():
+                raise UserError(f"--plots {args.plots} is the shard directory: its charts and report.html would lie "
+                                "among the shards; give another directory")
             prepare_output_dir(args.plots, what="--plots")
         try:
             report, arrays = _collect(args.dir)  # the manifest and each shard checked as they are opened
-        except (ShardFormatError, OSError) as exc:
+        except ShardFormatError as exc:
             print_error("inspect", exc)
+            return EXIT_USER_ERROR
+        except OSError as exc:  # permissions and the like, worded as for every command; else what the system said
+            print_error("inspect", user_error_from_os_error(exc) or f"{exc.filename}: cannot be read ({exc.strerror})")
             return EXIT_USER_ERROR
         return Inspect._print(args, report, arrays)  # a closed pipe: the dispatcher ends quietly
 

@@ -155,6 +155,9 @@ def layout_problems(manifest: dict) -> list[str]:
     for key in ("id", "family"):
         if not isinstance(profile.get(key), str):
             problems.append(f"profile.{key} {profile.get(key)!r} is not a string")
+    for key in ("chat_template", "chat_template_sha256"):  # absent from an earlier vlmpack's profile
+        if profile.get(key) is not None and not isinstance(profile[key], str):
+            problems.append(f"profile.{key} is not a string but a {type(profile[key]).__name__}")
     vision = profile.get("vision")
     if not isinstance(vision, dict):
         problems.append(f"profile.vision must be an object, got {type(vision).__name__}")
@@ -195,6 +198,12 @@ def layout_problems(manifest: dict) -> list[str]:
     inputs = manifest.get("accounting", {}).get("inputs", []) if isinstance(manifest.get("accounting"), dict) else []
     if not isinstance(inputs, list) or not all(isinstance(i, dict) for i in inputs):
         problems.append("accounting.inputs must be a list of objects")
+    else:
+        bad = [f"inputs[{k}].{key} {entry[key]!r}" for k, entry in enumerate(inputs) for key in ("rows", "bytes")
+               if key in entry and not is_count(entry[key])
+               and (key == "rows" or entry[key] is not None)]  # a store may not tell a file's size
+        if bad:
+            problems.append(f"accounting needs integers 0..2^53: {', '.join(bad[:3])}")
     return problems
 
 
@@ -263,16 +272,18 @@ def load_manifest(directory: str | Path) -> dict:
 
 def parse_manifest(text: str | bytes, path) -> dict:
     """A manifest's JSON text -> the manifest, checked for its format and schema version."""
+    damaged = "the manifest is damaged or was edited by hand; restore it or re-run the job that wrote it"
     try:
         manifest = parse_json_object(text, path)
     except NotAJSONObject as exc:
-        raise ShardFormatError(str(exc)) from None
+        raise ShardFormatError(f"{exc}: {damaged}") from None
     if manifest.get("format") != FORMAT_NAME:
-        raise ShardFormatError(f"{path}: not a vlmpack manifest (format {manifest.get('format')!r})")
+        found = "no `format`" if "format" not in manifest else f"format {manifest['format']!r}"
+        raise ShardFormatError(f"{path}: not a vlmpack manifest ({found}, where `vlmpack preprocess` writes "
+                               f"{FORMAT_NAME!r}): pass a directory `vlmpack preprocess` wrote, or if it is one, {damaged}")
     version = manifest.get("schema_version")
     if not is_count(version):
-        raise ShardFormatError(f"{path}: schema_version {version!r} is not an integer: the manifest is damaged or was "
-                               "edited by hand; restore it or re-run the job that wrote it")
+        raise ShardFormatError(f"{path}: schema_version {version!r} is not an integer: {damaged}")
     if version not in READABLE_SCHEMA_VERSIONS:
         raise ShardFormatError(
             f"{path}: schema version {version}, this vlmpack reads versions "

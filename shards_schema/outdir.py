@@ -88,8 +88,8 @@ def exclusive_output_dir(path: str | Path, command: str, *, what: str = "--out",
     command's refusal of an existing directory: it runs before anything is written there, and
     again under the lock (another job may have changed the directory in between).
     """
-    if check is not None and Path(path).is_dir():
-        check(Path(path))
+    if check is not None and Path(path).is_dir() and not _held(Path(path) / LOCK_NAME):
+        check(Path(path))  # (a held directory is refused as in use, below: what it holds may be changing)
     made = not Path(path).exists()
     path = prepare_output_dir(path, what=what)
     lock_path = path / LOCK_NAME
@@ -117,6 +117,21 @@ def exclusive_output_dir(path: str | Path, command: str, *, what: str = "--out",
         raise
     finally:
         os.close(fd)  # closing the descriptor releases the flock
+
+
+def _held(lock_path: Path) -> bool:
+    """Whether a job holds the lock file `lock_path` now (its lock taken, not only its record)."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # and with it the shared lock just taken
 
 
 def _remove_if_unwritten(path: Path) -> None:

@@ -35,6 +35,24 @@ def is_url(spec) -> bool:
     return isinstance(spec, str) and bool(_URL.match(spec)) and not spec.lower().startswith("file://")
 
 
+# a store's scheme written without its `//` (`s3:/bucket`, `gs:bucket`), which a path would take
+# as a local directory named `s3:`
+_SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):(?!//)/*(.*)$")
+STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "hf", "http", "https", "az", "abfs", "abfss")
+
+
+def refuse_malformed_url(flag: str, spec) -> None:
+    """UserError for `spec` written as a store's URL without the `//` after its scheme, unless
+    a local path of that name exists."""
+    if not isinstance(spec, str) or is_url(spec):
+        return
+    match = _SCHEME_WITHOUT_SLASHES.match(spec)
+    if match and match.group(1).lower() in STORE_SCHEMES and not Path(spec).exists():
+        scheme, rest = match.groups()
+        raise UserError(f"{flag} {spec!r} is not a URL (as a path it lies under a local directory '{scheme}:'): "
+                        f"write {scheme}://{rest}, with two slashes after '{scheme}:', or ./{spec} for a local path")
+
+
 def redact(url: str) -> str:
     """`url` without user info and credential-like query parameters (safe to record)."""
     if not is_url(url):

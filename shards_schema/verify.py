@@ -246,8 +246,12 @@ def _check_accounting(manifest: dict, log: _FaultLog) -> dict | None:
     totals = manifest.get("totals") if isinstance(manifest.get("totals"), dict) else {}
     if written != totals.get("rows"):
         log.add("accounting_mismatch", f"{MANIFEST_NAME}: rows_written {written} != totals.rows {totals.get('rows')!r}")
-    by_reason = acc.get("rejects_by_reason")
-    reason_sum = sum(v for v in by_reason.values() if is_count(v)) if isinstance(by_reason, dict) else None
+    by_reason = acc.get("rejects_by_reason")  # absent from some earlier manifests
+    if "rejects_by_reason" in acc and not (isinstance(by_reason, dict) and all(map(is_count, by_reason.values()))):
+        log.add("accounting_mismatch", f"{MANIFEST_NAME}: accounting.rejects_by_reason {by_reason!r:.80} is not an object "
+                                       "of counts (reject code -> rows)")
+        by_reason = None
+    reason_sum = sum(by_reason.values()) if by_reason is not None else None
     if reason_sum is not None and reason_sum != rejected:
         log.add("accounting_mismatch", f"{MANIFEST_NAME}: rejects_by_reason sums to {reason_sum}, rows_rejected is {rejected}")
     return acc

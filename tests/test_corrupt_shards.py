@@ -348,6 +348,8 @@ MANIFEST_NUMBERS = {
     ("patch_row_width",): "patch_row_width",
     ("totals", "tokens"): "totals need integers 0..2^53: tokens",
     ("accounting", "rows_read"): "accounting needs integers 0..2^53: rows_read",
+    ("accounting", "rejects_by_reason"): "accounting needs integers 0..2^53: rejects_by_reason",
+    ("accounting", "inputs", 0, "rows"): "accounting needs integers 0..2^53: inputs[0].rows",
     ("profile", "vision", "merge_size"): "profile.vision.merge_size",
     ("profile", "vision", "image_std", 1): "profile.vision.image_std",
     ("profile", "special_tokens", "image_pad"): "profile.special_tokens need token ids",
@@ -380,6 +382,26 @@ def test_a_manifest_number_out_of_range_is_named_by_every_reader(clean, tmp_path
         assert vlmpack(["verify", str(data), "--quick"]) == 1, value
         out, err = capsys.readouterr()
         assert "FAILED" in out and "Traceback" not in err, (value, out, err)
+
+
+@pytest.mark.parametrize("key", ["chat_template", "chat_template_sha256"])
+def test_a_chat_template_that_is_not_text_is_named_by_every_reader(clean, tmp_path, capsys, key):
+    """The profile's chat template goes into every export of a model trained on the shards: a
+    number, list or object there is named when the shards are read, not after training."""
+    data = Path(shutil.copytree(clean, tmp_path / "data"))
+    original = json.loads((clean / "manifest.json").read_text())
+    for value in (5, ["{{ x }}"], {"default": "{{ x }}"}, True):
+        manifest = json.loads(json.dumps(original))
+        manifest["profile"][key] = value
+        (data / "manifest.json").write_text(json.dumps(manifest))
+        for argv in (["inspect", data], ["show", data], ["pack", data, "--seq-len", "1024"],
+                     ["train", "--data", data, "--arch", "tiny", "--dry-run"]):
+            code = vlmpack([str(a) for a in argv])
+            out, err = capsys.readouterr()
+            assert code == 2 and err.count("\n") == 1, (argv[0], value, code, err)
+            assert f"profile.{key} is not a string but a {type(value).__name__}" in err, (argv[0], value, err)
+        assert vlmpack(["verify", str(data), "--quick"]) == 1, value
+        assert "FAILED" in capsys.readouterr().out
 
 
 def test_a_row_whose_columns_disagree_is_named_by_the_commands_that_read_rows(clean, tmp_path, capsys):

@@ -321,6 +321,22 @@ def test_a_first_row_that_is_no_object_is_rejected_alone_and_decides_no_layout(t
     assert (acc["rows_read"], acc["rows_written"], acc["rejects_by_reason"]) == (3, 2, {"bad_row": 1})
 
 
+@pytest.mark.parametrize("first", [{"conversations": None}, {"conversations": []}, {"messages": ""}, {"id": "x"},
+                                   {"messages": None, "images": ["a.png"]}])
+def test_a_first_object_without_turns_is_rejected_alone_and_decides_no_layout(tmp_path, first):
+    """A first row that is an object but holds no turns (its chat null, empty or missing)
+    cannot say the input's layout: the first row that holds turns does, so that row alone is
+    rejected and the OpenAI rows after it are written."""
+    turns = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [first, *({"id": k, "messages": turns} for k in "abc")]))
+    manifest = run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / "out"), workers=1,
+                                               progress=False))
+    acc = manifest["accounting"]
+    assert "row_format" not in acc["inputs"][0]  # recorded for the other layouts only
+    assert (acc["rows_read"], acc["rows_written"], acc["rows_rejected"]) == (4, 3, 1)
+
+
 def test_hub_dataset_by_name_with_split_config_and_image_features(tmp_path, monkeypatch, capsys):
     """`hf://datasets/ORG/NAME?config=...&split=...` goes through `datasets.load_dataset`, the
     same path as a Hub repository; here the repository (Parquet data files per config and
@@ -424,7 +440,7 @@ JSON_ARRAYS = [  # (file bytes, rows: a value, or (reject code, words of its rea
     (b'[{"a": 1},]', [{"a": 1}, ("bad_json", "empty array element")]),
     (b'[{"a": 1},, 2]', [{"a": 1}, ("bad_json", "empty array element"), 2]),
     (b'[{"a": 1} xx, {"b": 2}]', [("bad_json", "not valid JSON"), {"b": 2}]),
-    (b'[{"a": 1}, {"b": "\xff"}]', [{"a": 1}, ("bad_json", "can't decode byte 0xff")]),
+    (b'[{"a": 1}, {"b": "\xff"}]', [{"a": 1}, ("bad_json", "is not UTF-8 text: byte 8 (0xff), invalid start byte")]),
     (b'[{"a": 1}, {"b": [1, 2', [{"a": 1}, ("bad_json", "the file is truncated")]),
     (b'[{"a": 1}, {"b": 2}', [{"a": 1}, ("bad_json", "the file is truncated")]),
     (b"[" + b"[" * 5000 + b"]" * 5000 + b", 7]", [("bad_json", "nested deeper than the JSON parser allows"), 7]),

@@ -195,6 +195,36 @@ def test_inspect_errors_exit_2(tmp_path, capsys):
     assert code == 2 and "not a vlmpack manifest" in err
 
 
+def test_inspect_plots_are_refused_into_the_shard_directory(tmp_path, capsys):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "manifest.json").write_text("{}")
+    code, out, err = _cli(capsys, "inspect", str(shards), "--plots", f"{shards}/.")
+    assert code == 2 and err.count("\n") == 1 and "is the shard directory: its charts and report.html" in err, err
+    assert sorted(p.name for p in shards.iterdir()) == ["manifest.json"]
+
+
+@pytest.mark.parametrize("error, says", [
+    (PermissionError(13, "Permission denied", "/data/shards/manifest.json"),
+     "permission denied: /data/shards/manifest.json: this user may not open it; fix its permissions"),
+    (OSError(5, "Input/output error", "/data/shards/shard-000000.arrow"),
+     "/data/shards/shard-000000.arrow: cannot be read (Input/output error)"),
+])
+def test_inspect_names_a_file_the_system_would_not_read(tmp_path, capsys, monkeypatch, error, says):
+    """A read the operating system refuses (tests run as root, whom permissions do not stop, so
+    the refusal is raised where inspect reads): one line naming the file, as every command
+    words it, not Python's `[Errno 13]`."""
+    import shards_schema.inspect as inspect_module
+
+    def refuse(directory):
+        raise error
+
+    monkeypatch.setattr(inspect_module, "_collect", refuse)
+    code, out, err = _cli(capsys, "inspect", str(tmp_path))
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("vlmpack inspect: error: "), err
+    assert says in err and "Errno" not in err, err
+
+
 def test_inspect_and_show_with_repeated_input_ids(tmp_path, capsys):
     rows = example_rows(6, seed=2, size_range=(32, 64))
     for row, uid in zip(rows, ["a", "b", "a", "c", "a", "b"]):

@@ -25,7 +25,8 @@ from preprocess.errors import ConfigError
 from preprocess.examples import encode_data_uri, example_rows, synthetic_image, write_jsonl
 from preprocess.job import PreprocessConfig, idle_workers_note, merge_partitions, run_preprocess
 from preprocess.pipeline import SampleOptions
-from shards_schema import open_shards
+from shards_schema import open_shards, storage
+from shards_schema.errors import UserError
 from shards_schema.writer import file_sha256
 from tests.helpers.cli import vlmpack_exit_code
 from tests.helpers.model_dirs import qwen3_vl_model_dir
@@ -939,6 +940,50 @@ def test_an_empty_path_or_name_is_refused_not_read_as_the_current_directory(comm
     assert err.startswith(f"vlmpack {command}: error: {flag} is given as an empty string ({empty!r}): "), err
     assert err.count("\n") == 1, err
     assert not list(cwd.iterdir()) and not (tmp_path / "o").exists()
+
+
+SCHEME_WITHOUT_SLASHES = [
+    ("preprocess", ["{data}", "--out", "s3:/bucket/shards"], "--out", "s3://bucket/shards"),
+    ("preprocess", ["gs:bkt/rows.jsonl", "--out", "{o}"], "an input", "gs://bkt/rows.jsonl"),
+    ("preprocess", ["{data}", "--out", "{o}", "--stage-dir", "S3:/tmp/stage"], "--stage-dir", "S3://tmp/stage"),
+    ("merge", ["{shards}", "--out", "hf:datasets/org/name"], "--out", "hf://datasets/org/name"),
+    ("merge", ["s3:bucket/part0", "--out", "{o}"], "a partition directory", "s3://bucket/part0"),
+    ("quickstart", ["--out", "gcs:/b/q"], "--out", "gcs://b/q"),
+    ("export", ["{shards}", "--out", "s3a:/b/tars"], "--out", "s3a://b/tars"),
+    ("import", ["https:/host/tars", "--out", "{o}"], "the export directory", "https://host/tars"),
+    ("fetch", ["s3:/b/shards", "{o}"], "the source", "s3://b/shards"),
+    ("fetch", ["{shards}", "gs:/b/copy"], "the destination", "gs://b/copy"),
+]
+
+
+@pytest.mark.parametrize("command, argv, flag, url", SCHEME_WITHOUT_SLASHES,
+                         ids=[f"{c} {f}" for c, _, f, _ in SCHEME_WITHOUT_SLASHES])
+def test_a_store_url_missing_its_slashes_is_refused_not_read_as_a_local_directory(command, argv, flag, url,
+                                                                                  example_jsonl, baseline, tmp_path,
+                                                                                  capsys, monkeypatch):
+    """`--out s3:/bucket` (one slash) would write into a local directory named `s3:`; refused in
+    one line that gives the URL as meant, nothing written anywhere."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    paths = {"data": example_jsonl, "shards": baseline[0], "o": tmp_path / "o"}
+    extra = ["--no-progress"] if command == "preprocess" else []
+    code, err = _cli(capsys, command, *[a.format(**paths) for a in argv], *extra)
+    assert code == 2, err
+    assert err.startswith(f"vlmpack {command}: error: {flag} ") and err.count("\n") == 1, err
+    assert "is not a URL" in err and f"write {url}, with two slashes" in err, err
+    assert not list(cwd.iterdir()) and not (tmp_path / "o").exists()
+
+
+def test_a_local_path_that_looks_like_a_store_url_missing_its_slashes_is_taken_where_it_exists(tmp_path, monkeypatch):
+    """Only a path that does not exist is refused: a directory really named `s3:` keeps working,
+    and neither a drive letter (`C:/`) nor an unknown scheme counts as a store."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s3:" / "bucket").mkdir(parents=True)
+    for spec in ("s3:/bucket", "s3://bucket", "C:/data", "notastore:/x", "file:/x", "plain/dir", None):
+        storage.refuse_malformed_url("--out", spec)
+    with pytest.raises(UserError, match="write s3://other"):
+        storage.refuse_malformed_url("--out", "s3:/other")
 
 
 def test_an_unknown_command_exits_2_with_one_line_naming_the_commands(capsys):

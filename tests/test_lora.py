@@ -427,7 +427,7 @@ def test_init_lora_starts_from_a_peft_adapter(shards, hf_base, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--lora-alpha", "8"], "--lora-alpha configure LoRA: also give --lora-rank R"),
+    (["--lora-alpha", "8"], "--lora-alpha sets up LoRA adapters, which --lora-rank R (e.g. 16) turns on: give it too"),
     (["--lora-rank", "4", "--lora-targets", "q_proj,w_proj"], "--lora-targets w_proj: no such linear module"),
     (["--lora-rank", "4", "--lora-parts", "lm"], "--lora-parts lm: choose from"),
     (["--lora-rank", "4", "--lora-modules-to-save", "llm"], "--lora-modules-to-save llm: choose from vision,merger"),

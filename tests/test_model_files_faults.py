@@ -57,6 +57,12 @@ HF_DAMAGE = {
     "index_names_a_missing_file": ("model.safetensors.index.json",
                                    lambda raw: json.dumps({"weight_map": {"lm_head.weight": "model-2.safetensors"}}).encode(),
                                    " names weight files that "),
+    # side files an export carries into a directory transformers reads: named where they are first read
+    "tokenizer_not_json": ("tokenizer.json", lambda raw: b"{bad", ": not valid JSON ("),
+    "processor_config_a_list": ("preprocessor_config.json", lambda raw: b"[]", ": holds a JSON array, not an object"),
+    "tokenizer_config_template_a_number": ("tokenizer_config.json", _with(chat_template=5),
+                                           ": chat_template is a number, not a template's text"),
+    "chat_template_not_jinja": ("chat_template.jinja", lambda raw: b"{% if %}", ": not a Jinja template (line 1: "),
     "index_names_a_missing_tensor": ("model.safetensors.index.json",
                                      lambda raw: json.dumps({"weight_map": {"model.extra.weight": "model.safetensors"}}).encode(),
                                      " names tensors its weight files lack: model.extra.weight (in model.safetensors)"),
@@ -117,7 +123,8 @@ def test_a_conversion_of_a_damaged_directory_exits_2_naming_the_file(request, tm
 # a config.json, an index or weights damaged (--hf-model), the metadata or the weights of a model directory (--init)
 TRAIN_CASES = [("--hf-model", case) for case in ("config_not_json", "config_a_list", "config_of_another_model",
                                                  "weights_cut_short", "index_names_a_missing_file",
-                                                 "index_names_a_missing_tensor")] + \
+                                                 "index_names_a_missing_tensor", "tokenizer_not_json",
+                                                 "chat_template_not_jinja")] + \
               [("--init", case) for case in ("meta_not_json", "meta_a_list", "weights_random_bytes")]
 
 

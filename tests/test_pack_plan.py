@@ -123,14 +123,14 @@ def test_too_long_sample_names_source_index_uid_and_length():
     with pytest.raises(PackingError) as err:
         plan_from_stats([src], PackSettings(seq_len=8192))
     message = str(err.value)
-    for part in ("/data/chats", "sample 37", "uid /data/chats-37", "9000 tokens", "seq_len 8192", "--max-seq-len"):
+    for part in ("/data/chats", "sample 37", "uid /data/chats-37", "9000 tokens", "--seq-len 8192", "--max-seq-len"):
         assert part in message, (part, message)
     # rounding to pad_to_multiple counts against seq_len
     src.num_tokens[37] = 8190
     plan_from_stats([src], PackSettings(seq_len=8191))
     with pytest.raises(PackingError, match="multiple of 64"):
         plan_from_stats([src], PackSettings(seq_len=8191, pad_to_multiple=64))  # 8190 -> 8192 > 8191
-    with pytest.raises(PackingError, match="max_visual_tokens 100"):
+    with pytest.raises(PackingError, match="--max-visual-tokens 100"):
         plan_from_stats([src], PackSettings(seq_len=8191, max_visual_tokens=100))
 
 
@@ -193,7 +193,7 @@ def test_global_batches_and_dp_balance():
     naive = np.asarray(plan.pack_visual_tokens, np.int64).reshape(-1, 4, G // 4).sum(axis=2)
     naive_ratio = float((naive.max(axis=1) / naive.mean(axis=1)).mean())
     assert balance["visual_max_over_mean"] < naive_ratio
-    with pytest.raises(PackingError, match="multiple of dp_size"):
+    with pytest.raises(PackingError, match="multiple of --dp-size"):
         plan.rank_packs(0, 3)
 
 
@@ -351,11 +351,11 @@ def test_cli_report_and_saved_plan(shard_dirs, tmp_path):
 def test_cli_errors_exit_2(shard_dirs, tmp_path):
     result = _vlmpack_pack(shard_dirs[0], "--seq-len", 64)
     assert result.returncode == 2
-    assert "longer than seq_len 64" in result.stderr and str(shard_dirs[0]) in result.stderr and "uid" in result.stderr
+    assert "longer than --seq-len 64" in result.stderr and str(shard_dirs[0]) in result.stderr and "uid" in result.stderr
     result = _vlmpack_pack(tmp_path / "missing", "--seq-len", 2048)
     assert result.returncode == 2 and "no such directory" in result.stderr
     result = _vlmpack_pack(shard_dirs[0], "--seq-len", 2048, "--dp-size", 3, "--global-batch-packs", 4)
-    assert result.returncode == 2 and "multiple of dp_size" in result.stderr
+    assert result.returncode == 2 and "multiple of --dp-size" in result.stderr
     assert result.stdout == ""
 
 
@@ -371,8 +371,8 @@ BAD_PACK_ARGUMENTS = [
     (["{d}", "--seq-len", "2048", "--max-visual-tokens", "0"], "--max-visual-tokens must be an integer >= 1, got 0"),
     (["{d}", "--seq-len", "2048", "--pad-to-multiple", "0"], "--pad-to-multiple must be an integer >= 1, got 0"),
     (["{d}", "--seq-len", "2048", "--pad-to-multiple", "4096"], "(rounded up to a multiple of 4096); the longest has "
-                                                                "4096. Use seq_len >= 4096, or a --pad-to-multiple "
-                                                                "that divides seq_len"),
+                                                                "4096. Use --seq-len >= 4096, or a --pad-to-multiple "
+                                                                "that divides --seq-len"),
     (["{d}", "--seq-len", "2048", "--epoch", "-1"], "--epoch must be an integer >= 0, got -1"),
     (["{d}", "--seq-len", "2048", "--seed", "-3"], "--seed must be an integer >= 0, got -3"),
     (["{t}/missing", "--seq-len", "2048"], "{t}/missing: no such directory"),
@@ -551,7 +551,7 @@ def test_train_with_too_little_eval_data_for_a_global_batch_exits_2_before_the_f
     ({"max_visual_tokens": 0}, "--max-visual-tokens must be an integer >= 1, got 0"),
     ({"block_size": 0}, "--block-size must be an integer >= 1, got 0"),
     ({"dp_size": 0}, "--dp-size must be an integer >= 1, got 0"),
-    ({"dp_size": 3, "global_batch_packs": 4}, "--global-batch-packs 4 must be a positive multiple of dp_size 3"),
+    ({"dp_size": 3, "global_batch_packs": 4}, "--global-batch-packs 4 must be a positive multiple of --dp-size 3"),
 ])
 def test_pack_settings_refuse_a_bad_value_when_made_naming_its_flag(changes, message):
     """The settings `vlmpack pack`, the planner and the loader share check themselves, with the

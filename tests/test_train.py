@@ -403,7 +403,7 @@ def test_packs_split_over_tensor_parallel_ranks_get_a_padding_segment(shards):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--seq-len", "64"], "longer than seq_len 64"),
+    (["--seq-len", "64"], "longer than --seq-len 64"),
     (["--tp", "3"], "must divide the attention heads"),
     (["--arch", "tiny-qwen2.5"], "preprocessed for another model"),
     (["--freeze", "eyes"], "--freeze eyes: choose from "),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from shards_schema.cli import main as vlmpack
+from train.model.arch import builtin_arch
 from tests.helpers.damage import one_error_line
 from tests.helpers.shards import preprocess
 
@@ -136,6 +138,49 @@ def test_an_empty_out_or_config_file_is_refused_before_anything_is_written(shard
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.yaml"]
 
 
+def test_a_store_url_missing_its_slashes_is_refused_before_anything_is_written(shards, tmp_path, capsys, monkeypatch):
+    """`--out s3:/bucket/run` (one slash) would train into a local directory named `s3:`; a source
+    written so would be looked for there. Each refused in one line giving the URL as meant."""
+    monkeypatch.chdir(tmp_path)
+    base = ["--arch", "tiny", "--seq-len", str(SEQ_LEN), *RUN]
+    for extra, says in ((["--data", str(shards), "--out", "s3:/bucket/run"], "--out 's3:/bucket/run' is not a URL"),
+                        (["--data", "gs:bkt/shards:0.5", "--out", "run"], "write gs://bkt/shards:0.5"),
+                        (["--data", str(shards), "--eval-data", "hf:/datasets/o/n", "--out", "run"],
+                         "--eval-data 'hf:/datasets/o/n' is not a URL"),
+                        (["--data", "s3://b/shards", "--data-cache", "s3:/b/cache", "--out", "run"],
+                         "--data-cache 's3:/b/cache' is not a URL"),
+                        (["--data", str(shards), "--out", "run", "--export-hf", "s3:/b/hf"], "write s3://b/hf")):
+        code, err = train([*base, *extra], capsys)
+        assert code == 2 and says in one_error_line(err, "train"), err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_token_id_outside_the_models_vocabulary_stops_the_run_naming_the_row(shards, tmp_path, capsys, workers):
+    """A shard consistent with its manifest whose row holds a token id past the embedding's
+    table (or negative) would index out of it: named in one line, shard, row and fix, whether
+    the pack was read in the training process or in a DataLoader worker."""
+    from tests.helpers.shards import rewrite_shard
+
+    data = Path(shutil.copytree(shards, tmp_path / "data"))
+    vocab = builtin_arch("tiny").lm.vocab_size
+    bad_id = vocab if workers == "0" else -1
+
+    def damage(samples):  # every row: whichever pack comes first holds one
+        for sample in samples:
+            sample.input_ids = sample.input_ids.copy()
+            sample.input_ids[3] = bad_id
+
+    for k in range(len(json.loads((data / "manifest.json").read_text())["shards"])):
+        rewrite_shard(data, k, damage)
+    code, err = train(["--arch", "tiny", "--seq-len", str(SEQ_LEN), *RUN, "--num-workers", workers, "--data", str(data),
+                       "--out", str(tmp_path / "run")], capsys)
+    line = one_error_line(err, "train")
+    assert code == 2 and re.search(rf"{re.escape(str(data))}/shard-\d+\.arrow row \d+: \[token_id\] token 3 has id "
+                                   rf"{bad_id}, outside the model's vocabulary 0\.\.{vocab - 1} \(1 such\)", line), err
+    assert "vlmpack verify" in line
+
+
 def test_a_gpu_size_without_a_plan_is_refused(shards, tmp_path, capsys):
     """--gpu-memory-gib sizes the plan of --dry-run and --recompute auto; a run with neither is
     refused rather than run as if it were not given."""
@@ -184,7 +229,7 @@ def test_dry_run_refuses_a_seq_len_that_a_sample_of_the_data_certainly_exceeds(s
     assert f"use --seq-len >= {SEQ_LEN} (the --max-seq-len it was preprocessed with)" in line, line
     code, err = train(["--arch", "tiny", "--seq-len", str(short), *RUN, "--data", str(shards), "--out",
                        str(tmp_path / "run")], capsys)
-    assert code == 2 and f"longer than seq_len {short}" in one_error_line(err, "train")
+    assert code == 2 and f"longer than --seq-len {short}" in one_error_line(err, "train")
     # the data's own length, and no data at all, plan as before
     assert train(["--dry-run", "--arch", "tiny", "--seq-len", str(SEQ_LEN), "--data", str(shards)], capsys)[0] == 0
     assert train(["--dry-run", "--arch", "tiny", "--seq-len", str(short)], capsys)[0] == 0

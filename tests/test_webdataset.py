@@ -8,6 +8,7 @@ import io
 import json
 import pickle
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import open_shards
 from shards_schema.errors import UserError
+from shards_schema.fetch import fetch
 from shards_schema.manifest import ShardFormatError, load_manifest
 from shards_schema.outdir import exclusive_output_dir, user_entries
 from shards_schema.webdataset import (
@@ -498,6 +500,55 @@ def test_cli_export_import_and_bad_input(shard_dir, tmp_path):
     done = _cli("import", tardir, "--out", back, "--overwrite")
     assert done.returncode == 0, done.stderr
     assert load_manifest(back) == load_manifest(shard_dir)
+
+
+def test_overwrite_never_deletes_files_of_our_names_that_another_command_or_the_user_wrote(exported, shard_dir,
+                                                                                            tmp_path):
+    """Files named as `import` and `export` name theirs are replaced only where the directory's
+    lock file records that command as its last writer: a fetched shard directory, a user's own
+    .arrow files and a lone index.json stay, --overwrite or not."""
+    shards = tmp_path / "fetched"  # a shard directory of the files import writes; its lock file records fetch
+    fetch(str(shard_dir), shards, progress=False)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "my-data.arrow").write_bytes(b"mine")
+    index_only = tmp_path / "index_only"
+    index_only.mkdir()
+    (index_only / INDEX_NAME).write_text("{}")
+    before = {d: {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()} for d in (shards, mine, index_only)}
+    for overwrite in (False, True):
+        for out in (shards, mine):
+            with pytest.raises(UserError, match=r"is not empty \(.*\) and is not the output of `vlmpack import`: "
+                                                 r"choose an empty or new directory"):
+                import_webdataset(exported[0], out, overwrite=overwrite)
+        with pytest.raises(UserError, match=r"is not empty \(index\.json\) and is not the output of `vlmpack export`"):
+            export_webdataset(shard_dir, index_only, overwrite=overwrite)
+    assert before == {d: {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()} for d in before}
+    bad = _cli("import", exported[0], "--out", shards, "--overwrite")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is not the output of `vlmpack import`" in bad.stderr
+
+
+def test_import_says_which_tars_the_index_does_not_list(exported, tmp_path, capsys):
+    """A tar beside the export that index.json does not list holds samples the import does not
+    read: said in a warning naming it, the listed samples imported."""
+    tardir = _copy(exported, tmp_path)
+    (tardir / "vlmpack-000099.tar").write_bytes(b"\0" * 1024)
+    manifest = import_webdataset(tardir, tmp_path / "back")
+    assert manifest["totals"]["rows"] == exported[1]["samples"]
+    assert capsys.readouterr().err == (f"vlmpack import: warning: {tardir} holds 1 tar file(s) that index.json does not "
+                                       "list, not imported: vlmpack-000099.tar\n")
+
+
+def test_export_and_import_count_their_samples_on_a_bar_when_asked(shard_dir, tmp_path, capsys):
+    """`progress`: a bar of the samples written, ending at every sample of the directory (the
+    commands ask for it on a terminal only)."""
+    rows = load_manifest(shard_dir)["totals"]["rows"]
+    export_webdataset(shard_dir, tmp_path / "tars", samples_per_tar=SAMPLES_PER_TAR, progress=True)
+    assert re.search(rf"export: 100%.*{rows}/{rows}", capsys.readouterr().err.replace("\r", "\n"))
+    import_webdataset(tmp_path / "tars", tmp_path / "back", progress=True)
+    assert re.search(rf"import: 100%.*{rows}/{rows}", capsys.readouterr().err.replace("\r", "\n"))
+    export_webdataset(shard_dir, tmp_path / "quiet", samples_per_tar=SAMPLES_PER_TAR)
+    assert capsys.readouterr().err == ""
 
 
 def test_import_killed_at_random_moments_then_rerun_is_byte_identical(shard_dir, tmp_path):

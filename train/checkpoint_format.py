@@ -47,6 +47,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from shards_schema.atomic import TMP_SUFFIX, fsync_dir
+from shards_schema.errors import first_few
 from shards_schema.builtin import (
     BUILTIN_VIDEO,
     BUILTIN_VISION,
@@ -269,6 +270,39 @@ def damaged_weights(path: Path, exc: SafetensorError, fix: str) -> ModelFileErro
     return ModelFileError(f"{path}: not a readable safetensors file ({exc}; damaged or cut short)", fix)
 
 
+def check_hf_side_files(src: str | Path) -> None:
+    """ModelFileError naming a side file of the Hugging Face directory `src` that transformers
+    could not read from an export carrying it: a JSON file that is no JSON object, a chat
+    template (its own file, or the `chat_template` of a JSON file) that is no text or does not
+    parse as Jinja. Run where the directory is first read, not when a checkpoint copies it."""
+    for name in HF_SIDE_FILES:
+        path = Path(src) / name
+        if not path.is_file():
+            continue
+        if name.endswith(".json"):
+            template = read_json_object(path, HF_DIR_FIX).get("chat_template")
+            if template is not None and not isinstance(template, (str, list)):
+                raise ModelFileError(f"{path}: chat_template is {json_kind(template)}, not a template's text", HF_DIR_FIX)
+        elif name == CHAT_TEMPLATE_FILE:
+            problem = jinja_syntax_error(path.read_text(encoding="utf-8", errors="replace"))
+            if problem:
+                raise ModelFileError(f"{path}: not a Jinja template ({problem})", HF_DIR_FIX)
+
+
+def jinja_syntax_error(text: str) -> str | None:
+    """Where and why `text` does not parse as transformers compiles chat templates (Jinja with
+    loop controls); None when it does, or when jinja2 (which transformers brings) is absent."""
+    try:
+        import jinja2
+    except ImportError:
+        return None
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        return f"line {exc.lineno}: {exc.message}"
+    return None
+
+
 def copy_hf_side_files(src: str | Path, dst: Path) -> list[str]:
     present = [name for name in HF_SIDE_FILES if (Path(src) / name).is_file()]
     if present:
@@ -301,7 +335,7 @@ def hf_weight_files(hf_dir: str | Path) -> list[Path]:
         missing = [name for name in names if not (hf_dir / name).is_file()]
         if missing:
             raise ModelFileError(f"{hf_dir / HF_INDEX_FILE} names weight files that {hf_dir} lacks "
-                                 f"({_first_few(missing)})", f"copy them into it, or {HF_DIR_FIX}")
+                                 f"({first_few(missing)})", f"copy them into it, or {HF_DIR_FIX}")
         return [hf_dir / name for name in names]
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
@@ -309,7 +343,7 @@ def hf_weight_files(hf_dir: str | Path) -> list[Path]:
                               "re-save the model with `save_pretrained(..., safe_serialization=True)`)")
     unreadable = [path.name for path in files if not path.is_file()]  # a broken link, a directory
     if unreadable:
-        raise ModelFileError(f"{hf_dir} holds {_first_few(unreadable)}, which is no readable file (a broken symbolic "
+        raise ModelFileError(f"{hf_dir} holds {first_few(unreadable)}, which is no readable file (a broken symbolic "
                              "link, or a directory)", f"fix or remove it, or {HF_DIR_FIX}")
     return files
 
@@ -320,13 +354,9 @@ def check_index_tensors(hf_dir: str | Path, read: set[str] | dict) -> None:
     weight_map = hf_weight_map(hf_dir)
     missing = sorted(set(weight_map or ()) - set(read))
     if missing:
-        shown = _first_few([f"{name} (in {weight_map[name]})" for name in missing])
+        shown = first_few([f"{name} (in {weight_map[name]})" for name in missing])
         raise ModelFileError(f"{Path(hf_dir) / HF_INDEX_FILE} names tensors its weight files lack: {shown}",
                              f"copy the complete weight files into {hf_dir}, or {HF_DIR_FIX}")
-
-
-def _first_few(items: list[str]) -> str:
-    return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
 
 
 class LazyTensor:

@@ -323,15 +323,11 @@ def _read_chat_template(path: str) -> str:
     text = read_text_file(path, "--chat-template", what)
     if not text.strip():
         raise UserError(f"--chat-template {path} is empty: pass {what}")
-    try:
-        import jinja2
-    except ImportError:  # transformers, which reads the export, brings it; without it nothing here can parse it
-        return text
-    try:  # as transformers compiles chat templates: with loop controls
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
-    except jinja2.TemplateSyntaxError as exc:
-        raise UserError(f"--chat-template {path}: not a Jinja template (line {exc.lineno}: {exc.message}): fix it, "
-                        f"or pass {what}") from None
+    from train.checkpoint_format import jinja_syntax_error
+
+    problem = jinja_syntax_error(text)
+    if problem:
+        raise UserError(f"--chat-template {path}: not a Jinja template ({problem}): fix it, or pass {what}")
     return text
 
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shards_schema.errors import UserError
-from shards_schema.storage import is_url, redact
-from shards_schema.flags import (add_flags, flag_name, flat_paths, from_flat, nested, parse_bool, refuse_empty, setting,
-                                 to_flat)
+from shards_schema.storage import is_url, redact, refuse_malformed_url
+from shards_schema.flags import (add_flags, flag_name, flat_paths, from_flat, nested, parse_bool, refuse_bad_location,
+                                 setting, to_flat)
 from train.model.settings import ATTENTION_KERNELS, FP8_RECIPES, LOSS_PATHS, ConfigError
 
 FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains fully (train.model.lora)
@@ -178,6 +178,9 @@ class DataConfig:
 
     def validate(self) -> None:
         _check_numbers(self)
+        for flag, specs in (("--data", self.data), ("--eval-data", self.eval_data), ("--data-cache", [self.data_cache])):
+            for spec in specs:
+                refuse_malformed_url(flag, spec)
         if self.data_cache and is_url(self.data_cache):  # Path() would fold it into a local directory `s3:/...`
             raise ConfigError(f"--data-cache {redact(self.data_cache)} is a URL: the cache is a local directory the "
                               "store's sources are fetched into; give a local path (or drop it for OUT/data_cache)")
@@ -406,7 +409,8 @@ class LoraConfig:
                       if getattr(self, n) not in (None, [], False, 0.0)]
         if self.lora_rank == 0:
             if lora_flags:
-                raise ConfigError(f"{', '.join(lora_flags)} configure LoRA: also give --lora-rank R (e.g. 16)")
+                raise ConfigError(f"{', '.join(lora_flags)} {'sets' if len(lora_flags) == 1 else 'set'} up LoRA "
+                                  "adapters, which --lora-rank R (e.g. 16) turns on: give it too")
             return
         if self.lora_dora and self.lora_dropout:
             raise ConfigError(f"--lora-dora with --lora-dropout {self.lora_dropout}: DoRA here takes no dropout "
@@ -453,8 +457,8 @@ class CheckpointsConfig:
                                                        "directory (a LoRA run: its adapters, in PEFT's format)")
 
     def validate(self) -> None:
-        refuse_empty("--out", self.out, "give the run directory")
-        refuse_empty("--export-hf", self.export_hf, "give the export directory, or leave the flag out")
+        refuse_bad_location("--out", self.out, "give the run directory")
+        refuse_bad_location("--export-hf", self.export_hf, "give the export directory, or leave the flag out")
         _check_numbers(self)
 
 

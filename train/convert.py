@@ -37,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 from shards_schema.atomic import TMP_SUFFIX, fsync_dir
-from shards_schema.errors import UserError
+from shards_schema.errors import UserError, first_few
 from shards_schema.outdir import (exclusive_output_dir, recorded_command, refuse_input_as_output, shown_command,
                                    user_entries)
 from train.checkpoint_format import (
@@ -53,6 +53,7 @@ from train.checkpoint_format import (
     arch_differences,
     meta_arch,
     atomic_dir,
+    check_hf_side_files,
     check_kept_side_files,
     copy_hf_side_files,
     dtype_name,
@@ -688,7 +689,7 @@ def check_output_dir(out: str | Path, command: str, *, overwrite: bool = False, 
     foreign = [name for name in entries if not owned.fullmatch(name)]
     if foreign or writer != command:
         names = foreign or entries
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        shown = first_few(names)
         raise UserError(f"--out {out} is not empty ({shown}) and is not the output of "
                         f"`vlmpack {shown_command(command)}`: choose an empty or new directory")
     if completion in entries and not overwrite:
@@ -733,7 +734,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dty
     for which `out` it writes)."""
     refuse_input_as_output(out, hf_dir)
     arch = ModelArch.from_hf_dir(hf_dir)
-    check_output_dir(out, "import-hf", overwrite=overwrite)  # these three fail before gigabytes are read
+    check_hf_side_files(hf_dir)
+    check_output_dir(out, "import-hf", overwrite=overwrite)  # these fail before gigabytes are read
     check_parallel(arch, tp, pp, ep)
     stage_layers(arch, pp)
     full = hf_to_megatron(lazy_hf_state(hf_dir), arch)

@@ -92,7 +92,7 @@ class TrainData:
         loader_kwargs = dict(rank=info.dp_rank, pad_to_seq_len=padded, row_multiple=row_multiple,
                              cache_dir=Path(plan_cache),
                              num_workers=config.num_workers, pin_memory=cuda,
-                             prefetch_factor=4 if config.num_workers else None)
+                             prefetch_factor=4 if config.num_workers else None, vocab_size=arch.lm.vocab_size)
         self.loader = PackedLoader(specs, packing, **loader_kwargs)
         self.eval_loader = PackedLoader([parse_source(s) for s in config.eval_data], packing, **loader_kwargs) \
             if config.eval_data else None

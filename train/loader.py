@@ -33,10 +33,11 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shards_schema import ShardFormatError, ShardSet
+from shards_schema import ShardFault, ShardFormatError, ShardSet
 from shards_schema.pixels import pixel_values_from_patches
 
 from .pack_plan import PackPlan, PackSettings, build_pack_plan, open_source, plan_request, source_fingerprint
@@ -77,6 +78,14 @@ def shared_uint8(rows: int, width: int, prefault: bool = True) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(rows, width)
 
 
+@dataclass(frozen=True)
+class DataFault:
+    """A damaged row a DataLoader worker met, handed to the training process in a pack's place
+    and raised there as the ShardFormatError it was (`PackedLoader.__iter__`)."""
+
+    message: str
+
+
 class PackedDataset(Dataset):
     """This rank's packs of one epoch's plan, as `PackedBatch`es of torch tensors, with
     `pack_index` (position in the plan) and `epoch` set.
@@ -84,11 +93,14 @@ class PackedDataset(Dataset):
     `sources` defaults to the directories recorded in the plan; pass others (same data,
     moved, or exported to WebDataset) and their manifests must match the plan's fingerprints. `pad_to_seq_len` pads every
     pack to exactly `plan.seq_len` tokens (static shapes); otherwise a pack is as long as
-    its samples (rounded up to the plan's pad_to_multiple).
+    its samples (rounded up to the plan's pad_to_multiple). With `vocab_size` (the model's), a
+    sample holding a token id outside 0..vocab_size - 1 is named as a damaged row before its
+    pack reaches the embedding, which would index past its table.
     """
 
     def __init__(self, plan: PackPlan, sources=None, *, rank: int = 0, dp_size: int = 1, pad_to_seq_len: bool = False,
-                 row_multiple: int = 1, pad_token_id: int | None = None, pin_memory: bool = False):
+                 row_multiple: int = 1, pad_token_id: int | None = None, pin_memory: bool = False,
+                 vocab_size: int | None = None):
         dirs = list(sources) if sources is not None else plan.source_dirs
         if len(dirs) != len(plan.meta["sources"]):
             raise ValueError(f"the plan has {len(plan.meta['sources'])} sources, got {len(dirs)} directories")
@@ -109,6 +121,7 @@ class PackedDataset(Dataset):
         if pad_token_id is None:
             pad_token_id = int(self.shards[0].manifest["profile"].get("special_tokens", {}).get("endoftext", DEFAULT_PAD_TOKEN_ID))
         self.pad_token_id = int(pad_token_id)
+        self.vocab_size = vocab_size
         self.pin_memory = pin_memory  # the DataLoader pins: write patches straight into pinned memory
 
     def __len__(self) -> int:
@@ -117,7 +130,26 @@ class PackedDataset(Dataset):
     def samples(self, k: int) -> list[dict]:
         """The zero-copy sample dicts of this rank's k-th pack."""
         sources, indices = self.plan.pack_samples(int(self.packs[k]))
-        return [self.shards[s][i] for s, i in zip(sources.tolist(), indices.tolist())]
+        samples = [self.shards[s][i] for s, i in zip(sources.tolist(), indices.tolist())]
+        if self.vocab_size is not None:
+            for sample, s, i in zip(samples, sources.tolist(), indices.tolist()):
+                self._check_token_ids(sample, self.shards[s], i)
+        return samples
+
+    def _check_token_ids(self, sample: dict, source, i: int) -> None:
+        """ShardFault (a ShardFormatError for an export's tar) naming the row whose token ids
+        leave the model's vocabulary: one min and max a sample."""
+        ids = sample["input_ids"]
+        if not ids.size or (int(ids.min()) >= 0 and int(ids.max()) < self.vocab_size):
+            return
+        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
+        detail = (f"token {int(bad[0])} has id {int(ids[bad[0]])}, outside the model's vocabulary "
+                  f"0..{self.vocab_size - 1} ({bad.size} such)")
+        if isinstance(source, ShardSet):
+            shard, row = source.locate(i)
+            raise ShardFault(source.directory / source.manifest["shards"][shard]["file"], "token_id", detail, row=row)
+        raise ShardFormatError(f"{source.directory}: sample {i} ({sample['sample_uid']}): [token_id] {detail}; export "
+                               f"the shard directory again and check it with `vlmpack verify`")
 
     def _patch_buffer(self, samples: list[dict], name: str) -> torch.Tensor | None:
         """Where the pack's image or video patches (most of its bytes) are written. In a
@@ -136,10 +168,15 @@ class PackedDataset(Dataset):
             return torch.empty((rows, width), dtype=torch.uint8, pin_memory=True)
         return None
 
-    def __getitem__(self, k: int) -> PackedBatch:
+    def __getitem__(self, k: int) -> PackedBatch | DataFault:
         if not 0 <= k < len(self.packs):
             raise IndexError(f"pack {k} out of range: rank {self.rank} has {len(self.packs)} packs this epoch")
-        samples = self.samples(k)
+        try:
+            samples = self.samples(k)
+        except ShardFormatError as exc:
+            if torch.utils.data.get_worker_info() is None:
+                raise
+            return DataFault(str(exc))  # the DataLoader would re-raise it as a RuntimeError holding the traceback
         buffers = {name: buf for name in PATCH_FIELDS if (buf := self._patch_buffer(samples, name)) is not None}
         batch = assemble_pack(samples, seq_len=self.seq_len, pad_to_multiple=self.pad_to_multiple,
                               row_multiple=self.row_multiple, pad_token_id=self.pad_token_id,
@@ -186,13 +223,16 @@ class PackedLoader:
     `sources` and `packing` are those of `build_pack_plan` (shard directories or WebDataset
     exports, each optionally weighted; `packing.epoch` is where the loader starts, and
     `packing.dp_size` the ranks it is one of); `cache_dir` shares plans between ranks and
-    restarts. DataLoader settings: num_workers, pin_memory, prefetch_factor.
+    restarts. DataLoader settings: num_workers, pin_memory, prefetch_factor. `vocab_size`: the
+    model's, against which each sample's token ids are checked (`PackedDataset`).
     """
 
     def __init__(self, sources, packing: PackSettings, *, rank: int = 0, pad_to_seq_len: bool = False,
                  row_multiple: int = 1, cache_dir: str | Path | None = None,
-                 num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None):
+                 num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None,
+                 vocab_size: int | None = None):
         self.sources = sources
+        self.vocab_size = vocab_size
         self.packing = packing
         request = plan_request(sources, packing)  # checks the sources' manifests, no shard read
         self.fingerprint = request.data_fingerprint
@@ -227,7 +267,7 @@ class PackedLoader:
             # have been built on the same data elsewhere (moved, or the Arrow twin of an export)
             self._dataset = PackedDataset(self.plan(), self.source_dirs, rank=self.rank, dp_size=self.dp_size,
                                           pad_to_seq_len=self.pad_to_seq_len, row_multiple=self.row_multiple,
-                                          pin_memory=self.loader_kwargs["pin_memory"])
+                                          pin_memory=self.loader_kwargs["pin_memory"], vocab_size=self.vocab_size)
         return self._dataset
 
     def __len__(self) -> int:
@@ -245,6 +285,8 @@ class PackedLoader:
         with stop_signals_blocked():  # the workers start here, blocking them until their init takes them over
             batches = iter(loader)
         for n, batch in enumerate(batches):
+            if isinstance(batch, DataFault):
+                raise ShardFormatError(batch.message)
             if n == 0 and pin_thread:
                 # The pin-memory thread sets torch's process-wide intra-op thread count to 1 when
                 # it starts (it has, by the first batch). Threads started after it take that
@@ -271,8 +313,8 @@ class PackedLoader:
         state = LoaderState.from_dict(state)
         if state.fingerprint != self.fingerprint:
             raise ValueError(
-                "loader state was saved for other data or packing settings (sources, weights, seq_len, "
-                "max_visual_tokens, global_batch_packs, pad_to_multiple): its fingerprint "
+                "loader state was saved for other data or packing settings (--data and its weights, --seq-len, "
+                "--max-visual-tokens, --global-batch-packs, the packs' padding): its fingerprint "
                 f"{state.fingerprint[:16]} != {self.fingerprint[:16]}; resume with the same data and settings"
             )
         if state.seed != self.seed:

@@ -48,7 +48,9 @@ def resolve_arch(config) -> ModelArch:
         if not (given / "config.json").is_file() and (given / fmt.META_FILE).is_file():
             raise UserError(f"--hf-model {given} is a vlmpack model directory ({fmt.META_FILE}), not a Hugging Face "
                             "one: --init takes it")
-        return ModelArch.from_hf_dir(config.hf_model)
+        arch = ModelArch.from_hf_dir(config.hf_model)
+        fmt.check_hf_side_files(config.hf_model)  # its checkpoints carry them: named now, not at the first save
+        return arch
     return read_model_arch(config.init)
 
 

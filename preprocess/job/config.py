@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shards_schema.flags import nested, refuse_empty, setting
+from shards_schema.flags import nested, refuse_bad_location, refuse_empty, setting
 from shards_schema.storage import MAX_FETCH_RETRIES, FetchPolicy, is_url, redact
 
 from ..errors import ConfigError
@@ -161,12 +161,13 @@ def _in_range(flag: str, value: int, low: int, high: int) -> None:
 
 def check_config(cfg: PreprocessConfig) -> None:
     """Every setting checked before any work: one message naming the flag and its valid range."""
-    for flag, value in (("--out", cfg.out), ("--profile", cfg.profile), ("--model", cfg.model),
-                        ("--media-root", cfg.sample.media_root), ("--stage-dir", cfg.stage_dir),
-                        ("--ray-address", cfg.ray_address)):
+    for flag, value in (("--profile", cfg.profile), ("--ray-address", cfg.ray_address)):
         refuse_empty(flag, value)
+    for flag, value in (("--out", cfg.out), ("--model", cfg.model), ("--media-root", cfg.sample.media_root),
+                        ("--stage-dir", cfg.stage_dir)):
+        refuse_bad_location(flag, value)
     for path in cfg.inputs:
-        refuse_empty("an input", path, "give its path")
+        refuse_bad_location("an input", path, "give its path")
     _in_range("--workers", cfg.workers, 1, MAX_WORKERS)
     _at_least("--rows-per-shard", cfg.rows_per_shard, 1)
     _at_least("--num-partitions", cfg.num_partitions, 1)

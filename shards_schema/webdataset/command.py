@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
-from ..flags import refuse_empty
+from ..flags import refuse_bad_location
 from .convert import export_webdataset, import_webdataset
 from .format import DEFAULT_MAX_TAR_BYTES
 
@@ -18,6 +19,12 @@ def _parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1073741824, 512M, 1G)")
     scale = 1 << (10 * " KMGT".index(match.group(2).upper() or " "))
     return int(float(match.group(1)) * scale)
+
+
+def _bars(args) -> bool:
+    """A bar of the samples written, on a terminal only: in a log it is a line of carriage
+    returns, and an error's one line would come after it."""
+    return not args.no_progress and sys.stderr.isatty()
 
 
 class Export:
@@ -35,18 +42,20 @@ class Export:
             default=DEFAULT_MAX_TAR_BYTES,
             help="start a new tar before this size (default: 1G; K/M/G/T suffixes)",
         )
-        parser.add_argument("--overwrite", action="store_true", help="replace a previous export (finished or not) in --out; a directory holding other files is refused")
+        parser.add_argument("--overwrite", action="store_true", help="replace a previous export (finished or not) in --out; a directory holding other files, or another command's output, is refused")
+        parser.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal only)")
 
     @staticmethod
     def run(args) -> int:
-        refuse_empty("the shard directory", args.directory, "give a directory's path")
-        refuse_empty("--out", args.out, "give a directory's path")
+        refuse_bad_location("the shard directory", args.directory, "give a directory's path")
+        refuse_bad_location("--out", args.out, "give a directory's path")
         index = export_webdataset(
             args.directory,
             args.out,
             samples_per_tar=args.samples_per_tar,
             max_tar_bytes=args.max_tar_bytes,
             overwrite=args.overwrite,
+            progress=_bars(args),
         )
         print(f"exported {index['samples']} samples into {len(index['tars'])} tars ({index['tar_bytes'] / 1e6:.1f} MB) -> {args.out}")
         if index["url_pattern"]:
@@ -61,13 +70,14 @@ class Import:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("tardir", help="directory written by `vlmpack export --format webdataset` (with index.json)")
         parser.add_argument("--out", required=True, help="shard directory to create")
-        parser.add_argument("--overwrite", action="store_true", help="replace a previous import (finished or not) in --out; a directory holding other files is refused")
+        parser.add_argument("--overwrite", action="store_true", help="replace a previous import (finished or not) in --out; a directory holding other files, or another command's output, is refused")
+        parser.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal only)")
 
     @staticmethod
     def run(args) -> int:
-        refuse_empty("the export directory", args.tardir, "give a directory's path")
-        refuse_empty("--out", args.out, "give a directory's path")
-        manifest = import_webdataset(args.tardir, args.out, overwrite=args.overwrite)
+        refuse_bad_location("the export directory", args.tardir, "give a directory's path")
+        refuse_bad_location("--out", args.out, "give a directory's path")
+        manifest = import_webdataset(args.tardir, args.out, overwrite=args.overwrite, progress=_bars(args))
         totals = manifest["totals"]
         print(f"imported {totals['rows']} samples into {totals['shards']} shards ({totals['bytes'] / 1e6:.1f} MB) -> {args.out}")
         return 0

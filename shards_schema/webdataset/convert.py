@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from ..atomic import TMP_SUFFIX, atomic_open, fsync_dir, write_json_atomic, write_jsonl_atomic
-from ..errors import UserError
+from ..errors import UserError, first_few
 from ..manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, build_manifest
-from ..outdir import exclusive_output_dir, refuse_input_as_output, user_entries
+from ..outdir import exclusive_output_dir, recorded_command, refuse_input_as_output, user_entries
 from ..reader import ShardFault, open_shards
 from ..schema import VIDEO_COLUMNS, Sample
 from ..writer import ShardWriter, file_sha256
@@ -89,12 +89,14 @@ class _TarShardWriter:
         self.tmp_path.unlink(missing_ok=True)
 
 
-def _claim_out_dir(out: Path, *, overwrite: bool, completion_file: str, owned: re.Pattern, what: str) -> None:
+def _claim_out_dir(out: Path, *, overwrite: bool, completion_file: str, owned: re.Pattern, command: str,
+                   last_writer: str | None) -> None:
     """Make the locked `out` ready to write: empty, or holding only a previous run's output of
     ours, which `overwrite` replaces (`_check_out_dir`). The completion file goes first, so a
     run killed midway never leaves a directory that looks complete.
     """
-    _check_out_dir(out, overwrite=overwrite, completion_file=completion_file, owned=owned, what=what)
+    _check_out_dir(out, overwrite=overwrite, completion_file=completion_file, owned=owned, command=command,
+                   last_writer=last_writer)
     entries = user_entries(out)
     if not entries:
         return
@@ -104,16 +106,22 @@ def _claim_out_dir(out: Path, *, overwrite: bool, completion_file: str, owned: r
     fsync_dir(out)
 
 
-def _check_out_dir(out: Path, *, overwrite: bool, completion_file: str, owned: re.Pattern, what: str) -> None:
+def _check_out_dir(out: Path, *, overwrite: bool, completion_file: str, owned: re.Pattern, command: str,
+                   last_writer: str | None) -> None:
     """UserError unless `out` may be written, reading only: empty, or holding only a previous
-    run's output of ours and `overwrite` given. A directory with anything else in it is
-    refused whatever the flags: our output never mixes with other files, and a delete never
-    reaches files we did not write."""
+    run's output of `command` (its lock file's record, `last_writer`, read before this job took
+    the lock) and `overwrite` given. Anything else is refused whatever the flags: our output
+    never mixes with other files, and a delete never reaches files we did not write, even
+    where their names are those we write (a user's shard directory under `import`)."""
+    what = f"vlmpack {command}"
     entries = user_entries(out)
     foreign = [name for name in entries if not (owned.fullmatch(name) and (out / name).is_file())]
     if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise UserError(f"--out {out} holds files that `{what}` did not write ({shown}): choose an empty or new directory")
+        raise UserError(f"--out {out} holds files that `{what}` did not write ({first_few(foreign)}): choose an empty or "
+                        "new directory")
+    if entries and last_writer != command:
+        raise UserError(f"--out {out} is not empty ({first_few(entries)}) and is not the output of `{what}`: choose "
+                        "an empty or new directory")
     if entries and not overwrite:
         state = "a finished" if completion_file in entries else f"an unfinished (no {completion_file})"
         raise UserError(f"--out {out} holds the output of {state} `{what}`: pass --overwrite to replace it, or choose a new directory")
@@ -144,6 +152,7 @@ def export_webdataset(
     samples_per_tar: int | None = None,
     max_tar_bytes: int = DEFAULT_MAX_TAR_BYTES,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> dict:
     """Write the shard directory `directory` as WebDataset tars under `out`; returns index.json.
 
@@ -152,8 +161,10 @@ def export_webdataset(
     of its own). Each shard's size and sha256 are checked against the manifest before its
     samples are written (one more sequential read of the shard, usually from the page cache
     by the time its rows are encoded), so a corrupted shard stops the export and nothing of
-    the export is left.
+    the export is left. `progress`: a bar of the samples written.
     """
+    from tqdm import tqdm
+
     directory, out = Path(directory), Path(out)
     if samples_per_tar is not None and samples_per_tar < 1:
         raise UserError(f"--samples-per-tar must be at least 1, got {samples_per_tar}")
@@ -166,12 +177,14 @@ def export_webdataset(
     if not rejects_path.is_file():
         raise ShardFormatError(f"{directory}: no {REJECTS_NAME} beside {MANIFEST_NAME} (an incomplete directory?)")
     refuse_input_as_output(out, directory)
-    claim = {"overwrite": overwrite, "completion_file": INDEX_NAME, "owned": _EXPORT_OWNED, "what": "vlmpack export"}
+    claim = {"overwrite": overwrite, "completion_file": INDEX_NAME, "owned": _EXPORT_OWNED, "command": "export",
+             "last_writer": recorded_command(out)}
     with exclusive_output_dir(out, "export", check=lambda d: _check_out_dir(d, **claim)) as out:
         _claim_out_dir(out, **claim)
         tars: list[dict] = []
         writer: _TarShardWriter | None = None
         index = 0
+        bar = tqdm(total=len(shards), unit="sample", desc="export", disable=not progress)
         try:
             for k, entry in enumerate(manifest["shards"]):
                 shard = shards.shard(k)  # present, of the manifest's size, a readable shard
@@ -188,6 +201,7 @@ def export_webdataset(
                         writer = _TarShardWriter(out / tar_name(len(tars)), first_index=index)
                     writer.add(members)
                     index += 1
+                    bar.update()
             if writer is not None:
                 tars.append(writer.close())
                 writer = None
@@ -201,18 +215,23 @@ def export_webdataset(
                 writer.abort()
             _remove_on_failure([out / INDEX_NAME, *(out / t["file"] for t in tars), out / REJECTS_NAME])
             raise
+        finally:
+            bar.close()
     return result
 
 
-def import_webdataset(tardir: str | Path, out: str | Path, *, overwrite: bool = False) -> dict:
+def import_webdataset(tardir: str | Path, out: str | Path, *, overwrite: bool = False, progress: bool = False) -> dict:
     """Rebuild a shard directory from an export; returns its manifest.
 
     Every tar's size and sha256 are checked before anything is written, every sample is decoded
     and checked (dtypes, shapes, patches against grids, meta.json against the arrays), and each
     rebuilt shard must have the exported shard's sha256: the shards keep the source's file names
     and rows per shard, so the Arrow files (and the manifest) come out identical. On any
-    mismatch the shards written so far are removed: nothing partial is left.
+    mismatch the shards written so far are removed: nothing partial is left. `progress`: a bar
+    of the samples written.
     """
+    from tqdm import tqdm
+
     tardir, out = Path(tardir), Path(out)
     dataset = WebDatasetShards(tardir)
     dataset.verify()
@@ -233,18 +252,20 @@ def import_webdataset(tardir: str | Path, out: str | Path, *, overwrite: bool = 
     listed = {entry["file"] for entry in dataset.tars}
     stray = sorted(p.name for p in tardir.glob("*.tar") if p.name not in listed)
     if stray:  # samples the index does not list are not imported: say so rather than drop them unseen
-        print(f"warning: {tardir} holds {len(stray)} tar file(s) that {INDEX_NAME} does not list, not imported: "
+        print(f"vlmpack import: warning: {tardir} holds {len(stray)} tar file(s) that {INDEX_NAME} does not list, not imported: "
               f"{', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''}", file=sys.stderr)
-    claim = {"overwrite": overwrite, "completion_file": MANIFEST_NAME, "owned": _IMPORT_OWNED, "what": "vlmpack import"}
+    claim = {"overwrite": overwrite, "completion_file": MANIFEST_NAME, "owned": _IMPORT_OWNED, "command": "import",
+             "last_writer": recorded_command(out)}
     with exclusive_output_dir(out, "import", check=lambda d: _check_out_dir(d, **claim)) as out:
         _claim_out_dir(out, **claim)
         samples = dataset.iter_samples()
+        bar = tqdm(total=len(dataset), unit="sample", desc="import", disable=not progress)
         width = dataset.patch_row_width
         shard_infos: list[dict] = []
         try:
             for entry in layout:
                 shard_infos.append(_import_shard(out / entry["file"], entry, samples, width, index_path,
-                                                 dataset.schema_version))
+                                                 dataset.schema_version, bar))
             write_jsonl_atomic(out / REJECTS_NAME, rejects)
             result = build_manifest(
                 profile=manifest["profile"],
@@ -258,11 +279,14 @@ def import_webdataset(tardir: str | Path, out: str | Path, *, overwrite: bool = 
         except BaseException:
             _remove_on_failure([out / MANIFEST_NAME, *(out / info["file"] for info in shard_infos), out / REJECTS_NAME])
             raise
+        finally:
+            bar.close()
     return result
 
 
-def _import_shard(path: Path, entry: dict, samples, width: int, index_path: Path, schema_version: int) -> dict:
-    """Write the next `entry["rows"]` samples as shard `path`; it must equal the exported shard."""
+def _import_shard(path: Path, entry: dict, samples, width: int, index_path: Path, schema_version: int, bar) -> dict:
+    """Write the next `entry["rows"]` samples as shard `path` (a tick of `bar` each); it must
+    equal the exported shard."""
     writer = ShardWriter(path, width, schema_version)
     try:
         for _ in range(int(entry["rows"])):
@@ -279,6 +303,7 @@ def _import_shard(path: Path, entry: dict, samples, width: int, index_path: Path
                     **({name: row[name] for name in VIDEO_COLUMNS} if schema_version >= 2 else {}),
                 )
             )
+            bar.update()
         info = writer.close().to_json()
     except BaseException:
         writer.abort()

@@ -29,21 +29,21 @@ def check_sizes(source: SourceStats, padded: np.ndarray, seq_len: int, pad_to_mu
         pad_note = f" (rounded up to a multiple of {pad_to_multiple})" if pad_to_multiple > 1 else ""
         longest = int(padded.max())
         raise PackingError(
-            f"{source.name}: {len(too_long)} sample(s) longer than seq_len {seq_len}; first: {who(i)} "
+            f"{source.name}: {len(too_long)} sample(s) longer than --seq-len {seq_len}; first: {who(i)} "
             f"has {int(source.num_tokens[i])} tokens{pad_note}; the longest has {longest}. "
-            + (f"Use seq_len >= {longest}, or a --pad-to-multiple that divides seq_len"
+            + (f"Use --seq-len >= {longest}, or a --pad-to-multiple that divides --seq-len"
                if int(source.num_tokens.max()) <= seq_len else
-               f"Use seq_len >= {longest}, or re-run `vlmpack preprocess` with --max-seq-len <= {seq_len}")
+               f"Use --seq-len >= {longest}, or re-run `vlmpack preprocess` with --max-seq-len <= {seq_len}")
         )
     if max_visual_tokens is not None:
         too_many = np.flatnonzero(source.visual_tokens > max_visual_tokens)
         if len(too_many):
             i = int(too_many[0])
             raise PackingError(
-                f"{source.name}: {len(too_many)} sample(s) have more than max_visual_tokens {max_visual_tokens} "
+                f"{source.name}: {len(too_many)} sample(s) have more than --max-visual-tokens {max_visual_tokens} "
                 f"visual tokens; first: {who(i)} has {int(source.visual_tokens[i])}; the largest has "
-                f"{int(source.visual_tokens.max())}. Raise max_visual_tokens, or lower the image budget "
-                "(max_pixels) when preprocessing"
+                f"{int(source.visual_tokens.max())}. Raise --max-visual-tokens, or lower the image budget "
+                "(`vlmpack preprocess --max-pixels`)"
             )
 
 
@@ -152,7 +152,7 @@ def assign_ranks(pack_visual: np.ndarray, pack_tokens: np.ndarray, global_batch_
     one numpy step per position within a batch."""
     G, P = int(global_batch_packs), len(pack_visual)
     if dp_size < 1 or G % dp_size:
-        raise PackingError(f"global_batch_packs {G} is not a multiple of dp_size {dp_size}")
+        raise PackingError(f"--global-batch-packs {G} is not a multiple of --dp-size {dp_size}")
     if P % G:
         raise PackingError(f"{P} packs do not form whole global batches of {G}")
     if dp_size == 1 or P == 0:

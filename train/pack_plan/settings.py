@@ -40,7 +40,7 @@ class PackSettings:
             raise PackingError(f"--dp-size must be an integer >= 1, got {self.dp_size}")
         G = self.global_batch
         if G < 1 or G % self.dp_size:
-            raise PackingError(f"--global-batch-packs {G} must be a positive multiple of dp_size {self.dp_size} "
+            raise PackingError(f"--global-batch-packs {G} must be a positive multiple of --dp-size {self.dp_size} "
                                "(every rank gets the same number of packs)")
 
     @property
