@@ -173,6 +173,15 @@ BAD_ROWS = [
      "placeholder_mismatch", "both `images` and LLaVA's `image`, naming different images: keep one"),
     ("sharegpt", {"conversations": [{"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "y"}], "image": 5},
      "bad_row", "`image` must be a list of media references, got int"),
+    # an entry that is no media reference is named in the row's own terms
+    ("sharegpt", {"conversations": [{"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "y"}], "images": [5]},
+     "bad_content", "`images[0]` is 5, a number: give each entry of `images` a path"),
+    ("swift", {"messages": [{"role": "user", "content": "<image>x"}, {"role": "assistant", "content": "y"}],
+               "images": ["a.png", {"path": 5}]}, "bad_content", "`images[1]` is an object ({'path': 5}) without bytes"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "<video>x"}, {"from": "gpt", "value": "y"}],
+                  "video": {"bytes": None, "path": None}}, "bad_content", "`video` is an object"),
+    ("swift", {"messages": [{"role": "user", "content": "<video>x"}, {"role": "assistant", "content": "y"}],
+               "videos": [True]}, "bad_content", "`videos[0]` is True, a boolean"),
     ("sharegpt", {"conversations": [{"from": "narrator", "value": "x"}, {"from": "gpt", "value": "y"}]},
      "unknown_role", "'narrator' is not one of human"),
     ("sharegpt", {"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{not json"}]},
@@ -254,6 +263,12 @@ def test_bad_rows_are_rejected_with_a_named_code(layout, row, code, detail):
     with pytest.raises(RejectError) as err:
         to_openai_row(row, layout)
     assert err.value.code == code and detail in err.value.message
+
+
+def test_a_videos_entry_may_be_its_frames():
+    row = {"messages": [{"role": "user", "content": "<video>x"}, {"role": "assistant", "content": "y"}],
+           "videos": [["f0.png", "f1.png"]]}
+    assert to_openai_row(row, "swift")["messages"][0]["content"][0] == {"type": "video", "video": ["f0.png", "f1.png"]}
 
 
 def _image_bytes(seed: int) -> bytes:

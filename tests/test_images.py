@@ -521,6 +521,12 @@ def test_paths_confined_to_media_root(tmp_path, png_bytes):
     assert reject_code(resolve_image_source, "sub/ok.png", None) == "no_media_root"
     assert "--media-root" in pytest.raises(RejectError, resolve_image_source, "a.png", None).value.message
     assert reject_code(resolve_image_source, "   ", root) == "empty_source"
+    # a short base64 string is read as a path: the message says how to give it as base64
+    short = base64.b64encode(b"not an image, and short").decode()
+    for source, where in ((short, None), (short, root)):
+        message = pytest.raises(RejectError, resolve_image_source, source, where).value.message
+        assert "give it as a data URI (data:image/...;base64,...)" in message, message
+    assert "data URI" not in pytest.raises(RejectError, resolve_image_source, "a_long_file_name.png", None).value.message
 
 
 def returns_within(seconds: float, fn, *args, **kwargs):

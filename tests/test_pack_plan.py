@@ -21,12 +21,12 @@ from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from shards_schema import ShardFormatError, open_shards
 from tests.helpers.cli import vlmpack_exit_code
+from train.pack_plan.plan import _save_to_cache
 from train.pack_plan import (
     PackingError,
     PackPlan,
     PackSettings,
     SourceStats,
-    _save_to_cache,
     build_pack_plan,
     mix_counts,
     parse_source,

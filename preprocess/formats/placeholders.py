@@ -62,16 +62,34 @@ def refuse_audio(row: dict) -> None:
 def _as_list(value, name: str) -> list:
     if value is None or value == "":  # a table's empty cell: the row has none
         return []
-    if isinstance(value, (str, bytes, dict)):
-        return [value]  # LLaVA's single `image`, or one HF Image feature
+    if isinstance(value, (str, bytes, dict)):  # LLaVA's single `image`, or one HF Image feature
+        _check_reference(value, f"`{name}`", name)
+        return [value]
     if isinstance(value, (list, tuple)):
         for k, item in enumerate(value):
             if item is None or item == "":
                 what = "null" if item is None else "an empty string"
                 raise RejectError("empty_source", f"`{name}[{k}]` is {what}: give each entry of `{name}` a path, "
                                   "data URI or base64, or drop the entry and its placeholder")
+            if not (name.startswith("video") and isinstance(item, list)):  # a video's frames: checked as its part
+                _check_reference(item, f"`{name}[{k}]`", name)
         return list(value)
     raise RejectError("bad_row", f"`{name}` must be a list of media references, got {type(value).__name__}")
+
+
+def _check_reference(item, where: str, name: str) -> None:
+    """A media reference as `preprocess.media` reads one: a string, raw bytes, or an HF Image
+    feature's {"bytes", "path"} with bytes or a path string."""
+    if isinstance(item, dict):
+        if item.get("bytes") is not None or (isinstance(item.get("path"), str) and item["path"]):
+            return
+        shown = f"an object ({str(item)[:60]}) without bytes or a path"
+    elif isinstance(item, (str, bytes, bytearray)):
+        return
+    else:
+        shown = f"{str(item)[:60]}, " + {list: "a list", bool: "a boolean"}.get(type(item), "a number")
+    raise RejectError("bad_content", f"{where} is {shown}: give each entry of `{name}` a path, URL, data URI or "
+                      "base64 string (or an image feature's {\"bytes\", \"path\"})")
 
 
 def split_text(text: str, queue: MediaQueue) -> str | list[dict]:

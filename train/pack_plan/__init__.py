@@ -59,7 +59,6 @@ from .plan import (
     PLANNER_VERSION,
     PackPlan,
     PlanRequest,
-    _save_to_cache,
     build_pack_plan,
     check_plan_out,
     plan_from_stats,
