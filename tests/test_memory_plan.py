@@ -503,3 +503,36 @@ def test_compile_decoder_without_compile_is_named_on_the_command_line_only(tmp_p
     for extra in (["--compile", "false"], ["--config", str(saved)]):
         vlmpack([*flags, *extra])
         assert "does nothing" not in capsys.readouterr().err, extra
+
+
+def quoted_dry_runs() -> list[tuple[str, str, list[str]]]:
+    """(doc, command, quoted output lines) of each `$ vlmpack train --dry-run` shown in docs/:
+    the command's lines joined at their `\\`, the output up to the block's end, `...` dropped."""
+    quoted = []
+    for doc in sorted((Path(__file__).resolve().parents[1] / "docs").glob("*.md")):
+        for _, block in re.findall(r"^ *```(\w*)\n(.*?)^ *```", doc.read_text(encoding="utf-8"), re.S | re.M):
+            lines = [line.strip() for line in block.splitlines()]
+            if not lines[0].startswith("$ vlmpack train --dry-run"):
+                continue
+            command = lines.pop(0)
+            while command.endswith("\\"):
+                command = command[:-1] + lines.pop(0)
+            quoted.append((doc.name, command[2:], [line for line in lines if line and line != "..."]))
+    return quoted
+
+
+def test_every_dry_run_the_docs_quote_prints_the_lines_they_show(capsys):
+    """A memory plan quoted in the docs is the one `--dry-run` prints now: each quoted line, in order."""
+    import shlex
+
+    quoted = quoted_dry_runs()
+    assert len(quoted) >= 6, [command for _, command, _ in quoted]
+    for doc, command, lines in quoted:
+        rc = vlmpack(shlex.split(command)[1:])
+        out = capsys.readouterr().out.splitlines()
+        assert rc in (0, 1), (doc, command)
+        at = 0
+        for line in lines:
+            found = next((k for k in range(at, len(out)) if out[k].strip() == line), None)
+            assert found is not None, f"{doc}: `{command}` no longer prints {line!r} (after line {at}):\n" + "\n".join(out)
+            at = found + 1

@@ -122,8 +122,9 @@ def test_pack_example_plans_packs(readme_run):
     cmd, proc = only(results, "pack")
     argv = shlex.split(cmd)
     plan = json.loads((work / argv[argv.index("--out") + 1] / "plan.json").read_text())
-    assert plan["stats"]["packs"] > 0 and plan["stats"]["samples"] > 0
-    assert "dropped 0 samples" in proc.stdout
+    stats = plan["stats"]
+    assert stats["packs"] > 0 and stats["samples"] + stats["dropped_samples"] == 68  # every sample planned or reported
+    assert f"dropped {stats['dropped_samples']} samples in {stats['dropped_packs']} packs" in proc.stdout
 
 
 def test_train_and_export_examples(readme_run):

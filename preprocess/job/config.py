@@ -30,7 +30,8 @@ class PreprocessConfig:
     fields in the order of `--help`."""
 
     inputs: list[str] = setting(name="inputs", nargs="+",
-                                help=".jsonl / .json / .parquet files or `datasets` save_to_disk directories")
+                                help=".jsonl / .json / .parquet files (local, or s3:// / gs:// / other fsspec URLs), `datasets` "
+                                     "save_to_disk directories, or Hub datasets as hf://datasets/ORG/NAME?split=SPLIT")
     # the rows' layout (preprocess.formats): detected per input, or named
     input_format: str = setting(
         "auto", choices=INPUT_FORMATS,
