@@ -23,7 +23,7 @@ from pathlib import Path
 
 from shards_schema import storage
 from shards_schema.atomic import atomic_open, write_json_atomic
-from shards_schema.errors import EXIT_FAULT
+from shards_schema.errors import EXIT_FAULT, first_few
 from shards_schema.flags import add_flags, config_from_args, refuse_bad_location
 from shards_schema.inspect import format_storage_per_visual_token, storage_per_visual_token
 from shards_schema.manifest import profile_name
@@ -159,12 +159,10 @@ def _quickstart_marker(out: Path) -> dict | None:
         marker = json.loads((out / QUICKSTART_MARKER).read_text(encoding="utf-8"))
         known = set(marker["example_sha256"])
     except (OSError, ValueError, KeyError, TypeError):
-        raise ConfigError(f"--out {out} holds files quickstart did not write ({', '.join(entries[:3])}"
-                          f"{', ...' if len(entries) > 3 else ''}): {fix}") from None
+        raise ConfigError(f"--out {out} holds files quickstart did not write ({first_few(entries)}): {fix}") from None
     foreign = [e for e in entries if e not in (QUICKSTART_MARKER, QUICKSTART_EXAMPLE, QUICKSTART_SHARDS)]
     if foreign:
-        raise ConfigError(f"--out {out} holds files quickstart did not write ({', '.join(foreign[:3])}"
-                          f"{', ...' if len(foreign) > 3 else ''}): {fix}")
+        raise ConfigError(f"--out {out} holds files quickstart did not write ({first_few(foreign)}): {fix}")
     example = out / QUICKSTART_EXAMPLE
     if example.exists() and not (example.is_file() and file_sha256(example) in known):
         raise ConfigError(f"--out {out}: {QUICKSTART_EXAMPLE} is not the file quickstart wrote there (it was changed "
@@ -174,7 +172,7 @@ def _quickstart_marker(out: Path) -> dict | None:
         foreign = entries_not_of_a_job(shards) if shards.is_dir() and not shards.is_symlink() else ["itself"]
         if foreign:
             raise ConfigError(f"--out {out}: {QUICKSTART_SHARDS}/ holds files quickstart did not write "
-                              f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): {fix}")
+                              f"({first_few(foreign)}): {fix}")
     return marker
 
 

@@ -48,9 +48,11 @@ class UserError(Exception):
     exit_code = EXIT_USER_ERROR
 
 
-def first_few(names: list[str]) -> str:
+def first_few(names: list[str], sep: str = ", ") -> str:
     """The first three of `names` and how many more: a listing that stays one line."""
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    if len(names) <= 3:
+        return sep.join(names)
+    return sep.join(names[:3]) + ("" if sep == ", " else sep.rstrip()) + f" and {len(names) - 3} more"
 
 
 def print_error(command: str, message) -> None:

@@ -119,7 +119,7 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
                             "fetch into a new or empty directory")
         foreign = [n for n in user_entries(out) if n not in wanted and not n.endswith(TMP_SUFFIX)]
         if foreign:
-            raise UserError(f"{out} is not empty ({', '.join(foreign[:3])}...) and holds no fetch of {redact(src)}: "
+            raise UserError(f"{out} is not empty ({first_few(foreign)}) and holds no fetch of {redact(src)}: "
                             "fetch into a new or empty directory")
         return held
 

@@ -11,7 +11,7 @@ import math
 import re
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, first_few
 from .json_object import NotAJSONObject, parse_json_object
 from .storage import redact
 from .schema import FORMAT_NAME, READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION
@@ -203,7 +203,7 @@ def layout_problems(manifest: dict) -> list[str]:
                if key in entry and not is_count(entry[key])
                and (key == "rows" or entry[key] is not None)]  # a store may not tell a file's size
         if bad:
-            problems.append(f"accounting needs integers 0..2^53: {', '.join(bad[:3])}")
+            problems.append(f"accounting needs integers 0..2^53: {first_few(bad)}")
     return problems
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from shards_schema.atomic import TMP_SUFFIX, atomic_open, fsync_dir, write_json_atomic
-from shards_schema.errors import DiskFullError, UserError
+from shards_schema.errors import DiskFullError, UserError, first_few
 from train import adapter_format
 from train import checkpoint_format as fmt
 from train import convert
@@ -751,7 +751,7 @@ def check_export_target(target: str | None, out: Path) -> None:
                           "export a directory of its own")
     entries = user_entries(path) if path.is_dir() else []
     if entries:
-        shown = ", ".join(entries[:3])
+        shown = first_few(entries)
         raise ConfigError(f"--export-hf {target} is not empty ({shown}): give a new or empty directory for the "
                           "export (the run writes it when it ends)")
 
@@ -778,7 +778,7 @@ def check_resume_arch(config, arch: ModelArch) -> None:
     source = f"--arch {model.arch}" if model.arch else f"--hf-model {model.hf_model}" if model.hf_model \
         else f"--init {model.init}"
     differ = fmt.arch_differences(saved, arch)
-    shown = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
+    shown = first_few(differ, "; ")
     raise ConfigError(f"--resume from checkpoint {path.name}: its model is not the one {source} builds ({shown}, "
                       f"the checkpoint's first): resume with the --arch, --hf-model or --init the run was started "
                       f"with, or start a new run from its weights with --init {path / 'model'}")

@@ -234,9 +234,8 @@ def check_state(state: dict, expected: dict[str, tuple[int, ...]], source: str) 
     problems += [f"{k}: dtype {str(t.dtype).removeprefix('torch.')}, where every weight is a floating-point tensor"
                  for k, t in state.items() if k in expected and not t.dtype.is_floating_point]
     if problems:
-        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         raise CheckpointError(problems[0] if len(problems) == 1 else
-                              f"{len(problems)} problems: " + "; ".join(problems[:3]) + more)
+                              f"{len(problems)} problems: " + first_few(problems, "; "))
 
 
 # --- HF <-> full Megatron -------------------------------------------------------------------

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from shards_schema.atomic import TMP_SUFFIX, write_json_atomic
-from shards_schema.errors import user_error_from_os_error
+from shards_schema.errors import first_few, user_error_from_os_error
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME
 from shards_schema.outdir import user_entries
 
@@ -60,7 +60,7 @@ def entries_not_of_a_job(out: Path) -> list[str]:
 
 def refuse_foreign(out: Path, command: str) -> None:
     entries = user_entries(out)
-    shown = ", ".join(printable_path(e) for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
+    shown = first_few([printable_path(e) for e in entries])
     raise ConfigError(f"--out {printable_path(str(out))} is not empty and holds no resumable job of `vlmpack {command}` "
                       f"(it has {shown}): choose a new or empty --out directory")
 

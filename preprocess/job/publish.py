@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 from shards_schema import storage
+from shards_schema.errors import first_few
 from shards_schema.json_object import NotAJSONObject, parse_json_object
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR
 from shards_schema.outdir import LOCK_NAME
@@ -98,7 +99,7 @@ def check_destination(url: str, identity: dict, partition: str | None = None) ->
             foreign += [f"{PARTS_DIR}/{n}" for n in storage.list_names(storage.join(url, PARTS_DIR))
                         if not is_job_file(f"{PARTS_DIR}/{n}")]
         if foreign:
-            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            shown = first_few(foreign)
             raise ConfigError(f"--out {where} holds objects that no vlmpack job writes ({shown}): choose a new or "
                               "empty prefix")
     return None
