@@ -36,7 +36,7 @@ import stat
 from pathlib import Path
 from urllib.parse import unquote
 
-from shards_schema.storage import FetchPolicy, StorageError, read_bytes, redact
+from shards_schema.storage import FetchPolicy, StorageError, file_kind, read_bytes, redact
 
 from .errors import RejectError
 
@@ -168,23 +168,11 @@ def _b64decode(text: str, max_bytes: int, what: str, kind: str) -> bytes:
     return data
 
 
-def _file_kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
-
-
 def _check_regular(st: os.stat_result, resolved: Path, max_bytes: int, kind: str) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise RejectError(
             "not_a_regular_file",
-            f"{kind} path {str(resolved)[:160]!r} is {_file_kind(st.st_mode)}: only regular files are read",
+            f"{kind} path {str(resolved)[:160]!r} is {file_kind(st.st_mode)}: only regular files are read",
         )
     if st.st_size > max_bytes:
         raise _file_too_large(resolved, st.st_size, max_bytes, kind)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -37,7 +38,8 @@ import numpy as np
 from shards_schema.inspect import patches_to_image, video_patches_to_frames
 from shards_schema.errors import EXIT_USER_ERROR, UserError, print_error
 from shards_schema.families import reading_rules
-from shards_schema.outdir import prepare_output_dir
+from shards_schema.flags import refuse_empty
+from shards_schema.outdir import prepare_output_dir, refuse_input_as_output, viewer_output_dir
 from shards_schema.reader import ShardSet, open_shards
 
 from .errors import ConfigError
@@ -229,6 +231,7 @@ def header_lines(sample: dict, index: int, shards: ShardSet, merge_size: int, co
 
 
 SHEET_COLUMNS = 8  # frames per row of a video's contact sheet
+SAVED_IMAGES = re.compile(r"sample-\d{6,}-(image|video)-\d+\.png")  # what --save-images writes
 
 
 def save_images(sample: dict, index: int, manifest: dict, out_dir: Path) -> list[Path]:
@@ -300,8 +303,15 @@ class Show:
 
 
 def _show(args, out) -> int:
-    if args.save_images:
-        prepare_output_dir(args.save_images, what="--save-images")
+    if args.save_images is None:
+        return _show_sample(args, out)
+    refuse_empty("--save-images", args.save_images, "give a directory's path")
+    refuse_input_as_output(args.save_images, args.dir, what="--save-images")
+    with viewer_output_dir(args.save_images, "show", "--save-images", SAVED_IMAGES):
+        return _show_sample(args, out)
+
+
+def _show_sample(args, out) -> int:
     # every shard's row count checked against its manifest entry first: an index reaches its
     # row through the entries before it, so one wrong count would show another sample
     shards = open_shards(args.dir).open_all()

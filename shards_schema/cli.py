@@ -17,7 +17,7 @@ import os
 import sys
 
 from .errors import (EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError, print_error,
-                     user_error_from_os_error)
+                     user_error_from_os_error, user_error_from_symlink_loop)
 
 # name -> ("module:object", one-line help)
 COMMANDS = {
@@ -98,6 +98,11 @@ def _dispatch(argv: list[str]) -> int:
         raise
     except OSError as exc:
         mapped = user_error_from_os_error(exc)
+        if mapped is None:
+            raise
+        return _fail(name, mapped)
+    except RuntimeError as exc:
+        mapped = user_error_from_symlink_loop(exc)
         if mapped is None:
             raise
         return _fail(name, mapped)

@@ -85,4 +85,19 @@ def user_error_from_os_error(exc: OSError) -> UserError | None:
         return UserError(f"is a directory: {where}: pass a file path")
     if exc.errno == errno.ENOENT:
         return UserError(f"no such file or directory: {where}")
+    if exc.errno == errno.ENAMETOOLONG:
+        return UserError(f"file name too long: {where}: a name in a path may have at most 255 bytes; choose a "
+                         "shorter one")
+    if exc.errno == errno.ELOOP:
+        return UserError(f"symbolic link loop: {where}: a link in the path leads back to itself; fix or remove it")
     return None
+
+
+def user_error_from_symlink_loop(exc: RuntimeError) -> UserError | None:
+    """pathlib's resolve() of a link that leads back to itself (a RuntimeError before Python
+    3.13, an OSError after) as a user error; None for any other RuntimeError."""
+    text = str(exc)
+    if not text.startswith("Symlink loop from "):
+        return None
+    return UserError(f"symbolic link loop: {text.removeprefix('Symlink loop from ')}: a link in the path leads back "
+                     "to itself; fix or remove it")

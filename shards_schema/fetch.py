@@ -24,10 +24,11 @@ from pathlib import Path
 
 from .atomic import TMP_SUFFIX, write_json_atomic
 from .errors import EXIT_FAULT, UserError, first_few
+from .flags import refuse_bad_location
 from .manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, check_manifest, parse_manifest
 from .outdir import exclusive_output_dir, user_entries
 from .reader import file_fault
-from .storage import StorageError, is_url, join, open_binary, redact, refuse_malformed_url
+from .storage import NotARegularFile, StorageError, is_url, join, open_binary, redact, refuse_malformed_url
 from .writer import file_sha256
 
 CHUNK = 8 << 20
@@ -152,6 +153,8 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
                 src_file = join(src, shard["file"])
                 try:
                     _copy(src_file, out / shard["file"], shard["bytes"], shard["sha256"], bar)
+                except NotARegularFile as exc:
+                    raise FetchMismatch(f"{exc}; the source is damaged") from None
                 except (FileNotFoundError, StorageError) as exc:
                     if isinstance(exc, StorageError) and exc.kind != "not_found":
                         raise
@@ -160,11 +163,12 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
                                         "that wrote it), then fetch again") from None
         try:
             _copy(join(src, REJECTS_NAME), out / REJECTS_NAME, None, None, tqdm(disable=True))
-        except StorageError as exc:
-            if exc.kind != "not_found":
+        except (FileNotFoundError, StorageError) as exc:
+            if isinstance(exc, StorageError) and exc.kind != "not_found":
                 raise
-        except FileNotFoundError:
-            pass
+            raise FetchMismatch(f"{redact(src).rstrip('/')}/{REJECTS_NAME} is missing, which every shard directory "
+                                "holds beside its manifest: the source is incomplete; restore it there (or re-run the "
+                                "job that wrote it), then fetch again") from None
         write_json_atomic(existing, manifest)  # last: its presence means every shard is here and checked
     return {"shards": len(shards), "fetched": len(todo), "kept": len(shards) - len(todo), "bytes": total,
             "up_to_date": False, "refetched": [s["file"] for s in todo] if finished else []}
@@ -182,6 +186,8 @@ class Fetch:
 
     @staticmethod
     def run(args) -> int:
+        refuse_bad_location("SRC", args.src, "give the shard directory to copy")
+        refuse_bad_location("DST", args.dst, "give a local directory to copy it into")
         done = fetch(args.src, args.dst, progress=not args.no_progress)
         print(f"{describe(done)} -> {args.dst}")
         return 0

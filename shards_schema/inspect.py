@@ -22,14 +22,17 @@ import base64
 import html
 import json
 import math
+import re
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 
-from .errors import EXIT_USER_ERROR, UserError, print_error, user_error_from_os_error
+from .errors import EXIT_USER_ERROR, print_error, user_error_from_os_error
+from .flags import refuse_empty
 from .manifest import REJECTS_NAME, ShardFormatError, profile_name
-from .outdir import prepare_output_dir
+from .outdir import prepare_output_dir, refuse_input_as_output, viewer_output_dir
 from .reader import open_shards
 
 HISTOGRAM_BINS = 10
@@ -422,6 +425,9 @@ def _chart_bins(values: np.ndarray, integer: bool, value_range) -> tuple[np.ndar
     return np.histogram(values, bins=40, range=value_range)
 
 
+PLOT_FILES = re.compile(r"[a-z0-9_]+\.png|report\.html")  # what --plots writes: a chart per distribution
+
+
 def write_charts(report: dict, arrays: dict[str, np.ndarray], out_dir: Path) -> dict[str, Path]:
     """One PNG per distribution (matplotlib, Agg backend); returns name -> path."""
     import matplotlib
@@ -555,20 +561,19 @@ class Inspect:
 
     @staticmethod
     def run(args) -> int:
-        if args.plots:
-            if Path(args.plots).resolve() == Path(args.dir).resolve():
-                raise UserError(f"--plots {args.plots} is the shard directory: its charts and report.html would lie "
-                                "among the shards; give another directory")
-            prepare_output_dir(args.plots, what="--plots")
-        try:
-            report, arrays = _collect(args.dir)  # the manifest and each shard checked as they are opened
-        except ShardFormatError as exc:
-            print_error("inspect", exc)
-            return EXIT_USER_ERROR
-        except OSError as exc:  # permissions and the like, worded as for every command; else what the system said
-            print_error("inspect", user_error_from_os_error(exc) or f"{exc.filename}: cannot be read ({exc.strerror})")
-            return EXIT_USER_ERROR
-        return Inspect._print(args, report, arrays)  # a closed pipe: the dispatcher ends quietly
+        if args.plots is not None:
+            refuse_empty("--plots", args.plots, "give a directory's path")
+            refuse_input_as_output(args.plots, args.dir, what="--plots")
+        with viewer_output_dir(args.plots, "inspect", "--plots", PLOT_FILES) if args.plots else nullcontext():
+            try:
+                report, arrays = _collect(args.dir)  # the manifest and each shard checked as they are opened
+            except ShardFormatError as exc:
+                print_error("inspect", exc)
+                return EXIT_USER_ERROR
+            except OSError as exc:  # permissions and the like, worded as for every command; else what the system said
+                print_error("inspect", user_error_from_os_error(exc) or f"{exc.filename}: cannot be read ({exc.strerror})")
+                return EXIT_USER_ERROR
+            return Inspect._print(args, report, arrays)  # a closed pipe: the dispatcher ends quietly
 
     @staticmethod
     def _print(args, report: dict, arrays: dict) -> int:

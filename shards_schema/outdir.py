@@ -18,13 +18,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import socket
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, first_few
 
 LOCK_NAME = ".vlmpack.lock"
 
@@ -47,14 +48,14 @@ def prepare_output_dir(path: str | Path, *, what: str = "--out") -> Path:
     return path
 
 
-def refuse_input_as_output(out: str | Path, source: str | Path) -> None:
+def refuse_input_as_output(out: str | Path, source: str | Path, what: str = "--out") -> None:
     """--out may be neither the command's input directory nor inside it (what it writes would
     mix with what it reads)."""
     resolved, input_dir = Path(out).resolve(), Path(source).resolve()
     if resolved == input_dir:
-        raise UserError(f"--out {out} is the input directory: choose another directory")
+        raise UserError(f"{what} {out} is the input directory: choose another directory")
     if input_dir in resolved.parents:
-        raise UserError(f"--out {out} lies inside the input directory {source}: choose a directory outside it")
+        raise UserError(f"{what} {out} lies inside the input directory {source}: choose a directory outside it")
 
 
 def recorded_command(path: Path) -> str | None:
@@ -117,6 +118,25 @@ def exclusive_output_dir(path: str | Path, command: str, *, what: str = "--out",
         raise
     finally:
         os.close(fd)  # closing the descriptor releases the flock
+
+
+@contextmanager
+def viewer_output_dir(path: str | Path, command: str, what: str, owned: re.Pattern):
+    """Hold the directory where a command writes files for a person to look at (`inspect
+    --plots`, `show --save-images`), as `exclusive_output_dir` does: it must be empty, or hold
+    only regular files of `owned` names that the same command wrote (its lock file's record),
+    which it adds to or replaces. A user's file, or a link, is never written over or through."""
+
+    def check(directory: Path) -> None:
+        entries = user_entries(directory)
+        foreign = [name for name in entries if not (owned.fullmatch(name) and (directory / name).is_file()
+                                                    and not (directory / name).is_symlink())]
+        if foreign or (entries and recorded_command(directory) != command):
+            raise UserError(f"{what} {directory} holds files that `vlmpack {command} {what}` did not write "
+                            f"({first_few(foreign or entries)}): choose an empty or new directory")
+
+    with exclusive_output_dir(path, command, what=what, check=check) as directory:
+        yield directory
 
 
 def _held(lock_path: Path) -> bool:

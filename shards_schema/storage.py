@@ -10,7 +10,10 @@ which drops user info and credential-like query parameters (pre-signed URLs).
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,10 +195,46 @@ def redact_text(text: str) -> str:
     return re.sub(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+", lambda m: redact(m.group(0)), text)
 
 
+class NotARegularFile(UserError):
+    """A path to read that is a FIFO, a socket or a device: never opened for reading."""
+
+
+def file_kind(mode: int) -> str:
+    """What a file of stat mode `mode` is, for a message."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def open_local(path: str | Path, buffering: int = -1):
+    """open(path, "rb") of a regular file only. A FIFO's open would wait for a writer, for ever:
+    the file is opened non-blocking and its kind checked on the descriptor before any read
+    (IsADirectoryError for a directory, NotARegularFile for the other kinds)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            raise NotARegularFile(f"{path} is {file_kind(mode)}, not a regular file: replace it with the file it "
+                                  "stands for")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def open_binary(spec: str | Path, policy: FetchPolicy | None = None):
-    """A readable, seekable binary file of a local path or a URL."""
+    """A readable, seekable binary file of a local path (a regular file: `open_local`) or a URL."""
     if not is_url(str(spec)):
-        return open(spec, "rb", buffering=1 << 20)  # JSONL rows with base64 media run to megabytes
+        return open_local(spec, buffering=1 << 20)  # JSONL rows with base64 media run to megabytes
     fs, path = _filesystem(str(spec), policy)
     try:
         return fs.open(path, "rb")

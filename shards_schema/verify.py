@@ -46,6 +46,7 @@ import pyarrow as pa
 from .atomic import TMP_SUFFIX
 from .errors import EXIT_FAULT, EXIT_OK, EXIT_USER_ERROR, UserError, print_error
 from .families import find_rules, reading_rules
+from .flags import refuse_bad_location
 from .manifest import (MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, SHARD_STAT_KEYS, VIDEO_STAT_KEYS, ShardFormatError,
                        is_count, layout_problems, read_manifest, shard_entries, total_keys)
 from .positions import mrope_position_ids
@@ -991,6 +992,7 @@ class Verify:
 
     @staticmethod
     def run(args) -> int:
+        refuse_bad_location("the shard directory", args.directory, "give its path")
         if args.workers < 1:
             raise UserError(f"--workers must be at least 1, got {args.workers}")
         if args.max_faults < 0:

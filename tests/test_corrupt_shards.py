@@ -527,6 +527,20 @@ BAD_ARGUMENTS = [
     (["import", "{x}", "--out", "{x}/shards"], "--out {x}/shards lies inside the input directory {x}"),
     (["pack", "{t}/missing", "--seq-len", "4096"], "{t}/missing: no such directory: pass the shard directory"),
     (["pack", "{f}", "--seq-len", "4096"], "{f} is a file, not a directory: pass the shard directory"),
+    # paths no command can use: empty, a name over 255 bytes ({n}), a link leading back to itself ({l})
+    (["verify", ""], "the shard directory is given as an empty string"),
+    (["fetch", "{d}", ""], "DST is given as an empty string"),
+    (["inspect", "{d}", "--plots", ""], "--plots is given as an empty string"),
+    (["verify", "{t}/{n}"], "file name too long: "),
+    (["export", "{d}", "--out", "{t}/{n}"], "a name in a path may have at most 255 bytes"),
+    (["pack", "{d}", "--seq-len", "4096", "--out", "{t}/{n}"], "file name too long: "),
+    (["show", "{d}", "--save-images", "{t}/{n}"], "file name too long: "),
+    (["export", "{d}", "--out", "{l}"], "symbolic link loop: "),
+    (["inspect", "{d}", "--plots", "{l}"], "symbolic link loop: "),
+    (["fetch", "{l}", "{t}/copy"], "symbolic link loop: "),
+    # the viewers' outputs never land among the shards
+    (["inspect", "{d}", "--plots", "{d}/charts"], "--plots {d}/charts lies inside the input directory {d}"),
+    (["show", "{d}", "--save-images", "{d}/images"], "--save-images {d}/images lies inside the input directory {d}"),
 ]
 
 
@@ -535,7 +549,9 @@ def test_bad_arguments_give_one_line_and_exit_2(clean, clean_export, tmp_path, c
     scratch = tmp_path / "t"
     scratch.mkdir()
     (tmp_path / "a-file").write_text("not a directory")
-    paths = {"d": clean, "x": clean_export, "f": tmp_path / "a-file", "t": scratch}
+    (tmp_path / "loop").symlink_to("loop")
+    paths = {"d": clean, "x": clean_export, "f": tmp_path / "a-file", "t": scratch, "n": "x" * 300,
+             "l": tmp_path / "loop"}
     argv = [a.format(**paths) for a in argv]
     try:
         code = vlmpack(argv)

@@ -199,9 +199,47 @@ def test_inspect_plots_are_refused_into_the_shard_directory(tmp_path, capsys):
     shards = tmp_path / "shards"
     shards.mkdir()
     (shards / "manifest.json").write_text("{}")
-    code, out, err = _cli(capsys, "inspect", str(shards), "--plots", f"{shards}/.")
-    assert code == 2 and err.count("\n") == 1 and "is the shard directory: its charts and report.html" in err, err
+    for plots in (f"{shards}/.", f"{shards}/charts"):
+        code, out, err = _cli(capsys, "inspect", str(shards), "--plots", plots)
+        assert code == 2 and err.count("\n") == 1 and "input directory" in err, err
     assert sorted(p.name for p in shards.iterdir()) == ["manifest.json"]
+
+
+def test_plots_and_saved_images_never_write_over_or_through_a_users_file(data, tmp_path, capsys):
+    """`inspect --plots` and `show --save-images` write into an empty directory or one holding
+    only their own earlier output; a user's file of one of their names, a link of one, another
+    command's output or any other file is refused in one line and left as it was."""
+    index, sample, _ = _pick_sample(data)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    image = f"sample-{index:06d}-image-0.png"
+    for argv, name in ((["show", str(data[0]), "--index", str(index), "--save-images"], image),
+                       (["inspect", str(data[0]), "--plots"], "report.html")):
+        for kind in ("file", "link", "other"):
+            out = tmp_path / f"{argv[0]}-{kind}"
+            out.mkdir()
+            if kind == "file":
+                (out / name).write_text("mine")
+            elif kind == "link":
+                (out / name).symlink_to(victim)
+            else:
+                (out / "notes.txt").write_text("mine")
+            before = {p.name: p.read_bytes() for p in out.iterdir()}
+            code, _, err = _cli(capsys, *argv, str(out))
+            assert code == 2 and err.count("\n") == 1 and "did not write" in err, (kind, err)
+            assert {p.name: p.read_bytes() for p in out.iterdir()} == before and victim.read_text() == "mine"
+        out = tmp_path / f"{argv[0]}-again"
+        for _ in range(2):  # its own output it replaces
+            code, _, err = _cli(capsys, *argv, str(out))
+            assert code == 0 and (out / name).stat().st_size > 0, err
+    # one command's output is another's foreign files
+    code, _, err = _cli(capsys, "show", str(data[0]), "--index", str(index), "--save-images", str(tmp_path / "inspect-again"))
+    assert code == 2 and "did not write" in err
+    # show adds another sample's images beside the first's
+    other = next(i for i in range(len(open_shards(data[0]))) if i != index and len(open_shards(data[0])[i]["image_grid_thw"]))
+    code, _, _ = _cli(capsys, "show", str(data[0]), "--index", str(other), "--save-images", str(tmp_path / "show-again"))
+    assert code == 0 and (tmp_path / "show-again" / f"sample-{other:06d}-image-0.png").is_file()
+    assert (tmp_path / "show-again" / image).is_file()
 
 
 @pytest.mark.parametrize("error, says", [

@@ -150,6 +150,13 @@ def test_partitions_then_merge_equal_one_job(example_jsonl, baseline, tmp_path):
         dirs.append(d)
     with pytest.raises(ConfigError, match="not done"):
         merge_partitions([str(dirs[0]), str(dirs[1])], str(tmp_path / "incomplete"))
+    # a FIFO in place of a unit's record is a unit not done, never waited on
+    shutil.copytree(dirs[2], tmp_path / "fifo2")
+    record = sorted((tmp_path / "fifo2" / "_parts").glob("unit-*.json"))[0]
+    record.unlink()
+    os.mkfifo(record)
+    with pytest.raises(ConfigError, match="missing or damaged|not done"):
+        merge_partitions([str(dirs[0]), str(dirs[1]), str(tmp_path / "fifo2")], str(tmp_path / "with-fifo"))
     merged = merge_partitions([str(d) for d in dirs], str(tmp_path / "merged"))
     assert _shard_bytes(tmp_path / "merged") == _shard_bytes(out1)
     assert merged == _without_run(manifest1)

@@ -525,6 +525,32 @@ def test_fetch_of_a_source_missing_a_listed_shard_is_one_line_exit_1(tmp_path, c
     assert "does not match the manifest" in capsys.readouterr().err
 
 
+def test_fetch_of_a_source_with_a_fifo_or_without_its_rejects_stops_at_once_in_one_line(tmp_path, capsys):
+    """A FIFO where the source's manifest or a shard should be is refused without waiting on it;
+    a source without its rejects.jsonl is incomplete: exit 1, no manifest written."""
+    import os
+    import shutil
+
+    from shards_schema.cli import main
+
+    made = tmp_path / "made"
+    run_preprocess(PreprocessConfig(inputs=[str(write_jsonl(tmp_path / "rows.jsonl", example_rows(4, seed=2)))],
+                                    out=str(made), workers=1, rows_per_shard=2, progress=False))
+    shard = sorted(p.name for p in made.glob("shard-*.arrow"))[1]
+    for name, code, said in ((shard, 1, "is a FIFO (named pipe), not a regular file"),
+                             ("manifest.json", 2, "is a FIFO (named pipe), not a regular file"),
+                             ("rejects.jsonl", 1, "rejects.jsonl is missing, which every shard directory holds")):
+        src, dst = tmp_path / f"src-{name}", tmp_path / f"dst-{name}"
+        shutil.copytree(made, src)
+        (src / name).unlink()
+        if name != "rejects.jsonl":
+            os.mkfifo(src / name)
+        assert main(["fetch", str(src), str(dst), "--no-progress"]) == code, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+        assert not (dst / "manifest.json").exists()
+
+
 def test_train_on_shards_in_the_store_fetches_a_checked_copy_once_and_trains_as_on_disk(s3, tmp_path):
     """`vlmpack train --data s3://...`: the shards come down into --data-cache with fetch's
     checks, a second run finds them there, and the losses equal a run on the local directory;

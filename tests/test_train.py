@@ -166,6 +166,8 @@ def test_resume_refuses_settings_its_checkpoint_would_override(shards, full_run,
     ("not-empty", "--export-hf {x} is not empty (notes.txt): give a new or empty directory for the export"),
     ("the-out", "--export-hf {x} is --out {out}, holds it or lies in its checkpoints/: give the export a directory"),
     ("checkpoints-a-file", "--out {out} holds a file named checkpoints, where a run keeps its checkpoints: move it"),
+    ("tensorboard-a-file", "--out {out} holds a file named tensorboard, where a run keeps its TensorBoard scalars"),
+    ("plans-a-file", "--out {out} holds a file named plans, where a run keeps its pack plans: move it"),
     ("shard-dir", "--out {out} holds the output of `vlmpack preprocess`: give the run a new or empty --out"),
     ("shard-copy", "--out {out} is a shard directory (manifest.json): give the run a new or empty --out"),
     ("import-hf-output", "--out {out} holds the output of `vlmpack import-hf`: give the run a new or empty --out"),
@@ -192,7 +194,7 @@ def test_an_export_target_or_checkpoints_path_that_cannot_be_written_is_refused_
         (out / ".vlmpack.lock").write_text(json.dumps({"command": "import-hf"}))
     else:
         out.mkdir()
-        (out / "checkpoints").write_text("x")
+        (out / case.removesuffix("-a-file")).write_text("x")
     code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "2",
                                    "--export-hf", str(target)], capsys)
     assert code == 2 and err.count("\n") == 1, err

@@ -56,6 +56,10 @@ from train.model.arch import ModelArch, ModelFileError, read_json_object
 from train.model_setup import load_model_weights, read_model_arch, unwrap
 
 CHECKPOINTS = "checkpoints"
+# the directories a run makes in --out, and what each holds
+RUN_SUBDIRS = {CHECKPOINTS: "its checkpoints", "plans": "its pack plans", "tensorboard": "its TensorBoard scalars",
+               "data_cache": "the shards fetched from a store", "profile": "its profiler traces",
+               "wandb": "its Weights & Biases files"}
 LATEST = "latest"
 TRAINER_META = "trainer.json"
 
@@ -714,9 +718,10 @@ def check_run_directory(config) -> None:
     for name, what in ((MANIFEST_NAME, "a shard directory"), (fmt.META_FILE, "a model directory")):
         if (out / name).is_file():
             raise ConfigError(f"--out {out} is {what} ({name}): give the run a new or empty --out")
-    if (out / CHECKPOINTS).exists() and not (out / CHECKPOINTS).is_dir():
-        raise ConfigError(f"--out {out} holds a file named {CHECKPOINTS}, where a run keeps its checkpoints: move it "
-                          "out of --out, or give another --out")
+    for name, what in RUN_SUBDIRS.items():
+        if (out / name).exists() and not (out / name).is_dir():
+            raise ConfigError(f"--out {out} holds a file named {name}, where a run keeps {what}: move it out of "
+                              "--out, or give another --out")
     check_export_target(config.checkpoints.export_hf, out)
     if not config.checkpoints.resume:
         saved = complete_checkpoints(out)

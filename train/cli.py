@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from shards_schema.errors import UserError
+from shards_schema.flags import refuse_bad_location
 
 from .config import read_text_file
 from .pack_plan import DEFAULT_BLOCK_SIZE, PackSettings, build_pack_plan, check_plan_out, parse_source
@@ -248,6 +249,8 @@ class ExportHF:
 
     @staticmethod
     def run(args) -> int:
+        refuse_bad_location("MODEL_DIR", args.model_dir, "give the model or checkpoint directory's path")
+        refuse_bad_location("--out", args.out, "give the export directory's path")
         convert = _convert_module()
         from train import checkpoint_format
         from train.adapter_format import find_adapter_dir

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shards_schema.errors import UserError
-from shards_schema.storage import is_url, redact, refuse_malformed_url
+from shards_schema.storage import is_url, redact
 from shards_schema.flags import (add_flags, flag_name, flat_paths, from_flat, nested, parse_bool, refuse_bad_location,
                                  setting, to_flat)
 from train.model.settings import ATTENTION_KERNELS, FP8_RECIPES, LOSS_PATHS, ConfigError
@@ -180,7 +180,8 @@ class DataConfig:
         _check_numbers(self)
         for flag, specs in (("--data", self.data), ("--eval-data", self.eval_data), ("--data-cache", [self.data_cache])):
             for spec in specs:
-                refuse_malformed_url(flag, spec)
+                refuse_bad_location(flag, spec, "give a shard directory's path" if flag != "--data-cache" else
+                                    "give a local directory, or leave the flag out")
         if self.data_cache and is_url(self.data_cache):  # Path() would fold it into a local directory `s3:/...`
             raise ConfigError(f"--data-cache {redact(self.data_cache)} is a URL: the cache is a local directory the "
                               "store's sources are fetched into; give a local path (or drop it for OUT/data_cache)")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from shards_schema.atomic import TMP_SUFFIX, write_json_atomic, write_jsonl_atomic
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, TOTAL_KEYS, build_manifest
+from shards_schema.storage import NotARegularFile, open_local
 from shards_schema.writer import file_sha256
 
 from ..inputs import WorkUnit
@@ -31,10 +32,12 @@ def partition_summary_name(index: int, count: int) -> str:
 
 
 def read_json(path: Path):
-    """A JSON file's content, or None when it is absent or damaged."""
+    """A JSON file's content, or None when it is absent or damaged (not JSON, or no regular
+    file: a FIFO in its place is never waited on)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
+        with open_local(path) as fh:
+            return json.loads(fh.read().decode("utf-8"))
+    except (FileNotFoundError, IsADirectoryError, NotARegularFile, ValueError):
         return None
 
 
