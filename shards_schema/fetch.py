@@ -26,7 +26,7 @@ from .atomic import TMP_SUFFIX, write_json_atomic
 from .errors import EXIT_FAULT, UserError, first_few
 from .flags import refuse_bad_location
 from .manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, check_manifest, parse_manifest
-from .outdir import exclusive_output_dir, user_entries
+from .outdir import exclusive_output_dir, refuse_input_as_output, user_entries
 from .reader import file_fault
 from .storage import NotARegularFile, StorageError, is_url, join, open_binary, redact, refuse_malformed_url
 from .writer import file_sha256
@@ -105,6 +105,8 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
     if is_url(str(dst)):  # Path() would fold it into a local directory `s3:/...`
         raise UserError(f"{redact(str(dst))}: fetch copies a shard directory to local disk; give a local directory "
                         "as DST (to copy between stores, use the store's own tools, e.g. `aws s3 sync`)")
+    if not is_url(src):
+        refuse_input_as_output(dst, src, what="the destination")
     manifest = _read_manifest(src)
     shards = manifest["shards"]  # plain, unique file names with counts and a sha256 (check_manifest)
     wanted = {s["file"] for s in shards} | {REJECTS_NAME, MANIFEST_NAME}

@@ -541,6 +541,8 @@ BAD_ARGUMENTS = [
     # the viewers' outputs never land among the shards
     (["inspect", "{d}", "--plots", "{d}/charts"], "--plots {d}/charts lies inside the input directory {d}"),
     (["show", "{d}", "--save-images", "{d}/images"], "--save-images {d}/images lies inside the input directory {d}"),
+    (["pack", "{d}", "--seq-len", "4096", "--out", "{d}/plan"], "--out {d}/plan lies inside the input directory {d}"),
+    (["fetch", "{d}", "{d}/copy"], "the destination {d}/copy lies inside the input directory {d}"),
 ]
 
 

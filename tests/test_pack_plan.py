@@ -383,7 +383,7 @@ BAD_PACK_ARGUMENTS = [
     (["{d}:inf", "--seq-len", "2048"], "must be a finite number >= 0, got inf"),
     (["{d}", "--seq-len", "2048", "--out", "{f}"], "--out {f} is a file, not a directory"),
     (["{d}", "--seq-len", "2048", "--out", "{f}/plan"], "--out {f}/plan: {f} is a file, not a directory"),
-    (["{d}", "--seq-len", "2048", "--out", "{d}"], "--out {d} holds files and is not a pack plan"),
+    (["{d}", "--seq-len", "2048", "--out", "{d}"], "--out {d} is the input directory: choose another directory"),
     # one directory named twice, however spelled, would draw its samples twice per epoch
     (["{d}", "{d}", "--seq-len", "2048"], "source {d} is named twice: its samples would be drawn twice per epoch"),
     (["{d}", "--data", "{d}/.:0.5", "--seq-len", "2048"], "source {d}/. is the same directory as {d}: its samples "

@@ -529,6 +529,8 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
     (["--eval-every", "5"], "--eval-every 5 needs held-out data to evaluate on: add --eval-data DIR"),
     (["--profile-steps", "2"], "--profile-steps 2 counts the steps profiled from --profile-start N: add it"),
     (["--profile-start=-1"], "--profile-start must be >= 0, got -1"),
+    (["--profile-start", "5"], "--profile-start 5 is past --train-steps 2: nothing would be profiled"),
+    (["--data", ""], "--data is given as an empty string"),
     (["--memory-snapshot", "--memory-snapshot-stacks", "c++"], "--memory-snapshot-stacks 'c++': choose from "
                                                                "['all', 'python', 'none']"),
     (["--memory-snapshot-stacks", "none"], "--memory-snapshot-stacks none says what --memory-snapshot records: add "

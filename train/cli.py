@@ -10,6 +10,8 @@ from pathlib import Path
 
 from shards_schema.errors import UserError
 from shards_schema.flags import refuse_bad_location
+from shards_schema.outdir import refuse_input_as_output
+from shards_schema.storage import is_url
 
 from .config import read_text_file
 from .pack_plan import DEFAULT_BLOCK_SIZE, PackSettings, build_pack_plan, check_plan_out, parse_source
@@ -55,6 +57,9 @@ class Pack:
         if not specs:
             raise UserError("give at least one shard directory (DIR or --data DIR[:WEIGHT])")
         if args.out:
+            for directory, _ in specs:
+                if not is_url(directory):
+                    refuse_input_as_output(args.out, directory)
             check_plan_out(args.out)
         t0 = time.perf_counter()
         packing = PackSettings(seq_len=args.seq_len, seed=args.seed, epoch=args.epoch,

@@ -566,6 +566,9 @@ class TrainConfig:
         if memory.recompute_mlp_activations and not self.model.compile:
             raise ConfigError("--recompute-mlp-activations true acts in compiled layers, and --compile false compiles "
                               "none (eager layers keep the activations' outputs): drop one of them")
+        if self.profiling.profile_start > self.schedule.train_steps:
+            raise ConfigError(f"--profile-start {self.profiling.profile_start} is past --train-steps "
+                              f"{self.schedule.train_steps}: nothing would be profiled; give a step of the run")
         if self.parallelism.sequence_parallel and self.parallelism.tp == 1:
             raise ConfigError("--sequence-parallel true splits the rows over the ranks of a TP group: with --tp 1 "
                               "there is none; drop it, or give --tp N")
