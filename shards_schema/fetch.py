@@ -21,6 +21,7 @@ import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .atomic import TMP_SUFFIX, write_json_atomic
 from .errors import EXIT_FAULT, UserError, first_few
@@ -106,6 +107,11 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
         raise UserError(f"{redact(str(dst))}: fetch copies a shard directory to local disk; give a local directory "
                         "as DST (to copy between stores, use the store's own tools, e.g. `aws s3 sync`)")
     if not is_url(src):
+        if src.lower().startswith("file://"):
+            raise UserError(f"{src}: give a local source as its path ({urlsplit(src).path}), without file://")
+        if not Path(src).is_dir():
+            raise UserError(f"{src}: {'no such directory' if not Path(src).exists() else 'not a directory'}: give "
+                            "the shard directory to copy")
         refuse_input_as_output(dst, src, what="the destination")
     manifest = _read_manifest(src)
     shards = manifest["shards"]  # plain, unique file names with counts and a sha256 (check_manifest)

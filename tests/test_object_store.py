@@ -475,7 +475,8 @@ def small_manifest(tmp_path_factory) -> str:
     return (root / "shards" / "manifest.json").read_text()
 
 
-@pytest.mark.parametrize("case", ["no_manifest", "dst_is_a_file", "dst_holds_other_files", "dst_is_a_url"])
+@pytest.mark.parametrize("case", ["no_manifest", "dst_is_a_file", "dst_holds_other_files", "dst_is_a_url",
+                                  "src_missing", "src_as_a_file_url"])
 def test_fetch_bad_arguments_are_one_line_exit_2(case, small_manifest, tmp_path, capsys, monkeypatch):
     from shards_schema.cli import main
 
@@ -492,11 +493,13 @@ def test_fetch_bad_arguments_are_one_line_exit_2(case, small_manifest, tmp_path,
     elif case == "dst_is_a_url":  # it was copied into the local directory `s3:/data/copy`
         monkeypatch.chdir(tmp_path)
         dst = "s3://data/copy"
-    assert main(["fetch", str(src), str(dst), "--no-progress"]) == 2
+    given = {"src_missing": str(tmp_path / "nope"), "src_as_a_file_url": src.as_uri()}.get(case, str(src))
+    assert main(["fetch", given, str(dst), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert {"no_manifest": "no manifest.json", "dst_is_a_file": "is a file, not a directory",
-            "dst_holds_other_files": "is not empty",
+            "dst_holds_other_files": "is not empty", "src_missing": "nope: no such directory",
+            "src_as_a_file_url": f"give a local source as its path ({src}), without file://",
             "dst_is_a_url": "s3://data/copy: fetch copies a shard directory to local disk; give a local directory"}[case] in err
     assert not (tmp_path / "s3:").exists()
     if case == "dst_holds_other_files":
