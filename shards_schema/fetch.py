@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -109,9 +110,12 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
     if not is_url(src):
         if src.lower().startswith("file://"):
             raise UserError(f"{src}: give a local source as its path ({urlsplit(src).path}), without file://")
-        if not Path(src).is_dir():
-            raise UserError(f"{src}: {'no such directory' if not Path(src).exists() else 'not a directory'}: give "
-                            "the shard directory to copy")
+        try:
+            is_dir = stat.S_ISDIR(os.stat(src).st_mode)  # another OSError (a link loop) is the dispatcher's line
+        except FileNotFoundError:
+            raise UserError(f"{src}: no such directory: give the shard directory to copy") from None
+        if not is_dir:
+            raise UserError(f"{src}: not a directory: give the shard directory to copy")
         refuse_input_as_output(dst, src, what="the destination")
     manifest = _read_manifest(src)
     shards = manifest["shards"]  # plain, unique file names with counts and a sha256 (check_manifest)
