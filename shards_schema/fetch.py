@@ -198,8 +198,8 @@ class Fetch:
 
     @staticmethod
     def run(args) -> int:
-        refuse_bad_location("SRC", args.src, "give the shard directory to copy")
-        refuse_bad_location("DST", args.dst, "give a local directory to copy it into")
+        refuse_bad_location("the source", args.src, "give the shard directory to copy")
+        refuse_bad_location("the destination", args.dst, "give a local directory to copy it into")
         done = fetch(args.src, args.dst, progress=not args.no_progress)
         print(f"{describe(done)} -> {args.dst}")
         return 0

@@ -529,7 +529,7 @@ BAD_ARGUMENTS = [
     (["pack", "{f}", "--seq-len", "4096"], "{f} is a file, not a directory: pass the shard directory"),
     # paths no command can use: empty, a name over 255 bytes ({n}), a link leading back to itself ({l})
     (["verify", ""], "the shard directory is given as an empty string"),
-    (["fetch", "{d}", ""], "DST is given as an empty string"),
+    (["fetch", "{d}", ""], "the destination is given as an empty string"),
     (["inspect", "{d}", "--plots", ""], "--plots is given as an empty string"),
     (["verify", "{t}/{n}"], "file name too long: "),
     (["export", "{d}", "--out", "{t}/{n}"], "a name in a path may have at most 255 bytes"),
