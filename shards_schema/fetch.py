@@ -30,7 +30,7 @@ from .flags import refuse_bad_location
 from .manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, check_manifest, parse_manifest
 from .outdir import exclusive_output_dir, refuse_input_as_output, user_entries
 from .reader import file_fault
-from .storage import NotARegularFile, StorageError, is_url, join, open_binary, redact, refuse_malformed_url
+from .storage import NotARegularFile, StorageError, is_url, join, open_binary, redact
 from .writer import file_sha256
 
 CHUNK = 8 << 20
@@ -102,8 +102,8 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
     shards of a finished copy that failed the check and were fetched again)."""
     from tqdm import tqdm
 
-    refuse_malformed_url("the source", src)
-    refuse_malformed_url("the destination", str(dst))
+    refuse_bad_location("the source", src, "give the shard directory to copy")
+    refuse_bad_location("the destination", str(dst), "give a local directory to copy it into")
     if is_url(str(dst)):  # Path() would fold it into a local directory `s3:/...`
         raise UserError(f"{redact(str(dst))}: fetch copies a shard directory to local disk; give a local directory "
                         "as DST (to copy between stores, use the store's own tools, e.g. `aws s3 sync`)")
@@ -198,8 +198,6 @@ class Fetch:
 
     @staticmethod
     def run(args) -> int:
-        refuse_bad_location("the source", args.src, "give the shard directory to copy")
-        refuse_bad_location("the destination", args.dst, "give a local directory to copy it into")
         done = fetch(args.src, args.dst, progress=not args.no_progress)
         print(f"{describe(done)} -> {args.dst}")
         return 0
