@@ -58,7 +58,7 @@ class ShowError(UserError):
 
 def load_tokenizer(manifest: dict, directory: Path, model_dir: str | None = None):
     """The tokenizer the shards were made with, checked against the manifest's sha256."""
-    from .profiles import builtin_profile, profile_from_model_dir
+    from .profiles import BUILTIN_PROFILES, builtin_profile, profile_from_model_dir
 
     prof = manifest["profile"]
     expected = prof.get("tokenizer_sha256")
@@ -69,6 +69,10 @@ def load_tokenizer(manifest: dict, directory: Path, model_dir: str | None = None
         tokenizer_json, where = path.read_text(encoding="utf-8"), str(path)
     else:
         source = prof.get("source")
+        if source == "builtin" and prof.get("family") not in BUILTIN_PROFILES:  # made by another vlmpack version
+            raise ShowError(f"cannot rebuild the tokenizer of {directory}: its built-in profile {prof.get('family')!r} "
+                            f"is not one this vlmpack has ({', '.join(sorted(BUILTIN_PROFILES))}); pass --model DIR "
+                            "holding the tokenizer.json the shards were made with")
         try:
             if source == "builtin":
                 profile, where = builtin_profile(prof["family"]), f"the built-in {prof['family']} profile"

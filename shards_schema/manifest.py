@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .errors import UserError, first_few
 from .json_object import NotAJSONObject, parse_json_object
-from .storage import redact
+from .storage import NotARegularFile, open_local, redact
 from .schema import FORMAT_NAME, READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION
 
 MANIFEST_NAME = "manifest.json"
@@ -107,12 +107,17 @@ def shard_entry_keys(manifest: dict) -> tuple[str, ...]:
     return ("rows", "bytes", *SHARD_STAT_KEYS, *video)
 
 
+def _got(mapping: dict, key: str) -> str:
+    """What stands at `key` instead of the value a reader needs, for a message."""
+    return "and it is missing" if key not in mapping else f"got {type(mapping[key]).__name__}"
+
+
 def shard_entries(manifest: dict) -> tuple[list[dict], list[tuple[str, str | None]]]:
     """The well-formed `shards` entries (a plain file name in the directory, listed once, every
     count in 0..MAX_COUNT, a sha256), and (problem, file name or None) for each other one."""
     entries = manifest.get("shards")
     if not isinstance(entries, list):
-        return [], [(f"`shards` must be a list, got {type(entries).__name__}", None)]
+        return [], [(f"`shards` must be a list, {_got(manifest, 'shards')}", None)]
     good, problems, seen = [], [], set()
     keys = shard_entry_keys(manifest)
     for i, entry in enumerate(entries):
@@ -151,7 +156,7 @@ def layout_problems(manifest: dict) -> list[str]:
         problems.append(f"patch_row_width {width!r} is not a positive integer")
     profile = manifest.get("profile")
     if not isinstance(profile, dict):
-        return problems + [f"`profile` must be an object, got {type(profile).__name__}"]
+        return problems + [f"`profile` must be an object, {_got(manifest, 'profile')}"]
     for key in ("id", "family"):
         if not isinstance(profile.get(key), str):
             problems.append(f"profile.{key} {profile.get(key)!r} is not a string")
@@ -160,7 +165,7 @@ def layout_problems(manifest: dict) -> list[str]:
             problems.append(f"profile.{key} is not a string but a {type(profile[key]).__name__}")
     vision = profile.get("vision")
     if not isinstance(vision, dict):
-        problems.append(f"profile.vision must be an object, got {type(vision).__name__}")
+        problems.append(f"profile.vision must be an object, {_got(profile, 'vision')}")
         vision = {}
     for key in VISION_SIZE_KEYS:
         if not _is_positive(vision.get(key)):
@@ -174,7 +179,7 @@ def layout_problems(manifest: dict) -> list[str]:
         if section == "video" and values is None:
             continue  # written by every version that has videos; older manifests have none
         if not isinstance(values, dict):
-            problems.append(f"profile.{section} must be an object, got {type(values).__name__}")
+            problems.append(f"profile.{section} must be an object, {_got(profile, section)}")
             continue
         for key in ("image_mean", "image_std"):
             value = values.get(key)
@@ -183,7 +188,7 @@ def layout_problems(manifest: dict) -> list[str]:
                                 f"finite numbers{' (none 0)' if key == 'image_std' else ''}")
     tokens = profile.get("special_tokens")
     if not isinstance(tokens, dict):
-        problems.append(f"profile.special_tokens must be an object, got {type(tokens).__name__}")
+        problems.append(f"profile.special_tokens must be an object, {_got(profile, 'special_tokens')}")
     else:
         bad = [f"{k} {v!r}" for k, v in tokens.items() if not is_count(v)]
         if "image_pad" not in tokens:
@@ -212,7 +217,7 @@ def count_problems(manifest: dict) -> list[str]:
     problems = []
     totals = manifest.get("totals")
     if not isinstance(totals, dict):
-        return [f"`totals` must be an object, got {type(totals).__name__}"]
+        return [f"`totals` must be an object, {_got(manifest, 'totals')}"]
     bad = [f"{k} {totals.get(k, 'missing')!r}" for k in (*total_keys(manifest), "shards") if not is_count(totals.get(k))]
     if bad:
         problems.append(f"totals need integers 0..2^53: {', '.join(bad)}")
@@ -251,13 +256,19 @@ def read_manifest(directory: str | Path) -> dict:
     directory = Path(directory)
     require_directory(directory, SHARD_DIRECTORY)
     path = directory / MANIFEST_NAME
-    if not path.is_file():
+    try:
+        with open_local(path) as f:  # a FIFO is refused, not waited on
+            data = f.read()
+    except FileNotFoundError:
         hint = " (a preprocessing job that has not finished, or a partition not yet merged?)" if directory.is_dir() else ""
         if (directory / "index.json").is_file():  # the WebDataset index (shards_schema/webdataset/format.py)
             hint = f" but an index.json: a `vlmpack export` directory? `vlmpack import {directory} --out DIR` makes shards of it"
-        raise ShardFormatError(f"{directory}: no {MANIFEST_NAME}{hint}")
-    try:
-        data = path.read_bytes()
+        raise ShardFormatError(f"{directory}: no {MANIFEST_NAME}{hint}") from None
+    except IsADirectoryError:
+        raise ShardFormatError(f"{path} is a directory, not the manifest file: restore the file, or re-run the job "
+                               "that wrote the shards") from None
+    except NotARegularFile as exc:
+        raise ShardFormatError(str(exc)) from None
     except OSError as exc:
         raise ShardFormatError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     return parse_manifest(data, path)

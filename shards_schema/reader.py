@@ -86,6 +86,10 @@ def schema_problem(schema: pa.Schema, patch_row_width: int | None = None, versio
                             f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))})")
     elif found_version != str(version):
         problems.append(f"schema_version {found_version!r} (manifest: {version})")
+        if found_version in tuple(map(str, READABLE_SCHEMA_VERSIONS)) and found_width.isdigit() and \
+                schema.equals(shard_schema(int(found_width), int(found_version)), check_metadata=True):
+            problems[-1] += (f": the file is a whole version-{found_version} shard: perhaps the manifest's "
+                             "schema_version was changed (restore manifest.json if so)")
     if patch_row_width is None:
         patch_row_width = int(found_width) if found_width.isdigit() and found_width.isascii() and int(found_width) > 0 else None
         if patch_row_width is None:

@@ -133,6 +133,11 @@ SHARD_DAMAGE = {
     "shard_is_fifo": lambda d: ((d / DAMAGED_SHARD).unlink(), os.mkfifo(d / DAMAGED_SHARD)),  # opening it would block
     "manifest_nan_rows": lambda d: _edit_manifest(d, lambda m: m["shards"][0].update(rows=float("nan"))),
     "manifest_shard_twice": lambda d: _edit_manifest(d, lambda m: m["shards"].append(m["shards"][0])),
+    # the shards are whole version-2 files: the edited manifest is what differs
+    "manifest_version_lowered": lambda d: _edit_manifest(d, lambda m: m.update(schema_version=1)),
+    "manifest_without_totals": lambda d: _edit_manifest(d, lambda m: m.pop("totals")),
+    "manifest_is_directory": lambda d: ((d / "manifest.json").unlink(), (d / "manifest.json").mkdir()),
+    "manifest_is_fifo": lambda d: ((d / "manifest.json").unlink(), os.mkfifo(d / "manifest.json")),
 }
 
 TAR_DAMAGE = {
@@ -149,6 +154,9 @@ TAR_DAMAGE = {
     "index_rejects_null": lambda d: _edit_index(d, lambda i: i.update(rejects=None)),
     "index_offsets_not_counts": lambda d: _edit_index(d, lambda i: i["tars"][0].update(
         sample_offsets=["x"] * i["tars"][0]["samples"])),
+    "index_samples_a_string": lambda d: _edit_index(d, lambda i: i.update(samples=str(i["samples"]))),
+    "index_without_tars": lambda d: _edit_index(d, lambda i: i.pop("tars")),
+    "index_is_fifo": lambda d: ((d / "index.json").unlink(), os.mkfifo(d / "index.json")),
 }
 
 
@@ -207,6 +215,14 @@ SHARD_EXPECTED = {
     **{("manifest_other_version", c): r"manifest\.json: schema version 99, this vlmpack reads versions 1, 2" for c in SHARD_COMMANDS},
     **{("manifest_version_a_string", c): r"manifest\.json: schema_version '2' is not an integer: the manifest is damaged"
        for c in SHARD_COMMANDS},
+    **{("manifest_version_lowered", c): rf"{DAMAGED_SHARD}: \[schema_mismatch\] schema metadata: schema_version '2' "
+                                         r"\(manifest: 1\): the file is a whole version-2 shard: perhaps the "
+                                         r"manifest's schema_version was changed" for c in ("inspect", "verify")},
+    ("manifest_without_totals", "inspect"): r"manifest\.json: `totals` must be an object, and it is missing",
+    **{("manifest_is_directory", c): r"manifest\.json is a directory, not the manifest file"
+       for c in ("inspect", "verify", "train")},
+    **{("manifest_is_fifo", c): r"manifest\.json is a FIFO \(named pipe\), not a regular file"
+       for c in ("inspect", "verify")},
     **{("leftover_tmp", c): r"leftover shard-000002\.arrow\.tmp from an interrupted write"
        for c in ("inspect", "show", "export", "pack", "train")},
     ("leftover_tmp", "verify"): r"shard-000002\.arrow\.tmp: \[leftover_tmp\]",
@@ -243,7 +259,8 @@ def test_a_damaged_shard_directory_stops_the_command(clean, tmp_path, damage, co
     _assert_stopped(done, command, SHARD_EXPECTED[(damage, command)])
     if command == "verify":
         assert done.returncode == (2 if damage in ("manifest_not_json", "manifest_other_version",
-                                                   "manifest_version_a_string") else 1)
+                                                   "manifest_version_a_string", "manifest_is_directory",
+                                                   "manifest_is_fifo") else 1)
     if command == "export":
         assert not (tmp_path / "tars" / "index.json").exists() and not list((tmp_path / "tars").glob("*.tar"))
     if not damage.startswith("manifest_"):  # the shard is named, an intact manifest never blamed
@@ -456,6 +473,9 @@ TAR_EXPECTED = {
     "index_rejects_null": r"index\.json: `rejects` must be an object, got NoneType: index\.json is damaged",
     "index_offsets_not_counts": r"index\.json: tar entry 0 \(vlmpack-000000\.tar\) has missing or invalid "
                                 r"sample_offsets \(not a list of integers\)",
+    "index_samples_a_string": r"index\.json: `samples` '\d+' is not an integer: index\.json is damaged",
+    "index_without_tars": r"index\.json: `tars` must be a list, and it is missing: index\.json is damaged",
+    "index_is_fifo": r"index\.json is a FIFO \(named pipe\), not a regular file",
 }
 
 
@@ -543,6 +563,10 @@ BAD_ARGUMENTS = [
     (["show", "{d}", "--save-images", "{d}/images"], "--save-images {d}/images lies inside the input directory {d}"),
     (["pack", "{d}", "--seq-len", "4096", "--out", "{d}/plan"], "--out {d}/plan lies inside the input directory {d}"),
     (["fetch", "{d}", "{d}/copy"], "the destination {d}/copy lies inside the input directory {d}"),
+    (["train", "--arch", "tiny", "--data", "{d}", "--out", "{d}/run"], "--out {d}/run lies inside the input directory {d}"),
+    (["train", "--arch", "tiny", "--data", "{d}:0.5", "--out", "{t}/run", "--export-hf", "{d}/hf"],
+     "--export-hf {d}/hf lies inside the input directory {d}"),
+    (["pack", "{d}", "--seq-len", "4096", "--out", "{g}"], "--out {g} is a link to {t}/nothing, which does not exist"),
 ]
 
 
@@ -552,8 +576,9 @@ def test_bad_arguments_give_one_line_and_exit_2(clean, clean_export, tmp_path, c
     scratch.mkdir()
     (tmp_path / "a-file").write_text("not a directory")
     (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "dangling").symlink_to(scratch / "nothing")
     paths = {"d": clean, "x": clean_export, "f": tmp_path / "a-file", "t": scratch, "n": "x" * 300,
-             "l": tmp_path / "loop"}
+             "l": tmp_path / "loop", "g": tmp_path / "dangling"}
     argv = [a.format(**paths) for a in argv]
     try:
         code = vlmpack(argv)

@@ -452,6 +452,12 @@ def test_show_tokenizer_checks(data, tmp_path, capsys):
     assert code == 2 and "tokenizer mismatch" in err and "--model DIR" in err
     code, _, err = _cli(capsys, "show", str(other), "--model", str(tmp_path))
     assert code == 2 and "no tokenizer.json" in err
+    # a built-in profile this vlmpack does not have: named once, with the way out
+    manifest["profile"]["family"] = "qwen9"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = _cli(capsys, "show", str(other), "--index", str(index))
+    assert code == 2 and err.count("\n") == 1 and "its built-in profile 'qwen9' is not one this vlmpack has" in err, err
+    assert err.count("--model DIR") == 1, err
 
 
 # ------------------------------------------------------------------------ the report in a browser

@@ -148,8 +148,10 @@ def test_partitions_then_merge_equal_one_job(example_jsonl, baseline, tmp_path):
         summary = _run([example_jsonl], d, workers=1, num_partitions=3, partition_index=i)
         assert "totals" not in summary and not (d / "manifest.json").exists()
         dirs.append(d)
-    with pytest.raises(ConfigError, match="not done"):
+    with pytest.raises(ConfigError, match=r"not done \(first: \[\d+(, \d+)*\]\); run the missing"):
         merge_partitions([str(dirs[0]), str(dirs[1])], str(tmp_path / "incomplete"))
+    with pytest.raises(ConfigError, match=f"not done .*\\({dirs[0]} named more than once: name each partition's"):
+        merge_partitions([str(dirs[0]), str(dirs[1]), str(dirs[0])], str(tmp_path / "incomplete"))
     # a FIFO in place of a unit's record is a unit not done, never waited on
     shutil.copytree(dirs[2], tmp_path / "fifo2")
     record = sorted((tmp_path / "fifo2" / "_parts").glob("unit-*.json"))[0]

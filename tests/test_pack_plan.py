@@ -457,7 +457,13 @@ def test_cli_out_may_be_an_empty_directory_or_a_plan_it_replaces(shard_dirs, tmp
     first = PackPlan.load(out).key
     result = _vlmpack_pack(shard_dirs[0], "--seq-len", 2048, "--seed", 1, "--out", out)
     assert result.returncode == 0, result.stderr
-    assert PackPlan.load(out).key != first
+    second = PackPlan.load(out).key
+    assert second != first
+    # a link to such a directory: the plan lands where it points, the link stays
+    (tmp_path / "link").symlink_to(out)
+    result = _vlmpack_pack(shard_dirs[0], "--seq-len", 2048, "--seed", 2, "--out", tmp_path / "link")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "link").is_symlink() and PackPlan.load(out).key not in (first, second)
 
 
 def test_cli_saves_the_same_plan_byte_for_byte_every_run(shard_dirs, tmp_path):

@@ -181,6 +181,25 @@ def test_a_token_id_outside_the_models_vocabulary_stops_the_run_naming_the_row(s
     assert "vlmpack verify" in line
 
 
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_a_run_refused_in_setup_leaves_its_out_as_it_found_it(shards, tmp_path, capsys, monkeypatch, out_exists):
+    """--wandb-project without a Weights & Biases login stops the run at the end of its setup,
+    after it wrote its plans, config and metrics file: none of them stays, nor a --out it made."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc holding a key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    if out_exists:
+        out.mkdir()
+    code, err = train(["--arch", "tiny", "--seq-len", str(SEQ_LEN), *RUN, "--data", str(shards), "--out", str(out),
+                       "--wandb-project", "vlmpack-tests"], capsys)
+    line = one_error_line(err, "train")
+    assert code == 2 and "--wandb-project vlmpack-tests: Weights & Biases did not start" in line, err
+    assert (out.is_dir() and not any(out.iterdir())) if out_exists else not out.exists()
+
+
 def test_a_gpu_size_without_a_plan_is_refused(shards, tmp_path, capsys):
     """--gpu-memory-gib sizes the plan of --dry-run and --recompute auto; a run with neither is
     refused rather than run as if it were not given."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shards_schema.errors import UserError
+from shards_schema.outdir import refuse_input_as_output
 from shards_schema.storage import is_url, redact
 from shards_schema.flags import (add_flags, flag_name, flat_paths, from_flat, nested, parse_bool, refuse_bad_location,
                                  setting, to_flat)
@@ -548,6 +549,8 @@ class TrainConfig:
         if self.data.eval_data and not self.schedule.eval_every:
             raise ConfigError("--eval-data is evaluated only with --eval-every N (every N steps): add it, or drop "
                               "--eval-data")
+        if not self.memory.dry_run:
+            self._refuse_outputs_inside_the_data()
         if self.schedule.extend_schedule and not self.checkpoints.resume:
             raise ConfigError("--extend-schedule continues a checkpoint's learning-rate schedule: it needs --resume")
         self.lora.validate()
@@ -597,6 +600,20 @@ class TrainConfig:
         if self.data.pad_packs is False and self.parallelism.pp > 1:
             raise ConfigError(f"--pad-packs false with --pp {self.parallelism.pp}: the pipeline schedule sends packs of "
                               "one shape, so they are padded to --seq-len; drop --pad-packs false or use --pp 1")
+
+    def _refuse_outputs_inside_the_data(self) -> None:
+        """--out and --export-hf write files a source directory's readers never expect (a shard
+        directory is checked file by file, and its verify would fail)."""
+        from train.pack_plan import parse_source
+
+        outputs = [("--out", self.checkpoints.out), ("--export-hf", self.checkpoints.export_hf)]
+        for spec in (*self.data.data, *self.data.eval_data):
+            directory, _ = parse_source(spec)
+            if is_url(directory):
+                continue
+            for flag, out in outputs:
+                if out and not is_url(out):
+                    refuse_input_as_output(out, directory, flag)
 
     def _validate_bf16_master_weights(self) -> None:
         """--master-weights bf16 drops the fp32 copy of weights that are bf16 and fully trained."""

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -241,6 +242,23 @@ def lock_output_dir(stack: ExitStack, out: Path, info: ParallelInfo) -> None:
     dist.broadcast_object_list(message, src=0)
     if message[0] is not None:
         raise UserError(message[0])
+
+
+def remove_refused_run(out: Path, created: bool) -> None:
+    """What a run that stopped in setup wrote into its new (or empty) --out, but the shards it
+    fetched from a store (data_cache/): a second try finds them checked and fetches nothing.
+    An empty directory the user gave stays; one the run `created` goes once empty."""
+    if not out.is_dir():
+        return
+    for entry in out.iterdir():
+        if entry.name == "data_cache":
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    if created and not any(out.iterdir()):
+        out.rmdir()
 
 
 def check_device(config: ParallelismConfig) -> None:
@@ -556,13 +574,23 @@ class Trainer:
         self._resources = ExitStack()
 
     def __enter__(self) -> Trainer:
-        with ExitStack() as stack:  # a failing setup releases what it took
-            lock_output_dir(stack, self.out, self.info)
-            self.saver = checkpoint.CheckpointSaver(self.out, self.info, self.config.checkpoints.keep_last,
-                                                    background=self.config.checkpoints.async_save)
-            stack.callback(self.saver.abandon)  # an error mid-run: a save in flight still completes if it can
-            self.setup()
-            self._resources = stack.pop_all()
+        # the main rank alone creates or fills it, below
+        created = not os.path.lexists(self.out)
+        new_out = created or (self.out.is_dir() and not any(self.out.iterdir()))
+        try:
+            with ExitStack() as stack:  # a failing setup releases what it took
+                lock_output_dir(stack, self.out, self.info)
+                self.saver = checkpoint.CheckpointSaver(self.out, self.info, self.config.checkpoints.keep_last,
+                                                        background=self.config.checkpoints.async_save)
+                stack.callback(self.saver.abandon)  # an error mid-run: a save in flight still completes if it can
+                self.setup()
+                self._resources = stack.pop_all()
+        except BaseException:
+            # a run refused in setup (W&B without a login, say) leaves no --out of its own behind:
+            # nothing in it can be resumed, and a second try would meet it as an earlier run's
+            if new_out and self.info.is_main:
+                remove_refused_run(self.out, created)
+            raise
         return self
 
     def __exit__(self, *exc) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from shards_schema import storage
 from shards_schema.atomic import TMP_SUFFIX, write_json_atomic
+from shards_schema.errors import first_few
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR
 from shards_schema.outdir import exclusive_output_dir
 
@@ -78,8 +79,12 @@ def merge_partitions(directories: list[str], out: str, publish_to: str | None = 
             found.setdefault(int(path.stem.split("-")[1]), []).append(d)
     missing = sorted(set(range(total_units)) - set(found))
     if missing:
+        resolved = [d.resolve() for d in dirs]
+        repeated = [str(d) for d, r in zip(dirs, resolved) if resolved.count(r) > 1]
+        hint = (f" ({first_few([printable_path(d) for d in dict.fromkeys(repeated)])} named more than once: name each partition's --out "
+                "once, all of them)") if repeated else ""
         raise ConfigError(
-            f"{len(missing)} of {total_units} work units are not done (first: {missing[:5]}); "
+            f"{len(missing)} of {total_units} work units are not done (first: {missing[:5]}){hint}; "
             "run the missing partitions (or re-run them to finish) before merging"
         )
     sources = {d.resolve() for d in dirs}

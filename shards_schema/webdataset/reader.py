@@ -17,6 +17,7 @@ from ..json_object import NotAJSONObject, parse_json_object
 from ..manifest import REJECTS_NAME, check_manifest, is_count, require_directory
 from ..schema import FORMAT_NAME as SHARDS_FORMAT_NAME
 from ..schema import READABLE_SCHEMA_VERSIONS
+from ..storage import NotARegularFile, open_local
 from ..writer import file_sha256
 from .format import (
     ARRAY_MEMBERS,
@@ -45,13 +46,18 @@ def load_index(tardir: str | Path) -> dict:
     tardir = Path(tardir)
     require_directory(tardir, "directory written by `vlmpack export` (the one holding index.json)")
     path = tardir / INDEX_NAME
-    if not path.is_file():
-        hint = " (an export that has not finished, or not a `vlmpack export` directory?)" if tardir.is_dir() else ""
-        raise WebDatasetFormatError(f"{tardir}: no {INDEX_NAME}{hint}")
     try:
-        index = parse_json_object(path.read_bytes(), path)
-    except NotAJSONObject as exc:
+        with open_local(path) as f:  # a FIFO is refused, not waited on
+            index = parse_json_object(f.read(), path)
+    except FileNotFoundError:
+        hint = " (an export that has not finished, or not a `vlmpack export` directory?)" if tardir.is_dir() else ""
+        raise WebDatasetFormatError(f"{tardir}: no {INDEX_NAME}{hint}") from None
+    except IsADirectoryError:
+        raise WebDatasetFormatError(f"{path} is a directory, not the index file: {_DAMAGED_INDEX}") from None
+    except (NotAJSONObject, NotARegularFile) as exc:
         raise WebDatasetFormatError(str(exc)) from None
+    except OSError as exc:
+        raise WebDatasetFormatError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     found = index.get("format")
     if found != FORMAT_NAME:
         raise WebDatasetFormatError(f"{path}: not a vlmpack WebDataset index (format {found!r})")
@@ -64,8 +70,9 @@ def load_index(tardir: str | Path) -> dict:
         )
     for key, kind in (("manifest", dict), ("tars", list), ("rejects", dict)):
         if not isinstance(index.get(key), kind):
-            raise WebDatasetFormatError(f"{path}: `{key}` must be {'an object' if kind is dict else 'a list'}, got "
-                                        f"{type(index.get(key)).__name__}: {_DAMAGED_INDEX}")
+            found = "and it is missing" if key not in index else f"got {type(index[key]).__name__}"
+            raise WebDatasetFormatError(f"{path}: `{key}` must be {'an object' if kind is dict else 'a list'}, "
+                                        f"{found}: {_DAMAGED_INDEX}")
     if not isinstance(index["rejects"].get("sha256"), str):
         raise WebDatasetFormatError(f"{path}: rejects.sha256 {index['rejects'].get('sha256')!r} is not a string: "
                                     f"{_DAMAGED_INDEX}")
@@ -103,8 +110,12 @@ def load_index(tardir: str | Path) -> dict:
                 f"{path}: entry for {name}: sample_offsets and end_offset are not increasing {BLOCK}-byte block "
                 f"boundaries from 0 within its {entry['bytes']} bytes: {_DAMAGED_INDEX}")
         expected_first += entry["samples"]
-    if expected_first != index.get("samples"):
-        raise WebDatasetFormatError(f"{path}: tars hold {expected_first} samples, index says {index.get('samples')}")
+    samples = index.get("samples")
+    if not is_count(samples):
+        raise WebDatasetFormatError(f"{path}: `samples` {samples!r} is not an integer: {_DAMAGED_INDEX}")
+    if expected_first != samples:
+        raise WebDatasetFormatError(f"{path}: its tars hold {expected_first} samples, `samples` says {samples}: "
+                                    f"{_DAMAGED_INDEX}")
     return index
 
 

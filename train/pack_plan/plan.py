@@ -39,6 +39,9 @@ def check_plan_out(path: str | Path) -> None:
         return
     if path.exists():
         raise UserError(f"--out {path} is a file, not a directory: pass a directory path")
+    if path.is_symlink():  # the plan is renamed into place, which would not follow a link to nothing
+        raise UserError(f"--out {path} is a link to {os.readlink(path)}, which does not exist: pass a directory "
+                        "path, or make the directory the link points to")
     parent = next(p for p in path.absolute().parents if p.exists())
     if not parent.is_dir():
         raise UserError(f"--out {path}: {parent} is a file, not a directory: pass a directory path")
@@ -171,6 +174,8 @@ class PackPlan:
         is replaced (`check_plan_out`)."""
         path = Path(path)
         check_plan_out(path)
+        if path.is_symlink():  # a link to a directory: the plan replaces that directory, the link stays
+            path = path.resolve()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))

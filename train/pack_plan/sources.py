@@ -10,6 +10,7 @@ list offsets or tar headers; never a token or pixel value is read.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,8 @@ def source_fingerprint(manifest: dict) -> dict:
 
 def is_webdataset_export(directory: str | Path) -> bool:
     directory = Path(directory)
-    return not (directory / MANIFEST_NAME).is_file() and (directory / INDEX_NAME).is_file()
+    # lexists: an index.json that is a directory or a FIFO is named by load_index, not taken for no source
+    return not os.path.lexists(directory / MANIFEST_NAME) and os.path.lexists(directory / INDEX_NAME)
 
 
 def source_manifest(directory: str | Path) -> dict:
