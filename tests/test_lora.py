@@ -31,6 +31,7 @@ from tests.helpers.parity import TOLERANCE, hf_inputs, our_forward, our_model, p
 from tests.helpers.shards import preprocess
 from tests.helpers.train import BASE, ok, run_train
 from train import adapter_format, convert
+from train.checkpoint_format import weights_fingerprint
 from train.model import lora
 from train.model.arch import ModelArch
 from train.model.batch import PackedBatch
@@ -342,7 +343,7 @@ def test_checkpoints_hold_adapters_only_and_resume_bitwise(lora_run, shards, hf_
     assert sorted(p.name for p in (step / "adapter").iterdir()) == ["adapter_tp0_pp0.safetensors", "hf", "lora.json",
                                                                      "profile.json"]
     meta = json.loads((step / "adapter" / "lora.json").read_text())
-    assert meta["base"] == {"hf_model": str(hf_base.resolve())}
+    assert meta["base"] == {"hf_model": str(hf_base.resolve()), "fingerprint": weights_fingerprint(hf_base)}
 
     resumed = tmp_path / "resumed"
     ok(run_train([*lora_args(shards, hf_base, resumed), "--lora-dora", "--exit-interval", "2"]))
@@ -358,6 +359,12 @@ def test_checkpoints_hold_adapters_only_and_resume_bitwise(lora_run, shards, hf_
     shutil_copy_run(resumed, changed)
     proc = run_train([*lora_args(shards, hf_base, changed, steps=6), "--lora-dora", "--lora-rank", "4", "--resume"])
     assert proc.returncode == 2 and "resume with the same --lora-* settings" in proc.stderr
+    # adapters recorded on other weights than --hf-model holds now
+    (changed / "checkpoints" / "latest").write_text("step_00000002")
+    saved = changed / "checkpoints" / "step_00000002" / "adapter" / "lora.json"
+    saved.write_text(json.dumps({**meta, "base": {**meta["base"], "fingerprint": "0" * 64}}))
+    proc = run_train([*lora_args(shards, hf_base, changed), "--lora-dora", "--resume"])
+    assert proc.returncode == 2 and "were trained on other weights than" in proc.stderr, proc.stderr[-2000:]
 
 
 def shutil_copy_run(src: Path, dst: Path) -> None:
@@ -487,6 +494,22 @@ def test_export_flags_need_a_lora_checkpoint(lora_run, tmp_path, capsys):
     assert vlmpack(["export-hf", str(step), "--merge", "--out", str(tmp_path / "b")]) == 0
     a, b = (convert.load_tensors(tmp_path / d / "model.safetensors") for d in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a model of the same architecture with other weights is no base for these adapters; the
+    # base's own weights saved in other shards are
+    tiny_qwen3_vl(seed=5).save_pretrained(tmp_path / "other")
+    capsys.readouterr()
+    assert vlmpack(["export-hf", str(step), "--merge", "--base", str(tmp_path / "other"), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds other weights than the adapters were trained on" in err, err
+    assert not (tmp_path / "c").exists()
+    from transformers import AutoModelForImageTextToText
+    AutoModelForImageTextToText.from_pretrained(_hf_dir(out)).save_pretrained(tmp_path / "resharded",
+                                                                              max_shard_size="200KB")
+    assert len(list((tmp_path / "resharded").glob("*.safetensors"))) > 1
+    assert vlmpack(["export-hf", str(step), "--merge", "--base", str(tmp_path / "resharded"), "--out",
+                    str(tmp_path / "d")]) == 0
+    d = convert.load_tensors(tmp_path / "d" / "model.safetensors")
+    assert d.keys() == b.keys() and all(torch.equal(d[k], b[k]) for k in d)
 
 
 def _hf_dir(run: Path) -> Path:

@@ -431,6 +431,40 @@ def _read_one(path: Path, key: str) -> torch.Tensor:
         return f.get_tensor(key)
 
 
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """A digest of the weights of a Hugging Face or Megatron model directory that tells one
+    model's weights from another's of the same shapes (a fine-tune of it, another seed), read
+    without loading them: each tensor's name, dtype and shape, and a vector of its last dimension
+    at the first, middle and last index of its first (a fine-tune moves every one). HF tensors
+    are hashed by name, so the same weights saved in other shards match; a Megatron directory's
+    digest is another than that of the HF directory it was imported from."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    megatron = (model_dir / META_FILE).is_file()
+    files = sorted(model_dir.glob("*.safetensors")) if megatron else hf_weight_files(model_dir)
+    rows = []
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    part = f.get_slice(key)
+                    shape = part.get_shape()
+                    if len(shape) < 2 or not shape[0]:
+                        picked = [f.get_tensor(key)]  # a norm's or a bias's vector: small
+                    else:  # one vector of the last dimension at the first, middle and last index of the first
+                        picked = [part[(slice(i, i + 1), *[slice(0, 1)] * (len(shape) - 2), slice(None))]
+                                  for i in sorted({0, shape[0] // 2, shape[0] - 1})]
+                    digest = hashlib.sha256()
+                    for tensor in picked:
+                        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                    # a Megatron directory holds one file per TP rank, each with the same names
+                    rows.append(f"{path.name if megatron else ''}/{key} {part.get_dtype()} {shape} {digest.hexdigest()}")
+        except SafetensorError as exc:
+            raise damaged_weights(path, exc, HF_DIR_FIX) from None
+    return hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()
+
+
 def save_tensors_streaming(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]], tensors) -> None:
     """A safetensors file written one tensor at a time: the header from `entries` (name,
     shape, dtype, in file order) first, then each tensor of the iterable `tensors` (the same

@@ -24,7 +24,8 @@ import torch
 
 from shards_schema.errors import UserError
 from train import adapter_format, convert
-from train.checkpoint_format import META_FILE, SideFiles, arch_differences, lazy_hf_state, materialize
+from train.checkpoint_format import (META_FILE, SideFiles, arch_differences, lazy_hf_state, materialize,
+                                     weights_fingerprint)
 from train.model.arch import ModelArch
 from train.model_setup import random_full_state
 
@@ -68,6 +69,15 @@ def base_megatron_state(base: dict, arch: ModelArch, override: str | Path | None
     if differences:
         raise UserError(f"base model {source} is not the architecture the adapters were trained on: "
                         + "; ".join(differences))
+    # a fingerprint of the recorded kind of directory (absent where the run recorded its base
+    # before fingerprints); a Megatron directory imported from the HF one has another digest
+    recorded = base.get("fingerprint")
+    same_kind = ("hf_model" in base) == (source / "config.json").is_file()
+    if recorded is not None and same_kind and weights_fingerprint(source) != recorded:
+        trained_on = base.get("hf_model") or base.get("init")
+        raise UserError(f"base model {source} holds other weights than the adapters were trained on ({trained_on} "
+                        "when they were trained; its weights fingerprint differs): pass --base DIR, the model they "
+                        "were trained on")
     return loader()
 
 

@@ -128,10 +128,10 @@ def init_random_weights(model, arch: ModelArch, seed: int, info, std: float = 0.
 def base_reference(config, seed: int) -> dict:
     """What a LoRA run's adapters sit on: the model source of its model section `config` (and
     the --seed of a random init)."""
-    if config.hf_model:
-        return {"hf_model": str(Path(config.hf_model).resolve())}
-    if config.init:
-        return {"init": str(Path(config.init).resolve())}
+    for key in ("hf_model", "init"):
+        source = getattr(config, key)
+        if source:  # the fingerprint tells a later export whether a --base holds these weights
+            return {key: str(Path(source).resolve()), "fingerprint": fmt.weights_fingerprint(source)}
     return {"arch": config.arch, "seed": seed}
 
 
