@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from .errors import (EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError, print_error,
@@ -40,6 +41,12 @@ COMMANDS = {
 
 class _Parser(argparse.ArgumentParser):
     """A usage mistake is one line, like every other user error (the usage is one --help away)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # a value such as `-1G` is a value, not an option (no option of ours starts with a
+        # digit): so its flag names what is wrong with it. Python 3.13's own pattern
+        self._negative_number_matcher = re.compile(r"-\.?\d")
 
     def error(self, message: str):
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")

@@ -538,6 +538,7 @@ BAD_ARGUMENTS = [
     (["export", "{d}", "--out", "{t}/o", "--samples-per-tar", "few"], "argument --samples-per-tar: invalid int value: 'few'"),
     (["export", "{d}", "--out", "{t}/o", "--max-tar-bytes", "lots"], "argument --max-tar-bytes: 'lots' is not a size"),
     (["export", "{d}", "--out", "{t}/o", "--max-tar-bytes", "0"], "--max-tar-bytes must be positive, got 0"),
+    (["export", "{d}", "--out", "{t}/o", "--max-tar-bytes", "-1G"], "argument --max-tar-bytes: '-1G' is not a size"),
     (["import", "{x}"], "the following arguments are required: --out"),
     (["import", "{t}/missing", "--out", "{t}/o"], "{t}/missing: no such directory: pass the directory written by `vlmpack export`"),
     (["import", "{f}", "--out", "{t}/o"], "{f} is a file, not a directory"),
