@@ -498,7 +498,8 @@ def test_export_flags_need_a_lora_checkpoint(lora_run, tmp_path, capsys):
     # base's own weights saved in other shards are
     tiny_qwen3_vl(seed=5).save_pretrained(tmp_path / "other")
     capsys.readouterr()
-    assert vlmpack(["export-hf", str(step), "--merge", "--base", str(tmp_path / "other"), "--out", str(tmp_path / "c")]) == 2
+    assert vlmpack(["export-hf", str(step), "--merge", "--base", str(tmp_path / "other"), "--out",
+                    str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds other weights than the adapters were trained on" in err, err
     assert not (tmp_path / "c").exists()

@@ -974,8 +974,9 @@ def _load_run_weights(model, path: Path, info, saved_config: dict) -> None:
         base.pop("fingerprint", None)
     if saved_base != base:
         if saved_base.keys() == base.keys() and all(saved_base[k] == base[k] for k in base if k != "fingerprint"):
-            raise ConfigError(f"{path}'s adapters were trained on other weights than {base.get('hf_model') or base.get('init')} "
-                              "holds now (its weights fingerprint differs): resume on the model they were trained on")
+            source = base.get("hf_model") or base.get("init")
+            raise ConfigError(f"{path}'s adapters were trained on other weights than {source} holds now (its weights "
+                              "fingerprint differs): resume on the model they were trained on")
         raise ConfigError(f"{path}'s adapters were trained on {saved_base}, this run's model is {base}: "
                           "resume with the same --hf-model / --init / --arch and --seed")
     adapters.load_state_dict(fmt.load_tensors(adapter_dir / adapter_format.adapter_file(info.tp_rank, info.pp_rank),

@@ -459,7 +459,8 @@ def weights_fingerprint(model_dir: str | Path) -> str:
                     for tensor in picked:
                         digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
                     # a Megatron directory holds one file per TP rank, each with the same names
-                    rows.append(f"{path.name if megatron else ''}/{key} {part.get_dtype()} {shape} {digest.hexdigest()}")
+                    where = path.name if megatron else ""
+                    rows.append(f"{where}/{key} {part.get_dtype()} {shape} {digest.hexdigest()}")
         except SafetensorError as exc:
             raise damaged_weights(path, exc, HF_DIR_FIX) from None
     return hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()

@@ -80,9 +80,9 @@ def merge_partitions(directories: list[str], out: str, publish_to: str | None = 
     missing = sorted(set(range(total_units)) - set(found))
     if missing:
         resolved = [d.resolve() for d in dirs]
-        repeated = [str(d) for d, r in zip(dirs, resolved) if resolved.count(r) > 1]
-        hint = (f" ({first_few([printable_path(d) for d in dict.fromkeys(repeated)])} named more than once: name each partition's --out "
-                "once, all of them)") if repeated else ""
+        repeated = list(dict.fromkeys(printable_path(str(d)) for d, r in zip(dirs, resolved) if resolved.count(r) > 1))
+        hint = (f" ({first_few(repeated)} named more than once: name each partition's --out once, all of them)"
+                if repeated else "")
         raise ConfigError(
             f"{len(missing)} of {total_units} work units are not done (first: {missing[:5]}){hint}; "
             "run the missing partitions (or re-run them to finish) before merging"
