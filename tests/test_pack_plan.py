@@ -459,6 +459,8 @@ def test_cli_out_may_be_an_empty_directory_or_a_plan_it_replaces(shard_dirs, tmp
     assert result.returncode == 0, result.stderr
     second = PackPlan.load(out).key
     assert second != first
+    (tmp_path / "plain").mkdir()  # the mode of the user's own directories, not a temporary one's 0700
+    assert out.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777
     # a link to such a directory: the plan lands where it points, the link stays
     (tmp_path / "link").symlink_to(out)
     result = _vlmpack_pack(shard_dirs[0], "--seq-len", 2048, "--seed", 2, "--out", tmp_path / "link")

@@ -198,6 +198,11 @@ class PackPlan:
         return path
 
     def _write(self, directory: Path) -> None:
+        """The plan's files into `directory`, a temporary one made private by mkdtemp: given
+        the mode a plain mkdir gives, so the plan reads for whoever may read its parent."""
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(directory, 0o777 & ~umask)
         for name in ARRAY_NAMES:
             with open(directory / f"{name}.npy", "wb") as f:
                 np.save(f, np.asarray(self.arrays[name]))
