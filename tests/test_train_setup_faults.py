@@ -269,6 +269,35 @@ def test_a_config_file_giving_a_setting_twice_exits_2_naming_both(shards, tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+def _alias_bomb() -> str:
+    """A YAML list of 9^9 items in 300 bytes: each level's anchor repeated nine times by the next."""
+    levels = ["&l0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"&l{k} [{', '.join([f'*l{k - 1}'] * 9)}]" for k in range(1, 9)]
+    return f"[{', '.join(levels)}]"
+
+
+@pytest.mark.parametrize("text, says", [
+    (f"lr: {_alias_bomb()}\n", "lr: expected a number, got [["),
+    (f"freeze: {_alias_bomb()}\n", "freeze: expected a list of names, got [["),
+], ids=["a number", "a list"])
+def test_a_yaml_alias_bomb_is_one_short_line(shards, tmp_path, capsys, text, says):
+    """A value of billions of items made by YAML aliases is named, cut short, in one line; it
+    is never spelled out (which took gigabytes and ended in a MemoryError)."""
+    (tmp_path / "run.yaml").write_text(text)
+    code, err = train(["--config", str(tmp_path / "run.yaml"), "--arch", "tiny", *RUN, "--data", str(shards), "--out",
+                       str(tmp_path / "run")], capsys)
+    line = one_error_line(err, "train")
+    assert code == 2 and says in line and len(line) < 400, line
+
+
+def test_a_yaml_config_under_another_name_says_how_names_are_read(shards, tmp_path, capsys):
+    (tmp_path / "run.txt").write_text("lr: 1.0e-4\n")
+    code, err = train(["--config", str(tmp_path / "run.txt"), "--arch", "tiny", *RUN, "--data", str(shards), "--out",
+                       str(tmp_path / "run")], capsys)
+    line = one_error_line(err, "train")
+    assert code == 2 and "not valid JSON" in line and "a name ending in .yaml or .yml is read as YAML" in line, line
+
+
 def test_config_and_chat_template_files_are_refused_alike(tmp_path, capsys):
     """A directory, a FIFO (reading it would block) and a file that is not UTF-8, named as a
     --config or a --chat-template: the same line, but for the flag and what to pass instead."""

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import math
 import os
+import reprlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -678,7 +679,9 @@ def _refuse_repeated(path, keys: list) -> None:
     (`seq-len` and `seq_len`), of which the parsers would silently keep the last."""
     seen: dict[str, object] = {}
     for key in keys:
-        name = str(key).replace("-", "_")
+        if not isinstance(key, str):
+            continue  # refused by name once parsed (`load_config_file`)
+        name = key.replace("-", "_")
         if name in seen:
             spellings = f"as {seen[name]!r} and {key!r}" if seen[name] != key else f"as {key!r} twice"
             raise ConfigError(f"--config {path}: {name} is given {spellings}: keep one")
@@ -712,7 +715,8 @@ def load_config_file(path: str | Path) -> dict:
     except ConfigError:
         raise
     except bad_syntax as exc:
-        raise ConfigError(f"--config {path}: not valid {kind} ({str(exc).splitlines()[0]}): fix the file") from None
+        named = "" if kind == "YAML" else " (a name ending in .yaml or .yml is read as YAML, any other as JSON)"
+        raise ConfigError(f"--config {path}: not valid {kind} ({str(exc).splitlines()[0]}): fix the file{named}") from None
     if values is None or values == {}:  # an empty file, or one of comments only
         raise ConfigError(f"--config {path} holds no settings: write them as `name: value` lines (the flags' names), "
                           "or drop --config")
@@ -720,7 +724,7 @@ def load_config_file(path: str | Path) -> dict:
         raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(values).__name__}")
     named = [k for k in values if not isinstance(k, str)]
     if named:
-        raise ConfigError(f"--config {path}: unknown settings {named!r}: use the names of `vlmpack train` flags")
+        raise ConfigError(f"--config {path}: unknown settings {_shown(named)}: use the names of `vlmpack train` flags")
     return {k.replace("-", "_"): v for k, v in values.items()}
 
 
@@ -753,7 +757,16 @@ def _file_value(path, name: str, value):
         pass
     what = {"list": "a list of names", "bool": "true or false", "int": "an integer", "float": "a number"}
     expected = next((text for prefix, text in what.items() if kind.startswith(prefix)), "a string")
-    raise ConfigError(f"--config {path}: {name}: expected {expected}, got {value!r}")
+    raise ConfigError(f"--config {path}: {name}: expected {expected}, got {_shown(value)}")
+
+
+def _shown(value) -> str:
+    """repr of a --config value, cut short: a YAML alias can make a few bytes of a file a value
+    of billions of items, which a plain repr would try to spell out."""
+    shown = reprlib.Repr()
+    shown.maxlevel, shown.maxlist, shown.maxdict, shown.maxstring, shown.maxother = 2, 4, 4, 120, 120
+    text = shown.repr(value)
+    return text if len(text) <= 160 else text[:160] + "..."
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
