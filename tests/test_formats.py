@@ -211,6 +211,13 @@ BAD_ROWS = [
                 "images": ["a.png"]}, "unsupported_field", "`images` beside `messages` is the ms-swift layout"),
     ("openai", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "loss": False}]},
      "unsupported_field", "messages[1].loss is ms-swift's key, which --input-format openai does not read"),
+    # the OpenAI layout's flags on a ShareGPT turn, and the turns of two layouts in one row
+    *[("sharegpt", {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y", key: value}]},
+       "unsupported_field", f"conversations[1].{key} is the OpenAI layout's key") for key, value in
+      (("train", False), ("weight", 0))],
+    *[(layout, {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}],
+                "messages": [{"role": "user", "content": "x"}]}, "bad_row",
+       "the row holds both `messages` and `conversations`") for layout in ("sharegpt", "openai")],
 ]
 
 

@@ -49,6 +49,9 @@ def to_openai_row(row, row_format: str) -> dict:
     if not isinstance(row, dict):
         raise RejectError("bad_row", f"a row must be a JSON object, got {type(row).__name__}")
     key = TURNS_KEY.get(row_format, "messages")
+    if row.get("messages") is not None and row.get("conversations") is not None:  # one would go unread
+        raise RejectError("bad_row", "the row holds both `messages` and `conversations`, the turns of two layouts: "
+                          "keep one of them")
     if row.get(key) is None:
         _reject_other_layout(row, row_format)
     elif isinstance(row[key], str):

@@ -46,6 +46,11 @@ def to_openai(row: dict) -> dict:
             raise RejectError("unknown_role", f"conversations[{k}].from {speaker!r} is not one of {', '.join(ROLES)}")
         if not isinstance(value, str):
             raise RejectError("bad_content", f"conversations[{k}].value must be a string, got {type(value).__name__}")
+        for key in ("train", "weight"):  # the OpenAI layout's flags: read here they would go unseen
+            if key in turn:
+                raise RejectError("unsupported_field", f"conversations[{k}].{key} is the OpenAI layout's key, which "
+                                  "a ShareGPT turn does not have: write `loss: false` (or true) to set whether it "
+                                  "is trained")
         train = loss_flag(turn, role == "assistant", f"conversations[{k}]")
         if speaker == "function_call":
             message = {"role": "assistant", "content": "", "tool_calls": tool_calls(value, f"conversations[{k}]")}
