@@ -273,13 +273,16 @@ def json_text(value, code: str, index: int | None, where: str) -> str:
 
 def _render_arguments(arguments, index: int, k: int) -> str:
     """A string is rendered verbatim (OpenAI's JSON string), an object as the template's `tojson`.
-    A string that parses only as Python's `json` reads it, holding NaN or an infinity (`NaN`,
-    `Infinity`, `1e999`), is rejected as an object holding them is: the target would not be JSON."""
+    A string that is not JSON, or parses only as Python's `json` reads it, holding NaN or an
+    infinity (`NaN`, `Infinity`, `1e999`), is rejected as an object holding them is: the target
+    would teach calls that no parser of the model's output reads."""
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
         except (ValueError, RecursionError):
-            return arguments  # not JSON: the template writes it verbatim, and there is no number to check
+            raise reject("bad_tool_call", index, f"tool_calls[{k}].arguments is a string that is not JSON "
+                         f"({ascii(arguments):.60}): OpenAI's arguments are the JSON text of the call's "
+                         "arguments; write it as JSON, or as an object") from None
         json_text(parsed, "bad_tool_call", index, f"tool_calls[{k}].arguments")
         return arguments
     if isinstance(arguments, dict):

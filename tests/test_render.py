@@ -370,6 +370,8 @@ REJECTS = [
         "arguments",
     ),
     ("bad_tool_call", ("qwen3-vl",), [Q, {"role": "assistant", "tool_calls": [{"name": "f"}]}], None, "no arguments"),
+    ("bad_tool_call", ("qwen3-vl",), [Q, {"role": "assistant", "tool_calls": [{"name": "f", "arguments": "{not json"}]}],
+     None, "tool_calls[0].arguments is a string that is not JSON"),
     ("bad_tool_call", ("qwen3-vl",), [Q, {"role": "assistant", "tool_calls": "f()"}], None, "list"),
     ("bad_tools", BOTH, [Q, A], "get_weather", "list of function schemas"),
     ("bad_tools", BOTH, [Q, A], [1], "list of function schemas"),
