@@ -211,6 +211,8 @@ BAD_ROWS = [
                 "images": ["a.png"]}, "unsupported_field", "`images` beside `messages` is the ms-swift layout"),
     ("openai", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "loss": False}]},
      "unsupported_field", "messages[1].loss is ms-swift's key, which --input-format openai does not read"),
+    ("swift", {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}],
+               "images": ["a.png"]}, "bad_content", "messages[0].content must be a string or a list of parts, got int"),
     # the OpenAI layout's flags on a ShareGPT turn, and the turns of two layouts in one row
     *[("sharegpt", {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y", key: value}]},
        "unsupported_field", f"conversations[1].{key} is the OpenAI layout's key") for key, value in

@@ -67,8 +67,11 @@ def to_openai(row: dict) -> dict:
 def _content(content, queue: MediaQueue, k: int):
     if isinstance(content, str):
         return split_text(content, queue)
-    if not isinstance(content, list):
-        return content  # the renderer names what is wrong with it
+    if content is None:
+        return content  # an assistant turn of tool calls has none; the renderer judges the others
+    if not isinstance(content, list):  # named here, before the media lists are found unused
+        raise RejectError("bad_content", f"messages[{k}].content must be a string or a list of parts, got "
+                          f"{type(content).__name__}")
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
