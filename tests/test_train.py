@@ -168,6 +168,7 @@ def test_resume_refuses_settings_its_checkpoint_would_override(shards, full_run,
     ("checkpoints-a-file", "--out {out} holds a file named checkpoints, where a run keeps its checkpoints: move it"),
     ("tensorboard-a-file", "--out {out} holds a file named tensorboard, where a run keeps its TensorBoard scalars"),
     ("plans-a-file", "--out {out} holds a file named plans, where a run keeps its pack plans: move it"),
+    ("the-data", "--out {out} is the input directory: choose another directory"),
     ("shard-dir", "--out {out} holds the output of `vlmpack preprocess`: give the run a new or empty --out"),
     ("shard-copy", "--out {out} is a shard directory (manifest.json): give the run a new or empty --out"),
     ("import-hf-output", "--out {out} holds the output of `vlmpack import-hf`: give the run a new or empty --out"),
@@ -184,8 +185,10 @@ def test_an_export_target_or_checkpoints_path_that_cannot_be_written_is_refused_
         (target / "notes.txt").write_text("x")
     elif case == "the-out":
         target = out
-    elif case == "shard-dir":
+    elif case == "the-data":
         out = shards
+    elif case == "shard-dir":  # another preprocess output, lock file and all
+        shutil.copytree(shards, out)
     elif case == "shard-copy":  # copied without its lock file
         out.mkdir()
         shutil.copy(shards / "manifest.json", out / "manifest.json")
