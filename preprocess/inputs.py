@@ -56,6 +56,7 @@ class InputFile:
     unit_offsets: tuple[int, ...] = ()  # JSONL / JSON: byte offset of every unit's first line / array element
     blank_lines: tuple[int, ...] = ()  # JSONL: blank lines in every unit (not rows)
     row_format: str = "openai"  # the rows' layout (preprocess.formats)
+    row_format_detected: bool = False  # taken from its first row by --input-format auto (what a reject's fix says)
 
     def identity(self) -> dict:
         identity = {"path": self.path, "format": self.format, "rows": self.num_rows, "bytes": self.size}
@@ -593,7 +594,7 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
     else:
         raise ConfigError(f"--input-format {input_format!r}: choose auto or one of {', '.join(ROW_FORMATS)}")
     return InputFile(path=path_str, format=fmt, num_rows=rows, size=size, unit_offsets=offsets, blank_lines=blanks,
-                     row_format=row_format)
+                     row_format=row_format, row_format_detected=input_format == "auto")
 
 
 # rows read for an input's layout: its first row that holds turns among these many

@@ -57,6 +57,22 @@ def test_each_row_rejected_under_the_wrong_input_format_says_the_flag_to_use(tmp
         assert reject["code"] == "no_messages" and f"use --input-format {right}" in reject["reason"], reject
 
 
+def test_a_row_of_another_layout_in_an_input_read_by_auto_says_to_split_the_input(tmp_path):
+    """Under --input-format auto an input's layout comes from its first row: a later row of the
+    other layout is rejected saying so, not told to use auto (which the user already does)."""
+    rows = [{"messages": MESSAGES}, {"conversations": CONVERSATIONS}, {"messages": MESSAGES}]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    manifest = run_preprocess(PreprocessConfig(inputs=[str(tmp_path / "mixed.jsonl")], out=str(out), workers=1,
+                                               progress=False))
+    reject, = map(json.loads, (out / "rejects.jsonl").read_text().splitlines())
+    assert reject["row"] == 1 and reject["code"] == "no_messages", reject
+    assert ("--input-format auto read this input as openai, the layout of its first row with turns: put rows of "
+            "each layout in an input of their own") in reject["reason"], reject
+    assert "or auto" not in reject["reason"]
+    assert manifest["accounting"]["rows_written"] == 2
+
+
 # ---------------------------------------------------------------- a conversation as JSON text
 
 

@@ -43,9 +43,10 @@ def detect_row_format(row) -> str:
     return "openai"
 
 
-def to_openai_row(row, row_format: str) -> dict:
+def to_openai_row(row, row_format: str, *, detected: bool = False) -> dict:
     """`row` in the OpenAI layout (`id`, `messages`, `tools`); an OpenAI row is returned as is
-    (but for a conversation given as JSON text, which is parsed)."""
+    (but for a conversation given as JSON text, which is parsed). `detected`: `row_format` was
+    taken from the input's first row by --input-format auto, which a reject's fix names."""
     if not isinstance(row, dict):
         raise RejectError("bad_row", f"a row must be a JSON object, got {type(row).__name__}")
     key = TURNS_KEY.get(row_format, "messages")
@@ -53,7 +54,7 @@ def to_openai_row(row, row_format: str) -> dict:
         raise RejectError("bad_row", "the row holds both `messages` and `conversations`, the turns of two layouts: "
                           "keep one of them")
     if row.get(key) is None:
-        _reject_other_layout(row, row_format)
+        _reject_other_layout(row, row_format, detected)
     elif isinstance(row[key], str):
         row = {**row, key: _turns_from_json_text(row[key], key)}
     if row_format == "openai":
@@ -66,21 +67,29 @@ def to_openai_row(row, row_format: str) -> dict:
     raise ValueError(f"unknown row format {row_format!r}: choose one of {ROW_FORMATS}")
 
 
-def _reject_other_layout(row: dict, row_format: str) -> None:
+def _reject_other_layout(row: dict, row_format: str, detected: bool) -> None:
     """A RejectError naming the --input-format that reads `row` when it holds the turns of
     another layout than `row_format`'s (a whole input named with the wrong flag rejects every
-    row, so each reject says the fix); nothing when it holds neither."""
+    row, so each reject says the fix); nothing when it holds neither. Under auto the input's
+    layout came from its first row, so the fix is one layout per input."""
     if row_format == "sharegpt" and row.get("messages") is not None:
         other = detect_row_format(row)
         turns = " with `role` / `content`" if _first_turn_has(row["messages"], "role") else ""
         raise RejectError("no_messages", f"the row has no `conversations` (the ShareGPT turns that --input-format "
-                          f"sharegpt reads) but has `messages`{turns}, the {_LAYOUT_NAMES[other]} layout: use "
-                          f"--input-format {other}, or auto to detect each input's layout")
+                          f"sharegpt reads) but has `messages`{turns}, the {_LAYOUT_NAMES[other]} layout: "
+                          f"{_layout_fix(other, row_format, detected)}")
     if row_format != "sharegpt" and row.get("conversations") is not None:
         turns = " with `from` / `value`" if _first_turn_has(row["conversations"], "from") else ""
         raise RejectError("no_messages", f"the row has no `messages` (the turns that --input-format {row_format} "
-                          f"reads) but has `conversations`{turns}, the ShareGPT layout: use --input-format sharegpt, "
-                          "or auto to detect each input's layout")
+                          f"reads) but has `conversations`{turns}, the ShareGPT layout: "
+                          f"{_layout_fix('sharegpt', row_format, detected)}")
+
+
+def _layout_fix(other: str, row_format: str, detected: bool) -> str:
+    if detected:
+        return (f"--input-format auto read this input as {row_format}, the layout of its first row with turns: put "
+                "rows of each layout in an input of their own")
+    return f"use --input-format {other}, or auto to detect each input's layout"
 
 
 def _reject_swift_fields(row: dict) -> None:

@@ -42,8 +42,8 @@ def process_unit(unit: WorkUnit, name: str, rows_per_unit: int, out: Path, profi
             try:
                 if isinstance(row, RejectError):
                     raise row
-                sample = process_row(to_openai_row(row, unit.input.row_format), sample_uid=source, source=source,
-                                     profile=profile, options=options)
+                chat = to_openai_row(row, unit.input.row_format, detected=unit.input.row_format_detected)
+                sample = process_row(chat, sample_uid=source, source=source, profile=profile, options=options)
                 # Arrow encodes strings only when a whole batch is written, too late to blame one row.
                 sample.sample_uid.encode("utf-8")
                 sample.source.encode("utf-8")
