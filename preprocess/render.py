@@ -345,9 +345,11 @@ def _parse_message(message, index: int, renders_reasoning: bool = False) -> Mess
     for name in REASONING_FIELDS:
         if not message.get(name) or reasoning is not None and name == "reasoning_content":
             continue
+        rename = renders_reasoning and role == "assistant" and name != "reasoning_content"
         raise reject("dropped_by_template", index, f"{name} would be dropped: " + (
             "the Thinking template renders only an assistant's reasoning_content" if renders_reasoning
-            else "the Instruct templates do not render reasoning"))
+            else "the Instruct templates do not render reasoning") + (": rename it to reasoning_content" if rename
+                                                                       else ""))
     items, content_truthy = _parse_content(message, role, index)
     return Message(
         reasoning=reasoning,

@@ -265,6 +265,8 @@ def test_a_sharegpt_turns_reasoning_is_trained_where_the_template_renders_it(nam
             process_row(to_openai_row({"conversations": turns}, "sharegpt"), sample_uid="x", source="x",
                         profile=profile, options=options)
         assert err.value.code == "dropped_by_template", err.value
+        assert f"{key} would be dropped" in err.value.message and \
+            err.value.message.endswith(": rename it to reasoning_content"), err.value.message
 
 
 @pytest.mark.parametrize("layout, row, code, detail", BAD_ROWS, ids=[f"{b[0]}-{b[2]}-{k}" for k, b in enumerate(BAD_ROWS)])
