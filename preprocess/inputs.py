@@ -587,8 +587,12 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
     else:
         rows = len(_load_dataset(path))
         size = sum(p.stat().st_size for p in path.glob("*.arrow"))
+    table = fmt not in ("jsonl", "json")  # its first "row" is its column names
+    first = _first_row(path_str, fmt, offsets, max_row_bytes) if input_format == "auto" or table and rows else None
+    if table and rows:
+        _refuse_a_table_without_turns(path_str, first)
     if input_format == "auto":
-        row_format = detect_row_format(_first_row(path_str, fmt, offsets, max_row_bytes))
+        row_format = detect_row_format(first)
     elif input_format in ROW_FORMATS:
         row_format = input_format
     else:
@@ -622,6 +626,16 @@ def _first_row(path_str: str, fmt: str, offsets: tuple[int, ...], max_row_bytes:
         with storage.open_binary(path_str) as fh:
             return _parquet_file(path_str, fh).schema_arrow.names
     return _load_dataset(Path(path_str)).column_names
+
+
+def _refuse_a_table_without_turns(path_str: str, columns: list[str]) -> None:
+    """A table's rows share its columns: with no column of turns every row would be rejected,
+    so the input is refused once, naming its columns."""
+    if not any(key in columns for key in TURNS_KEYS):
+        shown = ", ".join(columns[:12]) + (f", ... ({len(columns)} in all)" if len(columns) > 12 else "")
+        raise ConfigError(f"input {storage.redact(path_str)}: no `messages` or `conversations` column (its columns: "
+                          f"{shown or 'none'}); vlmpack reads each row's chat from one of them: rename the column "
+                          "that holds the turns")
 
 
 def _first_object(rows: Iterator) -> dict | None:

@@ -509,8 +509,7 @@ def test_damaged_rows_of_every_input_format_are_rejected_by_code_and_the_other_r
     are not UTF-8, hold NUL bytes, are not an object, nest 100,000 deep, hold a 5000-digit
     integer or are over the limit, and a last line cut short; a JSON array with the same and a
     truncated end; a Parquet file with an unreadable middle row group (its rows rejected with
-    the row range named) and a row over the limit; a Parquet file of another schema; a `datasets`
-    directory with a byte of an Arrow string buffer damaged. Each damaged row is rejected with
+    the row range named) and a row over the limit; a `datasets` directory with a byte of an Arrow string buffer damaged. Each damaged row is rejected with
     its code at its row, every other row is written, and rows read = written + rejected."""
     import datasets
     import pyarrow.parquet as pq
@@ -539,26 +538,25 @@ def test_damaged_rows_of_every_input_format_are_rejected_by_code_and_the_other_r
     group = pq.ParquetFile(io.BytesIO(bytes(data))).metadata.row_group(1)
     data[group.column(0).data_page_offset] ^= 0xFF  # the first page header of row group 1
     (tmp_path / "table.parquet").write_bytes(bytes(data))
-    (tmp_path / "other.parquet").write_bytes(_parquet_bytes([{"prompt": "q", "answer": "a"}] * 2, 10))
     ds_rows = [_chat("DAMAGED-ROW" if k == 2 else f"Saved {k}") for k in range(5)]
     datasets.Dataset.from_list(ds_rows).save_to_disk(str(tmp_path / "saved"))
     arrow = next((tmp_path / "saved").glob("*.arrow"))
     arrow.write_bytes(arrow.read_bytes().replace(b"DAMAGED-ROW", b"\xff" * 11))
 
-    inputs = ["rows.jsonl", "rows.json", "table.parquet", "other.parquet", "saved"]
+    inputs = ["rows.jsonl", "rows.json", "table.parquet", "saved"]
     manifest = run_preprocess(PreprocessConfig(inputs=[str(tmp_path / name) for name in inputs], out=str(tmp_path / "out"),
                                                workers=1, progress=False, rows_per_shard=4,
                                                sample=SampleOptions(max_row_bytes=256 << 10)))
     expected = {("rows.jsonl", k): code for k, (_, code) in enumerate(jsonl) if code}
     expected |= {("rows.json", k): code for k, (_, code) in enumerate(json_rows) if code}
     expected |= {("table.parquet", k): "unreadable_row" for k in range(10, 20)} | {("table.parquet", 25): "row_too_large"}
-    expected |= {("other.parquet", 0): "no_messages", ("other.parquet", 1): "no_messages", ("saved", 2): "unreadable_row"}
+    expected |= {("saved", 2): "unreadable_row"}
     rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     assert {(Path(r["source"]).name, r["row"]): r["code"] for r in rejects} == expected
     unreadable = next(r["reason"] for r in rejects if r["code"] == "unreadable_row" and r["source"].endswith("parquet"))
     assert "Parquet row group 1 (rows 10-19) cannot be read" in unreadable
     acc = manifest["accounting"]
-    assert acc["rows_read"] == len(jsonl) + len(json_rows) + 30 + 2 + 5 == acc["rows_written"] + acc["rows_rejected"]
+    assert acc["rows_read"] == len(jsonl) + len(json_rows) + 30 + 5 == acc["rows_written"] + acc["rows_rejected"]
     assert acc["rows_written"] == 2 + 2 + 19 + 4
     shards = open_shards(tmp_path / "out")
     assert sorted(shards[i]["source"].split(":")[-1] for i in range(len(shards))

@@ -73,6 +73,24 @@ def test_a_row_of_another_layout_in_an_input_read_by_auto_says_to_split_the_inpu
     assert manifest["accounting"]["rows_written"] == 2
 
 
+@pytest.mark.parametrize("input_format", ["auto", "sharegpt"])
+def test_a_table_with_no_column_of_turns_is_refused_once_naming_its_columns(tmp_path, capsys, input_format):
+    """Every row of a Parquet file shares its columns: without `messages` or `conversations` the
+    job is refused before it starts (one line, exit 2), not each row rejected."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a", "b"], "image": ["x.png", "y.png"]}), tmp_path / "captions.parquet")
+    out = tmp_path / "out"
+    code = vlmpack_exit_code(["preprocess", str(tmp_path / "captions.parquet"), "--out", str(out), "--workers", "1",
+                              "--input-format", input_format])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert (f"input {tmp_path / 'captions.parquet'}: no `messages` or `conversations` column (its columns: text, "
+            "image); vlmpack reads each row's chat from one of them: rename the column that holds the turns") in err
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------- a conversation as JSON text
 
 
