@@ -17,7 +17,8 @@ Which kind a reference string is, decided from the string alone (no file-system 
 
 Besides strings, a reference may be the encoded bytes themselves, or a Hugging Face `Image` /
 `Video` feature as Parquet and `datasets` store it, `{"bytes": ..., "path": ...}`: its bytes
-when present, else its path (a reference string as above).
+when present (text there, as a JSON export writes them, is base64), else its path (a
+reference string as above).
 
 Every reference is held to a byte cap before it is read or decoded (`media_too_large`).
 Images are read whole; videos stay files that the decoder streams.
@@ -61,6 +62,12 @@ def resolve_media(source: str, media_root: Path | None, max_bytes: int, *, kind:
     of a local file (not read). `kind` ("image" or "video") names the reference in messages.
     `remote`: how URLs are fetched; None rejects them (`remote_url`)."""
     if isinstance(source, dict) and ("bytes" in source or "path" in source):
+        if isinstance(source.get("bytes"), str):  # bytes written out as text (a JSON export): base64, never a path
+            try:
+                return _b64decode(source["bytes"].strip(), max_bytes, f"the `bytes` of the {kind} feature", kind)
+            except RejectError as exc:
+                raise RejectError(exc.code, f"the `bytes` of the {kind} feature are text, read as base64: "
+                                  f"{exc.message}; give the encoded bytes, or their base64") from None
         source = source["bytes"] if source.get("bytes") is not None else source.get("path")
     if isinstance(source, (bytes, bytearray, memoryview)):
         if len(source) > max_bytes:

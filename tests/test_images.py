@@ -424,6 +424,20 @@ def test_reject_bad_base64():
     assert reject_code(resolve_image_source, "data:image/png,rawbytes", None) == "bad_data_uri"
 
 
+def test_an_image_features_bytes_given_as_text_are_read_as_base64_never_as_a_path(png_bytes, tmp_path):
+    """{"bytes": "...", "path": ...} with text bytes (as a JSON export writes them): base64, even
+    short or beside a path that exists; text that is no base64 is rejected naming the feature."""
+    (tmp_path / "cat.png").write_bytes(b"not this file")
+    for text in (b64(png_bytes), base64.urlsafe_b64encode(png_bytes).decode().rstrip("=")):
+        assert resolve_image_source({"bytes": text, "path": "cat.png"}, tmp_path) == png_bytes
+    with pytest.raises(RejectError) as info:
+        resolve_image_source({"bytes": "cat.png", "path": None}, tmp_path)
+    assert info.value.code == "bad_base64" and info.value.message.startswith(
+        "the `bytes` of the image feature are text, read as base64: image base64 does not decode"), info.value
+    assert info.value.message.endswith("give the encoded bytes, or their base64")
+    assert resolve_image_source({"bytes": None, "path": "cat.png"}, tmp_path) == b"not this file"  # images: read whole
+
+
 def test_base64_missing_padding_and_urlsafe(png_bytes):
     text = base64.urlsafe_b64encode(png_bytes).decode().rstrip("=")
     assert resolve_image_source(text, None) == png_bytes
