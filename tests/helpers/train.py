@@ -25,7 +25,8 @@ def run_train(args: list[str], *, nproc: int = 1, timeout: int = 600, modules_to
               code: str | None = None):
     """A training process of its own (fresh sys.modules and process groups), like a real launch;
     `code` runs in place of `python -m train.trainer` (same arguments)."""
-    env = {**process_env(), "OMP_NUM_THREADS": "1"}
+    # the suite runs one test at a time on 2 cores: a lone process takes both, each of two takes one
+    env = {**process_env(), "OMP_NUM_THREADS": "2" if nproc == 1 else "1"}
     if modules_to is not None:
         cmd = [sys.executable, "-c", REPORT_MODULES, str(modules_to), *args]
     elif nproc == 1:
