@@ -100,6 +100,12 @@ class Preprocess:
         for unit in run["units_redone"]:
             print(f"vlmpack preprocess: note: the shard of unit {unit} was missing or damaged; it was redone", file=sys.stderr)
         if "totals" not in result:
+            if not result["units"] and "job_units" in result:  # older published summaries lack it
+                total = result["job_units"]
+                print(f"vlmpack preprocess: note: --num-partitions {cfg.num_partitions} is more than the job's {total} "
+                      f"work unit{'s' if total != 1 else ''}, so partition {cfg.partition_index} has none: partitions "
+                      f"{total} to {cfg.num_partitions - 1} write nothing (fewer partitions, or a smaller "
+                      "--rows-per-shard, keep every machine busy)", file=sys.stderr)
             print(f"partition {result['partition']} done: {result['units']} units, {result['rows_read']} rows read, "
                   f"{result['rows_rejected']} rejected. When all partitions are done: vlmpack merge {args.out} --out DIR")
             return 0

@@ -242,6 +242,26 @@ def test_partitions_sharing_one_directory(example_jsonl, baseline, tmp_path):
     assert merged == _without_run(baseline[1])
 
 
+def test_a_partition_past_the_jobs_units_says_so_and_the_merge_still_equals_one_job(example_jsonl, baseline,
+                                                                                     tmp_path, capsys):
+    """--num-partitions above the job's work units: a partition holding none writes nothing and
+    says why, naming the count; the merge of all of them is the one job's output."""
+    from tests.helpers.cli import vlmpack_exit_code
+
+    units = baseline[1]["totals"]["shards"]
+    for i in range(units + 1):
+        assert vlmpack_exit_code(["preprocess", str(example_jsonl), "--out", str(tmp_path), "--workers", "1",
+                                  "--rows-per-shard", "8", "--no-progress", "--num-partitions", str(units + 1),
+                                  "--partition-index", str(i)]) == 0
+        err = capsys.readouterr().err
+        if i < units:
+            assert "note: --num-partitions" not in err, err
+    assert (f"vlmpack preprocess: note: --num-partitions {units + 1} is more than the job's {units} work unit"
+            f"{'s' if units != 1 else ''}, so partition {units} has none: partitions {units} to {units} write "
+            "nothing") in err, err
+    assert merge_partitions([str(tmp_path)], str(tmp_path)) == _without_run(baseline[1])
+
+
 def test_jobs_recorded_before_profiles_held_the_template_text_resume_and_merge(example_jsonl, baseline, tmp_path):
     """A job recorded when the profile held its chat template's sha256 but not the text is the
     same job: a re-run resumes it, a merge joins its partition with a newer one, and the

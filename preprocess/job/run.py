@@ -52,10 +52,13 @@ class JobContext:
         cfg = self.cfg
         return partition_summary_name(cfg.partition_index, cfg.num_partitions) if cfg.num_partitions > 1 else None
 
+    def all_units(self) -> list[WorkUnit]:
+        """The job's work units, over all its partitions."""
+        return plan_units([inp.file for inp in self.inputs], self.cfg.rows_per_shard)
+
     def units(self) -> list[WorkUnit]:
         """The work units this machine runs (all of them unless the job is partitioned)."""
-        units = plan_units([inp.file for inp in self.inputs], self.cfg.rows_per_shard)
-        return [u for u in units if u.index % self.cfg.num_partitions == self.cfg.partition_index]
+        return [u for u in self.all_units() if u.index % self.cfg.num_partitions == self.cfg.partition_index]
 
 
 def executor_for(cfg: PreprocessConfig, profile: Profile) -> UnitExecutor:
@@ -142,6 +145,7 @@ def _run_job(job: JobContext, out: Path, publish_to: str | None = None) -> dict:
             result = {
                 "partition": f"{cfg.partition_index}/{cfg.num_partitions}",
                 "units": len(mine),
+                "job_units": len(job.all_units()),
                 "rows_read": sum(r["rows_read"] for r in records),
                 "rows_written": sum(r["rows_written"] for r in records),
                 "rows_rejected": sum(r["rows_rejected"] for r in records),
