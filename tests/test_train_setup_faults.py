@@ -269,6 +269,25 @@ def test_a_config_file_giving_a_setting_twice_exits_2_naming_both(shards, tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("text, flags, says", [
+    ("lr: -1\n", [], "--lr must be in (0, 1], got -1.0 (lr is set in --config {path})"),
+    ("lr: -1\n", ["--lr", "-2"], "--lr must be in (0, 1], got -2.0"),
+    ("tp: 2\nsequence_parallel: true\n", ["--tp", "1"],
+     "--sequence-parallel true splits the rows over the ranks of a TP group: with --tp 1 there is none; drop it, or "
+     "give --tp N (sequence_parallel is set in --config {path})"),
+], ids=["set in the file", "overridden by the flag", "one of two set in the file"])
+def test_a_bad_value_a_config_file_set_names_the_file_too(shards, tmp_path, capsys, text, flags, says):
+    """A value the run refuses is named by its flag; where it came from the --config file (not a
+    flag on the command line), the line says so, so the user edits the right place."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    code, err = train(["--config", str(path), "--arch", "tiny", *RUN, "--data", str(shards), "--out",
+                       str(tmp_path / "run"), *flags], capsys)
+    line = one_error_line(err, "train")
+    assert code == 2 and line.endswith(says.format(path=path)), line
+    assert flags or "--config" in line
+
+
 def _alias_bomb() -> str:
     """A YAML list of 9^9 items in 300 bytes: each level's anchor repeated nine times by the next."""
     levels = ["&l0 [x, x, x, x, x, x, x, x, x]"]

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import reprlib
 import sys
 from dataclasses import dataclass
@@ -769,6 +770,16 @@ def _shown(value) -> str:
     return text if len(text) <= 160 else text[:160] + "..."
 
 
+def _naming_the_file(exc: ConfigError, path, from_file: set[str]) -> ConfigError:
+    """`exc` naming the --config file as well where a flag it names was set there, not on the
+    command line: the user looks for the value in the file."""
+    named = [key for key in dict.fromkeys(m.replace("-", "_") for m in re.findall(r"--([a-z0-9][a-z0-9-]*)", str(exc)))
+             if key in from_file]
+    if not named:
+        return exc
+    return ConfigError(f"{exc} ({', '.join(named)} {'is' if len(named) == 1 else 'are'} set in --config {path})")
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = set(flat_paths(TrainConfig))
     values = load_config_file(args.config) if args.config else {}
@@ -777,14 +788,19 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ConfigError(f"--config {args.config}: unknown settings {unknown}: use the names of `vlmpack train` flags")
     # a setting given as null is left at its default, as a flag not given is
     values = {k: _file_value(args.config, k, v) for k, v in values.items() if v is not None}
-    values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
+    flags = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    from_file = set(values) - set(flags)
+    values.update(flags)
     for key in ("data", "eval_data", *COMMA_LISTS):  # "a,b" and repeated flags both work
         if isinstance(values.get(key), str):
             values[key] = [values[key]]
         if key in COMMA_LISTS and key in values:
             values[key] = [p for item in values[key] for p in str(item).split(",") if p]
-    config = TrainConfig.from_flat(values)
-    config.validate()
+    try:
+        config = TrainConfig.from_flat(values)
+        config.validate()
+    except ConfigError as exc:
+        raise _naming_the_file(exc, args.config, from_file) from None
     # flags only: a saved config (`--config OUT/config.yaml`) holds both resolved, as a run without
     # --compile wrote them
     if args.compile is False and args.compile_decoder:
