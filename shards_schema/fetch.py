@@ -22,7 +22,6 @@ import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from .atomic import TMP_SUFFIX, write_json_atomic
 from .errors import EXIT_FAULT, UserError, first_few
@@ -108,8 +107,6 @@ def fetch(src: str, dst: str | Path, *, progress: bool = True) -> dict:
         raise UserError(f"{redact(str(dst))}: fetch copies a shard directory to local disk; give a local directory "
                         "as DST (to copy between stores, use the store's own tools, e.g. `aws s3 sync`)")
     if not is_url(src):
-        if src.lower().startswith("file://"):
-            raise UserError(f"{src}: give a local source as its path ({urlsplit(src).path}), without file://")
         try:
             is_dir = stat.S_ISDIR(os.stat(src).st_mode)  # another OSError (a link loop) is the dispatcher's line
         except FileNotFoundError:

@@ -76,7 +76,10 @@ _FOLDED_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):/+(.+)$")
 def require_directory(directory: Path, what: str) -> None:
     """A clear error when `directory` (the input of a command) is missing or is a file."""
     if not directory.exists() and (url := _FOLDED_URL.match(str(directory))):
-        # an object-store URL: Path() folded its `//`
+        # a URL: Path() folded its `//`
+        if url[1].lower() == "file":
+            raise ShardFormatError(f"{url[1]}:///{url[2]}: give a local directory as itself (/{url[2]}), without "
+                                   "file://")
         where = redact(f"{url[1]}://{url[2]}")
         fetch = f"`vlmpack fetch {where} DIR`" if what == SHARD_DIRECTORY else "a copy to local disk"
         raise ShardFormatError(f"{where} is an object-store URL: this command reads a local {what.split(' (')[0]}; "

@@ -17,7 +17,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from .errors import UserError
 
@@ -46,9 +46,11 @@ STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "hf", "http", "https", "az", "abfs", 
 
 def refuse_malformed_url(flag: str, spec) -> None:
     """UserError for `spec` written as a store's URL without the `//` after its scheme, unless
-    a local path of that name exists."""
+    a local path of that name exists; a `file://` URL, which names a local path."""
     if not isinstance(spec, str) or is_url(spec):
         return
+    if spec[:7].lower() == "file://":  # as a path it would be a directory named `file:`
+        raise UserError(f"{flag} {spec!r}: give a local path as itself ({unquote(spec[7:]) or '/'}), without file://")
     match = _SCHEME_WITHOUT_SLASHES.match(spec)
     if match and match.group(1).lower() in STORE_SCHEMES and not Path(spec).exists():
         scheme, rest = match.groups()

@@ -569,6 +569,16 @@ BAD_ARGUMENTS = [
     (["train", "--arch", "tiny", "--data", "{d}:0.5", "--out", "{t}/run", "--export-hf", "{d}/hf"],
      "--export-hf {d}/hf lies inside the input directory {d}"),
     (["pack", "{d}", "--seq-len", "4096", "--out", "{g}"], "--out {g} is a link to {t}/nothing, which does not exist"),
+    # a local path written as a file:// URL: named with the path to give instead, by every command
+    (["inspect", "file://{d}"], "file://{d}: give a local directory as itself ({d}), without file://"),
+    (["show", "file://{d}"], "file://{d}: give a local directory as itself ({d}), without file://"),
+    (["verify", "file://{d}"], "the shard directory 'file://{d}': give a local path as itself ({d}), without file://"),
+    (["pack", "file://{d}", "--seq-len", "4096"], "give a local directory as itself ({d}), without file://"),
+    (["export", "{d}", "--out", "file://{t}/o"], "--out 'file://{t}/o': give a local path as itself ({t}/o)"),
+    (["train", "--arch", "tiny", "--data", "file://{d}", "--out", "{t}/run"],
+     "--data 'file://{d}': give a local path as itself ({d}), without file://"),
+    (["preprocess", "file://{t}/rows.jsonl", "--out", "{t}/o"],
+     "an input 'file://{t}/rows.jsonl': give a local path as itself ({t}/rows.jsonl), without file://"),
 ]
 
 

@@ -499,7 +499,7 @@ def test_fetch_bad_arguments_are_one_line_exit_2(case, small_manifest, tmp_path,
     assert err.count("\n") == 1, err
     assert {"no_manifest": "no manifest.json", "dst_is_a_file": "is a file, not a directory",
             "dst_holds_other_files": "is not empty", "src_missing": "nope: no such directory",
-            "src_as_a_file_url": f"give a local source as its path ({src}), without file://",
+            "src_as_a_file_url": f"the source {src.as_uri()!r}: give a local path as itself ({src}), without file://",
             "dst_is_a_url": "s3://data/copy: fetch copies a shard directory to local disk; give a local directory"}[case] in err
     assert not (tmp_path / "s3:").exists()
     if case == "dst_holds_other_files":
