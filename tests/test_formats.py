@@ -269,6 +269,27 @@ def test_a_sharegpt_turns_reasoning_is_trained_where_the_template_renders_it(nam
             err.value.message.endswith(": rename it to reasoning_content"), err.value.message
 
 
+def test_a_sharegpt_rows_rejects_name_its_turns_as_conversations_k(tmp_path):
+    """A reject found once the row is converted names the turn as the ShareGPT row does,
+    conversations[k] (its top-level `system` is no turn of the list), not as the OpenAI row
+    it became."""
+    from preprocess.formats import in_row_terms
+
+    rows = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo", "thinking": "hmm"}]},
+            {"system": "S", "conversations": [{"from": "human", "value": "Hi"}, {"from": "system", "value": "late"},
+                                              {"from": "gpt", "value": "Yo"}]}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run_preprocess(PreprocessConfig(inputs=[str(tmp_path / "rows.jsonl")], out=str(tmp_path / "out"), workers=1,
+                                    progress=False, input_format="sharegpt"))
+    rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert [r["reason"].split(":")[0] for r in rejects] == ["conversations[1]", "conversations[1]"], rejects
+    exc = in_row_terms(RejectError("bad_content", "messages[0].content and messages[3].content[1]"), rows[1],
+                       "sharegpt")
+    assert exc.code == "bad_content" and exc.message == "`system`.content and conversations[2].content[1]"
+    openai = RejectError("bad_content", "message 1: x")
+    assert in_row_terms(openai, {"messages": []}, "openai") is openai
+
+
 @pytest.mark.parametrize("layout, row, code, detail", BAD_ROWS, ids=[f"{b[0]}-{b[2]}-{k}" for k, b in enumerate(BAD_ROWS)])
 def test_bad_rows_are_rejected_with_a_named_code(layout, row, code, detail):
     with pytest.raises(RejectError) as err:

@@ -22,6 +22,8 @@ datasets hold it) is read as that list, in every input format alike.
 
 from __future__ import annotations
 
+import re
+
 from ..errors import RejectError, loads_or_reject
 from . import sharegpt, swift
 from .placeholders import refuse_audio
@@ -65,6 +67,21 @@ def to_openai_row(row, row_format: str, *, detected: bool = False) -> dict:
     if row_format == "swift":
         return swift.to_openai(row)
     raise ValueError(f"unknown row format {row_format!r}: choose one of {ROW_FORMATS}")
+
+
+def in_row_terms(exc: RejectError, row, row_format: str) -> RejectError:
+    """`exc`, raised on the converted row, naming turns as the user's row does: a ShareGPT row's
+    message k is its conversations[k], or conversations[k - 1] after a top-level `system`."""
+    if row_format != "sharegpt" or not isinstance(row, dict):
+        return exc
+    offset = 1 if isinstance(row.get("system"), str) and row["system"] else 0
+
+    def turn(match: re.Match) -> str:
+        k = int(match[1]) - offset
+        return "`system`" if k < 0 else f"conversations[{k}]"
+
+    message = re.sub(r"^message (\d+):", lambda m: turn(m) + ":", exc.message)
+    return RejectError(exc.code, re.sub(r"\bmessages\[(\d+)\]", turn, message))
 
 
 def _reject_other_layout(row: dict, row_format: str, detected: bool) -> None:

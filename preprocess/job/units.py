@@ -13,7 +13,7 @@ from shards_schema.atomic import write_json_atomic
 from shards_schema.writer import ShardWriter
 
 from ..errors import RejectError, check_reject_code
-from ..formats import to_openai_row
+from ..formats import in_row_terms, to_openai_row
 from ..inputs import WorkUnit, read_rows
 from ..pipeline import SampleOptions, process_row
 from ..profiles import Profile
@@ -43,7 +43,10 @@ def process_unit(unit: WorkUnit, name: str, rows_per_unit: int, out: Path, profi
                 if isinstance(row, RejectError):
                     raise row
                 chat = to_openai_row(row, unit.input.row_format, detected=unit.input.row_format_detected)
-                sample = process_row(chat, sample_uid=source, source=source, profile=profile, options=options)
+                try:
+                    sample = process_row(chat, sample_uid=source, source=source, profile=profile, options=options)
+                except RejectError as exc:
+                    raise in_row_terms(exc, row, unit.input.row_format) from None
                 # Arrow encodes strings only when a whole batch is written, too late to blame one row.
                 sample.sample_uid.encode("utf-8")
                 sample.source.encode("utf-8")
