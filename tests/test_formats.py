@@ -285,7 +285,7 @@ def test_a_sharegpt_rows_rejects_name_its_turns_as_conversations_k(tmp_path):
     assert [r["reason"].split(":")[0] for r in rejects] == ["conversations[1]", "conversations[1]"], rejects
     exc = in_row_terms(RejectError("bad_content", "messages[0].content and messages[3].content[1]"), rows[1],
                        "sharegpt")
-    assert exc.code == "bad_content" and exc.message == "`system`.content and conversations[2].content[1]"
+    assert exc.code == "bad_content" and exc.message == "`system` and conversations[2].value[1]"
     openai = RejectError("bad_content", "message 1: x")
     assert in_row_terms(openai, {"messages": []}, "openai") is openai
 

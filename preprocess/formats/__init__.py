@@ -76,12 +76,12 @@ def in_row_terms(exc: RejectError, row, row_format: str) -> RejectError:
         return exc
     offset = 1 if isinstance(row.get("system"), str) and row["system"] else 0
 
-    def turn(match: re.Match) -> str:
+    def turn(match: re.Match) -> str:  # an OpenAI message's `content` is a ShareGPT turn's `value`
         k = int(match[1]) - offset
-        return "`system`" if k < 0 else f"conversations[{k}]"
+        return "`system`" if k < 0 else f"conversations[{k}]" + (".value" if match[2] else "")
 
-    message = re.sub(r"^message (\d+):", lambda m: turn(m) + ":", exc.message)
-    return RejectError(exc.code, re.sub(r"\bmessages\[(\d+)\]", turn, message))
+    message = re.sub(r"^message (\d+)()(?=:)", turn, exc.message)
+    return RejectError(exc.code, re.sub(r"\bmessages\[(\d+)\](\.content\b)?", turn, message))
 
 
 def _reject_other_layout(row: dict, row_format: str, detected: bool) -> None:
