@@ -144,8 +144,27 @@ def detect_format(path: Path) -> str:
                           "give such a directory, or the .jsonl, .json or .parquet files in it")
     fmt = _SUFFIX_FORMAT.get(path.suffix.lower())
     if fmt is None:
-        raise ConfigError(f"{path}: unknown input format {path.suffix!r}; use .jsonl, .json, .parquet or a datasets directory")
+        raise ConfigError(_compressed_name(str(path)) or f"{path}: unknown input format {path.suffix!r}; use .jsonl, "
+                          ".json, .parquet or a datasets directory")
     return fmt
+
+
+# Compressed files by suffix and by their first bytes: the tool that unpacks each
+_COMPRESSION_SUFFIXES = {".gz": "gunzip -k", ".bz2": "bunzip2 -k", ".xz": "unxz -k", ".zst": "unzstd",
+                         ".zip": "unzip", ".tgz": "tar -xzf"}
+_COMPRESSION_MAGIC = ((b"\x1f\x8b", "gzip", "gunzip -c"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd -c"),
+                      (b"BZh", "bzip2", "bunzip2 -c"), (b"\xfd7zXZ\x00", "xz", "unxz -c"),
+                      (b"PK\x03\x04", "zip", "unzip -p"))
+
+
+def _compressed_name(name: str) -> str | None:
+    """The message for an input named as a compressed file, or None."""
+    suffix = Path(urlsplit(name).path).suffix.lower()
+    if suffix not in _COMPRESSION_SUFFIXES:
+        return None
+    return (f"{storage.redact(name)} is a compressed file ({suffix}), but inputs are read uncompressed: unpack it "
+            f"first (`{_COMPRESSION_SUFFIXES[suffix]} {storage.redact(name)}`) and give the .jsonl, .json or "
+            ".parquet file")
 
 
 # ---------------------------------------------------------------- inputs checked before the job starts
@@ -285,11 +304,18 @@ _OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
 
 
 def _refuse_other_encoding(fh, path: str) -> None:
-    """A JSON or JSONL input is UTF-8: one that starts with a UTF-16 or UTF-32 byte order mark
-    is refused before it is split into rows (its line breaks are not b"\\n" bytes, so its rows
-    would be cut apart), naming the encoding and the fix. `fh` is left at the start."""
-    head = fh.read(4)
+    """A JSON or JSONL input is UTF-8 text: one that starts with a UTF-16 or UTF-32 byte order
+    mark, or is compressed (gzip, zstd, bzip2, xz, zip) under a text name, is refused before it
+    is split into rows (its bytes would be read as rows of garbage, or its rows cut apart),
+    naming the encoding and the fix. `fh` is left at the start."""
+    head = fh.read(6)
     fh.seek(0)
+    for magic, compression, unpack in _COMPRESSION_MAGIC:
+        if head.startswith(magic):
+            name = storage.redact(path)
+            raise ConfigError(f"input {name} is {compression}-compressed, but JSON and JSONL inputs are read as "
+                              f"plain UTF-8 text: unpack it first, e.g. `{unpack} {name} > rows"
+                              f"{Path(urlsplit(name).path).suffix}`")
     for bom, encoding in _OTHER_BOMS:
         if head.startswith(bom):
             name = storage.redact(path)
@@ -298,14 +324,23 @@ def _refuse_other_encoding(fh, path: str) -> None:
                               f"{name} > rows-utf8{Path(urlsplit(name).path).suffix}`")
 
 
-def _refuse_cr_line_breaks(fh, path: str, probe: int = 1 << 16) -> None:
-    """A JSONL input is split at LF: one whose first 64 KiB hold a CR but no LF (line breaks of
-    classic Mac OS) is refused before it is read as a single row. Windows' CRLF is split at its
-    LF; a raw CR inside one row's string makes that row bad JSON, not the input. `fh` is left at
-    the start."""
-    head = fh.read(probe)
+# A CR between two rows: the end of one object, the start of the next
+_CR_BETWEEN_ROWS = re.compile(rb"\}[ \t]*\r[ \t\r]*\{")
+
+
+def _refuse_cr_line_breaks(fh, path: str, probe: int = 16 << 20) -> None:
+    """A JSONL input is split at LF: one whose first line (up to its LF, at most `probe` bytes
+    read) holds rows separated by CR alone (line breaks of classic Mac OS) is refused before it
+    is read as a single row. Windows' CRLF is split at its LF; a raw CR inside one row's string
+    makes that row bad JSON, not the input. `fh` is left at the start."""
+    head = b""
+    while len(head) < probe and (block := fh.read(READ_BLOCK_BYTES)):
+        lf = block.find(b"\n")
+        head += block if lf < 0 else block[:lf]
+        if lf >= 0:
+            break
     fh.seek(0)
-    if b"\r" in head and b"\n" not in head:
+    if _CR_BETWEEN_ROWS.search(head):
         name = storage.redact(path)
         raise ConfigError(f"input {name} ends its lines in CR alone (classic Mac OS line breaks), but JSONL rows are "
                           f"split at LF: convert it, e.g. `tr '\\r' '\\n' < {name} > rows-lf.jsonl`")
@@ -318,6 +353,7 @@ def _scan_jsonl(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...], tu
     with storage.open_binary(path) as fh:
         _refuse_other_encoding(fh, path)
         _refuse_cr_line_breaks(fh, path)
+        first_line = _first_nonblank_line_start(fh)
         for _, size, _, blank in _lines(fh, max_bytes=0):
             if rows % rows_per_unit == 0:
                 offsets.append(position)
@@ -326,7 +362,23 @@ def _scan_jsonl(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...], tu
                 blanks[-1] += 1
             position += size
             rows += 1
+    # a JSON array (pretty-printed: its first line is `[` alone; or on one line): rows of garbage
+    if first_line.startswith(b"[") and (first_line == b"[" or rows - sum(blanks) == 1):
+        raise ConfigError(f"input {storage.redact(path)} holds one JSON array (it starts with `[`), not JSON lines "
+                          "(one row object per line): name it .json, or write one row per line")
     return rows, tuple(offsets), tuple(blanks)
+
+
+def _first_nonblank_line_start(fh, probe: int = 1 << 16) -> bytes:
+    """The start of the file's first line that is not blank, stripped (at most `probe` bytes
+    read, a UTF-8 byte order mark skipped). `fh` is left at the start."""
+    head = fh.read(probe)
+    fh.seek(0)
+    head = head[len(_UTF8_BOM):] if head.startswith(_UTF8_BOM) else head
+    for line in head.split(b"\n"):
+        if line.strip():
+            return line.strip()
+    return b""
 
 
 # ---------------------------------------------------------------- JSON: a top-level array, split as it streams
@@ -355,7 +407,11 @@ class _ArraySplitter:
     """The elements of a top-level JSON array, split at its top-level commas while the file is
     read in blocks: strings, nesting and escapes are tracked, nothing is parsed. `fh` stands at
     an element's first byte (just after `[` or a top-level `,`); after the array's `]`, `end`
-    is the byte offset just past it."""
+    is the byte offset just past it.
+
+    Nesting is tracked by bracket kind, so an element that leaves a bracket open inside it
+    (`[{...}}`) ends at the closer of its outer one: that element is bad JSON, and the rows
+    after it are still found. Valid JSON never closes a bracket of another kind."""
 
     def __init__(self, fh, offset: int, max_bytes: int, first: bool):
         self.fh, self.offset, self.max_bytes = fh, offset, max_bytes
@@ -364,7 +420,8 @@ class _ArraySplitter:
         self.tail = b""  # what followed `]` in its block
 
     def __iter__(self) -> Iterator[_Element]:
-        depth, in_string, skip = 0, False, 0
+        open_brackets: list[int] = []  # the opening byte of each bracket the element has open
+        in_string, skip = False, 0
         pieces: list[bytes] = []
         size, nonblank, start = 0, False, self.offset
         base = self.offset
@@ -400,7 +457,7 @@ class _ArraySplitter:
                         at = found.end() + 1
                         skip = max(0, at - n)
                     continue
-                at = (_JSON_SKIP_NESTED if depth else _JSON_SKIP_TOP).match(block, at).end()
+                at = (_JSON_SKIP_NESTED if open_brackets else _JSON_SKIP_TOP).match(block, at).end()
                 if at == n:
                     break
                 byte = block[at]
@@ -408,10 +465,12 @@ class _ArraySplitter:
                 if byte == _QUOTE:
                     in_string = True
                 elif byte in _OPENING:
-                    depth += 1
+                    open_brackets.append(byte)
                 elif byte in _CLOSING:
-                    if depth:
-                        depth -= 1
+                    if open_brackets:
+                        opener = _OPENING[_CLOSING.index(byte)]
+                        if opener in open_brackets:  # brackets left open inside it close with it
+                            del open_brackets[len(open_brackets) - 1 - open_brackets[::-1].index(opener):]
                     elif byte == _CLOSING[1]:  # the array ends
                         add(block, cut, at - 1)
                         if nonblank or not self.first:
@@ -458,10 +517,16 @@ def _scan_json(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...]]:
         first = _open_json_array(fh, path)
         fh.seek(first)
         splitter = _ArraySplitter(fh, first, max_bytes=0, first=True)
+        element = None
         for element in splitter:
             if rows % rows_per_unit == 0:
                 offsets.append(element.offset)
             rows += 1
+        if element is not None and not element.closed and _last_nonblank_byte(fh) == b"]":
+            raise ConfigError(f"{storage.redact(path)}: the array element at byte {element.offset} (element "
+                              f"{rows - 1}) leaves a string or a bracket open, so the file ends inside it though "
+                              "it ends in the array's `]`: the rows after it cannot be told apart. Fix that "
+                              "element (a missing `\"`, `}` or `]`), or convert the rows to .jsonl, one per line")
         if splitter.end is not None:
             at, block = splitter.end, splitter.tail
             while True:
@@ -475,6 +540,19 @@ def _scan_json(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...]]:
                 if not block:
                     break
     return rows, tuple(offsets)
+
+
+def _last_nonblank_byte(fh) -> bytes:
+    """The file's last byte that is not whitespace (b"" when there is none)."""
+    end = fh.seek(0, os.SEEK_END)
+    while end > 0:
+        start = max(0, end - READ_BLOCK_BYTES)
+        fh.seek(start)
+        block = fh.read(end - start).rstrip()
+        if block:
+            return block[-1:]
+        end = start
+    return b""
 
 
 def _json_elements(path: str, offset: int, max_bytes: int, first: bool) -> Iterator[_Element]:
@@ -564,8 +642,8 @@ def describe_input(path_str: str, rows_per_unit: int, input_format: str = "auto"
     elif remote:
         fmt = _SUFFIX_FORMAT.get(Path(urlsplit(path_str).path).suffix.lower())
         if fmt is None:
-            raise ConfigError(f"{storage.redact(path_str)}: unknown input format; a URL input is a .jsonl, .json or "
-                              ".parquet file")
+            raise ConfigError(_compressed_name(path_str) or f"{storage.redact(path_str)}: unknown input format; a URL "
+                              "input is a .jsonl, .json or .parquet file")
         storage.info(path_str)  # there and readable, or a StorageError naming why not
     else:
         check_local_input(path_str)

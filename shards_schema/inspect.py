@@ -145,7 +145,11 @@ def _first_reject_examples(path: Path, codes) -> dict[str, dict]:
     wanted, found = set(codes), {}
     if not wanted or not path.is_file():
         return found
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    try:
+        fh = open(path, encoding="utf-8", errors="replace")
+    except OSError:  # unreadable (its permissions): no examples, as when it is missing; `verify` names it
+        return found
+    with fh:
         for line in fh:
             try:
                 record = json.loads(line)

@@ -39,8 +39,13 @@ class ShardFault(ShardFormatError):
     def __init__(self, path: str | Path, kind: str, detail: str, row: int | None = None):
         self.path, self.kind, self.detail, self.row = Path(path), kind, detail, row
         where = str(self.path) if row is None else f"{self.path} row {row}"
-        super().__init__(f"{where}: [{kind}] {detail}; restore the file (fetch it again, or re-run `vlmpack "
-                         f"preprocess`) and check the directory with `vlmpack verify {self.path.parent}`")
+        fix = "" if detail == UNREADABLE_BY_THIS_USER else \
+            "; restore the file (fetch it again, or re-run `vlmpack preprocess`)"  # the detail holds its own
+        super().__init__(f"{where}: [{kind}] {detail}{fix} and check the directory with `vlmpack verify "
+                         f"{self.path.parent}`")
+
+
+UNREADABLE_BY_THIS_USER = "this user may not read it (permission denied): fix its permissions"
 
 
 def _file_type(mode: int) -> str:
@@ -53,8 +58,8 @@ def _file_type(mode: int) -> str:
 
 def file_fault(path: Path, expected_bytes: int | None) -> tuple[str, str] | None:
     """(kind, detail) of what a stat shows wrong with the shard at `path`, or None (nothing is
-    opened, so a FIFO cannot block): missing_shard, not_a_file, or size_mismatch against
-    `expected_bytes`."""
+    opened, so a FIFO cannot block): missing_shard, not_a_file, unreadable_shard (this user may
+    not read it), or size_mismatch against `expected_bytes`."""
     try:
         found = os.stat(path)
     except FileNotFoundError:
@@ -63,6 +68,8 @@ def file_fault(path: Path, expected_bytes: int | None) -> tuple[str, str] | None
         return "unreadable_shard", f"cannot be read ({exc.strerror or exc})"
     if not stat.S_ISREG(found.st_mode):
         return "not_a_file", f"a {_file_type(found.st_mode)} stands where {MANIFEST_NAME} lists a shard file"
+    if not os.access(path, os.R_OK):
+        return "unreadable_shard", UNREADABLE_BY_THIS_USER
     if expected_bytes is not None and found.st_size != expected_bytes:
         return "size_mismatch", (f"{found.st_size:,} bytes on disk, the manifest says {expected_bytes:,} (truncated, "
                                  "replaced or still being copied)")

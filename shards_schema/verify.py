@@ -267,7 +267,13 @@ def _check_rejects(directory: Path, acc: dict | None, log: _FaultLog) -> None:
         return
     codes: Counter = Counter()
     n = 0
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    try:
+        fh = open(path, encoding="utf-8", errors="replace")
+    except OSError as exc:
+        log.add("rejects_mismatch", f"{REJECTS_NAME} cannot be read ({exc.strerror or exc}): its rejected rows "
+                "cannot be checked; fix its permissions")
+        return
+    with fh:
         for n, line in enumerate(fh, 1):
             try:
                 record = json.loads(line)

@@ -603,6 +603,59 @@ def test_bad_arguments_give_one_line_and_exit_2(clean, clean_export, tmp_path, c
     assert paths["f"].read_text() == "not a directory"  # a file passed for a directory is never written
 
 
+def test_a_shard_or_rejects_file_this_user_may_not_read_is_named_so(tmp_path, capsys, monkeypatch):
+    """A shard this user may not read (chmod 000; where the tests run as root, which reads it
+    anyway, the refusal injected) is `unreadable_shard` with the permissions to fix, not a
+    damaged file to restore. An unreadable rejects.jsonl is a `verify` fault (exit 1) after
+    every shard is checked, and `inspect` shows the directory without its reject examples."""
+    import errno
+
+    import shards_schema.inspect as inspect_module
+    import shards_schema.reader as reader_module
+    import shards_schema.verify as verify_module
+
+    rows = example_rows(8, seed=3, size_range=(32, 64))
+    lines = [json.dumps(row) for row in rows] + ["{not json"]
+    (tmp_path / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    data = tmp_path / "shards"
+    run_preprocess(PreprocessConfig(inputs=[str(tmp_path / "chats.jsonl")], out=str(data), workers=1,
+                                    rows_per_shard=4, sample=SampleOptions(max_seq_len=SEQ_LEN), progress=False))
+    shard, rejects = data / "shard-000001.arrow", data / "rejects.jsonl"
+    for path in (shard, rejects):
+        path.chmod(0)
+    real_access = os.access
+    if os.geteuid() == 0:  # root reads any file: refuse them as the kernel would refuse anyone else
+        real_open = open
+
+        def refusing_open(path, *args, **kwargs):
+            if str(path) in (str(shard), str(rejects)):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(reader_module.os, "access", lambda path, mode: str(path) != str(shard) and
+                            real_access(path, mode))
+        for module in (verify_module, inspect_module):
+            monkeypatch.setattr(module, "open", refusing_open, raising=False)
+    try:
+        for command in ("inspect", "show"):
+            assert vlmpack([command, str(data)]) == 2, command
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"{shard}: [unreadable_shard] this user may not read it (permission " \
+                "denied): fix its permissions and check the directory" in err, (command, err)
+        assert vlmpack(["verify", str(data)]) == 1
+        out = capsys.readouterr().out
+        assert "[unreadable_shard] this user may not read it (permission denied): fix its permissions" in out, out
+        assert "rejects.jsonl cannot be read (Permission denied): its rejected rows cannot be checked; fix its " \
+            "permissions" in out, out
+        shard.chmod(0o644)
+        monkeypatch.setattr(reader_module.os, "access", real_access)
+        assert vlmpack(["inspect", str(data)]) == 0
+        assert "rejects" in capsys.readouterr().out
+    finally:
+        for path in (shard, rejects):
+            path.chmod(0o644)
+
+
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_option_of_every_command_has_help(command):
     module, attr = COMMANDS[command][0].split(":")

@@ -12,6 +12,7 @@ both families. The layouts are written by the tests as those projects document t
 from __future__ import annotations
 
 import base64
+import gzip
 import io
 import json
 import random
@@ -220,7 +221,30 @@ BAD_ROWS = [
     *[(layout, {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}],
                 "messages": [{"role": "user", "content": "x"}]}, "bad_row",
        "the row holds both `messages` and `conversations`") for layout in ("sharegpt", "openai")],
+    # a top-level system: the OpenAI layout has none; ms-swift's beside a system message of its own
+    ("openai", {"system": "S", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+     "unsupported_field", "`system` beside `messages` is not read in the OpenAI layout: make it the first message"),
+    ("swift", {"system": "S", "messages": [{"role": "system", "content": "T"}, {"role": "user", "content": "x"}],
+               "images": []}, "bad_row", "both a top-level `system` and a system message, messages[0]"),
+    ("swift", {"system": ["S"], "messages": [{"role": "user", "content": "x"}], "images": []},
+     "bad_content", "`system` must be a string, got list"),
+    ("sharegpt", {"system": "<image>S", "conversations": [{"from": "human", "value": "x"}], "images": ["a.png"]},
+     "placeholder_mismatch", "`system` holds a <image> placeholder, which is read only in the conversation's turns"),
 ]
+
+
+def test_an_ms_swift_rows_top_level_system_is_its_first_message():
+    """As ms-swift reads it; a reject of the converted row names the row's own messages[k]."""
+    from preprocess.formats import in_row_terms
+
+    row = {"system": "S", "messages": [{"role": "user", "content": "<image>x"}, {"role": "assistant", "content": "y"}],
+           "images": ["a.png"]}
+    messages = to_openai_row(row, "swift")["messages"]
+    assert messages[0] == {"role": "system", "content": "S"} and [m["role"] for m in messages] == [
+        "system", "user", "assistant"]
+    exc = in_row_terms(RejectError("bad_content", "messages[0].content and messages[2].content"), row, "swift")
+    assert exc.message == "`system` and messages[1].content"
+    assert in_row_terms(exc, {**row, "system": None}, "swift") is exc
 
 
 def test_an_empty_media_cell_is_a_row_without_media():
@@ -493,6 +517,10 @@ JSON_ARRAYS = [  # (file bytes, rows: a value, or (reject code, words of its rea
     (b"[" + b"[" * 5000 + b"]" * 5000 + b", 7]", [("bad_json", "nested deeper than the JSON parser allows"), 7]),
     (b'[{"n": ' + b"9" * 5000 + b"}, 7]", [("bad_json", "an integer of more than 4300 digits"), 7]),
     (b'[{"n": NaN, "m": -Infinity}]', [{"n": float("nan"), "m": float("-inf")}]),  # what json reads; the row decides
+    # a bracket left open inside an element closes with the element's own: the rows after it are found
+    (b'[{"a": [1, 2}, {"b": 2}]', [("bad_json", "not valid JSON"), {"b": 2}]),
+    (b'[{"a": {"b": [1}}, 3, {"c": [{"d": 1]}]', [("bad_json", "not valid JSON"), 3, ("bad_json", "not valid JSON")]),
+    (b'[{"a": 1}, {"b": [1, 2}', [{"a": 1}, ("bad_json", "the file is truncated")]),
 ]
 
 
@@ -599,6 +627,20 @@ def test_crlf_jsonl_is_read_at_its_lf_and_a_raw_cr_rejects_only_its_row(tmp_path
     assert acc["rejects_by_reason"] == {"bad_json": 1}
 
 
+def test_a_long_first_row_is_read_past_64_kib_before_its_line_breaks_are_judged(tmp_path):
+    """A CRLF input whose first row is 64 KiB long, and an LF one whose long first row holds a raw
+    CR, are read (the raw CR rejects its row alone), not refused as CR line breaks."""
+    long_row = json.dumps(_chat("x" * 70_000)).encode()
+    (tmp_path / "crlf.jsonl").write_bytes(b"".join(row + b"\r\n" for row in [long_row, *[json.dumps(
+        _chat(w)).encode() for w in "ab"]]))
+    raw_cr = long_row.replace(b"xxxx", b"x\rxx", 1)
+    (tmp_path / "raw-cr.jsonl").write_bytes(raw_cr + b"\n" + json.dumps(_chat("c")).encode() + b"\n")
+    manifest = run_preprocess(PreprocessConfig(inputs=[str(tmp_path / "crlf.jsonl"), str(tmp_path / "raw-cr.jsonl")],
+                                               out=str(tmp_path / "out"), workers=1, progress=False))
+    acc = manifest["accounting"]
+    assert (acc["rows_read"], acc["rows_written"], acc["rejects_by_reason"]) == (5, 4, {"bad_json": 1})
+
+
 def _damaged_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     """name -> (an input that cannot be opened at all, words its one-line error must hold)."""
     import datasets
@@ -617,6 +659,20 @@ def _damaged_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
         "cr-lines.jsonl": ("\r".join(json.dumps(_chat(w)) for w in "abc").encode(),
                            "ends its lines in CR alone (classic Mac OS line breaks), but JSONL rows are split at LF: "
                            "convert it, e.g. `tr '\\r' '\\n' <"),
+        # a string or bracket left open with the array's `]` at the end: the rows after it cannot be told apart
+        "json-open-string.json": (b'[{"a": 1}, {"b": "x}, {"c": 2}]\n', "the array element at byte 10 (element 1) "
+                                  "leaves a string or a bracket open"),
+        "json-open-object.json": (b'[{"a": [1]\n, {"b": 2}]', "leaves a string or a bracket open"),
+        # compressed, or one JSON array under a JSONL name: rows of garbage
+        "gzip.jsonl": (gzip.compress(json.dumps(_chat("a")).encode() + b"\n"),
+                       "is gzip-compressed, but JSON and JSONL inputs are read as plain UTF-8 text: unpack it first, "
+                       "e.g. `gunzip -c"),
+        "zstd.json": (b"\x28\xb5\x2f\xfd" + bytes(20), "is zstd-compressed"),
+        "rows.jsonl.gz": (gzip.compress(b"{}"), "is a compressed file (.gz), but inputs are read uncompressed: unpack "
+                          "it first (`gunzip -k"),
+        "array.jsonl": (json.dumps([_chat(w) for w in "ab"]).encode(), "holds one JSON array (it starts with `[`), "
+                        "not JSON lines (one row object per line): name it .json"),
+        "array-indented.jsonl": (json.dumps([_chat(w) for w in "ab"], indent=2).encode(), "holds one JSON array"),
         "parquet-truncated.parquet": (good[: len(good) // 2], "not a readable Parquet file"),
         "parquet-footer.parquet": (good[:-4] + b"XXXX", "not a readable Parquet file"),
         "parquet-empty.parquet": (b"", "not a readable Parquet file"),
@@ -640,8 +696,10 @@ def _damaged_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
 
 
 def test_an_input_that_cannot_be_opened_at_all_stops_the_job_with_one_line(tmp_path, capsys):
-    """A JSON file that is not one array (an object, empty, two arrays), a JSON or JSONL file in
-    UTF-16 or UTF-32 (its byte order mark), a JSONL file of CR line breaks, a truncated or empty
+    """A JSON file that is not one array (an object, empty, two arrays) or whose element leaves a
+    string or bracket open before its `]`, a JSON or JSONL file in UTF-16 or UTF-32 (its byte
+    order mark) or compressed (by its bytes or its name), one JSON array named .jsonl, a JSONL
+    file of CR line breaks, a truncated or empty
     Parquet file or one with a damaged footer, a `datasets` directory with its Arrow file missing
     or truncated or its state.json / dataset_info.json damaged: exit 2 before the job starts,
     one line naming the input, what is wrong and the fix; no output directory is made."""

@@ -697,6 +697,58 @@ def test_the_header_is_checked_before_any_frame_is_decoded(tmp_path):
         assert reader.info.total_frames == 4
 
 
+def _mpegts_bytes(frames, fps: int = 10) -> bytes:
+    import io
+
+    import av
+
+    frames = np.stack(list(frames))
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mpegts") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+def test_lists_of_other_files_are_refused_unopened_and_frames_that_change_size_reject_the_video(tmp_path):
+    """An HLS playlist, a DASH manifest, an FFmpeg concat list and an SDP description name other
+    files or streams, which FFmpeg opens while it opens the list (from outside --media-root, or
+    a pipe that never ends): each is refused by its first bytes, FFmpeg never called. A stream
+    whose frames grow mid-stream past --max-image-pixels is `frame_too_large` only at the first
+    frame; a later one of another size is `bad_video`, before it is converted."""
+    import av
+
+    rng = np.random.default_rng(2)
+    (tmp_path / "outside.ts").write_bytes(_mpegts_bytes(synthetic_video_frames(rng, 10, 64, 48)))
+    lists = {"clip.m3u8": (b"\xef\xbb\xbf#EXTM3U\n#EXTINF:1.0,\noutside.ts\n#EXT-X-ENDLIST\n", "an HLS playlist"),
+             "clip.mpd": (b'<?xml version="1.0"?>\n<MPD xmlns="urn:mpeg:dash:schema:mpd:2011"></MPD>', "a DASH manifest"),
+             "clip.txt": (b"ffconcat version 1.0\nfile outside.ts\n", "an FFmpeg concat list"),
+             "clip.sdp": (b"v=0\no=- 0 0 IN IP4 127.0.0.1\nm=video 5004 RTP/AVP 96\n", "an SDP session description")}
+    with mock.patch.object(av, "open", side_effect=AssertionError("FFmpeg opened it")):
+        for name, (data, kind) in lists.items():
+            (tmp_path / name).write_bytes(data)
+            for source in (tmp_path / name, data):
+                with pytest.raises(RejectError) as err:
+                    VideoReader(source)
+                assert err.value.code == "not_a_video" and f"is {kind}" in err.value.message and \
+                    err.value.message.endswith("not a video: give the video file itself"), err.value
+    grows = _mpegts_bytes(synthetic_video_frames(rng, 6, 64, 48)) + \
+        _mpegts_bytes(synthetic_video_frames(rng, 6, 128, 96))
+    for limit in (None, 64 * 48):
+        with VideoReader(grows, max_frame_pixels=limit) as reader:
+            assert (reader.info.width, reader.info.height) == (64, 48)
+            with pytest.raises(RejectError) as err:
+                list(reader.frames(range(reader.info.total_frames)))
+        assert err.value.code == "bad_video" and "its frames change size mid-stream (from 64x48 to 128x96)" in \
+            err.value.message, err.value
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_contradicting_bounds_and_the_wrong_kind_of_media_are_named_rejects(family, builtin_profiles, tmp_path):
     """A part's min_pixels over its max_pixels (or over the maximum in force), min_frames over

@@ -71,14 +71,18 @@ def to_openai_row(row, row_format: str, *, detected: bool = False) -> dict:
 
 def in_row_terms(exc: RejectError, row, row_format: str) -> RejectError:
     """`exc`, raised on the converted row, naming turns as the user's row does: a ShareGPT row's
-    message k is its conversations[k], or conversations[k - 1] after a top-level `system`."""
-    if row_format != "sharegpt" or not isinstance(row, dict):
+    message k is its conversations[k], or conversations[k - 1] after a top-level `system`; an
+    ms-swift row's message k is its messages[k - 1] after one."""
+    if row_format not in ("sharegpt", "swift") or not isinstance(row, dict):
         return exc
     offset = 1 if isinstance(row.get("system"), str) and row["system"] else 0
+    if row_format == "swift" and not offset:
+        return exc
+    key, field = ("conversations", ".value") if row_format == "sharegpt" else ("messages", ".content")
 
     def turn(match: re.Match) -> str:  # an OpenAI message's `content` is a ShareGPT turn's `value`
         k = int(match[1]) - offset
-        return "`system`" if k < 0 else f"conversations[{k}]" + (".value" if match[2] else "")
+        return "`system`" if k < 0 else f"{key}[{k}]" + (field if match[2] else "")
 
     message = re.sub(r"^message (\d+)()(?=:)", turn, exc.message)
     return RejectError(exc.code, re.sub(r"\bmessages\[(\d+)\](\.content\b)?", turn, message))
@@ -114,6 +118,10 @@ def _reject_swift_fields(row: dict) -> None:
     message's `loss`, are ms-swift's: read as OpenAI they would be dropped unseen (auto takes an
     input's layout from its first row, which may hold no media)."""
     refuse_audio(row)
+    if row.get("system") not in (None, ""):
+        raise RejectError("unsupported_field", "`system` beside `messages` is not read in the OpenAI layout: make it "
+                          "the first message, {\"role\": \"system\", \"content\": ...}, or use --input-format swift, "
+                          "which reads it so")
     for key in MEDIA_KEYS:
         if row.get(key) not in (None, "", []):
             raise RejectError("unsupported_field", f"`{key}` beside `messages` is the ms-swift layout, which "

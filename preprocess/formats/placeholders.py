@@ -112,3 +112,19 @@ def split_text(text: str, queue: MediaQueue) -> str | list[dict]:
     if at < len(text):
         parts.append({"type": "text", "text": text[at:]})
     return parts
+
+
+def system_turn(row: dict) -> dict | None:
+    """The system message of a row's top-level `system` (ShareGPT's, and ms-swift's beside
+    `messages`), or None where it has none. Placeholders there would match no media: the
+    layouts take media in the user turns."""
+    system = row.get("system")
+    if system is not None and not isinstance(system, str):
+        raise RejectError("bad_content", f"`system` must be a string, got {type(system).__name__}")
+    if not system:
+        return None
+    for tag in ("<image>", "<video>"):
+        if tag in system:
+            raise RejectError("placeholder_mismatch", f"`system` holds a {tag} placeholder, which is read only in "
+                              "the conversation's turns: move it into a user turn")
+    return {"role": "system", "content": system}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ..errors import RejectError, loads_or_reject
 from ..render import REASONING_FIELDS
-from .placeholders import MediaQueue, split_text
+from .placeholders import MediaQueue, split_text, system_turn
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
          "function_call": "assistant", "observation": "tool"}
@@ -32,11 +32,8 @@ def to_openai(row: dict) -> dict:
         raise RejectError("no_messages", "`conversations` must be a non-empty list of {\"from\", \"value\"} turns")
     queue = MediaQueue.from_row(row)
     messages = []
-    system = row.get("system")
-    if system is not None and not isinstance(system, str):
-        raise RejectError("bad_content", f"`system` must be a string, got {type(system).__name__}")
-    if system:
-        messages.append({"role": "system", "content": system})
+    if (system := system_turn(row)) is not None:
+        messages.append(system)
     for k, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise RejectError("bad_content", f"conversations[{k}] must be an object with `from` and `value`")

@@ -11,13 +11,15 @@ takes the next entry of the same lists (the layout of TRL datasets, whose `image
 holds `Image` features). Roles: `system`, `user`, `assistant`, `tool` / `tool_response` (a
 tool's output) and `tool_call` (its content the JSON of one call, joined to the assistant
 turn right before it, as ms-swift renders it). A message's `loss` (true / false; null: the
-loss policy decides) is the assistant turn's `train` flag.
+loss policy decides) is the assistant turn's `train` flag. A top-level `system` is the first
+message, as ms-swift reads it; beside a system message of its own the row is rejected (ms-swift
+would drop one of them unseen).
 """
 
 from __future__ import annotations
 
 from ..errors import RejectError
-from .placeholders import MediaQueue, split_text
+from .placeholders import MediaQueue, split_text, system_turn
 from .sharegpt import loss_flag, tool_calls, tool_schemas
 
 ROLES = ("system", "user", "assistant", "tool", "tool_response", "tool_call")
@@ -32,6 +34,11 @@ def to_openai(row: dict) -> dict:
                           "write the boxes into the text, or drop the field")
     queue = MediaQueue.from_row(row)
     messages: list[dict] = []
+    if (system := system_turn(row)) is not None:  # ms-swift's top-level system: the first message
+        if isinstance(given[0], dict) and given[0].get("role") == "system":
+            raise RejectError("bad_row", "the row has both a top-level `system` and a system message, messages[0]: "
+                              "keep one of them")
+        messages.append(system)
     for k, message in enumerate(given):
         if not isinstance(message, dict):
             raise RejectError("bad_content", f"messages[{k}] must be an object with `role` and `content`")

@@ -57,6 +57,16 @@ class VideoInfo:
     rotation: int = 0  # counter-clockwise quarter turns applied to each decoded frame (0-3)
 
 
+_SNIFF_BYTES = 4096
+# Lists of other files or streams FFmpeg would open (by the first bytes its own probes look for)
+_LISTS_OF_OTHER_FILES = (
+    ("an HLS playlist (#EXTM3U)", lambda head: head.startswith(b"#EXTM3U")),
+    ("a DASH manifest (<MPD>)", lambda head: head.startswith(b"<") and b"<MPD" in head),
+    ("an FFmpeg concat list (ffconcat)", lambda head: head.startswith(b"ffconcat version")),
+    ("an SDP session description (v=0)", lambda head: head.startswith(b"v=0")),
+)
+
+
 def _av():
     try:
         import av
@@ -79,6 +89,8 @@ class VideoReader:
         self._what = what
         self._source = source
         self._max_frame_pixels = max_frame_pixels
+        self._frame_size: tuple[int, int] | None = None  # the first decoded frame's (width, height)
+        self._refuse_a_list_of_other_files()
         try:
             self._container = av.open(str(source) if isinstance(source, Path) else io.BytesIO(source), mode="r",
                                       metadata_errors="ignore")
@@ -91,6 +103,24 @@ class VideoReader:
         except BaseException:
             self._container.close()
             raise
+
+    def _refuse_a_list_of_other_files(self) -> None:
+        """A playlist or manifest (HLS, DASH, FFmpeg's concat list, an SDP session) names other
+        files or streams, which FFmpeg opens while it opens the list: from outside --media-root,
+        or a pipe or socket that never ends. Refused by its first bytes, before FFmpeg sees it."""
+        if isinstance(self._source, Path):
+            try:
+                with open(self._source, "rb") as fh:
+                    head = fh.read(_SNIFF_BYTES)
+            except OSError:
+                return  # FFmpeg's open names the failure
+        else:
+            head = self._source[:_SNIFF_BYTES]
+        head = head.removeprefix(b"\xef\xbb\xbf").lstrip()
+        for kind, matches in _LISTS_OF_OTHER_FILES:
+            if matches(head):
+                raise RejectError("not_a_video", f"{self._named()} is {kind}, which names other files or streams to "
+                                  "read, not a video: give the video file itself")
 
     def _named(self) -> str:
         """`what`, with the file's path when it is a file (the row may name it relative to --media-root)."""
@@ -174,7 +204,6 @@ class VideoReader:
             raise RejectError("bad_video", f"{self._what}: decoding failed ({_reason(exc)})") from None
         if first is None:
             raise RejectError("bad_video", f"{self._what}: no frame decodes")
-        self._check_frame_size(first.width, first.height)  # a header may leave the size out
         return round(float(first.rotation or 0) / 90) % 4
 
     def _check_frame_size(self, width: int, height: int) -> None:
@@ -210,7 +239,19 @@ class VideoReader:
             raise RejectError("bad_video", f"{self._what}: decoding failed ({_reason(exc)})") from None
 
     def _decoded(self) -> Iterator[object]:
-        return self._container.decode(self._stream)
+        """The stream's frames from where the container stands, each of the first frame's size:
+        a frame over --max-image-pixels, or one that changes size mid-stream, rejects the video
+        before it is converted."""
+        for frame in self._container.decode(self._stream):
+            size = (frame.width, frame.height)
+            if self._frame_size is None:
+                self._check_frame_size(*size)
+                self._frame_size = size
+            elif size != self._frame_size:
+                raise RejectError("bad_video", f"{self._what}: its frames change size mid-stream (from "
+                                  f"{self._frame_size[0]}x{self._frame_size[1]} to {size[0]}x{size[1]}); re-encode it "
+                                  "at one size")
+            yield frame
 
     def _sequential(self, wanted: list[int]) -> Iterator[tuple[int, np.ndarray]]:
         self._container.seek(0)
