@@ -1227,11 +1227,12 @@ def test_each_step_reports_its_time_split_and_wandb_logs_the_same_scalars(shards
 def test_profile_options_write_a_trace_of_each_profiled_step(shards, tmp_path):
     """--profile-start N --profile-steps K: steps N..N+K-1 each run under torch.profiler and
     leave a Chrome trace in --out/profile; the other steps none. --memory-snapshot records CUDA
-    allocations and --grad-dtype bf16 halves bf16 gradients: a CPU run (fp32) says it does
-    neither, and trains on."""
+    allocations, --grad-dtype bf16 halves bf16 gradients and --recompute-mlp-activations acts in
+    compiled layers: a CPU run (fp32, eager) says it does none of them, and trains on."""
     out = tmp_path / "profiled"
     proc = ok(run_train([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "3",
-                         "--profile-start", "2", "--profile-steps", "2", "--memory-snapshot", "--grad-dtype", "bf16"]))
+                         "--profile-start", "2", "--profile-steps", "2", "--memory-snapshot", "--grad-dtype", "bf16",
+                         "--recompute-mlp-activations", "true"]))
     assert sorted(p.name for p in (out / "profile").iterdir()) == ["step_00000002_rank_00000.json",
                                                                   "step_00000003_rank_00000.json"]
     for trace in (out / "profile").iterdir():
@@ -1239,6 +1240,8 @@ def test_profile_options_write_a_trace_of_each_profiled_step(shards, tmp_path):
         assert any(e.get("name", "").startswith("aten::") for e in events), trace.name
     assert "--memory-snapshot records CUDA allocations; this CPU run writes none" in proc.stderr
     assert "--grad-dtype bf16 on a CPU run: its weights are fp32, and its gradients take their dtype" in proc.stderr
+    assert "--recompute-mlp-activations true on a CPU run: its layers are eager, and eager layers keep the " \
+        "activations' outputs" in proc.stderr
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
 
 

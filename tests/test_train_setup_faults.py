@@ -83,7 +83,37 @@ DRY_RUN_DATA = {
     "sequence parallelism without TP": (["--arch", "tiny", "--data", "{shards}", "--sequence-parallel", "true"],
                                         "--sequence-parallel true splits the rows over the ranks of a TP group: with "
                                         "--tp 1 there is none"),
+    # settings that would change nothing
+    "a source named twice": (["--arch", "tiny", "--data", "{shards}", "--data", "{shards}/"],
+                             "source {shards}/ is the same directory as {shards}: its samples would be drawn twice "
+                             "per epoch"),
+    "a vision tower LoRA leaves frozen, recomputed": (["--arch", "tiny", "--data", "{shards}", "--lora-rank", "4",
+                                                       "--recompute", "full", "--recompute-vision", "true"],
+                                                      "and LoRA (the tower is in neither --lora-parts nor "
+                                                      "--lora-modules-to-save) gives them none: drop --recompute-vision"),
+    "--freeze beside LoRA": (["--arch", "tiny", "--data", "{shards}", "--lora-rank", "4", "--freeze", "vision"],
+                             "--freeze vision with --lora-rank: LoRA freezes every part outside --lora-parts and "
+                             "--lora-modules-to-save already, so it would change nothing: drop --freeze"),
+    "FP8 with LoRA": (["--arch", "tiny", "--data", "{shards}", "--lora-rank", "4", "--fp8", "tensorwise"],
+                      "--fp8 tensorwise runs the trained decoder linears' GEMMs in FP8, and LoRA leaves the decoder's "
+                      "linears frozen (they stay bf16), so it would change nothing: drop --fp8"),
+    "FP8 with the decoder frozen": (["--arch", "tiny", "--data", "{shards}", "--freeze", "llm", "--fp8", "rowwise"],
+                                    "and --freeze llm leaves the decoder's linears frozen"),
+    "evaluation batches without evaluations": (["--arch", "tiny", "--data", "{shards}", "--eval-batches", "8"],
+                                               "--eval-batches 8 sizes the evaluations of --eval-every N, and this "
+                                               "run has none"),
 }
+
+
+def test_global_batch_tokens_under_half_a_pack_is_refused_naming_the_least_that_gives_one():
+    from train.config import ConfigError, TrainConfig
+
+    flat = dict(data=["d"], arch="tiny", seq_len=4096, out="o")
+    with pytest.raises(ConfigError, match=r"--global-batch-tokens 2048 rounds to no pack of --seq-len 4096: give at "
+                                          r"least 2049 \(one pack\)"):
+        TrainConfig.from_flat({**flat, "global_batch_tokens": 2048}).data.validate()
+    assert TrainConfig.from_flat({**flat, "global_batch_tokens": 2049}).data.global_packs(1) == 1
+    assert TrainConfig.from_flat({**flat, "global_batch_tokens": 10_000}).data.global_packs(1) == 2
 
 
 @pytest.mark.parametrize("case", list(DRY_RUN_DATA))

@@ -33,6 +33,7 @@ from shards_schema.flags import (add_flags, flag_name, flat_paths, from_flat, ne
 from train.model.settings import ATTENTION_KERNELS, FP8_RECIPES, LOSS_PATHS, ConfigError
 
 FREEZABLE = ("vision", "merger", "llm")  # also the parts LoRA adapts or trains fully (train.model.lora)
+EVAL_BATCHES = 4  # global batches per evaluation unless --eval-batches says
 STATE_DTYPES = ("fp32", "bf16")  # --grad-dtype / --adam-state-dtype
 RECOMPUTE = ("none", "selective", "full", "auto")
 DEVICES = ("cuda", "cpu")
@@ -197,13 +198,17 @@ class DataConfig:
                               f"forward pass: at most {MAX_SEQ_LEN} fit any GPU; lower --micro-batch-packs")
         if self.global_batch_packs is not None and self.global_batch_tokens is not None:
             raise ConfigError("give --global-batch-packs or --global-batch-tokens, not both")
+        if self.global_batch_tokens is not None and round(self.global_batch_tokens / self.seq_len) < 1:
+            raise ConfigError(f"--global-batch-tokens {self.global_batch_tokens} rounds to no pack of --seq-len "
+                              f"{self.seq_len}: give at least {self.seq_len // 2 + 1} (one pack), or a shorter "
+                              "--seq-len")
 
     def global_packs(self, dp: int) -> int:
         """Packs per global batch; a multiple of dp * micro_batch_packs."""
         if self.global_batch_packs is not None:
             packs = self.global_batch_packs
         elif self.global_batch_tokens is not None:
-            packs = max(1, round(self.global_batch_tokens / self.seq_len))
+            packs = round(self.global_batch_tokens / self.seq_len)
         else:
             packs = dp * self.micro_batch_packs
         unit = dp * self.micro_batch_packs
@@ -375,10 +380,16 @@ class ScheduleConfig:
     exit_interval: int = _int(0, "schedule", "save and exit once the step is a multiple of this, for scheduler time "
                                              "slots (0: off; default 0)")
     eval_every: int = _int(0, "schedule", "evaluate on --eval-data every N steps (0: never; default 0)")
-    eval_batches: int = _int(4, "schedule", "global batches per evaluation (default 4)")
+    eval_batches: int | None = _int(None, "schedule", "global batches per evaluation, with --eval-every (default 4)")
+
+    def eval_global_batches(self) -> int:
+        return EVAL_BATCHES if self.eval_batches is None else self.eval_batches
 
     def validate(self) -> None:
         _check_numbers(self)
+        if self.eval_batches is not None and not self.eval_every:
+            raise ConfigError(f"--eval-batches {self.eval_batches} sizes the evaluations of --eval-every N, and this "
+                              "run has none: add --eval-every N (and --eval-data DIR), or drop --eval-batches")
         if self.warmup_steps >= self.train_steps:
             raise ConfigError(f"--warmup-steps {self.warmup_steps} must be smaller than --train-steps {self.train_steps}")
 
@@ -577,13 +588,19 @@ class TrainConfig:
         if self.parallelism.sequence_parallel and self.parallelism.tp == 1:
             raise ConfigError("--sequence-parallel true splits the rows over the ranks of a TP group: with --tp 1 "
                               "there is none; drop it, or give --tp N")
-        if "vision" in self.model.freeze and (self.memory.recompute_vision or
-                                              self.memory.recompute_vision_blocks is not None):
+        frozen_by = "--freeze vision" if not self.lora.lora_rank else \
+            "LoRA (the tower is in neither --lora-parts nor --lora-modules-to-save)"
+        if "vision" in self.frozen_parts() and (self.memory.recompute_vision or
+                                                self.memory.recompute_vision_blocks is not None):
             # a frozen tower keeps no activations for a backward: there is nothing to recompute
             given = ("--recompute-vision true" if self.memory.recompute_vision else
                      f"--recompute-vision-blocks {self.memory.recompute_vision_blocks}")
-            raise ConfigError(f"{given} recomputes the vision blocks in backward, and --freeze vision gives them none: "
+            raise ConfigError(f"{given} recomputes the vision blocks in backward, and {frozen_by} gives them none: "
                               f"drop {given.split()[0]}")
+        if self.model.fp8 is not None and (self.lora.lora_rank or "llm" in self.model.freeze):
+            raise ConfigError(f"--fp8 {self.model.fp8} runs the trained decoder linears' GEMMs in FP8, and "
+                              f"{'--freeze llm' if not self.lora.lora_rank else 'LoRA'} leaves the decoder's linears "
+                              "frozen (they stay bf16), so it would change nothing: drop --fp8")
         if not self.lora.lora_rank and set(FREEZABLE) <= set(self.model.freeze):
             raise ConfigError(f"--freeze {','.join(FREEZABLE)} freezes every part of the model: nothing would be "
                               "trained; drop one of them (or train adapters with --lora-rank R)")
@@ -593,6 +610,10 @@ class TrainConfig:
             if frozen:
                 raise ConfigError(f"--freeze {','.join(frozen)}: those parts are trained (--lora-parts / --lora-modules-to-save); "
                                   "with LoRA every other part is frozen already")
+            if self.model.freeze:
+                raise ConfigError(f"--freeze {','.join(self.model.freeze)} with --lora-rank: LoRA freezes every part "
+                                  "outside --lora-parts and --lora-modules-to-save already, so it would change nothing: "
+                                  "drop --freeze")
         if self.memory.master_weights == "bf16":
             self._validate_bf16_master_weights()
         if self.memory.grad_dtype == "bf16" and not self.memory.bf16:
@@ -630,6 +651,13 @@ class TrainConfig:
             raise ConfigError("--master-weights bf16 with --distributed-optimizer false: the bf16 update is built on "
                               "the distributed optimizer (it still shards the Adam moments over data-parallel ranks); "
                               "drop --distributed-optimizer false")
+
+    def frozen_parts(self) -> set[str]:
+        """The parts that get no gradient at all: --freeze's, or with LoRA those neither adapted
+        nor trained fully."""
+        if self.lora.lora_rank:
+            return set(FREEZABLE) - set(self.lora.trained_parts()) - set(self.lora.lora_modules_to_save)
+        return set(self.model.freeze)
 
     def packs_padded(self) -> bool:
         """Every pack padded to exactly seq_len rows (--pad-packs, resolved)."""

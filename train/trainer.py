@@ -49,6 +49,7 @@ from train.model import gated_delta_net, lora
 from train.model.moe import load_balancing_loss
 from train.model_setup import resolve_arch
 from train.pack_plan import is_webdataset_export, parse_source, resolve_weights, source_manifest
+from train.pack_plan.plan import distinct_source_manifests
 from train.parallel import ParallelInfo, destroy_parallel, finalize_grads, init_parallel
 from train.preemption import StopRequest
 from train.profiling import Profiling
@@ -277,11 +278,13 @@ def check_data_manifests(config: DataConfig, arch: ModelArch) -> None:
     some sample certainly exceeds, which the run refuses when it plans the packs. A manifest
     records each shard's tokens and rows, not each sample's length: a shard whose samples
     average more than --seq-len tokens holds one that fits no pack; a longer sample elsewhere is
-    found by the run (or `vlmpack pack`)."""
+    found by the run (or `vlmpack pack`); a training source named twice or holding another's
+    shards (`distinct_source_manifests`, as the run's plan refuses it)."""
     if config.data:  # the mixing weights, as the loader takes them
         resolve_weights([0] * len(config.data), [weight for _, weight in map(parse_source, config.data)])
     directories = [d for d, _ in map(parse_source, (*config.data, *config.eval_data)) if not is_url(d)]
     check_sources(directories, arch)
+    distinct_source_manifests([spec for spec in map(parse_source, config.data) if not is_url(spec[0])])
     for directory in directories:
         manifest = source_manifest(directory)
         if is_webdataset_export(directory):
@@ -569,6 +572,9 @@ class Trainer:
         if config.memory.grad_dtype == "bf16" and not self.bf16 and self.info.is_main:
             print("vlmpack train: --grad-dtype bf16 on a CPU run: its weights are fp32, and its gradients take their "
                   "dtype", file=sys.stderr, flush=True)
+        if config.memory.recompute_mlp_activations and not self.cuda and self.info.is_main:
+            print("vlmpack train: --recompute-mlp-activations true on a CPU run: its layers are eager, and eager "
+                  "layers keep the activations' outputs", file=sys.stderr, flush=True)
         # megatron's DistributedOptimizer is CUDA-only
         self.use_distributed = parallelism.distributed_optimizer and self.cuda
         self._resources = ExitStack()
@@ -604,7 +610,7 @@ class Trainer:
         with inputs_checked():
             self.data = TrainData(localize_sources(config.data, self.out, info), arch, info,
                                   padded=config.packs_padded(), plan_cache=self.out / "plans",
-                                  eval_batches=config.schedule.eval_batches,
+                                  eval_batches=config.schedule.eval_global_batches(),
                                   row_multiple=info.tp if sequence_parallel(arch, config.parallelism) else 1)
         self.model_config, self.model = self.build_model()
         self.optimizer = build_optimizer(config.optimizer, config.memory, self.model, self.cuda, self.use_distributed,

@@ -381,11 +381,10 @@ class PlanRequest:
     key: str
 
 
-def plan_request(sources, packing: PackSettings) -> PlanRequest:
-    """Check the sources and compute the plan's key (cheap: manifests only; `packing` checked itself)."""
-    specs = normalize_sources(sources)
-    if not specs:
-        raise PackingError("no sources to pack")
+def distinct_source_manifests(specs: list[tuple[str, float | None]]) -> tuple[list[dict], list[dict]]:
+    """The manifest and fingerprint of each source directory; PackingError where one is named
+    twice (another spelling, a link) or holds the same shards as another (a copy, or a
+    WebDataset export of it): its samples would be drawn twice per epoch."""
     manifests, named = [], {}
     for directory, _ in specs:
         require_directory(Path(directory), SHARD_DIRECTORY)
@@ -404,6 +403,15 @@ def plan_request(sources, packing: PackSettings) -> PlanRequest:
             raise PackingError(f"source {specs[k][0]} holds the same shards as {specs[first][0]} (a copy, or a "
                                "WebDataset export of it): its samples would be drawn twice per epoch; name it once (a "
                                "weight, DIR:WEIGHT, draws one source more often than another)")
+    return manifests, fingerprints
+
+
+def plan_request(sources, packing: PackSettings) -> PlanRequest:
+    """Check the sources and compute the plan's key (cheap: manifests only; `packing` checked itself)."""
+    specs = normalize_sources(sources)
+    if not specs:
+        raise PackingError("no sources to pack")
+    manifests, fingerprints = distinct_source_manifests(specs)
     profiles = {m["profile"]["id"] for m in manifests}
     if len(profiles) > 1:
         listing = ", ".join(f"{d} -> {m['profile']['id']} ({m['profile'].get('family')})" for (d, _), m in zip(specs, manifests))
