@@ -357,7 +357,11 @@ def _show_sample(args, out) -> int:
                                  manifest["profile"]["family"]))
     print("\n".join(lines), file=out)
     if args.save_images:
-        paths = save_images(sample, index, manifest, Path(args.save_images))
+        try:
+            paths = save_images(sample, index, manifest, Path(args.save_images))
+        except ValueError as exc:  # a grid its patches cannot have: `patches_to_image` names it
+            raise ShowError(f"sample {index} of {args.dir}: {exc}: the shard is damaged; `vlmpack verify {args.dir}` "
+                            "lists every such row") from None
         if not paths:
             print(f"\nno images or videos in sample {index}; nothing saved", file=out)
         p, images = int(manifest["profile"]["vision"]["patch_size"]), len(sample["image_grid_thw"])

@@ -460,6 +460,28 @@ def test_a_row_whose_columns_disagree_is_named_by_the_commands_that_read_rows(cl
             dataset[k]
 
 
+def test_save_images_of_a_grid_its_patches_cannot_have_names_the_sample_and_the_fix(clean, tmp_path, capsys):
+    """A shard rewritten consistently but with one image's grid t x h x w given as 2 x h x w/2 (the
+    same number of patches, so every size agrees): `show --save-images` stops with one line
+    naming the sample, the grid and `vlmpack verify`, not a bare ValueError."""
+    from tests.helpers.shards import rewrite_shard
+
+    data = Path(shutil.copytree(clean, tmp_path / "data"))
+    rows = {}
+
+    def damage(samples):
+        j = next(j for j, sample in enumerate(samples) if len(sample.image_grid_thw))
+        t, h, w = samples[j].image_grid_thw[0]
+        samples[j].image_grid_thw[0] = (2, h, w // 2) if w % 2 == 0 else (2, h // 2, w)
+        rows["image"] = j
+
+    assert rewrite_shard(data, 0, damage) == DAMAGED_SHARD
+    assert vlmpack(["show", str(data), "--index", str(rows["image"]), "--save-images", str(tmp_path / "png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: sample {rows['image']} of {data}: grid 2x" in err, err
+    assert err.rstrip().endswith(f"the shard is damaged; `vlmpack verify {data}` lists every such row"), err
+
+
 TAR_EXPECTED = {
     "flipped_byte": rf"{DAMAGED_TAR}: sha256 [0-9a-f]+ does not match index\.json",
     "truncated": rf"{DAMAGED_TAR}: 30000 bytes, index\.json says \d+ \(truncated",

@@ -719,7 +719,8 @@ def _mpegts_bytes(frames, fps: int = 10) -> bytes:
 def test_lists_of_other_files_are_refused_unopened_and_frames_that_change_size_reject_the_video(tmp_path):
     """An HLS playlist, a DASH manifest, an FFmpeg concat list and an SDP description name other
     files or streams, which FFmpeg opens while it opens the list (from outside --media-root, or
-    a pipe that never ends): each is refused by its first bytes, FFmpeg never called. A stream
+    a pipe that never ends): each is refused by its first bytes, FFmpeg never called, as is an
+    empty file. A stream
     whose frames grow mid-stream past --max-image-pixels is `frame_too_large` only at the first
     frame; a later one of another size is `bad_video`, before it is converted."""
     import av
@@ -738,6 +739,11 @@ def test_lists_of_other_files_are_refused_unopened_and_frames_that_change_size_r
                     VideoReader(source)
                 assert err.value.code == "not_a_video" and f"is {kind}" in err.value.message and \
                     err.value.message.endswith("not a video: give the video file itself"), err.value
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    for source in (tmp_path / "empty.mp4", b""):
+        with pytest.raises(RejectError, match=r"is empty \(0 bytes\)") as err:
+            VideoReader(source)
+        assert err.value.code == "not_a_video"
     grows = _mpegts_bytes(synthetic_video_frames(rng, 6, 64, 48)) + \
         _mpegts_bytes(synthetic_video_frames(rng, 6, 128, 96))
     for limit in (None, 64 * 48):

@@ -90,7 +90,7 @@ class VideoReader:
         self._source = source
         self._max_frame_pixels = max_frame_pixels
         self._frame_size: tuple[int, int] | None = None  # the first decoded frame's (width, height)
-        self._refuse_a_list_of_other_files()
+        self._refuse_by_first_bytes()
         try:
             self._container = av.open(str(source) if isinstance(source, Path) else io.BytesIO(source), mode="r",
                                       metadata_errors="ignore")
@@ -104,10 +104,11 @@ class VideoReader:
             self._container.close()
             raise
 
-    def _refuse_a_list_of_other_files(self) -> None:
-        """A playlist or manifest (HLS, DASH, FFmpeg's concat list, an SDP session) names other
-        files or streams, which FFmpeg opens while it opens the list: from outside --media-root,
-        or a pipe or socket that never ends. Refused by its first bytes, before FFmpeg sees it."""
+    def _refuse_by_first_bytes(self) -> None:
+        """An empty file, and a playlist or manifest (HLS, DASH, FFmpeg's concat list, an SDP
+        session), which names other files or streams that FFmpeg opens while it opens the list:
+        from outside --media-root, or a pipe or socket that never ends. Refused by its first
+        bytes, before FFmpeg sees it."""
         if isinstance(self._source, Path):
             try:
                 with open(self._source, "rb") as fh:
@@ -116,6 +117,8 @@ class VideoReader:
                 return  # FFmpeg's open names the failure
         else:
             head = self._source[:_SNIFF_BYTES]
+        if not head:
+            raise RejectError("not_a_video", f"{self._named()} is empty (0 bytes)")
         head = head.removeprefix(b"\xef\xbb\xbf").lstrip()
         for kind, matches in _LISTS_OF_OTHER_FILES:
             if matches(head):
