@@ -235,14 +235,14 @@ def check_local_input(path_str: str) -> os.stat_result:
 def check_inputs(specs: list[str]) -> None:
     """Every local input checked (`check_local_input`), and each input named once: the same file,
     `datasets` directory or Hub split named twice, however spelled (another relative path, a
-    symbolic or hard link, a URL with other credentials), is refused naming both spellings, as
+    symbolic or hard link, a URL with other credentials or s3a:// for s3://), is refused naming both spellings, as
     its rows would otherwise be trained on twice."""
     named: dict[tuple, str] = {}
     for spec in specs:
         if is_hub_dataset(spec):
             key = ("hub", *sorted((k, v or "") for k, v in parse_hub_spec(spec).items()))
         elif storage.is_url(spec):
-            key = ("url", storage.redact(spec))
+            key = ("url", storage.object_identity(spec))
         else:
             st = check_local_input(spec)
             key = ("local", st.st_dev, st.st_ino)

@@ -34,6 +34,7 @@ from shards_schema.builtin import (
     builtin_chat_template,
     builtin_tokenizer_json,
 )
+from shards_schema.errors import first_few
 from shards_schema.json_object import NotAJSONObject, parse_json_object
 
 from .errors import ConfigError
@@ -325,8 +326,13 @@ def _chat_template_file(model_dir: Path) -> tuple[Path, str]:
             if isinstance(template, str):
                 return path, template
             if isinstance(template, list):  # HF's named templates ({"name": ..., "template": ...})
-                raise ConfigError(f"{path}: chat_template holds several named templates: vlmpack reads one; save the "
-                                  "one to train with as chat_template.jinja beside it")
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                if isinstance(named.get("default"), str):  # the one HF's apply_chat_template takes unasked
+                    return path, named["default"]
+                names = first_few([repr(n) for n in named]) or "none"
+                raise ConfigError(f"{path}: chat_template holds named templates ({names}) but none named 'default', "
+                                  "the one Hugging Face applies: save the one to train with as chat_template.jinja "
+                                  "beside it")
             if template is not None:
                 raise ConfigError(f"{path}: chat_template must be the template's text (a string), got "
                                   f"{_shown(template)}: {_restore(path)}")
@@ -346,11 +352,17 @@ PIXEL_STEPS = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
 RESCALE_FACTOR = 1 / 255
 
 
+BICUBIC = 3  # PIL's and transformers' code for the bicubic resize every published Qwen processor uses
+
+
 def _check_pixel_steps(path: Path, cfg: dict) -> None:
     for key in PIXEL_STEPS:
         if _given(cfg, key) and cfg[key] is not True:
             raise ConfigError(f"{path}: {key} {_clip(json.dumps(cfg[key]))} is not supported: vlmpack resizes, rescales, "
                               f"normalizes and converts to RGB as the published processors do; {_restore(path)}")
+    if _given(cfg, "resample") and (isinstance(cfg["resample"], bool) or cfg["resample"] != BICUBIC):
+        raise ConfigError(f"{path}: resample {_clip(json.dumps(cfg['resample']))} is not supported: vlmpack resizes "
+                          f"bicubic (resample {BICUBIC}) as the published processors do; {_restore(path)}")
     factor = cfg.get("rescale_factor")
     if _given(cfg, "rescale_factor") and not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
                                               and math.isclose(factor, RESCALE_FACTOR, rel_tol=1e-9)):

@@ -92,6 +92,10 @@ DEFAULT_TEXT_SPECIAL_TOKENS = CHAT_CONTROL_TOKENS + VISION_TOKENS
 
 # Message fields HF treats as reasoning; the Instruct templates render none of them.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# OpenAI message fields no Qwen template renders, and what to write instead
+UNRENDERED_FIELDS = {"function_call": "convert it to tool_calls: [{\"type\": \"function\", \"function\": {\"name\", "
+                                      "\"arguments\"}}]",
+                     "refusal": "write the refusal as the message's content"}
 
 
 @dataclass
@@ -279,7 +283,10 @@ def _render_arguments(arguments, index: int, k: int) -> str:
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
-        except (ValueError, RecursionError):
+        except RecursionError:
+            raise reject("bad_tool_call", index, f"tool_calls[{k}].arguments is nested too deep for the JSON parser "
+                         "(about 1000 levels): flatten it") from None
+        except ValueError:
             raise reject("bad_tool_call", index, f"tool_calls[{k}].arguments is a string that is not JSON "
                          f"({ascii(arguments):.60}): OpenAI's arguments are the JSON text of the call's "
                          "arguments; write it as JSON, or as an object") from None
@@ -350,6 +357,10 @@ def _parse_message(message, index: int, renders_reasoning: bool = False) -> Mess
             "the Thinking template renders only an assistant's reasoning_content" if renders_reasoning
             else "the Instruct templates do not render reasoning") + (": rename it to reasoning_content" if rename
                                                                        else ""))
+    for name, fix in UNRENDERED_FIELDS.items():
+        if message.get(name) not in (None, "", {}, []):
+            raise reject("dropped_by_template", index, f"{name} would be dropped: no Qwen template renders OpenAI's "
+                         f"{name}; {fix}")
     items, content_truthy = _parse_content(message, role, index)
     return Message(
         reasoning=reasoning,
@@ -865,6 +876,22 @@ TEMPLATE_PROBES: tuple[tuple[str, list, list | None], ...] = (
             {"role": "system", "content": "Switch to French."},
             {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "salut"},
+        ],
+        None,
+    ),
+    (  # rendered by the families that keep media in assistant turns (Qwen3.5), skipped by the others
+        "media in an assistant turn",
+        [
+            {"role": "user", "content": "Show me."},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Here:"},
+                    {"type": "image_url", "image_url": {"url": _DATA_URI}},
+                    {"type": "video", "video": "v.mp4"},
+                    {"type": "text", "text": "done"},
+                ],
+            },
         ],
         None,
     ),

@@ -68,6 +68,17 @@ def redact(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
+# Schemes that reach the same store: a URL in either spelling names the same object
+_SAME_STORE = {"s3a": "s3", "gcs": "gs", "abfss": "abfs"}
+
+
+def object_identity(url: str) -> str:
+    """`url` redacted, its scheme in one spelling per store (s3a:// as s3://, gcs:// as gs://):
+    two spellings of one object compare equal."""
+    parts = urlsplit(redact(url))
+    return urlunsplit((_SAME_STORE.get(parts.scheme, parts.scheme), *parts[1:]))
+
+
 # The most retries a fetch may be given, and the longest pause between two attempts: a row
 # whose store does not answer costs a bounded time.
 MAX_FETCH_RETRIES = 10
@@ -252,7 +263,8 @@ def info(spec: str, policy: FetchPolicy | None = None) -> dict:
     except Exception as exc:  # noqa: BLE001
         raise classify(exc, spec) from None
     if found.get("type") == "directory":
-        raise StorageError("not_found", f"{redact(spec)} is a directory, not a file")
+        raise StorageError("not_found", f"{redact(spec)} is a directory (a prefix of other objects), not a file: "
+                           "give the URL of a file in it")
     modified = found.get("LastModified") or found.get("mtime") or found.get("updated")
     if hasattr(modified, "timestamp"):
         modified = modified.timestamp()

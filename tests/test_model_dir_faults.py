@@ -101,8 +101,9 @@ def test_a_missing_model_dir_or_a_model_file_that_is_a_directory_is_named_as_suc
 
 @pytest.mark.parametrize("value, problem", [
     (42, "chat_template must be the template's text (a string), got 42"),
-    ([{"name": "default", "template": "{{ x }}"}], "chat_template holds several named templates: vlmpack reads one; "
-                                                   "save the one to train with as chat_template.jinja beside it"),
+    ([{"name": "tool_use", "template": "{{ x }}"}, 7], "chat_template holds named templates ('tool_use') but "
+                                                       "none named 'default', the one Hugging Face applies: save the "
+                                                       "one to train with as chat_template.jinja beside it"),
 ], ids=["number", "named-templates"])
 def test_a_tokenizer_config_chat_template_that_is_no_text_is_named(capsys, tmp_path, model, value, problem):
     (model / "chat_template.jinja").unlink()
@@ -112,6 +113,17 @@ def test_a_tokenizer_config_chat_template_that_is_no_text_is_named(capsys, tmp_p
     _update(config, chat_template=value)
     err = _refused(capsys, tmp_path, model)
     assert f"{config}: {problem}" in err, err
+
+
+def test_named_chat_templates_give_the_one_named_default_as_hugging_face_does(tmp_path, model):
+    official = (model / "chat_template.jinja").read_text(encoding="utf-8")
+    (model / "chat_template.jinja").unlink()
+    config = model / "tokenizer_config.json"
+    if not config.exists():
+        config.write_text("{}")
+    _update(config, chat_template=[{"name": "tool_use", "template": "{{ x }}"},
+                                   {"name": "default", "template": official}])
+    assert profile_from_model_dir(model).chat_template == official
 
 
 def test_an_empty_chat_template_is_refused_naming_the_file(capsys, tmp_path, model):
@@ -159,6 +171,8 @@ PROCESSOR_FAULTS = [
     ("preprocessor_config.json", {"do_normalize": False}, "do_normalize false is not supported"),
     ("preprocessor_config.json", {"do_convert_rgb": False}, "do_convert_rgb false is not supported"),
     ("preprocessor_config.json", {"rescale_factor": 0.5}, "rescale_factor 0.5 is not supported"),
+    ("preprocessor_config.json", {"resample": 0}, "resample 0 is not supported: vlmpack resizes bicubic (resample 3)"),
+    ("video_preprocessor_config.json", {"resample": 2}, "resample 2 is not supported"),
     ("video_preprocessor_config.json", {"do_rescale": False}, "do_rescale false is not supported"),
     ("video_preprocessor_config.json", {"max_video_tokens": 0}, "max_video_tokens must be an integer from 1"),
     ("config.json", {"vision_config": {"tokens_per_second": 0}},

@@ -405,6 +405,33 @@ def test_a_store_prefix_holding_another_job_is_refused_before_the_first_row_nami
     assert processed == [] and _stages(tmp_path / "tmp") == []
 
 
+def test_a_stage_dir_that_cannot_hold_the_job_is_named_as_the_stage_dir_and_s3a_is_s3(s3, tmp_path, capsys):
+    """A --stage-dir that is a file or holds other files is refused naming --stage-dir (the
+    job's --out is the store's); the same object spelled s3:// and s3a:// is one input named
+    twice."""
+    from shards_schema.cli import main
+
+    client, _ = s3
+    data = write_jsonl(tmp_path / "rows.jsonl", example_rows(4, seed=43, size_range=(32, 64)))
+    client.upload_file(str(data), "data", "twice/rows.jsonl")
+    (tmp_path / "a-file").write_text("not a directory")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("someone's notes")
+    common = ["--out", "s3://data/staged", "--workers", "1", "--no-progress"]
+    for stage, says in ((tmp_path / "a-file", f"--stage-dir {tmp_path / 'a-file'} is a file, not a directory"),
+                        (tmp_path / "busy", f"--stage-dir {tmp_path / 'busy'} is not empty and holds no resumable job "
+                                            "of `vlmpack preprocess` (it has notes.txt): choose a new or empty "
+                                            "--stage-dir directory")):
+        assert main(["preprocess", str(data), *common, "--stage-dir", str(stage)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+    assert main(["preprocess", "s3://data/twice/rows.jsonl", "s3a://data/twice/rows.jsonl", "--out",
+                 str(tmp_path / "out"), "--workers", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "input s3a://data/twice/rows.jsonl is the same input as s3://data/twice/rows.jsonl: its rows would be read " \
+        "twice" in err, err
+
+
 def test_the_stage_is_the_jobs_own_and_goes_once_its_upload_is_complete(s3, tmp_path, monkeypatch):
     """The default stage is named after the destination and the job: an upload cut short
     resumes from it (no unit redone), a complete upload removes it, and a later, different job

@@ -236,7 +236,10 @@ def test_reasoning_before_the_last_query_and_rows_the_template_refuses_are_rejec
         "bad_content": [[{"role": "system", "content": [{"type": "image", "image": "a.png"}]},
                          {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]],
         "bad_tool_call": [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "",
-                                                               "tool_calls": [{"name": "f", "arguments": "[1]"}]}]],
+                                                               "tool_calls": [{"name": "f", "arguments": "[1]"}]}],
+                          # a key given twice: the template writes one <parameter> per key, the other value lost
+                          [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": [
+                              {"name": "f", "arguments": '{"a": 1, "b": {"c": 2, "c": 3}}'}]}]],
     }
     for code, rows in cases.items():
         for messages in rows:
@@ -471,6 +474,22 @@ def test_the_template_check_tells_the_two_templates_apart(profiles):
         check_template_matches(profiles[name], text)
         with pytest.raises(ConfigError, match="tool call arguments of every JSON type"):
             check_template_matches(profiles[other], text)
+
+
+def test_a_template_that_drops_media_in_assistant_turns_is_refused(profiles):
+    """Qwen3.5 renders an assistant turn's images and videos: a --model template edited to write
+    only their text fails the check on the probe that holds them."""
+    from preprocess.errors import ConfigError
+    from preprocess.render import check_template_matches
+
+    official = TEMPLATE_FILES["qwen3.5"].read_text(encoding="utf-8")
+    line = "{%- set content = render_content(message.content, true)|trim %}"
+    assert official.count(line) == 1
+    text_only = ('{%- set content = (render_content(message.content, true) if message.role != "assistant" or '
+                 'message.content is string else message.content|selectattr("type", "equalto", "text")'
+                 '|map(attribute="text")|join(""))|trim %}')
+    with pytest.raises(ConfigError, match="not one vlmpack renders natively: .* on probe 'media in an assistant turn'"):
+        check_template_matches(profiles["qwen3.5"], official.replace(line, text_only))
 
 
 def test_the_small_checkpoints_template_renders_training_rows_as_qwen3_5(profiles, tmp_path):

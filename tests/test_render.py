@@ -148,7 +148,7 @@ def test_probes_match_hf(family, builtin_profiles, hf_tokenizers, official_templ
             family, messages, tools, sources, builtin_profiles[family], hf_tokenizers[family], official_template[family]
         )
         checked += 1
-    assert checked == {"qwen3-vl": 13, "qwen2.5-vl": 9}[family]  # the rest carry content the family rejects
+    assert checked == {"qwen3-vl": 13, "qwen2.5-vl": 10}[family]  # the rest carry content the family rejects
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,6 +373,15 @@ REJECTS = [
     ("bad_tool_call", ("qwen3-vl",), [Q, {"role": "assistant", "tool_calls": [{"name": "f", "arguments": "{not json"}]}],
      None, "tool_calls[0].arguments is a string that is not JSON"),
     ("bad_tool_call", ("qwen3-vl",), [Q, {"role": "assistant", "tool_calls": "f()"}], None, "list"),
+    ("bad_tool_call", ("qwen3-vl",), [Q, {"role": "assistant", "tool_calls": [
+        {"name": "f", "arguments": "[" * 5000 + "]" * 5000}]}], None, "tool_calls[0].arguments is nested too deep for "
+     "the JSON parser"),
+    # OpenAI's legacy fields, which no Qwen template renders: the turn would train as an empty answer
+    ("dropped_by_template", BOTH, [Q, {"role": "assistant", "content": None, "function_call": {
+        "name": "f", "arguments": "{}"}}], None, "function_call would be dropped: no Qwen template renders OpenAI's "
+     "function_call; convert it to tool_calls"),
+    ("dropped_by_template", BOTH, [Q, {"role": "assistant", "content": "", "refusal": "I can't"}], None,
+     "refusal would be dropped"),
     ("bad_tools", BOTH, [Q, A], "get_weather", "list of function schemas"),
     ("bad_tools", BOTH, [Q, A], [1], "list of function schemas"),
     ("vision_token_in_text", BOTH, [{"role": "user", "content": "see <|image_pad|>"}, A], None, "<|image_pad|>"),
@@ -529,6 +538,9 @@ def test_last_assistant_train_false_leaves_no_targets():
         ),
         ("qwen2.5-vl", [Q, {"role": "assistant", "content": "", "tool_calls": [CALL]}], None, "<tool_call>"),
         ("qwen2.5-vl", [Q, A], [{"type": "function", "function": {"name": "UNIQUE_TOOL"}}], "UNIQUE_TOOL"),
+        *[(family, [Q, {"role": "assistant", "content": "", "function_call": {"name": "UNIQUE_CALL", "arguments": "{}"},
+                        "refusal": "UNIQUE_REFUSAL"}], None, lost) for family in BOTH
+          for lost in ("UNIQUE_CALL", "UNIQUE_REFUSAL")],
     ],
 )
 def test_dropped_by_template_rejects_are_real_losses(

@@ -106,12 +106,30 @@ def _argument_text(value, *, json_scalars: bool, index: int, where: str) -> str:
     return str(value)  # Qwen3.5: jinja's `|string` (Python's str: True, None, 0.5)
 
 
+class _RepeatedKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _object_without_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        raise _RepeatedKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return obj
+
+
 def _arguments(message: Message, k: int) -> dict:
     arguments = message.tool_call_arguments[k]
     if isinstance(arguments, str):  # OpenAI's JSON string: its object, which the template iterates
         try:
-            arguments = json.loads(arguments)
-        except ValueError:
+            arguments = json.loads(arguments, object_pairs_hook=_object_without_repeated_keys)
+        except _RepeatedKey as exc:  # the object would keep the last value: the others vanish
+            raise reject("bad_tool_call", message.index, f"tool_calls[{k}].arguments gives the key {exc.key!r} more "
+                         "than once: the template writes one <parameter> per key, so the other values would be "
+                         "dropped; give each key once") from None
+        except (ValueError, RecursionError):
             arguments = None
     if not isinstance(arguments, dict) or not all(isinstance(key, str) for key in arguments):
         raise reject("bad_tool_call", message.index, f"tool_calls[{k}].arguments must be an object (or a JSON string "

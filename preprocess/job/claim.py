@@ -58,18 +58,19 @@ def entries_not_of_a_job(out: Path) -> list[str]:
     return foreign
 
 
-def refuse_foreign(out: Path, command: str) -> None:
+def refuse_foreign(out: Path, command: str, what: str = "--out") -> None:
     entries = user_entries(out)
     shown = first_few([printable_path(e) for e in entries])
-    raise ConfigError(f"--out {printable_path(str(out))} is not empty and holds no resumable job of `vlmpack {command}` "
-                      f"(it has {shown}): choose a new or empty --out directory")
+    raise ConfigError(f"{what} {printable_path(str(out))} is not empty and holds no resumable job of `vlmpack {command}` "
+                      f"(it has {shown}): choose a new or empty {what} directory")
 
 
-def claim_out_dir(out: Path, identity: dict, inputs: list[JobInput], hash_mode: str) -> dict:
-    """Make `out` this job's (fresh) or check it is this job's (resume); returns the identity to run."""
+def claim_out_dir(out: Path, identity: dict, inputs: list[JobInput], hash_mode: str, what: str = "--out") -> dict:
+    """Make `out` this job's (fresh) or check it is this job's (resume); returns the identity to
+    run. `what`: the flag that named `out`, for the refusals."""
     parts = out / PARTS_DIR
     job_file, seen_file = parts / JOB_FILE, parts / INPUTS_SEEN_FILE
-    resumed = identity_to_resume(out, identity, inputs, hash_mode)
+    resumed = identity_to_resume(out, identity, inputs, hash_mode, what)
     if resumed is None:
         parts.mkdir(exist_ok=True)
         write_json_atomic(seen_file, [inp.seen() for inp in inputs])
@@ -82,7 +83,8 @@ def claim_out_dir(out: Path, identity: dict, inputs: list[JobInput], hash_mode: 
     return resumed
 
 
-def identity_to_resume(out: Path, identity: dict, inputs: list[JobInput], hash_mode: str) -> dict | None:
+def identity_to_resume(out: Path, identity: dict, inputs: list[JobInput], hash_mode: str,
+                       what: str = "--out") -> dict | None:
     """Whether this job may run in `out`, reading only: None when `out` is fresh, else the
     identity to resume with; ConfigError when `out` is another job's or holds other files.
 
@@ -93,12 +95,12 @@ def identity_to_resume(out: Path, identity: dict, inputs: list[JobInput], hash_m
     recorded = read_json(parts / JOB_FILE)
     if recorded is None:
         if not is_fresh(out):
-            refuse_foreign(out, "preprocess")
+            refuse_foreign(out, "preprocess", what)
         return None
     problem = job_identity_problem(recorded)
     if problem is not None:
         raise ConfigError(f"{printable_path(str(parts / JOB_FILE))} is damaged ({problem}), so the job in "
-                          f"{printable_path(str(out))} cannot be resumed: use a new --out directory, or delete this "
+                          f"{printable_path(str(out))} cannot be resumed: use a new {what} directory, or delete this "
                           "one to start over")
     identity = json.loads(json.dumps(identity))
     seen = read_json(parts / INPUTS_SEEN_FILE)
@@ -107,13 +109,13 @@ def identity_to_resume(out: Path, identity: dict, inputs: list[JobInput], hash_m
         for i, (inp, before) in enumerate(zip(inputs, seen)):
             if before.get("location") == inp.location:
                 identity["inputs"][i]["path"] = before["name"]
-    _check_same_job(out, recorded, identity)
+    _check_same_job(out, recorded, identity, what)
     if seen_recorded and hash_mode == "sampled":
         for inp, before in zip(inputs, seen):
             if before.get("location") == inp.location and before.get("mtime_ns") != inp.mtime_ns:
                 raise ConfigError(
                     f"input {before['name']} was modified since {printable_path(str(out))} was started (its "
-                    "modification time changed): use a new --out directory, or delete this one to start over")
+                    f"modification time changed): use a new {what} directory, or delete this one to start over")
     return identity
 
 
@@ -123,11 +125,11 @@ def _seen_recorded(seen, inputs: list[JobInput]) -> bool:
     return isinstance(seen, list) and len(seen) == len(inputs) and all(isinstance(before, dict) for before in seen)
 
 
-def _check_same_job(out: Path, recorded: dict, identity: dict) -> None:
+def _check_same_job(out: Path, recorded: dict, identity: dict, what: str = "--out") -> None:
     if same_job(recorded, identity):
         return
     where = printable_path(str(out))
-    fix = "use a new --out directory, or delete this one to start over"
+    fix = f"use a new {what} directory, or delete this one to start over"
     before_inputs, now_inputs = recorded.get("inputs", []), identity["inputs"]
     if len(before_inputs) == len(now_inputs) and all(a.get("path") == b["path"] for a, b in zip(before_inputs, now_inputs)):
         for before, now in zip(before_inputs, now_inputs):

@@ -112,10 +112,12 @@ def _run_job(job: JobContext, out: Path, publish_to: str | None = None) -> dict:
     directory is uploaded there while `out` is still held, then emptied (the stage)."""
     cfg = job.cfg
     mine = job.units()
+    what = "--out" if publish_to is None else "--stage-dir"  # the flag that names `out`, for its refusals
     refuse_other = functools.partial(identity_to_resume, identity=job.identity, inputs=job.inputs,
-                                     hash_mode=cfg.input_hash)
-    with stop_on_signals(), exclusive_output_dir(out, "preprocess", check=refuse_other) as out, output_errors(out):
-        identity = claim_out_dir(out, job.identity, job.inputs, cfg.input_hash)
+                                     hash_mode=cfg.input_hash, what=what)
+    with stop_on_signals(), exclusive_output_dir(out, "preprocess", what=what, check=refuse_other) as out, \
+            output_errors(out):
+        identity = claim_out_dir(out, job.identity, job.inputs, cfg.input_hash, what)
         names = {inp.file.path: entry["path"] for inp, entry in zip(job.inputs, identity["inputs"])}
         committed, damaged = committed_units(out, mine, cfg.progress)
         todo = [u for u in mine if u.index not in committed]

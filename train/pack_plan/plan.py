@@ -415,7 +415,9 @@ def plan_request(sources, packing: PackSettings) -> PlanRequest:
     profiles = {m["profile"]["id"] for m in manifests}
     if len(profiles) > 1:
         listing = ", ".join(f"{d} -> {m['profile']['id']} ({m['profile'].get('family')})" for (d, _), m in zip(specs, manifests))
-        raise PackingError(f"sources were preprocessed with different profiles and cannot share packs: {listing}")
+        raise PackingError(f"sources were preprocessed with different profiles and cannot share packs: {listing}; "
+                           "preprocess them again with one --profile (or --model), the one of the model you "
+                           "train, or pack and train them apart")
     settings = packing.recorded()
     data_fingerprint, key = plan_keys(fingerprints, [w for _, w in specs], settings)
     return PlanRequest(specs, manifests, settings, data_fingerprint, key)
