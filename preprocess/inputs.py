@@ -159,12 +159,14 @@ _COMPRESSION_MAGIC = ((b"\x1f\x8b", "gzip", "gunzip -c"), (b"\x28\xb5\x2f\xfd", 
 
 def _compressed_name(name: str) -> str | None:
     """The message for an input named as a compressed file, or None."""
-    suffix = Path(urlsplit(name).path).suffix.lower()
+    path = Path(urlsplit(name).path)
+    suffix = path.suffix.lower()
     if suffix not in _COMPRESSION_SUFFIXES:
         return None
-    return (f"{storage.redact(name)} is a compressed file ({suffix}), but inputs are read uncompressed: unpack it "
-            f"first (`{_COMPRESSION_SUFFIXES[suffix]} {storage.redact(name)}`) and give the .jsonl, .json or "
-            ".parquet file")
+    unpack = "tar -xzf" if path.stem.lower().endswith(".tar") else _COMPRESSION_SUFFIXES[suffix]
+    how = "download and unpack it" if storage.is_url(name) else f"unpack it first (`{unpack} {name}`)"
+    return (f"{storage.redact(name)} is a compressed file ({suffix}), but inputs are read uncompressed: {how} and "
+            "give the .jsonl, .json or .parquet file")
 
 
 # ---------------------------------------------------------------- inputs checked before the job starts
@@ -362,16 +364,18 @@ def _scan_jsonl(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...], tu
                 blanks[-1] += 1
             position += size
             rows += 1
-    # a JSON array (pretty-printed: its first line is `[` alone; or on one line): rows of garbage
-    if first_line.startswith(b"[") and (first_line == b"[" or rows - sum(blanks) == 1):
+    # a JSON array (pretty-printed, its first line `[` alone or its first element's start; or on one
+    # line): rows of garbage. A first line that is a whole array is one bad row, rejected alone.
+    if first_line.startswith(b"[") and (rows - sum(blanks) == 1 or not _whole_json(first_line)):
         raise ConfigError(f"input {storage.redact(path)} holds one JSON array (it starts with `[`), not JSON lines "
                           "(one row object per line): name it .json, or write one row per line")
     return rows, tuple(offsets), tuple(blanks)
 
 
 def _first_nonblank_line_start(fh, probe: int = 1 << 16) -> bytes:
-    """The start of the file's first line that is not blank, stripped (at most `probe` bytes
-    read, a UTF-8 byte order mark skipped). `fh` is left at the start."""
+    """The file's first line that is not blank, stripped, where it ends within the first `probe`
+    bytes (a UTF-8 byte order mark skipped); else its start, cut at `probe`. `fh` is left at the
+    start."""
     head = fh.read(probe)
     fh.seek(0)
     head = head[len(_UTF8_BOM):] if head.startswith(_UTF8_BOM) else head
@@ -379,6 +383,14 @@ def _first_nonblank_line_start(fh, probe: int = 1 << 16) -> bytes:
         if line.strip():
             return line.strip()
     return b""
+
+
+def _whole_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- JSON: a top-level array, split as it streams
@@ -421,6 +433,7 @@ class _ArraySplitter:
 
     def __iter__(self) -> Iterator[_Element]:
         open_brackets: list[int] = []  # the opening byte of each bracket the element has open
+        open_count = {opener: 0 for opener in _OPENING}  # of each kind, so a closer's match is found in O(1)
         in_string, skip = False, 0
         pieces: list[bytes] = []
         size, nonblank, start = 0, False, self.offset
@@ -466,11 +479,14 @@ class _ArraySplitter:
                     in_string = True
                 elif byte in _OPENING:
                     open_brackets.append(byte)
+                    open_count[byte] += 1
                 elif byte in _CLOSING:
                     if open_brackets:
                         opener = _OPENING[_CLOSING.index(byte)]
-                        if opener in open_brackets:  # brackets left open inside it close with it
-                            del open_brackets[len(open_brackets) - 1 - open_brackets[::-1].index(opener):]
+                        if open_count[opener]:  # brackets left open inside it close with it
+                            while (inner := open_brackets.pop()) != opener:
+                                open_count[inner] -= 1
+                            open_count[opener] -= 1
                     elif byte == _CLOSING[1]:  # the array ends
                         add(block, cut, at - 1)
                         if nonblank or not self.first:
@@ -526,7 +542,7 @@ def _scan_json(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...]]:
             raise ConfigError(f"{storage.redact(path)}: the array element at byte {element.offset} (element "
                               f"{rows - 1}) leaves a string or a bracket open, so the file ends inside it though "
                               "it ends in the array's `]`: the rows after it cannot be told apart. Fix that "
-                              "element (a missing `\"`, `}` or `]`), or convert the rows to .jsonl, one per line")
+                              "element (a missing `\"`, `}` or `]`), or fetch the file again if it was cut short")
         if splitter.end is not None:
             at, block = splitter.end, splitter.tail
             while True:

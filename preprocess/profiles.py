@@ -327,6 +327,11 @@ def _chat_template_file(model_dir: Path) -> tuple[Path, str]:
                 return path, template
             if isinstance(template, list):  # HF's named templates ({"name": ..., "template": ...})
                 named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                if isinstance(named.get("default"), str) and named.get("tool_use", named["default"]) != named["default"]:
+                    raise ConfigError(f"{path}: chat_template holds a 'tool_use' template beside 'default', and "
+                                      "Hugging Face applies the first to rows with tools, the second to the others: "
+                                      "vlmpack renders one template; save the one to train with as "
+                                      "chat_template.jinja beside it")
                 if isinstance(named.get("default"), str):  # the one HF's apply_chat_template takes unasked
                     return path, named["default"]
                 names = first_few([repr(n) for n in named]) or "none"

@@ -358,7 +358,8 @@ def _parse_message(message, index: int, renders_reasoning: bool = False) -> Mess
             else "the Instruct templates do not render reasoning") + (": rename it to reasoning_content" if rename
                                                                        else ""))
     for name, fix in UNRENDERED_FIELDS.items():
-        if message.get(name) not in (None, "", {}, []):
+        value = message.get(name)  # a refusal's text, a call's object (a boolean flag of the same name is no such)
+        if isinstance(value, (str, dict)) and value:
             raise reject("dropped_by_template", index, f"{name} would be dropped: no Qwen template renders OpenAI's "
                          f"{name}; {fix}")
     items, content_truthy = _parse_content(message, role, index)

@@ -521,6 +521,9 @@ JSON_ARRAYS = [  # (file bytes, rows: a value, or (reject code, words of its rea
     (b'[{"a": [1, 2}, {"b": 2}]', [("bad_json", "not valid JSON"), {"b": 2}]),
     (b'[{"a": {"b": [1}}, 3, {"c": [{"d": 1]}]', [("bad_json", "not valid JSON"), 3, ("bad_json", "not valid JSON")]),
     (b'[{"a": 1}, {"b": [1, 2}', [{"a": 1}, ("bad_json", "the file is truncated")]),
+    # brackets are matched in constant time each: 200,000 deep splits in a moment
+    (b'[{"a": ' + b"[" * 200_000 + b"]" * 200_000 + b"}, 7]", [("bad_json", "nested deeper"), 7]),
+    (b'[{"a": ' + b"[" * 200_000 + b"}, 7]", [("bad_json", "nested deeper"), 7]),
 ]
 
 
@@ -641,6 +644,33 @@ def test_a_long_first_row_is_read_past_64_kib_before_its_line_breaks_are_judged(
     assert (acc["rows_read"], acc["rows_written"], acc["rejects_by_reason"]) == (5, 4, {"bad_json": 1})
 
 
+def test_a_jsonl_whose_first_row_is_an_array_rejects_that_row_alone(tmp_path):
+    """A whole JSON array on the first line is one bad row, not a misnamed .json file."""
+    lines = [json.dumps([1, 2]), *(json.dumps(_chat(w)) for w in "ab")]
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    acc = run_preprocess(PreprocessConfig(inputs=[str(tmp_path / "rows.jsonl")], out=str(tmp_path / "out"), workers=1,
+                                          progress=False))["accounting"]
+    assert (acc["rows_read"], acc["rows_written"], acc["rejects_by_reason"]) == (3, 2, {"bad_row": 1})
+
+
+def test_a_compressed_name_says_how_to_unpack_it():
+    from preprocess.inputs import _compressed_name
+
+    assert "unpack it first (`gunzip -k rows.jsonl.gz`)" in _compressed_name("rows.jsonl.gz")
+    assert "unpack it first (`tar -xzf rows.tar.gz`)" in _compressed_name("rows.tar.gz")
+    assert "download and unpack it and give" in _compressed_name("s3://bucket/rows.jsonl.zst")
+    assert _compressed_name("rows.jsonl") is None
+
+
+def test_ms_swift_rows_with_a_top_level_system_are_detected_as_ms_swift():
+    """Its top-level system is what the OpenAI layout has not: auto reads such an input as
+    ms-swift's, whose system is the first message, not as OpenAI's, which refuses it."""
+    row = {"system": "S", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    assert detect_row_format(row) == "swift" and detect_row_format(["system", "messages"]) == "swift"
+    assert detect_row_format({**row, "system": None}) == "openai"
+    assert to_openai_row(row, detect_row_format(row))["messages"][0] == {"role": "system", "content": "S"}
+
+
 def _damaged_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     """name -> (an input that cannot be opened at all, words its one-line error must hold)."""
     import datasets
@@ -673,6 +703,8 @@ def _damaged_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
         "array.jsonl": (json.dumps([_chat(w) for w in "ab"]).encode(), "holds one JSON array (it starts with `[`), "
                         "not JSON lines (one row object per line): name it .json"),
         "array-indented.jsonl": (json.dumps([_chat(w) for w in "ab"], indent=2).encode(), "holds one JSON array"),
+        "array-lines.jsonl": (("[" + ",\n".join(json.dumps(_chat(w)) for w in "abc") + "]\n").encode(),
+                              "holds one JSON array"),
         "parquet-truncated.parquet": (good[: len(good) // 2], "not a readable Parquet file"),
         "parquet-footer.parquet": (good[:-4] + b"XXXX", "not a readable Parquet file"),
         "parquet-empty.parquet": (b"", "not a readable Parquet file"),

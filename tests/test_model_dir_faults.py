@@ -121,9 +121,13 @@ def test_named_chat_templates_give_the_one_named_default_as_hugging_face_does(tm
     config = model / "tokenizer_config.json"
     if not config.exists():
         config.write_text("{}")
-    _update(config, chat_template=[{"name": "tool_use", "template": "{{ x }}"},
-                                   {"name": "default", "template": official}])
+    _update(config, chat_template=[{"name": "rag", "template": "{{ x }}"}, {"name": "default", "template": official}])
     assert profile_from_model_dir(model).chat_template == official
+    # HF applies a `tool_use` template to rows with tools: two templates for one dataset
+    _update(config, chat_template=[{"name": "tool_use", "template": "{{ x }}"}, {"name": "default", "template": official}])
+    with pytest.raises(ConfigError, match="chat_template holds a 'tool_use' template beside 'default', and Hugging Face "
+                                          "applies the first to rows with tools"):
+        profile_from_model_dir(model)
 
 
 def test_an_empty_chat_template_is_refused_naming_the_file(capsys, tmp_path, model):

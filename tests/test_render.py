@@ -459,6 +459,11 @@ def test_rejects(family, code, families, messages, tools, needle):
     assert needle in err.value.message
 
 
+def test_a_boolean_refusal_flag_is_no_refusal_text():
+    rendered = render_conversation([Q, dict(A, refusal=False, function_call=None)], family=family_named("qwen3-vl"))
+    assert rendered.text.endswith(A["content"] + "<|im_end|>\n")
+
+
 def test_every_reject_code_is_exercised():
     assert {r[0] for r in REJECTS} == set(REJECT_CODES)
 

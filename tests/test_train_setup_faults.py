@@ -105,6 +105,13 @@ DRY_RUN_DATA = {
 }
 
 
+def test_a_saved_config_holding_the_former_default_eval_batches_is_read():
+    """Configs saved before --eval-batches had a default of its own hold 4 without --eval-every."""
+    from train.config import TrainConfig
+
+    TrainConfig.from_flat(dict(data=["d"], arch="tiny", seq_len=4096, out="o", eval_batches=4)).schedule.validate()
+
+
 def test_global_batch_tokens_under_half_a_pack_is_refused_naming_the_least_that_gives_one():
     from train.config import ConfigError, TrainConfig
 

@@ -716,13 +716,13 @@ def _mpegts_bytes(frames, fps: int = 10) -> bytes:
     return buffer.getvalue()
 
 
-def test_lists_of_other_files_are_refused_unopened_and_frames_that_change_size_reject_the_video(tmp_path):
+def test_lists_of_other_files_are_refused_unopened_and_every_frame_size_is_checked(tmp_path):
     """An HLS playlist, a DASH manifest, an FFmpeg concat list and an SDP description name other
     files or streams, which FFmpeg opens while it opens the list (from outside --media-root, or
     a pipe that never ends): each is refused by its first bytes, FFmpeg never called, as is an
-    empty file. A stream
-    whose frames grow mid-stream past --max-image-pixels is `frame_too_large` only at the first
-    frame; a later one of another size is `bad_video`, before it is converted."""
+    empty file. A stream whose frames grow mid-stream past --max-image-pixels is
+    `frame_too_large` at the first such frame, before it is converted; within the limit its
+    frames are read at their own sizes (the plan resizes each)."""
     import av
 
     rng = np.random.default_rng(2)
@@ -746,13 +746,15 @@ def test_lists_of_other_files_are_refused_unopened_and_frames_that_change_size_r
         assert err.value.code == "not_a_video"
     grows = _mpegts_bytes(synthetic_video_frames(rng, 6, 64, 48)) + \
         _mpegts_bytes(synthetic_video_frames(rng, 6, 128, 96))
-    for limit in (None, 64 * 48):
-        with VideoReader(grows, max_frame_pixels=limit) as reader:
-            assert (reader.info.width, reader.info.height) == (64, 48)
-            with pytest.raises(RejectError) as err:
-                list(reader.frames(range(reader.info.total_frames)))
-        assert err.value.code == "bad_video" and "its frames change size mid-stream (from 64x48 to 128x96)" in \
-            err.value.message, err.value
+    with VideoReader(grows, max_frame_pixels=64 * 48) as reader:  # the header and first frame are within it
+        assert (reader.info.width, reader.info.height) == (64, 48)
+        with pytest.raises(RejectError) as err:
+            list(reader.frames(range(reader.info.total_frames)))
+    assert err.value.code == "frame_too_large" and "frames of 128x96 = 12288 pixels, over --max-image-pixels 3072" \
+        in err.value.message, err.value
+    with VideoReader(grows, max_frame_pixels=128 * 96) as reader:  # within it: read, each frame as it decodes
+        sizes = [frame.shape[:2] for _, frame in reader.frames(range(reader.info.total_frames))]
+    assert sizes[0] == (48, 64) and sizes[-1] == (96, 128), sizes
 
 
 @pytest.mark.parametrize("family", FAMILIES)

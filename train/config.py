@@ -387,7 +387,8 @@ class ScheduleConfig:
 
     def validate(self) -> None:
         _check_numbers(self)
-        if self.eval_batches is not None and not self.eval_every:
+        # a config saved before --eval-batches had no default of its own holds 4: read as unset
+        if self.eval_batches not in (None, EVAL_BATCHES) and not self.eval_every:
             raise ConfigError(f"--eval-batches {self.eval_batches} sizes the evaluations of --eval-every N, and this "
                               "run has none: add --eval-every N (and --eval-data DIR), or drop --eval-batches")
         if self.warmup_steps >= self.train_steps:

@@ -127,8 +127,8 @@ def _arguments(message: Message, k: int) -> dict:
             arguments = json.loads(arguments, object_pairs_hook=_object_without_repeated_keys)
         except _RepeatedKey as exc:  # the object would keep the last value: the others vanish
             raise reject("bad_tool_call", message.index, f"tool_calls[{k}].arguments gives the key {exc.key!r} more "
-                         "than once: the template writes one <parameter> per key, so the other values would be "
-                         "dropped; give each key once") from None
+                         "than once in one object: the template reads the object, which keeps the last value, so "
+                         "the others would be dropped; give each key once") from None
         except (ValueError, RecursionError):
             arguments = None
     if not isinstance(arguments, dict) or not all(isinstance(key, str) for key in arguments):

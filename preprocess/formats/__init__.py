@@ -40,7 +40,9 @@ def detect_row_format(row) -> str:
         {k for k in row if isinstance(k, str)} if isinstance(row, (list, tuple, set)) else set()
     if "conversations" in keys:
         return "sharegpt"
-    if "messages" in keys and any(k in keys and (not isinstance(row, dict) or row[k] is not None) for k in MEDIA_KEYS):
+    # ms-swift's media lists, or its top-level system (which the OpenAI layout has not), beside messages
+    if "messages" in keys and any(k in keys and (not isinstance(row, dict) or row[k] is not None)
+                                  for k in (*MEDIA_KEYS, "system")):
         return "swift"
     return "openai"
 

@@ -89,7 +89,7 @@ class VideoReader:
         self._what = what
         self._source = source
         self._max_frame_pixels = max_frame_pixels
-        self._frame_size: tuple[int, int] | None = None  # the first decoded frame's (width, height)
+        self._frame_size: tuple[int, int] | None = None  # the last decoded frame's (width, height), checked
         self._refuse_by_first_bytes()
         try:
             self._container = av.open(str(source) if isinstance(source, Path) else io.BytesIO(source), mode="r",
@@ -242,18 +242,15 @@ class VideoReader:
             raise RejectError("bad_video", f"{self._what}: decoding failed ({_reason(exc)})") from None
 
     def _decoded(self) -> Iterator[object]:
-        """The stream's frames from where the container stands, each of the first frame's size:
-        a frame over --max-image-pixels, or one that changes size mid-stream, rejects the video
-        before it is converted."""
+        """The stream's frames from where the container stands. A stream may change its frame
+        size mid-stream (WebRTC recordings, joined clips: each frame is resized to the plan's
+        size), so every new size is checked against --max-image-pixels before the frame is
+        converted: a header or first frame cannot vouch for the rest."""
         for frame in self._container.decode(self._stream):
             size = (frame.width, frame.height)
-            if self._frame_size is None:
+            if size != self._frame_size:
                 self._check_frame_size(*size)
                 self._frame_size = size
-            elif size != self._frame_size:
-                raise RejectError("bad_video", f"{self._what}: its frames change size mid-stream (from "
-                                  f"{self._frame_size[0]}x{self._frame_size[1]} to {size[0]}x{size[1]}); re-encode it "
-                                  "at one size")
             yield frame
 
     def _sequential(self, wanted: list[int]) -> Iterator[tuple[int, np.ndarray]]:
