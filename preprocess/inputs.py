@@ -305,7 +305,7 @@ _OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
                (b"\xfe\xff", "UTF-16"))
 
 
-def _refuse_other_encoding(fh, path: str) -> None:
+def _refuse_non_utf8_text(fh, path: str) -> None:
     """A JSON or JSONL input is UTF-8 text: one that starts with a UTF-16 or UTF-32 byte order
     mark, or is compressed (gzip, zstd, bzip2, xz, zip) under a text name, is refused before it
     is split into rows (its bytes would be read as rows of garbage, or its rows cut apart),
@@ -353,7 +353,7 @@ def _scan_jsonl(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...], tu
     reading the file once in blocks (no line is held)."""
     offsets, blanks, position, rows = [], [], 0, 0
     with storage.open_binary(path) as fh:
-        _refuse_other_encoding(fh, path)
+        _refuse_non_utf8_text(fh, path)
         _refuse_cr_line_breaks(fh, path)
         first_line = _first_nonblank_line_start(fh)
         for _, size, _, blank in _lines(fh, max_bytes=0):
@@ -529,7 +529,7 @@ def _scan_json(path: str, rows_per_unit: int) -> tuple[int, tuple[int, ...]]:
     `]` (a second array, a truncated copy) stops the job: its rows would be lost unseen."""
     offsets, rows = [], 0
     with storage.open_binary(path) as fh:
-        _refuse_other_encoding(fh, path)
+        _refuse_non_utf8_text(fh, path)
         first = _open_json_array(fh, path)
         fh.seek(first)
         splitter = _ArraySplitter(fh, first, max_bytes=0, first=True)

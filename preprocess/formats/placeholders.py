@@ -123,8 +123,7 @@ def system_turn(row: dict) -> dict | None:
         raise RejectError("bad_content", f"`system` must be a string, got {type(system).__name__}")
     if not system:
         return None
-    for tag in ("<image>", "<video>"):
-        if tag in system:
-            raise RejectError("placeholder_mismatch", f"`system` holds a {tag} placeholder, which is read only in "
-                              "the conversation's turns: move it into a user turn")
+    if (found := PLACEHOLDER.search(system)) is not None:
+        raise RejectError("placeholder_mismatch", f"`system` holds a {found.group()} placeholder, which is read only "
+                          "in the conversation's turns: move it into a user turn")
     return {"role": "system", "content": system}
