@@ -39,13 +39,16 @@ class ShardFault(ShardFormatError):
     def __init__(self, path: str | Path, kind: str, detail: str, row: int | None = None):
         self.path, self.kind, self.detail, self.row = Path(path), kind, detail, row
         where = str(self.path) if row is None else f"{self.path} row {row}"
-        fix = "" if detail == UNREADABLE_BY_THIS_USER else \
-            "; restore the file (fetch it again, or re-run `vlmpack preprocess`)"  # the detail holds its own
+        fix = "" if detail.endswith(DETAILS_WITH_THEIR_OWN_FIX) else \
+            "; restore the file (fetch it again, or re-run `vlmpack preprocess`)"
         super().__init__(f"{where}: [{kind}] {detail}{fix} and check the directory with `vlmpack verify "
                          f"{self.path.parent}`")
 
 
 UNREADABLE_BY_THIS_USER = "this user may not read it (permission denied): fix its permissions"
+RESTORE_THE_MANIFEST = f"(or restore {MANIFEST_NAME})"  # ends the detail of a manifest whose schema_version changed
+# details that end in their own fix: restoring the shard would not help
+DETAILS_WITH_THEIR_OWN_FIX = (UNREADABLE_BY_THIS_USER, RESTORE_THE_MANIFEST)
 
 
 def _file_type(mode: int) -> str:
@@ -83,7 +86,7 @@ def schema_problem(schema: pa.Schema, patch_row_width: int | None = None, versio
     fmt = meta.get(b"vlmpack.format", b"").decode(errors="replace")
     found_version = meta.get(b"vlmpack.schema_version", b"").decode(errors="replace")
     found_width = meta.get(b"vlmpack.patch_row_width", b"").decode(errors="replace")
-    problems = []
+    problems, whole_shard_of = [], None
     if fmt != FORMAT_NAME:
         problems.append(f"format {fmt!r} (expected {FORMAT_NAME!r})")
     if version is None:
@@ -95,14 +98,19 @@ def schema_problem(schema: pa.Schema, patch_row_width: int | None = None, versio
         problems.append(f"schema_version {found_version!r} (manifest: {version})")
         if found_version in tuple(map(str, READABLE_SCHEMA_VERSIONS)) and found_width.isdigit() and \
                 schema.equals(shard_schema(int(found_width), int(found_version)), check_metadata=True):
-            problems[-1] += (f": the file is a whole version-{found_version} shard: perhaps the manifest's "
-                             "schema_version was changed (restore manifest.json if so)")
+            whole_shard_of = found_version
     if patch_row_width is None:
         patch_row_width = int(found_width) if found_width.isdigit() and found_width.isascii() and int(found_width) > 0 else None
         if patch_row_width is None:
             problems.append(f"patch_row_width {found_width!r} (expected a positive integer)")
     elif found_width != str(patch_row_width):
         problems.append(f"patch_row_width {found_width!r} (manifest: {patch_row_width})")
+    if whole_shard_of is not None and len(problems) == 1:
+        # an intact shard of a version this vlmpack reads, and nothing else amiss: the manifest's
+        # number is what is wrong, and restoring the shard would change nothing
+        return (f"schema metadata: schema_version {found_version!r} (manifest: {version}): the file is a whole "
+                f"version-{whole_shard_of} shard, so {MANIFEST_NAME}'s schema_version {version} was changed: set it "
+                f"back to {whole_shard_of} {RESTORE_THE_MANIFEST}")
     if problems:
         return "schema metadata: " + "; ".join(problems)
     expected = shard_schema(patch_row_width, version)

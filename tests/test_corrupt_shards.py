@@ -27,9 +27,11 @@ import pytest
 from preprocess.examples import example_rows, write_jsonl
 from preprocess.job import PreprocessConfig, run_preprocess
 from preprocess.pipeline import SampleOptions
+from shards_schema import open_shards
 from shards_schema.cli import COMMANDS
 from shards_schema.cli import main as vlmpack
 from shards_schema.reader import ShardFault
+from shards_schema.verify import verify_shards
 from shards_schema.webdataset import export_webdataset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -216,8 +218,9 @@ SHARD_EXPECTED = {
     **{("manifest_version_a_string", c): r"manifest\.json: schema_version '2' is not an integer: the manifest is damaged"
        for c in SHARD_COMMANDS},
     **{("manifest_version_lowered", c): rf"{DAMAGED_SHARD}: \[schema_mismatch\] schema metadata: schema_version '2' "
-                                         r"\(manifest: 1\): the file is a whole version-2 shard: perhaps the "
-                                         r"manifest's schema_version was changed" for c in ("inspect", "verify")},
+                                         r"\(manifest: 1\): the file is a whole version-2 shard, so manifest\.json's "
+                                         r"schema_version 1 was changed: set it back to 2 \(or restore manifest\.json\)"
+       for c in ("inspect", "verify")},
     ("manifest_without_totals", "inspect"): r"manifest\.json: `totals` must be an object, and it is missing",
     **{("manifest_is_directory", c): r"manifest\.json is a directory, not the manifest file"
        for c in ("inspect", "verify", "train")},
@@ -265,6 +268,23 @@ def test_a_damaged_shard_directory_stops_the_command(clean, tmp_path, damage, co
         assert not (tmp_path / "tars" / "index.json").exists() and not list((tmp_path / "tars").glob("*.tar"))
     if not damage.startswith("manifest_"):  # the shard is named, an intact manifest never blamed
         assert not re.search(r"manifest\.json(: | is malformed)", done.stderr + done.stdout), done.stderr + done.stdout
+
+
+def test_a_manifest_schema_version_changed_over_whole_shards_is_named_as_the_manifests(clean, tmp_path):
+    """A manifest whose schema_version was changed by hand over intact shards of another version
+    (1 over version-2 shards): the readers' line and verify's fault name manifest.json's number
+    and the version to set back, never a shard to restore."""
+    data = _damaged(clean, SHARD_DAMAGE["manifest_version_lowered"], tmp_path)
+    with pytest.raises(ShardFault) as err:
+        open_shards(data).open_all()
+    assert str(err.value).startswith(f"{data / DAMAGED_SHARD}: [schema_mismatch] schema metadata: schema_version '2' "
+                                      "(manifest: 1): the file is a whole version-2 shard, so manifest.json's "
+                                      "schema_version 1 was changed: set it back to 2 (or restore manifest.json) and "
+                                      "check the directory with `vlmpack verify "), str(err.value)
+    assert "restore the file" not in str(err.value)
+    report = verify_shards(data, quick=True)
+    assert set(report.fault_counts) == {"schema_mismatch"} and report.faults, report.faults
+    assert all(f.message.endswith("set it back to 2 (or restore manifest.json)") for f in report.faults), report.faults
 
 
 # Flipped bytes across the Arrow metadata of the damaged shard, each through every reading
