@@ -150,7 +150,7 @@ def test_partitions_then_merge_equal_one_job(example_jsonl, baseline, tmp_path):
         dirs.append(d)
     with pytest.raises(ConfigError, match=r"not done \(first: \[\d+(, \d+)*\]\); run the missing"):
         merge_partitions([str(dirs[0]), str(dirs[1])], str(tmp_path / "incomplete"))
-    with pytest.raises(ConfigError, match=f"not done .*\\({dirs[0]} named more than once: name each partition's"):
+    with pytest.raises(ConfigError, match=f"partition {dirs[0]} is named twice: name each partition's --out once"):
         merge_partitions([str(dirs[0]), str(dirs[1]), str(dirs[0])], str(tmp_path / "incomplete"))
     # a FIFO in place of a unit's record is a unit not done, never waited on
     shutil.copytree(dirs[2], tmp_path / "fifo2")
@@ -173,6 +173,23 @@ def test_partitions_then_merge_equal_one_job(example_jsonl, baseline, tmp_path):
         assert _shard_bytes(tmp_path / f"overlap{k}") == _shard_bytes(out1)
     with pytest.raises(ConfigError, match=f"{tmp_path / 'copy0'}: the shard of unit 0 is missing or damaged"):
         merge_partitions([str(tmp_path / "copy0"), str(dirs[1]), str(dirs[2])], str(tmp_path / "damaged"))
+
+
+def test_a_partition_named_twice_is_refused_naming_both_spellings(tmp_path, monkeypatch, capsys):
+    """One partition directory or store prefix named twice to merge, however spelled, is refused
+    before anything is read, naming it (and the first spelling): never a count of units not done."""
+    (tmp_path / "p0").mkdir()
+    (tmp_path / "link").symlink_to("p0")
+    monkeypatch.chdir(tmp_path)
+    for dirs, named in ((["p0", "p0"], "partition p0 is named twice"),
+                        (["p0", "./p0/"], "partition ./p0/ is the same directory as p0"),
+                        (["p0", "link"], "partition link is the same directory as p0"),
+                        (["s3://bkt/p0", "s3a://bkt/p0/"],
+                         "partition s3a://bkt/p0/ is the same prefix as s3://bkt/p0")):
+        assert vlmpack_exit_code(["merge", *dirs, "--out", "merged"]) == 2, dirs
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{named}: name each partition's --out once, all of them" in err, (dirs, err)
+    assert sorted(os.listdir(tmp_path)) == ["link", "p0"]
 
 
 DAMAGED_RECORDS = {  # a `_parts` file of a finished job, and what it is made to hold

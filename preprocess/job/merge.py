@@ -9,7 +9,6 @@ from pathlib import Path
 
 from shards_schema import storage
 from shards_schema.atomic import TMP_SUFFIX, write_json_atomic
-from shards_schema.errors import first_few
 from shards_schema.manifest import MANIFEST_NAME, PARTS_DIR
 from shards_schema.outdir import exclusive_output_dir
 
@@ -22,9 +21,33 @@ from .records import (JOB_FILE, job_identity_problem, read_json, remove_torn_wri
 from .signals import stop_if_asked, stop_on_signals
 
 
+def _refuse_a_partition_named_twice(directories: list[str]) -> None:
+    """ConfigError naming both spellings where one partition directory or store prefix is named
+    twice, however spelled (`p0`, `./p0/`, a link; `s3a://` for `s3://`): another partition was
+    meant, and the units it holds would only show as not done. A copy of a partition is another
+    directory and may stand beside it (merge takes the intact one)."""
+    named: dict[tuple, str] = {}
+    for d in directories:
+        if storage.is_url(d):
+            key = ("url", storage.object_identity(d.rstrip("/")))
+        else:
+            try:
+                st = os.stat(d)
+            except OSError:
+                continue  # partitions_identity names a directory that is not there
+            key = ("local", st.st_dev, st.st_ino)
+        if key in named:
+            first = named[key]
+            what = "prefix" if storage.is_url(d) else "directory"
+            same = "named twice" if d == first else f"the same {what} as {_dir_name(first)}"
+            raise ConfigError(f"partition {_dir_name(d)} is {same}: name each partition's --out once, all of them")
+        named[key] = d
+
+
 def partitions_identity(directories: list[str]) -> dict:
     """The job the partition directories (or store prefixes) belong to: ConfigError unless they
-    all hold one job's output."""
+    all hold one job's output, each named once."""
+    _refuse_a_partition_named_twice(directories)
     identities = []
     for d in directories:
         if storage.is_url(d):
@@ -79,12 +102,8 @@ def merge_partitions(directories: list[str], out: str, publish_to: str | None = 
             found.setdefault(int(path.stem.split("-")[1]), []).append(d)
     missing = sorted(set(range(total_units)) - set(found))
     if missing:
-        resolved = [d.resolve() for d in dirs]
-        repeated = list(dict.fromkeys(printable_path(str(d)) for d, r in zip(dirs, resolved) if resolved.count(r) > 1))
-        hint = (f" ({first_few(repeated)} named more than once: name each partition's --out once, all of them)"
-                if repeated else "")
         raise ConfigError(
-            f"{len(missing)} of {total_units} work units are not done (first: {missing[:5]}){hint}; "
+            f"{len(missing)} of {total_units} work units are not done (first: {missing[:5]}); "
             "run the missing partitions (or re-run them to finish) before merging"
         )
     sources = {d.resolve() for d in dirs}
@@ -121,7 +140,7 @@ def merge_partitions(directories: list[str], out: str, publish_to: str | None = 
 
 def _intact_copy(holders: list[Path], index: int) -> tuple[Path, dict]:
     """The first directory whose shard of unit `index` is as its record says, and that record:
-    directories that overlap (a partition given twice, or re-run elsewhere) hold the same
+    directories that overlap (a copy of a partition, or one re-run elsewhere) hold the same
     unit, so the merge does not depend on their order while one copy is intact."""
     for src in holders:
         record = unit_record(unit_record_path(src, index), index)
