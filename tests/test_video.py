@@ -659,8 +659,8 @@ def _forged_index_mp4(path, tmp_path, claimed: int):
 
 
 def test_the_header_is_checked_before_any_frame_is_decoded(tmp_path):
-    """Frames over --max-image-pixels (`frame_too_large`), a still image given as a video
-    (`not_a_video`), a frame rate under 0.001 fps and an index promising frames the file lacks
+    """Frames over --max-image-pixels (`frame_too_large`), a still image given as a video (a
+    PNG, a GIF of one frame: `not_a_video`), a frame rate under 0.001 fps and an index promising frames the file lacks
     (`bad_video`) are refused from the header: nothing is decoded, nothing seeks."""
     import fractions
     import time
@@ -672,6 +672,10 @@ def test_the_header_is_checked_before_any_frame_is_decoded(tmp_path):
     from PIL import Image
 
     Image.fromarray(np.zeros((48, 64, 3), np.uint8)).save(png)
+    still_gif, animated_gif = tmp_path / "still.gif", tmp_path / "animated.gif"
+    Image.open(png).save(still_gif)
+    frames = [Image.fromarray(frame) for frame in synthetic_video_frames(np.random.default_rng(2), 3, 64, 48)]
+    frames[0].save(animated_gif, save_all=True, append_images=frames[1:], duration=100)
     slow = tmp_path / "slow.mkv"
     with av.open(str(slow), "w") as container:
         stream = container.add_stream("mpeg4", rate=fractions.Fraction(1, 5000))  # a frame every 5000 s
@@ -683,6 +687,8 @@ def test_the_header_is_checked_before_any_frame_is_decoded(tmp_path):
     cases = [(clip, {"max_frame_pixels": 64 * 48 - 1}, "frame_too_large", "64x48 = 3072 pixels"),
              (png, {}, "not_a_video", "still image (png_pipe)"),
              (png.read_bytes(), {}, "not_a_video", "still image"),
+             (still_gif, {}, "not_a_video", "still image (gif of one frame)"),
+             (still_gif.read_bytes(), {}, "not_a_video", "still image (gif of one frame)"),
              (slow, {}, "bad_video", "0.0002 fps is below 0.001"),
              (forged, {}, "bad_video", "promises 1000000 frames but it holds")]
     with mock.patch.object(VideoReader, "_decoded", side_effect=AssertionError("a frame was decoded")), \
@@ -695,6 +701,8 @@ def test_the_header_is_checked_before_any_frame_is_decoded(tmp_path):
             assert time.perf_counter() - started < 5
     with VideoReader(clip, max_frame_pixels=64 * 48) as reader:  # at the limit: read as usual
         assert reader.info.total_frames == 4
+    with VideoReader(animated_gif) as reader:  # an animation is a video
+        assert reader.info.total_frames == 3 and len(list(reader.frames([0, 1, 2]))) == 3
 
 
 def _mpegts_bytes(frames, fps: int = 10) -> bytes:

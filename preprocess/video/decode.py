@@ -42,6 +42,8 @@ from ..media import MIN_FPS
 # FFmpeg's demuxers of single still images (image2 and its *_pipe family): such a "video" is
 # a picture with a made-up frame rate.
 _STILL_IMAGE_FORMATS = ("image2", "image2pipe")
+# FFmpeg's demuxers of animated images: a file of them holding one frame is a still picture.
+_ANIMATED_IMAGE_FORMATS = ("gif", "apng")
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,9 @@ class VideoReader:
             raise RejectError("bad_video", f"{self._what}: the container is damaged ({_reason(exc)})") from None
         if not pts:
             raise RejectError("bad_video", f"{self._what}: the video stream holds no frames")
+        if len(pts) == 1 and container_format in _ANIMATED_IMAGE_FORMATS:
+            raise RejectError("not_a_video", f"{self._what} is a still image ({container_format} of one frame), not a "
+                              "video: give it as an image part, or its frames as a list of images")
         if stream.frames > len(pts) + empty:
             # an index promising frames the file does not hold: a cut-off download, or a forged
             # index, on which FFmpeg's seeking can take minutes
