@@ -269,9 +269,11 @@ def _check_rejects(directory: Path, acc: dict | None, log: _FaultLog) -> None:
     n = 0
     try:
         fh = open(path, encoding="utf-8", errors="replace")
-    except OSError as exc:
-        log.add("rejects_mismatch", f"{REJECTS_NAME} cannot be read ({exc.strerror or exc}): its rejected rows "
-                "cannot be checked; fix its permissions")
+    except OSError as exc:  # nothing is known of its contents: no mismatch to report
+        fix = ("fix its permissions" if isinstance(exc, PermissionError)
+               else "restore it, or re-run the job that wrote it")
+        log.add("unreadable_rejects", f"{REJECTS_NAME} cannot be read ({exc.strerror or exc}): its rejected rows "
+                f"cannot be checked; {fix}")
         return
     with fh:
         for n, line in enumerate(fh, 1):

@@ -687,8 +687,8 @@ def test_a_shard_or_rejects_file_this_user_may_not_read_is_named_so(tmp_path, ca
         assert vlmpack(["verify", str(data)]) == 1
         out = capsys.readouterr().out
         assert "[unreadable_shard] this user may not read it (permission denied): fix its permissions" in out, out
-        assert "rejects.jsonl cannot be read (Permission denied): its rejected rows cannot be checked; fix its " \
-            "permissions" in out, out
+        assert "[unreadable_rejects] rejects.jsonl cannot be read (Permission denied): its rejected rows cannot be " \
+            "checked; fix its permissions" in out, out
         shard.chmod(0o644)
         monkeypatch.setattr(reader_module.os, "access", real_access)
         assert vlmpack(["inspect", str(data)]) == 0

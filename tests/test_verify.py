@@ -212,6 +212,35 @@ def test_rejects_line_removed(shards):
     assert "does not parse" in verify_shards(shards, quick=True).faults[0].message
 
 
+def test_an_unreadable_rejects_file_is_its_own_fault_kind(shards, monkeypatch):
+    """A rejects.jsonl this user may not read (chmod 000; where the tests run as root, which
+    reads it anyway, the refusal injected) is `unreadable_rejects`: its contents are unknown, so
+    no `rejects_mismatch` is claimed."""
+    import errno
+    import os
+
+    import shards_schema.verify as verify_module
+
+    path = shards / "rejects.jsonl"
+    path.chmod(0)
+    if os.geteuid() == 0:
+        real_open = open
+
+        def refusing_open(file, *args, **kwargs):
+            if str(file) == str(path):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+            return real_open(file, *args, **kwargs)
+
+        monkeypatch.setattr(verify_module, "open", refusing_open, raising=False)
+    try:
+        report = verify_shards(shards, quick=True)
+    finally:
+        path.chmod(0o644)
+    assert kinds(report) == {"unreadable_rejects"}, report.faults
+    assert report.faults[0].message == ("rejects.jsonl cannot be read (Permission denied): its rejected rows cannot be "
+                                        "checked; fix its permissions")
+
+
 # --------------------------------------------------------------------------- repeated ids
 
 
