@@ -33,6 +33,7 @@ from shards_schema.cli import main as vlmpack
 from shards_schema.reader import ShardFault
 from shards_schema.verify import verify_shards
 from shards_schema.webdataset import export_webdataset
+from tests.helpers.damage import refuse_reads
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 1024
@@ -650,8 +651,6 @@ def test_a_shard_or_rejects_file_this_user_may_not_read_is_named_so(tmp_path, ca
     anyway, the refusal injected) is `unreadable_shard` with the permissions to fix, not a
     damaged file to restore. An unreadable rejects.jsonl is a `verify` fault (exit 1) after
     every shard is checked, and `inspect` shows the directory without its reject examples."""
-    import errno
-
     import shards_schema.inspect as inspect_module
     import shards_schema.reader as reader_module
     import shards_schema.verify as verify_module
@@ -663,21 +662,11 @@ def test_a_shard_or_rejects_file_this_user_may_not_read_is_named_so(tmp_path, ca
     run_preprocess(PreprocessConfig(inputs=[str(tmp_path / "chats.jsonl")], out=str(data), workers=1,
                                     rows_per_shard=4, sample=SampleOptions(max_seq_len=SEQ_LEN), progress=False))
     shard, rejects = data / "shard-000001.arrow", data / "rejects.jsonl"
-    for path in (shard, rejects):
-        path.chmod(0)
+    refuse_reads(monkeypatch, [shard, rejects], [verify_module, inspect_module])
     real_access = os.access
-    if os.geteuid() == 0:  # root reads any file: refuse them as the kernel would refuse anyone else
-        real_open = open
-
-        def refusing_open(path, *args, **kwargs):
-            if str(path) in (str(shard), str(rejects)):
-                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-            return real_open(path, *args, **kwargs)
-
+    if os.geteuid() == 0:  # the reader asks os.access first
         monkeypatch.setattr(reader_module.os, "access", lambda path, mode: str(path) != str(shard) and
                             real_access(path, mode))
-        for module in (verify_module, inspect_module):
-            monkeypatch.setattr(module, "open", refusing_open, raising=False)
     try:
         for command in ("inspect", "show"):
             assert vlmpack([command, str(data)]) == 2, command

@@ -30,6 +30,7 @@ from shards_schema.atomic import TMP_SUFFIX
 from shards_schema.cli import main as cli_main
 from shards_schema.errors import EXIT_DISK_FULL, EXIT_USER_ERROR, UserError
 from shards_schema.outdir import LOCK_NAME, exclusive_output_dir
+from tests.helpers.damage import refuse_reads
 
 ROWS_PER_SHARD = 2
 PROCESS_GONE_SECONDS = 5.0
@@ -495,16 +496,7 @@ def test_devices_directories_and_unreadable_inputs_stop_the_job_with_one_line(da
     os.mkfifo(tmp_path / "saved" / "extra.arrow")
     locked = tmp_path / "locked.jsonl"
     locked.write_bytes(data.read_bytes())
-    locked.chmod(0)
-    if os.geteuid() == 0:  # root reads any file: refuse it as the kernel would refuse anyone else
-        real_open = open
-
-        def refusing_open(path, *args, **kwargs):
-            if str(path) == str(locked):
-                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-            return real_open(path, *args, **kwargs)
-
-        monkeypatch.setattr(inputs, "open", refusing_open, raising=False)
+    refuse_reads(monkeypatch, [locked], [inputs])
     cases = {
         "zero.jsonl": "(a symbolic link to /dev/zero) is a character device",
         "random.json": "(a symbolic link to /dev/urandom) is a character device",

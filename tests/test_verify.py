@@ -216,22 +216,11 @@ def test_an_unreadable_rejects_file_is_its_own_fault_kind(shards, monkeypatch):
     """A rejects.jsonl this user may not read (chmod 000; where the tests run as root, which
     reads it anyway, the refusal injected) is `unreadable_rejects`: its contents are unknown, so
     no `rejects_mismatch` is claimed."""
-    import errno
-    import os
-
     import shards_schema.verify as verify_module
+    from tests.helpers.damage import refuse_reads
 
     path = shards / "rejects.jsonl"
-    path.chmod(0)
-    if os.geteuid() == 0:
-        real_open = open
-
-        def refusing_open(file, *args, **kwargs):
-            if str(file) == str(path):
-                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
-            return real_open(file, *args, **kwargs)
-
-        monkeypatch.setattr(verify_module, "open", refusing_open, raising=False)
+    refuse_reads(monkeypatch, [path], [verify_module])
     try:
         report = verify_shards(shards, quick=True)
     finally:

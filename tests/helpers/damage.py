@@ -3,6 +3,8 @@ file replaced, every other file a link to the intact one (nothing large is copie
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 
@@ -28,3 +30,23 @@ def one_error_line(err: str, command: str) -> str:
     lines = [line for line in err.splitlines() if ": error: " in line]
     assert len(lines) == 1 and lines[0].startswith(f"vlmpack {command}: error: "), err
     return lines[0]
+
+
+def refuse_reads(monkeypatch, paths, modules) -> None:
+    """Make `paths` unreadable to this user (chmod 000; the caller restores the modes). Root
+    reads any file, so where the tests run as root `open` in each of `modules` refuses them as
+    the kernel would refuse anyone else."""
+    names = {str(path) for path in paths}
+    for path in paths:
+        Path(path).chmod(0)
+    if os.geteuid() != 0:
+        return
+    real_open = open
+
+    def refusing_open(file, *args, **kwargs):
+        if str(file) in names:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return real_open(file, *args, **kwargs)
+
+    for module in modules:
+        monkeypatch.setattr(module, "open", refusing_open, raising=False)
