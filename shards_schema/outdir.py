@@ -10,7 +10,7 @@ A directory a command refuses is left exactly as it was found: its `check` (what
 would refuse: another job's output, files it did not write) runs before the lock file is
 created in a directory that exists, and again once the lock is held. A directory the job
 made and then failed in before writing any file (a refused input found under the lock) is
-removed again, so a refused run leaves no empty --out behind.
+removed again, with the parents it made for it, so a refused run leaves no empty --out behind.
 """
 
 from __future__ import annotations
@@ -46,6 +46,34 @@ def prepare_output_dir(path: str | Path, *, what: str = "--out") -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise UserError(f"{what} {path} is not writable: choose a directory you can write, or fix its permissions")
     return path
+
+
+def outermost_missing(path: str | Path) -> Path | None:
+    """The outermost directory of `path` (itself or a parent) that does not exist yet, the first
+    one that creating `path` with its parents makes; None where `path` exists. Read from the
+    path as given (not resolved), so that each step is the one the system walks."""
+    path = Path(path)
+    if os.path.lexists(path):
+        return None
+    top = path
+    for parent in path.parents:
+        if os.path.lexists(parent):
+            break
+        top = parent
+    return top
+
+
+def remove_made_parents(path: str | Path, top: Path | None) -> None:
+    """Remove the parents of `path` up to `top` (`outermost_missing` before they were made)
+    while they are empty: the directories a job made only to reach `path`, which is gone."""
+    if top is None:
+        return
+    chain = [Path(path), *Path(path).parents]
+    for directory in chain[1:chain.index(top) + 1] if top in chain else []:
+        try:
+            directory.rmdir()
+        except OSError:
+            return  # not empty (something else was put there), or not ours to remove
 
 
 def refuse_input_as_output(out: str | Path, source: str | Path, what: str = "--out") -> None:
@@ -91,7 +119,7 @@ def exclusive_output_dir(path: str | Path, command: str, *, what: str = "--out",
     """
     if check is not None and Path(path).is_dir() and not _held(Path(path) / LOCK_NAME):
         check(Path(path))  # (a held directory is refused as in use, below: what it holds may be changing)
-    made = not Path(path).exists()
+    top = outermost_missing(path)
     path = prepare_output_dir(path, what=what)
     lock_path = path / LOCK_NAME
     try:
@@ -113,8 +141,10 @@ def exclusive_output_dir(path: str | Path, command: str, *, what: str = "--out",
             check(path)
         yield path
     except BaseException:
-        if made:
+        if top is not None:
             _remove_if_unwritten(path)  # still under the lock: no other job can be starting in it
+            if not os.path.lexists(path):
+                remove_made_parents(path, top)
         raise
     finally:
         os.close(fd)  # closing the descriptor releases the flock

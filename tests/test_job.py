@@ -726,9 +726,9 @@ def test_a_refused_output_directory_is_left_exactly_as_it_was(case, example_json
 @pytest.mark.parametrize("case", ["made, nothing written", "made, a file written", "made, a file in a subdirectory",
                                   "there before"])
 def test_a_job_that_fails_in_a_directory_it_made_before_writing_leaves_none(tmp_path, case):
-    """A failed job removes the output directory it created only while that holds nothing but
-    its lock file and empty directories; a directory that existed before, or holds a written
-    file, stays."""
+    """A failed job removes the output directory it created, and the parents it made for it,
+    only while that holds nothing but its lock file and empty directories; a directory that
+    existed before, or holds a written file, stays."""
     from shards_schema.outdir import exclusive_output_dir
 
     d = tmp_path / "new" / "D"
@@ -743,7 +743,7 @@ def test_a_job_that_fails_in_a_directory_it_made_before_writing_leaves_none(tmp_
                 (path / "checkpoints" / "empty" / "x").write_text("x")
             raise RuntimeError("refused")
     if case == "made, nothing written":
-        assert not d.exists() and (tmp_path / "new").is_dir()
+        assert not (tmp_path / "new").exists() and tmp_path.is_dir()
     else:
         assert (d / "checkpoints" / "empty").is_dir()
 

@@ -196,7 +196,8 @@ def test_a_store_url_missing_its_slashes_is_refused_before_anything_is_written(s
 def test_a_token_id_outside_the_models_vocabulary_stops_the_run_naming_the_row(shards, tmp_path, capsys, workers):
     """A shard consistent with its manifest whose row holds a token id past the embedding's
     table (or negative) would index out of it: named in one line, shard, row and fix, whether
-    the pack was read in the training process or in a DataLoader worker."""
+    the pack was read in the training process or in a DataLoader worker. The run trained
+    nothing: its new --out (and the parent it made) goes again."""
     from tests.helpers.shards import rewrite_shard
 
     data = Path(shutil.copytree(shards, tmp_path / "data"))
@@ -211,30 +212,32 @@ def test_a_token_id_outside_the_models_vocabulary_stops_the_run_naming_the_row(s
     for k in range(len(json.loads((data / "manifest.json").read_text())["shards"])):
         rewrite_shard(data, k, damage)
     code, err = train(["--arch", "tiny", "--seq-len", str(SEQ_LEN), *RUN, "--num-workers", workers, "--data", str(data),
-                       "--out", str(tmp_path / "run")], capsys)
+                       "--out", str(tmp_path / "runs" / "run")], capsys)
     line = one_error_line(err, "train")
     assert code == 2 and re.search(rf"{re.escape(str(data))}/shard-\d+\.arrow row \d+: \[token_id\] token 3 has id "
                                    rf"{bad_id}, outside the model's vocabulary 0\.\.{vocab - 1} \(1 such\)", line), err
     assert "vlmpack verify" in line
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("out_exists", [False, True])
 def test_a_run_refused_in_setup_leaves_its_out_as_it_found_it(shards, tmp_path, capsys, monkeypatch, out_exists):
     """--wandb-project without a Weights & Biases login stops the run at the end of its setup,
-    after it wrote its plans, config and metrics file: none of them stays, nor a --out it made."""
+    after it wrote its plans, config and metrics file: none of them stays, nor a --out it made,
+    nor the parent it made for it; an empty --out the user gave stays, empty."""
     for name in ("WANDB_API_KEY", "WANDB_MODE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc holding a key
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    out = tmp_path / "run"
+    out = tmp_path / "runs" / "run"
     if out_exists:
-        out.mkdir()
+        out.mkdir(parents=True)
     code, err = train(["--arch", "tiny", "--seq-len", str(SEQ_LEN), *RUN, "--data", str(shards), "--out", str(out),
                        "--wandb-project", "vlmpack-tests"], capsys)
     line = one_error_line(err, "train")
     assert code == 2 and "--wandb-project vlmpack-tests: Weights & Biases did not start" in line, err
-    assert (out.is_dir() and not any(out.iterdir())) if out_exists else not out.exists()
+    assert (out.is_dir() and not any(out.iterdir())) if out_exists else not (tmp_path / "runs").exists()
 
 
 def test_a_gpu_size_without_a_plan_is_refused(shards, tmp_path, capsys):

@@ -31,8 +31,9 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from shards_schema.errors import EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_GPU_MEMORY, UserError
-from shards_schema.outdir import exclusive_output_dir
+from shards_schema.errors import (EXIT_FAULT, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_GPU_MEMORY, EXIT_USER_ERROR,
+                                  UserError)
+from shards_schema.outdir import exclusive_output_dir, outermost_missing, remove_made_parents
 from shards_schema.reader import ShardFault, file_fault
 from shards_schema.storage import is_url
 from shards_schema.webdataset.reader import WebDatasetShards
@@ -41,7 +42,7 @@ from train.config import (AdamWConfig, ConfigError, DataConfig, MemoryConfig, Pa
                           TrainConfig)
 from train.data import TrainData, check_sources
 from train.lr_schedule import RunSchedule
-from train.metrics import MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
+from train.metrics import METRICS_FILE, MetricsLogger, StepTimer, lm_flops_per_token, peak_tflops
 from train.model.arch import ModelArch
 from train.model.linear import fp8_weight_scales_once, grad_buffers_zeroed, use_fp8, use_grad_buffers
 from train.optim import build_optimizer as make_optimizer, use_fused_adamw
@@ -245,10 +246,11 @@ def lock_output_dir(stack: ExitStack, out: Path, info: ParallelInfo) -> None:
         raise UserError(message[0])
 
 
-def remove_refused_run(out: Path, created: bool) -> None:
-    """What a run that stopped in setup wrote into its new (or empty) --out, but the shards it
-    fetched from a store (data_cache/): a second try finds them checked and fetches nothing.
-    An empty directory the user gave stays; one the run `created` goes once empty."""
+def remove_refused_run(out: Path, top: Path | None) -> None:
+    """What a refused run wrote into its new (or empty) --out, but the shards it fetched from a
+    store (data_cache/): a second try finds them checked and fetches nothing. An empty directory
+    the user gave stays; one the run made goes once empty, with the parents it made for it
+    (`top`: the outermost directory of --out that did not exist, `outdir.outermost_missing`)."""
     if not out.is_dir():
         return
     for entry in out.iterdir():
@@ -258,8 +260,19 @@ def remove_refused_run(out: Path, created: bool) -> None:
             shutil.rmtree(entry, ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
-    if created and not any(out.iterdir()):
+    if top is not None and not any(out.iterdir()):
         out.rmdir()
+        remove_made_parents(out, top)
+
+
+def only_setup_written(out: Path) -> bool:
+    """Whether --out holds nothing a run writes once it has trained: no metrics record, no
+    checkpoint (not even one being written), no profiler trace."""
+    metrics = out / METRICS_FILE
+    if metrics.is_file() and metrics.stat().st_size:
+        return False
+    return not any(any((out / name).iterdir()) for name in (checkpoint.CHECKPOINTS, "profile")
+                   if (out / name).is_dir())
 
 
 def check_device(config: ParallelismConfig) -> None:
@@ -581,8 +594,8 @@ class Trainer:
 
     def __enter__(self) -> Trainer:
         # the main rank alone creates or fills it, below
-        created = not os.path.lexists(self.out)
-        new_out = created or (self.out.is_dir() and not any(self.out.iterdir()))
+        self.out_made_from = outermost_missing(self.out)
+        self.new_out = self.out_made_from is not None or (self.out.is_dir() and not any(self.out.iterdir()))
         try:
             with ExitStack() as stack:  # a failing setup releases what it took
                 lock_output_dir(stack, self.out, self.info)
@@ -594,13 +607,20 @@ class Trainer:
         except BaseException:
             # a run refused in setup (W&B without a login, say) leaves no --out of its own behind:
             # nothing in it can be resumed, and a second try would meet it as an earlier run's
-            if new_out and self.info.is_main:
-                remove_refused_run(self.out, created)
+            if self.new_out and self.info.is_main:
+                remove_refused_run(self.out, self.out_made_from)
             raise
         return self
 
-    def __exit__(self, *exc) -> bool:
-        return self._resources.__exit__(*exc)
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        suppressed = self._resources.__exit__(exc_type, exc, tb)  # --out released, a save in flight completed
+        # a run refused before it trained anything (a token id outside the vocabulary in the first
+        # pack, a loss NaN at the first step) leaves its new --out as setup's refusals do
+        if isinstance(exc, UserError) and exc.exit_code == EXIT_USER_ERROR and self.new_out and self.info.is_main \
+                and self.out.is_dir() and only_setup_written(self.out):
+            self.logger.close()  # W&B's files written before they are removed, not after
+            remove_refused_run(self.out, self.out_made_from)
+        return suppressed
 
     # --- setup ------------------------------------------------------------------------------
 
