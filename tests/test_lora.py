@@ -503,6 +503,21 @@ def test_export_flags_need_a_lora_checkpoint(lora_run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds other weights than the adapters were trained on" in err, err
     assert not (tmp_path / "c").exists()
+    # those other weights imported as a model directory are known by the fingerprint of the HF
+    # directory import-hf records; a model directory without that record merges with a note
+    assert vlmpack(["import-hf", str(tmp_path / "other"), "--out", str(tmp_path / "other-model")]) == 0
+    capsys.readouterr()
+    assert vlmpack(["export-hf", str(step), "--merge", "--base", str(tmp_path / "other-model"), "--out",
+                    str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds other weights than the adapters were trained on" in err, err
+    unrecorded = Path(shutil.copytree(model_dir, tmp_path / "unrecorded"))
+    meta = json.loads((unrecorded / convert.META_FILE).read_text())
+    (unrecorded / convert.META_FILE).write_text(json.dumps({k: v for k, v in meta.items() if k != "hf_fingerprint"}))
+    (unrecorded / ".vlmpack.lock").unlink(missing_ok=True)
+    assert vlmpack(["export-hf", str(step), "--merge", "--base", str(unrecorded), "--out", str(tmp_path / "f")]) == 0
+    assert ("note: the adapters' base is recorded as a Hugging Face directory, and this model directory records no "
+            f"import from one: the weights of {unrecorded} could not be compared") in capsys.readouterr().err
     from transformers import AutoModelForImageTextToText
     AutoModelForImageTextToText.from_pretrained(_hf_dir(out)).save_pretrained(tmp_path / "resharded",
                                                                               max_shard_size="200KB")
@@ -511,6 +526,19 @@ def test_export_flags_need_a_lora_checkpoint(lora_run, tmp_path, capsys):
                     str(tmp_path / "d")]) == 0
     d = convert.load_tensors(tmp_path / "d" / "model.safetensors")
     assert d.keys() == b.keys() and all(torch.equal(d[k], b[k]) for k in d)
+
+
+def test_a_base_whose_weights_cannot_be_compared_is_checked_by_architecture_with_a_note(tmp_path):
+    """lora.json without a fingerprint of its base, and a random-init base given as --base,
+    merge on the architecture alone, saying so; nothing of the directory is read to say it."""
+    from train.lora_export import check_base_weights
+
+    given = tmp_path / "base"  # never read: nothing recorded to compare it with
+    note = check_base_weights({"hf_model": "/models/qwen3-vl"}, given)
+    assert note == (f"the adapters' lora.json records no fingerprint of their base's weights: the weights of {given} "
+                    "could not be compared with the base's, only its architecture")
+    note = check_base_weights({"arch": "tiny", "seed": 7}, given)
+    assert note.startswith("the adapters were trained on a random init (--arch tiny, --seed 7): the weights of")
 
 
 def _hf_dir(run: Path) -> Path:

@@ -970,10 +970,13 @@ def _load_run_weights(model, path: Path, info, saved_config: dict) -> None:
         raise ConfigError(f"{path} was trained with LoRA {spec.to_dict()}, this run asks for {adapters.spec.to_dict()}: "
                           "resume with the same --lora-* settings")
     saved_base, base = dict(meta["base"]), dict(adapters.base)
-    if "fingerprint" not in saved_base:  # recorded before bases carried one
-        base.pop("fingerprint", None)
+    fingerprints = ("fingerprint", "hf_fingerprint")
+    for key in fingerprints:  # compared where both record it (a base may be recorded without either)
+        if key not in saved_base or key not in base:
+            saved_base.pop(key, None)
+            base.pop(key, None)
     if saved_base != base:
-        if saved_base.keys() == base.keys() and all(saved_base[k] == base[k] for k in base if k != "fingerprint"):
+        if saved_base.keys() == base.keys() and all(saved_base[k] == base[k] for k in base if k not in fingerprints):
             source = base.get("hf_model") or base.get("init")
             raise ConfigError(f"{path}'s adapters were trained on other weights than {source} holds now (its weights "
                               "fingerprint differs): resume on the model they were trained on")

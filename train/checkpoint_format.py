@@ -4,7 +4,8 @@ A Megatron model directory (`vlmpack import-hf` writes one; the trainer can save
 
     MODEL_DIR/
       vlmpack_model.json             format + version, the architecture (dataclasses.asdict of
-                                     ModelArch), the tp / pp / ep it was saved with, the dtype
+                                     ModelArch), the tp / pp / ep it was saved with, the dtype;
+                                     import-hf's also the weights fingerprint of its HF source
       model_tp{t}_pp{p}.safetensors  one per (tp_rank, pp_rank): exactly the keys and shapes of
                                      that rank's `QwenVLModel.state_dict()` (minus megatron's
                                      `_extra_state` entries, which hold no tensors), but for
@@ -114,9 +115,14 @@ def v1_expert_rank_file(pp_rank: int, ep_rank: int) -> str:
 # --- metadata -------------------------------------------------------------------------------
 
 
-def write_meta(directory: Path, arch: ModelArch, tp: int, pp: int, dtype: str, ep: int = 1) -> None:
+def write_meta(directory: Path, arch: ModelArch, tp: int, pp: int, dtype: str, ep: int = 1,
+               hf_fingerprint: str | None = None) -> None:
+    """META_FILE of a model directory; `hf_fingerprint`: the `weights_fingerprint` of the Hugging
+    Face directory whose weights it holds unchanged (cast at most), as `import-hf` writes one."""
     meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "arch": arch_dict(arch),
             "tp": tp, "pp": pp, "ep": ep, "dtype": dtype}
+    if hf_fingerprint is not None:
+        meta["hf_fingerprint"] = hf_fingerprint
     (Path(directory) / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
@@ -464,6 +470,17 @@ def weights_fingerprint(model_dir: str | Path) -> str:
         except SafetensorError as exc:
             raise damaged_weights(path, exc, HF_DIR_FIX) from None
     return hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()
+
+
+def imported_fingerprint(model_dir: str | Path) -> str | None:
+    """The `weights_fingerprint` of the Hugging Face directory a model directory was imported
+    from (its META_FILE's `hf_fingerprint`); None for a model trained or written otherwise, or
+    for a directory that is no model directory."""
+    path = Path(model_dir) / META_FILE
+    if not path.is_file():
+        return None
+    value = read_json_object(path, MODEL_DIR_FIX).get("hf_fingerprint")
+    return value if isinstance(value, str) else None
 
 
 def save_tensors_streaming(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]], tensors) -> None:

@@ -68,6 +68,7 @@ from train.checkpoint_format import (
     save_tensors,
     save_tensors_streaming,
     v1_expert_rank_file,
+    weights_fingerprint,
     write_hf_state,
     write_meta,
     write_side_files,
@@ -742,7 +743,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dty
         for name, key, experts in tqdm(model_files(tp, pp, ep), desc="writing shards", unit="file",
                                        disable=not progress):
             _write_file_streaming(staging / name, full, arch, tp, pp, ep, key, experts, dtype, hf_dir)
-        write_meta(staging, arch, tp, pp, dtype_name(_cast_lazy(t, dtype) for t in full.values()), ep)
+        # the source's fingerprint: a LoRA base recorded as the HF directory is known in this one
+        write_meta(staging, arch, tp, pp, dtype_name(_cast_lazy(t, dtype) for t in full.values()), ep,
+                   hf_fingerprint=weights_fingerprint(hf_dir))
         copy_hf_side_files(hf_dir, staging / HF_SUBDIR)
         write_carried(staging, hf_dir, arch, dtype)
     return arch

@@ -24,8 +24,8 @@ import torch
 
 from shards_schema.errors import UserError
 from train import adapter_format, convert
-from train.checkpoint_format import (META_FILE, SideFiles, arch_differences, lazy_hf_state, materialize,
-                                     weights_fingerprint)
+from train.checkpoint_format import (META_FILE, SideFiles, arch_differences, imported_fingerprint, lazy_hf_state,
+                                     materialize, weights_fingerprint)
 from train.model.arch import ModelArch
 from train.model_setup import random_full_state
 
@@ -50,11 +50,13 @@ def base_carried(base: dict, arch: ModelArch, override: str | Path | None = None
     return {k: materialize(v) for k, v in convert.read_carried(source, arch).items()}
 
 
-def base_megatron_state(base: dict, arch: ModelArch, override: str | Path | None = None) -> dict[str, torch.Tensor]:
-    """The full Megatron state of the model the adapters were trained on."""
+def base_megatron_state(base: dict, arch: ModelArch,
+                        override: str | Path | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The full Megatron state of the model the adapters were trained on, and a note where the
+    weights of the directory it is read from cannot be compared with the recorded ones."""
     source = override or base.get("hf_model") or base.get("init")
     if source is None:
-        return random_full_state(arch, base["seed"])
+        return random_full_state(arch, base["seed"]), None
     source = Path(source)
     if (source / "config.json").is_file():
         found = ModelArch.from_hf_dir(source)
@@ -69,16 +71,52 @@ def base_megatron_state(base: dict, arch: ModelArch, override: str | Path | None
     if differences:
         raise UserError(f"base model {source} is not the architecture the adapters were trained on: "
                         + "; ".join(differences))
-    # a fingerprint of the recorded kind of directory (absent where the run recorded its base
-    # before fingerprints); a Megatron directory imported from the HF one has another digest
-    recorded = base.get("fingerprint")
-    same_kind = ("hf_model" in base) == (source / "config.json").is_file()
-    if recorded is not None and same_kind and weights_fingerprint(source) != recorded:
-        trained_on = base.get("hf_model") or base.get("init")
-        raise UserError(f"base model {source} holds other weights than the adapters were trained on ({trained_on} "
-                        "when they were trained; its weights fingerprint differs): pass --base DIR, the model they "
-                        "were trained on")
-    return loader()
+    note = check_base_weights(base, source)  # before the weights are read: a wrong base fails at once
+    return loader(), note
+
+
+def base_fingerprints(base: dict) -> dict[str, str]:
+    """The weights fingerprints lora.json records of the adapters' base, by the kind of
+    directory each is of ("hf": a Hugging Face directory's, "megatron": a model directory's)."""
+    if "hf_model" in base:
+        found = {"hf": base.get("fingerprint")}
+    else:  # a model directory imported from an HF one records that one's too
+        found = {"megatron": base.get("fingerprint"), "hf": base.get("hf_fingerprint")}
+    return {kind: value for kind, value in found.items() if isinstance(value, str)}
+
+
+def directory_fingerprints(source: Path) -> dict[str, str]:
+    """`base_fingerprints`' kinds for a model to merge into: its own weights' fingerprint, and for
+    a model directory imported from an HF one, that one's."""
+    if (source / "config.json").is_file():
+        return {"hf": weights_fingerprint(source)}
+    imported = imported_fingerprint(source)
+    return {"megatron": weights_fingerprint(source), **({"hf": imported} if imported else {})}
+
+
+def check_base_weights(base: dict, source: Path) -> str | None:
+    """UserError where `source` holds other weights than the adapters' recorded base (a model of
+    the same architecture: a fine-tune of it, another seed); a note where nothing recorded can
+    be compared with it, so only its architecture was checked."""
+    recorded = base_fingerprints(base)
+    if "seed" in base:
+        why = f"the adapters were trained on a random init (--arch {base.get('arch')}, --seed {base['seed']})"
+    elif not recorded:
+        why = "the adapters' lora.json records no fingerprint of their base's weights"
+    else:
+        given = directory_fingerprints(source)
+        shared = sorted(set(recorded) & set(given))
+        if shared and not any(recorded[kind] == given[kind] for kind in shared):
+            trained_on = base.get("hf_model") or base.get("init")
+            raise UserError(f"base model {source} holds other weights than the adapters were trained on ({trained_on} "
+                            "when they were trained; its weights fingerprint differs): pass --base DIR, the model "
+                            "they were trained on")
+        if shared:
+            return None
+        why = ("the adapters' base is recorded as a Hugging Face directory, and this model directory records no "
+               "import from one" if "hf_model" in base else
+               "the adapters' base is recorded as a model directory, not imported from a Hugging Face one")
+    return f"{why}: the weights of {source} could not be compared with the base's, only its architecture"
 
 
 def export_merged(adapter_dir: Path, out: str | Path, base_dir: str | Path | None = None,
@@ -87,11 +125,12 @@ def export_merged(adapter_dir: Path, out: str | Path, base_dir: str | Path | Non
     """Full HF checkpoint of the base with the adapters merged in; returns the architecture and side files."""
     convert.check_output_dir(out, "export-hf", overwrite=overwrite)
     meta, spec, arch, full = adapter_format.read_adapter_dir(adapter_dir)
-    base = base_megatron_state(meta["base"], arch, base_dir)
+    base, note = base_megatron_state(meta["base"], arch, base_dir)
     hf = convert.canonical_hf_names(convert.megatron_to_hf(base, arch))
     merged = convert.hub_hf_names(adapter_format.merge_into_hf(hf, full, spec, arch), arch.family)
     merged |= base_carried(meta["base"], arch, base_dir)
-    return arch, convert.write_hf_dir(out, merged, arch, Path(adapter_dir), dtype, progress, overwrite, chat_template)
+    side_files = convert.write_hf_dir(out, merged, arch, Path(adapter_dir), dtype, progress, overwrite, chat_template)
+    return arch, with_note(side_files, note)
 
 
 def export_base(adapter_dir: Path, out: str | Path, base_dir: str | Path | None = None,
@@ -101,6 +140,14 @@ def export_base(adapter_dir: Path, out: str | Path, base_dir: str | Path | None 
     it moved); returns the architecture and side files."""
     convert.check_output_dir(out, "export-hf", overwrite=overwrite)
     meta, _, arch = adapter_format.read_lora_meta(adapter_dir)
-    base = base_megatron_state(meta["base"], arch, base_dir)
+    base, note = base_megatron_state(meta["base"], arch, base_dir)
     hf = convert.megatron_to_hf(base, arch) | base_carried(meta["base"], arch, base_dir)
-    return arch, convert.write_hf_dir(out, hf, arch, Path(adapter_dir), dtype, progress, overwrite, chat_template)
+    side_files = convert.write_hf_dir(out, hf, arch, Path(adapter_dir), dtype, progress, overwrite, chat_template)
+    return arch, with_note(side_files, note)
+
+
+def with_note(side_files: SideFiles, note: str | None) -> SideFiles:
+    """`side_files` with `note` (about the base) first among the notes the export prints."""
+    if note is not None:
+        side_files.notes.insert(0, note)
+    return side_files

@@ -130,8 +130,12 @@ def base_reference(config, seed: int) -> dict:
     the --seed of a random init)."""
     for key in ("hf_model", "init"):
         source = getattr(config, key)
-        if source:  # the fingerprint tells a later export whether a --base holds these weights
-            return {key: str(Path(source).resolve()), "fingerprint": fmt.weights_fingerprint(source)}
+        if source:  # the fingerprints tell a later export whether a --base holds these weights
+            reference = {key: str(Path(source).resolve()), "fingerprint": fmt.weights_fingerprint(source)}
+            imported = fmt.imported_fingerprint(source) if key == "init" else None
+            if imported is not None:  # a model directory imported from an HF one: known in that one too
+                reference["hf_fingerprint"] = imported
+            return reference
     return {"arch": config.arch, "seed": seed}
 
 
