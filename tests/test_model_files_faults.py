@@ -32,6 +32,13 @@ def _with(**changes):
     return lambda raw: json.dumps({**json.loads(raw), **changes}).encode()
 
 
+def _with_lm(**changes):
+    def damage(raw: bytes) -> bytes:
+        meta = json.loads(raw)
+        return json.dumps({**meta, "arch": {**meta["arch"], "lm": {**meta["arch"]["lm"], **changes}}}).encode()
+    return damage
+
+
 def _without_in(section: str, key: str):
     def damage(raw: bytes) -> bytes:
         config = json.loads(raw)
@@ -76,6 +83,11 @@ MODEL_DAMAGE = {
     "meta_layers_a_string": ("vlmpack_model.json", lambda raw: raw.replace(b'"num_layers": 3', b'"num_layers": "3"'),
                              ": the language model's num_layers must be an integer >= 1, got '3'"),
     "meta_not_utf8": ("vlmpack_model.json", lambda raw: b"\xff\xfe" + raw, ": not valid JSON ("),
+    # relations between the architecture's numbers: refused where the file is read, not met as a traceback
+    "meta_mrope_not_summing": ("vlmpack_model.json", _with_lm(mrope_section=[4, 2, 1]),
+                               ": the language model's mrope_section [4, 2, 1] must sum to the rotated dims / 2 = 8"),
+    "meta_layer_types_short": ("vlmpack_model.json", _with_lm(layer_types=["full_attention"]),
+                               ": the language model's layer_types lists 1 layers, num_layers is 3"),
     "weights_random_bytes": ("model_tp0_pp0.safetensors", lambda raw: os.urandom(4096),
                              ": not a readable safetensors file"),
     "weights_cut_short": ("model_tp0_pp0.safetensors", lambda raw: raw[:len(raw) - 100],

@@ -139,6 +139,25 @@ def test_a_config_without_its_text_config_is_named_so():
         ModelArch.from_hf_config({**text, **config})
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(layer_types=["linear_attention"] * 3), "layer_types lists 3 layers, num_layers is 4"),
+    (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), r"layer_types has \['sliding_attention'\]"),
+    (dict(layer_types="linear_attention"), "layer_types must be a list of one type per layer"),
+    (dict(linear_num_value_heads=3), "linear_num_value_heads 3 must be a multiple of linear_num_key_heads 2"),
+    (dict(partial_rotary_factor=0.5), r"mrope_section \[2, 1, 1\] must sum to the rotated dims / 2 = 8"),
+])
+def test_a_model_directory_whose_architecture_cannot_build_is_refused_by_name(tmp_path, change, message):
+    """vlmpack_model.json is checked as config.json is: a hand-edited hybrid layout or rotary is
+    named where the file is read (it was an IndexError or a ValueError deep in the model)."""
+    from train.checkpoint_format import META_FILE, meta_arch
+    from train.model.arch import ModelFileError, arch_dict
+
+    d = arch_dict(builtin_arch("tiny-qwen3.5"))
+    d["lm"].update(change)
+    with pytest.raises(ModelFileError, match=f"{META_FILE}: the language model's {message}"):
+        meta_arch(json.loads(json.dumps({"arch": d})), tmp_path)
+
+
 # --- samples ------------------------------------------------------------------------------------
 
 

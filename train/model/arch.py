@@ -25,6 +25,7 @@ from train.model.vision import VisionArch
 
 SPECIAL_TOKEN_IDS = dict(image_token_id=151655, video_token_id=151656,
                          vision_start_token_id=151652, vision_end_token_id=151653)
+LAYER_TYPES = ("linear_attention", "full_attention")  # the token mixers `LMArch.layer_types` names
 
 
 @dataclass(frozen=True)
@@ -299,8 +300,9 @@ def check_field_kinds(arch: ModelArch, source: str | Path, fix: str = HF_CONFIG_
 
 def check_buildable(arch: ModelArch, source: str | Path, fix: str = HF_CONFIG_FIX, hf_names: bool = True) -> None:
     """The relations between `arch`'s numbers (read from `source`) that a model needs to be built:
-    heads in whole query groups, three M-RoPE sections, a rotated part of each head, no more
-    experts per token than experts. ModelFileError naming the fields, so that such a config is
+    heads in whole query groups, three M-RoPE sections that cover the rotated part of each head, no
+    more experts per token than experts, one known token mixer per layer and Gated DeltaNet value
+    heads in whole groups per key head. ModelFileError naming the fields, so that such a config is
     refused where it is read, not met as a traceback in a dry run's shapes or a training step."""
     lm = arch.lm
 
@@ -317,11 +319,35 @@ def check_buildable(arch: ModelArch, source: str | Path, fix: str = HF_CONFIG_FI
     elif not 0 < lm.partial_rotary_factor <= 1 or lm.rotary_dim < 2 or lm.rotary_dim % 2:
         problem = (f"partial_rotary_factor {lm.partial_rotary_factor} must be in (0, 1] and rotate an even number "
                    f"of each head's {lm.head_dim} dims (it rotates {lm.rotary_dim})")
+    elif sum(lm.mrope_section) != lm.rotary_dim // 2:  # one M-RoPE frequency per pair of rotated dims
+        problem = (f"mrope_section {list(lm.mrope_section)} must sum to the rotated dims / 2 = {lm.rotary_dim // 2} "
+                   f"({name('head_dim')} {lm.head_dim} x partial_rotary_factor {lm.partial_rotary_factor})")
     elif lm.is_moe and not 1 <= lm.num_experts_per_tok <= lm.num_experts:
         problem = (f"num_experts_per_tok {lm.num_experts_per_tok} must be between 1 and num_experts "
                    f"{lm.num_experts}")
+    else:
+        problem = _layer_types_problem(lm, name)
     if problem:
         raise ModelFileError(f"{source}: the language model's {problem}", fix)
+
+
+def _layer_types_problem(lm: LMArch, name) -> str | None:
+    """What keeps `lm`'s layer types from building a decoder (each layer's token mixer picks its
+    tensors, so a list of another length or an unknown type has no model), or None."""
+    types = lm.layer_types
+    if not isinstance(types, tuple) or not all(isinstance(t, str) for t in types):
+        return f"layer_types must be a list of one type per layer, got {repr(types)[:60]}"
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        return f"layer_types has {unknown}: the decoder builds {list(LAYER_TYPES)} layers only"
+    if types and len(types) != lm.num_layers:
+        return f"layer_types lists {len(types)} layers, {name('num_layers')} is {lm.num_layers}"
+    if lm.has_linear_attention and (not lm.linear_num_key_heads or
+                                    lm.linear_num_value_heads % lm.linear_num_key_heads):
+        # each Gated DeltaNet key head serves a whole group of value heads
+        return (f"linear_num_value_heads {lm.linear_num_value_heads} must be a multiple of linear_num_key_heads "
+                f"{lm.linear_num_key_heads} (>= 1)")
+    return None
 
 
 def lm_from_hf_config(config: dict, moe: bool, *, mrope_section: tuple[int, int, int], rope_theta: float,

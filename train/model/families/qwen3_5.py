@@ -49,7 +49,7 @@ from torch import Tensor
 
 from train.model import families
 from train.model import gated_delta_net as gdn
-from train.model.arch import LMArch, ModelArch, check_expert_count
+from train.model.arch import LAYER_TYPES, LMArch, ModelArch, check_expert_count
 from train.model.hf_config import text_section
 from train.model.qwen_vl import RMSNorm, layer_spec as base_layer_spec
 from train.model.vision import VisionArch
@@ -59,7 +59,6 @@ MODEL_TYPES = {"qwen3_5": False, "qwen3_5_moe": True}
 ARCHITECTURES = {False: "Qwen3_5ForConditionalGeneration", True: "Qwen3_5MoeForConditionalGeneration"}
 SPECIAL_TOKEN_IDS = dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
                          vision_end_token_id=248054)
-LAYER_TYPES = ("linear_attention", "full_attention")
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs" / "qwen3_5"
 # transformers' defaults where a config leaves a field out (Qwen3_5TextConfig, its rotary embedding)
 DEFAULT_ROPE_THETA = 10000.0
