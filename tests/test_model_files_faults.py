@@ -94,6 +94,10 @@ MODEL_DAMAGE = {
                           ": not a readable safetensors file"),
     "kept_hf_file_not_json": ("hf/generation_config.json", lambda raw: raw[:10], ": not valid JSON ("),
     "profile_a_list": ("profile.json", lambda raw: b"[]", ": holds a JSON array, not an object: delete it"),
+    # the tensors a checkpoint carries beside the model (Qwen3.5's multi-token prediction), which
+    # every save copies: named before the first step
+    "carried_random_bytes": ("hf_carried.safetensors", lambda raw: os.urandom(4096),
+                             ": not a readable safetensors file"),
 }
 
 
@@ -137,7 +141,8 @@ TRAIN_CASES = [("--hf-model", case) for case in ("config_not_json", "config_a_li
                                                  "weights_cut_short", "index_names_a_missing_file",
                                                  "index_names_a_missing_tensor", "tokenizer_not_json",
                                                  "chat_template_not_jinja")] + \
-              [("--init", case) for case in ("meta_not_json", "meta_a_list", "weights_random_bytes")]
+              [("--init", case) for case in ("meta_not_json", "meta_a_list", "weights_random_bytes",
+                                             "carried_random_bytes")]
 
 
 @pytest.mark.parametrize("flag, case", TRAIN_CASES, ids=[f"{flag} {case}" for flag, case in TRAIN_CASES])
@@ -150,6 +155,7 @@ def test_train_from_a_damaged_model_exits_2_naming_the_file(hf_checkpoint, model
     code = vlmpack(["train", *TRAIN, flag, str(source), "--data", str(shards), "--out", str(tmp_path / "run")])
     line = one_error_line(capsys.readouterr().err, "train")
     assert code == 2 and f"{source / name}{says}" in line, line
+    assert not (tmp_path / "run").exists()  # refused in setup, before a step: no run directory left
 
 
 def test_the_intact_files_linked_the_same_way_import_and_export(hf_checkpoint, tmp_path):

@@ -50,8 +50,12 @@ def resolve_arch(config) -> ModelArch:
                             "one: --init takes it")
         arch = ModelArch.from_hf_dir(config.hf_model)
         fmt.check_hf_side_files(config.hf_model)  # its checkpoints carry them: named now, not at the first save
-        return arch
-    return read_model_arch(config.init)
+    else:
+        arch = read_model_arch(config.init)
+    # every checkpoint copies the tensors the model does not build (Qwen3.5's multi-token
+    # prediction) from the source: a damaged file is named now, not at the first save, steps later
+    convert.read_carried(config.hf_model or config.init, arch)
+    return arch
 
 
 def _load_shard(model, full: dict, arch: ModelArch, info) -> None:
