@@ -541,7 +541,8 @@ def _train_in_process(args: list[str], capsys) -> tuple[int, str]:
     (["--eval-data", "{empty}"], "--eval-data is evaluated only with --eval-every N"),
     (["--config", "{steps_yaml}"], "steps.yaml: train_steps: expected an integer, got 2.5"),
     (["--config", "{lr_yaml}"], "lr.yaml: lr: expected a number, got 'fast'"),
-    (["--config", "{section_yaml}"], "section.yaml: unknown settings ['optimizer']: use the names of `vlmpack train` flags"),
+    (["--config", "{section_yaml}"], "section.yaml: unknown settings ['optimizer']: optimizer is a group of --help, "
+                                     "not a section of the file: the file is flat"),
     (["--device", "tpu"], "--device 'tpu': choose from ['cuda', 'cpu']"),
     (["--recompute", "some"], "--recompute 'some': choose from"),
     (["--master-weights", "fp16"], "--master-weights 'fp16': choose from ['fp32', 'bf16']"),

@@ -349,6 +349,24 @@ def test_a_yaml_alias_bomb_is_one_short_line(shards, tmp_path, capsys, text, say
     assert code == 2 and says in line and len(line) < 400, line
 
 
+@pytest.mark.parametrize("name, text, says", [
+    ("run.yaml", "memory:\n  recompute: full\nlora:\n  lora_rank: 8\n",
+     "unknown settings ['lora', 'memory']: lora, memory are groups of --help, not a section of the file: the file is "
+     "flat, so write the settings under it at the top level (e.g. `lora_rank: ...`)"),
+    ("trainer.json", json.dumps({"step": 2, "loader": {}, "config": {"seq_len": 512}, "layout": {}}),
+     "unknown settings ['config', 'layout', 'loader', 'step']: this is a checkpoint's trainer.json, whose `config` "
+     "holds the run's settings: write that mapping to a file of its own and give that"),
+    ("run.yaml", "seqlen: 512\n", "unknown settings ['seqlen']: use the names of `vlmpack train` flags"),
+], ids=["--help's groups as sections", "a checkpoint's trainer.json", "a misspelt name"])
+def test_a_config_file_of_another_shape_says_what_to_write_instead(tmp_path, capsys, name, text, says):
+    """The keys a user is most likely to write that are no settings: the groups --help shows its
+    flags under, and the whole trainer.json whose `config` the docs say is a config file."""
+    (tmp_path / name).write_text(text)
+    code, err = train(["--dry-run", "--config", str(tmp_path / name), "--arch", "tiny"], capsys)
+    line = one_error_line(err, "train")
+    assert code == 2 and f"--config {tmp_path / name}: {says}" in line, line
+
+
 def test_a_yaml_config_under_another_name_says_how_names_are_read(shards, tmp_path, capsys):
     (tmp_path / "run.txt").write_text("lr: 1.0e-4\n")
     code, err = train(["--config", str(tmp_path / "run.txt"), "--arch", "tiny", *RUN, "--data", str(shards), "--out",

@@ -809,12 +809,27 @@ def _naming_the_file(exc: ConfigError, path, from_file: set[str]) -> ConfigError
     return ConfigError(f"{exc} ({', '.join(named)} {'is' if len(named) == 1 else 'are'} set in --config {path})")
 
 
+def _unknown_settings_fix(values: dict, unknown: list[str]) -> str:
+    """What to write instead of a --config file's `unknown` keys, where the file's shape says
+    more than the names: --help's groups written as sections, or a checkpoint's trainer.json
+    (whose `config` holds the settings) given whole."""
+    if {"config", "step", "loader"} <= set(values) and isinstance(values["config"], dict):
+        return ("this is a checkpoint's trainer.json, whose `config` holds the run's settings: write that mapping "
+                "to a file of its own and give that (or continue the run with --out RUN --resume)")
+    sections = [key for key in unknown if key in GROUPS and isinstance(values[key], dict)]
+    if sections:
+        return (f"{', '.join(sections)} {'is a group' if len(sections) == 1 else 'are groups'} of --help, not "
+                "a section of the file: the file is flat, so write the settings under it at the top level "
+                f"(e.g. `{next(iter(values[sections[0]]), 'seq_len')}: ...`)")
+    return "use the names of `vlmpack train` flags"
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = set(flat_paths(TrainConfig))
     values = load_config_file(args.config) if args.config else {}
     unknown = sorted(set(values) - names)
     if unknown:
-        raise ConfigError(f"--config {args.config}: unknown settings {unknown}: use the names of `vlmpack train` flags")
+        raise ConfigError(f"--config {args.config}: unknown settings {unknown}: {_unknown_settings_fix(values, unknown)}")
     # a setting given as null is left at its default, as a flag not given is
     values = {k: _file_value(args.config, k, v) for k, v in values.items() if v is not None}
     flags = {k: v for k, v in vars(args).items() if k in names and v is not None}
