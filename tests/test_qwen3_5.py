@@ -402,6 +402,28 @@ def test_export_loads_in_transformers_with_the_same_logits(hf_checkpoint, tmp_pa
     torch.testing.assert_close(hf_alone(loaded, sample), hf_alone(hf, sample), rtol=0, atol=1e-5)
 
 
+def test_a_multi_token_prediction_tensor_of_integers_is_refused_naming_it(hf_checkpoint, tmp_path, capsys):
+    """The carried tensors are weights as the model's are: an integer one (another file's
+    tensor) is named before anything is written, by import-hf and by a run's setup."""
+    from safetensors.torch import load_file, save_file
+
+    from shards_schema.cli import main as vlmpack
+    from tests.helpers.damage import damaged_copy, one_error_line
+
+    _, intact = hf_checkpoint["dense"]
+    state = load_file(str(intact / "model.safetensors"))
+    state["mtp.fc.weight"] = state["mtp.fc.weight"].to(torch.int32)
+    source = damaged_copy(intact, tmp_path / "hf", "config.json", lambda raw: raw)
+    (source / "model.safetensors").unlink()
+    save_file(state, str(source / "model.safetensors"))
+    says = f"{source}: mtp.fc.weight is int32, where every weight is a floating-point tensor"
+    for command in (["import-hf", str(source), "--out", str(tmp_path / "out")],
+                    ["train", "--dry-run", "--hf-model", str(source)]):
+        assert vlmpack(command) == 2
+        assert says in one_error_line(capsys.readouterr().err, command[0])
+    assert not (tmp_path / "out").exists()
+
+
 def test_linear_attention_shards_are_the_gated_delta_net_tables(hf_checkpoint):
     """TP rank r of a Gated DeltaNet layer holds what the layer's own weight table gives rank r
     (`gated_delta_net.hf_to_rank`); shard -> unshard is exact at every TP x PP x EP layout."""

@@ -42,6 +42,7 @@ from shards_schema.outdir import (exclusive_output_dir, recorded_command, refuse
                                    user_entries)
 from train.checkpoint_format import (
     CARRIED_FILE,
+    HF_DIR_FIX,
     HF_INDEX_FILE,
     HF_SIDE_FILES,
     HF_SUBDIR,
@@ -738,6 +739,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dty
     check_output_dir(out, "import-hf", overwrite=overwrite)  # these fail before gigabytes are read
     check_parallel(arch, tp, pp, ep)
     stage_layers(arch, pp)
+    read_carried(hf_dir, arch)  # written last: a tensor of the wrong kind is named before the weights are
     full = hf_to_megatron(lazy_hf_state(hf_dir), arch)
     with staged_output_dir(out, "import-hf", overwrite) as staging:
         for name, key, experts in tqdm(model_files(tp, pp, ep), desc="writing shards", unit="file",
@@ -770,7 +772,12 @@ def read_carried(source: str | Path, arch: ModelArch) -> dict[str, LazyTensor]:
         return lazy_file_tensors(path, MODEL_DIR_FIX) if path.is_file() else {}
     if not families.of(arch).carried_prefixes or not (source / "config.json").is_file():
         return {}
-    return carried_tensors(lazy_hf_state(source), arch)
+    carried = carried_tensors(lazy_hf_state(source), arch)
+    integer = next((name for name, t in carried.items() if not t.is_floating_point()), None)
+    if integer is not None:  # each is a weight of a layer, as the model's are (`check_state`)
+        raise ModelFileError(f"{source}: {integer} is {str(carried[integer].dtype).removeprefix('torch.')}, where every "
+                             "weight is a floating-point tensor", HF_DIR_FIX)
+    return carried
 
 
 def _cast_lazy(tensor: LazyTensor, dtype: torch.dtype | None) -> LazyTensor:
