@@ -299,9 +299,11 @@ def parse_manifest(text: str | bytes, path) -> dict:
     if not is_count(version):
         raise ShardFormatError(f"{path}: schema_version {version!r} is not an integer: {damaged}")
     if version not in READABLE_SCHEMA_VERSIONS:
-        raise ShardFormatError(
-            f"{path}: schema version {version}, this vlmpack reads versions "
-            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}; "
-            "re-run `vlmpack preprocess` with this version"
-        )
+        readable = ", ".join(map(str, READABLE_SCHEMA_VERSIONS))
+        if version > max(READABLE_SCHEMA_VERSIONS):
+            fix = ("a newer vlmpack wrote it: upgrade vlmpack to read it, or re-run `vlmpack preprocess` "
+                   "with this version")
+        else:  # below every version vlmpack has written: the number was changed
+            fix = f"no vlmpack writes schema version {version}: {damaged}"
+        raise ShardFormatError(f"{path}: schema version {version}, this vlmpack reads versions {readable}; {fix}")
     return manifest

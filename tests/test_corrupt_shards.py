@@ -125,6 +125,7 @@ SHARD_DAMAGE = {
     "manifest_not_json": lambda d: (d / "manifest.json").write_text('{"format": "vlmpack-shards", '),
     "manifest_other_version": lambda d: _other_version(d / "manifest.json", "schema_version"),
     "manifest_version_a_string": lambda d: _edit_manifest(d, lambda m: m.update(schema_version=str(m["schema_version"]))),
+    "manifest_version_zero": lambda d: _edit_manifest(d, lambda m: m.update(schema_version=0)),
     "leftover_tmp": lambda d: (d / "shard-000002.arrow.tmp").write_bytes(b"torn"),
     # one byte of the schema's metadata in the footer (the copy readers use): a key no longer reads
     # `vlmpack.patch_row_width`
@@ -215,7 +216,10 @@ SHARD_EXPECTED = {
     **{("manifest_shard_twice", c): rf"manifest\.json: {DAMAGED_SHARD} is listed twice" for c in READERS},
     ("manifest_shard_twice", "verify"): rf"{DAMAGED_SHARD}: \[manifest_field\] manifest\.json: {DAMAGED_SHARD} is listed twice",
     **{("manifest_not_json", c): r"manifest\.json: not valid JSON" for c in SHARD_COMMANDS},
-    **{("manifest_other_version", c): r"manifest\.json: schema version 99, this vlmpack reads versions 1, 2" for c in SHARD_COMMANDS},
+    **{("manifest_other_version", c): r"manifest\.json: schema version 99, this vlmpack reads versions 1, 2; a newer "
+                                       r"vlmpack wrote it: upgrade vlmpack" for c in SHARD_COMMANDS},
+    **{("manifest_version_zero", c): r"manifest\.json: schema version 0, this vlmpack reads versions 1, 2; no vlmpack "
+                                      r"writes schema version 0: the manifest is damaged" for c in ("inspect", "verify")},
     **{("manifest_version_a_string", c): r"manifest\.json: schema_version '2' is not an integer: the manifest is damaged"
        for c in SHARD_COMMANDS},
     **{("manifest_version_lowered", c): rf"{DAMAGED_SHARD}: \[schema_mismatch\] schema metadata: schema_version '2' "
@@ -262,7 +266,7 @@ def test_a_damaged_shard_directory_stops_the_command(clean, tmp_path, damage, co
     done = _run(command, data, tmp_path)
     _assert_stopped(done, command, SHARD_EXPECTED[(damage, command)])
     if command == "verify":
-        assert done.returncode == (2 if damage in ("manifest_not_json", "manifest_other_version",
+        assert done.returncode == (2 if damage in ("manifest_not_json", "manifest_other_version", "manifest_version_zero",
                                                    "manifest_version_a_string", "manifest_is_directory",
                                                    "manifest_is_fifo") else 1)
     if command == "export":
