@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import stat
 import sys
 import time
 from collections import Counter
@@ -51,7 +52,7 @@ from .manifest import (MANIFEST_NAME, PARTS_DIR, REJECTS_NAME, SHARD_STAT_KEYS, 
                        is_count, layout_problems, read_manifest, shard_entries, total_keys)
 from .positions import mrope_position_ids
 from .reader import ShardFault, file_fault, list_views, offsets_view, read_batches
-from .storage import is_url, redact
+from .storage import file_kind, is_url, redact
 from .writer import file_sha256
 
 SHARD_SUFFIX = ".arrow"
@@ -261,13 +262,18 @@ def _check_accounting(manifest: dict, log: _FaultLog) -> dict | None:
 def _check_rejects(directory: Path, acc: dict | None, log: _FaultLog) -> None:
     path = directory / REJECTS_NAME
     expected = acc["rows_rejected"] if acc else None
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         if expected:
             log.add("rejects_mismatch", f"{REJECTS_NAME} is missing but the manifest counts {expected} rejected rows")
         return
     codes: Counter = Counter()
     n = 0
     try:
+        mode = path.stat().st_mode
+        if not stat.S_ISREG(mode):  # a FIFO's open would wait for a writer: named from its mode instead
+            log.add("unreadable_rejects", f"{REJECTS_NAME} is {file_kind(mode)}, not a regular file: its rejected "
+                    "rows cannot be checked; replace it with the rejects.jsonl the job wrote, or re-run the job")
+            return
         fh = open(path, encoding="utf-8", errors="replace")
     except OSError as exc:  # nothing is known of its contents: no mismatch to report
         fix = ("fix its permissions" if isinstance(exc, PermissionError)

@@ -8,6 +8,8 @@ so only the row checks of the full mode can catch them, and `--quick` is shown t
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -228,6 +230,20 @@ def test_an_unreadable_rejects_file_is_its_own_fault_kind(shards, monkeypatch):
     assert kinds(report) == {"unreadable_rejects"}, report.faults
     assert report.faults[0].message == ("rejects.jsonl cannot be read (Permission denied): its rejected rows cannot be "
                                         "checked; fix its permissions")
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_rejects_path_that_is_no_file_is_named_as_such(shards, kind):
+    """A directory or a FIFO where rejects.jsonl belongs is named by its kind (not `missing`), and
+    the FIFO is never opened: verify returns instead of waiting for a writer."""
+    path = shards / "rejects.jsonl"
+    path.unlink()
+    path.mkdir() if kind == "directory" else os.mkfifo(path)
+    report = verify_shards(shards, quick=True)
+    assert kinds(report) == {"unreadable_rejects"}, report.faults
+    what = "a directory" if kind == "directory" else r"a FIFO \(named pipe\)"
+    assert re.fullmatch(rf"rejects\.jsonl is {what}, not a regular file: its rejected rows cannot be checked; "
+                        r"replace it with the rejects\.jsonl the job wrote, or re-run the job", report.faults[0].message)
 
 
 # --------------------------------------------------------------------------- repeated ids
