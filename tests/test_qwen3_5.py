@@ -119,6 +119,8 @@ def test_tiny_archs_are_the_test_models(moe):
     (dict(linear_num_value_heads=3), "linear_num_value_heads 3 must be a multiple of linear_num_key_heads 2"),
     (dict(rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.5, mrope_section=[2, 1, 1])),
      r"mrope_section \[2, 1, 1\] must sum to the rotary dims / 2 = 8"),
+    (dict(rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=2.0)),
+     r"partial_rotary_factor 2.0 must be in \(0, 1\]: the share of each attention head's dims M-RoPE rotates"),
     (dict(mlp_only_layers=[1]), "mlp_only_layers"),
     (dict(output_gate_type="sigmoid"), "text_config.output_gate_type 'sigmoid'"),
 ])

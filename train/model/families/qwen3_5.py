@@ -152,6 +152,9 @@ def arch_from_hf_config(config: dict) -> ModelArch:
             raise ValueError(f"config.json text_config.{key} is null: a Qwen3.5 config sets it; use the config.json "
                              "the checkpoint was saved with")
     partial = float(partial)
+    if not 0 < partial <= 1:  # named before the sections, whose sum it would make look wrong
+        raise ValueError(f"config.json partial_rotary_factor {partial} must be in (0, 1]: the share of each "
+                         "attention head's dims M-RoPE rotates (Qwen3.5 configs: 0.25)")
     section = tuple(rope.get("mrope_section") or DEFAULT_MROPE_SECTION)
     rotary = int(head_dim * partial)
     if sum(section) != rotary // 2:
