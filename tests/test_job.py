@@ -779,6 +779,43 @@ def test_resume_refuses_an_input_edited_in_place(tmp_path):
         _run([data], out, workers=1, rows_per_shard=3)
 
 
+@pytest.mark.parametrize("change", ["cut", "append", "edit"])
+def test_an_input_changed_while_the_job_reads_it_stops_the_job_without_a_manifest(tmp_path, monkeypatch, capsys,
+                                                                                   change):
+    """A file still being written (or cut, or edited in place) while its units are read: the
+    shards hold rows of neither version whole. One line, exit 2, no manifest; the same
+    directory is then refused as another job's input."""
+    from preprocess.job import local
+
+    data = write_jsonl(tmp_path / "rows.jsonl", example_rows(6, seed=5, size_range=(32, 64)))
+    lines = data.read_bytes().splitlines(keepends=True)
+    process_unit = local.process_unit
+
+    def change_then_process(unit, *args, **kwargs):
+        if unit.index == 1:  # after the first unit committed
+            if change == "cut":
+                data.write_bytes(b"".join(lines[:4]))
+            elif change == "append":
+                with open(data, "ab") as fh:
+                    fh.write(lines[0])
+            else:
+                data.write_bytes(b"".join(lines).replace(b'"user"', b'"usr!"', 1))
+        return process_unit(unit, *args, **kwargs)
+
+    monkeypatch.setattr(local, "process_unit", change_then_process)
+    out = tmp_path / "out"
+    argv = ["preprocess", str(data), "--out", str(out), "--workers", "1", "--rows-per-shard", "3", "--no-progress"]
+    assert vlmpack_exit_code(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith(f"vlmpack preprocess: error: input {data} changed while the job read it")
+    assert "no manifest is written" in err and f"delete {out} to start over" in err
+    assert not (out / "manifest.json").exists()
+    monkeypatch.setattr(local, "process_unit", process_unit)
+    with pytest.raises(ConfigError, match=rf"input {data} (was modified|changed) since"):
+        _run([data], out, workers=1, rows_per_shard=3)
+
+
 @pytest.mark.parametrize("started, resumed", [("auto", "openai"), ("auto", "swift"), ("openai", "auto"),
                                                ("sharegpt", "swift")])
 def test_resume_with_another_input_format_names_the_flag_not_the_input(tmp_path, started, resumed):

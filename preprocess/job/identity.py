@@ -13,6 +13,7 @@ from pathlib import Path
 from shards_schema import storage
 from shards_schema.flags import flag_name, flat_paths
 
+from ..errors import ConfigError
 from ..inputs import InputFile, describe_input, hub_dataset_files, is_hub_dataset
 from ..pipeline import SampleOptions
 from ..profiles import Profile
@@ -105,6 +106,7 @@ class JobInput:
     location: str  # the resolved path: the same file however spelled
     fingerprint: dict
     mtime_ns: int
+    stamp: tuple = ()  # (file, size, mtime_ns) of each of its files before it was scanned (`input_stamp`)
 
     def identity(self) -> dict:
         return {**self.file.identity(), "path": self.name, "fingerprint": self.fingerprint}
@@ -113,13 +115,40 @@ class JobInput:
         return {"name": self.name, "location": self.location, "mtime_ns": self.mtime_ns}
 
 
+def input_stamp(spec: str) -> tuple:
+    """(file, size, mtime_ns) of each file of a local input, which any write to it changes; ()
+    for a URL or a Hub dataset (objects in a store are replaced whole, not written in place)."""
+    if is_hub_dataset(spec) or storage.is_url(spec):
+        return ()
+    return tuple((file, st.st_size, st.st_mtime_ns) for file in input_files(spec) for st in [os.stat(file)])
+
+
+def changed_while_read(inp: JobInput) -> bool:
+    """Whether `inp` was written to, replaced or removed since `describe_job_input` stamped it:
+    its units may then have been read from other bytes than the job recorded."""
+    try:
+        return input_stamp(inp.file.path) != inp.stamp
+    except OSError:
+        return True
+
+
+def input_changed_error(name: str, what: str, out: str) -> ConfigError:
+    """The refusal of a job whose input changed while it read it: the shards already written may
+    hold rows of the input's earlier content, so the directory never becomes a dataset."""
+    return ConfigError(f"input {name} changed while the job read it ({what}), so its shards may match neither "
+                       f"version of it and no manifest is written: leave an input unchanged until "
+                       f"its job ends (give a copy of a file that is still being written), then re-run into a new "
+                       f"--out directory, or delete {printable_path(out)} to start over")
+
+
 def describe_job_input(given: str, rows_per_unit: int, hash_mode: str, input_format: str = "auto",
                        max_row_bytes: int = SampleOptions.max_row_bytes) -> JobInput:
+    stamp = input_stamp(given)  # before the scan: a write during the scan or the job is seen at its end
     file = describe_input(given, rows_per_unit, input_format, max_row_bytes)
     fingerprint, mtime_ns = input_fingerprint(given, hash_mode)
     if is_hub_dataset(given) or storage.is_url(given):  # a name, not a path; recorded without credentials
-        return JobInput(file, storage.redact(given), storage.redact(given), fingerprint, mtime_ns)
-    return JobInput(file, input_name(given), printable_path(os.path.realpath(given)), fingerprint, mtime_ns)
+        return JobInput(file, storage.redact(given), storage.redact(given), fingerprint, mtime_ns, stamp)
+    return JobInput(file, input_name(given), printable_path(os.path.realpath(given)), fingerprint, mtime_ns, stamp)
 
 
 def job_identity(cfg: PreprocessConfig, profile: Profile, inputs: list[JobInput]) -> dict:

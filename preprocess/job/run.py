@@ -28,7 +28,7 @@ from .publish import check_destination, default_stage_dir, empty_stage, publish,
 from .claim import claim_out_dir, identity_to_resume, output_errors
 from .config import PreprocessConfig, check_config, profile_args
 from .executor import Progress, UnitExecutor
-from .identity import JobInput, describe_job_input, job_identity
+from .identity import JobInput, changed_while_read, describe_job_input, input_changed_error, job_identity
 from .local import LocalExecutor
 from .records import committed_units, load_unit_records, partition_summary_name, write_final_outputs
 from .signals import stop_if_asked, stop_on_signals
@@ -131,6 +131,10 @@ def _run_job(job: JobContext, out: Path, publish_to: str | None = None) -> dict:
         finally:
             progress.close()
         stop_if_asked()
+        for inp in job.inputs:  # the units read it in place: a write meanwhile went into some of them
+            if changed_while_read(inp):
+                raise input_changed_error(names[inp.file.path], "written to, replaced or removed while its units "
+                                          "were read", str(out))
         elapsed = time.perf_counter() - started
         records = load_unit_records(out, (u.index for u in mine))
         run = {

@@ -17,7 +17,7 @@ from ..formats import in_row_terms, to_openai_row
 from ..inputs import WorkUnit, read_rows
 from ..pipeline import SampleOptions, process_row
 from ..profiles import Profile
-from .identity import printable
+from .identity import input_changed_error, printable
 from .records import shard_name, unit_record_path
 from .signals import stop_if_asked
 
@@ -67,7 +67,8 @@ def process_unit(unit: WorkUnit, name: str, rows_per_unit: int, out: Path, profi
                 on_rows(done_since_report, rejected_since_report)
                 done_since_report = rejected_since_report = 0
         if rows_read != unit.num_rows:
-            raise RuntimeError(f"{name}: read {rows_read} rows of unit {unit.index}, expected {unit.num_rows} (input changed?)")
+            raise input_changed_error(name, f"its rows {unit.start}-{unit.stop - 1}, counted when the job started, are "
+                                      f"no longer all there: {rows_read} of {unit.num_rows} read", str(out))
         shard = writer.close().to_json()
     except BaseException:
         with contextlib.suppress(Exception):  # after a failed close the file is closed already: report the first error
