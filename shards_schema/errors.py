@@ -27,7 +27,8 @@ SIGNAL_EXIT = "128+N"  # EXIT_CODES' key for any signal's status, spelt as the d
 EXIT_CODES: dict[int | str, str] = {
     EXIT_OK: "success (also `train` stopped by SIGTERM or SIGUSR1 with the step saved: a preemption to requeue)",
     EXIT_FAULT: "a fault found: a job that wrote nothing or lost a worker to SIGKILL or a crash, `verify` found "
-                "faults, `fetch` found a shard unlike its manifest, or `train --dry-run` found no layout that fits",
+                "faults, `fetch` found a shard unlike its manifest, `train --dry-run` found no layout that fits, or "
+                "the storage failed a read or write (an input/output error)",
     EXIT_USER_ERROR: "a user error: a mistake in the command or its inputs (one line naming it and the fix)",
     EXIT_OUT_OF_GPU_MEMORY: "out of GPU memory",
     EXIT_DISK_FULL: "disk full: free space and re-run; finished work is kept",
@@ -68,12 +69,26 @@ class DiskFullError(UserError):
     exit_code = EXIT_DISK_FULL
 
 
+class StorageFault(UserError):
+    """The storage failed a read or write (EIO: a failing disk, a network file system gone): no
+    mistake of the command's, a fault (exit 1) to fix before the same command is run again."""
+
+    exit_code = EXIT_FAULT
+
+
 def user_error_from_os_error(exc: OSError) -> UserError | None:
     """The one-line error an OSError means for a person, or None when it is not theirs to fix."""
     where = exc.filename if exc.filename is not None else "the output"
     if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
         return DiskFullError(f"no space left on the device writing {where}: free space (or use another --out) and "
                              "re-run the same command; finished work is kept")
+    if exc.errno == errno.EIO:
+        return StorageFault(f"input/output error at {where}: the storage failed (a failing disk, or a network file "
+                            "system that went away); check it, then re-run the same command; finished work is kept")
+    if exc.errno == errno.EFBIG:
+        return UserError(f"file too large: {where}: a file reached the size limit of its file system or of this "
+                         "process (`ulimit -f`); raise the limit or choose a file system without it, then re-run the "
+                         "same command")
     if exc.errno in (errno.EACCES, errno.EPERM):
         return UserError(f"permission denied: {where}: this user may not open it; fix its permissions, or choose "
                          "a path this user can read and write")

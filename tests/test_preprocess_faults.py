@@ -433,6 +433,51 @@ def test_full_disk_exits_4_keeps_finished_units_and_resumes_tmpfs(data, referenc
         assert _outputs(out) == _outputs(reference)
 
 
+def test_an_input_output_error_is_one_line_exit_1_keeps_finished_units_and_resumes(data, reference, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """EIO from the storage (a failing disk, a network file system gone) is a fault, not a crash."""
+    real_writer = job.units.ShardWriter
+
+    class FailingDisk(real_writer):
+        def add(self, sample):
+            if self.path.name == "shard-000003.arrow":
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            super().add(sample)
+
+    monkeypatch.setattr(job.units, "ShardWriter", FailingDisk)
+    out = tmp_path / "out"
+    code = cli_main([str(a) for a in ("preprocess", data, "--out", out, "--workers", 1, "--rows-per-shard", ROWS_PER_SHARD,
+                                      "--no-progress")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"vlmpack preprocess: error: input/output error at {out}: the storage failed") and \
+        "re-run the same command" in err
+    assert _units_committed(out) == 3 and not list(out.glob("*" + TMP_SUFFIX)) and not (out / "manifest.json").exists()
+    monkeypatch.setattr(job.units, "ShardWriter", real_writer)
+    assert _run_inprocess(data, out)["_run"]["units_resumed"] == 3
+    assert _outputs(out) == _outputs(reference)
+
+
+def test_a_shard_over_the_file_size_limit_is_one_line_and_resumes_under_a_higher_one(data, reference, tmp_path):
+    """`ulimit -f` (RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write fails with EFBIG)."""
+    import resource
+
+    largest = max(p.stat().st_size for p in reference.glob("*.arrow"))
+    out = tmp_path / "out"
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (largest - 1, resource.RLIM_INFINITY))
+
+    result = subprocess.run(_preprocess_cmd(data, out, workers=1), capture_output=True, text=True, timeout=120,
+                            preexec_fn=limit_file_size)
+    assert result.returncode == EXIT_USER_ERROR and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"vlmpack preprocess: error: file too large: {out}: ") and "ulimit -f" in result.stderr
+    assert not (out / "manifest.json").exists() and not list(out.glob("*" + TMP_SUFFIX))
+    result = subprocess.run(_preprocess_cmd(data, out, workers=1), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert _outputs(out) == _outputs(reference)
+
+
 @pytest.mark.parametrize("err_no", [errno.EROFS, errno.EACCES])
 def test_unwritable_output_is_one_line_injected(err_no, data, tmp_path, monkeypatch, capsys):
     def refuse(path, obj):
