@@ -101,6 +101,9 @@ def _dispatch(argv: list[str]) -> int:
         return int(command.run(args) or 0)
     except UserError as exc:
         return _fail(name, exc)
+    except KeyboardInterrupt:  # Ctrl-C in a command that does not stop on it in its own terms
+        print_error(name, "stopped by SIGINT (Ctrl-C) before it finished")
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         raise
     except OSError as exc:

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .atomic import TMP_SUFFIX, write_json_atomic
-from .errors import EXIT_FAULT, UserError, first_few
+from .errors import EXIT_FAULT, EXIT_INTERRUPTED, UserError, first_few
 from .flags import refuse_bad_location
 from .manifest import MANIFEST_NAME, REJECTS_NAME, ShardFormatError, check_manifest, parse_manifest
 from .outdir import exclusive_output_dir, refuse_input_as_output, user_entries
@@ -41,6 +41,12 @@ class FetchMismatch(UserError):
     """The source's bytes are not what its manifest says: a damaged source (exit 1)."""
 
     exit_code = EXIT_FAULT
+
+
+class FetchInterrupted(UserError):
+    """Ctrl-C during a fetch: exit 130, what a shell reports for a command SIGINT ended."""
+
+    exit_code = EXIT_INTERRUPTED
 
 
 def _read_manifest(src: str) -> dict:
@@ -195,7 +201,11 @@ class Fetch:
 
     @staticmethod
     def run(args) -> int:
-        done = fetch(args.src, args.dst, progress=not args.no_progress)
+        try:
+            done = fetch(args.src, args.dst, progress=not args.no_progress)
+        except KeyboardInterrupt:  # the shard being copied is removed as it unwinds (`_copy`); the others stay
+            raise FetchInterrupted("stopped by SIGINT (Ctrl-C); the shards fetched so far are kept: re-run the same "
+                                   "command to fetch the rest") from None
         print(f"{describe(done)} -> {args.dst}")
         return 0
 

@@ -204,6 +204,47 @@ def test_fetch_checks_every_shard_resumes_and_refuses_a_damaged_one(s3, tmp_path
     assert cli.returncode == 1 and cli.stderr.count("\n") == 1 and "the source is damaged" in cli.stderr
 
 
+def test_ctrl_c_during_a_fetch_is_one_line_exit_130_and_the_rerun_fetches_the_rest(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while a shard streams in: that shard's partial copy goes, the ones before it stay,
+    and the same command again fetches the rest. Any other command stopped by Ctrl-C says so in
+    one line too (exit 130)."""
+    import shards_schema.fetch as fetch_module
+    import shards_schema.verify as verify_module
+    from shards_schema import verify_shards
+    from shards_schema.cli import main
+
+    data = write_jsonl(tmp_path / "rows.jsonl", example_rows(12, seed=9, size_range=(32, 96)))
+    made, got = tmp_path / "made", tmp_path / "got"
+    run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(made), workers=1, rows_per_shard=3, progress=False))
+    real_copy, copied = fetch_module._copy, []
+
+    class CtrlC:
+        def update(self, n):
+            raise KeyboardInterrupt
+
+    def copy_then_ctrl_c(src_file, dst, expect_bytes, expect_sha256, bar):
+        real_copy(src_file, dst, expect_bytes, expect_sha256, CtrlC() if len(copied) == 2 else bar)
+        copied.append(dst.name)
+
+    monkeypatch.setattr(fetch_module, "_copy", copy_then_ctrl_c)
+    assert main(["fetch", str(made), str(got), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("vlmpack fetch: error: stopped by SIGINT (Ctrl-C); the shards fetched so far are kept")
+    assert sorted(p.name for p in got.iterdir() if p.name != ".vlmpack.lock") == sorted(copied) and len(copied) == 2
+    monkeypatch.setattr(fetch_module, "_copy", real_copy)
+    assert main(["fetch", str(made), str(got), "--no-progress"]) == 0
+    assert "kept 2 already there" in capsys.readouterr().out
+    assert _outputs(got) == _outputs(made) and verify_shards(got).ok
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verify_module, "_verify_and_report", ctrl_c)
+    assert main(["verify", str(got)]) == 130
+    assert capsys.readouterr().err == "vlmpack verify: error: stopped by SIGINT (Ctrl-C) before it finished\n"
+
+
 def test_fetch_into_a_finished_copy_checks_every_shard_and_fetches_a_damaged_one_again(s3, tmp_path, monkeypatch, capsys):
     """A re-run over a finished copy hashes each shard once (a shard fetched now is hashed as it
     streams in, never read again); a shard whose bytes changed, or that a FIFO replaced, fails the
