@@ -458,6 +458,25 @@ def test_an_input_output_error_is_one_line_exit_1_keeps_finished_units_and_resum
     assert _outputs(out) == _outputs(reference)
 
 
+def test_an_input_output_error_reading_an_input_names_the_input_not_the_output(data, tmp_path, monkeypatch, capsys):
+    real_read_rows = job.units.read_rows
+
+    def failing_read(unit, *args):
+        rows = real_read_rows(unit, *args)
+        if unit.index == 3:
+            yield next(rows)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        yield from rows
+
+    monkeypatch.setattr(job.units, "read_rows", failing_read)
+    out = tmp_path / "out"
+    code = cli_main([str(a) for a in ("preprocess", data, "--out", out, "--workers", 1, "--rows-per-shard", ROWS_PER_SHARD,
+                                      "--no-progress")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"vlmpack preprocess: error: input/output error at {data}: the storage failed"), err
+
+
 def test_a_shard_over_the_file_size_limit_is_one_line_and_resumes_under_a_higher_one(data, reference, tmp_path):
     """`ulimit -f` (RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write fails with EFBIG)."""
     import resource

@@ -34,7 +34,7 @@ def process_unit(unit: WorkUnit, name: str, rows_per_unit: int, out: Path, profi
     writer = ShardWriter(out / shard_name(unit.index), profile.vision.patch_row_width)
     rejects, rows_read, done_since_report, rejected_since_report = [], 0, 0, 0
     try:
-        for row_index, row in read_rows(unit, rows_per_unit, options.max_row_bytes):
+        for row_index, row in _reads_named(read_rows(unit, rows_per_unit, options.max_row_bytes), unit.input.path):
             stop_if_asked()
             rows_read += 1
             source = f"{name}:{row_index}"
@@ -93,6 +93,17 @@ def process_unit(unit: WorkUnit, name: str, rows_per_unit: int, out: Path, profi
     }
     write_json_atomic(unit_record_path(out, unit.index), record)
     return record
+
+
+def _reads_named(rows, path: str):
+    """`rows`, an OSError in reading them naming the input: the job's one-line error names the
+    output otherwise (a write's), and sends the user to the wrong storage."""
+    try:
+        yield from rows
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = printable(path)
+        raise
 
 
 def _describe(exc: Exception) -> str:
