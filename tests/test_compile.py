@@ -23,9 +23,11 @@ from train.model.qwen_vl import compile_model, transformer_config
 from train.parallel import build_model
 
 
+# every run compiles LoRA and tensorwise FP8; DoRA and rowwise FP8, their close kin, in the sweep
 @pytest.mark.parametrize("kind, variant", [("qwen3-vl", "plain"), ("qwen2.5-vl", "plain"), ("qwen3-vl", "main-grad"),
-                                           ("qwen3-vl", "lora"),
-                                           ("qwen3-vl", "dora"), ("qwen3-vl", "fp8"), ("qwen3-vl", "fp8-tensorwise")])
+                                           ("qwen3-vl", "lora"), pytest.param("qwen3-vl", "dora", marks=pytest.mark.sweep),
+                                           pytest.param("qwen3-vl", "fp8", marks=pytest.mark.sweep),
+                                           ("qwen3-vl", "fp8-tensorwise")])
 def test_compiled_decoder_layers_share_one_graph_and_compute_what_eager_computes(info, kind, variant):
     torch._dynamo.reset()
     arch, (eager, compiled) = models(info, kind, variant)
