@@ -276,6 +276,23 @@ def test_a_resume_without_a_usable_latest_pointer_takes_the_newest_complete_chec
     assert latest_checkpoint(tmp_path) is None
 
 
+def test_directories_beside_the_checkpoints_are_neither_resumed_nor_deleted(tmp_path):
+    """Only a save's own names (`step_` and digits) are checkpoints: a user's copy or notes beside
+    them in checkpoints/ (`step_00000002.bak`, `step_notes`) are never taken for the newest one
+    nor deleted by --keep-last."""
+    from train.checkpoint import CheckpointSaver, latest_checkpoint
+
+    root = tmp_path / "checkpoints"
+    for name in ("step_00000001", "step_00000002", "step_00000002.bak", "step_notes", "step_00000003.tmp"):
+        (root / name).mkdir(parents=True)
+    assert latest_checkpoint(tmp_path) == root / "step_00000002"
+    saver = object.__new__(CheckpointSaver)  # its completing a save alone: no process group
+    saver.root, saver.keep_last = root, 1
+    saver._complete({"step": 3, "tmp": root / "step_00000003.tmp"})
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002.bak", "step_00000003", "step_notes"]
+    assert latest_checkpoint(tmp_path) == root / "step_00000003"
+
+
 def test_a_resume_past_an_unusable_latest_pointer_says_which_checkpoint_it_took(reference, shards, tmp_path):
     """A `latest` naming no complete checkpoint is not followed silently: the resume line names
     the pointer's fault and the checkpoint taken instead."""

@@ -630,7 +630,7 @@ class CheckpointSaver:
         fsync_dir(self.root)
         with atomic_open(self.root / LATEST, "w") as fh:
             fh.write(final.name)
-        complete = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX))
+        complete = complete_checkpoints(self.root.parent)
         for old in complete[:-self.keep_last]:
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
@@ -683,9 +683,12 @@ LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_rslora", "lora
 
 
 def complete_checkpoints(out: Path) -> list[Path]:
-    """The complete checkpoints under OUT (not a `.tmp` save), oldest first."""
+    """The complete checkpoints under OUT (not a `.tmp` save), oldest first. Only names a save
+    writes (`step_` and digits) count: a copy beside them (`step_00000004.bak`) is the user's,
+    never resumed from nor deleted by --keep-last."""
     root = Path(out) / CHECKPOINTS
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX))
+    return sorted((p for p in root.glob("step_*") if p.is_dir() and re.fullmatch(r"step_\d+", p.name)),
+                  key=lambda p: int(p.name[5:]))
 
 
 def new_run_hint(path: Path, saved_config: dict) -> str:
