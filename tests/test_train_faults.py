@@ -376,6 +376,33 @@ def test_a_resume_from_a_damaged_checkpoint_exits_2_naming_the_file_and_how_to_g
                          "--resume continues step_00000004"), line
 
 
+@pytest.mark.parametrize("missing", ["model", "model/vlmpack_model.json"])
+def test_a_resume_from_a_checkpoint_without_its_weights_directory_or_record_names_it(shards, reference, tmp_path,
+                                                                                    capsys, missing):
+    """A checkpoint missing its model/ or the record that makes it a model directory is named as
+    damaged, with the checkpoint to go on from: not as no model directory to import, nor as a
+    checkpoint of the other kind (LoRA adapters against a whole model)."""
+    from train.checkpoint import check_resume_kind
+    from train.model.arch import ModelFileError
+
+    step = damaged_copy(reference / "checkpoints" / "step_00000005", tmp_path / "checkpoints" / "step_00000005",
+                        "trainer.json", lambda raw: raw)
+    shutil.rmtree(step / missing) if (step / missing).is_dir() else (step / missing).unlink()
+    (tmp_path / "checkpoints" / "step_00000004").symlink_to(reference / "checkpoints" / "step_00000004")
+    (tmp_path / "checkpoints" / "latest").write_text(step.name)
+    capsys.readouterr()
+    code = vlmpack(["train", *BASE, *STEPS, "--data", str(shards), "--out", str(tmp_path), "--resume"])
+    line = one_error_line(capsys.readouterr().err, "train")
+    said = "model/ (its weights)" if missing == "model" else missing
+    assert code == 2 and line.startswith(f"vlmpack train: error: {step} has no {said}: the checkpoint is damaged: "
+                                         f"move step_00000005 out of {tmp_path / 'checkpoints'} and --resume "
+                                         "continues step_00000004"), line
+    emptied = tmp_path / "lora" / "checkpoints" / "step_00000002"  # a LoRA checkpoint's, alike
+    emptied.mkdir(parents=True)
+    with pytest.raises(ModelFileError, match=r"has no adapter/ \(its LoRA adapters\): the checkpoint is damaged"):
+        check_resume_kind(emptied, True, 4)
+
+
 # ---------------------------------------------------------------- the distributed optimizer's state file
 
 

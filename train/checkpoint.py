@@ -778,7 +778,7 @@ def check_resume_arch(config, arch: ModelArch) -> None:
         return
     try:
         saved = read_model_arch(path / "model")
-    except ModelFileError:
+    except (ModelFileError, fmt.CheckpointError):  # damaged: named where the resume reads it, with the way on
         return
     if saved == arch:
         return
@@ -794,8 +794,12 @@ def check_resume_arch(config, arch: ModelArch) -> None:
 
 def check_resume_kind(path: Path, lora_run: bool, saved_rank=None) -> None:
     """A LoRA run resumes a checkpoint of LoRA adapters, a full fine-tuning run one of a whole
-    model: the other kind is refused (`saved_rank`: the checkpoint's --lora-rank, for the fix)."""
+    model: the other kind is refused (`saved_rank`: the checkpoint's --lora-rank, for the fix). One
+    holding neither is damaged, not of the other kind."""
     adapters = (path / adapter_format.ADAPTER_SUBDIR).is_dir()
+    if not adapters and not (path / "model").is_dir():
+        saved = f"{adapter_format.ADAPTER_SUBDIR}/ (its LoRA adapters)" if saved_rank else "model/ (its weights)"
+        raise ModelFileError(f"{path} has no {saved}", damaged_checkpoint_fix(path))
     if adapters and not lora_run:
         raise ConfigError(f"{path} holds LoRA adapters, not a model: resume with its LoRA settings "
                           f"(--lora-rank {saved_rank} ...)")
@@ -962,6 +966,10 @@ def _load_run_weights(model, path: Path, info, saved_config: dict) -> None:
     adapters = getattr(unwrap(model), "adapters", None)
     adapter_dir = path / adapter_format.ADAPTER_SUBDIR
     check_resume_kind(path, adapters is not None, saved_config.get("lora_rank"))
+    # missing, the directory would read as no model directory at all, with advice for an import
+    meta_file = adapter_dir / adapter_format.LORA_META if adapters is not None else path / "model" / fmt.META_FILE
+    if not meta_file.is_file():
+        raise ModelFileError(f"{path} has no {meta_file.relative_to(path)}", damaged_checkpoint_fix(path))
     if adapters is None:
         try:
             load_model_weights(model, path / "model", read_model_arch(path / "model"), info)
