@@ -24,6 +24,7 @@ import torch
 
 from shards_schema.cli import main as vlmpack
 from tests.helpers.cli import process_env
+from tests.helpers.damage import one_error_line
 from tests.helpers.shards import preprocess
 from tests.helpers.train import (BASE, COMPARE_PARAMETER_STATE, GPU, SEQ_LEN, metrics, ok, run_train, start_run_from,
                                  stopped_and_resumed)
@@ -230,6 +231,24 @@ def test_resume_on_other_data_names_both(full_run, tmp_path):
     assert line.startswith("vlmpack train: error: --resume from checkpoint step_00000003: loader state was saved for "
                            "other data"), line
     assert line.endswith(f"this run has --data {other}") and "it was trained on --data " in line
+
+
+def test_resume_on_the_same_data_flags_over_changed_shards_says_the_shards_changed(full_run, tmp_path, capsys):
+    """The --data the run was started with, whose shards were written again since (other
+    manifests): the line says the shards changed, not that the run was given other data."""
+    changed = preprocess(tmp_path, "changed", rows=8, seed=6)
+    out = copy_of_run(full_run, 3, tmp_path / "run")
+    checkpoint = out / "checkpoints" / "step_00000003"
+    meta = json.loads((checkpoint / "trainer.json").read_text())  # as if the run had started on `changed`
+    (checkpoint / "trainer.json").write_text(json.dumps({**meta, "config": {**meta["config"], "data": [str(changed)]}}))
+    capsys.readouterr()
+    code, err = _train_in_process([*BASE, "--data", str(changed), "--out", str(out), "--train-steps", "6", "--resume"],
+                                  capsys)
+    line = one_error_line(err, "train")
+    assert code == 2 and line == (f"vlmpack train: error: --resume from checkpoint step_00000003: the shards under --data {changed} "
+                    "are not the ones it was trained on (the same --data, but their manifests changed since it was "
+                    "saved: the shards written again or replaced); resume on the shards it was trained on, or start "
+                    f"a new run from its weights with --init {checkpoint / 'model'}"), line
 
 
 def test_extend_schedule_restretches_the_cosine_from_the_checkpoint(shards, full_run, tmp_path):

@@ -923,8 +923,15 @@ def resume(out: Path, model, optimizer, scheduler, data, info) -> int:
     try:
         data.load_state_dict(meta["loader"])
     except ValueError as exc:  # other shards, weights or packing settings than the checkpoint's
+        given = " ".join(data.config.data)
+        other_packs = meta["loader"]["fingerprint"] != data.loader.fingerprint
+        if other_packs and meta["config"].get("data") == list(data.config.data):  # the settings: compared before
+            raise ConfigError(f"--resume from checkpoint {path.name}: the shards under --data {given} are not the ones "
+                              "it was trained on (the same --data, but their manifests changed since it was saved: "
+                              "the shards written again or replaced); resume on the shards it was trained on, or "
+                              f"start a new run from its weights with {new_run_hint(path, meta['config'])}") from None
         raise ConfigError(f"--resume from checkpoint {path.name}: {exc}; it was trained on --data "
-                          f"{' '.join(meta['config']['data'])}, this run has --data {' '.join(data.config.data)}") \
+                          f"{' '.join(meta['config']['data'])}, this run has --data {given}") \
             from None
     _set_rng_state(rank_state["rng"], info.device)
     if info.is_main:
