@@ -400,24 +400,34 @@ def _assert_disk_full_with_finished_units_kept(code: int, err: str, out: Path) -
     assert 1 <= kept < 7 and not list(out.glob("*" + TMP_SUFFIX)) and not (out / "manifest.json").exists()
 
 
-def test_full_disk_exits_4_keeps_finished_units_and_resumes_injected(data, reference, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EIO], ids=["disk-full", "input-output-error"])
+def test_a_storage_error_writing_a_shard_keeps_finished_units_and_resumes_injected(data, reference, tmp_path,
+                                                                                    monkeypatch, capsys, error):
+    """A full disk exits 4; EIO from the storage (a failing disk, a network file system gone) is
+    a fault, exit 1, not a crash. Either way one line, the finished units kept for the re-run."""
     real_writer = job.units.ShardWriter
 
-    class FillsTheDisk(real_writer):
+    class FailingDisk(real_writer):
         def add(self, sample):
             if self.path.name == "shard-000003.arrow":
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                raise OSError(error, os.strerror(error))
             super().add(sample)
 
-    monkeypatch.setattr(job.units, "ShardWriter", FillsTheDisk)
+    monkeypatch.setattr(job.units, "ShardWriter", FailingDisk)
     out = tmp_path / "out"
     code = cli_main([str(a) for a in ("preprocess", data, "--out", out, "--workers", 1, "--rows-per-shard", ROWS_PER_SHARD,
                                       "--no-progress")])
-    _assert_disk_full_with_finished_units_kept(code, capsys.readouterr().err, out)
+    err = capsys.readouterr().err
+    if error == errno.ENOSPC:
+        _assert_disk_full_with_finished_units_kept(code, err, out)
+    else:
+        assert code == 1 and err.count("\n") == 1, err
+        assert err.startswith(f"vlmpack preprocess: error: input/output error at {out}: the storage failed") and \
+            "re-run the same command" in err
+        assert not list(out.glob("*" + TMP_SUFFIX)) and not (out / "manifest.json").exists()
     assert _units_committed(out) == 3
     monkeypatch.setattr(job.units, "ShardWriter", real_writer)
-    manifest = _run_inprocess(data, out)
-    assert manifest["_run"]["units_resumed"] == 3
+    assert _run_inprocess(data, out)["_run"]["units_resumed"] == 3
     assert _outputs(out) == _outputs(reference)
 
 
@@ -431,31 +441,6 @@ def test_full_disk_exits_4_keeps_finished_units_and_resumes_tmpfs(data, referenc
         result = subprocess.run(_preprocess_cmd(data, out, workers=1), capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert _outputs(out) == _outputs(reference)
-
-
-def test_an_input_output_error_is_one_line_exit_1_keeps_finished_units_and_resumes(data, reference, tmp_path,
-                                                                                   monkeypatch, capsys):
-    """EIO from the storage (a failing disk, a network file system gone) is a fault, not a crash."""
-    real_writer = job.units.ShardWriter
-
-    class FailingDisk(real_writer):
-        def add(self, sample):
-            if self.path.name == "shard-000003.arrow":
-                raise OSError(errno.EIO, os.strerror(errno.EIO))
-            super().add(sample)
-
-    monkeypatch.setattr(job.units, "ShardWriter", FailingDisk)
-    out = tmp_path / "out"
-    code = cli_main([str(a) for a in ("preprocess", data, "--out", out, "--workers", 1, "--rows-per-shard", ROWS_PER_SHARD,
-                                      "--no-progress")])
-    err = capsys.readouterr().err
-    assert code == 1 and err.count("\n") == 1, err
-    assert err.startswith(f"vlmpack preprocess: error: input/output error at {out}: the storage failed") and \
-        "re-run the same command" in err
-    assert _units_committed(out) == 3 and not list(out.glob("*" + TMP_SUFFIX)) and not (out / "manifest.json").exists()
-    monkeypatch.setattr(job.units, "ShardWriter", real_writer)
-    assert _run_inprocess(data, out)["_run"]["units_resumed"] == 3
-    assert _outputs(out) == _outputs(reference)
 
 
 def test_an_input_output_error_reading_an_input_names_the_input_not_the_output(data, tmp_path, monkeypatch, capsys):
