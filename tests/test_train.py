@@ -148,12 +148,18 @@ def test_a_new_run_into_an_out_of_an_earlier_run_is_refused_and_left_as_it_was(s
      "(--extend-schedule too); start a new run (a new warm-up and decay) from its weights with --init"),
     (["--extend-schedule", "--train-steps", "8", "--from-step-6"], "has ended, at --min-lr 0, so continuing it would "
                                                                    "train nothing (--extend-schedule too)"),
+    # a model directory to start from (the checkpoint's own), where the run started from random weights
+    (["--init", "{model}"], "--init {model} (the checkpoint's: None): a resume loads the checkpoint's own weights, so "
+                            "--init would go unused; drop it to resume, or give a new --out to start a new run from"),
 ])
 def test_resume_refuses_settings_its_checkpoint_would_override(shards, full_run, tmp_path, capsys, extra, message):
     step = 6 if "--from-step-6" in extra else 3
     out = copy_of_run(full_run, step, tmp_path / "run")
+    model = str(out / "checkpoints" / f"step_{step:08d}" / "model")
+    extra, message = [a.format(model=model) for a in extra], message.format(model=model)
     before = directory_state(out)
-    code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(out), "--train-steps", "6", "--resume",
+    base = BASE[2:] if "--init" in extra else BASE  # --init in place of --arch: one model source
+    code, err = _train_in_process([*base, "--data", str(shards), "--out", str(out), "--train-steps", "6", "--resume",
                                    *[a for a in extra if a != "--from-step-6"]], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert message in err

@@ -50,6 +50,7 @@ from train import convert
 from shards_schema.flags import flag_name
 from shards_schema.manifest import MANIFEST_NAME
 from shards_schema.outdir import recorded_command, shown_command, user_entries
+from shards_schema.storage import is_url
 from train.config import ConfigError
 from train.metrics import METRICS_FILE
 from train.model.arch import ModelArch, ModelFileError, read_json_object
@@ -699,6 +700,18 @@ def new_run_hint(path: Path, saved_config: dict) -> str:
     return f"--init {path / 'model'}"
 
 
+WEIGHT_SOURCES = ("hf_model", "init", "init_lora")  # where a new run's weights come from
+
+
+def _same_source(given: str, saved) -> bool:
+    """Whether two spellings of a weight source name one directory (a URL: the same text)."""
+    if not isinstance(saved, str):
+        return False
+    if is_url(given) or is_url(saved):
+        return given == saved
+    return os.path.realpath(given) == os.path.realpath(saved)
+
+
 def _shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -857,6 +870,11 @@ def check_resume_settings(config, meta: dict, path: Path) -> None:
     if theirs is not None and mine is not None and theirs != mine:  # LoRA against full fine-tuning: at loading
         raise ConfigError(f"{where} was trained with LoRA {theirs.to_dict()}, this run asks for {mine.to_dict()}: "
                           "resume with the same --lora-* settings")
+    for key in WEIGHT_SOURCES:  # the checkpoint's weights are loaded: another source given would go unused
+        if given.get(key) is not None and not _same_source(given[key], saved.get(key)):
+            raise ConfigError(f"{where}: {flag_name(key)} {given[key]} (the checkpoint's: {_shown(saved.get(key))}): a "
+                              f"resume loads the checkpoint's own weights, so {flag_name(key)} would go unused; drop "
+                              f"it to resume, or give a new --out to start a new run from {given[key]}")
     differ = [(flag_name(k), saved[k], given[k])
               for k in (*SCHEDULE_SETTINGS[1:], *OPTIMIZER_SETTINGS, *DATA_ORDER_SETTINGS)
               if k in saved and saved[k] != given[k]]
