@@ -575,8 +575,9 @@ class Inspect:
                 print_error("inspect", exc)
                 return EXIT_USER_ERROR
             except OSError as exc:  # permissions and the like, worded as for every command; else what the system said
-                print_error("inspect", user_error_from_os_error(exc) or f"{exc.filename}: cannot be read ({exc.strerror})")
-                return EXIT_USER_ERROR
+                mapped = user_error_from_os_error(exc)
+                print_error("inspect", mapped or f"{exc.filename}: cannot be read ({exc.strerror})")
+                return mapped.exit_code if mapped else EXIT_USER_ERROR  # a failing storage (EIO) is a fault, exit 1
             return Inspect._print(args, report, arrays)  # a closed pipe: the dispatcher ends quietly
 
     @staticmethod

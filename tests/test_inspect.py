@@ -242,16 +242,16 @@ def test_plots_and_saved_images_never_write_over_or_through_a_users_file(data, t
     assert (tmp_path / "show-again" / image).is_file()
 
 
-@pytest.mark.parametrize("error, says", [
+@pytest.mark.parametrize("error, says, exit_code", [
     (PermissionError(13, "Permission denied", "/data/shards/manifest.json"),
-     "permission denied: /data/shards/manifest.json: this user may not open it; fix its permissions"),
+     "permission denied: /data/shards/manifest.json: this user may not open it; fix its permissions", 2),
     (OSError(5, "Input/output error", "/data/shards/shard-000000.arrow"),
-     "/data/shards/shard-000000.arrow: cannot be read (Input/output error)"),
+     "input/output error at /data/shards/shard-000000.arrow: the storage failed", 1),
 ])
-def test_inspect_names_a_file_the_system_would_not_read(tmp_path, capsys, monkeypatch, error, says):
+def test_inspect_names_a_file_the_system_would_not_read(tmp_path, capsys, monkeypatch, error, says, exit_code):
     """A read the operating system refuses (tests run as root, whom permissions do not stop, so
     the refusal is raised where inspect reads): one line naming the file, as every command
-    words it, not Python's `[Errno 13]`."""
+    words it, not Python's `[Errno 13]`; the storage failing (EIO) is a fault, exit 1."""
     import shards_schema.inspect as inspect_module
 
     def refuse(directory):
@@ -259,7 +259,7 @@ def test_inspect_names_a_file_the_system_would_not_read(tmp_path, capsys, monkey
 
     monkeypatch.setattr(inspect_module, "_collect", refuse)
     code, out, err = _cli(capsys, "inspect", str(tmp_path))
-    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("vlmpack inspect: error: "), err
+    assert code == exit_code and out == "" and err.count("\n") == 1 and err.startswith("vlmpack inspect: error: "), err
     assert says in err and "Errno" not in err, err
 
 
