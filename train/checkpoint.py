@@ -738,6 +738,12 @@ def check_run_directory(config) -> None:
         if (out / name).exists() and not (out / name).is_dir():
             raise ConfigError(f"--out {out} holds a file named {name}, where a run keeps {what}: move it out of "
                               "--out, or give another --out")
+    blocking = _save_name_taken(out / CHECKPOINTS)
+    if blocking is not None:
+        held, saved = ("a directory", "the pointer to the newest checkpoint") if blocking.name == LATEST \
+            else ("no directory", "a checkpoint")
+        raise ConfigError(f"--out {out}: {blocking} is {held}, where a save writes {saved}, so the save would fail "
+                          f"after training up to it: move it out of {CHECKPOINTS}/, or give another --out")
     check_export_target(config.checkpoints.export_hf, out)
     if not config.checkpoints.resume:
         saved = complete_checkpoints(out)
@@ -754,6 +760,20 @@ def check_run_directory(config) -> None:
     path = latest_checkpoint(out)
     if path is not None:
         check_resume_settings(config, read_trainer_meta(path), path)
+
+
+def _save_name_taken(root: Path) -> Path | None:
+    """An entry of checkpoints/ under a name a save writes, but not what a save writes there (a
+    file or FIFO named step_N, a directory named `latest`): the save would fail after the steps
+    before it were trained."""
+    if not root.is_dir():
+        return None
+    for entry in sorted(root.iterdir()):
+        if re.fullmatch(r"step_\d+", entry.name) and not entry.is_dir():
+            return entry
+        if entry.name == LATEST and entry.is_dir():
+            return entry
+    return None
 
 
 def check_export_target(target: str | None, out: Path) -> None:
