@@ -15,7 +15,7 @@ TRAINING_STACK = ("torch", "megatron", "transformers")
 # Prints {command: [exit status, output]} for `vlmpack --help` and every `vlmpack COMMAND --help`,
 # all in one process. With argv[1] == "block", importing the training stack fails first, as it
 # does where it is not installed.
-HELP_ALL = r"""
+BLOCK = r"""
 import contextlib, io, json, sys
 
 if sys.argv[1] == "block":
@@ -32,7 +32,9 @@ if sys.argv[1] == "block":
         pass
     else:
         raise SystemExit("the blocker let torch through")
+""" % (TRAINING_STACK,)
 
+HELP_ALL = BLOCK + r"""
 from shards_schema.cli import COMMANDS, main
 
 results = {}
@@ -48,7 +50,7 @@ for argv in [["--help"]] + [[name, "--help"] for name in COMMANDS]:
     results[" ".join(argv)] = [status, out.getvalue()]
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in %r)
 print(json.dumps({"results": results, "loaded": loaded}))
-""" % (TRAINING_STACK, TRAINING_STACK)
+""" % (TRAINING_STACK,)
 
 
 def help_outputs(mode: str) -> dict:
@@ -66,3 +68,33 @@ def test_every_command_help_works_without_torch_and_matches():
         assert status in (0, None), f"vlmpack {argv} without torch: exit {status}\n{text}"
         assert text.strip(), f"vlmpack {argv} printed nothing"
         assert [status, text] == normal["results"][argv], f"vlmpack {argv}: help differs without torch"
+
+
+# `vlmpack train ARGV...` with the training stack blocked: its exit status and stderr, and what
+# of the stack it loaded
+REFUSED_TRAIN = BLOCK + r"""
+from shards_schema.cli import main
+
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    status = main(["train", *sys.argv[2:]])
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in %r)
+print(json.dumps({"status": status, "err": err.getvalue(), "loaded": loaded}))
+""" % (TRAINING_STACK,)
+
+
+def test_a_refused_train_flag_is_said_before_the_training_stack_loads(tmp_path):
+    """A flag `vlmpack train` refuses (a value out of range, a setting that needs another) is
+    one line, exit 2, before torch and megatron take seconds to load: with them blocked, the
+    same refusal. (--arch's name is checked last: the built-in table loads them.)"""
+    for argv, said in ((["--lr", "0"], "--lr must be in (0, 1], got 0.0"),
+                       (["--eval-every", "5"], "--eval-every 5 needs held-out data"),
+                       (["--recompute-layers", "4"], "--recompute-layers 4 needs --recompute full")):
+        done = subprocess.run([sys.executable, "-c", REFUSED_TRAIN, "block", "--data", str(tmp_path), "--arch",
+                               "tiny-qwen3-vl", *argv],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["status"] == 2 and result["loaded"] == [], result
+        assert result["err"].startswith("vlmpack train: error: ") and result["err"].count("\n") == 1, result
+        assert said in result["err"], result

@@ -94,12 +94,16 @@ class Train:
     @staticmethod
     def run(args) -> int:
         from shards_schema.cli import interrupted_before_start
+        from train.config import config_from_args
 
+        # read and validated before torch and megatron load (seconds): a refused flag is said at once;
+        # ConfigError: one line, exit 2 (the dispatcher)
+        config = config_from_args(args)
         try:
-            from train.trainer import Train as TrainRun  # torch and megatron: seconds to load
+            from train.trainer import Train as TrainRun
         except KeyboardInterrupt:
             return interrupted_before_start("train")
-        return TrainRun.run(args)
+        return TrainRun.run(config)
 
 
 def format_pack_report(report: dict) -> str:

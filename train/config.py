@@ -247,15 +247,19 @@ class ModelConfig:
     def validate(self) -> None:
         if sum(s is not None for s in (self.hf_model, self.init, self.arch)) != 1:
             raise ConfigError("give exactly one model source: --hf-model DIR, --init MEGATRON_DIR or --arch NAME")
+        _check_numbers(self)
+        _check_parts(self, "freeze")
+        _check_choices(self, {"attention": ATTENTION_KERNELS, "loss": LOSS_PATHS,
+                              **({"fp8": FP8_RECIPES} if self.fp8 is not None else {})})
+
+    def check_arch_name(self) -> None:
+        """--arch names a built-in architecture. Their table is the family modules', which load
+        torch and megatron-core (seconds): checked after every other flag."""
         if self.arch is not None:
             from train.model.arch import builtin_arch_names
 
             if self.arch not in builtin_arch_names():
                 raise ConfigError(f"unknown --arch {self.arch!r}: choose one of {builtin_arch_names()}")
-        _check_numbers(self)
-        _check_parts(self, "freeze")
-        _check_choices(self, {"attention": ATTENTION_KERNELS, "loss": LOSS_PATHS,
-                              **({"fp8": FP8_RECIPES} if self.fp8 is not None else {})})
 
 
 @dataclass
@@ -624,6 +628,7 @@ class TrainConfig:
         if self.data.pad_packs is False and self.parallelism.pp > 1:
             raise ConfigError(f"--pad-packs false with --pp {self.parallelism.pp}: the pipeline schedule sends packs of "
                               "one shape, so they are padded to --seq-len; drop --pad-packs false or use --pp 1")
+        self.model.check_arch_name()
 
     def _refuse_outputs_inside_the_data(self) -> None:
         """--out and --export-hf write files a source directory's readers never expect (a shard

@@ -898,10 +898,8 @@ class Train:
     `python -m train.trainer` is the same."""
 
     @staticmethod
-    def run(args) -> int:
-        from train.config import config_from_args
-
-        config = config_from_args(args)  # ConfigError: one line, exit 2 (the dispatcher)
+    def run(config: TrainConfig) -> int:
+        """`config`: the flags read and validated (`train.cli.Train.run`)."""
         if config.memory.dry_run:
             report, fits = dry_run(config)
             print(report)
