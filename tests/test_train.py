@@ -175,6 +175,10 @@ def test_resume_refuses_settings_its_checkpoint_would_override(shards, full_run,
     ("checkpoints-a-file", "--out {out} holds a file named checkpoints, where a run keeps its checkpoints: move it"),
     ("tensorboard-a-file", "--out {out} holds a file named tensorboard, where a run keeps its TensorBoard scalars"),
     ("plans-a-file", "--out {out} holds a file named plans, where a run keeps its pack plans: move it"),
+    ("a-step-file", "--out {out}: {out}/checkpoints/step_00000002 is no directory, where a save writes a checkpoint, "
+                    "so the save would fail after training up to it: move it out of checkpoints/"),
+    ("latest-a-directory", "--out {out}: {out}/checkpoints/latest is a directory, where a save writes the pointer to "
+                           "the newest checkpoint"),
     ("the-data", "--out {out} is the input directory: choose another directory"),
     ("shard-dir", "--out {out} holds the output of `vlmpack preprocess`: give the run a new or empty --out"),
     ("shard-copy", "--out {out} is a shard directory (manifest.json): give the run a new or empty --out"),
@@ -183,7 +187,8 @@ def test_resume_refuses_settings_its_checkpoint_would_override(shards, full_run,
 def test_an_export_target_or_checkpoints_path_that_cannot_be_written_is_refused_before_the_first_step(
         shards, tmp_path, capsys, case, message):
     """--export-hf is written when the run ends: a target it cannot take is refused before any
-    step, naming the flag; --out/checkpoints that is a file is refused too (not a traceback)."""
+    step, naming the flag; --out/checkpoints that is a file, or a file where a save writes its
+    checkpoint, is refused too (not a traceback, nor a save that fails after the steps before it)."""
     out, target = tmp_path / "run", tmp_path / "hf"
     if case == "file":
         target.write_text("x")
@@ -202,6 +207,11 @@ def test_an_export_target_or_checkpoints_path_that_cannot_be_written_is_refused_
     elif case == "import-hf-output":
         out.mkdir()
         (out / ".vlmpack.lock").write_text(json.dumps({"command": "import-hf"}))
+    elif case == "a-step-file":  # a user's file under a name the run's save of step 2 takes
+        (out / "checkpoints").mkdir(parents=True)
+        (out / "checkpoints" / "step_00000002").write_text("x")
+    elif case == "latest-a-directory":
+        (out / "checkpoints" / "latest").mkdir(parents=True)
     else:
         out.mkdir()
         (out / case.removesuffix("-a-file")).write_text("x")
@@ -209,7 +219,8 @@ def test_an_export_target_or_checkpoints_path_that_cannot_be_written_is_refused_
                                    "--export-hf", str(target)], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert message.format(x=target, out=out) in err, err
-    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").is_dir()
+    assert not (out / "metrics.jsonl").exists()
+    assert not (out / "checkpoints").is_dir() or case in ("a-step-file", "latest-a-directory")
 
 
 def test_resume_with_another_model_is_refused_before_it_is_built(shards, full_run, tmp_path, capsys):
@@ -449,13 +460,13 @@ def test_packs_split_over_tensor_parallel_ranks_get_a_padding_segment(shards):
     (["--recompute-mlp-activations", "true", "--compile", "false"],
      "--recompute-mlp-activations true acts in compiled layers, and --compile false compiles none"),
 ])
-def test_bad_configs_fail_with_a_clear_message_and_make_no_out(shards, tmp_path, extra, message):
+def test_bad_configs_fail_with_a_clear_message_and_make_no_out(shards, tmp_path, capsys, extra, message):
     """A refused run, data included, leaves a new --out unmade."""
     extra = [arg.replace("{tmp}", str(tmp_path)) for arg in extra]
-    proc = run_train([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2", *extra])
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+    code, err = _train_in_process([*BASE, "--data", str(shards), "--out", str(tmp_path / "bad"), "--train-steps", "2",
+                                   *extra], capsys)
+    assert code == 2, err[-3000:]
+    assert message in one_error_line(err, "train")
     assert not (tmp_path / "bad").exists()
 
 
