@@ -62,6 +62,7 @@ RUN_SUBDIRS = {CHECKPOINTS: "its checkpoints", "plans": "its pack plans", "tenso
                "data_cache": "the shards fetched from a store", "profile": "its profiler traces",
                "wandb": "its Weights & Biases files"}
 LATEST = "latest"
+CHECKPOINT_NAME = re.compile(r"step_\d+")  # a save's directory; `step_00000004.bak` beside it is the user's
 TRAINER_META = "trainer.json"
 
 
@@ -668,7 +669,7 @@ def _named_checkpoint(out: Path) -> Path | str:
         return f"{pointer} is not a file"
     name = pointer.read_text(errors="replace").strip()
     path = pointer.parent / name
-    if re.fullmatch(r"step_\d+", name) and path.is_dir():
+    if CHECKPOINT_NAME.fullmatch(name) and path.is_dir():
         return path
     return f"{pointer} names {name[:60]!r}, which is no complete checkpoint"
 
@@ -688,7 +689,7 @@ def complete_checkpoints(out: Path) -> list[Path]:
     writes (`step_` and digits) count: a copy beside them (`step_00000004.bak`) is the user's,
     never resumed from nor deleted by --keep-last."""
     root = Path(out) / CHECKPOINTS
-    return sorted((p for p in root.glob("step_*") if p.is_dir() and re.fullmatch(r"step_\d+", p.name)),
+    return sorted((p for p in root.glob("step_*") if p.is_dir() and CHECKPOINT_NAME.fullmatch(p.name)),
                   key=lambda p: int(p.name[5:]))
 
 
@@ -769,7 +770,7 @@ def _save_name_taken(root: Path) -> Path | None:
     if not root.is_dir():
         return None
     for entry in sorted(root.iterdir()):
-        if re.fullmatch(r"step_\d+", entry.name) and not entry.is_dir():
+        if CHECKPOINT_NAME.fullmatch(entry.name) and not entry.is_dir():
             return entry
         if entry.name == LATEST and entry.is_dir():
             return entry
